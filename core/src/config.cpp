@@ -1,0 +1,138 @@
+#include <yaml-cpp/yaml.h>
+
+#include "config_impl.h"
+#include "mt/error.h"
+
+namespace mt {
+
+const char* value_type_name(ValueType t) {
+  switch (t) {
+    case ValueType::null_: return "null";
+    case ValueType::int_: return "integer";
+    case ValueType::float_: return "number";
+    case ValueType::bool_: return "boolean";
+    case ValueType::string: return "string";
+    case ValueType::list: return "list";
+  }
+  return "?";
+}
+
+Config::Config() : impl_(std::make_unique<Impl>()) {}
+Config::~Config() = default;
+Config::Config(const Config& o) : impl_(std::make_unique<Impl>(*o.impl_)) {}
+Config& Config::operator=(const Config& o) {
+  if (this != &o) impl_ = std::make_unique<Impl>(*o.impl_);
+  return *this;
+}
+Config::Config(Config&&) noexcept = default;
+Config& Config::operator=(Config&&) noexcept = default;
+
+const ConfigValue& Config::Impl::at(const std::string& key) const {
+  auto it = values.find(key);
+  if (it == values.end()) throw UsageError("The config has no key '" + key + "'.");
+  return it->second;
+}
+
+bool Config::has(const std::string& key) const { return impl_->values.count(key) != 0; }
+
+namespace {
+[[noreturn]] void wrong_type(const std::string& key, const ConfigValue& v, const char* want) {
+  throw UsageError(key + "=" + v.s + " (set at " + v.origin + ") must be " + want + ", not a " +
+                   value_type_name(v.type) + ".");
+}
+}  // namespace
+
+int64_t Config::get_int(const std::string& key) const {
+  const auto& v = impl_->at(key);
+  if (v.type != ValueType::int_) wrong_type(key, v, "an integer");
+  return v.i;
+}
+double Config::get_float(const std::string& key) const {
+  const auto& v = impl_->at(key);
+  if (v.type == ValueType::int_) return static_cast<double>(v.i);
+  if (v.type != ValueType::float_) wrong_type(key, v, "a number");
+  return v.f;
+}
+bool Config::get_bool(const std::string& key) const {
+  const auto& v = impl_->at(key);
+  if (v.type != ValueType::bool_) wrong_type(key, v, "true or false");
+  return v.b;
+}
+std::string Config::get_string(const std::string& key) const {
+  const auto& v = impl_->at(key);
+  if (v.type == ValueType::null_) return "";
+  if (v.type == ValueType::list) wrong_type(key, v, "a single value");
+  return v.s;
+}
+std::vector<std::string> Config::get_string_list(const std::string& key) const {
+  const auto& v = impl_->at(key);
+  if (v.type == ValueType::null_) return {};
+  if (v.type != ValueType::list) return {v.s};
+  return v.list;
+}
+std::string Config::origin(const std::string& key) const { return impl_->at(key).origin; }
+std::vector<std::string> Config::keys() const { return impl_->order; }
+
+void Config::reject(const std::string& key, const std::string& reason) const {
+  const auto& v = impl_->at(key);
+  throw UsageError(key + "=" + v.s + " (set at " + v.origin + ") " + reason);
+}
+
+std::string Config::to_yaml(bool with_origins) const {
+  std::string out;
+  for (const auto& k : impl_->order) {
+    const auto& v = impl_->values.at(k);
+    YAML::Emitter e;
+    e << YAML::Flow;
+    switch (v.type) {
+      case ValueType::null_: e << YAML::Null; break;
+      case ValueType::int_: e << v.i; break;
+      case ValueType::float_: e << v.f; break;
+      case ValueType::bool_: e << v.b; break;
+      case ValueType::string: e << v.s; break;
+      case ValueType::list: e << v.list; break;
+    }
+    out += k + ": " + e.c_str();
+    if (with_origins) out += "  # " + v.origin;
+    out += "\n";
+  }
+  return out;
+}
+
+Config config_from_pairs(const std::vector<std::pair<std::string, std::string>>& kv,
+                         const std::string& origin) {
+  Config c;
+  for (const auto& [k, text] : kv) {
+    ConfigValue v;
+    v.s = text;
+    v.origin = origin;
+    YAML::Node n = YAML::Load(text);
+    if (n.IsNull()) {
+      v.type = ValueType::null_;
+    } else if (n.IsSequence()) {
+      v.type = ValueType::list;
+      for (const auto& e : n) v.list.push_back(e.as<std::string>());
+    } else {
+      int64_t i;
+      double f;
+      bool b;
+      if (YAML::convert<int64_t>::decode(n, i)) {
+        v.type = ValueType::int_;
+        v.i = i;
+      } else if (YAML::convert<double>::decode(n, f)) {
+        v.type = ValueType::float_;
+        v.f = f;
+      } else if (YAML::convert<bool>::decode(n, b)) {
+        v.type = ValueType::bool_;
+        v.b = b;
+      } else {
+        v.type = ValueType::string;
+        v.s = n.as<std::string>();
+      }
+    }
+    c.impl().set(k, std::move(v));
+  }
+  return c;
+}
+
+}  // namespace mt

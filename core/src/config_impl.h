@@ -1,0 +1,41 @@
+// The representation behind mt::Config (core-private).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "mt/config.h"
+
+namespace mt {
+
+enum class ValueType : uint8_t { null_, int_, float_, bool_, string, list };
+const char* value_type_name(ValueType t);
+
+struct ConfigValue {
+  ValueType type = ValueType::null_;
+  int64_t i = 0;
+  double f = 0;
+  bool b = false;
+  std::string s;                  // strings; also the value's text as written
+  std::vector<std::string> list;  // list of scalars as text
+  std::string origin;             // "configs/base.yml:12", "command line"
+};
+
+struct Config::Impl {
+  std::vector<std::string> order;
+  std::map<std::string, ConfigValue> values;
+
+  void set(const std::string& key, ConfigValue v) {
+    if (!values.count(key)) order.push_back(key);
+    values[key] = std::move(v);
+  }
+  const ConfigValue& at(const std::string& key) const;
+};
+
+// Builds a Config from key=value pairs (tests, tools): values are typed as YAML scalars.
+Config config_from_pairs(const std::vector<std::pair<std::string, std::string>>& kv,
+                         const std::string& origin = "code");
+
+}  // namespace mt

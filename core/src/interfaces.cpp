@@ -1,0 +1,36 @@
+// Out-of-line destructors and small shared helpers of the SDK interfaces (their vtables and
+// typeinfo live in libmt_core, once).
+#include "mt/attention.h"
+#include "mt/backend.h"
+#include "mt/error.h"
+#include "mt/registry.h"
+
+namespace mt {
+
+Backend::~Backend() = default;
+AttentionKernel::~AttentionKernel() = default;
+Registry::~Registry() = default;
+
+Tensor Backend::zeros(const Shape& shape, DType dtype) {
+  Tensor t = empty(shape, dtype);
+  fill(t, 0.f);
+  return t;
+}
+
+void fail(const std::string& msg) { throw Error(msg, ErrorKind::runtime); }
+
+}  // namespace mt
+
+#include "mt/checkpointer.h"
+#include "mt/data.h"
+#include "mt/model.h"
+#include "mt/tokenizer.h"
+
+namespace mt {
+DecoderLayer::~DecoderLayer() = default;
+Model::~Model() = default;
+ModelFamily::~ModelFamily() = default;
+DatasetSource::~DatasetSource() = default;
+Tokenizer::~Tokenizer() = default;
+Checkpointer::~Checkpointer() = default;
+}  // namespace mt

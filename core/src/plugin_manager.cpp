@@ -1,0 +1,277 @@
+#include "plugin_manager.h"
+
+#include <algorithm>
+#include <boost/dll/runtime_symbol_info.hpp>
+#include <boost/dll/shared_library.hpp>
+#include <cstdlib>
+#include <dlfcn.h>
+#include <set>
+#include <sstream>
+
+#include "mt/attention.h"
+#include "mt/backend.h"
+#include "mt/error.h"
+#include "mt/model.h"
+#include "mt/plugin.h"
+
+namespace fs = std::filesystem;
+
+namespace mt {
+
+namespace {
+
+std::string kind_dir_name(const std::string& kind) { return kind; }
+
+// "libmt_backend_cpu.so" -> {"backend", "cpu"}
+bool split_file_name(const fs::path& p, std::string& kind, std::string& name) {
+  std::string f = p.filename().string();
+  if (f.rfind("libmt_", 0) != 0 || p.extension() != ".so") return false;
+  f = f.substr(6, f.size() - 6 - 3);
+  auto us = f.find('_');
+  if (us == std::string::npos) return false;
+  kind = f.substr(0, us);
+  name = f.substr(us + 1);
+  return !kind.empty() && !name.empty();
+}
+
+std::string join_paths(const std::vector<fs::path>& dirs) {
+  std::string s;
+  for (const auto& d : dirs) {
+    if (!s.empty()) s += ", ";
+    s += d.string();
+  }
+  return s.empty() ? "(no directories)" : s;
+}
+
+}  // namespace
+
+fs::path PluginManager::core_library_dir() {
+  return fs::path(boost::dll::this_line_location().parent_path().string());
+}
+
+PluginManager::PluginManager(std::vector<fs::path> extra_dirs) {
+  auto add = [&](const fs::path& d) {
+    if (d.empty()) return;
+    fs::path p = d.is_relative() ? fs::absolute(d) : d;
+    p = p.lexically_normal();
+    if (std::find(dirs_.begin(), dirs_.end(), p) == dirs_.end()) dirs_.push_back(p);
+  };
+  add(core_library_dir() / "mt" / "plugins");
+  if (const char* env = std::getenv("MT_PLUGIN_PATH")) {
+    std::stringstream ss(env);
+    std::string item;
+    while (std::getline(ss, item, ':'))
+      if (!item.empty()) add(item);
+  }
+  for (const auto& d : extra_dirs) add(d);
+}
+
+PluginManager::~PluginManager() {
+  // Factories may hold code from the libraries; destroy them while the code is still mapped.
+  backends_.clear();
+  attention_.clear();
+  models_.clear();
+  datasets_.clear();
+  // The libraries are opened with RTLD_NODELETE: dlclose never unmaps them, so objects a
+  // plugin made that are still alive somewhere keep valid code until process exit.
+}
+
+PluginRecord PluginManager::load_file(const fs::path& path, bool do_register) {
+  PluginRecord rec;
+  rec.path = path;
+  split_file_name(path, rec.kind, rec.name);
+  std::shared_ptr<boost::dll::shared_library> lib;
+  try {
+    lib = std::make_shared<boost::dll::shared_library>(
+        boost::dll::fs::path(path.string()),
+        boost::dll::load_mode::rtld_now | boost::dll::load_mode::rtld_local |
+            static_cast<boost::dll::load_mode::type>(RTLD_NODELETE));
+  } catch (const std::exception& e) {
+    rec.error = std::string("could not be loaded: ") + e.what() +
+                " (a library it depends on is missing or incompatible; `ldd " + path.string() +
+                "` shows which)";
+    return rec;
+  }
+  if (!lib->has("mt_plugin_entry")) {
+    rec.error =
+        "is not an mt plugin: it exports no registration entry `mt_plugin_entry` (declare one "
+        "with MT_PLUGIN from <mt/plugin.h>)";
+    libs_.push_back(lib);
+    return rec;
+  }
+  const PluginInfo* info = nullptr;
+  try {
+    auto entry = lib->get_alias<PluginEntry>("mt_plugin_entry");
+    info = entry();
+  } catch (const std::exception& e) {
+    rec.error = std::string("its registration entry failed: ") + e.what();
+    libs_.push_back(lib);
+    return rec;
+  }
+  libs_.push_back(lib);
+  if (!info) {
+    rec.error = "its registration entry returned nothing";
+    return rec;
+  }
+  rec.abi = info->abi;
+  if (info->abi != MT_ABI_VERSION) {
+    rec.error = "was built for plugin ABI " + std::to_string(info->abi) + " but this mt (" +
+                MT_VERSION_STRING + ") needs ABI " + std::to_string(MT_ABI_VERSION) +
+                "; rebuild the plugin against this mt's SDK";
+    return rec;
+  }
+  rec.kind = info->kind ? info->kind : "";
+  rec.name = info->name ? info->name : "";
+  rec.version = info->version ? info->version : "";
+  if (info->probe) {
+    const char* why = nullptr;
+    try {
+      why = info->probe();
+    } catch (const std::exception& e) {
+      rec.error = std::string("its probe failed: ") + e.what();
+      return rec;
+    }
+    if (why) {
+      rec.error = std::string("declined to run on this machine: ") + why;
+      return rec;
+    }
+  }
+  if (do_register && info->register_fn) {
+    try {
+      info->register_fn(*this);
+    } catch (const std::exception& e) {
+      rec.error = std::string("its registration failed: ") + e.what();
+      return rec;
+    }
+  }
+  rec.ok = true;
+  return rec;
+}
+
+std::vector<PluginRecord> PluginManager::scan() {
+  std::vector<PluginRecord> out;
+  std::set<std::string> seen;
+  for (const auto& dir : dirs_) {
+    std::error_code ec;
+    if (!fs::is_directory(dir, ec)) continue;
+    std::vector<fs::path> files;
+    for (const auto& e : fs::directory_iterator(dir, ec)) {
+      std::string k, n;
+      if (e.is_regular_file() && split_file_name(e.path(), k, n)) files.push_back(e.path());
+    }
+    std::sort(files.begin(), files.end());
+    for (const auto& f : files) {
+      if (!seen.insert(f.filename().string()).second) continue;  // shadowed by an earlier dir
+      std::string k, n;
+      split_file_name(f, k, n);
+      auto it = loaded_.find(k + "/" + n);
+      if (it != loaded_.end()) {
+        out.push_back(it->second);
+        continue;
+      }
+      PluginRecord rec = load_file(f, /*do_register=*/true);
+      if (rec.ok) loaded_[rec.kind + "/" + rec.name] = rec;
+      out.push_back(rec);
+    }
+  }
+  return out;
+}
+
+std::string PluginManager::not_found_message(const std::string& kind, const std::string& name) {
+  std::vector<PluginRecord> all = scan();
+  std::string found;
+  for (const auto& r : all) {
+    if (r.kind != kind) continue;
+    if (!found.empty()) found += "; ";
+    found += r.name + (r.ok ? "" : " (unusable: " + r.error + ")");
+  }
+  return "No " + kind + " plugin named '" + name + "' was found: looked for libmt_" + kind + "_" +
+         name + ".so in " + join_paths(dirs_) + ". Available " + kind + " plugins: " +
+         (found.empty() ? "none" : found) +
+         ". Add a directory with MT_PLUGIN_PATH or the plugin_dirs key.";
+}
+
+void PluginManager::require(const std::string& kind, const std::string& name) {
+  const std::string key = kind + "/" + name;
+  if (loaded_.count(key)) return;
+  const std::string file = "libmt_" + kind_dir_name(kind) + "_" + name + ".so";
+  for (const auto& dir : dirs_) {
+    fs::path p = dir / file;
+    std::error_code ec;
+    if (!fs::exists(p, ec)) continue;
+    PluginRecord rec = load_file(p, /*do_register=*/true);
+    if (!rec.ok) {
+      throw UsageError("The " + kind + " plugin '" + name + "' at " + p.string() + " " +
+                       rec.error + ".");
+    }
+    if (rec.kind != kind || rec.name != name) {
+      throw UsageError("The file " + p.string() + " registers itself as " + rec.kind + " '" +
+                       rec.name + "', not " + kind + " '" + name +
+                       "'; rename it or fix its MT_PLUGIN declaration.");
+    }
+    loaded_[key] = rec;
+    return;
+  }
+  throw UsageError(not_found_message(kind, name));
+}
+
+std::unique_ptr<Backend> PluginManager::make_backend(const std::string& name, const Config& cfg) {
+  require("backend", name);
+  auto it = backends_.find(name);
+  if (it == backends_.end())
+    throw UsageError("The backend plugin '" + name + "' loaded but registered no backend named '" +
+                     name + "'.");
+  return it->second(cfg);
+}
+
+std::vector<std::string> PluginManager::attention_names(const std::string& backend) const {
+  std::vector<std::string> r;
+  for (const auto& [k, f] : attention_)
+    if (k.rfind(backend + "/", 0) == 0) r.push_back(k.substr(backend.size() + 1));
+  return r;
+}
+
+std::unique_ptr<AttentionKernel> PluginManager::make_attention(const std::string& backend,
+                                                               const std::string& name,
+                                                               Backend& b) {
+  auto it = attention_.find(backend + "/" + name);
+  if (it == attention_.end()) {
+    std::string avail;
+    for (const auto& n : attention_names(backend)) avail += (avail.empty() ? "" : ", ") + n;
+    throw UsageError("attention=" + name + " is not available on the " + backend +
+                     " backend; it offers: " + (avail.empty() ? "none" : avail) + ".");
+  }
+  return it->second(b);
+}
+
+std::unique_ptr<ModelFamily> PluginManager::make_model_family(const std::string& name) {
+  require("model", name);
+  auto it = models_.find(name);
+  if (it == models_.end())
+    throw UsageError("The model plugin '" + name + "' registered no family named '" + name + "'.");
+  return it->second();
+}
+
+const DatasetFactory& PluginManager::dataset_factory(const std::string& name) {
+  require("data", name);
+  auto it = datasets_.find(name);
+  if (it == datasets_.end())
+    throw UsageError("The data plugin '" + name + "' registered no dataset named '" + name + "'.");
+  return it->second;
+}
+
+void PluginManager::add_backend(const std::string& name, BackendFactory f) {
+  backends_[name] = std::move(f);
+}
+void PluginManager::add_attention(const std::string& backend, const std::string& name,
+                                  AttentionFactory f) {
+  attention_[backend + "/" + name] = std::move(f);
+}
+void PluginManager::add_model_family(const std::string& name, ModelFamilyFactory f) {
+  models_[name] = std::move(f);
+}
+void PluginManager::add_dataset(const std::string& name, DatasetFactory f) {
+  datasets_[name] = std::move(f);
+}
+
+}  // namespace mt

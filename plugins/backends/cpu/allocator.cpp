@@ -1,0 +1,74 @@
+#include "allocator.h"
+
+#include <cstdlib>
+#include <new>
+
+#include "mt/error.h"
+
+namespace mt::cpu {
+
+size_t CachingAllocator::round_size(size_t bytes) {
+  if (bytes == 0) bytes = 1;
+  // Small blocks: multiples of 64 bytes. Large: 4 size classes per power of two, so the waste
+  // is at most 25% and similar sizes share blocks.
+  if (bytes <= 4096) return (bytes + 63) & ~size_t{63};
+  size_t p = 4096;
+  while (p * 2 < bytes) p *= 2;
+  const size_t step = p / 4;
+  return (bytes + step - 1) / step * step;
+}
+
+CachingAllocator::~CachingAllocator() {
+  for (auto& [size, blocks] : free_)
+    for (void* p : blocks) std::free(p);
+}
+
+void* CachingAllocator::allocate(size_t bytes) {
+  const size_t size = round_size(bytes);
+  std::lock_guard<std::mutex> lock(mu_);
+  void* p = nullptr;
+  auto it = free_.find(size);
+  if (it != free_.end() && !it->second.empty()) {
+    p = it->second.back();
+    it->second.pop_back();
+    stats_.bytes_cached -= size;
+  } else {
+    p = std::aligned_alloc(64, size);
+    if (!p) {
+      // Give the cache back to the system and try once more before failing.
+      for (auto& [s, blocks] : free_)
+        for (void* q : blocks) std::free(q);
+      free_.clear();
+      stats_.bytes_cached = 0;
+      p = std::aligned_alloc(64, size);
+      if (!p)
+        throw Error("The CPU backend is out of memory: could not allocate " +
+                    std::to_string(size) + " bytes with " +
+                    std::to_string(stats_.bytes_in_use) + " bytes in use.");
+    }
+    ++stats_.num_system_allocs;
+  }
+  stats_.bytes_in_use += size;
+  if (stats_.bytes_in_use > stats_.peak_bytes_in_use) stats_.peak_bytes_in_use = stats_.bytes_in_use;
+  return p;
+}
+
+void CachingAllocator::release(void* p, size_t bytes) {
+  const size_t size = round_size(bytes);
+  std::lock_guard<std::mutex> lock(mu_);
+  free_[size].push_back(p);
+  stats_.bytes_in_use -= size;
+  stats_.bytes_cached += size;
+}
+
+MemoryStats CachingAllocator::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+void CachingAllocator::reset_peak() {
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.peak_bytes_in_use = stats_.bytes_in_use;
+}
+
+}  // namespace mt::cpu

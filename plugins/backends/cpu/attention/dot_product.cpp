@@ -1,0 +1,7 @@
+// dot_product attention: placeholder (not implemented yet).
+#include "cpu_backend.h"
+#include "mt/attention.h"
+
+namespace mt::cpu {
+std::unique_ptr<AttentionKernel> make_dot_product_attention(Backend& b) { return nullptr; }
+}  // namespace mt::cpu

@@ -1,0 +1,181 @@
+// CpuBackend: identity, memory, and forwarding of every kernel into the backend's oneTBB arena.
+#include "cpu_backend.h"
+
+#include <cstring>
+#include <fmt/format.h>
+
+#include "kernels/kernels.h"
+#include "mt/error.h"
+
+namespace mt::cpu {
+
+CpuBackend::CpuBackend(int num_threads) : num_threads_(num_threads), arena_(num_threads) {}
+CpuBackend::~CpuBackend() = default;
+
+std::string CpuBackend::describe() const {
+  return fmt::format("cpu: {} threads (oneTBB), GEMM: {}", num_threads_, gemm_describe());
+}
+
+double CpuBackend::peak_flops(DType dtype) const { return cpu_peak_flops(dtype, num_threads_); }
+
+Tensor CpuBackend::empty(const Shape& shape, DType dtype) {
+  for (auto d : shape)
+    MT_CHECK(d >= 0, "cannot allocate a tensor of shape " + shape_str(shape));
+  const size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
+  void* p = alloc_.allocate(bytes);
+  return Tensor(std::make_shared<Storage>(p, CachingAllocator::round_size(bytes), this), shape,
+                dtype);
+}
+
+void CpuBackend::release(void* data, size_t bytes) { alloc_.release(data, bytes); }
+
+void CpuBackend::copy_from_host(Tensor& dst, const void* src) {
+  if (dst.nbytes()) std::memcpy(dst.data(), src, dst.nbytes());
+}
+void CpuBackend::copy_to_host(const Tensor& src, void* dst) {
+  if (src.nbytes()) std::memcpy(dst, src.data(), src.nbytes());
+}
+MemoryStats CpuBackend::memory_stats() const { return alloc_.stats(); }
+void CpuBackend::reset_peak_memory() { alloc_.reset_peak(); }
+
+void CpuBackend::fill(Tensor& x, float value) {
+  run([&] { cpu::fill(x, value); });
+}
+
+void CpuBackend::cast(const Tensor& src, Tensor& dst) {
+  run([&] { cpu::cast(src, dst); });
+}
+
+void CpuBackend::add(const Tensor& a, const Tensor& b, Tensor& out) {
+  run([&] { cpu::add(a, b, out); });
+}
+
+void CpuBackend::mul(const Tensor& a, const Tensor& b, Tensor& out) {
+  run([&] { cpu::mul(a, b, out); });
+}
+
+void CpuBackend::scale(const Tensor& x, float s, Tensor& out) {
+  run([&] { cpu::scale(x, s, out); });
+}
+
+void CpuBackend::axpy(float alpha, const Tensor& x, Tensor& y) {
+  run([&] { cpu::axpy(alpha, x, y); });
+}
+
+double CpuBackend::sum(const Tensor& x) {
+  double r = 0;
+  run([&] { r = cpu::sum(x); });
+  return r;
+}
+
+double CpuBackend::sum_squares(const Tensor& x) {
+  double r = 0;
+  run([&] { r = cpu::sum_squares(x); });
+  return r;
+}
+
+void CpuBackend::matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool trans_b, float alpha, float beta) {
+  run([&] { cpu::matmul(a, b, c, trans_a, trans_b, alpha, beta); });
+}
+
+void CpuBackend::embedding_forward(const Tensor& table, const Tensor& ids, Tensor& out) {
+  run([&] { cpu::embedding_forward(table, ids, out); });
+}
+
+void CpuBackend::embedding_backward(const Tensor& dout, const Tensor& ids, Tensor& dtable) {
+  run([&] { cpu::embedding_backward(dout, ids, dtable); });
+}
+
+void CpuBackend::rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, bool plus_one, Tensor& out, Tensor& rstd) {
+  run([&] { cpu::rmsnorm_forward(x, w, eps, plus_one, out, rstd); });
+}
+
+void CpuBackend::rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& w, const Tensor& rstd, bool plus_one, Tensor& dx, Tensor& dw) {
+  run([&] { cpu::rmsnorm_backward(dout, x, w, rstd, plus_one, dx, dw); });
+}
+
+void CpuBackend::layernorm_forward(const Tensor& x, const Tensor& w, const Tensor& b, float eps, Tensor& out, Tensor& mean, Tensor& rstd) {
+  run([&] { cpu::layernorm_forward(x, w, b, eps, out, mean, rstd); });
+}
+
+void CpuBackend::layernorm_backward(const Tensor& dout, const Tensor& x, const Tensor& w, const Tensor& mean, const Tensor& rstd, Tensor& dx, Tensor& dw, Tensor& db) {
+  run([&] { cpu::layernorm_backward(dout, x, w, mean, rstd, dx, dw, db); });
+}
+
+void CpuBackend::rope_forward(const Tensor& x, const Tensor& positions, const RopeSpec& spec, Tensor& out) {
+  run([&] { cpu::rope_forward(x, positions, spec, out); });
+}
+
+void CpuBackend::rope_backward(const Tensor& dout, const Tensor& positions, const RopeSpec& spec, Tensor& dx) {
+  run([&] { cpu::rope_backward(dout, positions, spec, dx); });
+}
+
+void CpuBackend::activation_forward(Activation act, const Tensor& x, Tensor& out) {
+  run([&] { cpu::activation_forward(act, x, out); });
+}
+
+void CpuBackend::activation_backward(Activation act, const Tensor& dout, const Tensor& x, Tensor& dx) {
+  run([&] { cpu::activation_backward(act, dout, x, dx); });
+}
+
+void CpuBackend::gated_forward(Activation act, const Tensor& gate, const Tensor& up, Tensor& out) {
+  run([&] { cpu::gated_forward(act, gate, up, out); });
+}
+
+void CpuBackend::gated_backward(Activation act, const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate, Tensor& dup) {
+  run([&] { cpu::gated_backward(act, dout, gate, up, dgate, dup); });
+}
+
+void CpuBackend::softcap_forward(const Tensor& x, float cap, Tensor& out) {
+  run([&] { cpu::softcap_forward(x, cap, out); });
+}
+
+void CpuBackend::softcap_backward(const Tensor& dout, const Tensor& out, float cap, Tensor& dx) {
+  run([&] { cpu::softcap_backward(dout, out, cap, dx); });
+}
+
+void CpuBackend::softmax_forward(const Tensor& x, Tensor& out) {
+  run([&] { cpu::softmax_forward(x, out); });
+}
+
+void CpuBackend::softmax_backward(const Tensor& dout, const Tensor& out, Tensor& dx) {
+  run([&] { cpu::softmax_backward(dout, out, dx); });
+}
+
+void CpuBackend::cross_entropy_forward(const Tensor& logits, const Tensor& targets, float z_loss, Tensor& loss, Tensor& lse) {
+  run([&] { cpu::cross_entropy_forward(logits, targets, z_loss, loss, lse); });
+}
+
+void CpuBackend::cross_entropy_backward(const Tensor& dloss, const Tensor& logits, const Tensor& targets, const Tensor& lse, float z_loss, Tensor& dlogits) {
+  run([&] { cpu::cross_entropy_backward(dloss, logits, targets, lse, z_loss, dlogits); });
+}
+
+void CpuBackend::topk_route_forward(const Tensor& logits, int k, bool sigmoid, bool normalize, Tensor& weights, Tensor& indices, Tensor& probs) {
+  run([&] { cpu::topk_route_forward(logits, k, sigmoid, normalize, weights, indices, probs); });
+}
+
+void CpuBackend::topk_route_backward(const Tensor& dweights, const Tensor& weights, const Tensor& indices, const Tensor& probs, bool sigmoid, bool normalize, Tensor& dlogits) {
+  run([&] { cpu::topk_route_backward(dweights, weights, indices, probs, sigmoid, normalize, dlogits); });
+}
+
+void CpuBackend::gather_rows(const Tensor& x, const Tensor& idx, Tensor& out) {
+  run([&] { cpu::gather_rows(x, idx, out); });
+}
+
+void CpuBackend::scatter_add_rows(const Tensor& src, const Tensor& idx, const Tensor& w, Tensor& out) {
+  run([&] { cpu::scatter_add_rows(src, idx, w, out); });
+}
+
+void CpuBackend::grouped_matmul(const Tensor& x, const Tensor& w, const Tensor& offsets, bool trans_w, Tensor& out) {
+  run([&] { cpu::grouped_matmul(x, w, offsets, trans_w, out); });
+}
+
+void CpuBackend::grouped_matmul_weight_grad(const Tensor& x, const Tensor& dout, const Tensor& offsets, bool trans_w, Tensor& dw) {
+  run([&] { cpu::grouped_matmul_weight_grad(x, dout, offsets, trans_w, dw); });
+}
+
+void CpuBackend::adamw_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) {
+  run([&] { cpu::adamw_update(param, grad, m, v, p); });
+}
+
+}  // namespace mt::cpu

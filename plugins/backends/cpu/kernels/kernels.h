@@ -1,0 +1,81 @@
+// The CPU backend's kernels as free functions, one area per file. Signatures, shapes and
+// semantics are those of the matching mt::Backend method (sdk/include/mt/backend.h); they run
+// inside the backend's oneTBB arena, so they may use tbb::parallel_for freely.
+#pragma once
+
+#include <string>
+
+#include "mt/backend.h"
+
+namespace mt::cpu {
+
+// elementwise.cpp
+void fill(Tensor& x, float value);
+void cast(const Tensor& src, Tensor& dst);
+void add(const Tensor& a, const Tensor& b, Tensor& out);
+void mul(const Tensor& a, const Tensor& b, Tensor& out);
+void scale(const Tensor& x, float s, Tensor& out);
+void axpy(float alpha, const Tensor& x, Tensor& y);
+double sum(const Tensor& x);
+double sum_squares(const Tensor& x);
+
+// gemm.cpp
+// Chooses the GEMM path for this machine. Must run before OpenBLAS initialises its threads
+// (called from the plugin's registration, before any GEMM).
+void gemm_setup(int num_threads);
+std::string gemm_describe();  // "OpenBLAS 0.3.21 (SkylakeX kernels), AVX512_BF16"
+double cpu_peak_flops(DType dtype, int num_threads);
+void matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool trans_b, float alpha,
+            float beta);
+
+// embedding.cpp
+void embedding_forward(const Tensor& table, const Tensor& ids, Tensor& out);
+void embedding_backward(const Tensor& dout, const Tensor& ids, Tensor& dtable);
+
+// norm.cpp
+void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, bool plus_one, Tensor& out,
+                     Tensor& rstd);
+void rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                      bool plus_one, Tensor& dx, Tensor& dw);
+void layernorm_forward(const Tensor& x, const Tensor& w, const Tensor& b, float eps, Tensor& out,
+                       Tensor& mean, Tensor& rstd);
+void layernorm_backward(const Tensor& dout, const Tensor& x, const Tensor& w, const Tensor& mean,
+                        const Tensor& rstd, Tensor& dx, Tensor& dw, Tensor& db);
+
+// rope.cpp
+void rope_forward(const Tensor& x, const Tensor& positions, const RopeSpec& spec, Tensor& out);
+void rope_backward(const Tensor& dout, const Tensor& positions, const RopeSpec& spec, Tensor& dx);
+
+// activation.cpp
+void activation_forward(Activation act, const Tensor& x, Tensor& out);
+void activation_backward(Activation act, const Tensor& dout, const Tensor& x, Tensor& dx);
+void gated_forward(Activation act, const Tensor& gate, const Tensor& up, Tensor& out);
+void gated_backward(Activation act, const Tensor& dout, const Tensor& gate, const Tensor& up,
+                    Tensor& dgate, Tensor& dup);
+void softcap_forward(const Tensor& x, float cap, Tensor& out);
+void softcap_backward(const Tensor& dout, const Tensor& out, float cap, Tensor& dx);
+
+// loss.cpp
+void softmax_forward(const Tensor& x, Tensor& out);
+void softmax_backward(const Tensor& dout, const Tensor& out, Tensor& dx);
+void cross_entropy_forward(const Tensor& logits, const Tensor& targets, float z_loss, Tensor& loss,
+                           Tensor& lse);
+void cross_entropy_backward(const Tensor& dloss, const Tensor& logits, const Tensor& targets,
+                            const Tensor& lse, float z_loss, Tensor& dlogits);
+
+// moe.cpp
+void topk_route_forward(const Tensor& logits, int k, bool sigmoid, bool normalize,
+                        Tensor& weights, Tensor& indices, Tensor& probs);
+void topk_route_backward(const Tensor& dweights, const Tensor& weights, const Tensor& indices,
+                         const Tensor& probs, bool sigmoid, bool normalize, Tensor& dlogits);
+void gather_rows(const Tensor& x, const Tensor& idx, Tensor& out);
+void scatter_add_rows(const Tensor& src, const Tensor& idx, const Tensor& w, Tensor& out);
+void grouped_matmul(const Tensor& x, const Tensor& w, const Tensor& offsets, bool trans_w,
+                    Tensor& out);
+void grouped_matmul_weight_grad(const Tensor& x, const Tensor& dout, const Tensor& offsets,
+                                bool trans_w, Tensor& dw);
+
+// optimizer.cpp
+void adamw_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p);
+
+}  // namespace mt::cpu

@@ -1,0 +1,104 @@
+#include "test_support.h"
+
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <sys/wait.h>
+
+#include "config_impl.h"
+#include "mt/error.h"
+
+namespace mt::test {
+
+PluginManager& plugins() {
+  static PluginManager pm;
+  return pm;
+}
+
+Backend& cpu(int threads) {
+  static std::unique_ptr<Backend> b =
+      plugins().make_backend("cpu", config_from_pairs({{"num_threads", std::to_string(threads)}}));
+  return *b;
+}
+
+std::unique_ptr<AttentionKernel> attention(const std::string& name, Backend& b) {
+  return plugins().make_attention(b.name(), name, b);
+}
+
+Tensor from_vector(Backend& b, const Shape& shape, const std::vector<float>& v, DType dt) {
+  MT_CHECK(static_cast<int64_t>(v.size()) == shape_numel(shape), "from_vector: size mismatch");
+  Tensor f = b.empty(shape, DType::f32);
+  b.copy_from_host(f, v.data());
+  if (dt == DType::f32) return f;
+  Tensor t = b.empty(shape, dt);
+  b.cast(f, t);
+  return t;
+}
+
+Tensor from_ints(Backend& b, const Shape& shape, const std::vector<int32_t>& v) {
+  MT_CHECK(static_cast<int64_t>(v.size()) == shape_numel(shape), "from_ints: size mismatch");
+  Tensor t = b.empty(shape, DType::i32);
+  b.copy_from_host(t, v.data());
+  return t;
+}
+
+std::vector<float> to_vector(const Tensor& t) {
+  Backend& b = *t.backend();
+  std::vector<float> out(static_cast<size_t>(t.numel()));
+  if (t.dtype() == DType::f32) {
+    b.copy_to_host(t, out.data());
+  } else {
+    Tensor f = b.empty(t.shape(), DType::f32);
+    b.cast(t, f);
+    b.copy_to_host(f, out.data());
+  }
+  return out;
+}
+
+std::vector<int32_t> to_ints(const Tensor& t) {
+  std::vector<int32_t> out(static_cast<size_t>(t.numel()));
+  t.backend()->copy_to_host(t, out.data());
+  return out;
+}
+
+uint64_t seed() {
+  if (const char* s = std::getenv("MT_TEST_SEED")) return std::strtoull(s, nullptr, 10);
+  return std::random_device{}();
+}
+
+std::vector<float> randn(size_t n, std::mt19937_64& rng, float stddev) {
+  std::normal_distribution<float> d(0.f, stddev);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+double max_rel_err(const std::vector<float>& a, const std::vector<float>& b, double floor) {
+  if (a.size() != b.size()) return INFINITY;
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double d = std::fabs(double(a[i]) - double(b[i]));
+    const double r = d / std::max(std::fabs(double(b[i])), floor);
+    if (std::isnan(r)) return INFINITY;
+    m = std::max(m, r);
+  }
+  return m;
+}
+
+std::string source_dir() { return MT_SOURCE_DIR; }
+std::string build_dir() { return MT_BUILD_DIR; }
+std::string mt_exe() { return build_dir() + "/bin/mt"; }
+
+int run_command(const std::string& cmd, std::string& output) {
+  output.clear();
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  if (!p) return -1;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) output.append(buf.data(), n);
+  int status = pclose(p);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+}  // namespace mt::test

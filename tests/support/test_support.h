@@ -1,0 +1,48 @@
+// Shared helpers of the test suite: the plugins of this build tree, tensors from vectors, and
+// comparisons with useful failure messages.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "mt/attention.h"
+#include "mt/backend.h"
+#include "plugin_manager.h"
+
+namespace mt::test {
+
+// The plugin manager of this test process; searches only the build tree's plugin directory
+// (MT_PLUGIN_PATH is cleared by CTest).
+PluginManager& plugins();
+// The CPU backend, made once per process with `threads` threads (0 = all cores).
+Backend& cpu(int threads = 0);
+std::unique_ptr<AttentionKernel> attention(const std::string& name, Backend& b);
+
+Tensor from_vector(Backend& b, const Shape& shape, const std::vector<float>& v,
+                   DType dt = DType::f32);
+Tensor from_ints(Backend& b, const Shape& shape, const std::vector<int32_t>& v);
+std::vector<float> to_vector(const Tensor& t);   // any float dtype -> f32
+std::vector<int32_t> to_ints(const Tensor& t);
+
+// Fresh random draws every run unless MT_TEST_SEED is set; the seed is printed on failure
+// through SCOPED_TRACE by the caller (seed()).
+uint64_t seed();
+std::vector<float> randn(size_t n, std::mt19937_64& rng, float stddev = 1.f);
+
+// Max over i of |a - b| / max(|b|, floor): relative error with a floor for values near zero.
+double max_rel_err(const std::vector<float>& a, const std::vector<float>& b, double floor = 1e-3);
+
+// Paths
+std::string source_dir();
+std::string build_dir();
+std::string mt_exe();  // build/bin/mt
+
+// Runs a command, captures stdout+stderr; returns the exit code.
+int run_command(const std::string& cmd, std::string& output);
+
+}  // namespace mt::test
