@@ -1,2 +1,105 @@
+// mt: the command-line entry point. Dispatches to subcommands and turns errors into one
+// paragraph on stderr and an exit code (2: bad input refused before work; 1: failure at work).
+#include <fmt/format.h>
+
 #include <cstdio>
-int main() { std::puts("mt: CLI not written yet"); return 1; }
+#include <cstring>
+#include <exception>
+#include <string>
+
+#include "cli.h"
+#include "mt/backend.h"
+#include "mt/error.h"
+#include "mt/version.h"
+
+namespace {
+
+struct Command {
+  const char* name;
+  int (*fn)(const mt::cli::Args&);
+  const char* summary;
+  const char* usage;
+};
+
+constexpr const char* kCommonOptions =
+    "Options shared by the commands that take a config:\n"
+    "  --model=NAME       a named model config from configs/models (`mt models` lists them)\n"
+    "  --config=FILE      a YAML file of overrides, applied after the model's config\n"
+    "  key=value          any key of configs/base.yml (also written --key=value); last wins\n"
+    "Layering, last wins: configs/base.yml, configs/models/<model>.yml, --config, overrides.\n";
+
+const Command kCommands[] = {
+    {"run", mt::cli::cmd_run, "train a model (MaxText's train.py)",
+     "mt run [--model=NAME] [--config=FILE] [key=value ...]\n\n"
+     "Trains the configured model on the configured backend and data, printing loss,\n"
+     "throughput and MFU every log_period steps; metrics go to\n"
+     "<base_output_directory>/<run_name>/metrics.jsonl. With no arguments it trains the\n"
+     "embedded default (a small Llama on the shipped corpus, on the CPU).\n"},
+    {"decode", mt::cli::cmd_decode, "generate text from a model (prefill + KV-cache decode)",
+     "mt decode --model=NAME load_parameters_path=DIR prompt=\"...\" [key=value ...]\n"},
+    {"convert", mt::cli::cmd_convert, "convert checkpoints from and to Hugging Face",
+     "mt convert --from=hf --input=DIR --output=DIR | --to=hf --input=DIR --output=DIR\n"},
+    {"score", mt::cli::cmd_score, "loss and perplexity of a model on text or token ids",
+     "mt score --model=NAME load_parameters_path=DIR prompt=\"...\" [output=FILE]\n"},
+    {"bench", mt::cli::cmd_bench, "end-to-end throughput benchmarks (JSON output)",
+     "mt bench train|decode [--model=NAME] [key=value ...]\n"},
+    {"plugins", mt::cli::cmd_plugins, "list the plugins found and why any failed to load",
+     "mt plugins [plugin_dirs=[DIR,...]]\n\n"
+     "Searches the install directory, then MT_PLUGIN_PATH, then plugin_dirs, and prints\n"
+     "each plugin's kind, name, version, ABI and path, or why it could not be loaded.\n"},
+    {"models", mt::cli::cmd_models, "list the named model configs with family and size",
+     "mt models\n\nLists configs/models/*.yml (and models/ beside plugins on MT_PLUGIN_PATH)\n"
+     "with their family (decoder_block) and parameter count.\n"},
+    {"config", mt::cli::cmd_config, "print the fully resolved config as YAML",
+     "mt config [--model=NAME] [--config=FILE] [key=value ...] [--origins]\n\n"
+     "Prints every key with its resolved value; --origins adds where each was set.\n"},
+};
+
+void print_help() {
+  std::printf("mt %s: LLM training and inference in C++, MaxText rebuilt natively.\n\n",
+              MT_VERSION_STRING);
+  std::printf("Usage: mt <command> [options]\n\nCommands:\n");
+  for (const auto& c : kCommands) std::printf("  %-9s %s\n", c.name, c.summary);
+  std::printf("\n%s\nRun `mt <command> --help` for a command's own options.\n", kCommonOptions);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h") ||
+      !std::strcmp(argv[1], "help")) {
+    print_help();
+    return argc < 2 ? 2 : 0;
+  }
+  if (!std::strcmp(argv[1], "--version") || !std::strcmp(argv[1], "version")) {
+    std::printf("mt %s (plugin ABI %u, op set %d, C++ %ld, %s)\n", MT_VERSION_STRING,
+                MT_ABI_VERSION, MT_OPSET_VERSION, static_cast<long>(__cplusplus),
+                "built with " __VERSION__);
+    return 0;
+  }
+  const std::string name = argv[1];
+  for (const auto& c : kCommands) {
+    if (name != c.name) continue;
+    try {
+      mt::cli::Args a = mt::cli::parse_args(name, argc, argv, 2);
+      if (a.help) {
+        std::printf("%s: %s\n\nUsage: %s\n%s", c.name, c.summary, c.usage, kCommonOptions);
+        return 0;
+      }
+      return c.fn(a);
+    } catch (const mt::Error& e) {
+      std::fflush(stdout);
+      std::fprintf(stderr, "mt %s: error: %s\n", c.name, e.what());
+      return e.exit_code();
+    } catch (const std::exception& e) {
+      std::fflush(stdout);
+      std::fprintf(stderr, "mt %s: internal error: %s\n", c.name, e.what());
+      return 1;
+    }
+  }
+  std::string list;
+  for (const auto& c : kCommands) list += (list.empty() ? "" : ", ") + std::string(c.name);
+  std::fprintf(stderr, "mt: unknown command '%s'. The commands are: %s. Run `mt --help`.\n",
+               name.c_str(), list.c_str());
+  return 2;
+}

@@ -1,0 +1,43 @@
+// The `mt` command line: shared argument handling and one function per subcommand.
+#pragma once
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "mt/config.h"
+
+namespace mt::cli {
+
+// Arguments after the subcommand, split into what every command understands.
+struct Args {
+  std::string command;
+  std::string model;                   // --model=
+  std::string config_file;             // --config=
+  std::vector<std::string> overrides;  // key=value / --key=value, in order
+  std::vector<std::string> positional; // anything else (e.g. `mt bench train`)
+  bool help = false;
+};
+
+// Parses argv[2..]; throws UsageError for malformed arguments.
+Args parse_args(const std::string& command, int argc, char** argv, int first);
+
+// The configs directory (share/mt/configs beside the install or build tree) and extra model
+// config directories (`models/` inside each plugin search directory).
+std::filesystem::path configs_dir();
+std::vector<std::filesystem::path> model_dirs();
+
+// Resolves the layered config for these arguments (configs/base.yml, the model, --config,
+// overrides) and validates the plugin-independent part.
+Config resolve_config(const Args& a);
+
+int cmd_plugins(const Args& a);
+int cmd_models(const Args& a);
+int cmd_config(const Args& a);
+int cmd_run(const Args& a);
+int cmd_decode(const Args& a);
+int cmd_score(const Args& a);
+int cmd_convert(const Args& a);
+int cmd_bench(const Args& a);
+
+}  // namespace mt::cli

@@ -1,0 +1,118 @@
+// mt plugins, mt models, mt config: what is installed and what a run would use.
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <map>
+
+#include "cli.h"
+#include "config_impl.h"
+#include "config_loader.h"
+#include "model_info.h"
+#include "mt/backend.h"
+#include "mt/error.h"
+#include "mt/model.h"
+#include "plugin_manager.h"
+
+namespace fs = std::filesystem;
+
+namespace mt::cli {
+
+namespace {
+
+std::vector<fs::path> plugin_dirs_of(const Config& cfg) {
+  std::vector<fs::path> r;
+  for (const auto& d : cfg.get_string_list("plugin_dirs")) r.emplace_back(d);
+  return r;
+}
+
+// Strips flags that only this command understands from the overrides.
+bool take_flag(Args& a, const std::string& key) {
+  for (auto it = a.overrides.begin(); it != a.overrides.end(); ++it) {
+    if (*it == key + "=true") {
+      a.overrides.erase(it);
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+int cmd_plugins(const Args& args) {
+  Config cfg = resolve_config(args);
+  PluginManager pm(plugin_dirs_of(cfg));
+  std::printf("Plugin search path (first match wins):\n");
+  for (const auto& d : pm.search_dirs()) std::printf("  %s\n", d.string().c_str());
+  const auto recs = pm.scan();
+  std::printf("\n%-8s %-14s %-8s %-4s %s\n", "KIND", "NAME", "VERSION", "ABI", "PATH");
+  int failed = 0;
+  for (const auto& r : recs) {
+    std::printf("%-8s %-14s %-8s %-4s %s\n", r.kind.c_str(), r.name.c_str(),
+                r.version.empty() ? "-" : r.version.c_str(),
+                r.abi ? std::to_string(r.abi).c_str() : "-", r.path.string().c_str());
+    if (!r.ok) {
+      ++failed;
+      std::printf("         FAILED: %s\n", r.error.c_str());
+      continue;
+    }
+    if (r.kind == "backend") {
+      try {
+        auto b = pm.make_backend(r.name, cfg);
+        std::printf("         %s\n", b->describe().c_str());
+        std::string att;
+        for (const auto& n : pm.attention_names(r.name)) att += (att.empty() ? "" : ", ") + n;
+        std::printf("         attention kernels: %s\n", att.empty() ? "none" : att.c_str());
+      } catch (const std::exception& e) {
+        std::printf("         FAILED to start: %s\n", e.what());
+      }
+    }
+  }
+  if (recs.empty()) std::printf("(no plugins found)\n");
+  std::printf("\n%zu plugins found, %d unusable.\n", recs.size(), failed);
+  return 0;
+}
+
+int cmd_models(const Args& args) {
+  Config base = resolve_config(args);
+  PluginManager pm(plugin_dirs_of(base));
+  const auto models = list_models(configs_dir(), model_dirs());
+  std::printf("%-16s %-8s %10s  %s\n", "MODEL", "FAMILY", "PARAMS", "CONFIG");
+  for (const auto& m : models) {
+    std::string params = "?";  // until the family plugin sizes it
+    try {
+      Args a;
+      a.model = m.name;
+      Config cfg = resolve_config(a);
+      auto fam = pm.make_model_family(cfg.get_string("decoder_block"));
+      fam->validate(cfg);
+      auto model = fam->build(cfg);
+      params = human_count(static_cast<double>(
+          count_parameters(*model, cfg.get_bool("logits_via_embedding")).total));
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "mt models: %s: %s\n", m.name.c_str(), e.what());
+    }
+    std::printf("%-16s %-8s %10s  %s\n", m.name.c_str(), m.family.c_str(), params.c_str(),
+                m.path.string().c_str());
+  }
+  return 0;
+}
+
+int cmd_config(const Args& args_in) {
+  Args args = args_in;
+  const bool origins = take_flag(args, "origins");
+  Config cfg = resolve_config(args);
+  std::fputs(cfg.to_yaml(origins).c_str(), stdout);
+  return 0;
+}
+
+int cmd_decode(const Args&) {
+  throw Error("`mt decode` is not implemented yet (it arrives with the inference issue).");
+}
+int cmd_score(const Args&) {
+  throw Error("`mt score` is not implemented yet (it arrives with the inference issue).");
+}
+int cmd_convert(const Args&) {
+  throw Error("`mt convert` is not implemented yet (it arrives with the checkpointing issue).");
+}
+
+}  // namespace mt::cli

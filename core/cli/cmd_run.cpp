@@ -1,0 +1,36 @@
+// mt run: train (MaxText's train.py).
+#include <cstdio>
+#include <string>
+
+#include "cli.h"
+#include "model_info.h"
+#include "plugin_manager.h"
+#include "trainer.h"
+
+namespace mt::cli {
+
+namespace {
+std::string fmt_eval(double v) {
+  char b[64];
+  std::snprintf(b, sizeof b, ", eval loss %.4f", v);
+  return b;
+}
+}  // namespace
+
+int cmd_run(const Args& args) {
+  Config cfg = resolve_config(args);
+  std::vector<std::filesystem::path> dirs;
+  for (const auto& d : cfg.get_string_list("plugin_dirs")) dirs.emplace_back(d);
+  PluginManager pm(dirs);
+  const TrainSummary s = train(cfg, pm);
+  std::printf(
+      "\nmt run: done. %ld steps, %s tokens; final train loss %.4f%s; median %.0f tokens/s, "
+      "%.4f TFLOP/s per device, MFU %.1f%%, %.1f ms/step.\nmt run: metrics and the resolved "
+      "config are in %s\n",
+      static_cast<long>(s.steps), human_count(static_cast<double>(s.tokens)).c_str(), s.final_loss,
+      s.final_eval_loss >= 0 ? fmt_eval(s.final_eval_loss).c_str() : "", s.tokens_per_sec,
+      s.tflops_per_device, 100 * s.mfu, s.step_time_ms, s.run_dir.c_str());
+  return 0;
+}
+
+}  // namespace mt::cli

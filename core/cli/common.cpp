@@ -1,0 +1,70 @@
+#include <filesystem>
+#include <string>
+
+#include "cli.h"
+#include "config_loader.h"
+#include "mt/error.h"
+#include "plugin_manager.h"
+
+namespace fs = std::filesystem;
+
+namespace mt::cli {
+
+Args parse_args(const std::string& command, int argc, char** argv, int first) {
+  Args a;
+  a.command = command;
+  for (int i = first; i < argc; ++i) {
+    std::string s = argv[i];
+    if (s == "--help" || s == "-h") {
+      a.help = true;
+      continue;
+    }
+    std::string kv = s;
+    if (s.rfind("--", 0) == 0) {
+      kv = s.substr(2);
+      if (kv.find('=') == std::string::npos) {
+        // "--origins" style flags become key=true; a value-less key that the config does not
+        // know is reported by the config layer with a suggestion.
+        kv += "=true";
+      }
+    } else if (s.find('=') == std::string::npos) {
+      a.positional.push_back(s);
+      continue;
+    }
+    const auto eq = kv.find('=');
+    const std::string key = kv.substr(0, eq);
+    const std::string value = kv.substr(eq + 1);
+    if (key.empty()) throw UsageError("The argument '" + s + "' has no key before '='.");
+    if (key == "model") a.model = value;
+    else if (key == "config") a.config_file = value;
+    else a.overrides.push_back(key + "=" + value);
+  }
+  return a;
+}
+
+fs::path configs_dir() {
+  return (PluginManager::core_library_dir().parent_path() / "share" / "mt" / "configs")
+      .lexically_normal();
+}
+
+std::vector<fs::path> model_dirs() {
+  std::vector<fs::path> r;
+  PluginManager pm;
+  for (const auto& d : pm.search_dirs()) {
+    std::error_code ec;
+    if (fs::is_directory(d / "models", ec)) r.push_back(d / "models");
+  }
+  return r;
+}
+
+Config resolve_config(const Args& a) {
+  ConfigRequest req;
+  req.configs_dir = configs_dir();
+  req.model_dirs = model_dirs();
+  req.model = a.model;
+  req.config_file = a.config_file;
+  req.overrides = a.overrides;
+  return load_config(req);
+}
+
+}  // namespace mt::cli

@@ -1,0 +1,437 @@
+#include "mt/graph.h"
+
+#include <string>
+#include <utility>
+
+#include "mt/error.h"
+
+namespace mt {
+
+namespace {
+
+struct Entry {
+  std::vector<std::shared_ptr<GradNode>> inputs;  // null where an input needs no gradient
+  std::shared_ptr<GradNode> output;
+  // dins[i]: the gradient buffer of input i, or nullptr when it needs none.
+  std::function<void(const Tensor& dout, const std::vector<Tensor*>& dins)> backward;
+};
+
+bool tracked(const Tensor& t) { return t.defined() && t.grad_node() != nullptr; }
+
+}  // namespace
+
+struct Graph::Impl {
+  std::vector<Entry> tape;
+  // remat_policy=minimal: the forward pass saves matmul outputs in order; the re-run in the
+  // backward replays them instead of recomputing.
+  std::vector<Tensor>* matmul_save = nullptr;
+  const std::vector<Tensor>* matmul_replay = nullptr;
+  size_t replay_pos = 0;
+};
+
+bool parse_remat_policy(const std::string& s, RematPolicy& out) {
+  if (s == "none") out = RematPolicy::none;
+  else if (s == "minimal") out = RematPolicy::minimal;
+  else if (s == "full") out = RematPolicy::full;
+  else return false;
+  return true;
+}
+
+Graph::Graph(Backend& backend, bool record)
+    : backend_(&backend), record_(record), impl_(std::make_unique<Impl>()) {}
+Graph::~Graph() = default;
+
+size_t Graph::tape_size() const { return impl_->tape.size(); }
+
+void Graph::track(Tensor& param, Tensor grad) {
+  MT_CHECK(grad.shape() == param.shape(),
+           "gradient buffer " + grad.str() + " does not match parameter " + param.str());
+  auto n = std::make_shared<GradNode>();
+  n->shape = param.shape();
+  n->dtype = grad.dtype();
+  n->grad = std::move(grad);
+  n->leaf = true;
+  param.set_grad_node(std::move(n));
+}
+
+Tensor Graph::detach(const Tensor& x) { return x.view(x.shape()); }
+
+namespace {
+
+// Records `out` as produced from `inputs` when the graph records and some input is tracked.
+void record(bool on, std::vector<Entry>& tape, Tensor& out, std::vector<const Tensor*> inputs,
+            std::function<void(const Tensor&, const std::vector<Tensor*>&)> bw) {
+  if (!on) return;
+  bool any = false;
+  for (const Tensor* t : inputs) any = any || tracked(*t);
+  if (!any) return;
+  Entry e;
+  for (const Tensor* t : inputs) e.inputs.push_back(tracked(*t) ? t->grad_node() : nullptr);
+  auto node = std::make_shared<GradNode>();
+  node->shape = out.shape();
+  node->dtype = out.dtype();
+  out.set_grad_node(node);
+  e.output = std::move(node);
+  e.backward = std::move(bw);
+  tape.push_back(std::move(e));
+}
+
+Shape matmul_shape(const Tensor& a, const Tensor& b, bool ta, bool tb) {
+  MT_CHECK(a.ndim() >= 2 && b.ndim() >= 2,
+           "matmul needs matrices, got " + a.str() + " and " + b.str());
+  const int64_t m = ta ? a.dim(-1) : a.dim(-2);
+  const int64_t ka = ta ? a.dim(-2) : a.dim(-1);
+  const int64_t kb = tb ? b.dim(-1) : b.dim(-2);
+  const int64_t n = tb ? b.dim(-2) : b.dim(-1);
+  MT_CHECK(ka == kb, "matmul inner dimensions differ: " + a.str() + (ta ? "^T" : "") + " @ " +
+                         b.str() + (tb ? "^T" : ""));
+  Shape s(a.shape().begin(), a.shape().end() - 2);
+  s.push_back(m);
+  s.push_back(n);
+  return s;
+}
+
+// 2-D view with the leading dimensions flattened into rows.
+Tensor rows2d(const Tensor& t) { return t.view({t.numel() / t.dim(-1), t.dim(-1)}); }
+
+}  // namespace
+
+Tensor Graph::matmul(const Tensor& a, const Tensor& b, bool ta, bool tb) {
+  const bool shared_b = b.ndim() == 2 && a.ndim() > 2;
+  MT_CHECK(!(shared_b && ta), "matmul with a shared 2-D right operand needs trans_a == false");
+  Tensor c;
+  if (impl_->matmul_replay) {
+    MT_CHECK(impl_->replay_pos < impl_->matmul_replay->size(),
+             "remat replay ran more matmuls than the forward pass");
+    c = detach((*impl_->matmul_replay)[impl_->replay_pos++]);
+    MT_CHECK(c.shape() == matmul_shape(a, b, ta, tb), "remat replay: matmul shapes differ");
+  } else {
+    c = backend_->empty(matmul_shape(a, b, ta, tb), a.dtype());
+    backend_->matmul(a, b, c, ta, tb, 1.f, 0.f);
+    if (impl_->matmul_save) impl_->matmul_save->push_back(c);
+  }
+  Backend* be = backend_;
+  record(record_, impl_->tape, c, {&a, &b},
+         [be, a, b, ta, tb, shared_b](const Tensor& dc, const std::vector<Tensor*>& d) {
+           if (d[0]) {
+             if (!ta) be->matmul(dc, b, *d[0], false, !tb, 1.f, 1.f);
+             else if (!tb) be->matmul(b, dc, *d[0], false, true, 1.f, 1.f);
+             else be->matmul(b, dc, *d[0], true, true, 1.f, 1.f);
+           }
+           if (d[1]) {
+             const Tensor a2 = shared_b ? rows2d(a) : a;
+             const Tensor dc2 = shared_b ? rows2d(dc) : dc;
+             if (!ta && !tb) be->matmul(a2, dc2, *d[1], true, false, 1.f, 1.f);
+             else if (!ta && tb) be->matmul(dc2, a2, *d[1], true, false, 1.f, 1.f);
+             else if (!tb) be->matmul(a, dc, *d[1], false, false, 1.f, 1.f);
+             else be->matmul(dc, a, *d[1], true, true, 1.f, 1.f);
+           }
+         });
+  return c;
+}
+
+Tensor Graph::add(const Tensor& a, const Tensor& b) {
+  MT_CHECK(a.shape() == b.shape(), "add: shapes differ: " + a.str() + " + " + b.str());
+  Tensor out = backend_->empty(a.shape(), a.dtype());
+  backend_->add(a, b, out);
+  Backend* be = backend_;
+  record(record_, impl_->tape, out, {&a, &b},
+         [be](const Tensor& dout, const std::vector<Tensor*>& d) {
+           if (d[0]) be->axpy(1.f, dout, *d[0]);
+           if (d[1]) be->axpy(1.f, dout, *d[1]);
+         });
+  return out;
+}
+
+Tensor Graph::mul(const Tensor& a, const Tensor& b) {
+  MT_CHECK(a.shape() == b.shape(), "mul: shapes differ: " + a.str() + " * " + b.str());
+  Tensor out = backend_->empty(a.shape(), a.dtype());
+  backend_->mul(a, b, out);
+  Backend* be = backend_;
+  record(record_, impl_->tape, out, {&a, &b},
+         [be, a, b](const Tensor& dout, const std::vector<Tensor*>& d) {
+           Tensor tmp = be->empty(dout.shape(), dout.dtype());
+           if (d[0]) {
+             be->mul(dout, b, tmp);
+             be->axpy(1.f, tmp, *d[0]);
+           }
+           if (d[1]) {
+             be->mul(dout, a, tmp);
+             be->axpy(1.f, tmp, *d[1]);
+           }
+         });
+  return out;
+}
+
+Tensor Graph::scale(const Tensor& x, float s) {
+  Tensor out = backend_->empty(x.shape(), x.dtype());
+  backend_->scale(x, s, out);
+  Backend* be = backend_;
+  record(record_, impl_->tape, out, {&x},
+         [be, s](const Tensor& dout, const std::vector<Tensor*>& d) { be->axpy(s, dout, *d[0]); });
+  return out;
+}
+
+Tensor Graph::reshape(const Tensor& x, const Shape& shape) {
+  Tensor out = x.view(shape);
+  Backend* be = backend_;
+  const Shape xs = x.shape();
+  record(record_, impl_->tape, out, {&x},
+         [be, xs](const Tensor& dout, const std::vector<Tensor*>& d) {
+           be->axpy(1.f, dout.view(xs), *d[0]);
+         });
+  return out;
+}
+
+Tensor Graph::cast(const Tensor& x, DType dtype) {
+  Tensor out = backend_->empty(x.shape(), dtype);
+  backend_->cast(x, out);
+  Backend* be = backend_;
+  const DType xt = x.dtype();
+  record(record_, impl_->tape, out, {&x},
+         [be, xt](const Tensor& dout, const std::vector<Tensor*>& d) {
+           if (dout.dtype() == xt) {
+             be->axpy(1.f, dout, *d[0]);
+             return;
+           }
+           Tensor tmp = be->empty(dout.shape(), xt);
+           be->cast(dout, tmp);
+           be->axpy(1.f, tmp, *d[0]);
+         });
+  return out;
+}
+
+Tensor Graph::embedding(const Tensor& table, const Tensor& ids) {
+  MT_CHECK(table.ndim() == 2, "embedding table must be [V, D], got " + table.str());
+  Shape s = ids.shape();
+  s.push_back(table.dim(1));
+  Tensor out = backend_->empty(s, table.dtype());
+  const Tensor flat_ids = ids.view({ids.numel()});
+  Tensor out2 = out.view({ids.numel(), table.dim(1)});
+  backend_->embedding_forward(table, flat_ids, out2);
+  Backend* be = backend_;
+  record(record_, impl_->tape, out, {&table},
+         [be, flat_ids](const Tensor& dout, const std::vector<Tensor*>& d) {
+           be->embedding_backward(rows2d(dout), flat_ids, *d[0]);
+         });
+  return out;
+}
+
+namespace {
+// The gradient buffer for input i, or a zeroed scratch tensor when that input needs none
+// (kernels always write every gradient they compute).
+Tensor grad_or_scratch(Backend& be, const std::vector<Tensor*>& d, size_t i, const Tensor& like) {
+  if (d[i]) return *d[i];
+  return be.zeros(like.shape(), like.dtype());
+}
+}  // namespace
+
+Tensor Graph::rmsnorm(const Tensor& x, const Tensor& w, float eps, bool plus_one) {
+  Tensor out = backend_->empty(x.shape(), x.dtype());
+  Tensor rstd = backend_->empty({x.numel() / x.dim(-1)}, DType::f32);
+  backend_->rmsnorm_forward(x, w, eps, plus_one, out, rstd);
+  Backend* be = backend_;
+  record(record_, impl_->tape, out, {&x, &w},
+         [be, x, w, rstd, plus_one](const Tensor& dout, const std::vector<Tensor*>& d) {
+           Tensor dx = grad_or_scratch(*be, d, 0, x);
+           Tensor dw = grad_or_scratch(*be, d, 1, w);
+           be->rmsnorm_backward(dout, x, w, rstd, plus_one, dx, dw);
+         });
+  return out;
+}
+
+Tensor Graph::layernorm(const Tensor& x, const Tensor& w, const Tensor& b, float eps) {
+  Tensor out = backend_->empty(x.shape(), x.dtype());
+  const int64_t n = x.numel() / x.dim(-1);
+  Tensor mean = backend_->empty({n}, DType::f32);
+  Tensor rstd = backend_->empty({n}, DType::f32);
+  backend_->layernorm_forward(x, w, b, eps, out, mean, rstd);
+  Backend* be = backend_;
+  record(record_, impl_->tape, out, {&x, &w, &b},
+         [be, x, w, b, mean, rstd](const Tensor& dout, const std::vector<Tensor*>& d) {
+           Tensor dx = grad_or_scratch(*be, d, 0, x);
+           Tensor dw = grad_or_scratch(*be, d, 1, w);
+           Tensor db = b.defined() ? grad_or_scratch(*be, d, 2, b) : Tensor();
+           be->layernorm_backward(dout, x, w, mean, rstd, dx, dw, db);
+         });
+  return out;
+}
+
+Tensor Graph::rope(const Tensor& x, const Tensor& positions, const RopeSpec& spec) {
+  Tensor out = backend_->empty(x.shape(), x.dtype());
+  backend_->rope_forward(x, positions, spec, out);
+  Backend* be = backend_;
+  record(record_, impl_->tape, out, {&x},
+         [be, positions, spec](const Tensor& dout, const std::vector<Tensor*>& d) {
+           be->rope_backward(dout, positions, spec, *d[0]);
+         });
+  return out;
+}
+
+Tensor Graph::activation(Activation act, const Tensor& x) {
+  Tensor out = backend_->empty(x.shape(), x.dtype());
+  backend_->activation_forward(act, x, out);
+  Backend* be = backend_;
+  record(record_, impl_->tape, out, {&x},
+         [be, act, x](const Tensor& dout, const std::vector<Tensor*>& d) {
+           be->activation_backward(act, dout, x, *d[0]);
+         });
+  return out;
+}
+
+Tensor Graph::gated(Activation act, const Tensor& gate, const Tensor& up) {
+  MT_CHECK(gate.shape() == up.shape(), "gated: shapes differ: " + gate.str() + ", " + up.str());
+  Tensor out = backend_->empty(gate.shape(), gate.dtype());
+  backend_->gated_forward(act, gate, up, out);
+  Backend* be = backend_;
+  record(record_, impl_->tape, out, {&gate, &up},
+         [be, act, gate, up](const Tensor& dout, const std::vector<Tensor*>& d) {
+           Tensor dg = grad_or_scratch(*be, d, 0, gate);
+           Tensor du = grad_or_scratch(*be, d, 1, up);
+           be->gated_backward(act, dout, gate, up, dg, du);
+         });
+  return out;
+}
+
+Tensor Graph::softcap(const Tensor& x, float cap) {
+  Tensor out = backend_->empty(x.shape(), x.dtype());
+  backend_->softcap_forward(x, cap, out);
+  Backend* be = backend_;
+  record(record_, impl_->tape, out, {&x},
+         [be, out, cap](const Tensor& dout, const std::vector<Tensor*>& d) {
+           be->softcap_backward(dout, Graph::detach(out), cap, *d[0]);
+         });
+  return out;
+}
+
+Tensor Graph::softmax(const Tensor& x) {
+  Tensor out = backend_->empty(x.shape(), x.dtype());
+  backend_->softmax_forward(x, out);
+  Backend* be = backend_;
+  // The closure holds a detached handle: holding `out` itself would keep its GradNode alive in
+  // a cycle through the tape entry (harmless, but it hides the node's lifetime).
+  Tensor saved = detach(out);
+  record(record_, impl_->tape, out, {&x},
+         [be, saved](const Tensor& dout, const std::vector<Tensor*>& d) {
+           be->softmax_backward(dout, saved, *d[0]);
+         });
+  return out;
+}
+
+Tensor Graph::attention(AttentionKernel& kernel, const Tensor& q, const Tensor& k,
+                        const Tensor& v, const Tensor& q_segment, const Tensor& kv_segment,
+                        const AttentionSpec& spec) {
+  MT_CHECK(q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4,
+           "attention needs q [B, T, Hq, D], k and v [B, S, Hkv, D]; got " + q.str() + ", " +
+               k.str() + ", " + v.str());
+  Tensor out = backend_->empty(q.shape(), q.dtype());
+  Tensor lse = backend_->empty({q.dim(0), q.dim(2), q.dim(1)}, DType::f32);
+  kernel.forward(q, k, v, q_segment, kv_segment, spec, out, lse);
+  Backend* be = backend_;
+  Tensor saved = detach(out);
+  AttentionKernel* kp = &kernel;
+  record(record_, impl_->tape, out, {&q, &k, &v},
+         [be, kp, q, k, v, q_segment, kv_segment, saved, lse, spec](
+             const Tensor& dout, const std::vector<Tensor*>& d) {
+           Tensor dq = grad_or_scratch(*be, d, 0, q);
+           Tensor dk = grad_or_scratch(*be, d, 1, k);
+           Tensor dv = grad_or_scratch(*be, d, 2, v);
+           kp->backward(dout, q, k, v, q_segment, kv_segment, saved, lse, spec, dq, dk, dv);
+         });
+  return out;
+}
+
+Tensor Graph::cross_entropy(const Tensor& logits, const Tensor& targets, float z_loss,
+                            float weight) {
+  MT_CHECK(logits.ndim() == 2 && targets.numel() == logits.dim(0),
+           "cross_entropy needs logits [N, V] and targets [N]; got " + logits.str() + ", " +
+               targets.str());
+  const int64_t n = logits.dim(0);
+  Tensor loss = backend_->empty({n}, DType::f32);
+  Tensor lse = backend_->empty({n}, DType::f32);
+  const Tensor tg = targets.view({n});
+  backend_->cross_entropy_forward(logits, tg, z_loss, loss, lse);
+  Tensor total = backend_->empty({1}, DType::f32);
+  backend_->fill(total, static_cast<float>(weight * backend_->sum(loss)));
+  Backend* be = backend_;
+  record(record_, impl_->tape, total, {&logits},
+         [be, logits, tg, lse, z_loss, weight, n](const Tensor& dout,
+                                                  const std::vector<Tensor*>& d) {
+           float g = 0.f;
+           be->copy_to_host(dout, &g);
+           Tensor dloss = be->empty({n}, DType::f32);
+           be->fill(dloss, g * weight);
+           be->cross_entropy_backward(dloss, logits, tg, lse, z_loss, *d[0]);
+         });
+  return total;
+}
+
+Tensor Graph::remat(RematPolicy policy, const std::function<Tensor(Graph&, const Tensor&)>& f,
+                    const Tensor& x) {
+  if (policy == RematPolicy::none || !record_) return f(*this, x);
+  auto saved = std::make_shared<std::vector<Tensor>>();
+  Tensor y;
+  {
+    Graph fwd(*backend_, /*record=*/false);
+    if (policy == RematPolicy::minimal) fwd.impl_->matmul_save = saved.get();
+    y = f(fwd, x);
+  }
+  // Recorded as one entry whose input is x; the parameters inside f are tracked leaves, so
+  // the re-run's own backward accumulates straight into their gradient buffers.
+  Backend* be = backend_;
+  const Tensor xs = x;
+  auto fn = f;
+  const bool minimal = policy == RematPolicy::minimal;
+  if (!record_) return y;
+  Entry e;
+  e.inputs.push_back(tracked(x) ? x.grad_node() : nullptr);
+  auto node = std::make_shared<GradNode>();
+  node->shape = y.shape();
+  node->dtype = y.dtype();
+  y.set_grad_node(node);
+  e.output = node;
+  e.backward = [be, xs, fn, saved, minimal](const Tensor& dy, const std::vector<Tensor*>& d) {
+    Graph re(*be, /*record=*/true);
+    if (minimal) re.impl_->matmul_replay = saved.get();
+    Tensor xr = detach(xs);
+    if (d[0]) track(xr, *d[0]);
+    Tensor yr = fn(re, xr);
+    re.backward(yr, dy);
+  };
+  impl_->tape.push_back(std::move(e));
+  return y;
+}
+
+void Graph::backward(const Tensor& y, const Tensor& dy) {
+  MT_CHECK(tracked(y), "backward: " + y.str() + " does not depend on any tracked tensor");
+  auto& root = *y.grad_node();
+  if (dy.defined()) {
+    MT_CHECK(dy.shape() == y.shape(), "backward: seed " + dy.str() + " for " + y.str());
+    root.grad = dy;
+  } else {
+    MT_CHECK(y.numel() == 1, "backward without a seed needs a scalar, got " + y.str());
+    root.grad = backend_->empty(y.shape(), y.dtype());
+    backend_->fill(root.grad, 1.f);
+  }
+  auto& tape = impl_->tape;
+  std::vector<Tensor*> dins;
+  for (size_t i = tape.size(); i-- > 0;) {
+    Entry& e = tape[i];
+    if (e.output->grad.defined()) {
+      dins.assign(e.inputs.size(), nullptr);
+      for (size_t j = 0; j < e.inputs.size(); ++j) {
+        GradNode* n = e.inputs[j].get();
+        if (!n) continue;
+        if (!n->grad.defined()) n->grad = backend_->zeros(n->shape, n->dtype);
+        dins[j] = &n->grad;
+      }
+      e.backward(e.output->grad, dins);
+      if (!e.output->leaf) e.output->grad = Tensor();
+    }
+    // Free what this entry saved as soon as it is done.
+    e.backward = nullptr;
+  }
+  tape.clear();
+}
+
+}  // namespace mt

@@ -1,0 +1,171 @@
+#include "model_runner.h"
+
+#include <cmath>
+#include <random>
+
+#include "mt/data.h"
+#include "mt/error.h"
+#include "plugin_manager.h"
+
+namespace mt {
+
+namespace {
+
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+DType dtype_key(const Config& cfg, const std::string& key) {
+  DType t;
+  if (!parse_dtype(cfg.get_string(key), t) || !(t == DType::f32 || t == DType::bf16))
+    cfg.reject(key, "must be float32 or bfloat16.");
+  return t;
+}
+
+}  // namespace
+
+ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins) {
+  compute_dtype_ = dtype_key(cfg, "dtype");
+  weight_dtype_ = dtype_key(cfg, "weight_dtype");
+  tied_ = cfg.get_bool("logits_via_embedding");
+  if (!parse_remat_policy(cfg.get_string("remat_policy"), remat_))
+    cfg.reject("remat_policy", "must be none, minimal or full.");
+  family_ = plugins.make_model_family(cfg.get_string("decoder_block"));
+  family_->validate(cfg);
+  model_ = family_->build(cfg);
+  const std::string backend = cfg.get_string("backend");
+  backend_ = plugins.make_backend(backend, cfg);
+  attention_ = plugins.make_attention(backend, cfg.get_string("attention"), *backend_);
+  if (!attention_)
+    throw UsageError("attention=" + cfg.get_string("attention") + " is registered by the " +
+                     backend + " backend but not implemented there yet.");
+
+  for (const auto& s : model_->top_parameters()) params_.push_back({s.name, s, {}, {}});
+  num_top_ = params_.size();
+  for (int i = 0; i < model_->num_layers(); ++i) {
+    layer_begin_.push_back(params_.size());
+    for (const auto& s : model_->layer(i).parameters())
+      params_.push_back({"layers." + std::to_string(i) + "." + s.name, s, {}, {}});
+  }
+  for (auto& p : params_) p.value = backend_->empty(p.spec.shape, weight_dtype_);
+}
+
+ModelRunner::~ModelRunner() = default;
+
+Param* ModelRunner::find(const std::string& name) {
+  for (auto& p : params_)
+    if (p.name == name) return &p;
+  return nullptr;
+}
+
+void ModelRunner::init_parameters(uint64_t seed) {
+  for (auto& p : params_) {
+    std::vector<float> host(static_cast<size_t>(shape_numel(p.spec.shape)));
+    std::mt19937_64 rng(seed ^ fnv1a(p.name));
+    std::normal_distribution<float> normal(0.f, 1.f);
+    switch (p.spec.init) {
+      case Init::zeros: std::fill(host.begin(), host.end(), 0.f); break;
+      case Init::ones: std::fill(host.begin(), host.end(), 1.f); break;
+      case Init::normal:
+        for (auto& v : host) v = normal(rng) * p.spec.stddev;
+        break;
+      case Init::truncated_normal: {
+        // Truncated at two standard deviations and rescaled so the variance is stddev^2
+        // (the std of a unit normal truncated to [-2, 2] is 0.87962566).
+        const float s = p.spec.stddev / 0.87962566f;
+        for (auto& v : host) {
+          float z;
+          do z = normal(rng);
+          while (std::fabs(z) > 2.f);
+          v = z * s;
+        }
+        break;
+      }
+    }
+    Tensor f = backend_->empty(p.spec.shape, DType::f32);
+    backend_->copy_from_host(f, host.data());
+    backend_->cast(f, p.value);
+  }
+}
+
+void ModelRunner::enable_gradients() {
+  for (auto& p : params_) {
+    p.grad = backend_->zeros(p.spec.shape, DType::f32);
+    Graph::track(p.value, p.grad);
+  }
+}
+
+void ModelRunner::zero_gradients() {
+  for (auto& p : params_)
+    if (p.grad.defined()) backend_->fill(p.grad, 0.f);
+}
+
+DeviceBatch ModelRunner::upload(const HostBatch& hb) {
+  DeviceBatch d;
+  const Shape s{hb.batch, hb.seq};
+  auto put = [&](const std::vector<int32_t>& v) {
+    if (v.empty()) return Tensor();
+    MT_CHECK(static_cast<int64_t>(v.size()) == hb.batch * hb.seq,
+             "batch field has " + std::to_string(v.size()) + " ids for shape " + shape_str(s));
+    Tensor t = backend_->empty(s, DType::i32);
+    backend_->copy_from_host(t, v.data());
+    return t;
+  };
+  d.inputs = put(hb.inputs);
+  d.targets = put(hb.targets);
+  if (hb.positions.empty()) {
+    std::vector<int32_t> pos(static_cast<size_t>(hb.batch * hb.seq));
+    for (int64_t i = 0; i < hb.batch * hb.seq; ++i) pos[static_cast<size_t>(i)] = static_cast<int32_t>(i % hb.seq);
+    d.positions = put(pos);
+  } else {
+    d.positions = put(hb.positions);
+  }
+  d.segment_ids = put(hb.segment_ids);
+  const int64_t vocab = model_->dims().vocab_size;
+  for (size_t i = 0; i < hb.inputs.size(); ++i)
+    if (hb.inputs[i] < 0 || hb.inputs[i] >= vocab)
+      throw Error("Token id " + std::to_string(hb.inputs[i]) + " at position " +
+                  std::to_string(i) + " of the batch is outside the model's vocabulary [0, " +
+                  std::to_string(vocab) + ").");
+  for (auto t : hb.targets) d.valid_targets += t >= 0;
+  return d;
+}
+
+Tensor ModelRunner::forward(Graph& g, const DeviceBatch& batch) {
+  // Parameters in the compute dtype: a recorded cast of the master copy, so gradients reach it.
+  std::vector<Tensor> ps;
+  ps.reserve(params_.size());
+  for (auto& p : params_)
+    ps.push_back(p.value.dtype() == compute_dtype_ ? p.value : g.cast(p.value, compute_dtype_));
+  const std::vector<Tensor> top(ps.begin(), ps.begin() + static_cast<ptrdiff_t>(num_top_));
+  LayerInputs in;
+  in.positions = batch.positions;
+  in.segment_ids = batch.segment_ids;
+  in.attention = attention_.get();
+  Tensor x = model_->embed(g, top, batch.inputs);
+  for (int i = 0; i < model_->num_layers(); ++i) {
+    const size_t b = layer_begin_[static_cast<size_t>(i)];
+    const size_t e = i + 1 < model_->num_layers() ? layer_begin_[static_cast<size_t>(i) + 1] : ps.size();
+    std::vector<Tensor> lp(ps.begin() + static_cast<ptrdiff_t>(b), ps.begin() + static_cast<ptrdiff_t>(e));
+    const DecoderLayer& layer = model_->layer(i);
+    x = g.remat(
+        remat_,
+        [&layer, lp, in](Graph& gg, const Tensor& h) { return layer.forward(gg, lp, h, in); }, x);
+  }
+  return model_->head(g, top, x);
+}
+
+Tensor ModelRunner::loss(Graph& g, const DeviceBatch& batch, float z_loss, double weight_scale) {
+  Tensor logits = forward(g, batch);
+  const int64_t v = logits.dim(-1);
+  Tensor flat = g.reshape(logits, {logits.numel() / v, v});
+  const double w = batch.valid_targets ? weight_scale / static_cast<double>(batch.valid_targets) : 0.0;
+  return g.cross_entropy(flat, batch.targets, z_loss, static_cast<float>(w));
+}
+
+}  // namespace mt

@@ -1,0 +1,78 @@
+// ModelRunner: a configured model with its parameters on a backend, and the core's transformer
+// skeleton around the family's pieces: embed -> decoder layers (with remat) -> head.
+// Used by the trainer, the decoder and the tests.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mt/attention.h"
+#include "mt/backend.h"
+#include "mt/config.h"
+#include "mt/graph.h"
+#include "mt/model.h"
+
+namespace mt {
+
+class PluginManager;
+
+struct Param {
+  std::string name;  // "embedding", "layers.3.wq"
+  ParamSpec spec;
+  Tensor value;  // master copy, weight_dtype
+  Tensor grad;   // same dtype as value; accumulated by backward
+};
+
+// One batch on the backend: [B, T] i32 tensors.
+struct DeviceBatch {
+  Tensor inputs, targets, positions, segment_ids;
+  int64_t valid_targets = 0;  // targets >= 0
+};
+
+class ModelRunner {
+ public:
+  // Loads the backend, attention and model family plugins the config names.
+  ModelRunner(const Config& cfg, PluginManager& plugins);
+  ~ModelRunner();
+
+  Backend& backend() { return *backend_; }
+  AttentionKernel& attention() { return *attention_; }
+  const Model& model() const { return *model_; }
+  std::vector<Param>& params() { return params_; }
+  Param* find(const std::string& name);
+  DType compute_dtype() const { return compute_dtype_; }
+  DType weight_dtype() const { return weight_dtype_; }
+  bool tied_embedding() const { return tied_; }
+  RematPolicy remat_policy() const { return remat_; }
+
+  // Initialises every parameter as MaxText does, deterministically from init_weights_seed
+  // (each parameter's stream is seeded by its name, so the result does not depend on order).
+  void init_parameters(uint64_t seed);
+  // Allocates zeroed gradient buffers and makes the parameters tracked leaves.
+  void enable_gradients();
+  void zero_gradients();
+
+  // tokens [B, T] -> logits [B, T, V] in the compute dtype, recorded on g when it records.
+  Tensor forward(Graph& g, const DeviceBatch& batch);
+  // Mean cross-entropy over the batch's valid targets times `weight_scale`; scalar [1] f32.
+  Tensor loss(Graph& g, const DeviceBatch& batch, float z_loss, double weight_scale = 1.0);
+
+  DeviceBatch upload(const struct HostBatch& hb);
+
+ private:
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<AttentionKernel> attention_;
+  std::unique_ptr<ModelFamily> family_;
+  std::unique_ptr<Model> model_;
+  std::vector<Param> params_;
+  size_t num_top_ = 0;                  // params_[0, num_top_) are the model's top parameters
+  std::vector<size_t> layer_begin_;     // params_ index of each layer's first parameter
+  DType compute_dtype_ = DType::f32, weight_dtype_ = DType::f32;
+  bool tied_ = false;
+  RematPolicy remat_ = RematPolicy::none;
+};
+
+}  // namespace mt

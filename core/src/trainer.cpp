@@ -1,0 +1,249 @@
+#include "trainer.h"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <vector>
+
+#include "model_info.h"
+#include "model_runner.h"
+#include "mt/data.h"
+#include "mt/error.h"
+#include "mt/graph.h"
+#include "plugin_manager.h"
+
+namespace fs = std::filesystem;
+
+namespace mt {
+
+double learning_rate_at(int64_t step, double peak, int64_t warmup, int64_t schedule_steps,
+                        double final_fraction) {
+  if (warmup > 0 && step <= warmup) return peak * static_cast<double>(step) / static_cast<double>(warmup);
+  if (step >= schedule_steps) return peak * final_fraction;
+  const double span = static_cast<double>(std::max<int64_t>(1, schedule_steps - warmup));
+  const double progress = static_cast<double>(step - warmup) / span;
+  const double cosine = 0.5 * (1.0 + std::cos(M_PI * progress));
+  return peak * (final_fraction + (1.0 - final_fraction) * cosine);
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+std::string progress_bar(int64_t step, int64_t steps, double eta_s, double loss, double tps,
+                         double mfu) {
+  const int width = 30;
+  const int fill = static_cast<int>(width * step / std::max<int64_t>(1, steps));
+  std::string bar(static_cast<size_t>(fill), '#');
+  bar += std::string(static_cast<size_t>(width - fill), '.');
+  return fmt::format("\r[{}] {}/{} loss {:.4f} | {:.0f} tok/s | MFU {:.1f}% | ETA {:.0f}s   ", bar,
+                     step, steps, loss, tps, 100 * mfu, eta_s);
+}
+
+}  // namespace
+
+TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
+  ModelRunner runner(cfg, plugins);
+  Backend& be = runner.backend();
+  const int64_t steps = cfg.get_int("steps");
+  const int64_t accum = cfg.get_int("gradient_accumulation_steps");
+  const int64_t batch = cfg.get_int("per_device_batch_size");
+  const int64_t seq = cfg.get_int("max_target_length");
+  const int64_t log_period = cfg.get_int("log_period");
+  const int64_t eval_interval = cfg.get_int("eval_interval");
+  const int64_t eval_steps = cfg.get_int("eval_steps");
+  const double peak_lr = cfg.get_float("learning_rate");
+  int64_t schedule_steps = cfg.get_int("learning_rate_schedule_steps");
+  if (schedule_steps < 0) schedule_steps = steps;
+  const auto warmup = static_cast<int64_t>(
+      std::llround(cfg.get_float("warmup_steps_fraction") * static_cast<double>(schedule_steps)));
+  const double final_fraction = cfg.get_float("learning_rate_final_fraction");
+  const double clip = cfg.get_float("gradient_clipping_threshold");
+  const auto z_loss = static_cast<float>(cfg.get_float("z_loss_multiplier"));
+  AdamWParams adam;
+  adam.b1 = static_cast<float>(cfg.get_float("adam_b1"));
+  adam.b2 = static_cast<float>(cfg.get_float("adam_b2"));
+  adam.eps = static_cast<float>(cfg.get_float("adam_eps"));
+  const auto weight_decay = static_cast<float>(cfg.get_float("adam_weight_decay"));
+
+  // Outputs: the resolved config beside the metrics.
+  const fs::path run_dir = fs::path(cfg.get_string("base_output_directory")) / cfg.get_string("run_name");
+  fs::create_directories(run_dir);
+  {
+    std::ofstream c(run_dir / "config.yml");
+    c << cfg.to_yaml(true);
+  }
+  std::ofstream metrics(run_dir / "metrics.jsonl", std::ios::app);
+  if (!metrics) throw Error("Cannot write metrics to " + (run_dir / "metrics.jsonl").string() + ".");
+
+  // Data.
+  const std::string dataset = cfg.get_string("dataset_type");
+  std::unique_ptr<DatasetSource> data = plugins.dataset_factory(dataset)(cfg, DataShard{}, nullptr);
+
+  // Model FLOPs and the peak they are measured against.
+  const double flops_per_token =
+      training_flops_per_token(runner.model(), runner.tied_embedding(), seq);
+  const ParamCounts counts = count_parameters(runner.model(), runner.tied_embedding());
+  double peak = cfg.get_float("device_peak_tflops") * 1e12;
+  if (peak <= 0) peak = be.peak_flops(runner.compute_dtype());
+
+  runner.init_parameters(static_cast<uint64_t>(cfg.get_int("init_weights_seed")));
+  runner.enable_gradients();
+  std::vector<Tensor> m, v;
+  for (auto& p : runner.params()) {
+    m.push_back(be.zeros(p.spec.shape, DType::f32));
+    v.push_back(be.zeros(p.spec.shape, DType::f32));
+  }
+
+  const bool tty = !quiet && isatty(fileno(stdout));
+  if (!quiet) {
+    std::printf("mt run: %s (%s family), %s parameters (%s in matmuls), %s\n",
+                cfg.get_string("model_name").c_str(), cfg.get_string("decoder_block").c_str(),
+                human_count(static_cast<double>(counts.total)).c_str(),
+                human_count(static_cast<double>(counts.matmul)).c_str(), be.describe().c_str());
+    std::printf("mt run: attention=%s remat_policy=%s dtype=%s weight_dtype=%s data=%s "
+                "batch=%ldx%ld accumulation=%ld steps=%ld peak=%.1f TFLOP/s\n",
+                runner.attention().name().c_str(), cfg.get_string("remat_policy").c_str(),
+                dtype_name(runner.compute_dtype()), dtype_name(runner.weight_dtype()),
+                dataset.c_str(), static_cast<long>(batch), static_cast<long>(seq),
+                static_cast<long>(accum), static_cast<long>(steps), peak / 1e12);
+    std::printf("mt run: metrics -> %s\n", (run_dir / "metrics.jsonl").string().c_str());
+    std::fflush(stdout);
+  }
+
+  auto eval_loss = [&]() -> double {
+    double total = 0, count = 0;
+    for (int64_t i = 0; i < eval_steps; ++i) {
+      HostBatch hb;
+      if (!data->next(hb, /*eval=*/true)) break;
+      DeviceBatch db = runner.upload(hb);
+      if (db.valid_targets == 0) continue;
+      Graph g(be, /*record=*/false);
+      Tensor l = runner.loss(g, db, 0.f);
+      float lv = 0;
+      be.copy_to_host(l, &lv);
+      total += lv * static_cast<double>(db.valid_targets);
+      count += static_cast<double>(db.valid_targets);
+    }
+    return count > 0 ? total / count : -1;
+  };
+
+  TrainSummary sum;
+  sum.run_dir = run_dir.string();
+  std::vector<double> tps_hist, step_ms_hist;
+  const auto run_start = Clock::now();
+  double last_loss = 0;
+  for (int64_t step = 1; step <= steps; ++step) {
+    const auto t0 = Clock::now();
+    double data_wait = 0;
+    std::vector<DeviceBatch> micro;
+    int64_t valid = 0;
+    for (int64_t a = 0; a < accum; ++a) {
+      const auto tw = Clock::now();
+      HostBatch hb;
+      data->next(hb, /*eval=*/false);
+      data_wait += seconds_since(tw);
+      micro.push_back(runner.upload(hb));
+      valid += micro.back().valid_targets;
+    }
+    double loss = 0;
+    for (auto& mb : micro) {
+      Graph g(be);
+      const double share = valid ? static_cast<double>(mb.valid_targets) / static_cast<double>(valid) : 0;
+      Tensor l = runner.loss(g, mb, z_loss, share);
+      float lv = 0;
+      be.copy_to_host(l, &lv);
+      loss += lv;
+      g.backward(l);
+    }
+    double sq = 0;
+    for (auto& p : runner.params()) sq += be.sum_squares(p.grad);
+    const double grad_norm = std::sqrt(sq);
+    if (!std::isfinite(loss) || !std::isfinite(grad_norm)) {
+      if (tty) std::printf("\n");
+      throw Error(fmt::format(
+          "Training stopped at step {}: the {} is {} (loss {}, gradient norm {}). Lower "
+          "learning_rate (now {}), check the data, or use weight_dtype=float32; no parameters "
+          "were updated at this step.",
+          step, std::isfinite(loss) ? "gradient norm" : "loss",
+          std::isnan(std::isfinite(loss) ? grad_norm : loss) ? "NaN" : "infinite", loss,
+          grad_norm, peak_lr));
+    }
+    const double lr = learning_rate_at(step, peak_lr, warmup, schedule_steps, final_fraction);
+    adam.lr = static_cast<float>(lr);
+    adam.step = step;
+    adam.grad_scale = clip > 0 && grad_norm > clip ? static_cast<float>(clip / grad_norm) : 1.f;
+    size_t i = 0;
+    for (auto& p : runner.params()) {
+      adam.weight_decay = p.spec.weight_decay ? weight_decay : 0.f;
+      be.adamw_update(p.value, p.grad, m[i], v[i], adam);
+      ++i;
+    }
+    runner.zero_gradients();
+    be.synchronize();
+    const double step_s = seconds_since(t0);
+    const double tokens = static_cast<double>(batch * seq * accum);
+    const double tps = tokens / step_s;
+    const double tflops = tps * flops_per_token / 1e12;
+    const double mfu = tps * flops_per_token / peak;
+    if (step > 2) {  // the first steps warm up the allocator and caches
+      tps_hist.push_back(tps);
+      step_ms_hist.push_back(step_s * 1e3);
+    }
+    last_loss = loss;
+    sum.tokens += static_cast<int64_t>(tokens);
+    double ev = -1;
+    if (eval_interval > 0 && (step % eval_interval == 0 || step == steps)) ev = eval_loss();
+    if (ev >= 0) sum.final_eval_loss = ev;
+    const MemoryStats ms = be.memory_stats();
+    metrics << fmt::format(
+        "{{\"step\": {}, \"loss\": {:.6f}, \"learning_rate\": {:.6g}, \"grad_norm\": {:.6g}, "
+        "\"tokens_per_sec\": {:.2f}, \"tflops_per_device\": {:.5f}, \"mfu\": {:.5f}, "
+        "\"step_time_ms\": {:.2f}, \"data_wait_ms\": {:.3f}, \"peak_memory_mb\": {:.1f}{}}}\n",
+        step, loss, lr, grad_norm, tps, tflops, mfu, step_s * 1e3, data_wait * 1e3,
+        static_cast<double>(ms.peak_bytes_in_use) / 1e6,
+        ev >= 0 ? fmt::format(", \"eval_loss\": {:.6f}", ev) : "");
+    if (!quiet) {
+      const double eta = seconds_since(run_start) / static_cast<double>(step) *
+                         static_cast<double>(steps - step);
+      if (tty) {
+        std::printf("%s", progress_bar(step, steps, eta, loss, tps, mfu).c_str());
+        if (ev >= 0) std::printf("\n  step %ld eval loss %.4f\n", static_cast<long>(step), ev);
+      } else if (step % log_period == 0 || step == 1 || step == steps || ev >= 0) {
+        std::printf("step %5ld  loss %.4f  lr %.3g  grad_norm %.3f  %.0f tok/s  %.4f TFLOP/s  "
+                    "MFU %.1f%%  %.0f ms%s\n",
+                    static_cast<long>(step), loss, lr, grad_norm, tps, tflops, 100 * mfu,
+                    step_s * 1e3, ev >= 0 ? fmt::format("  eval_loss {:.4f}", ev).c_str() : "");
+      }
+      std::fflush(stdout);
+    }
+  }
+  metrics.flush();
+  if (tty) std::printf("\n");
+  sum.steps = steps;
+  sum.final_loss = last_loss;
+  sum.tokens_per_sec = median(tps_hist);
+  sum.step_time_ms = median(step_ms_hist);
+  sum.tflops_per_device = sum.tokens_per_sec * flops_per_token / 1e12;
+  sum.mfu = sum.tokens_per_sec * flops_per_token / peak;
+  return sum;
+}
+
+}  // namespace mt

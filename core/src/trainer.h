@@ -1,0 +1,32 @@
+// The training loop (MaxText's train.py): data -> forward/backward over micro-batches ->
+// global-norm clipping -> AdamW with warmup + cosine schedule -> metrics (loss, throughput,
+// TFLOP/s, MFU) on the terminal and in <base_output_directory>/<run_name>/metrics.jsonl.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "mt/config.h"
+
+namespace mt {
+
+class PluginManager;
+
+struct TrainSummary {
+  int64_t steps = 0;
+  int64_t tokens = 0;
+  double final_loss = 0, final_eval_loss = -1;
+  double tokens_per_sec = 0, tflops_per_device = 0, mfu = 0;  // medians after warm-up
+  double step_time_ms = 0;
+  std::string run_dir;
+};
+
+// Learning rate at `step` (1-based): linear warmup to `peak` over warmup steps, then cosine
+// decay to peak * final_fraction at schedule_steps, constant after.
+double learning_rate_at(int64_t step, double peak, int64_t warmup, int64_t schedule_steps,
+                        double final_fraction);
+
+// Trains as the config says. quiet: no terminal output (bench); throws mt::Error on NaN/Inf.
+TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet = false);
+
+}  // namespace mt

@@ -1,0 +1,209 @@
+// The Llama family (Llama 2, Llama 3, Llama 3.1/3.2): pre-norm decoder layers with RMSNorm,
+// rotary embeddings (with Llama 3.1 frequency scaling or YaRN), grouped-query attention and a
+// SwiGLU MLP; untied or tied embeddings. Written against the SDK only: the example a new family
+// follows (see sdk/ADDING_A_MODEL.md).
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mt/config.h"
+#include "mt/error.h"
+#include "mt/graph.h"
+#include "mt/model.h"
+#include "mt/plugin.h"
+
+namespace {
+
+using mt::Activation;
+using mt::Init;
+using mt::ParamSpec;
+using mt::Tensor;
+
+struct LlamaConfig {
+  int64_t vocab = 0, d = 0, heads = 0, kv_heads = 0, head_dim = 0, mlp = 0, layers = 0;
+  float eps = 1e-5f;
+  bool tied = false;
+  mt::RopeSpec rope;
+  mt::AttentionSpec attn;
+  float final_softcap = 0.f;
+
+  explicit LlamaConfig(const mt::Config& c) {
+    vocab = c.get_int("vocab_size");
+    d = c.get_int("base_emb_dim");
+    heads = c.get_int("base_num_query_heads");
+    kv_heads = c.get_int("base_num_kv_heads");
+    head_dim = c.get_int("head_dim");
+    mlp = c.get_int("base_mlp_dim");
+    layers = c.get_int("base_num_decoder_layers");
+    eps = static_cast<float>(c.get_float("normalization_layer_epsilon"));
+    tied = c.get_bool("logits_via_embedding");
+    const std::string rt = c.get_string("rope_type");
+    rope.type = rt == "llama3.1" ? mt::RopeSpec::Type::llama3
+                : rt == "yarn"   ? mt::RopeSpec::Type::yarn
+                                 : mt::RopeSpec::Type::standard;
+    rope.theta = static_cast<float>(c.get_float("rope_max_timescale"));
+    rope.rotary_dim = static_cast<int>(
+        std::lround(static_cast<double>(head_dim) * c.get_float("partial_rotary_factor")));
+    rope.factor = static_cast<float>(c.get_float("rope_factor"));
+    rope.low_freq_factor = static_cast<float>(c.get_float("rope_low_freq_factor"));
+    rope.high_freq_factor = static_cast<float>(c.get_float("rope_high_freq_factor"));
+    rope.original_max_position = c.get_int("original_max_position_embeddings");
+    rope.beta_fast = static_cast<float>(c.get_float("beta_fast"));
+    rope.beta_slow = static_cast<float>(c.get_float("beta_slow"));
+    attn.causal = true;
+    attn.window = c.get_int("sliding_window_size");
+    attn.softcap = static_cast<float>(c.get_float("attn_logits_soft_cap"));
+    attn.scale = 1.f / std::sqrt(static_cast<float>(head_dim));
+    final_softcap = static_cast<float>(c.get_float("final_logits_soft_cap"));
+  }
+};
+
+// Dense weights are stored [in, out] (y = x @ W) and initialised as MaxText does: truncated
+// normal with the fan-in variance scaling 1 / fan_in.
+ParamSpec dense(const std::string& name, int64_t in, int64_t out) {
+  return {name, {in, out}, Init::truncated_normal,
+          static_cast<float>(1.0 / std::sqrt(static_cast<double>(in))), true, true};
+}
+ParamSpec norm(const std::string& name, int64_t d) {
+  return {name, {d}, Init::ones, 0.f, /*weight_decay=*/false, /*matmul=*/false};
+}
+
+class LlamaLayer final : public mt::DecoderLayer {
+ public:
+  explicit LlamaLayer(const LlamaConfig& c) : c_(c) {}
+
+  // Order matters: forward() reads the tensors by index.
+  std::vector<ParamSpec> parameters() const override {
+    const int64_t q = c_.heads * c_.head_dim, kv = c_.kv_heads * c_.head_dim;
+    return {norm("attn_norm", c_.d),   dense("wq", c_.d, q),       dense("wk", c_.d, kv),
+            dense("wv", c_.d, kv),     dense("wo", q, c_.d),       norm("mlp_norm", c_.d),
+            dense("w_gate", c_.d, c_.mlp), dense("w_up", c_.d, c_.mlp), dense("w_down", c_.mlp, c_.d)};
+  }
+
+  // x [B, T, D] -> [B, T, D]
+  Tensor forward(mt::Graph& g, const std::vector<Tensor>& p, const Tensor& x,
+                 const mt::LayerInputs& in) const override {
+    const int64_t b = x.dim(0), t = x.dim(1);
+    Tensor h = g.rmsnorm(x, p[0], c_.eps);
+    Tensor q = g.reshape(g.matmul(h, p[1]), {b, t, c_.heads, c_.head_dim});
+    Tensor k = g.reshape(g.matmul(h, p[2]), {b, t, c_.kv_heads, c_.head_dim});
+    Tensor v = g.reshape(g.matmul(h, p[3]), {b, t, c_.kv_heads, c_.head_dim});
+    q = g.rope(q, in.positions, c_.rope);
+    k = g.rope(k, in.positions, c_.rope);
+    MT_CHECK(in.attention != nullptr, "llama: no attention kernel given to the layer");
+    Tensor a = g.attention(*in.attention, q, k, v, in.segment_ids, in.segment_ids, c_.attn);
+    a = g.reshape(a, {b, t, c_.heads * c_.head_dim});
+    Tensor r = g.add(x, g.matmul(a, p[4]));
+    h = g.rmsnorm(r, p[5], c_.eps);
+    Tensor m = g.gated(Activation::silu, g.matmul(h, p[6]), g.matmul(h, p[7]));
+    return g.add(r, g.matmul(m, p[8]));
+  }
+
+ private:
+  LlamaConfig c_;
+};
+
+class LlamaModel final : public mt::Model {
+ public:
+  explicit LlamaModel(const mt::Config& cfg) : c_(cfg), layer_(c_) {}
+
+  mt::ModelDims dims() const override {
+    mt::ModelDims m;
+    m.vocab_size = c_.vocab;
+    m.d_model = c_.d;
+    m.num_layers = c_.layers;
+    m.num_query_heads = c_.heads;
+    m.num_kv_heads = c_.kv_heads;
+    m.head_dim = c_.head_dim;
+    m.mlp_dim = c_.mlp;
+    return m;
+  }
+
+  // embedding [V, D], final_norm [D], lm_head [D, V] (absent when tied to the embedding)
+  std::vector<ParamSpec> top_parameters() const override {
+    std::vector<ParamSpec> r = {
+        {"embedding", {c_.vocab, c_.d}, Init::normal, c_.tied ? 1.f / std::sqrt(float(c_.d)) : 1.f,
+         true, false},
+        norm("final_norm", c_.d)};
+    if (!c_.tied) r.push_back(dense("lm_head", c_.d, c_.vocab));
+    return r;
+  }
+  int num_layers() const override { return static_cast<int>(c_.layers); }
+  // Every Llama layer has the same structure; only its parameters differ.
+  const mt::DecoderLayer& layer(int) const override { return layer_; }
+
+  Tensor embed(mt::Graph& g, const std::vector<Tensor>& top, const Tensor& tokens) const override {
+    return g.embedding(top[0], tokens);
+  }
+  // hidden [B, T, D] -> logits [B, T, V]
+  Tensor head(mt::Graph& g, const std::vector<Tensor>& top, const Tensor& hidden) const override {
+    Tensor h = g.rmsnorm(hidden, top[1], c_.eps);
+    // Tied: logits = h @ embedding^T, the table shared with the input lookup.
+    Tensor logits = c_.tied ? g.matmul(h, top[0], false, true) : g.matmul(h, top[2]);
+    if (c_.final_softcap > 0.f) logits = g.softcap(logits, c_.final_softcap);
+    return logits;
+  }
+
+  HfName hf_name(const std::string& n) const override {
+    if (n == "embedding") return {"model.embed_tokens.weight", false};
+    if (n == "final_norm") return {"model.norm.weight", false};
+    if (n == "lm_head") return {"lm_head.weight", true};
+    // "layers.<i>.<param>"
+    const auto dot = n.find('.', 7);
+    if (n.rfind("layers.", 0) != 0 || dot == std::string::npos) return {};
+    const std::string prefix = "model.layers." + n.substr(7, dot - 7) + ".";
+    const std::string p = n.substr(dot + 1);
+    if (p == "attn_norm") return {prefix + "input_layernorm.weight", false};
+    if (p == "mlp_norm") return {prefix + "post_attention_layernorm.weight", false};
+    if (p == "wq") return {prefix + "self_attn.q_proj.weight", true};
+    if (p == "wk") return {prefix + "self_attn.k_proj.weight", true};
+    if (p == "wv") return {prefix + "self_attn.v_proj.weight", true};
+    if (p == "wo") return {prefix + "self_attn.o_proj.weight", true};
+    if (p == "w_gate") return {prefix + "mlp.gate_proj.weight", true};
+    if (p == "w_up") return {prefix + "mlp.up_proj.weight", true};
+    if (p == "w_down") return {prefix + "mlp.down_proj.weight", true};
+    return {};
+  }
+
+ private:
+  LlamaConfig c_;
+  LlamaLayer layer_;
+};
+
+class LlamaFamily final : public mt::ModelFamily {
+ public:
+  std::string name() const override { return "llama"; }
+
+  void validate(const mt::Config& c) const override {
+    const int64_t heads = c.get_int("base_num_query_heads");
+    const int64_t kv = c.get_int("base_num_kv_heads");
+    if (heads % kv != 0)
+      c.reject("base_num_kv_heads",
+               "must divide base_num_query_heads=" + std::to_string(heads) +
+                   " (each group of query heads shares one key/value head).");
+    const int64_t hd = c.get_int("head_dim");
+    const double prf = c.get_float("partial_rotary_factor");
+    const auto rot = std::lround(static_cast<double>(hd) * prf);
+    if (prf <= 0 || prf > 1 || rot % 2 != 0)
+      c.reject("partial_rotary_factor",
+               "must be in (0, 1] and give an even number of rotary features of head_dim=" +
+                   std::to_string(hd) + ".");
+    const auto acts = c.get_string_list("mlp_activations");
+    if (acts.size() != 2 || acts[0] != "silu" || acts[1] != "linear")
+      c.reject("mlp_activations", "must be [silu, linear] for the llama family (SwiGLU).");
+  }
+
+  std::unique_ptr<mt::Model> build(const mt::Config& c) const override {
+    validate(c);
+    return std::make_unique<LlamaModel>(c);
+  }
+};
+
+void register_llama(mt::Registry& r) {
+  r.add_model_family("llama", [] { return std::make_unique<LlamaFamily>(); });
+}
+
+}  // namespace
+
+MT_PLUGIN(mt::PluginKind::model, "llama", "0.1.0", register_llama, nullptr)

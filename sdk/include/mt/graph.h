@@ -1,0 +1,93 @@
+// Graph: the differentiable op set model plugins write their forward passes with.
+//
+// Each op runs its backend's forward kernel at once (eager) and, while the graph records and
+// some input needs a gradient, appends an entry to the tape that knows how to run the matching
+// backward kernels. backward() replays the tape in reverse, accumulating into each tensor's
+// gradient; parameters marked with track() accumulate into the gradient buffers they were given
+// (so gradient accumulation over micro-batches is free).
+//
+// Rematerialisation (remat_policy) is the core's, at decoder-layer granularity: see remat().
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "mt/attention.h"
+#include "mt/backend.h"
+#include "mt/export.h"
+#include "mt/tensor.h"
+
+namespace mt {
+
+// Autograd identity of a tensor: its gradient, allocated on first use.
+struct GradNode {
+  Shape shape;
+  DType dtype = DType::f32;
+  Tensor grad;       // undefined until some consumer's backward produced a gradient
+  bool leaf = false; // a tracked parameter: its grad is the caller's buffer, never freed
+};
+
+enum class RematPolicy : uint8_t { none, minimal, full };
+bool parse_remat_policy(const std::string& s, RematPolicy& out);
+
+class MT_API Graph {
+ public:
+  explicit Graph(Backend& backend, bool record = true);
+  ~Graph();
+  Graph(const Graph&) = delete;
+  Graph& operator=(const Graph&) = delete;
+
+  Backend& backend() const { return *backend_; }
+  bool recording() const { return record_; }
+
+  // Marks `param` as a leaf whose gradient accumulates (+=) into `grad` (same shape).
+  static void track(Tensor& param, Tensor grad);
+  // A new handle to the same data with no autograd history (gradients stop here).
+  static Tensor detach(const Tensor& x);
+
+  // ---- differentiable ops (shapes as the backend kernels, backend.h) ------------------------
+  // a [..., M, K] (or [..., K, M] with trans_a), b [K, N] (shared) or [..., K, N] batched
+  // (transposed with trans_b). A shared 2-D b requires trans_a == false.
+  Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans_b = false);
+  Tensor add(const Tensor& a, const Tensor& b);
+  Tensor mul(const Tensor& a, const Tensor& b);
+  Tensor scale(const Tensor& x, float s);
+  Tensor reshape(const Tensor& x, const Shape& shape);
+  Tensor cast(const Tensor& x, DType dtype);
+  Tensor embedding(const Tensor& table, const Tensor& ids);  // ids [B, T] -> [B, T, D]
+  Tensor rmsnorm(const Tensor& x, const Tensor& w, float eps, bool plus_one = false);
+  Tensor layernorm(const Tensor& x, const Tensor& w, const Tensor& b, float eps);
+  Tensor rope(const Tensor& x, const Tensor& positions, const RopeSpec& spec);
+  Tensor activation(Activation act, const Tensor& x);
+  Tensor gated(Activation act, const Tensor& gate, const Tensor& up);
+  Tensor softcap(const Tensor& x, float cap);
+  Tensor softmax(const Tensor& x);
+  // q [B, T, Hq, D], k/v [B, S, Hkv, D] -> [B, T, Hq, D]
+  Tensor attention(AttentionKernel& kernel, const Tensor& q, const Tensor& k, const Tensor& v,
+                   const Tensor& q_segment, const Tensor& kv_segment, const AttentionSpec& spec);
+  // logits [N, V], targets [N] i32 -> scalar [1] f32 = weight * sum of per-row losses
+  // (rows with target < 0 count 0). weight = 1 / (number of counted rows) gives the mean.
+  Tensor cross_entropy(const Tensor& logits, const Tensor& targets, float z_loss, float weight);
+
+  // Runs f(g, x) as one rematerialisable block (a decoder layer). none: recorded as usual.
+  // full: f runs without recording; the backward re-runs it, recording, from the saved input.
+  // minimal: like full, but the forward keeps every matmul output and the re-run reuses them,
+  // so only the cheap ops are recomputed.
+  Tensor remat(RematPolicy policy, const std::function<Tensor(Graph&, const Tensor&)>& f,
+               const Tensor& x);
+
+  // Backpropagates from `y` with seed gradient `dy` (same shape as y), or 1 for a scalar y.
+  void backward(const Tensor& y, const Tensor& dy = Tensor());
+
+  size_t tape_size() const;
+
+  struct Impl;
+
+ private:
+  Backend* backend_;
+  bool record_;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace mt

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs this build of mt into a temporary prefix, builds the SDK's template model plugin out
+# of tree against it, and checks that the installed mt finds and uses it via MT_PLUGIN_PATH.
+set -euo pipefail
+build=$1
+src=$2
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+cmake --install "$build" --prefix "$work/prefix" >/dev/null
+launcher=()
+command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+cmake -S "$src/sdk/template" -B "$work/tiny" -DCMAKE_PREFIX_PATH="$work/prefix" \
+  -DCMAKE_BUILD_TYPE=Release "${launcher[@]}" >"$work/configure.log" 2>&1 ||
+  { cat "$work/configure.log"; exit 1; }
+cmake --build "$work/tiny" -j2 >"$work/build.log" 2>&1 || { cat "$work/build.log"; exit 1; }
+mt=$work/prefix/bin/mt
+export MT_PLUGIN_PATH=$work/tiny
+fail() { echo "FAIL: $*"; exit 1; }
+out=$("$mt" plugins) || fail "mt plugins exited $?"
+echo "$out"
+grep -Eq '^model +tiny +1\.0\.0 +1 +.*libmt_model_tiny\.so' <<<"$out" || fail "mt plugins does not list the tiny plugin"
+out=$("$mt" models) || fail "mt models exited $?"
+echo "$out"
+grep -Eq '^tiny-template +tiny +[0-9.]+K' <<<"$out" || fail "mt models does not size tiny-template"
+out=$("$mt" config --model=tiny-template base_emb_dim=48) || fail "mt config exited $?"
+grep -q '^decoder_block: tiny' <<<"$out" || fail "mt config did not resolve the family"
+grep -q '^base_emb_dim: 48' <<<"$out" || fail "mt config did not apply the override"
+echo "out-of-tree plugin OK"
