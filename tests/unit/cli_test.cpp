@@ -1,0 +1,121 @@
+// The `mt` executable: commands, exit codes, and the one-paragraph errors of the foundation issue.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "test_support.h"
+
+namespace fs = std::filesystem;
+
+namespace mt {
+namespace {
+
+struct Result {
+  int code;
+  std::string out;
+};
+
+Result mt_cmd(const std::string& args) {
+  Result r;
+  r.code = test::run_command("MT_PLUGIN_PATH= " + test::mt_exe() + " " + args, r.out);
+  return r;
+}
+
+TEST(Cli, HelpAndVersion) {
+  auto r = mt_cmd("--help");
+  EXPECT_EQ(r.code, 0);
+  for (const char* c : {"run", "decode", "convert", "score", "bench", "plugins", "models", "config"})
+    EXPECT_NE(r.out.find(std::string("  ") + c), std::string::npos) << c;
+  r = mt_cmd("--version");
+  EXPECT_EQ(r.code, 0);
+  EXPECT_NE(r.out.find("plugin ABI"), std::string::npos);
+  for (const char* c : {"run", "decode", "convert", "score", "bench", "plugins", "models", "config"}) {
+    r = mt_cmd(std::string(c) + " --help");
+    EXPECT_EQ(r.code, 0) << c;
+    EXPECT_NE(r.out.find("Usage: mt " + std::string(c)), std::string::npos) << c << r.out;
+  }
+}
+
+TEST(Cli, UnknownCommandIsAUsageError) {
+  auto r = mt_cmd("frobnicate");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("unknown command 'frobnicate'"), std::string::npos) << r.out;
+}
+
+TEST(Cli, UnimplementedCommandsSaySoAndFail) {
+  for (const char* c : {"decode", "score", "convert"}) {
+    auto r = mt_cmd(c);
+    EXPECT_NE(r.code, 0) << c;
+    EXPECT_NE(r.out.find("not implemented yet"), std::string::npos) << c << r.out;
+  }
+}
+
+TEST(Cli, PluginsListsKindNameVersionAbiPathAndFailures) {
+  auto r = mt_cmd(std::string("plugins plugin_dirs=[") + MT_TEST_PLUGIN_DIR + "]");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("backend  cpu            0.1.0    1"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("GEMM"), std::string::npos) << r.out;  // the CPU backend's path
+  EXPECT_NE(r.out.find("libmt_model_badabi.so"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("FAILED: was built for plugin ABI"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("libmt_test_missing.so"), std::string::npos) << r.out;
+}
+
+TEST(Cli, ModelsListsFamiliesAndPublishedSizes) {
+  auto r = mt_cmd("models");
+  EXPECT_EQ(r.code, 0) << r.out;
+  const std::pair<const char*, const char*> expect[] = {
+      {"llama2-7b", "6.74B"},    {"llama2-13b", "13.02B"},   {"llama2-70b", "68.98B"},
+      {"llama3-8b", "8.03B"},    {"llama3.1-8b", "8.03B"},   {"llama3-70b", "70.55B"},
+      {"llama3.1-405b", "405.85B"}, {"llama3.2-1b", "1.24B"}, {"llama3.2-3b", "3.21B"}};
+  for (const auto& [name, size] : expect) {
+    const auto pos = r.out.find(std::string("\n") + name + " ");
+    ASSERT_NE(pos, std::string::npos) << name << "\n" << r.out;
+    const std::string line = r.out.substr(pos + 1, r.out.find('\n', pos + 1) - pos - 1);
+    EXPECT_NE(line.find("llama"), std::string::npos) << line;
+    EXPECT_NE(line.find(size), std::string::npos) << line;
+  }
+}
+
+TEST(Cli, ConfigPrintsTheLayeredConfig) {
+  const fs::path dir = fs::temp_directory_path() / ("mt_cli_test_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const fs::path file = dir / "exp.yml";
+  std::ofstream(file) << "learning_rate: 0.001\nsteps: 7\n";
+  auto r = mt_cmd("config --model=llama2-7b --config=" + file.string() + " steps=9 --log_period=3");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("\nbase_emb_dim: 4096\n"), std::string::npos) << r.out;  // model file
+  EXPECT_NE(r.out.find("\nlearning_rate: 0.001\n"), std::string::npos) << r.out;  // --config
+  EXPECT_NE(r.out.find("\nsteps: 9\n"), std::string::npos) << r.out;              // override wins
+  EXPECT_NE(r.out.find("\nlog_period: 3\n"), std::string::npos) << r.out;         // --key=value
+  fs::remove_all(dir);
+}
+
+TEST(Cli, BadInputIsRefusedWithExitCode2) {
+  const fs::path dir = fs::temp_directory_path() / ("mt_cli_bad_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  std::ofstream(dir / "bad.yml") << "steps: 3\nlearning_rate: [1, 2\n";
+  struct Case {
+    std::string args, needle;
+  } cases[] = {
+      {"config --config=" + (dir / "bad.yml").string(), "bad.yml:"},
+      {"config learning_rte=0.1", "learning_rate"},
+      {"config steps=abc", "steps"},
+      {"config steps=0", "steps"},
+      {"config attention=fast", "dot_product"},
+      {"config --model=llama9", "llama2-7b"},
+      {"config --config=/nonexistent/x.yml", "/nonexistent/x.yml"},
+      {"run backend=tpu", "libmt_backend_tpu.so"},
+      {"run --model=llama2-7b backend=cuda steps=1", "cuda"},
+  };
+  for (const auto& c : cases) {
+    auto r = mt_cmd(c.args);
+    EXPECT_EQ(r.code, 2) << c.args << "\n" << r.out;
+    EXPECT_NE(r.out.find(c.needle), std::string::npos) << c.args << "\n" << r.out;
+    EXPECT_NE(r.out.find("error:"), std::string::npos) << r.out;
+  }
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace mt

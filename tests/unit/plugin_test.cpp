@@ -1,0 +1,118 @@
+// Plugin discovery and loading: search order, lazy loading, and every failure as a sentence.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+
+#include "mt/config.h"
+#include "mt/error.h"
+#include "mt/version.h"
+#include "mt/model.h"
+#include "plugin_manager.h"
+#include "test_support.h"
+
+namespace fs = std::filesystem;
+
+namespace mt {
+namespace {
+
+const fs::path kBroken = MT_TEST_PLUGIN_DIR;
+
+const PluginRecord* find(const std::vector<PluginRecord>& recs, const std::string& file) {
+  for (const auto& r : recs)
+    if (r.path.filename() == file) return &r;
+  return nullptr;
+}
+
+TEST(Plugins, SearchOrderStartsAtTheInstallDirAndNeverTheCurrentDir) {
+  PluginManager pm({kBroken});
+  ASSERT_GE(pm.search_dirs().size(), 2u);
+  EXPECT_EQ(pm.search_dirs().front(), PluginManager::core_library_dir() / "mt" / "plugins");
+  EXPECT_EQ(pm.search_dirs().back(), kBroken);
+  for (const auto& d : pm.search_dirs()) EXPECT_NE(d, fs::current_path());
+}
+
+TEST(Plugins, ScanListsTheRealPlugins) {
+  PluginManager pm;
+  const auto recs = pm.scan();
+  const PluginRecord* cpu = find(recs, "libmt_backend_cpu.so");
+  ASSERT_NE(cpu, nullptr);
+  EXPECT_TRUE(cpu->ok) << cpu->error;
+  EXPECT_EQ(cpu->kind, "backend");
+  EXPECT_EQ(cpu->name, "cpu");
+  EXPECT_EQ(cpu->abi, MT_ABI_VERSION);
+  const PluginRecord* llama = find(recs, "libmt_model_llama.so");
+  ASSERT_NE(llama, nullptr);
+  EXPECT_TRUE(llama->ok) << llama->error;
+}
+
+TEST(Plugins, WrongAbiIsRefusedBeforeRegistration) {
+  PluginManager pm({kBroken});
+  const auto recs = pm.scan();
+  const PluginRecord* r = find(recs, "libmt_model_badabi.so");
+  ASSERT_NE(r, nullptr);
+  EXPECT_FALSE(r->ok);
+  EXPECT_EQ(r->abi, MT_ABI_VERSION + 998u);
+  EXPECT_NE(r->error.find("ABI " + std::to_string(MT_ABI_VERSION + 998u)), std::string::npos)
+      << r->error;
+  EXPECT_NE(r->error.find("rebuild"), std::string::npos) << r->error;
+  try {
+    pm.require("model", "badabi");
+    FAIL() << "loading a wrong-ABI plugin must throw";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("ABI"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Plugins, MissingDependencyNamesTheLibrary) {
+  PluginManager pm({kBroken});
+  const auto recs = pm.scan();
+  const PluginRecord* r = find(recs, "libmt_backend_missingdep.so");
+  ASSERT_NE(r, nullptr);
+  EXPECT_FALSE(r->ok);
+  EXPECT_NE(r->error.find("libmt_test_missing.so"), std::string::npos) << r->error;
+  EXPECT_THROW(pm.make_backend("missingdep", Config()), UsageError);
+}
+
+TEST(Plugins, SharedObjectWithoutEntryIsReported) {
+  PluginManager pm({kBroken});
+  const auto recs = pm.scan();
+  const PluginRecord* r = find(recs, "libmt_model_nosym.so");
+  ASSERT_NE(r, nullptr);
+  EXPECT_FALSE(r->ok);
+  EXPECT_NE(r->error.find("mt_plugin_entry"), std::string::npos) << r->error;
+}
+
+TEST(Plugins, UnknownNameSaysWhatWasSearchedAndFound) {
+  PluginManager pm({kBroken});
+  try {
+    pm.make_backend("tpu", Config());
+    FAIL() << "an unknown backend must throw";
+  } catch (const UsageError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("libmt_backend_tpu.so"), std::string::npos) << m;
+    EXPECT_NE(m.find(kBroken.string()), std::string::npos) << m;  // where it looked
+    EXPECT_NE(m.find("cpu"), std::string::npos) << m;             // what it found
+    EXPECT_NE(m.find("missingdep (unusable"), std::string::npos) << m;
+  }
+}
+
+TEST(Plugins, LoadsLazilyAndOnce) {
+  PluginManager pm({kBroken});
+  pm.require("model", "good");
+  pm.require("model", "good");  // second time is a no-op
+  EXPECT_THROW(pm.make_model_family("good"), UsageError);  // loaded, but registers no family
+}
+
+TEST(Plugins, PluginPathEnvironmentIsSearched) {
+  ::setenv("MT_PLUGIN_PATH", (kBroken.string() + ":/nonexistent").c_str(), 1);
+  PluginManager pm;
+  ::unsetenv("MT_PLUGIN_PATH");
+  bool has = false;
+  for (const auto& d : pm.search_dirs()) has = has || d == kBroken;
+  EXPECT_TRUE(has);
+  EXPECT_NO_THROW(pm.require("model", "good"));
+}
+
+}  // namespace
+}  // namespace mt
