@@ -1,0 +1,995 @@
+#include "safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <set>
+
+#include "mt/backend.h"
+#include "mt/error.h"
+
+namespace mt {
+namespace {
+
+// The reference implementation refuses headers above 100 MB; a larger length is corruption, and
+// refusing it early avoids parsing gigabytes of tensor data as JSON.
+constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+// Nesting deeper than the format needs (object -> object -> array) is rejected; the bound only
+// keeps the recursive parser's stack small on hostile input.
+constexpr int kMaxDepth = 16;
+
+std::string quoted(const std::filesystem::path& p) {
+  // Built by appending: GCC 12 warns falsely (-Wrestrict) about "'" + std::string&&.
+  std::string s = p.string();
+  s.insert(s.begin(), '\'');
+  s += '\'';
+  return s;
+}
+
+[[noreturn]] void file_error(const std::filesystem::path& p, const std::string& what) {
+  throw Error("safetensors file " + quoted(p) + ": " + what);
+}
+
+// ---- a JSON parser limited to what a safetensors header can hold ----------------------------
+// Hand-written so the core needs no JSON dependency. Numbers are kept as unsigned 64-bit integers
+// when they are plain digit strings (all the format uses); any other number is parsed only to be
+// refused where an integer is required.
+struct JsonValue {
+  enum class Kind { null, boolean, number, string, array, object };
+  Kind kind = Kind::null;
+  bool is_uint = false;  // number written as plain digits that fit in uint64
+  uint64_t uint = 0;
+  std::string str;
+  std::vector<JsonValue> items;
+  std::vector<std::pair<std::string, JsonValue>> members;  // in file order
+};
+
+const char* kind_name(JsonValue::Kind k) {
+  switch (k) {
+    case JsonValue::Kind::null:
+      return "null";
+    case JsonValue::Kind::boolean:
+      return "a boolean";
+    case JsonValue::Kind::number:
+      return "a number";
+    case JsonValue::Kind::string:
+      return "a string";
+    case JsonValue::Kind::array:
+      return "an array";
+    case JsonValue::Kind::object:
+      return "an object";
+  }
+  return "?";
+}
+
+class JsonParser {
+ public:
+  explicit JsonParser(std::string_view text) : s_(text) {}
+
+  // Throws std::string (caught by the caller, which adds the file name).
+  JsonValue parse_document() {
+    skip_ws();
+    JsonValue v = parse_value(0);
+    skip_ws();
+    if (pos_ != s_.size()) fail("unexpected characters after the JSON object");
+    return v;
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& what) const {
+    throw std::string(what + " at byte " + std::to_string(pos_) + " of the header");
+  }
+
+  void skip_ws() {
+    while (pos_ < s_.size() &&
+           (s_[pos_] == ' ' || s_[pos_] == '\t' || s_[pos_] == '\n' || s_[pos_] == '\r'))
+      ++pos_;
+  }
+
+  char peek() const { return pos_ < s_.size() ? s_[pos_] : '\0'; }
+
+  void expect(char c) {
+    if (pos_ >= s_.size()) fail(std::string("unexpected end of header, expected '") + c + "'");
+    if (s_[pos_] != c) fail(std::string("expected '") + c + "'");
+    ++pos_;
+  }
+
+  JsonValue parse_value(int depth) {
+    if (depth > kMaxDepth) fail("JSON nested too deeply");
+    if (pos_ >= s_.size()) fail("unexpected end of header");
+    char c = s_[pos_];
+    JsonValue v;
+    if (c == '{') {
+      v.kind = JsonValue::Kind::object;
+      ++pos_;
+      skip_ws();
+      if (peek() == '}') {
+        ++pos_;
+        return v;
+      }
+      while (true) {
+        skip_ws();
+        if (peek() != '"') fail("expected a string key");
+        std::string key = parse_string();
+        skip_ws();
+        expect(':');
+        skip_ws();
+        v.members.emplace_back(std::move(key), parse_value(depth + 1));
+        skip_ws();
+        if (peek() == ',') {
+          ++pos_;
+          continue;
+        }
+        expect('}');
+        return v;
+      }
+    }
+    if (c == '[') {
+      v.kind = JsonValue::Kind::array;
+      ++pos_;
+      skip_ws();
+      if (peek() == ']') {
+        ++pos_;
+        return v;
+      }
+      while (true) {
+        skip_ws();
+        v.items.push_back(parse_value(depth + 1));
+        skip_ws();
+        if (peek() == ',') {
+          ++pos_;
+          continue;
+        }
+        expect(']');
+        return v;
+      }
+    }
+    if (c == '"') {
+      v.kind = JsonValue::Kind::string;
+      v.str = parse_string();
+      return v;
+    }
+    if (c == '-' || (c >= '0' && c <= '9')) return parse_number();
+    if (literal("true")) {
+      v.kind = JsonValue::Kind::boolean;
+      return v;
+    }
+    if (literal("false")) {
+      v.kind = JsonValue::Kind::boolean;
+      return v;
+    }
+    if (literal("null")) return v;
+    fail("invalid JSON value");
+  }
+
+  bool literal(std::string_view word) {
+    if (s_.substr(pos_, word.size()) != word) return false;
+    pos_ += word.size();
+    return true;
+  }
+
+  JsonValue parse_number() {
+    JsonValue v;
+    v.kind = JsonValue::Kind::number;
+    size_t start = pos_;
+    bool negative = false;
+    if (peek() == '-') {
+      negative = true;
+      ++pos_;
+    }
+    if (!(peek() >= '0' && peek() <= '9')) fail("invalid number");
+    if (peek() == '0' && pos_ + 1 < s_.size() && s_[pos_ + 1] >= '0' && s_[pos_ + 1] <= '9')
+      fail("invalid number (leading zero)");
+    bool overflow = false;
+    uint64_t value = 0;
+    while (peek() >= '0' && peek() <= '9') {
+      uint64_t d = static_cast<uint64_t>(peek() - '0');
+      if (value > (std::numeric_limits<uint64_t>::max() - d) / 10) overflow = true;
+      value = value * 10 + d;
+      ++pos_;
+    }
+    bool plain = !negative && !overflow;
+    if (peek() == '.') {
+      plain = false;
+      ++pos_;
+      if (!(peek() >= '0' && peek() <= '9')) fail("invalid number");
+      while (peek() >= '0' && peek() <= '9') ++pos_;
+    }
+    if (peek() == 'e' || peek() == 'E') {
+      plain = false;
+      ++pos_;
+      if (peek() == '+' || peek() == '-') ++pos_;
+      if (!(peek() >= '0' && peek() <= '9')) fail("invalid number");
+      while (peek() >= '0' && peek() <= '9') ++pos_;
+    }
+    v.is_uint = plain;
+    v.uint = plain ? value : 0;
+    v.str = std::string(s_.substr(start, pos_ - start));  // for error messages
+    return v;
+  }
+
+  static void append_utf8(std::string& out, uint32_t cp) {
+    if (cp < 0x80) {
+      out += static_cast<char>(cp);
+    } else if (cp < 0x800) {
+      out += static_cast<char>(0xC0 | (cp >> 6));
+      out += static_cast<char>(0x80 | (cp & 0x3F));
+    } else if (cp < 0x10000) {
+      out += static_cast<char>(0xE0 | (cp >> 12));
+      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+      out += static_cast<char>(0x80 | (cp & 0x3F));
+    } else {
+      out += static_cast<char>(0xF0 | (cp >> 18));
+      out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+      out += static_cast<char>(0x80 | (cp & 0x3F));
+    }
+  }
+
+  uint32_t parse_hex4() {
+    if (pos_ + 4 > s_.size()) fail("truncated \\u escape");
+    uint32_t v = 0;
+    for (int i = 0; i < 4; ++i) {
+      char c = s_[pos_++];
+      v <<= 4;
+      if (c >= '0' && c <= '9')
+        v |= static_cast<uint32_t>(c - '0');
+      else if (c >= 'a' && c <= 'f')
+        v |= static_cast<uint32_t>(c - 'a' + 10);
+      else if (c >= 'A' && c <= 'F')
+        v |= static_cast<uint32_t>(c - 'A' + 10);
+      else
+        fail("invalid \\u escape");
+    }
+    return v;
+  }
+
+  std::string parse_string() {
+    expect('"');
+    std::string out;
+    while (true) {
+      if (pos_ >= s_.size()) fail("unterminated string");
+      char c = s_[pos_++];
+      if (c == '"') return out;
+      if (static_cast<unsigned char>(c) < 0x20) fail("control character in string");
+      if (c != '\\') {
+        out += c;
+        continue;
+      }
+      if (pos_ >= s_.size()) fail("unterminated string");
+      char e = s_[pos_++];
+      switch (e) {
+        case '"':
+          out += '"';
+          break;
+        case '\\':
+          out += '\\';
+          break;
+        case '/':
+          out += '/';
+          break;
+        case 'b':
+          out += '\b';
+          break;
+        case 'f':
+          out += '\f';
+          break;
+        case 'n':
+          out += '\n';
+          break;
+        case 'r':
+          out += '\r';
+          break;
+        case 't':
+          out += '\t';
+          break;
+        case 'u': {
+          uint32_t cp = parse_hex4();
+          if (cp >= 0xD800 && cp <= 0xDBFF) {
+            if (s_.substr(pos_, 2) != "\\u") fail("unpaired surrogate in \\u escape");
+            pos_ += 2;
+            uint32_t lo = parse_hex4();
+            if (lo < 0xDC00 || lo > 0xDFFF) fail("invalid surrogate pair in \\u escape");
+            cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+          } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
+            fail("unpaired surrogate in \\u escape");
+          }
+          append_utf8(out, cp);
+          break;
+        }
+        default:
+          fail("invalid escape in string");
+      }
+    }
+  }
+
+  std::string_view s_;
+  size_t pos_ = 0;
+};
+
+void json_escape(std::string& out, std::string_view s) {
+  out += '"';
+  for (char c : s) {
+    unsigned char u = static_cast<unsigned char>(c);
+    if (c == '"') {
+      out += "\\\"";
+    } else if (c == '\\') {
+      out += "\\\\";
+    } else if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\t') {
+      out += "\\t";
+    } else if (c == '\r') {
+      out += "\\r";
+    } else if (u < 0x20) {
+      static const char* hex = "0123456789abcdef";
+      out += "\\u00";
+      out += hex[u >> 4];
+      out += hex[u & 15];
+    } else {
+      out += c;
+    }
+  }
+  out += '"';
+}
+
+// ---- dtype tables and conversions -----------------------------------------------------------
+struct StType {
+  const char* name;
+  size_t size;
+  enum class Cls { flt, sint, uint, other } cls;
+};
+
+constexpr StType kStTypes[] = {
+    {"BOOL", 1, StType::Cls::uint},     {"U8", 1, StType::Cls::uint},
+    {"I8", 1, StType::Cls::sint},       {"F8_E5M2", 1, StType::Cls::other},
+    {"F8_E4M3", 1, StType::Cls::other}, {"I16", 2, StType::Cls::sint},
+    {"U16", 2, StType::Cls::uint},      {"F16", 2, StType::Cls::flt},
+    {"BF16", 2, StType::Cls::flt},      {"I32", 4, StType::Cls::sint},
+    {"U32", 4, StType::Cls::uint},      {"F32", 4, StType::Cls::flt},
+    {"F64", 8, StType::Cls::flt},       {"I64", 8, StType::Cls::sint},
+    {"U64", 8, StType::Cls::uint},
+};
+
+const StType* find_st_type(std::string_view name) {
+  for (const auto& t : kStTypes)
+    if (name == t.name) return &t;
+  return nullptr;
+}
+
+float f16_to_f32(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1Fu;
+  uint32_t mant = h & 0x3FFu;
+  uint32_t bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (mant << 13);  // inf or nan (payload kept)
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {
+    // Subnormal half: normalise into an f32 normal.
+    int e = -1;
+    do {
+      ++e;
+      mant <<= 1;
+    } while ((mant & 0x400u) == 0);
+    bits = sign | (static_cast<uint32_t>(112 - e) << 23) | ((mant & 0x3FFu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Round to nearest even, overflow to inf, NaN stays NaN.
+uint16_t f32_to_f16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+  uint32_t ax = x & 0x7FFFFFFFu;
+  if (ax > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7E00u);
+  if (ax >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // rounds to >= 65520
+  if (ax < 0x38800000u) {
+    // Result is subnormal (or zero): value / 2^-24, rounded to nearest even.
+    if (ax < 0x33000000u) return sign;  // below half the smallest subnormal
+    uint32_t e = ax >> 23;
+    uint32_t m = (ax & 0x7FFFFFu) | 0x800000u;
+    uint32_t shift = 126 - e;  // 14..24: bits dropped to land on the 2^-24 grid
+    uint32_t q = m >> shift;
+    uint32_t rem = m & ((1u << shift) - 1);
+    uint32_t half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (q & 1u))) ++q;
+    return static_cast<uint16_t>(sign | q);
+  }
+  uint32_t r = ax + 0xFFFu + ((ax >> 13) & 1u);  // round the 13 dropped bits, ties to even
+  return static_cast<uint16_t>(sign | ((r - 0x38000000u) >> 13));
+}
+
+template <class T>
+T load_le(const std::byte* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));  // x86-64 and aarch64 are little-endian, as is the format
+  return v;
+}
+
+double read_float(const std::string& dt, const std::byte* p) {
+  if (dt == "F32") return load_le<float>(p);
+  if (dt == "BF16") return bf16_to_f32(load_le<uint16_t>(p));
+  if (dt == "F16") return f16_to_f32(load_le<uint16_t>(p));
+  return load_le<double>(p);  // F64
+}
+
+// Signed value of an integer element; false for a U64 above INT64_MAX.
+bool read_int(const std::string& dt, const std::byte* p, int64_t& out) {
+  if (dt == "BOOL" || dt == "U8")
+    out = load_le<uint8_t>(p);
+  else if (dt == "I8")
+    out = load_le<int8_t>(p);
+  else if (dt == "I16")
+    out = load_le<int16_t>(p);
+  else if (dt == "U16")
+    out = load_le<uint16_t>(p);
+  else if (dt == "I32")
+    out = load_le<int32_t>(p);
+  else if (dt == "U32")
+    out = load_le<uint32_t>(p);
+  else if (dt == "I64")
+    out = load_le<int64_t>(p);
+  else {
+    uint64_t u = load_le<uint64_t>(p);
+    if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) return false;
+    out = static_cast<int64_t>(u);
+  }
+  return true;
+}
+
+// numel * elem_size with overflow detection.
+bool checked_nbytes(const Shape& shape, size_t elem, size_t& out) {
+  uint64_t n = elem;
+  for (int64_t d : shape) {
+    if (d < 0) return false;
+    if (d != 0 && n > std::numeric_limits<uint64_t>::max() / static_cast<uint64_t>(d)) return false;
+    n *= static_cast<uint64_t>(d);
+  }
+  out = static_cast<size_t>(n);
+  return true;
+}
+
+// ---- writing --------------------------------------------------------------------------------
+// Owns a file descriptor and the temporary path; removes the temporary file unless committed.
+class TempFile {
+ public:
+  TempFile(std::filesystem::path final_path)
+      : final_(std::move(final_path)), tmp_(final_.string() + ".tmp") {
+    fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd_ < 0) fail_errno("cannot create " + quoted(tmp_));
+  }
+  ~TempFile() {
+    if (fd_ >= 0) ::close(fd_);
+    if (!committed_) ::unlink(tmp_.c_str());
+  }
+  TempFile(const TempFile&) = delete;
+  TempFile& operator=(const TempFile&) = delete;
+
+  void write(const void* data, size_t n) {
+    const char* p = static_cast<const char*>(data);
+    while (n > 0) {
+      // Linux transfers at most ~2 GiB per call; chunk so large tensors need no special case.
+      size_t chunk = std::min<size_t>(n, size_t{1} << 30);
+      ssize_t w = ::write(fd_, p, chunk);
+      if (w < 0) {
+        if (errno == EINTR) continue;
+        fail_errno("write failed");
+      }
+      p += w;
+      n -= static_cast<size_t>(w);
+    }
+  }
+
+  void commit() {
+    if (::fsync(fd_) != 0) fail_errno("fsync failed");
+    int fd = fd_;
+    fd_ = -1;
+    if (::close(fd) != 0) fail_errno("close failed");
+    if (::rename(tmp_.c_str(), final_.c_str()) != 0) fail_errno("rename to the final name failed");
+    committed_ = true;
+    // Make the rename itself durable; a failure here leaves a complete file, so only report it.
+    std::filesystem::path dir = final_.parent_path();
+    if (dir.empty()) dir = ".";
+    int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd >= 0) {
+      int rc = ::fsync(dfd);
+      int err = errno;
+      ::close(dfd);
+      if (rc != 0) {
+        errno = err;
+        fail_errno("fsync of the directory failed");
+      }
+    }
+  }
+
+ private:
+  [[noreturn]] void fail_errno(const std::string& what) const {
+    std::string msg = std::strerror(errno);
+    throw Error("writing safetensors file " + quoted(final_) + ": " + what + ": " + msg);
+  }
+
+  std::filesystem::path final_, tmp_;
+  int fd_ = -1;
+  bool committed_ = false;
+};
+
+// Shared by write_safetensors and save_tensors: `fetch(i, scratch)` returns entry i's bytes,
+// using `scratch` when they must first be copied to the host.
+void write_impl(const std::filesystem::path& path, const std::vector<SafeTensorsEntry>& entries,
+                const std::map<std::string, std::string>& metadata,
+                const std::function<const void*(size_t, std::vector<std::byte>&)>& fetch) {
+  auto bad = [&](const std::string& what) {
+    throw Error("writing safetensors file " + quoted(path) + ": " + what);
+  };
+  std::set<std::string_view> seen;
+  std::vector<size_t> sizes(entries.size()), elem(entries.size());
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const auto& e = entries[i];
+    if (e.name.empty()) bad("a tensor has an empty name");
+    if (e.name == "__metadata__") bad("'__metadata__' is reserved and cannot name a tensor");
+    if (!seen.insert(e.name).second) bad("tensor '" + e.name + "' appears twice");
+    const StType* t = find_st_type(e.dtype);
+    if (!t) bad("tensor '" + e.name + "' has unknown dtype '" + e.dtype + "'");
+    elem[i] = t->size;
+    if (!checked_nbytes(e.shape, t->size, sizes[i]))
+      bad("tensor '" + e.name + "' has an invalid shape " + shape_str(e.shape));
+  }
+  // Larger elements first keeps every tensor aligned to its element size (stable for the rest).
+  std::vector<size_t> order(entries.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return elem[a] > elem[b]; });
+
+  std::string header = "{";
+  bool first = true;
+  if (!metadata.empty()) {
+    header += "\"__metadata__\":{";
+    bool mfirst = true;
+    for (const auto& [k, v] : metadata) {
+      if (!mfirst) header += ',';
+      mfirst = false;
+      json_escape(header, k);
+      header += ':';
+      json_escape(header, v);
+    }
+    header += '}';
+    first = false;
+  }
+  size_t offset = 0;
+  for (size_t i : order) {
+    const auto& e = entries[i];
+    if (!first) header += ',';
+    first = false;
+    json_escape(header, e.name);
+    header += ":{\"dtype\":\"" + e.dtype + "\",\"shape\":[";
+    for (size_t d = 0; d < e.shape.size(); ++d) {
+      if (d) header += ',';
+      header += std::to_string(e.shape[d]);
+    }
+    header += "],\"data_offsets\":[" + std::to_string(offset) + ',' +
+              std::to_string(offset + sizes[i]) + "]}";
+    offset += sizes[i];
+  }
+  header += '}';
+  // Pad with spaces so the data section starts 8-byte aligned, as the Python library does.
+  header.append((8 - header.size() % 8) % 8, ' ');
+
+  TempFile out(path);
+  uint64_t n = header.size();
+  unsigned char len[8];
+  for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(n >> (8 * i));
+  out.write(len, 8);
+  out.write(header.data(), header.size());
+  std::vector<std::byte> scratch;
+  for (size_t i : order) {
+    if (sizes[i] == 0) continue;
+    const void* p = fetch(i, scratch);
+    if (!p) bad("tensor '" + entries[i].name + "' has no data pointer");
+    out.write(p, sizes[i]);
+  }
+  out.commit();
+}
+
+}  // namespace
+
+// ---- dtypes ---------------------------------------------------------------------------------
+size_t safetensors_dtype_size(std::string_view st_dtype) {
+  const StType* t = find_st_type(st_dtype);
+  return t ? t->size : 0;
+}
+
+const char* safetensors_dtype_name(DType t) {
+  switch (t) {
+    case DType::f32:
+      return "F32";
+    case DType::bf16:
+      return "BF16";
+    case DType::f16:
+      return "F16";
+    case DType::i32:
+      return "I32";
+    case DType::i64:
+      return "I64";
+    case DType::i8:
+      return "I8";
+    case DType::u8:
+      return "U8";
+  }
+  return "?";
+}
+
+std::optional<DType> dtype_from_safetensors(std::string_view s) {
+  if (s == "F32") return DType::f32;
+  if (s == "BF16") return DType::bf16;
+  if (s == "F16") return DType::f16;
+  if (s == "I32") return DType::i32;
+  if (s == "I64") return DType::i64;
+  if (s == "I8") return DType::i8;
+  if (s == "U8") return DType::u8;
+  return std::nullopt;
+}
+
+// ---- reading --------------------------------------------------------------------------------
+SafeTensorsFile::SafeTensorsFile(const std::filesystem::path& path) : path_(path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) file_error(path, std::string("cannot open: ") + std::strerror(errno));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    int err = errno;
+    ::close(fd);
+    file_error(path, std::string("cannot stat: ") + std::strerror(err));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    file_error(path, "not a regular file");
+  }
+  size_ = static_cast<size_t>(st.st_size);
+  if (size_ < 8) {
+    ::close(fd);
+    file_error(path, "truncated: the file has " + std::to_string(size_) +
+                         " bytes, fewer than the 8-byte header length");
+  }
+  map_ = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+  int map_err = errno;
+  ::close(fd);  // the mapping keeps the file alive
+  if (map_ == MAP_FAILED) {
+    map_ = nullptr;
+    file_error(path, std::string("cannot map: ") + std::strerror(map_err));
+  }
+  // From here on a throw must unmap: the destructor does not run for a failed constructor.
+  try {
+    const auto* base = static_cast<const std::byte*>(map_);
+    uint64_t n = 0;
+    for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<uint64_t>(base[i]);
+    if (n > size_ - 8)
+      file_error(path, "header length " + std::to_string(n) + " exceeds the file size (" +
+                           std::to_string(size_) + " bytes): truncated or not a safetensors file");
+    if (n > kMaxHeaderBytes)
+      file_error(path, "header length " + std::to_string(n) + " exceeds the 100 MB limit");
+    if (n < 2) file_error(path, "header of " + std::to_string(n) + " bytes is too short");
+    std::string_view text(reinterpret_cast<const char*>(base + 8), static_cast<size_t>(n));
+    JsonValue root;
+    try {
+      root = JsonParser(text).parse_document();
+    } catch (const std::string& what) {
+      file_error(path, "malformed JSON header: " + what);
+    }
+    if (root.kind != JsonValue::Kind::object)
+      file_error(path, std::string("header is ") + kind_name(root.kind) + ", not a JSON object");
+
+    const size_t data_size = size_ - 8 - static_cast<size_t>(n);
+    const std::byte* data = base + 8 + n;
+    std::set<std::string_view> seen;
+    for (auto& [key, val] : root.members) {
+      if (!seen.insert(key).second)
+        file_error(path, "key '" + key + "' appears twice in the header");
+      if (key == "__metadata__") {
+        if (val.kind != JsonValue::Kind::object)
+          file_error(path, std::string("__metadata__ is ") + kind_name(val.kind) +
+                               ", not an object of strings");
+        for (auto& [mk, mv] : val.members) {
+          if (mv.kind != JsonValue::Kind::string)
+            file_error(path, "__metadata__ value of '" + mk + "' is " + kind_name(mv.kind) +
+                                 ", not a string");
+          metadata_[mk] = mv.str;
+        }
+        continue;
+      }
+      auto tensor_error = [&](const std::string& what) {
+        file_error(path, "tensor '" + key + "': " + what);
+      };
+      if (val.kind != JsonValue::Kind::object)
+        tensor_error(std::string("entry is ") + kind_name(val.kind) + ", not an object");
+      const JsonValue *dtype = nullptr, *shape = nullptr, *offsets = nullptr;
+      for (auto& [fk, fv] : val.members) {
+        // Other fields are ignored, for forward compatibility with writers that add some.
+        if (fk == "dtype")
+          dtype = &fv;
+        else if (fk == "shape")
+          shape = &fv;
+        else if (fk == "data_offsets")
+          offsets = &fv;
+      }
+      if (!dtype || !shape || !offsets)
+        tensor_error(std::string("missing field '") +
+                     (!dtype   ? "dtype"
+                      : !shape ? "shape"
+                               : "data_offsets") +
+                     "'");
+      if (dtype->kind != JsonValue::Kind::string) tensor_error("dtype is not a string");
+      const StType* st_type = find_st_type(dtype->str);
+      if (!st_type) tensor_error("unknown dtype '" + dtype->str + "'");
+      SafeTensorInfo info;
+      info.name = key;
+      info.dtype = dtype->str;
+      if (shape->kind != JsonValue::Kind::array) tensor_error("shape is not an array");
+      for (const auto& d : shape->items) {
+        if (d.kind != JsonValue::Kind::number || !d.is_uint ||
+            d.uint > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+          tensor_error("shape entry " + (d.kind == JsonValue::Kind::number ? d.str : "") +
+                       " is not a non-negative integer");
+        info.shape.push_back(static_cast<int64_t>(d.uint));
+      }
+      if (offsets->kind != JsonValue::Kind::array || offsets->items.size() != 2)
+        tensor_error("data_offsets is not an array of two integers");
+      for (const auto& o : offsets->items)
+        if (o.kind != JsonValue::Kind::number || !o.is_uint)
+          tensor_error("data_offsets holds something other than a non-negative integer");
+      uint64_t b = offsets->items[0].uint, e = offsets->items[1].uint;
+      if (b > e)
+        tensor_error("data_offsets [" + std::to_string(b) + ", " + std::to_string(e) +
+                     "] end before they begin");
+      if (e > data_size)
+        tensor_error("data_offsets [" + std::to_string(b) + ", " + std::to_string(e) +
+                     "] lie beyond the data section (" + std::to_string(data_size) +
+                     " bytes): truncated or corrupt file");
+      size_t expect = 0;
+      if (!checked_nbytes(info.shape, st_type->size, expect))
+        tensor_error("shape " + shape_str(info.shape) + " is too large");
+      if (expect != e - b)
+        tensor_error("data_offsets [" + std::to_string(b) + ", " + std::to_string(e) + "] span " +
+                     std::to_string(e - b) + " bytes but " + info.dtype + " " +
+                     shape_str(info.shape) + " needs " + std::to_string(expect));
+      info.begin = static_cast<size_t>(b);
+      info.end = static_cast<size_t>(e);
+      info.data = data + info.begin;
+      names_.push_back(key);
+      tensors_.emplace(key, std::move(info));
+    }
+    // The tensors must tile the data section exactly: any overlap means two tensors share bytes
+    // and any gap or trailing bytes mean the header and data disagree.
+    std::vector<const SafeTensorInfo*> by_offset;
+    for (const auto& [k, info] : tensors_) by_offset.push_back(&info);
+    std::sort(by_offset.begin(), by_offset.end(), [](const auto* a, const auto* b) {
+      return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
+    });
+    size_t cursor = 0;
+    const SafeTensorInfo* prev = nullptr;
+    for (const auto* t : by_offset) {
+      if (t->begin < cursor)
+        file_error(path, "tensors '" + prev->name + "' [" + std::to_string(prev->begin) + ", " +
+                             std::to_string(prev->end) + ") and '" + t->name + "' [" +
+                             std::to_string(t->begin) + ", " + std::to_string(t->end) +
+                             ") overlap");
+      if (t->begin > cursor)
+        file_error(path, "bytes [" + std::to_string(cursor) + ", " + std::to_string(t->begin) +
+                             ") of the data section belong to no tensor (before '" + t->name +
+                             "')");
+      if (t->end > cursor || !prev) {
+        cursor = t->end;
+        prev = t;
+      }
+    }
+    if (cursor != data_size)
+      file_error(path, "the data section has " + std::to_string(data_size - cursor) +
+                           " bytes after the last tensor");
+    std::sort(names_.begin(), names_.end());
+  } catch (...) {
+    unmap();
+    throw;
+  }
+}
+
+SafeTensorsFile::~SafeTensorsFile() {
+  unmap();
+}
+
+void SafeTensorsFile::unmap() noexcept {
+  if (map_) ::munmap(map_, size_);
+  map_ = nullptr;
+}
+
+SafeTensorsFile::SafeTensorsFile(SafeTensorsFile&& o) noexcept
+    : path_(std::move(o.path_)),
+      map_(std::exchange(o.map_, nullptr)),
+      size_(std::exchange(o.size_, 0)),
+      names_(std::move(o.names_)),
+      tensors_(std::move(o.tensors_)),
+      metadata_(std::move(o.metadata_)) {}
+
+SafeTensorsFile& SafeTensorsFile::operator=(SafeTensorsFile&& o) noexcept {
+  if (this != &o) {
+    unmap();
+    path_ = std::move(o.path_);
+    map_ = std::exchange(o.map_, nullptr);
+    size_ = std::exchange(o.size_, 0);
+    names_ = std::move(o.names_);
+    tensors_ = std::move(o.tensors_);
+    metadata_ = std::move(o.metadata_);
+  }
+  return *this;
+}
+
+bool SafeTensorsFile::contains(std::string_view name) const {
+  return tensors_.find(name) != tensors_.end();
+}
+
+const SafeTensorInfo& SafeTensorsFile::info(std::string_view name) const {
+  auto it = tensors_.find(name);
+  if (it == tensors_.end())
+    file_error(path_, "no tensor named '" + std::string(name) + "' (the file has " +
+                          std::to_string(names_.size()) + " tensors)");
+  return it->second;
+}
+
+// ---- loading onto a backend -----------------------------------------------------------------
+namespace {
+
+// Host bytes of `info` converted to `want`; empty when no conversion is needed (same dtype).
+std::vector<std::byte> convert(const SafeTensorsFile& file, const SafeTensorInfo& info,
+                               DType want) {
+  auto bad = [&](const std::string& what) {
+    file_error(file.path(), "tensor '" + info.name + "': " + what);
+  };
+  const StType* src = find_st_type(info.dtype);
+  const size_t n = static_cast<size_t>(info.numel());
+  const size_t out_size = dtype_size(want);
+  std::vector<std::byte> out(n * out_size);
+  if (src->cls == StType::Cls::flt && is_float(want)) {
+    for (size_t i = 0; i < n; ++i) {
+      float v = static_cast<float>(read_float(info.dtype, info.data + i * src->size));
+      std::byte* o = out.data() + i * out_size;
+      if (want == DType::f32) {
+        std::memcpy(o, &v, 4);
+      } else {
+        uint16_t h = want == DType::bf16 ? f32_to_bf16(v) : f32_to_f16(v);
+        std::memcpy(o, &h, 2);
+      }
+    }
+    return out;
+  }
+  if ((src->cls == StType::Cls::sint || src->cls == StType::Cls::uint) && !is_float(want)) {
+    int64_t lo = 0, hi = 0;
+    switch (want) {
+      case DType::i32:
+        lo = INT32_MIN, hi = INT32_MAX;
+        break;
+      case DType::i64:
+        lo = INT64_MIN, hi = INT64_MAX;
+        break;
+      case DType::i8:
+        lo = INT8_MIN, hi = INT8_MAX;
+        break;
+      case DType::u8:
+        lo = 0, hi = UINT8_MAX;
+        break;
+      default:
+        break;
+    }
+    for (size_t i = 0; i < n; ++i) {
+      int64_t v = 0;
+      if (!read_int(info.dtype, info.data + i * src->size, v) || v < lo || v > hi)
+        bad(std::string("element ") + std::to_string(i) + " does not fit in " + dtype_name(want));
+      std::byte* o = out.data() + i * out_size;
+      switch (want) {
+        case DType::i32: {
+          auto x = static_cast<int32_t>(v);
+          std::memcpy(o, &x, 4);
+          break;
+        }
+        case DType::i64:
+          std::memcpy(o, &v, 8);
+          break;
+        case DType::i8: {
+          auto x = static_cast<int8_t>(v);
+          std::memcpy(o, &x, 1);
+          break;
+        }
+        default: {
+          auto x = static_cast<uint8_t>(v);
+          std::memcpy(o, &x, 1);
+          break;
+        }
+      }
+    }
+    return out;
+  }
+  file_error(file.path(), "tensor '" + info.name + "': cannot convert " + info.dtype + " to " +
+                              dtype_name(want));
+}
+
+}  // namespace
+
+Tensor load_tensor(const SafeTensorsFile& file, std::string_view name, Backend& backend,
+                   DType want) {
+  const SafeTensorInfo& info = file.info(name);
+  Tensor t = backend.empty(info.shape, want);
+  if (info.nbytes() == 0) return t;
+  auto same = dtype_from_safetensors(info.dtype);
+  if (same && *same == want) {
+    backend.copy_from_host(t, info.data);  // straight from the mapping, no staging copy
+  } else {
+    std::vector<std::byte> host = convert(file, info, want);
+    backend.copy_from_host(t, host.data());
+  }
+  return t;
+}
+
+Tensor load_tensor(const SafeTensorsFile& file, std::string_view name, Backend& backend, DType want,
+                   const Shape& expect) {
+  const SafeTensorInfo& info = file.info(name);
+  if (info.shape != expect)
+    file_error(file.path(), "tensor '" + info.name + "' has shape " + shape_str(info.shape) +
+                                ", expected " + shape_str(expect));
+  return load_tensor(file, name, backend, want);
+}
+
+void load_into(const SafeTensorsFile& file, std::string_view name, Tensor& dst) {
+  const SafeTensorInfo& info = file.info(name);
+  if (info.shape != dst.shape())
+    file_error(file.path(), "tensor '" + info.name + "' has shape " + shape_str(info.shape) +
+                                ", expected " + shape_str(dst.shape()));
+  if (info.nbytes() == 0) return;
+  Backend& backend = *dst.backend();
+  auto same = dtype_from_safetensors(info.dtype);
+  if (same && *same == dst.dtype()) {
+    backend.copy_from_host(dst, info.data);
+  } else {
+    std::vector<std::byte> host = convert(file, info, dst.dtype());
+    backend.copy_from_host(dst, host.data());
+  }
+}
+
+// ---- writing --------------------------------------------------------------------------------
+void write_safetensors(const std::filesystem::path& path,
+                       const std::vector<SafeTensorsEntry>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  write_impl(path, tensors, metadata,
+             [&](size_t i, std::vector<std::byte>&) { return tensors[i].data; });
+}
+
+void save_tensors(const std::filesystem::path& path,
+                  const std::vector<std::pair<std::string, Tensor>>& tensors,
+                  const std::map<std::string, std::string>& metadata) {
+  std::vector<SafeTensorsEntry> entries;
+  entries.reserve(tensors.size());
+  for (const auto& [name, t] : tensors) {
+    if (!t.defined())
+      throw Error("writing safetensors file " + quoted(path) + ": tensor '" + name +
+                  "' is undefined");
+    entries.emplace_back(name, t.dtype(), t.shape(), nullptr);
+  }
+  write_impl(path, entries, metadata, [&](size_t i, std::vector<std::byte>& scratch) {
+    const Tensor& t = tensors[i].second;
+    scratch.resize(t.nbytes());
+    t.backend()->copy_to_host(t, scratch.data());
+    return static_cast<const void*>(scratch.data());
+  });
+}
+
+}  // namespace mt
