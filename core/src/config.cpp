@@ -1,5 +1,9 @@
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+
 #include "config_impl.h"
 #include "mt/error.h"
 
@@ -7,12 +11,18 @@ namespace mt {
 
 const char* value_type_name(ValueType t) {
   switch (t) {
-    case ValueType::null_: return "null";
-    case ValueType::int_: return "integer";
-    case ValueType::float_: return "number";
-    case ValueType::bool_: return "boolean";
-    case ValueType::string: return "string";
-    case ValueType::list: return "list";
+    case ValueType::null_:
+      return "null";
+    case ValueType::int_:
+      return "integer";
+    case ValueType::float_:
+      return "number";
+    case ValueType::bool_:
+      return "boolean";
+    case ValueType::string:
+      return "string";
+    case ValueType::list:
+      return "list";
   }
   return "?";
 }
@@ -33,12 +43,14 @@ const ConfigValue& Config::Impl::at(const std::string& key) const {
   return it->second;
 }
 
-bool Config::has(const std::string& key) const { return impl_->values.count(key) != 0; }
+bool Config::has(const std::string& key) const {
+  return impl_->values.count(key) != 0;
+}
 
 namespace {
 [[noreturn]] void wrong_type(const std::string& key, const ConfigValue& v, const char* want) {
-  throw UsageError(key + "=" + v.s + " (set at " + v.origin + ") must be " + want + ", not a " +
-                   value_type_name(v.type) + ".");
+  throw UsageError(key + "=" + v.s + " (" + config_set_where(v.origin) + ") must be " + want +
+                   ", not a " + value_type_name(v.type) + ".");
 }
 }  // namespace
 
@@ -70,31 +82,102 @@ std::vector<std::string> Config::get_string_list(const std::string& key) const {
   if (v.type != ValueType::list) return {v.s};
   return v.list;
 }
-std::string Config::origin(const std::string& key) const { return impl_->at(key).origin; }
-std::vector<std::string> Config::keys() const { return impl_->order; }
+std::string Config::origin(const std::string& key) const {
+  return impl_->at(key).origin;
+}
+std::vector<std::string> Config::keys() const {
+  return impl_->order;
+}
 
 void Config::reject(const std::string& key, const std::string& reason) const {
   const auto& v = impl_->at(key);
-  throw UsageError(key + "=" + v.s + " (set at " + v.origin + ") " + reason);
+  throw UsageError(key + "=" + v.s + " (" + config_set_where(v.origin) + ") " + reason);
+}
+
+std::string config_set_where(const std::string& origin) {
+  if (origin.rfind("command line", 0) == 0) return "set on the " + origin;
+  return "set at " + origin;
+}
+
+namespace {
+
+// Shortest text that reads back as the same double, always recognisable as a float.
+std::string float_text(double f) {
+  if (std::isnan(f)) return ".nan";
+  if (std::isinf(f)) return f > 0 ? ".inf" : "-.inf";
+  // Plain decimals for everyday magnitudes (500000.0, 0.0003), exponents beyond (1.0e-05).
+  const double mag = std::fabs(f);
+  const auto fmt = mag == 0 || (mag >= 1e-4 && mag < 1e16) ? std::chars_format::fixed
+                                                           : std::chars_format::scientific;
+  char buf[400];
+  auto [end, ec] = std::to_chars(buf, buf + sizeof buf, f, fmt);
+  std::string s(buf, ec == std::errc() ? end : buf);
+  if (s.find_first_of(".en") == std::string::npos) return s + ".0";
+  if (const size_t e = s.find('e'); e != std::string::npos && s.find('.') == std::string::npos)
+    s.insert(e, ".0");  // 1e-05 -> 1.0e-05, a float to every YAML reader
+  return s;
+}
+
+// Would this plain text read as something other than a string (a number, bool or null)?
+bool looks_typed(const std::string& s) {
+  if (s.empty()) return true;
+  static const char* const kWords[] = {"true", "True", "TRUE", "false", "False", "FALSE",
+                                       "null", "Null", "NULL", "~",     "yes",   "no",
+                                       "on",   "off",  "Yes",  "No",    "On",    "Off"};
+  for (const char* w : kWords)
+    if (s == w) return true;
+  double d;
+  const char* b = s.data() + (s[0] == '+' || s[0] == '-' ? 1 : 0);
+  auto [p, ec] = std::from_chars(b, s.data() + s.size(), d);
+  if (ec == std::errc() && p == s.data() + s.size()) return true;
+  return s[0] == '.' && s.size() > 1;  // .inf, .nan, .5
+}
+
+void emit_string(YAML::Emitter& e, const std::string& s) {
+  if (looks_typed(s)) e << YAML::DoubleQuoted;
+  e << s;
+}
+
+}  // namespace
+
+std::string config_value_yaml(const ConfigValue& v) {
+  YAML::Emitter e;
+  e << YAML::Flow;
+  switch (v.type) {
+    case ValueType::null_:
+      e << YAML::Null;
+      break;
+    case ValueType::int_:
+      e << v.i;
+      break;
+    case ValueType::float_:
+      return float_text(v.f);
+    case ValueType::bool_:
+      e << v.b;
+      break;
+    case ValueType::string:
+      emit_string(e, v.s);
+      break;
+    case ValueType::list:
+      e << YAML::BeginSeq;
+      for (const auto& x : v.list) emit_string(e, x);
+      e << YAML::EndSeq;
+      break;
+  }
+  return e.c_str();
 }
 
 std::string Config::to_yaml(bool with_origins) const {
   std::string out;
   for (const auto& k : impl_->order) {
     const auto& v = impl_->values.at(k);
-    YAML::Emitter e;
-    e << YAML::Flow;
-    switch (v.type) {
-      case ValueType::null_: e << YAML::Null; break;
-      case ValueType::int_: e << v.i; break;
-      case ValueType::float_: e << v.f; break;
-      case ValueType::bool_: e << v.b; break;
-      case ValueType::string: e << v.s; break;
-      case ValueType::list: e << v.list; break;
+    std::string line = k + ": " + config_value_yaml(v);
+    if (with_origins) {
+      // Origins line up in one column where the values are short enough.
+      line.resize(std::max<size_t>(line.size() + 2, 48), ' ');
+      line += "# " + v.origin;
     }
-    out += k + ": " + e.c_str();
-    if (with_origins) out += "  # " + v.origin;
-    out += "\n";
+    out += line + "\n";
   }
   return out;
 }

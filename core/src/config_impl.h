@@ -34,6 +34,14 @@ struct Config::Impl {
   const ConfigValue& at(const std::string& key) const;
 };
 
+// A value as YAML in flow style that reads back as the same type: floats always carry a '.' or an
+// exponent (1.0, not 1), strings that would read as another type are quoted ("true", "3").
+std::string config_value_yaml(const ConfigValue& v);
+
+// How messages say where a value was set: "set at configs/base.yml:12", or "set on the command
+// line" (plus any suffix such as " (--model)") for origins that start with "command line".
+std::string config_set_where(const std::string& origin);
+
 // Builds a Config from key=value pairs (tests, tools): values are typed as YAML scalars.
 Config config_from_pairs(const std::vector<std::pair<std::string, std::string>>& kv,
                          const std::string& origin = "code");
