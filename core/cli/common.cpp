@@ -2,6 +2,7 @@
 #include <string>
 
 #include "cli.h"
+#include "config_impl.h"
 #include "config_loader.h"
 #include "mt/error.h"
 #include "plugin_manager.h"
@@ -64,7 +65,21 @@ Config resolve_config(const Args& a) {
   req.model = a.model;
   req.config_file = a.config_file;
   req.overrides = a.overrides;
-  return load_config(req);
+  Config cfg = load_config(req);
+  // A relative data path that does not exist from the current directory is looked up in
+  // share/mt (where the shipped corpus and tokenizer live), so `mt run` works from anywhere.
+  const fs::path share = configs_dir().parent_path();
+  for (const char* key : {"dataset_path", "eval_dataset_path", "tokenizer_path"}) {
+    const std::string v = cfg.get_string(key);
+    std::error_code ec;
+    if (v.empty() || fs::path(v).is_absolute() || fs::exists(v, ec)) continue;
+    if (fs::exists(share / v, ec)) {
+      ConfigValue cv = cfg.impl().at(key);
+      cv.s = (share / v).string();
+      cfg.impl().set(key, cv);
+    }
+  }
+  return cfg;
 }
 
 }  // namespace mt::cli

@@ -1,0 +1,123 @@
+// The trainer: schedule, overfitting a fixed batch, NaN handling, metrics, accumulation.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#include "config_loader.h"
+#include "mt/error.h"
+#include "test_support.h"
+#include "trainer.h"
+
+namespace fs = std::filesystem;
+
+namespace mt {
+namespace {
+
+TEST(Trainer, LearningRateSchedule) {
+  // 10 warmup steps to 1.0, cosine to 0.1 at step 110.
+  EXPECT_DOUBLE_EQ(learning_rate_at(1, 1.0, 10, 110, 0.1), 0.1);
+  EXPECT_DOUBLE_EQ(learning_rate_at(10, 1.0, 10, 110, 0.1), 1.0);
+  EXPECT_NEAR(learning_rate_at(60, 1.0, 10, 110, 0.1), 0.55, 1e-12);  // half-way: mean
+  EXPECT_NEAR(learning_rate_at(110, 1.0, 10, 110, 0.1), 0.1, 1e-12);
+  EXPECT_NEAR(learning_rate_at(500, 1.0, 10, 110, 0.1), 0.1, 1e-12);  // constant after
+  for (int s = 11; s < 110; ++s)
+    EXPECT_LT(learning_rate_at(s + 1, 1.0, 10, 110, 0.1), learning_rate_at(s, 1.0, 10, 110, 0.1));
+}
+
+// A token file (data/README.md format) holding one row of `n` random ids below 256.
+fs::path one_row_file(const fs::path& dir, int n, uint64_t seed) {
+  fs::create_directories(dir);
+  const fs::path p = dir / "row.tokens";
+  std::ofstream f(p, std::ios::binary);
+  const uint32_t version = 1, dtype = 2, none = 0xFFFFFFFFu;
+  const uint64_t count = static_cast<uint64_t>(n);
+  f.write("MTTOKENS", 8);
+  f.write(reinterpret_cast<const char*>(&version), 4);
+  f.write(reinterpret_cast<const char*>(&dtype), 4);
+  f.write(reinterpret_cast<const char*>(&count), 8);
+  f.write(reinterpret_cast<const char*>(&none), 4);
+  f.write(reinterpret_cast<const char*>(&none), 4);
+  std::mt19937_64 rng(seed);
+  for (int i = 0; i < n; ++i) {
+    const uint16_t id = static_cast<uint16_t>(rng() % 256);
+    f.write(reinterpret_cast<const char*>(&id), 2);
+  }
+  return p;
+}
+
+struct Fixture {
+  fs::path dir = fs::temp_directory_path() / ("mt_trainer_" + std::to_string(::getpid()) + "_" +
+                                              ::testing::UnitTest::GetInstance()->current_test_info()->name());
+  ~Fixture() { fs::remove_all(dir); }
+  Config config(std::vector<std::string> extra) {
+    const fs::path data = one_row_file(dir, 33, 5);
+    ConfigRequest req;
+    req.configs_dir = test::source_dir() + "/configs";
+    req.model = "llama-test";
+    req.overrides = {"dataset_type=tokens", "dataset_path=" + data.string(),
+                     "eval_dataset_path=" + data.string(), "base_output_directory=" + dir.string(),
+                     "run_name=r", "eval_interval=-1", "num_threads=2"};
+    req.overrides.insert(req.overrides.end(), extra.begin(), extra.end());
+    return load_config(req);
+  }
+  std::vector<std::string> metrics_lines() {
+    std::ifstream f(dir / "r" / "metrics.jsonl");
+    std::vector<std::string> lines;
+    for (std::string l; std::getline(f, l);) lines.push_back(l);
+    return lines;
+  }
+};
+
+TEST(Trainer, OverfitsAFixedBatch) {
+  Fixture fx;
+  const TrainSummary s = train(fx.config({"steps=300", "learning_rate=3e-3",
+                                          "warmup_steps_fraction=0.05", "adam_weight_decay=0"}),
+                               test::plugins(), /*quiet=*/true);
+  EXPECT_EQ(s.steps, 300);
+  EXPECT_LT(s.final_loss, 0.05) << "llama-test must memorise one batch";
+}
+
+TEST(Trainer, MetricsLinesCarryTheRequiredFields) {
+  Fixture fx;
+  train(fx.config({"steps=5", "eval_interval=5", "eval_steps=1"}), test::plugins(), true);
+  const auto lines = fx.metrics_lines();
+  ASSERT_EQ(lines.size(), 5u);
+  for (const char* k : {"\"step\"", "\"loss\"", "\"learning_rate\"", "\"grad_norm\"",
+                        "\"tokens_per_sec\"", "\"tflops_per_device\"", "\"mfu\"",
+                        "\"step_time_ms\"", "\"data_wait_ms\""})
+    for (const auto& l : lines) EXPECT_NE(l.find(k), std::string::npos) << k << " in " << l;
+  EXPECT_NE(lines.back().find("\"eval_loss\""), std::string::npos);
+  EXPECT_TRUE(fs::exists(fx.dir / "r" / "config.yml"));
+}
+
+TEST(Trainer, NonFiniteLossStopsTheRunNamingTheStep) {
+  Fixture fx;
+  try {
+    train(fx.config({"steps=50", "learning_rate=1e30", "gradient_clipping_threshold=0",
+                     "warmup_steps_fraction=0"}),
+          test::plugins(), true);
+    FAIL() << "a diverging run must stop";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("Training stopped at step"), std::string::npos) << m;
+    EXPECT_TRUE(m.find("NaN") != std::string::npos || m.find("infinite") != std::string::npos) << m;
+  }
+}
+
+// Two micro-batches of one row each must equal one batch of two identical rows.
+TEST(Trainer, GradientAccumulationMatchesTheLargerBatch) {
+  Fixture a, b;
+  const TrainSummary sa = train(a.config({"steps=3", "per_device_batch_size=1",
+                                          "gradient_accumulation_steps=2"}),
+                                test::plugins(), true);
+  const TrainSummary sb = train(b.config({"steps=3", "per_device_batch_size=2"}), test::plugins(), true);
+  EXPECT_NEAR(sa.final_loss, sb.final_loss, 1e-5 * std::fabs(sb.final_loss));
+}
+
+}  // namespace
+}  // namespace mt
