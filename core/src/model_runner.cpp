@@ -38,13 +38,17 @@ ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins) {
   family_ = plugins.make_model_family(cfg.get_string("decoder_block"));
   family_->validate(cfg);
   model_ = family_->build(cfg);
-  const std::string backend = cfg.get_string("backend");
-  backend_ = plugins.make_backend(backend, cfg);
-  attention_ = plugins.make_attention(backend, cfg.get_string("attention"), *backend_);
+  const std::string backend_name = cfg.get_string("backend");
+  backend_ = plugins.make_backend(backend_name, cfg);
+  attention_ = plugins.make_attention(backend_name, cfg.get_string("attention"), *backend_);
   if (!attention_)
     throw UsageError("attention=" + cfg.get_string("attention") + " is registered by the " +
-                     backend + " backend but not implemented there yet.");
+                     backend_name + " backend but not implemented there yet.");
 
+  if (cfg.get_bool("profile")) {
+    profiler_ = std::make_unique<ProfilingBackend>(*backend_);
+    prof_attention_ = profiler_->wrap(*attention_);
+  }
   for (const auto& s : model_->top_parameters()) params_.push_back({s.name, s, {}, {}});
   num_top_ = params_.size();
   for (int i = 0; i < model_->num_layers(); ++i) {
@@ -52,7 +56,7 @@ ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins) {
     for (const auto& s : model_->layer(i).parameters())
       params_.push_back({"layers." + std::to_string(i) + "." + s.name, s, {}, {}});
   }
-  for (auto& p : params_) p.value = backend_->empty(p.spec.shape, weight_dtype_);
+  for (auto& p : params_) p.value = backend().empty(p.spec.shape, weight_dtype_);
 }
 
 ModelRunner::~ModelRunner() = default;
@@ -87,22 +91,22 @@ void ModelRunner::init_parameters(uint64_t seed) {
         break;
       }
     }
-    Tensor f = backend_->empty(p.spec.shape, DType::f32);
-    backend_->copy_from_host(f, host.data());
-    backend_->cast(f, p.value);
+    Tensor f = backend().empty(p.spec.shape, DType::f32);
+    backend().copy_from_host(f, host.data());
+    backend().cast(f, p.value);
   }
 }
 
 void ModelRunner::enable_gradients() {
   for (auto& p : params_) {
-    p.grad = backend_->zeros(p.spec.shape, DType::f32);
+    p.grad = backend().zeros(p.spec.shape, DType::f32);
     Graph::track(p.value, p.grad);
   }
 }
 
 void ModelRunner::zero_gradients() {
   for (auto& p : params_)
-    if (p.grad.defined()) backend_->fill(p.grad, 0.f);
+    if (p.grad.defined()) backend().fill(p.grad, 0.f);
 }
 
 DeviceBatch ModelRunner::upload(const HostBatch& hb) {
@@ -112,8 +116,8 @@ DeviceBatch ModelRunner::upload(const HostBatch& hb) {
     if (v.empty()) return Tensor();
     MT_CHECK(static_cast<int64_t>(v.size()) == hb.batch * hb.seq,
              "batch field has " + std::to_string(v.size()) + " ids for shape " + shape_str(s));
-    Tensor t = backend_->empty(s, DType::i32);
-    backend_->copy_from_host(t, v.data());
+    Tensor t = backend().empty(s, DType::i32);
+    backend().copy_from_host(t, v.data());
     return t;
   };
   d.inputs = put(hb.inputs);
@@ -146,7 +150,7 @@ Tensor ModelRunner::forward(Graph& g, const DeviceBatch& batch) {
   LayerInputs in;
   in.positions = batch.positions;
   in.segment_ids = batch.segment_ids;
-  in.attention = attention_.get();
+  in.attention = &attention();
   Tensor x = model_->embed(g, top, batch.inputs);
   for (int i = 0; i < model_->num_layers(); ++i) {
     const size_t b = layer_begin_[static_cast<size_t>(i)];

@@ -14,6 +14,7 @@
 #include "mt/config.h"
 #include "mt/graph.h"
 #include "mt/model.h"
+#include "profiling_backend.h"
 
 namespace mt {
 
@@ -38,8 +39,11 @@ class ModelRunner {
   ModelRunner(const Config& cfg, PluginManager& plugins);
   ~ModelRunner();
 
-  Backend& backend() { return *backend_; }
-  AttentionKernel& attention() { return *attention_; }
+  // The backend ops run on (the profiling wrapper when profile=true).
+  Backend& backend() { return profiler_ ? static_cast<Backend&>(*profiler_) : *backend_; }
+  AttentionKernel& attention() { return prof_attention_ ? *prof_attention_ : *attention_; }
+  // Per-op times when profile=true, else null.
+  const ProfilingBackend* profiler() const { return profiler_.get(); }
   const Model& model() const { return *model_; }
   std::vector<Param>& params() { return params_; }
   Param* find(const std::string& name);
@@ -65,6 +69,8 @@ class ModelRunner {
  private:
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<AttentionKernel> attention_;
+  std::unique_ptr<ProfilingBackend> profiler_;
+  std::unique_ptr<AttentionKernel> prof_attention_;
   std::unique_ptr<ModelFamily> family_;
   std::unique_ptr<Model> model_;
   std::vector<Param> params_;

@@ -237,6 +237,10 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
   }
   metrics.flush();
   if (tty) std::printf("\n");
+  if (runner.profiler()) {
+    std::fprintf(quiet ? stderr : stdout, "mt: time per op over the whole run:\n%s",
+                 runner.profiler()->report().c_str());
+  }
   sum.steps = steps;
   sum.final_loss = last_loss;
   sum.tokens_per_sec = median(tps_hist);

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Trains configuration M with mt and with PyTorch back to back (same shapes, optimizer, float32,
+# thread count) and prints both JSON lines and the ratio mt / PyTorch in tokens/s.
+#   bench/train_vs_pytorch.sh [threads] [steps]
+# The peer runs at its best on this kind of machine: Debian's python3-torch with OpenBLAS forced
+# to its SkylakeX kernels and, when installed, the OpenMP OpenBLAS variant.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+threads=${1:-2}
+steps=${2:-6}
+mt_json=$("$root/build/bin/mt" bench train num_threads="$threads" steps="$steps")
+echo "$mt_json"
+py=python3
+[ -x "$root/.venv/bin/python" ] && py=$root/.venv/bin/python
+"$py" -c "import torch" 2>/dev/null || py=/usr/bin/python3
+omp=/usr/lib/x86_64-linux-gnu/openblas-openmp
+export OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-SkylakeX}
+[ -d "$omp" ] && export LD_LIBRARY_PATH=$omp${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export OMP_NUM_THREADS=$threads
+pt_json=$("$py" "$root/bench/peers/torch_train.py" --threads "$threads" --steps "$steps")
+echo "$pt_json"
+python3 - "$mt_json" "$pt_json" <<'PY'
+import json, sys
+m, p = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+print(json.dumps({"ratio_tokens_per_sec_mt_over_pytorch": round(m["tokens_per_sec"] / p["tokens_per_sec"], 3),
+                  "mt_tokens_per_sec": m["tokens_per_sec"], "pytorch_tokens_per_sec": p["tokens_per_sec"],
+                  "mt_mfu": m["mfu"]}))
+PY
