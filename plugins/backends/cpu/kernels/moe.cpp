@@ -1,31 +1,409 @@
-// moe: placeholder kernels (not implemented yet).
+// moe: the kernels of a mixture-of-experts layer. Top-k routing over the router logits, gathering
+// tokens into expert order and scattering expert outputs back, and the grouped (per-expert)
+// matmul over rows sorted by expert.
+#include <fmt/format.h>
+#include <oneapi/tbb/blocked_range.h>
+#include <oneapi/tbb/parallel_for.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
 #include "kernels/kernels.h"
 #include "mt/error.h"
 
 namespace mt::cpu {
+namespace {
 
-void topk_route_forward(const Tensor& logits, int k, bool sigmoid, bool normalize, Tensor& weights, Tensor& indices, Tensor& probs) {
-  fail("cpu: topk_route_forward is not implemented yet");
+// ---- argument checks --------------------------------------------------------------------------
+
+void check_defined(const Tensor& t, const char* op, const char* name) {
+  if (!t.defined()) fail(fmt::format("{}: {} is undefined", op, name));
 }
 
-void topk_route_backward(const Tensor& dweights, const Tensor& weights, const Tensor& indices, const Tensor& probs, bool sigmoid, bool normalize, Tensor& dlogits) {
-  fail("cpu: topk_route_backward is not implemented yet");
+void check_float(const Tensor& t, const char* op, const char* name) {
+  check_defined(t, op, name);
+  if (t.dtype() != DType::f32 && t.dtype() != DType::bf16)
+    fail(fmt::format("{}: {} must be f32 or bf16, got {}", op, name, t.str()));
 }
+
+void check_dtype(const Tensor& t, DType dt, const char* op, const char* name) {
+  check_defined(t, op, name);
+  if (t.dtype() != dt)
+    fail(fmt::format("{}: {} must be {}, got {}", op, name, dtype_name(dt), t.str()));
+}
+
+// "[N, D]": D is the last dimension and N the product of the others.
+int64_t last_dim(const Tensor& t) {
+  return t.ndim() == 0 ? 1 : t.dim(-1);
+}
+int64_t lead_rows(const Tensor& t) {
+  int64_t n = 1;
+  for (int i = 0; i + 1 < t.ndim(); ++i) n *= t.shape()[i];
+  return n;
+}
+
+// ---- f32 / bf16 element access ----------------------------------------------------------------
+
+// dst[0, n) = t[at, at + n) as f32.
+void load(const Tensor& t, int64_t at, int64_t n, float* dst) {
+  if (n <= 0) return;
+  if (t.dtype() == DType::f32) {
+    std::memcpy(dst, t.ptr<const float>() + at, static_cast<size_t>(n) * sizeof(float));
+    return;
+  }
+  const uint16_t* s = t.ptr<const uint16_t>() + at;
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
+}
+
+// t[at, at + n) = src[0, n), rounded to bf16 where t is bf16.
+void store(const Tensor& t, int64_t at, int64_t n, const float* src) {
+  if (n <= 0) return;
+  if (t.dtype() == DType::f32) {
+    std::memcpy(t.ptr<float>() + at, src, static_cast<size_t>(n) * sizeof(float));
+    return;
+  }
+  uint16_t* d = t.ptr<uint16_t>() + at;
+  for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
+}
+
+float load1(const Tensor& t, int64_t i) {
+  return t.dtype() == DType::f32 ? t.ptr<const float>()[i]
+                                 : bf16_to_f32(t.ptr<const uint16_t>()[i]);
+}
+
+// Reads offsets [E + 1] and checks they split [0, rows) into consecutive segments.
+std::vector<int32_t> read_offsets(const Tensor& offsets, int64_t experts, int64_t rows,
+                                  const char* op) {
+  check_dtype(offsets, DType::i32, op, "offsets");
+  if (offsets.numel() != experts + 1)
+    fail(
+        fmt::format("{}: offsets {} must have E + 1 = {} entries", op, offsets.str(), experts + 1));
+  const int32_t* o = offsets.ptr<const int32_t>();
+  std::vector<int32_t> off(o, o + experts + 1);
+  if (off[0] != 0) fail(fmt::format("{}: offsets[0] must be 0, got {}", op, off[0]));
+  for (int64_t e = 0; e < experts; ++e)
+    if (off[e + 1] < off[e])
+      fail(fmt::format("{}: offsets must not decrease, offsets[{}] = {} > offsets[{}] = {}", op, e,
+                       off[e], e + 1, off[e + 1]));
+  if (off[experts] != rows)
+    fail(fmt::format("{}: offsets[E] = {} must equal the number of rows {}", op, off[experts],
+                     rows));
+  return off;
+}
+
+// Checks every index is in [0, n).
+void check_indices(const Tensor& idx, int64_t n, const char* op, const char* what) {
+  const int32_t* p = idx.ptr<const int32_t>();
+  for (int64_t i = 0; i < idx.numel(); ++i)
+    if (p[i] < 0 || p[i] >= n)
+      fail(fmt::format("{}: {}[{}] = {} is out of range [0, {})", op, what, i, p[i], n));
+}
+
+// Rows of small per-row kernels handed to one task.
+constexpr int64_t kRowGrain = 16;
+
+}  // namespace
+
+// ---- routing ----------------------------------------------------------------------------------
+
+void topk_route_forward(const Tensor& logits, int k, bool sigmoid, bool normalize, Tensor& weights,
+                        Tensor& indices, Tensor& probs) {
+  constexpr const char* op = "topk_route_forward";
+  check_float(logits, op, "logits");
+  check_dtype(weights, DType::f32, op, "weights");
+  check_dtype(indices, DType::i32, op, "indices");
+  check_dtype(probs, DType::f32, op, "probs");
+  const int64_t E = last_dim(logits), N = lead_rows(logits);
+  if (k < 1 || k > E)
+    fail(fmt::format("{}: k = {} must be in [1, E] for logits {}", op, k, logits.str()));
+  if (weights.numel() != N * k || last_dim(weights) != k || indices.numel() != N * k ||
+      last_dim(indices) != k || probs.numel() != N * E || last_dim(probs) != E)
+    fail(
+        fmt::format("{}: logits {} with k = {} needs weights/indices [N, {}] and probs [N, {}], "
+                    "got {}, {}, {}",
+                    op, logits.str(), k, k, E, weights.str(), indices.str(), probs.str()));
+
+  float* w_out = weights.ptr<float>();
+  int32_t* i_out = indices.ptr<int32_t>();
+  float* p_out = probs.ptr<float>();
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, N, kRowGrain), [&](const auto& r) {
+    std::vector<float> key(static_cast<size_t>(k));
+    std::vector<int32_t> top(static_cast<size_t>(k));
+    for (int64_t n = r.begin(); n < r.end(); ++n) {
+      float* s = p_out + n * E;
+      load(logits, n * E, E, s);
+      if (sigmoid) {
+        for (int64_t e = 0; e < E; ++e) s[e] = 1.f / (1.f + std::exp(-s[e]));
+      } else {
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t e = 0; e < E; ++e) mx = std::max(mx, s[e]);
+        double sum = 0;
+        for (int64_t e = 0; e < E; ++e) {
+          s[e] = std::exp(s[e] - mx);
+          sum += s[e];
+        }
+        const float inv = static_cast<float>(1.0 / sum);
+        for (int64_t e = 0; e < E; ++e) s[e] *= inv;
+      }
+      // Insertion into a sorted list of the k best so far. The scan runs in increasing e and only a
+      // strictly greater score moves ahead, so ties go to the lower index. NaN sorts last (a NaN
+      // weight still reaches the loss, where the trainer notices it).
+      int count = 0;
+      for (int64_t e = 0; e < E; ++e) {
+        const float v = std::isnan(s[e]) ? -std::numeric_limits<float>::infinity() : s[e];
+        int pos;
+        if (count < k) {
+          pos = count++;
+        } else if (v > key[k - 1]) {
+          pos = k - 1;
+        } else {
+          continue;
+        }
+        while (pos > 0 && v > key[pos - 1]) {
+          key[pos] = key[pos - 1];
+          top[pos] = top[pos - 1];
+          --pos;
+        }
+        key[pos] = v;
+        top[pos] = static_cast<int32_t>(e);
+      }
+      std::copy(top.begin(), top.end(), i_out + n * k);
+      float* w = w_out + n * k;
+      float total = 0.f;
+      for (int j = 0; j < k; ++j) {
+        w[j] = s[top[j]];
+        total += w[j];
+      }
+      if (normalize)
+        for (int j = 0; j < k; ++j) w[j] /= total;
+    }
+  });
+}
+
+void topk_route_backward(const Tensor& dweights, const Tensor& weights, const Tensor& indices,
+                         const Tensor& probs, bool sigmoid, bool normalize, Tensor& dlogits) {
+  constexpr const char* op = "topk_route_backward";
+  check_float(dweights, op, "dweights");
+  check_float(weights, op, "weights");
+  check_dtype(indices, DType::i32, op, "indices");
+  check_float(probs, op, "probs");
+  check_float(dlogits, op, "dlogits");
+  const int64_t E = last_dim(probs), N = lead_rows(probs), k = last_dim(indices);
+  if (indices.numel() != N * k || dweights.numel() != N * k || weights.numel() != N * k ||
+      dlogits.numel() != N * E || last_dim(dlogits) != E || k < 1 || k > E)
+    fail(fmt::format(
+        "{}: probs {} needs dweights/weights/indices [N, k] and dlogits [N, {}], got "
+        "{}, {}, {}, {}",
+        op, probs.str(), E, dweights.str(), weights.str(), indices.str(), dlogits.str()));
+  check_indices(indices, E, op, "indices");
+
+  const int32_t* idx_all = indices.ptr<const int32_t>();
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, N, kRowGrain), [&](const auto& r) {
+    std::vector<float> s(static_cast<size_t>(E)), g(static_cast<size_t>(E));
+    std::vector<float> ds(static_cast<size_t>(k));
+    for (int64_t n = r.begin(); n < r.end(); ++n) {
+      load(probs, n * E, E, s.data());
+      load(dweights, n * k, k, ds.data());
+      const int32_t* idx = idx_all + n * k;
+      if (normalize) {
+        // w_j = s_j / S with S = sum of the selected scores (recomputed from probs in the forward's
+        // order, so it is the forward's S): ds_j = (dw_j - sum_l dw_l w_l) / S.
+        float total = 0.f;
+        for (int64_t j = 0; j < k; ++j) total += s[idx[j]];
+        float dot = 0.f;
+        for (int64_t j = 0; j < k; ++j) dot += ds[j] * s[idx[j]];
+        dot /= total;
+        for (int64_t j = 0; j < k; ++j) ds[j] = (ds[j] - dot) / total;
+      }
+      // The gradient reaches the scores of the selected experts only; the score function spreads
+      // it: softmax to every logit of the row, sigmoid to the selected logits alone.
+      std::fill(g.begin(), g.end(), 0.f);
+      if (sigmoid) {
+        for (int64_t j = 0; j < k; ++j) {
+          const float p = s[idx[j]];
+          g[idx[j]] += ds[j] * p * (1.f - p);
+        }
+      } else {
+        float c = 0.f;
+        for (int64_t j = 0; j < k; ++j) c += ds[j] * s[idx[j]];
+        for (int64_t e = 0; e < E; ++e) g[e] = -s[e] * c;
+        for (int64_t j = 0; j < k; ++j) g[idx[j]] += s[idx[j]] * ds[j];
+      }
+      if (dlogits.dtype() == DType::f32) {
+        float* d = dlogits.ptr<float>() + n * E;
+        for (int64_t e = 0; e < E; ++e) d[e] += g[e];
+      } else {
+        load(dlogits, n * E, E, s.data());
+        for (int64_t e = 0; e < E; ++e) s[e] += g[e];
+        store(dlogits, n * E, E, s.data());
+      }
+    }
+  });
+}
+
+// ---- token movement ---------------------------------------------------------------------------
 
 void gather_rows(const Tensor& x, const Tensor& idx, Tensor& out) {
-  fail("cpu: gather_rows is not implemented yet");
+  constexpr const char* op = "gather_rows";
+  check_float(x, op, "x");
+  check_dtype(idx, DType::i32, op, "idx");
+  check_float(out, op, "out");
+  const int64_t D = last_dim(x), N = lead_rows(x), M = idx.numel();
+  if (last_dim(out) != D || lead_rows(out) != M)
+    fail(fmt::format("{}: x {} and idx {} need out [{}, {}], got {}", op, x.str(), idx.str(), M, D,
+                     out.str()));
+  check_indices(idx, N, op, "idx");
+  const int32_t* id = idx.ptr<const int32_t>();
+  const bool same = x.dtype() == out.dtype();
+  const size_t row_bytes = static_cast<size_t>(D) * dtype_size(x.dtype());
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, M, kRowGrain), [&](const auto& r) {
+    std::vector<float> buf(same ? 0 : static_cast<size_t>(D));
+    for (int64_t m = r.begin(); m < r.end(); ++m) {
+      if (same) {
+        if (row_bytes)
+          std::memcpy(static_cast<char*>(out.data()) + static_cast<size_t>(m) * row_bytes,
+                      static_cast<const char*>(x.data()) + static_cast<size_t>(id[m]) * row_bytes,
+                      row_bytes);
+      } else {
+        load(x, id[m] * D, D, buf.data());
+        store(out, m * D, D, buf.data());
+      }
+    }
+  });
 }
 
 void scatter_add_rows(const Tensor& src, const Tensor& idx, const Tensor& w, Tensor& out) {
-  fail("cpu: scatter_add_rows is not implemented yet");
+  constexpr const char* op = "scatter_add_rows";
+  check_float(src, op, "src");
+  check_dtype(idx, DType::i32, op, "idx");
+  check_float(out, op, "out");
+  const int64_t D = last_dim(out), N = lead_rows(out), M = idx.numel();
+  if (last_dim(src) != D || lead_rows(src) != M)
+    fail(fmt::format("{}: idx {} and out {} need src [{}, {}], got {}", op, idx.str(), out.str(), M,
+                     D, src.str()));
+  if (w.defined()) {
+    check_float(w, op, "w");
+    if (w.numel() != M)
+      fail(fmt::format("{}: w {} must have one weight per row of src {}", op, w.str(), src.str()));
+  }
+  check_indices(idx, N, op, "idx");
+
+  // Group the source rows by destination (a stable counting sort): every output row then sums its
+  // contributions in increasing m on one thread, so the result is the serial loop's, whatever the
+  // thread count, and threads never write the same row.
+  // The index lists live in allocator scratch (no system allocation in a steady-state step).
+  const int32_t* id = idx.ptr<const int32_t>();
+  Backend& be = *out.backend();
+  Tensor start_t = be.empty({N + 1}, DType::i64), next_t = be.empty({N}, DType::i64),
+         order_t = be.empty({M}, DType::i64);
+  int64_t* start = start_t.ptr<int64_t>();
+  int64_t* next = next_t.ptr<int64_t>();
+  int64_t* order = order_t.ptr<int64_t>();
+  std::fill(start, start + N + 1, int64_t{0});
+  for (int64_t m = 0; m < M; ++m) ++start[id[m] + 1];
+  for (int64_t n = 0; n < N; ++n) start[n + 1] += start[n];
+  for (int64_t n = 0; n < N; ++n) next[n] = start[n];
+  for (int64_t m = 0; m < M; ++m) order[next[id[m]]++] = m;
+
+  const bool fast = src.dtype() == DType::f32 && out.dtype() == DType::f32;
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, N, 64), [&](const auto& r) {
+    std::vector<float> acc, row;
+    for (int64_t n = r.begin(); n < r.end(); ++n) {
+      const int64_t b = start[n], e = start[n + 1];
+      if (b == e) continue;
+      if (fast) {
+        float* o = out.ptr<float>() + n * D;
+        for (int64_t i = b; i < e; ++i) {
+          const int64_t m = order[i];
+          const float wm = w.defined() ? load1(w, m) : 1.f;
+          const float* s = src.ptr<const float>() + m * D;
+          for (int64_t d = 0; d < D; ++d) o[d] += wm * s[d];
+        }
+      } else {
+        // bf16 storage: sum every contribution in f32 and round once.
+        acc.resize(static_cast<size_t>(D));
+        row.resize(static_cast<size_t>(D));
+        load(out, n * D, D, acc.data());
+        for (int64_t i = b; i < e; ++i) {
+          const int64_t m = order[i];
+          const float wm = w.defined() ? load1(w, m) : 1.f;
+          load(src, m * D, D, row.data());
+          for (int64_t d = 0; d < D; ++d) acc[d] += wm * row[d];
+        }
+        store(out, n * D, D, acc.data());
+      }
+    }
+  });
 }
 
-void grouped_matmul(const Tensor& x, const Tensor& w, const Tensor& offsets, bool trans_w, Tensor& out) {
-  fail("cpu: grouped_matmul is not implemented yet");
+// ---- grouped matmul ---------------------------------------------------------------------------
+
+// Each expert's segment is one call of the backend's matmul on views: it owns the GEMM path
+// (OpenBLAS tiles on the arena's threads, bf16 widened in allocator scratch, the matrix-vector
+// kernel for a single row), and it nests inside this kernel without oversubscribing the cores.
+// Experts run one after the other; each GEMM is split across the threads.
+
+void grouped_matmul(const Tensor& x, const Tensor& w, const Tensor& offsets, bool trans_w,
+                    Tensor& out) {
+  constexpr const char* op = "grouped_matmul";
+  check_float(x, op, "x");
+  check_float(w, op, "w");
+  check_float(out, op, "out");
+  check_defined(offsets, op, "offsets");
+  if (w.ndim() != 3)
+    fail(fmt::format("{}: w must be [E, K, N] ([E, N, K] if trans_w), got {}", op, w.str()));
+  const int64_t E = w.dim(0);
+  const int64_t K = trans_w ? w.dim(2) : w.dim(1), N = trans_w ? w.dim(1) : w.dim(2);
+  const int64_t M = lead_rows(x);
+  if (last_dim(x) != K || last_dim(out) != N || lead_rows(out) != M)
+    fail(fmt::format("{}: x {} and w {} (trans_w = {}) need x [M, {}] and out [M, {}], got out {}",
+                     op, x.str(), w.str(), trans_w, K, N, out.str()));
+  const std::vector<int32_t> off = read_offsets(offsets, E, M, op);
+
+  const Tensor x2 = x.view({M, K});
+  const Tensor out2 = out.view({M, N});
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = off[e], r1 = off[e + 1];
+    if (r0 == r1) continue;
+    Tensor out_e = out2.slice0(r0, r1);
+    matmul(x2.slice0(r0, r1), w.slice0(e, e + 1).view({w.dim(1), w.dim(2)}), out_e, false, trans_w,
+           1.f, 0.f);
+  }
 }
 
-void grouped_matmul_weight_grad(const Tensor& x, const Tensor& dout, const Tensor& offsets, bool trans_w, Tensor& dw) {
-  fail("cpu: grouped_matmul_weight_grad is not implemented yet");
+void grouped_matmul_weight_grad(const Tensor& x, const Tensor& dout, const Tensor& offsets,
+                                bool trans_w, Tensor& dw) {
+  constexpr const char* op = "grouped_matmul_weight_grad";
+  check_float(x, op, "x");
+  check_float(dout, op, "dout");
+  check_float(dw, op, "dw");
+  check_defined(offsets, op, "offsets");
+  if (dw.ndim() != 3)
+    fail(fmt::format("{}: dw must be [E, K, N] ([E, N, K] if trans_w), got {}", op, dw.str()));
+  const int64_t E = dw.dim(0);
+  const int64_t K = trans_w ? dw.dim(2) : dw.dim(1), N = trans_w ? dw.dim(1) : dw.dim(2);
+  const int64_t M = lead_rows(x);
+  if (last_dim(x) != K || last_dim(dout) != N || lead_rows(dout) != M)
+    fail(fmt::format("{}: dw {} (trans_w = {}) needs x [M, {}] and dout [M, {}], got {} and {}", op,
+                     dw.str(), trans_w, K, N, x.str(), dout.str()));
+  const std::vector<int32_t> off = read_offsets(offsets, E, M, op);
+
+  const Tensor x2 = x.view({M, K});
+  const Tensor d2 = dout.view({M, N});
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = off[e], r1 = off[e + 1];
+    if (r0 == r1) continue;  // an expert without tokens gets no gradient
+    Tensor dw_e = dw.slice0(e, e + 1).view({dw.dim(1), dw.dim(2)});
+    // Accumulate (beta = 1): dw[e] += x_e^T dout_e ([K, N]), or dout_e^T x_e ([N, K]) if trans_w.
+    if (trans_w)
+      matmul(d2.slice0(r0, r1), x2.slice0(r0, r1), dw_e, true, false, 1.f, 1.f);
+    else
+      matmul(x2.slice0(r0, r1), d2.slice0(r0, r1), dw_e, true, false, 1.f, 1.f);
+  }
 }
 
 }  // namespace mt::cpu
