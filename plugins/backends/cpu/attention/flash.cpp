@@ -1,7 +1,955 @@
-// flash attention: placeholder (not implemented yet).
+// flash attention (FlashAttention-2 style) on the CPU.
+//
+// Forward: one task per (batch, query head, block of kBQ query rows). The task walks the key
+// blocks that its rows can see (causal, window and segment ranges skip whole blocks) with an
+// online softmax: running row max m, running sum l, and an output accumulator rescaled by
+// exp(m_old - m_new). Only lse = m + log(l) per row is kept, so the extra memory is O(T * D)
+// (per-task tiles), never T x S.
+//
+// Backward: one task per (batch, kv head). For each key block it accumulates dK and dV in a tile
+// while looping over the q heads of the group and the query blocks that see the key block;
+// scores are recomputed from q, k and the saved lse (P = exp(s - lse)), with
+// dS = P * (dO.V - D_i) and D_i = rowsum(dO * O). dQ rows are owned by the task (their q heads
+// belong to its kv head), so every gradient element is written by one task in a fixed order:
+// race-free and bitwise deterministic. When there are fewer (batch, kv head) pairs than threads
+// (MQA, few kv heads, small batches) each pair's key blocks are dealt round-robin to several
+// tasks, each with its own dQ partial buffer, summed in a fixed order afterwards (deterministic
+// for a fixed thread count, as backend.h asks).
+//
+// Tiles are multiplied by small register-blocked microkernels: AVX-512 intrinsics when the CPU
+// has them (checked at run time, the build stays portable), plain loops otherwise. The per-tile
+// bookkeeping (scaling, masks, online softmax, dS) is compiled twice with target_clones and the
+// loader picks the AVX-512 copy where it runs. MT_FLASH_KERNELS=generic in the environment forces
+// the portable microkernels.
+#include <oneapi/tbb/parallel_for.h>
+#include <oneapi/tbb/task_arena.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <memory>
+#include <string>
+
 #include "cpu_backend.h"
 #include "mt/attention.h"
+#include "mt/error.h"
+
+#define MT_ALWAYS_INLINE __attribute__((always_inline)) inline
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define MT_FLASH_X86 1
+#define MT_AVX512 __attribute__((target("avx512f")))
+#define MT_CLONES __attribute__((target_clones("avx512f", "default")))
+#else  // other architectures: the generic kernels only
+#define MT_FLASH_X86 0
+#define MT_CLONES
+#endif
 
 namespace mt::cpu {
-std::unique_ptr<AttentionKernel> make_flash_attention(Backend& b) { return nullptr; }
+namespace {
+
+constexpr int64_t kBQ = 64;  // query rows per tile
+constexpr int64_t kBK = 64;  // key rows per tile (the width of every score tile)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Query blocks with fewer rows (decode steps) score keys by direct dot products.
+constexpr int64_t kDirectRows = 4;
+
+// ---- microkernels -------------------------------------------------------------------------
+
+// out [nr, kBK] = a [nr, D] (row stride lda) @ bt [D, kBK].
+void abt_generic(const float* a, int64_t lda, int64_t nr, const float* bt, int64_t D, float* out) {
+  for (int64_t r = 0; r < nr; ++r) {
+    float acc[kBK] = {};
+    for (int64_t d = 0; d < D; ++d) {
+      const float x = a[r * lda + d];
+      const float* b = bt + d * kBK;
+      for (int64_t c = 0; c < kBK; ++c) acc[c] += x * b[c];
+    }
+    std::copy(acc, acc + kBK, out + r * kBK);
+  }
+}
+
+// out[r, :D] += sum_{c < nc} w[r * wr + c * wc] * x[c * ldx + :D] for r < nr. The weight strides
+// (wr, wc) read a score tile as it is (wr = kBK, wc = 1) or transposed (wr = 1, wc = kBK).
+void acc_generic(float* out, int64_t ldo, int64_t nr, const float* w, int64_t wr, int64_t wc,
+                 const float* x, int64_t ldx, int64_t nc, int64_t D) {
+  for (int64_t r = 0; r < nr; ++r) {
+    float* o = out + r * ldo;
+    for (int64_t c = 0; c < nc; ++c) {
+      const float s = w[r * wr + c * wc];
+      const float* xr = x + c * ldx;
+      for (int64_t d = 0; d < D; ++d) o[d] += s * xr[d];
+    }
+  }
+}
+
+// exp(x) for x <= ~0 (Cody-Waite range reduction and a degree-6 polynomial, ~2 ulp), written so
+// that the loops calling it vectorise; exp(x < -87) and exp(-inf) are exactly 0.
+MT_ALWAYS_INLINE float exp_approx(float x) {
+  const bool under = x < -87.f;
+  x = under ? -87.f : (x > 88.f ? 88.f : x);
+  const float t = x * 1.44269504088896341f + 0.5f;
+  int32_t n = static_cast<int32_t>(t);
+  n -= static_cast<float>(n) > t ? 1 : 0;  // floor
+  const float fn = static_cast<float>(n);
+  const float r = (x - fn * 0.693359375f) + fn * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  const float two_n = std::bit_cast<float>(static_cast<int32_t>((n + 127) << 23));
+  return under ? 0.f : y * two_n;
+}
+
+// x[c] = exp(x[c] - sub) for c < n; returns the sum of the new x[c].
+float exp_sub_generic(float* x, int64_t n, float sub) {
+  float sum = 0.f;
+  for (int64_t c = 0; c < n; ++c) {
+    x[c] = exp_approx(x[c] - sub);
+    sum += x[c];
+  }
+  return sum;
+}
+
+// x = cap * tanh(x / cap), and th = tanh(x / cap) when th is given.
+void softcap_generic(float* x, int64_t n, float cap, float* th) {
+  for (int64_t c = 0; c < n; ++c) {
+    const float t = std::tanh(x[c] / cap);
+    if (th) th[c] = t;
+    x[c] = cap * t;
+  }
+}
+
+float max_generic(const float* x, int64_t n) {
+  float m = kNegInf;
+  for (int64_t c = 0; c < n; ++c) m = std::max(m, x[c]);
+  return m;
+}
+
+// out [nr, kBK] (first nk columns) = a [nr, D] (row stride lda) @ rows [nk, D]^T (row stride ldk):
+// one dot product per score, for blocks of very few query rows (decode), where transposing the
+// key tile would cost more than the products.
+void abt_direct_generic(const float* a, int64_t lda, int64_t nr, const float* rows, int64_t ldk,
+                        int64_t nk, int64_t D, float* out) {
+  for (int64_t r = 0; r < nr; ++r)
+    for (int64_t c = 0; c < nk; ++c) {
+      float acc = 0.f;
+      for (int64_t d = 0; d < D; ++d) acc += a[r * lda + d] * rows[c * ldk + d];
+      out[r * kBK + c] = acc;
+    }
+}
+
+#if MT_FLASH_X86
+// ---- AVX-512 microkernels (same contracts as the generic ones above) ----------------------
+
+template <int NR>
+MT_AVX512 MT_ALWAYS_INLINE void abt_rows_avx512(const float* a, int64_t lda, const float* bt,
+                                                int64_t D, float* out) {
+  __m512 acc[NR][4];
+  for (int i = 0; i < NR; ++i)
+    for (int k = 0; k < 4; ++k) acc[i][k] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const float* b = bt + d * kBK;
+    const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16),
+                 b2 = _mm512_loadu_ps(b + 32), b3 = _mm512_loadu_ps(b + 48);
+    for (int i = 0; i < NR; ++i) {
+      const __m512 x = _mm512_set1_ps(a[i * lda + d]);
+      acc[i][0] = _mm512_fmadd_ps(x, b0, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(x, b1, acc[i][1]);
+      acc[i][2] = _mm512_fmadd_ps(x, b2, acc[i][2]);
+      acc[i][3] = _mm512_fmadd_ps(x, b3, acc[i][3]);
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int k = 0; k < 4; ++k) _mm512_storeu_ps(out + i * kBK + 16 * k, acc[i][k]);
+}
+
+MT_AVX512 void abt_avx512(const float* a, int64_t lda, int64_t nr, const float* bt, int64_t D,
+                          float* out) {
+  static_assert(kBK == 64, "the AVX-512 kernels hold a score row in four registers");
+  int64_t r = 0;
+  for (; r + 4 <= nr; r += 4) abt_rows_avx512<4>(a + r * lda, lda, bt, D, out + r * kBK);
+  for (; r < nr; ++r) abt_rows_avx512<1>(a + r * lda, lda, bt, D, out + r * kBK);
+}
+
+// The exp and max kernels below use the masked forms of max, min, roundscale, cvtps and slli with
+// an all-ones mask: GCC 12's unmasked forms start from _mm512_undefined_*() and trip
+// -Wuninitialized (GCC bug 105593).
+constexpr __mmask16 kAll = 0xFFFF;
+
+MT_AVX512 MT_ALWAYS_INLINE __mmask16 tail_mask(int64_t remaining) {
+  if (remaining >= 16) return 0xFFFF;
+  if (remaining <= 0) return 0;
+  return static_cast<__mmask16>((1u << remaining) - 1u);
+}
+
+// Columns [d0, d0 + 64) of NR rows of out (four registers per row). kFull: all 64 columns exist,
+// so the loads need no masks (masked loads in the inner loop cost mask-register spills).
+template <bool kFull>
+MT_AVX512 MT_ALWAYS_INLINE __m512 load_chunk(const float* p, __mmask16 m) {
+  return kFull ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(m, p);
+}
+
+template <int NR, bool kFull>
+MT_AVX512 MT_ALWAYS_INLINE void acc_chunk_avx512(float* out, int64_t ldo, const float* w,
+                                                 int64_t wr, int64_t wc, const float* x,
+                                                 int64_t ldx, int64_t nc, int64_t d0, int64_t D) {
+  __mmask16 m[4];
+  for (int k = 0; k < 4; ++k) m[k] = kFull ? kAll : tail_mask(D - d0 - 16 * k);
+  __m512 acc[NR][4];
+  for (int i = 0; i < NR; ++i)
+    for (int k = 0; k < 4; ++k) acc[i][k] = load_chunk<kFull>(out + i * ldo + d0 + 16 * k, m[k]);
+  for (int64_t c = 0; c < nc; ++c) {
+    const float* xr = x + c * ldx + d0;
+    const __m512 x0 = load_chunk<kFull>(xr, m[0]), x1 = load_chunk<kFull>(xr + 16, m[1]),
+                 x2 = load_chunk<kFull>(xr + 32, m[2]), x3 = load_chunk<kFull>(xr + 48, m[3]);
+    for (int i = 0; i < NR; ++i) {
+      const __m512 s = _mm512_set1_ps(w[i * wr + c * wc]);
+      acc[i][0] = _mm512_fmadd_ps(s, x0, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(s, x1, acc[i][1]);
+      acc[i][2] = _mm512_fmadd_ps(s, x2, acc[i][2]);
+      acc[i][3] = _mm512_fmadd_ps(s, x3, acc[i][3]);
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int k = 0; k < 4; ++k) {
+      float* o = out + i * ldo + d0 + 16 * k;
+      if (kFull)
+        _mm512_storeu_ps(o, acc[i][k]);
+      else
+        _mm512_mask_storeu_ps(o, m[k], acc[i][k]);
+    }
+}
+
+template <int NR>
+MT_AVX512 MT_ALWAYS_INLINE void acc_rows_avx512(float* out, int64_t ldo, const float* w, int64_t wr,
+                                                int64_t wc, const float* x, int64_t ldx, int64_t nc,
+                                                int64_t D) {
+  int64_t d0 = 0;
+  for (; d0 + 64 <= D; d0 += 64) acc_chunk_avx512<NR, true>(out, ldo, w, wr, wc, x, ldx, nc, d0, D);
+  if (d0 < D) acc_chunk_avx512<NR, false>(out, ldo, w, wr, wc, x, ldx, nc, d0, D);
+}
+
+MT_AVX512 void acc_avx512(float* out, int64_t ldo, int64_t nr, const float* w, int64_t wr,
+                          int64_t wc, const float* x, int64_t ldx, int64_t nc, int64_t D) {
+  int64_t r = 0;
+  for (; r + 4 <= nr; r += 4)
+    acc_rows_avx512<4>(out + r * ldo, ldo, w + r * wr, wr, wc, x, ldx, nc, D);
+  for (; r < nr; ++r) acc_rows_avx512<1>(out + r * ldo, ldo, w + r * wr, wr, wc, x, ldx, nc, D);
+}
+
+// The same polynomial as exp_approx, sixteen lanes at a time (the branches of the scalar form
+// keep the compiler from vectorising it).
+// exp(v) for v in [-87, 88] (callers clamp), the polynomial of exp_approx.
+MT_AVX512 MT_ALWAYS_INLINE __m512 exp_avx512(__m512 v) {
+  const __m512 t = _mm512_fmadd_ps(v, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+  const __m512 fn =
+      _mm512_mask_roundscale_ps(t, kAll, t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(0.693359375f), v);
+  r = _mm512_fmadd_ps(fn, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(_mm512_mul_ps(y, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i e = _mm512_mask_slli_epi32(
+      zero, kAll, _mm512_add_epi32(_mm512_mask_cvtps_epi32(zero, kAll, fn), _mm512_set1_epi32(127)),
+      23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+MT_AVX512 float exp_sub_avx512(float* x, int64_t n, float sub) {
+  const __m512 vsub = _mm512_set1_ps(sub), lo = _mm512_set1_ps(-87.f), hi = _mm512_set1_ps(88.f);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t c = 0; c < n; c += 16) {
+    const __mmask16 m = tail_mask(n - c);
+    __m512 v = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + c), vsub);
+    const __mmask16 under = _mm512_cmp_ps_mask(v, lo, _CMP_LT_OQ);
+    v = _mm512_mask_min_ps(v, kAll, _mm512_mask_max_ps(v, kAll, v, lo), hi);
+    const __m512 res = _mm512_maskz_mov_ps(static_cast<__mmask16>(m & ~under), exp_avx512(v));
+    _mm512_mask_storeu_ps(x + c, m, res);
+    sum = _mm512_add_ps(sum, res);
+  }
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, sum);
+  float total = 0.f;
+  for (float l : lanes) total += l;
+  return total;
+}
+
+// x = cap * tanh(x / cap), and th = tanh(x / cap) when th is given. tanh as in Cephes' tanhf:
+// an odd polynomial below |y| = 0.625, 1 - 2 / (exp(2|y|) + 1) above (no cancellation there);
+// |y| is clamped at 9, where tanh is 1 in f32.
+MT_AVX512 void softcap_avx512(float* x, int64_t n, float cap, float* th) {
+  const __m512 inv = _mm512_set1_ps(1.f / cap), vcap = _mm512_set1_ps(cap);
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t c = 0; c < n; c += 16) {
+    const __mmask16 m = tail_mask(n - c);
+    const __m512 y = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + c), inv);
+    const __m512 ay = _mm512_abs_ps(y);
+    const __m512 z = _mm512_mul_ps(y, y);
+    __m512 p = _mm512_set1_ps(-5.70498872745e-3f);
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(2.06390887954e-2f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-5.37397155531e-2f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.33314422036e-1f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-3.33332819422e-1f));
+    const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(y, z), p, y);
+    const __m512 e = exp_avx512(
+        _mm512_mul_ps(_mm512_mask_min_ps(ay, kAll, ay, _mm512_set1_ps(9.f)), _mm512_set1_ps(2.f)));
+    const __m512 big_abs =
+        _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, one)));
+    const __mmask16 neg = _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 big = _mm512_mask_sub_ps(big_abs, neg, _mm512_setzero_ps(), big_abs);
+    const __mmask16 use_small = _mm512_cmp_ps_mask(ay, _mm512_set1_ps(0.625f), _CMP_LT_OQ);
+    const __m512 t = _mm512_mask_blend_ps(use_small, big, small);
+    if (th) _mm512_mask_storeu_ps(th + c, m, t);
+    _mm512_mask_storeu_ps(x + c, m, _mm512_mul_ps(vcap, t));
+  }
+}
+
+MT_AVX512 float max_avx512(const float* x, int64_t n) {
+  __m512 m = _mm512_set1_ps(kNegInf);
+  for (int64_t c = 0; c < n; c += 16)
+    m = _mm512_mask_max_ps(m, kAll, m,
+                           _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), tail_mask(n - c), x + c));
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, m);
+  return *std::max_element(lanes, lanes + 16);
+}
+
+MT_AVX512 MT_ALWAYS_INLINE float hsum_avx512(__m512 v) {
+  // Halves through the masked extract (GCC 12's cast and plain extract warn, see kAll).
+  const __m512d vd = _mm512_castps_pd(v);
+  const __m256 lo = _mm256_castpd_ps(_mm512_mask_extractf64x4_pd(_mm256_setzero_pd(), 0xF, vd, 0));
+  const __m256 hi = _mm256_castpd_ps(_mm512_mask_extractf64x4_pd(_mm256_setzero_pd(), 0xF, vd, 1));
+  const __m256 s = _mm256_add_ps(lo, hi);
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+MT_AVX512 void abt_direct_avx512(const float* a, int64_t lda, int64_t nr, const float* rows,
+                                 int64_t ldk, int64_t nk, int64_t D, float* out) {
+  for (int64_t r = 0; r < nr; ++r)
+    for (int64_t c = 0; c < nk; ++c) {
+      const float* q = a + r * lda;
+      const float* k = rows + c * ldk;
+      __m512 acc = _mm512_setzero_ps();
+      int64_t d = 0;
+      for (; d + 16 <= D; d += 16)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), acc);
+      if (d < D) {
+        const __mmask16 m = tail_mask(D - d);
+        acc =
+            _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + d), _mm512_maskz_loadu_ps(m, k + d), acc);
+      }
+      out[r * kBK + c] = hsum_avx512(acc);
+    }
+}
+
+#endif  // MT_FLASH_X86
+
+struct Kernels {
+  void (*abt)(const float*, int64_t, int64_t, const float*, int64_t, float*);
+  void (*abt_direct)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, int64_t,
+                     float*);
+  void (*acc)(float*, int64_t, int64_t, const float*, int64_t, int64_t, const float*, int64_t,
+              int64_t, int64_t);
+  float (*exp_sub)(float*, int64_t, float);
+  float (*max)(const float*, int64_t);
+  void (*softcap)(float*, int64_t, float, float*);
+};
+
+const Kernels& kernels() {
+  static const Kernels generic{abt_generic,     abt_direct_generic, acc_generic,
+                               exp_sub_generic, max_generic,        softcap_generic};
+  // MT_FLASH_KERNELS=generic forces the portable kernels (the tests run both paths).
+  static const bool force_generic = [] {
+    const char* e = std::getenv("MT_FLASH_KERNELS");
+    return e != nullptr && std::string(e) == "generic";
+  }();
+  if (force_generic) return generic;
+#if MT_FLASH_X86
+  static const Kernels avx512{abt_avx512,     abt_direct_avx512, acc_avx512,
+                              exp_sub_avx512, max_avx512,        softcap_avx512};
+  if (__builtin_cpu_supports("avx512f")) return avx512;
+#endif
+  return generic;
+}
+
+// bt [D, kBK] = rows [n, D] (row stride ld) transposed, columns n..kBK zero.
+void transpose_tile(const float* rows, int64_t ld, int64_t n, int64_t D, float* bt) {
+  for (int64_t d = 0; d < D; ++d) {
+    float* dst = bt + d * kBK;
+    for (int64_t c = 0; c < n; ++c) dst[c] = rows[c * ld + d];
+    std::fill(dst + n, dst + kBK, 0.f);
+  }
+}
+
+// ---- shapes -------------------------------------------------------------------------------
+
+struct Dims {
+  int64_t B, T, S, Hq, Hkv, D;
+};
+
+bool float_dtype(const Tensor& t) {
+  return t.dtype() == DType::f32 || t.dtype() == DType::bf16;
+}
+
+Dims check_inputs(const std::string& op, const Tensor& q, const Tensor& k, const Tensor& v,
+                  const Tensor& q_seg, const Tensor& kv_seg) {
+  const std::string shapes = " (q " + (q.defined() ? q.str() : "undefined") + ", k " +
+                             (k.defined() ? k.str() : "undefined") + ", v " +
+                             (v.defined() ? v.str() : "undefined") + ")";
+  MT_CHECK(q.defined() && k.defined() && v.defined(), op + ": q, k and v are required" + shapes);
+  MT_CHECK(q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4,
+           op + ": q, k, v must be [B, T, H, D]" + shapes);
+  MT_CHECK(k.shape() == v.shape(), op + ": k and v shapes differ" + shapes);
+  MT_CHECK(q.dim(0) == k.dim(0) && q.dim(3) == k.dim(3),
+           op + ": batch or head_dim of q and k differ" + shapes);
+  MT_CHECK(k.dim(2) > 0 && q.dim(2) % k.dim(2) == 0,
+           op + ": query heads must be a multiple of kv heads" + shapes);
+  MT_CHECK(float_dtype(q) && float_dtype(k) && float_dtype(v),
+           op + ": q, k, v must be f32 or bf16");
+  MT_CHECK(q_seg.defined() == kv_seg.defined(),
+           op + ": give both q_segment and kv_segment or neither");
+  if (q_seg.defined()) {
+    MT_CHECK(q_seg.dtype() == DType::i32 && kv_seg.dtype() == DType::i32,
+             op + ": segment ids must be i32");
+    MT_CHECK(q_seg.shape() == (Shape{q.dim(0), q.dim(1)}) &&
+                 kv_seg.shape() == (Shape{k.dim(0), k.dim(1)}),
+             op + ": segment ids must be [B, T] and [B, S], got " + q_seg.str() + " and " +
+                 kv_seg.str() + shapes);
+  }
+  return {q.dim(0), q.dim(1), k.dim(1), q.dim(2), k.dim(2), q.dim(3)};
+}
+
+void check_same(const std::string& op, const char* what, const Tensor& t, const Shape& shape,
+                bool f32_only) {
+  MT_CHECK(t.defined() && t.shape() == shape, op + ": " + what + " must be " + shape_str(shape) +
+                                                  ", got " + (t.defined() ? t.str() : "undefined"));
+  MT_CHECK(f32_only ? t.dtype() == DType::f32 : float_dtype(t),
+           op + ": " + what + " has an unsupported dtype " + t.str());
+}
+
+// ---- f32 views of f32 or bf16 tensors -----------------------------------------------------
+
+// The tensor's data as f32: itself when f32, else a converted copy from the backend's
+// allocator (O(size of the tensor), freed when the view dies). Runs inside the arena.
+struct F32 {
+  float* p = nullptr;
+  Tensor copy;
+};
+
+F32 as_f32(CpuBackend& be, const Tensor& t) {
+  if (t.dtype() == DType::f32) return {t.ptr<float>(), Tensor()};
+  F32 v{nullptr, be.empty(t.shape(), DType::f32)};
+  v.p = v.copy.ptr<float>();
+  const uint16_t* src = t.ptr<uint16_t>();
+  float* dst = v.p;
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, t.numel(), 1 << 14),
+                    [&](const tbb::blocked_range<int64_t>& r) {
+                      for (int64_t i = r.begin(); i < r.end(); ++i) dst[i] = bf16_to_f32(src[i]);
+                    });
+  return v;
+}
+
+// Writes an f32 view back into its bf16 tensor (no-op for f32 tensors, already written).
+void write_back(const F32& v, Tensor& t) {
+  if (!v.copy.defined()) return;
+  uint16_t* dst = t.ptr<uint16_t>();
+  const float* src = v.p;
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, t.numel(), 1 << 14),
+                    [&](const tbb::blocked_range<int64_t>& r) {
+                      for (int64_t i = r.begin(); i < r.end(); ++i) dst[i] = f32_to_bf16(src[i]);
+                    });
+}
+
+// ---- forward ------------------------------------------------------------------------------
+
+// One (batch, head) as seen by the forward: pointers at row 0 of the head, row strides.
+struct HeadFwd {
+  const float* q;
+  int64_t ldq;
+  const float* k;
+  const float* v;
+  int64_t ldkv;
+  int64_t S;  // keys [0, S) exist
+  float* out;
+  int64_t ldo;
+  float* lse;  // [T] or null
+  int64_t offset;
+  const int32_t* q_seg;   // [T] or null
+  const int32_t* kv_seg;  // [S]
+  // Row r of a block starting at i0 is query i0 + r * step: 1 for the rows of one head, 0 when
+  // the rows are the q heads of one kv head at a single position (grouped decode).
+  int64_t step = 1;
+};
+
+struct Params {
+  int64_t D;
+  float scale;
+  float cap;
+  bool causal;
+  int64_t window;
+};
+
+// Keys [lo, hi) that any of the query rows [i0, i1) may see (causal and window bounds only).
+void key_range(const Params& p, int64_t offset, int64_t S, int64_t i0, int64_t i1, int64_t& lo,
+               int64_t& hi) {
+  lo = 0;
+  hi = S;
+  if (p.causal) hi = std::min(S, i1 - 1 + offset + 1);
+  if (p.window > 0) lo = std::max<int64_t>(0, i0 + offset - p.window + 1);
+}
+
+void min_max(const int32_t* s, int64_t n, int32_t& lo, int32_t& hi) {
+  lo = std::numeric_limits<int32_t>::max();
+  hi = std::numeric_limits<int32_t>::min();
+  for (int64_t i = 0; i < n; ++i) {
+    lo = std::min(lo, s[i]);
+    hi = std::max(hi, s[i]);
+  }
+}
+
+// Tiles of one forward task, carved from the calling thread's scratch slot.
+struct FwdScratch {
+  float *qs, *kt, *s, *acc, *m, *l;
+  static int64_t floats(int64_t D) { return 2 * kBQ * D + D * kBK + kBQ * kBK + 2 * kBQ; }
+  FwdScratch(float* p, int64_t D)
+      : qs(p),
+        kt(qs + kBQ * D),
+        s(kt + D * kBK),
+        acc(s + kBQ * kBK),
+        m(acc + kBQ * D),
+        l(m + kBQ) {}
+};
+
+// Rows r < nr of a block (row r: q at h.q + (i0 + r) * ldq, query i0 + r * step): out and lse.
+MT_CLONES void forward_block(const Kernels& kn, const Params& p, const HeadFwd& h, int64_t i0,
+                             int64_t nr, FwdScratch& w) {
+  const int64_t D = p.D;
+  for (int64_t r = 0; r < nr; ++r)
+    for (int64_t d = 0; d < D; ++d) w.qs[r * D + d] = p.scale * h.q[(i0 + r) * h.ldq + d];
+  std::fill(w.acc, w.acc + nr * D, 0.f);
+  std::fill(w.m, w.m + kBQ, kNegInf);
+  std::fill(w.l, w.l + kBQ, 0.f);
+  int32_t qs_lo = 0, qs_hi = 0;
+  if (h.q_seg) min_max(h.q_seg + i0, nr, qs_lo, qs_hi);
+
+  int64_t lo, hi;
+  const int64_t i_last = i0 + (nr - 1) * h.step;
+  key_range(p, h.offset, h.S, i0, i_last + 1, lo, hi);
+  const int64_t p_first = i0 + h.offset, p_last = i_last + h.offset;
+  for (int64_t j0 = lo; j0 < hi; j0 += kBK) {
+    const int64_t nk = std::min(kBK, hi - j0);
+    bool full = (!p.causal || j0 + nk - 1 <= p_first) && (p.window == 0 || p_last - j0 < p.window);
+    if (h.q_seg) {
+      int32_t ks_lo, ks_hi;
+      min_max(h.kv_seg + j0, nk, ks_lo, ks_hi);
+      if (ks_hi < qs_lo || ks_lo > qs_hi) continue;  // no shared document
+      full = full && qs_lo == qs_hi && ks_lo == ks_hi && qs_lo == ks_lo;
+    }
+    if (nr < kDirectRows) {
+      kn.abt_direct(w.qs, D, nr, h.k + j0 * h.ldkv, h.ldkv, nk, D, w.s);
+    } else {
+      transpose_tile(h.k + j0 * h.ldkv, h.ldkv, nk, D, w.kt);
+      kn.abt(w.qs, D, nr, w.kt, D, w.s);
+    }
+    for (int64_t r = 0; r < nr; ++r) {
+      float* row = w.s + r * kBK;
+      const int64_t i = i0 + r * h.step, pos = i + h.offset;
+      if (p.cap > 0.f) kn.softcap(row, nk, p.cap, nullptr);
+      if (!full) {
+        for (int64_t c = 0; c < nk; ++c) {
+          const int64_t j = j0 + c;
+          if ((p.causal && j > pos) || (p.window > 0 && pos - j >= p.window) ||
+              (h.q_seg && h.q_seg[i] != h.kv_seg[j]))
+            row[c] = kNegInf;
+        }
+      }
+      const float m_new = std::max(w.m[r], kn.max(row, nk));
+      if (m_new == kNegInf) {  // nothing visible yet: contributes nothing
+        std::fill(row, row + nk, 0.f);
+        continue;
+      }
+      const float sum = kn.exp_sub(row, nk, m_new);
+      if (m_new != w.m[r]) {
+        const float alpha = w.m[r] == kNegInf ? 0.f : std::exp(w.m[r] - m_new);
+        float* a = w.acc + r * D;
+        for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
+        w.l[r] *= alpha;
+        w.m[r] = m_new;
+      }
+      w.l[r] += sum;
+    }
+    kn.acc(w.acc, D, nr, w.s, kBK, 1, h.v + j0 * h.ldkv, h.ldkv, nk, D);
+  }
+  for (int64_t r = 0; r < nr; ++r) {
+    float* o = h.out + (i0 + r) * h.ldo;
+    const float* a = w.acc + r * D;
+    if (w.l[r] > 0.f) {
+      const float inv = 1.f / w.l[r];
+      for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv;
+      if (h.lse) h.lse[i0 + r] = w.m[r] + std::log(w.l[r]);
+    } else {
+      std::fill(o, o + D, 0.f);
+      if (h.lse) h.lse[i0 + r] = kNegInf;
+    }
+  }
+}
+
+// ---- backward -----------------------------------------------------------------------------
+
+// Tiles of one backward task, carved from the calling thread's scratch slot.
+struct BwdScratch {
+  float *kt, *vt, *qs, *s, *tanh_s, *dp, *dk, *dv;
+  static int64_t floats(int64_t D) { return 4 * kBK * D + kBQ * D + 3 * kBQ * kBK; }
+  BwdScratch(float* p, int64_t D)
+      : kt(p),
+        vt(kt + D * kBK),
+        qs(vt + D * kBK),
+        s(qs + kBQ * D),
+        tanh_s(s + kBQ * kBK),
+        dp(tanh_s + kBQ * kBK),
+        dk(dp + kBQ * kBK),
+        dv(dk + kBK * D) {}
+};
+
+class FlashAttention final : public AttentionKernel {
+ public:
+  explicit FlashAttention(CpuBackend& b) : backend_(b) {}
+  std::string name() const override { return "flash"; }
+
+  void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_segment,
+               const Tensor& kv_segment, const AttentionSpec& spec, Tensor& out,
+               Tensor& lse) override {
+    const std::string op = "flash attention forward";
+    const Dims n = check_inputs(op, q, k, v, q_segment, kv_segment);
+    check_same(op, "out", out, q.shape(), false);
+    check_same(op, "lse", lse, {n.B, n.Hq, n.T}, true);
+    if (q.numel() == 0) return;
+    const Params p = params(spec, n.D);
+    Tensor scratch = slots(FwdScratch::floats(n.D));
+    backend_.run([&] {
+      const F32 qf = as_f32(backend_, q), kf = as_f32(backend_, k), vf = as_f32(backend_, v);
+      F32 of = out.dtype() == DType::f32 ? F32{out.ptr<float>(), Tensor()}
+                                         : F32{nullptr, backend_.empty(out.shape(), DType::f32)};
+      if (!of.p) of.p = of.copy.ptr<float>();
+      const int64_t nblk = (n.T + kBQ - 1) / kBQ;
+      const Kernels& kn = kernels();
+      tbb::parallel_for(int64_t{0}, n.B * n.Hq * nblk, [&](int64_t task) {
+        const int64_t bh = task / nblk, blk = task % nblk;
+        const int64_t b = bh / n.Hq, h = bh % n.Hq, g = h / (n.Hq / n.Hkv);
+        HeadFwd hf{qf.p + (b * n.T * n.Hq + h) * n.D,
+                   n.Hq * n.D,
+                   kf.p + (b * n.S * n.Hkv + g) * n.D,
+                   vf.p + (b * n.S * n.Hkv + g) * n.D,
+                   n.Hkv * n.D,
+                   n.S,
+                   of.p + (b * n.T * n.Hq + h) * n.D,
+                   n.Hq * n.D,
+                   lse.ptr<float>() + bh * n.T,
+                   spec.query_offset,
+                   q_segment.defined() ? q_segment.ptr<int32_t>() + b * n.T : nullptr,
+                   kv_segment.defined() ? kv_segment.ptr<int32_t>() + b * n.S : nullptr};
+        FwdScratch w(slot(scratch), n.D);
+        const int64_t i0 = blk * kBQ;
+        forward_block(kn, p, hf, i0, std::min(kBQ, n.T - i0), w);
+      });
+      write_back(of, out);
+    });
+  }
+
+  void backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                const Tensor& q_segment, const Tensor& kv_segment, const Tensor& out,
+                const Tensor& lse, const AttentionSpec& spec, Tensor& dq, Tensor& dk,
+                Tensor& dv) override {
+    const std::string op = "flash attention backward";
+    const Dims n = check_inputs(op, q, k, v, q_segment, kv_segment);
+    check_same(op, "dout", dout, q.shape(), false);
+    check_same(op, "out", out, q.shape(), false);
+    check_same(op, "lse", lse, {n.B, n.Hq, n.T}, true);
+    check_same(op, "dq", dq, q.shape(), false);
+    check_same(op, "dk", dk, k.shape(), false);
+    check_same(op, "dv", dv, v.shape(), false);
+    if (q.numel() == 0 || k.numel() == 0) return;
+    const Params p = params(spec, n.D);
+    Tensor scratch = slots(BwdScratch::floats(n.D));
+    backend_.run([&] {
+      const F32 qf = as_f32(backend_, q), kf = as_f32(backend_, k), vf = as_f32(backend_, v);
+      const F32 dof = as_f32(backend_, dout);
+      F32 dqf = as_f32(backend_, dq), dkf = as_f32(backend_, dk), dvf = as_f32(backend_, dv);
+      // D_i = dO_i . O_i per (b, h, i), [B, Hq, T]: O(T) memory.
+      Tensor di = backend_.empty({n.B, n.Hq, n.T}, DType::f32);
+      {
+        const F32 of = as_f32(backend_, out);
+        float* dst = di.ptr<float>();
+        tbb::parallel_for(int64_t{0}, n.B * n.T, [&](int64_t bt) {
+          const int64_t b = bt / n.T, t = bt % n.T;
+          for (int64_t h = 0; h < n.Hq; ++h) {
+            const float* o = of.p + (bt * n.Hq + h) * n.D;
+            const float* g = dof.p + (bt * n.Hq + h) * n.D;
+            float s = 0.f;
+            for (int64_t d = 0; d < n.D; ++d) s += o[d] * g[d];
+            dst[(b * n.Hq + h) * n.T + t] = s;
+          }
+        });
+      }
+      // Fewer (batch, kv head) pairs than threads (MQA, GQA, small batches): split each pair's
+      // key blocks round-robin into `chunks` tasks (round-robin balances the causal triangle).
+      // dK/dV rows stay disjoint; dQ gets one partial buffer per extra chunk, summed in chunk
+      // order afterwards, so the result depends on the thread count only, not on scheduling.
+      const int64_t pairs = n.B * n.Hkv, key_blocks = (n.S + kBK - 1) / kBK;
+      const int64_t threads = backend_.num_threads();
+      const int64_t chunks =
+          pairs >= threads ? 1 : std::min(key_blocks, (2 * threads + pairs - 1) / pairs);
+      Tensor partial;
+      if (chunks > 1) {
+        partial = backend_.empty({chunks - 1, q.numel()}, DType::f32);
+        std::fill(partial.ptr<float>(), partial.ptr<float>() + partial.numel(), 0.f);
+      }
+      const Kernels& kn = kernels();
+      tbb::parallel_for(int64_t{0}, pairs * chunks, [&](int64_t task) {
+        const int64_t bg = task / chunks, chunk = task % chunks;
+        const int64_t b = bg / n.Hkv, g = bg % n.Hkv;
+        BwdScratch w(slot(scratch), n.D);
+        float* dq_chunk = chunk == 0 ? dqf.p : partial.ptr<float>() + (chunk - 1) * q.numel();
+        backward_kv_head(kn, p, n, spec.query_offset, b, g, chunk, chunks, qf.p, kf.p, vf.p, dof.p,
+                         lse.ptr<float>(), di.ptr<float>(),
+                         q_segment.defined() ? q_segment.ptr<int32_t>() + b * n.T : nullptr,
+                         kv_segment.defined() ? kv_segment.ptr<int32_t>() + b * n.S : nullptr,
+                         dq_chunk, dkf.p, dvf.p, w);
+      });
+      if (chunks > 1) {
+        const float* part = partial.ptr<float>();
+        float* dst = dqf.p;
+        const int64_t numel = q.numel();
+        tbb::parallel_for(tbb::blocked_range<int64_t>(0, numel, 1 << 14),
+                          [&](const tbb::blocked_range<int64_t>& r) {
+                            for (int64_t c = 0; c < chunks - 1; ++c)
+                              for (int64_t i = r.begin(); i < r.end(); ++i)
+                                dst[i] += part[c * numel + i];
+                          });
+      }
+      write_back(dqf, dq);
+      write_back(dkf, dk);
+      write_back(dvf, dv);
+    });
+  }
+
+  void decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths,
+              const AttentionSpec& spec, Tensor& out) override {
+    const std::string op = "flash attention decode";
+    const Dims n = check_inputs(op, q, k_cache, v_cache, Tensor(), Tensor());
+    check_same(op, "out", out, q.shape(), false);
+    MT_CHECK(lengths.defined() && lengths.dtype() == DType::i32 && lengths.shape() == Shape{n.B},
+             op + ": lengths must be i32 [" + std::to_string(n.B) + "]");
+    const int32_t* len = lengths.ptr<int32_t>();
+    for (int64_t b = 0; b < n.B; ++b)
+      MT_CHECK(len[b] >= n.T && len[b] <= n.S,
+               op + ": lengths[" + std::to_string(b) + "] = " + std::to_string(len[b]) +
+                   " must be in [T, Smax] = [" + std::to_string(n.T) + ", " + std::to_string(n.S) +
+                   "]");
+    if (q.numel() == 0) return;
+    const Params p = params(spec, n.D);
+    Tensor scratch = slots(FwdScratch::floats(n.D));
+    backend_.run([&] {
+      const F32 qf = as_f32(backend_, q), kf = as_f32(backend_, k_cache),
+                vf = as_f32(backend_, v_cache);
+      F32 of = out.dtype() == DType::f32 ? F32{out.ptr<float>(), Tensor()}
+                                         : F32{nullptr, backend_.empty(out.shape(), DType::f32)};
+      if (!of.p) of.p = of.copy.ptr<float>();
+      const Kernels& kn = kernels();
+      const int64_t group = n.Hq / n.Hkv;
+      if (n.T == 1 && group > 1) {
+        // One new token: the q heads sharing a kv head are adjacent rows of q, all at position
+        // lengths[b] - 1, so they form one block and read the cache once per kv head.
+        const int64_t nblk = (group + kBQ - 1) / kBQ;
+        tbb::parallel_for(int64_t{0}, n.B * n.Hkv * nblk, [&](int64_t task) {
+          const int64_t bg = task / nblk, blk = task % nblk;
+          const int64_t b = bg / n.Hkv, g = bg % n.Hkv, h0 = g * group + blk * kBQ;
+          HeadFwd hf{qf.p + (b * n.Hq + h0) * n.D,
+                     n.D,
+                     kf.p + (b * n.S * n.Hkv + g) * n.D,
+                     vf.p + (b * n.S * n.Hkv + g) * n.D,
+                     n.Hkv * n.D,
+                     len[b],
+                     of.p + (b * n.Hq + h0) * n.D,
+                     n.D,
+                     nullptr,
+                     len[b] - 1,
+                     nullptr,
+                     nullptr,
+                     0};
+          FwdScratch w(slot(scratch), n.D);
+          forward_block(kn, p, hf, 0, std::min(kBQ, group - blk * kBQ), w);
+        });
+      } else {
+        const int64_t nblk = (n.T + kBQ - 1) / kBQ;
+        tbb::parallel_for(int64_t{0}, n.B * n.Hq * nblk, [&](int64_t task) {
+          const int64_t bh = task / nblk, blk = task % nblk;
+          const int64_t b = bh / n.Hq, h = bh % n.Hq, g = h / group;
+          HeadFwd hf{qf.p + (b * n.T * n.Hq + h) * n.D,
+                     n.Hq * n.D,
+                     kf.p + (b * n.S * n.Hkv + g) * n.D,
+                     vf.p + (b * n.S * n.Hkv + g) * n.D,
+                     n.Hkv * n.D,
+                     len[b],
+                     of.p + (b * n.T * n.Hq + h) * n.D,
+                     n.Hq * n.D,
+                     nullptr,
+                     len[b] - n.T,
+                     nullptr,
+                     nullptr};
+          FwdScratch w(slot(scratch), n.D);
+          const int64_t i0 = blk * kBQ;
+          forward_block(kn, p, hf, i0, std::min(kBQ, n.T - i0), w);
+        });
+      }
+      write_back(of, out);
+    });
+  }
+
+ private:
+  // One block of `per_slot` floats per thread of the backend's arena, from its allocator (so
+  // memory_stats() counts the tiles).
+  Tensor slots(int64_t per_slot) {
+    return backend_.empty({std::max(backend_.num_threads(), 1), per_slot}, DType::f32);
+  }
+  // The calling thread's block: arena thread indices are unique among running threads, and a
+  // task body never waits on other tasks, so a slot is never shared.
+  static float* slot(const Tensor& scratch) {
+    const int idx = tbb::this_task_arena::current_thread_index();
+    MT_CHECK(idx >= 0 && idx < scratch.dim(0), "flash attention: thread slot out of range");
+    return scratch.ptr<float>() + idx * scratch.dim(1);
+  }
+
+  static Params params(const AttentionSpec& spec, int64_t D) {
+    MT_CHECK(spec.window >= 0 && spec.softcap >= 0.f,
+             "flash attention: window and softcap must be >= 0, got window " +
+                 std::to_string(spec.window) + " softcap " + std::to_string(spec.softcap));
+    return {D, spec.scale != 0.f ? spec.scale : 1.f / std::sqrt(static_cast<float>(D)),
+            spec.softcap, spec.causal, spec.window};
+  }
+
+  // Key blocks chunk, chunk + chunks, ... of kv head g of batch row b; dq receives this chunk's
+  // share of the dQ of the group's q heads.
+  MT_CLONES static void backward_kv_head(const Kernels& kn, const Params& p, const Dims& n,
+                                         int64_t offset, int64_t b, int64_t g, int64_t chunk,
+                                         int64_t chunks, const float* q, const float* k,
+                                         const float* v, const float* dout, const float* lse,
+                                         const float* di, const int32_t* q_seg,
+                                         const int32_t* kv_seg, float* dq, float* dk, float* dv,
+                                         BwdScratch& w) {
+    const int64_t D = n.D, group = n.Hq / n.Hkv;
+    const int64_t ldq = n.Hq * D, ldkv = n.Hkv * D;
+    const float* kh = k + (b * n.S * n.Hkv + g) * D;
+    const float* vh = v + (b * n.S * n.Hkv + g) * D;
+    for (int64_t j0 = chunk * kBK; j0 < n.S; j0 += chunks * kBK) {
+      const int64_t nk = std::min(kBK, n.S - j0), j_last = j0 + nk - 1;
+      // Queries that may see a key of [j0, j_last]: causal needs pos >= j0, the window needs
+      // pos - j_last < window.
+      int64_t ilo = 0, ihi = n.T;
+      if (p.causal) ilo = std::max<int64_t>(0, j0 - offset);
+      if (p.window > 0) ihi = std::min(n.T, j_last + p.window - offset);
+      if (ilo >= ihi) continue;
+      int32_t ks_lo = 0, ks_hi = 0;
+      if (q_seg) min_max(kv_seg + j0, nk, ks_lo, ks_hi);
+      transpose_tile(kh + j0 * ldkv, ldkv, nk, D, w.kt);
+      transpose_tile(vh + j0 * ldkv, ldkv, nk, D, w.vt);
+      std::fill(w.dk, w.dk + kBK * D, 0.f);
+      std::fill(w.dv, w.dv + kBK * D, 0.f);
+      bool any = false;
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        const float* qh = q + (b * n.T * n.Hq + h) * D;
+        const float* doh = dout + (b * n.T * n.Hq + h) * D;
+        float* dqh = dq + (b * n.T * n.Hq + h) * D;
+        const float* lse_h = lse + (b * n.Hq + h) * n.T;
+        const float* di_h = di + (b * n.Hq + h) * n.T;
+        for (int64_t i0 = ilo; i0 < ihi; i0 += kBQ) {
+          const int64_t nr = std::min(kBQ, ihi - i0);
+          // Tiles entirely inside the mask skip the per-element test.
+          bool full = (!p.causal || j_last <= i0 + offset) &&
+                      (p.window == 0 || i0 + nr - 1 + offset - j0 < p.window);
+          if (q_seg) {
+            int32_t qs_lo, qs_hi;
+            min_max(q_seg + i0, nr, qs_lo, qs_hi);
+            if (ks_hi < qs_lo || ks_lo > qs_hi) continue;
+            full = full && qs_lo == qs_hi && ks_lo == ks_hi && qs_lo == ks_lo;
+          }
+          any = true;
+          for (int64_t r = 0; r < nr; ++r)
+            for (int64_t d = 0; d < D; ++d) w.qs[r * D + d] = p.scale * qh[(i0 + r) * ldq + d];
+          kn.abt(w.qs, D, nr, w.kt, D, w.s);               // scores
+          kn.abt(doh + i0 * ldq, ldq, nr, w.vt, D, w.dp);  // dP = dO V^T
+          for (int64_t r = 0; r < nr; ++r) {
+            const int64_t i = i0 + r, pos = i + offset;
+            float* s = w.s + r * kBK;  // scores -> P
+            const float* dp = w.dp + r * kBK;
+            float* th = w.tanh_s + r * kBK;
+            const float l = lse_h[i];
+            if (l == kNegInf) {  // row saw no key: no gradient
+              std::fill(s, s + kBK, 0.f);
+            } else {
+              if (p.cap > 0.f) kn.softcap(s, nk, p.cap, th);
+              if (!full)
+                for (int64_t c = 0; c < nk; ++c) {
+                  const int64_t j = j0 + c;
+                  if ((p.causal && j > pos) || (p.window > 0 && pos - j >= p.window) ||
+                      (q_seg && q_seg[i] != kv_seg[j]))
+                    s[c] = kNegInf;
+                }
+              kn.exp_sub(s, nk, l);
+              std::fill(s + nk, s + kBK, 0.f);
+            }
+            // dS = P (dP - D_i) through the cap, times the scale (d s / d q = scale k), in dp's
+            // place.
+            const float dii = di_h[i];
+            float* ds_row = w.dp + r * kBK;
+            for (int64_t c = 0; c < nk; ++c) {
+              float ds = s[c] == 0.f ? 0.f : s[c] * (dp[c] - dii);
+              if (p.cap > 0.f) ds *= 1.f - th[c] * th[c];
+              ds_row[c] = ds * p.scale;
+            }
+          }
+          // dV += P^T dO; dK += (scale dS)^T Q; dQ += (scale dS) K. The transposes are only
+          // strides of the weight reads.
+          kn.acc(w.dv, D, nk, w.s, 1, kBK, doh + i0 * ldq, ldq, nr, D);
+          kn.acc(w.dk, D, nk, w.dp, 1, kBK, qh + i0 * ldq, ldq, nr, D);
+          kn.acc(dqh + i0 * ldq, ldq, nr, w.dp, kBK, 1, kh + j0 * ldkv, ldkv, nk, D);
+        }
+      }
+      if (!any) continue;
+      float* dkh = dk + (b * n.S * n.Hkv + g) * D;
+      float* dvh = dv + (b * n.S * n.Hkv + g) * D;
+      for (int64_t c = 0; c < nk; ++c)
+        for (int64_t d = 0; d < D; ++d) {
+          dkh[(j0 + c) * ldkv + d] += w.dk[c * D + d];
+          dvh[(j0 + c) * ldkv + d] += w.dv[c * D + d];
+        }
+    }
+  }
+
+  CpuBackend& backend_;
+};
+
+}  // namespace
+
+std::unique_ptr<AttentionKernel> make_flash_attention(Backend& b) {
+  auto* cpu = dynamic_cast<CpuBackend*>(&b);
+  MT_CHECK(cpu != nullptr, "flash attention (cpu) needs the cpu backend, got " + b.name());
+  return std::make_unique<FlashAttention>(*cpu);
+}
+
 }  // namespace mt::cpu
