@@ -286,12 +286,17 @@ TEST(ConfigLayers, RealDefaultsComeFromBaseAndTheDefaultModel) {
   const fs::path base = real_configs() / "base.yml";
   const fs::path small = real_configs() / "models" / "llama-small.yml";
   EXPECT_EQ(c.get_string("model_name"), "llama-small");
-  EXPECT_EQ(c.get_int("steps"), 300);
-  EXPECT_EQ(c.origin("steps"), "configs/base.yml:" + std::to_string(line_of(base, "steps:")));
+  EXPECT_EQ(c.get_int("log_period"), 10);
+  EXPECT_EQ(c.origin("log_period"),
+            "configs/base.yml:" + std::to_string(line_of(base, "log_period:")));
+  // The embedded default's training settings come from its model file.
+  EXPECT_EQ(c.get_int("steps"), 600);
+  EXPECT_EQ(c.origin("steps"),
+            "configs/models/llama-small.yml:" + std::to_string(line_of(small, "steps:")));
   EXPECT_EQ(c.get_int("base_emb_dim"), 384);
   EXPECT_EQ(c.origin("base_emb_dim"),
             "configs/models/llama-small.yml:" + std::to_string(line_of(small, "base_emb_dim:")));
-  EXPECT_DOUBLE_EQ(c.get_float("learning_rate"), 3.0e-4);
+  EXPECT_DOUBLE_EQ(c.get_float("adam_b2"), 0.95);
   EXPECT_TRUE(c.get_bool("packing"));
   EXPECT_EQ(c.get_string("backend"), "cpu");
   EXPECT_EQ(c.get_string_list("mlp_activations"), (std::vector<std::string>{"silu", "linear"}));
@@ -472,7 +477,7 @@ TEST(ConfigErrors, TopLevelMustBeAMapping) {
   EXPECT_CONTAINS(usage_error([&] { load_config(r); }), Has("the single value 'hello'"));
   // An empty file (or only comments) is an empty layer.
   r.config_file = t.write("empty.yml", "# nothing yet\n").string();
-  EXPECT_EQ(load_config(r).get_int("steps"), 300);
+  EXPECT_EQ(load_config(r).get_int("steps"), 600);
 }
 
 TEST(ConfigErrors, UnknownKeysSuggestTheNearestInEveryLayer) {
