@@ -9,11 +9,40 @@ namespace mt {
 
 namespace {
 
+// The gradient buffers of an entry's inputs as its backward sees them. d[i] is input i's
+// buffer ready to accumulate into (zero-filled first if it was fresh), or nullptr when the input
+// needs no gradient. Ops that can overwrite instead (matmul with beta = 0, copies) ask
+// overwrite(i) first, which says whether the buffer is fresh and takes the freshness away.
+class Grads {
+ public:
+  Grads(Backend& be, std::vector<GradNode*> nodes) : be_(&be), nodes_(std::move(nodes)) {}
+  size_t size() const { return nodes_.size(); }
+  Tensor* operator[](size_t i) const {
+    GradNode* n = nodes_[i];
+    if (!n) return nullptr;
+    if (n->fresh) {
+      be_->fill(n->grad, 0.f);
+      n->fresh = false;
+    }
+    return &n->grad;
+  }
+  bool overwrite(size_t i) const {
+    GradNode* n = nodes_[i];
+    if (!n || !n->fresh) return false;
+    n->fresh = false;
+    return true;
+  }
+  Tensor* raw(size_t i) const { return nodes_[i] ? &nodes_[i]->grad : nullptr; }
+
+ private:
+  Backend* be_;
+  std::vector<GradNode*> nodes_;
+};
+
 struct Entry {
   std::vector<std::shared_ptr<GradNode>> inputs;  // null where an input needs no gradient
   std::shared_ptr<GradNode> output;
-  // dins[i]: the gradient buffer of input i, or nullptr when it needs none.
-  std::function<void(const Tensor& dout, const std::vector<Tensor*>& dins)> backward;
+  std::function<void(const Tensor& dout, const Grads& dins)> backward;
 };
 
 bool tracked(const Tensor& t) { return t.defined() && t.grad_node() != nullptr; }
@@ -56,11 +85,23 @@ void Graph::track(Tensor& param, Tensor grad) {
 
 Tensor Graph::detach(const Tensor& x) { return x.view(x.shape()); }
 
+void Graph::mark_fresh(const Tensor& param) {
+  if (const auto& n = param.grad_node()) n->fresh = true;
+}
+
+void Graph::finish_fresh(Backend& backend, const Tensor& param) {
+  const auto& n = param.grad_node();
+  if (n && n->fresh) {
+    backend.fill(n->grad, 0.f);
+    n->fresh = false;
+  }
+}
+
 namespace {
 
 // Records `out` as produced from `inputs` when the graph records and some input is tracked.
 void record(bool on, std::vector<Entry>& tape, Tensor& out, std::vector<const Tensor*> inputs,
-            std::function<void(const Tensor&, const std::vector<Tensor*>&)> bw) {
+            std::function<void(const Tensor&, const Grads&)> bw) {
   if (!on) return;
   bool any = false;
   for (const Tensor* t : inputs) any = any || tracked(*t);
@@ -112,19 +153,21 @@ Tensor Graph::matmul(const Tensor& a, const Tensor& b, bool ta, bool tb) {
   }
   Backend* be = backend_;
   record(record_, impl_->tape, c, {&a, &b},
-         [be, a, b, ta, tb, shared_b](const Tensor& dc, const std::vector<Tensor*>& d) {
-           if (d[0]) {
-             if (!ta) be->matmul(dc, b, *d[0], false, !tb, 1.f, 1.f);
-             else if (!tb) be->matmul(b, dc, *d[0], false, true, 1.f, 1.f);
-             else be->matmul(b, dc, *d[0], true, true, 1.f, 1.f);
+         [be, a, b, ta, tb, shared_b](const Tensor& dc, const Grads& d) {
+           if (Tensor* g = d.raw(0)) {
+             const float beta = d.overwrite(0) ? 0.f : 1.f;
+             if (!ta) be->matmul(dc, b, *g, false, !tb, 1.f, beta);
+             else if (!tb) be->matmul(b, dc, *g, false, true, 1.f, beta);
+             else be->matmul(b, dc, *g, true, true, 1.f, beta);
            }
-           if (d[1]) {
+           if (Tensor* g = d.raw(1)) {
+             const float beta = d.overwrite(1) ? 0.f : 1.f;
              const Tensor a2 = shared_b ? rows2d(a) : a;
              const Tensor dc2 = shared_b ? rows2d(dc) : dc;
-             if (!ta && !tb) be->matmul(a2, dc2, *d[1], true, false, 1.f, 1.f);
-             else if (!ta && tb) be->matmul(dc2, a2, *d[1], true, false, 1.f, 1.f);
-             else if (!tb) be->matmul(a, dc, *d[1], false, false, 1.f, 1.f);
-             else be->matmul(dc, a, *d[1], true, true, 1.f, 1.f);
+             if (!ta && !tb) be->matmul(a2, dc2, *g, true, false, 1.f, beta);
+             else if (!ta && tb) be->matmul(dc2, a2, *g, true, false, 1.f, beta);
+             else if (!tb) be->matmul(a, dc, *g, false, false, 1.f, beta);
+             else be->matmul(dc, a, *g, true, true, 1.f, beta);
            }
          });
   return c;
@@ -136,9 +179,13 @@ Tensor Graph::add(const Tensor& a, const Tensor& b) {
   backend_->add(a, b, out);
   Backend* be = backend_;
   record(record_, impl_->tape, out, {&a, &b},
-         [be](const Tensor& dout, const std::vector<Tensor*>& d) {
-           if (d[0]) be->axpy(1.f, dout, *d[0]);
-           if (d[1]) be->axpy(1.f, dout, *d[1]);
+         [be](const Tensor& dout, const Grads& d) {
+           for (size_t i = 0; i < 2; ++i) {
+             Tensor* g = d.raw(i);
+             if (!g) continue;
+             if (d.overwrite(i)) be->cast(dout, *g);  // a copy (converting if dtypes differ)
+             else be->axpy(1.f, dout, *g);
+           }
          });
   return out;
 }
@@ -149,15 +196,19 @@ Tensor Graph::mul(const Tensor& a, const Tensor& b) {
   backend_->mul(a, b, out);
   Backend* be = backend_;
   record(record_, impl_->tape, out, {&a, &b},
-         [be, a, b](const Tensor& dout, const std::vector<Tensor*>& d) {
-           Tensor tmp = be->empty(dout.shape(), dout.dtype());
-           if (d[0]) {
-             be->mul(dout, b, tmp);
-             be->axpy(1.f, tmp, *d[0]);
-           }
-           if (d[1]) {
-             be->mul(dout, a, tmp);
-             be->axpy(1.f, tmp, *d[1]);
+         [be, a, b](const Tensor& dout, const Grads& d) {
+           const Tensor* other[2] = {&b, &a};
+           Tensor tmp;
+           for (size_t i = 0; i < 2; ++i) {
+             Tensor* g = d.raw(i);
+             if (!g) continue;
+             if (d.overwrite(i)) {
+               be->mul(dout, *other[i], *g);
+               continue;
+             }
+             if (!tmp.defined()) tmp = be->empty(dout.shape(), dout.dtype());
+             be->mul(dout, *other[i], tmp);
+             be->axpy(1.f, tmp, *g);
            }
          });
   return out;
@@ -168,7 +219,10 @@ Tensor Graph::scale(const Tensor& x, float s) {
   backend_->scale(x, s, out);
   Backend* be = backend_;
   record(record_, impl_->tape, out, {&x},
-         [be, s](const Tensor& dout, const std::vector<Tensor*>& d) { be->axpy(s, dout, *d[0]); });
+         [be, s](const Tensor& dout, const Grads& d) {
+           if (d.overwrite(0)) be->scale(dout, s, *d.raw(0));
+           else be->axpy(s, dout, *d[0]);
+         });
   return out;
 }
 
@@ -177,8 +231,9 @@ Tensor Graph::reshape(const Tensor& x, const Shape& shape) {
   Backend* be = backend_;
   const Shape xs = x.shape();
   record(record_, impl_->tape, out, {&x},
-         [be, xs](const Tensor& dout, const std::vector<Tensor*>& d) {
-           be->axpy(1.f, dout.view(xs), *d[0]);
+         [be, xs](const Tensor& dout, const Grads& d) {
+           if (d.overwrite(0)) be->cast(dout.view(xs), *d.raw(0));
+           else be->axpy(1.f, dout.view(xs), *d[0]);
          });
   return out;
 }
@@ -189,7 +244,7 @@ Tensor Graph::cast(const Tensor& x, DType dtype) {
   Backend* be = backend_;
   const DType xt = x.dtype();
   record(record_, impl_->tape, out, {&x},
-         [be, xt](const Tensor& dout, const std::vector<Tensor*>& d) {
+         [be, xt](const Tensor& dout, const Grads& d) {
            if (dout.dtype() == xt) {
              be->axpy(1.f, dout, *d[0]);
              return;
@@ -211,7 +266,7 @@ Tensor Graph::embedding(const Tensor& table, const Tensor& ids) {
   backend_->embedding_forward(table, flat_ids, out2);
   Backend* be = backend_;
   record(record_, impl_->tape, out, {&table},
-         [be, flat_ids](const Tensor& dout, const std::vector<Tensor*>& d) {
+         [be, flat_ids](const Tensor& dout, const Grads& d) {
            be->embedding_backward(rows2d(dout), flat_ids, *d[0]);
          });
   return out;
@@ -220,7 +275,7 @@ Tensor Graph::embedding(const Tensor& table, const Tensor& ids) {
 namespace {
 // The gradient buffer for input i, or a zeroed scratch tensor when that input needs none
 // (kernels always write every gradient they compute).
-Tensor grad_or_scratch(Backend& be, const std::vector<Tensor*>& d, size_t i, const Tensor& like) {
+Tensor grad_or_scratch(Backend& be, const Grads& d, size_t i, const Tensor& like) {
   if (d[i]) return *d[i];
   return be.zeros(like.shape(), like.dtype());
 }
@@ -232,7 +287,7 @@ Tensor Graph::rmsnorm(const Tensor& x, const Tensor& w, float eps, bool plus_one
   backend_->rmsnorm_forward(x, w, eps, plus_one, out, rstd);
   Backend* be = backend_;
   record(record_, impl_->tape, out, {&x, &w},
-         [be, x, w, rstd, plus_one](const Tensor& dout, const std::vector<Tensor*>& d) {
+         [be, x, w, rstd, plus_one](const Tensor& dout, const Grads& d) {
            Tensor dx = grad_or_scratch(*be, d, 0, x);
            Tensor dw = grad_or_scratch(*be, d, 1, w);
            be->rmsnorm_backward(dout, x, w, rstd, plus_one, dx, dw);
@@ -248,7 +303,7 @@ Tensor Graph::layernorm(const Tensor& x, const Tensor& w, const Tensor& b, float
   backend_->layernorm_forward(x, w, b, eps, out, mean, rstd);
   Backend* be = backend_;
   record(record_, impl_->tape, out, {&x, &w, &b},
-         [be, x, w, b, mean, rstd](const Tensor& dout, const std::vector<Tensor*>& d) {
+         [be, x, w, b, mean, rstd](const Tensor& dout, const Grads& d) {
            Tensor dx = grad_or_scratch(*be, d, 0, x);
            Tensor dw = grad_or_scratch(*be, d, 1, w);
            Tensor db = b.defined() ? grad_or_scratch(*be, d, 2, b) : Tensor();
@@ -262,7 +317,7 @@ Tensor Graph::rope(const Tensor& x, const Tensor& positions, const RopeSpec& spe
   backend_->rope_forward(x, positions, spec, out);
   Backend* be = backend_;
   record(record_, impl_->tape, out, {&x},
-         [be, positions, spec](const Tensor& dout, const std::vector<Tensor*>& d) {
+         [be, positions, spec](const Tensor& dout, const Grads& d) {
            be->rope_backward(dout, positions, spec, *d[0]);
          });
   return out;
@@ -273,7 +328,7 @@ Tensor Graph::activation(Activation act, const Tensor& x) {
   backend_->activation_forward(act, x, out);
   Backend* be = backend_;
   record(record_, impl_->tape, out, {&x},
-         [be, act, x](const Tensor& dout, const std::vector<Tensor*>& d) {
+         [be, act, x](const Tensor& dout, const Grads& d) {
            be->activation_backward(act, dout, x, *d[0]);
          });
   return out;
@@ -285,7 +340,7 @@ Tensor Graph::gated(Activation act, const Tensor& gate, const Tensor& up) {
   backend_->gated_forward(act, gate, up, out);
   Backend* be = backend_;
   record(record_, impl_->tape, out, {&gate, &up},
-         [be, act, gate, up](const Tensor& dout, const std::vector<Tensor*>& d) {
+         [be, act, gate, up](const Tensor& dout, const Grads& d) {
            Tensor dg = grad_or_scratch(*be, d, 0, gate);
            Tensor du = grad_or_scratch(*be, d, 1, up);
            be->gated_backward(act, dout, gate, up, dg, du);
@@ -298,7 +353,7 @@ Tensor Graph::softcap(const Tensor& x, float cap) {
   backend_->softcap_forward(x, cap, out);
   Backend* be = backend_;
   record(record_, impl_->tape, out, {&x},
-         [be, out, cap](const Tensor& dout, const std::vector<Tensor*>& d) {
+         [be, out, cap](const Tensor& dout, const Grads& d) {
            be->softcap_backward(dout, Graph::detach(out), cap, *d[0]);
          });
   return out;
@@ -312,7 +367,7 @@ Tensor Graph::softmax(const Tensor& x) {
   // a cycle through the tape entry (harmless, but it hides the node's lifetime).
   Tensor saved = detach(out);
   record(record_, impl_->tape, out, {&x},
-         [be, saved](const Tensor& dout, const std::vector<Tensor*>& d) {
+         [be, saved](const Tensor& dout, const Grads& d) {
            be->softmax_backward(dout, saved, *d[0]);
          });
   return out;
@@ -332,7 +387,7 @@ Tensor Graph::attention(AttentionKernel& kernel, const Tensor& q, const Tensor& 
   AttentionKernel* kp = &kernel;
   record(record_, impl_->tape, out, {&q, &k, &v},
          [be, kp, q, k, v, q_segment, kv_segment, saved, lse, spec](
-             const Tensor& dout, const std::vector<Tensor*>& d) {
+             const Tensor& dout, const Grads& d) {
            Tensor dq = grad_or_scratch(*be, d, 0, q);
            Tensor dk = grad_or_scratch(*be, d, 1, k);
            Tensor dv = grad_or_scratch(*be, d, 2, v);
@@ -356,7 +411,7 @@ Tensor Graph::cross_entropy(const Tensor& logits, const Tensor& targets, float z
   Backend* be = backend_;
   record(record_, impl_->tape, total, {&logits},
          [be, logits, tg, lse, z_loss, weight, n](const Tensor& dout,
-                                                  const std::vector<Tensor*>& d) {
+                                                  const Grads& d) {
            float g = 0.f;
            be->copy_to_host(dout, &g);
            Tensor dloss = be->empty({n}, DType::f32);
@@ -390,13 +445,19 @@ Tensor Graph::remat(RematPolicy policy, const std::function<Tensor(Graph&, const
   node->dtype = y.dtype();
   y.set_grad_node(node);
   e.output = node;
-  e.backward = [be, xs, fn, saved, minimal](const Tensor& dy, const std::vector<Tensor*>& d) {
+  e.backward = [be, xs, fn, saved, minimal](const Tensor& dy, const Grads& d) {
     Graph re(*be, /*record=*/true);
     if (minimal) re.impl_->matmul_replay = saved.get();
     Tensor xr = detach(xs);
-    if (d[0]) track(xr, *d[0]);
+    const bool fresh = d.overwrite(0);
+    if (Tensor* g = d.raw(0)) {
+      // The re-run's gradient for x lands straight in x's buffer, keeping its freshness.
+      track(xr, *g);
+      xr.grad_node()->fresh = fresh;
+    }
     Tensor yr = fn(re, xr);
     re.backward(yr, dy);
+    if (d.raw(0)) finish_fresh(*be, xr);
   };
   impl_->tape.push_back(std::move(e));
   return y;
@@ -414,18 +475,20 @@ void Graph::backward(const Tensor& y, const Tensor& dy) {
     backend_->fill(root.grad, 1.f);
   }
   auto& tape = impl_->tape;
-  std::vector<Tensor*> dins;
   for (size_t i = tape.size(); i-- > 0;) {
     Entry& e = tape[i];
     if (e.output->grad.defined()) {
-      dins.assign(e.inputs.size(), nullptr);
+      std::vector<GradNode*> nodes(e.inputs.size(), nullptr);
       for (size_t j = 0; j < e.inputs.size(); ++j) {
         GradNode* n = e.inputs[j].get();
         if (!n) continue;
-        if (!n->grad.defined()) n->grad = backend_->zeros(n->shape, n->dtype);
-        dins[j] = &n->grad;
+        if (!n->grad.defined()) {
+          n->grad = backend_->empty(n->shape, n->dtype);
+          n->fresh = true;
+        }
+        nodes[j] = n;
       }
-      e.backward(e.output->grad, dins);
+      e.backward(e.output->grad, Grads(*backend_, std::move(nodes)));
       if (!e.output->leaf) e.output->grad = Tensor();
     }
     // Free what this entry saved as soon as it is done.

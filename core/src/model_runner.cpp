@@ -106,7 +106,12 @@ void ModelRunner::enable_gradients() {
 
 void ModelRunner::zero_gradients() {
   for (auto& p : params_)
-    if (p.grad.defined()) backend().fill(p.grad, 0.f);
+    if (p.grad.defined()) Graph::mark_fresh(p.value);
+}
+
+void ModelRunner::finish_gradients() {
+  for (auto& p : params_)
+    if (p.grad.defined()) Graph::finish_fresh(backend(), p.value);
 }
 
 DeviceBatch ModelRunner::upload(const HostBatch& hb) {

@@ -57,7 +57,10 @@ class ModelRunner {
   void init_parameters(uint64_t seed);
   // Allocates zeroed gradient buffers and makes the parameters tracked leaves.
   void enable_gradients();
+  // Starts a step's gradients: the first backward overwrites instead of accumulating.
   void zero_gradients();
+  // Ends them: zeroes any gradient no backward reached. Call before reading gradients.
+  void finish_gradients();
 
   // tokens [B, T] -> logits [B, T, V] in the compute dtype, recorded on g when it records.
   Tensor forward(Graph& g, const DeviceBatch& batch);

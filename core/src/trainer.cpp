@@ -106,6 +106,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
 
   runner.init_parameters(static_cast<uint64_t>(cfg.get_int("init_weights_seed")));
   runner.enable_gradients();
+  runner.zero_gradients();
   std::vector<Tensor> m, v;
   for (auto& p : runner.params()) {
     m.push_back(be.zeros(p.spec.shape, DType::f32));
@@ -173,6 +174,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
       loss += lv;
       g.backward(l);
     }
+    runner.finish_gradients();
     double sq = 0;
     for (auto& p : runner.params()) sq += be.sum_squares(p.grad);
     const double grad_norm = std::sqrt(sq);

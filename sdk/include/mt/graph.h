@@ -26,6 +26,10 @@ struct GradNode {
   DType dtype = DType::f32;
   Tensor grad;       // undefined until some consumer's backward produced a gradient
   bool leaf = false; // a tracked parameter: its grad is the caller's buffer, never freed
+  // The buffer's contents are undefined: the first backward to reach it overwrites it (a matmul
+  // with beta = 0, a copy) instead of zero-filling and accumulating. Leaves may be marked fresh
+  // at the start of a step to skip zeroing parameter gradients (see Graph::finish_fresh).
+  bool fresh = false;
 };
 
 enum class RematPolicy : uint8_t { none, minimal, full };
@@ -79,6 +83,11 @@ class MT_API Graph {
 
   // Backpropagates from `y` with seed gradient `dy` (same shape as y), or 1 for a scalar y.
   void backward(const Tensor& y, const Tensor& dy = Tensor());
+
+  // Marks a tracked parameter's gradient as undefined (to be overwritten by the next backward)
+  // instead of zeroing it; finish_fresh() zeroes those no backward reached.
+  static void mark_fresh(const Tensor& param);
+  static void finish_fresh(Backend& backend, const Tensor& param);
 
   size_t tape_size() const;
 
