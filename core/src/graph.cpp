@@ -396,6 +396,28 @@ Tensor Graph::attention(AttentionKernel& kernel, const Tensor& q, const Tensor& 
   return out;
 }
 
+void Graph::write_kv_cache(KVCache& cache, const Tensor& k, const Tensor& v) {
+  MT_CHECK(k.ndim() == 4 && cache.k.ndim() == 4 && k.dim(2) == cache.k.dim(2) &&
+               k.dim(3) == cache.k.dim(3) && k.shape() == v.shape(),
+           "write_kv_cache: new k " + k.str() + ", v " + v.str() + " do not fit the cache " +
+               cache.k.str());
+  MT_CHECK(cache.write_rows.numel() == k.dim(0) * k.dim(1),
+           "write_kv_cache: " + std::to_string(cache.write_rows.numel()) + " rows for " + k.str());
+  // Each cache row is written exactly once after the cache is zeroed, so adding is writing.
+  const int64_t w = k.dim(2) * k.dim(3);
+  Tensor kc = cache.k.view({cache.k.numel() / w, w});
+  Tensor vc = cache.v.view({cache.v.numel() / w, w});
+  backend_->scatter_add_rows(k.view({k.numel() / w, w}), cache.write_rows, Tensor(), kc);
+  backend_->scatter_add_rows(v.view({v.numel() / w, w}), cache.write_rows, Tensor(), vc);
+}
+
+Tensor Graph::attention_decode(AttentionKernel& kernel, const Tensor& q, const KVCache& cache,
+                               const AttentionSpec& spec) {
+  Tensor out = backend_->empty(q.shape(), q.dtype());
+  kernel.decode(q, cache.k, cache.v, cache.lengths, spec, out);
+  return out;
+}
+
 Tensor Graph::cross_entropy(const Tensor& logits, const Tensor& targets, float z_loss,
                             float weight) {
   MT_CHECK(logits.ndim() == 2 && targets.numel() == logits.dim(0),

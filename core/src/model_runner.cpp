@@ -146,22 +146,45 @@ DeviceBatch ModelRunner::upload(const HostBatch& hb) {
 }
 
 Tensor ModelRunner::forward(Graph& g, const DeviceBatch& batch) {
+  LayerInputs in;
+  in.positions = batch.positions;
+  in.segment_ids = batch.segment_ids;
+  return run_layers(g, batch.inputs, in, nullptr);
+}
+
+Tensor ModelRunner::forward_cached(Graph& g, const Tensor& tokens, const Tensor& positions,
+                                   std::vector<KVCache>& caches) {
+  MT_CHECK(static_cast<int>(caches.size()) == model_->num_layers(),
+           "forward_cached: " + std::to_string(caches.size()) + " caches for " +
+               std::to_string(model_->num_layers()) + " layers");
+  LayerInputs in;
+  in.positions = positions;
+  return run_layers(g, tokens, in, &caches);
+}
+
+Tensor ModelRunner::run_layers(Graph& g, const Tensor& tokens, LayerInputs in,
+                               std::vector<KVCache>* caches) {
   // Parameters in the compute dtype: a recorded cast of the master copy, so gradients reach it.
   std::vector<Tensor> ps;
   ps.reserve(params_.size());
   for (auto& p : params_)
     ps.push_back(p.value.dtype() == compute_dtype_ ? p.value : g.cast(p.value, compute_dtype_));
   const std::vector<Tensor> top(ps.begin(), ps.begin() + static_cast<ptrdiff_t>(num_top_));
-  LayerInputs in;
-  in.positions = batch.positions;
-  in.segment_ids = batch.segment_ids;
   in.attention = &attention();
-  Tensor x = model_->embed(g, top, batch.inputs);
+  Tensor x = model_->embed(g, top, tokens);
   for (int i = 0; i < model_->num_layers(); ++i) {
-    const size_t b = layer_begin_[static_cast<size_t>(i)];
-    const size_t e = i + 1 < model_->num_layers() ? layer_begin_[static_cast<size_t>(i) + 1] : ps.size();
-    std::vector<Tensor> lp(ps.begin() + static_cast<ptrdiff_t>(b), ps.begin() + static_cast<ptrdiff_t>(e));
+    const auto ui = static_cast<size_t>(i);
+    const size_t b = layer_begin_[ui];
+    const size_t e = i + 1 < model_->num_layers() ? layer_begin_[ui + 1] : ps.size();
+    std::vector<Tensor> lp(ps.begin() + static_cast<ptrdiff_t>(b),
+                           ps.begin() + static_cast<ptrdiff_t>(e));
     const DecoderLayer& layer = model_->layer(i);
+    if (caches) {
+      LayerInputs li = in;
+      li.cache = &(*caches)[ui];
+      x = layer.forward(g, lp, x, li);
+      continue;
+    }
     x = g.remat(
         remat_,
         [&layer, lp, in](Graph& gg, const Tensor& h) { return layer.forward(gg, lp, h, in); }, x);

@@ -64,12 +64,17 @@ class ModelRunner {
 
   // tokens [B, T] -> logits [B, T, V] in the compute dtype, recorded on g when it records.
   Tensor forward(Graph& g, const DeviceBatch& batch);
+  // Decode: tokens [B, T] at `positions` [B, T], appending to one KVCache per layer.
+  Tensor forward_cached(Graph& g, const Tensor& tokens, const Tensor& positions,
+                        std::vector<KVCache>& caches);
   // Mean cross-entropy over the batch's valid targets times `weight_scale`; scalar [1] f32.
   Tensor loss(Graph& g, const DeviceBatch& batch, float z_loss, double weight_scale = 1.0);
 
   DeviceBatch upload(const struct HostBatch& hb);
 
  private:
+  Tensor run_layers(Graph& g, const Tensor& tokens, LayerInputs in, std::vector<KVCache>* caches);
+
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<AttentionKernel> attention_;
   std::unique_ptr<ProfilingBackend> profiler_;

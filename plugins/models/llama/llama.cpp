@@ -92,7 +92,13 @@ class LlamaLayer final : public mt::DecoderLayer {
     q = g.rope(q, in.positions, c_.rope);
     k = g.rope(k, in.positions, c_.rope);
     MT_CHECK(in.attention != nullptr, "llama: no attention kernel given to the layer");
-    Tensor a = g.attention(*in.attention, q, k, v, in.segment_ids, in.segment_ids, c_.attn);
+    Tensor a;
+    if (in.cache) {  // decode: append to the cache, attend to everything cached so far
+      g.write_kv_cache(*in.cache, k, v);
+      a = g.attention_decode(*in.attention, q, *in.cache, c_.attn);
+    } else {
+      a = g.attention(*in.attention, q, k, v, in.segment_ids, in.segment_ids, c_.attn);
+    }
     a = g.reshape(a, {b, t, c_.heads * c_.head_dim});
     Tensor r = g.add(x, g.matmul(a, p[4]));
     h = g.rmsnorm(r, p[5], c_.eps);

@@ -30,10 +30,13 @@ struct ParamSpec {
   bool matmul = true;          // counts towards model FLOPs (6 x matmul params per token)
 };
 
-// Per-layer KV cache for decode: k, v [B, Smax, Hkv, D] in the model's dtype.
+// Per-layer KV cache for decode: k, v [B, Smax, Hkv, D] in the model's dtype. The core fills
+// the bookkeeping for each call; the layer only calls Graph::write_kv_cache and
+// Graph::attention_decode.
 struct KVCache {
   Tensor k, v;
-  Tensor lengths;  // [B] i32: valid rows after this step's tokens are written
+  Tensor lengths;     // [B] i32: valid rows once this call's T tokens are written
+  Tensor write_rows;  // [B * T] i32: row of k/v viewed as [B * Smax, Hkv * D] for each new token
 };
 
 // Everything a layer needs besides its parameters and input.

@@ -1,0 +1,232 @@
+#include "decoder.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <numeric>
+
+#include "mt/error.h"
+#include "mt/graph.h"
+
+namespace mt {
+
+SamplingParams sampling_from_config(const Config& cfg) {
+  SamplingParams p;
+  const std::string s = cfg.get_string("decode_sampling_strategy");
+  if (s == "greedy") p.strategy = SamplingParams::Strategy::greedy;
+  else if (s == "weighted") p.strategy = SamplingParams::Strategy::weighted;
+  else if (s == "top_k") p.strategy = SamplingParams::Strategy::top_k;
+  else if (s == "nucleus") p.strategy = SamplingParams::Strategy::nucleus;
+  else cfg.reject("decode_sampling_strategy", "must be greedy, weighted, top_k or nucleus.");
+  p.temperature = static_cast<float>(cfg.get_float("decode_sampling_temperature"));
+  p.top_k = cfg.get_int("decode_sampling_top_k");
+  p.top_p = static_cast<float>(cfg.get_float("decode_sampling_nucleus_p"));
+  p.seed = static_cast<uint64_t>(cfg.get_int("decode_sampling_seed"));
+  if (p.strategy != SamplingParams::Strategy::greedy && !(p.temperature > 0))
+    cfg.reject("decode_sampling_temperature", "must be greater than 0 for sampling.");
+  if (p.strategy == SamplingParams::Strategy::nucleus && !(p.top_p > 0 && p.top_p <= 1))
+    cfg.reject("decode_sampling_nucleus_p", "must be in (0, 1].");
+  return p;
+}
+
+int32_t sample_token(const float* logits, int64_t vocab, const SamplingParams& p,
+                     std::mt19937_64& rng) {
+  if (p.strategy == SamplingParams::Strategy::greedy)
+    return static_cast<int32_t>(std::max_element(logits, logits + vocab) - logits);
+  // Candidates in descending logit order (ties: lower id first), cut by top-k.
+  std::vector<int32_t> idx(static_cast<size_t>(vocab));
+  std::iota(idx.begin(), idx.end(), 0);
+  int64_t keep = vocab;
+  if (p.strategy == SamplingParams::Strategy::top_k && p.top_k > 0) keep = std::min(vocab, p.top_k);
+  auto by_logit = [&](int32_t a, int32_t b) {
+    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+  };
+  if (keep < vocab) {
+    std::partial_sort(idx.begin(), idx.begin() + keep, idx.end(), by_logit);
+    idx.resize(static_cast<size_t>(keep));
+  } else {
+    std::sort(idx.begin(), idx.end(), by_logit);
+  }
+  std::vector<double> prob(idx.size());
+  const double mx = logits[idx[0]];
+  double total = 0;
+  for (size_t i = 0; i < idx.size(); ++i) {
+    prob[i] = std::exp((static_cast<double>(logits[idx[i]]) - mx) / p.temperature);
+    total += prob[i];
+  }
+  size_t n = idx.size();
+  if (p.strategy == SamplingParams::Strategy::nucleus) {
+    // The smallest prefix whose probability reaches top_p.
+    double cum = 0;
+    for (size_t i = 0; i < idx.size(); ++i) {
+      cum += prob[i] / total;
+      if (cum >= p.top_p) {
+        n = i + 1;
+        break;
+      }
+    }
+    total = std::accumulate(prob.begin(), prob.begin() + static_cast<ptrdiff_t>(n), 0.0);
+  }
+  // A uniform draw from 53 random bits: the same on every standard library.
+  const double u = static_cast<double>(rng() >> 11) * 0x1.0p-53 * total;
+  double cum = 0;
+  for (size_t i = 0; i < n; ++i) {
+    cum += prob[i];
+    if (u < cum) return idx[i];
+  }
+  return idx[n - 1];
+}
+
+Decoder::Decoder(ModelRunner& runner, int64_t batch, int64_t max_len)
+    : runner_(runner), batch_(batch), max_len_(max_len), vocab_(runner.model().dims().vocab_size) {
+  const ModelDims d = runner.model().dims();
+  Backend& be = runner.backend();
+  // One extra row per sequence: the sink where finished sequences write their (ignored) keys.
+  for (int i = 0; i < runner.model().num_layers(); ++i) {
+    KVCache c;
+    c.k = be.empty({batch, max_len + 1, d.num_kv_heads, d.head_dim}, runner.compute_dtype());
+    c.v = be.empty({batch, max_len + 1, d.num_kv_heads, d.head_dim}, runner.compute_dtype());
+    caches_.push_back(std::move(c));
+  }
+  lengths_.assign(static_cast<size_t>(batch), 0);
+  reset();
+}
+
+void Decoder::reset() {
+  for (auto& c : caches_) {
+    runner_.backend().fill(c.k, 0.f);
+    runner_.backend().fill(c.v, 0.f);
+  }
+  std::fill(lengths_.begin(), lengths_.end(), 0);
+}
+
+std::vector<float> Decoder::prefill(int64_t b, const std::vector<int32_t>& prompt) {
+  Backend& be = runner_.backend();
+  const auto t = static_cast<int64_t>(prompt.size());
+  MT_CHECK(b >= 0 && b < batch_, "prefill: sequence " + std::to_string(b) + " of " + std::to_string(batch_));
+  if (t == 0) throw UsageError("Cannot decode from an empty prompt: it needs at least one token.");
+  if (length(b) + t > max_len_)
+    throw UsageError("The prompt has " + std::to_string(t) + " tokens, more than max_target_length=" +
+                     std::to_string(max_len_) + " allows; raise max_target_length.");
+  for (auto id : prompt)
+    if (id < 0 || id >= vocab_)
+      throw UsageError("Token id " + std::to_string(id) + " is outside the model's vocabulary [0, " +
+                       std::to_string(vocab_) + ").");
+  const int64_t start = length(b);
+  std::vector<int32_t> pos(static_cast<size_t>(t)), rows(static_cast<size_t>(t));
+  for (int64_t i = 0; i < t; ++i) {
+    pos[static_cast<size_t>(i)] = static_cast<int32_t>(start + i);
+    rows[static_cast<size_t>(i)] = static_cast<int32_t>(start + i);  // within sequence b's view
+  }
+  const int32_t len = static_cast<int32_t>(start + t);
+  Tensor tokens = be.empty({1, t}, DType::i32), positions = be.empty({1, t}, DType::i32);
+  be.copy_from_host(tokens, prompt.data());
+  be.copy_from_host(positions, pos.data());
+  Tensor wr = be.empty({t}, DType::i32), lengths = be.empty({1}, DType::i32);
+  be.copy_from_host(wr, rows.data());
+  be.copy_from_host(lengths, &len);
+  // Sequence b's rows of every cache, as a batch of one.
+  std::vector<KVCache> views;
+  for (auto& c : caches_) {
+    KVCache v;
+    v.k = c.k.slice0(b, b + 1);
+    v.v = c.v.slice0(b, b + 1);
+    v.lengths = lengths;
+    v.write_rows = wr;
+    views.push_back(std::move(v));
+  }
+  Graph g(be, /*record=*/false);
+  Tensor logits = runner_.forward_cached(g, tokens, positions, views);
+  lengths_[static_cast<size_t>(b)] = len;
+  std::vector<float> out(static_cast<size_t>(t * vocab_));
+  Tensor f = logits;
+  if (f.dtype() != DType::f32) {
+    f = be.empty(logits.shape(), DType::f32);
+    be.cast(logits, f);
+  }
+  be.copy_to_host(f, out.data());
+  return out;
+}
+
+std::vector<float> Decoder::step(const std::vector<int32_t>& tokens, const std::vector<bool>& active) {
+  Backend& be = runner_.backend();
+  MT_CHECK(static_cast<int64_t>(tokens.size()) == batch_, "step: one token per sequence");
+  std::vector<int32_t> pos(static_cast<size_t>(batch_)), rows(static_cast<size_t>(batch_)),
+      lens(static_cast<size_t>(batch_)), toks(tokens);
+  const int64_t stride = max_len_ + 1;
+  for (int64_t b = 0; b < batch_; ++b) {
+    const auto ub = static_cast<size_t>(b);
+    const bool go = active[ub] && !full(b);
+    if (toks[ub] < 0 || toks[ub] >= vocab_) toks[ub] = 0;
+    pos[ub] = static_cast<int32_t>(go ? lengths_[ub] : std::max<int64_t>(0, lengths_[ub] - 1));
+    rows[ub] = static_cast<int32_t>(b * stride + (go ? lengths_[ub] : max_len_));  // sink row
+    lens[ub] = static_cast<int32_t>(lengths_[ub] + (go ? 1 : 0));
+    if (lens[ub] == 0) lens[ub] = 1;  // an empty sequence attends to its (sink-free) first row
+  }
+  Tensor t = be.empty({batch_, 1}, DType::i32), p = be.empty({batch_, 1}, DType::i32);
+  Tensor wr = be.empty({batch_}, DType::i32), l = be.empty({batch_}, DType::i32);
+  be.copy_from_host(t, toks.data());
+  be.copy_from_host(p, pos.data());
+  be.copy_from_host(wr, rows.data());
+  be.copy_from_host(l, lens.data());
+  for (auto& c : caches_) {
+    c.lengths = l;
+    c.write_rows = wr;
+  }
+  Graph g(be, /*record=*/false);
+  Tensor logits = runner_.forward_cached(g, t, p, caches_);
+  for (int64_t b = 0; b < batch_; ++b)
+    if (active[static_cast<size_t>(b)] && !full(b)) ++lengths_[static_cast<size_t>(b)];
+  std::vector<float> out(static_cast<size_t>(batch_ * vocab_));
+  Tensor f = logits;
+  if (f.dtype() != DType::f32) {
+    f = be.empty(logits.shape(), DType::f32);
+    be.cast(logits, f);
+  }
+  be.copy_to_host(f, out.data());
+  return out;
+}
+
+GenerateResult generate(ModelRunner& runner, const std::vector<std::vector<int32_t>>& prompts,
+                        int64_t max_len, const SamplingParams& sampling, int32_t eos,
+                        const std::function<void(int64_t, int32_t)>& on_token) {
+  using Clock = std::chrono::steady_clock;
+  const auto batch = static_cast<int64_t>(prompts.size());
+  Decoder dec(runner, batch, max_len);
+  const int64_t vocab = runner.model().dims().vocab_size;
+  GenerateResult r;
+  r.tokens.resize(prompts.size());
+  std::vector<std::mt19937_64> rngs;
+  for (int64_t b = 0; b < batch; ++b) rngs.emplace_back(sampling.seed + static_cast<uint64_t>(b));
+  std::vector<int32_t> next(prompts.size());
+  std::vector<bool> active(prompts.size(), true);
+  auto t0 = Clock::now();
+  for (int64_t b = 0; b < batch; ++b) {
+    const auto ub = static_cast<size_t>(b);
+    std::vector<float> logits = dec.prefill(b, prompts[ub]);
+    r.prefill_tokens += static_cast<int64_t>(prompts[ub].size());
+    next[ub] = sample_token(logits.data() + (prompts[ub].size() - 1) * vocab, vocab, sampling, rngs[ub]);
+    r.tokens[ub].push_back(next[ub]);
+    if (on_token) on_token(b, next[ub]);
+    // A sequence holds at most max_len tokens: its cached ones plus the one just chosen.
+    if (next[ub] == eos || dec.length(b) + 1 >= max_len) active[ub] = false;
+  }
+  r.prefill_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  t0 = Clock::now();
+  while (std::any_of(active.begin(), active.end(), [](bool a) { return a; })) {
+    std::vector<float> logits = dec.step(next, active);
+    for (int64_t b = 0; b < batch; ++b) {
+      const auto ub = static_cast<size_t>(b);
+      if (!active[ub]) continue;
+      ++r.decoded_tokens;
+      next[ub] = sample_token(logits.data() + b * vocab, vocab, sampling, rngs[ub]);
+      r.tokens[ub].push_back(next[ub]);
+      if (on_token) on_token(b, next[ub]);
+      if (next[ub] == eos || dec.length(b) + 1 >= max_len) active[ub] = false;
+    }
+  }
+  r.decode_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  return r;
+}
+
+}  // namespace mt

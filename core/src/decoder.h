@@ -1,0 +1,69 @@
+// Autoregressive decoding (MaxText's decode.py): per-layer KV caches preallocated for
+// max_target_length, prefill of each prompt, then batched one-token steps with sampling.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "model_runner.h"
+#include "mt/config.h"
+
+namespace mt {
+
+struct SamplingParams {
+  enum class Strategy : uint8_t { greedy, weighted, top_k, nucleus };
+  Strategy strategy = Strategy::greedy;
+  float temperature = 1.f;
+  int64_t top_k = 0;
+  float top_p = 1.f;
+  uint64_t seed = 0;
+};
+// From decode_sampling_strategy, decode_sampling_temperature, decode_sampling_top_k,
+// decode_sampling_nucleus_p, decode_sampling_seed.
+SamplingParams sampling_from_config(const Config& cfg);
+
+// Draws a token from logits [V] (host). Deterministic for a given generator state.
+int32_t sample_token(const float* logits, int64_t vocab, const SamplingParams& p,
+                     std::mt19937_64& rng);
+
+class Decoder {
+ public:
+  // Caches for `batch` sequences of up to `max_len` tokens each.
+  Decoder(ModelRunner& runner, int64_t batch, int64_t max_len);
+
+  int64_t batch() const { return batch_; }
+  int64_t max_len() const { return max_len_; }
+  int64_t length(int64_t b) const { return lengths_[static_cast<size_t>(b)]; }
+  bool full(int64_t b) const { return length(b) >= max_len_; }
+
+  // Empties every cache.
+  void reset();
+  // Runs sequence b's prompt through the model, filling its caches; returns the logits of every
+  // prompt position [T * V] (host, f32).
+  std::vector<float> prefill(int64_t b, const std::vector<int32_t>& prompt);
+  // One token for every sequence (tokens[b]); sequences marked done in `active` (or full) are
+  // not advanced. Returns logits [B * V] (host, f32).
+  std::vector<float> step(const std::vector<int32_t>& tokens, const std::vector<bool>& active);
+
+ private:
+  ModelRunner& runner_;
+  int64_t batch_, max_len_, vocab_;
+  std::vector<KVCache> caches_;
+  std::vector<int64_t> lengths_;
+};
+
+struct GenerateResult {
+  std::vector<std::vector<int32_t>> tokens;  // generated tokens per prompt (prompt excluded)
+  int64_t prefill_tokens = 0, decoded_tokens = 0;
+  double prefill_seconds = 0, decode_seconds = 0;
+};
+
+// Prefills every prompt, then decodes until each sequence emits `eos` (when >= 0) or reaches
+// max_len tokens in total. on_token(b, id) is called as each token is chosen (streaming).
+GenerateResult generate(ModelRunner& runner, const std::vector<std::vector<int32_t>>& prompts,
+                        int64_t max_len, const SamplingParams& sampling, int32_t eos,
+                        const std::function<void(int64_t, int32_t)>& on_token = {});
+
+}  // namespace mt

@@ -1,0 +1,187 @@
+// Decoding: KV-cache decode == full forward, greedy generation == transformers' generate,
+// sampling strategies and determinism.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "config_loader.h"
+#include "decoder.h"
+#include "model_runner.h"
+#include "mt/data.h"
+#include "mt/error.h"
+#include "safetensors.h"
+#include "test_support.h"
+
+namespace mt {
+namespace {
+
+std::unique_ptr<ModelRunner> runner(std::vector<std::string> overrides) {
+  ConfigRequest req;
+  req.configs_dir = test::source_dir() + "/configs";
+  req.model = "llama-test";
+  req.overrides = std::move(overrides);
+  auto r = std::make_unique<ModelRunner>(load_config(req), test::plugins());
+  r->init_parameters(11);
+  return r;
+}
+
+// max |a - b| / max |b|: error relative to the logits' scale.
+double scaled_err(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num = std::max(num, std::fabs(double(a[i]) - double(b[i])));
+    den = std::max(den, std::fabs(double(b[i])));
+  }
+  return den > 0 ? num / den : num;
+}
+
+// Logits of the full (non-cached) forward over `ids` [1, T] -> [T * V].
+std::vector<float> full_forward(ModelRunner& r, const std::vector<int32_t>& ids) {
+  HostBatch hb;
+  hb.batch = 1;
+  hb.seq = static_cast<int64_t>(ids.size());
+  hb.inputs = ids;
+  DeviceBatch db = r.upload(hb);
+  Graph g(r.backend(), false);
+  return test::to_vector(r.forward(g, db));
+}
+
+void decode_matches_forward(std::vector<std::string> overrides) {
+  SCOPED_TRACE(::testing::PrintToString(overrides));
+  auto r = runner(overrides);
+  const int64_t V = r->model().dims().vocab_size;
+  const uint64_t seed = test::seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  // Three sequences of different prompt lengths decoded together.
+  std::vector<std::vector<int32_t>> seqs = {{}, {}, {}};
+  const int prompt_len[3] = {1, 5, 9};
+  Decoder dec(*r, 3, 24);
+  std::vector<int32_t> next(3);
+  for (int b = 0; b < 3; ++b) {
+    for (int i = 0; i < prompt_len[b]; ++i) seqs[b].push_back(static_cast<int32_t>(rng() % V));
+    const std::vector<float> pl = dec.prefill(b, seqs[b]);
+    const std::vector<float> ref = full_forward(*r, seqs[b]);
+    EXPECT_LT(scaled_err(pl, ref), 1e-5) << "prefill of sequence " << b;
+    next[b] = static_cast<int32_t>(rng() % V);
+  }
+  for (int step = 0; step < 8; ++step) {
+    std::vector<bool> active = {true, step % 2 == 0, true};  // sequence 1 pauses every other step
+    const std::vector<float> logits = dec.step(next, active);
+    for (int b = 0; b < 3; ++b) {
+      if (!active[b]) continue;
+      seqs[b].push_back(next[b]);
+      const std::vector<float> ref = full_forward(*r, seqs[b]);
+      const std::vector<float> got(logits.begin() + b * V, logits.begin() + (b + 1) * V);
+      const std::vector<float> want(ref.end() - V, ref.end());
+      EXPECT_LT(scaled_err(got, want), 1e-5) << "step " << step << " sequence " << b;
+      next[b] = static_cast<int32_t>(rng() % V);
+    }
+  }
+}
+
+TEST(Decode, CachedDecodeEqualsFullForwardFlashGqa) { decode_matches_forward({"attention=flash"}); }
+TEST(Decode, CachedDecodeEqualsFullForwardDotProduct) {
+  decode_matches_forward({"attention=dot_product"});
+}
+TEST(Decode, CachedDecodeEqualsFullForwardMha) {
+  decode_matches_forward({"base_num_kv_heads=4"});
+}
+TEST(Decode, CachedDecodeEqualsFullForwardMqa) { decode_matches_forward({"base_num_kv_heads=1"}); }
+TEST(Decode, CachedDecodeEqualsFullForwardSlidingWindowRope31) {
+  decode_matches_forward({"sliding_window_size=4", "rope_type=llama3.1",
+                          "original_max_position_embeddings=8", "logits_via_embedding=true"});
+}
+
+// Greedy generation of the golden models == transformers' generate (tools/make_llama_golden.py).
+void greedy_matches_golden(const char* name, std::vector<std::string> overrides) {
+  SCOPED_TRACE(name);
+  auto r = runner(overrides);
+  SafeTensorsFile f(test::source_dir() + "/tests/golden/" + name + ".safetensors");
+  for (auto& p : r->params()) {
+    const auto hf = r->model().hf_name(p.name);
+    const auto& info = f.info(hf.name);
+    std::vector<float> v(static_cast<size_t>(info.numel()));
+    std::memcpy(v.data(), info.data, info.nbytes());
+    if (hf.transposed) {
+      std::vector<float> t(v.size());
+      const int64_t rows = p.spec.shape[1], cols = p.spec.shape[0];
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t j = 0; j < cols; ++j) t[static_cast<size_t>(j * rows + i)] = v[static_cast<size_t>(i * cols + j)];
+      v.swap(t);
+    }
+    Tensor tv = test::from_vector(r->backend(), p.spec.shape, v);
+    r->backend().cast(tv, p.value);
+  }
+  const auto& pi = f.info("generate_prompt");
+  const auto& gi = f.info("generate_ids");
+  std::vector<int32_t> prompt(static_cast<size_t>(pi.numel())), want(static_cast<size_t>(gi.numel()));
+  std::memcpy(prompt.data(), pi.data, pi.nbytes());
+  std::memcpy(want.data(), gi.data, gi.nbytes());
+  const GenerateResult g = generate(*r, {prompt}, static_cast<int64_t>(want.size()), SamplingParams{}, -1);
+  std::vector<int32_t> got = prompt;
+  got.insert(got.end(), g.tokens[0].begin(), g.tokens[0].end());
+  EXPECT_EQ(got, want);
+}
+
+const std::vector<std::string> kGolden = {
+    "vocab_size=256", "base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=2",
+    "head_dim=16", "base_mlp_dim=128", "base_num_decoder_layers=2"};
+
+TEST(Decode, GreedyMatchesTransformersGqa) {
+  auto o = kGolden;
+  o.insert(o.end(), {"normalization_layer_epsilon=1e-5", "rope_max_timescale=10000"});
+  greedy_matches_golden("llama_gqa", o);
+}
+TEST(Decode, GreedyMatchesTransformersLlama31) {
+  auto o = kGolden;
+  o.insert(o.end(), {"normalization_layer_epsilon=1e-6", "rope_type=llama3.1",
+                     "rope_max_timescale=500000", "rope_factor=8", "rope_low_freq_factor=1",
+                     "rope_high_freq_factor=4", "original_max_position_embeddings=32",
+                     "logits_via_embedding=true"});
+  greedy_matches_golden("llama31", o);
+}
+
+TEST(Decode, SamplingStrategies) {
+  std::vector<float> logits = {0.1f, 3.f, 2.9f, -1.f, 2.f};
+  std::mt19937_64 rng(1);
+  SamplingParams p;
+  EXPECT_EQ(sample_token(logits.data(), 5, p, rng), 1);
+  p.strategy = SamplingParams::Strategy::top_k;
+  p.top_k = 1;
+  for (int i = 0; i < 20; ++i) EXPECT_EQ(sample_token(logits.data(), 5, p, rng), 1);
+  p.top_k = 2;
+  int counts[5] = {};
+  for (int i = 0; i < 4000; ++i) ++counts[sample_token(logits.data(), 5, p, rng)];
+  EXPECT_EQ(counts[0] + counts[3] + counts[4], 0);  // only the top 2 are ever drawn
+  const double p1 = 1 / (1 + std::exp(-0.1));       // softmax over {3, 2.9}
+  EXPECT_NEAR(counts[1] / 4000.0, p1, 0.03);
+  p.strategy = SamplingParams::Strategy::nucleus;
+  p.top_p = 0.01f;
+  for (int i = 0; i < 20; ++i) EXPECT_EQ(sample_token(logits.data(), 5, p, rng), 1);
+  p.strategy = SamplingParams::Strategy::weighted;
+  p.temperature = 1e-3f;  // nearly greedy
+  for (int i = 0; i < 20; ++i) EXPECT_EQ(sample_token(logits.data(), 5, p, rng), 1);
+  // Deterministic for a fixed seed.
+  p.temperature = 1.f;
+  std::mt19937_64 a(42), b(42);
+  for (int i = 0; i < 50; ++i)
+    EXPECT_EQ(sample_token(logits.data(), 5, p, a), sample_token(logits.data(), 5, p, b));
+}
+
+TEST(Decode, GenerationStopsAtMaxLengthAndEos) {
+  auto r = runner({});
+  const GenerateResult g = generate(*r, {{1, 2, 3}, {4}}, 10, SamplingParams{}, -1);
+  EXPECT_EQ(g.tokens[0].size(), 7u);  // 3 prompt + 7 generated = max_target_length
+  EXPECT_EQ(g.tokens[1].size(), 9u);
+  const int32_t first = g.tokens[0][0];
+  const GenerateResult e = generate(*r, {{1, 2, 3}}, 10, SamplingParams{}, first);
+  EXPECT_EQ(e.tokens[0].size(), 1u);  // stops at eos
+  EXPECT_THROW(generate(*r, {{1, 2, 3}}, 2, SamplingParams{}, -1), UsageError);
+  EXPECT_THROW(generate(*r, {{1, 999}}, 10, SamplingParams{}, -1), UsageError);
+}
+
+}  // namespace
+}  // namespace mt
