@@ -12,6 +12,7 @@
 #include <memory>
 #include <vector>
 
+#include "checkpoint_manager.h"
 #include "model_info.h"
 #include "model_runner.h"
 #include "mt/data.h"
@@ -113,6 +114,45 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
     v.push_back(be.zeros(p.spec.shape, DType::f32));
   }
 
+  // Checkpoints: resume from this run's latest complete step, else start from another run's
+  // full state or parameters when asked (MaxText's load_full_state_path / load_parameters_path).
+  TrainState state;
+  {
+    size_t i = 0;
+    for (auto& p : runner.params()) {
+      state.params[p.name] = p.value;
+      state.opt_m[p.name] = m[i];
+      state.opt_v[p.name] = v[i];
+      ++i;
+    }
+  }
+  const bool checkpointing = cfg.get_bool("enable_checkpointing");
+  const int64_t ckpt_period = cfg.get_int("checkpoint_period");
+  CheckpointManager ckpt(run_dir / "checkpoints", cfg.get_bool("async_checkpointing"),
+                         static_cast<int>(cfg.get_int("max_num_checkpoints_to_keep")), be);
+  int64_t first_step = 1;
+  std::string resumed_from;
+  if (const int64_t latest = checkpointing ? ckpt.latest_step() : -1; latest >= 0) {
+    ckpt.restore(latest, state);
+    data->restore(state.data_state);
+    first_step = state.step + 1;
+    resumed_from = fmt::format("resumed from step {} in {}", latest, ckpt.directory().string());
+  } else if (!cfg.get_string("load_full_state_path").empty()) {
+    load_full_state(cfg.get_string("load_full_state_path"), state);
+    data->restore(state.data_state);
+    first_step = state.step + 1;
+    resumed_from = "full state from " + cfg.get_string("load_full_state_path");
+  } else if (!cfg.get_string("load_parameters_path").empty()) {
+    load_parameters(cfg.get_string("load_parameters_path"), state.params);
+    resumed_from = "parameters from " + cfg.get_string("load_parameters_path");
+  }
+  auto save = [&](int64_t step) {
+    state.step = step;
+    state.data_state = data->state();
+    state.config_yaml = cfg.to_yaml(true);
+    ckpt.save(state);
+  };
+
   const bool tty = !quiet && isatty(fileno(stdout));
   if (!quiet) {
     std::printf("mt run: %s (%s family), %s parameters (%s in matmuls), %s\n",
@@ -126,6 +166,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
                 dataset.c_str(), static_cast<long>(batch), static_cast<long>(seq),
                 static_cast<long>(accum), static_cast<long>(steps), peak / 1e12);
     std::printf("mt run: metrics -> %s\n", (run_dir / "metrics.jsonl").string().c_str());
+    if (!resumed_from.empty()) std::printf("mt run: %s\n", resumed_from.c_str());
     std::fflush(stdout);
   }
 
@@ -151,7 +192,10 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
   std::vector<double> tps_hist, step_ms_hist;
   const auto run_start = Clock::now();
   double last_loss = 0;
-  for (int64_t step = 1; step <= steps; ++step) {
+  if (first_step > steps && !quiet)
+    std::printf("mt run: the checkpoint is already at step %ld of steps=%ld; nothing to do.\n",
+                static_cast<long>(first_step - 1), static_cast<long>(steps));
+  for (int64_t step = first_step; step <= steps; ++step) {
     const auto t0 = Clock::now();
     double data_wait = 0;
     std::vector<DeviceBatch> micro;
@@ -199,13 +243,18 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
       ++i;
     }
     runner.zero_gradients();
+    double ckpt_s = 0;
+    if (checkpointing && (step % ckpt_period == 0 || step == steps)) {
+      save(step);
+      ckpt_s = ckpt.last_blocking_seconds();
+    }
     be.synchronize();
     const double step_s = seconds_since(t0);
     const double tokens = static_cast<double>(batch * seq * accum);
     const double tps = tokens / step_s;
     const double tflops = tps * flops_per_token / 1e12;
     const double mfu = tps * flops_per_token / peak;
-    if (step > 2) {  // the first steps warm up the allocator and caches
+    if (step > first_step + 1) {  // the first steps warm up the allocator and caches
       tps_hist.push_back(tps);
       step_ms_hist.push_back(step_s * 1e3);
     }
@@ -216,10 +265,11 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
     if (ev >= 0) sum.final_eval_loss = ev;
     const MemoryStats ms = be.memory_stats();
     metrics << fmt::format(
-        "{{\"step\": {}, \"loss\": {:.6f}, \"learning_rate\": {:.6g}, \"grad_norm\": {:.6g}, "
+        "{{\"step\": {}, \"loss\": {:.9g}, \"learning_rate\": {:.6g}, \"grad_norm\": {:.6g}, "
         "\"tokens_per_sec\": {:.2f}, \"tflops_per_device\": {:.5f}, \"mfu\": {:.5f}, "
-        "\"step_time_ms\": {:.2f}, \"data_wait_ms\": {:.3f}, \"peak_memory_mb\": {:.1f}{}}}\n",
-        step, loss, lr, grad_norm, tps, tflops, mfu, step_s * 1e3, data_wait * 1e3,
+        "\"step_time_ms\": {:.2f}, \"data_wait_ms\": {:.3f}, \"checkpoint_ms\": {:.3f}, "
+        "\"peak_memory_mb\": {:.1f}{}}}\n",
+        step, loss, lr, grad_norm, tps, tflops, mfu, step_s * 1e3, data_wait * 1e3, ckpt_s * 1e3,
         static_cast<double>(ms.peak_bytes_in_use) / 1e6,
         ev >= 0 ? fmt::format(", \"eval_loss\": {:.6f}", ev) : "");
     if (!quiet) {
@@ -238,12 +288,14 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
     }
   }
   metrics.flush();
+  if (checkpointing) ckpt.wait();
   if (tty) std::printf("\n");
   if (runner.profiler()) {
     std::fprintf(quiet ? stderr : stdout, "mt: time per op over the whole run:\n%s",
                  runner.profiler()->report().c_str());
   }
   sum.steps = steps;
+  sum.checkpoint_seconds = ckpt.total_blocking_seconds();
   sum.final_loss = last_loss;
   sum.tokens_per_sec = median(tps_hist);
   sum.step_time_ms = median(step_ms_hist);

@@ -18,6 +18,7 @@ struct TrainSummary {
   double final_loss = 0, final_eval_loss = -1;
   double tokens_per_sec = 0, tflops_per_device = 0, mfu = 0;  // medians after warm-up
   double step_time_ms = 0;
+  double checkpoint_seconds = 0;  // training time blocked by checkpoint saves
   std::string run_dir;
 };
 
