@@ -143,7 +143,8 @@ std::vector<std::string> losses_of(const std::vector<std::string>& lines) {
 TEST(Trainer, ResumedRunEqualsStraightRun) {
   Fixture straight("straight"), resumed("resumed");
   const std::vector<std::string> common = {"dataset_type=synthetic", "enable_checkpointing=true",
-                                           "checkpoint_period=4", "async_checkpointing=true"};
+                                           "checkpoint_period=4", "async_checkpointing=true",
+                                           "learning_rate_schedule_steps=8"};
   auto with = [&](std::vector<std::string> extra) {
     extra.insert(extra.end(), common.begin(), common.end());
     return extra;
