@@ -44,11 +44,48 @@ TEST(Cli, UnknownCommandIsAUsageError) {
 }
 
 TEST(Cli, UnimplementedCommandsSaySoAndFail) {
-  for (const char* c : {"decode", "score", "convert"}) {
+  for (const char* c : {"convert", "bench decode"}) {
     auto r = mt_cmd(c);
     EXPECT_NE(r.code, 0) << c;
     EXPECT_NE(r.out.find("not implemented yet"), std::string::npos) << c << r.out;
   }
+}
+
+TEST(Cli, InferenceNeedsACheckpoint) {
+  for (const char* c : {"decode", "score"}) {
+    auto r = mt_cmd(c);
+    EXPECT_EQ(r.code, 2) << c << r.out;
+    EXPECT_NE(r.out.find("load_parameters_path"), std::string::npos) << c << r.out;
+  }
+  auto r = mt_cmd("decode load_parameters_path=/nonexistent/run");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("/nonexistent/run"), std::string::npos) << r.out;
+}
+
+// Train a few steps of the default model with checkpoints, then decode and score from them.
+TEST(Cli, TrainThenDecodeAndScore) {
+  const fs::path dir = fs::temp_directory_path() / ("mt_cli_flow_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  auto r = mt_cmd("run --model=llama-small steps=3 eval_interval=3 eval_steps=1 "
+                  "per_device_batch_size=1 max_target_length=32 base_num_decoder_layers=1 "
+                  "checkpoint_period=3 async_checkpointing=false base_output_directory=" +
+                  dir.string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("eval loss"), std::string::npos) << r.out;
+  const std::string ckpt = " --model=llama-small base_num_decoder_layers=1 load_parameters_path=" +
+                           (dir / "default").string();
+  r = mt_cmd("decode" + ckpt + " prompt=\"It is a truth\" max_target_length=12");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(r.out.rfind("It is a truth", 0), 0u) << r.out;
+  EXPECT_NE(r.out.find("tokens/s; decode"), std::string::npos) << r.out;
+  r = mt_cmd("score" + ckpt + " tokens=1,5,42,7 output=" + (dir / "s.safetensors").string());
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("perplexity"), std::string::npos) << r.out;
+  EXPECT_TRUE(fs::exists(dir / "s.safetensors"));
+  r = mt_cmd("score" + ckpt + " tokens=1,5,99999");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("99999"), std::string::npos) << r.out;
+  fs::remove_all(dir);
 }
 
 TEST(Cli, PluginsListsKindNameVersionAbiPathAndFailures) {
