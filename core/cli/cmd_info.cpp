@@ -105,12 +105,6 @@ int cmd_config(const Args& args_in) {
   return 0;
 }
 
-int cmd_decode(const Args&) {
-  throw Error("`mt decode` is not implemented yet (it arrives with the inference issue).");
-}
-int cmd_score(const Args&) {
-  throw Error("`mt score` is not implemented yet (it arrives with the inference issue).");
-}
 int cmd_convert(const Args&) {
   throw Error("`mt convert` is not implemented yet (it arrives with the checkpointing issue).");
 }

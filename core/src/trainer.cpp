@@ -14,6 +14,8 @@
 
 #include "checkpoint_manager.h"
 #include "model_info.h"
+#include "mt/tokenizer.h"
+#include "tokenizer_factory.h"
 #include "model_runner.h"
 #include "mt/data.h"
 #include "mt/error.h"
@@ -96,7 +98,11 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
 
   // Data.
   const std::string dataset = cfg.get_string("dataset_type");
-  std::unique_ptr<DatasetSource> data = plugins.dataset_factory(dataset)(cfg, DataShard{}, nullptr);
+  std::unique_ptr<Tokenizer> tokenizer;
+  if (!cfg.get_string("tokenizer_path").empty())
+    tokenizer = make_tokenizer(cfg.get_string("tokenizer_path"), cfg.get_string("tokenizer_type"));
+  std::unique_ptr<DatasetSource> data =
+      plugins.dataset_factory(dataset)(cfg, DataShard{}, tokenizer.get());
 
   // Model FLOPs and the peak they are measured against.
   const double flops_per_token =

@@ -1,7 +1,6 @@
 #include "token_file.h"
 
 #include <fcntl.h>
-#include <glob.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -13,6 +12,7 @@
 #include <filesystem>
 #include <memory>
 
+#include "../common/paths.h"
 #include "mt/error.h"
 
 namespace mt_tokens {
@@ -31,13 +31,6 @@ T load(const unsigned char* p) {
 
 [[noreturn]] void bad_file(const std::string& path, const std::string& why) {
   throw mt::Error("tokens: " + path + ": " + why);
-}
-
-std::string trim(const std::string& s) {
-  size_t a = s.find_first_not_of(" \t\n");
-  if (a == std::string::npos) return "";
-  size_t b = s.find_last_not_of(" \t\n");
-  return s.substr(a, b - a + 1);
 }
 
 }  // namespace
@@ -163,38 +156,8 @@ std::string Corpus::describe() const {
 }
 
 std::vector<std::string> expand_paths(const std::string& spec, const std::string& key) {
-  namespace fs = std::filesystem;
-  std::vector<std::string> out;
-  size_t pos = 0;
-  while (pos <= spec.size()) {
-    size_t comma = spec.find(',', pos);
-    if (comma == std::string::npos) comma = spec.size();
-    const std::string item = trim(spec.substr(pos, comma - pos));
-    pos = comma + 1;
-    if (item.empty()) continue;
-    std::error_code ec;
-    if (fs::is_directory(item, ec)) {
-      std::vector<std::string> found;
-      for (const auto& e : fs::directory_iterator(item, ec))
-        if (e.path().extension() == ".tokens") found.push_back(e.path().string());
-      if (found.empty())
-        throw mt::UsageError(key + "=" + spec + ": directory " + item + " holds no .tokens files");
-      std::sort(found.begin(), found.end());
-      out.insert(out.end(), found.begin(), found.end());
-    } else if (item.find_first_of("*?[") != std::string::npos) {
-      glob_t g{};
-      const int rc = ::glob(item.c_str(), 0, nullptr, &g);
-      // glob_t owns C allocations: release them on every path.
-      std::unique_ptr<glob_t, void (*)(glob_t*)> guard(&g, ::globfree);
-      if (rc != 0 || g.gl_pathc == 0)
-        throw mt::UsageError(key + "=" + spec + ": pattern " + item + " matches no file");
-      for (size_t i = 0; i < g.gl_pathc; ++i) out.emplace_back(g.gl_pathv[i]);
-    } else {
-      out.push_back(item);  // opened (and its absence reported) by TokenFile
-    }
-  }
-  if (out.empty()) throw mt::UsageError(key + " is empty: set it to a tokens file, list or glob");
-  return out;
+  // Plain files are opened (and their absence reported) by TokenFile.
+  return mt_data::expand_paths(spec, key, {".tokens"}, "tokens file");
 }
 
 }  // namespace mt_tokens

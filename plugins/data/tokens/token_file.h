@@ -19,6 +19,8 @@
 #include <utility>
 #include <vector>
 
+#include "../common/token_stream.h"
+
 namespace mt_tokens {
 
 inline constexpr char kMagic[8] = {'M', 'T', 'T', 'O', 'K', 'E', 'N', 'S'};
@@ -50,19 +52,19 @@ class TokenFile {
 };
 
 // The files of a dataset as one token stream, in the order given.
-class Corpus {
+class Corpus final : public mt_data::TokenStream {
  public:
   // paths: files in stream order. vocab_size: ids must be below it (checked per read).
   Corpus(const std::vector<std::string>& paths, int64_t vocab_size);
 
-  uint64_t size() const { return total_; }
+  uint64_t size() const override { return total_; }
   // Copies ids [begin, begin + n) to `ids` and marks in `doc_start` which of them begin a
   // document (first id of a file, or the id after its file's eos). Throws mt::Error naming the
   // file and the offset for an id >= vocab_size.
-  void read(uint64_t begin, uint64_t n, int32_t* ids, uint8_t* doc_start) const;
+  void read(uint64_t begin, uint64_t n, int32_t* ids, uint8_t* doc_start) const override;
   // Every document as [begin, end) in the stream (for packing=false).
-  std::vector<std::pair<uint64_t, uint64_t>> documents() const;
-  std::string describe() const;  // "a.tokens, b.tokens"
+  std::vector<std::pair<uint64_t, uint64_t>> documents() const override;
+  std::string describe() const override;  // "a.tokens, b.tokens"
 
  private:
   size_t file_of(uint64_t i) const;

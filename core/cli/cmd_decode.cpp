@@ -1,0 +1,262 @@
+// mt decode (MaxText's decode.py) and mt score: inference from a trained checkpoint.
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "checkpoint_manager.h"
+#include "cli.h"
+#include "decoder.h"
+#include "model_runner.h"
+#include "mt/data.h"
+#include "mt/error.h"
+#include "mt/tokenizer.h"
+#include "plugin_manager.h"
+#include "safetensors.h"
+#include "tokenizer_factory.h"
+
+namespace fs = std::filesystem;
+
+namespace mt::cli {
+
+namespace {
+
+struct Inference {
+  Config cfg;
+  std::unique_ptr<PluginManager> pm;
+  std::unique_ptr<ModelRunner> runner;
+  std::unique_ptr<Tokenizer> tokenizer;  // null when no tokenizer_path is set
+};
+
+// Loads the model and its weights (load_parameters_path) and the tokenizer (tokenizer_path).
+Inference load_inference(const Args& args, const char* command, bool need_tokenizer) {
+  Inference in;
+  in.cfg = resolve_config(args);
+  const Config& cfg = in.cfg;
+  const std::string ckpt = cfg.get_string("load_parameters_path");
+  if (!cfg.get_string("hf_path").empty())
+    throw Error(std::string("mt ") + command +
+                ": hf_path= is not implemented yet (it arrives with `mt convert`); convert the "
+                "weights to an mt checkpoint and pass load_parameters_path= instead.");
+  if (ckpt.empty())
+    throw UsageError(std::string("mt ") + command +
+                     " needs trained weights: pass load_parameters_path=<checkpoint> (a run "
+                     "directory, its checkpoints/ directory, or one step directory).");
+  std::vector<fs::path> dirs;
+  for (const auto& d : cfg.get_string_list("plugin_dirs")) dirs.emplace_back(d);
+  in.pm = std::make_unique<PluginManager>(dirs);
+  in.runner = std::make_unique<ModelRunner>(cfg, *in.pm);
+  std::map<std::string, Tensor> params;
+  for (auto& p : in.runner->params()) params[p.name] = p.value;
+  load_parameters(ckpt, params);
+  const std::string tok = cfg.get_string("tokenizer_path");
+  if (!tok.empty()) in.tokenizer = make_tokenizer(tok, cfg.get_string("tokenizer_type"));
+  if (need_tokenizer && !in.tokenizer)
+    throw UsageError(std::string("mt ") + command +
+                     " needs a tokenizer for text: set tokenizer_path= (or give token ids).");
+  if (in.tokenizer && in.tokenizer->vocab_size() > in.runner->model().dims().vocab_size)
+    cfg.reject("tokenizer_path", fmt::format("has {} tokens, more than the model's vocab_size={}.",
+                                             in.tokenizer->vocab_size(),
+                                             in.runner->model().dims().vocab_size));
+  return in;
+}
+
+std::vector<int32_t> encode(const Inference& in, const std::string& text) {
+  std::vector<int32_t> ids;
+  if (in.cfg.get_bool("add_bos") && in.tokenizer->bos_id() >= 0) ids.push_back(in.tokenizer->bos_id());
+  const auto body = in.tokenizer->encode(text);
+  ids.insert(ids.end(), body.begin(), body.end());
+  return ids;
+}
+
+// Lines of a text file, or the "text" field of each JSONL line (a minimal reader: the field
+// must be a JSON string).
+std::vector<std::string> read_texts(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) throw UsageError("Cannot read '" + path + "'.");
+  std::vector<std::string> out;
+  for (std::string line; std::getline(f, line);) {
+    if (line.empty()) continue;
+    if (line[0] != '{') {
+      out.push_back(line);
+      continue;
+    }
+    const auto k = line.find("\"text\"");
+    const auto q = k == std::string::npos ? k : line.find('"', line.find(':', k) + 1);
+    if (q == std::string::npos) throw UsageError("'" + path + "': a JSONL line has no \"text\" string.");
+    std::string s;
+    for (size_t i = q + 1; i < line.size() && line[i] != '"'; ++i) {
+      if (line[i] != '\\' || i + 1 >= line.size()) {
+        s += line[i];
+        continue;
+      }
+      const char e = line[++i];
+      s += e == 'n' ? '\n' : e == 't' ? '\t' : e;
+    }
+    out.push_back(s);
+  }
+  return out;
+}
+
+std::vector<int32_t> parse_ids(const std::string& text, const std::string& where) {
+  std::vector<int32_t> ids;
+  std::stringstream ss(text);
+  for (std::string item; std::getline(ss, item, ',');) {
+    if (item.find_first_not_of(" \t\n") == std::string::npos) continue;
+    try {
+      size_t used = 0;
+      const long v = std::stol(item, &used);
+      ids.push_back(static_cast<int32_t>(v));
+    } catch (const std::exception&) {
+      throw UsageError(where + ": '" + item + "' is not a token id (ids are comma-separated integers).");
+    }
+  }
+  return ids;
+}
+
+}  // namespace
+
+int cmd_decode(const Args& args) {
+  Inference in = load_inference(args, "decode", /*need_tokenizer=*/true);
+  const Config& cfg = in.cfg;
+  std::vector<std::string> texts;
+  if (!cfg.get_string("prompt_file").empty()) texts = read_texts(cfg.get_string("prompt_file"));
+  else texts.push_back(cfg.get_string("prompt"));
+  std::vector<std::vector<int32_t>> prompts;
+  const int64_t max_prefill = cfg.get_int("max_prefill_predict_length");
+  for (const auto& t : texts) {
+    prompts.push_back(encode(in, t));
+    if (static_cast<int64_t>(prompts.back().size()) > max_prefill)
+      throw UsageError(fmt::format("A prompt has {} tokens, more than max_prefill_predict_length={}.",
+                                   prompts.back().size(), max_prefill));
+  }
+  const int64_t max_len = cfg.get_int("max_target_length");
+  const SamplingParams sp = sampling_from_config(cfg);
+  const bool stream = prompts.size() == 1;
+  std::string shown;
+  std::vector<int32_t> so_far;
+  if (stream) std::printf("%s", texts[0].c_str());
+  auto on_token = [&](int64_t, int32_t id) {
+    if (!stream) return;
+    // Decoding the whole continuation each time keeps multi-byte characters intact.
+    so_far.push_back(id);
+    const std::string text = in.tokenizer->decode(so_far);
+    if (text.size() > shown.size() && text.compare(0, shown.size(), shown) == 0) {
+      std::fputs(text.c_str() + shown.size(), stdout);
+      std::fflush(stdout);
+      shown = text;
+    }
+  };
+  const GenerateResult r =
+      generate(*in.runner, prompts, max_len, sp, in.tokenizer->eos_id(), on_token);
+  if (stream) {
+    std::printf("\n");
+  } else {
+    for (size_t b = 0; b < prompts.size(); ++b)
+      std::printf("[%zu] %s%s\n", b, texts[b].c_str(), in.tokenizer->decode(r.tokens[b]).c_str());
+  }
+  std::fprintf(stderr,
+               "mt decode: %zu prompt(s); prefill %ld tokens at %.1f tokens/s; decode %ld tokens "
+               "at %.1f tokens/s\n",
+               prompts.size(), static_cast<long>(r.prefill_tokens),
+               r.prefill_seconds > 0 ? r.prefill_tokens / r.prefill_seconds : 0.0,
+               static_cast<long>(r.decoded_tokens),
+               r.decode_seconds > 0 ? r.decoded_tokens / r.decode_seconds : 0.0);
+  return 0;
+}
+
+int cmd_score(const Args& args) {
+  const Config probe = resolve_config(args);
+  const bool ids_given = !probe.get_string("tokens").empty();
+  Inference in = load_inference(args, "score", /*need_tokenizer=*/!ids_given);
+  const Config& cfg = in.cfg;
+  std::vector<int32_t> ids;
+  if (ids_given) {
+    ids = parse_ids(cfg.get_string("tokens"), "tokens");
+  } else if (!cfg.get_string("input").empty()) {
+    const std::string path = cfg.get_string("input");
+    std::ifstream f(path);
+    if (!f) throw UsageError("Cannot read input='" + path + "'.");
+    std::stringstream ss;
+    ss << f.rdbuf();
+    const std::string all = ss.str();
+    if (all.find_first_not_of("0123456789, \t\n") == std::string::npos) {
+      ids = parse_ids(all, path);
+    } else {
+      for (const auto& t : read_texts(path)) {
+        auto e = encode(in, t);
+        ids.insert(ids.end(), e.begin(), e.end());
+        if (in.tokenizer->eos_id() >= 0 && cfg.get_bool("add_eos")) ids.push_back(in.tokenizer->eos_id());
+      }
+    }
+  } else {
+    ids = encode(in, cfg.get_string("prompt"));
+  }
+  const int64_t vocab = in.runner->model().dims().vocab_size;
+  for (size_t i = 0; i < ids.size(); ++i)
+    if (ids[i] < 0 || ids[i] >= vocab)
+      throw UsageError(fmt::format("Token id {} at position {} is outside the model's vocabulary "
+                                   "[0, {}).", ids[i], i, vocab));
+  if (ids.size() < 2) throw UsageError("mt score needs at least two tokens (one to predict).");
+  // Windows of max_target_length tokens, scored independently.
+  const int64_t window = cfg.get_int("max_target_length");
+  const auto n = static_cast<int64_t>(ids.size());
+  std::vector<float> all_logits, logprobs;
+  const bool keep = !cfg.get_string("output").empty();
+  double nll = 0;
+  int64_t counted = 0;
+  Backend& be = in.runner->backend();
+  for (int64_t s = 0; s < n; s += window) {
+    const int64_t t = std::min(window, n - s);
+    HostBatch hb;
+    hb.batch = 1;
+    hb.seq = t;
+    hb.inputs.assign(ids.begin() + s, ids.begin() + s + t);
+    DeviceBatch db = in.runner->upload(hb);
+    Graph g(be, /*record=*/false);
+    Tensor logits = in.runner->forward(g, db);
+    Tensor f = logits;
+    if (f.dtype() != DType::f32) {
+      f = be.empty(logits.shape(), DType::f32);
+      be.cast(logits, f);
+    }
+    std::vector<float> host(static_cast<size_t>(t * vocab));
+    be.copy_to_host(f, host.data());
+    for (int64_t i = 0; i < t; ++i) {
+      const float* row = host.data() + i * vocab;
+      if (s + i + 1 >= n) break;
+      double mx = row[0];
+      for (int64_t v = 1; v < vocab; ++v) mx = std::max(mx, double(row[v]));
+      double z = 0;
+      for (int64_t v = 0; v < vocab; ++v) z += std::exp(double(row[v]) - mx);
+      const double lp = double(row[ids[static_cast<size_t>(s + i + 1)]]) - mx - std::log(z);
+      // The last token of a window predicts the first of the next with no context: skip it.
+      if (i + 1 < t) {
+        nll -= lp;
+        ++counted;
+      }
+      if (keep) logprobs.push_back(static_cast<float>(lp));
+    }
+    if (keep) all_logits.insert(all_logits.end(), host.begin(), host.end());
+  }
+  const double mean = nll / static_cast<double>(counted);
+  std::printf("tokens %ld  predicted %ld  mean loss %.6f  perplexity %.4f\n", static_cast<long>(n),
+              static_cast<long>(counted), mean, std::exp(mean));
+  if (keep) {
+    const std::string out = cfg.get_string("output");
+    write_safetensors(out,
+                      {SafeTensorsEntry("logits", DType::f32, {n, vocab}, all_logits.data()),
+                       SafeTensorsEntry("logprobs", DType::f32,
+                                        {static_cast<int64_t>(logprobs.size())}, logprobs.data()),
+                       SafeTensorsEntry("tokens", DType::i32, {n}, ids.data())},
+                      {{"mean_loss", fmt::format("{:.9g}", mean)}});
+    std::printf("wrote logits [%ld, %ld] and logprobs [%zu] to %s\n", static_cast<long>(n),
+                static_cast<long>(vocab), logprobs.size(), out.c_str());
+  }
+  return 0;
+}
+
+}  // namespace mt::cli

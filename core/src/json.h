@@ -1,0 +1,45 @@
+// A small JSON reader for the core's configuration-like files (tokenizer.json, JSON lines).
+//
+// Hand-written so the core needs no JSON dependency. Objects keep their members in file order
+// (tokenizer.json's vocab is an object of ~100k members, so lookups by key are linear: callers
+// that need many lookups build their own map once).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace mt::json {
+
+struct Value {
+  enum class Kind { null, boolean, number, string, array, object };
+  Kind kind = Kind::null;
+  bool boolean = false;
+  double number = 0;
+  bool is_int = false;  // a number written without fraction or exponent that fits in int64
+  int64_t integer = 0;
+  std::string str;  // string value, or the number's text
+  std::vector<Value> items;
+  std::vector<std::pair<std::string, Value>> members;  // in file order
+
+  bool is_null() const { return kind == Kind::null; }
+  bool is_string() const { return kind == Kind::string; }
+  bool is_object() const { return kind == Kind::object; }
+  bool is_array() const { return kind == Kind::array; }
+  // The member named `key` of an object, or nullptr (also when this is not an object).
+  const Value* find(std::string_view key) const;
+};
+
+const char* kind_name(Value::Kind k);  // "a string", "an object", ...
+
+struct ParseError {
+  std::string what;
+  size_t offset = 0;  // byte offset in the parsed text
+};
+
+// Parses a whole document; throws ParseError (callers add the file name).
+Value parse(std::string_view text, int max_depth = 64);
+
+}  // namespace mt::json

@@ -1,0 +1,102 @@
+#include "tokenizer_util.h"
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "mt/error.h"
+
+namespace mt {
+
+std::string utf8_encode(uint32_t cp) {
+  std::string out;
+  if (cp < 0x80) {
+    out += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    out += static_cast<char>(0xC0 | (cp >> 6));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else if (cp < 0x10000) {
+    out += static_cast<char>(0xE0 | (cp >> 12));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else {
+    out += static_cast<char>(0xF0 | (cp >> 18));
+    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+  return out;
+}
+
+uint32_t utf8_decode(std::string_view s) {
+  if (s.empty()) return 0;
+  const auto b = [&](size_t i) { return static_cast<uint32_t>(static_cast<unsigned char>(s[i])); };
+  switch (s.size()) {
+    case 1:
+      return b(0);
+    case 2:
+      return ((b(0) & 0x1F) << 6) | (b(1) & 0x3F);
+    case 3:
+      return ((b(0) & 0x0F) << 12) | ((b(1) & 0x3F) << 6) | (b(2) & 0x3F);
+    default:
+      return ((b(0) & 0x07) << 18) | ((b(1) & 0x3F) << 12) | ((b(2) & 0x3F) << 6) | (b(3) & 0x3F);
+  }
+}
+
+size_t utf8_invalid_at(std::string_view s) {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  const size_t n = s.size();
+  size_t i = 0;
+  while (i < n) {
+    // ASCII runs dominate real text: skip 8 bytes at a time while none has its top bit set.
+    while (i + 8 <= n) {
+      uint64_t w;
+      std::memcpy(&w, p + i, 8);
+      if (w & 0x8080808080808080ull) break;
+      i += 8;
+    }
+    if (i >= n) break;
+    const unsigned char c = p[i];
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    size_t len;
+    uint32_t cp, min;
+    if ((c >> 5) == 0x6) {
+      len = 2, cp = c & 0x1F, min = 0x80;
+    } else if ((c >> 4) == 0xE) {
+      len = 3, cp = c & 0x0F, min = 0x800;
+    } else if ((c >> 3) == 0x1E) {
+      len = 4, cp = c & 0x07, min = 0x10000;
+    } else {
+      return i;
+    }
+    if (i + len > n) return i;
+    for (size_t k = 1; k < len; ++k) {
+      if ((p[i + k] & 0xC0) != 0x80) return i;
+      cp = (cp << 6) | (p[i + k] & 0x3F);
+    }
+    if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return i;
+    i += len;
+  }
+  return std::string::npos;
+}
+
+std::string read_file(const std::string& path, const std::string& what) {
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec))
+    throw UsageError(what + " file '" + path + "' does not exist");
+  if (std::filesystem::is_directory(path, ec))
+    throw UsageError(what + " file '" + path + "' is a directory");
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw UsageError(what + " file '" + path + "' cannot be read: " + std::strerror(errno));
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  if (f.bad()) throw UsageError(what + " file '" + path + "' cannot be read");
+  return std::move(ss).str();
+}
+
+}  // namespace mt

@@ -1,0 +1,298 @@
+// dataset_type=text: plain-text and JSON-lines files, tokenized when the source is made.
+//
+// Files. dataset_path is a file, a comma-separated list, a directory (its .txt, .jsonl and
+// .json files, sorted) or glob patterns. A .jsonl/.json file holds one JSON object per line and
+// each object is one document: its train_data_columns field (default "text"), which must be a
+// string; blank lines are skipped. Any other file is one document as a whole (UTF-8 text).
+//
+// Tokens. Each document is tokenized by the run's tokenizer (tokenizer_path), with the
+// tokenizer's BOS before it when add_bos and its EOS after it when add_eos. The ids of all
+// documents are kept in memory as one stream with the document starts marked, so documents are
+// separate segments when packed whether or not they carry BOS/EOS. For corpora too large to
+// hold, tokenize once into the `tokens` format and use dataset_type=tokens.
+//
+// Rows, order, eval split (eval_split or eval_dataset_path), sharding, prefetch and state:
+// exactly as dataset_type=tokens (../common/row_source.h).
+//
+// Errors name the file, and for JSON lines the line: a missing file, malformed JSON, a missing
+// or non-string field, text that is not UTF-8, a tokenizer larger than vocab_size. With
+// data_strict=false (default true) a bad record (a malformed or incomplete JSON line, a
+// document that is not UTF-8) is skipped instead, and one warning on stderr counts them.
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "../common/paths.h"
+#include "../common/row_source.h"
+#include "json.h"
+#include "mt/config.h"
+#include "mt/data.h"
+#include "mt/error.h"
+#include "mt/plugin.h"
+#include "mt/tokenizer.h"
+
+namespace {
+
+struct TextOptions {
+  std::string field = "text";
+  bool strict = true;  // data_strict: a bad record is an error rather than skipped
+  bool add_bos = true, add_eos = true;
+  int32_t bos = -1, eos = -1;
+  int64_t vocab = 0;
+};
+
+// Records skipped with data_strict=false, for the warning.
+struct Skipped {
+  uint64_t count = 0;
+  std::string first;  // the first one's message
+
+  // Throws `msg` when strict; otherwise counts it.
+  void bad_record(const std::string& msg, bool strict) {
+    if (strict) throw mt::Error(msg);
+    if (count++ == 0) first = msg;
+  }
+};
+
+// One document before tokenization: its text and where it came from (for messages).
+struct RawDoc {
+  std::string text;
+  std::string where;  // "file" or "file:line"
+};
+
+std::string read_whole(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec))
+    throw mt::UsageError("text: " + path + ": no such file (dataset_path)");
+  if (std::filesystem::is_directory(path, ec))
+    throw mt::UsageError("text: " + path + ": is a directory");
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw mt::Error("text: " + path + ": cannot be read");
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  if (f.bad()) throw mt::Error("text: " + path + ": read failed");
+  return std::move(ss).str();
+}
+
+bool is_json_lines(const std::string& path) {
+  const std::string ext = std::filesystem::path(path).extension().string();
+  return ext == ".jsonl" || ext == ".json";
+}
+
+std::vector<RawDoc> read_documents(const std::string& path, const std::string& field, bool strict,
+                                   Skipped& skipped) {
+  std::string bytes = read_whole(path);
+  std::vector<RawDoc> docs;
+  if (!is_json_lines(path)) {
+    docs.push_back({std::move(bytes), path});
+    return docs;
+  }
+  size_t pos = 0, line_no = 0;
+  while (pos < bytes.size()) {
+    size_t end = bytes.find('\n', pos);
+    if (end == std::string::npos) end = bytes.size();
+    ++line_no;
+    const std::string_view line(bytes.data() + pos, end - pos);
+    pos = end + 1;
+    if (line.find_first_not_of(" \t\r") == std::string_view::npos) continue;
+    const std::string where = path + ":" + std::to_string(line_no);
+    mt::json::Value v;
+    try {
+      v = mt::json::parse(line);
+    } catch (const mt::json::ParseError& e) {
+      skipped.bad_record("text: " + where + ": malformed JSON at column " +
+                             std::to_string(e.offset + 1) + ": " + e.what,
+                         strict);
+      continue;
+    }
+    const mt::json::Value* f = v.find(field);  // null for a non-object too
+    if (!v.is_object()) {
+      skipped.bad_record("text: " + where + ": the line is not a JSON object", strict);
+    } else if (!f) {
+      skipped.bad_record("text: " + where + ": no \"" + field + "\" field (train_data_columns)",
+                         strict);
+    } else if (!f->is_string()) {
+      skipped.bad_record("text: " + where + ": field \"" + field + "\" is " +
+                             mt::json::kind_name(f->kind) + ", not a string",
+                         strict);
+    } else {
+      docs.push_back({f->str, where});
+    }
+  }
+  return docs;
+}
+
+// The documents of a split, tokenized, as one in-memory stream.
+class TextStream final : public mt_data::TokenStream {
+ public:
+  TextStream(const std::vector<std::string>& files, const mt::Tokenizer& tok,
+             const TextOptions& opt) {
+    for (const auto& f : files) {
+      append(read_documents(f, opt.field, opt.strict, skipped_), tok, opt);
+      describe_ += (describe_.empty() ? "" : ", ") + f;
+    }
+  }
+
+  uint64_t size() const override { return ids_.size(); }
+
+  void read(uint64_t begin, uint64_t n, int32_t* ids, uint8_t* doc_start) const override {
+    std::copy_n(ids_.begin() + static_cast<long>(begin), n, ids);
+    auto d = std::lower_bound(doc_begin_.begin(), doc_begin_.end(), begin);
+    for (uint64_t i = 0; i < n; ++i) {
+      const bool start = d != doc_begin_.end() && *d == begin + i;
+      doc_start[i] = start ? 1 : 0;
+      if (start) ++d;
+    }
+  }
+
+  std::vector<std::pair<uint64_t, uint64_t>> documents() const override {
+    std::vector<std::pair<uint64_t, uint64_t>> out;
+    for (size_t i = 0; i < doc_begin_.size(); ++i)
+      out.emplace_back(doc_begin_[i], i + 1 < doc_begin_.size() ? doc_begin_[i + 1] : ids_.size());
+    return out;
+  }
+
+  std::string describe() const override { return describe_; }
+  const Skipped& skipped() const { return skipped_; }
+
+ private:
+  // Tokenizes the documents of one file on all cores (the tokenizers are thread-safe), then
+  // appends them in order.
+  void append(const std::vector<RawDoc>& docs, const mt::Tokenizer& tok, const TextOptions& opt) {
+    std::vector<std::vector<int32_t>> out(docs.size());
+    std::vector<std::exception_ptr> errors(docs.size());
+    std::atomic<size_t> next{0};
+    auto work = [&] {
+      for (size_t i; (i = next.fetch_add(1)) < docs.size();) {
+        try {
+          out[i] = tok.encode(docs[i].text);
+        } catch (...) {
+          errors[i] = std::current_exception();
+        }
+      }
+    };
+    const size_t n_threads =
+        std::min<size_t>(docs.size(), std::max(1u, std::thread::hardware_concurrency()));
+    {
+      std::vector<std::jthread> pool;
+      for (size_t t = 1; t < n_threads; ++t) pool.emplace_back(work);
+      work();
+    }
+    for (size_t i = 0; i < docs.size(); ++i) {
+      // The first failing document in file order, so the message does not depend on timing.
+      if (errors[i]) {
+        try {
+          std::rethrow_exception(errors[i]);
+        } catch (const std::exception& e) {
+          skipped_.bad_record("text: " + docs[i].where + ": " + e.what(), opt.strict);
+          continue;
+        }
+      }
+      std::vector<int32_t> ids;
+      if (opt.add_bos) ids.push_back(opt.bos);
+      ids.insert(ids.end(), out[i].begin(), out[i].end());
+      if (opt.add_eos) ids.push_back(opt.eos);
+      for (int32_t id : ids)
+        if (id < 0 || id >= opt.vocab)
+          throw mt::Error("text: " + docs[i].where + ": token id " + std::to_string(id) +
+                          " is outside vocab_size " + std::to_string(opt.vocab));
+      if (ids.empty()) continue;  // an empty document without BOS/EOS adds nothing
+      doc_begin_.push_back(ids_.size());
+      ids_.insert(ids_.end(), ids.begin(), ids.end());
+    }
+  }
+
+  std::vector<int32_t> ids_;
+  std::vector<uint64_t> doc_begin_;  // ascending
+  std::string describe_;
+  Skipped skipped_;
+};
+
+// With data_strict=false, one line for all records a split skipped: a million-line corpus with
+// one bad line trains, and says so.
+void warn_skipped(const TextStream& s, const char* split) {
+  if (s.skipped().count == 0) return;
+  std::fprintf(stderr,
+               "warning: text: skipped %llu bad record(s) of the %s data (%s); the first: %s. Set "
+               "data_strict=true to make this an error.\n",
+               static_cast<unsigned long long>(s.skipped().count), split, s.describe().c_str(),
+               s.skipped().first.c_str());
+}
+
+std::string data_column(const mt::Config& cfg) {
+  if (!cfg.has("train_data_columns")) return "text";
+  std::vector<std::string> cols;
+  try {
+    cols = {cfg.get_string("train_data_columns")};
+  } catch (const mt::UsageError&) {
+    cols = cfg.get_string_list("train_data_columns");  // MaxText writes it as a list
+  }
+  if (cols.size() != 1 || cols[0].empty())
+    cfg.reject("train_data_columns", "must name exactly one field for dataset_type=text");
+  return cols[0];
+}
+
+std::unique_ptr<mt::DatasetSource> make_text_source(const mt::Config& cfg,
+                                                    const mt::DataShard& shard,
+                                                    const mt::Tokenizer* tok) {
+  const auto st = mt_data::RowSource::read_settings(cfg, shard, "text");
+  if (!tok)
+    throw mt::UsageError(
+        "dataset_type=text needs tokenizer_path: the tokenizer.json or tokenizer.model that "
+        "turns the text into ids");
+  const std::string path = mt_data::string_or(cfg, "dataset_path", "");
+  if (path.empty())
+    throw mt::UsageError(
+        "dataset_type=text needs dataset_path: a .txt or .jsonl file, a comma-separated list, a "
+        "directory or a glob");
+  if (tok->vocab_size() > st.vocab)
+    cfg.reject("vocab_size", "is smaller than the tokenizer's vocabulary (" +
+                                 std::to_string(tok->vocab_size()) + " ids)");
+  TextOptions opt;
+  opt.field = data_column(cfg);
+  opt.add_bos = mt_data::bool_or(cfg, "add_bos", true);
+  opt.add_eos = mt_data::bool_or(cfg, "add_eos", true);
+  opt.bos = tok->bos_id();
+  opt.eos = tok->eos_id();
+  opt.vocab = st.vocab;
+  opt.strict = mt_data::bool_or(cfg, "data_strict", true);
+  if (opt.add_bos && opt.bos < 0)
+    cfg.reject("add_bos",
+               "needs a tokenizer with a beginning-of-sequence token; this one has "
+               "none (set add_bos=false)");
+  if (opt.add_eos && opt.eos < 0)
+    cfg.reject("add_eos",
+               "needs a tokenizer with an end-of-sequence token; this one has none "
+               "(set add_eos=false)");
+
+  const std::vector<std::string> exts = {".txt", ".jsonl", ".json"};
+  auto train = std::make_shared<const TextStream>(
+      mt_data::expand_paths(path, "dataset_path", exts, "text or JSON-lines file"), *tok, opt);
+  std::shared_ptr<const TextStream> eval;
+  const std::string eval_path = mt_data::string_or(cfg, "eval_dataset_path", "");
+  if (!eval_path.empty())
+    eval = std::make_shared<const TextStream>(
+        mt_data::expand_paths(eval_path, "eval_dataset_path", exts, "text or JSON-lines file"),
+        *tok, opt);
+  warn_skipped(*train, "training");
+  if (eval) warn_skipped(*eval, "eval");
+  return std::make_unique<mt_data::RowSource>(cfg, shard, "text", train, eval);
+}
+
+void register_all(mt::Registry& r) {
+  r.add_dataset("text", [](const mt::Config& cfg, const mt::DataShard& shard,
+                           const mt::Tokenizer* tok) { return make_text_source(cfg, shard, tok); });
+}
+
+}  // namespace
+
+MT_PLUGIN(mt::PluginKind::data, "text", "0.1.0", register_all, nullptr)

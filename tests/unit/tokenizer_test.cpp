@@ -1,0 +1,307 @@
+// The tokenizers against the ids the reference libraries (Hugging Face `tokenizers`,
+// `sentencepiece`) produce: tests/golden/tokenizer/cases.json, made by
+// tools/make_tokenizer_golden.py.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "json.h"
+#include "mt/error.h"
+#include "test_support.h"
+#include "tokenizer_bpe.h"
+#include "tokenizer_factory.h"
+#include "tokenizer_util.h"
+
+namespace mt {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Case {
+  std::string text, decoded;
+  std::vector<int32_t> ids;
+};
+struct Golden {
+  std::string name, path, type;
+  int64_t vocab_size = 0;
+  int32_t bos = -1, eos = -1;
+  std::vector<Case> cases;
+};
+
+std::vector<Golden> load_golden() {
+  const std::string path = test::source_dir() + "/tests/golden/tokenizer/cases.json";
+  const json::Value root = json::parse(read_file(path, "golden"));
+  std::vector<Golden> out;
+  for (const auto& t : root.find("tokenizers")->items) {
+    Golden g;
+    g.name = t.find("name")->str;
+    g.path = test::source_dir() + "/" + t.find("path")->str;
+    g.type = t.find("type")->str;
+    g.vocab_size = t.find("vocab_size")->integer;
+    g.bos = static_cast<int32_t>(t.find("bos_id")->integer);
+    g.eos = static_cast<int32_t>(t.find("eos_id")->integer);
+    for (const auto& c : t.find("cases")->items) {
+      Case k;
+      k.text = c.find("text")->str;
+      k.decoded = c.find("decoded")->str;
+      for (const auto& id : c.find("ids")->items) k.ids.push_back(static_cast<int32_t>(id.integer));
+      g.cases.push_back(std::move(k));
+    }
+    out.push_back(std::move(g));
+  }
+  return out;
+}
+
+const std::vector<Golden>& golden() {
+  static const std::vector<Golden> g = load_golden();
+  return g;
+}
+
+std::string show(const std::vector<int32_t>& v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
+}
+
+class GoldenTokenizer : public ::testing::TestWithParam<size_t> {};
+
+TEST_P(GoldenTokenizer, MatchesReferenceIdsAndDecoding) {
+  const Golden& g = golden()[GetParam()];
+  SCOPED_TRACE(g.name + " (" + g.path + ")");
+  // Both the inferred and the named type must give the same tokenizer.
+  for (const std::string& type : {std::string(), g.type}) {
+    auto tok = make_tokenizer(g.path, type);
+    EXPECT_EQ(tok->vocab_size(), g.vocab_size);
+    EXPECT_EQ(tok->bos_id(), g.bos);
+    EXPECT_EQ(tok->eos_id(), g.eos);
+    ASSERT_GE(g.cases.size(), 60u);
+    int mismatches = 0;
+    size_t exact = 0;
+    for (size_t i = 0; i < g.cases.size(); ++i) {
+      const Case& c = g.cases[i];
+      const auto ids = tok->encode(c.text);
+      if (ids != c.ids) ++mismatches;
+      EXPECT_EQ(ids, c.ids) << "case " << i << " text \"" << c.text << "\"\n  got      "
+                            << show(ids) << "\n  expected " << show(c.ids);
+      EXPECT_EQ(tok->decode(c.ids), c.decoded) << "case " << i;
+      // Where the reference decodes back to the input, so must we (normalizers and Strip
+      // decoders make some not).
+      if (c.decoded == c.text) {
+        EXPECT_EQ(tok->decode(ids), c.text) << "case " << i;
+        ++exact;
+      }
+    }
+    EXPECT_EQ(mismatches, 0);
+    // Byte-level BPE and SentencePiece with identity normalization round-trip everything.
+    if (g.name != "qwen_nfc" && g.name != "llama2_hf" && g.name != "split_behaviors" &&
+        g.name.rfind("metaspace", 0) != 0) {
+      EXPECT_EQ(exact, g.cases.size());
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, GoldenTokenizer, ::testing::Range<size_t>(0, 10),
+                         [](const ::testing::TestParamInfo<size_t>& i) {
+                           return golden()[i.param].name;
+                         });
+
+TEST(Tokenizer, GoldenCoversEveryKind) {
+  ASSERT_EQ(golden().size(), 10u);
+  std::vector<std::string> names;
+  for (const auto& g : golden()) names.push_back(g.name);
+  EXPECT_EQ(names,
+            (std::vector<std::string>{"gpt2_bytelevel", "llama3_split", "byte_fallback",
+                                      "split_behaviors", "qwen_nfc", "llama2_hf", "metaspace",
+                                      "metaspace_first", "tiktoken_llama3", "sentencepiece_bpe"}));
+}
+
+TEST(Tokenizer, ShippedTokenizerMatchesShippedTokens) {
+  // data/corpus.eval.tokens was made by the reference library from corpus.eval.jsonl: the first
+  // document's ids (after <s>) must be ours.
+  auto tok = make_tokenizer(test::source_dir() + "/data/tokenizer.json", "");
+  std::ifstream f(test::source_dir() + "/data/corpus.eval.jsonl");
+  std::string line;
+  ASSERT_TRUE(std::getline(f, line));
+  const std::string text = json::parse(line).find("text")->str;
+  const auto ids = tok->encode(text);
+  const std::string bytes = read_file(test::source_dir() + "/data/corpus.eval.tokens", "tokens");
+  ASSERT_GT(bytes.size(), 32 + 2 * (ids.size() + 2));
+  std::vector<int32_t> ref;
+  for (size_t i = 0; i < ids.size() + 2; ++i) {
+    const auto* p = reinterpret_cast<const unsigned char*>(bytes.data() + 32 + 2 * i);
+    ref.push_back(p[0] | (p[1] << 8));
+  }
+  EXPECT_EQ(ref.front(), 0);
+  EXPECT_EQ(ref.back(), 1);
+  EXPECT_EQ(std::vector<int32_t>(ref.begin() + 1, ref.end() - 1), ids);
+  EXPECT_EQ(tok->decode(ids), text);
+}
+
+TEST(Tokenizer, SpecialTokensAreMatchedInText) {
+  auto tok = make_tokenizer(test::source_dir() + "/data/tokenizer.json", "huggingface");
+  const auto ids = tok->encode("<s>a</s>");
+  ASSERT_EQ(ids.size(), 3u);
+  EXPECT_EQ(ids.front(), 0);
+  EXPECT_EQ(ids.back(), 1);
+  EXPECT_TRUE(tok->encode("").empty());
+}
+
+TEST(Tokenizer, RejectsInvalidUtf8) {
+  for (const std::string path : {"/data/tokenizer.json", "/tests/golden/tokenizer/sp.model"}) {
+    auto tok = make_tokenizer(test::source_dir() + path, "");
+    for (const std::string& bad : {std::string("ab\xff"), std::string("\xc3"),
+                                   std::string("\xed\xa0\x80"), std::string("\xc0\xaf")}) {
+      try {
+        tok->encode(bad);
+        ADD_FAILURE() << "accepted invalid UTF-8 with " << path;
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("not valid UTF-8"), std::string::npos) << e.what();
+      }
+    }
+  }
+}
+
+TEST(Tokenizer, EncodeIsThreadSafe) {
+  const Golden& g = golden()[0];
+  auto tok = make_tokenizer(g.path, "");
+  std::vector<int> bad(2, 0);
+  std::vector<std::thread> ts;
+  for (int t = 0; t < 2; ++t)
+    ts.emplace_back([&, t] {
+      for (int rep = 0; rep < 20; ++rep)
+        for (const auto& c : g.cases)
+          if (tok->encode(c.text) != c.ids) ++bad[static_cast<size_t>(t)];
+    });
+  for (auto& t : ts) t.join();
+  EXPECT_EQ(bad[0] + bad[1], 0);
+}
+
+TEST(Tokenizer, DecodeSkipsIdsOutsideTheVocabulary) {
+  for (const std::string path : {"/data/tokenizer.json", "/tests/golden/tokenizer/sp.model"}) {
+    auto tok = make_tokenizer(test::source_dir() + path, "");
+    auto ids = tok->encode("Emma");
+    const std::string want = tok->decode(ids);
+    ids.push_back(static_cast<int32_t>(tok->vocab_size()));
+    ids.insert(ids.begin(), -5);
+    EXPECT_EQ(tok->decode(ids), want) << path;
+  }
+}
+
+// ---- factory -------------------------------------------------------------------------------
+
+class TempDir {
+ public:
+  TempDir() {
+    path_ = fs::temp_directory_path() /
+            ("mt_tok_" + std::to_string(::getpid()) + "_" + std::to_string(counter_++));
+    fs::create_directories(path_);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  std::string file(const std::string& name, const std::string& content) const {
+    const fs::path p = path_ / name;
+    std::ofstream(p, std::ios::binary) << content;
+    return p.string();
+  }
+  std::string dir() const { return path_.string(); }
+
+ private:
+  static inline int counter_ = 0;
+  fs::path path_;
+};
+
+std::string error_of(const std::string& path, const std::string& type) {
+  try {
+    make_tokenizer(path, type);
+  } catch (const UsageError& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("not a UsageError: ") + e.what();
+  }
+  return "no error";
+}
+
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+TEST(TokenizerFactory, InfersTheTypeFromContentWithoutExtension) {
+  TempDir d;
+  const std::string json =
+      d.file("tok", read_file(test::source_dir() + "/data/tokenizer.json", ""));
+  const std::string sp =
+      d.file("spm", read_file(test::source_dir() + "/tests/golden/tokenizer/sp.model", ""));
+  EXPECT_EQ(make_tokenizer(json, "")->vocab_size(), 8192);
+  EXPECT_NE(dynamic_cast<BpeTokenizer*>(make_tokenizer(json, "").get()), nullptr);
+  EXPECT_EQ(make_tokenizer(sp, "")->vocab_size(), 1000);
+  EXPECT_EQ(dynamic_cast<BpeTokenizer*>(make_tokenizer(sp, "").get()), nullptr);
+
+  // A model directory: its tokenizer.json first, else its tokenizer.model.
+  TempDir m;
+  m.file("tokenizer.model", read_file(sp, ""));
+  EXPECT_EQ(make_tokenizer(m.dir(), "")->vocab_size(), 1000);
+  m.file("tokenizer.json", read_file(json, ""));
+  EXPECT_EQ(make_tokenizer(m.dir(), "")->vocab_size(), 8192);
+}
+
+TEST(TokenizerFactory, ClearErrors) {
+  TempDir d;
+  const std::string missing = d.dir() + "/nope.json";
+  EXPECT_TRUE(contains(error_of(missing, ""), "'" + missing + "' does not exist"))
+      << error_of(missing, "");
+  EXPECT_TRUE(contains(error_of(d.dir(), ""), "is a directory without tokenizer.json"))
+      << error_of(d.dir(), "");
+  EXPECT_TRUE(contains(error_of("", ""), "tokenizer_path is empty"));
+
+  const std::string bad = d.file("bad.json", "{\"model\": {\"vocab\": [1, 2,}");
+  const std::string e = error_of(bad, "");
+  EXPECT_TRUE(contains(e, bad) && contains(e, "malformed JSON at byte")) << e;
+
+  const std::string unk = d.file("t.json", "{}");
+  EXPECT_TRUE(contains(error_of(unk, "wordpiece"), "tokenizer_type=wordpiece is unknown"));
+  EXPECT_TRUE(contains(error_of(unk, "tiktoken"), "line 1 is not \"<base64 token> <rank>\""))
+      << error_of(unk, "tiktoken");
+  EXPECT_TRUE(contains(error_of(unk, ""), "has no \"model\"")) << error_of(unk, "");
+
+  const std::string sp = test::source_dir() + "/tests/golden/tokenizer/sp.model";
+  EXPECT_TRUE(contains(error_of(sp, "huggingface"), "malformed JSON"))
+      << error_of(sp, "huggingface");
+  const std::string js = test::source_dir() + "/data/tokenizer.json";
+  EXPECT_TRUE(contains(error_of(js, "sentencepiece"), "is not a SentencePiece model"))
+      << error_of(js, "sentencepiece");
+  const std::string junk = d.file("x.model", "this is not a model");
+  EXPECT_TRUE(contains(error_of(junk, ""), "is not a SentencePiece model")) << error_of(junk, "");
+
+  const std::string wordpiece =
+      d.file("wp.json", R"({"model": {"type": "WordPiece", "vocab": {}}})");
+  EXPECT_TRUE(contains(error_of(wordpiece, ""), "model type \"WordPiece\" is not supported"));
+  const std::string badmerge = d.file(
+      "m.json", R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": ["a b"]}})");
+  EXPECT_TRUE(contains(error_of(badmerge, ""), "not in the vocabulary")) << error_of(badmerge, "");
+}
+
+TEST(TokenizerFactory, MinimalBpeFile) {
+  // Both merge forms, an unk token with fuse_unk, and no pre-tokenizer or decoder.
+  TempDir d;
+  const std::string path = d.file("m.json", R"({
+    "added_tokens": [{"id": 5, "content": "<eos>", "special": true}],
+    "model": {"type": "BPE", "unk_token": "?", "fuse_unk": true,
+              "vocab": {"?": 0, "a": 1, "b": 2, "ab": 3, "abb": 4},
+              "merges": ["a b", ["ab", "b"]]}})");
+  auto tok = make_tokenizer(path, "");
+  EXPECT_EQ(tok->vocab_size(), 6);
+  EXPECT_EQ(tok->eos_id(), 5);
+  EXPECT_EQ(tok->bos_id(), -1);
+  EXPECT_EQ(tok->encode("abbxyab<eos>"), (std::vector<int32_t>{4, 0, 3, 5}));
+  EXPECT_EQ(tok->decode({4, 3}), "abb ab");  // no decoder: tokens joined by spaces
+}
+
+}  // namespace
+}  // namespace mt
