@@ -1,17 +1,731 @@
-// gemm: placeholder kernels (not implemented yet).
+// gemm: matmul for f32 and bf16 tensors, the GEMM path's start-up and its FLOP/s peak.
+//
+// Paths (measured on the 2-core AVX-512 Xeon this project targets; numbers in the report that
+// came with this file):
+// - f32: OpenBLAS's SGEMM with its SkylakeX kernels, called single-threaded from oneTBB tasks that
+//   tile each GEMM (and the batch) over the backend's threads. oneDNN's f32 GEMMs measured slower
+//   than OpenBLAS's SkylakeX kernels here, and would bring an OpenMP pool beside oneTBB.
+// - OpenBLAS is not linked: the plugin dlopen()s libopenblas.so.0 in gemm_setup. OpenBLAS reads
+//   OPENBLAS_CORETYPE in its library constructor, so loading it ourselves is the only way to pick
+//   its kernels before it initialises (Debian's DYNAMIC_ARCH build mistakes some AVX-512 Xeons for
+//   Prescott, 5x slower). A coretype the environment already sets is respected.
+// - OpenBLAS runs with one thread; oneTBB owns every core. Each GEMM is cut into as many tiles as
+//   there are threads (along M or N) unless the batch already gives every thread work, so OpenBLAS
+//   threads and oneTBB workers never compete, and a matmul called from inside a parallel kernel
+//   (the MoE grouped matmul) nests without oversubscription.
+// - bf16 x bf16: AMX tiles where the CPU and kernel allow them (gemm_amx.cpp), several times the
+//   f32 rate. Any other bf16 operand is widened to f32 in a scratch tensor from the backend's
+//   caching allocator and takes the SGEMM: the AVX512_BF16 dot instruction runs at half the f32
+//   FMA rate, so a compute-bound GEMM gains nothing from it.
+// - M = 1 (decode) is memory-bound: own AVX-512 matrix-vector kernels read f32 or bf16 weights
+//   directly (bf16 widened in registers: half the bytes, f32 products).
+//
+// Determinism: the tiling depends only on the shapes and the arena's thread count, and each output
+// element is produced by one single-threaded call, so results are bitwise reproducible.
+#include <cblas.h>
+#include <dlfcn.h>
+#include <fmt/format.h>
+#include <immintrin.h>
+#include <oneapi/tbb/blocked_range.h>
+#include <oneapi/tbb/parallel_for.h>
+#include <oneapi/tbb/partitioner.h>
+#include <oneapi/tbb/task_arena.h>
+
+#include <algorithm>
+#include <bit>
+#include <chrono>
+#include <climits>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+#include "kernels/gemm_amx.h"
 #include "kernels/kernels.h"
 #include "mt/error.h"
 
 namespace mt::cpu {
+namespace {
 
-void gemm_setup(int num_threads) {}
+// ---- the CPU's instruction sets -------------------------------------------------------------
 
-std::string gemm_describe() { return "OpenBLAS (placeholder)"; }
+struct Isa {
+  bool avx2_fma = false;
+  bool avx512 = false;  // F + BW + DQ + VL: what OpenBLAS's SkylakeX kernels and ours use
+  bool avx512_bf16 = false;
+  bool amx_bf16 = false;
 
-double cpu_peak_flops(DType dtype, int num_threads) { return 1e11 * num_threads; }
+  static Isa detect() {
+    __builtin_cpu_init();
+    Isa isa;
+    isa.avx2_fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    isa.avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+    isa.avx512_bf16 = isa.avx512 && __builtin_cpu_supports("avx512bf16");
+    isa.amx_bf16 = __builtin_cpu_supports("amx-bf16");
+    return isa;
+  }
 
-void matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool trans_b, float alpha, float beta) {
-  fail("cpu: matmul is not implemented yet");
+  std::string str() const {
+    if (avx512) {
+      std::string s = "AVX-512";
+      if (avx512_bf16) s += ", AVX512_BF16";
+      if (amx_bf16) s += ", AMX-BF16";
+      return s;
+    }
+    return avx2_fma ? "AVX2+FMA" : "no AVX2";
+  }
+};
+
+const Isa& isa() {
+  static const Isa kIsa = Isa::detect();  // immutable after the first call
+  return kIsa;
+}
+
+// ---- OpenBLAS, loaded at run time -----------------------------------------------------------
+
+// Only OpenBLAS's header is used at build time (for the types); its functions come from dlsym.
+using SgemmFn = decltype(&cblas_sgemm);
+using SetThreadsFn = void (*)(int);
+using GetStringFn = char* (*)();
+
+struct OpenBlas {
+  SgemmFn sgemm = nullptr;  // null: OpenBLAS is unavailable and the portable GEMM runs
+  std::string version;      // "OpenBLAS 0.3.21"
+  std::string corename;     // kernels OpenBLAS runs, as it reports them: "SkylakeX"
+  std::string coretype_origin;
+  std::string error;  // why it could not be loaded
+};
+
+// The environment variable `name` set to `value` for the lifetime of this object, unless the
+// environment already sets it; restored (unset) afterwards so the user's environment is unchanged.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (value && !std::getenv(name)) set_ = setenv(name, value, 0) == 0;
+  }
+  ~ScopedEnv() {
+    if (set_) unsetenv(name_);
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+  bool set() const { return set_; }
+
+ private:
+  const char* name_;
+  bool set_ = false;
+};
+
+OpenBlas load_openblas() {
+  OpenBlas ob;
+  // MT_CPU_BLAS=portable: leave OpenBLAS alone (to rule it out when a result looks wrong, and so
+  // the tests can cover the portable path on machines that have OpenBLAS).
+  if (const char* env = std::getenv("MT_CPU_BLAS"); env && std::string(env) == "portable") {
+    ob.error = "MT_CPU_BLAS=portable";
+    return ob;
+  }
+  // libopenblas.so.0 is what Debian's alternatives point at (pthread, openmp or serial variant).
+  const char* kNames[] = {"libopenblas.so.0", "libopenblas.so"};
+  // Already in the process (linked by someone else): its kernels are chosen and cannot change.
+  void* handle = nullptr;
+  for (const char* name : kNames)
+    if ((handle = dlopen(name, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD))) break;
+  const char* user_coretype = std::getenv("OPENBLAS_CORETYPE");
+  // Kernel family for this CPU when OpenBLAS's own detection is not trusted: SkylakeX needs
+  // AVX-512 F/BW/DQ/VL, Haswell AVX2+FMA. Only set before OpenBLAS's constructor runs.
+  const char* ours = isa().avx512 ? "SkylakeX" : isa().avx2_fma ? "Haswell" : nullptr;
+  if (!handle) {
+    // setenv is not thread-safe against concurrent getenv; this runs once, from the backend
+    // factory, before any kernel thread exists.
+    ScopedEnv coretype("OPENBLAS_CORETYPE", ours);
+    // Its thread pool would only idle: oneTBB owns the cores (see the header comment).
+    ScopedEnv threads("OPENBLAS_NUM_THREADS", "1");
+    std::string errors;
+    for (const char* name : kNames) {
+      handle = dlopen(name, RTLD_NOW | RTLD_LOCAL);
+      if (handle) break;
+      const char* e = dlerror();
+      errors += fmt::format("{}{}", errors.empty() ? "" : "; ", e ? e : name);
+    }
+    if (!handle) {
+      ob.error = errors;
+      return ob;
+    }
+    if (user_coretype)
+      ob.coretype_origin = fmt::format("OPENBLAS_CORETYPE={} from the environment", user_coretype);
+    else if (coretype.set())
+      ob.coretype_origin = "coretype set by mt";
+    else
+      ob.coretype_origin = "OpenBLAS's own detection";
+  } else {
+    ob.coretype_origin = "OpenBLAS was already loaded; its own choice";
+  }
+  // The handle is never closed: OpenBLAS stays loaded for the life of the process.
+  ob.sgemm = reinterpret_cast<SgemmFn>(dlsym(handle, "cblas_sgemm"));
+  if (!ob.sgemm) {
+    ob.error = "libopenblas has no cblas_sgemm";
+    return ob;
+  }
+  if (auto set_threads = reinterpret_cast<SetThreadsFn>(dlsym(handle, "openblas_set_num_threads")))
+    set_threads(1);
+  if (auto config = reinterpret_cast<GetStringFn>(dlsym(handle, "openblas_get_config"))) {
+    // "OpenBLAS 0.3.21 NO_LAPACKE DYNAMIC_ARCH ..." -> the first two words
+    std::string s = config();
+    size_t sp = s.find(' ');
+    if (sp != std::string::npos) sp = s.find(' ', sp + 1);
+    ob.version = s.substr(0, sp);
+  } else {
+    ob.version = "OpenBLAS";
+  }
+  if (auto core = reinterpret_cast<GetStringFn>(dlsym(handle, "openblas_get_corename")))
+    ob.corename = core();
+  return ob;
+}
+
+// The library binding: loaded once per process and immutable afterwards (a function-local static
+// is the one piece of process state here, because the shared library itself is process state).
+const OpenBlas& openblas() {
+  static const OpenBlas kOpenBlas = load_openblas();
+  return kOpenBlas;
+}
+
+// ---- FMA peak -------------------------------------------------------------------------------
+
+// Sixteen independent FMA chains hide the FMA latency (4 cycles x 2 ports = 8 in flight needed).
+// Spelled out per width because intrinsics cannot be inlined into a function of another target.
+__attribute__((target("avx512f"))) double fma_loop_avx512(long iters) {
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_set1_ps(1.f + 0.01f * float(i));
+  const __m512 m = _mm512_set1_ps(0.999f), add = _mm512_set1_ps(1e-3f);
+  for (long it = 0; it < iters; ++it) {
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(acc[i], m, add);
+  }
+  for (int i = 1; i < 16; ++i) acc[0] = _mm512_add_ps(acc[0], acc[i]);
+  float out[16];
+  _mm512_storeu_ps(out, acc[0]);
+  return out[0];
+}
+
+__attribute__((target("avx2,fma"))) double fma_loop_avx2(long iters) {
+  __m256 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm256_set1_ps(1.f + 0.01f * float(i));
+  const __m256 m = _mm256_set1_ps(0.999f), add = _mm256_set1_ps(1e-3f);
+  for (long it = 0; it < iters; ++it) {
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) acc[i] = _mm256_fmadd_ps(acc[i], m, add);
+  }
+  for (int i = 1; i < 16; ++i) acc[0] = _mm256_add_ps(acc[0], acc[i]);
+  float out[8];
+  _mm256_storeu_ps(out, acc[0]);
+  return out[0];
+}
+
+// f32 FMA FLOP/s of one core, measured: the best of a few ~3 ms runs of independent FMA chains
+// at the widest vector width this CPU has (a computed cores x GHz x flops/cycle would need the
+// sustained AVX-512 clock, which a VM does not report).
+double measure_core_peak() {
+  const int lanes = isa().avx512 ? 16 : isa().avx2_fma ? 8 : 0;
+  if (lanes == 0) return 4e9;  // SSE2 only: ~1 mul+add of 4 lanes per cycle at ~1 GHz, a guess
+  const long iters = lanes == 16 ? 400000 : 800000;
+  double best = 0, sink = 0;
+  for (int rep = 0; rep < 5; ++rep) {  // the first runs also raise the clock to its AVX level
+    const auto t0 = std::chrono::steady_clock::now();
+    sink += lanes == 16 ? fma_loop_avx512(iters) : fma_loop_avx2(iters);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, 2.0 * lanes * 16 * static_cast<double>(iters) / s);
+  }
+  if (sink == 12345.678) best += 1;  // keeps the loops from being optimised away
+  return best;
+}
+
+double core_peak() {
+  static const double kPeak = measure_core_peak();  // measured once, immutable afterwards
+  return kPeak;
+}
+
+// ---- bf16 <-> f32 ---------------------------------------------------------------------------
+
+__attribute__((target_clones("arch=x86-64-v4", "default"))) void widen_bf16(const uint16_t* src,
+                                                                            float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = std::bit_cast<float>(uint32_t(src[i]) << 16);
+}
+
+__attribute__((target_clones("arch=x86-64-v4", "default"))) void narrow_bf16(const float* src,
+                                                                             uint16_t* dst,
+                                                                             int64_t n) {
+  // Round to nearest even; NaN stays a (quiet) NaN. Same rule as mt::f32_to_bf16.
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = std::bit_cast<uint32_t>(src[i]);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    dst[i] = uint16_t((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
+  }
+}
+
+constexpr int64_t kConvertChunk = 1 << 15;
+
+// f32 copy of a float tensor: the tensor itself when it is f32, else a scratch tensor from the
+// backend's caching allocator (no system allocation in a steady-state step).
+Tensor as_f32(const Tensor& t) {
+  if (t.dtype() == DType::f32) return t;
+  Tensor out = t.backend()->empty(t.shape(), DType::f32);
+  const auto* src = t.ptr<const uint16_t>();
+  float* dst = out.ptr<float>();
+  const int64_t n = t.numel();
+  tbb::parallel_for(int64_t{0}, (n + kConvertChunk - 1) / kConvertChunk, [&](int64_t i) {
+    const int64_t b = i * kConvertChunk;
+    widen_bf16(src + b, dst + b, std::min(kConvertChunk, n - b));
+  });
+  return out;
+}
+
+void store_bf16(const Tensor& src_f32, Tensor& dst) {
+  const float* src = src_f32.ptr<const float>();
+  auto* out = dst.ptr<uint16_t>();
+  const int64_t n = dst.numel();
+  tbb::parallel_for(int64_t{0}, (n + kConvertChunk - 1) / kConvertChunk, [&](int64_t i) {
+    const int64_t b = i * kConvertChunk;
+    narrow_bf16(src + b, out + b, std::min(kConvertChunk, n - b));
+  });
+}
+
+// ---- one single-threaded GEMM tile ----------------------------------------------------------
+
+// c = alpha * op(a) op(b) + beta * c, row-major, m x n x k all >= 1.
+struct Tile {
+  bool ta, tb;
+  int64_t m, n, k;
+  float alpha, beta;
+  const float* a;
+  int64_t lda;
+  const float* b;
+  int64_t ldb;
+  float* c;
+  int64_t ldc;
+};
+
+// Used only without OpenBLAS (not found, or MT_CPU_BLAS=portable): correct, slow.
+void portable_gemm(const Tile& t) {
+  for (int64_t i = 0; i < t.m; ++i) {
+    float* crow = t.c + i * t.ldc;
+    for (int64_t j = 0; j < t.n; ++j) crow[j] = t.beta == 0.f ? 0.f : t.beta * crow[j];
+    auto A = [&](int64_t p) { return t.ta ? t.a[p * t.lda + i] : t.a[i * t.lda + p]; };
+    if (t.tb) {
+      for (int64_t j = 0; j < t.n; ++j) {
+        const float* brow = t.b + j * t.ldb;
+        float s = 0.f;
+        for (int64_t p = 0; p < t.k; ++p) s += A(p) * brow[p];
+        crow[j] += t.alpha * s;
+      }
+    } else {
+      for (int64_t p = 0; p < t.k; ++p) {
+        const float av = t.alpha * A(p);
+        const float* brow = t.b + p * t.ldb;
+        for (int64_t j = 0; j < t.n; ++j) crow[j] += av * brow[j];
+      }
+    }
+  }
+}
+
+void run_tile(const Tile& t) {
+  if (SgemmFn sgemm = openblas().sgemm) {
+    sgemm(CblasRowMajor, t.ta ? CblasTrans : CblasNoTrans, t.tb ? CblasTrans : CblasNoTrans,
+          blasint(t.m), blasint(t.n), blasint(t.k), t.alpha, t.a, blasint(t.lda), t.b,
+          blasint(t.ldb), t.beta, t.c, blasint(t.ldc));
+  } else {
+    portable_gemm(t);
+  }
+}
+
+// ---- matrix-vector kernels (M = 1) ----------------------------------------------------------
+
+// y[j] = alpha * sum_p x[p] * W(p, j) + beta * y[j] for j in [j0, j1), W f32 or bf16 (uint16_t).
+// "rows" layout: W is [N, K] (trans_b), each output a dot product of x with row j.
+// "cols" layout: W is [K, N], outputs a sum of scaled rows of W.
+
+// Outputs per task in the "cols" layout, at most: a row segment of W is then 4 KiB, one page,
+// which the hardware prefetcher follows, and the partial sums (<= 8 KiB) stay in L1.
+constexpr int64_t kColsChunk = 2048;
+template <class W>
+constexpr int64_t cols_chunk() {
+  return 4096 / int64_t(sizeof(W));
+}
+
+template <class W>
+inline float load_scalar(const W* p) {
+  if constexpr (std::is_same_v<W, float>)
+    return *p;
+  else
+    return std::bit_cast<float>(uint32_t(*p) << 16);
+}
+
+inline float combine(float acc, float alpha, float beta, float old) {
+  return beta == 0.f ? alpha * acc : alpha * acc + beta * old;
+}
+
+template <class W>
+void gemv_rows_portable(const float* x, const W* w, int64_t k, int64_t ldw, int64_t j0, int64_t j1,
+                        float alpha, float beta, float* y) {
+  for (int64_t j = j0; j < j1; ++j) {
+    const W* row = w + j * ldw;
+    float s = 0.f;
+    for (int64_t p = 0; p < k; ++p) s += x[p] * load_scalar(row + p);
+    y[j] = combine(s, alpha, beta, y[j]);
+  }
+}
+
+template <class W>
+void gemv_cols_portable(const float* x, const W* w, int64_t k, int64_t ldw, int64_t j0, int64_t j1,
+                        float alpha, float beta, float* y) {
+  float acc[kColsChunk];
+  const int64_t n = j1 - j0;
+  for (int64_t j = 0; j < n; ++j) acc[j] = 0.f;
+  for (int64_t p = 0; p < k; ++p) {
+    const W* row = w + p * ldw + j0;
+    for (int64_t j = 0; j < n; ++j) acc[j] += x[p] * load_scalar(row + j);
+  }
+  for (int64_t j = 0; j < n; ++j) y[j0 + j] = combine(acc[j], alpha, beta, y[j0 + j]);
+}
+
+#define MT_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+
+// Sixteen f32 (masked) from W: bf16 is widened in registers by a 16-bit shift.
+template <class W>
+MT_AVX512 inline __m512 load16(const W* p, __mmask16 m) {
+  if constexpr (std::is_same_v<W, float>) {
+    return _mm512_maskz_loadu_ps(m, p);
+  } else {
+    // maskz forms: the unmasked intrinsics start from _mm512_undefined, which GCC 12 reports as
+    // an uninitialised read.
+    const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    return _mm512_castsi512_ps(
+        _mm512_maskz_slli_epi32(0xffff, _mm512_maskz_cvtepu16_epi32(0xffff, h), 16));
+  }
+}
+
+// Horizontal sum in a fixed order (not _mm512_reduce_add_ps: see load16).
+MT_AVX512 inline float hsum(__m512 v) {
+  const __m256 h = _mm256_add_ps(_mm512_maskz_extractf32x8_ps(0xff, v, 0),
+                                 _mm512_maskz_extractf32x8_ps(0xff, v, 1));
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  const __m128 d = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));
+}
+
+MT_AVX512 inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1u);
+}
+
+template <class W>
+MT_AVX512 void gemv_rows_avx512(const float* x, const W* w, int64_t k, int64_t ldw, int64_t j0,
+                                int64_t j1, float alpha, float beta, float* y) {
+  const int64_t kfull = k / 16 * 16;
+  const __mmask16 kt = tail_mask(k - kfull);
+  int64_t j = j0;
+  // Four rows at a time: each x vector is loaded once for four weight streams.
+  for (; j + 4 <= j1; j += 4) {
+    const W* r0 = w + j * ldw;
+    const W* r1 = r0 + ldw;
+    const W* r2 = r1 + ldw;
+    const W* r3 = r2 + ldw;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t p = 0; p < kfull; p += 16) {
+      const __m512 xv = _mm512_loadu_ps(x + p);
+      a0 = _mm512_fmadd_ps(xv, load16(r0 + p, 0xffff), a0);
+      a1 = _mm512_fmadd_ps(xv, load16(r1 + p, 0xffff), a1);
+      a2 = _mm512_fmadd_ps(xv, load16(r2 + p, 0xffff), a2);
+      a3 = _mm512_fmadd_ps(xv, load16(r3 + p, 0xffff), a3);
+    }
+    if (kt) {
+      const __m512 xv = _mm512_maskz_loadu_ps(kt, x + kfull);
+      a0 = _mm512_fmadd_ps(xv, load16(r0 + kfull, kt), a0);
+      a1 = _mm512_fmadd_ps(xv, load16(r1 + kfull, kt), a1);
+      a2 = _mm512_fmadd_ps(xv, load16(r2 + kfull, kt), a2);
+      a3 = _mm512_fmadd_ps(xv, load16(r3 + kfull, kt), a3);
+    }
+    y[j] = combine(hsum(a0), alpha, beta, y[j]);
+    y[j + 1] = combine(hsum(a1), alpha, beta, y[j + 1]);
+    y[j + 2] = combine(hsum(a2), alpha, beta, y[j + 2]);
+    y[j + 3] = combine(hsum(a3), alpha, beta, y[j + 3]);
+  }
+  for (; j < j1; ++j) {
+    const W* r0 = w + j * ldw;
+    __m512 a0 = _mm512_setzero_ps();
+    for (int64_t p = 0; p < kfull; p += 16)
+      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + p), load16(r0 + p, 0xffff), a0);
+    if (kt) a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(kt, x + kfull), load16(r0 + kfull, kt), a0);
+    y[j] = combine(hsum(a0), alpha, beta, y[j]);
+  }
+}
+
+template <class W>
+MT_AVX512 void gemv_cols_avx512(const float* x, const W* w, int64_t k, int64_t ldw, int64_t j0,
+                                int64_t j1, float alpha, float beta, float* y) {
+  alignas(64) float acc[kColsChunk];
+  const int64_t n = j1 - j0, nv = (n + 15) / 16;
+  for (int64_t v = 0; v < nv; ++v) _mm512_store_ps(acc + 16 * v, _mm512_setzero_ps());
+  // Four rows of W per pass over the partial sums: four weight streams per load/store of acc.
+  int64_t p = 0;
+  for (; p + 4 <= k; p += 4) {
+    const __m512 x0 = _mm512_set1_ps(x[p]), x1 = _mm512_set1_ps(x[p + 1]);
+    const __m512 x2 = _mm512_set1_ps(x[p + 2]), x3 = _mm512_set1_ps(x[p + 3]);
+    const W* r0 = w + p * ldw + j0;
+    const W* r1 = r0 + ldw;
+    const W* r2 = r1 + ldw;
+    const W* r3 = r2 + ldw;
+    for (int64_t v = 0; v < nv; ++v) {
+      const __mmask16 m = tail_mask(n - 16 * v);
+      __m512 s = _mm512_load_ps(acc + 16 * v);
+      s = _mm512_fmadd_ps(x0, load16(r0 + 16 * v, m), s);
+      s = _mm512_fmadd_ps(x1, load16(r1 + 16 * v, m), s);
+      s = _mm512_fmadd_ps(x2, load16(r2 + 16 * v, m), s);
+      s = _mm512_fmadd_ps(x3, load16(r3 + 16 * v, m), s);
+      _mm512_store_ps(acc + 16 * v, s);
+    }
+  }
+  for (; p < k; ++p) {
+    const __m512 x0 = _mm512_set1_ps(x[p]);
+    const W* r0 = w + p * ldw + j0;
+    for (int64_t v = 0; v < nv; ++v) {
+      const __mmask16 m = tail_mask(n - 16 * v);
+      _mm512_store_ps(acc + 16 * v,
+                      _mm512_fmadd_ps(x0, load16(r0 + 16 * v, m), _mm512_load_ps(acc + 16 * v)));
+    }
+  }
+  const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
+  for (int64_t v = 0; v < nv; ++v) {
+    const __mmask16 m = tail_mask(n - 16 * v);
+    float* out = y + j0 + 16 * v;
+    __m512 r = _mm512_mul_ps(va, _mm512_load_ps(acc + 16 * v));
+    if (beta != 0.f) r = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m, out), r);
+    _mm512_mask_storeu_ps(out, m, r);
+  }
+}
+
+template <class W>
+void gemv(bool rows, const float* x, const W* w, int64_t k, int64_t ldw, int64_t j0, int64_t j1,
+          float alpha, float beta, float* y) {
+  if (isa().avx512) {
+    if (rows)
+      gemv_rows_avx512(x, w, k, ldw, j0, j1, alpha, beta, y);
+    else
+      gemv_cols_avx512(x, w, k, ldw, j0, j1, alpha, beta, y);
+  } else {
+    if (rows)
+      gemv_rows_portable(x, w, k, ldw, j0, j1, alpha, beta, y);
+    else
+      gemv_cols_portable(x, w, k, ldw, j0, j1, alpha, beta, y);
+  }
+}
+
+// ---- drivers --------------------------------------------------------------------------------
+
+// Rows of a up to which bf16 weights are read once per row by the matrix-vector kernels rather
+// than widened or packed for a GEMM (each costs about as much as ~4 passes over bf16 weights).
+constexpr int64_t kFewRows = 4;
+
+struct Problem {
+  int64_t batch, m, n, k;
+  bool ta, tb;
+  float alpha, beta;
+  int64_t stride_a, stride_b, stride_c;  // elements between batch items; stride_b 0 = shared b
+};
+
+// Every output of c [batch, 1, n]: tasks over (batch item, chunk of outputs).
+template <class W>
+void matvec(const Problem& p, const float* a, const W* b, float* c) {
+  const bool rows = p.tb;  // trans_b: b is [n, k]
+  // Chunks: for dot products enough rows that a task streams >= ~64 KiB of weights; for the
+  // "cols" kernel at most kColsChunk outputs, in a number of chunks that is a multiple of the
+  // threads (the 2-core decode case has only 3 to 6 chunks of that size).
+  const int64_t threads = std::max(1, tbb::this_task_arena::max_concurrency());
+  int64_t chunk = std::max<int64_t>(16, (int64_t{16384} / std::max<int64_t>(p.k, 1) + 3) / 4 * 4);
+  if (!rows) {
+    const int64_t most = cols_chunk<W>();
+    const int64_t rounds = (p.n + most * threads - 1) / (most * threads);
+    chunk = std::min(most, ((p.n + threads * rounds - 1) / (threads * rounds) + 15) / 16 * 16);
+  }
+  const int64_t chunks = (p.n + chunk - 1) / chunk;
+  auto body = [&](int64_t t) {
+    const int64_t bi = t / chunks, j0 = (t % chunks) * chunk, j1 = std::min(p.n, j0 + chunk);
+    gemv(rows, a + bi * p.stride_a, b + bi * p.stride_b, p.k, rows ? p.k : p.n, j0, j1, p.alpha,
+         p.beta, c + bi * p.stride_c);
+  };
+  const int64_t tasks = p.batch * chunks;
+  if (tasks == 1) {
+    body(0);
+    return;
+  }
+  tbb::parallel_for(
+      tbb::blocked_range<int64_t>(0, tasks, 1),
+      [&](const tbb::blocked_range<int64_t>& r) {
+        for (int64_t t = r.begin(); t < r.end(); ++t) body(t);
+      },
+      tbb::simple_partitioner());
+}
+
+// c = alpha op(a) op(b) + beta c over the batch, as single-threaded tiles run by oneTBB.
+void gemm_f32(const Problem& p, const float* a, const float* b, float* c) {
+  const int64_t threads = std::max(1, tbb::this_task_arena::max_concurrency());
+  const double flops = 2.0 * double(p.batch) * double(p.m) * double(p.n) * double(p.k);
+  // Split each matrix into `threads` tiles unless the batch alone balances the threads (a whole
+  // number of rounds, or enough items that a partial round costs little), and never for GEMMs so
+  // small that a task costs more than it saves.
+  int64_t parts = 1;
+  const bool batch_balances = p.batch % threads == 0 || p.batch >= 4 * threads;
+  if (threads > 1 && !batch_balances && flops >= 4e6) parts = threads;
+  // Tiles along the longer of M and N; N tiles are multiples of 16 columns (64-byte rows of c).
+  const bool split_m = p.m >= p.n;
+  const int64_t align = split_m ? 1 : 16;
+  const int64_t extent = split_m ? p.m : p.n;
+  int64_t step = ((extent + parts - 1) / parts + align - 1) / align * align;
+  step = std::max<int64_t>(step, 1);
+  parts = (extent + step - 1) / step;
+  const int64_t lda = p.ta ? p.m : p.k, ldb = p.tb ? p.k : p.n;
+  auto body = [&](int64_t t) {
+    const int64_t bi = t / parts, lo = (t % parts) * step, hi = std::min(extent, lo + step);
+    Tile tile{p.ta,   p.tb,
+              p.m,    p.n,
+              p.k,    p.alpha,
+              p.beta, a + bi * p.stride_a,
+              lda,    b + bi * p.stride_b,
+              ldb,    c + bi * p.stride_c,
+              p.n};
+    if (split_m) {
+      tile.m = hi - lo;
+      tile.a += p.ta ? lo : lo * lda;
+      tile.c += lo * p.n;
+    } else {
+      tile.n = hi - lo;
+      tile.b += p.tb ? lo * ldb : lo;
+      tile.c += lo;
+    }
+    run_tile(tile);
+  };
+  const int64_t tasks = p.batch * parts;
+  if (tasks == 1 || threads == 1) {
+    for (int64_t t = 0; t < tasks; ++t) body(t);
+    return;
+  }
+  tbb::parallel_for(
+      tbb::blocked_range<int64_t>(0, tasks, 1),
+      [&](const tbb::blocked_range<int64_t>& r) {
+        for (int64_t t = r.begin(); t < r.end(); ++t) body(t);
+      },
+      tbb::simple_partitioner());
+}
+
+// c = beta * c (K = 0: the product is empty). beta = 0 writes zeros even over NaN.
+void scale_only(float beta, float* c, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) c[i] = beta == 0.f ? 0.f : beta * c[i];
+}
+
+Shape leading(const Tensor& t) {
+  return Shape(t.shape().begin(), t.shape().end() - 2);
+}
+
+std::string describe_call(const Tensor& a, const Tensor& b, const Tensor& c, bool ta, bool tb) {
+  return fmt::format("cpu matmul(a={}, b={}, c={}, trans_a={}, trans_b={})", a.str(), b.str(),
+                     c.str(), ta, tb);
+}
+
+}  // namespace
+
+void gemm_setup(int num_threads) {
+  // Loads OpenBLAS (choosing its kernels) and measures the FMA peak now, at start-up, so neither
+  // happens inside a timed step. OpenBLAS itself always runs one thread per call (see the top).
+  (void)num_threads;
+  (void)openblas();
+  (void)core_peak();
+  (void)amx_core_peak_flops();
+}
+
+std::string gemm_describe() {
+  const OpenBlas& ob = openblas();
+  const std::string bf16 = amx_bf16_usable()
+                               ? "bf16 x bf16 on AMX tiles (mt), other bf16 widened to f32"
+                               : "bf16 widened to f32";
+  const std::string matvec = isa().avx512 ? "mt AVX-512 kernels" : "mt portable kernels";
+  if (!ob.sgemm)
+    return fmt::format("portable mt GEMM, slow (OpenBLAS not usable: {}); {}; M=1: {}; CPU: {}",
+                       ob.error, bf16, matvec, isa().str());
+  return fmt::format(
+      "{} {} kernels ({}), one OpenBLAS thread per oneTBB tile; {}; M=1: {}; CPU: {}", ob.version,
+      ob.corename.empty() ? "?" : ob.corename, ob.coretype_origin, bf16, matvec, isa().str());
+}
+
+double cpu_peak_flops(DType dtype, int num_threads) {
+  // Measured single-core rates times the thread count. bf16 matmuls with both operands in bf16 run
+  // on AMX tiles where the CPU has them (measured tile rate); otherwise bf16 operands are widened
+  // and run on the same f32 FMA units, so their peak is the f32 peak (the CPU's AVX512_BF16 dot
+  // instruction would reach only half of it).
+  const double per_core = dtype == DType::bf16 && amx_bf16_usable()
+                              ? std::max(amx_core_peak_flops(), core_peak())
+                              : core_peak();
+  return per_core * std::max(1, num_threads);
+}
+
+void matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool trans_b, float alpha,
+            float beta) {
+  auto fb = [](const Tensor& t) {
+    return t.defined() && (t.dtype() == DType::f32 || t.dtype() == DType::bf16);
+  };
+  if (!fb(a) || !fb(b) || !fb(c) || a.ndim() < 2 || b.ndim() < 2 || c.ndim() < 2)
+    fail(describe_call(a, b, c, trans_a, trans_b) +
+         ": operands must be f32 or bf16 tensors of at least 2 dimensions");
+  const int64_t m = trans_a ? a.dim(-1) : a.dim(-2);
+  const int64_t k = trans_a ? a.dim(-2) : a.dim(-1);
+  const int64_t kb = trans_b ? b.dim(-1) : b.dim(-2);
+  const int64_t n = trans_b ? b.dim(-2) : b.dim(-1);
+  const Shape lead = leading(a);
+  const bool shared_b = b.ndim() == 2;
+  if (k != kb || c.dim(-2) != m || c.dim(-1) != n || leading(c) != lead ||
+      (!shared_b && leading(b) != lead))
+    fail(describe_call(a, b, c, trans_a, trans_b) +
+         ": shapes do not agree (a [..., M, K], b [..., K, N] or 2-D, c [..., M, N])");
+  if (std::max({m, n, k}) > INT_MAX)
+    fail(describe_call(a, b, c, trans_a, trans_b) + ": a dimension exceeds 2^31 - 1");
+
+  Problem p{shape_numel(lead),    m,    n, k, trans_a, trans_b, alpha, beta, m * k,
+            shared_b ? 0 : k * n, m * n};
+  if (p.batch == 0 || m == 0 || n == 0) return;
+  // A batch against one shared b with a untransposed is one tall GEMM: rows of a and c are
+  // contiguous across the batch.
+  if (shared_b && !trans_a && p.batch > 1) {
+    p.m *= p.batch;
+    p.batch = 1;
+    if (p.m > INT_MAX) fail(describe_call(a, b, c, trans_a, trans_b) + ": a has too many rows");
+  }
+
+  // A few rows against shared bf16 weights (batched decode): the matrix-vector kernels read the
+  // bf16 weights once per row, less traffic than widening (or tile-packing) all of them for a
+  // handful of rows. With b shared and a untransposed the batch is already folded into M.
+  if (shared_b && !trans_a && p.m > 1 && p.m <= kFewRows && b.dtype() == DType::bf16)
+    p = Problem{p.m, 1, n, k, false, trans_b, alpha, beta, k, 0, n};
+
+  // bf16 c: computed in an f32 scratch (holding c's old values when beta needs them).
+  Tensor c32 = c.dtype() == DType::f32 || beta != 0.f ? as_f32(c)
+                                                      : c.backend()->empty(c.shape(), DType::f32);
+  if (k == 0) {
+    scale_only(beta, c32.ptr<float>(), c32.numel());
+  } else if (p.m == 1) {
+    const Tensor a32 = as_f32(a);  // one row per batch item: cheap to widen
+    if (b.dtype() == DType::bf16)
+      matvec(p, a32.ptr<const float>(), b.ptr<const uint16_t>(), c32.ptr<float>());
+    else
+      matvec(p, a32.ptr<const float>(), b.ptr<const float>(), c32.ptr<float>());
+  } else if (a.dtype() == DType::bf16 && b.dtype() == DType::bf16 && amx_bf16_usable()) {
+    for (int64_t bi = 0; bi < p.batch; ++bi)
+      amx_gemm_bf16(*c.backend(), p.ta, p.tb, p.m, p.n, p.k, alpha,
+                    a.ptr<const uint16_t>() + bi * p.stride_a, p.ta ? p.m : p.k,
+                    b.ptr<const uint16_t>() + bi * p.stride_b, p.tb ? p.k : p.n, beta,
+                    c32.ptr<float>() + bi * p.stride_c, p.n);
+  } else {
+    const Tensor a32 = as_f32(a), b32 = as_f32(b);
+    gemm_f32(p, a32.ptr<const float>(), b32.ptr<const float>(), c32.ptr<float>());
+  }
+  if (c.dtype() != DType::f32) store_bf16(c32, c);
 }
 
 }  // namespace mt::cpu

@@ -1,0 +1,367 @@
+// GEMM benchmarks of the CPU backend, against ceilings measured in this same binary.
+//
+// - FmaPeak: f32 FMA FLOP/s of all threads (independent AVX-512 FMA chains; AVX2 without it).
+// - Matmul: transformer shapes through Backend::matmul, forward (x @ W) and the two products a
+//   backward does (dx = dy @ W^T, dW = x^T @ dy): f32, bf16 weights, all-bf16. Counters: GFLOP/s
+//   and pct_peak (share of FmaPeak's measured f32 FMA peak; all-bf16 runs on AMX tiles where the
+//   CPU has them, so it can exceed 100); best_* of the fastest call; cpu_pct_peak per CPU-second
+//   used (for machines shared with other work).
+// - ReadBandwidth / MatVec: batch-1 decode (M = 1) with f32 and bf16 weights, stored [K, N] or
+//   [N, K]; GB/s of weight bytes and pct_bw, the share of the read bandwidth measured over the
+//   same number of bytes with the same number of threads.
+//
+// Run: build/bench/gemm_bench --benchmark_format=json --benchmark_repetitions=5
+//      --benchmark_report_aggregates_only=true   (medians of the counters)
+#include <benchmark/benchmark.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <chrono>
+#include <cstdint>
+#include <ctime>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "config_impl.h"
+#include "mt/backend.h"
+#include "mt/dtype.h"
+#include "plugin_manager.h"
+
+namespace {
+
+// The backend under test, made once (the benchmark binary's only backend).
+mt::Backend& backend() {
+  static mt::PluginManager pm;
+  static std::unique_ptr<mt::Backend> b =
+      pm.make_backend("cpu", mt::config_from_pairs({{"num_threads", "0"}}));
+  return *b;
+}
+
+int num_threads() {
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+// A fixed team of threads that runs one function on every thread at once (thread 0 is the
+// caller), so the ceilings are measured without thread start-up in the timed region.
+class Team {
+ public:
+  explicit Team(int n) : n_(n), start_(n), done_(n) {
+    for (int t = 1; t < n; ++t) threads_.emplace_back([this, t] { loop(t); });
+  }
+  ~Team() {
+    stop_ = true;
+    start_.arrive_and_wait();
+    for (auto& th : threads_) th.join();
+  }
+  int size() const { return n_; }
+  void run(const std::function<void(int)>& f) {
+    job_ = &f;
+    start_.arrive_and_wait();
+    f(0);
+    done_.arrive_and_wait();
+  }
+
+ private:
+  void loop(int t) {
+    for (;;) {
+      start_.arrive_and_wait();
+      if (stop_) return;
+      (*job_)(t);
+      done_.arrive_and_wait();
+    }
+  }
+  int n_;
+  std::barrier<> start_, done_;
+  const std::function<void(int)>* job_ = nullptr;
+  std::atomic<bool> stop_{false};
+  std::vector<std::thread> threads_;
+};
+
+Team& team() {
+  static Team t(num_threads());
+  return t;
+}
+
+// ---- FMA peak ---------------------------------------------------------------------------------
+
+__attribute__((target("avx512f"))) float fma_avx512(long iters) {
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_set1_ps(1.f + 0.01f * float(i));
+  const __m512 m = _mm512_set1_ps(0.999f), add = _mm512_set1_ps(1e-3f);
+  for (long it = 0; it < iters; ++it) {
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(acc[i], m, add);
+  }
+  for (int i = 1; i < 16; ++i) acc[0] = _mm512_add_ps(acc[0], acc[i]);
+  float out[16];
+  _mm512_storeu_ps(out, acc[0]);
+  return out[0];
+}
+
+__attribute__((target("avx2,fma"))) float fma_avx2(long iters) {
+  __m256 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm256_set1_ps(1.f + 0.01f * float(i));
+  const __m256 m = _mm256_set1_ps(0.999f), add = _mm256_set1_ps(1e-3f);
+  for (long it = 0; it < iters; ++it) {
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) acc[i] = _mm256_fmadd_ps(acc[i], m, add);
+  }
+  for (int i = 1; i < 16; ++i) acc[0] = _mm256_add_ps(acc[0], acc[i]);
+  float out[8];
+  _mm256_storeu_ps(out, acc[0]);
+  return out[0];
+}
+
+bool has_avx512() {
+  return __builtin_cpu_supports("avx512f");
+}
+
+// FLOP/s of one pass of `iters` FMA-chain iterations on every thread of the team.
+double fma_pass(long iters) {
+  std::atomic<float> sink{0};
+  const bool wide = has_avx512();
+  const auto t0 = std::chrono::steady_clock::now();
+  team().run([&](int) { sink = sink + (wide ? fma_avx512(iters) : fma_avx2(iters)); });
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  benchmark::DoNotOptimize(sink.load());
+  return 2.0 * (wide ? 16 : 8) * 16 * double(iters) * team().size() / s;
+}
+
+// The peak the matmul counters are measured against: the best pass seen in this process (other
+// processes sharing the cores only ever lower a pass, so the best is the machine's peak).
+double measured_peak(double seen = 0) {
+  static double best = 0;  // this binary's running maximum
+  best = std::max(best, seen);
+  // ~0.25 s of ~2 ms passes: enough for one to find both cores free on a shared machine.
+  if (best == 0)
+    for (int i = 0; i < 100; ++i) best = std::max(best, fma_pass(1000000));
+  return best;
+}
+
+void BM_FmaPeak(benchmark::State& state) {
+  double best = 0;
+  for (auto _ : state) best = std::max(best, fma_pass(1000000));
+  state.counters["GFLOP/s"] = best * 1e-9;
+  state.counters["threads"] = team().size();
+  measured_peak(best);
+  state.SetLabel(backend().describe());
+}
+BENCHMARK(BM_FmaPeak)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// ---- matmul -----------------------------------------------------------------------------------
+
+double process_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
+
+mt::Tensor random_tensor(const mt::Shape& shape, mt::DType dt) {
+  mt::Backend& be = backend();
+  std::mt19937 rng(1234);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  mt::Tensor t = be.empty(shape, dt);
+  const size_t n = size_t(t.numel());
+  if (dt == mt::DType::f32) {
+    std::vector<float> v(n);
+    for (auto& x : v) x = u(rng);
+    be.copy_from_host(t, v.data());
+  } else {
+    std::vector<uint16_t> v(n);
+    for (auto& x : v) x = mt::f32_to_bf16(u(rng));
+    be.copy_from_host(t, v.data());
+  }
+  return t;
+}
+
+// Args: M, N, K, trans_a, trans_b, bf16 (0: f32 a and b; 1: bf16 b; 2: bf16 a and b). a and b
+// stored as op() requires; c is f32.
+void BM_Matmul(benchmark::State& state) {
+  const int64_t m = state.range(0), n = state.range(1), k = state.range(2);
+  const bool ta = state.range(3), tb = state.range(4);
+  const mt::DType db = state.range(5) >= 1 ? mt::DType::bf16 : mt::DType::f32;
+  const mt::DType da = state.range(5) == 2 ? mt::DType::bf16 : mt::DType::f32;
+  mt::Backend& be = backend();
+  const double peak = measured_peak();
+  mt::Tensor a = random_tensor(ta ? mt::Shape{k, m} : mt::Shape{m, k}, da);
+  mt::Tensor b = random_tensor(tb ? mt::Shape{n, k} : mt::Shape{k, n}, db);
+  mt::Tensor c = be.empty({m, n}, mt::DType::f32);
+  be.matmul(a, b, c, ta, tb);  // warm-up: pages, caches, scratch buffers
+  double seconds = 0, best = 1e30;
+  const double cpu0 = process_cpu_seconds();
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    be.matmul(a, b, c, ta, tb);
+    be.synchronize();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    state.SetIterationTime(s);
+    seconds += s;
+    best = std::min(best, s);
+  }
+  const double flop = 2.0 * double(m) * double(n) * double(k);
+  const double flops = flop * double(state.iterations());
+  state.counters["GFLOP/s"] = flops / seconds * 1e-9;
+  state.counters["pct_peak"] = 100.0 * flops / seconds / peak;
+  state.counters["peak_GFLOP/s"] = peak * 1e-9;
+  // The fastest single call: on a machine shared with other work, the closest to what the
+  // kernel does with the cores to itself.
+  state.counters["best_GFLOP/s"] = flop / best * 1e-9;
+  state.counters["best_pct_peak"] = 100.0 * flop / best / peak;
+  // FLOP per CPU-second of this process against one core's share of the peak: the kernel's
+  // efficiency on the cores it actually got (time slices lost to other processes do not count,
+  // waiting threads that spin do).
+  // One core's peak: the larger of this binary's all-thread measurement per thread and the
+  // backend's (a single-core measurement at start-up, which a busy machine disturbs less).
+  const double cpu = process_cpu_seconds() - cpu0;
+  const double core_peak = std::max(peak, be.peak_flops(mt::DType::f32)) / double(num_threads());
+  state.counters["cpu_pct_peak"] = 100.0 * flops / cpu / core_peak;
+}
+
+// Forward x[T, d_in] @ W[d_in, d_out] and its backward products, for tokens T = 2048.
+void transformer_shapes(benchmark::internal::Benchmark* bm) {
+  const int64_t t = 2048;
+  const int64_t shapes[][2] = {{768, 2304}, {768, 3072}, {3072, 768}};  // {d_in, d_out}
+  for (const auto& s : shapes) {
+    const int64_t din = s[0], dout = s[1];
+    bm->Args({t, dout, din, 0, 0, 0});  // y = x @ W
+    bm->Args({t, din, dout, 0, 1, 0});  // dx = dy @ W^T
+    bm->Args({din, dout, t, 1, 0, 0});  // dW = x^T @ dy
+  }
+  for (const auto& s : shapes) bm->Args({t, s[1], s[0], 0, 0, 1});  // y = x @ W, W in bf16
+  for (const auto& s : shapes) {  // everything in bf16 (AMX where the CPU has it)
+    const int64_t din = s[0], dout = s[1];
+    bm->Args({t, dout, din, 0, 0, 2});
+    bm->Args({t, din, dout, 0, 1, 2});
+    bm->Args({din, dout, t, 1, 0, 2});
+  }
+}
+BENCHMARK(BM_Matmul)
+    ->ArgNames({"M", "N", "K", "ta", "tb", "bf16"})
+    ->Apply(transformer_shapes)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+
+// ---- matrix-vector (decode) -------------------------------------------------------------------
+
+__attribute__((target("avx512f"))) float read_avx512(const float* p, int64_t n) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    a0 = _mm512_add_ps(a0, _mm512_loadu_ps(p + i));
+    a1 = _mm512_add_ps(a1, _mm512_loadu_ps(p + i + 16));
+    a2 = _mm512_add_ps(a2, _mm512_loadu_ps(p + i + 32));
+    a3 = _mm512_add_ps(a3, _mm512_loadu_ps(p + i + 48));
+  }
+  float out[16];
+  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+  float s = out[0];
+  for (; i < n; ++i) s += p[i];
+  return s;
+}
+
+float read_portable(const float* p, int64_t n) {
+  float s[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) s[j] += p[i + j];
+  for (; i < n; ++i) s[0] += p[i];
+  return s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7];
+}
+
+// Bytes/s of reading `bytes` (split over the team), the best of a few passes after a warm one.
+// Bytes/s of reading `buf` (split over the team), `reps` times per thread inside one team run so
+// the team's wake-up does not count.
+double read_pass(const std::vector<float>& buf, int reps) {
+  const int64_t n = int64_t(buf.size()), parts = team().size();
+  std::atomic<float> sink{0};
+  const bool wide = has_avx512();
+  const auto t0 = std::chrono::steady_clock::now();
+  team().run([&](int t) {
+    const int64_t lo = n * t / parts, hi = n * (t + 1) / parts;
+    float s = 0;
+    for (int r = 0; r < reps; ++r)
+      s += wide ? read_avx512(buf.data() + lo, hi - lo) : read_portable(buf.data() + lo, hi - lo);
+    sink = sink + s;
+  });
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  benchmark::DoNotOptimize(sink.load());
+  return double(n) * sizeof(float) * reps / s;
+}
+
+int reps_for(size_t floats) {
+  return int(std::max<size_t>(1, (size_t{64} << 20) / (floats * 4)));
+}
+
+double read_bandwidth(int64_t bytes) {
+  std::vector<float> buf(size_t(bytes / 4), 1.f);
+  const int reps = reps_for(buf.size());
+  double best = 0;
+  read_pass(buf, 1);
+  for (int i = 0; i < 10; ++i) best = std::max(best, read_pass(buf, reps));
+  return best;
+}
+
+// Args: bytes
+void BM_ReadBandwidth(benchmark::State& state) {
+  std::vector<float> buf(size_t(state.range(0) / 4), 1.f);
+  const int reps = reps_for(buf.size());
+  read_pass(buf, 1);
+  double best = 0;
+  for (auto _ : state) best = std::max(best, read_pass(buf, reps));
+  state.counters["GB/s"] = best * 1e-9;
+}
+BENCHMARK(BM_ReadBandwidth)
+    ->ArgName("bytes")
+    ->Arg(768 * 3072 * 2)
+    ->Arg(768 * 3072 * 4)
+    ->Arg(2048 * 5632 * 2)
+    ->Arg(2048 * 5632 * 4)
+    ->Arg(int64_t{1} << 30)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+
+// Args: K, N, trans_b (W stored [N, K]), bf16 weights (0/1).
+void BM_MatVec(benchmark::State& state) {
+  const int64_t k = state.range(0), n = state.range(1);
+  const bool tb = state.range(2);
+  const mt::DType dw = state.range(3) ? mt::DType::bf16 : mt::DType::f32;
+  mt::Backend& be = backend();
+  mt::Tensor x = random_tensor({1, k}, mt::DType::f32);
+  mt::Tensor w = random_tensor(tb ? mt::Shape{n, k} : mt::Shape{k, n}, dw);
+  mt::Tensor y = be.empty({1, n}, mt::DType::f32);
+  const double bytes = double(w.nbytes());
+  const double bw = read_bandwidth(int64_t(bytes));
+  be.matmul(x, w, y, false, tb);
+  double seconds = 0, best = 1e30;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    be.matmul(x, w, y, false, tb);
+    be.synchronize();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    state.SetIterationTime(s);
+    seconds += s;
+    best = std::min(best, s);
+  }
+  state.counters["best_GB/s"] = bytes / best * 1e-9;
+  const double rate = bytes * double(state.iterations()) / seconds;
+  state.counters["GB/s"] = rate * 1e-9;
+  state.counters["read_GB/s"] = bw * 1e-9;
+  state.counters["pct_bw"] = 100.0 * rate / bw;
+  state.counters["GFLOP/s"] = 2.0 * double(k * n) * double(state.iterations()) / seconds * 1e-9;
+}
+BENCHMARK(BM_MatVec)
+    ->ArgNames({"K", "N", "tb", "bf16_w"})
+    ->ArgsProduct({{768}, {3072}, {0, 1}, {0, 1}})
+    ->ArgsProduct({{2048}, {5632}, {0, 1}, {0, 1}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+
+}  // namespace
+
+BENCHMARK_MAIN();

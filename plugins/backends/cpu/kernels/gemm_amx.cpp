@@ -1,0 +1,304 @@
+// AMX bf16 GEMM (see gemm_amx.h).
+//
+// Layout. A tile is 16 rows x 64 bytes. The micro-kernel accumulates a 32 x 32 block of c in four
+// f32 tiles (0-3) from two A tiles (4, 5: 16 rows x 32 k) and two B tiles (6, 7: 16 k-pairs x 16
+// columns x 2, the "VNNI" pairing tdpbf16ps expects). Both operands are packed into exactly those
+// tiles (zero-padded to whole tiles), which also absorbs every transpose: b once per GEMM, a per
+// block of 128 rows by the task using it.
+// Loops: a task owns a block of 128 rows of c (its packed a, 128 x K bf16, stays in L2) and a
+// range of 32-column panels. Per panel, K goes in chunks of 256: the panel's chunk of packed b
+// (16 KiB) is reused from L1 by the block's four row groups, whose f32 sums (16 KiB) also stay in
+// L1, so only a streams from L2 (tile loads, not the tile multiplies, limit an unblocked loop).
+//
+// Determinism: each c element is one tile accumulation in a fixed k order.
+#include "kernels/gemm_amx.h"
+
+#include <immintrin.h>
+#include <oneapi/tbb/blocked_range.h>
+#include <oneapi/tbb/parallel_for.h>
+#include <oneapi/tbb/partitioner.h>
+#include <oneapi/tbb/task_arena.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+namespace mt::cpu {
+namespace {
+
+constexpr int64_t kTileK = 32;               // bf16 per tile row (64 bytes)
+constexpr int64_t kBlock = 32;               // rows and columns of c per micro-kernel call
+constexpr int64_t kRowBlock = 128;           // rows of c per task (packed a: 128 x K)
+constexpr int64_t kTileElems = 16 * kTileK;  // bf16 elements in one packed tile (1 KiB)
+constexpr int64_t kStepsPerChunk = 8;        // k steps (of 32) per pass over a row group
+
+// Linux keeps the AMX tile data state off until a process asks (arch_prctl, kernel >= 5.16).
+bool request_amx() {
+  if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("amx-tile")) return false;
+  constexpr long kArchReqXcompPerm = 0x1023;
+  constexpr long kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+#define MT_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl")))
+
+// Sets up this thread's tiles: all eight are 16 rows x 64 bytes.
+MT_AMX void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  // GCC 12 does not see ldtilecfg read the struct and drops the stores above without this.
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+MT_AMX void release_tiles() {
+  _tile_release();
+}
+
+// Best-case FLOP/s of one core: four independent tile accumulations on operands held in tiles.
+MT_AMX double measure_amx_peak() {
+  configure_tiles();
+  alignas(64) uint16_t ones[kTileElems];
+  for (auto& x : ones) x = 0x3f80;  // bf16 1.0
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_loadd(4, ones, 64);
+  _tile_loadd(5, ones, 64);
+  _tile_loadd(6, ones, 64);
+  _tile_loadd(7, ones, 64);
+  constexpr long kIters = 20000;
+  double best = 0;
+  for (int rep = 0; rep < 5; ++rep) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (long i = 0; i < kIters; ++i) {
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, 4.0 * kIters * 16 * 16 * kTileK * 2 / s);
+  }
+  _tile_release();
+  return best;
+}
+
+// acc (a 32 x 32 f32 block) += pa . pb over `steps` k steps (acc is zeroed first when `first`).
+// pa: the row group's 2 A tiles per k step; pb: the panel's 2 B tiles per k step.
+MT_AMX void micro_kernel(const uint16_t* pa, const uint16_t* pb, int64_t steps, bool first,
+                         float* acc) {
+  constexpr int64_t kStride = kBlock * 4;  // bytes per row of acc
+  if (first) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  } else {
+    _tile_loadd(0, acc, kStride);
+    _tile_loadd(1, acc + 16, kStride);
+    _tile_loadd(2, acc + 16 * kBlock, kStride);
+    _tile_loadd(3, acc + 16 * kBlock + 16, kStride);
+  }
+  for (int64_t s = 0; s < steps; ++s) {
+    const uint16_t* a = pa + s * 2 * kTileElems;
+    const uint16_t* b = pb + s * 2 * kTileElems;
+    _tile_loadd(4, a, 64);
+    _tile_loadd(5, a + kTileElems, 64);
+    _tile_loadd(6, b, 64);
+    _tile_loadd(7, b + kTileElems, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, acc, kStride);
+  _tile_stored(1, acc + 16, kStride);
+  _tile_stored(2, acc + 16 * kBlock, kStride);
+  _tile_stored(3, acc + 16 * kBlock + 16, kStride);
+}
+
+// c block [rows, cols] (<= 32 x 32) = alpha * acc + beta * c.
+MT_AMX void write_block(const float* acc, float alpha, float beta, float* c, int64_t ldc,
+                        int64_t rows, int64_t cols) {
+  const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t h = 0; h < 2; ++h) {
+      const int64_t left = cols - 16 * h;
+      if (left <= 0) break;
+      const __mmask16 m = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1u);
+      float* dst = c + i * ldc + 16 * h;
+      __m512 r = _mm512_mul_ps(va, _mm512_load_ps(acc + i * kBlock + 16 * h));
+      if (beta != 0.f) r = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m, dst), r);
+      _mm512_mask_storeu_ps(dst, m, r);
+    }
+  }
+}
+
+// Packs rows [m0, m0 + kRowBlock) of op(a) (zero past m and k) into micro-kernel order:
+// [group of 32 rows][k step][tile of 16 rows][16][32].
+void pack_a(bool ta, const uint16_t* a, int64_t lda, int64_t m, int64_t k, int64_t m0, int64_t kb,
+            uint16_t* out) {
+  const int64_t groups = kRowBlock / kBlock;
+  std::memset(out, 0, size_t(groups * kb * 2 * kTileElems) * 2);
+  auto at = [&](int64_t i, int64_t s) {  // packed row i (of the block), k step s
+    const int64_t g = i / kBlock, r = i % kBlock;
+    return out + ((g * kb + s) * 2 + r / 16) * kTileElems + (r % 16) * kTileK;
+  };
+  const int64_t rows = std::min(kRowBlock, m - m0);
+  if (!ta) {
+    for (int64_t i = 0; i < rows; ++i) {
+      const uint16_t* src = a + (m0 + i) * lda;
+      for (int64_t s = 0; s < kb; ++s) {
+        const int64_t len = std::min(kTileK, k - s * kTileK);
+        std::memcpy(at(i, s), src + s * kTileK, size_t(len) * 2);
+      }
+    }
+  } else {
+    // a is [k, m]: walk it by rows (contiguous) and scatter into the packed rows, 16 at a time
+    // (one tile's rows: 64 bytes apart).
+    for (int64_t p = 0; p < k; ++p) {
+      const uint16_t* src = a + p * lda + m0;
+      const int64_t s = p / kTileK, col = p % kTileK;
+      for (int64_t i0 = 0; i0 < rows; i0 += 16) {
+        uint16_t* dst = at(i0, s) + col;
+        const int64_t len = std::min<int64_t>(16, rows - i0);
+        for (int64_t r = 0; r < len; ++r) dst[r * kTileK] = src[i0 + r];
+      }
+    }
+  }
+}
+
+// Packs columns [32 q, 32 q + 32) of op(b) (zero past n and k): [k step][tile of 16 columns]
+// [16 k-pairs][16 columns][2].
+MT_AMX void pack_b_panel(bool tb, const uint16_t* b, int64_t ldb, int64_t n, int64_t k, int64_t q,
+                         int64_t kb, uint16_t* out) {
+  const int64_t n0 = q * kBlock, cols = std::min(kBlock, n - n0);
+  if (!tb) {
+    // b is [k, n]: a packed row is 16 columns of rows p and p + 1 interleaved, i.e. the two rows
+    // widened to 32 bits with the second shifted into the upper half. Masked loads zero-fill.
+    for (int64_t s = 0; s < kb; ++s) {
+      for (int64_t t = 0; t < 2; ++t) {
+        const int64_t left = cols - 16 * t;
+        const __mmask16 m = left >= 16 ? __mmask16(0xffff)
+                            : left > 0 ? __mmask16((1u << left) - 1u)
+                                       : 0;
+        uint16_t* dst = out + (s * 2 + t) * kTileElems;
+        for (int64_t pr = 0; pr < 16; ++pr) {
+          const int64_t p = s * kTileK + 2 * pr;
+          const __mmask16 m0 = p < k ? m : 0, m1 = p + 1 < k ? m : 0;
+          const uint16_t* r0 = m0 ? b + p * ldb + n0 + 16 * t : b;
+          const uint16_t* r1 = m1 ? b + (p + 1) * ldb + n0 + 16 * t : b;
+          const __m512i lo = _mm512_maskz_cvtepu16_epi32(0xffff, _mm256_maskz_loadu_epi16(m0, r0));
+          const __m512i hi = _mm512_maskz_cvtepu16_epi32(0xffff, _mm256_maskz_loadu_epi16(m1, r1));
+          _mm512_storeu_si512(dst + pr * 32,
+                              _mm512_or_si512(lo, _mm512_maskz_slli_epi32(0xffff, hi, 16)));
+        }
+      }
+    }
+    return;
+  }
+  // b is [n, k]: column j of op(b) is row j of b, whose consecutive k pairs land 64 bytes apart.
+  std::memset(out, 0, size_t(kb * 2 * kTileElems) * 2);
+  for (int64_t j = 0; j < cols; ++j) {
+    const uint16_t* src = b + (n0 + j) * ldb;
+    uint16_t* col = out + (j / 16) * kTileElems + (j % 16) * 2;
+    for (int64_t p = 0; p < k; ++p)
+      col[(p / kTileK) * 2 * kTileElems + ((p % kTileK) / 2) * 32 + (p % 2)] = src[p];
+  }
+}
+
+}  // namespace
+
+bool amx_bf16_usable() {
+  // Asked once per process; immutable afterwards. MT_CPU_AMX=0 keeps bf16 GEMMs on the f32 path
+  // (for comparisons, or a machine where AMX misbehaves).
+  static const bool kUsable = [] {
+    const char* env = std::getenv("MT_CPU_AMX");
+    if (env && std::string(env) == "0") return false;
+    return request_amx();
+  }();
+  return kUsable;
+}
+
+double amx_core_peak_flops() {
+  static const double kPeak = amx_bf16_usable() ? measure_amx_peak() : 0.0;  // measured once
+  return kPeak;
+}
+
+void amx_gemm_bf16(Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
+                   const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta,
+                   float* c, int64_t ldc) {
+  const int64_t kb = (k + kTileK - 1) / kTileK;
+  const int64_t panels = (n + kBlock - 1) / kBlock;
+  const int64_t panel_elems = kb * 2 * kTileElems;
+  const int64_t block_elems = (kRowBlock / kBlock) * kb * 2 * kTileElems;
+  const int64_t threads = std::max(1, tbb::this_task_arena::max_concurrency());
+  // Scratch: packed b, then one packed-a block per thread of the arena.
+  Tensor scratch = be.empty({panels * panel_elems + threads * block_elems}, DType::bf16);
+  uint16_t* pb = scratch.ptr<uint16_t>();
+  uint16_t* pa_all = pb + panels * panel_elems;
+
+  tbb::parallel_for(int64_t{0}, panels, [&](int64_t q) {
+    pack_b_panel(tb, b, ldb, n, k, q, kb, pb + q * panel_elems);
+  });
+
+  // Tasks: row blocks, each cut into column ranges when there are too few blocks for the threads.
+  const int64_t row_blocks = (m + kRowBlock - 1) / kRowBlock;
+  const int64_t splits =
+      std::clamp<int64_t>((2 * threads + row_blocks - 1) / row_blocks, 1, panels);
+  const int64_t per_split = (panels + splits - 1) / splits;
+  tbb::parallel_for(
+      tbb::blocked_range<int64_t>(0, row_blocks * splits, 1),
+      [&](const tbb::blocked_range<int64_t>& r) {
+        configure_tiles();
+        alignas(64) float acc[kRowBlock * kBlock];  // the row block's sums for one panel
+        const int slot = std::max(0, tbb::this_task_arena::current_thread_index());
+        uint16_t* pa = pa_all + (slot % threads) * block_elems;
+        for (int64_t t = r.begin(); t < r.end(); ++t) {
+          const int64_t rb = t / splits, q0 = (t % splits) * per_split;
+          const int64_t q1 = std::min(panels, q0 + per_split);
+          const int64_t m0 = rb * kRowBlock;
+          pack_a(ta, a, lda, m, k, m0, kb, pa);
+          const int64_t groups = std::min(kRowBlock, m - m0 + kBlock - 1) / kBlock;
+          for (int64_t q = q0; q < q1; ++q) {
+            // K in chunks of kStepsPerChunk steps: the panel's chunk of b (16 KiB) stays in L1
+            // for the block's row groups, whose partial sums (16 KiB) stay there too.
+            for (int64_t s0 = 0; s0 < kb; s0 += kStepsPerChunk) {
+              const int64_t steps = std::min(kStepsPerChunk, kb - s0);
+              for (int64_t g = 0; g < groups; ++g)
+                micro_kernel(pa + (g * kb + s0) * 2 * kTileElems,
+                             pb + q * panel_elems + s0 * 2 * kTileElems, steps, s0 == 0,
+                             acc + g * kBlock * kBlock);
+            }
+            const int64_t n0 = q * kBlock;
+            for (int64_t g = 0; g < groups; ++g) {
+              const int64_t i0 = m0 + g * kBlock;
+              write_block(acc + g * kBlock * kBlock, alpha, beta, c + i0 * ldc + n0, ldc,
+                          std::min(kBlock, m - i0), std::min(kBlock, n - n0));
+            }
+          }
+        }
+        // Hands the tile state back, so context switches of this thread stay cheap.
+        release_tiles();
+      },
+      tbb::simple_partitioner());
+}
+
+}  // namespace mt::cpu

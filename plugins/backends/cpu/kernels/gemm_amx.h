@@ -1,0 +1,26 @@
+// bf16 x bf16 -> f32 GEMM on AMX tiles (Sapphire Rapids and later), used by gemm.cpp when the CPU
+// has AMX-BF16 and the kernel grants this process the tile state. Products of two bf16 values are
+// exact in f32 and the tiles accumulate in f32, so this is the f32 arithmetic the op set asks for
+// on bf16-stored operands, at several times the f32 FMA rate.
+#pragma once
+
+#include <cstdint>
+
+#include "mt/backend.h"
+
+namespace mt::cpu {
+
+// True when AMX-BF16 is usable by this process (checked and requested once; MT_CPU_AMX=0 in the
+// environment says no).
+bool amx_bf16_usable();
+// Measured tile-multiply FLOP/s of one core (0 without AMX), for the bf16 peak.
+double amx_core_peak_flops();
+
+// c = alpha * op(a) op(b) + beta * c for one row-major matrix: a [m, k] ([k, m] if ta), b [k, n]
+// ([n, k] if tb), bf16 (raw bits); c f32 with leading dimension ldc. m, n, k >= 1. Runs on the
+// current oneTBB arena; scratch comes from `be`'s caching allocator.
+void amx_gemm_bf16(Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
+                   const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta,
+                   float* c, int64_t ldc);
+
+}  // namespace mt::cpu

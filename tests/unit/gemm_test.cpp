@@ -1,0 +1,487 @@
+// matmul on the CPU backend against a double-precision reference: every transpose combination,
+// batches (shared 2-D b, batched b), alpha/beta, odd sizes and size 1, the M = 1 matrix-vector
+// path, bf16 operands, shapes large enough to be tiled over threads, determinism, shape errors,
+// and the GEMM path's start-up line (including a coretype the environment sets).
+//
+// Tolerances. f32: |got - ref| <= 1e-5 * (|alpha| sum_k |a_ik b_kj| + |beta c_ij|), i.e. relative
+// to the magnitude of the terms summed (the rounding of an f32 sum of K terms is well inside
+// this for K < 1000). bf16 inputs are rounded on the host first and the reference uses the
+// rounded values, so the same bound holds (bf16 x bf16 on AMX tiles too: products of bf16 are
+// exact in f32 and the tiles accumulate in f32); a bf16 output adds its own rounding, 2^-8 |ref|.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cctype>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "config_impl.h"
+#include "mt/backend.h"
+#include "mt/config.h"
+#include "mt/dtype.h"
+#include "mt/error.h"
+#include "test_support.h"
+
+namespace mt {
+namespace {
+
+// A tensor holding `v` (bf16: rounded to nearest even). `v` is replaced by the stored values, so
+// the reference sees exactly what the kernel sees. Written without Backend::cast.
+Tensor make(Backend& b, const Shape& shape, std::vector<float>& v, DType dt) {
+  Tensor t = b.empty(shape, dt);
+  if (dt == DType::f32) {
+    b.copy_from_host(t, v.data());
+  } else {
+    std::vector<uint16_t> h(v.size());
+    for (size_t i = 0; i < v.size(); ++i) {
+      h[i] = f32_to_bf16(v[i]);
+      v[i] = bf16_to_f32(h[i]);
+    }
+    b.copy_from_host(t, h.data());
+  }
+  return t;
+}
+
+std::vector<float> read(const Tensor& t) {
+  std::vector<float> out(static_cast<size_t>(t.numel()));
+  if (t.dtype() == DType::f32) {
+    t.backend()->copy_to_host(t, out.data());
+  } else {
+    std::vector<uint16_t> h(out.size());
+    t.backend()->copy_to_host(t, h.data());
+    for (size_t i = 0; i < h.size(); ++i) out[i] = bf16_to_f32(h[i]);
+  }
+  return out;
+}
+
+struct Case {
+  int64_t batch = 1;  // 0: 2-D a and c
+  int64_t m, n, k;
+  bool ta = false, tb = false;
+  bool shared_b = true;  // b 2-D (else batched like a)
+  float alpha = 1.f, beta = 0.f;
+  DType da = DType::f32, db = DType::f32, dc = DType::f32;
+};
+
+std::string name(const Case& c) {
+  return "batch=" + std::to_string(c.batch) + " m=" + std::to_string(c.m) +
+         " n=" + std::to_string(c.n) + " k=" + std::to_string(c.k) + " ta=" + std::to_string(c.ta) +
+         " tb=" + std::to_string(c.tb) + " shared_b=" + std::to_string(c.shared_b) +
+         " alpha=" + std::to_string(c.alpha) + " beta=" + std::to_string(c.beta) +
+         " a=" + dtype_name(c.da) + " b=" + dtype_name(c.db) + " c=" + dtype_name(c.dc);
+}
+
+// Runs one case with fresh random operands; checks every element and returns the output.
+std::vector<float> check(const Case& cs, std::mt19937_64& rng, Backend& be = test::cpu()) {
+  SCOPED_TRACE(name(cs));
+  const int64_t nb = std::max<int64_t>(cs.batch, 1);
+  auto with_batch = [&](Shape s, bool batched) {
+    if (batched && cs.batch > 0) s.insert(s.begin(), cs.batch);
+    return s;
+  };
+  const Shape sa = with_batch(cs.ta ? Shape{cs.k, cs.m} : Shape{cs.m, cs.k}, true);
+  const Shape sb = with_batch(cs.tb ? Shape{cs.n, cs.k} : Shape{cs.k, cs.n}, !cs.shared_b);
+  const Shape sc = with_batch({cs.m, cs.n}, true);
+  std::vector<float> va = test::randn(size_t(shape_numel(sa)), rng);
+  std::vector<float> vb = test::randn(size_t(shape_numel(sb)), rng);
+  std::vector<float> vc = test::randn(size_t(shape_numel(sc)), rng);
+  Tensor a = make(be, sa, va, cs.da), b = make(be, sb, vb, cs.db), c = make(be, sc, vc, cs.dc);
+  be.matmul(a, b, c, cs.ta, cs.tb, cs.alpha, cs.beta);
+  const std::vector<float> got = read(c);
+
+  const int64_t bstride = cs.shared_b ? 0 : cs.k * cs.n;
+  for (int64_t bi = 0; bi < nb; ++bi) {
+    for (int64_t i = 0; i < cs.m; ++i) {
+      for (int64_t j = 0; j < cs.n; ++j) {
+        double sum = 0, mag = 0;
+        for (int64_t p = 0; p < cs.k; ++p) {
+          const double x = va[size_t(bi * cs.m * cs.k + (cs.ta ? p * cs.m + i : i * cs.k + p))];
+          const double y = vb[size_t(bi * bstride + (cs.tb ? j * cs.k + p : p * cs.n + j))];
+          sum += x * y;
+          mag += std::fabs(x * y);
+        }
+        const size_t ci = size_t((bi * cs.m + i) * cs.n + j);
+        const double old = vc[ci];
+        const double ref = cs.alpha * sum + (cs.beta == 0.f ? 0.0 : cs.beta * old);
+        double tol = 1e-5 * (std::fabs(cs.alpha) * mag + std::fabs(cs.beta * old)) + 1e-30;
+        if (cs.dc == DType::bf16) tol += std::ldexp(std::fabs(ref), -8);
+        if (!(std::fabs(got[ci] - ref) <= tol)) {
+          ADD_FAILURE() << "c[" << bi << ", " << i << ", " << j << "] = " << got[ci]
+                        << ", reference " << ref << " (tolerance " << tol << ")";
+          return got;
+        }
+      }
+    }
+  }
+  return got;
+}
+
+class Gemm : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    seed_ = test::seed();
+    rng_.seed(seed_);
+  }
+  int64_t odd(int64_t lo, int64_t hi) {  // an odd size in [lo, hi]
+    return std::uniform_int_distribution<int64_t>(lo / 2, (hi - 1) / 2)(rng_) * 2 + 1;
+  }
+  uint64_t seed_ = 0;
+  std::mt19937_64 rng_;
+};
+
+#define MT_SEED_TRACE() SCOPED_TRACE("MT_TEST_SEED=" + std::to_string(seed_))
+
+TEST_F(Gemm, AllTransposeCombinations) {
+  MT_SEED_TRACE();
+  for (int t = 0; t < 4; ++t)
+    check({.batch = 0,
+           .m = odd(3, 71),
+           .n = odd(3, 71),
+           .k = odd(3, 71),
+           .ta = bool(t & 1),
+           .tb = bool(t & 2)},
+          rng_);
+}
+
+TEST_F(Gemm, SizeOne) {
+  MT_SEED_TRACE();
+  const int64_t n = odd(3, 41);
+  const int64_t sizes[][3] = {{1, 1, 1}, {1, n, n + 2}, {n, 1, n + 4}, {n, n + 2, 1},
+                              {1, 1, n}, {n, 1, 1},     {1, n, 1}};
+  for (const auto& s : sizes)
+    for (int t = 0; t < 4; ++t)
+      check({.batch = 0, .m = s[0], .n = s[1], .k = s[2], .ta = bool(t & 1), .tb = bool(t & 2)},
+            rng_);
+}
+
+TEST_F(Gemm, BatchedSharedAndBatchedB) {
+  MT_SEED_TRACE();
+  for (int t = 0; t < 4; ++t) {
+    for (bool shared : {true, false}) {
+      check({.batch = 3,
+             .m = odd(3, 33),
+             .n = odd(3, 33),
+             .k = odd(3, 33),
+             .ta = bool(t & 1),
+             .tb = bool(t & 2),
+             .shared_b = shared},
+            rng_);
+    }
+  }
+}
+
+TEST_F(Gemm, FourDimensionalLeadingShape) {
+  MT_SEED_TRACE();
+  Backend& be = test::cpu();
+  // a [2, 3, M, K] against batched b [2, 3, K, N]: the batch is the product of leading dims.
+  const int64_t m = 5, n = 7, k = 9;
+  std::vector<float> va = test::randn(2 * 3 * m * k, rng_), vb = test::randn(2 * 3 * k * n, rng_);
+  Tensor a = make(be, {2, 3, m, k}, va, DType::f32), b = make(be, {2, 3, k, n}, vb, DType::f32);
+  Tensor c = be.empty({2, 3, m, n}, DType::f32);
+  be.matmul(a, b, c, false, false);
+  const std::vector<float> got = read(c);
+  for (int64_t bi = 0; bi < 6; ++bi) {
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j < n; ++j) {
+        double ref = 0, mag = 0;
+        for (int64_t p = 0; p < k; ++p) {
+          const double x = va[size_t((bi * m + i) * k + p)], y = vb[size_t((bi * k + p) * n + j)];
+          ref += x * y;
+          mag += std::fabs(x * y);
+        }
+        EXPECT_NEAR(got[size_t((bi * m + i) * n + j)], ref, 1e-5 * mag);
+      }
+    }
+  }
+}
+
+TEST_F(Gemm, AlphaBetaAccumulate) {
+  MT_SEED_TRACE();
+  for (int t = 0; t < 4; ++t) {
+    for (float beta : {1.f, -0.75f}) {
+      check({.batch = 0,
+             .m = odd(3, 41),
+             .n = odd(3, 41),
+             .k = odd(3, 41),
+             .ta = bool(t & 1),
+             .tb = bool(t & 2),
+             .alpha = 0.5f,
+             .beta = beta},
+            rng_);
+      // The matrix-vector path has its own alpha/beta handling.
+      check({.batch = 2,
+             .m = 1,
+             .n = odd(3, 300),
+             .k = odd(3, 41),
+             .ta = bool(t & 1),
+             .tb = bool(t & 2),
+             .shared_b = false,
+             .alpha = -2.f,
+             .beta = beta},
+            rng_);
+    }
+  }
+}
+
+TEST_F(Gemm, BetaZeroOverwritesNaN) {
+  MT_SEED_TRACE();
+  Backend& be = test::cpu();
+  for (int64_t m : {1, 9}) {
+    SCOPED_TRACE("m=" + std::to_string(m));
+    std::vector<float> va = test::randn(size_t(m * 5), rng_), vb = test::randn(5 * 6, rng_);
+    std::vector<float> vc(size_t(m * 6), std::numeric_limits<float>::quiet_NaN());
+    Tensor a = make(be, {m, 5}, va, DType::f32), b = make(be, {5, 6}, vb, DType::f32);
+    Tensor c = make(be, {m, 6}, vc, DType::f32);
+    be.matmul(a, b, c, false, false, 1.f, 0.f);
+    for (float x : read(c)) EXPECT_TRUE(std::isfinite(x));
+  }
+}
+
+TEST_F(Gemm, EmptyK) {
+  MT_SEED_TRACE();
+  Backend& be = test::cpu();
+  std::vector<float> none, vc = test::randn(4 * 3, rng_);
+  Tensor a = make(be, {4, 0}, none, DType::f32), b = make(be, {0, 3}, none, DType::f32);
+  Tensor c = make(be, {4, 3}, vc, DType::f32);
+  be.matmul(a, b, c, false, false, 1.f, 2.f);
+  const std::vector<float> got = read(c);
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i], 2.f * vc[i]);
+}
+
+TEST_F(Gemm, MatrixVector) {
+  MT_SEED_TRACE();
+  // K and N cross the kernels' vector width (16), row blocks (4) and 4-row steps.
+  for (int64_t k : {int64_t{1}, int64_t{15}, int64_t{17}, odd(33, 301)}) {
+    for (int64_t n : {int64_t{1}, int64_t{5}, int64_t{257}, odd(301, 601)}) {
+      for (bool tb : {false, true}) {
+        check({.batch = 0, .m = 1, .n = n, .k = k, .tb = tb}, rng_);
+        check({.batch = 0, .m = 1, .n = n, .k = k, .tb = tb, .db = DType::bf16}, rng_);
+      }
+    }
+  }
+  // Wider than one task's column chunk (several rounds of chunks per thread).
+  for (DType db : {DType::f32, DType::bf16})
+    check({.batch = 0, .m = 1, .n = odd(4097, 4601), .k = 9, .db = db}, rng_);
+  // A few rows against shared bf16 weights (batched decode) go row by row.
+  for (bool tb : {false, true})
+    check({.batch = 2,
+           .m = 2,
+           .n = 77,
+           .k = 45,
+           .tb = tb,
+           .alpha = 0.5f,
+           .beta = 1.f,
+           .db = DType::bf16},
+          rng_);
+  // Batched decode: one row per batch item with batched b and with a transposed a.
+  check({.batch = 3, .m = 1, .n = 40, .k = 33, .ta = true, .tb = true, .shared_b = false}, rng_);
+  check({.batch = 3, .m = 1, .n = 40, .k = 33, .ta = true}, rng_);
+}
+
+TEST_F(Gemm, Bf16Operands) {
+  MT_SEED_TRACE();
+  const DType f = DType::f32, h = DType::bf16;
+  const DType combos[][3] = {{h, f, f}, {f, h, f}, {h, h, f}, {h, h, h}, {f, f, h}};
+  for (const auto& d : combos) {
+    for (int t = 0; t < 4; ++t) {
+      check({.batch = 2,
+             .m = odd(3, 41),
+             .n = odd(3, 41),
+             .k = odd(3, 41),
+             .ta = bool(t & 1),
+             .tb = bool(t & 2),
+             .beta = 0.5f,
+             .da = d[0],
+             .db = d[1],
+             .dc = d[2]},
+            rng_);
+    }
+    check({.batch = 0, .m = 1, .n = 300, .k = 77, .tb = true, .da = d[0], .db = d[1], .dc = d[2]},
+          rng_);
+  }
+}
+
+TEST_F(Gemm, TiledOverThreads) {
+  MT_SEED_TRACE();
+  // Big enough to be cut into per-thread tiles: along M (m >= n) and along N (n > m, 16-column
+  // tiles with a ragged end), single and in an unbalanced batch of 3.
+  for (int t = 0; t < 4; ++t) {
+    check({.batch = 0, .m = 301, .n = 97, .k = 131, .ta = bool(t & 1), .tb = bool(t & 2)}, rng_);
+    check({.batch = 0, .m = 67, .n = 517, .k = 129, .ta = bool(t & 1), .tb = bool(t & 2)}, rng_);
+    check({.batch = 3,
+           .m = 129,
+           .n = 161,
+           .k = 97,
+           .ta = bool(t & 1),
+           .tb = bool(t & 2),
+           .shared_b = false},
+          rng_);
+  }
+}
+
+TEST_F(Gemm, Bf16LargeShapes) {
+  MT_SEED_TRACE();
+  // bf16 x bf16 takes the AMX path where the CPU has it: several 128-row blocks with a ragged
+  // end, 32-column panels with a ragged end, K across several 32-wide tile steps with a tail and
+  // across several 256-wide chunks, and a single row block split over column ranges.
+  const DType h = DType::bf16;
+  for (int t = 0; t < 4; ++t) {
+    check({.batch = 0,
+           .m = 301,
+           .n = 97,
+           .k = 131,
+           .ta = bool(t & 1),
+           .tb = bool(t & 2),
+           .beta = 0.5f,
+           .da = h,
+           .db = h},
+          rng_);
+    check({.batch = 2,
+           .m = 67,
+           .n = 517,
+           .k = 64,
+           .ta = bool(t & 1),
+           .tb = bool(t & 2),
+           .shared_b = false,
+           .alpha = 2.f,
+           .da = h,
+           .db = h,
+           .dc = h},
+          rng_);
+    // K over several 256-wide chunks (partial sums carried between chunks), odd K.
+    check({.batch = 0,
+           .m = 150,
+           .n = 40,
+           .k = 523,
+           .ta = bool(t & 1),
+           .tb = bool(t & 2),
+           .beta = 1.f,
+           .da = h,
+           .db = h},
+          rng_);
+  }
+}
+
+TEST_F(Gemm, OtherThreadCounts) {
+  MT_SEED_TRACE();
+  // The tiling depends on the arena's thread count: 1 (no tiles) and 3 (odd splits, batch of 2
+  // unbalanced; only where there are 3 cores, as oneTBB caps its workers at the core count).
+  std::vector<int> counts = {1};
+  if (std::thread::hardware_concurrency() >= 3) counts.push_back(3);
+  for (int threads : counts) {
+    SCOPED_TRACE("threads=" + std::to_string(threads));
+    std::unique_ptr<Backend> be = test::plugins().make_backend(
+        "cpu", config_from_pairs({{"num_threads", std::to_string(threads)}}));
+    for (DType d : {DType::f32, DType::bf16}) {
+      check({.batch = 2,
+             .m = 211,
+             .n = 133,
+             .k = 77,
+             .tb = true,
+             .shared_b = false,
+             .da = d,
+             .db = d},
+            rng_, *be);
+      check({.batch = 0, .m = 45, .n = 403, .k = 150, .ta = true, .da = d, .db = d}, rng_, *be);
+      check({.batch = 0, .m = 1, .n = 1001, .k = 150, .db = d}, rng_, *be);
+    }
+  }
+}
+
+TEST_F(Gemm, Deterministic) {
+  MT_SEED_TRACE();
+  Backend& be = test::cpu();
+  // The matrix-vector kernels, OpenBLAS tiles over threads, and bf16 x bf16 (AMX where present).
+  struct V {
+    int64_t m;
+    DType da, db;
+  };
+  for (const V& v : {V{1, DType::f32, DType::bf16}, V{257, DType::f32, DType::f32},
+                     V{257, DType::bf16, DType::bf16}}) {
+    SCOPED_TRACE("m=" + std::to_string(v.m) + " a=" + dtype_name(v.da) + " b=" + dtype_name(v.db));
+    std::vector<float> va = test::randn(size_t(v.m * 300), rng_);
+    std::vector<float> vb = test::randn(300 * 333, rng_);
+    Tensor a = make(be, {v.m, 300}, va, v.da), b = make(be, {300, 333}, vb, v.db);
+    Tensor c1 = be.empty({v.m, 333}, DType::f32), c2 = be.empty({v.m, 333}, DType::f32);
+    be.matmul(a, b, c1, false, false);
+    be.matmul(a, b, c2, false, false);
+    const std::vector<float> r1 = read(c1), r2 = read(c2);
+    EXPECT_EQ(std::memcmp(r1.data(), r2.data(), r1.size() * sizeof(float)), 0);
+  }
+}
+
+TEST_F(Gemm, ShapeErrorsThrow) {
+  Backend& be = test::cpu();
+  auto t = [&](Shape s, DType d = DType::f32) { return be.zeros(s, d); };
+  Tensor c = t({4, 5});
+  EXPECT_THROW(be.matmul(t({4, 3}), t({2, 5}), c, false, false), Error);  // K mismatch
+  EXPECT_THROW(be.matmul(t({4, 3}), t({3, 6}), c, false, false), Error);  // N vs c
+  EXPECT_THROW(be.matmul(t({4, 3}), t({3, 5}), c, true, false), Error);   // trans_a: M = 3
+  EXPECT_THROW(be.matmul(t({3}), t({3, 5}), c, false, false), Error);     // 1-D a
+  EXPECT_THROW(be.matmul(t({4, 3}, DType::i32), t({3, 5}), c, false, false), Error);
+  Tensor cb = t({2, 4, 5});
+  EXPECT_THROW(be.matmul(t({2, 4, 3}), t({3, 3, 5}), cb, false, false), Error);  // batch of b
+  EXPECT_THROW(be.matmul(t({2, 4, 3}), t({3, 5}), c, false, false), Error);      // batch of c
+  EXPECT_NO_THROW(be.matmul(t({2, 4, 3}), t({3, 5}), cb, false, false));
+}
+
+TEST(GemmPath, DescribesPathAndPeak) {
+  Backend& be = test::cpu();
+  const std::string d = be.describe();
+  SCOPED_TRACE(d);
+  EXPECT_NE(d.find("GEMM"), std::string::npos);
+  EXPECT_GT(be.peak_flops(DType::f32), 1e9);
+  EXPECT_GT(be.peak_flops(DType::bf16), 1e9);
+  if (const char* env = std::getenv("MT_CPU_BLAS")) {
+    EXPECT_NE(d.find("portable"), std::string::npos) << "MT_CPU_BLAS=" << env;
+    return;
+  }
+  // A coretype from the environment is what OpenBLAS runs, and the line says where it came from.
+  if (const char* env = std::getenv("OPENBLAS_CORETYPE")) {
+    if (d.find("OpenBLAS") != std::string::npos) {
+      EXPECT_NE(d.find("from the environment"), std::string::npos);
+      std::string want = env, got = d;
+      for (auto& ch : want) ch = char(std::tolower(ch));
+      for (auto& ch : got) ch = char(std::tolower(ch));
+      EXPECT_NE(got.find(want + " kernels"), std::string::npos);
+    }
+  }
+}
+
+TEST(GemmPath, PortablePathWithoutOpenBlas) {
+  if (std::getenv("MT_CPU_BLAS")) GTEST_SKIP() << "runs as the child of this test";
+  // The GEMM used where OpenBLAS cannot be loaded, and the f32 path for bf16 without AMX: the
+  // whole suite again in a child process (both are chosen once per process).
+  std::string out;
+  const int rc =
+      test::run_command("MT_CPU_BLAS=portable MT_CPU_AMX=0 /proc/" + std::to_string(getpid()) +
+                            "/exe --gtest_filter=Gemm.*:GemmPath.DescribesPathAndPeak",
+                        out);
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("PASSED"), std::string::npos) << out;
+}
+
+TEST(GemmPath, RespectsCoretypeFromEnvironment) {
+  if (std::getenv("OPENBLAS_CORETYPE")) GTEST_SKIP() << "runs as the child of this test";
+  // OpenBLAS reads the variable when it loads, once per process: check it in a child process.
+  std::string out;
+  const int rc = test::run_command(
+      "OPENBLAS_CORETYPE=Haswell /proc/" + std::to_string(getpid()) +
+          "/exe --gtest_filter=GemmPath.DescribesPathAndPeak:Gemm.AllTransposeCombinations",
+      out);
+  EXPECT_EQ(rc, 0) << out;
+  if (rc == 0) {
+    EXPECT_EQ(out.find("FAILED"), std::string::npos) << out;
+  }
+}
+
+}  // namespace
+}  // namespace mt
