@@ -10,6 +10,7 @@
 #include "checkpoint_manager.h"
 #include "cli.h"
 #include "decoder.h"
+#include "hf_interop.h"
 #include "model_runner.h"
 #include "mt/data.h"
 #include "mt/error.h"
@@ -37,23 +38,27 @@ Inference load_inference(const Args& args, const char* command, bool need_tokeni
   in.cfg = resolve_config(args);
   const Config& cfg = in.cfg;
   const std::string ckpt = cfg.get_string("load_parameters_path");
-  if (!cfg.get_string("hf_path").empty())
-    throw Error(std::string("mt ") + command +
-                ": hf_path= is not implemented yet (it arrives with `mt convert`); convert the "
-                "weights to an mt checkpoint and pass load_parameters_path= instead.");
-  if (ckpt.empty())
+  const std::string hf = cfg.get_string("hf_path");
+  if (ckpt.empty() && hf.empty())
     throw UsageError(std::string("mt ") + command +
                      " needs trained weights: pass load_parameters_path=<checkpoint> (a run "
-                     "directory, its checkpoints/ directory, or one step directory).");
+                     "directory, its checkpoints/ directory, or one step directory) or "
+                     "hf_path=<Hugging Face model directory>.");
   std::vector<fs::path> dirs;
   for (const auto& d : cfg.get_string_list("plugin_dirs")) dirs.emplace_back(d);
   in.pm = std::make_unique<PluginManager>(dirs);
   in.runner = std::make_unique<ModelRunner>(cfg, *in.pm);
-  std::map<std::string, Tensor> params;
-  for (auto& p : in.runner->params()) params[p.name] = p.value;
-  load_parameters(ckpt, params);
+  if (!ckpt.empty()) {
+    std::map<std::string, Tensor> params;
+    for (auto& p : in.runner->params()) params[p.name] = p.value;
+    load_parameters(ckpt, params);
+  } else {
+    load_hf_weights(hf, *in.runner);
+  }
+  // Only when text must be tokenized (score with token ids needs none).
   const std::string tok = cfg.get_string("tokenizer_path");
-  if (!tok.empty()) in.tokenizer = make_tokenizer(tok, cfg.get_string("tokenizer_type"));
+  if (need_tokenizer && !tok.empty())
+    in.tokenizer = make_tokenizer(tok, cfg.get_string("tokenizer_type"));
   if (need_tokenizer && !in.tokenizer)
     throw UsageError(std::string("mt ") + command +
                      " needs a tokenizer for text: set tokenizer_path= (or give token ids).");

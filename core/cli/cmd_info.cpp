@@ -105,8 +105,5 @@ int cmd_config(const Args& args_in) {
   return 0;
 }
 
-int cmd_convert(const Args&) {
-  throw Error("`mt convert` is not implemented yet (it arrives with the checkpointing issue).");
-}
 
 }  // namespace mt::cli

@@ -1,9 +1,11 @@
+#include <cstdio>
 #include <filesystem>
 #include <string>
 
 #include "cli.h"
 #include "config_impl.h"
 #include "config_loader.h"
+#include "hf_interop.h"
 #include "mt/error.h"
 #include "plugin_manager.h"
 
@@ -66,6 +68,27 @@ Config resolve_config(const Args& a) {
   req.config_file = a.config_file;
   req.overrides = a.overrides;
   Config cfg = load_config(req);
+  // hf_path=<dir>: the model's config comes from its config.json (through the family plugin),
+  // layered after the model file and before the user's own overrides, which still win.
+  if (const std::string hf = cfg.get_string("hf_path"); !hf.empty()) {
+    std::vector<fs::path> dirs;
+    for (const auto& d : cfg.get_string_list("plugin_dirs")) dirs.emplace_back(d);
+    PluginManager pm(dirs);
+    const HfImport imp = read_hf_config(hf, pm);
+    std::vector<std::string> layered = imp.overrides;
+    std::error_code ec;
+    // The model directory's own tokenizer, unless the user named one.
+    bool user_tokenizer = false;
+    for (const auto& o : a.overrides) user_tokenizer |= o.rfind("tokenizer_path=", 0) == 0;
+    if (!user_tokenizer && (fs::exists(fs::path(hf) / "tokenizer.json", ec) ||
+                            fs::exists(fs::path(hf) / "tokenizer.model", ec)))
+      layered.push_back("tokenizer_path=" + hf);
+    layered.insert(layered.end(), a.overrides.begin(), a.overrides.end());
+    req.overrides = layered;
+    cfg = load_config(req);
+    for (const auto& u : imp.unused)
+      std::fprintf(stderr, "mt: note: %s/config.json field not used by mt: %s\n", hf.c_str(), u.c_str());
+  }
   // A relative data path that does not exist from the current directory is looked up in
   // share/mt (where the shipped corpus and tokenizer live), so `mt run` works from anywhere.
   const fs::path share = configs_dir().parent_path();

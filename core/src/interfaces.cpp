@@ -30,6 +30,13 @@ namespace mt {
 DecoderLayer::~DecoderLayer() = default;
 Model::~Model() = default;
 ModelFamily::~ModelFamily() = default;
+std::vector<std::string> ModelFamily::from_hf_config(const HfConfig&,
+                                                     std::vector<std::string>&) const {
+  throw UsageError("The model family '" + name() + "' has no Hugging Face config mapping.");
+}
+std::map<std::string, std::string> ModelFamily::to_hf_config(const Config&) const {
+  throw UsageError("The model family '" + name() + "' has no Hugging Face config mapping.");
+}
 DatasetSource::~DatasetSource() = default;
 Tokenizer::~Tokenizer() = default;
 Checkpointer::~Checkpointer() = default;

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "checkpoint_manager.h"
+#include "hf_interop.h"
 #include "model_info.h"
 #include "mt/tokenizer.h"
 #include "tokenizer_factory.h"
@@ -151,6 +152,9 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
   } else if (!cfg.get_string("load_parameters_path").empty()) {
     load_parameters(cfg.get_string("load_parameters_path"), state.params);
     resumed_from = "parameters from " + cfg.get_string("load_parameters_path");
+  } else if (!cfg.get_string("hf_path").empty()) {
+    load_hf_weights(cfg.get_string("hf_path"), runner);
+    resumed_from = "Hugging Face weights from " + cfg.get_string("hf_path");
   }
   auto save = [&](int64_t step) {
     state.step = step;

@@ -3,6 +3,8 @@
 // SwiGLU MLP; untied or tied embeddings. Written against the SDK only: the example a new family
 // follows (see sdk/ADDING_A_MODEL.md).
 #include <cmath>
+#include <cstdio>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -203,6 +205,130 @@ class LlamaFamily final : public mt::ModelFamily {
   std::unique_ptr<mt::Model> build(const mt::Config& c) const override {
     validate(c);
     return std::make_unique<LlamaModel>(c);
+  }
+
+  // LlamaForCausalLM's config.json <-> mt keys.
+  std::vector<std::string> from_hf_config(const mt::HfConfig& hf,
+                                          std::vector<std::string>& unused) const override {
+    auto get = [&](const std::string& k) -> const std::string* {
+      auto it = hf.find(k);
+      return it == hf.end() || it->second == "null" ? nullptr : &it->second;
+    };
+    auto need = [&](const std::string& k) -> const std::string& {
+      const std::string* v = get(k);
+      if (!v) throw mt::UsageError("config.json has no '" + k + "', which a Llama model needs.");
+      return *v;
+    };
+    auto refuse_true = [&](const std::string& k, const std::string& what) {
+      if (const std::string* v = get(k); v && *v == "true")
+        throw mt::UsageError("config.json sets " + k + "=true: " + what +
+                             " are not supported by mt's llama family.");
+    };
+    refuse_true("attention_bias", "attention biases");
+    refuse_true("mlp_bias", "MLP biases");
+    if (const std::string* act = get("hidden_act"); act && *act != "silu")
+      throw mt::UsageError("config.json's hidden_act is '" + *act +
+                           "'; mt's llama family implements silu (SwiGLU) only.");
+    std::vector<std::string> o = {"decoder_block=llama"};
+    const std::string& heads = need("num_attention_heads");
+    const std::string& hidden = need("hidden_size");
+    o.push_back("vocab_size=" + need("vocab_size"));
+    o.push_back("base_emb_dim=" + hidden);
+    o.push_back("base_mlp_dim=" + need("intermediate_size"));
+    o.push_back("base_num_decoder_layers=" + need("num_hidden_layers"));
+    o.push_back("base_num_query_heads=" + heads);
+    const std::string* kv = get("num_key_value_heads");
+    o.push_back("base_num_kv_heads=" + (kv ? *kv : heads));
+    const std::string* hd = get("head_dim");
+    o.push_back("head_dim=" + (hd ? *hd : std::to_string(std::stoll(hidden) / std::stoll(heads))));
+    if (const std::string* v = get("rms_norm_eps")) o.push_back("normalization_layer_epsilon=" + *v);
+    if (const std::string* v = get("rope_theta")) o.push_back("rope_max_timescale=" + *v);
+    const std::string* tied = get("tie_word_embeddings");
+    o.push_back(std::string("logits_via_embedding=") + (tied && *tied == "true" ? "true" : "false"));
+    const std::string* rt = get("rope_scaling.rope_type");
+    if (!rt) rt = get("rope_scaling.type");
+    if (rt && *rt == "llama3") {
+      o.push_back("rope_type=llama3.1");
+      o.push_back("rope_factor=" + need("rope_scaling.factor"));
+      o.push_back("rope_low_freq_factor=" + need("rope_scaling.low_freq_factor"));
+      o.push_back("rope_high_freq_factor=" + need("rope_scaling.high_freq_factor"));
+      o.push_back("original_max_position_embeddings=" +
+                  need("rope_scaling.original_max_position_embeddings"));
+    } else if (rt && *rt == "yarn") {
+      o.push_back("rope_type=yarn");
+      o.push_back("rope_factor=" + need("rope_scaling.factor"));
+      if (const std::string* v = get("rope_scaling.beta_fast")) o.push_back("beta_fast=" + *v);
+      if (const std::string* v = get("rope_scaling.beta_slow")) o.push_back("beta_slow=" + *v);
+      if (const std::string* v = get("rope_scaling.original_max_position_embeddings"))
+        o.push_back("original_max_position_embeddings=" + *v);
+    } else if (rt && *rt != "default") {
+      throw mt::UsageError("config.json's rope_scaling type '" + *rt +
+                           "' is not supported (mt has default, llama3 and yarn).");
+    }
+    // Fields that only describe training or tooling, and never change the computation.
+    static const char* const kIgnorable[] = {
+        "architectures", "model_type", "torch_dtype", "transformers_version", "use_cache",
+        "initializer_range", "attention_dropout", "pretraining_tp", "bos_token_id",
+        "eos_token_id", "pad_token_id", "max_position_embeddings", "attention_bias", "mlp_bias",
+        "hidden_act"};
+    static const char* const kUsed[] = {"vocab_size", "hidden_size", "intermediate_size",
+                                        "num_hidden_layers", "num_attention_heads",
+                                        "num_key_value_heads", "head_dim", "rms_norm_eps",
+                                        "rope_theta", "tie_word_embeddings"};
+    for (const auto& [k, v] : hf) {
+      bool known = k.rfind("rope_scaling", 0) == 0;
+      for (const char* i : kIgnorable) known = known || k == i;
+      for (const char* u : kUsed) known = known || k == u;
+      if (!known) unused.push_back(k + "=" + v);
+    }
+    return o;
+  }
+
+  std::map<std::string, std::string> to_hf_config(const mt::Config& cfg) const override {
+    const LlamaConfig c(cfg);
+    // Floats as JSON numbers that read back as floats ("10000.0", "1e-05").
+    auto num = [](double v) {
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "%.9g", v);
+      std::string s = buf;
+      if (s.find_first_of(".e") == std::string::npos) s += ".0";
+      return s;
+    };
+    std::map<std::string, std::string> m = {
+        {"architectures", "[\"LlamaForCausalLM\"]"},
+        {"model_type", "\"llama\""},
+        {"vocab_size", std::to_string(c.vocab)},
+        {"hidden_size", std::to_string(c.d)},
+        {"intermediate_size", std::to_string(c.mlp)},
+        {"num_hidden_layers", std::to_string(c.layers)},
+        {"num_attention_heads", std::to_string(c.heads)},
+        {"num_key_value_heads", std::to_string(c.kv_heads)},
+        {"head_dim", std::to_string(c.head_dim)},
+        {"hidden_act", "\"silu\""},
+        // From the config's doubles: c's floats would print 1e-5 as 9.99999975e-06.
+        {"rms_norm_eps", num(cfg.get_float("normalization_layer_epsilon"))},
+        {"rope_theta", num(cfg.get_float("rope_max_timescale"))},
+        {"tie_word_embeddings", c.tied ? "true" : "false"},
+        {"attention_bias", "false"},
+        {"mlp_bias", "false"},
+        {"torch_dtype", cfg.get_string("weight_dtype") == "bfloat16" ? "\"bfloat16\"" : "\"float32\""},
+        {"max_position_embeddings", std::to_string(cfg.get_int("max_target_length"))}};
+    if (c.rope.type == mt::RopeSpec::Type::llama3) {
+      m["rope_scaling.rope_type"] = "\"llama3\"";
+      m["rope_scaling.factor"] = num(cfg.get_float("rope_factor"));
+      m["rope_scaling.low_freq_factor"] = num(cfg.get_float("rope_low_freq_factor"));
+      m["rope_scaling.high_freq_factor"] = num(cfg.get_float("rope_high_freq_factor"));
+      m["rope_scaling.original_max_position_embeddings"] = std::to_string(c.rope.original_max_position);
+    } else if (c.rope.type == mt::RopeSpec::Type::yarn) {
+      m["rope_scaling.rope_type"] = "\"yarn\"";
+      m["rope_scaling.factor"] = num(cfg.get_float("rope_factor"));
+      m["rope_scaling.beta_fast"] = num(cfg.get_float("beta_fast"));
+      m["rope_scaling.beta_slow"] = num(cfg.get_float("beta_slow"));
+      m["rope_scaling.original_max_position_embeddings"] = std::to_string(c.rope.original_max_position);
+    } else {
+      m["rope_scaling"] = "null";
+    }
+    return m;
   }
 };
 

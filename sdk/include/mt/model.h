@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -92,6 +93,10 @@ class MT_API Model {
   }
 };
 
+// A Hugging Face config.json flattened: nested objects as dotted keys ("rope_scaling.factor"),
+// values as text (strings without quotes, null as "null", lists as JSON text).
+using HfConfig = std::map<std::string, std::string>;
+
 class MT_API ModelFamily {
  public:
   virtual ~ModelFamily();
@@ -99,6 +104,15 @@ class MT_API ModelFamily {
   // Checks the family's part of the config; throws UsageError via Config::reject.
   virtual void validate(const Config& cfg) const = 0;
   virtual std::unique_ptr<Model> build(const Config& cfg) const = 0;
+
+  // Hugging Face interop (mt convert, hf_path=). The core finds the family of a config.json by
+  // its model_type (libmt_model_<model_type>.so). from_hf_config returns the mt config overrides
+  // ("key=value") equal to `hf` and lists every field it did not use in `unused`; it throws
+  // UsageError for anything mt cannot represent. to_hf_config returns config.json's fields,
+  // each value as JSON text ("4096", "\"llama\"", "true"); dotted keys become nested objects.
+  virtual std::vector<std::string> from_hf_config(const HfConfig& hf,
+                                                  std::vector<std::string>& unused) const;
+  virtual std::map<std::string, std::string> to_hf_config(const Config& cfg) const;
 };
 
 }  // namespace mt

@@ -1,0 +1,102 @@
+// mt convert: Hugging Face model directories <-> mt parameter checkpoints.
+//   mt convert --from=hf --input=<hf dir> --output=<mt dir>
+//       writes <mt dir>/checkpoints/0/ (parameters) and <mt dir>/model.yml (the mt config keys
+//       equal to config.json), and copies the tokenizer files.
+//   mt convert --to=hf --input=<mt checkpoint> --output=<hf dir> [--model=... | --config=...]
+//       writes config.json + model.safetensors (+ the tokenizer of tokenizer_path).
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+#include "checkpoint_manager.h"
+#include "cli.h"
+#include "hf_interop.h"
+#include "model_runner.h"
+#include "mt/checkpointer.h"
+#include "mt/error.h"
+#include "plugin_manager.h"
+
+namespace fs = std::filesystem;
+
+namespace mt::cli {
+
+namespace {
+// Removes key=value from the overrides and returns the value ("" when absent).
+std::string take(Args& a, const std::string& key) {
+  std::string v;
+  for (auto it = a.overrides.begin(); it != a.overrides.end();) {
+    if (it->rfind(key + "=", 0) == 0) {
+      v = it->substr(key.size() + 1);
+      it = a.overrides.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return v;
+}
+}  // namespace
+
+int cmd_convert(const Args& args_in) {
+  Args args = args_in;
+  const std::string from = take(args, "from"), to = take(args, "to");
+  const std::string input = take(args, "input"), output = take(args, "output");
+  if ((from.empty()) == (to.empty()) || (from.empty() ? to : from) != "hf")
+    throw UsageError("mt convert needs exactly one of --from=hf (import a Hugging Face model) or "
+                     "--to=hf (export an mt checkpoint).");
+  if (input.empty() || output.empty())
+    throw UsageError("mt convert needs --input=<dir> and --output=<dir>.");
+  if (fs::exists(output) && !fs::is_empty(output))
+    throw UsageError("The output directory '" + output +
+                     "' exists and is not empty; mt convert never overwrites, choose another.");
+  if (from == "hf") {
+    args.overrides.insert(args.overrides.begin(), "hf_path=" + input);
+    Config cfg = resolve_config(args);
+    std::vector<fs::path> dirs;
+    for (const auto& d : cfg.get_string_list("plugin_dirs")) dirs.emplace_back(d);
+    PluginManager pm(dirs);
+    const HfImport imp = read_hf_config(input, pm);
+    ModelRunner runner(cfg, pm);
+    std::vector<std::string> unused;
+    load_hf_weights(input, runner, &unused);
+    fs::create_directories(output);
+    {
+      std::ofstream y(fs::path(output) / "model.yml");
+      y << "# mt config of the Hugging Face model converted from " << input
+        << "\n# use with --config=" << (fs::path(output) / "model.yml").string() << "\n";
+      for (const auto& o : imp.overrides) {
+        const auto eq = o.find('=');
+        y << o.substr(0, eq) << ": " << o.substr(eq + 1) << "\n";
+      }
+    }
+    CheckpointManager ckpt(fs::path(output) / "checkpoints", /*async=*/false, 0, runner.backend());
+    TrainState st;
+    for (auto& p : runner.params()) st.params[p.name] = p.value;
+    st.step = 0;
+    st.config_yaml = cfg.to_yaml(true);
+    ckpt.save(st);
+    ckpt.wait();
+    copy_tokenizer_files(input, output);
+    std::printf("mt convert: %zu parameters of a %s model -> %s (config: %s/model.yml)\n",
+                runner.params().size(), imp.family.c_str(),
+                (fs::path(output) / "checkpoints" / "0").string().c_str(), output.c_str());
+    for (const auto& u : unused) std::printf("mt convert: note: tensor not used by mt: %s\n", u.c_str());
+    return 0;
+  }
+  // --to=hf
+  Config cfg = resolve_config(args);
+  std::vector<fs::path> dirs;
+  for (const auto& d : cfg.get_string_list("plugin_dirs")) dirs.emplace_back(d);
+  PluginManager pm(dirs);
+  ModelRunner runner(cfg, pm);
+  std::map<std::string, Tensor> params;
+  for (auto& p : runner.params()) params[p.name] = p.value;
+  load_parameters(input, params);
+  write_hf_model(output, runner, cfg, pm);
+  if (!cfg.get_string("tokenizer_path").empty()) copy_tokenizer_files(cfg.get_string("tokenizer_path"), output);
+  std::printf("mt convert: %zu parameters -> %s (config.json, model.safetensors)\n",
+              runner.params().size(), output.c_str());
+  return 0;
+}
+
+}  // namespace mt::cli

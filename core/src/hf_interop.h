@@ -1,0 +1,41 @@
+// Hugging Face model directories: config.json + safetensors (single file or sharded with
+// model.safetensors.index.json) + tokenizer files. The family plugin supplies the config and
+// parameter-name mappings; this file does the I/O.
+#pragma once
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "mt/config.h"
+
+namespace mt {
+
+class ModelRunner;
+class PluginManager;
+
+struct HfImport {
+  std::string family;                  // config.json's model_type
+  std::vector<std::string> overrides;  // mt config key=value equal to config.json
+  std::vector<std::string> unused;     // config.json fields mt does not use, for the user
+};
+
+// Reads <dir>/config.json and asks the family plugin of its model_type for the mt config.
+HfImport read_hf_config(const std::filesystem::path& dir, PluginManager& plugins);
+
+// Loads every parameter of `runner` from the directory's safetensors by its Hugging Face name
+// (transposing where the family says the layouts differ). Throws mt::Error naming a missing
+// tensor or a shape mismatch; tensors of the directory that no parameter uses are listed in
+// `unused`.
+void load_hf_weights(const std::filesystem::path& dir, ModelRunner& runner,
+                     std::vector<std::string>* unused = nullptr);
+
+// Writes config.json and model.safetensors (Hugging Face names and layouts) for `runner`.
+void write_hf_model(const std::filesystem::path& dir, ModelRunner& runner, const Config& cfg,
+                    PluginManager& plugins);
+
+// Copies tokenizer.json, tokenizer.model, tokenizer_config.json, special_tokens_map.json and
+// generation_config.json from `from` (a directory, or a tokenizer file's directory) if present.
+void copy_tokenizer_files(const std::filesystem::path& from, const std::filesystem::path& to);
+
+}  // namespace mt
