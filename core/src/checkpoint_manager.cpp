@@ -13,9 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <set>
-#include <sstream>
 #include <string_view>
 #include <system_error>
 
@@ -23,6 +21,8 @@
 #include <nmmintrin.h>
 #endif
 
+#include "file_util.h"
+#include "json.h"
 #include "mt/error.h"
 #include "mt/version.h"
 
@@ -40,13 +40,8 @@ constexpr const char* kFileNames[3] = {"params.safetensors", "opt_m.safetensors"
                                        "opt_v.safetensors"};
 // Metadata holds a config and two small state strings; anything bigger is not ours.
 constexpr uintmax_t kMaxMetadataBytes = uintmax_t{256} << 20;
-
-std::string quoted(const fs::path& p) {
-  std::string s = p.string();
-  s.insert(s.begin(), '\'');
-  s += '\'';
-  return s;
-}
+// The metadata nests three levels; the bound only protects the parser's stack from hostile input.
+constexpr int kMaxMetadataDepth = 32;
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
@@ -209,228 +204,6 @@ void write_file_durable(const fs::path& p, std::string_view text) {
   }
 }
 
-// ---- JSON -----------------------------------------------------------------------------------
-// Only what metadata.json needs: the writer escapes quotes, backslashes and control characters and
-// passes every other byte through, so any string (valid UTF-8 or not) round-trips byte for byte;
-// the parser accepts standard JSON (\uXXXX escapes included) and those raw bytes.
-void json_string(std::string& out, std::string_view s) {
-  out += '"';
-  for (char ch : s) {
-    auto u = static_cast<unsigned char>(ch);
-    switch (ch) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\r':
-        out += "\\r";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      default:
-        if (u < 0x20 || u == 0x7f) {
-          char buf[8];
-          std::snprintf(buf, sizeof buf, "\\u%04x", u);
-          out += buf;
-        } else {
-          out += ch;
-        }
-    }
-  }
-  out += '"';
-}
-
-struct Json {
-  enum class Kind { null, boolean, number, string, array, object };
-  Kind kind = Kind::null;
-  bool boolean = false;
-  std::string text;               // string value, or a number's literal
-  std::vector<Json> items;        // array elements, or object values
-  std::vector<std::string> keys;  // object keys, parallel to items
-
-  const Json* get(std::string_view key) const {
-    if (kind != Kind::object) return nullptr;
-    for (size_t i = 0; i < keys.size(); ++i)
-      if (keys[i] == key) return &items[i];
-    return nullptr;
-  }
-};
-
-class JsonParser {
- public:
-  JsonParser(std::string_view text, const fs::path& file) : s_(text), file_(file) {}
-
-  Json parse() {
-    Json v = value(0);
-    skip_ws();
-    if (i_ != s_.size()) fail("unexpected text after the top-level value");
-    return v;
-  }
-
- private:
-  [[noreturn]] void fail(const std::string& what) const {
-    throw Error("invalid JSON in " + quoted(file_) + " at byte " + std::to_string(i_) + ": " +
-                what);
-  }
-  void skip_ws() {
-    while (i_ < s_.size() && (s_[i_] == ' ' || s_[i_] == '\n' || s_[i_] == '\r' || s_[i_] == '\t'))
-      ++i_;
-  }
-  bool eat(char c) {
-    skip_ws();
-    if (i_ < s_.size() && s_[i_] == c) {
-      ++i_;
-      return true;
-    }
-    return false;
-  }
-  void expect(char c) {
-    if (!eat(c)) fail(std::string("expected '") + c + "'");
-  }
-  bool literal(std::string_view w) {
-    if (s_.substr(i_, w.size()) != w) return false;
-    i_ += w.size();
-    return true;
-  }
-
-  Json value(int depth) {
-    // The metadata nests three levels; the bound only protects the stack from hostile input.
-    if (depth > 32) fail("nesting too deep");
-    skip_ws();
-    if (i_ >= s_.size()) fail("unexpected end of input");
-    Json v;
-    char c = s_[i_];
-    if (c == '{') {
-      ++i_;
-      v.kind = Json::Kind::object;
-      if (eat('}')) return v;
-      do {
-        skip_ws();
-        if (i_ >= s_.size() || s_[i_] != '"') fail("expected a string key");
-        v.keys.push_back(string());
-        expect(':');
-        v.items.push_back(value(depth + 1));
-      } while (eat(','));
-      expect('}');
-    } else if (c == '[') {
-      ++i_;
-      v.kind = Json::Kind::array;
-      if (eat(']')) return v;
-      do v.items.push_back(value(depth + 1));
-      while (eat(','));
-      expect(']');
-    } else if (c == '"') {
-      v.kind = Json::Kind::string;
-      v.text = string();
-    } else if (literal("true")) {
-      v.kind = Json::Kind::boolean;
-      v.boolean = true;
-    } else if (literal("false")) {
-      v.kind = Json::Kind::boolean;
-    } else if (literal("null")) {
-      v.kind = Json::Kind::null;
-    } else if (c == '-' || (c >= '0' && c <= '9')) {
-      size_t b = i_;
-      while (i_ < s_.size() && std::strchr("+-.eE0123456789", s_[i_]) != nullptr) ++i_;
-      v.kind = Json::Kind::number;
-      v.text = std::string(s_.substr(b, i_ - b));
-    } else {
-      fail(std::string("unexpected character '") + c + "'");
-    }
-    return v;
-  }
-
-  unsigned hex4() {
-    if (i_ + 4 > s_.size()) fail("truncated \\u escape");
-    unsigned v = 0;
-    auto r = std::from_chars(s_.data() + i_, s_.data() + i_ + 4, v, 16);
-    if (r.ec != std::errc() || r.ptr != s_.data() + i_ + 4) fail("bad \\u escape");
-    i_ += 4;
-    return v;
-  }
-
-  static void put_utf8(std::string& out, uint32_t cp) {
-    if (cp < 0x80) {
-      out += static_cast<char>(cp);
-    } else if (cp < 0x800) {
-      out += static_cast<char>(0xC0 | (cp >> 6));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else if (cp < 0x10000) {
-      out += static_cast<char>(0xE0 | (cp >> 12));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else {
-      out += static_cast<char>(0xF0 | (cp >> 18));
-      out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    }
-  }
-
-  // At the opening quote.
-  std::string string() {
-    ++i_;
-    std::string out;
-    while (true) {
-      if (i_ >= s_.size()) fail("unterminated string");
-      char c = s_[i_++];
-      if (c == '"') return out;
-      if (static_cast<unsigned char>(c) < 0x20) fail("control character in a string");
-      if (c != '\\') {
-        out += c;
-        continue;
-      }
-      if (i_ >= s_.size()) fail("unterminated escape");
-      char e = s_[i_++];
-      switch (e) {
-        case '"':
-        case '\\':
-        case '/':
-          out += e;
-          break;
-        case 'b':
-          out += '\b';
-          break;
-        case 'f':
-          out += '\f';
-          break;
-        case 'n':
-          out += '\n';
-          break;
-        case 'r':
-          out += '\r';
-          break;
-        case 't':
-          out += '\t';
-          break;
-        case 'u': {
-          uint32_t cp = hex4();
-          if (cp >= 0xD800 && cp < 0xDC00 && s_.substr(i_, 2) == "\\u") {
-            i_ += 2;
-            uint32_t lo = hex4();
-            if (lo < 0xDC00 || lo >= 0xE000) fail("unpaired surrogate");
-            cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
-          }
-          put_utf8(out, cp);
-          break;
-        }
-        default:
-          fail(std::string("unknown escape '\\") + e + "'");
-      }
-    }
-  }
-
-  std::string_view s_;
-  const fs::path& file_;
-  size_t i_ = 0;
-};
-
 // ---- metadata -------------------------------------------------------------------------------
 struct FileRecord {
   std::string name;
@@ -459,24 +232,20 @@ std::string crc_hex(uint32_t crc) {
 }
 
 std::string metadata_json(const Metadata& md) {
-  std::string o = "{\n  \"format\": ";
-  json_string(o, kFormat);
+  std::string o = "{\n  \"format\": " + json::quote(kFormat);
   o += ",\n  \"version\": " + std::to_string(md.version);
   o += ",\n  \"written_by\": \"mt " MT_VERSION_STRING "\"";
   o += ",\n  \"step\": " + std::to_string(md.step);
   o += ",\n  \"checksum\": \"crc32c\",\n  \"files\": {";
   for (size_t i = 0; i < md.files.size(); ++i) {
     o += i ? ",\n    " : "\n    ";
-    json_string(o, md.files[i].name);
+    o += json::quote(md.files[i].name);
     o += ": {\"size\": " + std::to_string(md.files[i].size) + ", \"crc32c\": \"" +
          crc_hex(md.files[i].crc) + "\"}";
   }
-  o += "\n  },\n  \"data_state\": ";
-  json_string(o, md.data_state);
-  o += ",\n  \"rng_state\": ";
-  json_string(o, md.rng_state);
-  o += ",\n  \"config_yaml\": ";
-  json_string(o, md.config_yaml);
+  o += "\n  },\n  \"data_state\": " + json::quote(md.data_state);
+  o += ",\n  \"rng_state\": " + json::quote(md.rng_state);
+  o += ",\n  \"config_yaml\": " + json::quote(md.config_yaml);
   // Last, so a reader that somehow sees a partial file sees no "complete".
   o += ",\n  \"complete\": ";
   o += md.complete ? "true" : "false";
@@ -492,59 +261,67 @@ Metadata read_metadata(const fs::path& step_dir) {
   uintmax_t size = fs::file_size(p, ec);
   if (ec) throw bad("cannot read the checkpoint metadata: " + ec.message());
   if (size > kMaxMetadataBytes) throw bad("metadata file is implausibly large");
-  std::ifstream f(p, std::ios::binary);
-  if (!f) throw bad("cannot open the checkpoint metadata");
-  std::string text(static_cast<size_t>(size), '\0');
-  f.read(text.data(), static_cast<std::streamsize>(size));
-  if (static_cast<uintmax_t>(f.gcount()) != size) throw bad("short read");
+  std::string text;
+  switch (read_all(p, text)) {
+    case ReadStatus::ok:
+      break;
+    case ReadStatus::open_failed:
+      throw bad("cannot open the checkpoint metadata");
+    case ReadStatus::read_failed:
+      throw bad("short read");
+  }
+  if (text.size() < size) throw bad("short read");
+  text.resize(static_cast<size_t>(size));  // what the size check above vetted, should it grow
 
-  Json j = JsonParser(text, p).parse();
-  if (j.kind != Json::Kind::object) throw bad("not a JSON object");
+  json::Value j;
+  try {
+    j = json::parse(text, kMaxMetadataDepth);
+  } catch (const json::ParseError& e) {
+    throw Error("invalid JSON in " + quoted(p) + " at byte " + std::to_string(e.offset) + ": " +
+                e.what);
+  }
+  if (!j.is_object()) throw bad("not a JSON object");
   auto str = [&](const char* key, bool required) -> std::string {
-    const Json* v = j.get(key);
+    const json::Value* v = j.find(key);
     if (!v) {
       if (required) throw bad(std::string("missing \"") + key + "\"");
       return {};
     }
-    if (v->kind != Json::Kind::string) throw bad(std::string("\"") + key + "\" is not a string");
-    return v->text;
+    if (!v->is_string()) throw bad(std::string("\"") + key + "\" is not a string");
+    return v->str;
   };
-  auto integer = [&](const Json* v, const std::string& key) -> int64_t {
-    int64_t x = 0;
-    if (!v || v->kind != Json::Kind::number) throw bad("missing or non-numeric \"" + key + "\"");
-    auto r = std::from_chars(v->text.data(), v->text.data() + v->text.size(), x);
-    if (r.ec != std::errc() || r.ptr != v->text.data() + v->text.size())
-      throw bad("\"" + key + "\" is not an integer: " + v->text);
-    return x;
+  auto integer = [&](const json::Value* v, const std::string& key) -> int64_t {
+    if (!v || v->kind != json::Value::Kind::number)
+      throw bad("missing or non-numeric \"" + key + "\"");
+    if (!v->is_int) throw bad("\"" + key + "\" is not an integer: " + v->str);
+    return v->integer;
   };
   if (str("format", true) != kFormat) throw bad("not an mt checkpoint (\"format\" differs)");
   Metadata md;
-  md.version = integer(j.get("version"), "version");
+  md.version = integer(j.find("version"), "version");
   if (md.version > kFormatVersion)
     throw bad("written by a newer mt (format version " + std::to_string(md.version) +
               "; this build reads up to " + std::to_string(kFormatVersion) + ")");
-  md.step = integer(j.get("step"), "step");
+  md.step = integer(j.find("step"), "step");
   std::string checksum = str("checksum", true);
   if (checksum != "crc32c") throw bad("unknown checksum \"" + checksum + "\"");
-  const Json* files = j.get("files");
-  if (!files || files->kind != Json::Kind::object) throw bad("missing \"files\" object");
-  for (size_t i = 0; i < files->keys.size(); ++i) {
-    const std::string& name = files->keys[i];
+  const json::Value* files = j.find("files");
+  if (!files || !files->is_object()) throw bad("missing \"files\" object");
+  for (const auto& [name, rec] : files->members) {
     // Only our own file names: a path from the metadata must never leave the step directory.
     if (std::find_if(std::begin(kFileNames), std::end(kFileNames),
                      [&](const char* k) { return name == k; }) == std::end(kFileNames))
       throw bad("unexpected file name \"" + name + "\"");
-    const Json& rec = files->items[i];
     FileRecord fr;
     fr.name = name;
-    int64_t sz = integer(rec.get("size"), name + ".size");
+    int64_t sz = integer(rec.find("size"), name + ".size");
     if (sz < 0) throw bad("negative size for " + name);
     fr.size = static_cast<uint64_t>(sz);
-    const Json* crc = rec.get("crc32c");
-    if (!crc || crc->kind != Json::Kind::string || crc->text.size() != 8)
+    const json::Value* crc = rec.find("crc32c");
+    if (!crc || !crc->is_string() || crc->str.size() != 8)
       throw bad("missing or malformed crc32c for " + name);
-    auto r = std::from_chars(crc->text.data(), crc->text.data() + 8, fr.crc, 16);
-    if (r.ec != std::errc() || r.ptr != crc->text.data() + 8)
+    auto r = std::from_chars(crc->str.data(), crc->str.data() + 8, fr.crc, 16);
+    if (r.ec != std::errc() || r.ptr != crc->str.data() + 8)
       throw bad("malformed crc32c for " + name);
     md.files.push_back(std::move(fr));
   }
@@ -554,8 +331,8 @@ Metadata read_metadata(const fs::path& step_dir) {
   md.data_state = str("data_state", false);
   md.rng_state = str("rng_state", false);
   md.config_yaml = str("config_yaml", false);
-  const Json* complete = j.get("complete");
-  md.complete = complete && complete->kind == Json::Kind::boolean && complete->boolean;
+  const json::Value* complete = j.find("complete");
+  md.complete = complete && complete->kind == json::Value::Kind::boolean && complete->boolean;
   return md;
 }
 

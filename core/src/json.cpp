@@ -4,12 +4,24 @@
 #include <cstdlib>
 #include <limits>
 
+#include "tokenizer_util.h"
+
 namespace mt::json {
 
 const Value* Value::find(std::string_view key) const {
   for (const auto& [k, v] : members)
     if (k == key) return &v;
   return nullptr;
+}
+
+std::optional<uint64_t> Value::as_uint64() const {
+  // from_chars takes no sign for unsigned types and stops at '.' or 'e', so a full match is
+  // exactly "plain digits"; JSON's grammar has already refused leading zeros.
+  if (kind != Kind::number) return std::nullopt;
+  uint64_t v = 0;
+  auto r = std::from_chars(str.data(), str.data() + str.size(), v);
+  if (r.ec != std::errc() || r.ptr != str.data() + str.size()) return std::nullopt;
+  return v;
 }
 
 const char* kind_name(Value::Kind k) {
@@ -31,24 +43,6 @@ const char* kind_name(Value::Kind k) {
 }
 
 namespace {
-
-void append_utf8(std::string& out, uint32_t cp) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-}
 
 class Parser {
  public:
@@ -259,7 +253,7 @@ class Parser {
           } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
             fail("unpaired surrogate in \\u escape");
           }
-          append_utf8(out, cp);
+          utf8_append(out, cp);
           break;
         }
         default:
@@ -277,6 +271,35 @@ class Parser {
 
 Value parse(std::string_view text, int max_depth) {
   return Parser(text, max_depth).document();
+}
+
+std::string quote(std::string_view s) {
+  std::string out;
+  out.reserve(s.size() + 2);
+  out += '"';
+  for (char c : s) {
+    const auto u = static_cast<unsigned char>(c);
+    if (c == '"') {
+      out += "\\\"";
+    } else if (c == '\\') {
+      out += "\\\\";
+    } else if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\t') {
+      out += "\\t";
+    } else if (c == '\r') {
+      out += "\\r";
+    } else if (u < 0x20) {
+      static constexpr char kHex[] = "0123456789abcdef";
+      out += "\\u00";
+      out += kHex[u >> 4];
+      out += kHex[u & 15];
+    } else {
+      out += c;
+    }
+  }
+  out += '"';
+  return out;
 }
 
 }  // namespace mt::json

@@ -1,4 +1,5 @@
-// A small JSON reader for the core's configuration-like files (tokenizer.json, JSON lines).
+// A small JSON reader and string writer for the core's files (tokenizer.json, JSON lines,
+// safetensors headers, checkpoint metadata).
 //
 // Hand-written so the core needs no JSON dependency. Objects keep their members in file order
 // (tokenizer.json's vocab is an object of ~100k members, so lookups by key are linear: callers
@@ -6,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -30,6 +32,9 @@ struct Value {
   bool is_array() const { return kind == Kind::array; }
   // The member named `key` of an object, or nullptr (also when this is not an object).
   const Value* find(std::string_view key) const;
+  // A number written as plain digits (no sign, fraction or exponent) that fits in uint64; nullopt
+  // for anything else. Sizes and offsets above INT64_MAX are valid in some formats (safetensors).
+  std::optional<uint64_t> as_uint64() const;
 };
 
 const char* kind_name(Value::Kind k);  // "a string", "an object", ...
@@ -41,5 +46,10 @@ struct ParseError {
 
 // Parses a whole document; throws ParseError (callers add the file name).
 Value parse(std::string_view text, int max_depth = 64);
+
+// `s` as a JSON string literal, quotes included. Escapes only what JSON requires (quote,
+// backslash, control characters) and passes every other byte through, so any byte string, valid
+// UTF-8 or not, reads back unchanged with parse().
+std::string quote(std::string_view s);
 
 }  // namespace mt::json

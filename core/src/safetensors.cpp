@@ -13,6 +13,8 @@
 #include <numeric>
 #include <set>
 
+#include "file_util.h"
+#include "json.h"
 #include "mt/backend.h"
 #include "mt/error.h"
 
@@ -26,319 +28,24 @@ constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 // keeps the recursive parser's stack small on hostile input.
 constexpr int kMaxDepth = 16;
 
-std::string quoted(const std::filesystem::path& p) {
-  // Built by appending: GCC 12 warns falsely (-Wrestrict) about "'" + std::string&&.
-  std::string s = p.string();
-  s.insert(s.begin(), '\'');
-  s += '\'';
-  return s;
-}
-
 [[noreturn]] void file_error(const std::filesystem::path& p, const std::string& what) {
   throw Error("safetensors file " + quoted(p) + ": " + what);
 }
 
-// ---- a JSON parser limited to what a safetensors header can hold ----------------------------
-// Hand-written so the core needs no JSON dependency. Numbers are kept as unsigned 64-bit integers
-// when they are plain digit strings (all the format uses); any other number is parsed only to be
-// refused where an integer is required.
-struct JsonValue {
-  enum class Kind { null, boolean, number, string, array, object };
-  Kind kind = Kind::null;
-  bool is_uint = false;  // number written as plain digits that fit in uint64
-  uint64_t uint = 0;
-  std::string str;
-  std::vector<JsonValue> items;
-  std::vector<std::pair<std::string, JsonValue>> members;  // in file order
-};
-
-const char* kind_name(JsonValue::Kind k) {
-  switch (k) {
-    case JsonValue::Kind::null:
-      return "null";
-    case JsonValue::Kind::boolean:
-      return "a boolean";
-    case JsonValue::Kind::number:
-      return "a number";
-    case JsonValue::Kind::string:
-      return "a string";
-    case JsonValue::Kind::array:
-      return "an array";
-    case JsonValue::Kind::object:
-      return "an object";
-  }
-  return "?";
-}
-
-class JsonParser {
- public:
-  explicit JsonParser(std::string_view text) : s_(text) {}
-
-  // Throws std::string (caught by the caller, which adds the file name).
-  JsonValue parse_document() {
-    skip_ws();
-    JsonValue v = parse_value(0);
-    skip_ws();
-    if (pos_ != s_.size()) fail("unexpected characters after the JSON object");
-    return v;
-  }
-
- private:
-  [[noreturn]] void fail(const std::string& what) const {
-    throw std::string(what + " at byte " + std::to_string(pos_) + " of the header");
-  }
-
-  void skip_ws() {
-    while (pos_ < s_.size() &&
-           (s_[pos_] == ' ' || s_[pos_] == '\t' || s_[pos_] == '\n' || s_[pos_] == '\r'))
-      ++pos_;
-  }
-
-  char peek() const { return pos_ < s_.size() ? s_[pos_] : '\0'; }
-
-  void expect(char c) {
-    if (pos_ >= s_.size()) fail(std::string("unexpected end of header, expected '") + c + "'");
-    if (s_[pos_] != c) fail(std::string("expected '") + c + "'");
-    ++pos_;
-  }
-
-  JsonValue parse_value(int depth) {
-    if (depth > kMaxDepth) fail("JSON nested too deeply");
-    if (pos_ >= s_.size()) fail("unexpected end of header");
-    char c = s_[pos_];
-    JsonValue v;
-    if (c == '{') {
-      v.kind = JsonValue::Kind::object;
-      ++pos_;
-      skip_ws();
-      if (peek() == '}') {
-        ++pos_;
-        return v;
-      }
-      while (true) {
-        skip_ws();
-        if (peek() != '"') fail("expected a string key");
-        std::string key = parse_string();
-        skip_ws();
-        expect(':');
-        skip_ws();
-        v.members.emplace_back(std::move(key), parse_value(depth + 1));
-        skip_ws();
-        if (peek() == ',') {
-          ++pos_;
-          continue;
-        }
-        expect('}');
-        return v;
-      }
-    }
-    if (c == '[') {
-      v.kind = JsonValue::Kind::array;
-      ++pos_;
-      skip_ws();
-      if (peek() == ']') {
-        ++pos_;
-        return v;
-      }
-      while (true) {
-        skip_ws();
-        v.items.push_back(parse_value(depth + 1));
-        skip_ws();
-        if (peek() == ',') {
-          ++pos_;
-          continue;
-        }
-        expect(']');
-        return v;
-      }
-    }
-    if (c == '"') {
-      v.kind = JsonValue::Kind::string;
-      v.str = parse_string();
-      return v;
-    }
-    if (c == '-' || (c >= '0' && c <= '9')) return parse_number();
-    if (literal("true")) {
-      v.kind = JsonValue::Kind::boolean;
-      return v;
-    }
-    if (literal("false")) {
-      v.kind = JsonValue::Kind::boolean;
-      return v;
-    }
-    if (literal("null")) return v;
-    fail("invalid JSON value");
-  }
-
-  bool literal(std::string_view word) {
-    if (s_.substr(pos_, word.size()) != word) return false;
-    pos_ += word.size();
-    return true;
-  }
-
-  JsonValue parse_number() {
-    JsonValue v;
-    v.kind = JsonValue::Kind::number;
-    size_t start = pos_;
-    bool negative = false;
-    if (peek() == '-') {
-      negative = true;
-      ++pos_;
-    }
-    if (!(peek() >= '0' && peek() <= '9')) fail("invalid number");
-    if (peek() == '0' && pos_ + 1 < s_.size() && s_[pos_ + 1] >= '0' && s_[pos_ + 1] <= '9')
-      fail("invalid number (leading zero)");
-    bool overflow = false;
-    uint64_t value = 0;
-    while (peek() >= '0' && peek() <= '9') {
-      uint64_t d = static_cast<uint64_t>(peek() - '0');
-      if (value > (std::numeric_limits<uint64_t>::max() - d) / 10) overflow = true;
-      value = value * 10 + d;
-      ++pos_;
-    }
-    bool plain = !negative && !overflow;
-    if (peek() == '.') {
-      plain = false;
-      ++pos_;
-      if (!(peek() >= '0' && peek() <= '9')) fail("invalid number");
-      while (peek() >= '0' && peek() <= '9') ++pos_;
-    }
-    if (peek() == 'e' || peek() == 'E') {
-      plain = false;
-      ++pos_;
-      if (peek() == '+' || peek() == '-') ++pos_;
-      if (!(peek() >= '0' && peek() <= '9')) fail("invalid number");
-      while (peek() >= '0' && peek() <= '9') ++pos_;
-    }
-    v.is_uint = plain;
-    v.uint = plain ? value : 0;
-    v.str = std::string(s_.substr(start, pos_ - start));  // for error messages
-    return v;
-  }
-
-  static void append_utf8(std::string& out, uint32_t cp) {
-    if (cp < 0x80) {
-      out += static_cast<char>(cp);
-    } else if (cp < 0x800) {
-      out += static_cast<char>(0xC0 | (cp >> 6));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else if (cp < 0x10000) {
-      out += static_cast<char>(0xE0 | (cp >> 12));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else {
-      out += static_cast<char>(0xF0 | (cp >> 18));
-      out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    }
-  }
-
-  uint32_t parse_hex4() {
-    if (pos_ + 4 > s_.size()) fail("truncated \\u escape");
-    uint32_t v = 0;
-    for (int i = 0; i < 4; ++i) {
-      char c = s_[pos_++];
-      v <<= 4;
-      if (c >= '0' && c <= '9')
-        v |= static_cast<uint32_t>(c - '0');
-      else if (c >= 'a' && c <= 'f')
-        v |= static_cast<uint32_t>(c - 'a' + 10);
-      else if (c >= 'A' && c <= 'F')
-        v |= static_cast<uint32_t>(c - 'A' + 10);
-      else
-        fail("invalid \\u escape");
-    }
-    return v;
-  }
-
-  std::string parse_string() {
-    expect('"');
-    std::string out;
-    while (true) {
-      if (pos_ >= s_.size()) fail("unterminated string");
-      char c = s_[pos_++];
-      if (c == '"') return out;
-      if (static_cast<unsigned char>(c) < 0x20) fail("control character in string");
-      if (c != '\\') {
-        out += c;
-        continue;
-      }
-      if (pos_ >= s_.size()) fail("unterminated string");
-      char e = s_[pos_++];
-      switch (e) {
-        case '"':
-          out += '"';
-          break;
-        case '\\':
-          out += '\\';
-          break;
-        case '/':
-          out += '/';
-          break;
-        case 'b':
-          out += '\b';
-          break;
-        case 'f':
-          out += '\f';
-          break;
-        case 'n':
-          out += '\n';
-          break;
-        case 'r':
-          out += '\r';
-          break;
-        case 't':
-          out += '\t';
-          break;
-        case 'u': {
-          uint32_t cp = parse_hex4();
-          if (cp >= 0xD800 && cp <= 0xDBFF) {
-            if (s_.substr(pos_, 2) != "\\u") fail("unpaired surrogate in \\u escape");
-            pos_ += 2;
-            uint32_t lo = parse_hex4();
-            if (lo < 0xDC00 || lo > 0xDFFF) fail("invalid surrogate pair in \\u escape");
-            cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
-          } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
-            fail("unpaired surrogate in \\u escape");
-          }
-          append_utf8(out, cp);
-          break;
-        }
-        default:
-          fail("invalid escape in string");
-      }
-    }
-  }
-
-  std::string_view s_;
-  size_t pos_ = 0;
-};
-
-void json_escape(std::string& out, std::string_view s) {
-  out += '"';
-  for (char c : s) {
-    unsigned char u = static_cast<unsigned char>(c);
-    if (c == '"') {
-      out += "\\\"";
-    } else if (c == '\\') {
-      out += "\\\\";
-    } else if (c == '\n') {
-      out += "\\n";
-    } else if (c == '\t') {
-      out += "\\t";
-    } else if (c == '\r') {
-      out += "\\r";
-    } else if (u < 0x20) {
-      static const char* hex = "0123456789abcdef";
-      out += "\\u00";
-      out += hex[u >> 4];
-      out += hex[u & 15];
-    } else {
-      out += c;
-    }
-  }
-  out += '"';
+// A json::parse error in the words this reader has always used (json.h names the text "input"
+// and the top level "the JSON value", and places a control character's error at the character
+// rather than after it), so that messages and offsets stay as users and scripts know them.
+std::string header_syntax_error(const json::ParseError& e) {
+  std::string what = e.what;
+  size_t at = e.offset;
+  constexpr std::string_view kEndOfInput = "unexpected end of input";
+  if (what.starts_with(kEndOfInput))
+    what.replace(0, kEndOfInput.size(), "unexpected end of header");
+  else if (what == "unexpected characters after the JSON value")
+    what = "unexpected characters after the JSON object";
+  else if (what == "control character in string")
+    ++at;
+  return what + " at byte " + std::to_string(at) + " of the header";
 }
 
 // ---- dtype tables and conversions -----------------------------------------------------------
@@ -563,9 +270,9 @@ void write_impl(const std::filesystem::path& path, const std::vector<SafeTensors
     for (const auto& [k, v] : metadata) {
       if (!mfirst) header += ',';
       mfirst = false;
-      json_escape(header, k);
+      header += json::quote(k);
       header += ':';
-      json_escape(header, v);
+      header += json::quote(v);
     }
     header += '}';
     first = false;
@@ -575,7 +282,7 @@ void write_impl(const std::filesystem::path& path, const std::vector<SafeTensors
     const auto& e = entries[i];
     if (!first) header += ',';
     first = false;
-    json_escape(header, e.name);
+    header += json::quote(e.name);
     header += ":{\"dtype\":\"" + e.dtype + "\",\"shape\":[";
     for (size_t d = 0; d < e.shape.size(); ++d) {
       if (d) header += ',';
@@ -683,14 +390,15 @@ SafeTensorsFile::SafeTensorsFile(const std::filesystem::path& path) : path_(path
       file_error(path, "header length " + std::to_string(n) + " exceeds the 100 MB limit");
     if (n < 2) file_error(path, "header of " + std::to_string(n) + " bytes is too short");
     std::string_view text(reinterpret_cast<const char*>(base + 8), static_cast<size_t>(n));
-    JsonValue root;
+    json::Value root;
     try {
-      root = JsonParser(text).parse_document();
-    } catch (const std::string& what) {
-      file_error(path, "malformed JSON header: " + what);
+      root = json::parse(text, kMaxDepth);
+    } catch (const json::ParseError& e) {
+      file_error(path, "malformed JSON header: " + header_syntax_error(e));
     }
-    if (root.kind != JsonValue::Kind::object)
-      file_error(path, std::string("header is ") + kind_name(root.kind) + ", not a JSON object");
+    if (!root.is_object())
+      file_error(path,
+                 std::string("header is ") + json::kind_name(root.kind) + ", not a JSON object");
 
     const size_t data_size = size_ - 8 - static_cast<size_t>(n);
     const std::byte* data = base + 8 + n;
@@ -699,12 +407,12 @@ SafeTensorsFile::SafeTensorsFile(const std::filesystem::path& path) : path_(path
       if (!seen.insert(key).second)
         file_error(path, "key '" + key + "' appears twice in the header");
       if (key == "__metadata__") {
-        if (val.kind != JsonValue::Kind::object)
-          file_error(path, std::string("__metadata__ is ") + kind_name(val.kind) +
+        if (!val.is_object())
+          file_error(path, std::string("__metadata__ is ") + json::kind_name(val.kind) +
                                ", not an object of strings");
         for (auto& [mk, mv] : val.members) {
-          if (mv.kind != JsonValue::Kind::string)
-            file_error(path, "__metadata__ value of '" + mk + "' is " + kind_name(mv.kind) +
+          if (!mv.is_string())
+            file_error(path, "__metadata__ value of '" + mk + "' is " + json::kind_name(mv.kind) +
                                  ", not a string");
           metadata_[mk] = mv.str;
         }
@@ -713,9 +421,9 @@ SafeTensorsFile::SafeTensorsFile(const std::filesystem::path& path) : path_(path
       auto tensor_error = [&](const std::string& what) {
         file_error(path, "tensor '" + key + "': " + what);
       };
-      if (val.kind != JsonValue::Kind::object)
-        tensor_error(std::string("entry is ") + kind_name(val.kind) + ", not an object");
-      const JsonValue *dtype = nullptr, *shape = nullptr, *offsets = nullptr;
+      if (!val.is_object())
+        tensor_error(std::string("entry is ") + json::kind_name(val.kind) + ", not an object");
+      const json::Value *dtype = nullptr, *shape = nullptr, *offsets = nullptr;
       for (auto& [fk, fv] : val.members) {
         // Other fields are ignored, for forward compatibility with writers that add some.
         if (fk == "dtype")
@@ -731,26 +439,27 @@ SafeTensorsFile::SafeTensorsFile(const std::filesystem::path& path) : path_(path
                       : !shape ? "shape"
                                : "data_offsets") +
                      "'");
-      if (dtype->kind != JsonValue::Kind::string) tensor_error("dtype is not a string");
+      if (!dtype->is_string()) tensor_error("dtype is not a string");
       const StType* st_type = find_st_type(dtype->str);
       if (!st_type) tensor_error("unknown dtype '" + dtype->str + "'");
       SafeTensorInfo info;
       info.name = key;
       info.dtype = dtype->str;
-      if (shape->kind != JsonValue::Kind::array) tensor_error("shape is not an array");
+      if (!shape->is_array()) tensor_error("shape is not an array");
       for (const auto& d : shape->items) {
-        if (d.kind != JsonValue::Kind::number || !d.is_uint ||
-            d.uint > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
-          tensor_error("shape entry " + (d.kind == JsonValue::Kind::number ? d.str : "") +
+        const std::optional<uint64_t> n = d.as_uint64();
+        if (!n || *n > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+          tensor_error("shape entry " + (d.kind == json::Value::Kind::number ? d.str : "") +
                        " is not a non-negative integer");
-        info.shape.push_back(static_cast<int64_t>(d.uint));
+        info.shape.push_back(static_cast<int64_t>(*n));
       }
-      if (offsets->kind != JsonValue::Kind::array || offsets->items.size() != 2)
+      if (!offsets->is_array() || offsets->items.size() != 2)
         tensor_error("data_offsets is not an array of two integers");
-      for (const auto& o : offsets->items)
-        if (o.kind != JsonValue::Kind::number || !o.is_uint)
-          tensor_error("data_offsets holds something other than a non-negative integer");
-      uint64_t b = offsets->items[0].uint, e = offsets->items[1].uint;
+      const std::optional<uint64_t> ob = offsets->items[0].as_uint64(),
+                                    oe = offsets->items[1].as_uint64();
+      if (!ob || !oe)
+        tensor_error("data_offsets holds something other than a non-negative integer");
+      uint64_t b = *ob, e = *oe;
       if (b > e)
         tensor_error("data_offsets [" + std::to_string(b) + ", " + std::to_string(e) +
                      "] end before they begin");

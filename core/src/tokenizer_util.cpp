@@ -1,17 +1,16 @@
 #include "tokenizer_util.h"
 
-#include <cerrno>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
-#include <sstream>
-
-#include "mt/error.h"
 
 namespace mt {
 
 std::string utf8_encode(uint32_t cp) {
   std::string out;
+  utf8_append(out, cp);
+  return out;
+}
+
+void utf8_append(std::string& out, uint32_t cp) {
   if (cp < 0x80) {
     out += static_cast<char>(cp);
   } else if (cp < 0x800) {
@@ -27,7 +26,6 @@ std::string utf8_encode(uint32_t cp) {
     out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
     out += static_cast<char>(0x80 | (cp & 0x3F));
   }
-  return out;
 }
 
 uint32_t utf8_decode(std::string_view s) {
@@ -83,20 +81,6 @@ size_t utf8_invalid_at(std::string_view s) {
     i += len;
   }
   return std::string::npos;
-}
-
-std::string read_file(const std::string& path, const std::string& what) {
-  std::error_code ec;
-  if (!std::filesystem::exists(path, ec))
-    throw UsageError(what + " file '" + path + "' does not exist");
-  if (std::filesystem::is_directory(path, ec))
-    throw UsageError(what + " file '" + path + "' is a directory");
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw UsageError(what + " file '" + path + "' cannot be read: " + std::strerror(errno));
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  if (f.bad()) throw UsageError(what + " file '" + path + "' cannot be read");
-  return std::move(ss).str();
 }
 
 }  // namespace mt

@@ -1,10 +1,13 @@
-// UTF-8 and file helpers shared by the tokenizers.
+// UTF-8 helpers shared by the tokenizers and the JSON reader.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
+
+// read_file moved to file_util.h; included here so the tokenizers and their tests still find it.
+#include "file_util.h"
 
 namespace mt {
 
@@ -19,13 +22,12 @@ inline size_t utf8_len(unsigned char lead) {
 }
 
 std::string utf8_encode(uint32_t cp);
+// utf8_encode without the temporary, for decoders that build a string piece by piece.
+void utf8_append(std::string& out, uint32_t cp);
 // The code point of one complete sequence (as utf8_len measures it).
 uint32_t utf8_decode(std::string_view s);
 // Byte offset of the first byte that is not part of valid UTF-8 (overlong forms, surrogates and
 // code points above U+10FFFF are invalid), or npos.
 size_t utf8_invalid_at(std::string_view s);
-
-// Whole file; throws mt::UsageError "<what> file '<path>' ..." when missing or unreadable.
-std::string read_file(const std::string& path, const std::string& what);
 
 }  // namespace mt

@@ -15,125 +15,16 @@
 #include <string>
 
 #include "kernels/kernels.h"
+#include "kernels/simd.h"
 #include "mt/error.h"
-
-#define MT_CLONES __attribute__((target_clones("arch=x86-64-v4", "default")))
 
 namespace mt::cpu {
 namespace {
 
 constexpr int64_t kChunk = 1024;  // elements per task and per stack buffer
 
-bool is_fb(DType t) {
-  return t == DType::f32 || t == DType::bf16;
-}
-
-MT_CLONES void bf16_to_f32_n(const uint16_t* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = std::bit_cast<float>(uint32_t(src[i]) << 16);
-}
-
-MT_CLONES void f32_to_bf16_n(const float* src, uint16_t* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t u = std::bit_cast<uint32_t>(src[i]);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const uint32_t nan = (u >> 16) | 0x40u;
-    dst[i] = uint16_t((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-  }
-}
-
-// A read-only f32 view of elements [begin, begin + n) of t (n <= kChunk).
-class In {
- public:
-  In(const Tensor& t, int64_t begin, int64_t n) {
-    if (t.dtype() == DType::f32) {
-      p_ = t.ptr<const float>() + begin;
-    } else {
-      bf16_to_f32_n(t.ptr<const uint16_t>() + begin, buf_, n);
-      p_ = buf_;
-    }
-  }
-  const float* get() const { return p_; }
-
- private:
-  const float* p_;
-  float buf_[kChunk];
-};
-
-// A writable f32 view; with `load` a bf16 view starts with the current values (for +=).
-// store() writes a bf16 view back; f32 views are in place.
-class Out {
- public:
-  Out(Tensor& t, int64_t begin, int64_t n, bool load) : bf16_(t.dtype() == DType::bf16), n_(n) {
-    if (!bf16_) {
-      p_ = t.ptr<float>() + begin;
-    } else {
-      dst_ = t.ptr<uint16_t>() + begin;
-      if (load) bf16_to_f32_n(dst_, buf_, n);
-      p_ = buf_;
-    }
-  }
-  float* get() { return p_; }
-  void store() {
-    if (bf16_) f32_to_bf16_n(buf_, dst_, n_);
-  }
-
- private:
-  bool bf16_;
-  int64_t n_;
-  float* p_;
-  uint16_t* dst_ = nullptr;
-  float buf_[kChunk];
-};
-
-template <class F>
-void for_chunks(int64_t n, F&& f) {
-  tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, kChunk),
-                    [&](const tbb::blocked_range<int64_t>& r) {
-                      for (int64_t b = r.begin(); b < r.end(); b += kChunk)
-                        f(b, std::min(kChunk, r.end() - b));
-                    });
-}
-
-// ---- vectorisable math ------------------------------------------------------------------------
-// exp: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6 polynomial (Cephes expf
-// coefficients). Rounding to n uses the 1.5 * 2^23 trick, so NaN propagates and no float->int
-// conversion of out-of-range values happens. Underflows to 0 below -87.3 (no denormals).
-inline float fexp(float x) {
-  constexpr float kMagic = 12582912.f;  // 1.5 * 2^23
-  const float t = x * 1.44269504088896341f + kMagic;
-  const int32_t ni = std::bit_cast<int32_t>(t) - std::bit_cast<int32_t>(kMagic);
-  const float n = t - kMagic;
-  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  float p = 1.9875691500E-4f;
-  p = p * r + 1.3981999507E-3f;
-  p = p * r + 8.3334519073E-3f;
-  p = p * r + 4.1665795894E-2f;
-  p = p * r + 1.6666665459E-1f;
-  p = p * r + 5.0000001201E-1f;
-  float y = p * r * r + r + 1.f;
-  y *= std::bit_cast<float>(static_cast<uint32_t>(ni + 127) << 23);
-  y = x < -87.33654f ? 0.f : y;
-  y = x > 88.72283f ? INFINITY : y;
-  return y;
-}
-
-inline float fsigmoid(float x) {
-  return 1.f / (1.f + fexp(-x));
-}
-
-// tanh: odd polynomial below 0.625 (Cephes tanhf, no cancellation near 0), else via exp.
-inline float ftanh(float x) {
-  const float ax = std::fabs(x);
-  const float z = x * x;
-  const float small = ((((-5.70498872745E-3f * z + 2.06390887954E-2f) * z - 5.37397155531E-2f) * z +
-                        1.33314422036E-1f) *
-                           z -
-                       3.33332819422E-1f) *
-                          z * x +
-                      x;
-  const float large = std::copysign(1.f - 2.f / (fexp(2.f * ax) + 1.f), x);
-  return ax < 0.625f ? small : large;
-}
+using In = ChunkIn<kChunk>;
+using Out = ChunkOut<kChunk>;
 
 constexpr float kGeluK = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float kGeluC = 0.044715f;
@@ -257,7 +148,7 @@ void check(const char* op, std::initializer_list<const Tensor*> ts) {
 
 void activation_forward(Activation act, const Tensor& x, Tensor& out) {
   check("activation_forward", {&x, &out});
-  for_chunks(x.numel(), [&](int64_t c, int64_t len) {
+  for_chunks<kChunk>(x.numel(), [&](int64_t c, int64_t len) {
     In ix(x, c, len);
     Out o(out, c, len, false);
     act_fwd_n(act, ix.get(), o.get(), len);
@@ -267,7 +158,7 @@ void activation_forward(Activation act, const Tensor& x, Tensor& out) {
 
 void activation_backward(Activation act, const Tensor& dout, const Tensor& x, Tensor& dx) {
   check("activation_backward", {&dout, &x, &dx});
-  for_chunks(x.numel(), [&](int64_t c, int64_t len) {
+  for_chunks<kChunk>(x.numel(), [&](int64_t c, int64_t len) {
     In ig(dout, c, len), ix(x, c, len);
     Out d(dx, c, len, true);
     float a[kChunk], deriv[kChunk];
@@ -279,7 +170,7 @@ void activation_backward(Activation act, const Tensor& dout, const Tensor& x, Te
 
 void gated_forward(Activation act, const Tensor& gate, const Tensor& up, Tensor& out) {
   check("gated_forward", {&gate, &up, &out});
-  for_chunks(gate.numel(), [&](int64_t c, int64_t len) {
+  for_chunks<kChunk>(gate.numel(), [&](int64_t c, int64_t len) {
     In ig(gate, c, len), iu(up, c, len);
     Out o(out, c, len, false);
     if (act == Activation::silu) {
@@ -296,7 +187,7 @@ void gated_forward(Activation act, const Tensor& gate, const Tensor& up, Tensor&
 void gated_backward(Activation act, const Tensor& dout, const Tensor& gate, const Tensor& up,
                     Tensor& dgate, Tensor& dup) {
   check("gated_backward", {&dout, &gate, &up, &dgate, &dup});
-  for_chunks(gate.numel(), [&](int64_t c, int64_t len) {
+  for_chunks<kChunk>(gate.numel(), [&](int64_t c, int64_t len) {
     In ig(dout, c, len), igate(gate, c, len), iu(up, c, len);
     Out dg(dgate, c, len, true), du(dup, c, len, true);
     if (act == Activation::silu) {
@@ -314,7 +205,7 @@ void gated_backward(Activation act, const Tensor& dout, const Tensor& gate, cons
 void softcap_forward(const Tensor& x, float cap, Tensor& out) {
   check("softcap_forward", {&x, &out});
   MT_CHECK(cap > 0.f, "cpu softcap_forward: cap must be positive, got " + std::to_string(cap));
-  for_chunks(x.numel(), [&](int64_t c, int64_t len) {
+  for_chunks<kChunk>(x.numel(), [&](int64_t c, int64_t len) {
     In ix(x, c, len);
     Out o(out, c, len, false);
     softcap_fwd_n(ix.get(), cap, o.get(), len);
@@ -325,7 +216,7 @@ void softcap_forward(const Tensor& x, float cap, Tensor& out) {
 void softcap_backward(const Tensor& dout, const Tensor& out, float cap, Tensor& dx) {
   check("softcap_backward", {&dout, &out, &dx});
   MT_CHECK(cap > 0.f, "cpu softcap_backward: cap must be positive, got " + std::to_string(cap));
-  for_chunks(out.numel(), [&](int64_t c, int64_t len) {
+  for_chunks<kChunk>(out.numel(), [&](int64_t c, int64_t len) {
     In ig(dout, c, len), io(out, c, len);
     Out d(dx, c, len, true);
     softcap_bwd_n(ig.get(), io.get(), cap, d.get(), len);

@@ -14,9 +14,8 @@
 #include <vector>
 
 #include "kernels/kernels.h"
+#include "kernels/simd.h"
 #include "mt/error.h"
-
-#define MT_CLONES __attribute__((target_clones("arch=x86-64-v4", "default")))
 
 namespace mt::cpu {
 namespace {
@@ -24,77 +23,8 @@ namespace {
 constexpr int64_t kChunk = 2048;        // elements per task and per stack buffer (8 KiB in f32)
 constexpr int64_t kSumBlock = 1 << 16;  // elements per partial sum: fixed so sums are reproducible
 
-bool is_fb(DType t) {
-  return t == DType::f32 || t == DType::bf16;
-}
-
-// ---- bf16 <-> f32 conversion loops (branch-free so they vectorise) ----------------------------
-MT_CLONES void bf16_to_f32_n(const uint16_t* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = std::bit_cast<float>(uint32_t(src[i]) << 16);
-}
-
-MT_CLONES void f32_to_bf16_n(const float* src, uint16_t* dst, int64_t n) {
-  // Round to nearest even; a NaN keeps its sign and top payload bits and is made quiet.
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t u = std::bit_cast<uint32_t>(src[i]);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const uint32_t nan = (u >> 16) | 0x40u;
-    dst[i] = uint16_t((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-  }
-}
-
-// A read-only f32 view of elements [begin, begin + n) of t (n <= kChunk).
-class In {
- public:
-  In(const Tensor& t, int64_t begin, int64_t n) {
-    if (t.dtype() == DType::f32) {
-      p_ = t.ptr<const float>() + begin;
-    } else {
-      bf16_to_f32_n(t.ptr<const uint16_t>() + begin, buf_, n);
-      p_ = buf_;
-    }
-  }
-  const float* get() const { return p_; }
-
- private:
-  const float* p_;
-  float buf_[kChunk];
-};
-
-// A writable f32 view of elements [begin, begin + n) of t. With `load`, a bf16 view starts with
-// the current values (for y += ...). store() writes a bf16 view back; f32 views are in place.
-class Out {
- public:
-  Out(Tensor& t, int64_t begin, int64_t n, bool load) : bf16_(t.dtype() == DType::bf16), n_(n) {
-    if (!bf16_) {
-      p_ = t.ptr<float>() + begin;
-    } else {
-      dst_ = t.ptr<uint16_t>() + begin;
-      if (load) bf16_to_f32_n(dst_, buf_, n);
-      p_ = buf_;
-    }
-  }
-  float* get() { return p_; }
-  void store() {
-    if (bf16_) f32_to_bf16_n(buf_, dst_, n_);
-  }
-
- private:
-  bool bf16_;
-  int64_t n_;
-  float* p_;
-  uint16_t* dst_ = nullptr;
-  float buf_[kChunk];
-};
-
-template <class F>
-void for_chunks(int64_t n, F&& f) {
-  tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, kChunk),
-                    [&](const tbb::blocked_range<int64_t>& r) {
-                      for (int64_t b = r.begin(); b < r.end(); b += kChunk)
-                        f(b, std::min(kChunk, r.end() - b));
-                    });
-}
+using In = ChunkIn<kChunk>;
+using Out = ChunkOut<kChunk>;
 
 MT_CLONES void add_n(const float* a, const float* b, float* o, int64_t n) {
   for (int64_t i = 0; i < n; ++i) o[i] = a[i] + b[i];
@@ -160,20 +90,20 @@ void fill(Tensor& x, float value) {
   switch (x.dtype()) {
     case DType::f32: {
       float* p = x.ptr<float>();
-      for_chunks(n, [&](int64_t b, int64_t len) { std::fill_n(p + b, len, value); });
+      for_chunks<kChunk>(n, [&](int64_t b, int64_t len) { std::fill_n(p + b, len, value); });
       return;
     }
     case DType::bf16: {
       uint16_t* p = x.ptr<uint16_t>();
       uint16_t v;
       f32_to_bf16_n(&value, &v, 1);
-      for_chunks(n, [&](int64_t b, int64_t len) { std::fill_n(p + b, len, v); });
+      for_chunks<kChunk>(n, [&](int64_t b, int64_t len) { std::fill_n(p + b, len, v); });
       return;
     }
     case DType::i32: {
       int32_t* p = x.ptr<int32_t>();
       const auto v = static_cast<int32_t>(value);
-      for_chunks(n, [&](int64_t b, int64_t len) { std::fill_n(p + b, len, v); });
+      for_chunks<kChunk>(n, [&](int64_t b, int64_t len) { std::fill_n(p + b, len, v); });
       return;
     }
     default:
@@ -191,7 +121,7 @@ void cast(const Tensor& src, Tensor& dst) {
     const char* s = static_cast<const char*>(src.data());
     char* d = static_cast<char*>(dst.data());
     if (s == d) return;
-    for_chunks(n, [&](int64_t b, int64_t len) {
+    for_chunks<kChunk>(n, [&](int64_t b, int64_t len) {
       std::memcpy(d + b * es, s + b * es, static_cast<size_t>(len) * es);
     });
     return;
@@ -199,13 +129,13 @@ void cast(const Tensor& src, Tensor& dst) {
   if (src.dtype() == DType::f32 && dst.dtype() == DType::bf16) {
     const float* s = src.ptr<const float>();
     uint16_t* d = dst.ptr<uint16_t>();
-    for_chunks(n, [&](int64_t b, int64_t len) { f32_to_bf16_n(s + b, d + b, len); });
+    for_chunks<kChunk>(n, [&](int64_t b, int64_t len) { f32_to_bf16_n(s + b, d + b, len); });
     return;
   }
   if (src.dtype() == DType::bf16 && dst.dtype() == DType::f32) {
     const uint16_t* s = src.ptr<const uint16_t>();
     float* d = dst.ptr<float>();
-    for_chunks(n, [&](int64_t b, int64_t len) { bf16_to_f32_n(s + b, d + b, len); });
+    for_chunks<kChunk>(n, [&](int64_t b, int64_t len) { bf16_to_f32_n(s + b, d + b, len); });
     return;
   }
   fail("cpu cast: unsupported conversion " + src.str() + " -> " + dst.str());
@@ -214,7 +144,7 @@ void cast(const Tensor& src, Tensor& dst) {
 void add(const Tensor& a, const Tensor& b, Tensor& out) {
   check_same("add", a, b);
   check_same("add", a, out);
-  for_chunks(a.numel(), [&](int64_t c, int64_t len) {
+  for_chunks<kChunk>(a.numel(), [&](int64_t c, int64_t len) {
     In ia(a, c, len), ib(b, c, len);
     Out o(out, c, len, false);
     add_n(ia.get(), ib.get(), o.get(), len);
@@ -225,7 +155,7 @@ void add(const Tensor& a, const Tensor& b, Tensor& out) {
 void mul(const Tensor& a, const Tensor& b, Tensor& out) {
   check_same("mul", a, b);
   check_same("mul", a, out);
-  for_chunks(a.numel(), [&](int64_t c, int64_t len) {
+  for_chunks<kChunk>(a.numel(), [&](int64_t c, int64_t len) {
     In ia(a, c, len), ib(b, c, len);
     Out o(out, c, len, false);
     mul_n(ia.get(), ib.get(), o.get(), len);
@@ -235,7 +165,7 @@ void mul(const Tensor& a, const Tensor& b, Tensor& out) {
 
 void scale(const Tensor& x, float s, Tensor& out) {
   check_same("scale", x, out);
-  for_chunks(x.numel(), [&](int64_t c, int64_t len) {
+  for_chunks<kChunk>(x.numel(), [&](int64_t c, int64_t len) {
     In ix(x, c, len);
     Out o(out, c, len, false);
     scale_n(ix.get(), s, o.get(), len);
@@ -247,7 +177,7 @@ void axpy(float alpha, const Tensor& x, Tensor& y) {
   MT_CHECK(x.numel() == y.numel() && is_fb(x.dtype()) && is_fb(y.dtype()),
            "cpu axpy: operands " + x.str() + " and " + y.str() +
                " must have the same element count and be f32 or bf16");
-  for_chunks(x.numel(), [&](int64_t c, int64_t len) {
+  for_chunks<kChunk>(x.numel(), [&](int64_t c, int64_t len) {
     In ix(x, c, len);
     Out o(y, c, len, true);
     axpy_n(alpha, ix.get(), o.get(), len);

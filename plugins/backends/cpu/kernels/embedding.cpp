@@ -13,31 +13,13 @@
 #include <vector>
 
 #include "kernels/kernels.h"
+#include "kernels/simd.h"
 #include "mt/error.h"
-
-#define MT_CLONES __attribute__((target_clones("arch=x86-64-v4", "default")))
 
 namespace mt::cpu {
 namespace {
 
 constexpr int64_t kTokenGrain = 16;  // rows per task
-
-bool is_fb(DType t) {
-  return t == DType::f32 || t == DType::bf16;
-}
-
-MT_CLONES void bf16_to_f32_n(const uint16_t* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = std::bit_cast<float>(uint32_t(src[i]) << 16);
-}
-
-MT_CLONES void f32_to_bf16_n(const float* src, uint16_t* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t u = std::bit_cast<uint32_t>(src[i]);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const uint32_t nan = (u >> 16) | 0x40u;
-    dst[i] = uint16_t((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-  }
-}
 
 MT_CLONES void add_n(const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += x[i];

@@ -43,6 +43,7 @@
 
 #include "kernels/gemm_amx.h"
 #include "kernels/kernels.h"
+#include "kernels/simd.h"
 #include "mt/error.h"
 
 namespace mt::cpu {
@@ -245,23 +246,7 @@ double core_peak() {
   return kPeak;
 }
 
-// ---- bf16 <-> f32 ---------------------------------------------------------------------------
-
-__attribute__((target_clones("arch=x86-64-v4", "default"))) void widen_bf16(const uint16_t* src,
-                                                                            float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = std::bit_cast<float>(uint32_t(src[i]) << 16);
-}
-
-__attribute__((target_clones("arch=x86-64-v4", "default"))) void narrow_bf16(const float* src,
-                                                                             uint16_t* dst,
-                                                                             int64_t n) {
-  // Round to nearest even; NaN stays a (quiet) NaN. Same rule as mt::f32_to_bf16.
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t u = std::bit_cast<uint32_t>(src[i]);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    dst[i] = uint16_t((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
-  }
-}
+// ---- bf16 <-> f32 (bf16_to_f32_n / f32_to_bf16_n from simd.h) ---------------------------
 
 constexpr int64_t kConvertChunk = 1 << 15;
 
@@ -275,7 +260,7 @@ Tensor as_f32(const Tensor& t) {
   const int64_t n = t.numel();
   tbb::parallel_for(int64_t{0}, (n + kConvertChunk - 1) / kConvertChunk, [&](int64_t i) {
     const int64_t b = i * kConvertChunk;
-    widen_bf16(src + b, dst + b, std::min(kConvertChunk, n - b));
+    bf16_to_f32_n(src + b, dst + b, std::min(kConvertChunk, n - b));
   });
   return out;
 }
@@ -286,7 +271,7 @@ void store_bf16(const Tensor& src_f32, Tensor& dst) {
   const int64_t n = dst.numel();
   tbb::parallel_for(int64_t{0}, (n + kConvertChunk - 1) / kConvertChunk, [&](int64_t i) {
     const int64_t b = i * kConvertChunk;
-    narrow_bf16(src + b, out + b, std::min(kConvertChunk, n - b));
+    f32_to_bf16_n(src + b, out + b, std::min(kConvertChunk, n - b));
   });
 }
 

@@ -15,9 +15,8 @@
 #include <vector>
 
 #include "kernels/kernels.h"
+#include "kernels/simd.h"
 #include "mt/error.h"
-
-#define MT_CLONES __attribute__((target_clones("arch=x86-64-v4", "default")))
 
 namespace mt::cpu {
 namespace {
@@ -25,67 +24,12 @@ namespace {
 constexpr int64_t kCeRows = 8;       // rows per cross-entropy task
 constexpr int64_t kSoftmaxRows = 8;  // rows per softmax task
 
-bool is_fb(DType t) {
-  return t == DType::f32 || t == DType::bf16;
-}
+// scratch() slots 0..2 belong to task bodies, which never nest parallel work.
 
-MT_CLONES void bf16_to_f32_n(const uint16_t* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = std::bit_cast<float>(uint32_t(src[i]) << 16);
-}
-
-MT_CLONES void f32_to_bf16_n(const float* src, uint16_t* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t u = std::bit_cast<uint32_t>(src[i]);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const uint32_t nan = (u >> 16) | 0x40u;
-    dst[i] = uint16_t((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-  }
-}
-
-// Per-thread scratch (slots 0..2), grown on demand; task bodies here never nest parallel work.
-float* scratch(int slot, int64_t n) {
-  thread_local std::vector<float> bufs[3];
-  auto& b = bufs[slot];
-  if (b.size() < static_cast<size_t>(n)) b.resize(static_cast<size_t>(n));
-  return b.data();
-}
-
-const float* row_in(const Tensor& t, int64_t off, int64_t n, float* buf) {
-  if (t.dtype() == DType::f32) return t.ptr<const float>() + off;
-  bf16_to_f32_n(t.ptr<const uint16_t>() + off, buf, n);
-  return buf;
-}
-float* row_out(Tensor& t, int64_t off, int64_t n, float* buf, bool load) {
-  if (t.dtype() == DType::f32) return t.ptr<float>() + off;
-  if (load) bf16_to_f32_n(t.ptr<const uint16_t>() + off, buf, n);
-  return buf;
-}
-void row_store(Tensor& t, int64_t off, int64_t n, const float* buf) {
-  if (t.dtype() == DType::bf16) f32_to_bf16_n(buf, t.ptr<uint16_t>() + off, n);
-}
+// Element i of t as f32.
 float scalar_at(const Tensor& t, int64_t i) {
   return t.dtype() == DType::f32 ? t.ptr<const float>()[i]
                                  : std::bit_cast<float>(uint32_t(t.ptr<const uint16_t>()[i]) << 16);
-}
-
-// exp as in activation.cpp: branch-free Cephes polynomial, vectorisable, ~2 ulp.
-inline float fexp(float x) {
-  constexpr float kMagic = 12582912.f;  // 1.5 * 2^23
-  const float t = x * 1.44269504088896341f + kMagic;
-  const int32_t ni = std::bit_cast<int32_t>(t) - std::bit_cast<int32_t>(kMagic);
-  const float n = t - kMagic;
-  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  float p = 1.9875691500E-4f;
-  p = p * r + 1.3981999507E-3f;
-  p = p * r + 8.3334519073E-3f;
-  p = p * r + 4.1665795894E-2f;
-  p = p * r + 1.6666665459E-1f;
-  p = p * r + 5.0000001201E-1f;
-  float y = p * r * r + r + 1.f;
-  y *= std::bit_cast<float>(static_cast<uint32_t>(ni + 127) << 23);
-  y = x < -87.33654f ? 0.f : y;
-  y = x > 88.72283f ? INFINITY : y;
-  return y;
 }
 
 // ---- vectorised row loops; 16 explicit lanes fix the summation order -------------------------
@@ -130,16 +74,6 @@ MT_CLONES float exp_store_n(const float* x, float m, float* o, int64_t n) {
 }
 MT_CLONES void scale_n(float* o, float s, int64_t n) {
   for (int64_t i = 0; i < n; ++i) o[i] *= s;
-}
-MT_CLONES float dot_n(const float* a, const float* b, int64_t n) {
-  float acc[16] = {};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int j = 0; j < 16; ++j) acc[j] += a[i + j] * b[i + j];
-  for (; i < n; ++i) acc[i & 15] += a[i] * b[i];
-  float s = 0;
-  for (float v : acc) s += v;
-  return s;
 }
 // dx += y * (g - s)
 MT_CLONES void softmax_bwd_n(const float* g, const float* y, float s, float* dx, int64_t n) {

@@ -18,9 +18,8 @@
 #include <vector>
 
 #include "kernels/kernels.h"
+#include "kernels/simd.h"
 #include "mt/error.h"
-
-#define MT_CLONES __attribute__((target_clones("arch=x86-64-v4", "default")))
 
 namespace mt::cpu {
 namespace {
@@ -30,51 +29,10 @@ constexpr int64_t kMaxBlocks = 256;  // at most this many weight-gradient partia
 constexpr int64_t kMinBlockRows = 32;
 constexpr int64_t kColChunk = 512;  // columns per task when adding the partials
 
-bool is_fb(DType t) {
-  return t == DType::f32 || t == DType::bf16;
-}
-
-MT_CLONES void bf16_to_f32_n(const uint16_t* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = std::bit_cast<float>(uint32_t(src[i]) << 16);
-}
-
-MT_CLONES void f32_to_bf16_n(const float* src, uint16_t* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t u = std::bit_cast<uint32_t>(src[i]);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const uint32_t nan = (u >> 16) | 0x40u;
-    dst[i] = uint16_t((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-  }
-}
-
-// Per-thread scratch, grown on demand and reused across calls, so the steady state allocates
-// nothing. Slots 0..2 belong to task bodies (which never nest parallel work); slots 4..7 to the
+// scratch() slots: 0..2 belong to task bodies (which never nest parallel work); 4..7 to the
 // thread that called the kernel, for the whole call (weights, partial sums shared by tasks): the
 // public kernels run isolated (tbb::this_task_arena::isolate), so while that thread waits for
 // its loops it cannot pick up an unrelated task that calls a norm kernel and reuses them.
-float* scratch(int slot, int64_t n) {
-  thread_local std::vector<float> bufs[8];
-  auto& b = bufs[slot];
-  if (b.size() < static_cast<size_t>(n)) b.resize(static_cast<size_t>(n));
-  return b.data();
-}
-
-// Row [off, off + n) of t as f32: in place for f32, else converted into buf.
-const float* row_in(const Tensor& t, int64_t off, int64_t n, float* buf) {
-  if (t.dtype() == DType::f32) return t.ptr<const float>() + off;
-  bf16_to_f32_n(t.ptr<const uint16_t>() + off, buf, n);
-  return buf;
-}
-// Writable row: in place for f32; for bf16, buf (holding the current values when `load`), to be
-// written back with row_store.
-float* row_out(Tensor& t, int64_t off, int64_t n, float* buf, bool load) {
-  if (t.dtype() == DType::f32) return t.ptr<float>() + off;
-  if (load) bf16_to_f32_n(t.ptr<const uint16_t>() + off, buf, n);
-  return buf;
-}
-void row_store(Tensor& t, int64_t off, int64_t n, const float* buf) {
-  if (t.dtype() == DType::bf16) f32_to_bf16_n(buf, t.ptr<uint16_t>() + off, n);
-}
 
 // ---- vectorised row loops: 16 explicit lanes keep the summation order fixed -----------------
 MT_CLONES float sum_n(const float* x, int64_t n) {
@@ -85,16 +43,6 @@ MT_CLONES float sum_n(const float* x, int64_t n) {
   for (; i < n; ++i) acc[i & 15] += x[i];
   float s = 0;
   for (float a : acc) s += a;
-  return s;
-}
-MT_CLONES float dot_n(const float* a, const float* b, int64_t n) {
-  float acc[16] = {};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int j = 0; j < 16; ++j) acc[j] += a[i + j] * b[i + j];
-  for (; i < n; ++i) acc[i & 15] += a[i] * b[i];
-  float s = 0;
-  for (float v : acc) s += v;
   return s;
 }
 MT_CLONES float dot3_n(const float* a, const float* b, const float* c, int64_t n) {

@@ -17,39 +17,15 @@
 #include <vector>
 
 #include "kernels/kernels.h"
+#include "kernels/simd.h"
 #include "mt/error.h"
-
-#define MT_CLONES __attribute__((target_clones("arch=x86-64-v4", "default")))
 
 namespace mt::cpu {
 namespace {
 
 constexpr int64_t kRowGrain = 4;  // (b, t) rows per task
 
-bool is_fb(DType t) {
-  return t == DType::f32 || t == DType::bf16;
-}
-
-MT_CLONES void bf16_to_f32_n(const uint16_t* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = std::bit_cast<float>(uint32_t(src[i]) << 16);
-}
-
-MT_CLONES void f32_to_bf16_n(const float* src, uint16_t* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t u = std::bit_cast<uint32_t>(src[i]);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const uint32_t nan = (u >> 16) | 0x40u;
-    dst[i] = uint16_t((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-  }
-}
-
-// Per-thread scratch (slots 0..3), grown on demand; task bodies here never nest parallel work.
-float* scratch(int slot, int64_t n) {
-  thread_local std::vector<float> bufs[4];
-  auto& b = bufs[slot];
-  if (b.size() < static_cast<size_t>(n)) b.resize(static_cast<size_t>(n));
-  return b.data();
-}
+// scratch() slots 0..3 belong to task bodies, which never nest parallel work.
 
 struct Table {
   std::vector<float> inv_freq;  // [rotary_dim / 2]
