@@ -2,11 +2,15 @@
 //   mt bench train [--model=NAME] [key=value ...]   (default: configuration M, llama-bench-m)
 #include <fmt/format.h>
 
+#include <chrono>
 #include <cstdio>
+#include <random>
 #include <filesystem>
 
 #include "cli.h"
+#include "decoder.h"
 #include "model_info.h"
+#include "model_runner.h"
 #include "mt/error.h"
 #include "plugin_manager.h"
 #include "trainer.h"
@@ -44,15 +48,105 @@ int bench_train(Args args) {
   return 0;
 }
 
+// One model and dtype: prefill of a 512-token prompt, decode at batch 1 and 8 (random weights:
+// throughput does not depend on their values).
+std::string bench_decode_one(Args args, const std::string& model, const std::string& dtype,
+                             int64_t steps) {
+  args.model = model;
+  args.overrides.insert(args.overrides.begin(),
+                        {"dtype=" + dtype, "weight_dtype=" + dtype, "max_target_length=1024"});
+  Config cfg = resolve_config(args);
+  std::vector<std::filesystem::path> dirs;
+  for (const auto& d : cfg.get_string_list("plugin_dirs")) dirs.emplace_back(d);
+  PluginManager pm(dirs);
+  ModelRunner r(cfg, pm);
+  r.init_parameters(1);
+  const ModelDims d = r.model().dims();
+  std::mt19937_64 rng(5);
+  auto prompt = [&](int64_t n) {
+    std::vector<int32_t> p(static_cast<size_t>(n));
+    for (auto& t : p) t = static_cast<int32_t>(rng() % static_cast<uint64_t>(d.vocab_size));
+    return p;
+  };
+  using Clock = std::chrono::steady_clock;
+  auto secs = [](Clock::time_point t) {
+    return std::chrono::duration<double>(Clock::now() - t).count();
+  };
+  // Prefill: one 512-token prompt (after one warm-up).
+  double prefill_tps = 0;
+  {
+    Decoder dec(r, 1, 1024);
+    dec.prefill(0, prompt(512));
+    dec.reset();
+    const auto t0 = Clock::now();
+    dec.prefill(0, prompt(512));
+    prefill_tps = 512 / secs(t0);
+  }
+  size_t weight_bytes = 0;
+  for (auto& p : r.params()) weight_bytes += p.value.nbytes();
+  const size_t elt = dtype_size(r.compute_dtype());
+  auto decode = [&](int64_t batch, double* bytes_per_s) {
+    Decoder dec(r, batch, 1024);
+    std::vector<int32_t> next(static_cast<size_t>(batch));
+    for (int64_t b = 0; b < batch; ++b) dec.prefill(b, prompt(128));
+    std::vector<bool> active(static_cast<size_t>(batch), true);
+    dec.step(next, active);  // warm-up
+    const auto t0 = Clock::now();
+    double kv_bytes = 0;
+    for (int64_t s = 0; s < steps; ++s) {
+      kv_bytes += 2.0 * static_cast<double>(d.num_layers * dec.length(0) * d.num_kv_heads *
+                                            d.head_dim * static_cast<int64_t>(elt));
+      dec.step(next, active);
+    }
+    const double t = secs(t0);
+    if (bytes_per_s) *bytes_per_s = (static_cast<double>(weight_bytes) * steps + kv_bytes) / t;
+    return static_cast<double>(batch * steps) / t;
+  };
+  double bw = 0;
+  const double b1 = decode(1, &bw);
+  const double b8 = decode(8, nullptr);
+  return fmt::format(
+      "{{\"model\": \"{}\", \"dtype\": \"{}\", \"weight_bytes\": {}, "
+      "\"prefill_512_tokens_per_sec\": {:.1f}, \"decode_batch1_tokens_per_sec\": {:.2f}, "
+      "\"decode_batch1_bytes_per_sec\": {:.4g}, \"decode_batch8_tokens_per_sec\": {:.2f}}}",
+      model, dtype, weight_bytes, prefill_tps, b1, bw, b8);
+}
+
+int bench_decode(const Args& args) {
+  std::vector<std::string> models = {"llama-bench-m", "llama-bench-1b"};
+  if (!args.model.empty()) models = {args.model};
+  Args rest = args;
+  rest.model.clear();
+  int64_t steps = 16;
+  for (auto it = rest.overrides.begin(); it != rest.overrides.end();) {
+    if (it->rfind("steps=", 0) == 0) {
+      steps = std::stoll(it->substr(6));
+      it = rest.overrides.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  std::string out = "{\"bench\": \"decode\", \"results\": [";
+  bool first = true;
+  for (const auto& m : models)
+    for (const char* dt : {"float32", "bfloat16"}) {
+      std::fprintf(stderr, "mt bench decode: %s %s...\n", m.c_str(), dt);
+      out += std::string(first ? "" : ", ") + bench_decode_one(rest, m, dt, steps);
+      first = false;
+    }
+  std::printf("%s]}\n", out.c_str());
+  return 0;
+}
+
 }  // namespace
 
 int cmd_bench(const Args& args) {
   const std::string what = args.positional.empty() ? "" : args.positional[0];
   if (what == "train") return bench_train(args);
-  if (what == "decode")
-    throw Error("`mt bench decode` is not implemented yet (it arrives with the inference issue).");
+  if (what == "decode") return bench_decode(args);
   throw UsageError("mt bench needs what to measure: `mt bench train` (training throughput of "
-                   "configuration M or --model=NAME)" +
+                   "configuration M or --model=NAME) or `mt bench decode` (prefill and decode "
+                   "throughput)" +
                    std::string(what.empty() ? "" : "; '" + what + "' is not one of them") + ".");
 }
 

@@ -43,12 +43,23 @@ TEST(Cli, UnknownCommandIsAUsageError) {
   EXPECT_NE(r.out.find("unknown command 'frobnicate'"), std::string::npos) << r.out;
 }
 
-TEST(Cli, UnimplementedCommandsSaySoAndFail) {
-  for (const char* c : {"bench decode"}) {
-    auto r = mt_cmd(c);
-    EXPECT_NE(r.code, 0) << c;
-    EXPECT_NE(r.out.find("not implemented yet"), std::string::npos) << c << r.out;
-  }
+TEST(Cli, BenchNeedsAKnownTarget) {
+  auto r = mt_cmd("bench frob");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("'frob' is not one of them"), std::string::npos) << r.out;
+}
+
+TEST(Cli, BenchPrintsOneJsonObject) {
+  auto r = mt_cmd("bench train --model=llama-test steps=4 2>/dev/null");
+  EXPECT_EQ(r.code, 0) << r.out;
+  for (const char* k : {"\"tokens_per_sec\"", "\"model_tflops_per_sec\"", "\"mfu\"", "\"step_time_ms\""})
+    EXPECT_NE(r.out.find(k), std::string::npos) << k << r.out;
+  r = mt_cmd("bench decode --model=llama-test steps=2 2>/dev/null");
+  EXPECT_EQ(r.code, 0) << r.out;
+  for (const char* k : {"\"prefill_512_tokens_per_sec\"", "\"decode_batch1_tokens_per_sec\"",
+                        "\"decode_batch1_bytes_per_sec\"", "\"decode_batch8_tokens_per_sec\"",
+                        "\"bfloat16\""})
+    EXPECT_NE(r.out.find(k), std::string::npos) << k << r.out;
 }
 
 TEST(Cli, InferenceNeedsACheckpoint) {
