@@ -25,4 +25,12 @@ grep -Eq '^tiny-template +tiny +[0-9.]+K' <<<"$out" || fail "mt models does not 
 out=$("$mt" config --model=tiny-template base_emb_dim=48) || fail "mt config exited $?"
 grep -q '^decoder_block: tiny' <<<"$out" || fail "mt config did not resolve the family"
 grep -q '^base_emb_dim: 48' <<<"$out" || fail "mt config did not apply the override"
-echo "out-of-tree plugin OK"
+grep -Eq '^data +counting +1\.0\.0 +1 +.*libmt_data_counting\.so' <<<"$("$mt" plugins)" ||
+  fail "mt plugins does not list the counting data plugin"
+# The installed mt trains on the out-of-tree data source, chosen by config alone.
+out=$("$mt" run --model=tiny-template dataset_type=counting steps=3 eval_interval=-1 \
+  enable_checkpointing=false max_target_length=16 per_device_batch_size=2 \
+  tokenizer_path= base_output_directory="$work/out") || fail "mt run with dataset_type=counting exited $?"
+grep -q 'data=counting' <<<"$out" || fail "the run did not use the counting data source"
+grep -q 'mt run: done. 3 steps' <<<"$out" || fail "the run did not finish"
+echo "out-of-tree plugins OK"

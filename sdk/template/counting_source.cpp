@@ -1,0 +1,53 @@
+// The "counting" data source: the smallest complete data plugin, as a template. Row r of the
+// stream is the ids r, r+1, ... modulo vocab_size; its state is the number of rows produced.
+#include <memory>
+#include <string>
+
+#include "mt/config.h"
+#include "mt/data.h"
+#include "mt/error.h"
+#include "mt/plugin.h"
+
+namespace {
+
+class CountingSource final : public mt::DatasetSource {
+ public:
+  CountingSource(const mt::Config& c, const mt::DataShard& shard)
+      : batch_(c.get_int("per_device_batch_size")),
+        seq_(c.get_int("max_target_length")),
+        vocab_(c.get_int("vocab_size")),
+        shard_(shard) {}
+  std::string name() const override { return "counting"; }
+  bool next(mt::HostBatch& out, bool eval) override {
+    out.batch = batch_;
+    out.seq = seq_;
+    out.inputs.clear();
+    out.targets.clear();
+    for (int64_t b = 0; b < batch_; ++b) {
+      // Rows are dealt to data-parallel ranks in turn.
+      const int64_t row = (produced_++) * shard_.count + shard_.rank + (eval ? 1000003 : 0);
+      for (int64_t t = 0; t < seq_; ++t) {
+        out.inputs.push_back(static_cast<int32_t>((row + t) % vocab_));
+        out.targets.push_back(static_cast<int32_t>((row + t + 1) % vocab_));
+      }
+    }
+    return true;
+  }
+  std::string state() const override { return std::to_string(produced_); }
+  void restore(const std::string& s) override { produced_ = std::stoll(s); }
+
+ private:
+  int64_t batch_, seq_, vocab_;
+  mt::DataShard shard_;
+  int64_t produced_ = 0;
+};
+
+void register_counting(mt::Registry& r) {
+  r.add_dataset("counting", [](const mt::Config& c, const mt::DataShard& s, const mt::Tokenizer*) {
+    return std::make_unique<CountingSource>(c, s);
+  });
+}
+
+}  // namespace
+
+MT_PLUGIN(mt::PluginKind::data, "counting", "1.0.0", register_counting, nullptr)
