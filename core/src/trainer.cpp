@@ -278,9 +278,9 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
         "{{\"step\": {}, \"loss\": {:.9g}, \"learning_rate\": {:.6g}, \"grad_norm\": {:.6g}, "
         "\"tokens_per_sec\": {:.2f}, \"tflops_per_device\": {:.5f}, \"mfu\": {:.5f}, "
         "\"step_time_ms\": {:.2f}, \"data_wait_ms\": {:.3f}, \"checkpoint_ms\": {:.3f}, "
-        "\"peak_memory_mb\": {:.1f}{}}}\n",
+        "\"peak_memory_mb\": {:.1f}, \"system_allocs\": {}{}}}\n",
         step, loss, lr, grad_norm, tps, tflops, mfu, step_s * 1e3, data_wait * 1e3, ckpt_s * 1e3,
-        static_cast<double>(ms.peak_bytes_in_use) / 1e6,
+        static_cast<double>(ms.peak_bytes_in_use) / 1e6, ms.num_system_allocs,
         ev >= 0 ? fmt::format(", \"eval_loss\": {:.6f}", ev) : "");
     if (!quiet) {
       const double eta = seconds_since(run_start) / static_cast<double>(step) *

@@ -99,6 +99,20 @@ TEST(Trainer, MetricsLinesCarryTheRequiredFields) {
   EXPECT_TRUE(fs::exists(fx.dir / "r" / "config.yml"));
 }
 
+// After warm-up a training step takes all its memory from the caching allocator.
+TEST(Trainer, SteadyStateStepsMakeNoSystemAllocations) {
+  Fixture fx;
+  train(fx.config({"steps=8", "enable_checkpointing=false"}), test::plugins(), true);
+  const auto lines = fx.metrics_lines();
+  ASSERT_EQ(lines.size(), 8u);
+  auto allocs = [](const std::string& l) {
+    const auto p = l.find("\"system_allocs\": ");
+    return std::stoll(l.substr(p + 17));
+  };
+  for (size_t i = 3; i < lines.size(); ++i)
+    EXPECT_EQ(allocs(lines[i]), allocs(lines[2])) << "step " << i + 1 << " allocated";
+}
+
 TEST(Trainer, NonFiniteLossStopsTheRunNamingTheStep) {
   Fixture fx;
   try {
