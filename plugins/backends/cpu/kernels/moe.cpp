@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kernels/kernels.h"
+#include "kernels/simd.h"
 #include "mt/error.h"
 
 namespace mt::cpu {
@@ -26,8 +27,7 @@ void check_defined(const Tensor& t, const char* op, const char* name) {
 
 void check_float(const Tensor& t, const char* op, const char* name) {
   check_defined(t, op, name);
-  if (t.dtype() != DType::f32 && t.dtype() != DType::bf16)
-    fail(fmt::format("{}: {} must be f32 or bf16, got {}", op, name, t.str()));
+  if (!is_fb(t.dtype())) fail(fmt::format("{}: {} must be f32 or bf16, got {}", op, name, t.str()));
 }
 
 void check_dtype(const Tensor& t, DType dt, const char* op, const char* name) {

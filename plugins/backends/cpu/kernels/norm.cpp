@@ -111,6 +111,24 @@ int64_t block_rows(int64_t N) {
   return std::max(kMinBlockRows, (N + kMaxBlocks - 1) / kMaxBlocks);
 }
 
+// The backward's row loop: f(blk, n0, n1, bg, bx, bd) for each of the nblocks fixed blocks of
+// brows rows, [n0, n1) its rows and bg, bx, bd the task's D-float scratch (slots 0..2). One block
+// per task (simple_partitioner, grain 1), so each block's partial is summed by one thread in row
+// order whatever the schedule.
+template <class F>
+void for_row_blocks(int64_t N, int64_t D, int64_t brows, int64_t nblocks, F&& f) {
+  tbb::parallel_for(
+      tbb::blocked_range<int64_t>(0, nblocks, 1),
+      [&](const tbb::blocked_range<int64_t>& r) {
+        float* bg = scratch(0, D);
+        float* bx = scratch(1, D);
+        float* bd = scratch(2, D);
+        for (int64_t blk = r.begin(); blk < r.end(); ++blk)
+          f(blk, blk * brows, std::min(N, (blk + 1) * brows), bg, bx, bd);
+      },
+      tbb::simple_partitioner());
+}
+
 // g [D] += sum over blocks (in order) of partial[b][0..D)
 void add_partials(const float* partial, int64_t nblocks, int64_t D, Tensor& g) {
   tbb::parallel_for(tbb::blocked_range<int64_t>(0, D, kColChunk),
@@ -180,28 +198,21 @@ void rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& w, cons
     const float* rs = rstd.ptr<const float>();
     const int64_t brows = block_rows(N), nblocks = (N + brows - 1) / brows;
     float* partial = scratch(6, nblocks * D);  // [nblocks, D], each block zeroes its own row
-    tbb::parallel_for(
-        tbb::blocked_range<int64_t>(0, nblocks, 1),
-        [&](const tbb::blocked_range<int64_t>& r) {
-          float* bg = scratch(0, D);
-          float* bx = scratch(1, D);
-          float* bd = scratch(2, D);
-          for (int64_t b = r.begin(); b < r.end(); ++b) {
-            float* dwp = partial + b * D;
-            std::fill_n(dwp, D, 0.f);
-            for (int64_t n = b * brows; n < std::min(N, (b + 1) * brows); ++n) {
-              const float* g = row_in(dout, n * D, D, bg);
-              const float* xr = row_in(x, n * D, D, bx);
-              const float inv = rs[n];
-              // d/dx of x * inv * w: inv * g w - x * inv^3 * sum(g w x) / D
-              const float c = inv * inv * inv * dot3_n(g, wv, xr, D) / float(D);
-              float* d = row_out(dx, n * D, D, bd, true);
-              rms_bwd_n(g, xr, wv, inv, c, d, dwp, D);
-              row_store(dx, n * D, D, d);
-            }
-          }
-        },
-        tbb::simple_partitioner());
+    for_row_blocks(N, D, brows, nblocks,
+                   [&](int64_t b, int64_t n0, int64_t n1, float* bg, float* bx, float* bd) {
+                     float* dwp = partial + b * D;
+                     std::fill_n(dwp, D, 0.f);
+                     for (int64_t n = n0; n < n1; ++n) {
+                       const float* g = row_in(dout, n * D, D, bg);
+                       const float* xr = row_in(x, n * D, D, bx);
+                       const float inv = rs[n];
+                       // d/dx of x * inv * w: inv * g w - x * inv^3 * sum(g w x) / D
+                       const float c = inv * inv * inv * dot3_n(g, wv, xr, D) / float(D);
+                       float* d = row_out(dx, n * D, D, bd, true);
+                       rms_bwd_n(g, xr, wv, inv, c, d, dwp, D);
+                       row_store(dx, n * D, D, d);
+                     }
+                   });
     add_partials(partial, nblocks, D, dw);
   });
 }
@@ -270,32 +281,25 @@ void layernorm_backward(const Tensor& dout, const Tensor& x, const Tensor& w, co
     const int64_t brows = block_rows(N), nblocks = (N + brows - 1) / brows;
     float* pw = scratch(6, nblocks * D);  // [nblocks, D] partials of dw and db
     float* pb = scratch(7, nblocks * D);
-    tbb::parallel_for(
-        tbb::blocked_range<int64_t>(0, nblocks, 1),
-        [&](const tbb::blocked_range<int64_t>& r) {
-          float* bg = scratch(0, D);
-          float* bx = scratch(1, D);
-          float* bd = scratch(2, D);
-          for (int64_t blk = r.begin(); blk < r.end(); ++blk) {
-            float* dwp = pw + blk * D;
-            float* dbp = pb + blk * D;
-            std::fill_n(dwp, D, 0.f);
-            std::fill_n(dbp, D, 0.f);
-            for (int64_t n = blk * brows; n < std::min(N, (blk + 1) * brows); ++n) {
-              const float* g = row_in(dout, n * D, D, bg);
-              const float* xr = row_in(x, n * D, D, bx);
-              const float m = ms[n], inv = rs[n];
-              // s1 = mean(g w), s2 = mean(g w xhat) with xhat = (x - m) inv
-              const float gw = dot_n(g, wv, D);
-              const float s1 = gw / float(D);
-              const float s2 = inv * dot3m_n(g, wv, xr, m, D) / float(D);
-              float* d = row_out(dx, n * D, D, bd, true);
-              ln_bwd_n(g, xr, wv, m, inv, s1, s2, d, dwp, dbp, D);
-              row_store(dx, n * D, D, d);
-            }
-          }
-        },
-        tbb::simple_partitioner());
+    for_row_blocks(N, D, brows, nblocks,
+                   [&](int64_t blk, int64_t n0, int64_t n1, float* bg, float* bx, float* bd) {
+                     float* dwp = pw + blk * D;
+                     float* dbp = pb + blk * D;
+                     std::fill_n(dwp, D, 0.f);
+                     std::fill_n(dbp, D, 0.f);
+                     for (int64_t n = n0; n < n1; ++n) {
+                       const float* g = row_in(dout, n * D, D, bg);
+                       const float* xr = row_in(x, n * D, D, bx);
+                       const float m = ms[n], inv = rs[n];
+                       // s1 = mean(g w), s2 = mean(g w xhat) with xhat = (x - m) inv
+                       const float gw = dot_n(g, wv, D);
+                       const float s1 = gw / float(D);
+                       const float s2 = inv * dot3m_n(g, wv, xr, m, D) / float(D);
+                       float* d = row_out(dx, n * D, D, bd, true);
+                       ln_bwd_n(g, xr, wv, m, inv, s1, s2, d, dwp, dbp, D);
+                       row_store(dx, n * D, D, d);
+                     }
+                   });
     add_partials(pw, nblocks, D, dw);
     if (db.defined()) add_partials(pb, nblocks, D, db);
   });
