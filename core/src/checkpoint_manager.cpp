@@ -179,8 +179,6 @@ void fsync_path(const fs::path& p, bool directory) {
 void write_file_durable(const fs::path& p, std::string_view text) {
   int fd = ::open(p.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd < 0) errno_error("cannot create", p);
-  const char* d = text.data();
-  size_t n = text.size();
   auto fail = [&](const char* what) {
     int err = errno;
     ::close(fd);
@@ -188,15 +186,7 @@ void write_file_durable(const fs::path& p, std::string_view text) {
     errno = err;
     errno_error(what, p);
   };
-  while (n > 0) {
-    ssize_t w = ::write(fd, d, n);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      fail("write failed for");
-    }
-    d += w;
-    n -= static_cast<size_t>(w);
-  }
+  if (!write_all(fd, text.data(), text.size())) fail("write failed for");
   if (::fsync(fd) != 0) fail("fsync failed for");
   if (::close(fd) != 0) {
     ::unlink(p.c_str());

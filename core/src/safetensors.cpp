@@ -188,18 +188,7 @@ class TempFile {
   TempFile& operator=(const TempFile&) = delete;
 
   void write(const void* data, size_t n) {
-    const char* p = static_cast<const char*>(data);
-    while (n > 0) {
-      // Linux transfers at most ~2 GiB per call; chunk so large tensors need no special case.
-      size_t chunk = std::min<size_t>(n, size_t{1} << 30);
-      ssize_t w = ::write(fd_, p, chunk);
-      if (w < 0) {
-        if (errno == EINTR) continue;
-        fail_errno("write failed");
-      }
-      p += w;
-      n -= static_cast<size_t>(w);
-    }
+    if (!write_all(fd_, data, n)) fail_errno("write failed");
   }
 
   void commit() {
