@@ -4,8 +4,8 @@
 #include <map>
 #include <memory>
 #include <set>
-#include <sstream>
 
+#include "file_util.h"
 #include "json.h"
 #include "model_runner.h"
 #include "mt/error.h"
@@ -18,14 +18,6 @@ namespace fs = std::filesystem;
 namespace mt {
 
 namespace {
-
-std::string read_text(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  if (!f) throw UsageError("Cannot read " + p.string() + ".");
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
 
 void flatten(const json::Value& v, const std::string& prefix, HfConfig& out) {
   switch (v.kind) {
@@ -63,7 +55,7 @@ Weights open_weights(const fs::path& dir) {
   if (fs::exists(index)) {
     json::Value v;
     try {
-      v = json::parse(read_text(index));
+      v = json::parse(read_file(index.string(), "Hugging Face index"));
     } catch (const json::ParseError& e) {
       throw Error(index.string() + " is not valid JSON: " + e.what);
     }
@@ -106,7 +98,7 @@ HfImport read_hf_config(const fs::path& dir, PluginManager& plugins) {
   if (!fs::exists(cfg)) throw UsageError(dir.string() + " has no config.json.");
   json::Value v;
   try {
-    v = json::parse(read_text(cfg));
+    v = json::parse(read_file(cfg.string(), "Hugging Face config"));
   } catch (const json::ParseError& e) {
     throw UsageError(cfg.string() + " is not valid JSON (at byte " + std::to_string(e.offset) +
                      "): " + e.what);
