@@ -65,7 +65,12 @@ class Layer(torch.nn.Module):
         if a.kv_heads != a.heads:
             k = k.repeat_interleave(a.heads // a.kv_heads, 1)
             v = v.repeat_interleave(a.heads // a.kv_heads, 1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if hasattr(F, "scaled_dot_product_attention"):  # torch >= 2.0
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # torch 1.13 (Debian 12): explicit causal attention
+            s = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(a.head_dim))
+            mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+            o = s.masked_fill(mask, float("-inf")).softmax(-1) @ v
         x = x + self.wo(o.transpose(1, 2).reshape(b, t, -1))
         h = self.n2(x)
         return x + self.wd(F.silu(self.wg(h)) * self.wu(h))

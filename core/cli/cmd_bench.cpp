@@ -103,7 +103,11 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
     return static_cast<double>(batch * steps) / t;
   };
   double bw = 0;
+  if (r.profiler()) const_cast<ProfilingBackend*>(r.profiler())->reset();
   const double b1 = decode(1, &bw);
+  if (r.profiler())
+    std::fprintf(stderr, "mt bench decode: %s %s, batch 1, time per op:\n%s", model.c_str(),
+                 dtype.c_str(), r.profiler()->report().c_str());
   const double b8 = decode(8, nullptr);
   return fmt::format(
       "{{\"model\": \"{}\", \"dtype\": \"{}\", \"weight_bytes\": {}, "

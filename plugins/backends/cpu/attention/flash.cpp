@@ -464,6 +464,26 @@ F32 as_f32(CpuBackend& be, const Tensor& t) {
   return v;
 }
 
+// A KV cache [B, S, ...] as f32, converting only each sequence's valid rows [0, len[b]): the
+// rest is never read, and a bf16 cache preallocated for max_target_length would otherwise cost
+// a full conversion on every decode step.
+F32 cache_as_f32(CpuBackend& be, const Tensor& t, const int32_t* len) {
+  if (t.dtype() == DType::f32) return {t.ptr<float>(), Tensor()};
+  F32 v{nullptr, be.empty(t.shape(), DType::f32)};
+  v.p = v.copy.ptr<float>();
+  const int64_t B = t.dim(0), S = t.dim(1), row = S ? t.numel() / (B * S) : 0;
+  const uint16_t* src = t.ptr<uint16_t>();
+  float* dst = v.p;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t begin = b * S * row, end = begin + static_cast<int64_t>(len[b]) * row;
+    tbb::parallel_for(tbb::blocked_range<int64_t>(begin, end, 1 << 14),
+                      [&](const tbb::blocked_range<int64_t>& r) {
+                        for (int64_t i = r.begin(); i < r.end(); ++i) dst[i] = bf16_to_f32(src[i]);
+                      });
+  }
+  return v;
+}
+
 // Writes an f32 view back into its bf16 tensor (no-op for f32 tensors, already written).
 void write_back(const F32& v, Tensor& t) {
   if (!v.copy.defined()) return;
@@ -765,8 +785,8 @@ class FlashAttention final : public AttentionKernel {
     const Params p = params(spec, n.D);
     Tensor scratch = slots(FwdScratch::floats(n.D));
     backend_.run([&] {
-      const F32 qf = as_f32(backend_, q), kf = as_f32(backend_, k_cache),
-                vf = as_f32(backend_, v_cache);
+      const F32 qf = as_f32(backend_, q), kf = cache_as_f32(backend_, k_cache, len),
+                vf = cache_as_f32(backend_, v_cache, len);
       F32 of = out.dtype() == DType::f32 ? F32{out.ptr<float>(), Tensor()}
                                          : F32{nullptr, backend_.empty(out.shape(), DType::f32)};
       if (!of.p) of.p = of.copy.ptr<float>();
