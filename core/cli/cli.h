@@ -39,5 +39,6 @@ int cmd_decode(const Args& a);
 int cmd_score(const Args& a);
 int cmd_convert(const Args& a);
 int cmd_bench(const Args& a);
+int cmd_tokenize(const Args& a);
 
 }  // namespace mt::cli

@@ -5,12 +5,15 @@
 #include <chrono>
 #include <cstdio>
 #include <random>
+#include <thread>
+#include <vector>
 #include <filesystem>
 
 #include "cli.h"
 #include "decoder.h"
 #include "model_info.h"
 #include "model_runner.h"
+#include "mt/backend.h"
 #include "mt/error.h"
 #include "plugin_manager.h"
 #include "trainer.h"
@@ -116,6 +119,32 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
       model, dtype, weight_bytes, prefill_tps, b1, bw, b8);
 }
 
+// STREAM-like triad a = b + s * c over arrays far larger than the caches, on all cores: the
+// memory bandwidth that batch-1 decode is measured against (bytes counted: 3 per element x 4).
+double triad_bytes_per_sec() {
+  const size_t n = size_t{1} << 25;  // 128 MiB per array
+  std::vector<float> a(n), b(n, 1.f), c(n, 2.f);
+  const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
+  auto run = [&] {
+    std::vector<std::thread> ts;
+    for (unsigned t = 0; t < threads; ++t)
+      ts.emplace_back([&, t] {
+        const size_t lo = n * t / threads, hi = n * (t + 1) / threads;
+        for (size_t i = lo; i < hi; ++i) a[i] = b[i] + 3.f * c[i];
+      });
+    for (auto& t : ts) t.join();
+  };
+  run();  // first touch
+  double best = 0;
+  for (int rep = 0; rep < 5; ++rep) {
+    const auto t0 = std::chrono::steady_clock::now();
+    run();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, 3.0 * 4.0 * static_cast<double>(n) / s);
+  }
+  return best;
+}
+
 int bench_decode(const Args& args) {
   std::vector<std::string> models = {"llama-bench-m", "llama-bench-1b"};
   if (!args.model.empty()) models = {args.model};
@@ -130,7 +159,17 @@ int bench_decode(const Args& args) {
       ++it;
     }
   }
-  std::string out = "{\"bench\": \"decode\", \"results\": [";
+  const double triad = triad_bytes_per_sec();
+  double peak = 0;
+  {
+    Config cfg = resolve_config(rest);
+    PluginManager pm;
+    peak = pm.make_backend(cfg.get_string("backend"), cfg)->peak_flops(DType::f32);
+  }
+  std::string out = fmt::format(
+      "{{\"bench\": \"decode\", \"memory_bandwidth_triad_bytes_per_sec\": {:.4g}, "
+      "\"peak_flops_f32\": {:.4g}, \"results\": [",
+      triad, peak);
   bool first = true;
   for (const auto& m : models)
     for (const char* dt : {"float32", "bfloat16"}) {

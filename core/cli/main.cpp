@@ -43,6 +43,10 @@ const Command kCommands[] = {
      "mt score --model=NAME load_parameters_path=DIR prompt=\"...\" [output=FILE]\n"},
     {"bench", mt::cli::cmd_bench, "end-to-end throughput benchmarks (JSON output)",
      "mt bench train|decode [--model=NAME] [key=value ...]\n"},
+    {"tokenize", mt::cli::cmd_tokenize, "text or JSONL -> the pre-tokenized `tokens` format",
+     "mt tokenize tokenizer_path=FILE input=FILE[,FILE...] output=FILE.tokens\n\n"
+     "Tokenizes every document (a .jsonl line's train_data_columns field, or a whole file) on\n"
+     "all cores, adding BOS/EOS per add_bos/add_eos, and writes a file dataset_type=tokens reads.\n"},
     {"plugins", mt::cli::cmd_plugins, "list the plugins found and why any failed to load",
      "mt plugins [plugin_dirs=[DIR,...]]\n\n"
      "Searches the install directory, then MT_PLUGIN_PATH, then plugin_dirs, and prints\n"

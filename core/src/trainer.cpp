@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -156,11 +157,27 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
     load_hf_weights(cfg.get_string("hf_path"), runner);
     resumed_from = "Hugging Face weights from " + cfg.get_string("hf_path");
   }
+  // A failed save never touches earlier checkpoints; checkpoint_error_policy says whether the
+  // run stops (the default) or warns and keeps training.
+  const bool stop_on_ckpt_error = cfg.get_string("checkpoint_error_policy") == "stop";
+  int64_t failed_saves = 0;
+  auto guarded = [&](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      if (stop_on_ckpt_error)
+        throw Error(std::string(e.what()) +
+                    " The run stops (checkpoint_error_policy=stop); earlier checkpoints are intact.");
+      ++failed_saves;
+      std::fprintf(stderr, "\nmt run: warning: a checkpoint save failed and training continues "
+                           "(checkpoint_error_policy=continue): %s\n", e.what());
+    }
+  };
   auto save = [&](int64_t step) {
     state.step = step;
     state.data_state = data->state();
     state.config_yaml = cfg.to_yaml(true);
-    ckpt.save(state);
+    guarded([&] { ckpt.save(state); });
   };
 
   const bool tty = !quiet && isatty(fileno(stdout));
@@ -298,7 +315,8 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
     }
   }
   metrics.flush();
-  if (checkpointing) ckpt.wait();
+  if (checkpointing) guarded([&] { ckpt.wait(); });
+  sum.failed_checkpoints = failed_saves;
   if (tty) std::printf("\n");
   if (runner.profiler()) {
     std::fprintf(quiet ? stderr : stdout, "mt: time per op over the whole run:\n%s",

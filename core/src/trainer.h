@@ -19,6 +19,7 @@ struct TrainSummary {
   double tokens_per_sec = 0, tflops_per_device = 0, mfu = 0;  // medians after warm-up
   double step_time_ms = 0;
   double checkpoint_seconds = 0;  // training time blocked by checkpoint saves
+  int64_t failed_checkpoints = 0;  // saves that failed with checkpoint_error_policy=continue
   std::string run_dir;
 };
 

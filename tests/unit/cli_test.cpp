@@ -3,6 +3,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 #include "test_support.h"
 
@@ -25,7 +26,8 @@ Result mt_cmd(const std::string& args) {
 TEST(Cli, HelpAndVersion) {
   auto r = mt_cmd("--help");
   EXPECT_EQ(r.code, 0);
-  for (const char* c : {"run", "decode", "convert", "score", "bench", "plugins", "models", "config"})
+  for (const char* c :
+       {"run", "decode", "convert", "score", "bench", "tokenize", "plugins", "models", "config"})
     EXPECT_NE(r.out.find(std::string("  ") + c), std::string::npos) << c;
   r = mt_cmd("--version");
   EXPECT_EQ(r.code, 0);
@@ -41,6 +43,27 @@ TEST(Cli, UnknownCommandIsAUsageError) {
   auto r = mt_cmd("frobnicate");
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.out.find("unknown command 'frobnicate'"), std::string::npos) << r.out;
+}
+
+// mt tokenize reproduces the shipped token file, which Hugging Face's tokenizers library made.
+TEST(Cli, TokenizeReproducesTheShippedTokenFile) {
+  const fs::path out = fs::temp_directory_path() / ("mt_tok_" + std::to_string(::getpid()) + ".tokens");
+  const std::string data = test::source_dir() + "/data/";
+  auto r = mt_cmd("tokenize tokenizer_path=" + data + "tokenizer.json input=" + data +
+                  "corpus.eval.jsonl output=" + out.string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("MB/s"), std::string::npos) << r.out;
+  std::ifstream a(out, std::ios::binary), b(data + "corpus.eval.tokens", std::ios::binary);
+  std::stringstream sa, sb;
+  sa << a.rdbuf();
+  sb << b.rdbuf();
+  EXPECT_GT(sa.str().size(), 1000u);
+  EXPECT_TRUE(sa.str() == sb.str()) << "mt tokenize differs from the shipped corpus.eval.tokens";
+  fs::remove(out);
+  r = mt_cmd("tokenize tokenizer_path=" + data + "tokenizer.json input=/nonexistent.jsonl output=" + out.string());
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("/nonexistent.jsonl"), std::string::npos) << r.out;
+  EXPECT_FALSE(fs::exists(out));
 }
 
 TEST(Cli, BenchNeedsAKnownTarget) {

@@ -290,7 +290,7 @@ TEST(ConfigLayers, RealDefaultsComeFromBaseAndTheDefaultModel) {
   EXPECT_EQ(c.origin("log_period"),
             "configs/base.yml:" + std::to_string(line_of(base, "log_period:")));
   // The embedded default's training settings come from its model file.
-  EXPECT_EQ(c.get_int("steps"), 600);
+  EXPECT_EQ(c.get_int("steps"), 800);
   EXPECT_EQ(c.origin("steps"),
             "configs/models/llama-small.yml:" + std::to_string(line_of(small, "steps:")));
   EXPECT_EQ(c.get_int("base_emb_dim"), 384);
@@ -477,7 +477,7 @@ TEST(ConfigErrors, TopLevelMustBeAMapping) {
   EXPECT_CONTAINS(usage_error([&] { load_config(r); }), Has("the single value 'hello'"));
   // An empty file (or only comments) is an empty layer.
   r.config_file = t.write("empty.yml", "# nothing yet\n").string();
-  EXPECT_EQ(load_config(r).get_int("steps"), 600);
+  EXPECT_EQ(load_config(r).get_int("steps"), 800);
 }
 
 TEST(ConfigErrors, UnknownKeysSuggestTheNearestInEveryLayer) {

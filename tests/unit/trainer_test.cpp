@@ -181,6 +181,30 @@ TEST(Trainer, ResumedRunEqualsStraightRun) {
   EXPECT_TRUE(sa.str() == sb.str()) << "final parameters differ";
 }
 
+// A save that cannot be written (here: checkpoints/ is a file, standing in for a full disk or an
+// I/O error) stops the run by default, or is reported while training goes on.
+TEST(Trainer, CheckpointErrorPolicy) {
+  Fixture fx;
+  fs::create_directories(fx.dir / "r");
+  std::ofstream(fx.dir / "r" / "checkpoints") << "not a directory";
+  const std::vector<std::string> o = {"steps=4", "enable_checkpointing=true", "checkpoint_period=2",
+                                      "async_checkpointing=false"};
+  auto with = [&](const std::string& policy) {
+    auto v = o;
+    v.push_back("checkpoint_error_policy=" + policy);
+    return fx.config(v);
+  };
+  try {
+    train(with("stop"), test::plugins(), true);
+    FAIL() << "a failed save must stop the run under checkpoint_error_policy=stop";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("checkpoint_error_policy=stop"), std::string::npos) << e.what();
+  }
+  const TrainSummary s = train(with("continue"), test::plugins(), true);
+  EXPECT_EQ(s.steps, 4);
+  EXPECT_EQ(s.failed_checkpoints, 2);
+}
+
 TEST(Trainer, FailedRunLeavesTheLastGoodCheckpoint) {
   Fixture fx;
   train(fx.config({"steps=2", "enable_checkpointing=true", "checkpoint_period=1"}),
