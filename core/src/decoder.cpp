@@ -81,11 +81,15 @@ Decoder::Decoder(ModelRunner& runner, int64_t batch, int64_t max_len)
     : runner_(runner), batch_(batch), max_len_(max_len), vocab_(runner.model().dims().vocab_size) {
   const ModelDims d = runner.model().dims();
   Backend& be = runner.backend();
-  // One extra row per sequence: the sink where finished sequences write their (ignored) keys.
+  const int64_t window = runner.sliding_window();
+  ring_ = window > 0 && window < max_len;
+  rows_ = ring_ ? window : max_len;
+  // One extra row per sequence: the sink where finished sequences (and prompt tokens a ring
+  // overwrites within the same call) write their ignored keys.
   for (int i = 0; i < runner.model().num_layers(); ++i) {
     KVCache c;
-    c.k = be.empty({batch, max_len + 1, d.num_kv_heads, d.head_dim}, runner.compute_dtype());
-    c.v = be.empty({batch, max_len + 1, d.num_kv_heads, d.head_dim}, runner.compute_dtype());
+    c.k = be.empty({batch, rows_ + 1, d.num_kv_heads, d.head_dim}, runner.compute_dtype());
+    c.v = be.empty({batch, rows_ + 1, d.num_kv_heads, d.head_dim}, runner.compute_dtype());
     caches_.push_back(std::move(c));
   }
   lengths_.assign(static_cast<size_t>(batch), 0);
@@ -113,12 +117,17 @@ std::vector<float> Decoder::prefill(int64_t b, const std::vector<int32_t>& promp
       throw UsageError("Token id " + std::to_string(id) + " is outside the model's vocabulary [0, " +
                        std::to_string(vocab_) + ").");
   const int64_t start = length(b);
+  if (ring_ && start > 0)
+    throw Error("A sliding-window cache is prefilled once per sequence; this one holds " +
+                std::to_string(start) + " tokens already.");
   std::vector<int32_t> pos(static_cast<size_t>(t)), rows(static_cast<size_t>(t));
   for (int64_t i = 0; i < t; ++i) {
     pos[static_cast<size_t>(i)] = static_cast<int32_t>(start + i);
-    rows[static_cast<size_t>(i)] = static_cast<int32_t>(start + i);  // within sequence b's view
+    // Within sequence b's view; a ring keeps only the prompt's last rows_ tokens.
+    const bool kept = !ring_ || i >= t - rows_;
+    rows[static_cast<size_t>(i)] = static_cast<int32_t>(kept ? row_of(start + i) : rows_);
   }
-  const int32_t len = static_cast<int32_t>(start + t);
+  const int32_t len = static_cast<int32_t>(std::min(start + t, rows_));
   Tensor tokens = be.empty({1, t}, DType::i32), positions = be.empty({1, t}, DType::i32);
   be.copy_from_host(tokens, prompt.data());
   be.copy_from_host(positions, pos.data());
@@ -133,11 +142,12 @@ std::vector<float> Decoder::prefill(int64_t b, const std::vector<int32_t>& promp
     v.v = c.v.slice0(b, b + 1);
     v.lengths = lengths;
     v.write_rows = wr;
+    v.fresh = start == 0;
     views.push_back(std::move(v));
   }
   Graph g(be, /*record=*/false);
   Tensor logits = runner_.forward_cached(g, tokens, positions, views);
-  lengths_[static_cast<size_t>(b)] = len;
+  lengths_[static_cast<size_t>(b)] = start + t;
   std::vector<float> out(static_cast<size_t>(t * vocab_));
   Tensor f = logits;
   if (f.dtype() != DType::f32) {
@@ -153,14 +163,16 @@ std::vector<float> Decoder::step(const std::vector<int32_t>& tokens, const std::
   MT_CHECK(static_cast<int64_t>(tokens.size()) == batch_, "step: one token per sequence");
   std::vector<int32_t> pos(static_cast<size_t>(batch_)), rows(static_cast<size_t>(batch_)),
       lens(static_cast<size_t>(batch_)), toks(tokens);
-  const int64_t stride = max_len_ + 1;
+  const int64_t stride = rows_ + 1;
   for (int64_t b = 0; b < batch_; ++b) {
     const auto ub = static_cast<size_t>(b);
     const bool go = active[ub] && !full(b);
     if (toks[ub] < 0 || toks[ub] >= vocab_) toks[ub] = 0;
     pos[ub] = static_cast<int32_t>(go ? lengths_[ub] : std::max<int64_t>(0, lengths_[ub] - 1));
-    rows[ub] = static_cast<int32_t>(b * stride + (go ? lengths_[ub] : max_len_));  // sink row
-    lens[ub] = static_cast<int32_t>(lengths_[ub] + (go ? 1 : 0));
+    rows[ub] = static_cast<int32_t>(b * stride + (go ? row_of(lengths_[ub]) : rows_));  // or sink
+    // Valid rows: in a ring, every row is within the window of the newest token, and softmax
+    // does not care about their order.
+    lens[ub] = static_cast<int32_t>(std::min(lengths_[ub] + (go ? 1 : 0), rows_));
     if (lens[ub] == 0) lens[ub] = 1;  // an empty sequence attends to its (sink-free) first row
   }
   Tensor t = be.empty({batch_, 1}, DType::i32), p = be.empty({batch_, 1}, DType::i32);
@@ -172,6 +184,7 @@ std::vector<float> Decoder::step(const std::vector<int32_t>& tokens, const std::
   for (auto& c : caches_) {
     c.lengths = l;
     c.write_rows = wr;
+    c.fresh = false;
   }
   Graph g(be, /*record=*/false);
   Tensor logits = runner_.forward_cached(g, t, p, caches_);

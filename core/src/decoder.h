@@ -37,6 +37,8 @@ class Decoder {
   int64_t max_len() const { return max_len_; }
   int64_t length(int64_t b) const { return lengths_[static_cast<size_t>(b)]; }
   bool full(int64_t b) const { return length(b) >= max_len_; }
+  // KV-cache rows per sequence (the window for a sliding-window ring buffer, else max_len).
+  int64_t cache_rows() const { return rows_; }
 
   // Empties every cache.
   void reset();
@@ -48,8 +50,14 @@ class Decoder {
   std::vector<float> step(const std::vector<int32_t>& tokens, const std::vector<bool>& active);
 
  private:
+  // Cache rows per sequence: max_len, or the sliding window when that is shorter (a ring buffer:
+  // the token at position p lives in row p % rows_).
+  int64_t row_of(int64_t pos) const { return ring_ ? pos % rows_ : pos; }
+
   ModelRunner& runner_;
   int64_t batch_, max_len_, vocab_;
+  int64_t rows_ = 0;
+  bool ring_ = false;
   std::vector<KVCache> caches_;
   std::vector<int64_t> lengths_;
 };

@@ -403,12 +403,32 @@ void Graph::write_kv_cache(KVCache& cache, const Tensor& k, const Tensor& v) {
                cache.k.str());
   MT_CHECK(cache.write_rows.numel() == k.dim(0) * k.dim(1),
            "write_kv_cache: " + std::to_string(cache.write_rows.numel()) + " rows for " + k.str());
-  // Each cache row is written exactly once after the cache is zeroed, so adding is writing.
+  // Overwrite with the op set's row ops: subtract each target row's old value (x - x is exactly
+  // 0 in floating point), then add the new one. The caller never names a row twice in one call
+  // (tokens a ring buffer would overwrite within the call go to its sink row, never read).
   const int64_t w = k.dim(2) * k.dim(3);
-  Tensor kc = cache.k.view({cache.k.numel() / w, w});
-  Tensor vc = cache.v.view({cache.v.numel() / w, w});
-  backend_->scatter_add_rows(k.view({k.numel() / w, w}), cache.write_rows, Tensor(), kc);
-  backend_->scatter_add_rows(v.view({v.numel() / w, w}), cache.write_rows, Tensor(), vc);
+  const int64_t n = cache.write_rows.numel();
+  Tensor minus = backend_->empty({n}, DType::f32);
+  backend_->fill(minus, -1.f);
+  for (auto [src, dst] : {std::pair<const Tensor*, Tensor*>{&k, &cache.k}, {&v, &cache.v}}) {
+    Tensor rows = dst->view({dst->numel() / w, w});
+    Tensor old = backend_->empty({n, w}, dst->dtype());
+    backend_->gather_rows(rows, cache.write_rows, old);
+    backend_->scatter_add_rows(old, cache.write_rows, minus, rows);
+    backend_->scatter_add_rows(src->view({n, w}), cache.write_rows, Tensor(), rows);
+  }
+}
+
+Tensor Graph::cached_attention(AttentionKernel& kernel, const Tensor& q, const Tensor& k,
+                               const Tensor& v, KVCache& cache, const AttentionSpec& spec) {
+  if (cache.fresh) {
+    Graph plain(*backend_, /*record=*/false);
+    Tensor out = plain.attention(kernel, q, k, v, Tensor(), Tensor(), spec);
+    write_kv_cache(cache, k, v);
+    return out;
+  }
+  write_kv_cache(cache, k, v);
+  return attention_decode(kernel, q, cache, spec);
 }
 
 Tensor Graph::attention_decode(AttentionKernel& kernel, const Tensor& q, const KVCache& cache,

@@ -33,6 +33,7 @@ ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins) {
   compute_dtype_ = dtype_key(cfg, "dtype");
   weight_dtype_ = dtype_key(cfg, "weight_dtype");
   tied_ = cfg.get_bool("logits_via_embedding");
+  window_ = cfg.get_int("sliding_window_size");
   if (!parse_remat_policy(cfg.get_string("remat_policy"), remat_))
     cfg.reject("remat_policy", "must be none, minimal or full.");
   family_ = plugins.make_model_family(cfg.get_string("decoder_block"));

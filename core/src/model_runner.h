@@ -51,6 +51,8 @@ class ModelRunner {
   DType weight_dtype() const { return weight_dtype_; }
   bool tied_embedding() const { return tied_; }
   RematPolicy remat_policy() const { return remat_; }
+  // sliding_window_size (0 = none): decode keeps a ring buffer of this many rows per layer.
+  int64_t sliding_window() const { return window_; }
 
   // Initialises every parameter as MaxText does, deterministically from init_weights_seed
   // (each parameter's stream is seeded by its name, so the result does not depend on order).
@@ -87,6 +89,7 @@ class ModelRunner {
   DType compute_dtype_ = DType::f32, weight_dtype_ = DType::f32;
   bool tied_ = false;
   RematPolicy remat_ = RematPolicy::none;
+  int64_t window_ = 0;
 };
 
 }  // namespace mt

@@ -95,9 +95,8 @@ class LlamaLayer final : public mt::DecoderLayer {
     k = g.rope(k, in.positions, c_.rope);
     MT_CHECK(in.attention != nullptr, "llama: no attention kernel given to the layer");
     Tensor a;
-    if (in.cache) {  // decode: append to the cache, attend to everything cached so far
-      g.write_kv_cache(*in.cache, k, v);
-      a = g.attention_decode(*in.attention, q, *in.cache, c_.attn);
+    if (in.cache) {  // decode: the core's KV cache (linear or sliding-window ring)
+      a = g.cached_attention(*in.attention, q, k, v, *in.cache, c_.attn);
     } else {
       a = g.attention(*in.attention, q, k, v, in.segment_ids, in.segment_ids, c_.attn);
     }

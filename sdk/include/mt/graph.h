@@ -71,11 +71,15 @@ class MT_API Graph {
   // q [B, T, Hq, D], k/v [B, S, Hkv, D] -> [B, T, Hq, D]
   Tensor attention(AttentionKernel& kernel, const Tensor& q, const Tensor& k, const Tensor& v,
                    const Tensor& q_segment, const Tensor& kv_segment, const AttentionSpec& spec);
-  // Decode (not differentiable): appends k, v [B, T, Hkv, D] to the cache at cache.write_rows,
-  // then q [B, T, Hq, D] attends to the cache's valid rows -> [B, T, Hq, D].
+  // Decode (not differentiable). write_kv_cache stores k, v [B, T, Hkv, D] at cache.write_rows
+  // (overwriting: a sliding-window cache is a ring buffer). cached_attention is what a layer
+  // calls: for a fresh cache the tokens attend among themselves (spec's causal/window masks) and
+  // are stored; otherwise they are stored and q [B, T, Hq, D] attends to the cache's valid rows.
   void write_kv_cache(KVCache& cache, const Tensor& k, const Tensor& v);
   Tensor attention_decode(AttentionKernel& kernel, const Tensor& q, const KVCache& cache,
                           const AttentionSpec& spec);
+  Tensor cached_attention(AttentionKernel& kernel, const Tensor& q, const Tensor& k,
+                          const Tensor& v, KVCache& cache, const AttentionSpec& spec);
   // logits [N, V], targets [N] i32 -> scalar [1] f32 = weight * sum of per-row losses
   // (rows with target < 0 count 0). weight = 1 / (number of counted rows) gives the mean.
   Tensor cross_entropy(const Tensor& logits, const Tensor& targets, float z_loss, float weight);

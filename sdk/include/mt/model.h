@@ -38,6 +38,9 @@ struct KVCache {
   Tensor k, v;
   Tensor lengths;     // [B] i32: valid rows once this call's T tokens are written
   Tensor write_rows;  // [B * T] i32: row of k/v viewed as [B * Smax, Hkv * D] for each new token
+  // The call's tokens start an empty cache (prefill): they attend among themselves with the
+  // ordinary kernel, then are stored. Otherwise they are stored first and attend to the cache.
+  bool fresh = false;
 };
 
 // Everything a layer needs besides its parameters and input.
