@@ -17,62 +17,22 @@
 
 #include "cpu_backend.h"
 #include "mt/attention.h"
+#include "attention/checks.h"
 #include "mt/error.h"
 
 namespace mt::cpu {
 namespace {
 
+using attention::check_inputs;
+using attention::check_same;
+using attention::Dims;
+
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-struct Dims {
-  int64_t B, T, S, Hq, Hkv, D;
-};
-
-bool float_dtype(const Tensor& t) {
-  return t.dtype() == DType::f32 || t.dtype() == DType::bf16;
-}
-
-// Shapes and dtypes of q [B, T, Hq, D], k and v [B, S, Hkv, D] and the optional segment ids.
-Dims check_inputs(const std::string& op, const Tensor& q, const Tensor& k, const Tensor& v,
-                  const Tensor& q_seg, const Tensor& kv_seg) {
-  const std::string shapes = " (q " + (q.defined() ? q.str() : "undefined") + ", k " +
-                             (k.defined() ? k.str() : "undefined") + ", v " +
-                             (v.defined() ? v.str() : "undefined") + ")";
-  MT_CHECK(q.defined() && k.defined() && v.defined(), op + ": q, k and v are required" + shapes);
-  MT_CHECK(q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4,
-           op + ": q, k, v must be [B, T, H, D]" + shapes);
-  MT_CHECK(k.shape() == v.shape(), op + ": k and v shapes differ" + shapes);
-  MT_CHECK(q.dim(0) == k.dim(0) && q.dim(3) == k.dim(3),
-           op + ": batch or head_dim of q and k differ" + shapes);
-  MT_CHECK(k.dim(2) > 0 && q.dim(2) % k.dim(2) == 0,
-           op + ": query heads must be a multiple of kv heads" + shapes);
-  MT_CHECK(float_dtype(q) && float_dtype(k) && float_dtype(v),
-           op + ": q, k, v must be f32 or bf16");
-  MT_CHECK(q_seg.defined() == kv_seg.defined(),
-           op + ": give both q_segment and kv_segment or neither");
-  if (q_seg.defined()) {
-    MT_CHECK(q_seg.dtype() == DType::i32 && kv_seg.dtype() == DType::i32,
-             op + ": segment ids must be i32");
-    MT_CHECK(q_seg.shape() == (Shape{q.dim(0), q.dim(1)}) &&
-                 kv_seg.shape() == (Shape{k.dim(0), k.dim(1)}),
-             op + ": segment ids must be [B, T] and [B, S], got " + q_seg.str() + " and " +
-                 kv_seg.str() + shapes);
-  }
-  return {q.dim(0), q.dim(1), k.dim(1), q.dim(2), k.dim(2), q.dim(3)};
-}
 
 void check_spec(const std::string& op, const AttentionSpec& spec) {
   MT_CHECK(spec.window >= 0 && spec.softcap >= 0.f,
            op + ": window and softcap must be >= 0, got window " + std::to_string(spec.window) +
                " softcap " + std::to_string(spec.softcap));
-}
-
-void check_same(const std::string& op, const char* what, const Tensor& t, const Shape& shape,
-                bool f32_only) {
-  MT_CHECK(t.defined() && t.shape() == shape, op + ": " + what + " must be " + shape_str(shape) +
-                                                  ", got " + (t.defined() ? t.str() : "undefined"));
-  MT_CHECK(f32_only ? t.dtype() == DType::f32 : float_dtype(t),
-           op + ": " + what + " has an unsupported dtype " + t.str());
 }
 
 float scale_of(const AttentionSpec& spec, int64_t D) {
