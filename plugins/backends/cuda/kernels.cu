@@ -1,0 +1,1728 @@
+// Kernels of the CUDA backend: elementwise ops, reductions, embedding, rmsnorm, rope,
+// activations, softmax, cross-entropy and AdamW, plus the cuBLAS matmul.
+//
+// Storage is f32 or bf16 per operand, arithmetic always f32: operands are read through In/Out
+// views that branch on the dtype (the branch is uniform across a launch, so it costs little and
+// keeps one kernel per op instead of one per dtype mix). Every reduction has a fixed shape — a
+// fixed grid, a fixed per-block tree, fixed row blocks — and no float atomics, so results are
+// bitwise reproducible run to run. The formulas and their operation order follow the CPU backend
+// (plugins/backends/cpu/kernels) so the two agree to rounding.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <numbers>
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+#include "mt/error.h"
+
+namespace mt::cuda {
+
+void check(cudaError_t e, const std::string& op, const std::string& what,
+           const std::string& shapes) {
+  if (e == cudaSuccess) return;
+  static_cast<void>(cudaGetLastError());  // clear a non-sticky error so the next op can run
+  throw Error("cuda " + op + ": " + what + " failed: " + cudaGetErrorName(e) + ": " +
+              cudaGetErrorString(e) + (shapes.empty() ? "" : " (" + shapes + ")"));
+}
+
+void check(cublasStatus_t s, const std::string& op, const std::string& what,
+           const std::string& shapes) {
+  if (s == CUBLAS_STATUS_SUCCESS) return;
+  throw Error("cuda " + op + ": " + what + " failed: " + cublasGetStatusName(s) + ": " +
+              cublasGetStatusString(s) + (shapes.empty() ? "" : " (" + shapes + ")"));
+}
+
+namespace {
+
+constexpr int kThreads = 256;    // threads per block everywhere (block reductions assume it)
+constexpr int kSumBlocks = 512;  // fixed grid of the two-pass sum: fixes its order
+constexpr int64_t kMaxGrid = 1 << 20;
+
+// ---- operand views --------------------------------------------------------------------------
+struct In {
+  const void* p;
+  bool bf;
+  __device__ float operator[](int64_t i) const {
+    return bf ? __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i])
+              : static_cast<const float*>(p)[i];
+  }
+};
+struct Out {
+  void* p;
+  bool bf;
+  __device__ float get(int64_t i) const {
+    return bf ? __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i])
+              : static_cast<const float*>(p)[i];
+  }
+  // Round to nearest even, as mt::f32_to_bf16.
+  __device__ void set(int64_t i, float v) const {
+    if (bf)
+      static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
+    else
+      static_cast<float*>(p)[i] = v;
+  }
+  __device__ void add(int64_t i, float v) const { set(i, get(i) + v); }
+};
+
+bool is_fb(const Tensor& t) {
+  return t.defined() && (t.dtype() == DType::f32 || t.dtype() == DType::bf16);
+}
+In in(const Tensor& t) {
+  return {t.data(), t.dtype() == DType::bf16};
+}
+Out out(const Tensor& t) {
+  return {t.data(), t.dtype() == DType::bf16};
+}
+std::string str(const Tensor& t) {
+  return t.defined() ? t.str() : std::string("undefined");
+}
+
+unsigned grid_for(int64_t n) {
+  return static_cast<unsigned>(std::clamp<int64_t>((n + kThreads - 1) / kThreads, 1, kMaxGrid));
+}
+
+// Checks the launch just made; the shape string is only built on failure.
+template <class S>
+void launched(const std::string& op, S&& shapes) {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) check(e, op, "kernel launch", shapes());
+}
+
+// ---- flat maps: f(i) for i in [0, n) ------------------------------------------------------
+template <class F>
+__global__ void map_kernel(int64_t n, F f) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += stride)
+    f(i);
+}
+
+template <class F, class S>
+void launch_map(const Ctx& c, int64_t n, const F& f, const std::string& op, S&& shapes) {
+  if (n <= 0) return;
+  map_kernel<<<grid_for(n), kThreads, 0, c.stream>>>(n, f);
+  launched(op, shapes);
+}
+
+// ---- block reductions: a fixed tree over kThreads lanes ------------------------------------
+template <class T, bool kMax>
+__device__ T block_reduce(T v, T* sh) {
+  sh[threadIdx.x] = v;
+  __syncthreads();
+  for (int s = kThreads / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) {
+      const T o = sh[threadIdx.x + s];
+      sh[threadIdx.x] = kMax ? (o > sh[threadIdx.x] ? o : sh[threadIdx.x]) : sh[threadIdx.x] + o;
+    }
+    __syncthreads();
+  }
+  const T r = sh[0];
+  __syncthreads();  // sh may be reused by the caller's next reduction
+  return r;
+}
+__device__ float block_sum(float v, float* sh) {
+  return block_reduce<float, false>(v, sh);
+}
+__device__ float block_max(float v, float* sh) {
+  return block_reduce<float, true>(v, sh);
+}
+
+// Host copy of a small i32 tensor (ids, targets) for validation and index building.
+std::vector<int32_t> host_ints(const Ctx& c, const Tensor& t, const std::string& op) {
+  std::vector<int32_t> h(static_cast<size_t>(t.numel()));
+  if (h.empty()) return h;
+  check(cudaMemcpyAsync(h.data(), t.data(), t.nbytes(), cudaMemcpyDeviceToHost, c.stream), op,
+        "copying indices to the host", t.str());
+  check(cudaStreamSynchronize(c.stream), op, "stream synchronize", t.str());
+  return h;
+}
+
+// ---- elementwise functors -------------------------------------------------------------------
+struct FillF32 {
+  float* p;
+  float v;
+  __device__ void operator()(int64_t i) const { p[i] = v; }
+};
+struct FillBf16 {
+  __nv_bfloat16* p;
+  float v;
+  __device__ void operator()(int64_t i) const { p[i] = __float2bfloat16_rn(v); }
+};
+struct FillI32 {
+  int32_t* p;
+  int32_t v;
+  __device__ void operator()(int64_t i) const { p[i] = v; }
+};
+struct CastF {
+  In s;
+  Out d;
+  __device__ void operator()(int64_t i) const { d.set(i, s[i]); }
+};
+struct AddF {
+  In a, b;
+  Out o;
+  __device__ void operator()(int64_t i) const { o.set(i, a[i] + b[i]); }
+};
+struct MulF {
+  In a, b;
+  Out o;
+  __device__ void operator()(int64_t i) const { o.set(i, a[i] * b[i]); }
+};
+struct ScaleF {
+  In x;
+  float s;
+  Out o;
+  __device__ void operator()(int64_t i) const { o.set(i, x[i] * s); }
+};
+struct AxpyF {
+  float alpha;
+  In x;
+  Out y;
+  // No fused multiply-add: the CPU rounds the product first.
+  __device__ void operator()(int64_t i) const {
+    y.set(i, __fadd_rn(y.get(i), __fmul_rn(alpha, x[i])));
+  }
+};
+
+void check_same(const char* op, const Tensor& a, const Tensor& b) {
+  MT_CHECK(is_fb(a) && is_fb(b) && a.numel() == b.numel(),
+           std::string("cuda ") + op + ": operands " + str(a) + " and " + str(b) +
+               " must have the same element count and be f32 or bf16");
+}
+
+// ---- two-pass deterministic sum ------------------------------------------------------------
+// x [n] -> partial [kSumBlocks] (double): each block's threads stride the array in a fixed
+// pattern (the grid is fixed), then a fixed tree adds the block's lanes.
+__global__ void sum_partial_kernel(In x, int64_t n, bool squares, double* partial) {
+  __shared__ double sh[kThreads];
+  double acc = 0;
+  const int64_t stride = static_cast<int64_t>(kSumBlocks) * kThreads;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i < n; i += stride) {
+    const double v = x[i];
+    acc += squares ? v * v : v;
+  }
+  const double s = block_reduce<double, false>(acc, sh);
+  if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+// partial [kSumBlocks] -> *result, one block
+__global__ void sum_final_kernel(const double* partial, double* result) {
+  __shared__ double sh[kThreads];
+  double acc = 0;
+  for (int i = threadIdx.x; i < kSumBlocks; i += kThreads) acc += partial[i];
+  const double s = block_reduce<double, false>(acc, sh);
+  if (threadIdx.x == 0) *result = s;
+}
+
+// ---- activations (formulas as plugins/backends/cpu/kernels/activation.cpp) -----------------
+constexpr float kGeluK = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluC = 0.044715f;
+constexpr float kInvSqrt2 = 0.7071067811865476f;
+constexpr float kInvSqrt2Pi = 0.3989422804014327f;
+
+__device__ float sigmoid(float x) {
+  return 1.f / (1.f + expf(-x));
+}
+__device__ float act_fwd(Activation act, float v) {
+  switch (act) {
+    case Activation::silu:
+      return v * sigmoid(v);
+    case Activation::gelu_tanh:
+      // 0.5 (1 + tanh(u)) = sigmoid(2u): no cancellation for negative x.
+      return v * sigmoid(2.f * kGeluK * (v + kGeluC * v * v * v));
+    case Activation::gelu_exact:
+      return 0.5f * v * erfcf(-v * kInvSqrt2);
+    case Activation::relu:
+      return v > 0.f ? v : 0.f;
+  }
+  return 0.f;
+}
+// a = act(v), d = act'(v)
+__device__ void act_both(Activation act, float v, float& a, float& d) {
+  switch (act) {
+    case Activation::silu: {
+      const float s = sigmoid(v);
+      a = v * s;
+      d = s * (1.f + v * (1.f - s));
+      return;
+    }
+    case Activation::gelu_tanh: {
+      const float s = sigmoid(2.f * kGeluK * (v + kGeluC * v * v * v));
+      a = v * s;
+      d = s + v * 2.f * s * (1.f - s) * kGeluK * (1.f + 3.f * kGeluC * v * v);
+      return;
+    }
+    case Activation::gelu_exact: {
+      const float cdf = 0.5f * erfcf(-v * kInvSqrt2);
+      a = v * cdf;
+      d = cdf + v * kInvSqrt2Pi * expf(-0.5f * v * v);
+      return;
+    }
+    case Activation::relu:
+      a = v > 0.f ? v : 0.f;
+      d = v > 0.f ? 1.f : 0.f;
+      return;
+  }
+}
+
+struct ActFwdF {
+  Activation act;
+  In x;
+  Out o;
+  __device__ void operator()(int64_t i) const { o.set(i, act_fwd(act, x[i])); }
+};
+struct ActBwdF {
+  Activation act;
+  In g, x;
+  Out dx;
+  __device__ void operator()(int64_t i) const {
+    float a, d;
+    act_both(act, x[i], a, d);
+    dx.add(i, g[i] * d);
+  }
+};
+struct GatedFwdF {
+  Activation act;
+  In gate, up;
+  Out o;
+  __device__ void operator()(int64_t i) const { o.set(i, act_fwd(act, gate[i]) * up[i]); }
+};
+struct GatedBwdF {
+  Activation act;
+  In g, gate, up;
+  Out dgate, dup;
+  __device__ void operator()(int64_t i) const {
+    float a, d;
+    act_both(act, gate[i], a, d);
+    const float gi = g[i];
+    dgate.add(i, gi * up[i] * d);
+    dup.add(i, gi * a);
+  }
+};
+struct SoftcapFwdF {
+  In x;
+  float cap, inv;
+  Out o;
+  __device__ void operator()(int64_t i) const { o.set(i, cap * tanhf(x[i] * inv)); }
+};
+// d/dx cap tanh(x / cap) = 1 - (out / cap)^2
+struct SoftcapBwdF {
+  In g, y;
+  float inv;
+  Out dx;
+  __device__ void operator()(int64_t i) const {
+    const float t = y[i] * inv;
+    dx.add(i, g[i] * (1.f - t * t));
+  }
+};
+
+void check_ew(const char* op, std::initializer_list<const Tensor*> ts) {
+  const Tensor& first = **ts.begin();
+  bool ok = true;
+  std::string desc;
+  for (const Tensor* t : ts) {
+    ok = ok && is_fb(*t) && t->numel() == first.numel();
+    desc += (desc.empty() ? "" : ", ") + str(*t);
+  }
+  MT_CHECK(ok, std::string("cuda ") + op + ": operands " + desc +
+                   " must be f32 or bf16 with the same element count");
+}
+
+// ---- embedding ------------------------------------------------------------------------------
+// table [V, D], id [N], out [N, D]
+struct EmbedFwdF {
+  In table;
+  const int32_t* id;
+  int64_t D;
+  Out o;
+  __device__ void operator()(int64_t i) const {
+    const int64_t n = i / D, d = i - n * D;
+    o.set(i, table[static_cast<int64_t>(id[n]) * D + d]);
+  }
+};
+// Scatter-add by runs of equal destination rows: blockIdx.x = run k (one distinct destination),
+// one thread per feature, adding the run's source rows in increasing source order, so the sum's
+// order depends on the indices alone (no atomics). Serves embedding_backward (w = 1) and
+// scatter_add_rows.
+// src [M, D], w [M] (has_w), order [M] source rows sorted by destination (stable),
+// start [runs + 1], run_id [runs] destination rows, out [N, D]
+__global__ void scatter_runs_kernel(In src, In w, bool has_w, const int32_t* order,
+                                    const int32_t* start, const int32_t* run_id, int64_t D, Out o) {
+  const int64_t d = blockIdx.y * static_cast<int64_t>(kThreads) + threadIdx.x;
+  if (d >= D) return;
+  const int64_t k = blockIdx.x;
+  const int64_t dst = static_cast<int64_t>(run_id[k]) * D + d;
+  float acc = o.get(dst);
+  for (int32_t i = start[k]; i < start[k + 1]; ++i) {
+    const int64_t m = order[i];
+    acc += (has_w ? w[m] : 1.f) * src[m * D + d];
+  }
+  o.set(dst, acc);
+}
+
+// out[id[m]] += w[m] src[m] for m in [0, M): builds the runs on the host (a stable counting sort
+// of source rows by destination), uploads them and launches scatter_runs_kernel.
+template <class S>
+void scatter_rows(const Ctx& c, const char* op, const Tensor& src, const std::vector<int32_t>& id,
+                  int64_t N, const Tensor& w, int64_t D, Tensor& o, S&& shapes) {
+  const int64_t M = static_cast<int64_t>(id.size());
+  MT_CHECK(M < INT_MAX, std::string("cuda ") + op + ": too many rows: " + shapes());
+  if (M == 0 || D == 0) return;
+  std::vector<int64_t> count(static_cast<size_t>(N) + 1, 0);
+  for (int32_t v : id) ++count[static_cast<size_t>(v) + 1];
+  for (int64_t v = 0; v < N; ++v) count[v + 1] += count[v];
+  std::vector<int32_t> host(static_cast<size_t>(M));  // then start, then run_id
+  for (int64_t m = 0; m < M; ++m)
+    host[static_cast<size_t>(count[id[m]]++)] = static_cast<int32_t>(m);
+  std::vector<int32_t> start, run_id;
+  for (int64_t i = 0; i < M; ++i) {
+    if (i == 0 || id[host[i]] != id[host[i - 1]]) {
+      start.push_back(static_cast<int32_t>(i));
+      run_id.push_back(id[host[i]]);
+    }
+  }
+  start.push_back(static_cast<int32_t>(M));
+  const int64_t runs = static_cast<int64_t>(run_id.size());
+  host.insert(host.end(), start.begin(), start.end());
+  host.insert(host.end(), run_id.begin(), run_id.end());
+  Tensor dev = c.scratch({static_cast<int64_t>(host.size())}, DType::i32);
+  // From pageable memory: returns once `host` is staged, so it may die after this call.
+  check(cudaMemcpyAsync(dev.data(), host.data(), host.size() * sizeof(int32_t),
+                        cudaMemcpyHostToDevice, c.stream),
+        op, "uploading the row index", shapes());
+  const int32_t* d_order = dev.ptr<const int32_t>();
+  const dim3 grid(static_cast<unsigned>(runs),
+                  static_cast<unsigned>((D + kThreads - 1) / kThreads));
+  const In wv = w.defined() ? in(w) : In{nullptr, false};
+  scatter_runs_kernel<<<grid, kThreads, 0, c.stream>>>(
+      in(src), wv, w.defined(), d_order, d_order + M, d_order + M + runs + 1, D, out(o));
+  launched(op, shapes);
+}
+
+void check_ids(const char* op, const std::vector<int32_t>& id, int64_t V) {
+  for (size_t n = 0; n < id.size(); ++n)
+    if (id[n] < 0 || id[n] >= V)
+      throw Error(std::string("cuda ") + op + ": token id " + std::to_string(id[n]) +
+                  " at position " + std::to_string(n) + " is outside the vocabulary [0, " +
+                  std::to_string(V) + ")");
+}
+
+// ---- rmsnorm --------------------------------------------------------------------------------
+// One block per row. x [N, D], w [D], out [N, D], rstd [N]
+__global__ void rms_fwd_kernel(In x, In w, bool plus_one, float eps, int64_t D, Out o,
+                               float* rstd) {
+  __shared__ float sh[kThreads];
+  const int64_t base = blockIdx.x * D;
+  float ss = 0;
+  for (int64_t d = threadIdx.x; d < D; d += kThreads) {
+    const float v = x[base + d];
+    ss += v * v;
+  }
+  ss = block_sum(ss, sh);
+  const float inv = 1.f / sqrtf(ss / float(D) + eps);
+  if (threadIdx.x == 0) rstd[blockIdx.x] = inv;
+  for (int64_t d = threadIdx.x; d < D; d += kThreads) {
+    const float wv = plus_one ? 1.f + w[d] : w[d];
+    o.set(base + d, x[base + d] * inv * wv);
+  }
+}
+// dx [N, D] += inv * g * w - x * inv^3 * sum(g w x) / D, one block per row
+__global__ void rms_bwd_dx_kernel(In g, In x, In w, bool plus_one, const float* rstd, int64_t D,
+                                  Out dx) {
+  __shared__ float sh[kThreads];
+  const int64_t base = blockIdx.x * D;
+  const float inv = rstd[blockIdx.x];
+  float s = 0;
+  for (int64_t d = threadIdx.x; d < D; d += kThreads) {
+    const float wv = plus_one ? 1.f + w[d] : w[d];
+    s += g[base + d] * wv * x[base + d];
+  }
+  s = block_sum(s, sh);
+  const float c = inv * inv * inv * s / float(D);
+  for (int64_t d = threadIdx.x; d < D; d += kThreads) {
+    const float wv = plus_one ? 1.f + w[d] : w[d];
+    dx.add(base + d, inv * g[base + d] * wv - c * x[base + d]);
+  }
+}
+// partial [nblocks, D]: block b of `brows` rows sums g x rstd over its rows in row order.
+// grid (ceil(D / kThreads), nblocks)
+__global__ void rms_bwd_dw_partial_kernel(In g, In x, const float* rstd, int64_t N, int64_t D,
+                                          int64_t brows, float* partial) {
+  const int64_t d = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
+  if (d >= D) return;
+  const int64_t n0 = blockIdx.y * brows, n1 = min(N, n0 + brows);
+  float acc = 0;
+  for (int64_t n = n0; n < n1; ++n) acc += g[n * D + d] * x[n * D + d] * rstd[n];
+  partial[blockIdx.y * D + d] = acc;
+}
+// dw [D] += partials in block order
+__global__ void add_partials_kernel(const float* partial, int64_t nblocks, int64_t D, Out dw) {
+  const int64_t d = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
+  if (d >= D) return;
+  float acc = dw.get(d);
+  for (int64_t b = 0; b < nblocks; ++b) acc += partial[b * D + d];
+  dw.set(d, acc);
+}
+
+// ---- layernorm (formulas as the CPU's norm.cpp) ---------------------------------------------
+// One block per row. x [N, D], w [D], b [D] (has_b), out [N, D], mean [N], rstd [N]. Two passes
+// (mean, then squared deviations): no cancellation.
+__global__ void ln_fwd_kernel(In x, In w, In b, bool has_b, float eps, int64_t D, Out o,
+                              float* mean, float* rstd) {
+  __shared__ float sh[kThreads];
+  const int64_t base = blockIdx.x * D;
+  float s = 0;
+  for (int64_t d = threadIdx.x; d < D; d += kThreads) s += x[base + d];
+  const float m = block_sum(s, sh) / float(D);
+  float q = 0;
+  for (int64_t d = threadIdx.x; d < D; d += kThreads) {
+    const float dev = x[base + d] - m;
+    q += dev * dev;
+  }
+  const float inv = 1.f / sqrtf(block_sum(q, sh) / float(D) + eps);
+  if (threadIdx.x == 0) {
+    mean[blockIdx.x] = m;
+    rstd[blockIdx.x] = inv;
+  }
+  for (int64_t d = threadIdx.x; d < D; d += kThreads)
+    o.set(base + d, (x[base + d] - m) * inv * w[d] + (has_b ? b[d] : 0.f));
+}
+// xhat = (x - m) inv; dx += inv (g w - s1 - xhat s2), s1 = mean(g w), s2 = inv mean(g w (x - m))
+__global__ void ln_bwd_dx_kernel(In g, In x, In w, const float* mean, const float* rstd, int64_t D,
+                                 Out dx) {
+  __shared__ float sh[kThreads];
+  const int64_t base = blockIdx.x * D;
+  const float m = mean[blockIdx.x], inv = rstd[blockIdx.x];
+  float gw = 0, gwx = 0;
+  for (int64_t d = threadIdx.x; d < D; d += kThreads) {
+    gw += g[base + d] * w[d];
+    gwx += g[base + d] * w[d] * (x[base + d] - m);
+  }
+  const float s1 = block_sum(gw, sh) / float(D);
+  const float s2 = inv * block_sum(gwx, sh) / float(D);
+  for (int64_t d = threadIdx.x; d < D; d += kThreads) {
+    const float xhat = (x[base + d] - m) * inv;
+    dx.add(base + d, inv * (g[base + d] * w[d] - s1 - xhat * s2));
+  }
+}
+// pw, pb [nblocks, D]: row block b's sums of g xhat and of g, in row order.
+// grid (ceil(D / kThreads), nblocks)
+__global__ void ln_bwd_partial_kernel(In g, In x, const float* mean, const float* rstd, int64_t N,
+                                      int64_t D, int64_t brows, float* pw, float* pb) {
+  const int64_t d = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
+  if (d >= D) return;
+  const int64_t n0 = blockIdx.y * brows, n1 = min(N, n0 + brows);
+  float aw = 0, ab = 0;
+  for (int64_t n = n0; n < n1; ++n) {
+    const float gv = g[n * D + d];
+    aw += gv * ((x[n * D + d] - mean[n]) * rstd[n]);
+    ab += gv;
+  }
+  pw[blockIdx.y * D + d] = aw;
+  pb[blockIdx.y * D + d] = ab;
+}
+
+// ---- softmax and cross-entropy: one block per row -------------------------------------------
+// x [N, C], out [N, C]
+__global__ void softmax_fwd_kernel(In x, int64_t C, Out o) {
+  __shared__ float sh[kThreads];
+  const int64_t base = blockIdx.x * C;
+  float m = -INFINITY;
+  for (int64_t i = threadIdx.x; i < C; i += kThreads) m = fmaxf(m, x[base + i]);
+  m = block_max(m, sh);
+  float s = 0;
+  for (int64_t i = threadIdx.x; i < C; i += kThreads) s += expf(x[base + i] - m);
+  s = block_sum(s, sh);
+  const float inv = 1.f / s;
+  for (int64_t i = threadIdx.x; i < C; i += kThreads) o.set(base + i, expf(x[base + i] - m) * inv);
+}
+// dx += y (g - sum(g y))
+__global__ void softmax_bwd_kernel(In g, In y, int64_t C, Out dx) {
+  __shared__ float sh[kThreads];
+  const int64_t base = blockIdx.x * C;
+  float s = 0;
+  for (int64_t i = threadIdx.x; i < C; i += kThreads) s += g[base + i] * y[base + i];
+  s = block_sum(s, sh);
+  for (int64_t i = threadIdx.x; i < C; i += kThreads)
+    dx.add(base + i, y[base + i] * (g[base + i] - s));
+}
+// logits [N, V], targets [N], loss [N], lse [N]
+__global__ void ce_fwd_kernel(In x, const int32_t* tg, float z_loss, int64_t V, float* loss,
+                              float* lse) {
+  __shared__ float sh[kThreads];
+  const int64_t n = blockIdx.x, base = n * V;
+  float m = -INFINITY;
+  for (int64_t i = threadIdx.x; i < V; i += kThreads) m = fmaxf(m, x[base + i]);
+  m = block_max(m, sh);
+  float s = 0;
+  for (int64_t i = threadIdx.x; i < V; i += kThreads) s += expf(x[base + i] - m);
+  s = block_sum(s, sh);
+  if (threadIdx.x == 0) {
+    const float l = m + logf(s);
+    lse[n] = l;
+    const int32_t t = tg[n];
+    loss[n] = t < 0 ? 0.f : l - x[base + t] + z_loss * l * l;
+  }
+}
+// dlogits [N, V] += dloss[n] * (softmax * (1 + 2 z lse) - onehot(target)), recomputed from lse
+__global__ void ce_bwd_kernel(In dloss, In x, const int32_t* tg, const float* lse, float z_loss,
+                              int64_t V, Out dx) {
+  const int64_t n = blockIdx.x, base = n * V;
+  const int32_t t = tg[n];
+  if (t < 0) return;  // ignored row: no gradient (uniform across the block)
+  const float g = dloss[n], l = lse[n];
+  const float coef = g * (1.f + 2.f * z_loss * l);
+  for (int64_t i = threadIdx.x; i < V; i += kThreads) {
+    float v = dx.get(base + i) + coef * expf(x[base + i] - l);
+    if (i == t) v -= g;
+    dx.set(base + i, v);
+  }
+}
+
+// ---- rope -----------------------------------------------------------------------------------
+struct RopeTable {
+  std::vector<float> inv_freq;  // [R / 2]
+  double mscale = 1.0;
+};
+
+// HF find_correction_dim: the dimension whose wavelength fits num_rotations times in max_pos.
+double correction_dim(double num_rotations, double dim, double base, double max_pos) {
+  return dim * std::log(max_pos / (num_rotations * 2 * std::numbers::pi)) / (2 * std::log(base));
+}
+
+// The inverse frequencies exactly as the CPU backend computes them (rope.cpp's make_table: Hugging
+// Face's default, llama3 and yarn parameters in double, stored in f32), so both backends rotate by
+// the same angles.
+RopeTable make_rope_table(const RopeSpec& spec, int64_t R) {
+  const int64_t half = R / 2;
+  const double base = spec.theta;
+  std::vector<double> inv(static_cast<size_t>(half));
+  for (int64_t i = 0; i < half; ++i) inv[i] = 1.0 / std::pow(base, double(2 * i) / double(R));
+  RopeTable t;
+  switch (spec.type) {
+    case RopeSpec::Type::standard:
+      break;
+    case RopeSpec::Type::llama3: {
+      const double factor = spec.factor, lo = spec.low_freq_factor, hi = spec.high_freq_factor;
+      const double old_len = double(spec.original_max_position);
+      const double low_wavelen = old_len / lo, high_wavelen = old_len / hi;
+      for (auto& f : inv) {
+        const double wavelen = 2 * std::numbers::pi / f;
+        if (wavelen > low_wavelen) {
+          f = f / factor;
+        } else if (!(wavelen < high_wavelen)) {
+          const double smooth = (old_len / wavelen - lo) / (hi - lo);
+          f = (1 - smooth) * f / factor + smooth * f;
+        }
+      }
+      break;
+    }
+    case RopeSpec::Type::yarn: {
+      const double factor = spec.factor, dim = double(R);
+      const double max_pos = double(spec.original_max_position);
+      double low = std::floor(correction_dim(spec.beta_fast, dim, base, max_pos));
+      double high = std::ceil(correction_dim(spec.beta_slow, dim, base, max_pos));
+      low = std::max(low, 0.0);
+      high = std::min(high, dim - 1);
+      if (low == high) high += 0.001;
+      for (int64_t i = 0; i < half; ++i) {
+        const double ramp = std::clamp((double(i) - low) / (high - low), 0.0, 1.0);
+        const double extrapolation = 1 - ramp;
+        const double pos_freq = std::pow(base, double(2 * i) / dim);
+        inv[i] =
+            (1.0 / (factor * pos_freq)) * (1 - extrapolation) + (1.0 / pos_freq) * extrapolation;
+      }
+      t.mscale = spec.attention_factor != 0.f ? double(spec.attention_factor)
+                 : factor <= 1                ? 1.0
+                                              : 0.1 * std::log(factor) + 1.0;
+      break;
+    }
+  }
+  t.inv_freq.resize(static_cast<size_t>(half));
+  for (int64_t i = 0; i < half; ++i) t.inv_freq[i] = static_cast<float>(inv[i]);
+  return t;
+}
+
+// One block per (b, t) row. x, out [rows, H, D]; positions [rows]; inv_freq [R / 2].
+// Forward: out = rotate(x, angle); inverse: out += rotate(x, -angle). The angle is formed and
+// its sine and cosine taken in double: in f32 the product alone is off by ~1e-2 rad near 128k.
+__global__ void rope_kernel(In x, const int32_t* positions, const float* inv_freq, int64_t H,
+                            int64_t D, int64_t R, bool interleaved, float mscale, bool inverse,
+                            Out o) {
+  const int64_t row = blockIdx.x, half = R / 2;
+  const int64_t base = row * H * D;
+  const double p = positions[row];
+  const float sscale = (inverse ? -1.f : 1.f) * mscale;
+  for (int64_t j = threadIdx.x; j < H * half; j += kThreads) {
+    const int64_t h = j / half, i = j - h * half;
+    double sn, cs;
+    sincos(p * double(inv_freq[i]), &sn, &cs);
+    const float c = mscale * static_cast<float>(cs), s = sscale * static_cast<float>(sn);
+    const int64_t ia = base + h * D + (interleaved ? 2 * i : i);
+    const int64_t ib = ia + (interleaved ? 1 : half);
+    const float a = x[ia], b = x[ib];
+    const float ra = a * c - b * s, rb = b * c + a * s;
+    if (inverse) {
+      o.add(ia, ra);
+      o.add(ib, rb);
+    } else {
+      o.set(ia, ra);
+      o.set(ib, rb);
+    }
+  }
+  // Features past rotary_dim are not rotated (nor scaled): copied / passed through.
+  const int64_t rest = D - R;
+  for (int64_t j = threadIdx.x; j < H * rest; j += kThreads) {
+    const int64_t h = j / rest, f = R + (j - h * rest);
+    const int64_t idx = base + h * D + f;
+    if (inverse)
+      o.add(idx, x[idx]);
+    else
+      o.set(idx, x[idx]);
+  }
+}
+
+void rope_apply(const Ctx& c, const char* op, const Tensor& x, const Tensor& positions,
+                const RopeSpec& spec, Tensor& o, bool inverse) {
+  auto shapes = [&] { return "x " + str(x) + ", positions " + str(positions) + ", out " + str(o); };
+  MT_CHECK(
+      x.defined() && x.ndim() == 4 && is_fb(x) && is_fb(o) && o.numel() == x.numel() &&
+          positions.defined() && positions.dtype() == DType::i32 &&
+          positions.numel() == x.dim(0) * x.dim(1),
+      std::string("cuda ") + op + ": " + shapes() + " (want x [B, T, H, D], positions [B, T] i32)");
+  const int64_t H = x.dim(2), D = x.dim(3), rows = x.dim(0) * x.dim(1);
+  const int64_t R = spec.rotary_dim > 0 ? spec.rotary_dim : D;
+  MT_CHECK(R % 2 == 0 && R <= D, std::string("cuda ") + op + ": rotary_dim " + std::to_string(R) +
+                                     " must be even and at most head_dim " + std::to_string(D));
+  if (rows == 0 || H == 0 || D == 0) return;
+  const RopeTable table = make_rope_table(spec, R);
+  Tensor freq = c.scratch({std::max<int64_t>(R / 2, 1)}, DType::f32);
+  if (R / 2 > 0)
+    check(cudaMemcpyAsync(freq.data(), table.inv_freq.data(), table.inv_freq.size() * sizeof(float),
+                          cudaMemcpyHostToDevice, c.stream),
+          op, "uploading inv_freq", shapes());
+  rope_kernel<<<static_cast<unsigned>(rows), kThreads, 0, c.stream>>>(
+      in(x), positions.ptr<const int32_t>(), freq.ptr<const float>(), H, D, R, spec.interleaved,
+      static_cast<float>(table.mscale), inverse, out(o));
+  launched(op, shapes);
+}
+
+// ---- AdamW ----------------------------------------------------------------------------------
+struct AdamWConsts {
+  float b1, one_minus_b1, b2, one_minus_b2, eps, grad_scale;
+  float step_size;     // lr / (1 - b1^step)
+  float inv_sqrt_bc2;  // 1 / sqrt(1 - b2^step)
+  float decay;         // lr * weight_decay
+};
+// The CPU's operation order with every step rounded (no contraction into FMAs), so both
+// backends give the same bits.
+struct AdamWF {
+  Out param;
+  In grad;
+  float* m;
+  float* v;
+  AdamWConsts c;
+  __device__ void operator()(int64_t i) const {
+    const float g = __fmul_rn(grad[i], c.grad_scale);
+    const float mi = __fadd_rn(__fmul_rn(c.b1, m[i]), __fmul_rn(c.one_minus_b1, g));
+    const float vi = __fadd_rn(__fmul_rn(c.b2, v[i]), __fmul_rn(c.one_minus_b2, __fmul_rn(g, g)));
+    m[i] = mi;
+    v[i] = vi;
+    const float p = param.get(i);
+    const float update = __fdiv_rn(__fmul_rn(c.step_size, mi),
+                                   __fadd_rn(__fmul_rn(__fsqrt_rn(vi), c.inv_sqrt_bc2), c.eps));
+    param.set(i, __fadd_rn(__fadd_rn(p, -update), -__fmul_rn(c.decay, p)));
+  }
+};
+
+Shape leading(const Tensor& t) {
+  return Shape(t.shape().begin(), t.shape().end() - 2);
+}
+
+}  // namespace
+
+// ---- elementwise ------------------------------------------------------------------------------
+
+void fill(const Ctx& c, Tensor& x, float value) {
+  auto shapes = [&] { return str(x); };
+  const int64_t n = x.numel();
+  switch (x.dtype()) {
+    case DType::f32:
+      return launch_map(c, n, FillF32{x.ptr<float>(), value}, "fill", shapes);
+    case DType::bf16:
+      return launch_map(c, n, FillBf16{x.ptr<__nv_bfloat16>(), value}, "fill", shapes);
+    case DType::i32:
+      return launch_map(c, n, FillI32{x.ptr<int32_t>(), static_cast<int32_t>(value)}, "fill",
+                        shapes);
+    default:
+      fail("cuda fill: unsupported tensor " + str(x));
+  }
+}
+
+void cast(const Ctx& c, const Tensor& src, Tensor& dst) {
+  auto shapes = [&] { return str(src) + " -> " + str(dst); };
+  MT_CHECK(src.numel() == dst.numel(), "cuda cast: element counts differ: " + shapes());
+  if (src.dtype() == dst.dtype()) {
+    if (src.data() == dst.data() || src.nbytes() == 0) return;
+    check(cudaMemcpyAsync(dst.data(), src.data(), src.nbytes(), cudaMemcpyDeviceToDevice, c.stream),
+          "cast", "cudaMemcpyAsync", shapes());
+    return;
+  }
+  MT_CHECK(is_fb(src) && is_fb(dst), "cuda cast: unsupported conversion " + shapes());
+  launch_map(c, src.numel(), CastF{in(src), out(dst)}, "cast", shapes);
+}
+
+void add(const Ctx& c, const Tensor& a, const Tensor& b, Tensor& o) {
+  check_same("add", a, b);
+  check_same("add", a, o);
+  launch_map(c, a.numel(), AddF{in(a), in(b), out(o)}, "add",
+             [&] { return str(a) + " + " + str(b) + " -> " + str(o); });
+}
+
+void mul(const Ctx& c, const Tensor& a, const Tensor& b, Tensor& o) {
+  check_same("mul", a, b);
+  check_same("mul", a, o);
+  launch_map(c, a.numel(), MulF{in(a), in(b), out(o)}, "mul",
+             [&] { return str(a) + " * " + str(b) + " -> " + str(o); });
+}
+
+void scale(const Ctx& c, const Tensor& x, float s, Tensor& o) {
+  check_same("scale", x, o);
+  launch_map(c, x.numel(), ScaleF{in(x), s, out(o)}, "scale",
+             [&] { return str(x) + " -> " + str(o); });
+}
+
+void axpy(const Ctx& c, float alpha, const Tensor& x, Tensor& y) {
+  check_same("axpy", x, y);
+  launch_map(c, x.numel(), AxpyF{alpha, in(x), out(y)}, "axpy",
+             [&] { return str(x) + " -> " + str(y); });
+}
+
+double sum(const Ctx& c, const Tensor& x, bool squares) {
+  const char* op = squares ? "sum_squares" : "sum";
+  MT_CHECK(is_fb(x), std::string("cuda ") + op + ": unsupported tensor " + str(x));
+  const int64_t n = x.numel();
+  if (n == 0) return 0.0;
+  // kSumBlocks partials and the result, as doubles in one f32 scratch block.
+  Tensor buf = c.scratch({2 * (kSumBlocks + 1)}, DType::f32);
+  double* partial = static_cast<double*>(buf.data());
+  sum_partial_kernel<<<kSumBlocks, kThreads, 0, c.stream>>>(in(x), n, squares, partial);
+  launched(op, [&] { return str(x); });
+  sum_final_kernel<<<1, kThreads, 0, c.stream>>>(partial, partial + kSumBlocks);
+  launched(op, [&] { return str(x); });
+  double result = 0;
+  check(cudaMemcpyAsync(&result, partial + kSumBlocks, sizeof(double), cudaMemcpyDeviceToHost,
+                        c.stream),
+        op, "copying the result to the host", str(x));
+  check(cudaStreamSynchronize(c.stream), op, "stream synchronize", str(x));
+  return result;
+}
+
+// ---- matmul ---------------------------------------------------------------------------------
+
+void matmul(const Ctx& c, const Tensor& a, const Tensor& b, Tensor& o, bool trans_a, bool trans_b,
+            float alpha, float beta) {
+  auto shapes = [&] {
+    return "a " + str(a) + (trans_a ? "^T" : "") + ", b " + str(b) + (trans_b ? "^T" : "") +
+           ", c " + str(o);
+  };
+  if (!is_fb(a) || !is_fb(b) || !is_fb(o) || a.ndim() < 2 || b.ndim() < 2 || o.ndim() < 2)
+    fail("cuda matmul: " + shapes() +
+         ": operands must be f32 or bf16 tensors of at least 2 dimensions");
+  int64_t m = trans_a ? a.dim(-1) : a.dim(-2);
+  const int64_t k = trans_a ? a.dim(-2) : a.dim(-1);
+  const int64_t kb = trans_b ? b.dim(-1) : b.dim(-2);
+  const int64_t n = trans_b ? b.dim(-2) : b.dim(-1);
+  const Shape lead = leading(a);
+  const bool shared_b = b.ndim() == 2;
+  if (k != kb || o.dim(-2) != m || o.dim(-1) != n || leading(o) != lead ||
+      (!shared_b && leading(b) != lead))
+    fail("cuda matmul: " + shapes() +
+         ": shapes do not agree (a [..., M, K], b [..., K, N] or 2-D, c [..., M, N])");
+  int64_t batch = shape_numel(lead);
+  if (batch == 0 || m == 0 || n == 0) return;
+
+  // cuBLAS takes A and B of one type, and C f32 or of that type. Other mixes run in f32 on
+  // widened copies (exact: bf16 -> f32 loses nothing) and round once at the end.
+  const bool native =
+      a.dtype() == b.dtype() && (a.dtype() == DType::bf16 || o.dtype() == DType::f32);
+  if (!native) {
+    auto widen = [&](const Tensor& t, bool copy) {
+      if (t.dtype() == DType::f32) return t;
+      Tensor w = c.scratch(t.shape(), DType::f32);
+      if (copy) cast(c, t, w);
+      return w;
+    };
+    Tensor a32 = widen(a, true), b32 = widen(b, true), c32 = widen(o, beta != 0.f);
+    matmul(c, a32, b32, c32, trans_a, trans_b, alpha, beta);
+    if (!c32.same_as(o)) cast(c, c32, o);
+    return;
+  }
+
+  // K = 0: the product is empty and c = beta c (cuBLAS would refuse the leading dimension 0).
+  if (k == 0) {
+    if (beta == 0.f)
+      fill(c, o, 0.f);
+    else
+      scale(c, o, beta, o);
+    return;
+  }
+  // A batch against one shared b with a untransposed is one tall GEMM.
+  if (shared_b && !trans_a && batch > 1) {
+    m *= batch;
+    batch = 1;
+  }
+  if (std::max({m, n, k, batch}) > INT_MAX)
+    fail("cuda matmul: " + shapes() + ": a dimension exceeds 2^31 - 1");
+
+  // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: pass b first. A row-major
+  // [R, C] matrix is a column-major C x R matrix with leading dimension C.
+  const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const int64_t ldb = trans_b ? k : n, lda = trans_a ? m : k, ldc = n;
+  const long long stride_b = shared_b ? 0 : k * n, stride_a = m * k, stride_c = m * n;
+  const cudaDataType ta = a.dtype() == DType::bf16 ? CUDA_R_16BF : CUDA_R_32F;
+  const cudaDataType tc = o.dtype() == DType::bf16 ? CUDA_R_16BF : CUDA_R_32F;
+  // CUBLAS_COMPUTE_32F: f32 accumulation, and no TF32 rounding of f32 inputs.
+  check(cublasGemmStridedBatchedEx(
+            c.cublas, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k),
+            &alpha, b.data(), ta, static_cast<int>(ldb), stride_b, a.data(), ta,
+            static_cast<int>(lda), stride_a, &beta, o.data(), tc, static_cast<int>(ldc), stride_c,
+            static_cast<int>(batch), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+        "matmul", "cublasGemmStridedBatchedEx", shapes());
+}
+
+// ---- embedding ------------------------------------------------------------------------------
+
+void embedding_forward(const Ctx& c, const Tensor& table, const Tensor& ids, Tensor& o) {
+  auto shapes = [&] { return "table " + str(table) + ", ids " + str(ids) + ", out " + str(o); };
+  MT_CHECK(table.defined() && table.ndim() == 2 && is_fb(table) && is_fb(o) && ids.defined() &&
+               ids.dtype() == DType::i32 && o.numel() == ids.numel() * table.dim(1),
+           "cuda embedding_forward: " + shapes());
+  const int64_t V = table.dim(0), D = table.dim(1);
+  check_ids("embedding_forward", host_ints(c, ids, "embedding_forward"), V);
+  launch_map(c, o.numel(), EmbedFwdF{in(table), ids.ptr<const int32_t>(), D, out(o)},
+             "embedding_forward", shapes);
+}
+
+void embedding_backward(const Ctx& c, const Tensor& dout, const Tensor& ids, Tensor& dtable) {
+  auto shapes = [&] {
+    return "dout " + str(dout) + ", ids " + str(ids) + ", dtable " + str(dtable);
+  };
+  MT_CHECK(dtable.defined() && dtable.ndim() == 2 && is_fb(dtable) && is_fb(dout) &&
+               ids.defined() && ids.dtype() == DType::i32 &&
+               dout.numel() == ids.numel() * dtable.dim(1),
+           "cuda embedding_backward: " + shapes());
+  const int64_t V = dtable.dim(0), D = dtable.dim(1), N = ids.numel();
+  MT_CHECK(N < INT_MAX, "cuda embedding_backward: too many tokens: " + shapes());
+  const std::vector<int32_t> id = host_ints(c, ids, "embedding_backward");
+  check_ids("embedding_backward", id, V);
+  scatter_rows(c, "embedding_backward", dout, id, V, Tensor(), D, dtable, shapes);
+}
+
+// ---- MoE row movement -----------------------------------------------------------------------
+
+namespace {
+int64_t last_dim(const Tensor& t) {
+  return t.ndim() == 0 ? 1 : t.dim(-1);
+}
+int64_t lead_rows(const Tensor& t) {
+  int64_t n = 1;
+  for (int i = 0; i + 1 < t.ndim(); ++i) n *= t.shape()[i];
+  return n;
+}
+void check_rows(const char* op, const std::vector<int32_t>& id, int64_t N) {
+  for (size_t m = 0; m < id.size(); ++m)
+    if (id[m] < 0 || id[m] >= N)
+      throw Error(std::string("cuda ") + op + ": idx[" + std::to_string(m) +
+                  "] = " + std::to_string(id[m]) + " is outside [0, " + std::to_string(N) + ")");
+}
+}  // namespace
+
+void gather_rows(const Ctx& c, const Tensor& x, const Tensor& idx, Tensor& o) {
+  auto shapes = [&] { return "x " + str(x) + ", idx " + str(idx) + ", out " + str(o); };
+  MT_CHECK(is_fb(x) && is_fb(o) && idx.defined() && idx.dtype() == DType::i32 &&
+               last_dim(o) == last_dim(x) && lead_rows(o) == idx.numel(),
+           "cuda gather_rows: " + shapes() + " (want x [N, D], idx [M] i32, out [M, D])");
+  const int64_t D = last_dim(x);
+  check_rows("gather_rows", host_ints(c, idx, "gather_rows"), lead_rows(x));
+  // out[m] = x[idx[m]]: the embedding lookup with x as the table.
+  launch_map(c, o.numel(), EmbedFwdF{in(x), idx.ptr<const int32_t>(), D, out(o)}, "gather_rows",
+             shapes);
+}
+
+void scatter_add_rows(const Ctx& c, const Tensor& src, const Tensor& idx, const Tensor& w,
+                      Tensor& o) {
+  auto shapes = [&] {
+    return "src " + str(src) + ", idx " + str(idx) + ", w " + str(w) + ", out " + str(o);
+  };
+  MT_CHECK(is_fb(src) && is_fb(o) && idx.defined() && idx.dtype() == DType::i32 &&
+               last_dim(src) == last_dim(o) && lead_rows(src) == idx.numel() &&
+               (!w.defined() || (is_fb(w) && w.numel() == idx.numel())),
+           "cuda scatter_add_rows: " + shapes() +
+               " (want src [M, D], idx [M] i32, w [M] or none, out [N, D])");
+  const std::vector<int32_t> id = host_ints(c, idx, "scatter_add_rows");
+  check_rows("scatter_add_rows", id, lead_rows(o));
+  scatter_rows(c, "scatter_add_rows", src, id, lead_rows(o), w, last_dim(o), o, shapes);
+}
+
+namespace {
+// Routing: one thread per token row; E (experts) is small, and the serial loop is the CPU's own
+// (moe.cpp), so selection, ties (lower index wins, NaN last) and rounding match it exactly.
+// logits [N, E] -> probs [N, E], weights [N, k] (also the sorted keys while selecting),
+// indices [N, k]
+__global__ void topk_fwd_kernel(In logits, int64_t N, int64_t E, int k, bool sigmoid,
+                                bool normalize, float* weights, int32_t* indices, float* probs) {
+  const int64_t n = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (n >= N) return;
+  float* s = probs + n * E;
+  for (int64_t e = 0; e < E; ++e) s[e] = logits[n * E + e];
+  if (sigmoid) {
+    for (int64_t e = 0; e < E; ++e) s[e] = 1.f / (1.f + expf(-s[e]));
+  } else {
+    float mx = -INFINITY;
+    for (int64_t e = 0; e < E; ++e) mx = fmaxf(mx, s[e]);
+    double sum = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      s[e] = expf(s[e] - mx);
+      sum += s[e];
+    }
+    const float inv = static_cast<float>(1.0 / sum);
+    for (int64_t e = 0; e < E; ++e) s[e] *= inv;
+  }
+  float* key = weights + n * k;
+  int32_t* top = indices + n * k;
+  int count = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const float v = isnan(s[e]) ? -INFINITY : s[e];
+    int pos;
+    if (count < k) {
+      pos = count++;
+    } else if (v > key[k - 1]) {
+      pos = k - 1;
+    } else {
+      continue;
+    }
+    while (pos > 0 && v > key[pos - 1]) {
+      key[pos] = key[pos - 1];
+      top[pos] = top[pos - 1];
+      --pos;
+    }
+    key[pos] = v;
+    top[pos] = static_cast<int32_t>(e);
+  }
+  float total = 0.f;
+  for (int j = 0; j < k; ++j) {
+    key[j] = s[top[j]];
+    total += key[j];
+  }
+  if (normalize)
+    for (int j = 0; j < k; ++j) key[j] /= total;
+}
+
+// dlogits [N, E] += d(weights)/d(logits)^T dweights, per row (the CPU's formulas).
+__global__ void topk_bwd_kernel(In dweights, In probs, const int32_t* indices, int64_t N, int64_t E,
+                                int k, bool sigmoid, bool normalize, Out dlogits) {
+  const int64_t n = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (n >= N) return;
+  const int64_t ps = n * E, ds0 = n * k;
+  const int32_t* idx = indices + n * k;
+  // With normalize, w_j = s_j / S: ds_j = (dw_j - sum_l dw_l w_l) / S.
+  float total = 1.f, dot = 0.f;
+  if (normalize) {
+    total = 0.f;
+    for (int j = 0; j < k; ++j) total += probs[ps + idx[j]];
+    for (int j = 0; j < k; ++j) dot += dweights[ds0 + j] * probs[ps + idx[j]];
+    dot /= total;
+  }
+  auto ds = [&](int j) {
+    return normalize ? (dweights[ds0 + j] - dot) / total : dweights[ds0 + j];
+  };
+  if (sigmoid) {
+    for (int j = 0; j < k; ++j) {
+      const float p = probs[ps + idx[j]];
+      dlogits.add(ps + idx[j], ds(j) * p * (1.f - p));
+    }
+  } else {
+    float c = 0.f;
+    for (int j = 0; j < k; ++j) c += ds(j) * probs[ps + idx[j]];
+    for (int64_t e = 0; e < E; ++e) {
+      float g = -probs[ps + e] * c;
+      for (int j = 0; j < k; ++j)
+        if (idx[j] == e) g += probs[ps + e] * ds(j);
+      dlogits.add(ps + e, g);
+    }
+  }
+}
+
+std::vector<int32_t> read_offsets(const Ctx& c, const Tensor& offsets, int64_t experts,
+                                  int64_t rows, const char* op) {
+  MT_CHECK(offsets.defined() && offsets.dtype() == DType::i32 && offsets.numel() == experts + 1,
+           std::string("cuda ") + op + ": offsets " + str(offsets) +
+               " must be i32 with E + 1 = " + std::to_string(experts + 1) + " entries");
+  const std::vector<int32_t> off = host_ints(c, offsets, op);
+  bool ok = off[0] == 0 && off[experts] == rows;
+  for (int64_t e = 0; e < experts; ++e) ok = ok && off[e + 1] >= off[e];
+  if (!ok)
+    fail(std::string("cuda ") + op + ": offsets must start at 0, not decrease and end at the " +
+         "number of rows " + std::to_string(rows) + " (" + str(offsets) + ")");
+  return off;
+}
+}  // namespace
+
+void topk_route_forward(const Ctx& c, const Tensor& logits, int k, bool sigmoid, bool normalize,
+                        Tensor& weights, Tensor& indices, Tensor& probs) {
+  auto shapes = [&] {
+    return "logits " + str(logits) + ", k " + std::to_string(k) + ", weights " + str(weights) +
+           ", indices " + str(indices) + ", probs " + str(probs);
+  };
+  MT_CHECK(is_fb(logits) && weights.defined() && weights.dtype() == DType::f32 &&
+               indices.defined() && indices.dtype() == DType::i32 && probs.defined() &&
+               probs.dtype() == DType::f32,
+           "cuda topk_route_forward: " + shapes() + " (weights and probs f32, indices i32)");
+  const int64_t E = last_dim(logits), N = lead_rows(logits);
+  MT_CHECK(k >= 1 && k <= E && weights.numel() == N * k && last_dim(weights) == k &&
+               indices.numel() == N * k && last_dim(indices) == k && probs.numel() == N * E &&
+               last_dim(probs) == E,
+           "cuda topk_route_forward: " + shapes() + " (want k in [1, E], weights/indices [N, k], " +
+               "probs [N, E])");
+  if (N == 0) return;
+  topk_fwd_kernel<<<grid_for(N), kThreads, 0, c.stream>>>(
+      in(logits), N, E, k, sigmoid, normalize, weights.ptr<float>(), indices.ptr<int32_t>(),
+      probs.ptr<float>());
+  launched("topk_route_forward", shapes);
+}
+
+void topk_route_backward(const Ctx& c, const Tensor& dweights, const Tensor& weights,
+                         const Tensor& indices, const Tensor& probs, bool sigmoid, bool normalize,
+                         Tensor& dlogits) {
+  auto shapes = [&] {
+    return "dweights " + str(dweights) + ", weights " + str(weights) + ", indices " + str(indices) +
+           ", probs " + str(probs) + ", dlogits " + str(dlogits);
+  };
+  MT_CHECK(is_fb(dweights) && is_fb(weights) && is_fb(probs) && is_fb(dlogits) &&
+               indices.defined() && indices.dtype() == DType::i32,
+           "cuda topk_route_backward: " + shapes());
+  const int64_t E = last_dim(probs), N = lead_rows(probs), k = last_dim(indices);
+  MT_CHECK(indices.numel() == N * k && dweights.numel() == N * k && weights.numel() == N * k &&
+               dlogits.numel() == N * E && last_dim(dlogits) == E && k >= 1 && k <= E,
+           "cuda topk_route_backward: " + shapes() +
+               " (want dweights/weights/indices [N, k], dlogits [N, E])");
+  check_rows("topk_route_backward", host_ints(c, indices, "topk_route_backward"), E);
+  if (N == 0) return;
+  topk_bwd_kernel<<<grid_for(N), kThreads, 0, c.stream>>>(
+      in(dweights), in(probs), indices.ptr<const int32_t>(), N, E, static_cast<int>(k), sigmoid,
+      normalize, out(dlogits));
+  launched("topk_route_backward", shapes);
+}
+
+// One cuBLAS GEMM per expert with tokens, as the CPU backend does.
+void grouped_matmul(const Ctx& c, const Tensor& x, const Tensor& w, const Tensor& offsets,
+                    bool trans_w, Tensor& o) {
+  constexpr const char* op = "grouped_matmul";
+  MT_CHECK(is_fb(x) && is_fb(w) && is_fb(o) && w.ndim() == 3,
+           std::string("cuda ") + op + ": x " + str(x) + ", w " + str(w) + ", out " + str(o) +
+               " (w must be [E, K, N], or [E, N, K] if trans_w)");
+  const int64_t E = w.dim(0);
+  const int64_t K = trans_w ? w.dim(2) : w.dim(1), N = trans_w ? w.dim(1) : w.dim(2);
+  const int64_t M = lead_rows(x);
+  MT_CHECK(last_dim(x) == K && last_dim(o) == N && lead_rows(o) == M,
+           std::string("cuda ") + op + ": x " + str(x) + " and w " + str(w) +
+               " need x [M, K] and out [M, N], got out " + str(o));
+  const std::vector<int32_t> off = read_offsets(c, offsets, E, M, op);
+  const Tensor x2 = x.view({M, K});
+  const Tensor o2 = o.view({M, N});
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = off[e], r1 = off[e + 1];
+    if (r0 == r1) continue;
+    Tensor oe = o2.slice0(r0, r1);
+    matmul(c, x2.slice0(r0, r1), w.slice0(e, e + 1).view({w.dim(1), w.dim(2)}), oe, false, trans_w,
+           1.f, 0.f);
+  }
+}
+
+void grouped_matmul_weight_grad(const Ctx& c, const Tensor& x, const Tensor& dout,
+                                const Tensor& offsets, bool trans_w, Tensor& dw) {
+  constexpr const char* op = "grouped_matmul_weight_grad";
+  MT_CHECK(is_fb(x) && is_fb(dout) && is_fb(dw) && dw.ndim() == 3,
+           std::string("cuda ") + op + ": x " + str(x) + ", dout " + str(dout) + ", dw " + str(dw) +
+               " (dw must be [E, K, N], or [E, N, K] if trans_w)");
+  const int64_t E = dw.dim(0);
+  const int64_t K = trans_w ? dw.dim(2) : dw.dim(1), N = trans_w ? dw.dim(1) : dw.dim(2);
+  const int64_t M = lead_rows(x);
+  MT_CHECK(last_dim(x) == K && last_dim(dout) == N && lead_rows(dout) == M,
+           std::string("cuda ") + op + ": dw " + str(dw) + " needs x [M, K] and dout [M, N], got " +
+               str(x) + " and " + str(dout));
+  const std::vector<int32_t> off = read_offsets(c, offsets, E, M, op);
+  const Tensor x2 = x.view({M, K});
+  const Tensor d2 = dout.view({M, N});
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = off[e], r1 = off[e + 1];
+    if (r0 == r1) continue;  // an expert without tokens gets no gradient
+    Tensor dwe = dw.slice0(e, e + 1).view({dw.dim(1), dw.dim(2)});
+    // Accumulate (beta = 1): dw[e] += x_e^T dout_e, or dout_e^T x_e if trans_w.
+    if (trans_w)
+      matmul(c, d2.slice0(r0, r1), x2.slice0(r0, r1), dwe, true, false, 1.f, 1.f);
+    else
+      matmul(c, x2.slice0(r0, r1), d2.slice0(r0, r1), dwe, true, false, 1.f, 1.f);
+  }
+}
+
+// ---- rmsnorm --------------------------------------------------------------------------------
+
+void rmsnorm_forward(const Ctx& c, const Tensor& x, const Tensor& w, float eps, bool plus_one,
+                     Tensor& o, Tensor& rstd) {
+  auto shapes = [&] {
+    return "x " + str(x) + ", w " + str(w) + ", out " + str(o) + ", rstd " + str(rstd);
+  };
+  MT_CHECK(is_fb(x) && x.ndim() >= 1 && is_fb(w) && is_fb(o) && w.numel() == x.dim(-1) &&
+               o.numel() == x.numel() && rstd.defined() && rstd.dtype() == DType::f32,
+           "cuda rmsnorm_forward: " + shapes());
+  const int64_t D = x.dim(-1), N = D ? x.numel() / D : 0;
+  MT_CHECK(rstd.numel() == N, "cuda rmsnorm_forward: rstd must be f32 [N]: " + shapes());
+  if (N == 0) return;
+  rms_fwd_kernel<<<static_cast<unsigned>(N), kThreads, 0, c.stream>>>(in(x), in(w), plus_one, eps,
+                                                                      D, out(o), rstd.ptr<float>());
+  launched("rmsnorm_forward", shapes);
+}
+
+void rmsnorm_backward(const Ctx& c, const Tensor& dout, const Tensor& x, const Tensor& w,
+                      const Tensor& rstd, bool plus_one, Tensor& dx, Tensor& dw) {
+  auto shapes = [&] {
+    return "dout " + str(dout) + ", x " + str(x) + ", w " + str(w) + ", rstd " + str(rstd) +
+           ", dx " + str(dx) + ", dw " + str(dw);
+  };
+  MT_CHECK(is_fb(x) && x.ndim() >= 1 && is_fb(w) && is_fb(dout) && is_fb(dx) && is_fb(dw) &&
+               w.numel() == x.dim(-1) && dw.numel() == w.numel() && dout.numel() == x.numel() &&
+               dx.numel() == x.numel() && rstd.defined() && rstd.dtype() == DType::f32,
+           "cuda rmsnorm_backward: " + shapes());
+  const int64_t D = x.dim(-1), N = D ? x.numel() / D : 0;
+  MT_CHECK(rstd.numel() == N, "cuda rmsnorm_backward: rstd must be f32 [N]: " + shapes());
+  if (N == 0) return;
+  rms_bwd_dx_kernel<<<static_cast<unsigned>(N), kThreads, 0, c.stream>>>(
+      in(dout), in(x), in(w), plus_one, rstd.ptr<const float>(), D, out(dx));
+  launched("rmsnorm_backward", shapes);
+  // dw: fixed row blocks (a function of N only, as on the CPU), each writing its own partial,
+  // then the partials added in block order.
+  const int64_t brows = std::max<int64_t>(32, (N + 255) / 256);
+  const int64_t nblocks = (N + brows - 1) / brows;
+  Tensor partial = c.scratch({nblocks, D}, DType::f32);
+  const unsigned cols = static_cast<unsigned>((D + kThreads - 1) / kThreads);
+  rms_bwd_dw_partial_kernel<<<dim3(cols, static_cast<unsigned>(nblocks)), kThreads, 0, c.stream>>>(
+      in(dout), in(x), rstd.ptr<const float>(), N, D, brows, partial.ptr<float>());
+  launched("rmsnorm_backward", shapes);
+  add_partials_kernel<<<cols, kThreads, 0, c.stream>>>(partial.ptr<const float>(), nblocks, D,
+                                                       out(dw));
+  launched("rmsnorm_backward", shapes);
+}
+
+// ---- layernorm ------------------------------------------------------------------------------
+
+void layernorm_forward(const Ctx& c, const Tensor& x, const Tensor& w, const Tensor& b, float eps,
+                       Tensor& o, Tensor& mean, Tensor& rstd) {
+  auto shapes = [&] {
+    return "x " + str(x) + ", w " + str(w) + ", b " + str(b) + ", out " + str(o) + ", mean " +
+           str(mean) + ", rstd " + str(rstd);
+  };
+  MT_CHECK(is_fb(x) && x.ndim() >= 1 && is_fb(w) && is_fb(o) && w.numel() == x.dim(-1) &&
+               o.numel() == x.numel() && (!b.defined() || (is_fb(b) && b.numel() == w.numel())),
+           "cuda layernorm_forward: " + shapes());
+  const int64_t D = x.dim(-1), N = D ? x.numel() / D : 0;
+  MT_CHECK(mean.defined() && mean.dtype() == DType::f32 && mean.numel() == N && rstd.defined() &&
+               rstd.dtype() == DType::f32 && rstd.numel() == N,
+           "cuda layernorm_forward: mean and rstd must be f32 [N]: " + shapes());
+  if (N == 0) return;
+  const In bias = b.defined() ? in(b) : In{nullptr, false};
+  ln_fwd_kernel<<<static_cast<unsigned>(N), kThreads, 0, c.stream>>>(
+      in(x), in(w), bias, b.defined(), eps, D, out(o), mean.ptr<float>(), rstd.ptr<float>());
+  launched("layernorm_forward", shapes);
+}
+
+void layernorm_backward(const Ctx& c, const Tensor& dout, const Tensor& x, const Tensor& w,
+                        const Tensor& mean, const Tensor& rstd, Tensor& dx, Tensor& dw,
+                        Tensor& db) {
+  auto shapes = [&] {
+    return "dout " + str(dout) + ", x " + str(x) + ", w " + str(w) + ", dx " + str(dx) + ", dw " +
+           str(dw) + ", db " + str(db);
+  };
+  MT_CHECK(is_fb(x) && x.ndim() >= 1 && is_fb(w) && is_fb(dout) && is_fb(dx) && is_fb(dw) &&
+               w.numel() == x.dim(-1) && dw.numel() == w.numel() && dout.numel() == x.numel() &&
+               dx.numel() == x.numel() && (!db.defined() || (is_fb(db) && db.numel() == w.numel())),
+           "cuda layernorm_backward: " + shapes());
+  const int64_t D = x.dim(-1), N = D ? x.numel() / D : 0;
+  MT_CHECK(mean.defined() && mean.dtype() == DType::f32 && mean.numel() == N && rstd.defined() &&
+               rstd.dtype() == DType::f32 && rstd.numel() == N,
+           "cuda layernorm_backward: mean and rstd must be f32 [N]: " + shapes());
+  if (N == 0) return;
+  ln_bwd_dx_kernel<<<static_cast<unsigned>(N), kThreads, 0, c.stream>>>(
+      in(dout), in(x), in(w), mean.ptr<const float>(), rstd.ptr<const float>(), D, out(dx));
+  launched("layernorm_backward", shapes);
+  // dw and db: fixed row blocks (a function of N only), partials added in block order.
+  const int64_t brows = std::max<int64_t>(32, (N + 255) / 256);
+  const int64_t nblocks = (N + brows - 1) / brows;
+  Tensor partial = c.scratch({2, nblocks, D}, DType::f32);
+  float* pw = partial.ptr<float>();
+  float* pb = pw + nblocks * D;
+  const unsigned cols = static_cast<unsigned>((D + kThreads - 1) / kThreads);
+  ln_bwd_partial_kernel<<<dim3(cols, static_cast<unsigned>(nblocks)), kThreads, 0, c.stream>>>(
+      in(dout), in(x), mean.ptr<const float>(), rstd.ptr<const float>(), N, D, brows, pw, pb);
+  launched("layernorm_backward", shapes);
+  add_partials_kernel<<<cols, kThreads, 0, c.stream>>>(pw, nblocks, D, out(dw));
+  launched("layernorm_backward", shapes);
+  if (db.defined()) {
+    add_partials_kernel<<<cols, kThreads, 0, c.stream>>>(pb, nblocks, D, out(db));
+    launched("layernorm_backward", shapes);
+  }
+}
+
+// ---- rope -----------------------------------------------------------------------------------
+
+void rope_forward(const Ctx& c, const Tensor& x, const Tensor& positions, const RopeSpec& spec,
+                  Tensor& o) {
+  rope_apply(c, "rope_forward", x, positions, spec, o, false);
+}
+
+void rope_backward(const Ctx& c, const Tensor& dout, const Tensor& positions, const RopeSpec& spec,
+                   Tensor& dx) {
+  rope_apply(c, "rope_backward", dout, positions, spec, dx, true);
+}
+
+// ---- activations ----------------------------------------------------------------------------
+
+void activation_forward(const Ctx& c, Activation act, const Tensor& x, Tensor& o) {
+  check_ew("activation_forward", {&x, &o});
+  launch_map(c, x.numel(), ActFwdF{act, in(x), out(o)}, "activation_forward",
+             [&] { return str(x) + " -> " + str(o); });
+}
+
+void activation_backward(const Ctx& c, Activation act, const Tensor& dout, const Tensor& x,
+                         Tensor& dx) {
+  check_ew("activation_backward", {&dout, &x, &dx});
+  launch_map(c, x.numel(), ActBwdF{act, in(dout), in(x), out(dx)}, "activation_backward",
+             [&] { return str(dout) + ", " + str(x) + " -> " + str(dx); });
+}
+
+void gated_forward(const Ctx& c, Activation act, const Tensor& gate, const Tensor& up, Tensor& o) {
+  check_ew("gated_forward", {&gate, &up, &o});
+  launch_map(c, gate.numel(), GatedFwdF{act, in(gate), in(up), out(o)}, "gated_forward",
+             [&] { return str(gate) + ", " + str(up) + " -> " + str(o); });
+}
+
+void gated_backward(const Ctx& c, Activation act, const Tensor& dout, const Tensor& gate,
+                    const Tensor& up, Tensor& dgate, Tensor& dup) {
+  check_ew("gated_backward", {&dout, &gate, &up, &dgate, &dup});
+  launch_map(c, gate.numel(), GatedBwdF{act, in(dout), in(gate), in(up), out(dgate), out(dup)},
+             "gated_backward", [&] { return str(dout) + ", " + str(gate) + ", " + str(up); });
+}
+
+void softcap_forward(const Ctx& c, const Tensor& x, float cap, Tensor& o) {
+  check_ew("softcap_forward", {&x, &o});
+  MT_CHECK(cap > 0.f, "cuda softcap_forward: cap must be positive, got " + std::to_string(cap));
+  launch_map(c, x.numel(), SoftcapFwdF{in(x), cap, 1.f / cap, out(o)}, "softcap_forward",
+             [&] { return str(x) + " -> " + str(o); });
+}
+
+void softcap_backward(const Ctx& c, const Tensor& dout, const Tensor& y, float cap, Tensor& dx) {
+  check_ew("softcap_backward", {&dout, &y, &dx});
+  MT_CHECK(cap > 0.f, "cuda softcap_backward: cap must be positive, got " + std::to_string(cap));
+  launch_map(c, y.numel(), SoftcapBwdF{in(dout), in(y), 1.f / cap, out(dx)}, "softcap_backward",
+             [&] { return str(dout) + ", " + str(y) + " -> " + str(dx); });
+}
+
+// ---- softmax and loss -----------------------------------------------------------------------
+
+void softmax_forward(const Ctx& c, const Tensor& x, Tensor& o) {
+  auto shapes = [&] { return "x " + str(x) + ", out " + str(o); };
+  MT_CHECK(is_fb(x) && x.ndim() >= 1 && is_fb(o) && o.numel() == x.numel(),
+           "cuda softmax_forward: " + shapes());
+  const int64_t C = x.dim(-1), N = C ? x.numel() / C : 0;
+  if (N == 0) return;
+  softmax_fwd_kernel<<<static_cast<unsigned>(N), kThreads, 0, c.stream>>>(in(x), C, out(o));
+  launched("softmax_forward", shapes);
+}
+
+void softmax_backward(const Ctx& c, const Tensor& dout, const Tensor& y, Tensor& dx) {
+  auto shapes = [&] { return "dout " + str(dout) + ", out " + str(y) + ", dx " + str(dx); };
+  MT_CHECK(is_fb(y) && y.ndim() >= 1 && is_fb(dout) && is_fb(dx) && dout.numel() == y.numel() &&
+               dx.numel() == y.numel(),
+           "cuda softmax_backward: " + shapes());
+  const int64_t C = y.dim(-1), N = C ? y.numel() / C : 0;
+  if (N == 0) return;
+  softmax_bwd_kernel<<<static_cast<unsigned>(N), kThreads, 0, c.stream>>>(in(dout), in(y), C,
+                                                                          out(dx));
+  launched("softmax_backward", shapes);
+}
+
+namespace {
+void check_targets(const Ctx& c, const char* op, const Tensor& targets, int64_t N, int64_t V) {
+  MT_CHECK(targets.defined() && targets.dtype() == DType::i32 && targets.numel() == N,
+           std::string("cuda ") + op + ": targets must be i32 with " + std::to_string(N) +
+               " elements, got " + str(targets));
+  const std::vector<int32_t> t = host_ints(c, targets, op);
+  for (size_t n = 0; n < t.size(); ++n)
+    if (t[n] >= V)
+      throw Error(std::string("cuda ") + op + ": target id " + std::to_string(t[n]) + " of row " +
+                  std::to_string(n) + " is outside the vocabulary [0, " + std::to_string(V) + ")");
+}
+}  // namespace
+
+void cross_entropy_forward(const Ctx& c, const Tensor& logits, const Tensor& targets, float z_loss,
+                           Tensor& loss, Tensor& lse) {
+  auto shapes = [&] {
+    return "logits " + str(logits) + ", targets " + str(targets) + ", loss " + str(loss) +
+           ", lse " + str(lse);
+  };
+  MT_CHECK(is_fb(logits) && logits.ndim() >= 1 && logits.dim(-1) > 0,
+           "cuda cross_entropy_forward: " + shapes());
+  const int64_t V = logits.dim(-1), N = logits.numel() / V;
+  MT_CHECK(loss.defined() && loss.dtype() == DType::f32 && loss.numel() == N && lse.defined() &&
+               lse.dtype() == DType::f32 && lse.numel() == N,
+           "cuda cross_entropy_forward: " + shapes() + " (loss and lse must be f32 [N])");
+  check_targets(c, "cross_entropy_forward", targets, N, V);
+  if (N == 0) return;
+  ce_fwd_kernel<<<static_cast<unsigned>(N), kThreads, 0, c.stream>>>(
+      in(logits), targets.ptr<const int32_t>(), z_loss, V, loss.ptr<float>(), lse.ptr<float>());
+  launched("cross_entropy_forward", shapes);
+}
+
+void cross_entropy_backward(const Ctx& c, const Tensor& dloss, const Tensor& logits,
+                            const Tensor& targets, const Tensor& lse, float z_loss,
+                            Tensor& dlogits) {
+  auto shapes = [&] {
+    return "dloss " + str(dloss) + ", logits " + str(logits) + ", targets " + str(targets) +
+           ", lse " + str(lse) + ", dlogits " + str(dlogits);
+  };
+  MT_CHECK(is_fb(logits) && logits.ndim() >= 1 && logits.dim(-1) > 0 && is_fb(dlogits) &&
+               dlogits.numel() == logits.numel(),
+           "cuda cross_entropy_backward: " + shapes());
+  const int64_t V = logits.dim(-1), N = logits.numel() / V;
+  MT_CHECK(is_fb(dloss) && dloss.numel() == N && lse.defined() && lse.dtype() == DType::f32 &&
+               lse.numel() == N,
+           "cuda cross_entropy_backward: " + shapes() + " (dloss [N], lse f32 [N])");
+  check_targets(c, "cross_entropy_backward", targets, N, V);
+  if (N == 0) return;
+  ce_bwd_kernel<<<static_cast<unsigned>(N), kThreads, 0, c.stream>>>(
+      in(dloss), in(logits), targets.ptr<const int32_t>(), lse.ptr<const float>(), z_loss, V,
+      out(dlogits));
+  launched("cross_entropy_backward", shapes);
+}
+
+// ---- optimizer ------------------------------------------------------------------------------
+
+void adamw_update(const Ctx& c, Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
+                  const AdamWParams& p) {
+  auto shapes = [&] {
+    return "param " + str(param) + ", grad " + str(grad) + ", m " + str(m) + ", v " + str(v);
+  };
+  MT_CHECK(is_fb(param) && is_fb(grad) && m.defined() && m.dtype() == DType::f32 && v.defined() &&
+               v.dtype() == DType::f32,
+           "cuda adamw_update: param and grad must be f32 or bf16 and m, v f32: " + shapes());
+  const int64_t n = param.numel();
+  MT_CHECK(grad.numel() == n && m.numel() == n && v.numel() == n,
+           "cuda adamw_update: element counts differ: " + shapes());
+  MT_CHECK(p.step >= 1,
+           "cuda adamw_update: step must be >= 1 (1-based), got " + std::to_string(p.step));
+  // Bias corrections in double, folded into f32 constants exactly as the CPU backend does.
+  const double step = static_cast<double>(p.step);
+  const double bc1 = 1.0 - std::pow(static_cast<double>(p.b1), step);
+  const double bc2 = 1.0 - std::pow(static_cast<double>(p.b2), step);
+  AdamWConsts k{};
+  k.b1 = p.b1;
+  k.one_minus_b1 = static_cast<float>(1.0 - p.b1);
+  k.b2 = p.b2;
+  k.one_minus_b2 = static_cast<float>(1.0 - p.b2);
+  k.eps = p.eps;
+  k.grad_scale = p.grad_scale;
+  k.step_size = static_cast<float>(p.lr / bc1);
+  k.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
+  k.decay = static_cast<float>(static_cast<double>(p.lr) * p.weight_decay);
+  launch_map(c, n, AdamWF{out(param), in(grad), m.ptr<float>(), v.ptr<float>(), k}, "adamw_update",
+             shapes);
+}
+
+}  // namespace mt::cuda
+
+// ---- dot_product attention ------------------------------------------------------------------
+namespace mt::cuda {
+namespace {
+
+struct AttnArgs {
+  int64_t T, S, Hq, Hkv, D;
+  bool causal;
+  int64_t window;
+  float cap, scale;
+  int64_t offset;  // position of query 0 (forward); decode uses lengths[b] - T
+};
+
+// One block per query row r = ((b Hq) + h) T + i. q [B, T, Hq, D]; k, v [B, S, Hkv, D];
+// sc [B Hq T, S] scratch; out [B, T, Hq, D]; lse [B, Hq, T] (or null). Scores, softmax and P V
+// follow the CPU reference (attention/dot_product.cpp): a row with no visible key is zeros with
+// lse -inf. lengths (decode) limits keys to [0, lengths[b]) and sets the query offset.
+__global__ void attn_fwd_kernel(In q, In k, In v, const int32_t* q_seg, const int32_t* kv_seg,
+                                const int32_t* lengths, AttnArgs a, float* sc, Out o, float* lse) {
+  __shared__ float sh[kThreads];
+  const int64_t r = blockIdx.x;
+  const int64_t i = r % a.T, bh = r / a.T, h = bh % a.Hq, b = bh / a.Hq;
+  const int64_t g = h / (a.Hq / a.Hkv);
+  const int64_t L = lengths ? lengths[b] : a.S;
+  const int64_t p = lengths ? L - a.T + i : a.offset + i;
+  const int64_t qo = ((b * a.T + i) * a.Hq + h) * a.D;
+  float* row = sc + r * a.S;
+  float m = -INFINITY;
+  for (int64_t j = threadIdx.x; j < L; j += kThreads) {
+    bool vis = !(a.causal && j > p) && !(a.window > 0 && p - j >= a.window);
+    if (q_seg && q_seg[b * a.T + i] != kv_seg[b * a.S + j]) vis = false;
+    float s = -INFINITY;
+    if (vis) {
+      const int64_t ko = ((b * a.S + j) * a.Hkv + g) * a.D;
+      float d = 0.f;
+      for (int64_t e = 0; e < a.D; ++e) d += q[qo + e] * k[ko + e];
+      s = a.scale * d;
+      if (a.cap > 0.f) s = a.cap * tanhf(s / a.cap);
+    }
+    row[j] = s;
+    m = fmaxf(m, s);
+  }
+  m = block_max(m, sh);  // its barriers also publish row[]
+  if (m == -INFINITY) {
+    for (int64_t e = threadIdx.x; e < a.D; e += kThreads) o.set(qo + e, 0.f);
+    if (lse && threadIdx.x == 0) lse[r] = -INFINITY;
+    return;
+  }
+  float sum = 0.f;
+  for (int64_t j = threadIdx.x; j < L; j += kThreads) {
+    const float e = expf(row[j] - m);
+    row[j] = e;
+    sum += e;
+  }
+  sum = block_sum(sum, sh);  // barriers publish the exponentials
+  if (lse && threadIdx.x == 0) lse[r] = m + logf(sum);
+  for (int64_t e = threadIdx.x; e < a.D; e += kThreads) {
+    float acc = 0.f;
+    for (int64_t j = 0; j < L; ++j) {
+      const float pj = row[j] / sum;
+      if (pj == 0.f) continue;
+      acc += pj * v[((b * a.S + j) * a.Hkv + g) * a.D + e];
+    }
+    o.set(qo + e, acc);
+  }
+}
+
+// Backward, pass 1: one block per query row r (as the forward). Recomputes the capped scores and
+// P by the forward's softmax, then dP_j = dO_i . V_j, dS_j = P_j (dP_j - sum_l P_l dP_l) (times
+// 1 - (capped / cap)^2 under a soft-cap), and dq_i += scale sum_j dS_j K_j. Leaves P and dS in
+// scratch for pass 2. sc, p, dp: [rows, S] scratch (sc ends up holding dS).
+__global__ void attn_bwd_q_kernel(In q, In k, In v, In dout, const int32_t* q_seg,
+                                  const int32_t* kv_seg, AttnArgs a, float* sc, float* pr,
+                                  float* dp, Out dq) {
+  __shared__ float sh[kThreads];
+  const int64_t r = blockIdx.x;
+  const int64_t i = r % a.T, bh = r / a.T, h = bh % a.Hq, b = bh / a.Hq;
+  const int64_t g = h / (a.Hq / a.Hkv);
+  const int64_t p = a.offset + i, S = a.S;
+  const int64_t qo = ((b * a.T + i) * a.Hq + h) * a.D;
+  float* srow = sc + r * S;
+  float* prow = pr + r * S;
+  float* drow = dp + r * S;
+  float m = -INFINITY;
+  for (int64_t j = threadIdx.x; j < S; j += kThreads) {
+    bool vis = !(a.causal && j > p) && !(a.window > 0 && p - j >= a.window);
+    if (q_seg && q_seg[b * a.T + i] != kv_seg[b * S + j]) vis = false;
+    float s = -INFINITY;
+    if (vis) {
+      const int64_t ko = ((b * S + j) * a.Hkv + g) * a.D;
+      float d = 0.f;
+      for (int64_t e = 0; e < a.D; ++e) d += q[qo + e] * k[ko + e];
+      s = a.scale * d;
+      if (a.cap > 0.f) s = a.cap * tanhf(s / a.cap);
+    }
+    srow[j] = s;
+    m = fmaxf(m, s);
+  }
+  m = block_max(m, sh);
+  if (m == -INFINITY) {  // no visible key: P = 0, dS = 0, no gradient from this row
+    for (int64_t j = threadIdx.x; j < S; j += kThreads) prow[j] = srow[j] = 0.f;
+    return;
+  }
+  float sum = 0.f;
+  for (int64_t j = threadIdx.x; j < S; j += kThreads) {
+    const float e = expf(srow[j] - m);
+    prow[j] = e;
+    sum += e;
+  }
+  sum = block_sum(sum, sh);
+  float rowdot = 0.f;
+  for (int64_t j = threadIdx.x; j < S; j += kThreads) {
+    const float pj = prow[j] / sum;
+    prow[j] = pj;
+    float d = 0.f;
+    if (pj != 0.f) {
+      const int64_t vo = ((b * S + j) * a.Hkv + g) * a.D;
+      for (int64_t e = 0; e < a.D; ++e) d += dout[qo + e] * v[vo + e];
+    }
+    drow[j] = d;
+    rowdot += pj * d;
+  }
+  rowdot = block_sum(rowdot, sh);
+  for (int64_t j = threadIdx.x; j < S; j += kThreads) {
+    const float pj = prow[j];
+    float gs = pj * (drow[j] - rowdot);
+    if (a.cap > 0.f && pj != 0.f) {
+      const float t = srow[j] / a.cap;
+      gs *= 1.f - t * t;
+    }
+    srow[j] = gs;
+  }
+  __syncthreads();
+  for (int64_t e = threadIdx.x; e < a.D; e += kThreads) {
+    float acc = 0.f;
+    for (int64_t j = 0; j < S; ++j) {
+      if (prow[j] == 0.f && srow[j] == 0.f) continue;
+      acc += a.scale * srow[j] * k[((b * S + j) * a.Hkv + g) * a.D + e];
+    }
+    dq.add(qo + e, acc);
+  }
+}
+
+// Backward, pass 2: one block per key row (b, j, g). dk_j += scale sum dS_ij Q_i and
+// dv_j += sum P_ij dO_i over the group's query heads (ascending) and queries (ascending): the
+// CPU's order, and no atomics.
+__global__ void attn_bwd_kv_kernel(In q, In dout, AttnArgs a, const float* ds, const float* pr,
+                                   Out dk, Out dv) {
+  const int64_t kr = blockIdx.x;  // (b S + j) Hkv + g
+  const int64_t g = kr % a.Hkv, bj = kr / a.Hkv, j = bj % a.S, b = bj / a.S;
+  const int64_t group = a.Hq / a.Hkv;
+  for (int64_t e = threadIdx.x; e < a.D; e += kThreads) {
+    float ak = 0.f, av = 0.f;
+    for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+      for (int64_t i = 0; i < a.T; ++i) {
+        const int64_t r = (b * a.Hq + h) * a.T + i;
+        const float pj = pr[r * a.S + j], dsj = ds[r * a.S + j];
+        if (pj == 0.f && dsj == 0.f) continue;
+        const int64_t qo = ((b * a.T + i) * a.Hq + h) * a.D + e;
+        ak += a.scale * dsj * q[qo];
+        av += pj * dout[qo];
+      }
+    }
+    dk.add(kr * a.D + e, ak);
+    dv.add(kr * a.D + e, av);
+  }
+}
+
+bool attn_dtype(const Tensor& t) {
+  return t.defined() && (t.dtype() == DType::f32 || t.dtype() == DType::bf16);
+}
+
+AttnArgs attn_check(const std::string& op, const Tensor& q, const Tensor& k, const Tensor& v,
+                    const Tensor& q_seg, const Tensor& kv_seg, const AttentionSpec& spec,
+                    const Tensor& o) {
+  const std::string shapes =
+      " (q " + str(q) + ", k " + str(k) + ", v " + str(v) + ", out " + str(o) + ")";
+  MT_CHECK(q.defined() && k.defined() && v.defined() && q.ndim() == 4 && k.ndim() == 4 &&
+               k.shape() == v.shape() && q.dim(0) == k.dim(0) && q.dim(3) == k.dim(3) &&
+               k.dim(2) > 0 && q.dim(2) % k.dim(2) == 0 && attn_dtype(q) && attn_dtype(k) &&
+               attn_dtype(v),
+           op + ": want q [B, T, Hq, D], k and v [B, S, Hkv, D] f32 or bf16 with Hq % Hkv == 0" +
+               shapes);
+  MT_CHECK(attn_dtype(o) && o.shape() == q.shape(), op + ": out must have q's shape" + shapes);
+  MT_CHECK(q_seg.defined() == kv_seg.defined(),
+           op + ": give both q_segment and kv_segment or neither");
+  if (q_seg.defined())
+    MT_CHECK(q_seg.dtype() == DType::i32 && kv_seg.dtype() == DType::i32 &&
+                 q_seg.shape() == (Shape{q.dim(0), q.dim(1)}) &&
+                 kv_seg.shape() == (Shape{k.dim(0), k.dim(1)}),
+             op + ": segment ids must be i32 [B, T] and [B, S], got " + q_seg.str() + " and " +
+                 kv_seg.str() + shapes);
+  MT_CHECK(spec.window >= 0 && spec.softcap >= 0.f,
+           op + ": window and softcap must be >= 0" + shapes);
+  AttnArgs a{};
+  a.T = q.dim(1);
+  a.S = k.dim(1);
+  a.Hq = q.dim(2);
+  a.Hkv = k.dim(2);
+  a.D = q.dim(3);
+  a.causal = spec.causal;
+  a.window = spec.window;
+  a.cap = spec.softcap;
+  a.scale = spec.scale != 0.f ? spec.scale : 1.f / std::sqrt(static_cast<float>(a.D));
+  a.offset = spec.query_offset;
+  MT_CHECK(q.dim(0) * a.Hq * a.T <= INT_MAX, op + ": too many query rows" + shapes);
+  return a;
+}
+
+}  // namespace
+
+void attention_forward(const Ctx& c, const Tensor& q, const Tensor& k, const Tensor& v,
+                       const Tensor& q_segment, const Tensor& kv_segment, const AttentionSpec& spec,
+                       Tensor& o, Tensor& lse) {
+  const std::string op = "dot_product attention forward";
+  const AttnArgs a = attn_check(op, q, k, v, q_segment, kv_segment, spec, o);
+  const int64_t B = q.dim(0), rows = B * a.Hq * a.T;
+  MT_CHECK(lse.defined() && lse.dtype() == DType::f32 && lse.shape() == (Shape{B, a.Hq, a.T}),
+           op + ": lse must be f32 [B, Hq, T], got " + str(lse));
+  if (rows == 0) return;
+  Tensor sc = c.scratch({rows, std::max<int64_t>(a.S, 1)}, DType::f32);
+  attn_fwd_kernel<<<static_cast<unsigned>(rows), kThreads, 0, c.stream>>>(
+      in(q), in(k), in(v), q_segment.defined() ? q_segment.ptr<const int32_t>() : nullptr,
+      kv_segment.defined() ? kv_segment.ptr<const int32_t>() : nullptr, nullptr, a, sc.ptr<float>(),
+      out(o), lse.ptr<float>());
+  launched(op, [&] { return "q " + str(q) + ", k " + str(k) + ", v " + str(v); });
+}
+
+void attention_backward(const Ctx& c, const Tensor& dout, const Tensor& q, const Tensor& k,
+                        const Tensor& v, const Tensor& q_segment, const Tensor& kv_segment,
+                        const Tensor& o, const Tensor& lse, const AttentionSpec& spec, Tensor& dq,
+                        Tensor& dk, Tensor& dv) {
+  const std::string op = "dot_product attention backward";
+  const AttnArgs a = attn_check(op, q, k, v, q_segment, kv_segment, spec, o);
+  const int64_t B = q.dim(0), rows = B * a.Hq * a.T;
+  auto shapes = [&] {
+    return "dout " + str(dout) + ", q " + str(q) + ", k " + str(k) + ", v " + str(v) + ", dq " +
+           str(dq) + ", dk " + str(dk) + ", dv " + str(dv);
+  };
+  MT_CHECK(attn_dtype(dout) && dout.shape() == q.shape() && attn_dtype(dq) &&
+               dq.shape() == q.shape() && attn_dtype(dk) && dk.shape() == k.shape() &&
+               attn_dtype(dv) && dv.shape() == v.shape() && lse.defined() &&
+               lse.dtype() == DType::f32 && lse.shape() == (Shape{B, a.Hq, a.T}),
+           op + ": " + shapes());
+  MT_CHECK(B * a.S * a.Hkv <= INT_MAX, op + ": too many key rows: " + shapes());
+  if (rows == 0 || a.S == 0) return;
+  Tensor scratch = c.scratch({3, rows, a.S}, DType::f32);
+  float* sc = scratch.ptr<float>();
+  float* pr = sc + rows * a.S;
+  float* dp = pr + rows * a.S;
+  const int32_t* qs = q_segment.defined() ? q_segment.ptr<const int32_t>() : nullptr;
+  const int32_t* ks = kv_segment.defined() ? kv_segment.ptr<const int32_t>() : nullptr;
+  attn_bwd_q_kernel<<<static_cast<unsigned>(rows), kThreads, 0, c.stream>>>(
+      in(q), in(k), in(v), in(dout), qs, ks, a, sc, pr, dp, out(dq));
+  launched(op, shapes);
+  attn_bwd_kv_kernel<<<static_cast<unsigned>(B * a.S * a.Hkv), kThreads, 0, c.stream>>>(
+      in(q), in(dout), a, sc, pr, out(dk), out(dv));
+  launched(op, shapes);
+}
+
+void attention_decode(const Ctx& c, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                      const Tensor& lengths, const AttentionSpec& spec, Tensor& o) {
+  const std::string op = "dot_product attention decode";
+  const AttnArgs a = attn_check(op, q, k_cache, v_cache, Tensor(), Tensor(), spec, o);
+  const int64_t B = q.dim(0), rows = B * a.Hq * a.T;
+  MT_CHECK(lengths.defined() && lengths.dtype() == DType::i32 && lengths.shape() == Shape{B},
+           op + ": lengths must be i32 [" + std::to_string(B) + "]");
+  const std::vector<int32_t> len = host_ints(c, lengths, op);
+  for (int64_t b = 0; b < B; ++b)
+    MT_CHECK(len[b] >= a.T && len[b] <= a.S, op + ": lengths[" + std::to_string(b) +
+                                                 "] = " + std::to_string(len[b]) +
+                                                 " must be in [T, Smax] = [" + std::to_string(a.T) +
+                                                 ", " + std::to_string(a.S) + "]");
+  if (rows == 0) return;
+  Tensor sc = c.scratch({rows, std::max<int64_t>(a.S, 1)}, DType::f32);
+  attn_fwd_kernel<<<static_cast<unsigned>(rows), kThreads, 0, c.stream>>>(
+      in(q), in(k_cache), in(v_cache), nullptr, nullptr, lengths.ptr<const int32_t>(), a,
+      sc.ptr<float>(), out(o), nullptr);
+  launched(op, [&] { return "q " + str(q) + ", k_cache " + str(k_cache); });
+}
+
+}  // namespace mt::cuda

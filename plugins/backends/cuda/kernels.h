@@ -1,0 +1,117 @@
+// The CUDA backend's kernels as host launchers, one per mt::Backend op. Shapes and semantics are
+// those of the matching Backend method (sdk/include/mt/backend.h); every launcher checks its
+// operands, enqueues on ctx.stream and checks the launch, throwing mt::Error that names the op
+// and the shapes.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <functional>
+#include <string>
+
+#include "mt/attention.h"
+#include "mt/backend.h"
+
+namespace mt::cuda {
+
+struct Ctx {
+  cudaStream_t stream = nullptr;
+  cublasHandle_t cublas = nullptr;
+  // Device temporaries from the backend's caching allocator. A temporary may die while kernels
+  // that use it are still queued: safe with one stream (see allocator.h).
+  std::function<Tensor(const Shape&, DType)> scratch;
+};
+
+// Throws "cuda <op>: <what> failed: <error> (<shapes>)" unless e is cudaSuccess.
+void check(cudaError_t e, const std::string& op, const std::string& what,
+           const std::string& shapes = {});
+void check(cublasStatus_t s, const std::string& op, const std::string& what,
+           const std::string& shapes = {});
+
+// elementwise
+void fill(const Ctx& c, Tensor& x, float value);
+void cast(const Ctx& c, const Tensor& src, Tensor& dst);
+void add(const Ctx& c, const Tensor& a, const Tensor& b, Tensor& out);
+void mul(const Ctx& c, const Tensor& a, const Tensor& b, Tensor& out);
+void scale(const Ctx& c, const Tensor& x, float s, Tensor& out);
+void axpy(const Ctx& c, float alpha, const Tensor& x, Tensor& y);
+double sum(const Ctx& c, const Tensor& x, bool squares);
+
+// matmul (cuBLAS, f32 accumulation)
+void matmul(const Ctx& c, const Tensor& a, const Tensor& b, Tensor& out, bool trans_a, bool trans_b,
+            float alpha, float beta);
+
+// embedding
+void embedding_forward(const Ctx& c, const Tensor& table, const Tensor& ids, Tensor& out);
+void embedding_backward(const Ctx& c, const Tensor& dout, const Tensor& ids, Tensor& dtable);
+
+// MoE
+void topk_route_forward(const Ctx& c, const Tensor& logits, int k, bool sigmoid, bool normalize,
+                        Tensor& weights, Tensor& indices, Tensor& probs);
+void topk_route_backward(const Ctx& c, const Tensor& dweights, const Tensor& weights,
+                         const Tensor& indices, const Tensor& probs, bool sigmoid, bool normalize,
+                         Tensor& dlogits);
+void gather_rows(const Ctx& c, const Tensor& x, const Tensor& idx, Tensor& out);
+void scatter_add_rows(const Ctx& c, const Tensor& src, const Tensor& idx, const Tensor& w,
+                      Tensor& out);
+
+void grouped_matmul(const Ctx& c, const Tensor& x, const Tensor& w, const Tensor& offsets,
+                    bool trans_w, Tensor& out);
+void grouped_matmul_weight_grad(const Ctx& c, const Tensor& x, const Tensor& dout,
+                                const Tensor& offsets, bool trans_w, Tensor& dw);
+
+// rmsnorm
+void rmsnorm_forward(const Ctx& c, const Tensor& x, const Tensor& w, float eps, bool plus_one,
+                     Tensor& out, Tensor& rstd);
+void rmsnorm_backward(const Ctx& c, const Tensor& dout, const Tensor& x, const Tensor& w,
+                      const Tensor& rstd, bool plus_one, Tensor& dx, Tensor& dw);
+
+// layernorm (b and db may be undefined)
+void layernorm_forward(const Ctx& c, const Tensor& x, const Tensor& w, const Tensor& b, float eps,
+                       Tensor& out, Tensor& mean, Tensor& rstd);
+void layernorm_backward(const Ctx& c, const Tensor& dout, const Tensor& x, const Tensor& w,
+                        const Tensor& mean, const Tensor& rstd, Tensor& dx, Tensor& dw, Tensor& db);
+
+// rope
+void rope_forward(const Ctx& c, const Tensor& x, const Tensor& positions, const RopeSpec& spec,
+                  Tensor& out);
+void rope_backward(const Ctx& c, const Tensor& dout, const Tensor& positions, const RopeSpec& spec,
+                   Tensor& dx);
+
+// activations
+void activation_forward(const Ctx& c, Activation act, const Tensor& x, Tensor& out);
+void activation_backward(const Ctx& c, Activation act, const Tensor& dout, const Tensor& x,
+                         Tensor& dx);
+void gated_forward(const Ctx& c, Activation act, const Tensor& gate, const Tensor& up, Tensor& out);
+void gated_backward(const Ctx& c, Activation act, const Tensor& dout, const Tensor& gate,
+                    const Tensor& up, Tensor& dgate, Tensor& dup);
+void softcap_forward(const Ctx& c, const Tensor& x, float cap, Tensor& out);
+void softcap_backward(const Ctx& c, const Tensor& dout, const Tensor& out, float cap, Tensor& dx);
+
+// softmax and loss
+void softmax_forward(const Ctx& c, const Tensor& x, Tensor& out);
+void softmax_backward(const Ctx& c, const Tensor& dout, const Tensor& out, Tensor& dx);
+void cross_entropy_forward(const Ctx& c, const Tensor& logits, const Tensor& targets, float z_loss,
+                           Tensor& loss, Tensor& lse);
+void cross_entropy_backward(const Ctx& c, const Tensor& dloss, const Tensor& logits,
+                            const Tensor& targets, const Tensor& lse, float z_loss,
+                            Tensor& dlogits);
+
+// optimizer
+void adamw_update(const Ctx& c, Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
+                  const AdamWParams& p);
+
+// dot_product attention (attention.h): the reference kernel, materialising each query row's
+// scores. decode: lengths [B] i32 (device), q rows sit at lengths[b] - T + i.
+void attention_forward(const Ctx& c, const Tensor& q, const Tensor& k, const Tensor& v,
+                       const Tensor& q_segment, const Tensor& kv_segment, const AttentionSpec& spec,
+                       Tensor& out, Tensor& lse);
+void attention_backward(const Ctx& c, const Tensor& dout, const Tensor& q, const Tensor& k,
+                        const Tensor& v, const Tensor& q_segment, const Tensor& kv_segment,
+                        const Tensor& out, const Tensor& lse, const AttentionSpec& spec, Tensor& dq,
+                        Tensor& dk, Tensor& dv);
+void attention_decode(const Ctx& c, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                      const Tensor& lengths, const AttentionSpec& spec, Tensor& out);
+
+}  // namespace mt::cuda

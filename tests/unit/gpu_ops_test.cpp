@@ -1,0 +1,640 @@
+// The CUDA backend's op set against the CPU backend (label `gpu`).
+//
+// Every test draws fresh random inputs (never zeros), poisons forward outputs with NaN first and
+// starts accumulated gradients from the same random values on both backends, runs the op on each
+// and compares norm-wise: max|gpu - cpu| / max|cpu| within 1e-5 for f32 storage and 1e-2 for bf16
+// storage (the same bf16 inputs, f32 math on both sides: only the final rounding may differ).
+// Where this machine has no CUDA device, or the cuda plugin was not built or declines, every test
+// skips and says why. A failure prints the seed; MT_TEST_SEED=<seed> replays it.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <exception>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "config_impl.h"
+#include "mt/attention.h"
+#include "mt/backend.h"
+#include "mt/dtype.h"
+#include "mt/error.h"
+#include "test_support.h"
+
+namespace mt {
+namespace {
+
+#define SEEDED_RNG(rng)                                              \
+  const uint64_t seed_ = test::seed();                               \
+  SCOPED_TRACE("seed " + std::to_string(seed_) + " (MT_TEST_SEED)"); \
+  std::mt19937_64 rng(seed_)
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr DType kDtypes[] = {DType::f32, DType::bf16};
+
+const char* dname(DType d) {
+  return d == DType::f32 ? "f32" : "bf16";
+}
+double tol(DType d) {
+  return d == DType::f32 ? 1e-5 : 1e-2;
+}
+
+// The cuda backend of this process, made once; null with the reason when there is none.
+struct Gpu {
+  std::unique_ptr<Backend> backend;
+  std::string why;
+};
+Gpu& gpu_state() {
+  static Gpu g = [] {
+    Gpu r;
+    try {
+      r.backend = test::plugins().make_backend("cuda", config_from_pairs({}));
+    } catch (const Error& e) {
+      r.why = e.what();
+    } catch (const std::exception& e) {
+      r.why = e.what();
+    }
+    return r;
+  }();
+  return g;
+}
+
+class GpuOps : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!gpu_state().backend) GTEST_SKIP() << "no CUDA device: " << gpu_state().why;
+  }
+  Backend& gpu() { return *gpu_state().backend; }
+  Backend& cpu() { return test::cpu(); }
+
+  // One tensor on each backend holding the same values.
+  struct Both {
+    Tensor g, c;
+  };
+  Both make(const Shape& s, const std::vector<float>& v, DType dt) {
+    return {test::from_vector(gpu(), s, v, dt), test::from_vector(cpu(), s, v, dt)};
+  }
+  Both ints(const Shape& s, const std::vector<int32_t>& v) {
+    return {test::from_ints(gpu(), s, v), test::from_ints(cpu(), s, v)};
+  }
+  // A forward output, NaN everywhere until the op writes it.
+  Both poisoned(const Shape& s, DType dt) {
+    Both b{gpu().empty(s, dt), cpu().empty(s, dt)};
+    gpu().fill(b.g, kNaN);
+    cpu().fill(b.c, kNaN);
+    return b;
+  }
+
+  // Norm-wise relative error of the gpu result against the cpu one.
+  ::testing::AssertionResult close(const Both& b, double limit, const std::string& what) {
+    const std::vector<float> g = test::to_vector(b.g), c = test::to_vector(b.c);
+    if (g.size() != c.size()) return ::testing::AssertionFailure() << what << ": sizes differ";
+    double diff = 0, ref = 0;
+    size_t worst = 0;
+    for (size_t i = 0; i < g.size(); ++i) {
+      if (!std::isfinite(g[i]) && std::isfinite(c[i]))
+        return ::testing::AssertionFailure()
+               << what << ": gpu[" << i << "] = " << g[i] << " (cpu " << c[i] << ")";
+      const double d = std::fabs(double(g[i]) - double(c[i]));
+      if (d > diff) diff = d, worst = i;
+      ref = std::max(ref, std::fabs(double(c[i])));
+    }
+    const double err = diff / std::max(ref, 1e-30);
+    if (err <= limit) return ::testing::AssertionSuccess();
+    return ::testing::AssertionFailure()
+           << what << ": norm-wise error " << err << " > " << limit << " (worst at " << worst
+           << ": gpu " << g[worst] << ", cpu " << c[worst] << ", max|cpu| " << ref << ")";
+  }
+};
+
+std::vector<float> rand_nz(size_t n, std::mt19937_64& rng, float scale = 1.f) {
+  std::vector<float> v = test::randn(n, rng, scale);
+  for (auto& x : v)
+    if (std::fabs(x) < 0.05f * scale) x = x < 0 ? -0.05f * scale : 0.05f * scale;
+  return v;
+}
+
+int64_t pick(std::mt19937_64& rng, int64_t lo, int64_t hi) {
+  return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+}
+
+TEST_F(GpuOps, ElementwiseAndCast) {
+  SEEDED_RNG(rng);
+  for (DType dt : kDtypes) {
+    SCOPED_TRACE(dname(dt));
+    const int64_t n = pick(rng, 1, 100000);
+    const Shape s{n};
+    Both a = make(s, rand_nz(n, rng), dt), b = make(s, rand_nz(n, rng), dt);
+
+    Both o = poisoned(s, dt);
+    gpu().fill(o.g, 0.37f);
+    cpu().fill(o.c, 0.37f);
+    EXPECT_TRUE(close(o, tol(dt), "fill"));
+
+    o = poisoned(s, dt);
+    gpu().add(a.g, b.g, o.g);
+    cpu().add(a.c, b.c, o.c);
+    EXPECT_TRUE(close(o, tol(dt), "add"));
+
+    o = poisoned(s, dt);
+    gpu().mul(a.g, b.g, o.g);
+    cpu().mul(a.c, b.c, o.c);
+    EXPECT_TRUE(close(o, tol(dt), "mul"));
+
+    o = poisoned(s, dt);
+    gpu().scale(a.g, -1.7f, o.g);
+    cpu().scale(a.c, -1.7f, o.c);
+    EXPECT_TRUE(close(o, tol(dt), "scale"));
+
+    Both y = make(s, rand_nz(n, rng), dt);
+    gpu().axpy(0.3f, a.g, y.g);
+    cpu().axpy(0.3f, a.c, y.c);
+    EXPECT_TRUE(close(y, tol(dt), "axpy"));
+
+    // Casts to every float dtype, from this one.
+    for (DType to : kDtypes) {
+      o = poisoned(s, to);
+      gpu().cast(a.g, o.g);
+      cpu().cast(a.c, o.c);
+      EXPECT_TRUE(close(o, tol(to), std::string("cast to ") + dname(to)));
+    }
+  }
+  // i32 fill and copy.
+  Both i = ints({5}, {1, 2, 3, 4, 5});
+  gpu().fill(i.g, 7.f);
+  EXPECT_EQ(test::to_ints(i.g), std::vector<int32_t>(5, 7));
+}
+
+TEST_F(GpuOps, SumAndSumSquaresAreDeterministic) {
+  SEEDED_RNG(rng);
+  for (DType dt : kDtypes) {
+    SCOPED_TRACE(dname(dt));
+    for (int64_t n : {int64_t{1}, pick(rng, 2, 1000), pick(rng, 100000, 3000000)}) {
+      Both x = make({n}, rand_nz(n, rng), dt);
+      const double gs = gpu().sum(x.g), cs = cpu().sum(x.c);
+      const double gq = gpu().sum_squares(x.g), cq = cpu().sum_squares(x.c);
+      EXPECT_NEAR(gs, cs, 1e-9 * std::max(1.0, cq)) << "sum, n " << n;
+      EXPECT_NEAR(gq, cq, 1e-9 * cq) << "sum_squares, n " << n;
+      EXPECT_EQ(gpu().sum(x.g), gs) << "sum must be bitwise reproducible";
+      EXPECT_EQ(gpu().sum_squares(x.g), gq);
+    }
+  }
+}
+
+TEST_F(GpuOps, Matmul) {
+  SEEDED_RNG(rng);
+  struct Case {
+    Shape lead;
+    int64_t m, k, n;
+    bool ta, tb, shared_b;
+    float alpha, beta;
+  };
+  const Case cases[] = {
+      {{}, 37, 53, 29, false, false, false, 1.f, 0.f},
+      {{}, 64, 128, 96, true, false, false, 1.f, 0.f},
+      {{}, 33, 70, 41, false, true, false, 0.5f, 1.f},
+      {{}, 1, 257, 130, false, true, false, 1.f, 0.f},  // decode: M = 1
+      {{3}, 17, 40, 23, true, true, false, 2.f, -0.5f},
+      {{2, 3}, 19, 31, 27, false, false, true, 1.f, 0.f},  // batch against a shared 2-D b
+      {{4}, 21, 35, 18, true, false, true, 1.f, 1.f},      // shared b, a transposed
+      {{5}, 16, 64, 48, false, true, false, 1.f, 0.f},
+  };
+  // Every dtype mix of a, b and c.
+  for (DType da : kDtypes)
+    for (DType db : kDtypes)
+      for (DType dc : kDtypes) {
+        const double limit =
+            (da == DType::f32 && db == DType::f32 && dc == DType::f32) ? 1e-5 : 1e-2;
+        for (const Case& cs : cases) {
+          SCOPED_TRACE(std::string(dname(da)) + "/" + dname(db) + "/" + dname(dc) +
+                       " m=" + std::to_string(cs.m) + " k=" + std::to_string(cs.k) +
+                       " n=" + std::to_string(cs.n) + (cs.ta ? " ta" : "") + (cs.tb ? " tb" : "") +
+                       (cs.shared_b ? " shared_b" : ""));
+          Shape sa = cs.lead, sb = cs.shared_b ? Shape{} : cs.lead, sc = cs.lead;
+          sa.push_back(cs.ta ? cs.k : cs.m);
+          sa.push_back(cs.ta ? cs.m : cs.k);
+          sb.push_back(cs.tb ? cs.n : cs.k);
+          sb.push_back(cs.tb ? cs.k : cs.n);
+          sc.push_back(cs.m);
+          sc.push_back(cs.n);
+          Both a = make(sa, rand_nz(shape_numel(sa), rng), da);
+          Both b = make(sb, rand_nz(shape_numel(sb), rng), db);
+          Both c = cs.beta != 0.f ? make(sc, rand_nz(shape_numel(sc), rng), dc) : poisoned(sc, dc);
+          gpu().matmul(a.g, b.g, c.g, cs.ta, cs.tb, cs.alpha, cs.beta);
+          cpu().matmul(a.c, b.c, c.c, cs.ta, cs.tb, cs.alpha, cs.beta);
+          EXPECT_TRUE(close(c, limit, "matmul"));
+        }
+      }
+}
+
+TEST_F(GpuOps, Embedding) {
+  SEEDED_RNG(rng);
+  for (DType dt : kDtypes) {
+    SCOPED_TRACE(dname(dt));
+    const int64_t V = pick(rng, 5, 300), D = pick(rng, 1, 300), N = pick(rng, 1, 700);
+    std::vector<int32_t> id(static_cast<size_t>(N));
+    // Few distinct ids, so rows repeat and the backward really accumulates.
+    for (auto& i : id) i = static_cast<int32_t>(pick(rng, 0, std::min<int64_t>(V - 1, 20)));
+    Both ids = ints({N}, id);
+    Both table = make({V, D}, rand_nz(V * D, rng), dt);
+    Both o = poisoned({N, D}, dt);
+    gpu().embedding_forward(table.g, ids.g, o.g);
+    cpu().embedding_forward(table.c, ids.c, o.c);
+    EXPECT_TRUE(close(o, tol(dt), "embedding_forward"));
+
+    Both dout = make({N, D}, rand_nz(N * D, rng), dt);
+    Both dtable = make({V, D}, rand_nz(V * D, rng), dt);
+    gpu().embedding_backward(dout.g, ids.g, dtable.g);
+    cpu().embedding_backward(dout.c, ids.c, dtable.c);
+    EXPECT_TRUE(close(dtable, tol(dt), "embedding_backward"));
+  }
+  Both bad = ints({2}, {0, 1000});
+  Both table = make({4, 3}, rand_nz(12, rng), DType::f32);
+  Tensor o = gpu().empty({2, 3}, DType::f32);
+  EXPECT_THROW(gpu().embedding_forward(table.g, bad.g, o), Error);
+}
+
+TEST_F(GpuOps, GatherAndScatterRows) {
+  SEEDED_RNG(rng);
+  for (DType dt : kDtypes)
+    for (bool weighted : {false, true}) {
+      SCOPED_TRACE(std::string(dname(dt)) + (weighted ? " weighted" : ""));
+      const int64_t N = pick(rng, 1, 200), D = pick(rng, 1, 300), M = pick(rng, 1, 600);
+      std::vector<int32_t> id(static_cast<size_t>(M));
+      for (auto& i : id) i = static_cast<int32_t>(pick(rng, 0, N - 1));
+      Both idx = ints({M}, id);
+      Both x = make({N, D}, rand_nz(N * D, rng), dt);
+      Both o = poisoned({M, D}, dt);
+      gpu().gather_rows(x.g, idx.g, o.g);
+      cpu().gather_rows(x.c, idx.c, o.c);
+      EXPECT_TRUE(close(o, tol(dt), "gather_rows"));
+
+      Both src = make({M, D}, rand_nz(M * D, rng), dt);
+      Both w = weighted ? make({M}, rand_nz(M, rng), DType::f32) : Both{};
+      Both acc = make({N, D}, rand_nz(N * D, rng), dt);
+      gpu().scatter_add_rows(src.g, idx.g, w.g, acc.g);
+      cpu().scatter_add_rows(src.c, idx.c, w.c, acc.c);
+      EXPECT_TRUE(close(acc, tol(dt), "scatter_add_rows"));
+    }
+}
+
+TEST_F(GpuOps, TopkRoute) {
+  SEEDED_RNG(rng);
+  for (DType dt : kDtypes)
+    for (bool sigmoid : {false, true})
+      for (bool normalize : {false, true}) {
+        SCOPED_TRACE(std::string(dname(dt)) + (sigmoid ? " sigmoid" : " softmax") +
+                     (normalize ? " normalize" : ""));
+        const int64_t N = pick(rng, 1, 500), E = pick(rng, 2, 64);
+        const int k = static_cast<int>(pick(rng, 1, std::min<int64_t>(E, 8)));
+        Both logits = make({N, E}, rand_nz(N * E, rng, 2.f), dt);
+        Both w = poisoned({N, k}, DType::f32), probs = poisoned({N, E}, DType::f32);
+        Both idx{gpu().empty({N, k}, DType::i32), cpu().empty({N, k}, DType::i32)};
+        gpu().topk_route_forward(logits.g, k, sigmoid, normalize, w.g, idx.g, probs.g);
+        cpu().topk_route_forward(logits.c, k, sigmoid, normalize, w.c, idx.c, probs.c);
+        EXPECT_TRUE(close(probs, 1e-5, "topk_route_forward probs"));
+        EXPECT_TRUE(close(w, 1e-5, "topk_route_forward weights"));
+        // Distinct logits differ by at least one bf16/f32 step, far more than the last-bit
+        // differences of exp, and exact ties go to the lower index on both sides.
+        EXPECT_EQ(test::to_ints(idx.g), test::to_ints(idx.c));
+
+        Both dw = make({N, k}, rand_nz(N * k, rng), DType::f32);
+        Both dlogits = make({N, E}, rand_nz(N * E, rng), dt);
+        gpu().topk_route_backward(dw.g, w.g, idx.g, probs.g, sigmoid, normalize, dlogits.g);
+        cpu().topk_route_backward(dw.c, w.c, idx.c, probs.c, sigmoid, normalize, dlogits.c);
+        EXPECT_TRUE(close(dlogits, tol(dt), "topk_route_backward"));
+      }
+}
+
+TEST_F(GpuOps, GroupedMatmul) {
+  SEEDED_RNG(rng);
+  for (DType dt : kDtypes)
+    for (bool trans_w : {false, true}) {
+      SCOPED_TRACE(std::string(dname(dt)) + (trans_w ? " trans_w" : ""));
+      const int64_t E = pick(rng, 1, 5), K = pick(rng, 1, 70), N = pick(rng, 1, 70);
+      std::vector<int32_t> off(static_cast<size_t>(E) + 1, 0);
+      for (int64_t e = 0; e < E; ++e) off[e + 1] = off[e] + static_cast<int32_t>(pick(rng, 0, 40));
+      const int64_t M = off[E];
+      if (M == 0) continue;
+      const Shape sw = trans_w ? Shape{E, N, K} : Shape{E, K, N};
+      Both offsets = ints({E + 1}, off);
+      Both x = make({M, K}, rand_nz(M * K, rng), dt), w = make(sw, rand_nz(E * K * N, rng), dt);
+      Both o = poisoned({M, N}, dt);
+      gpu().grouped_matmul(x.g, w.g, offsets.g, trans_w, o.g);
+      cpu().grouped_matmul(x.c, w.c, offsets.c, trans_w, o.c);
+      EXPECT_TRUE(close(o, tol(dt), "grouped_matmul"));
+      Both dout = make({M, N}, rand_nz(M * N, rng), dt);
+      Both dw = make(sw, rand_nz(E * K * N, rng), dt);
+      gpu().grouped_matmul_weight_grad(x.g, dout.g, offsets.g, trans_w, dw.g);
+      cpu().grouped_matmul_weight_grad(x.c, dout.c, offsets.c, trans_w, dw.c);
+      EXPECT_TRUE(close(dw, tol(dt), "grouped_matmul_weight_grad"));
+    }
+}
+
+TEST_F(GpuOps, RmsNorm) {
+  SEEDED_RNG(rng);
+  for (DType dt : kDtypes)
+    for (bool plus_one : {false, true}) {
+      SCOPED_TRACE(std::string(dname(dt)) + (plus_one ? " plus_one" : ""));
+      const int64_t N = pick(rng, 1, 3000), D = pick(rng, 1, 2100);
+      Both x = make({N, D}, rand_nz(N * D, rng), dt), w = make({D}, rand_nz(D, rng), dt);
+      Both o = poisoned({N, D}, dt), rstd = poisoned({N}, DType::f32);
+      gpu().rmsnorm_forward(x.g, w.g, 1e-5f, plus_one, o.g, rstd.g);
+      cpu().rmsnorm_forward(x.c, w.c, 1e-5f, plus_one, o.c, rstd.c);
+      EXPECT_TRUE(close(o, tol(dt), "rmsnorm_forward out"));
+      EXPECT_TRUE(close(rstd, 1e-5, "rmsnorm_forward rstd"));
+
+      Both dout = make({N, D}, rand_nz(N * D, rng), dt);
+      Both dx = make({N, D}, rand_nz(N * D, rng), dt), dw = make({D}, rand_nz(D, rng), dt);
+      gpu().rmsnorm_backward(dout.g, x.g, w.g, rstd.g, plus_one, dx.g, dw.g);
+      cpu().rmsnorm_backward(dout.c, x.c, w.c, rstd.c, plus_one, dx.c, dw.c);
+      EXPECT_TRUE(close(dx, tol(dt), "rmsnorm_backward dx"));
+      EXPECT_TRUE(close(dw, dt == DType::f32 ? 2e-5 : 1e-2, "rmsnorm_backward dw"));
+
+      // The weight gradient is reproducible bit for bit.
+      Tensor dw1 = gpu().zeros({D}, DType::f32), dw2 = gpu().zeros({D}, DType::f32);
+      Tensor dx1 = gpu().zeros({N, D}, DType::f32);
+      gpu().rmsnorm_backward(dout.g, x.g, w.g, rstd.g, plus_one, dx1, dw1);
+      gpu().rmsnorm_backward(dout.g, x.g, w.g, rstd.g, plus_one, dx1, dw2);
+      EXPECT_EQ(test::to_vector(dw1), test::to_vector(dw2));
+    }
+}
+
+TEST_F(GpuOps, LayerNorm) {
+  SEEDED_RNG(rng);
+  for (DType dt : kDtypes)
+    for (bool bias : {false, true}) {
+      SCOPED_TRACE(std::string(dname(dt)) + (bias ? " bias" : ""));
+      const int64_t N = pick(rng, 1, 3000), D = pick(rng, 1, 2100);
+      Both x = make({N, D}, rand_nz(N * D, rng, 2.f), dt), w = make({D}, rand_nz(D, rng), dt);
+      Both b = bias ? make({D}, rand_nz(D, rng), dt) : Both{};
+      Both o = poisoned({N, D}, dt), mean = poisoned({N}, DType::f32);
+      Both rstd = poisoned({N}, DType::f32);
+      gpu().layernorm_forward(x.g, w.g, b.g, 1e-5f, o.g, mean.g, rstd.g);
+      cpu().layernorm_forward(x.c, w.c, b.c, 1e-5f, o.c, mean.c, rstd.c);
+      EXPECT_TRUE(close(o, tol(dt), "layernorm_forward out"));
+      EXPECT_TRUE(close(mean, 1e-5, "layernorm_forward mean"));
+      EXPECT_TRUE(close(rstd, 1e-5, "layernorm_forward rstd"));
+
+      Both dout = make({N, D}, rand_nz(N * D, rng), dt);
+      Both dx = make({N, D}, rand_nz(N * D, rng), dt), dw = make({D}, rand_nz(D, rng), dt);
+      Both db = bias ? make({D}, rand_nz(D, rng), dt) : Both{};
+      gpu().layernorm_backward(dout.g, x.g, w.g, mean.g, rstd.g, dx.g, dw.g, db.g);
+      cpu().layernorm_backward(dout.c, x.c, w.c, mean.c, rstd.c, dx.c, dw.c, db.c);
+      EXPECT_TRUE(close(dx, tol(dt), "layernorm_backward dx"));
+      EXPECT_TRUE(close(dw, dt == DType::f32 ? 2e-5 : 1e-2, "layernorm_backward dw"));
+      if (bias) {
+        EXPECT_TRUE(close(db, dt == DType::f32 ? 2e-5 : 1e-2, "layernorm_backward db"));
+      }
+    }
+}
+
+TEST_F(GpuOps, Rope) {
+  SEEDED_RNG(rng);
+  std::vector<RopeSpec> specs(5);
+  specs[1].interleaved = true;
+  specs[2].type = RopeSpec::Type::llama3;
+  specs[2].theta = 500000.f;
+  specs[2].factor = 8.f;
+  specs[3].type = RopeSpec::Type::yarn;
+  specs[3].factor = 4.f;
+  specs[3].original_max_position = 4096;
+  specs[4].rotary_dim = 16;  // partial rotary: features past 16 pass through
+  for (DType dt : kDtypes)
+    for (size_t si = 0; si < specs.size(); ++si) {
+      SCOPED_TRACE(std::string(dname(dt)) + " spec " + std::to_string(si));
+      const int64_t B = pick(rng, 1, 3), T = pick(rng, 1, 40), H = pick(rng, 1, 5);
+      const int64_t D = 2 * pick(rng, 8, 64);
+      std::vector<int32_t> pos(static_cast<size_t>(B * T));
+      for (auto& p : pos) p = static_cast<int32_t>(pick(rng, 0, 131072));
+      Both positions = ints({B, T}, pos);
+      const Shape s{B, T, H, D};
+      Both x = make(s, rand_nz(shape_numel(s), rng), dt);
+      Both o = poisoned(s, dt);
+      gpu().rope_forward(x.g, positions.g, specs[si], o.g);
+      cpu().rope_forward(x.c, positions.c, specs[si], o.c);
+      EXPECT_TRUE(close(o, tol(dt), "rope_forward"));
+      Both dx = make(s, rand_nz(shape_numel(s), rng), dt);
+      gpu().rope_backward(x.g, positions.g, specs[si], dx.g);
+      cpu().rope_backward(x.c, positions.c, specs[si], dx.c);
+      EXPECT_TRUE(close(dx, tol(dt), "rope_backward"));
+    }
+}
+
+TEST_F(GpuOps, Activations) {
+  SEEDED_RNG(rng);
+  const Activation acts[] = {Activation::silu, Activation::gelu_tanh, Activation::gelu_exact,
+                             Activation::relu};
+  for (DType dt : kDtypes)
+    for (Activation act : acts) {
+      SCOPED_TRACE(std::string(dname(dt)) + " act " + std::to_string(int(act)));
+      const int64_t n = pick(rng, 1, 50000);
+      const Shape s{n};
+      Both x = make(s, rand_nz(n, rng, 3.f), dt), up = make(s, rand_nz(n, rng), dt);
+      Both g = make(s, rand_nz(n, rng), dt);
+      Both o = poisoned(s, dt);
+      gpu().activation_forward(act, x.g, o.g);
+      cpu().activation_forward(act, x.c, o.c);
+      EXPECT_TRUE(close(o, tol(dt), "activation_forward"));
+      Both dx = make(s, rand_nz(n, rng), dt);
+      gpu().activation_backward(act, g.g, x.g, dx.g);
+      cpu().activation_backward(act, g.c, x.c, dx.c);
+      EXPECT_TRUE(close(dx, tol(dt), "activation_backward"));
+
+      o = poisoned(s, dt);
+      gpu().gated_forward(act, x.g, up.g, o.g);
+      cpu().gated_forward(act, x.c, up.c, o.c);
+      EXPECT_TRUE(close(o, tol(dt), "gated_forward"));
+      Both dgate = make(s, rand_nz(n, rng), dt), dup = make(s, rand_nz(n, rng), dt);
+      gpu().gated_backward(act, g.g, x.g, up.g, dgate.g, dup.g);
+      cpu().gated_backward(act, g.c, x.c, up.c, dgate.c, dup.c);
+      EXPECT_TRUE(close(dgate, tol(dt), "gated_backward dgate"));
+      EXPECT_TRUE(close(dup, tol(dt), "gated_backward dup"));
+    }
+}
+
+TEST_F(GpuOps, Softcap) {
+  SEEDED_RNG(rng);
+  for (DType dt : kDtypes) {
+    SCOPED_TRACE(dname(dt));
+    const int64_t n = pick(rng, 1, 50000);
+    Both x = make({n}, rand_nz(n, rng, 40.f), dt), g = make({n}, rand_nz(n, rng), dt);
+    Both o = poisoned({n}, dt);
+    gpu().softcap_forward(x.g, 30.f, o.g);
+    cpu().softcap_forward(x.c, 30.f, o.c);
+    EXPECT_TRUE(close(o, tol(dt), "softcap_forward"));
+    // The backward reads the forward's output: give both sides the cpu's, so a last-bit
+    // difference near saturation (1 - t^2 cancels) is not amplified into the comparison.
+    Both y = make({n}, test::to_vector(o.c), dt);
+    Both dx = make({n}, rand_nz(n, rng), dt);
+    gpu().softcap_backward(g.g, y.g, 30.f, dx.g);
+    cpu().softcap_backward(g.c, y.c, 30.f, dx.c);
+    EXPECT_TRUE(close(dx, tol(dt), "softcap_backward"));
+  }
+}
+
+TEST_F(GpuOps, Softmax) {
+  SEEDED_RNG(rng);
+  for (DType dt : kDtypes) {
+    SCOPED_TRACE(dname(dt));
+    const int64_t N = pick(rng, 1, 500), C = pick(rng, 1, 3000);
+    Both x = make({N, C}, rand_nz(N * C, rng, 3.f), dt), g = make({N, C}, rand_nz(N * C, rng), dt);
+    Both o = poisoned({N, C}, dt);
+    gpu().softmax_forward(x.g, o.g);
+    cpu().softmax_forward(x.c, o.c);
+    EXPECT_TRUE(close(o, tol(dt), "softmax_forward"));
+    Both y = make({N, C}, test::to_vector(o.c), dt);  // the same forward output on both sides
+    Both dx = make({N, C}, rand_nz(N * C, rng), dt);
+    gpu().softmax_backward(g.g, y.g, dx.g);
+    cpu().softmax_backward(g.c, y.c, dx.c);
+    EXPECT_TRUE(close(dx, tol(dt), "softmax_backward"));
+  }
+}
+
+TEST_F(GpuOps, CrossEntropy) {
+  SEEDED_RNG(rng);
+  for (DType dt : kDtypes)
+    for (float z : {0.f, 1e-4f}) {
+      SCOPED_TRACE(std::string(dname(dt)) + " z_loss " + std::to_string(z));
+      const int64_t N = pick(rng, 1, 300), V = pick(rng, 2, 33000);
+      std::vector<int32_t> t(static_cast<size_t>(N));
+      for (auto& x : t) x = static_cast<int32_t>(pick(rng, 0, V - 1));
+      t[0] = -1;  // an ignored row
+      Both targets = ints({N}, t);
+      Both logits = make({N, V}, rand_nz(N * V, rng, 4.f), dt);
+      Both loss = poisoned({N}, DType::f32), lse = poisoned({N}, DType::f32);
+      gpu().cross_entropy_forward(logits.g, targets.g, z, loss.g, lse.g);
+      cpu().cross_entropy_forward(logits.c, targets.c, z, loss.c, lse.c);
+      EXPECT_TRUE(close(loss, 1e-5, "cross_entropy_forward loss"));
+      EXPECT_TRUE(close(lse, 1e-5, "cross_entropy_forward lse"));
+      Both dloss = make({N}, rand_nz(N, rng), dt);
+      Both dlogits = make({N, V}, rand_nz(N * V, rng, 1e-3f), dt);
+      gpu().cross_entropy_backward(dloss.g, logits.g, targets.g, lse.g, z, dlogits.g);
+      cpu().cross_entropy_backward(dloss.c, logits.c, targets.c, lse.c, z, dlogits.c);
+      EXPECT_TRUE(close(dlogits, tol(dt), "cross_entropy_backward"));
+    }
+}
+
+TEST_F(GpuOps, AdamW) {
+  SEEDED_RNG(rng);
+  for (DType dp : kDtypes)
+    for (DType dg : kDtypes) {
+      SCOPED_TRACE(std::string("param ") + dname(dp) + ", grad " + dname(dg));
+      const int64_t n = pick(rng, 1, 100000);
+      Both p = make({n}, rand_nz(n, rng), dp), g = make({n}, rand_nz(n, rng), dg);
+      std::vector<float> mv = rand_nz(n, rng, 0.1f), vv = test::randn(n, rng, 0.1f);
+      for (auto& x : vv) x = x * x + 1e-4f;  // second moments are positive
+      Both m = make({n}, mv, DType::f32), v = make({n}, vv, DType::f32);
+      AdamWParams ap;
+      ap.lr = 1e-3f;
+      ap.weight_decay = 0.1f;
+      ap.step = 7;
+      ap.grad_scale = 0.5f;
+      gpu().adamw_update(p.g, g.g, m.g, v.g, ap);
+      cpu().adamw_update(p.c, g.c, m.c, v.c, ap);
+      EXPECT_TRUE(close(p, tol(dp), "adamw param"));
+      EXPECT_TRUE(close(m, 1e-5, "adamw m"));
+      EXPECT_TRUE(close(v, 1e-5, "adamw v"));
+    }
+}
+
+TEST_F(GpuOps, DotProductAttention) {
+  SEEDED_RNG(rng);
+  auto ga = test::attention("dot_product", gpu());
+  auto ca = test::attention("dot_product", test::cpu());
+  struct Case {
+    int64_t hq, hkv;
+    bool causal;
+    int64_t window;
+    float softcap;
+    bool segments;
+    int64_t offset;
+  };
+  const Case cases[] = {{4, 4, true, 0, 0.f, false, 0},  {4, 2, true, 0, 0.f, false, 3},
+                        {6, 1, false, 0, 0.f, false, 0}, {4, 2, true, 5, 0.f, false, 0},
+                        {2, 2, true, 0, 20.f, false, 0}, {4, 1, true, 0, 0.f, true, 0},
+                        {3, 3, false, 4, 10.f, true, 0}};
+  for (DType dt : kDtypes)
+    for (const Case& cs : cases) {
+      SCOPED_TRACE(std::string(dname(dt)) + " hq " + std::to_string(cs.hq) + " hkv " +
+                   std::to_string(cs.hkv) + (cs.causal ? " causal" : "") + " window " +
+                   std::to_string(cs.window) + " softcap " + std::to_string(cs.softcap) +
+                   (cs.segments ? " segments" : ""));
+      const int64_t B = pick(rng, 1, 3), T = pick(rng, 1, 40), D = pick(rng, 1, 80);
+      const int64_t S = T + cs.offset;
+      const Shape sq{B, T, cs.hq, D}, sk{B, S, cs.hkv, D};
+      Both q = make(sq, rand_nz(shape_numel(sq), rng), dt);
+      Both k = make(sk, rand_nz(shape_numel(sk), rng), dt);
+      Both v = make(sk, rand_nz(shape_numel(sk), rng), dt);
+      Both qs, ks;
+      if (cs.segments) {
+        std::vector<int32_t> a(static_cast<size_t>(B * T)), b(static_cast<size_t>(B * S));
+        for (auto& x : a) x = static_cast<int32_t>(pick(rng, 0, 2));
+        for (auto& x : b) x = static_cast<int32_t>(pick(rng, 0, 2));
+        qs = ints({B, T}, a);
+        ks = ints({B, S}, b);
+      }
+      AttentionSpec spec;
+      spec.causal = cs.causal;
+      spec.window = cs.window;
+      spec.softcap = cs.softcap;
+      spec.query_offset = cs.offset;
+      Both o = poisoned(sq, dt), lse = poisoned({B, cs.hq, T}, DType::f32);
+      ga->forward(q.g, k.g, v.g, qs.g, ks.g, spec, o.g, lse.g);
+      ca->forward(q.c, k.c, v.c, qs.c, ks.c, spec, o.c, lse.c);
+      EXPECT_TRUE(close(o, tol(dt), "attention forward out"));
+      // lse is -inf on rows that see no key, on both sides.
+      const std::vector<float> gl = test::to_vector(lse.g), cl = test::to_vector(lse.c);
+      for (size_t i = 0; i < gl.size(); ++i) {
+        if (std::isinf(cl[i]))
+          EXPECT_EQ(gl[i], cl[i]) << "lse " << i;
+        else
+          EXPECT_NEAR(gl[i], cl[i], 1e-5 * std::max(1.f, std::fabs(cl[i]))) << "lse " << i;
+      }
+
+      // Backward into random accumulators.
+      Both dout = make(sq, rand_nz(shape_numel(sq), rng), dt);
+      Both dq = make(sq, rand_nz(shape_numel(sq), rng), dt);
+      Both dk = make(sk, rand_nz(shape_numel(sk), rng), dt);
+      Both dv = make(sk, rand_nz(shape_numel(sk), rng), dt);
+      ga->backward(dout.g, q.g, k.g, v.g, qs.g, ks.g, o.g, lse.g, spec, dq.g, dk.g, dv.g);
+      ca->backward(dout.c, q.c, k.c, v.c, qs.c, ks.c, o.c, lse.c, spec, dq.c, dk.c, dv.c);
+      EXPECT_TRUE(close(dq, tol(dt), "attention backward dq"));
+      EXPECT_TRUE(close(dk, tol(dt), "attention backward dk"));
+      EXPECT_TRUE(close(dv, tol(dt), "attention backward dv"));
+
+      // Decode: the same q attends to a cache of Smax rows of which lengths[b] are valid.
+      if (cs.segments) continue;
+      const int64_t smax = S + 7;
+      const Shape sc{B, smax, cs.hkv, D};
+      Both kc = make(sc, rand_nz(shape_numel(sc), rng), dt);
+      Both vc = make(sc, rand_nz(shape_numel(sc), rng), dt);
+      std::vector<int32_t> len(static_cast<size_t>(B));
+      for (auto& l : len) l = static_cast<int32_t>(pick(rng, T, smax));
+      Both lengths = ints({B}, len);
+      Both od = poisoned(sq, dt);
+      ga->decode(q.g, kc.g, vc.g, lengths.g, spec, od.g);
+      ca->decode(q.c, kc.c, vc.c, lengths.c, spec, od.c);
+      EXPECT_TRUE(close(od, tol(dt), "attention decode"));
+    }
+}
+
+TEST_F(GpuOps, AllocatorReusesBlocks) {
+  Backend& b = gpu();
+  { Tensor warm = b.empty({1 << 20}, DType::f32); }
+  const size_t before = b.memory_stats().num_system_allocs;
+  for (int i = 0; i < 10; ++i) {
+    Tensor t = b.empty({1 << 20}, DType::f32);
+    b.fill(t, 1.f);
+  }
+  b.synchronize();
+  EXPECT_EQ(b.memory_stats().num_system_allocs, before) << "steady state must not cudaMalloc";
+  EXPECT_GT(b.memory_stats().bytes_cached, size_t{0});
+}
+
+}  // namespace
+}  // namespace mt
