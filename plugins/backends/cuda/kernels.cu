@@ -583,68 +583,6 @@ __global__ void ce_bwd_kernel(In dloss, In x, const int32_t* tg, const float* ls
 }
 
 // ---- rope -----------------------------------------------------------------------------------
-struct RopeTable {
-  std::vector<float> inv_freq;  // [R / 2]
-  double mscale = 1.0;
-};
-
-// HF find_correction_dim: the dimension whose wavelength fits num_rotations times in max_pos.
-double correction_dim(double num_rotations, double dim, double base, double max_pos) {
-  return dim * std::log(max_pos / (num_rotations * 2 * std::numbers::pi)) / (2 * std::log(base));
-}
-
-// The inverse frequencies exactly as the CPU backend computes them (rope.cpp's make_table: Hugging
-// Face's default, llama3 and yarn parameters in double, stored in f32), so both backends rotate by
-// the same angles.
-RopeTable make_rope_table(const RopeSpec& spec, int64_t R) {
-  const int64_t half = R / 2;
-  const double base = spec.theta;
-  std::vector<double> inv(static_cast<size_t>(half));
-  for (int64_t i = 0; i < half; ++i) inv[i] = 1.0 / std::pow(base, double(2 * i) / double(R));
-  RopeTable t;
-  switch (spec.type) {
-    case RopeSpec::Type::standard:
-      break;
-    case RopeSpec::Type::llama3: {
-      const double factor = spec.factor, lo = spec.low_freq_factor, hi = spec.high_freq_factor;
-      const double old_len = double(spec.original_max_position);
-      const double low_wavelen = old_len / lo, high_wavelen = old_len / hi;
-      for (auto& f : inv) {
-        const double wavelen = 2 * std::numbers::pi / f;
-        if (wavelen > low_wavelen) {
-          f = f / factor;
-        } else if (!(wavelen < high_wavelen)) {
-          const double smooth = (old_len / wavelen - lo) / (hi - lo);
-          f = (1 - smooth) * f / factor + smooth * f;
-        }
-      }
-      break;
-    }
-    case RopeSpec::Type::yarn: {
-      const double factor = spec.factor, dim = double(R);
-      const double max_pos = double(spec.original_max_position);
-      double low = std::floor(correction_dim(spec.beta_fast, dim, base, max_pos));
-      double high = std::ceil(correction_dim(spec.beta_slow, dim, base, max_pos));
-      low = std::max(low, 0.0);
-      high = std::min(high, dim - 1);
-      if (low == high) high += 0.001;
-      for (int64_t i = 0; i < half; ++i) {
-        const double ramp = std::clamp((double(i) - low) / (high - low), 0.0, 1.0);
-        const double extrapolation = 1 - ramp;
-        const double pos_freq = std::pow(base, double(2 * i) / dim);
-        inv[i] =
-            (1.0 / (factor * pos_freq)) * (1 - extrapolation) + (1.0 / pos_freq) * extrapolation;
-      }
-      t.mscale = spec.attention_factor != 0.f ? double(spec.attention_factor)
-                 : factor <= 1                ? 1.0
-                                              : 0.1 * std::log(factor) + 1.0;
-      break;
-    }
-  }
-  t.inv_freq.resize(static_cast<size_t>(half));
-  for (int64_t i = 0; i < half; ++i) t.inv_freq[i] = static_cast<float>(inv[i]);
-  return t;
-}
 
 // One block per (b, t) row. x, out [rows, H, D]; positions [rows]; inv_freq [R / 2].
 // Forward: out = rotate(x, angle); inverse: out += rotate(x, -angle). The angle is formed and
@@ -698,7 +636,7 @@ void rope_apply(const Ctx& c, const char* op, const Tensor& x, const Tensor& pos
   MT_CHECK(R % 2 == 0 && R <= D, std::string("cuda ") + op + ": rotary_dim " + std::to_string(R) +
                                      " must be even and at most head_dim " + std::to_string(D));
   if (rows == 0 || H == 0 || D == 0) return;
-  const RopeTable table = make_rope_table(spec, R);
+  const RopeFrequencies table = rope_frequencies(spec, R);
   Tensor freq = c.scratch({std::max<int64_t>(R / 2, 1)}, DType::f32);
   if (R / 2 > 0)
     check(cudaMemcpyAsync(freq.data(), table.inv_freq.data(), table.inv_freq.size() * sizeof(float),

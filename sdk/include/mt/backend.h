@@ -50,6 +50,15 @@ struct RopeSpec {
   float attention_factor = 0.f;  // yarn: multiplies cos and sin; 0 = 0.1 * ln(factor) + 1
 };
 
+// The inverse frequencies [rotary_dim / 2] of a rope spec, computed as Hugging Face does (in
+// double, stored as f32), and the factor cos and sin are multiplied by (YaRN's attention factor;
+// 1 otherwise). Every backend rotates with these, so their results agree.
+struct RopeFrequencies {
+  std::vector<float> inv_freq;
+  double mscale = 1.0;
+};
+MT_API RopeFrequencies rope_frequencies(const RopeSpec& spec, int64_t rotary_dim);
+
 struct AdamWParams {
   float lr = 0.f;
   float b1 = 0.9f;
