@@ -553,6 +553,18 @@ TEST(Attention, BadShapesThrow) {
                              test::from_ints(be, {2}, {3, 7}), spec, dout),
                  Error)
         << name;
+    // a negative window or soft-cap, even with no queries at all
+    AttentionSpec neg;
+    neg.window = -1;
+    Tensor q0 = t({1, 0, 3, 8}), out0 = t({1, 0, 3, 8}), lse0 = t({1, 3, 0});
+    EXPECT_THROW(att->forward(q0, t({1, 4, 1, 8}), t({1, 4, 1, 8}), {}, {}, neg, out0, lse0), Error)
+        << name;
+    neg.window = 0;
+    neg.softcap = -1.f;
+    EXPECT_THROW(att->forward(t({1, 4, 3, 8}), t({1, 4, 1, 8}), t({1, 4, 1, 8}), {}, {}, neg, out,
+                              lse),
+                 Error)
+        << name;
   }
 }
 

@@ -44,4 +44,54 @@ void check_same(const std::string& op, const char* what, const Tensor& t, const 
            op + ": " + what + " has an unsupported dtype " + t.str());
 }
 
+namespace {
+void check_spec(const std::string& op, const AttentionSpec& spec) {
+  MT_CHECK(spec.window >= 0 && spec.softcap >= 0.f,
+           op + ": window and softcap must be >= 0, got window " + std::to_string(spec.window) +
+               " softcap " + std::to_string(spec.softcap));
+}
+}  // namespace
+
+Dims check_forward(const std::string& op, const Tensor& q, const Tensor& k, const Tensor& v,
+                   const Tensor& q_seg, const Tensor& kv_seg, const AttentionSpec& spec,
+                   const Tensor& out, const Tensor& lse) {
+  const Dims n = check_inputs(op, q, k, v, q_seg, kv_seg);
+  check_spec(op, spec);
+  check_same(op, "out", out, q.shape(), false);
+  check_same(op, "lse", lse, {n.B, n.Hq, n.T}, true);
+  return n;
+}
+
+Dims check_backward(const std::string& op, const Tensor& dout, const Tensor& q, const Tensor& k,
+                    const Tensor& v, const Tensor& q_seg, const Tensor& kv_seg, const Tensor& out,
+                    const Tensor& lse, const AttentionSpec& spec, const Tensor& dq,
+                    const Tensor& dk, const Tensor& dv) {
+  const Dims n = check_inputs(op, q, k, v, q_seg, kv_seg);
+  check_spec(op, spec);
+  check_same(op, "dout", dout, q.shape(), false);
+  check_same(op, "out", out, q.shape(), false);
+  check_same(op, "lse", lse, {n.B, n.Hq, n.T}, true);
+  check_same(op, "dq", dq, q.shape(), false);
+  check_same(op, "dk", dk, k.shape(), false);
+  check_same(op, "dv", dv, v.shape(), false);
+  return n;
+}
+
+Dims check_decode(const std::string& op, const Tensor& q, const Tensor& k_cache,
+                  const Tensor& v_cache, const Tensor& lengths, const AttentionSpec& spec,
+                  const Tensor& out) {
+  const Dims n = check_inputs(op, q, k_cache, v_cache, Tensor(), Tensor());
+  check_spec(op, spec);
+  check_same(op, "out", out, q.shape(), false);
+  MT_CHECK(lengths.defined() && lengths.dtype() == DType::i32 && lengths.shape() == Shape{n.B},
+           op + ": lengths must be i32 [" + std::to_string(n.B) + "]");
+  const int32_t* len = lengths.ptr<int32_t>();
+  for (int64_t b = 0; b < n.B; ++b)
+    MT_CHECK(len[b] >= n.T && len[b] <= n.S, op + ": lengths[" + std::to_string(b) +
+                                                 "] = " + std::to_string(len[b]) +
+                                                 " must be in [T, Smax] = [" + std::to_string(n.T) +
+                                                 ", " + std::to_string(n.S) + "]");
+  return n;
+}
+
 }  // namespace mt::cpu::attention

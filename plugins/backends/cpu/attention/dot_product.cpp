@@ -15,25 +15,17 @@
 #include <string>
 #include <vector>
 
+#include "attention/checks.h"
 #include "cpu_backend.h"
 #include "mt/attention.h"
-#include "attention/checks.h"
 #include "mt/error.h"
 
 namespace mt::cpu {
 namespace {
 
-using attention::check_inputs;
-using attention::check_same;
 using attention::Dims;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-void check_spec(const std::string& op, const AttentionSpec& spec) {
-  MT_CHECK(spec.window >= 0 && spec.softcap >= 0.f,
-           op + ": window and softcap must be >= 0, got window " + std::to_string(spec.window) +
-               " softcap " + std::to_string(spec.softcap));
-}
 
 float scale_of(const AttentionSpec& spec, int64_t D) {
   return spec.scale != 0.f ? spec.scale : 1.f / std::sqrt(static_cast<float>(D));
@@ -156,10 +148,7 @@ class DotProductAttention final : public AttentionKernel {
                const Tensor& kv_segment, const AttentionSpec& spec, Tensor& out,
                Tensor& lse) override {
     const std::string op = "dot_product attention forward";
-    const Dims n = check_inputs(op, q, k, v, q_segment, kv_segment);
-    check_spec(op, spec);
-    check_same(op, "out", out, q.shape(), false);
-    check_same(op, "lse", lse, {n.B, n.Hq, n.T}, true);
+    const Dims n = attention::check_forward(op, q, k, v, q_segment, kv_segment, spec, out, lse);
     if (q.numel() == 0) return;
     Tensor scratch = slots(n.T * n.S);
     backend_.run([&] {
@@ -184,14 +173,8 @@ class DotProductAttention final : public AttentionKernel {
                 const Tensor& lse, const AttentionSpec& spec, Tensor& dq, Tensor& dk,
                 Tensor& dv) override {
     const std::string op = "dot_product attention backward";
-    const Dims n = check_inputs(op, q, k, v, q_segment, kv_segment);
-    check_spec(op, spec);
-    check_same(op, "dout", dout, q.shape(), false);
-    check_same(op, "out", out, q.shape(), false);
-    check_same(op, "lse", lse, {n.B, n.Hq, n.T}, true);
-    check_same(op, "dq", dq, q.shape(), false);
-    check_same(op, "dk", dk, k.shape(), false);
-    check_same(op, "dv", dv, v.shape(), false);
+    const Dims n = attention::check_backward(op, dout, q, k, v, q_segment, kv_segment, out, lse,
+                                             spec, dq, dk, dv);
     if (q.numel() == 0 || k.numel() == 0) return;
     const int64_t TS = n.T * n.S;
     Tensor scratch = slots(2 * TS);
@@ -256,17 +239,8 @@ class DotProductAttention final : public AttentionKernel {
   void decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths,
               const AttentionSpec& spec, Tensor& out) override {
     const std::string op = "dot_product attention decode";
-    const Dims n = check_inputs(op, q, k_cache, v_cache, Tensor(), Tensor());
-    check_spec(op, spec);
-    check_same(op, "out", out, q.shape(), false);
-    MT_CHECK(lengths.defined() && lengths.dtype() == DType::i32 && lengths.shape() == Shape{n.B},
-             op + ": lengths must be i32 [" + std::to_string(n.B) + "]");
+    const Dims n = attention::check_decode(op, q, k_cache, v_cache, lengths, spec, out);
     const int32_t* len = lengths.ptr<int32_t>();
-    for (int64_t b = 0; b < n.B; ++b)
-      MT_CHECK(len[b] >= n.T && len[b] <= n.S,
-               op + ": lengths[" + std::to_string(b) + "] = " + std::to_string(len[b]) +
-                   " must be in [T, Smax] = [" + std::to_string(n.T) + ", " + std::to_string(n.S) +
-                   "]");
     if (q.numel() == 0) return;
     Tensor scratch = slots(n.T * n.S);
     backend_.run([&] {

@@ -33,9 +33,9 @@
 #include <memory>
 #include <string>
 
+#include "attention/checks.h"
 #include "cpu_backend.h"
 #include "mt/attention.h"
-#include "attention/checks.h"
 #include "mt/error.h"
 
 #define MT_ALWAYS_INLINE __attribute__((always_inline)) inline
@@ -52,8 +52,6 @@
 namespace mt::cpu {
 namespace {
 
-using attention::check_inputs;
-using attention::check_same;
 using attention::Dims;
 
 constexpr int64_t kBQ = 64;  // query rows per tile
@@ -614,9 +612,7 @@ class FlashAttention final : public AttentionKernel {
                const Tensor& kv_segment, const AttentionSpec& spec, Tensor& out,
                Tensor& lse) override {
     const std::string op = "flash attention forward";
-    const Dims n = check_inputs(op, q, k, v, q_segment, kv_segment);
-    check_same(op, "out", out, q.shape(), false);
-    check_same(op, "lse", lse, {n.B, n.Hq, n.T}, true);
+    const Dims n = attention::check_forward(op, q, k, v, q_segment, kv_segment, spec, out, lse);
     if (q.numel() == 0) return;
     const Params p = params(spec, n.D);
     Tensor scratch = slots(FwdScratch::floats(n.D));
@@ -655,13 +651,8 @@ class FlashAttention final : public AttentionKernel {
                 const Tensor& lse, const AttentionSpec& spec, Tensor& dq, Tensor& dk,
                 Tensor& dv) override {
     const std::string op = "flash attention backward";
-    const Dims n = check_inputs(op, q, k, v, q_segment, kv_segment);
-    check_same(op, "dout", dout, q.shape(), false);
-    check_same(op, "out", out, q.shape(), false);
-    check_same(op, "lse", lse, {n.B, n.Hq, n.T}, true);
-    check_same(op, "dq", dq, q.shape(), false);
-    check_same(op, "dk", dk, k.shape(), false);
-    check_same(op, "dv", dv, v.shape(), false);
+    const Dims n = attention::check_backward(op, dout, q, k, v, q_segment, kv_segment, out, lse,
+                                             spec, dq, dk, dv);
     if (q.numel() == 0 || k.numel() == 0) return;
     const Params p = params(spec, n.D);
     Tensor scratch = slots(BwdScratch::floats(n.D));
@@ -730,16 +721,8 @@ class FlashAttention final : public AttentionKernel {
   void decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths,
               const AttentionSpec& spec, Tensor& out) override {
     const std::string op = "flash attention decode";
-    const Dims n = check_inputs(op, q, k_cache, v_cache, Tensor(), Tensor());
-    check_same(op, "out", out, q.shape(), false);
-    MT_CHECK(lengths.defined() && lengths.dtype() == DType::i32 && lengths.shape() == Shape{n.B},
-             op + ": lengths must be i32 [" + std::to_string(n.B) + "]");
+    const Dims n = attention::check_decode(op, q, k_cache, v_cache, lengths, spec, out);
     const int32_t* len = lengths.ptr<int32_t>();
-    for (int64_t b = 0; b < n.B; ++b)
-      MT_CHECK(len[b] >= n.T && len[b] <= n.S,
-               op + ": lengths[" + std::to_string(b) + "] = " + std::to_string(len[b]) +
-                   " must be in [T, Smax] = [" + std::to_string(n.T) + ", " + std::to_string(n.S) +
-                   "]");
     if (q.numel() == 0) return;
     const Params p = params(spec, n.D);
     Tensor scratch = slots(FwdScratch::floats(n.D));
@@ -815,9 +798,7 @@ class FlashAttention final : public AttentionKernel {
   }
 
   static Params params(const AttentionSpec& spec, int64_t D) {
-    MT_CHECK(spec.window >= 0 && spec.softcap >= 0.f,
-             "flash attention: window and softcap must be >= 0, got window " +
-                 std::to_string(spec.window) + " softcap " + std::to_string(spec.softcap));
+    // The spec was checked with the other arguments (attention::check_*).
     return {D, spec.scale != 0.f ? spec.scale : 1.f / std::sqrt(static_cast<float>(D)),
             spec.softcap, spec.causal, spec.window};
   }
