@@ -1,14 +1,15 @@
 // The CUDA backend plugin: probes for a driver and a device before registering (and declines
-// with a sentence where there is none), owns one stream, one cuBLAS handle and a caching device
-// allocator, and forwards each op to its launcher in kernels.cu. Ops without a CUDA kernel yet
-// throw, naming themselves.
-#include <cublas_v2.h>
+// with a sentence where there is none), owns one stream, the cuBLASLt GEMM state and a caching
+// device allocator, and forwards each op to its launcher in kernels.cu. Ops without a CUDA kernel
+// yet throw, naming themselves.
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 
 #include <string>
 
 #include "allocator.h"
+#include "flash.h"
+#include "gemm.h"
 #include "kernels.h"
 
 #include "mt/attention.h"
@@ -30,7 +31,7 @@ std::string cuda_message(cudaError_t e) {
 
 class CudaBackend final : public mt::Backend {
  public:
-  explicit CudaBackend(int device) : device_(device) {
+  CudaBackend(int device, mt::cuda::MatmulPrecision precision) : device_(device) {
     check(cudaSetDevice(device_), "cannot use device " + std::to_string(device_));
     cudaDeviceProp p{};
     check(cudaGetDeviceProperties(&p, device_), "cudaGetDeviceProperties");
@@ -38,16 +39,16 @@ class CudaBackend final : public mt::Backend {
     // One non-blocking stream per backend: every kernel, copy and GEMM is ordered on it, which is
     // also what makes the allocator's immediate reuse of freed blocks safe.
     check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
-    mt::cuda::check(cublasCreate(&cublas_), "init", "cublasCreate");
-    mt::cuda::check(cublasSetStream(cublas_, stream_), "init", "cublasSetStream");
     ctx_.stream = stream_;
-    ctx_.cublas = cublas_;
     ctx_.scratch = [this](const mt::Shape& s, mt::DType d) { return empty(s, d); };
+    // The GEMM workspace comes from the caching allocator once, for the backend's life.
+    ctx_.gemm = std::make_shared<mt::cuda::Gemm>(
+        stream_, precision,
+        empty({static_cast<int64_t>(mt::cuda::Gemm::kWorkspaceBytes)}, mt::DType::u8));
   }
   ~CudaBackend() override {
     // Errors cannot be reported from a destructor; the process is usually ending.
     static_cast<void>(cudaStreamSynchronize(stream_));
-    if (cublas_) static_cast<void>(cublasDestroy(cublas_));
     if (stream_) static_cast<void>(cudaStreamDestroy(stream_));
   }
   CudaBackend(const CudaBackend&) = delete;
@@ -56,16 +57,20 @@ class CudaBackend final : public mt::Backend {
   std::string name() const override { return "cuda"; }
   std::string describe() const override {
     return "cuda: device " + std::to_string(device_) + " (" + name_ +
-           "); GEMM cuBLAS (f32 accumulation); attention dot_product; not yet: flash";
+           "); GEMM cuBLASLt (f32 accumulation; f32 matmuls " +
+           (ctx_.gemm->precision() == mt::cuda::MatmulPrecision::tf32 ? "on TF32 tensor cores"
+                                                                      : "in full f32") +
+           "); attention dot_product, flash";
   }
-  // Dense tensor-core peaks from the data sheets of the GPUs this plugin is tuned for (H100/H200
-  // SXM: bf16 989 TFLOP/s; f32 matmuls run without TF32, on the 67 TFLOP/s FP32 units); 0 (MFU
-  // not reported) for any other device.
+  // Dense peaks from the data sheets of the GPUs this plugin is tuned for (H100/H200 SXM: bf16
+  // 989 TFLOP/s; f32 matmuls 494 TFLOP/s on TF32 tensor cores with matmul_precision=high or
+  // default, else 67 TFLOP/s on the FP32 units); 0 (MFU not reported) for any other device.
   double peak_flops(mt::DType dtype) const override {
     const bool hopper =
         name_.find("H100") != std::string::npos || name_.find("H200") != std::string::npos;
     if (!hopper) return 0.0;
-    return dtype == mt::DType::bf16 ? 989e12 : 67e12;
+    if (dtype == mt::DType::bf16) return 989e12;
+    return ctx_.gemm->precision() == mt::cuda::MatmulPrecision::tf32 ? 494e12 : 67e12;
   }
   mt::Tensor empty(const mt::Shape& shape, mt::DType dtype) override {
     const size_t bytes = static_cast<size_t>(mt::shape_numel(shape)) * mt::dtype_size(dtype);
@@ -205,7 +210,6 @@ class CudaBackend final : public mt::Backend {
   int device_;
   std::string name_;
   cudaStream_t stream_ = nullptr;
-  cublasHandle_t cublas_ = nullptr;
   // Declared after the handles it does not use, before ctx_ which captures `this`.
   mt::cuda::DeviceAllocator alloc_;
   mt::cuda::Ctx ctx_;
@@ -214,7 +218,7 @@ class CudaBackend final : public mt::Backend {
   const mt::cuda::Ctx& ctx() const { return ctx_; }
 };
 
-// The reference attention (scores materialised per query row); flash comes later.
+// The reference attention (scores materialised per query row).
 class DotProductAttention final : public mt::AttentionKernel {
  public:
   explicit DotProductAttention(CudaBackend& b) : backend_(b) {}
@@ -240,6 +244,32 @@ class DotProductAttention final : public mt::AttentionKernel {
   CudaBackend& backend_;
 };
 
+// Flash attention (flash.cu): tensor cores for bf16 with head_dim 64 or 128, SIMT otherwise.
+class FlashAttention final : public mt::AttentionKernel {
+ public:
+  explicit FlashAttention(CudaBackend& b) : backend_(b) {}
+  std::string name() const override { return "flash"; }
+  void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_segment,
+               const Tensor& kv_segment, const mt::AttentionSpec& spec, Tensor& out,
+               Tensor& lse) override {
+    mt::cuda::flash_forward(backend_.ctx(), q, k, v, q_segment, kv_segment, spec, out, lse);
+  }
+  void backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                const Tensor& q_segment, const Tensor& kv_segment, const Tensor& out,
+                const Tensor& lse, const mt::AttentionSpec& spec, Tensor& dq, Tensor& dk,
+                Tensor& dv) override {
+    mt::cuda::flash_backward(backend_.ctx(), dout, q, k, v, q_segment, kv_segment, out, lse, spec,
+                             dq, dk, dv);
+  }
+  void decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths,
+              const mt::AttentionSpec& spec, Tensor& out) override {
+    mt::cuda::flash_decode(backend_.ctx(), q, k_cache, v_cache, lengths, spec, out);
+  }
+
+ private:
+  CudaBackend& backend_;
+};
+
 // Runs before registration: declines with a sentence on a machine without a driver or device.
 const char* probe() {
   // The runtime reaches the driver through libcuda.so.1; name it when it is not there at all.
@@ -258,17 +288,29 @@ const char* probe() {
   return nullptr;
 }
 
-void register_cuda(mt::Registry& r) {
-  r.add_backend("cuda", [](const mt::Config&) -> std::unique_ptr<mt::Backend> {
-    return std::make_unique<CudaBackend>(0);
+template <class Kernel>
+void add_attention(mt::Registry& r, const std::string& name) {
+  r.add_attention("cuda", name, [name](mt::Backend& b) -> std::unique_ptr<mt::AttentionKernel> {
+    auto* cuda = dynamic_cast<CudaBackend*>(&b);
+    if (!cuda)
+      throw mt::Error("cuda " + name + " attention needs the cuda backend, got " + b.name());
+    return std::make_unique<Kernel>(*cuda);
   });
-  r.add_attention(
-      "cuda", "dot_product", [](mt::Backend& b) -> std::unique_ptr<mt::AttentionKernel> {
-        auto* cuda = dynamic_cast<CudaBackend*>(&b);
-        if (!cuda)
-          throw mt::Error("cuda dot_product attention needs the cuda backend, got " + b.name());
-        return std::make_unique<DotProductAttention>(*cuda);
-      });
+}
+
+void register_cuda(mt::Registry& r) {
+  r.add_backend("cuda", [](const mt::Config& cfg) -> std::unique_ptr<mt::Backend> {
+    // matmul_precision (MaxText's key): highest = full f32 matmuls; high and default = TF32.
+    // Absent from hand-made configs (tests): highest.
+    const std::string p =
+        cfg.has("matmul_precision") ? cfg.get_string("matmul_precision") : "highest";
+    if (p != "highest" && p != "high" && p != "default")
+      cfg.reject("matmul_precision", "is not one of the choices: default, high, highest.");
+    return std::make_unique<CudaBackend>(
+        0, p == "highest" ? mt::cuda::MatmulPrecision::highest : mt::cuda::MatmulPrecision::tf32);
+  });
+  add_attention<DotProductAttention>(r, "dot_product");
+  add_attention<FlashAttention>(r, "flash");
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
 // Kernels of the CUDA backend: elementwise ops, reductions, embedding, rmsnorm, rope,
-// activations, softmax, cross-entropy and AdamW, plus the cuBLAS matmul.
+// activations, softmax, cross-entropy and AdamW (the matmul is in gemm.cu).
 //
 // Storage is f32 or bf16 per operand, arithmetic always f32: operands are read through In/Out
 // views that branch on the dtype (the branch is uniform across a launch, so it costs little and
@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "attention_args.h"
+#include "device_io.cuh"
 #include "kernels.h"
 #include "mt/error.h"
 
@@ -33,8 +35,8 @@ void check(cudaError_t e, const std::string& op, const std::string& what,
 void check(cublasStatus_t s, const std::string& op, const std::string& what,
            const std::string& shapes) {
   if (s == CUBLAS_STATUS_SUCCESS) return;
-  throw Error("cuda " + op + ": " + what + " failed: " + cublasGetStatusName(s) + ": " +
-              cublasGetStatusString(s) + (shapes.empty() ? "" : " (" + shapes + ")"));
+  throw Error("cuda " + op + ": " + what + " failed: " + cublasLtGetStatusName(s) + ": " +
+              cublasLtGetStatusString(s) + (shapes.empty() ? "" : " (" + shapes + ")"));
 }
 
 namespace {
@@ -42,45 +44,6 @@ namespace {
 constexpr int kThreads = 256;    // threads per block everywhere (block reductions assume it)
 constexpr int kSumBlocks = 512;  // fixed grid of the two-pass sum: fixes its order
 constexpr int64_t kMaxGrid = 1 << 20;
-
-// ---- operand views --------------------------------------------------------------------------
-struct In {
-  const void* p;
-  bool bf;
-  __device__ float operator[](int64_t i) const {
-    return bf ? __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i])
-              : static_cast<const float*>(p)[i];
-  }
-};
-struct Out {
-  void* p;
-  bool bf;
-  __device__ float get(int64_t i) const {
-    return bf ? __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i])
-              : static_cast<const float*>(p)[i];
-  }
-  // Round to nearest even, as mt::f32_to_bf16.
-  __device__ void set(int64_t i, float v) const {
-    if (bf)
-      static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
-    else
-      static_cast<float*>(p)[i] = v;
-  }
-  __device__ void add(int64_t i, float v) const { set(i, get(i) + v); }
-};
-
-bool is_fb(const Tensor& t) {
-  return t.defined() && (t.dtype() == DType::f32 || t.dtype() == DType::bf16);
-}
-In in(const Tensor& t) {
-  return {t.data(), t.dtype() == DType::bf16};
-}
-Out out(const Tensor& t) {
-  return {t.data(), t.dtype() == DType::bf16};
-}
-std::string str(const Tensor& t) {
-  return t.defined() ? t.str() : std::string("undefined");
-}
 
 unsigned grid_for(int64_t n) {
   return static_cast<unsigned>(std::clamp<int64_t>((n + kThreads - 1) / kThreads, 1, kMaxGrid));
@@ -676,10 +639,6 @@ struct AdamWF {
   }
 };
 
-Shape leading(const Tensor& t) {
-  return Shape(t.shape().begin(), t.shape().end() - 2);
-}
-
 }  // namespace
 
 // ---- elementwise ------------------------------------------------------------------------------
@@ -757,80 +716,6 @@ double sum(const Ctx& c, const Tensor& x, bool squares) {
         op, "copying the result to the host", str(x));
   check(cudaStreamSynchronize(c.stream), op, "stream synchronize", str(x));
   return result;
-}
-
-// ---- matmul ---------------------------------------------------------------------------------
-
-void matmul(const Ctx& c, const Tensor& a, const Tensor& b, Tensor& o, bool trans_a, bool trans_b,
-            float alpha, float beta) {
-  auto shapes = [&] {
-    return "a " + str(a) + (trans_a ? "^T" : "") + ", b " + str(b) + (trans_b ? "^T" : "") +
-           ", c " + str(o);
-  };
-  if (!is_fb(a) || !is_fb(b) || !is_fb(o) || a.ndim() < 2 || b.ndim() < 2 || o.ndim() < 2)
-    fail("cuda matmul: " + shapes() +
-         ": operands must be f32 or bf16 tensors of at least 2 dimensions");
-  int64_t m = trans_a ? a.dim(-1) : a.dim(-2);
-  const int64_t k = trans_a ? a.dim(-2) : a.dim(-1);
-  const int64_t kb = trans_b ? b.dim(-1) : b.dim(-2);
-  const int64_t n = trans_b ? b.dim(-2) : b.dim(-1);
-  const Shape lead = leading(a);
-  const bool shared_b = b.ndim() == 2;
-  if (k != kb || o.dim(-2) != m || o.dim(-1) != n || leading(o) != lead ||
-      (!shared_b && leading(b) != lead))
-    fail("cuda matmul: " + shapes() +
-         ": shapes do not agree (a [..., M, K], b [..., K, N] or 2-D, c [..., M, N])");
-  int64_t batch = shape_numel(lead);
-  if (batch == 0 || m == 0 || n == 0) return;
-
-  // cuBLAS takes A and B of one type, and C f32 or of that type. Other mixes run in f32 on
-  // widened copies (exact: bf16 -> f32 loses nothing) and round once at the end.
-  const bool native =
-      a.dtype() == b.dtype() && (a.dtype() == DType::bf16 || o.dtype() == DType::f32);
-  if (!native) {
-    auto widen = [&](const Tensor& t, bool copy) {
-      if (t.dtype() == DType::f32) return t;
-      Tensor w = c.scratch(t.shape(), DType::f32);
-      if (copy) cast(c, t, w);
-      return w;
-    };
-    Tensor a32 = widen(a, true), b32 = widen(b, true), c32 = widen(o, beta != 0.f);
-    matmul(c, a32, b32, c32, trans_a, trans_b, alpha, beta);
-    if (!c32.same_as(o)) cast(c, c32, o);
-    return;
-  }
-
-  // K = 0: the product is empty and c = beta c (cuBLAS would refuse the leading dimension 0).
-  if (k == 0) {
-    if (beta == 0.f)
-      fill(c, o, 0.f);
-    else
-      scale(c, o, beta, o);
-    return;
-  }
-  // A batch against one shared b with a untransposed is one tall GEMM.
-  if (shared_b && !trans_a && batch > 1) {
-    m *= batch;
-    batch = 1;
-  }
-  if (std::max({m, n, k, batch}) > INT_MAX)
-    fail("cuda matmul: " + shapes() + ": a dimension exceeds 2^31 - 1");
-
-  // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: pass b first. A row-major
-  // [R, C] matrix is a column-major C x R matrix with leading dimension C.
-  const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
-  const cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-  const int64_t ldb = trans_b ? k : n, lda = trans_a ? m : k, ldc = n;
-  const long long stride_b = shared_b ? 0 : k * n, stride_a = m * k, stride_c = m * n;
-  const cudaDataType ta = a.dtype() == DType::bf16 ? CUDA_R_16BF : CUDA_R_32F;
-  const cudaDataType tc = o.dtype() == DType::bf16 ? CUDA_R_16BF : CUDA_R_32F;
-  // CUBLAS_COMPUTE_32F: f32 accumulation, and no TF32 rounding of f32 inputs.
-  check(cublasGemmStridedBatchedEx(
-            c.cublas, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k),
-            &alpha, b.data(), ta, static_cast<int>(ldb), stride_b, a.data(), ta,
-            static_cast<int>(lda), stride_a, &beta, o.data(), tc, static_cast<int>(ldc), stride_c,
-            static_cast<int>(batch), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-        "matmul", "cublasGemmStridedBatchedEx", shapes());
 }
 
 // ---- embedding ------------------------------------------------------------------------------
@@ -1057,7 +942,7 @@ void topk_route_backward(const Ctx& c, const Tensor& dweights, const Tensor& wei
   launched("topk_route_backward", shapes);
 }
 
-// One cuBLAS GEMM per expert with tokens, as the CPU backend does.
+// One GEMM (gemm.cu) per expert with tokens, as the CPU backend does.
 void grouped_matmul(const Ctx& c, const Tensor& x, const Tensor& w, const Tensor& offsets,
                     bool trans_w, Tensor& o) {
   constexpr const char* op = "grouped_matmul";
@@ -1387,14 +1272,6 @@ void adamw_update(const Ctx& c, Tensor& param, const Tensor& grad, Tensor& m, Te
 namespace mt::cuda {
 namespace {
 
-struct AttnArgs {
-  int64_t T, S, Hq, Hkv, D;
-  bool causal;
-  int64_t window;
-  float cap, scale;
-  int64_t offset;  // position of query 0 (forward); decode uses lengths[b] - T
-};
-
 // One block per query row r = ((b Hq) + h) T + i. q [B, T, Hq, D]; k, v [B, S, Hkv, D];
 // sc [B Hq T, S] scratch; out [B, T, Hq, D]; lse [B, Hq, T] (or null). Scores, softmax and P V
 // follow the CPU reference (attention/dot_product.cpp): a row with no visible key is zeros with
@@ -1550,22 +1427,19 @@ __global__ void attn_bwd_kv_kernel(In q, In dout, AttnArgs a, const float* ds, c
   }
 }
 
-bool attn_dtype(const Tensor& t) {
-  return t.defined() && (t.dtype() == DType::f32 || t.dtype() == DType::bf16);
-}
+}  // namespace
 
-AttnArgs attn_check(const std::string& op, const Tensor& q, const Tensor& k, const Tensor& v,
-                    const Tensor& q_seg, const Tensor& kv_seg, const AttentionSpec& spec,
-                    const Tensor& o) {
+AttnArgs attention_args(const std::string& op, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& q_seg, const Tensor& kv_seg, const AttentionSpec& spec,
+                        const Tensor& o) {
   const std::string shapes =
       " (q " + str(q) + ", k " + str(k) + ", v " + str(v) + ", out " + str(o) + ")";
   MT_CHECK(q.defined() && k.defined() && v.defined() && q.ndim() == 4 && k.ndim() == 4 &&
                k.shape() == v.shape() && q.dim(0) == k.dim(0) && q.dim(3) == k.dim(3) &&
-               k.dim(2) > 0 && q.dim(2) % k.dim(2) == 0 && attn_dtype(q) && attn_dtype(k) &&
-               attn_dtype(v),
+               k.dim(2) > 0 && q.dim(2) % k.dim(2) == 0 && is_fb(q) && is_fb(k) && is_fb(v),
            op + ": want q [B, T, Hq, D], k and v [B, S, Hkv, D] f32 or bf16 with Hq % Hkv == 0" +
                shapes);
-  MT_CHECK(attn_dtype(o) && o.shape() == q.shape(), op + ": out must have q's shape" + shapes);
+  MT_CHECK(is_fb(o) && o.shape() == q.shape(), op + ": out must have q's shape" + shapes);
   MT_CHECK(q_seg.defined() == kv_seg.defined(),
            op + ": give both q_segment and kv_segment or neither");
   if (q_seg.defined())
@@ -1591,16 +1465,45 @@ AttnArgs attn_check(const std::string& op, const Tensor& q, const Tensor& k, con
   return a;
 }
 
-}  // namespace
+void check_attention_lse(const std::string& op, const Tensor& lse, int64_t B, const AttnArgs& a) {
+  MT_CHECK(lse.defined() && lse.dtype() == DType::f32 && lse.shape() == (Shape{B, a.Hq, a.T}),
+           op + ": lse must be f32 [B, Hq, T], got " + str(lse));
+}
+
+std::string check_attention_grads(const std::string& op, const Tensor& dout, const Tensor& q,
+                                  const Tensor& k, const Tensor& v, const Tensor& lse,
+                                  const Tensor& dq, const Tensor& dk, const Tensor& dv) {
+  std::string shapes = "dout " + str(dout) + ", q " + str(q) + ", k " + str(k) + ", v " + str(v) +
+                       ", dq " + str(dq) + ", dk " + str(dk) + ", dv " + str(dv);
+  const int64_t B = q.dim(0);
+  MT_CHECK(is_fb(dout) && dout.shape() == q.shape() && is_fb(dq) && dq.shape() == q.shape() &&
+               is_fb(dk) && dk.shape() == k.shape() && is_fb(dv) && dv.shape() == v.shape() &&
+               lse.defined() && lse.dtype() == DType::f32 &&
+               lse.shape() == (Shape{B, q.dim(2), q.dim(1)}),
+           op + ": want dout and dq of q's shape, dk and dv of k's, lse f32 [B, Hq, T]: " + shapes);
+  MT_CHECK(B * k.dim(1) * k.dim(2) <= INT_MAX, op + ": too many key rows: " + shapes);
+  return shapes;
+}
+
+void check_decode_lengths(const Ctx& c, const std::string& op, const Tensor& lengths, int64_t B,
+                          const AttnArgs& a) {
+  MT_CHECK(lengths.defined() && lengths.dtype() == DType::i32 && lengths.shape() == Shape{B},
+           op + ": lengths must be i32 [" + std::to_string(B) + "]");
+  const std::vector<int32_t> len = host_ints(c, lengths, op);
+  for (int64_t b = 0; b < B; ++b)
+    MT_CHECK(len[b] >= a.T && len[b] <= a.S, op + ": lengths[" + std::to_string(b) +
+                                                 "] = " + std::to_string(len[b]) +
+                                                 " must be in [T, Smax] = [" + std::to_string(a.T) +
+                                                 ", " + std::to_string(a.S) + "]");
+}
 
 void attention_forward(const Ctx& c, const Tensor& q, const Tensor& k, const Tensor& v,
                        const Tensor& q_segment, const Tensor& kv_segment, const AttentionSpec& spec,
                        Tensor& o, Tensor& lse) {
   const std::string op = "dot_product attention forward";
-  const AttnArgs a = attn_check(op, q, k, v, q_segment, kv_segment, spec, o);
+  const AttnArgs a = attention_args(op, q, k, v, q_segment, kv_segment, spec, o);
   const int64_t B = q.dim(0), rows = B * a.Hq * a.T;
-  MT_CHECK(lse.defined() && lse.dtype() == DType::f32 && lse.shape() == (Shape{B, a.Hq, a.T}),
-           op + ": lse must be f32 [B, Hq, T], got " + str(lse));
+  check_attention_lse(op, lse, B, a);
   if (rows == 0) return;
   Tensor sc = c.scratch({rows, std::max<int64_t>(a.S, 1)}, DType::f32);
   attn_fwd_kernel<<<static_cast<unsigned>(rows), kThreads, 0, c.stream>>>(
@@ -1615,18 +1518,9 @@ void attention_backward(const Ctx& c, const Tensor& dout, const Tensor& q, const
                         const Tensor& o, const Tensor& lse, const AttentionSpec& spec, Tensor& dq,
                         Tensor& dk, Tensor& dv) {
   const std::string op = "dot_product attention backward";
-  const AttnArgs a = attn_check(op, q, k, v, q_segment, kv_segment, spec, o);
+  const AttnArgs a = attention_args(op, q, k, v, q_segment, kv_segment, spec, o);
   const int64_t B = q.dim(0), rows = B * a.Hq * a.T;
-  auto shapes = [&] {
-    return "dout " + str(dout) + ", q " + str(q) + ", k " + str(k) + ", v " + str(v) + ", dq " +
-           str(dq) + ", dk " + str(dk) + ", dv " + str(dv);
-  };
-  MT_CHECK(attn_dtype(dout) && dout.shape() == q.shape() && attn_dtype(dq) &&
-               dq.shape() == q.shape() && attn_dtype(dk) && dk.shape() == k.shape() &&
-               attn_dtype(dv) && dv.shape() == v.shape() && lse.defined() &&
-               lse.dtype() == DType::f32 && lse.shape() == (Shape{B, a.Hq, a.T}),
-           op + ": " + shapes());
-  MT_CHECK(B * a.S * a.Hkv <= INT_MAX, op + ": too many key rows: " + shapes());
+  const std::string shapes = check_attention_grads(op, dout, q, k, v, lse, dq, dk, dv);
   if (rows == 0 || a.S == 0) return;
   Tensor scratch = c.scratch({3, rows, a.S}, DType::f32);
   float* sc = scratch.ptr<float>();
@@ -1636,25 +1530,18 @@ void attention_backward(const Ctx& c, const Tensor& dout, const Tensor& q, const
   const int32_t* ks = kv_segment.defined() ? kv_segment.ptr<const int32_t>() : nullptr;
   attn_bwd_q_kernel<<<static_cast<unsigned>(rows), kThreads, 0, c.stream>>>(
       in(q), in(k), in(v), in(dout), qs, ks, a, sc, pr, dp, out(dq));
-  launched(op, shapes);
+  launched(op, [&] { return shapes; });
   attn_bwd_kv_kernel<<<static_cast<unsigned>(B * a.S * a.Hkv), kThreads, 0, c.stream>>>(
       in(q), in(dout), a, sc, pr, out(dk), out(dv));
-  launched(op, shapes);
+  launched(op, [&] { return shapes; });
 }
 
 void attention_decode(const Ctx& c, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                       const Tensor& lengths, const AttentionSpec& spec, Tensor& o) {
   const std::string op = "dot_product attention decode";
-  const AttnArgs a = attn_check(op, q, k_cache, v_cache, Tensor(), Tensor(), spec, o);
+  const AttnArgs a = attention_args(op, q, k_cache, v_cache, Tensor(), Tensor(), spec, o);
   const int64_t B = q.dim(0), rows = B * a.Hq * a.T;
-  MT_CHECK(lengths.defined() && lengths.dtype() == DType::i32 && lengths.shape() == Shape{B},
-           op + ": lengths must be i32 [" + std::to_string(B) + "]");
-  const std::vector<int32_t> len = host_ints(c, lengths, op);
-  for (int64_t b = 0; b < B; ++b)
-    MT_CHECK(len[b] >= a.T && len[b] <= a.S, op + ": lengths[" + std::to_string(b) +
-                                                 "] = " + std::to_string(len[b]) +
-                                                 " must be in [T, Smax] = [" + std::to_string(a.T) +
-                                                 ", " + std::to_string(a.S) + "]");
+  check_decode_lengths(c, op, lengths, B, a);
   if (rows == 0) return;
   Tensor sc = c.scratch({rows, std::max<int64_t>(a.S, 1)}, DType::f32);
   attn_fwd_kernel<<<static_cast<unsigned>(rows), kThreads, 0, c.stream>>>(

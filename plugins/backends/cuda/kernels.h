@@ -4,10 +4,11 @@
 // and the shapes.
 #pragma once
 
-#include <cublas_v2.h>
+#include <cublasLt.h>
 #include <cuda_runtime.h>
 
 #include <functional>
+#include <memory>
 #include <string>
 
 #include "mt/attention.h"
@@ -15,9 +16,12 @@
 
 namespace mt::cuda {
 
+class Gemm;  // gemm.h
+
 struct Ctx {
   cudaStream_t stream = nullptr;
-  cublasHandle_t cublas = nullptr;
+  // cuBLASLt GEMMs: handle, workspace and plan cache (gemm.h), shared by copies of this Ctx.
+  std::shared_ptr<Gemm> gemm;
   // Device temporaries from the backend's caching allocator. A temporary may die while kernels
   // that use it are still queued: safe with one stream (see allocator.h).
   std::function<Tensor(const Shape&, DType)> scratch;
@@ -38,7 +42,7 @@ void scale(const Ctx& c, const Tensor& x, float s, Tensor& out);
 void axpy(const Ctx& c, float alpha, const Tensor& x, Tensor& y);
 double sum(const Ctx& c, const Tensor& x, bool squares);
 
-// matmul (cuBLAS, f32 accumulation)
+// matmul (cuBLASLt through c.gemm, f32 accumulation; gemm.cu)
 void matmul(const Ctx& c, const Tensor& a, const Tensor& b, Tensor& out, bool trans_a, bool trans_b,
             float alpha, float beta);
 

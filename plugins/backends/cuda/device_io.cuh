@@ -1,0 +1,54 @@
+// Device-side operand views shared by the CUDA backend's kernels: storage is f32 or bf16 per
+// operand and arithmetic is always f32, so each kernel reads and writes through In/Out views that
+// branch on the dtype (uniform across a launch: it costs little and keeps one kernel per op
+// instead of one per dtype mix).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <string>
+
+#include "mt/tensor.h"
+
+namespace mt::cuda {
+
+struct In {
+  const void* p;
+  bool bf;
+  __device__ float operator[](int64_t i) const {
+    return bf ? __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i])
+              : static_cast<const float*>(p)[i];
+  }
+};
+struct Out {
+  void* p;
+  bool bf;
+  __device__ float get(int64_t i) const {
+    return bf ? __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i])
+              : static_cast<const float*>(p)[i];
+  }
+  // Round to nearest even, as mt::f32_to_bf16.
+  __device__ void set(int64_t i, float v) const {
+    if (bf)
+      static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
+    else
+      static_cast<float*>(p)[i] = v;
+  }
+  __device__ void add(int64_t i, float v) const { set(i, get(i) + v); }
+};
+
+inline bool is_fb(const Tensor& t) {
+  return t.defined() && (t.dtype() == DType::f32 || t.dtype() == DType::bf16);
+}
+inline In in(const Tensor& t) {
+  return {t.data(), t.dtype() == DType::bf16};
+}
+inline Out out(const Tensor& t) {
+  return {t.data(), t.dtype() == DType::bf16};
+}
+inline std::string str(const Tensor& t) {
+  return t.defined() ? t.str() : std::string("undefined");
+}
+
+}  // namespace mt::cuda
