@@ -542,85 +542,184 @@ TEST_F(GpuOps, AdamW) {
     }
 }
 
-TEST_F(GpuOps, DotProductAttention) {
+// Attention: a GPU kernel against the CPU's dot_product reference on one mask/GQA case, forward,
+// backward into random accumulators, and decode over a longer cache (without segment ids).
+struct AttnCase {
+  int64_t hq, hkv;
+  bool causal;
+  int64_t window;
+  float softcap;
+  bool segments;
+  int64_t offset;
+};
+const AttnCase kAttnCases[] = {{4, 4, true, 0, 0.f, false, 0},  {4, 2, true, 0, 0.f, false, 3},
+                               {6, 1, false, 0, 0.f, false, 0}, {4, 2, true, 5, 0.f, false, 0},
+                               {2, 2, true, 0, 20.f, false, 0}, {4, 1, true, 0, 0.f, true, 0},
+                               {3, 3, false, 4, 10.f, true, 0}, {4, 2, true, 70, 0.f, false, 9}};
+
+class GpuAttention : public GpuOps {
+ protected:
+  void compare(AttentionKernel& gk, const AttnCase& cs, DType dt, int64_t B, int64_t T, int64_t D,
+               double limit, std::mt19937_64& rng) {
+    SCOPED_TRACE(gk.name() + " " + dname(dt) + " B " + std::to_string(B) + " T " +
+                 std::to_string(T) + " D " + std::to_string(D) + " hq " + std::to_string(cs.hq) +
+                 " hkv " + std::to_string(cs.hkv) + (cs.causal ? " causal" : "") + " window " +
+                 std::to_string(cs.window) + " softcap " + std::to_string(cs.softcap) +
+                 (cs.segments ? " segments" : "") + " offset " + std::to_string(cs.offset));
+    auto ck = test::attention("dot_product", cpu());
+    const int64_t S = T + cs.offset;
+    const Shape sq{B, T, cs.hq, D}, sk{B, S, cs.hkv, D};
+    Both q = make(sq, rand_nz(shape_numel(sq), rng), dt);
+    Both k = make(sk, rand_nz(shape_numel(sk), rng), dt);
+    Both v = make(sk, rand_nz(shape_numel(sk), rng), dt);
+    Both qs, ks;
+    if (cs.segments) {
+      std::vector<int32_t> a(static_cast<size_t>(B * T)), b(static_cast<size_t>(B * S));
+      for (auto& x : a) x = static_cast<int32_t>(pick(rng, 0, 2));
+      for (auto& x : b) x = static_cast<int32_t>(pick(rng, 0, 2));
+      qs = ints({B, T}, a);
+      ks = ints({B, S}, b);
+    }
+    AttentionSpec spec;
+    spec.causal = cs.causal;
+    spec.window = cs.window;
+    spec.softcap = cs.softcap;
+    spec.query_offset = cs.offset;
+    Both o = poisoned(sq, dt), lse = poisoned({B, cs.hq, T}, DType::f32);
+    gk.forward(q.g, k.g, v.g, qs.g, ks.g, spec, o.g, lse.g);
+    ck->forward(q.c, k.c, v.c, qs.c, ks.c, spec, o.c, lse.c);
+    EXPECT_TRUE(close(o, limit, "attention forward out"));
+    // lse is -inf on rows that see no key, on both sides. Scores sum exact products of the same
+    // inputs in f32 on both sides: lse agrees far more closely than the output.
+    const double lse_tol = limit > tol(dt) ? 1e-4 : 1e-5;
+    const std::vector<float> gl = test::to_vector(lse.g), cl = test::to_vector(lse.c);
+    for (size_t i = 0; i < gl.size(); ++i) {
+      if (std::isinf(cl[i]))
+        EXPECT_EQ(gl[i], cl[i]) << "lse " << i;
+      else
+        EXPECT_NEAR(gl[i], cl[i], lse_tol * std::max(1.f, std::fabs(cl[i]))) << "lse " << i;
+    }
+
+    // Backward into random accumulators, from the same forward output on both sides.
+    Both dout = make(sq, rand_nz(shape_numel(sq), rng), dt);
+    Both dq = make(sq, rand_nz(shape_numel(sq), rng), dt);
+    Both dk = make(sk, rand_nz(shape_numel(sk), rng), dt);
+    Both dv = make(sk, rand_nz(shape_numel(sk), rng), dt);
+    gk.backward(dout.g, q.g, k.g, v.g, qs.g, ks.g, o.g, lse.g, spec, dq.g, dk.g, dv.g);
+    ck->backward(dout.c, q.c, k.c, v.c, qs.c, ks.c, o.c, lse.c, spec, dq.c, dk.c, dv.c);
+    EXPECT_TRUE(close(dq, limit, "attention backward dq"));
+    EXPECT_TRUE(close(dk, limit, "attention backward dk"));
+    EXPECT_TRUE(close(dv, limit, "attention backward dv"));
+
+    // Decode: the same q attends to a cache of Smax rows of which lengths[b] are valid.
+    if (cs.segments) return;
+    const int64_t smax = S + 7;
+    const Shape sc{B, smax, cs.hkv, D};
+    Both kc = make(sc, rand_nz(shape_numel(sc), rng), dt);
+    Both vc = make(sc, rand_nz(shape_numel(sc), rng), dt);
+    std::vector<int32_t> len(static_cast<size_t>(B));
+    for (auto& l : len) l = static_cast<int32_t>(pick(rng, T, smax));
+    Both lengths = ints({B}, len);
+    Both od = poisoned(sq, dt);
+    gk.decode(q.g, kc.g, vc.g, lengths.g, spec, od.g);
+    ck->decode(q.c, kc.c, vc.c, lengths.c, spec, od.c);
+    EXPECT_TRUE(close(od, limit, "attention decode"));
+  }
+};
+
+TEST_F(GpuAttention, DotProduct) {
   SEEDED_RNG(rng);
   auto ga = test::attention("dot_product", gpu());
-  auto ca = test::attention("dot_product", test::cpu());
-  struct Case {
-    int64_t hq, hkv;
-    bool causal;
-    int64_t window;
-    float softcap;
-    bool segments;
-    int64_t offset;
-  };
-  const Case cases[] = {{4, 4, true, 0, 0.f, false, 0},  {4, 2, true, 0, 0.f, false, 3},
-                        {6, 1, false, 0, 0.f, false, 0}, {4, 2, true, 5, 0.f, false, 0},
-                        {2, 2, true, 0, 20.f, false, 0}, {4, 1, true, 0, 0.f, true, 0},
-                        {3, 3, false, 4, 10.f, true, 0}};
   for (DType dt : kDtypes)
-    for (const Case& cs : cases) {
-      SCOPED_TRACE(std::string(dname(dt)) + " hq " + std::to_string(cs.hq) + " hkv " +
-                   std::to_string(cs.hkv) + (cs.causal ? " causal" : "") + " window " +
-                   std::to_string(cs.window) + " softcap " + std::to_string(cs.softcap) +
-                   (cs.segments ? " segments" : ""));
-      const int64_t B = pick(rng, 1, 3), T = pick(rng, 1, 40), D = pick(rng, 1, 80);
-      const int64_t S = T + cs.offset;
-      const Shape sq{B, T, cs.hq, D}, sk{B, S, cs.hkv, D};
-      Both q = make(sq, rand_nz(shape_numel(sq), rng), dt);
-      Both k = make(sk, rand_nz(shape_numel(sk), rng), dt);
-      Both v = make(sk, rand_nz(shape_numel(sk), rng), dt);
-      Both qs, ks;
-      if (cs.segments) {
-        std::vector<int32_t> a(static_cast<size_t>(B * T)), b(static_cast<size_t>(B * S));
-        for (auto& x : a) x = static_cast<int32_t>(pick(rng, 0, 2));
-        for (auto& x : b) x = static_cast<int32_t>(pick(rng, 0, 2));
-        qs = ints({B, T}, a);
-        ks = ints({B, S}, b);
+    for (const AttnCase& cs : kAttnCases)
+      compare(*ga, cs, dt, pick(rng, 1, 3), pick(rng, 1, 40), pick(rng, 1, 80), tol(dt), rng);
+}
+
+// Small shapes: f32, and bf16 head sizes other than 64 and 128, take the SIMT kernels; bf16 with
+// head_dim 64 takes the tensor-core kernels on a single partial tile.
+TEST_F(GpuAttention, FlashSmall) {
+  SEEDED_RNG(rng);
+  auto ga = test::attention("flash", gpu());
+  for (DType dt : kDtypes)
+    for (const AttnCase& cs : kAttnCases)
+      for (int64_t D : {pick(rng, 1, 80), int64_t{64}}) {
+        const bool tc = dt == DType::bf16 && D == 64;
+        // Tensor cores round P and dS to bf16 before their products (as FlashAttention-2).
+        compare(*ga, cs, dt, pick(rng, 1, 3), pick(rng, 1, 40), D, tc ? 2e-2 : tol(dt), rng);
       }
-      AttentionSpec spec;
-      spec.causal = cs.causal;
-      spec.window = cs.window;
-      spec.softcap = cs.softcap;
-      spec.query_offset = cs.offset;
-      Both o = poisoned(sq, dt), lse = poisoned({B, cs.hq, T}, DType::f32);
-      ga->forward(q.g, k.g, v.g, qs.g, ks.g, spec, o.g, lse.g);
-      ca->forward(q.c, k.c, v.c, qs.c, ks.c, spec, o.c, lse.c);
-      EXPECT_TRUE(close(o, tol(dt), "attention forward out"));
-      // lse is -inf on rows that see no key, on both sides.
-      const std::vector<float> gl = test::to_vector(lse.g), cl = test::to_vector(lse.c);
-      for (size_t i = 0; i < gl.size(); ++i) {
-        if (std::isinf(cl[i]))
-          EXPECT_EQ(gl[i], cl[i]) << "lse " << i;
+}
+
+// Several 64-row tiles, partial last tiles, and both tensor-core head sizes; f32 runs the SIMT
+// kernels on the same shapes. The sliding window of 70 with offset 9 skips whole key tiles.
+TEST_F(GpuAttention, FlashTiles) {
+  SEEDED_RNG(rng);
+  auto ga = test::attention("flash", gpu());
+  for (DType dt : kDtypes)
+    for (const AttnCase& cs : kAttnCases)
+      for (int64_t D : {64, 128})
+        compare(*ga, cs, dt, pick(rng, 1, 2), pick(rng, 65, 200), D,
+                dt == DType::bf16 ? 2e-2 : tol(dt), rng);
+}
+
+// flash against dot_product on the GPU itself, bf16 at a training-like shape.
+TEST_F(GpuAttention, FlashMatchesDotProductOnDevice) {
+  SEEDED_RNG(rng);
+  auto fa = test::attention("flash", gpu());
+  auto da = test::attention("dot_product", gpu());
+  const int64_t B = 2, T = 256, H = 8, Hkv = 2, D = 128;
+  const Shape sq{B, T, H, D}, sk{B, T, Hkv, D};
+  auto dev = [&](const Shape& s) {
+    return test::from_vector(gpu(), s, rand_nz(shape_numel(s), rng), DType::bf16);
+  };
+  Tensor q = dev(sq), k = dev(sk), v = dev(sk), dout = dev(sq);
+  AttentionSpec spec;
+  struct Run {
+    Both o, lse, dq, dk, dv;  // .g = flash, .c = dot_product (both on the device)
+  } r{{gpu().empty(sq, DType::bf16), gpu().empty(sq, DType::bf16)},
+      {gpu().empty({B, H, T}, DType::f32), gpu().empty({B, H, T}, DType::f32)},
+      {gpu().zeros(sq, DType::f32), gpu().zeros(sq, DType::f32)},
+      {gpu().zeros(sk, DType::f32), gpu().zeros(sk, DType::f32)},
+      {gpu().zeros(sk, DType::f32), gpu().zeros(sk, DType::f32)}};
+  fa->forward(q, k, v, Tensor(), Tensor(), spec, r.o.g, r.lse.g);
+  da->forward(q, k, v, Tensor(), Tensor(), spec, r.o.c, r.lse.c);
+  EXPECT_TRUE(close(r.o, 2e-2, "flash vs dot_product out"));
+  EXPECT_TRUE(close(r.lse, 1e-3, "flash vs dot_product lse"));
+  fa->backward(dout, q, k, v, Tensor(), Tensor(), r.o.g, r.lse.g, spec, r.dq.g, r.dk.g, r.dv.g);
+  da->backward(dout, q, k, v, Tensor(), Tensor(), r.o.c, r.lse.c, spec, r.dq.c, r.dk.c, r.dv.c);
+  EXPECT_TRUE(close(r.dq, 2e-2, "flash vs dot_product dq"));
+  EXPECT_TRUE(close(r.dk, 2e-2, "flash vs dot_product dk"));
+  EXPECT_TRUE(close(r.dv, 2e-2, "flash vs dot_product dv"));
+}
+
+// The backward owns its output rows (no atomics): two runs give the same bits.
+TEST_F(GpuAttention, FlashBackwardIsDeterministic) {
+  SEEDED_RNG(rng);
+  auto fa = test::attention("flash", gpu());
+  for (DType dt : kDtypes) {
+    const int64_t B = 1, T = 130, H = 4, Hkv = 2, D = 64;
+    const Shape sq{B, T, H, D}, sk{B, T, Hkv, D};
+    auto dev = [&](const Shape& s) {
+      return test::from_vector(gpu(), s, rand_nz(shape_numel(s), rng), dt);
+    };
+    Tensor q = dev(sq), k = dev(sk), v = dev(sk), dout = dev(sq);
+    Tensor o = gpu().empty(sq, dt), lse = gpu().empty({B, H, T}, DType::f32);
+    AttentionSpec spec;
+    fa->forward(q, k, v, Tensor(), Tensor(), spec, o, lse);
+    std::vector<float> first[3];
+    for (int run = 0; run < 2; ++run) {
+      Tensor dq = gpu().zeros(sq, DType::f32), dk = gpu().zeros(sk, DType::f32),
+             dv = gpu().zeros(sk, DType::f32);
+      fa->backward(dout, q, k, v, Tensor(), Tensor(), o, lse, spec, dq, dk, dv);
+      const std::vector<float> got[3] = {test::to_vector(dq), test::to_vector(dk),
+                                         test::to_vector(dv)};
+      for (int t = 0; t < 3; ++t) {
+        if (run == 0)
+          first[t] = got[t];
         else
-          EXPECT_NEAR(gl[i], cl[i], 1e-5 * std::max(1.f, std::fabs(cl[i]))) << "lse " << i;
+          EXPECT_EQ(got[t], first[t]) << dname(dt) << " gradient " << t << " differs between runs";
       }
-
-      // Backward into random accumulators.
-      Both dout = make(sq, rand_nz(shape_numel(sq), rng), dt);
-      Both dq = make(sq, rand_nz(shape_numel(sq), rng), dt);
-      Both dk = make(sk, rand_nz(shape_numel(sk), rng), dt);
-      Both dv = make(sk, rand_nz(shape_numel(sk), rng), dt);
-      ga->backward(dout.g, q.g, k.g, v.g, qs.g, ks.g, o.g, lse.g, spec, dq.g, dk.g, dv.g);
-      ca->backward(dout.c, q.c, k.c, v.c, qs.c, ks.c, o.c, lse.c, spec, dq.c, dk.c, dv.c);
-      EXPECT_TRUE(close(dq, tol(dt), "attention backward dq"));
-      EXPECT_TRUE(close(dk, tol(dt), "attention backward dk"));
-      EXPECT_TRUE(close(dv, tol(dt), "attention backward dv"));
-
-      // Decode: the same q attends to a cache of Smax rows of which lengths[b] are valid.
-      if (cs.segments) continue;
-      const int64_t smax = S + 7;
-      const Shape sc{B, smax, cs.hkv, D};
-      Both kc = make(sc, rand_nz(shape_numel(sc), rng), dt);
-      Both vc = make(sc, rand_nz(shape_numel(sc), rng), dt);
-      std::vector<int32_t> len(static_cast<size_t>(B));
-      for (auto& l : len) l = static_cast<int32_t>(pick(rng, T, smax));
-      Both lengths = ints({B}, len);
-      Both od = poisoned(sq, dt);
-      ga->decode(q.g, kc.g, vc.g, lengths.g, spec, od.g);
-      ca->decode(q.c, kc.c, vc.c, lengths.c, spec, od.c);
-      EXPECT_TRUE(close(od, tol(dt), "attention decode"));
     }
+  }
 }
 
 TEST_F(GpuOps, AllocatorReusesBlocks) {
