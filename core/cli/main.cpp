@@ -41,8 +41,8 @@ const Command kCommands[] = {
      "mt convert --from=hf --input=DIR --output=DIR | --to=hf --input=DIR --output=DIR\n"},
     {"score", mt::cli::cmd_score, "loss and perplexity of a model on text or token ids",
      "mt score --model=NAME load_parameters_path=DIR prompt=\"...\" [output=FILE]\n"},
-    {"bench", mt::cli::cmd_bench, "end-to-end throughput benchmarks (JSON output)",
-     "mt bench train|decode [--model=NAME] [key=value ...]\n"},
+    {"bench", mt::cli::cmd_bench, "throughput benchmarks (JSON output)",
+     "mt bench train|decode|gemm|attention [--model=NAME] [key=value ...]\n"},
     {"tokenize", mt::cli::cmd_tokenize, "text or JSONL -> the pre-tokenized `tokens` format",
      "mt tokenize tokenizer_path=FILE input=FILE[,FILE...] output=FILE.tokens\n\n"
      "Tokenizes every document (a .jsonl line's train_data_columns field, or a whole file) on\n"

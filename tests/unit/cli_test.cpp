@@ -85,6 +85,26 @@ TEST(Cli, BenchPrintsOneJsonObject) {
     EXPECT_NE(r.out.find(k), std::string::npos) << k << r.out;
 }
 
+TEST(Cli, BenchKernelsPrintJsonLines) {
+  auto r = mt_cmd("bench gemm shapes=32x48x16,8x8x8 iters=1 repeats=1 warmup=0 2>/dev/null");
+  EXPECT_EQ(r.code, 0) << r.out;
+  for (const char* k : {"\"bench\": \"gemm\"", "\"M\": 32", "\"K\": 48", "\"N\": 16",
+                        "\"M\": 8", "\"tflops\"", "\"median_ms\""})
+    EXPECT_NE(r.out.find(k), std::string::npos) << k << r.out;
+  r = mt_cmd("bench attention shapes=1x32x2x16 kv_heads=1 iters=1 repeats=1 warmup=0 2>/dev/null");
+  EXPECT_EQ(r.code, 0) << r.out;
+  for (const char* k : {"\"bench\": \"attention\"", "\"attention\": \"flash\"", "\"T\": 32",
+                        "\"kv_heads\": 1", "\"fwd_bwd_tflops\""})
+    EXPECT_NE(r.out.find(k), std::string::npos) << k << r.out;
+  // Bad shapes and counts are usage errors naming the value.
+  r = mt_cmd("bench gemm shapes=32x0x16");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("32x0x16"), std::string::npos) << r.out;
+  r = mt_cmd("bench attention shapes=1x32x3x16 kv_heads=2");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("kv_heads=2"), std::string::npos) << r.out;
+}
+
 TEST(Cli, InferenceNeedsACheckpoint) {
   for (const char* c : {"decode", "score"}) {
     auto r = mt_cmd(c);
