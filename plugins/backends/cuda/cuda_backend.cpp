@@ -10,6 +10,7 @@
 #include "allocator.h"
 #include "flash.h"
 #include "gemm.h"
+#include "host_copy.h"
 #include "kernels.h"
 
 #include "mt/attention.h"
@@ -39,6 +40,7 @@ class CudaBackend final : public mt::Backend {
     // One non-blocking stream per backend: every kernel, copy and GEMM is ordered on it, which is
     // also what makes the allocator's immediate reuse of freed blocks safe.
     check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    copier_ = std::make_unique<mt::cuda::HostCopier>(stream_);
     ctx_.stream = stream_;
     ctx_.scratch = [this](const mt::Shape& s, mt::DType d) { return empty(s, d); };
     // The GEMM workspace comes from the caching allocator once, for the backend's life.
@@ -49,6 +51,7 @@ class CudaBackend final : public mt::Backend {
   ~CudaBackend() override {
     // Errors cannot be reported from a destructor; the process is usually ending.
     static_cast<void>(cudaStreamSynchronize(stream_));
+    copier_.reset();  // its events were recorded on the stream
     if (stream_) static_cast<void>(cudaStreamDestroy(stream_));
   }
   CudaBackend(const CudaBackend&) = delete;
@@ -79,15 +82,12 @@ class CudaBackend final : public mt::Backend {
   }
   void release(void* data, size_t bytes) override { alloc_.release(data, bytes); }
   void copy_from_host(mt::Tensor& dst, const void* src) override {
-    // Synchronous: the caller may free or reuse `src` as soon as this returns.
-    check(cudaMemcpyAsync(dst.data(), src, dst.nbytes(), cudaMemcpyHostToDevice, stream_),
-          "copy_from_host " + dst.str());
-    check(cudaStreamSynchronize(stream_), "copy_from_host " + dst.str());
+    // Returns once `src` is read (staged in pinned memory); the transfer is ordered on the
+    // stream before every later kernel.
+    copier_->to_device(dst.data(), src, dst.nbytes(), "copy_from_host " + dst.str());
   }
   void copy_to_host(const mt::Tensor& src, void* dst) override {
-    check(cudaMemcpyAsync(dst, src.data(), src.nbytes(), cudaMemcpyDeviceToHost, stream_),
-          "copy_to_host " + src.str());
-    check(cudaStreamSynchronize(stream_), "copy_to_host " + src.str());
+    copier_->to_host(dst, src.data(), src.nbytes(), "copy_to_host " + src.str());
   }
   void synchronize() override { check(cudaStreamSynchronize(stream_), "synchronize"); }
   mt::MemoryStats memory_stats() const override { return alloc_.stats(); }
@@ -210,6 +210,7 @@ class CudaBackend final : public mt::Backend {
   int device_;
   std::string name_;
   cudaStream_t stream_ = nullptr;
+  std::unique_ptr<mt::cuda::HostCopier> copier_;  // pinned staging for host <-> device copies
   // Declared after the handles it does not use, before ctx_ which captures `this`.
   mt::cuda::DeviceAllocator alloc_;
   mt::cuda::Ctx ctx_;
