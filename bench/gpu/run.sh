@@ -15,7 +15,8 @@
 #    45%, mt/eager >= 1.3) and torch.compile when time allows.
 # 4. One markdown table on stdout (last, so it is in any output tail). Files in $OUT when set,
 #    else bench/gpu/results/: raw.jsonl (every JSON line, tagged source/case), table.md,
-#    status.txt, build.log, ctest.log, bench.log (the commands' stderr), env.txt.
+#    status.txt, build.log, ctest.log, bench.log (the commands' stderr), env.txt, and
+#    memcheck.log when time is left for compute-sanitizer over the flash and GEMM tests.
 #
 # Every step has a time limit and the whole run a budget (MT_GPU_BUDGET_S, default 530 s, for a
 # 10-minute command limit); a step that fails or runs out of time is reported in the table and the
@@ -324,6 +325,26 @@ train_case llama-bench-1b 120 llama-bench-1b "" 2048 4
 if ((torch_ok)); then
   torch_bench llama2-7b-4L.compile 150 train --model llama2-7b --layers 4 --seq 4096 --batch 1 \
     --steps 8 --name llama2-7b-4L --compile
+fi
+
+# Last, with what time is left: compute-sanitizer's memcheck over the flash and GEMM tests
+# (out-of-bounds and misaligned accesses that a passing comparison can hide).
+if ((built)) && [ -x "$build/tests/gpu_ops_test" ] && command -v compute-sanitizer >/dev/null 2>&1; then
+  t=$(limit 90)
+  if ((t < 30)); then
+    note memcheck "skipped" "time budget"
+  else
+    rc=0
+    run_mt timeout -k 5 "$t" compute-sanitizer --tool memcheck --error-exitcode 9 \
+      "$build/tests/gpu_ops_test" --gtest_filter='GpuAttention.FlashSmall:GpuAttention.FlashTiles:GpuOps.Matmul' \
+      >"$res/memcheck.log" 2>&1 || rc=$?
+    case $rc in
+      0) note memcheck "ok" "no errors (flash small/tiles, matmul)" ;;
+      9) note memcheck "ERRORS" "$(grep -m1 -E 'Invalid|Misaligned|ERROR' "$res/memcheck.log" | cut -c1-200)" ;;
+      124 | 137) note memcheck "TIMED OUT" "after ${t}s" ;;
+      *) note memcheck "exit $rc" "tests failed under memcheck; see memcheck.log" ;;
+    esac
+  fi
 fi
 
 make_table
