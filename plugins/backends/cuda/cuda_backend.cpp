@@ -6,6 +6,7 @@
 #include <dlfcn.h>
 
 #include <string>
+#include <utility>
 
 #include "allocator.h"
 #include "flash.h"
@@ -219,55 +220,43 @@ class CudaBackend final : public mt::Backend {
   const mt::cuda::Ctx& ctx() const { return ctx_; }
 };
 
-// The reference attention (scores materialised per query row).
-class DotProductAttention final : public mt::AttentionKernel {
- public:
-  explicit DotProductAttention(CudaBackend& b) : backend_(b) {}
-  std::string name() const override { return "dot_product"; }
-  void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_segment,
-               const Tensor& kv_segment, const mt::AttentionSpec& spec, Tensor& out,
-               Tensor& lse) override {
-    mt::cuda::attention_forward(backend_.ctx(), q, k, v, q_segment, kv_segment, spec, out, lse);
-  }
-  void backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                const Tensor& q_segment, const Tensor& kv_segment, const Tensor& out,
-                const Tensor& lse, const mt::AttentionSpec& spec, Tensor& dq, Tensor& dk,
-                Tensor& dv) override {
-    mt::cuda::attention_backward(backend_.ctx(), dout, q, k, v, q_segment, kv_segment, out, lse,
-                                 spec, dq, dk, dv);
-  }
-  void decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths,
-              const mt::AttentionSpec& spec, Tensor& out) override {
-    mt::cuda::attention_decode(backend_.ctx(), q, k_cache, v_cache, lengths, spec, out);
-  }
-
- private:
-  CudaBackend& backend_;
+// An attention kernel's three launchers: dot_product's (kernels.cu, the reference, scores
+// materialised per query row) or flash's (flash.cu: tensor cores for bf16 with head_dim 64 or
+// 128, one warp per row otherwise).
+struct AttentionLaunchers {
+  decltype(&mt::cuda::attention_forward) forward;
+  decltype(&mt::cuda::attention_backward) backward;
+  decltype(&mt::cuda::attention_decode) decode;
 };
+constexpr AttentionLaunchers kDotProduct{mt::cuda::attention_forward, mt::cuda::attention_backward,
+                                         mt::cuda::attention_decode};
+constexpr AttentionLaunchers kFlash{mt::cuda::flash_forward, mt::cuda::flash_backward,
+                                    mt::cuda::flash_decode};
 
-// Flash attention (flash.cu): tensor cores for bf16 with head_dim 64 or 128, SIMT otherwise.
-class FlashAttention final : public mt::AttentionKernel {
+class CudaAttention final : public mt::AttentionKernel {
  public:
-  explicit FlashAttention(CudaBackend& b) : backend_(b) {}
-  std::string name() const override { return "flash"; }
+  CudaAttention(std::string name, const AttentionLaunchers& l, CudaBackend& b)
+      : name_(std::move(name)), l_(l), backend_(b) {}
+  std::string name() const override { return name_; }
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_segment,
                const Tensor& kv_segment, const mt::AttentionSpec& spec, Tensor& out,
                Tensor& lse) override {
-    mt::cuda::flash_forward(backend_.ctx(), q, k, v, q_segment, kv_segment, spec, out, lse);
+    l_.forward(backend_.ctx(), q, k, v, q_segment, kv_segment, spec, out, lse);
   }
   void backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                 const Tensor& q_segment, const Tensor& kv_segment, const Tensor& out,
                 const Tensor& lse, const mt::AttentionSpec& spec, Tensor& dq, Tensor& dk,
                 Tensor& dv) override {
-    mt::cuda::flash_backward(backend_.ctx(), dout, q, k, v, q_segment, kv_segment, out, lse, spec,
-                             dq, dk, dv);
+    l_.backward(backend_.ctx(), dout, q, k, v, q_segment, kv_segment, out, lse, spec, dq, dk, dv);
   }
   void decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths,
               const mt::AttentionSpec& spec, Tensor& out) override {
-    mt::cuda::flash_decode(backend_.ctx(), q, k_cache, v_cache, lengths, spec, out);
+    l_.decode(backend_.ctx(), q, k_cache, v_cache, lengths, spec, out);
   }
 
  private:
+  std::string name_;
+  AttentionLaunchers l_;
   CudaBackend& backend_;
 };
 
@@ -289,13 +278,12 @@ const char* probe() {
   return nullptr;
 }
 
-template <class Kernel>
-void add_attention(mt::Registry& r, const std::string& name) {
-  r.add_attention("cuda", name, [name](mt::Backend& b) -> std::unique_ptr<mt::AttentionKernel> {
+void add_attention(mt::Registry& r, const std::string& name, const AttentionLaunchers& l) {
+  r.add_attention("cuda", name, [name, l](mt::Backend& b) -> std::unique_ptr<mt::AttentionKernel> {
     auto* cuda = dynamic_cast<CudaBackend*>(&b);
     if (!cuda)
       throw mt::Error("cuda " + name + " attention needs the cuda backend, got " + b.name());
-    return std::make_unique<Kernel>(*cuda);
+    return std::make_unique<CudaAttention>(name, l, *cuda);
   });
 }
 
@@ -310,8 +298,8 @@ void register_cuda(mt::Registry& r) {
     return std::make_unique<CudaBackend>(
         0, p == "highest" ? mt::cuda::MatmulPrecision::highest : mt::cuda::MatmulPrecision::tf32);
   });
-  add_attention<DotProductAttention>(r, "dot_product");
-  add_attention<FlashAttention>(r, "flash");
+  add_attention(r, "dot_product", kDotProduct);
+  add_attention(r, "flash", kFlash);
 }
 
 }  // namespace
