@@ -306,6 +306,60 @@ __device__ __forceinline__ void a_from_c(uint32_t (&a)[4], const float (&c0)[4],
   a[2] = pack_f32(c1[0], c1[1]);
   a[3] = pack_f32(c1[2], c1[3]);
 }
+// The A fragments of rows row0..row0+15 of a shared [64][D + 8] tile, one per 16-wide k-step.
+template <int D>
+__device__ __forceinline__ void load_rows(uint32_t (&a)[D / 16][4], const bf16* tile, int row0) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) load_a<D + 8>(a[kk], tile, row0, kk * 16);
+}
+// s [16 x 64] += A [16 x D] @ tile^T (tile [64][D + 8]: K in Q K^T), A as fragments.
+template <int D>
+__device__ __forceinline__ void mma_abt(float (&s)[8][4], const uint32_t (&a)[D / 16][4],
+                                        const bf16* tile) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      uint32_t b0, b1;
+      load_bt<D + 8>(b0, b1, tile, nt * 8, kk * 16);
+      mma(s[nt], a[kk], b0, b1);
+    }
+  }
+}
+// The same with A as rows row0.. of a shared tile, one k-step's fragment at a time (fewer
+// registers than holding all of them).
+template <int D>
+__device__ __forceinline__ void mma_abt(float (&s)[8][4], const bf16* a_tile, int row0,
+                                        const bf16* tile) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t a[4];
+    load_a<D + 8>(a, a_tile, row0, kk * 16);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      uint32_t b0, b1;
+      load_bt<D + 8>(b0, b1, tile, nt * 8, kk * 16);
+      mma(s[nt], a, b0, b1);
+    }
+  }
+}
+// acc [16 x D] += C [16 x 64] @ tile (tile [64][D + 8]: V in P V), C as the f32 C fragments of a
+// previous product, rounded to bf16.
+template <int D>
+__device__ __forceinline__ void mma_cb(float (&acc)[D / 8][4], const float (&c)[8][4],
+                                       const bf16* tile) {
+#pragma unroll
+  for (int kk = 0; kk < kTile / 16; ++kk) {
+    uint32_t a[4];
+    a_from_c(a, c[2 * kk], c[2 * kk + 1]);
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+      uint32_t b0, b1;
+      load_b<D + 8>(b0, b1, tile, kk * 16, nt * 8);
+      mma(acc[nt], a, b0, b1);
+    }
+  }
+}
 // Rows [0, 64) of a shared [64][D + 8] tile from global rows `stride` elements apart, 16 bytes
 // at a time; rows n and beyond are zeros.
 template <int D>
@@ -381,8 +435,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   tile_key_range(a, q0, lo, hi);
   __syncthreads();
   uint32_t qa[D / 16][4];
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) load_a<P>(qa[kk], qs, warp * 16, kk * 16);
+  load_rows<D>(qa, qs, warp * 16);
 
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   float acc[D / 8][4] = {};
@@ -393,15 +446,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     load_tile<D>(vs, v + kv_off, a.Hkv * D, a.S - k0);
     __syncthreads();
     float s[8][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        uint32_t b0, b1;
-        load_bt<P>(b0, b1, ks, nt * 8, kk * 16);
-        mma(s[nt], qa[kk], b0, b1);
-      }
-    }
+    mma_abt<D>(s, qa, ks);
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
@@ -434,17 +479,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[nt][e] *= corr[e >> 1];
     }
-#pragma unroll
-    for (int kk = 0; kk < kTile / 16; ++kk) {
-      uint32_t pa[4];
-      a_from_c(pa, s[2 * kk], s[2 * kk + 1]);
-#pragma unroll
-      for (int nt = 0; nt < D / 8; ++nt) {
-        uint32_t b0, b1;
-        load_b<P>(b0, b1, vs, kk * 16, nt * 8);
-        mma(acc[nt], pa, b0, b1);
-      }
-    }
+    mma_cb<D>(acc, s, vs);
   }
   float inv[2];
 #pragma unroll
@@ -494,8 +529,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   tile_key_range(a, q0, lo, hi);
   __syncthreads();
   uint32_t qa[D / 16][4];
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) load_a<P>(qa[kk], qs, warp * 16, kk * 16);
+  load_rows<D>(qa, qs, warp * 16);
 
   float acc[D / 8][4] = {};
   for (int64_t k0 = lo; k0 < hi; k0 += kTile) {
@@ -505,19 +539,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     load_tile<D>(vs, v + kv_off, a.Hkv * D, a.S - k0);
     __syncthreads();
     float s[8][4] = {}, dp[8][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t da[4];
-      load_a<P>(da, dos, warp * 16, kk * 16);
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        uint32_t b0, b1;
-        load_bt<P>(b0, b1, ks, nt * 8, kk * 16);
-        mma(s[nt], qa[kk], b0, b1);
-        load_bt<P>(b0, b1, vs, nt * 8, kk * 16);
-        mma(dp[nt], da, b0, b1);
-      }
-    }
+    mma_abt<D>(s, qa, ks);               // S = Q K^T
+    mma_abt<D>(dp, dos, warp * 16, vs);  // dP = dO V^T
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
@@ -529,17 +552,7 @@ __global__ void __launch_bounds__(kWarps * 32)
                        : expf(x - ls[r]) * (dp[nt][e] - dl[r]) * cap_grad(a, x);
       }
     }
-#pragma unroll
-    for (int kk = 0; kk < kTile / 16; ++kk) {
-      uint32_t sa[4];
-      a_from_c(sa, s[2 * kk], s[2 * kk + 1]);
-#pragma unroll
-      for (int nt = 0; nt < D / 8; ++nt) {
-        uint32_t b0, b1;
-        load_b<P>(b0, b1, ks, kk * 16, nt * 8);
-        mma(acc[nt], sa, b0, b1);
-      }
-    }
+    mma_cb<D>(acc, s, ks);  // dq += dS K
   }
 #pragma unroll
   for (int nt = 0; nt < D / 8; ++nt) {
@@ -604,20 +617,8 @@ __global__ void __launch_bounds__(kWarps * 32)
       }
       __syncthreads();
       float st[8][4] = {}, dpt[8][4] = {};
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t ka[4], va[4];
-        load_a<P>(ka, ks, warp * 16, kk * 16);
-        load_a<P>(va, vs, warp * 16, kk * 16);
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-          uint32_t b0, b1;
-          load_bt<P>(b0, b1, qs, nt * 8, kk * 16);
-          mma(st[nt], ka, b0, b1);
-          load_bt<P>(b0, b1, dos, nt * 8, kk * 16);
-          mma(dpt[nt], va, b0, b1);
-        }
-      }
+      mma_abt<D>(st, ks, warp * 16, qs);    // S^T = K Q^T
+      mma_abt<D>(dpt, vs, warp * 16, dos);  // dP^T = V dO^T
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
@@ -634,20 +635,8 @@ __global__ void __launch_bounds__(kWarps * 32)
           st[nt][e] = pe;
         }
       }
-#pragma unroll
-      for (int kk = 0; kk < kTile / 16; ++kk) {
-        uint32_t pa[4], sa[4];
-        a_from_c(pa, st[2 * kk], st[2 * kk + 1]);
-        a_from_c(sa, dpt[2 * kk], dpt[2 * kk + 1]);
-#pragma unroll
-        for (int nt = 0; nt < D / 8; ++nt) {
-          uint32_t b0, b1;
-          load_b<P>(b0, b1, dos, kk * 16, nt * 8);
-          mma(av[nt], pa, b0, b1);
-          load_b<P>(b0, b1, qs, kk * 16, nt * 8);
-          mma(ak[nt], sa, b0, b1);
-        }
-      }
+      mma_cb<D>(av, st, dos);  // dv += P^T dO
+      mma_cb<D>(ak, dpt, qs);  // dk += dS^T Q
     }
   }
 #pragma unroll
