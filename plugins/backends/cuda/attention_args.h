@@ -4,11 +4,12 @@
 #include <cstdint>
 #include <string>
 
-#include "kernels.h"
 #include "mt/attention.h"
 #include "mt/tensor.h"
 
 namespace mt::cuda {
+
+struct Ctx;  // kernels.h
 
 struct AttnArgs {
   int64_t T, S, Hq, Hkv, D;

@@ -4,7 +4,9 @@
 // instead of one per dtype mix).
 #pragma once
 
+#ifndef MT_CUDA_EMULATION  // tests/support/cuda_emulation.h provides the types
 #include <cuda_bf16.h>
+#endif
 
 #include <cstdint>
 #include <string>

@@ -1,0 +1,668 @@
+// The device code of flash attention (flash.cu holds the launchers): the SIMT and tensor-core
+// kernels and their helpers. A header so that tests/unit/flash_emulation_test.cpp can compile the
+// same kernels as host C++ under tests/support/cuda_emulation.h (MT_CUDA_EMULATION), which runs
+// a block's threads as host threads and mma.sync from the PTX ISA's fragment layout: the tile
+// indexing, masks and online softmax are checked on any machine, the hardware's arithmetic only
+// on a GPU (gpu_ops_test).
+//
+// Notation: q [B, T, Hq, D], k and v [B, S, Hkv, D], group = Hq / Hkv (query head h reads kv head
+// h / group), lse and delta [B, Hq, T]. Query i sits at position offset + i (decode:
+// lengths[b] - T + i); the mask is AttentionSpec's: causal, window, segment ids. Scores are
+// x = cap(scale q.k) with cap(s) = softcap tanh(s / softcap) when a soft-cap is set.
+//
+// Backward (both implementations): with P = exp(x - lse) and delta_i = sum_e dO_ie O_ie,
+// dS = P (dO.V - delta) cap'(x), dq = scale dS K, dk = scale dS^T Q, dv = P^T dO.
+#pragma once
+
+#ifndef MT_CUDA_EMULATION
+#include <cuda_bf16.h>
+#endif
+
+#include <cmath>
+#include <cstdint>
+
+#include "attention_args.h"
+#include "device_io.cuh"
+
+// The dynamic shared memory of a block (extern __shared__ on the device).
+#ifndef MT_DYNAMIC_SHARED
+#define MT_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
+namespace mt::cuda {
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kWarps = 4;    // warps per block of every flash kernel
+constexpr int kLaneMax = 8;  // SIMT: features per lane, so head_dim <= 32 * kLaneMax
+constexpr int kTile = 64;    // tensor cores: query and key rows per tile (16 per warp)
+
+// What every kernel needs besides its operands.
+struct Flash {
+  AttnArgs a;
+  int64_t B;
+  int64_t group;
+  const int32_t* q_seg;    // [B, T] or null
+  const int32_t* kv_seg;   // [B, S] or null
+  const int32_t* lengths;  // decode: [B] valid cache rows, or null
+};
+
+__device__ __forceinline__ bool visible(const AttnArgs& a, int64_t p, int64_t j) {
+  return !(a.causal && j > p) && !(a.window > 0 && p - j >= a.window);
+}
+__device__ __forceinline__ float cap_score(const AttnArgs& a, float dot) {
+  const float s = a.scale * dot;
+  return a.cap > 0.f ? a.cap * tanhf(s / a.cap) : s;
+}
+// d cap(s) / ds, from the capped score x.
+__device__ __forceinline__ float cap_grad(const AttnArgs& a, float x) {
+  if (a.cap <= 0.f) return 1.f;
+  const float t = x / a.cap;
+  return 1.f - t * t;
+}
+// Butterfly sum: every lane ends with the same bits (each step adds the same two values).
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+// Keys [lo, hi) that position p may see before segment ids.
+__device__ __forceinline__ void key_range(const AttnArgs& a, int64_t p, int64_t len, int64_t& lo,
+                                          int64_t& hi) {
+  lo = a.window > 0 && p - a.window + 1 > 0 ? p - a.window + 1 : 0;
+  hi = a.causal && p + 1 < len ? p + 1 : len;
+}
+
+// ---- SIMT kernels: one warp per row, lane l holds features l, l + 32, ... -------------------
+
+// A row's D features, lane-strided, into registers (zeros past D).
+__device__ __forceinline__ void load_lanes(float (&r)[kLaneMax], In x, int64_t base, int64_t D) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int t = 0; t < kLaneMax; ++t) {
+    const int64_t e = lane + 32 * t;
+    r[t] = e < D ? x[base + e] : 0.f;
+  }
+}
+__device__ __forceinline__ float lanes_dot(const float (&r)[kLaneMax], In x, int64_t base,
+                                           int64_t D) {
+  const int lane = threadIdx.x & 31;
+  float d = 0.f;
+#pragma unroll
+  for (int t = 0; t < kLaneMax; ++t) {
+    const int64_t e = lane + 32 * t;
+    if (e < D) d += r[t] * x[base + e];
+  }
+  return warp_sum(d);
+}
+
+// Forward (and decode, with f.lengths): one warp per query row r = (b Hq + h) T + i, keys in
+// order with an online softmax. out [B, T, Hq, D]; lse [B, Hq, T] or null.
+__global__ void __launch_bounds__(kWarps * 32)
+    simt_fwd_kernel(In q, In k, In v, Flash f, Out o, float* lse) {
+  const AttnArgs& a = f.a;
+  const int lane = threadIdx.x & 31;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  if (r >= f.B * a.Hq * a.T) return;  // whole warps return together
+  const int64_t i = r % a.T, bh = r / a.T, h = bh % a.Hq, b = bh / a.Hq, g = h / f.group;
+  const int64_t len = f.lengths ? f.lengths[b] : a.S;
+  const int64_t p = f.lengths ? len - a.T + i : a.offset + i;
+  int64_t lo, hi;
+  key_range(a, p, len, lo, hi);
+  const int64_t qo = ((b * a.T + i) * a.Hq + h) * a.D;
+  float qv[kLaneMax], acc[kLaneMax] = {};
+  load_lanes(qv, q, qo, a.D);
+  const int32_t qs = f.q_seg ? f.q_seg[b * a.T + i] : 0;
+  float m = -INFINITY, l = 0.f;
+  for (int64_t j = lo; j < hi; ++j) {
+    if (f.q_seg && f.kv_seg[b * a.S + j] != qs) continue;
+    const int64_t ko = ((b * a.S + j) * a.Hkv + g) * a.D;
+    const float x = cap_score(a, lanes_dot(qv, k, ko, a.D));
+    const float mn = fmaxf(m, x);
+    const float corr = expf(m - mn), pj = expf(x - mn);
+    l = l * corr + pj;
+#pragma unroll
+    for (int t = 0; t < kLaneMax; ++t) {
+      const int64_t e = lane + 32 * t;
+      if (e < a.D) acc[t] = acc[t] * corr + pj * v[ko + e];
+    }
+    m = mn;
+  }
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+  for (int t = 0; t < kLaneMax; ++t) {
+    const int64_t e = lane + 32 * t;
+    if (e < a.D) o.set(qo + e, acc[t] * inv);
+  }
+  if (lse && lane == 0) lse[r] = l > 0.f ? m + logf(l) : -INFINITY;
+}
+
+// delta [B, Hq, T]: sum_e dO_ie O_ie, one warp per query row.
+__global__ void __launch_bounds__(kWarps * 32) delta_kernel(In dout, In o, Flash f, float* delta) {
+  const AttnArgs& a = f.a;
+  const int lane = threadIdx.x & 31;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  if (r >= f.B * a.Hq * a.T) return;
+  const int64_t i = r % a.T, bh = r / a.T, h = bh % a.Hq, b = bh / a.Hq;
+  const int64_t base = ((b * a.T + i) * a.Hq + h) * a.D;
+  float d = 0.f;
+  for (int64_t e = lane; e < a.D; e += 32) d += dout[base + e] * o[base + e];
+  d = warp_sum(d);
+  if (lane == 0) delta[r] = d;
+}
+
+// dq: one warp per query row, keys in order. dq [B, T, Hq, D] +=.
+__global__ void __launch_bounds__(kWarps * 32)
+    simt_dq_kernel(In q, In k, In v, In dout, Flash f, const float* lse, const float* delta,
+                   Out dq) {
+  const AttnArgs& a = f.a;
+  const int lane = threadIdx.x & 31;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  if (r >= f.B * a.Hq * a.T) return;
+  const float ls = lse[r];
+  if (ls == -INFINITY) return;  // the row saw no key: no gradient flows through it
+  const int64_t i = r % a.T, bh = r / a.T, h = bh % a.Hq, b = bh / a.Hq, g = h / f.group;
+  const int64_t p = a.offset + i;
+  int64_t lo, hi;
+  key_range(a, p, a.S, lo, hi);
+  const int64_t qo = ((b * a.T + i) * a.Hq + h) * a.D;
+  float qv[kLaneMax], dov[kLaneMax], kv[kLaneMax], acc[kLaneMax] = {};
+  load_lanes(qv, q, qo, a.D);
+  load_lanes(dov, dout, qo, a.D);
+  const float dl = delta[r];
+  const int32_t qs = f.q_seg ? f.q_seg[b * a.T + i] : 0;
+  for (int64_t j = lo; j < hi; ++j) {
+    if (f.q_seg && f.kv_seg[b * a.S + j] != qs) continue;
+    const int64_t ko = ((b * a.S + j) * a.Hkv + g) * a.D;
+    load_lanes(kv, k, ko, a.D);
+    float d = 0.f;
+#pragma unroll
+    for (int t = 0; t < kLaneMax; ++t) d += qv[t] * kv[t];
+    const float x = cap_score(a, warp_sum(d));
+    const float pj = expf(x - ls);
+    const float ds = pj * (lanes_dot(dov, v, ko, a.D) - dl) * cap_grad(a, x);
+#pragma unroll
+    for (int t = 0; t < kLaneMax; ++t) acc[t] += ds * kv[t];
+  }
+#pragma unroll
+  for (int t = 0; t < kLaneMax; ++t) {
+    const int64_t e = lane + 32 * t;
+    if (e < a.D) dq.add(qo + e, a.scale * acc[t]);
+  }
+}
+
+// dk, dv: one warp per key row kr = (b S + j) Hkv + g; the group's query heads in order, each
+// head's queries in order. dk, dv [B, S, Hkv, D] +=.
+__global__ void __launch_bounds__(kWarps * 32)
+    simt_dkv_kernel(In q, In k, In v, In dout, Flash f, const float* lse, const float* delta,
+                    Out dk, Out dv) {
+  const AttnArgs& a = f.a;
+  const int lane = threadIdx.x & 31;
+  const int64_t kr = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  if (kr >= f.B * a.S * a.Hkv) return;
+  const int64_t g = kr % a.Hkv, bj = kr / a.Hkv, j = bj % a.S, b = bj / a.S;
+  const int64_t ko = kr * a.D;
+  float kv[kLaneMax], vv[kLaneMax], qv[kLaneMax], ak[kLaneMax] = {}, av[kLaneMax] = {};
+  load_lanes(kv, k, ko, a.D);
+  load_lanes(vv, v, ko, a.D);
+  // Queries that may see key j: causal wants offset + i >= j, the window offset + i - j < window.
+  const int64_t ilo = a.causal && j - a.offset > 0 ? j - a.offset : 0;
+  const int64_t ihi = a.window > 0 && j - a.offset + a.window < a.T ? j - a.offset + a.window : a.T;
+  const int32_t ks = f.kv_seg ? f.kv_seg[b * a.S + j] : 0;
+  for (int64_t h = g * f.group; h < (g + 1) * f.group; ++h) {
+    for (int64_t i = ilo; i < ihi; ++i) {
+      if (f.q_seg && f.q_seg[b * a.T + i] != ks) continue;
+      const int64_t r = (b * a.Hq + h) * a.T + i;
+      const float ls = lse[r];
+      if (ls == -INFINITY) continue;
+      const int64_t qo = ((b * a.T + i) * a.Hq + h) * a.D;
+      load_lanes(qv, q, qo, a.D);
+      float d = 0.f;
+#pragma unroll
+      for (int t = 0; t < kLaneMax; ++t) d += qv[t] * kv[t];
+      const float x = cap_score(a, warp_sum(d));
+      const float pj = expf(x - ls);
+      float dp = 0.f;
+      float dov[kLaneMax];
+      load_lanes(dov, dout, qo, a.D);
+#pragma unroll
+      for (int t = 0; t < kLaneMax; ++t) dp += dov[t] * vv[t];
+      const float ds = pj * (warp_sum(dp) - delta[r]) * cap_grad(a, x);
+#pragma unroll
+      for (int t = 0; t < kLaneMax; ++t) {
+        av[t] += pj * dov[t];
+        ak[t] += ds * qv[t];
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < kLaneMax; ++t) {
+    const int64_t e = lane + 32 * t;
+    if (e < a.D) {
+      dk.add(ko + e, a.scale * ak[t]);
+      dv.add(ko + e, av[t]);
+    }
+  }
+}
+
+// ---- tensor-core kernels ------------------------------------------------------------------
+// mma.sync.m16n8k16 fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16"), with
+// gid = lane / 4 and tq = lane % 4:
+//   A 16x16 (row-major): reg 0 = A[gid][2tq..2tq+1], reg 1 = A[gid+8][2tq..], reg 2 =
+//     A[gid][2tq+8..], reg 3 = A[gid+8][2tq+8..] (two bf16 per register, lower index low).
+//   B 16x8: reg 0 = B[2tq..2tq+1][gid], reg 1 = B[2tq+8..2tq+9][gid].
+//   C 16x8 f32: c0, c1 = C[gid][2tq..2tq+1], c2, c3 = C[gid+8][2tq..2tq+1].
+// So the C fragments of two adjacent n-tiles are the A fragment of one k-step, which is how P and
+// dS feed the next product without leaving registers. Shared tiles are [64][D + 8] bf16: the
+// 16-byte pad puts the eight rows of a fragment load in distinct banks.
+
+__device__ __forceinline__ uint32_t ld_pair(const bf16* p) {
+  return *reinterpret_cast<const uint32_t*>(p);
+}
+__device__ __forceinline__ uint32_t pack_bf16(bf16 lo, bf16 hi) {
+  return static_cast<uint32_t>(__bfloat16_as_ushort(lo)) |
+         (static_cast<uint32_t>(__bfloat16_as_ushort(hi)) << 16);
+}
+__device__ __forceinline__ uint32_t pack_f32(float lo, float hi) {
+  return pack_bf16(__float2bfloat16_rn(lo), __float2bfloat16_rn(hi));
+}
+// c += a b
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1) {
+#if defined(MT_CUDA_EMULATION)
+  emulated_mma(c, a, b0, b1);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  __trap();  // the host only picks these kernels on compute capability 8.0 and up
+#endif
+}
+// A fragment: rows row0.., columns col0.. of a shared tile with row pitch P.
+template <int P>
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const bf16* tile, int row0, int col0) {
+  const int lane = threadIdx.x & 31, gid = lane >> 2, tq = lane & 3;
+  const bf16* p0 = tile + (row0 + gid) * P + col0 + 2 * tq;
+  const bf16* p1 = p0 + 8 * P;
+  a[0] = ld_pair(p0);
+  a[1] = ld_pair(p1);
+  a[2] = ld_pair(p0 + 8);
+  a[3] = ld_pair(p1 + 8);
+}
+// B fragment of B = tile^T (B[kk][n] = tile[n0 + n][k0 + kk]): K in Q K^T.
+template <int P>
+__device__ __forceinline__ void load_bt(uint32_t& b0, uint32_t& b1, const bf16* tile, int n0,
+                                        int k0) {
+  const int lane = threadIdx.x & 31, gid = lane >> 2, tq = lane & 3;
+  const bf16* p = tile + (n0 + gid) * P + k0 + 2 * tq;
+  b0 = ld_pair(p);
+  b1 = ld_pair(p + 8);
+}
+// B fragment of B = tile (B[kk][n] = tile[k0 + kk][n0 + n]): V in P V.
+template <int P>
+__device__ __forceinline__ void load_b(uint32_t& b0, uint32_t& b1, const bf16* tile, int k0,
+                                       int n0) {
+  const int lane = threadIdx.x & 31, gid = lane >> 2, tq = lane & 3;
+  const bf16* p = tile + (k0 + 2 * tq) * P + n0 + gid;
+  b0 = pack_bf16(p[0], p[P]);
+  b1 = pack_bf16(p[8 * P], p[9 * P]);
+}
+// The A fragment of one 16-wide k-step from the C fragments of n-tiles 2s and 2s + 1.
+__device__ __forceinline__ void a_from_c(uint32_t (&a)[4], const float (&c0)[4],
+                                         const float (&c1)[4]) {
+  a[0] = pack_f32(c0[0], c0[1]);
+  a[1] = pack_f32(c0[2], c0[3]);
+  a[2] = pack_f32(c1[0], c1[1]);
+  a[3] = pack_f32(c1[2], c1[3]);
+}
+// The A fragments of rows row0..row0+15 of a shared [64][D + 8] tile, one per 16-wide k-step.
+template <int D>
+__device__ __forceinline__ void load_rows(uint32_t (&a)[D / 16][4], const bf16* tile, int row0) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) load_a<D + 8>(a[kk], tile, row0, kk * 16);
+}
+// s [16 x 64] += A [16 x D] @ tile^T (tile [64][D + 8]: K in Q K^T), A as fragments.
+template <int D>
+__device__ __forceinline__ void mma_abt(float (&s)[8][4], const uint32_t (&a)[D / 16][4],
+                                        const bf16* tile) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      uint32_t b0, b1;
+      load_bt<D + 8>(b0, b1, tile, nt * 8, kk * 16);
+      mma(s[nt], a[kk], b0, b1);
+    }
+  }
+}
+// The same with A as rows row0.. of a shared tile, one k-step's fragment at a time (fewer
+// registers than holding all of them).
+template <int D>
+__device__ __forceinline__ void mma_abt(float (&s)[8][4], const bf16* a_tile, int row0,
+                                        const bf16* tile) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t a[4];
+    load_a<D + 8>(a, a_tile, row0, kk * 16);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      uint32_t b0, b1;
+      load_bt<D + 8>(b0, b1, tile, nt * 8, kk * 16);
+      mma(s[nt], a, b0, b1);
+    }
+  }
+}
+// acc [16 x D] += C [16 x 64] @ tile (tile [64][D + 8]: V in P V), C as the f32 C fragments of a
+// previous product, rounded to bf16.
+template <int D>
+__device__ __forceinline__ void mma_cb(float (&acc)[D / 8][4], const float (&c)[8][4],
+                                       const bf16* tile) {
+#pragma unroll
+  for (int kk = 0; kk < kTile / 16; ++kk) {
+    uint32_t a[4];
+    a_from_c(a, c[2 * kk], c[2 * kk + 1]);
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+      uint32_t b0, b1;
+      load_b<D + 8>(b0, b1, tile, kk * 16, nt * 8);
+      mma(acc[nt], a, b0, b1);
+    }
+  }
+}
+// Rows [0, 64) of a shared [64][D + 8] tile from global rows `stride` elements apart, 16 bytes
+// at a time; rows n and beyond are zeros.
+template <int D>
+__device__ __forceinline__ void load_tile(bf16* dst, const bf16* src, int64_t stride, int64_t n) {
+  constexpr int kChunks = D / 8;
+  for (int idx = threadIdx.x; idx < kTile * kChunks; idx += kWarps * 32) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    uint4 val = make_uint4(0u, 0u, 0u, 0u);
+    if (r < n) val = *reinterpret_cast<const uint4*>(src + r * stride + c * 8);
+    *reinterpret_cast<uint4*>(dst + r * (D + 8) + c * 8) = val;
+  }
+}
+__device__ __forceinline__ float quad_max(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// The rows of a 64-row query tile this thread holds in C fragments: gid and gid + 8 of its
+// warp's 16.
+struct QueryRows {
+  int64_t i[2], pos[2];
+  bool valid[2];
+  int32_t seg[2];
+  __device__ QueryRows(const Flash& f, int64_t b, int64_t q0) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int r = 0; r < 2; ++r) {
+      i[r] = q0 + warp * 16 + (lane >> 2) + 8 * r;
+      valid[r] = i[r] < f.a.T;
+      pos[r] = f.a.offset + i[r];
+      seg[r] = f.q_seg && valid[r] ? f.q_seg[b * f.a.T + i[r]] : 0;
+    }
+  }
+};
+// Keys [lo, hi) any query of tile [q0, q0 + 64) may see, lo rounded down to a tile.
+__device__ __forceinline__ void tile_key_range(const AttnArgs& a, int64_t q0, int64_t& lo,
+                                               int64_t& hi) {
+  const int64_t last = (q0 + kTile < a.T ? q0 + kTile : a.T) - 1;
+  hi = a.causal && a.offset + last + 1 < a.S ? a.offset + last + 1 : a.S;
+  lo = a.window > 0 && a.offset + q0 - a.window + 1 > 0 ? a.offset + q0 - a.window + 1 : 0;
+  lo = lo / kTile * kTile;
+}
+// Score of C-fragment element e of n-tile nt (key k0 + 8 nt + 2 tq + (e & 1), query row e >> 1)
+// after scale, cap and mask: -inf where masked.
+__device__ __forceinline__ float masked_score(const Flash& f, const QueryRows& qr, int64_t b,
+                                              int64_t k0, int nt, int e, float dot) {
+  const int64_t j = k0 + nt * 8 + 2 * (threadIdx.x & 3) + (e & 1);
+  const int r = e >> 1;
+  const bool vis = qr.valid[r] && j < f.a.S && visible(f.a, qr.pos[r], j) &&
+                   (!f.q_seg || f.kv_seg[b * f.a.S + j] == qr.seg[r]);
+  return vis ? cap_score(f.a, dot) : -INFINITY;
+}
+
+// Forward: block (query tile, b Hq + h); warp w owns query rows 16w..16w+15 of the tile.
+template <int D>
+__global__ void __launch_bounds__(kWarps * 32)
+    tc_fwd_kernel(const bf16* q, const bf16* k, const bf16* v, Flash f, Out o, float* lse) {
+  constexpr int P = D + 8;
+  MT_DYNAMIC_SHARED(smem);
+  bf16* qs = reinterpret_cast<bf16*>(smem);
+  bf16* ks = qs + kTile * P;
+  bf16* vs = ks + kTile * P;
+  const AttnArgs& a = f.a;
+  const int warp = threadIdx.x >> 5, tq = threadIdx.x & 3;
+  const int64_t bh = blockIdx.y, b = bh / a.Hq, h = bh % a.Hq, g = h / f.group;
+  const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  load_tile<D>(qs, q + ((b * a.T + q0) * a.Hq + h) * D, a.Hq * D, a.T - q0);
+  const QueryRows qr(f, b, q0);
+  int64_t lo, hi;
+  tile_key_range(a, q0, lo, hi);
+  __syncthreads();
+  uint32_t qa[D / 16][4];
+  load_rows<D>(qa, qs, warp * 16);
+
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  float acc[D / 8][4] = {};
+  for (int64_t k0 = lo; k0 < hi; k0 += kTile) {
+    __syncthreads();  // every warp is done with the previous key tile
+    const int64_t kv_off = ((b * a.S + k0) * a.Hkv + g) * D;
+    load_tile<D>(ks, k + kv_off, a.Hkv * D, a.S - k0);
+    load_tile<D>(vs, v + kv_off, a.Hkv * D, a.S - k0);
+    __syncthreads();
+    float s[8][4] = {};
+    mma_abt<D>(s, qa, ks);
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[nt][e] = masked_score(f, qr, b, k0, nt, e, s[nt][e]);
+        mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+      }
+    }
+    float corr[2], base[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float mn = fmaxf(m[r], quad_max(mx[r]));
+      base[r] = mn == -INFINITY ? 0.f : mn;  // nothing visible yet: keep exp() away from NaN
+      corr[r] = expf(m[r] - base[r]);
+      m[r] = mn;
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[nt][e] = expf(s[nt][e] - base[e >> 1]);
+        sum[e >> 1] += s[nt][e];
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) l[r] = l[r] * corr[r] + quad_sum(sum[r]);
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[nt][e] *= corr[e >> 1];
+    }
+    mma_cb<D>(acc, s, vs);
+  }
+  float inv[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) inv[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = e >> 1;
+      if (qr.valid[r])
+        o.set(((b * a.T + qr.i[r]) * a.Hq + h) * D + nt * 8 + 2 * tq + (e & 1),
+              acc[nt][e] * inv[r]);
+    }
+  }
+  if (tq == 0) {
+    for (int r = 0; r < 2; ++r)
+      if (qr.valid[r]) lse[bh * a.T + qr.i[r]] = l[r] > 0.f ? m[r] + logf(l[r]) : -INFINITY;
+  }
+}
+
+// dq: block (query tile, b Hq + h), as the forward; dS = P (dP - delta) cap' with dP = dO V^T,
+// then dq += scale dS K.
+template <int D>
+__global__ void __launch_bounds__(kWarps * 32)
+    tc_dq_kernel(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, Flash f,
+                 const float* lse, const float* delta, Out dq) {
+  constexpr int P = D + 8;
+  MT_DYNAMIC_SHARED(smem);
+  bf16* qs = reinterpret_cast<bf16*>(smem);
+  bf16* dos = qs + kTile * P;
+  bf16* ks = dos + kTile * P;
+  bf16* vs = ks + kTile * P;
+  const AttnArgs& a = f.a;
+  const int warp = threadIdx.x >> 5, tq = threadIdx.x & 3;
+  const int64_t bh = blockIdx.y, b = bh / a.Hq, h = bh % a.Hq, g = h / f.group;
+  const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int64_t q_off = ((b * a.T + q0) * a.Hq + h) * D;
+  load_tile<D>(qs, q + q_off, a.Hq * D, a.T - q0);
+  load_tile<D>(dos, dout + q_off, a.Hq * D, a.T - q0);
+  const QueryRows qr(f, b, q0);
+  float ls[2], dl[2];
+  for (int r = 0; r < 2; ++r) {
+    ls[r] = qr.valid[r] ? lse[bh * a.T + qr.i[r]] : -INFINITY;
+    dl[r] = qr.valid[r] ? delta[bh * a.T + qr.i[r]] : 0.f;
+  }
+  int64_t lo, hi;
+  tile_key_range(a, q0, lo, hi);
+  __syncthreads();
+  uint32_t qa[D / 16][4];
+  load_rows<D>(qa, qs, warp * 16);
+
+  float acc[D / 8][4] = {};
+  for (int64_t k0 = lo; k0 < hi; k0 += kTile) {
+    __syncthreads();
+    const int64_t kv_off = ((b * a.S + k0) * a.Hkv + g) * D;
+    load_tile<D>(ks, k + kv_off, a.Hkv * D, a.S - k0);
+    load_tile<D>(vs, v + kv_off, a.Hkv * D, a.S - k0);
+    __syncthreads();
+    float s[8][4] = {}, dp[8][4] = {};
+    mma_abt<D>(s, qa, ks);               // S = Q K^T
+    mma_abt<D>(dp, dos, warp * 16, vs);  // dP = dO V^T
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1;
+        const float x = masked_score(f, qr, b, k0, nt, e, s[nt][e]);
+        s[nt][e] = x == -INFINITY || ls[r] == -INFINITY
+                       ? 0.f
+                       : expf(x - ls[r]) * (dp[nt][e] - dl[r]) * cap_grad(a, x);
+      }
+    }
+    mma_cb<D>(acc, s, ks);  // dq += dS K
+  }
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = e >> 1;
+      if (qr.valid[r])
+        dq.add(((b * a.T + qr.i[r]) * a.Hq + h) * D + nt * 8 + 2 * tq + (e & 1),
+               a.scale * acc[nt][e]);
+    }
+  }
+}
+
+// dk, dv: block (key tile, b Hkv + g); warp w owns key rows 16w..16w+15. For each query head of
+// the group and each query tile that may see these keys: S^T = K Q^T, dP^T = V dO^T,
+// dv += P^T dO, dk += scale dS^T Q.
+template <int D>
+__global__ void __launch_bounds__(kWarps * 32)
+    tc_dkv_kernel(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, Flash f,
+                  const float* lse, const float* delta, Out dk, Out dv) {
+  constexpr int P = D + 8;
+  MT_DYNAMIC_SHARED(smem);
+  bf16* ks = reinterpret_cast<bf16*>(smem);
+  bf16* vs = ks + kTile * P;
+  bf16* qs = vs + kTile * P;
+  bf16* dos = qs + kTile * P;
+  float* ls_s = reinterpret_cast<float*>(dos + kTile * P);
+  float* dl_s = ls_s + kTile;
+  const AttnArgs& a = f.a;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gid = lane >> 2, tq = lane & 3;
+  const int64_t bg = blockIdx.y, b = bg / a.Hkv, g = bg % a.Hkv;
+  const int64_t k0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int64_t kv_off = ((b * a.S + k0) * a.Hkv + g) * D;
+  load_tile<D>(ks, k + kv_off, a.Hkv * D, a.S - k0);
+  load_tile<D>(vs, v + kv_off, a.Hkv * D, a.S - k0);
+  int64_t kj[2];
+  bool kvalid[2];
+  int32_t kseg[2];
+  for (int r = 0; r < 2; ++r) {
+    kj[r] = k0 + warp * 16 + gid + 8 * r;
+    kvalid[r] = kj[r] < a.S;
+    kseg[r] = f.kv_seg && kvalid[r] ? f.kv_seg[b * a.S + kj[r]] : 0;
+  }
+  // Queries that may see a key of this tile (see simt_dkv_kernel), lo rounded down to a tile.
+  const int64_t last = (k0 + kTile < a.S ? k0 + kTile : a.S) - 1;
+  int64_t lo = a.causal && k0 - a.offset > 0 ? k0 - a.offset : 0;
+  lo = lo / kTile * kTile;
+  const int64_t hi =
+      a.window > 0 && last - a.offset + a.window < a.T ? last - a.offset + a.window : a.T;
+
+  float ak[D / 8][4] = {}, av[D / 8][4] = {};
+  for (int64_t h = g * f.group; h < (g + 1) * f.group; ++h) {
+    for (int64_t q0 = lo; q0 < hi; q0 += kTile) {
+      __syncthreads();  // every warp is done with the previous query tile
+      const int64_t q_off = ((b * a.T + q0) * a.Hq + h) * D;
+      load_tile<D>(qs, q + q_off, a.Hq * D, a.T - q0);
+      load_tile<D>(dos, dout + q_off, a.Hq * D, a.T - q0);
+      if (threadIdx.x < kTile) {
+        const int64_t i = q0 + threadIdx.x, r = (b * a.Hq + h) * a.T + i;
+        ls_s[threadIdx.x] = i < a.T ? lse[r] : -INFINITY;
+        dl_s[threadIdx.x] = i < a.T ? delta[r] : 0.f;
+      }
+      __syncthreads();
+      float st[8][4] = {}, dpt[8][4] = {};
+      mma_abt<D>(st, ks, warp * 16, qs);    // S^T = K Q^T
+      mma_abt<D>(dpt, vs, warp * 16, dos);  // dP^T = V dO^T
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1, il = nt * 8 + 2 * tq + (e & 1);
+          const int64_t i = q0 + il;
+          const float ls = ls_s[il];
+          const bool vis = kvalid[r] && i < a.T && ls != -INFINITY &&
+                           visible(a, a.offset + i, kj[r]) &&
+                           (!f.q_seg || f.q_seg[b * a.T + i] == kseg[r]);
+          const float x = cap_score(a, st[nt][e]);
+          const float pe = vis ? expf(x - ls) : 0.f;
+          dpt[nt][e] = vis ? pe * (dpt[nt][e] - dl_s[il]) * cap_grad(a, x) : 0.f;
+          st[nt][e] = pe;
+        }
+      }
+      mma_cb<D>(av, st, dos);  // dv += P^T dO
+      mma_cb<D>(ak, dpt, qs);  // dk += dS^T Q
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = e >> 1;
+      if (!kvalid[r]) continue;
+      const int64_t idx = ((b * a.S + kj[r]) * a.Hkv + g) * D + nt * 8 + 2 * tq + (e & 1);
+      dk.add(idx, a.scale * ak[nt][e]);
+      dv.add(idx, av[nt][e]);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace mt::cuda

@@ -1,0 +1,286 @@
+// Runs CUDA kernels written for mt's CUDA backend as host C++, so their logic (indexing, masks,
+// tiling, warp shuffles, mma fragment layouts) is tested on machines without a GPU. Include this
+// before the kernel header; it defines MT_CUDA_EMULATION, the CUDA keywords the kernels use, a
+// bfloat16 type with CUDA's conversions, threadIdx/blockIdx, __syncthreads, __shfl_xor_sync and
+// mma.sync m16n8k16 (bf16 in, f32 accumulate) from the fragment layout of the PTX ISA.
+//
+// emu::launch runs each block of a grid in turn, its threads as fibers: __syncthreads is a
+// barrier of the block, a shuffle or an mma a barrier of the warp around an exchange. Only what
+// mt's kernels use is here: blocks of up to 32 x kMaxWarps threads, one-dimensional, and warp-
+// uniform shuffles and mma calls (as the hardware requires anyway). Arithmetic is IEEE f32 like
+// the device's, but the order of an mma's sums is not the hardware's: compare with tolerances.
+#pragma once
+
+// Fibers switch with _setjmp/_longjmp between their own stacks, which glibc's fortified longjmp
+// refuses: this header must come first in its file.
+#undef _FORTIFY_SOURCE
+
+#define MT_CUDA_EMULATION 1
+
+#include <setjmp.h>
+#include <ucontext.h>
+#include <array>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(n)
+#define MT_DYNAMIC_SHARED(name) unsigned char* name = emu::dynamic_shared()
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+};
+struct uint4 {
+  uint32_t x, y, z, w;
+};
+inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) {
+  return {x, y, z, w};
+}
+
+// bfloat16 as CUDA's __nv_bfloat16: 16 bits, round to nearest even.
+struct __nv_bfloat16 {
+  uint16_t bits;
+};
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return {static_cast<uint16_t>((u >> 16) | 0x40u)};  // NaN
+  return {static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
+}
+inline float __bfloat162float(__nv_bfloat16 b) {
+  const uint32_t u = static_cast<uint32_t>(b.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 b) {
+  return b.bits;
+}
+
+namespace emu {
+
+constexpr int kMaxWarps = 8;
+constexpr size_t kStack = size_t{256} << 10;  // bytes of stack per emulated thread
+
+// A block's threads are fibers run in turn by one host thread: a thread runs until it waits at a
+// barrier or returns; when every live thread waits, the barriers whose participants (the live
+// threads of a warp, or of the block) have all arrived open. A fiber starts on its own stack
+// through makecontext/setcontext and then switches with _setjmp/_longjmp, which make no system
+// call (swapcontext saves the signal mask each time): millions of switches take seconds.
+struct Block {
+  enum Wait : uint8_t { none, warp_barrier, block_barrier };
+  struct Fiber {
+    ucontext_t ctx;  // the first entry
+    jmp_buf jb;      // where it waits
+    bool started = false;
+    Wait wait = none;
+    bool done = false;
+  };
+  Block(int threads, size_t shared, std::vector<char>& stacks)
+      : threads(threads), fibers(static_cast<size_t>(threads)), smem(shared + 16) {
+    stacks.resize(kStack * static_cast<size_t>(threads));
+    stack_base = stacks.data();
+  }
+  int threads;
+  std::vector<Fiber> fibers;
+  char* stack_base;
+  jmp_buf scheduler;
+  int current = 0;
+  std::vector<unsigned char> smem;
+  // What the lanes of each warp exchange in a shuffle or an mma.
+  float shfl[kMaxWarps][32];
+  struct Frag {
+    uint32_t a[4], b[2];
+    float c[4];
+  } frag[kMaxWarps][32];
+};
+
+struct ThreadState {
+  Block* block = nullptr;
+  dim3 thread, blk;
+  const std::function<void()>* kernel = nullptr;
+};
+inline ThreadState state;  // one block runs at a time, on the calling thread
+
+inline unsigned char* dynamic_shared() {
+  // 16-byte aligned, as the device's.
+  auto p = reinterpret_cast<uintptr_t>(state.block->smem.data());
+  return reinterpret_cast<unsigned char*>((p + 15) & ~uintptr_t{15});
+}
+inline int lane() {
+  return static_cast<int>(state.thread.x) & 31;
+}
+inline int warp() {
+  return static_cast<int>(state.thread.x) >> 5;
+}
+inline void wait(Block::Wait w) {
+  Block& b = *state.block;
+  auto& f = b.fibers[static_cast<size_t>(b.current)];
+  f.wait = w;
+  if (!_setjmp(f.jb)) _longjmp(b.scheduler, 1);
+}
+inline void warp_sync() {
+  wait(Block::warp_barrier);
+}
+
+[[noreturn]] inline void fiber_main() {
+  (*state.kernel)();
+  Block& b = *state.block;
+  b.fibers[static_cast<size_t>(b.current)].done = true;
+  _longjmp(b.scheduler, 1);
+}
+
+// Out of line: getcontext returns twice, which must not touch the caller's loop variables.
+[[gnu::noinline]] inline void make_fiber(Block& block, int t) {
+  auto& f = block.fibers[static_cast<size_t>(t)];
+  getcontext(&f.ctx);
+  f.ctx.uc_stack.ss_sp = block.stack_base + kStack * static_cast<size_t>(t);
+  f.ctx.uc_stack.ss_size = kStack;
+  f.ctx.uc_link = nullptr;  // fiber_main never returns
+  makecontext(&f.ctx, fiber_main, 0);
+}
+
+// Runs fiber t until it waits or ends. Out of line for the same reason as make_fiber.
+[[gnu::noinline]] inline void resume(Block& block, int t) {
+  auto& f = block.fibers[static_cast<size_t>(t)];
+  block.current = t;
+  state.thread = {static_cast<unsigned>(t), 0, 0};
+  if (_setjmp(block.scheduler)) return;
+  if (!f.started) {
+    f.started = true;
+    setcontext(&f.ctx);
+  }
+  _longjmp(f.jb, 1);
+}
+
+// Runs `kernel` (a callable with the kernel's arguments bound) over `grid` blocks of `threads`
+// threads with `shared` bytes of dynamic shared memory. A warp may return early only as a whole,
+// as mt's kernels do; a barrier that can never open (a kernel bug) aborts the test.
+inline void launch(dim3 grid, int threads, size_t shared, const std::function<void()>& kernel) {
+  std::vector<char> stacks;
+  state.kernel = &kernel;
+  for (unsigned by = 0; by < grid.y; ++by)
+    for (unsigned bx = 0; bx < grid.x; ++bx) {
+      Block block(threads, shared, stacks);
+      state.block = &block;
+      state.blk = {bx, by, 0};
+      for (int t = 0; t < threads; ++t) make_fiber(block, t);
+      for (;;) {
+        bool live = false;
+        for (int t = 0; t < threads; ++t) {
+          auto& f = block.fibers[static_cast<size_t>(t)];
+          if (f.done || f.wait != Block::none) continue;
+          resume(block, t);
+        }
+        // Every live thread now waits. Open the barriers whose participants all arrived.
+        bool opened = false, all_block = true;
+        for (int t = 0; t < threads; ++t) {
+          const auto& f = block.fibers[static_cast<size_t>(t)];
+          if (f.done) continue;
+          live = true;
+          all_block = all_block && f.wait == Block::block_barrier;
+        }
+        if (!live) break;
+        if (all_block) {
+          for (auto& f : block.fibers) f.wait = Block::none;
+          continue;
+        }
+        for (int w = 0; w * 32 < threads; ++w) {
+          bool all = true, any = false;
+          for (int t = 32 * w; t < std::min(threads, 32 * w + 32); ++t) {
+            const auto& f = block.fibers[static_cast<size_t>(t)];
+            if (f.done) continue;
+            any = true;
+            all = all && f.wait == Block::warp_barrier;
+          }
+          if (!any || !all) continue;
+          for (int t = 32 * w; t < std::min(threads, 32 * w + 32); ++t)
+            block.fibers[static_cast<size_t>(t)].wait = Block::none;
+          opened = true;
+        }
+        if (!opened) {
+          std::fprintf(stderr,
+                       "cuda_emulation: deadlock: threads wait at barriers that cannot open\n");
+          std::abort();
+        }
+      }
+      state.block = nullptr;
+    }
+}
+
+}  // namespace emu
+
+#define threadIdx (emu::state.thread)
+#define blockIdx (emu::state.blk)
+
+inline void __syncthreads() {
+  emu::wait(emu::Block::block_barrier);
+}
+
+inline float __shfl_xor_sync(unsigned /*mask*/, float v, int offset) {
+  auto& b = *emu::state.block;
+  const int w = emu::warp(), l = emu::lane();
+  b.shfl[w][l] = v;
+  emu::warp_sync();
+  const float r = b.shfl[w][l ^ offset];
+  emu::warp_sync();
+  return r;
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32: c += A (16x16) B (16x8) with, for lane
+// = 4 gid + tq, A's registers {A[gid][2tq..], A[gid+8][2tq..], A[gid][2tq+8..],
+// A[gid+8][2tq+8..]}, B's {B[2tq..2tq+1][gid], B[2tq+8..2tq+9][gid]} (lower index in the low
+// half) and C's {C[gid][2tq], C[gid][2tq+1], C[gid+8][2tq], C[gid+8][2tq+1]}.
+inline void emulated_mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  auto& blk = *emu::state.block;
+  const int w = emu::warp(), l = emu::lane();
+  auto& mine = blk.frag[w][l];
+  std::memcpy(mine.a, a, sizeof(mine.a));
+  mine.b[0] = b0;
+  mine.b[1] = b1;
+  for (int i = 0; i < 4; ++i) mine.c[i] = c[i];
+  emu::warp_sync();
+  // The warp's first lane multiplies for all 32 (the others wait at the next barrier).
+  if (l == 0) {
+    auto half = [](uint32_t r, int hi) {
+      return __bfloat162float({static_cast<uint16_t>(hi ? r >> 16 : r & 0xffffu)});
+    };
+    float A[16][16], B[16][8];
+    for (int L = 0; L < 32; ++L) {
+      const int gid = L >> 2, tq = L & 3;
+      const auto& f = blk.frag[w][L];
+      for (int e = 0; e < 2; ++e) {
+        A[gid][2 * tq + e] = half(f.a[0], e);
+        A[gid + 8][2 * tq + e] = half(f.a[1], e);
+        A[gid][2 * tq + 8 + e] = half(f.a[2], e);
+        A[gid + 8][2 * tq + 8 + e] = half(f.a[3], e);
+        B[2 * tq + e][gid] = half(f.b[0], e);
+        B[2 * tq + 8 + e][gid] = half(f.b[1], e);
+      }
+    }
+    for (int L = 0; L < 32; ++L) {
+      const int gid = L >> 2, tq = L & 3;
+      auto& f = blk.frag[w][L];
+      for (int i = 0; i < 4; ++i) {
+        const int row = gid + 8 * (i >> 1), col = 2 * tq + (i & 1);
+        float sum = 0.f;
+        for (int k = 0; k < 16; ++k) sum += A[row][k] * B[k][col];
+        f.c[i] += sum;
+      }
+    }
+  }
+  emu::warp_sync();
+  for (int i = 0; i < 4; ++i) c[i] = mine.c[i];
+  emu::warp_sync();  // every lane has its result before any lane's next mma reuses the slots
+}
