@@ -36,7 +36,11 @@
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(n)
+// One block runs at a time, so a function's static is its block's shared memory.
+#define __shared__ static
 #define MT_DYNAMIC_SHARED(name) unsigned char* name = emu::dynamic_shared()
+#define MT_LAUNCH(kernel, grid, block, shared, stream) \
+  emu::Launcher(emu::as_dim3(grid), block, shared, [&](auto... args_) { kernel(args_...); })
 
 struct dim3 {
   unsigned x = 1, y = 1, z = 1;
@@ -58,6 +62,80 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {
   if ((u & 0x7fffffffu) > 0x7f800000u) return {static_cast<uint16_t>((u >> 16) | 0x40u)};  // NaN
   return {static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
 }
+// The device's correctly rounded arithmetic: the host's IEEE operations (this file's users are
+// built without FMA contraction across these calls).
+inline float __fadd_rn(float a, float b) {
+  return a + b;
+}
+inline float __fmul_rn(float a, float b) {
+  return a * b;
+}
+inline float __fdiv_rn(float a, float b) {
+  return a / b;
+}
+inline float __fsqrt_rn(float a) {
+  return std::sqrt(a);
+}
+
+// Device-side math the kernels call unqualified.
+using std::isinf;
+using std::isnan;
+inline int64_t min(int64_t a, int64_t b) {
+  return a < b ? a : b;
+}
+inline int64_t max(int64_t a, int64_t b) {
+  return a < b ? b : a;
+}
+
+// The runtime calls the backend's host code makes, on host memory.
+enum cudaError_t : int { cudaSuccess = 0 };
+using cudaStream_t = void*;
+enum cudaMemcpyKind {
+  cudaMemcpyHostToHost,
+  cudaMemcpyHostToDevice,
+  cudaMemcpyDeviceToHost,
+  cudaMemcpyDeviceToDevice
+};
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize };
+enum cudaDeviceAttr { cudaDevAttrComputeCapabilityMajor };
+inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind,
+                                   cudaStream_t) {
+  if (n) std::memmove(dst, src, n);
+  return cudaSuccess;
+}
+inline cudaError_t cudaStreamSynchronize(cudaStream_t) {
+  return cudaSuccess;
+}
+inline cudaError_t cudaGetLastError() {
+  return cudaSuccess;
+}
+inline const char* cudaGetErrorName(cudaError_t) {
+  return "cudaErrorEmulated";
+}
+inline const char* cudaGetErrorString(cudaError_t) {
+  return "an emulated CUDA call failed";
+}
+template <class K>
+cudaError_t cudaFuncSetAttribute(K, cudaFuncAttribute, int) {
+  return cudaSuccess;
+}
+inline cudaError_t cudaGetDevice(int* d) {
+  *d = 0;
+  return cudaSuccess;
+}
+// A Hopper part: the kernels take their sm_80+ paths.
+inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr, int) {
+  *v = 9;
+  return cudaSuccess;
+}
+enum cublasStatus_t : int { CUBLAS_STATUS_SUCCESS = 0 };
+inline const char* cublasLtGetStatusName(cublasStatus_t) {
+  return "CUBLAS_STATUS_EMULATED";
+}
+inline const char* cublasLtGetStatusString(cublasStatus_t) {
+  return "emulated";
+}
+
 inline float __bfloat162float(__nv_bfloat16 b) {
   const uint32_t u = static_cast<uint32_t>(b.bits) << 16;
   float f;
@@ -71,7 +149,7 @@ inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 b) {
 namespace emu {
 
 constexpr int kMaxWarps = 8;
-constexpr size_t kStack = size_t{256} << 10;  // bytes of stack per emulated thread
+constexpr size_t kStack = size_t{64} << 10;  // bytes of stack per emulated thread
 
 // A block's threads are fibers run in turn by one host thread: a thread runs until it waits at a
 // barrier or returns; when every live thread waits, the barriers whose participants (the live
@@ -108,7 +186,7 @@ struct Block {
 
 struct ThreadState {
   Block* block = nullptr;
-  dim3 thread, blk;
+  dim3 thread, blk, grid_dim, block_dim;
   const std::function<void()>* kernel = nullptr;
 };
 inline ThreadState state;  // one block runs at a time, on the calling thread
@@ -170,6 +248,8 @@ inline void warp_sync() {
 inline void launch(dim3 grid, int threads, size_t shared, const std::function<void()>& kernel) {
   std::vector<char> stacks;
   state.kernel = &kernel;
+  state.grid_dim = grid;
+  state.block_dim = {static_cast<unsigned>(threads), 1, 1};
   for (unsigned by = 0; by < grid.y; ++by)
     for (unsigned bx = 0; bx < grid.x; ++bx) {
       Block block(threads, shared, stacks);
@@ -219,10 +299,37 @@ inline void launch(dim3 grid, int threads, size_t shared, const std::function<vo
     }
 }
 
+inline dim3 as_dim3(dim3 d) {
+  return d;
+}
+inline dim3 as_dim3(unsigned x) {
+  return {x, 1, 1};
+}
+inline dim3 as_dim3(int x) {
+  return {static_cast<unsigned>(x), 1, 1};
+}
+
+// MT_LAUNCH's object: called with the kernel's arguments, runs the grid.
+template <class K>
+struct Launcher {
+  Launcher(dim3 grid, int threads, size_t shared, K kernel)
+      : grid(grid), threads(threads), shared(shared), kernel(kernel) {}
+  template <class... A>
+  void operator()(A... args) const {
+    launch(grid, threads, shared, [&] { kernel(args...); });
+  }
+  dim3 grid;
+  int threads;
+  size_t shared;
+  K kernel;
+};
+
 }  // namespace emu
 
 #define threadIdx (emu::state.thread)
 #define blockIdx (emu::state.blk)
+#define gridDim (emu::state.grid_dim)
+#define blockDim (emu::state.block_dim)
 
 inline void __syncthreads() {
   emu::wait(emu::Block::block_barrier);

@@ -13,6 +13,12 @@
 
 #include "mt/tensor.h"
 
+// A kernel launch, written MT_LAUNCH(kernel, grid, block, shared, stream)(args...): the triple
+// chevron on the device, the emulator's launcher under tests/support/cuda_emulation.h.
+#ifndef MT_LAUNCH
+#define MT_LAUNCH(kernel, grid, block, shared, stream) kernel<<<grid, block, shared, stream>>>
+#endif
+
 namespace mt::cuda {
 
 struct In {

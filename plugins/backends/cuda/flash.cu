@@ -1,6 +1,8 @@
 // Flash attention for the CUDA backend: the launchers, which check the arguments and pick the
 // tensor-core or SIMT kernels of flash_kernels.cuh (see flash.h).
+#ifndef MT_CUDA_EMULATION
 #include <cuda_bf16.h>
+#endif
 
 #include <climits>
 #include <cmath>
@@ -57,7 +59,7 @@ void launch_tc(const Ctx& c, const std::string& op, K kernel, dim3 grid, size_t 
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              static_cast<int>(smem)),
         op, "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)", shapes);
-  kernel<<<grid, kWarps * 32, smem, c.stream>>>(args...);
+  MT_LAUNCH(kernel, grid, kWarps * 32, smem, c.stream)(args...);
   check(cudaGetLastError(), op, "kernel launch", shapes);
 }
 
@@ -103,7 +105,7 @@ void flash_forward(const Ctx& c, const Tensor& q, const Tensor& k, const Tensor&
                 lse.ptr<float>());
     return;
   }
-  simt_fwd_kernel<<<warp_blocks(rows), kWarps * 32, 0, c.stream>>>(in(q), in(k), in(v), f, out(o),
+  MT_LAUNCH(simt_fwd_kernel, warp_blocks(rows), kWarps * 32, 0, c.stream)(in(q), in(k), in(v), f, out(o),
                                                                    lse.ptr<float>());
   check(cudaGetLastError(), op, "kernel launch", shapes);
 }
@@ -121,7 +123,7 @@ void flash_backward(const Ctx& c, const Tensor& dout, const Tensor& q, const Ten
   const bool tc = tensor_cores({&q, &k, &v, &dout}, a.D, B * a.Hq);
   check_head_dim(op, a, tc);
   Tensor delta = c.scratch({B, a.Hq, a.T}, DType::f32);
-  delta_kernel<<<warp_blocks(rows), kWarps * 32, 0, c.stream>>>(in(dout), in(o), f,
+  MT_LAUNCH(delta_kernel, warp_blocks(rows), kWarps * 32, 0, c.stream)(in(dout), in(o), f,
                                                                 delta.ptr<float>());
   check(cudaGetLastError(), op, "kernel launch", shapes);
   const float* ls = lse.ptr<const float>();
@@ -146,10 +148,10 @@ void flash_backward(const Ctx& c, const Tensor& dout, const Tensor& q, const Ten
     }
     return;
   }
-  simt_dq_kernel<<<warp_blocks(rows), kWarps * 32, 0, c.stream>>>(in(q), in(k), in(v), in(dout), f,
+  MT_LAUNCH(simt_dq_kernel, warp_blocks(rows), kWarps * 32, 0, c.stream)(in(q), in(k), in(v), in(dout), f,
                                                                   ls, dl, out(dq));
   check(cudaGetLastError(), op, "kernel launch", shapes);
-  simt_dkv_kernel<<<warp_blocks(B * a.S * a.Hkv), kWarps * 32, 0, c.stream>>>(
+  MT_LAUNCH(simt_dkv_kernel, warp_blocks(B * a.S * a.Hkv), kWarps * 32, 0, c.stream)(
       in(q), in(k), in(v), in(dout), f, ls, dl, out(dk), out(dv));
   check(cudaGetLastError(), op, "kernel launch", shapes);
 }
@@ -163,7 +165,7 @@ void flash_decode(const Ctx& c, const Tensor& q, const Tensor& k_cache, const Te
   check_head_dim(op, a, false);
   if (rows == 0) return;
   const Flash f = make_flash(a, B, Tensor(), Tensor(), lengths.ptr<const int32_t>());
-  simt_fwd_kernel<<<warp_blocks(rows), kWarps * 32, 0, c.stream>>>(in(q), in(k_cache), in(v_cache),
+  MT_LAUNCH(simt_fwd_kernel, warp_blocks(rows), kWarps * 32, 0, c.stream)(in(q), in(k_cache), in(v_cache),
                                                                    f, out(o), nullptr);
   check(cudaGetLastError(), op, "kernel launch",
         "q " + str(q) + ", k_cache " + str(k_cache) + ", v_cache " + str(v_cache));

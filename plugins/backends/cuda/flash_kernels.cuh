@@ -1,9 +1,8 @@
 // The device code of flash attention (flash.cu holds the launchers): the SIMT and tensor-core
-// kernels and their helpers. A header so that tests/unit/flash_emulation_test.cpp can compile the
-// same kernels as host C++ under tests/support/cuda_emulation.h (MT_CUDA_EMULATION), which runs
-// a block's threads as host threads and mma.sync from the PTX ISA's fragment layout: the tile
-// indexing, masks and online softmax are checked on any machine, the hardware's arithmetic only
-// on a GPU (gpu_ops_test).
+// kernels and their helpers. MT_DYNAMIC_SHARED and the mma below have stand-ins under
+// tests/support/cuda_emulation.h, which compiles the plugin's kernels as host C++ for
+// cuda_emulated_ops_test: the tile indexing, masks and online softmax are checked on any machine,
+// the hardware's arithmetic only on a GPU (gpu_ops_test).
 //
 // Notation: q [B, T, Hq, D], k and v [B, S, Hkv, D], group = Hq / Hkv (query head h reads kv head
 // h / group), lse and delta [B, Hq, T]. Query i sits at position offset + i (decode:

@@ -4,8 +4,10 @@
 // and the shapes.
 #pragma once
 
+#ifndef MT_CUDA_EMULATION  // tests/support/cuda_emulation.h stands in for the runtime
 #include <cublasLt.h>
 #include <cuda_runtime.h>
+#endif
 
 #include <functional>
 #include <memory>

@@ -1,0 +1,59 @@
+// Compiles the cuda plugin's kernels.cu and flash.cu as host C++ (cuda_emulation.h must come
+// first) and wraps their launchers in a Backend with host memory.
+#include "cuda_emulation.h"
+// The plugin's sources, as they are.
+#include "flash.cu"
+#include "kernels.cu"
+
+#include "cuda_ops.h"
+#include "emulated_cuda.h"
+#include "mt/error.h"
+#include "test_support.h"
+
+namespace mt::cuda {
+
+// gemm.cu's matmul: cuBLASLt is not emulated, the CPU backend multiplies (host memory both).
+void matmul(const Ctx&, const Tensor& a, const Tensor& b, Tensor& o, bool trans_a, bool trans_b,
+            float alpha, float beta) {
+  test::cpu().matmul(a, b, o, trans_a, trans_b, alpha, beta);
+}
+
+namespace {
+
+class EmulatedCuda final : public CudaOps {
+ public:
+  EmulatedCuda() {
+    ctx_.scratch = [this](const Shape& s, DType d) { return empty(s, d); };
+  }
+  std::string name() const override { return "cuda"; }
+  std::string describe() const override { return "cuda kernels emulated on the CPU"; }
+  double peak_flops(DType) const override { return 0.0; }
+  Tensor empty(const Shape& shape, DType dtype) override { return mem().empty(shape, dtype); }
+  void release(void*, size_t) override {}  // tensors are the CPU backend's
+  void copy_from_host(Tensor& dst, const void* src) override { mem().copy_from_host(dst, src); }
+  void copy_to_host(const Tensor& src, void* dst) override { mem().copy_to_host(src, dst); }
+  MemoryStats memory_stats() const override { return test::cpu().memory_stats(); }
+  void reset_peak_memory() override { mem().reset_peak_memory(); }
+
+ private:
+  static Backend& mem() { return test::cpu(); }
+};
+
+}  // namespace
+}  // namespace mt::cuda
+
+namespace mt::test {
+
+std::unique_ptr<Backend> emulated_cuda() {
+  return std::make_unique<cuda::EmulatedCuda>();
+}
+
+std::unique_ptr<AttentionKernel> emulated_cuda_attention(const std::string& name, Backend& b) {
+  auto* ops = dynamic_cast<cuda::CudaOps*>(&b);
+  MT_CHECK(ops != nullptr, "emulated_cuda_attention needs an emulated_cuda() backend");
+  MT_CHECK(name == "dot_product" || name == "flash", "no emulated cuda attention " + name);
+  return std::make_unique<cuda::CudaAttention>(
+      name, name == "flash" ? cuda::kFlash : cuda::kDotProduct, *ops);
+}
+
+}  // namespace mt::test

@@ -1,0 +1,19 @@
+// The CUDA backend's kernels and launchers on host memory, under cuda_emulation.h: a "device"
+// for gpu_ops_test on machines without a GPU (the cuda_emulated_ops_test executable).
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "mt/attention.h"
+#include "mt/backend.h"
+
+namespace mt::test {
+
+// A Backend whose ops are the cuda plugin's launchers (plugins/backends/cuda/cuda_ops.h), its
+// memory the CPU backend's. GEMMs run on the CPU backend: cuBLASLt has no emulation.
+std::unique_ptr<Backend> emulated_cuda();
+// "dot_product" or "flash" of the cuda plugin on an emulated_cuda() backend.
+std::unique_ptr<AttentionKernel> emulated_cuda_attention(const std::string& name, Backend& b);
+
+}  // namespace mt::test
