@@ -105,8 +105,8 @@ void flash_forward(const Ctx& c, const Tensor& q, const Tensor& k, const Tensor&
                 lse.ptr<float>());
     return;
   }
-  MT_LAUNCH(simt_fwd_kernel, warp_blocks(rows), kWarps * 32, 0, c.stream)(in(q), in(k), in(v), f, out(o),
-                                                                   lse.ptr<float>());
+  MT_LAUNCH(simt_fwd_kernel, warp_blocks(rows), kWarps * 32, 0, c.stream)
+  (in(q), in(k), in(v), f, out(o), lse.ptr<float>());
   check(cudaGetLastError(), op, "kernel launch", shapes);
 }
 
@@ -123,8 +123,8 @@ void flash_backward(const Ctx& c, const Tensor& dout, const Tensor& q, const Ten
   const bool tc = tensor_cores({&q, &k, &v, &dout}, a.D, B * a.Hq);
   check_head_dim(op, a, tc);
   Tensor delta = c.scratch({B, a.Hq, a.T}, DType::f32);
-  MT_LAUNCH(delta_kernel, warp_blocks(rows), kWarps * 32, 0, c.stream)(in(dout), in(o), f,
-                                                                delta.ptr<float>());
+  MT_LAUNCH(delta_kernel, warp_blocks(rows), kWarps * 32, 0, c.stream)
+  (in(dout), in(o), f, delta.ptr<float>());
   check(cudaGetLastError(), op, "kernel launch", shapes);
   const float* ls = lse.ptr<const float>();
   const float* dl = delta.ptr<const float>();
@@ -148,11 +148,11 @@ void flash_backward(const Ctx& c, const Tensor& dout, const Tensor& q, const Ten
     }
     return;
   }
-  MT_LAUNCH(simt_dq_kernel, warp_blocks(rows), kWarps * 32, 0, c.stream)(in(q), in(k), in(v), in(dout), f,
-                                                                  ls, dl, out(dq));
+  MT_LAUNCH(simt_dq_kernel, warp_blocks(rows), kWarps * 32, 0, c.stream)
+  (in(q), in(k), in(v), in(dout), f, ls, dl, out(dq));
   check(cudaGetLastError(), op, "kernel launch", shapes);
-  MT_LAUNCH(simt_dkv_kernel, warp_blocks(B * a.S * a.Hkv), kWarps * 32, 0, c.stream)(
-      in(q), in(k), in(v), in(dout), f, ls, dl, out(dk), out(dv));
+  MT_LAUNCH(simt_dkv_kernel, warp_blocks(B * a.S * a.Hkv), kWarps * 32, 0, c.stream)
+  (in(q), in(k), in(v), in(dout), f, ls, dl, out(dk), out(dv));
   check(cudaGetLastError(), op, "kernel launch", shapes);
 }
 
@@ -165,8 +165,8 @@ void flash_decode(const Ctx& c, const Tensor& q, const Tensor& k_cache, const Te
   check_head_dim(op, a, false);
   if (rows == 0) return;
   const Flash f = make_flash(a, B, Tensor(), Tensor(), lengths.ptr<const int32_t>());
-  MT_LAUNCH(simt_fwd_kernel, warp_blocks(rows), kWarps * 32, 0, c.stream)(in(q), in(k_cache), in(v_cache),
-                                                                   f, out(o), nullptr);
+  MT_LAUNCH(simt_fwd_kernel, warp_blocks(rows), kWarps * 32, 0, c.stream)
+  (in(q), in(k_cache), in(v_cache), f, out(o), nullptr);
   check(cudaGetLastError(), op, "kernel launch",
         "q " + str(q) + ", k_cache " + str(k_cache) + ", v_cache " + str(v_cache));
 }

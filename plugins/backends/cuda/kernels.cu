@@ -362,8 +362,8 @@ void scatter_rows(const Ctx& c, const char* op, const Tensor& src, const std::ve
   const dim3 grid(static_cast<unsigned>(runs),
                   static_cast<unsigned>((D + kThreads - 1) / kThreads));
   const In wv = w.defined() ? in(w) : In{nullptr, false};
-  MT_LAUNCH(scatter_runs_kernel, grid, kThreads, 0, c.stream)(
-      in(src), wv, w.defined(), d_order, d_order + M, d_order + M + runs + 1, D, out(o));
+  MT_LAUNCH(scatter_runs_kernel, grid, kThreads, 0, c.stream)
+  (in(src), wv, w.defined(), d_order, d_order + M, d_order + M + runs + 1, D, out(o));
   launched(op, shapes);
 }
 
@@ -607,9 +607,9 @@ void rope_apply(const Ctx& c, const char* op, const Tensor& x, const Tensor& pos
     check(cudaMemcpyAsync(freq.data(), table.inv_freq.data(), table.inv_freq.size() * sizeof(float),
                           cudaMemcpyHostToDevice, c.stream),
           op, "uploading inv_freq", shapes());
-  MT_LAUNCH(rope_kernel, static_cast<unsigned>(rows), kThreads, 0, c.stream)(
-      in(x), positions.ptr<const int32_t>(), freq.ptr<const float>(), H, D, R, spec.interleaved,
-      static_cast<float>(table.mscale), inverse, out(o));
+  MT_LAUNCH(rope_kernel, static_cast<unsigned>(rows), kThreads, 0, c.stream)
+  (in(x), positions.ptr<const int32_t>(), freq.ptr<const float>(), H, D, R, spec.interleaved,
+   static_cast<float>(table.mscale), inverse, out(o));
   launched(op, shapes);
 }
 
@@ -915,9 +915,9 @@ void topk_route_forward(const Ctx& c, const Tensor& logits, int k, bool sigmoid,
            "cuda topk_route_forward: " + shapes() + " (want k in [1, E], weights/indices [N, k], " +
                "probs [N, E])");
   if (N == 0) return;
-  MT_LAUNCH(topk_fwd_kernel, grid_for(N), kThreads, 0, c.stream)(
-      in(logits), N, E, k, sigmoid, normalize, weights.ptr<float>(), indices.ptr<int32_t>(),
-      probs.ptr<float>());
+  MT_LAUNCH(topk_fwd_kernel, grid_for(N), kThreads, 0, c.stream)
+  (in(logits), N, E, k, sigmoid, normalize, weights.ptr<float>(), indices.ptr<int32_t>(),
+   probs.ptr<float>());
   launched("topk_route_forward", shapes);
 }
 
@@ -938,9 +938,9 @@ void topk_route_backward(const Ctx& c, const Tensor& dweights, const Tensor& wei
                " (want dweights/weights/indices [N, k], dlogits [N, E])");
   check_rows("topk_route_backward", host_ints(c, indices, "topk_route_backward"), E);
   if (N == 0) return;
-  MT_LAUNCH(topk_bwd_kernel, grid_for(N), kThreads, 0, c.stream)(
-      in(dweights), in(probs), indices.ptr<const int32_t>(), N, E, static_cast<int>(k), sigmoid,
-      normalize, out(dlogits));
+  MT_LAUNCH(topk_bwd_kernel, grid_for(N), kThreads, 0, c.stream)
+  (in(dweights), in(probs), indices.ptr<const int32_t>(), N, E, static_cast<int>(k), sigmoid,
+   normalize, out(dlogits));
   launched("topk_route_backward", shapes);
 }
 
@@ -1009,8 +1009,8 @@ void rmsnorm_forward(const Ctx& c, const Tensor& x, const Tensor& w, float eps, 
   const int64_t D = x.dim(-1), N = D ? x.numel() / D : 0;
   MT_CHECK(rstd.numel() == N, "cuda rmsnorm_forward: rstd must be f32 [N]: " + shapes());
   if (N == 0) return;
-  MT_LAUNCH(rms_fwd_kernel, static_cast<unsigned>(N), kThreads, 0, c.stream)(in(x), in(w), plus_one, eps,
-                                                                      D, out(o), rstd.ptr<float>());
+  MT_LAUNCH(rms_fwd_kernel, static_cast<unsigned>(N), kThreads, 0, c.stream)
+  (in(x), in(w), plus_one, eps, D, out(o), rstd.ptr<float>());
   launched("rmsnorm_forward", shapes);
 }
 
@@ -1027,8 +1027,8 @@ void rmsnorm_backward(const Ctx& c, const Tensor& dout, const Tensor& x, const T
   const int64_t D = x.dim(-1), N = D ? x.numel() / D : 0;
   MT_CHECK(rstd.numel() == N, "cuda rmsnorm_backward: rstd must be f32 [N]: " + shapes());
   if (N == 0) return;
-  MT_LAUNCH(rms_bwd_dx_kernel, static_cast<unsigned>(N), kThreads, 0, c.stream)(
-      in(dout), in(x), in(w), plus_one, rstd.ptr<const float>(), D, out(dx));
+  MT_LAUNCH(rms_bwd_dx_kernel, static_cast<unsigned>(N), kThreads, 0, c.stream)
+  (in(dout), in(x), in(w), plus_one, rstd.ptr<const float>(), D, out(dx));
   launched("rmsnorm_backward", shapes);
   // dw: fixed row blocks (a function of N only, as on the CPU), each writing its own partial,
   // then the partials added in block order.
@@ -1036,11 +1036,12 @@ void rmsnorm_backward(const Ctx& c, const Tensor& dout, const Tensor& x, const T
   const int64_t nblocks = (N + brows - 1) / brows;
   Tensor partial = c.scratch({nblocks, D}, DType::f32);
   const unsigned cols = static_cast<unsigned>((D + kThreads - 1) / kThreads);
-  MT_LAUNCH(rms_bwd_dw_partial_kernel, dim3(cols, static_cast<unsigned>(nblocks)), kThreads, 0, c.stream)(
-      in(dout), in(x), rstd.ptr<const float>(), N, D, brows, partial.ptr<float>());
+  MT_LAUNCH(rms_bwd_dw_partial_kernel, dim3(cols, static_cast<unsigned>(nblocks)), kThreads, 0,
+            c.stream)
+  (in(dout), in(x), rstd.ptr<const float>(), N, D, brows, partial.ptr<float>());
   launched("rmsnorm_backward", shapes);
-  MT_LAUNCH(add_partials_kernel, cols, kThreads, 0, c.stream)(partial.ptr<const float>(), nblocks, D,
-                                                       out(dw));
+  MT_LAUNCH(add_partials_kernel, cols, kThreads, 0, c.stream)
+  (partial.ptr<const float>(), nblocks, D, out(dw));
   launched("rmsnorm_backward", shapes);
 }
 
@@ -1061,8 +1062,8 @@ void layernorm_forward(const Ctx& c, const Tensor& x, const Tensor& w, const Ten
            "cuda layernorm_forward: mean and rstd must be f32 [N]: " + shapes());
   if (N == 0) return;
   const In bias = b.defined() ? in(b) : In{nullptr, false};
-  MT_LAUNCH(ln_fwd_kernel, static_cast<unsigned>(N), kThreads, 0, c.stream)(
-      in(x), in(w), bias, b.defined(), eps, D, out(o), mean.ptr<float>(), rstd.ptr<float>());
+  MT_LAUNCH(ln_fwd_kernel, static_cast<unsigned>(N), kThreads, 0, c.stream)
+  (in(x), in(w), bias, b.defined(), eps, D, out(o), mean.ptr<float>(), rstd.ptr<float>());
   launched("layernorm_forward", shapes);
 }
 
@@ -1082,8 +1083,8 @@ void layernorm_backward(const Ctx& c, const Tensor& dout, const Tensor& x, const
                rstd.dtype() == DType::f32 && rstd.numel() == N,
            "cuda layernorm_backward: mean and rstd must be f32 [N]: " + shapes());
   if (N == 0) return;
-  MT_LAUNCH(ln_bwd_dx_kernel, static_cast<unsigned>(N), kThreads, 0, c.stream)(
-      in(dout), in(x), in(w), mean.ptr<const float>(), rstd.ptr<const float>(), D, out(dx));
+  MT_LAUNCH(ln_bwd_dx_kernel, static_cast<unsigned>(N), kThreads, 0, c.stream)
+  (in(dout), in(x), in(w), mean.ptr<const float>(), rstd.ptr<const float>(), D, out(dx));
   launched("layernorm_backward", shapes);
   // dw and db: fixed row blocks (a function of N only), partials added in block order.
   const int64_t brows = std::max<int64_t>(32, (N + 255) / 256);
@@ -1092,8 +1093,9 @@ void layernorm_backward(const Ctx& c, const Tensor& dout, const Tensor& x, const
   float* pw = partial.ptr<float>();
   float* pb = pw + nblocks * D;
   const unsigned cols = static_cast<unsigned>((D + kThreads - 1) / kThreads);
-  MT_LAUNCH(ln_bwd_partial_kernel, dim3(cols, static_cast<unsigned>(nblocks)), kThreads, 0, c.stream)(
-      in(dout), in(x), mean.ptr<const float>(), rstd.ptr<const float>(), N, D, brows, pw, pb);
+  MT_LAUNCH(ln_bwd_partial_kernel, dim3(cols, static_cast<unsigned>(nblocks)), kThreads, 0,
+            c.stream)
+  (in(dout), in(x), mean.ptr<const float>(), rstd.ptr<const float>(), N, D, brows, pw, pb);
   launched("layernorm_backward", shapes);
   MT_LAUNCH(add_partials_kernel, cols, kThreads, 0, c.stream)(pw, nblocks, D, out(dw));
   launched("layernorm_backward", shapes);
@@ -1176,8 +1178,8 @@ void softmax_backward(const Ctx& c, const Tensor& dout, const Tensor& y, Tensor&
            "cuda softmax_backward: " + shapes());
   const int64_t C = y.dim(-1), N = C ? y.numel() / C : 0;
   if (N == 0) return;
-  MT_LAUNCH(softmax_bwd_kernel, static_cast<unsigned>(N), kThreads, 0, c.stream)(in(dout), in(y), C,
-                                                                          out(dx));
+  MT_LAUNCH(softmax_bwd_kernel, static_cast<unsigned>(N), kThreads, 0, c.stream)
+  (in(dout), in(y), C, out(dx));
   launched("softmax_backward", shapes);
 }
 
@@ -1208,8 +1210,8 @@ void cross_entropy_forward(const Ctx& c, const Tensor& logits, const Tensor& tar
            "cuda cross_entropy_forward: " + shapes() + " (loss and lse must be f32 [N])");
   check_targets(c, "cross_entropy_forward", targets, N, V);
   if (N == 0) return;
-  MT_LAUNCH(ce_fwd_kernel, static_cast<unsigned>(N), kThreads, 0, c.stream)(
-      in(logits), targets.ptr<const int32_t>(), z_loss, V, loss.ptr<float>(), lse.ptr<float>());
+  MT_LAUNCH(ce_fwd_kernel, static_cast<unsigned>(N), kThreads, 0, c.stream)
+  (in(logits), targets.ptr<const int32_t>(), z_loss, V, loss.ptr<float>(), lse.ptr<float>());
   launched("cross_entropy_forward", shapes);
 }
 
@@ -1229,9 +1231,9 @@ void cross_entropy_backward(const Ctx& c, const Tensor& dloss, const Tensor& log
            "cuda cross_entropy_backward: " + shapes() + " (dloss [N], lse f32 [N])");
   check_targets(c, "cross_entropy_backward", targets, N, V);
   if (N == 0) return;
-  MT_LAUNCH(ce_bwd_kernel, static_cast<unsigned>(N), kThreads, 0, c.stream)(
-      in(dloss), in(logits), targets.ptr<const int32_t>(), lse.ptr<const float>(), z_loss, V,
-      out(dlogits));
+  MT_LAUNCH(ce_bwd_kernel, static_cast<unsigned>(N), kThreads, 0, c.stream)
+  (in(dloss), in(logits), targets.ptr<const int32_t>(), lse.ptr<const float>(), z_loss, V,
+   out(dlogits));
   launched("cross_entropy_backward", shapes);
 }
 
@@ -1508,10 +1510,10 @@ void attention_forward(const Ctx& c, const Tensor& q, const Tensor& k, const Ten
   check_attention_lse(op, lse, B, a);
   if (rows == 0) return;
   Tensor sc = c.scratch({rows, std::max<int64_t>(a.S, 1)}, DType::f32);
-  MT_LAUNCH(attn_fwd_kernel, static_cast<unsigned>(rows), kThreads, 0, c.stream)(
-      in(q), in(k), in(v), q_segment.defined() ? q_segment.ptr<const int32_t>() : nullptr,
-      kv_segment.defined() ? kv_segment.ptr<const int32_t>() : nullptr, nullptr, a, sc.ptr<float>(),
-      out(o), lse.ptr<float>());
+  MT_LAUNCH(attn_fwd_kernel, static_cast<unsigned>(rows), kThreads, 0, c.stream)
+  (in(q), in(k), in(v), q_segment.defined() ? q_segment.ptr<const int32_t>() : nullptr,
+   kv_segment.defined() ? kv_segment.ptr<const int32_t>() : nullptr, nullptr, a, sc.ptr<float>(),
+   out(o), lse.ptr<float>());
   launched(op, [&] { return "q " + str(q) + ", k " + str(k) + ", v " + str(v); });
 }
 
@@ -1530,11 +1532,11 @@ void attention_backward(const Ctx& c, const Tensor& dout, const Tensor& q, const
   float* dp = pr + rows * a.S;
   const int32_t* qs = q_segment.defined() ? q_segment.ptr<const int32_t>() : nullptr;
   const int32_t* ks = kv_segment.defined() ? kv_segment.ptr<const int32_t>() : nullptr;
-  MT_LAUNCH(attn_bwd_q_kernel, static_cast<unsigned>(rows), kThreads, 0, c.stream)(
-      in(q), in(k), in(v), in(dout), qs, ks, a, sc, pr, dp, out(dq));
+  MT_LAUNCH(attn_bwd_q_kernel, static_cast<unsigned>(rows), kThreads, 0, c.stream)
+  (in(q), in(k), in(v), in(dout), qs, ks, a, sc, pr, dp, out(dq));
   launched(op, [&] { return shapes; });
-  MT_LAUNCH(attn_bwd_kv_kernel, static_cast<unsigned>(B * a.S * a.Hkv), kThreads, 0, c.stream)(
-      in(q), in(dout), a, sc, pr, out(dk), out(dv));
+  MT_LAUNCH(attn_bwd_kv_kernel, static_cast<unsigned>(B * a.S * a.Hkv), kThreads, 0, c.stream)
+  (in(q), in(dout), a, sc, pr, out(dk), out(dv));
   launched(op, [&] { return shapes; });
 }
 
@@ -1546,9 +1548,9 @@ void attention_decode(const Ctx& c, const Tensor& q, const Tensor& k_cache, cons
   check_decode_lengths(c, op, lengths, B, a);
   if (rows == 0) return;
   Tensor sc = c.scratch({rows, std::max<int64_t>(a.S, 1)}, DType::f32);
-  MT_LAUNCH(attn_fwd_kernel, static_cast<unsigned>(rows), kThreads, 0, c.stream)(
-      in(q), in(k_cache), in(v_cache), nullptr, nullptr, lengths.ptr<const int32_t>(), a,
-      sc.ptr<float>(), out(o), nullptr);
+  MT_LAUNCH(attn_fwd_kernel, static_cast<unsigned>(rows), kThreads, 0, c.stream)
+  (in(q), in(k_cache), in(v_cache), nullptr, nullptr, lengths.ptr<const int32_t>(), a,
+   sc.ptr<float>(), out(o), nullptr);
   launched(op, [&] { return "q " + str(q) + ", k_cache " + str(k_cache); });
 }
 
