@@ -1,10 +1,10 @@
 #include "plugin_manager.h"
 
+#include <dlfcn.h>
 #include <algorithm>
 #include <boost/dll/runtime_symbol_info.hpp>
 #include <boost/dll/shared_library.hpp>
 #include <cstdlib>
-#include <dlfcn.h>
 #include <set>
 #include <sstream>
 
@@ -20,7 +20,9 @@ namespace mt {
 
 namespace {
 
-std::string kind_dir_name(const std::string& kind) { return kind; }
+std::string kind_dir_name(const std::string& kind) {
+  return kind;
+}
 
 // "libmt_backend_cpu.so" -> {"backend", "cpu"}
 bool split_file_name(const fs::path& p, std::string& kind, std::string& name) {
@@ -186,8 +188,8 @@ std::string PluginManager::not_found_message(const std::string& kind, const std:
     found += r.name + (r.ok ? "" : " (unusable: " + r.error + ")");
   }
   return "No " + kind + " plugin named '" + name + "' was found: looked for libmt_" + kind + "_" +
-         name + ".so in " + join_paths(dirs_) + ". Available " + kind + " plugins: " +
-         (found.empty() ? "none" : found) +
+         name + ".so in " + join_paths(dirs_) + ". Available " + kind +
+         " plugins: " + (found.empty() ? "none" : found) +
          ". Add a directory with MT_PLUGIN_PATH or the plugin_dirs key.";
 }
 
@@ -201,8 +203,8 @@ void PluginManager::require(const std::string& kind, const std::string& name) {
     if (!fs::exists(p, ec)) continue;
     PluginRecord rec = load_file(p, /*do_register=*/true);
     if (!rec.ok) {
-      throw UsageError("The " + kind + " plugin '" + name + "' at " + p.string() + " " +
-                       rec.error + ".");
+      throw UsageError("The " + kind + " plugin '" + name + "' at " + p.string() + " " + rec.error +
+                       ".");
     }
     if (rec.kind != kind || rec.name != name) {
       throw UsageError("The file " + p.string() + " registers itself as " + rec.kind + " '" +
@@ -216,7 +218,9 @@ void PluginManager::require(const std::string& kind, const std::string& name) {
 }
 
 std::unique_ptr<Backend> PluginManager::make_backend(const std::string& name, const Config& cfg) {
-  require("backend", name);
+  // A backend registered in-process (add_backend by an embedding program or a test) needs no
+  // plugin file.
+  if (!backends_.count(name)) require("backend", name);
   auto it = backends_.find(name);
   if (it == backends_.end())
     throw UsageError("The backend plugin '" + name + "' loaded but registered no backend named '" +

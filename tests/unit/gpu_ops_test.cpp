@@ -6,6 +6,10 @@
 // storage (the same bf16 inputs, f32 math on both sides: only the final rounding may differ).
 // Where this machine has no CUDA device, or the cuda plugin was not built or declines, every test
 // skips and says why. A failure prints the seed; MT_TEST_SEED=<seed> replays it.
+//
+// Built a second time as cuda_emulated_ops_test (label unit, tests named Emulated.*): the "gpu"
+// is then the cuda plugin's kernels run on the CPU under tests/support/cuda_emulation.h, so the
+// CUDA code's logic is checked on every machine.
 #include <gtest/gtest.h>
 
 #include <algorithm>

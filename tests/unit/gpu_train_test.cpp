@@ -5,6 +5,9 @@
 // of metrics.jsonl must agree: within 1e-3 absolute with f32 activations and weights (full-f32
 // matmuls, dot_product and flash attention), within 3% relative with bf16 activations.
 //
+// Built a second time as cuda_emulated_train_test (label slow): "cuda" is then the plugin's
+// kernels run on the CPU under tests/support/cuda_emulation.h, registered in-process.
+//
 // Where the cuda plugin was not built, or declines because this machine has no driver or no
 // device, every test skips and says why. Any other failure (the plugin does not load, the backend
 // or an attention kernel cannot be made) fails the test.
@@ -25,6 +28,9 @@
 #include "mt/error.h"
 #include "plugin_manager.h"
 #include "test_support.h"
+#ifdef MT_CUDA_EMULATED_OPS
+#include "emulated_cuda.h"
+#endif
 #include "trainer.h"
 
 namespace fs = std::filesystem;
@@ -42,6 +48,14 @@ struct CudaPlugin {
 const CudaPlugin& cuda_plugin() {
   static const CudaPlugin state = [] {
     CudaPlugin s;
+#ifdef MT_CUDA_EMULATED_OPS
+    // cuda_emulated_train_test: "cuda" is the plugin's kernels emulated on the CPU, registered
+    // in-process under the plugin's names.
+    test::plugins().add_backend("cuda", [](const Config&) { return test::emulated_cuda(); });
+    for (const char* name : {"dot_product", "flash"})
+      test::plugins().add_attention(
+          "cuda", name, [name](Backend& b) { return test::emulated_cuda_attention(name, b); });
+#else
     try {
       test::plugins().require("backend", "cuda");
     } catch (const std::exception& e) {
@@ -58,6 +72,7 @@ const CudaPlugin& cuda_plugin() {
       else
         s.error = why;
     }
+#endif
     return s;
   }();
   return state;
