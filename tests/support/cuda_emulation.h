@@ -19,7 +19,6 @@
 
 #include <setjmp.h>
 #include <ucontext.h>
-#include <array>
 
 #include <algorithm>
 #include <cmath>
@@ -28,7 +27,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
-#include <memory>
 #include <vector>
 
 #define __global__
