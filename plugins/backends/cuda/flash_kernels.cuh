@@ -97,8 +97,12 @@ __device__ __forceinline__ float lanes_dot(const float (&r)[kLaneMax], In x, int
 
 // Forward (and decode, with f.lengths): one warp per query row r = (b Hq + h) T + i, keys in
 // order with an online softmax. out [B, T, Hq, D]; lse [B, Hq, T] or null.
+// Split keys (decode over a long cache): with `partial`, the warp of split s = blockIdx.y takes
+// only keys [s chunk, (s + 1) chunk) and writes its unnormalised state (m, l, acc[D]) to
+// partial [rows, gridDim.y, D + 2] for combine_kernel instead of out and lse.
 __global__ void __launch_bounds__(kWarps * 32)
-    simt_fwd_kernel(In q, In k, In v, Flash f, Out o, float* lse) {
+    simt_fwd_kernel(In q, In k, In v, Flash f, Out o, float* lse, int64_t chunk = 0,
+                    float* partial = nullptr) {
   const AttnArgs& a = f.a;
   const int lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
@@ -108,6 +112,11 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int64_t p = f.lengths ? len - a.T + i : a.offset + i;
   int64_t lo, hi;
   key_range(a, p, len, lo, hi);
+  if (partial) {
+    const int64_t c0 = static_cast<int64_t>(blockIdx.y) * chunk;
+    lo = lo > c0 ? lo : c0;
+    hi = hi < c0 + chunk ? hi : c0 + chunk;
+  }
   const int64_t qo = ((b * a.T + i) * a.Hq + h) * a.D;
   float qv[kLaneMax], acc[kLaneMax] = {};
   load_lanes(qv, q, qo, a.D);
@@ -127,6 +136,16 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
     m = mn;
   }
+  if (partial) {
+    float* dst = partial + (r * gridDim.y + blockIdx.y) * (a.D + 2);
+    if (lane == 0) dst[0] = m, dst[1] = l;
+#pragma unroll
+    for (int t = 0; t < kLaneMax; ++t) {
+      const int64_t e = lane + 32 * t;
+      if (e < a.D) dst[2 + e] = acc[t];
+    }
+    return;
+  }
   const float inv = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll
   for (int t = 0; t < kLaneMax; ++t) {
@@ -134,6 +153,38 @@ __global__ void __launch_bounds__(kWarps * 32)
     if (e < a.D) o.set(qo + e, acc[t] * inv);
   }
   if (lse && lane == 0) lse[r] = l > 0.f ? m + logf(l) : -INFINITY;
+}
+
+// Split keys, second pass: out row r from its `splits` partial states (simt_fwd_kernel), in
+// split order: m = max m_s, out = sum_s e^(m_s - m) acc_s / sum_s e^(m_s - m) l_s.
+__global__ void __launch_bounds__(kWarps * 32)
+    combine_kernel(const float* partial, int64_t splits, Flash f, Out o) {
+  const AttnArgs& a = f.a;
+  const int lane = threadIdx.x & 31;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  if (r >= f.B * a.Hq * a.T) return;
+  const int64_t i = r % a.T, bh = r / a.T, h = bh % a.Hq, b = bh / a.Hq;
+  const int64_t qo = ((b * a.T + i) * a.Hq + h) * a.D;
+  const float* src = partial + r * splits * (a.D + 2);
+  float m = -INFINITY;
+  for (int64_t s = 0; s < splits; ++s) m = fmaxf(m, src[s * (a.D + 2)]);
+  float l = 0.f, acc[kLaneMax] = {};
+  for (int64_t s = 0; s < splits && m > -INFINITY; ++s) {
+    const float* ps = src + s * (a.D + 2);
+    const float w = expf(ps[0] - m);  // a split that saw no key: m_s = -inf, weight 0
+    l += w * ps[1];
+#pragma unroll
+    for (int t = 0; t < kLaneMax; ++t) {
+      const int64_t e = lane + 32 * t;
+      if (e < a.D) acc[t] += w * ps[2 + e];
+    }
+  }
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+  for (int t = 0; t < kLaneMax; ++t) {
+    const int64_t e = lane + 32 * t;
+    if (e < a.D) o.set(qo + e, acc[t] * inv);
+  }
 }
 
 // delta [B, Hq, T]: sum_e dO_ie O_ie, one warp per query row.
