@@ -95,6 +95,14 @@ __device__ __forceinline__ float lanes_dot(const float (&r)[kLaneMax], In x, int
   return warp_sum(d);
 }
 
+// The same with both rows in registers (zeros past D on both sides).
+__device__ __forceinline__ float lanes_dot(const float (&x)[kLaneMax], const float (&y)[kLaneMax]) {
+  float d = 0.f;
+#pragma unroll
+  for (int t = 0; t < kLaneMax; ++t) d += x[t] * y[t];
+  return warp_sum(d);
+}
+
 // Forward (and decode, with f.lengths): one warp per query row r = (b Hq + h) T + i, keys in
 // order with an online softmax. out [B, T, Hq, D]; lse [B, Hq, T] or null.
 // Split keys (decode over a long cache): with `partial`, the warp of split s = blockIdx.y takes
@@ -225,10 +233,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     if (f.q_seg && f.kv_seg[b * a.S + j] != qs) continue;
     const int64_t ko = ((b * a.S + j) * a.Hkv + g) * a.D;
     load_lanes(kv, k, ko, a.D);
-    float d = 0.f;
-#pragma unroll
-    for (int t = 0; t < kLaneMax; ++t) d += qv[t] * kv[t];
-    const float x = cap_score(a, warp_sum(d));
+    const float x = cap_score(a, lanes_dot(qv, kv));
     const float pj = expf(x - ls);
     const float ds = pj * (lanes_dot(dov, v, ko, a.D) - dl) * cap_grad(a, x);
 #pragma unroll
@@ -267,17 +272,11 @@ __global__ void __launch_bounds__(kWarps * 32)
       if (ls == -INFINITY) continue;
       const int64_t qo = ((b * a.T + i) * a.Hq + h) * a.D;
       load_lanes(qv, q, qo, a.D);
-      float d = 0.f;
-#pragma unroll
-      for (int t = 0; t < kLaneMax; ++t) d += qv[t] * kv[t];
-      const float x = cap_score(a, warp_sum(d));
+      const float x = cap_score(a, lanes_dot(qv, kv));
       const float pj = expf(x - ls);
-      float dp = 0.f;
       float dov[kLaneMax];
       load_lanes(dov, dout, qo, a.D);
-#pragma unroll
-      for (int t = 0; t < kLaneMax; ++t) dp += dov[t] * vv[t];
-      const float ds = pj * (warp_sum(dp) - delta[r]) * cap_grad(a, x);
+      const float ds = pj * (lanes_dot(dov, vv) - delta[r]) * cap_grad(a, x);
 #pragma unroll
       for (int t = 0; t < kLaneMax; ++t) {
         av[t] += pj * dov[t];
