@@ -16,7 +16,8 @@
 # 4. One markdown table on stdout (last, so it is in any output tail). Files in $OUT when set,
 #    else bench/gpu/results/: raw.jsonl (every JSON line, tagged source/case), table.md,
 #    status.txt, build.log, ctest.log, bench.log (the commands' stderr), env.txt, and
-#    memcheck.log when time is left for compute-sanitizer over the flash and GEMM tests.
+#    sanitizer.log when time is left for compute-sanitizer (memcheck over the flash and GEMM
+#    tests, then racecheck over the flash tiles). Eight files: what the device tool returns.
 #
 # Every step has a time limit and the whole run a budget (MT_GPU_BUDGET_S, default 530 s, for a
 # 10-minute command limit); a step that fails or runs out of time is reported in the table and the
@@ -340,12 +341,35 @@ if ((built)) && [ -x "$build/tests/gpu_ops_test" ] && command -v compute-sanitiz
     rc=0
     run_mt timeout -k 5 "$t" compute-sanitizer --tool memcheck --error-exitcode 9 \
       "$build/tests/gpu_ops_test" --gtest_filter='GpuAttention.FlashSmall:GpuAttention.FlashTiles:GpuOps.Matmul' \
-      >"$res/memcheck.log" 2>&1 || rc=$?
+      >"$res/sanitizer.log" 2>&1 || rc=$?
     case $rc in
       0) note memcheck "ok" "no errors (flash small/tiles, matmul)" ;;
-      9) note memcheck "ERRORS" "$(grep -m1 -E 'Invalid|Misaligned|ERROR' "$res/memcheck.log" | cut -c1-200)" ;;
+      9) note memcheck "ERRORS" "$(grep -m1 -E 'Invalid|Misaligned|ERROR' "$res/sanitizer.log" | cut -c1-200)" ;;
       124 | 137) note memcheck "TIMED OUT" "after ${t}s" ;;
-      *) note memcheck "exit $rc" "tests failed under memcheck; see memcheck.log" ;;
+      *) note memcheck "exit $rc" "tests failed under memcheck; see sanitizer.log" ;;
+    esac
+  fi
+fi
+
+# Then racecheck over the flash tests: shared-memory hazards between warps, which the
+# double-buffered tiles of the tensor-core kernels could have (a refill racing a read).
+if ((built)) && [ -x "$build/tests/gpu_ops_test" ] && command -v compute-sanitizer >/dev/null 2>&1; then
+  t=$(limit 90)
+  if ((t < 30)); then
+    note racecheck "skipped" "time budget"
+  else
+    rc=0
+    echo "==== racecheck" >>"$res/sanitizer.log"
+    run_mt timeout -k 5 "$t" compute-sanitizer --tool racecheck --error-exitcode 9 \
+      "$build/tests/gpu_ops_test" --gtest_filter='GpuAttention.FlashTiles' \
+      >>"$res/racecheck.tmp" 2>&1 || rc=$?
+    cat "$res/racecheck.tmp" >>"$res/sanitizer.log"
+    rm -f "$res/racecheck.tmp"
+    case $rc in
+      0) note racecheck "ok" "no hazards (flash tiles)" ;;
+      9) note racecheck "HAZARDS" "$(sed -n '/==== racecheck/,$p' "$res/sanitizer.log" | grep -m1 -E 'Race|hazard|ERROR' | cut -c1-200)" ;;
+      124 | 137) note racecheck "TIMED OUT" "after ${t}s" ;;
+      *) note racecheck "exit $rc" "tests failed under racecheck; see sanitizer.log" ;;
     esac
   fi
 fi

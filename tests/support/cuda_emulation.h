@@ -1,8 +1,9 @@
 // Runs CUDA kernels written for mt's CUDA backend as host C++, so their logic (indexing, masks,
 // tiling, warp shuffles, mma fragment layouts) is tested on machines without a GPU. Include this
 // before the kernel header; it defines MT_CUDA_EMULATION, the CUDA keywords the kernels use, a
-// bfloat16 type with CUDA's conversions, threadIdx/blockIdx, __syncthreads, __shfl_xor_sync and
-// mma.sync m16n8k16 (bf16 in, f32 accumulate) from the fragment layout of the PTX ISA.
+// bfloat16 type with CUDA's conversions, threadIdx/blockIdx, __syncthreads, __shfl_xor_sync,
+// mma.sync m16n8k16 (bf16 in, f32 accumulate) and ldmatrix from the fragment layouts of the PTX
+// ISA, and cp.async with its groups (each copy landing as late as the hardware may land it).
 //
 // emu::launch runs each block of a grid in turn, its threads as fibers: __syncthreads is a
 // barrier of the block, a shuffle or an mma a barrier of the warp around an exchange. Only what
@@ -37,6 +38,15 @@
 // One block runs at a time, so a function's static is its block's shared memory.
 #define __shared__ static
 #define MT_DYNAMIC_SHARED(name) unsigned char* name = emu::dynamic_shared()
+// A fault the device would raise (a misaligned or out-of-range shared-memory access): the test
+// stops here rather than reading something the hardware never would.
+#define MT_EMU_REQUIRE(cond, what)                        \
+  do {                                                    \
+    if (!(cond)) {                                        \
+      std::fprintf(stderr, "cuda_emulation: %s\n", what); \
+      std::abort();                                       \
+    }                                                     \
+  } while (0)
 #define MT_LAUNCH(kernel, grid, block, shared, stream) \
   emu::Launcher(emu::as_dim3(grid), block, shared, [&](auto... args_) { kernel(args_...); })
 
@@ -180,6 +190,21 @@ struct Block {
     uint32_t a[4], b[2];
     float c[4];
   } frag[kMaxWarps][32];
+  // The row addresses the lanes of each warp give an ldmatrix.
+  const unsigned char* rows[kMaxWarps][32];
+  // Each thread's cp.async copies not yet complete, and how many groups it has committed.
+  struct AsyncCopy {
+    unsigned char* dst;
+    const unsigned char* src;
+    int bytes, src_bytes, group;
+  };
+  std::vector<std::vector<AsyncCopy>> pending =
+      std::vector<std::vector<AsyncCopy>>(static_cast<size_t>(threads));
+  std::vector<int> committed = std::vector<int>(static_cast<size_t>(threads), 0);
+  bool in_shared(const void* p, size_t n) const {
+    const auto* c = static_cast<const unsigned char*>(p);
+    return c >= smem.data() && c + n <= smem.data() + smem.size();
+  }
 };
 
 struct ThreadState {
@@ -388,4 +413,65 @@ inline void emulated_mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uin
   emu::warp_sync();
   for (int i = 0; i < 4; ++i) c[i] = mine.c[i];
   emu::warp_sync();  // every lane has its result before any lane's next mma reuses the slots
+}
+
+// ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16: lanes 8m..8m+7 give the 16-byte rows 0..7
+// of 8x8 matrix m; lane 4 gid + tq receives, of each matrix M, register m = {M[gid][2tq],
+// M[gid][2tq+1]}, or with .trans {M[2tq][gid], M[2tq+1][gid]} (lower element in the low half).
+inline void emulated_ldmatrix_x4(uint32_t (&r)[4], const void* row, bool trans) {
+  auto& blk = *emu::state.block;
+  const int w = emu::warp(), l = emu::lane();
+  MT_EMU_REQUIRE(reinterpret_cast<uintptr_t>(row) % 16 == 0, "ldmatrix row not 16-byte aligned");
+  MT_EMU_REQUIRE(blk.in_shared(row, 16), "ldmatrix row outside shared memory");
+  blk.rows[w][l] = static_cast<const unsigned char*>(row);
+  emu::warp_sync();
+  const int gid = l >> 2, tq = l & 3;
+  for (int m = 0; m < 4; ++m) {
+    uint16_t e[2];
+    for (int h = 0; h < 2; ++h) {
+      const unsigned char* src = trans ? blk.rows[w][8 * m + 2 * tq + h] + 2 * gid
+                                       : blk.rows[w][8 * m + gid] + 2 * (2 * tq + h);
+      std::memcpy(&e[h], src, 2);
+    }
+    r[m] = static_cast<uint32_t>(e[0]) | (static_cast<uint32_t>(e[1]) << 16);
+  }
+  emu::warp_sync();  // every lane has read before any lane's next ldmatrix reuses the slots
+}
+
+// cp.async (global -> shared, `bytes` of which the first `src_bytes` are read and the rest
+// zero-filled), commit_group and wait_group N. The destination holds NaN from the issue (what is
+// there while the copy is in flight is undefined on the device) until the thread waits for the
+// copy's group (the latest the hardware may deliver it): a kernel that reads a buffer before
+// waiting, or refills one that another warp still reads, computes with NaN.
+inline void emulated_cp_async(void* dst, const void* src, int bytes, int src_bytes) {
+  auto& blk = *emu::state.block;
+  const auto t = static_cast<size_t>(emu::state.thread.x);
+  MT_EMU_REQUIRE(reinterpret_cast<uintptr_t>(dst) % static_cast<uintptr_t>(bytes) == 0 &&
+                     reinterpret_cast<uintptr_t>(src) % static_cast<uintptr_t>(bytes) == 0,
+                 "cp.async address not aligned to its size");
+  MT_EMU_REQUIRE(blk.in_shared(dst, static_cast<size_t>(bytes)),
+                 "cp.async destination outside shared memory");
+  std::memset(dst, 0xff, static_cast<size_t>(bytes));  // NaN as f32 and as bf16
+  blk.pending[t].push_back({static_cast<unsigned char*>(dst),
+                            static_cast<const unsigned char*>(src), bytes, src_bytes,
+                            blk.committed[t]});
+}
+inline void emulated_cp_async_commit() {
+  ++emu::state.block->committed[static_cast<size_t>(emu::state.thread.x)];
+}
+inline void emulated_cp_async_wait(int n) {
+  auto& blk = *emu::state.block;
+  const auto t = static_cast<size_t>(emu::state.thread.x);
+  auto& mine = blk.pending[t];
+  const int done_below = blk.committed[t] - n;  // groups older than the newest n complete
+  std::vector<emu::Block::AsyncCopy> rest;
+  for (const auto& c : mine) {
+    if (c.group >= done_below) {
+      rest.push_back(c);
+      continue;
+    }
+    if (c.src_bytes > 0) std::memcpy(c.dst, c.src, static_cast<size_t>(c.src_bytes));
+    std::memset(c.dst + c.src_bytes, 0, static_cast<size_t>(c.bytes - c.src_bytes));
+  }
+  mine.swap(rest);
 }

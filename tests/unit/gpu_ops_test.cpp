@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <exception>
+#include <iterator>
 #include <limits>
 #include <memory>
 #include <random>
@@ -689,6 +690,22 @@ TEST_F(GpuAttention, FlashTiles) {
         compare(*ga, cs, dt, pick(rng, 1, 2), pick(rng, 65, 65 + 135 / kShrink), D,
                 dt == DType::bf16 ? 2e-2 : tol(dt), rng);
       }
+}
+
+// Long enough for several 128-row tiles a tensor-core block owns (query rows forward and dq, key
+// rows dk/dv) and several 64-row tiles it streams: tiles every query sees whole (no mask), tiles
+// some warps skip (causal, window), the partial last tiles, and the double-buffered copies that
+// refill each buffer more than once. Emulated, four of the cases (causal MHA with an offset,
+// causal GQA, non-causal MQA, window with offset); on a device all of them.
+TEST_F(GpuAttention, FlashLongTiles) {
+  SEEDED_RNG(rng);
+  auto ga = gpu_attention("flash");
+  for (size_t c = 0; c < std::size(kAttnCases); ++c) {
+    if (kShrink > 1 && c != 0 && c != 1 && c != 2 && c != 7) continue;
+    for (int64_t D : {64, 128})
+      compare(*ga, kAttnCases[c], DType::bf16, 1, pick(rng, 257, kShrink > 1 ? 300 : 700), D, 2e-2,
+              rng);
+  }
 }
 
 // flash against dot_product on the GPU itself, bf16 at a training-like shape.

@@ -53,20 +53,25 @@ bool tensor_cores(std::initializer_list<const Tensor*> ts, int64_t D, int64_t gr
   return major >= 8;
 }
 
-// Launches a tensor-core kernel with `smem` bytes of dynamic shared memory (above the 48 KiB
-// default, so the kernel must opt in first).
+// Launches a tensor-core kernel (kTcWarps warps) with `smem` bytes of dynamic shared memory
+// (above the 48 KiB default, so the kernel must opt in first).
 template <class K, class... Args>
 void launch_tc(const Ctx& c, const std::string& op, K kernel, dim3 grid, size_t smem,
                const std::string& shapes, Args... args) {
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              static_cast<int>(smem)),
         op, "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)", shapes);
-  MT_LAUNCH(kernel, grid, kWarps * 32, smem, c.stream)(args...);
+  MT_LAUNCH(kernel, grid, kTcWarps * 32, smem, c.stream)(args...);
   check(cudaGetLastError(), op, "kernel launch", shapes);
 }
 
-size_t tile_bytes(int64_t D) {
-  return static_cast<size_t>(kTile) * static_cast<size_t>(D + 8) * sizeof(bf16);
+// Bytes of a shared [rows][D + 8] bf16 tile.
+size_t tile_bytes(int64_t rows, int64_t D) {
+  return static_cast<size_t>(rows) * static_cast<size_t>(D + 8) * sizeof(bf16);
+}
+constexpr int64_t kOwnRows = 16 * kTcWarps;  // rows of the tile a tensor-core block owns
+unsigned tiles_of(int64_t n, int64_t rows) {
+  return static_cast<unsigned>((n + rows - 1) / rows);
 }
 
 const bf16* bf(const Tensor& t) {
@@ -96,15 +101,15 @@ void flash_forward(const Ctx& c, const Tensor& q, const Tensor& k, const Tensor&
   const bool tc = tensor_cores({&q, &k, &v}, a.D, B * a.Hq);
   check_head_dim(op, a, tc);
   if (tc) {
-    const dim3 grid(static_cast<unsigned>((a.T + kTile - 1) / kTile),
-                    static_cast<unsigned>(B * a.Hq));
-    const size_t smem = 3 * tile_bytes(a.D);
+    // The owned query tile, and two buffers each of K and V tiles.
+    const dim3 grid(tiles_of(a.T, kOwnRows), static_cast<unsigned>(B * a.Hq));
+    const size_t smem = tile_bytes(kOwnRows, a.D) + 4 * tile_bytes(kTile, a.D);
     if (a.D == 64)
-      launch_tc(c, op, tc_fwd_kernel<64>, grid, smem, shapes, bf(q), bf(k), bf(v), f, out(o),
-                lse.ptr<float>());
+      launch_tc(c, op, tc_fwd_kernel<64, kTcWarps>, grid, smem, shapes, bf(q), bf(k), bf(v), f,
+                out(o), lse.ptr<float>());
     else
-      launch_tc(c, op, tc_fwd_kernel<128>, grid, smem, shapes, bf(q), bf(k), bf(v), f, out(o),
-                lse.ptr<float>());
+      launch_tc(c, op, tc_fwd_kernel<128, kTcWarps>, grid, smem, shapes, bf(q), bf(k), bf(v), f,
+                out(o), lse.ptr<float>());
     return;
   }
   MT_LAUNCH(simt_fwd_kernel, warp_blocks(rows), kWarps * 32, 0, c.stream)
@@ -131,22 +136,22 @@ void flash_backward(const Ctx& c, const Tensor& dout, const Tensor& q, const Ten
   const float* ls = lse.ptr<const float>();
   const float* dl = delta.ptr<const float>();
   if (tc) {
-    const dim3 qgrid(static_cast<unsigned>((a.T + kTile - 1) / kTile),
-                     static_cast<unsigned>(B * a.Hq));
-    const dim3 kgrid(static_cast<unsigned>((a.S + kTile - 1) / kTile),
-                     static_cast<unsigned>(B * a.Hkv));
-    const size_t dq_smem = 4 * tile_bytes(a.D);
-    const size_t dkv_smem = 4 * tile_bytes(a.D) + 2 * kTile * sizeof(float);
+    const dim3 qgrid(tiles_of(a.T, kOwnRows), static_cast<unsigned>(B * a.Hq));
+    const dim3 kgrid(tiles_of(a.S, kOwnRows), static_cast<unsigned>(B * a.Hkv));
+    // dq: the owned Q and dO tiles, two buffers each of K and V. dk/dv: the owned K and V tiles,
+    // two buffers each of Q and dO tiles and of their lse and delta.
+    const size_t dq_smem = 2 * tile_bytes(kOwnRows, a.D) + 4 * tile_bytes(kTile, a.D);
+    const size_t dkv_smem = dq_smem + 4 * kTile * sizeof(float);
     if (a.D == 64) {
-      launch_tc(c, op, tc_dq_kernel<64>, qgrid, dq_smem, shapes, bf(q), bf(k), bf(v), bf(dout), f,
-                ls, dl, out(dq));
-      launch_tc(c, op, tc_dkv_kernel<64>, kgrid, dkv_smem, shapes, bf(q), bf(k), bf(v), bf(dout), f,
-                ls, dl, out(dk), out(dv));
+      launch_tc(c, op, tc_dq_kernel<64, kTcWarps>, qgrid, dq_smem, shapes, bf(q), bf(k), bf(v),
+                bf(dout), f, ls, dl, out(dq));
+      launch_tc(c, op, tc_dkv_kernel<64, kTcWarps>, kgrid, dkv_smem, shapes, bf(q), bf(k), bf(v),
+                bf(dout), f, ls, dl, out(dk), out(dv));
     } else {
-      launch_tc(c, op, tc_dq_kernel<128>, qgrid, dq_smem, shapes, bf(q), bf(k), bf(v), bf(dout), f,
-                ls, dl, out(dq));
-      launch_tc(c, op, tc_dkv_kernel<128>, kgrid, dkv_smem, shapes, bf(q), bf(k), bf(v), bf(dout),
-                f, ls, dl, out(dk), out(dv));
+      launch_tc(c, op, tc_dq_kernel<128, kTcWarps>, qgrid, dq_smem, shapes, bf(q), bf(k), bf(v),
+                bf(dout), f, ls, dl, out(dq));
+      launch_tc(c, op, tc_dkv_kernel<128, kTcWarps>, kgrid, dkv_smem, shapes, bf(q), bf(k), bf(v),
+                bf(dout), f, ls, dl, out(dk), out(dv));
     }
     return;
   }

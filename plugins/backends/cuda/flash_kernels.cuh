@@ -302,12 +302,21 @@ __global__ void __launch_bounds__(kWarps * 32)
 //   B 16x8: reg 0 = B[2tq..2tq+1][gid], reg 1 = B[2tq+8..2tq+9][gid].
 //   C 16x8 f32: c0, c1 = C[gid][2tq..2tq+1], c2, c3 = C[gid+8][2tq..2tq+1].
 // So the C fragments of two adjacent n-tiles are the A fragment of one k-step, which is how P and
-// dS feed the next product without leaving registers. Shared tiles are [64][D + 8] bf16: the
-// 16-byte pad puts the eight rows of a fragment load in distinct banks.
+// dS feed the next product without leaving registers. Every register of an A or B fragment is one
+// 8x8 submatrix as ldmatrix delivers it (plain for A and for B = tile^T, .trans for B = tile), so
+// one ldmatrix.x4 loads an A fragment or the B fragments of two n-tiles. Shared tiles are
+// [rows][D + 8] bf16: the 16-byte pad puts the eight rows of each 8x8 load in distinct banks.
+//
+// Tiles move global -> shared with cp.async, double-buffered: the next key (or query) tile is in
+// flight while the current one is multiplied. A block has W = kTcWarps warps of 16 rows each;
+// the tile it owns (query rows forward and dq, key rows dk/dv) has 16 W rows, the tiles it streams
+// kTile = 64. Per warp and streamed tile: no product at all when no row of the warp sees a key of
+// the tile, and no per-element mask when every row sees every key (most tiles of a long causal
+// sequence); softmax exponentials are exp2 of scores pre-multiplied by log2(e).
 
-__device__ __forceinline__ uint32_t ld_pair(const bf16* p) {
-  return *reinterpret_cast<const uint32_t*>(p);
-}
+constexpr int kTcWarps = 8;
+constexpr float kLog2e = 1.4426950408889634f;
+
 __device__ __forceinline__ uint32_t pack_bf16(bf16 lo, bf16 hi) {
   return static_cast<uint32_t>(__bfloat16_as_ushort(lo)) |
          (static_cast<uint32_t>(__bfloat16_as_ushort(hi)) << 16);
@@ -315,6 +324,11 @@ __device__ __forceinline__ uint32_t pack_bf16(bf16 lo, bf16 hi) {
 __device__ __forceinline__ uint32_t pack_f32(float lo, float hi) {
   return pack_bf16(__float2bfloat16_rn(lo), __float2bfloat16_rn(hi));
 }
+#if !defined(MT_CUDA_EMULATION)
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+#endif
 // c += a b
 __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                     uint32_t b1) {
@@ -330,34 +344,85 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint3
   __trap();  // the host only picks these kernels on compute capability 8.0 and up
 #endif
 }
-// A fragment: rows row0.., columns col0.. of a shared tile with row pitch P.
+// ldmatrix.x4: this lane gives the address of row lane % 8 of submatrix lane / 8 (16 bytes).
+template <bool Trans>
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const bf16* row) {
+#if defined(MT_CUDA_EMULATION)
+  emulated_ldmatrix_x4(r, row, Trans);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (Trans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(row)));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(row)));
+#else
+  (void)row;
+  r[0] = r[1] = r[2] = r[3] = 0u;
+  __trap();
+#endif
+}
+// cp.async of 16 (or 4) bytes; with !valid nothing is read and the bytes are zero-filled.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+#if defined(MT_CUDA_EMULATION)
+  emulated_cp_async(dst, src, 16, valid ? 16 : 0);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 16 : 0));
+#else
+  (void)dst, (void)src, (void)valid;
+  __trap();
+#endif
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
+#if defined(MT_CUDA_EMULATION)
+  emulated_cp_async(dst, src, 4, valid ? 4 : 0);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 4 : 0));
+#else
+  (void)dst, (void)src, (void)valid;
+  __trap();
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(MT_CUDA_EMULATION)
+  emulated_cp_async_commit();
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+// Waits until at most N of this thread's newest committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(MT_CUDA_EMULATION)
+  emulated_cp_async_wait(N);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
+// A fragment: rows row0..row0+15, columns col0..col0+15 of a shared tile with row pitch P.
 template <int P>
 __device__ __forceinline__ void load_a(uint32_t (&a)[4], const bf16* tile, int row0, int col0) {
-  const int lane = threadIdx.x & 31, gid = lane >> 2, tq = lane & 3;
-  const bf16* p0 = tile + (row0 + gid) * P + col0 + 2 * tq;
-  const bf16* p1 = p0 + 8 * P;
-  a[0] = ld_pair(p0);
-  a[1] = ld_pair(p1);
-  a[2] = ld_pair(p0 + 8);
-  a[3] = ld_pair(p1 + 8);
+  const int lane = threadIdx.x & 31;
+  ldsm_x4<false>(a,
+                 tile + (row0 + (lane & 7) + 8 * ((lane >> 3) & 1)) * P + col0 + 8 * (lane >> 4));
 }
-// B fragment of B = tile^T (B[kk][n] = tile[n0 + n][k0 + kk]): K in Q K^T.
+// B fragments of n-tiles n0 and n0 + 8 of B = tile^T (B[kk][n] = tile[n][k0 + kk]: K in Q K^T):
+// b[0], b[1] for n0, b[2], b[3] for n0 + 8.
 template <int P>
-__device__ __forceinline__ void load_bt(uint32_t& b0, uint32_t& b1, const bf16* tile, int n0,
-                                        int k0) {
-  const int lane = threadIdx.x & 31, gid = lane >> 2, tq = lane & 3;
-  const bf16* p = tile + (n0 + gid) * P + k0 + 2 * tq;
-  b0 = ld_pair(p);
-  b1 = ld_pair(p + 8);
+__device__ __forceinline__ void load_bt2(uint32_t (&b)[4], const bf16* tile, int n0, int k0) {
+  const int lane = threadIdx.x & 31;
+  ldsm_x4<false>(b, tile + (n0 + (lane & 7) + 8 * (lane >> 4)) * P + k0 + 8 * ((lane >> 3) & 1));
 }
-// B fragment of B = tile (B[kk][n] = tile[k0 + kk][n0 + n]): V in P V.
+// B fragments of n-tiles n0 and n0 + 8 of B = tile (B[kk][n] = tile[k0 + kk][n]: V in P V).
 template <int P>
-__device__ __forceinline__ void load_b(uint32_t& b0, uint32_t& b1, const bf16* tile, int k0,
-                                       int n0) {
-  const int lane = threadIdx.x & 31, gid = lane >> 2, tq = lane & 3;
-  const bf16* p = tile + (k0 + 2 * tq) * P + n0 + gid;
-  b0 = pack_bf16(p[0], p[P]);
-  b1 = pack_bf16(p[8 * P], p[9 * P]);
+__device__ __forceinline__ void load_b2(uint32_t (&b)[4], const bf16* tile, int k0, int n0) {
+  const int lane = threadIdx.x & 31;
+  ldsm_x4<true>(b, tile + (k0 + (lane & 7) + 8 * ((lane >> 3) & 1)) * P + n0 + 8 * (lane >> 4));
 }
 // The A fragment of one 16-wide k-step from the C fragments of n-tiles 2s and 2s + 1.
 __device__ __forceinline__ void a_from_c(uint32_t (&a)[4], const float (&c0)[4],
@@ -367,28 +432,28 @@ __device__ __forceinline__ void a_from_c(uint32_t (&a)[4], const float (&c0)[4],
   a[2] = pack_f32(c1[0], c1[1]);
   a[3] = pack_f32(c1[2], c1[3]);
 }
-// The A fragments of rows row0..row0+15 of a shared [64][D + 8] tile, one per 16-wide k-step.
+// The A fragments of rows row0..row0+15 of a shared [rows][D + 8] tile, one per k-step.
 template <int D>
 __device__ __forceinline__ void load_rows(uint32_t (&a)[D / 16][4], const bf16* tile, int row0) {
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) load_a<D + 8>(a[kk], tile, row0, kk * 16);
 }
-// s [16 x 64] += A [16 x D] @ tile^T (tile [64][D + 8]: K in Q K^T), A as fragments.
+// s [16 x 64] += A [16 x D] @ tile^T (tile [64][D + 8]: K in Q K^T), one k-step's A fragment at a
+// time: from registers (a_regs) or from rows row0.. of a shared tile.
 template <int D>
-__device__ __forceinline__ void mma_abt(float (&s)[8][4], const uint32_t (&a)[D / 16][4],
+__device__ __forceinline__ void mma_abt(float (&s)[8][4], const uint32_t (&a_regs)[D / 16][4],
                                         const bf16* tile) {
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      uint32_t b0, b1;
-      load_bt<D + 8>(b0, b1, tile, nt * 8, kk * 16);
-      mma(s[nt], a[kk], b0, b1);
+    for (int nt = 0; nt < 8; nt += 2) {
+      uint32_t b[4];
+      load_bt2<D + 8>(b, tile, nt * 8, kk * 16);
+      mma(s[nt], a_regs[kk], b[0], b[1]);
+      mma(s[nt + 1], a_regs[kk], b[2], b[3]);
     }
   }
 }
-// The same with A as rows row0.. of a shared tile, one k-step's fragment at a time (fewer
-// registers than holding all of them).
 template <int D>
 __device__ __forceinline__ void mma_abt(float (&s)[8][4], const bf16* a_tile, int row0,
                                         const bf16* tile) {
@@ -397,10 +462,11 @@ __device__ __forceinline__ void mma_abt(float (&s)[8][4], const bf16* a_tile, in
     uint32_t a[4];
     load_a<D + 8>(a, a_tile, row0, kk * 16);
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      uint32_t b0, b1;
-      load_bt<D + 8>(b0, b1, tile, nt * 8, kk * 16);
-      mma(s[nt], a, b0, b1);
+    for (int nt = 0; nt < 8; nt += 2) {
+      uint32_t b[4];
+      load_bt2<D + 8>(b, tile, nt * 8, kk * 16);
+      mma(s[nt], a, b[0], b[1]);
+      mma(s[nt + 1], a, b[2], b[3]);
     }
   }
 }
@@ -414,23 +480,24 @@ __device__ __forceinline__ void mma_cb(float (&acc)[D / 8][4], const float (&c)[
     uint32_t a[4];
     a_from_c(a, c[2 * kk], c[2 * kk + 1]);
 #pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) {
-      uint32_t b0, b1;
-      load_b<D + 8>(b0, b1, tile, kk * 16, nt * 8);
-      mma(acc[nt], a, b0, b1);
+    for (int nt = 0; nt < D / 8; nt += 2) {
+      uint32_t b[4];
+      load_b2<D + 8>(b, tile, kk * 16, nt * 8);
+      mma(acc[nt], a, b[0], b[1]);
+      mma(acc[nt + 1], a, b[2], b[3]);
     }
   }
 }
-// Rows [0, 64) of a shared [64][D + 8] tile from global rows `stride` elements apart, 16 bytes
-// at a time; rows n and beyond are zeros.
-template <int D>
-__device__ __forceinline__ void load_tile(bf16* dst, const bf16* src, int64_t stride, int64_t n) {
+// Starts copying rows [0, Rows) of a shared [Rows][D + 8] tile from global rows `stride` elements
+// apart, 16 bytes per cp.async over the block's Threads threads; rows n and beyond are zeros.
+template <int D, int Rows, int Threads>
+__device__ __forceinline__ void copy_tile(bf16* dst, const bf16* src, int64_t stride, int64_t n) {
   constexpr int kChunks = D / 8;
-  for (int idx = threadIdx.x; idx < kTile * kChunks; idx += kWarps * 32) {
+#pragma unroll
+  for (int idx = threadIdx.x; idx < Rows * kChunks; idx += Threads) {
     const int r = idx / kChunks, c = idx % kChunks;
-    uint4 val = make_uint4(0u, 0u, 0u, 0u);
-    if (r < n) val = *reinterpret_cast<const uint4*>(src + r * stride + c * 8);
-    *reinterpret_cast<uint4*>(dst + r * (D + 8) + c * 8) = val;
+    const bool ok = r < n;
+    cp_async16(dst + r * (D + 8) + c * 8, ok ? src + r * stride + c * 8 : src, ok);
   }
 }
 __device__ __forceinline__ float quad_max(float v) {
@@ -442,8 +509,25 @@ __device__ __forceinline__ float quad_sum(float v) {
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
-// The rows of a 64-row query tile this thread holds in C fragments: gid and gid + 8 of its
-// warp's 16.
+// How the query rows [i0, i0 + ni) meet the keys [j0, j0 + nj) (a warp's 16 rows against a
+// streamed tile, or a streamed query tile against a warp's 16 key rows): `none` when no pair is
+// visible under causal and window, whatever the segment ids; `all` when every pair is, there are
+// no segment ids and both ranges lie inside the sequences, so no element needs a mask.
+struct Overlap {
+  bool none, all;
+};
+__device__ __forceinline__ Overlap overlap(const Flash& f, int64_t i0, int64_t ni, int64_t j0,
+                                           int64_t nj) {
+  const AttnArgs& a = f.a;
+  const int64_t p0 = a.offset + i0, p1 = a.offset + i0 + ni - 1, j1 = j0 + nj - 1;
+  Overlap r;
+  r.none = (a.causal && j0 > p1) || (a.window > 0 && p0 - j1 >= a.window);
+  r.all = !f.q_seg && i0 + ni <= a.T && j1 < a.S && (!a.causal || j1 <= p0) &&
+          (a.window <= 0 || p1 - j0 < a.window);
+  return r;
+}
+
+// The rows of a query tile this thread holds in C fragments: gid and gid + 8 of its warp's 16.
 struct QueryRows {
   int64_t i[2], pos[2];
   bool valid[2];
@@ -458,89 +542,117 @@ struct QueryRows {
     }
   }
 };
-// Keys [lo, hi) any query of tile [q0, q0 + 64) may see, lo rounded down to a tile.
-__device__ __forceinline__ void tile_key_range(const AttnArgs& a, int64_t q0, int64_t& lo,
-                                               int64_t& hi) {
-  const int64_t last = (q0 + kTile < a.T ? q0 + kTile : a.T) - 1;
+// Keys [lo, hi) any query of tile [q0, q0 + rows) may see, lo rounded down to a key tile.
+__device__ __forceinline__ void tile_key_range(const AttnArgs& a, int64_t q0, int64_t rows,
+                                               int64_t& lo, int64_t& hi) {
+  const int64_t last = (q0 + rows < a.T ? q0 + rows : a.T) - 1;
   hi = a.causal && a.offset + last + 1 < a.S ? a.offset + last + 1 : a.S;
   lo = a.window > 0 && a.offset + q0 - a.window + 1 > 0 ? a.offset + q0 - a.window + 1 : 0;
   lo = lo / kTile * kTile;
 }
 // Score of C-fragment element e of n-tile nt (key k0 + 8 nt + 2 tq + (e & 1), query row e >> 1)
-// after scale, cap and mask: -inf where masked.
+// after scale, cap and mask: -inf where masked; with `all`, no mask.
 __device__ __forceinline__ float masked_score(const Flash& f, const QueryRows& qr, int64_t b,
-                                              int64_t k0, int nt, int e, float dot) {
+                                              int64_t k0, int nt, int e, float dot, bool all) {
+  if (all) return cap_score(f.a, dot);
   const int64_t j = k0 + nt * 8 + 2 * (threadIdx.x & 3) + (e & 1);
   const int r = e >> 1;
   const bool vis = qr.valid[r] && j < f.a.S && visible(f.a, qr.pos[r], j) &&
                    (!f.q_seg || f.kv_seg[b * f.a.S + j] == qr.seg[r]);
   return vis ? cap_score(f.a, dot) : -INFINITY;
 }
+// exp(x - m) as exp2, with -m log2(e) precomputed: one FMA and one ex2 per score.
+__device__ __forceinline__ float exp_shifted(float x, float neg_m_log2e) {
+  return exp2f(fmaf(x, kLog2e, neg_m_log2e));
+}
 
-// Forward: block (query tile, b Hq + h); warp w owns query rows 16w..16w+15 of the tile.
-template <int D>
-__global__ void __launch_bounds__(kWarps * 32)
+// Forward: block (query tile, b Hq + h), the query tiles in reverse so that under a causal mask
+// the longest rows start first; warp w owns query rows 16w..16w+15 of the tile.
+template <int D, int W>
+__global__ void __launch_bounds__(W * 32)
     tc_fwd_kernel(const bf16* q, const bf16* k, const bf16* v, Flash f, Out o, float* lse) {
-  constexpr int P = D + 8;
+  constexpr int P = D + 8, QT = 16 * W;
   MT_DYNAMIC_SHARED(smem);
   bf16* qs = reinterpret_cast<bf16*>(smem);
-  bf16* ks = qs + kTile * P;
-  bf16* vs = ks + kTile * P;
+  bf16* ks = qs + QT * P;         // two buffers of kTile rows
+  bf16* vs = ks + 2 * kTile * P;  // likewise
   const AttnArgs& a = f.a;
   const int warp = threadIdx.x >> 5, tq = threadIdx.x & 3;
   const int64_t bh = blockIdx.y, b = bh / a.Hq, h = bh % a.Hq, g = h / f.group;
-  const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kTile;
-  load_tile<D>(qs, q + ((b * a.T + q0) * a.Hq + h) * D, a.Hq * D, a.T - q0);
-  const QueryRows qr(f, b, q0);
+  const int64_t q0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * QT;
   int64_t lo, hi;
-  tile_key_range(a, q0, lo, hi);
+  tile_key_range(a, q0, QT, lo, hi);
+  const int64_t kv_stride = a.Hkv * D, kv_base = (b * a.S * a.Hkv + g) * D;
+  copy_tile<D, QT, W * 32>(qs, q + ((b * a.T + q0) * a.Hq + h) * D, a.Hq * D, a.T - q0);
+  cp_async_commit();
+  if (lo < hi) {
+    copy_tile<D, kTile, W * 32>(ks, k + kv_base + lo * kv_stride, kv_stride, a.S - lo);
+    copy_tile<D, kTile, W * 32>(vs, v + kv_base + lo * kv_stride, kv_stride, a.S - lo);
+    cp_async_commit();
+    cp_async_wait<1>();  // the query tile
+  } else {
+    cp_async_wait<0>();
+  }
+  const QueryRows qr(f, b, q0);
   __syncthreads();
   uint32_t qa[D / 16][4];
   load_rows<D>(qa, qs, warp * 16);
 
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   float acc[D / 8][4] = {};
-  for (int64_t k0 = lo; k0 < hi; k0 += kTile) {
-    __syncthreads();  // every warp is done with the previous key tile
-    const int64_t kv_off = ((b * a.S + k0) * a.Hkv + g) * D;
-    load_tile<D>(ks, k + kv_off, a.Hkv * D, a.S - k0);
-    load_tile<D>(vs, v + kv_off, a.Hkv * D, a.S - k0);
-    __syncthreads();
-    float s[8][4] = {};
-    mma_abt<D>(s, qa, ks);
-    float mx[2] = {-INFINITY, -INFINITY};
+  int buf = 0;
+  for (int64_t k0 = lo; k0 < hi; k0 += kTile, buf ^= 1) {
+    if (k0 + kTile < hi) {  // the next key tile into the other buffer, in flight meanwhile
+      const int64_t nk = k0 + kTile, off = kv_base + nk * kv_stride;
+      copy_tile<D, kTile, W * 32>(ks + (buf ^ 1) * kTile * P, k + off, kv_stride, a.S - nk);
+      copy_tile<D, kTile, W * 32>(vs + (buf ^ 1) * kTile * P, v + off, kv_stride, a.S - nk);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // this key tile has landed for every thread
+    const Overlap ov = overlap(f, q0 + warp * 16, 16, k0, kTile);
+    if (!ov.none) {
+      const bf16* kt = ks + buf * kTile * P;
+      float s[8][4] = {};
+      mma_abt<D>(s, qa, kt);
+      float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
+      for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[nt][e] = masked_score(f, qr, b, k0, nt, e, s[nt][e]);
-        mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+        for (int e = 0; e < 4; ++e) {
+          s[nt][e] = masked_score(f, qr, b, k0, nt, e, s[nt][e], ov.all);
+          mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+        }
       }
-    }
-    float corr[2], base[2], sum[2] = {0.f, 0.f};
+      float corr[2], nb[2], sum[2] = {0.f, 0.f};
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float mn = fmaxf(m[r], quad_max(mx[r]));
-      base[r] = mn == -INFINITY ? 0.f : mn;  // nothing visible yet: keep exp() away from NaN
-      corr[r] = expf(m[r] - base[r]);
-      m[r] = mn;
-    }
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[nt][e] = expf(s[nt][e] - base[e >> 1]);
-        sum[e >> 1] += s[nt][e];
+      for (int r = 0; r < 2; ++r) {
+        const float mn = fmaxf(m[r], quad_max(mx[r]));
+        const float base = mn == -INFINITY ? 0.f : mn;  // nothing visible yet: no NaN from exp
+        nb[r] = -base * kLog2e;
+        corr[r] = exp_shifted(m[r], nb[r]);
+        m[r] = mn;
       }
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[nt][e] = exp_shifted(s[nt][e], nb[e >> 1]);
+          sum[e >> 1] += s[nt][e];
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) l[r] = l[r] * corr[r] + quad_sum(sum[r]);
+#pragma unroll
+      for (int nt = 0; nt < D / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nt][e] *= corr[e >> 1];
+      }
+      mma_cb<D>(acc, s, vs + buf * kTile * P);
     }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) l[r] = l[r] * corr[r] + quad_sum(sum[r]);
-#pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[nt][e] *= corr[e >> 1];
-    }
-    mma_cb<D>(acc, s, vs);
+    __syncthreads();  // every warp is done with this buffer before it is refilled
   }
   float inv[2];
 #pragma unroll
@@ -563,57 +675,79 @@ __global__ void __launch_bounds__(kWarps * 32)
 
 // dq: block (query tile, b Hq + h), as the forward; dS = P (dP - delta) cap' with dP = dO V^T,
 // then dq += scale dS K.
-template <int D>
-__global__ void __launch_bounds__(kWarps * 32)
+template <int D, int W>
+__global__ void __launch_bounds__(W * 32)
     tc_dq_kernel(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, Flash f,
                  const float* lse, const float* delta, Out dq) {
-  constexpr int P = D + 8;
+  constexpr int P = D + 8, QT = 16 * W;
   MT_DYNAMIC_SHARED(smem);
   bf16* qs = reinterpret_cast<bf16*>(smem);
-  bf16* dos = qs + kTile * P;
-  bf16* ks = dos + kTile * P;
-  bf16* vs = ks + kTile * P;
+  bf16* dos = qs + QT * P;
+  bf16* ks = dos + QT * P;        // two buffers of kTile rows
+  bf16* vs = ks + 2 * kTile * P;  // likewise
   const AttnArgs& a = f.a;
   const int warp = threadIdx.x >> 5, tq = threadIdx.x & 3;
   const int64_t bh = blockIdx.y, b = bh / a.Hq, h = bh % a.Hq, g = h / f.group;
-  const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int64_t q0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * QT;
+  int64_t lo, hi;
+  tile_key_range(a, q0, QT, lo, hi);
   const int64_t q_off = ((b * a.T + q0) * a.Hq + h) * D;
-  load_tile<D>(qs, q + q_off, a.Hq * D, a.T - q0);
-  load_tile<D>(dos, dout + q_off, a.Hq * D, a.T - q0);
+  const int64_t kv_stride = a.Hkv * D, kv_base = (b * a.S * a.Hkv + g) * D;
+  copy_tile<D, QT, W * 32>(qs, q + q_off, a.Hq * D, a.T - q0);
+  copy_tile<D, QT, W * 32>(dos, dout + q_off, a.Hq * D, a.T - q0);
+  cp_async_commit();
+  if (lo < hi) {
+    copy_tile<D, kTile, W * 32>(ks, k + kv_base + lo * kv_stride, kv_stride, a.S - lo);
+    copy_tile<D, kTile, W * 32>(vs, v + kv_base + lo * kv_stride, kv_stride, a.S - lo);
+    cp_async_commit();
+    cp_async_wait<1>();
+  } else {
+    cp_async_wait<0>();
+  }
   const QueryRows qr(f, b, q0);
-  float ls[2], dl[2];
+  float nls[2], dl[2];  // -lse log2(e), delta
   for (int r = 0; r < 2; ++r) {
-    ls[r] = qr.valid[r] ? lse[bh * a.T + qr.i[r]] : -INFINITY;
+    nls[r] = qr.valid[r] ? -lse[bh * a.T + qr.i[r]] * kLog2e : INFINITY;
     dl[r] = qr.valid[r] ? delta[bh * a.T + qr.i[r]] : 0.f;
   }
-  int64_t lo, hi;
-  tile_key_range(a, q0, lo, hi);
   __syncthreads();
   uint32_t qa[D / 16][4];
   load_rows<D>(qa, qs, warp * 16);
 
   float acc[D / 8][4] = {};
-  for (int64_t k0 = lo; k0 < hi; k0 += kTile) {
-    __syncthreads();
-    const int64_t kv_off = ((b * a.S + k0) * a.Hkv + g) * D;
-    load_tile<D>(ks, k + kv_off, a.Hkv * D, a.S - k0);
-    load_tile<D>(vs, v + kv_off, a.Hkv * D, a.S - k0);
-    __syncthreads();
-    float s[8][4] = {}, dp[8][4] = {};
-    mma_abt<D>(s, qa, ks);               // S = Q K^T
-    mma_abt<D>(dp, dos, warp * 16, vs);  // dP = dO V^T
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e >> 1;
-        const float x = masked_score(f, qr, b, k0, nt, e, s[nt][e]);
-        s[nt][e] = x == -INFINITY || ls[r] == -INFINITY
-                       ? 0.f
-                       : expf(x - ls[r]) * (dp[nt][e] - dl[r]) * cap_grad(a, x);
-      }
+  int buf = 0;
+  for (int64_t k0 = lo; k0 < hi; k0 += kTile, buf ^= 1) {
+    if (k0 + kTile < hi) {
+      const int64_t nk = k0 + kTile, off = kv_base + nk * kv_stride;
+      copy_tile<D, kTile, W * 32>(ks + (buf ^ 1) * kTile * P, k + off, kv_stride, a.S - nk);
+      copy_tile<D, kTile, W * 32>(vs + (buf ^ 1) * kTile * P, v + off, kv_stride, a.S - nk);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
     }
-    mma_cb<D>(acc, s, ks);  // dq += dS K
+    __syncthreads();
+    const Overlap ov = overlap(f, q0 + warp * 16, 16, k0, kTile);
+    if (!ov.none) {
+      const bf16* kt = ks + buf * kTile * P;
+      float s[8][4] = {}, dp[8][4] = {};
+      mma_abt<D>(s, qa, kt);                                 // S = Q K^T
+      mma_abt<D>(dp, dos, warp * 16, vs + buf * kTile * P);  // dP = dO V^T
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1;
+          const float x = masked_score(f, qr, b, k0, nt, e, s[nt][e], ov.all);
+          // A row that saw no key has lse = -inf (nls = +inf): no gradient flows through it.
+          s[nt][e] = x == -INFINITY || nls[r] == INFINITY
+                         ? 0.f
+                         : exp_shifted(x, nls[r]) * (dp[nt][e] - dl[r]) * cap_grad(a, x);
+        }
+      }
+      mma_cb<D>(acc, s, kt);  // dq += dS K
+    }
+    __syncthreads();
   }
 #pragma unroll
   for (int nt = 0; nt < D / 8; ++nt) {
@@ -627,85 +761,128 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
-// dk, dv: block (key tile, b Hkv + g); warp w owns key rows 16w..16w+15. For each query head of
-// the group and each query tile that may see these keys: S^T = K Q^T, dP^T = V dO^T,
-// dv += P^T dO, dk += scale dS^T Q.
-template <int D>
-__global__ void __launch_bounds__(kWarps * 32)
+// dk/dv's elementwise step on a warp's S^T and dP^T (rows: its 16 keys kj, columns: the 64
+// queries from q0): st becomes P^T, dpt dS^T. All: every pair is visible (see Overlap), no mask.
+template <bool All>
+__device__ __forceinline__ void dkv_scores(const Flash& f, float (&st)[8][4], float (&dpt)[8][4],
+                                           const float* lst, const float* dlt, int64_t q0,
+                                           int64_t b, const int64_t (&kj)[2],
+                                           const int32_t (&kseg)[2]) {
+  const AttnArgs& a = f.a;
+  const int tq = threadIdx.x & 3;
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = e >> 1, il = nt * 8 + 2 * tq + (e & 1);
+      const float ls = lst[il];  // finite wherever every pair is visible
+      bool vis = true;
+      if constexpr (!All) {
+        const int64_t i = q0 + il;
+        vis = kj[r] < a.S && i < a.T && ls != -INFINITY && visible(a, a.offset + i, kj[r]) &&
+              (!f.q_seg || f.q_seg[b * a.T + i] == kseg[r]);
+      }
+      const float x = cap_score(a, st[nt][e]);
+      const float pe = vis ? exp_shifted(x, -ls * kLog2e) : 0.f;
+      dpt[nt][e] = vis ? pe * (dpt[nt][e] - dlt[il]) * cap_grad(a, x) : 0.f;
+      st[nt][e] = pe;
+    }
+  }
+}
+
+// dk, dv: block (key tile, b Hkv + g); warp w owns key rows 16w..16w+15 of the 16 W. The block
+// streams, for each query head of the group, the 64-row query tiles that may see these keys
+// (with their lse and delta): S^T = K Q^T, dP^T = V dO^T, dv += P^T dO, dk += scale dS^T Q.
+template <int D, int W>
+__global__ void __launch_bounds__(W * 32)
     tc_dkv_kernel(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, Flash f,
                   const float* lse, const float* delta, Out dk, Out dv) {
-  constexpr int P = D + 8;
+  constexpr int P = D + 8, KT = 16 * W;
   MT_DYNAMIC_SHARED(smem);
   bf16* ks = reinterpret_cast<bf16*>(smem);
-  bf16* vs = ks + kTile * P;
-  bf16* qs = vs + kTile * P;
-  bf16* dos = qs + kTile * P;
-  float* ls_s = reinterpret_cast<float*>(dos + kTile * P);
-  float* dl_s = ls_s + kTile;
+  bf16* vs = ks + KT * P;
+  bf16* qs = vs + KT * P;                                       // two buffers of kTile rows
+  bf16* dos = qs + 2 * kTile * P;                               // likewise
+  float* ls_s = reinterpret_cast<float*>(dos + 2 * kTile * P);  // [2][kTile]
+  float* dl_s = ls_s + 2 * kTile;                               // [2][kTile]
   const AttnArgs& a = f.a;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gid = lane >> 2, tq = lane & 3;
   const int64_t bg = blockIdx.y, b = bg / a.Hkv, g = bg % a.Hkv;
-  const int64_t k0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int64_t k0 = static_cast<int64_t>(blockIdx.x) * KT;
   const int64_t kv_off = ((b * a.S + k0) * a.Hkv + g) * D;
-  load_tile<D>(ks, k + kv_off, a.Hkv * D, a.S - k0);
-  load_tile<D>(vs, v + kv_off, a.Hkv * D, a.S - k0);
-  int64_t kj[2];
-  bool kvalid[2];
+  copy_tile<D, KT, W * 32>(ks, k + kv_off, a.Hkv * D, a.S - k0);
+  copy_tile<D, KT, W * 32>(vs, v + kv_off, a.Hkv * D, a.S - k0);
+  cp_async_commit();
+  int64_t kj[2];  // the key rows this thread holds: gid and gid + 8 of its warp's 16
   int32_t kseg[2];
   for (int r = 0; r < 2; ++r) {
     kj[r] = k0 + warp * 16 + gid + 8 * r;
-    kvalid[r] = kj[r] < a.S;
-    kseg[r] = f.kv_seg && kvalid[r] ? f.kv_seg[b * a.S + kj[r]] : 0;
+    kseg[r] = f.kv_seg && kj[r] < a.S ? f.kv_seg[b * a.S + kj[r]] : 0;
   }
   // Queries that may see a key of this tile (see simt_dkv_kernel), lo rounded down to a tile.
-  const int64_t last = (k0 + kTile < a.S ? k0 + kTile : a.S) - 1;
+  const int64_t last = (k0 + KT < a.S ? k0 + KT : a.S) - 1;
   int64_t lo = a.causal && k0 - a.offset > 0 ? k0 - a.offset : 0;
   lo = lo / kTile * kTile;
   const int64_t hi =
       a.window > 0 && last - a.offset + a.window < a.T ? last - a.offset + a.window : a.T;
+  // The streamed query tiles in order: for each query head of the group, the 64-row tiles in
+  // [lo, hi); (ih, iq0) is the next one to copy, into buffer ib.
+  int64_t ih = g * f.group, iq0 = lo;
+  int ib = 0;
+  const auto issue = [&]() {
+    const int64_t q_off = ((b * a.T + iq0) * a.Hq + ih) * D, r0 = (b * a.Hq + ih) * a.T + iq0;
+    copy_tile<D, kTile, W * 32>(qs + ib * kTile * P, q + q_off, a.Hq * D, a.T - iq0);
+    copy_tile<D, kTile, W * 32>(dos + ib * kTile * P, dout + q_off, a.Hq * D, a.T - iq0);
+    if (threadIdx.x < kTile) {
+      const bool ok = iq0 + threadIdx.x < a.T;
+      cp_async4(ls_s + ib * kTile + threadIdx.x, ok ? lse + r0 + threadIdx.x : lse, ok);
+      cp_async4(dl_s + ib * kTile + threadIdx.x, ok ? delta + r0 + threadIdx.x : delta, ok);
+    }
+    cp_async_commit();
+    ib ^= 1;
+    iq0 += kTile;
+    if (iq0 >= hi) iq0 = lo, ++ih;
+  };
+  const int tiles = hi > lo ? static_cast<int>((hi - lo + kTile - 1) / kTile) : 0;
+  const int steps = static_cast<int>(f.group) * tiles;
+  if (steps > 0) issue();
 
   float ak[D / 8][4] = {}, av[D / 8][4] = {};
-  for (int64_t h = g * f.group; h < (g + 1) * f.group; ++h) {
-    for (int64_t q0 = lo; q0 < hi; q0 += kTile) {
-      __syncthreads();  // every warp is done with the previous query tile
-      const int64_t q_off = ((b * a.T + q0) * a.Hq + h) * D;
-      load_tile<D>(qs, q + q_off, a.Hq * D, a.T - q0);
-      load_tile<D>(dos, dout + q_off, a.Hq * D, a.T - q0);
-      if (threadIdx.x < kTile) {
-        const int64_t i = q0 + threadIdx.x, r = (b * a.Hq + h) * a.T + i;
-        ls_s[threadIdx.x] = i < a.T ? lse[r] : -INFINITY;
-        dl_s[threadIdx.x] = i < a.T ? delta[r] : 0.f;
-      }
-      __syncthreads();
-      float st[8][4] = {}, dpt[8][4] = {};
-      mma_abt<D>(st, ks, warp * 16, qs);    // S^T = K Q^T
-      mma_abt<D>(dpt, vs, warp * 16, dos);  // dP^T = V dO^T
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = e >> 1, il = nt * 8 + 2 * tq + (e & 1);
-          const int64_t i = q0 + il;
-          const float ls = ls_s[il];
-          const bool vis = kvalid[r] && i < a.T && ls != -INFINITY &&
-                           visible(a, a.offset + i, kj[r]) &&
-                           (!f.q_seg || f.q_seg[b * a.T + i] == kseg[r]);
-          const float x = cap_score(a, st[nt][e]);
-          const float pe = vis ? expf(x - ls) : 0.f;
-          dpt[nt][e] = vis ? pe * (dpt[nt][e] - dl_s[il]) * cap_grad(a, x) : 0.f;
-          st[nt][e] = pe;
-        }
-      }
-      mma_cb<D>(av, st, dos);  // dv += P^T dO
-      mma_cb<D>(ak, dpt, qs);  // dk += dS^T Q
+  int64_t q0 = lo;
+  for (int step = 0; step < steps; ++step) {
+    if (step + 1 < steps) {  // the next query tile into the other buffer, in flight meanwhile
+      issue();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
     }
+    __syncthreads();
+    const int bi = step & 1;
+    const bf16* qt = qs + bi * kTile * P;
+    const bf16* dot = dos + bi * kTile * P;
+    const float* lst = ls_s + bi * kTile;
+    const float* dlt = dl_s + bi * kTile;
+    const Overlap ov = overlap(f, q0, kTile, k0 + warp * 16, 16);
+    if (!ov.none) {
+      float st[8][4] = {}, dpt[8][4] = {};
+      mma_abt<D>(st, ks, warp * 16, qt);    // S^T = K Q^T
+      mma_abt<D>(dpt, vs, warp * 16, dot);  // dP^T = V dO^T
+      if (ov.all)
+        dkv_scores<true>(f, st, dpt, lst, dlt, q0, b, kj, kseg);
+      else
+        dkv_scores<false>(f, st, dpt, lst, dlt, q0, b, kj, kseg);
+      mma_cb<D>(av, st, dot);  // dv += P^T dO
+      mma_cb<D>(ak, dpt, qt);  // dk += dS^T Q
+    }
+    __syncthreads();
+    q0 = q0 + kTile < hi ? q0 + kTile : lo;
   }
 #pragma unroll
   for (int nt = 0; nt < D / 8; ++nt) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int r = e >> 1;
-      if (!kvalid[r]) continue;
+      if (kj[r] >= a.S) continue;
       const int64_t idx = ((b * a.S + kj[r]) * a.Hkv + g) * D + nt * 8 + 2 * tq + (e & 1);
       dk.add(idx, a.scale * ak[nt][e]);
       dv.add(idx, av[nt][e]);
