@@ -16,13 +16,13 @@
 #include "checkpoint_manager.h"
 #include "hf_interop.h"
 #include "model_info.h"
-#include "mt/tokenizer.h"
-#include "tokenizer_factory.h"
 #include "model_runner.h"
 #include "mt/data.h"
 #include "mt/error.h"
 #include "mt/graph.h"
+#include "mt/tokenizer.h"
 #include "plugin_manager.h"
+#include "tokenizer_factory.h"
 
 namespace fs = std::filesystem;
 
@@ -30,7 +30,8 @@ namespace mt {
 
 double learning_rate_at(int64_t step, double peak, int64_t warmup, int64_t schedule_steps,
                         double final_fraction) {
-  if (warmup > 0 && step <= warmup) return peak * static_cast<double>(step) / static_cast<double>(warmup);
+  if (warmup > 0 && step <= warmup)
+    return peak * static_cast<double>(step) / static_cast<double>(warmup);
   if (step >= schedule_steps) return peak * final_fraction;
   const double span = static_cast<double>(std::max<int64_t>(1, schedule_steps - warmup));
   const double progress = static_cast<double>(step - warmup) / span;
@@ -89,14 +90,16 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
   const auto weight_decay = static_cast<float>(cfg.get_float("adam_weight_decay"));
 
   // Outputs: the resolved config beside the metrics.
-  const fs::path run_dir = fs::path(cfg.get_string("base_output_directory")) / cfg.get_string("run_name");
+  const fs::path run_dir =
+      fs::path(cfg.get_string("base_output_directory")) / cfg.get_string("run_name");
   fs::create_directories(run_dir);
   {
     std::ofstream c(run_dir / "config.yml");
     c << cfg.to_yaml(true);
   }
   std::ofstream metrics(run_dir / "metrics.jsonl", std::ios::app);
-  if (!metrics) throw Error("Cannot write metrics to " + (run_dir / "metrics.jsonl").string() + ".");
+  if (!metrics)
+    throw Error("Cannot write metrics to " + (run_dir / "metrics.jsonl").string() + ".");
 
   // Data.
   const std::string dataset = cfg.get_string("dataset_type");
@@ -166,11 +169,14 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
       f();
     } catch (const Error& e) {
       if (stop_on_ckpt_error)
-        throw Error(std::string(e.what()) +
-                    " The run stops (checkpoint_error_policy=stop); earlier checkpoints are intact.");
+        throw Error(
+            std::string(e.what()) +
+            " The run stops (checkpoint_error_policy=stop); earlier checkpoints are intact.");
       ++failed_saves;
-      std::fprintf(stderr, "\nmt run: warning: a checkpoint save failed and training continues "
-                           "(checkpoint_error_policy=continue): %s\n", e.what());
+      std::fprintf(stderr,
+                   "\nmt run: warning: a checkpoint save failed and training continues "
+                   "(checkpoint_error_policy=continue): %s\n",
+                   e.what());
     }
   };
   auto save = [&](int64_t step) {
@@ -186,12 +192,13 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
                 cfg.get_string("model_name").c_str(), cfg.get_string("decoder_block").c_str(),
                 human_count(static_cast<double>(counts.total)).c_str(),
                 human_count(static_cast<double>(counts.matmul)).c_str(), be.describe().c_str());
-    std::printf("mt run: attention=%s remat_policy=%s dtype=%s weight_dtype=%s data=%s "
-                "batch=%ldx%ld accumulation=%ld steps=%ld peak=%.1f TFLOP/s\n",
-                runner.attention().name().c_str(), cfg.get_string("remat_policy").c_str(),
-                dtype_name(runner.compute_dtype()), dtype_name(runner.weight_dtype()),
-                dataset.c_str(), static_cast<long>(batch), static_cast<long>(seq),
-                static_cast<long>(accum), static_cast<long>(steps), peak / 1e12);
+    std::printf(
+        "mt run: attention=%s remat_policy=%s dtype=%s weight_dtype=%s data=%s "
+        "batch=%ldx%ld accumulation=%ld steps=%ld peak=%.1f TFLOP/s\n",
+        runner.attention().name().c_str(), cfg.get_string("remat_policy").c_str(),
+        dtype_name(runner.compute_dtype()), dtype_name(runner.weight_dtype()), dataset.c_str(),
+        static_cast<long>(batch), static_cast<long>(seq), static_cast<long>(accum),
+        static_cast<long>(steps), peak / 1e12);
     std::printf("mt run: metrics -> %s\n", (run_dir / "metrics.jsonl").string().c_str());
     if (!resumed_from.empty()) std::printf("mt run: %s\n", resumed_from.c_str());
     std::fflush(stdout);
@@ -238,7 +245,8 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
     double loss = 0;
     for (auto& mb : micro) {
       Graph g(be);
-      const double share = valid ? static_cast<double>(mb.valid_targets) / static_cast<double>(valid) : 0;
+      const double share =
+          valid ? static_cast<double>(mb.valid_targets) / static_cast<double>(valid) : 0;
       Tensor l = runner.loss(g, mb, z_loss, share);
       float lv = 0;
       be.copy_to_host(l, &lv);
@@ -256,8 +264,8 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
           "learning_rate (now {}), check the data, or use weight_dtype=float32; no parameters "
           "were updated at this step.",
           step, std::isfinite(loss) ? "gradient norm" : "loss",
-          std::isnan(std::isfinite(loss) ? grad_norm : loss) ? "NaN" : "infinite", loss,
-          grad_norm, peak_lr));
+          std::isnan(std::isfinite(loss) ? grad_norm : loss) ? "NaN" : "infinite", loss, grad_norm,
+          peak_lr));
     }
     const double lr = learning_rate_at(step, peak_lr, warmup, schedule_steps, final_fraction);
     adam.lr = static_cast<float>(lr);
@@ -300,16 +308,17 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
         static_cast<double>(ms.peak_bytes_in_use) / 1e6, ms.num_system_allocs,
         ev >= 0 ? fmt::format(", \"eval_loss\": {:.6f}", ev) : "");
     if (!quiet) {
-      const double eta = seconds_since(run_start) / static_cast<double>(step) *
-                         static_cast<double>(steps - step);
+      const double eta =
+          seconds_since(run_start) / static_cast<double>(step) * static_cast<double>(steps - step);
       if (tty) {
         std::printf("%s", progress_bar(step, steps, eta, loss, tps, mfu).c_str());
         if (ev >= 0) std::printf("\n  step %ld eval loss %.4f\n", static_cast<long>(step), ev);
       } else if (step % log_period == 0 || step == 1 || step == steps || ev >= 0) {
-        std::printf("step %5ld  loss %.4f  lr %.3g  grad_norm %.3f  %.0f tok/s  %.4f TFLOP/s  "
-                    "MFU %.1f%%  %.0f ms%s\n",
-                    static_cast<long>(step), loss, lr, grad_norm, tps, tflops, 100 * mfu,
-                    step_s * 1e3, ev >= 0 ? fmt::format("  eval_loss {:.4f}", ev).c_str() : "");
+        std::printf(
+            "step %5ld  loss %.4f  lr %.3g  grad_norm %.3f  %.0f tok/s  %.4f TFLOP/s  "
+            "MFU %.1f%%  %.0f ms%s\n",
+            static_cast<long>(step), loss, lr, grad_norm, tps, tflops, 100 * mfu, step_s * 1e3,
+            ev >= 0 ? fmt::format("  eval_loss {:.4f}", ev).c_str() : "");
       }
       std::fflush(stdout);
     }

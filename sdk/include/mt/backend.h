@@ -70,9 +70,9 @@ struct AdamWParams {
 };
 
 struct MemoryStats {
-  size_t bytes_in_use = 0;     // handed out to live tensors
+  size_t bytes_in_use = 0;  // handed out to live tensors
   size_t peak_bytes_in_use = 0;
-  size_t bytes_cached = 0;     // held by the caching allocator, free for reuse
+  size_t bytes_cached = 0;       // held by the caching allocator, free for reuse
   size_t num_system_allocs = 0;  // calls to the system allocator since start
 };
 
@@ -152,8 +152,7 @@ class MT_API Backend {
   virtual void activation_backward(Activation act, const Tensor& dout, const Tensor& x,
                                    Tensor& dx) = 0;
   // Gated (swiglu = silu, geglu = gelu): gate [N], up [N], out [N] = act(gate) * up
-  virtual void gated_forward(Activation act, const Tensor& gate, const Tensor& up,
-                             Tensor& out) = 0;
+  virtual void gated_forward(Activation act, const Tensor& gate, const Tensor& up, Tensor& out) = 0;
   virtual void gated_backward(Activation act, const Tensor& dout, const Tensor& gate,
                               const Tensor& up, Tensor& dgate, Tensor& dup) = 0;
   // Logit soft-cap: out = cap * tanh(x / cap)
@@ -191,8 +190,8 @@ class MT_API Backend {
                                 Tensor& out) = 0;
   // x [M, K] with rows grouped by expert: rows offsets[e]..offsets[e+1] use w[e].
   // w [E, K, N] ([E, N, K] if trans_w), offsets [E + 1] i32, out [M, N] = x_e @ w[e]
-  virtual void grouped_matmul(const Tensor& x, const Tensor& w, const Tensor& offsets,
-                              bool trans_w, Tensor& out) = 0;
+  virtual void grouped_matmul(const Tensor& x, const Tensor& w, const Tensor& offsets, bool trans_w,
+                              Tensor& out) = 0;
   // dw[e] += x_e^T @ dout_e   (dw [E, K, N]; [E, N, K] if trans_w)
   virtual void grouped_matmul_weight_grad(const Tensor& x, const Tensor& dout,
                                           const Tensor& offsets, bool trans_w, Tensor& dw) = 0;
