@@ -18,14 +18,17 @@ export MT_PLUGIN_PATH=$work/tiny
 fail() { echo "FAIL: $*"; exit 1; }
 out=$("$mt" plugins) || fail "mt plugins exited $?"
 echo "$out"
-grep -Eq '^model +tiny +1\.0\.0 +1 +.*libmt_model_tiny\.so' <<<"$out" || fail "mt plugins does not list the tiny plugin"
+abi=$("$mt" --version | sed -nE 's/.*plugin ABI ([0-9]+).*/\1/p')
+[ -n "$abi" ] || fail "mt --version names no plugin ABI"
+grep -Eq "^model +tiny +1\.0\.0 +$abi +.*libmt_model_tiny\.so" <<<"$out" ||
+  fail "mt plugins does not list the tiny plugin (ABI $abi)"
 out=$("$mt" models) || fail "mt models exited $?"
 echo "$out"
 grep -Eq '^tiny-template +tiny +[0-9.]+K' <<<"$out" || fail "mt models does not size tiny-template"
 out=$("$mt" config --model=tiny-template base_emb_dim=48) || fail "mt config exited $?"
 grep -q '^decoder_block: tiny' <<<"$out" || fail "mt config did not resolve the family"
 grep -q '^base_emb_dim: 48' <<<"$out" || fail "mt config did not apply the override"
-grep -Eq '^data +counting +1\.0\.0 +1 +.*libmt_data_counting\.so' <<<"$("$mt" plugins)" ||
+grep -Eq "^data +counting +1\.0\.0 +$abi +.*libmt_data_counting\.so" <<<"$("$mt" plugins)" ||
   fail "mt plugins does not list the counting data plugin"
 # The installed mt trains on the out-of-tree data source, chosen by config alone.
 out=$("$mt" run --model=tiny-template dataset_type=counting steps=3 eval_interval=-1 \

@@ -92,6 +92,12 @@ double ProfilingBackend::sum_squares(const Tensor& x) {
   return inner_.sum_squares(x);
 }
 
+void ProfilingBackend::sum_squares_each(const std::vector<const Tensor*>& xs,
+                                        std::vector<double>& sums) {
+  Timer t(*this, "sum_squares");
+  inner_.sum_squares_each(xs, sums);
+}
+
 void ProfilingBackend::matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a,
                               bool trans_b, float alpha, float beta) {
   Timer t(*this, "matmul");

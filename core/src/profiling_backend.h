@@ -55,6 +55,7 @@ class ProfilingBackend final : public Backend {
   void axpy(float alpha, const Tensor& x, Tensor& y) override;
   double sum(const Tensor& x) override;
   double sum_squares(const Tensor& x) override;
+  void sum_squares_each(const std::vector<const Tensor*>& xs, std::vector<double>& sums) override;
   void matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool trans_b, float alpha,
               float beta) override;
   void embedding_forward(const Tensor& table, const Tensor& ids, Tensor& out) override;

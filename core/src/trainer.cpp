@@ -229,6 +229,8 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
   if (first_step > steps && !quiet)
     std::printf("mt run: the checkpoint is already at step %ld of steps=%ld; nothing to do.\n",
                 static_cast<long>(first_step - 1), static_cast<long>(steps));
+  std::vector<const Tensor*> grad_ptrs;
+  std::vector<double> grad_sq;
   for (int64_t step = first_step; step <= steps; ++step) {
     const auto t0 = Clock::now();
     double data_wait = 0;
@@ -254,8 +256,13 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
       g.backward(l);
     }
     runner.finish_gradients();
+    // The global gradient norm: every tensor's sum of squares in one call (one device round
+    // trip), added in parameter order.
+    grad_ptrs.clear();
+    for (auto& p : runner.params()) grad_ptrs.push_back(&p.grad);
+    be.sum_squares_each(grad_ptrs, grad_sq);
     double sq = 0;
-    for (auto& p : runner.params()) sq += be.sum_squares(p.grad);
+    for (double x : grad_sq) sq += x;
     const double grad_norm = std::sqrt(sq);
     if (!std::isfinite(loss) || !std::isfinite(grad_norm)) {
       if (tty) std::printf("\n");

@@ -213,6 +213,27 @@ TEST_F(GpuOps, SumAndSumSquaresAreDeterministic) {
   }
 }
 
+// The gradient norm's batched form: every tensor's sum of squares in one read-back, each equal
+// bit for bit to its own sum_squares (an empty tensor sums to 0), mixed dtypes and sizes.
+TEST_F(GpuOps, SumSquaresEachMatchesOneByOne) {
+  SEEDED_RNG(rng);
+  std::vector<Tensor> xs;
+  for (int i = 0; i < 7; ++i) {
+    const int64_t n = i == 3 ? 0 : pick(rng, 1, i % 2 ? 200000 : 5000);
+    xs.push_back(test::from_vector(gpu(), {n}, rand_nz(n, rng), kDtypes[i % 2]));
+  }
+  std::vector<const Tensor*> ptrs;
+  for (const Tensor& x : xs) ptrs.push_back(&x);
+  std::vector<double> sums = {kNaN};  // resized and overwritten
+  gpu().sum_squares_each(ptrs, sums);
+  ASSERT_EQ(sums.size(), xs.size());
+  for (size_t i = 0; i < xs.size(); ++i)
+    EXPECT_EQ(sums[i], gpu().sum_squares(xs[i])) << "tensor " << i << " " << xs[i].str();
+  EXPECT_EQ(sums[3], 0.0);
+  gpu().sum_squares_each({}, sums);
+  EXPECT_TRUE(sums.empty());
+}
+
 TEST_F(GpuOps, Matmul) {
   SEEDED_RNG(rng);
   struct Case {

@@ -26,6 +26,9 @@ class CudaOps : public Backend {
   void axpy(float alpha, const Tensor& x, Tensor& y) override { cuda::axpy(ctx_, alpha, x, y); }
   double sum(const Tensor& x) override { return cuda::sum(ctx_, x, false); }
   double sum_squares(const Tensor& x) override { return cuda::sum(ctx_, x, true); }
+  void sum_squares_each(const std::vector<const Tensor*>& xs, std::vector<double>& s) override {
+    cuda::sums(ctx_, xs, true, s);
+  }
   void matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool trans_b, float alpha,
               float beta) override {
     cuda::matmul(ctx_, a, b, c, trans_a, trans_b, alpha, beta);

@@ -700,24 +700,55 @@ void axpy(const Ctx& c, float alpha, const Tensor& x, Tensor& y) {
              [&] { return str(x) + " -> " + str(y); });
 }
 
-double sum(const Ctx& c, const Tensor& x, bool squares) {
+namespace {
+// The sum (of squares) of x into *dst on the device: kSumBlocks partials, then their sum in order.
+void launch_sum(const Ctx& c, const Tensor& x, bool squares, double* partial, double* dst) {
   const char* op = squares ? "sum_squares" : "sum";
-  MT_CHECK(is_fb(x), std::string("cuda ") + op + ": unsupported tensor " + str(x));
-  const int64_t n = x.numel();
-  if (n == 0) return 0.0;
-  // kSumBlocks partials and the result, as doubles in one f32 scratch block.
-  Tensor buf = c.scratch({2 * (kSumBlocks + 1)}, DType::f32);
+  MT_LAUNCH(sum_partial_kernel, kSumBlocks, kThreads, 0, c.stream)
+  (in(x), x.numel(), squares, partial);
+  launched(op, [&] { return str(x); });
+  MT_LAUNCH(sum_final_kernel, 1, kThreads, 0, c.stream)(partial, dst);
+  launched(op, [&] { return str(x); });
+}
+}  // namespace
+
+double sum(const Ctx& c, const Tensor& x, bool squares) {
+  std::vector<double> r;
+  sums(c, {&x}, squares, r);
+  return r[0];
+}
+
+void sums(const Ctx& c, const std::vector<const Tensor*>& xs, bool squares,
+          std::vector<double>& result) {
+  const char* op = squares ? "sum_squares" : "sum";
+  const auto n = static_cast<int64_t>(xs.size());
+  result.assign(xs.size(), 0.0);
+  for (const Tensor* x : xs)
+    MT_CHECK(x != nullptr && is_fb(*x),
+             std::string("cuda ") + op + ": unsupported tensor " + (x ? str(*x) : "null"));
+  // Only non-empty tensors go to the device (an empty one sums to 0).
+  std::vector<int64_t> live;
+  for (int64_t i = 0; i < n; ++i)
+    if (xs[static_cast<size_t>(i)]->numel() > 0) live.push_back(i);
+  if (live.empty()) return;
+  const auto m = static_cast<int64_t>(live.size());
+  // The partials of one tensor (reused by the next: the stream orders them) and the m results,
+  // as doubles in one f32 scratch block; the results come back in one copy and one sync.
+  Tensor buf = c.scratch({2 * (kSumBlocks + m)}, DType::f32);
   double* partial = static_cast<double*>(buf.data());
-  MT_LAUNCH(sum_partial_kernel, kSumBlocks, kThreads, 0, c.stream)(in(x), n, squares, partial);
-  launched(op, [&] { return str(x); });
-  MT_LAUNCH(sum_final_kernel, 1, kThreads, 0, c.stream)(partial, partial + kSumBlocks);
-  launched(op, [&] { return str(x); });
-  double result = 0;
-  check(cudaMemcpyAsync(&result, partial + kSumBlocks, sizeof(double), cudaMemcpyDeviceToHost,
-                        c.stream),
-        op, "copying the result to the host", str(x));
-  check(cudaStreamSynchronize(c.stream), op, "stream synchronize", str(x));
-  return result;
+  double* dst = partial + kSumBlocks;
+  for (int64_t j = 0; j < m; ++j)
+    launch_sum(c, *xs[static_cast<size_t>(live[static_cast<size_t>(j)])], squares, partial,
+               dst + j);
+  const std::string what =
+      m == 1 ? str(*xs[static_cast<size_t>(live[0])]) : std::to_string(m) + " tensors";
+  std::vector<double> got(static_cast<size_t>(m));
+  check(cudaMemcpyAsync(got.data(), dst, static_cast<size_t>(m) * sizeof(double),
+                        cudaMemcpyDeviceToHost, c.stream),
+        op, "copying the result to the host", what);
+  check(cudaStreamSynchronize(c.stream), op, "stream synchronize", what);
+  for (int64_t j = 0; j < m; ++j)
+    result[static_cast<size_t>(live[static_cast<size_t>(j)])] = got[static_cast<size_t>(j)];
 }
 
 // ---- embedding ------------------------------------------------------------------------------

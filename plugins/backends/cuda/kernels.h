@@ -43,6 +43,9 @@ void mul(const Ctx& c, const Tensor& a, const Tensor& b, Tensor& out);
 void scale(const Ctx& c, const Tensor& x, float s, Tensor& out);
 void axpy(const Ctx& c, float alpha, const Tensor& x, Tensor& y);
 double sum(const Ctx& c, const Tensor& x, bool squares);
+// result[i] = sum (of squares) of *xs[i], read back in one copy.
+void sums(const Ctx& c, const std::vector<const Tensor*>& xs, bool squares,
+          std::vector<double>& result);
 
 // matmul (cuBLASLt through c.gemm, f32 accumulation; gemm.cu)
 void matmul(const Ctx& c, const Tensor& a, const Tensor& b, Tensor& out, bool trans_a, bool trans_b,

@@ -110,6 +110,13 @@ class MT_API Backend {
   // Sum of all elements / of squares, accumulated in double.
   virtual double sum(const Tensor& x) = 0;
   virtual double sum_squares(const Tensor& x) = 0;
+  // sums[i] = sum_squares(*xs[i]) for every tensor at once (a gradient norm over all
+  // parameters): a device backend reads the results back in one round trip instead of one per
+  // tensor. The default calls sum_squares in turn; an override must give the same values.
+  virtual void sum_squares_each(const std::vector<const Tensor*>& xs, std::vector<double>& sums) {
+    sums.resize(xs.size());
+    for (size_t i = 0; i < xs.size(); ++i) sums[i] = sum_squares(*xs[i]);
+  }
 
   // ---- matmul -----------------------------------------------------------------------------
   // c[b] = alpha * op(a[b]) @ op(b[b]) + beta * c[b]
