@@ -331,47 +331,35 @@ if ((torch_ok)); then
     --steps 8 --name llama2-7b-4L --compile
 fi
 
-# Last, with what time is left: compute-sanitizer's memcheck over the flash and GEMM tests
-# (out-of-bounds and misaligned accesses that a passing comparison can hide).
-if ((built)) && [ -x "$build/tests/gpu_ops_test" ] && command -v compute-sanitizer >/dev/null 2>&1; then
+# Last, with what time is left, compute-sanitizer over gpu_ops_test, both into sanitizer.log:
+# memcheck over the flash and GEMM tests (out-of-bounds and misaligned accesses that a passing
+# comparison can hide), then racecheck over the flash tiles (shared-memory hazards between warps,
+# which the double-buffered tiles of the tensor-core kernels could have: a refill racing a read).
+# sanitize TOOL FILTER FOUND: FOUND is the pattern of the line that names what the tool found.
+sanitize() {
+  local tool=$1 filter=$2 found=$3 t rc=0
   t=$(limit 90)
   if ((t < 30)); then
-    note memcheck "skipped" "time budget"
-  else
-    rc=0
-    run_mt timeout -k 5 "$t" compute-sanitizer --tool memcheck --error-exitcode 9 \
-      "$build/tests/gpu_ops_test" --gtest_filter='GpuAttention.FlashSmall:GpuAttention.FlashTiles:GpuOps.Matmul' \
-      >"$res/sanitizer.log" 2>&1 || rc=$?
-    case $rc in
-      0) note memcheck "ok" "no errors (flash small/tiles, matmul)" ;;
-      9) note memcheck "ERRORS" "$(grep -m1 -E 'Invalid|Misaligned|ERROR' "$res/sanitizer.log" | cut -c1-200)" ;;
-      124 | 137) note memcheck "TIMED OUT" "after ${t}s" ;;
-      *) note memcheck "exit $rc" "tests failed under memcheck; see sanitizer.log" ;;
-    esac
+    note "$tool" "skipped" "time budget"
+    return
   fi
-fi
-
-# Then racecheck over the flash tests: shared-memory hazards between warps, which the
-# double-buffered tiles of the tensor-core kernels could have (a refill racing a read).
+  echo "==== $tool $filter" >>"$res/sanitizer.log"
+  run_mt timeout -k 5 "$t" compute-sanitizer --tool "$tool" --error-exitcode 9 \
+    "$build/tests/gpu_ops_test" --gtest_filter="$filter" >"$res/sanitizer.tmp" 2>&1 || rc=$?
+  cat "$res/sanitizer.tmp" >>"$res/sanitizer.log"
+  case $rc in
+    0) note "$tool" "ok" "nothing found ($filter)" ;;
+    9) note "$tool" "FOUND" "$(grep -m1 -E "$found" "$res/sanitizer.tmp" | cut -c1-200)" ;;
+    124 | 137) note "$tool" "TIMED OUT" "after ${t}s" ;;
+    *) note "$tool" "exit $rc" "tests failed under $tool; see sanitizer.log" ;;
+  esac
+  rm -f "$res/sanitizer.tmp"
+}
+: >"$res/sanitizer.log"
 if ((built)) && [ -x "$build/tests/gpu_ops_test" ] && command -v compute-sanitizer >/dev/null 2>&1; then
-  t=$(limit 90)
-  if ((t < 30)); then
-    note racecheck "skipped" "time budget"
-  else
-    rc=0
-    echo "==== racecheck" >>"$res/sanitizer.log"
-    run_mt timeout -k 5 "$t" compute-sanitizer --tool racecheck --error-exitcode 9 \
-      "$build/tests/gpu_ops_test" --gtest_filter='GpuAttention.FlashTiles' \
-      >>"$res/racecheck.tmp" 2>&1 || rc=$?
-    cat "$res/racecheck.tmp" >>"$res/sanitizer.log"
-    rm -f "$res/racecheck.tmp"
-    case $rc in
-      0) note racecheck "ok" "no hazards (flash tiles)" ;;
-      9) note racecheck "HAZARDS" "$(sed -n '/==== racecheck/,$p' "$res/sanitizer.log" | grep -m1 -E 'Race|hazard|ERROR' | cut -c1-200)" ;;
-      124 | 137) note racecheck "TIMED OUT" "after ${t}s" ;;
-      *) note racecheck "exit $rc" "tests failed under racecheck; see sanitizer.log" ;;
-    esac
-  fi
+  sanitize memcheck 'GpuAttention.FlashSmall:GpuAttention.FlashTiles:GpuOps.Matmul' \
+    'Invalid|Misaligned|ERROR'
+  sanitize racecheck 'GpuAttention.FlashTiles' 'Race|hazard|ERROR'
 fi
 
 make_table

@@ -364,24 +364,20 @@ __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const bf16* row) {
   __trap();
 #endif
 }
-// cp.async of 16 (or 4) bytes; with !valid nothing is read and the bytes are zero-filled.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+// cp.async of Bytes (16, or 4 for lse and delta); with !valid nothing is read and the bytes are
+// zero-filled. 16-byte copies skip L1 (.cg: each tile is read once per block); 4-byte ones can't.
+template <int Bytes>
+__device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid) {
+  static_assert(Bytes == 4 || Bytes == 16, "cp.async copies 4 or 16 bytes here");
 #if defined(MT_CUDA_EMULATION)
-  emulated_cp_async(dst, src, 16, valid ? 16 : 0);
+  emulated_cp_async(dst, src, Bytes, valid ? Bytes : 0);
 #elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(valid ? 16 : 0));
-#else
-  (void)dst, (void)src, (void)valid;
-  __trap();
-#endif
-}
-__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
-#if defined(MT_CUDA_EMULATION)
-  emulated_cp_async(dst, src, 4, valid ? 4 : 0);
-#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(valid ? 4 : 0));
+  if constexpr (Bytes == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 16 : 0));
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 4 : 0));
 #else
   (void)dst, (void)src, (void)valid;
   __trap();
@@ -497,7 +493,7 @@ __device__ __forceinline__ void copy_tile(bf16* dst, const bf16* src, int64_t st
   for (int idx = threadIdx.x; idx < Rows * kChunks; idx += Threads) {
     const int r = idx / kChunks, c = idx % kChunks;
     const bool ok = r < n;
-    cp_async16(dst + r * (D + 8) + c * 8, ok ? src + r * stride + c * 8 : src, ok);
+    cp_async<16>(dst + r * (D + 8) + c * 8, ok ? src + r * stride + c * 8 : src, ok);
   }
 }
 __device__ __forceinline__ float quad_max(float v) {
@@ -835,8 +831,8 @@ __global__ void __launch_bounds__(W * 32)
     copy_tile<D, kTile, W * 32>(dos + ib * kTile * P, dout + q_off, a.Hq * D, a.T - iq0);
     if (threadIdx.x < kTile) {
       const bool ok = iq0 + threadIdx.x < a.T;
-      cp_async4(ls_s + ib * kTile + threadIdx.x, ok ? lse + r0 + threadIdx.x : lse, ok);
-      cp_async4(dl_s + ib * kTile + threadIdx.x, ok ? delta + r0 + threadIdx.x : delta, ok);
+      cp_async<4>(ls_s + ib * kTile + threadIdx.x, ok ? lse + r0 + threadIdx.x : lse, ok);
+      cp_async<4>(dl_s + ib * kTile + threadIdx.x, ok ? delta + r0 + threadIdx.x : delta, ok);
     }
     cp_async_commit();
     ib ^= 1;
