@@ -562,6 +562,38 @@ __device__ __forceinline__ float exp_shifted(float x, float neg_m_log2e) {
   return exp2f(fmaf(x, kLog2e, neg_m_log2e));
 }
 
+// The key and value tiles a forward or dq block streams: two buffers each of kTile rows in shared
+// memory (ks, vs), filled from the rows of one kv head (k + base, v + base, rows stride apart).
+template <int D, int W>
+struct KvStream {
+  static constexpr int P = D + 8;
+  bf16* ks;
+  bf16* vs;
+  const bf16* k;
+  const bf16* v;
+  int64_t base, stride, S;
+  // Starts copying the tiles at key k0 into buffer buf, as one cp.async group.
+  __device__ void copy(int64_t k0, int buf) const {
+    const int64_t off = base + k0 * stride;
+    copy_tile<D, kTile, W * 32>(ks + buf * kTile * P, k + off, stride, S - k0);
+    copy_tile<D, kTile, W * 32>(vs + buf * kTile * P, v + off, stride, S - k0);
+    cp_async_commit();
+  }
+  // Starts the tiles after k0 (if below hi) into the other buffer, then waits until the tiles at
+  // k0 (buffer buf) have landed for every thread of the block.
+  __device__ void next(int64_t k0, int64_t hi, int buf) const {
+    if (k0 + kTile < hi) {
+      copy(k0 + kTile, buf ^ 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+  }
+  __device__ const bf16* key(int buf) const { return ks + buf * kTile * P; }
+  __device__ const bf16* value(int buf) const { return vs + buf * kTile * P; }
+};
+
 // Forward: block (query tile, b Hq + h), the query tiles in reverse so that under a causal mask
 // the longest rows start first; warp w owns query rows 16w..16w+15 of the tile.
 template <int D, int W>
@@ -578,13 +610,11 @@ __global__ void __launch_bounds__(W * 32)
   const int64_t q0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * QT;
   int64_t lo, hi;
   tile_key_range(a, q0, QT, lo, hi);
-  const int64_t kv_stride = a.Hkv * D, kv_base = (b * a.S * a.Hkv + g) * D;
+  const KvStream<D, W> kv{ks, vs, k, v, (b * a.S * a.Hkv + g) * D, a.Hkv * D, a.S};
   copy_tile<D, QT, W * 32>(qs, q + ((b * a.T + q0) * a.Hq + h) * D, a.Hq * D, a.T - q0);
   cp_async_commit();
   if (lo < hi) {
-    copy_tile<D, kTile, W * 32>(ks, k + kv_base + lo * kv_stride, kv_stride, a.S - lo);
-    copy_tile<D, kTile, W * 32>(vs, v + kv_base + lo * kv_stride, kv_stride, a.S - lo);
-    cp_async_commit();
+    kv.copy(lo, 0);
     cp_async_wait<1>();  // the query tile
   } else {
     cp_async_wait<0>();
@@ -598,21 +628,11 @@ __global__ void __launch_bounds__(W * 32)
   float acc[D / 8][4] = {};
   int buf = 0;
   for (int64_t k0 = lo; k0 < hi; k0 += kTile, buf ^= 1) {
-    if (k0 + kTile < hi) {  // the next key tile into the other buffer, in flight meanwhile
-      const int64_t nk = k0 + kTile, off = kv_base + nk * kv_stride;
-      copy_tile<D, kTile, W * 32>(ks + (buf ^ 1) * kTile * P, k + off, kv_stride, a.S - nk);
-      copy_tile<D, kTile, W * 32>(vs + (buf ^ 1) * kTile * P, v + off, kv_stride, a.S - nk);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();  // this key tile has landed for every thread
+    kv.next(k0, hi, buf);  // the next key tile in flight while this one is used
     const Overlap ov = overlap(f, q0 + warp * 16, 16, k0, kTile);
     if (!ov.none) {
-      const bf16* kt = ks + buf * kTile * P;
       float s[8][4] = {};
-      mma_abt<D>(s, qa, kt);
+      mma_abt<D>(s, qa, kv.key(buf));
       float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
@@ -646,7 +666,7 @@ __global__ void __launch_bounds__(W * 32)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[nt][e] *= corr[e >> 1];
       }
-      mma_cb<D>(acc, s, vs + buf * kTile * P);
+      mma_cb<D>(acc, s, kv.value(buf));
     }
     __syncthreads();  // every warp is done with this buffer before it is refilled
   }
@@ -688,15 +708,13 @@ __global__ void __launch_bounds__(W * 32)
   int64_t lo, hi;
   tile_key_range(a, q0, QT, lo, hi);
   const int64_t q_off = ((b * a.T + q0) * a.Hq + h) * D;
-  const int64_t kv_stride = a.Hkv * D, kv_base = (b * a.S * a.Hkv + g) * D;
+  const KvStream<D, W> kv{ks, vs, k, v, (b * a.S * a.Hkv + g) * D, a.Hkv * D, a.S};
   copy_tile<D, QT, W * 32>(qs, q + q_off, a.Hq * D, a.T - q0);
   copy_tile<D, QT, W * 32>(dos, dout + q_off, a.Hq * D, a.T - q0);
   cp_async_commit();
   if (lo < hi) {
-    copy_tile<D, kTile, W * 32>(ks, k + kv_base + lo * kv_stride, kv_stride, a.S - lo);
-    copy_tile<D, kTile, W * 32>(vs, v + kv_base + lo * kv_stride, kv_stride, a.S - lo);
-    cp_async_commit();
-    cp_async_wait<1>();
+    kv.copy(lo, 0);
+    cp_async_wait<1>();  // the query and dO tiles
   } else {
     cp_async_wait<0>();
   }
@@ -713,22 +731,13 @@ __global__ void __launch_bounds__(W * 32)
   float acc[D / 8][4] = {};
   int buf = 0;
   for (int64_t k0 = lo; k0 < hi; k0 += kTile, buf ^= 1) {
-    if (k0 + kTile < hi) {
-      const int64_t nk = k0 + kTile, off = kv_base + nk * kv_stride;
-      copy_tile<D, kTile, W * 32>(ks + (buf ^ 1) * kTile * P, k + off, kv_stride, a.S - nk);
-      copy_tile<D, kTile, W * 32>(vs + (buf ^ 1) * kTile * P, v + off, kv_stride, a.S - nk);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
+    kv.next(k0, hi, buf);
     const Overlap ov = overlap(f, q0 + warp * 16, 16, k0, kTile);
     if (!ov.none) {
-      const bf16* kt = ks + buf * kTile * P;
+      const bf16* kt = kv.key(buf);
       float s[8][4] = {}, dp[8][4] = {};
-      mma_abt<D>(s, qa, kt);                                 // S = Q K^T
-      mma_abt<D>(dp, dos, warp * 16, vs + buf * kTile * P);  // dP = dO V^T
+      mma_abt<D>(s, qa, kt);                          // S = Q K^T
+      mma_abt<D>(dp, dos, warp * 16, kv.value(buf));  // dP = dO V^T
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
