@@ -18,6 +18,11 @@
 #ifndef MT_LAUNCH
 #define MT_LAUNCH(kernel, grid, block, shared, stream) kernel<<<grid, block, shared, stream>>>
 #endif
+// The dynamic shared memory of a block (extern __shared__ on the device; the emulator's block
+// memory under tests/support/cuda_emulation.h).
+#ifndef MT_DYNAMIC_SHARED
+#define MT_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
 
 namespace mt::cuda {
 

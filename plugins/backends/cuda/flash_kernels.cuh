@@ -1,8 +1,8 @@
 // The device code of flash attention (flash.cu holds the launchers): the SIMT and tensor-core
-// kernels and their helpers. MT_DYNAMIC_SHARED and the mma below have stand-ins under
-// tests/support/cuda_emulation.h, which compiles the plugin's kernels as host C++ for
-// cuda_emulated_ops_test: the tile indexing, masks and online softmax are checked on any machine,
-// the hardware's arithmetic only on a GPU (gpu_ops_test).
+// kernels and their helpers. MT_DYNAMIC_SHARED (device_io.cuh), the mma, ldmatrix and cp.async
+// below have stand-ins under tests/support/cuda_emulation.h, which compiles the plugin's kernels as
+// host C++ for cuda_emulated_ops_test: the tile indexing, masks and online softmax are checked on
+// any machine, the hardware's arithmetic only on a GPU (gpu_ops_test).
 //
 // Notation: q [B, T, Hq, D], k and v [B, S, Hkv, D], group = Hq / Hkv (query head h reads kv head
 // h / group), lse and delta [B, Hq, T]. Query i sits at position offset + i (decode:
@@ -22,11 +22,6 @@
 
 #include "attention_args.h"
 #include "device_io.cuh"
-
-// The dynamic shared memory of a block (extern __shared__ on the device).
-#ifndef MT_DYNAMIC_SHARED
-#define MT_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
-#endif
 
 namespace mt::cuda {
 namespace {

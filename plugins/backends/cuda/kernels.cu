@@ -43,6 +43,7 @@ void check(cublasStatus_t s, const std::string& op, const std::string& what,
 
 namespace {
 
+constexpr int64_t kMaxRotaryDim = 8192;  // rope: R floats of shared memory per block
 constexpr int kThreads = 256;    // threads per block everywhere (block reductions assume it)
 constexpr int kSumBlocks = 512;  // fixed grid of the two-pass sum: fixes its order
 constexpr int64_t kMaxGrid = 1 << 20;
@@ -552,18 +553,28 @@ __global__ void ce_bwd_kernel(In dloss, In x, const int32_t* tg, const float* ls
 // One block per (b, t) row. x, out [rows, H, D]; positions [rows]; inv_freq [R / 2].
 // Forward: out = rotate(x, angle); inverse: out += rotate(x, -angle). The angle is formed and
 // its sine and cosine taken in double: in f32 the product alone is off by ~1e-2 rad near 128k.
+// Every head of the row shares the angles: their cosines and sines are taken once per row, into
+// dynamic shared memory (R floats), not once per head (FP64 sincos is the costly part).
 __global__ void rope_kernel(In x, const int32_t* positions, const float* inv_freq, int64_t H,
                             int64_t D, int64_t R, bool interleaved, float mscale, bool inverse,
                             Out o) {
+  MT_DYNAMIC_SHARED(smem);
+  float* cos_s = reinterpret_cast<float*>(smem);
+  float* sin_s = cos_s + R / 2;
   const int64_t row = blockIdx.x, half = R / 2;
   const int64_t base = row * H * D;
   const double p = positions[row];
   const float sscale = (inverse ? -1.f : 1.f) * mscale;
-  for (int64_t j = threadIdx.x; j < H * half; j += kThreads) {
-    const int64_t h = j / half, i = j - h * half;
+  for (int64_t i = threadIdx.x; i < half; i += kThreads) {
     double sn, cs;
     sincos(p * double(inv_freq[i]), &sn, &cs);
-    const float c = mscale * static_cast<float>(cs), s = sscale * static_cast<float>(sn);
+    cos_s[i] = mscale * static_cast<float>(cs);
+    sin_s[i] = sscale * static_cast<float>(sn);
+  }
+  __syncthreads();
+  for (int64_t j = threadIdx.x; j < H * half; j += kThreads) {
+    const int64_t h = j / half, i = j - h * half;
+    const float c = cos_s[i], s = sin_s[i];
     const int64_t ia = base + h * D + (interleaved ? 2 * i : i);
     const int64_t ib = ia + (interleaved ? 1 : half);
     const float a = x[ia], b = x[ib];
@@ -600,6 +611,10 @@ void rope_apply(const Ctx& c, const char* op, const Tensor& x, const Tensor& pos
   const int64_t R = spec.rotary_dim > 0 ? spec.rotary_dim : D;
   MT_CHECK(R % 2 == 0 && R <= D, std::string("cuda ") + op + ": rotary_dim " + std::to_string(R) +
                                      " must be even and at most head_dim " + std::to_string(D));
+  // The row's cosines and sines live in shared memory (R floats, within the 48 KiB default).
+  MT_CHECK(R <= kMaxRotaryDim, std::string("cuda ") + op + ": rotary_dim " + std::to_string(R) +
+                                   " is larger than the " + std::to_string(kMaxRotaryDim) +
+                                   " this kernel supports");
   if (rows == 0 || H == 0 || D == 0) return;
   const RopeFrequencies table = rope_frequencies(spec, R);
   Tensor freq = c.scratch({std::max<int64_t>(R / 2, 1)}, DType::f32);
@@ -607,7 +622,8 @@ void rope_apply(const Ctx& c, const char* op, const Tensor& x, const Tensor& pos
     check(cudaMemcpyAsync(freq.data(), table.inv_freq.data(), table.inv_freq.size() * sizeof(float),
                           cudaMemcpyHostToDevice, c.stream),
           op, "uploading inv_freq", shapes());
-  MT_LAUNCH(rope_kernel, static_cast<unsigned>(rows), kThreads, 0, c.stream)
+  MT_LAUNCH(rope_kernel, static_cast<unsigned>(rows), kThreads,
+            static_cast<size_t>(R) * sizeof(float), c.stream)
   (in(x), positions.ptr<const int32_t>(), freq.ptr<const float>(), H, D, R, spec.interleaved,
    static_cast<float>(table.mscale), inverse, out(o));
   launched(op, shapes);
