@@ -153,6 +153,11 @@ inline float __bfloat162float(__nv_bfloat16 b) {
 inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 b) {
   return b.bits;
 }
+inline float __uint_as_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
 namespace emu {
 

@@ -759,17 +759,18 @@ TEST_F(GpuAttention, FlashMatchesDotProductOnDevice) {
   EXPECT_TRUE(close(r.dv, 2e-2, "flash vs dot_product dv"));
 }
 
-// Decode over a cache longer than one split (256 rows): the keys are split across warps and the
-// partial softmaxes combined; with a sliding window some splits see no key at all.
+// Decode over a cache of several chunks (128 rows each): blocks per kv head and chunk, their
+// partial softmaxes combined; with a sliding window some chunks see no key at all, and without
+// the causal mask only lengths[b] keeps the rows past each sequence out.
 TEST_F(GpuAttention, FlashDecodeLongCache) {
   SEEDED_RNG(rng);
   auto ga = gpu_attention("flash");
   auto ca = test::attention("dot_product", cpu());
   for (DType dt : kDtypes)
-    for (int64_t window : {int64_t{0}, int64_t{300}})
+    for (int64_t window : {int64_t{-1}, int64_t{0}, int64_t{300}})
       for (int64_t T : {1, 3}) {
-        SCOPED_TRACE(std::string(dname(dt)) + " window " + std::to_string(window) + " T " +
-                     std::to_string(T));
+        SCOPED_TRACE(std::string(dname(dt)) + (window < 0 ? " not causal" : " window ") +
+                     (window < 0 ? "" : std::to_string(window)) + " T " + std::to_string(T));
         const int64_t B = 2, H = 4, Hkv = 2, D = 64, smax = 700;
         const Shape sq{B, T, H, D}, sc{B, smax, Hkv, D};
         Both q = make(sq, rand_nz(shape_numel(sq), rng), dt);
@@ -778,7 +779,8 @@ TEST_F(GpuAttention, FlashDecodeLongCache) {
         Both lengths = ints({B}, {static_cast<int32_t>(pick(rng, 520, smax)),
                                   static_cast<int32_t>(pick(rng, T, 300))});
         AttentionSpec spec;
-        spec.window = window;
+        spec.causal = window >= 0;
+        spec.window = std::max<int64_t>(window, 0);
         Both od = poisoned(sq, dt);
         ga->decode(q.g, kc.g, vc.g, lengths.g, spec, od.g);
         ca->decode(q.c, kc.c, vc.c, lengths.c, spec, od.c);

@@ -34,8 +34,6 @@ Flash make_flash(const AttnArgs& a, int64_t B, const Tensor& q_seg, const Tensor
   return f;
 }
 
-constexpr int64_t kDecodeChunk = 256;  // cache rows per warp in a split decode
-
 unsigned warp_blocks(int64_t rows) {
   return static_cast<unsigned>((rows + kWarps - 1) / kWarps);
 }
@@ -113,7 +111,7 @@ void flash_forward(const Ctx& c, const Tensor& q, const Tensor& k, const Tensor&
     return;
   }
   MT_LAUNCH(simt_fwd_kernel, warp_blocks(rows), kWarps * 32, 0, c.stream)
-  (in(q), in(k), in(v), f, out(o), lse.ptr<float>(), int64_t{0}, nullptr);
+  (in(q), in(k), in(v), f, out(o), lse.ptr<float>());
   check(cudaGetLastError(), op, "kernel launch", shapes);
 }
 
@@ -174,21 +172,21 @@ void flash_decode(const Ctx& c, const Tensor& q, const Tensor& k_cache, const Te
   const Flash f = make_flash(a, B, Tensor(), Tensor(), lengths.ptr<const int32_t>());
   const std::string shapes =
       "q " + str(q) + ", k_cache " + str(k_cache) + ", v_cache " + str(v_cache);
-  // One warp per query row would leave most of the GPU idle at small batches over a long cache:
-  // the keys are split in chunks of kDecodeChunk, one warp each, and combined in a second pass.
-  int64_t chunk = kDecodeChunk;
-  if ((a.S + chunk - 1) / chunk > 65535) chunk = (a.S + 65534) / 65535;  // grid y limit
-  const int64_t splits = (a.S + chunk - 1) / chunk;
-  if (splits <= 1) {
-    MT_LAUNCH(simt_fwd_kernel, warp_blocks(rows), kWarps * 32, 0, c.stream)
-    (in(q), in(k_cache), in(v_cache), f, out(o), nullptr, int64_t{0}, nullptr);
-    check(cudaGetLastError(), op, "kernel launch", shapes);
-    return;
-  }
+  // A block per kv head and chunk of kDecodeKeys cache rows (decode_kernel), then the chunks'
+  // partial softmaxes combined per query row.
+  const int64_t splits = (a.S + kDecodeKeys - 1) / kDecodeKeys;
+  MT_CHECK(splits <= 65535 && B * a.Hkv <= INT_MAX,
+           op + ": a cache of " + std::to_string(a.S) + " rows (more than " +
+               std::to_string(int64_t{65535} * kDecodeKeys) + ") or " + std::to_string(B * a.Hkv) +
+               " batch x kv heads is more than this kernel's grid");
+  const auto aligned = [](const Tensor& t) {
+    return reinterpret_cast<uintptr_t>(t.data()) % 16 == 0;
+  };
+  const bool vec = a.D % 8 == 0 && aligned(k_cache) && aligned(v_cache);
   Tensor partial = c.scratch({rows, splits, a.D + 2}, DType::f32);
-  const dim3 grid(warp_blocks(rows), static_cast<unsigned>(splits));
-  MT_LAUNCH(simt_fwd_kernel, grid, kWarps * 32, 0, c.stream)
-  (in(q), in(k_cache), in(v_cache), f, out(o), nullptr, chunk, partial.ptr<float>());
+  MT_LAUNCH(decode_kernel, dim3(static_cast<unsigned>(B * a.Hkv), static_cast<unsigned>(splits)),
+            kWarps * 32, 0, c.stream)
+  (in(q), in(k_cache), in(v_cache), f, vec, partial.ptr<float>());
   check(cudaGetLastError(), op, "kernel launch", shapes);
   MT_LAUNCH(combine_kernel, warp_blocks(rows), kWarps * 32, 0, c.stream)
   (partial.ptr<const float>(), splits, f, out(o));

@@ -98,28 +98,17 @@ __device__ __forceinline__ float lanes_dot(const float (&x)[kLaneMax], const flo
   return warp_sum(d);
 }
 
-// Forward (and decode, with f.lengths): one warp per query row r = (b Hq + h) T + i, keys in
-// order with an online softmax. out [B, T, Hq, D]; lse [B, Hq, T] or null.
-// Split keys (decode over a long cache): with `partial`, the warp of split s = blockIdx.y takes
-// only keys [s chunk, (s + 1) chunk) and writes its unnormalised state (m, l, acc[D]) to
-// partial [rows, gridDim.y, D + 2] for combine_kernel instead of out and lse.
+// Forward: one warp per query row r = (b Hq + h) T + i, keys in order with an online softmax.
+// out [B, T, Hq, D]; lse [B, Hq, T].
 __global__ void __launch_bounds__(kWarps * 32)
-    simt_fwd_kernel(In q, In k, In v, Flash f, Out o, float* lse, int64_t chunk = 0,
-                    float* partial = nullptr) {
+    simt_fwd_kernel(In q, In k, In v, Flash f, Out o, float* lse) {
   const AttnArgs& a = f.a;
   const int lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (r >= f.B * a.Hq * a.T) return;  // whole warps return together
   const int64_t i = r % a.T, bh = r / a.T, h = bh % a.Hq, b = bh / a.Hq, g = h / f.group;
-  const int64_t len = f.lengths ? f.lengths[b] : a.S;
-  const int64_t p = f.lengths ? len - a.T + i : a.offset + i;
   int64_t lo, hi;
-  key_range(a, p, len, lo, hi);
-  if (partial) {
-    const int64_t c0 = static_cast<int64_t>(blockIdx.y) * chunk;
-    lo = lo > c0 ? lo : c0;
-    hi = hi < c0 + chunk ? hi : c0 + chunk;
-  }
+  key_range(a, a.offset + i, a.S, lo, hi);
   const int64_t qo = ((b * a.T + i) * a.Hq + h) * a.D;
   float qv[kLaneMax], acc[kLaneMax] = {};
   load_lanes(qv, q, qo, a.D);
@@ -139,26 +128,141 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
     m = mn;
   }
-  if (partial) {
-    float* dst = partial + (r * gridDim.y + blockIdx.y) * (a.D + 2);
-    if (lane == 0) dst[0] = m, dst[1] = l;
-#pragma unroll
-    for (int t = 0; t < kLaneMax; ++t) {
-      const int64_t e = lane + 32 * t;
-      if (e < a.D) dst[2 + e] = acc[t];
-    }
-    return;
-  }
   const float inv = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll
   for (int t = 0; t < kLaneMax; ++t) {
     const int64_t e = lane + 32 * t;
     if (e < a.D) o.set(qo + e, acc[t] * inv);
   }
-  if (lse && lane == 0) lse[r] = l > 0.f ? m + logf(l) : -INFINITY;
+  if (lane == 0) lse[r] = l > 0.f ? m + logf(l) : -INFINITY;
 }
 
-// Split keys, second pass: out row r from its `splits` partial states (simt_fwd_kernel), in
+// ---- decode -------------------------------------------------------------------------------
+// Over a KV cache of S rows of which lengths[b] are valid; query row i of T sits at position
+// lengths[b] - T + i. Block (b Hkv + g, chunk s of kDecodeKeys cache rows) serves every query
+// row of kv head g's group (heads g group .. g group + group - 1, each with its T rows) from one
+// read of the chunk's keys and values, in passes of up to kDecodeRows rows:
+//   scores, a thread per key (16-byte loads of its key row; the rows' queries in shared memory);
+//   each row's softmax over the chunk, a warp per row;
+//   P V, a thread per feature (each value row read whole by the block, coalesced).
+// Each row's unnormalised state (m, l, acc[D]) goes to partial [rows, splits, D + 2] (rows
+// (b Hq + h) T + i, splits = gridDim.y) for combine_kernel.
+constexpr int kDecodeKeys = kWarps * 32;  // cache rows per block: one per thread
+constexpr int kDecodeRows = 8;            // query rows per pass over the chunk
+
+// x[base .. base + 8) as f32; vec: 16-byte loads (bf16: one, f32: two), which the host allows
+// when every row start it reads is 16-byte aligned.
+__device__ __forceinline__ void load8(float (&r)[8], In x, int64_t base, bool vec) {
+  if (vec && x.bf) {
+    const uint4 u = *reinterpret_cast<const uint4*>(static_cast<const bf16*>(x.p) + base);
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      r[2 * t] = __uint_as_float(w[t] << 16);
+      r[2 * t + 1] = __uint_as_float(w[t] & 0xffff0000u);
+    }
+  } else if (vec) {
+    const auto* p = reinterpret_cast<const uint4*>(static_cast<const float*>(x.p) + base);
+    const uint4 u0 = p[0], u1 = p[1];
+    const uint32_t w[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
+#pragma unroll
+    for (int t = 0; t < 8; ++t) r[t] = __uint_as_float(w[t]);
+  } else {
+#pragma unroll
+    for (int t = 0; t < 8; ++t) r[t] = x[base + t];
+  }
+}
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// vec: D % 8 == 0 and k, v 16-byte aligned (then every row start is).
+__global__ void __launch_bounds__(kWarps * 32)
+    decode_kernel(In q, In k, In v, Flash f, bool vec, float* partial) {
+  const AttnArgs& a = f.a;
+  __shared__ float qs[kDecodeRows][32 * kLaneMax];
+  __shared__ float ps[kDecodeRows][kDecodeKeys];
+  __shared__ float ms[kDecodeRows], ls[kDecodeRows];
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const int64_t bg = blockIdx.x, b = bg / a.Hkv, g = bg % a.Hkv;
+  const int64_t s = blockIdx.y, splits = gridDim.y, j0 = s * kDecodeKeys, j = j0 + t;
+  const int64_t len = f.lengths[b], rows = f.group * a.T;
+  // Keys of this chunk inside the valid cache (none when the chunk starts past it).
+  const int64_t nk = len - j0 < kDecodeKeys ? (len > j0 ? len - j0 : 0) : kDecodeKeys;
+  const int64_t D = a.D, D8 = D / 8 * 8;
+  for (int64_t r0 = 0; r0 < rows; r0 += kDecodeRows) {
+    const int nr = static_cast<int>(rows - r0 < kDecodeRows ? rows - r0 : kDecodeRows);
+    __syncthreads();  // the previous pass is done with qs, ps, ms, ls
+    // Group row r0 + rr is head g group + (r0 + rr) / T, token (r0 + rr) % T; rows past nr are
+    // zeros, so the fixed-size loops below compute nothing undefined for them.
+    for (int64_t idx = t; idx < kDecodeRows * D; idx += kWarps * 32) {
+      const int rr = static_cast<int>(idx / D);
+      const int64_t e = idx % D, gr = r0 + rr;
+      qs[rr][e] = rr < nr ? q[((b * a.T + gr % a.T) * a.Hq + g * f.group + gr / a.T) * D + e] : 0.f;
+    }
+    __syncthreads();
+    float dot[kDecodeRows] = {};
+    if (t < nk) {
+      const int64_t ko = ((b * a.S + j) * a.Hkv + g) * D;
+      for (int64_t e = 0; e < D8; e += 8) {
+        float kv[8];
+        load8(kv, k, ko + e, vec);
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+#pragma unroll
+          for (int rr = 0; rr < kDecodeRows; ++rr) dot[rr] += qs[rr][e + u] * kv[u];
+        }
+      }
+      for (int64_t e = D8; e < D; ++e) {
+        const float kv = k[ko + e];
+#pragma unroll
+        for (int rr = 0; rr < kDecodeRows; ++rr) dot[rr] += qs[rr][e] * kv;
+      }
+    }
+#pragma unroll
+    for (int rr = 0; rr < kDecodeRows; ++rr) {
+      const int64_t p = len - a.T + (r0 + rr) % a.T;
+      ps[rr][t] = rr < nr && t < nk && visible(a, p, j) ? cap_score(a, dot[rr]) : -INFINITY;
+    }
+    __syncthreads();
+    for (int rr = warp; rr < nr; rr += kWarps) {
+      float mx = -INFINITY;
+      for (int c = lane; c < kDecodeKeys; c += 32) mx = fmaxf(mx, ps[rr][c]);
+      mx = warp_max(mx);
+      float sum = 0.f;
+      for (int c = lane; c < kDecodeKeys; c += 32) {
+        const float e = mx == -INFINITY ? 0.f : expf(ps[rr][c] - mx);  // no key seen: all 0
+        ps[rr][c] = e;
+        sum += e;
+      }
+      sum = warp_sum(sum);
+      if (lane == 0) ms[rr] = mx, ls[rr] = sum;
+    }
+    // Rows past nr: weights 0, so their accumulators stay 0.
+    for (int rr = nr + warp; rr < kDecodeRows; rr += kWarps)
+      for (int c = lane; c < kDecodeKeys; c += 32) ps[rr][c] = 0.f;
+    __syncthreads();
+    for (int64_t e = t; e < D; e += kWarps * 32) {
+      float acc[kDecodeRows] = {};
+      for (int64_t c = 0; c < nk; ++c) {
+        const float vv = v[((b * a.S + j0 + c) * a.Hkv + g) * D + e];
+#pragma unroll
+        for (int rr = 0; rr < kDecodeRows; ++rr) acc[rr] += ps[rr][c] * vv;
+      }
+#pragma unroll
+      for (int rr = 0; rr < kDecodeRows; ++rr) {
+        if (rr >= nr) break;
+        const int64_t gr = r0 + rr, row = (b * a.Hq + g * f.group + gr / a.T) * a.T + gr % a.T;
+        float* dst = partial + (row * splits + s) * (D + 2);
+        dst[2 + e] = acc[rr];
+        if (e == 0) dst[0] = ms[rr], dst[1] = ls[rr];
+      }
+    }
+  }
+}
+
+// Split keys, second pass: out row r from its `splits` partial states (decode_kernel), in
 // split order: m = max m_s, out = sum_s e^(m_s - m) acc_s / sum_s e^(m_s - m) l_s.
 __global__ void __launch_bounds__(kWarps * 32)
     combine_kernel(const float* partial, int64_t splits, Flash f, Out o) {
