@@ -24,6 +24,7 @@ class EmulatedCuda final : public CudaOps {
  public:
   EmulatedCuda() {
     ctx_.scratch = [this](const Shape& s, DType d) { return empty(s, d); };
+    ctx_.rope = std::make_shared<RopeTables>();
   }
   std::string name() const override { return "cuda"; }
   std::string describe() const override { return "cuda kernels emulated on the CPU"; }

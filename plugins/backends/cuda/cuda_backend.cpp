@@ -44,6 +44,7 @@ class CudaBackend final : public mt::cuda::CudaOps {
     copier_ = std::make_unique<mt::cuda::HostCopier>(stream_);
     ctx_.stream = stream_;
     ctx_.scratch = [this](const mt::Shape& s, mt::DType d) { return empty(s, d); };
+    ctx_.rope = std::make_shared<mt::cuda::RopeTables>();
     // The GEMM workspace comes from the caching allocator once, for the backend's life.
     ctx_.gemm = std::make_shared<mt::cuda::Gemm>(
         stream_, precision,

@@ -599,6 +599,30 @@ __global__ void rope_kernel(In x, const int32_t* positions, const float* inv_fre
   }
 }
 
+// inv_freq on the device: from c.rope when it holds these values, else uploaded (and kept there).
+// An entry's host vector is the copy's source, so it lives until the copy is done.
+template <class S>
+Tensor rope_table(const Ctx& c, const std::vector<float>& inv_freq, const char* op, S&& shapes) {
+  if (c.rope)
+    for (const auto& [values, dev] : c.rope->entries)
+      if (values == inv_freq) return dev;
+  Tensor dev = c.scratch({std::max<int64_t>(static_cast<int64_t>(inv_freq.size()), 1)}, DType::f32);
+  auto upload = [&](const std::vector<float>& src) {
+    if (!src.empty())
+      check(cudaMemcpyAsync(dev.data(), src.data(), src.size() * sizeof(float),
+                            cudaMemcpyHostToDevice, c.stream),
+            op, "uploading inv_freq", shapes());
+  };
+  if (!c.rope) {
+    upload(inv_freq);  // pageable source: staged before the call returns
+    return dev;
+  }
+  if (c.rope->entries.size() >= RopeTables::kMaxEntries) c.rope->entries.clear();
+  c.rope->entries.emplace_back(inv_freq, dev);
+  upload(c.rope->entries.back().first);
+  return dev;
+}
+
 void rope_apply(const Ctx& c, const char* op, const Tensor& x, const Tensor& positions,
                 const RopeSpec& spec, Tensor& o, bool inverse) {
   auto shapes = [&] { return "x " + str(x) + ", positions " + str(positions) + ", out " + str(o); };
@@ -617,11 +641,7 @@ void rope_apply(const Ctx& c, const char* op, const Tensor& x, const Tensor& pos
                                    " this kernel supports");
   if (rows == 0 || H == 0 || D == 0) return;
   const RopeFrequencies table = rope_frequencies(spec, R);
-  Tensor freq = c.scratch({std::max<int64_t>(R / 2, 1)}, DType::f32);
-  if (R / 2 > 0)
-    check(cudaMemcpyAsync(freq.data(), table.inv_freq.data(), table.inv_freq.size() * sizeof(float),
-                          cudaMemcpyHostToDevice, c.stream),
-          op, "uploading inv_freq", shapes());
+  const Tensor freq = rope_table(c, table.inv_freq, op, shapes);
   MT_LAUNCH(rope_kernel, static_cast<unsigned>(rows), kThreads,
             static_cast<size_t>(R) * sizeof(float), c.stream)
   (in(x), positions.ptr<const int32_t>(), freq.ptr<const float>(), H, D, R, spec.interleaved,

@@ -12,6 +12,8 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "mt/attention.h"
 #include "mt/backend.h"
@@ -20,6 +22,14 @@ namespace mt::cuda {
 
 class Gemm;  // gemm.h
 
+// Device copies of rope frequency tables (inv_freq), by content: every layer of a model rotates
+// with the same table, uploaded once instead of on every call. A few entries at most (one per
+// distinct rope spec in use); cleared when more would be held.
+struct RopeTables {
+  static constexpr size_t kMaxEntries = 8;
+  std::vector<std::pair<std::vector<float>, Tensor>> entries;
+};
+
 struct Ctx {
   cudaStream_t stream = nullptr;
   // cuBLASLt GEMMs: handle, workspace and plan cache (gemm.h), shared by copies of this Ctx.
@@ -27,6 +37,8 @@ struct Ctx {
   // Device temporaries from the backend's caching allocator. A temporary may die while kernels
   // that use it are still queued: safe with one stream (see allocator.h).
   std::function<Tensor(const Shape&, DType)> scratch;
+  // Rope tables on the device (null: uploaded on every call).
+  std::shared_ptr<RopeTables> rope;
 };
 
 // Throws "cuda <op>: <what> failed: <error> (<shapes>)" unless e is cudaSuccess.
