@@ -23,9 +23,15 @@ namespace {
 class EmulatedCuda final : public CudaOps {
  public:
   EmulatedCuda() {
+    // Tensors held in ctx_ (the rope tables) are the CPU backend's: it must be made first, so
+    // that it outlives this backend when both are function-local statics of a test.
+    mem();
     ctx_.scratch = [this](const Shape& s, DType d) { return empty(s, d); };
     ctx_.rope = std::make_shared<RopeTables>();
   }
+  ~EmulatedCuda() override { ctx_ = {}; }  // the cached tensors go back while mem() exists
+  EmulatedCuda(const EmulatedCuda&) = delete;
+  EmulatedCuda& operator=(const EmulatedCuda&) = delete;
   std::string name() const override { return "cuda"; }
   std::string describe() const override { return "cuda kernels emulated on the CPU"; }
   double peak_flops(DType) const override { return 0.0; }
