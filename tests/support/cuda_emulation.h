@@ -114,6 +114,16 @@ inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMem
 inline cudaError_t cudaStreamSynchronize(cudaStream_t) {
   return cudaSuccess;
 }
+inline cudaError_t cudaMemsetAsync(void* p, int value, size_t n, cudaStream_t) {
+  if (n) std::memset(p, value, n);
+  return cudaSuccess;
+}
+// One block runs at a time, its threads in turn: a plain read-modify-write is atomic here.
+inline unsigned long long atomicMin(unsigned long long* p, unsigned long long v) {
+  const unsigned long long old = *p;
+  if (v < old) *p = v;
+  return old;
+}
 inline cudaError_t cudaGetLastError() {
   return cudaSuccess;
 }

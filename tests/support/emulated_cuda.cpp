@@ -28,6 +28,8 @@ class EmulatedCuda final : public CudaOps {
     mem();
     ctx_.scratch = [this](const Shape& s, DType d) { return empty(s, d); };
     ctx_.rope = std::make_shared<RopeTables>();
+    ctx_.checks = std::make_shared<DeviceChecks>(
+        empty({static_cast<int64_t>(DeviceChecks::kSlots * 8)}, DType::u8), nullptr);
   }
   ~EmulatedCuda() override { ctx_ = {}; }  // the cached tensors go back while mem() exists
   EmulatedCuda(const EmulatedCuda&) = delete;
@@ -38,7 +40,11 @@ class EmulatedCuda final : public CudaOps {
   Tensor empty(const Shape& shape, DType dtype) override { return mem().empty(shape, dtype); }
   void release(void*, size_t) override {}  // tensors are the CPU backend's
   void copy_from_host(Tensor& dst, const void* src) override { mem().copy_from_host(dst, src); }
-  void copy_to_host(const Tensor& src, void* dst) override { mem().copy_to_host(src, dst); }
+  void copy_to_host(const Tensor& src, void* dst) override {
+    mem().copy_to_host(src, dst);
+    report_checks();
+  }
+  void synchronize() override { report_checks(); }
   MemoryStats memory_stats() const override { return test::cpu().memory_stats(); }
   void reset_peak_memory() override { mem().reset_peak_memory(); }
 

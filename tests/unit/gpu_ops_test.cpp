@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <iterator>
 #include <limits>
 #include <memory>
@@ -282,53 +283,139 @@ TEST_F(GpuOps, Matmul) {
 
 TEST_F(GpuOps, Embedding) {
   SEEDED_RNG(rng);
-  for (DType dt : kDtypes) {
-    SCOPED_TRACE(dname(dt));
-    const int64_t V = pick(rng, 5, 300), D = pick(rng, 1, 300), N = pick(rng, 1, 700);
-    std::vector<int32_t> id(static_cast<size_t>(N));
-    // Few distinct ids, so rows repeat and the backward really accumulates.
-    for (auto& i : id) i = static_cast<int32_t>(pick(rng, 0, std::min<int64_t>(V - 1, 20)));
-    Both ids = ints({N}, id);
-    Both table = make({V, D}, rand_nz(V * D, rng), dt);
-    Both o = poisoned({N, D}, dt);
-    gpu().embedding_forward(table.g, ids.g, o.g);
-    cpu().embedding_forward(table.c, ids.c, o.c);
-    EXPECT_TRUE(close(o, tol(dt), "embedding_forward"));
+  // Up to 1024 rows the backward scatters on the device alone, beyond through host-built runs:
+  // both sizes, same sums.
+  for (DType dt : kDtypes)
+    for (int64_t N : {pick(rng, 1, 700), pick(rng, 1025, 1400)}) {
+      SCOPED_TRACE(std::string(dname(dt)) + " N " + std::to_string(N));
+      const int64_t V = pick(rng, 5, 300), D = pick(rng, 1, 300);
+      std::vector<int32_t> id(static_cast<size_t>(N));
+      // Few distinct ids, so rows repeat and the backward really accumulates.
+      for (auto& i : id) i = static_cast<int32_t>(pick(rng, 0, std::min<int64_t>(V - 1, 20)));
+      Both ids = ints({N}, id);
+      Both table = make({V, D}, rand_nz(V * D, rng), dt);
+      Both o = poisoned({N, D}, dt);
+      gpu().embedding_forward(table.g, ids.g, o.g);
+      cpu().embedding_forward(table.c, ids.c, o.c);
+      EXPECT_TRUE(close(o, tol(dt), "embedding_forward"));
 
-    Both dout = make({N, D}, rand_nz(N * D, rng), dt);
-    Both dtable = make({V, D}, rand_nz(V * D, rng), dt);
-    gpu().embedding_backward(dout.g, ids.g, dtable.g);
-    cpu().embedding_backward(dout.c, ids.c, dtable.c);
-    EXPECT_TRUE(close(dtable, tol(dt), "embedding_backward"));
-  }
+      Both dout = make({N, D}, rand_nz(N * D, rng), dt);
+      Both dtable = make({V, D}, rand_nz(V * D, rng), dt);
+      gpu().embedding_backward(dout.g, ids.g, dtable.g);
+      cpu().embedding_backward(dout.c, ids.c, dtable.c);
+      EXPECT_TRUE(close(dtable, tol(dt), "embedding_backward"));
+    }
+  // A bad id is found on the device: the error comes at the next synchronisation.
   Both bad = ints({2}, {0, 1000});
   Both table = make({4, 3}, rand_nz(12, rng), DType::f32);
   Tensor o = gpu().empty({2, 3}, DType::f32);
-  EXPECT_THROW(gpu().embedding_forward(table.g, bad.g, o), Error);
+  EXPECT_THROW(
+      {
+        gpu().embedding_forward(table.g, bad.g, o);
+        gpu().synchronize();
+      },
+      Error);
+}
+
+// Ids, row indices, targets and decode lengths are checked on the device (no read-back per
+// call): the call returns, the next synchronize() or copy_to_host() throws naming the op and the
+// lowest bad position with its value, and the one after is clean again. Nothing is read out of
+// bounds meanwhile (memcheck on a device).
+TEST_F(GpuOps, BadIndicesAreReportedAtTheNextSync) {
+  SEEDED_RNG(rng);
+  auto expect_reported = [&](const char* what, const std::function<void()>& call,
+                             const std::string& needle, bool by_copy = false) {
+    SCOPED_TRACE(what);
+    EXPECT_NO_THROW(call());
+    try {
+      if (by_copy) {
+        float x = 0.f;
+        gpu().copy_to_host(gpu().zeros({1}, DType::f32), &x);
+      } else {
+        gpu().synchronize();
+      }
+      ADD_FAILURE() << "no error reported";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+    EXPECT_NO_THROW(gpu().synchronize()) << "reported once only";
+  };
+  Both table = make({5, 3}, rand_nz(15, rng), DType::f32);
+  Tensor o = gpu().empty({4, 3}, DType::f32);
+  Both ids = ints({4}, {1, 7, -2, 9});
+  expect_reported(
+      "embedding_forward", [&] { gpu().embedding_forward(table.g, ids.g, o); },
+      "embedding_forward: token id 7 at position 1 is outside the vocabulary [0, 5)");
+  Both idx = ints({3}, {0, 3, 8});
+  Tensor g = gpu().empty({3, 3}, DType::f32);
+  expect_reported(
+      "gather_rows", [&] { gpu().gather_rows(table.g, idx.g, g); },
+      "gather_rows: idx[2] = 8 is outside [0, 5)", /*by_copy=*/true);
+  Both src = make({3, 3}, rand_nz(9, rng), DType::f32);
+  Both sidx = ints({3}, {4, 9, 6});
+  expect_reported(
+      "scatter_add_rows", [&] { gpu().scatter_add_rows(src.g, sidx.g, Tensor(), table.g); },
+      "scatter_add_rows: idx[1] = 9 is outside [0, 5)");
+  expect_reported(
+      "embedding_backward", [&] { gpu().embedding_backward(src.g, sidx.g, table.g); },
+      "embedding_backward: token id 9 at position 1 is outside the vocabulary [0, 5)");
+  Both logits = make({2, 32}, rand_nz(64, rng), DType::f32);
+  Both targets = ints({2}, {-1, 40});
+  Tensor loss = gpu().empty({2}, DType::f32), lse = gpu().empty({2}, DType::f32);
+  expect_reported(
+      "cross_entropy_forward",
+      [&] { gpu().cross_entropy_forward(logits.g, targets.g, 0.f, loss, lse); },
+      "cross_entropy_forward: target id 40 of row 1 is outside the vocabulary [0, 32)");
+  for (const char* kernel : {"flash", "dot_product"}) {
+    auto ga = gpu_attention(kernel);
+    const Shape sq{2, 1, 2, 8}, sc{2, 6, 1, 8};
+    Both q = make(sq, rand_nz(shape_numel(sq), rng), DType::f32);
+    Both kc = make(sc, rand_nz(shape_numel(sc), rng), DType::f32);
+    Both vc = make(sc, rand_nz(shape_numel(sc), rng), DType::f32);
+    Both lengths = ints({2}, {3, 7});
+    Tensor od = gpu().empty(sq, DType::f32);
+    expect_reported(
+        kernel, [&] { ga->decode(q.g, kc.g, vc.g, lengths.g, AttentionSpec{}, od); },
+        "attention decode: lengths[1] = 7 must be in [T, Smax] = [1, 6]");
+  }
+  // More checked launches than slots between synchronisations: the early ones are reported when
+  // the slots run out, so no failure is lost.
+  Both good = ints({4}, {1, 2, 3, 4});
+  EXPECT_THROW(
+      {
+        gpu().embedding_forward(table.g, ids.g, o);
+        for (int i = 0; i < 300; ++i) gpu().embedding_forward(table.g, good.g, o);
+      },
+      Error);
+  EXPECT_NO_THROW(gpu().synchronize());
+  for (int i = 0; i < 300; ++i) gpu().embedding_forward(table.g, good.g, o);
+  EXPECT_NO_THROW(gpu().synchronize()) << "good ids across a slot flush";
 }
 
 TEST_F(GpuOps, GatherAndScatterRows) {
   SEEDED_RNG(rng);
   for (DType dt : kDtypes)
-    for (bool weighted : {false, true}) {
-      SCOPED_TRACE(std::string(dname(dt)) + (weighted ? " weighted" : ""));
-      const int64_t N = pick(rng, 1, 200), D = pick(rng, 1, 300), M = pick(rng, 1, 600);
-      std::vector<int32_t> id(static_cast<size_t>(M));
-      for (auto& i : id) i = static_cast<int32_t>(pick(rng, 0, N - 1));
-      Both idx = ints({M}, id);
-      Both x = make({N, D}, rand_nz(N * D, rng), dt);
-      Both o = poisoned({M, D}, dt);
-      gpu().gather_rows(x.g, idx.g, o.g);
-      cpu().gather_rows(x.c, idx.c, o.c);
-      EXPECT_TRUE(close(o, tol(dt), "gather_rows"));
+    for (bool weighted : {false, true})
+      for (int64_t M : {pick(rng, 1, 600), pick(rng, 1025, 1400)}) {  // device, host-built runs
+        SCOPED_TRACE(std::string(dname(dt)) + (weighted ? " weighted" : "") + " M " +
+                     std::to_string(M));
+        const int64_t N = pick(rng, 1, 200), D = pick(rng, 1, 300);
+        std::vector<int32_t> id(static_cast<size_t>(M));
+        for (auto& i : id) i = static_cast<int32_t>(pick(rng, 0, N - 1));
+        Both idx = ints({M}, id);
+        Both x = make({N, D}, rand_nz(N * D, rng), dt);
+        Both o = poisoned({M, D}, dt);
+        gpu().gather_rows(x.g, idx.g, o.g);
+        cpu().gather_rows(x.c, idx.c, o.c);
+        EXPECT_TRUE(close(o, tol(dt), "gather_rows"));
 
-      Both src = make({M, D}, rand_nz(M * D, rng), dt);
-      Both w = weighted ? make({M}, rand_nz(M, rng), DType::f32) : Both{};
-      Both acc = make({N, D}, rand_nz(N * D, rng), dt);
-      gpu().scatter_add_rows(src.g, idx.g, w.g, acc.g);
-      cpu().scatter_add_rows(src.c, idx.c, w.c, acc.c);
-      EXPECT_TRUE(close(acc, tol(dt), "scatter_add_rows"));
-    }
+        Both src = make({M, D}, rand_nz(M * D, rng), dt);
+        Both w = weighted ? make({M}, rand_nz(M, rng), DType::f32) : Both{};
+        Both acc = make({N, D}, rand_nz(N * D, rng), dt);
+        gpu().scatter_add_rows(src.g, idx.g, w.g, acc.g);
+        cpu().scatter_add_rows(src.c, idx.c, w.c, acc.c);
+        EXPECT_TRUE(close(acc, tol(dt), "scatter_add_rows"));
+      }
 }
 
 TEST_F(GpuOps, TopkRoute) {

@@ -32,9 +32,9 @@ void check_attention_lse(const std::string& op, const Tensor& lse, int64_t B, co
 std::string check_attention_grads(const std::string& op, const Tensor& dout, const Tensor& q,
                                   const Tensor& k, const Tensor& v, const Tensor& lse,
                                   const Tensor& dq, const Tensor& dk, const Tensor& dv);
-// Decode: lengths i32 [B], each in [T, Smax] (read back to the host to check: a bad length would
-// make the kernels read outside the cache).
-void check_decode_lengths(const Ctx& c, const std::string& op, const Tensor& lengths, int64_t B,
-                          const AttnArgs& a);
+// Decode: lengths i32 [B]. Whether each is in [T, Smax] the decode kernel checks on the device
+// (a bad length reads nothing: the row attends to no key) and records in the returned slot.
+unsigned long long* check_decode_lengths(const Ctx& c, const std::string& op, const Tensor& lengths,
+                                         int64_t B, const AttnArgs& a);
 
 }  // namespace mt::cuda

@@ -45,6 +45,8 @@ class CudaBackend final : public mt::cuda::CudaOps {
     ctx_.stream = stream_;
     ctx_.scratch = [this](const mt::Shape& s, mt::DType d) { return empty(s, d); };
     ctx_.rope = std::make_shared<mt::cuda::RopeTables>();
+    ctx_.checks = std::make_shared<mt::cuda::DeviceChecks>(
+        empty({static_cast<int64_t>(mt::cuda::DeviceChecks::kSlots * 8)}, mt::DType::u8), stream_);
     // The GEMM workspace comes from the caching allocator once, for the backend's life.
     ctx_.gemm = std::make_shared<mt::cuda::Gemm>(
         stream_, precision,
@@ -89,10 +91,15 @@ class CudaBackend final : public mt::cuda::CudaOps {
     // stream before every later kernel.
     copier_->to_device(dst.data(), src, dst.nbytes(), "copy_from_host " + dst.str());
   }
+  // Both wait for the stream, then report what the kernels' input checks found.
   void copy_to_host(const mt::Tensor& src, void* dst) override {
     copier_->to_host(dst, src.data(), src.nbytes(), "copy_to_host " + src.str());
+    report_checks();
   }
-  void synchronize() override { check(cudaStreamSynchronize(stream_), "synchronize"); }
+  void synchronize() override {
+    check(cudaStreamSynchronize(stream_), "synchronize");
+    report_checks();
+  }
   mt::MemoryStats memory_stats() const override { return alloc_.stats(); }
   void reset_peak_memory() override { alloc_.reset_peak(); }
 

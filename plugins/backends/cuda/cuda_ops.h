@@ -18,6 +18,14 @@ class CudaOps : public Backend {
  public:
   const Ctx& ctx() const { return ctx_; }
 
+ protected:
+  // Throws the first bad input the kernels recorded since the last report (DeviceChecks); the
+  // subclass calls it once its synchronize() or copy_to_host() has waited for the stream.
+  void report_checks() {
+    if (ctx_.checks) ctx_.checks->report();
+  }
+
+ public:
   void fill(Tensor& x, float value) override { cuda::fill(ctx_, x, value); }
   void cast(const Tensor& src, Tensor& dst) override { cuda::cast(ctx_, src, dst); }
   void add(const Tensor& a, const Tensor& b, Tensor& out) override { cuda::add(ctx_, a, b, out); }

@@ -51,6 +51,15 @@ struct Out {
   __device__ void add(int64_t i, float v) const { set(i, get(i) + v); }
 };
 
+// Records a bad input in a DeviceChecks slot (kernels.h): the lowest position wins, with its
+// value (positions below 2^32, values as int32).
+__device__ __forceinline__ void record_bad(unsigned long long* slot, int64_t position,
+                                           int64_t value) {
+  const auto pos =
+      static_cast<unsigned long long>(position < 0xfffffffell ? position : 0xfffffffell);
+  atomicMin(slot, (pos << 32) | static_cast<uint32_t>(static_cast<int32_t>(value)));
+}
+
 inline bool is_fb(const Tensor& t) {
   return t.defined() && (t.dtype() == DType::f32 || t.dtype() == DType::bf16);
 }

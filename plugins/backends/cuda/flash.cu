@@ -166,7 +166,7 @@ void flash_decode(const Ctx& c, const Tensor& q, const Tensor& k_cache, const Te
   const std::string op = "flash attention decode";
   const AttnArgs a = attention_args(op, q, k_cache, v_cache, Tensor(), Tensor(), spec, o);
   const int64_t B = q.dim(0), rows = B * a.Hq * a.T;
-  check_decode_lengths(c, op, lengths, B, a);
+  unsigned long long* bad = check_decode_lengths(c, op, lengths, B, a);
   check_head_dim(op, a, false);
   if (rows == 0) return;
   const Flash f = make_flash(a, B, Tensor(), Tensor(), lengths.ptr<const int32_t>());
@@ -186,7 +186,7 @@ void flash_decode(const Ctx& c, const Tensor& q, const Tensor& k_cache, const Te
   Tensor partial = c.scratch({rows, splits, a.D + 2}, DType::f32);
   MT_LAUNCH(decode_kernel, dim3(static_cast<unsigned>(B * a.Hkv), static_cast<unsigned>(splits)),
             kWarps * 32, 0, c.stream)
-  (in(q), in(k_cache), in(v_cache), f, vec, partial.ptr<float>());
+  (in(q), in(k_cache), in(v_cache), f, vec, partial.ptr<float>(), bad);
   check(cudaGetLastError(), op, "kernel launch", shapes);
   MT_LAUNCH(combine_kernel, warp_blocks(rows), kWarps * 32, 0, c.stream)
   (partial.ptr<const float>(), splits, f, out(o));

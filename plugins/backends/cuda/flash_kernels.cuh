@@ -178,8 +178,9 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // vec: D % 8 == 0 and k, v 16-byte aligned (then every row start is).
+// A length outside [T, S] is recorded in `bad`; its rows then see no key.
 __global__ void __launch_bounds__(kWarps * 32)
-    decode_kernel(In q, In k, In v, Flash f, bool vec, float* partial) {
+    decode_kernel(In q, In k, In v, Flash f, bool vec, float* partial, unsigned long long* bad) {
   const AttnArgs& a = f.a;
   __shared__ float qs[kDecodeRows][32 * kLaneMax];
   __shared__ float ps[kDecodeRows][kDecodeKeys];
@@ -188,8 +189,10 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int64_t bg = blockIdx.x, b = bg / a.Hkv, g = bg % a.Hkv;
   const int64_t s = blockIdx.y, splits = gridDim.y, j0 = s * kDecodeKeys, j = j0 + t;
   const int64_t len = f.lengths[b], rows = f.group * a.T;
+  const bool len_ok = len >= a.T && len <= a.S;
+  if (!len_ok && t == 0 && g == 0 && s == 0) record_bad(bad, b, len);
   // Keys of this chunk inside the valid cache (none when the chunk starts past it).
-  const int64_t nk = len - j0 < kDecodeKeys ? (len > j0 ? len - j0 : 0) : kDecodeKeys;
+  const int64_t nk = !len_ok ? 0 : len - j0 < kDecodeKeys ? (len > j0 ? len - j0 : 0) : kDecodeKeys;
   const int64_t D = a.D, D8 = D / 8 * 8;
   for (int64_t r0 = 0; r0 < rows; r0 += kDecodeRows) {
     const int nr = static_cast<int>(rows - r0 < kDecodeRows ? rows - r0 : kDecodeRows);

@@ -107,6 +107,48 @@ std::vector<int32_t> host_ints(const Ctx& c, const Tensor& t, const std::string&
   return h;
 }
 
+}  // namespace
+
+DeviceChecks::DeviceChecks(Tensor words, cudaStream_t stream)
+    : words_(std::move(words)), stream_(stream) {
+  MT_CHECK(words_.defined() && words_.nbytes() >= kSlots * sizeof(unsigned long long),
+           "cuda device checks: the slots need " + std::to_string(kSlots * 8) + " bytes");
+  check(cudaMemsetAsync(words_.data(), 0xff, kSlots * sizeof(unsigned long long), stream_),
+        "device checks", "clearing the slots");
+}
+
+unsigned long long* DeviceChecks::slot(Message message) {
+  if (pending_.size() == kSlots) {
+    check(cudaStreamSynchronize(stream_), "device checks", "stream synchronize");
+    report();
+  }
+  pending_.push_back(std::move(message));
+  return static_cast<unsigned long long*>(words_.data()) + (pending_.size() - 1);
+}
+
+void DeviceChecks::report() {
+  if (pending_.empty()) return;
+  const size_t n = pending_.size();
+  std::vector<unsigned long long> got(n);
+  std::vector<Message> messages;
+  messages.swap(pending_);
+  check(cudaMemcpyAsync(got.data(), words_.data(), n * sizeof(unsigned long long),
+                        cudaMemcpyDeviceToHost, stream_),
+        "device checks", "reading the slots");
+  check(cudaStreamSynchronize(stream_), "device checks", "stream synchronize");
+  check(cudaMemsetAsync(words_.data(), 0xff, n * sizeof(unsigned long long), stream_),
+        "device checks", "clearing the slots");
+  for (size_t i = 0; i < n; ++i) {
+    if (got[i] == kClear) continue;
+    const auto position = static_cast<int64_t>(got[i] >> 32);
+    const auto value = static_cast<int64_t>(static_cast<int32_t>(got[i] & 0xffffffffull));
+    throw Error(messages[i](position, value) +
+                " (found on the device, reported at the first synchronisation after the call)");
+  }
+}
+
+namespace {
+
 // ---- elementwise functors -------------------------------------------------------------------
 struct FillF32 {
   float* p;
@@ -299,14 +341,21 @@ void check_ew(const char* op, std::initializer_list<const Tensor*> ts) {
 
 // ---- embedding ------------------------------------------------------------------------------
 // table [V, D], id [N], out [N, D]
+// An id outside [0, V) is recorded in `bad` (once, at d = 0) and its output row left at 0.
 struct EmbedFwdF {
   In table;
   const int32_t* id;
-  int64_t D;
+  int64_t D, V;
   Out o;
+  unsigned long long* bad;
   __device__ void operator()(int64_t i) const {
-    const int64_t n = i / D, d = i - n * D;
-    o.set(i, table[static_cast<int64_t>(id[n]) * D + d]);
+    const int64_t n = i / D, d = i - n * D, r = id[n];
+    if (r < 0 || r >= V) {
+      if (d == 0) record_bad(bad, n, r);
+      o.set(i, 0.f);
+      return;
+    }
+    o.set(i, table[r * D + d]);
   }
 };
 // Scatter-add by runs of equal destination rows: blockIdx.x = run k (one distinct destination),
@@ -327,6 +376,35 @@ __global__ void scatter_runs_kernel(In src, In w, bool has_w, const int32_t* ord
     acc += (has_w ? w[m] : 1.f) * src[m * D + d];
   }
   o.set(dst, acc);
+}
+
+// The same sums without host help, for up to kDeviceScatterRows source rows (decode's KV-cache
+// writes): block m acts only if source row m is the first with its destination (it scans
+// id[0, m)), and then adds, feature by feature, every source row with that destination in
+// increasing order: the runs' order, so both kernels give the same bits. O(M^2) index reads,
+// hence the bound. An index outside [0, N) is recorded in `bad` and its row skipped.
+constexpr int64_t kDeviceScatterRows = 1024;
+__global__ void scatter_first_kernel(In src, In w, bool has_w, const int32_t* id, int64_t M,
+                                     int64_t N, int64_t D, Out o, unsigned long long* bad) {
+  __shared__ int first;
+  const int64_t m = blockIdx.x;
+  const int64_t r = id[m];
+  if (r < 0 || r >= N) {  // uniform across the block
+    if (threadIdx.x == 0) record_bad(bad, m, r);
+    return;
+  }
+  if (threadIdx.x == 0) first = 1;
+  __syncthreads();
+  for (int64_t j = threadIdx.x; j < m; j += kThreads)
+    if (id[j] == r) first = 0;  // every writer writes 0
+  __syncthreads();
+  if (!first) return;
+  for (int64_t d = threadIdx.x; d < D; d += kThreads) {
+    float acc = o.get(r * D + d);
+    for (int64_t j = m; j < M; ++j)
+      if (id[j] == r) acc += (has_w ? w[j] : 1.f) * src[j * D + d];
+    o.set(r * D + d, acc);
+  }
 }
 
 // out[id[m]] += w[m] src[m] for m in [0, M): builds the runs on the host (a stable counting sort
@@ -368,12 +446,38 @@ void scatter_rows(const Ctx& c, const char* op, const Tensor& src, const std::ve
   launched(op, shapes);
 }
 
-void check_ids(const char* op, const std::vector<int32_t>& id, int64_t V) {
-  for (size_t n = 0; n < id.size(); ++n)
-    if (id[n] < 0 || id[n] >= V)
-      throw Error(std::string("cuda ") + op + ": token id " + std::to_string(id[n]) +
-                  " at position " + std::to_string(n) + " is outside the vocabulary [0, " +
-                  std::to_string(V) + ")");
+// What an index outside [0, N) is called in op's messages.
+std::string bad_index(const std::string& op, int64_t m, int64_t id, int64_t N) {
+  if (op == "embedding_backward")
+    return "cuda " + op + ": token id " + std::to_string(id) + " at position " + std::to_string(m) +
+           " is outside the vocabulary [0, " + std::to_string(N) + ")";
+  return "cuda " + op + ": idx[" + std::to_string(m) + "] = " + std::to_string(id) +
+         " is outside [0, " + std::to_string(N) + ")";
+}
+
+// out[idx[m]] += w[m] src[m] (embedding_backward, scatter_add_rows): up to kDeviceScatterRows
+// rows on the device alone (checked there too), more through host-built runs (one read-back of
+// idx, checked on the host).
+template <class S>
+void scatter_add(const Ctx& c, const char* op, const Tensor& src, const Tensor& idx, int64_t N,
+                 const Tensor& w, int64_t D, Tensor& o, S&& shapes) {
+  const int64_t M = idx.numel();
+  MT_CHECK(M < INT_MAX, std::string("cuda ") + op + ": too many rows: " + shapes());
+  if (M == 0 || D == 0) return;
+  if (M > kDeviceScatterRows) {
+    const std::vector<int32_t> id = host_ints(c, idx, op);
+    for (int64_t m = 0; m < M; ++m)
+      if (id[m] < 0 || id[m] >= N) throw Error(bad_index(op, m, id[m], N));
+    scatter_rows(c, op, src, id, N, w, D, o, shapes);
+    return;
+  }
+  const std::string name = op;
+  unsigned long long* bad =
+      c.checks->slot([name, N](int64_t m, int64_t id) { return bad_index(name, m, id, N); });
+  const In wv = w.defined() ? in(w) : In{nullptr, false};
+  MT_LAUNCH(scatter_first_kernel, static_cast<unsigned>(M), kThreads, 0, c.stream)
+  (in(src), wv, w.defined(), idx.ptr<const int32_t>(), M, N, D, out(o), bad);
+  launched(op, shapes);
 }
 
 // ---- rmsnorm --------------------------------------------------------------------------------
@@ -515,11 +619,20 @@ __global__ void softmax_bwd_kernel(In g, In y, int64_t C, Out dx) {
   for (int64_t i = threadIdx.x; i < C; i += kThreads)
     dx.add(base + i, y[base + i] * (g[base + i] - s));
 }
-// logits [N, V], targets [N], loss [N], lse [N]
+// logits [N, V], targets [N], loss [N], lse [N]. A target >= V is recorded in `bad` and its row
+// left at loss 0 (the call's results are undefined once a check fails).
 __global__ void ce_fwd_kernel(In x, const int32_t* tg, float z_loss, int64_t V, float* loss,
-                              float* lse) {
+                              float* lse, unsigned long long* bad) {
   __shared__ float sh[kThreads];
   const int64_t n = blockIdx.x, base = n * V;
+  if (tg[n] >= V) {  // uniform across the block
+    if (threadIdx.x == 0) {
+      record_bad(bad, n, tg[n]);
+      loss[n] = 0.f;
+      lse[n] = 0.f;
+    }
+    return;
+  }
   float m = -INFINITY;
   for (int64_t i = threadIdx.x; i < V; i += kThreads) m = fmaxf(m, x[base + i]);
   m = block_max(m, sh);
@@ -535,10 +648,11 @@ __global__ void ce_fwd_kernel(In x, const int32_t* tg, float z_loss, int64_t V, 
 }
 // dlogits [N, V] += dloss[n] * (softmax * (1 + 2 z lse) - onehot(target)), recomputed from lse
 __global__ void ce_bwd_kernel(In dloss, In x, const int32_t* tg, const float* lse, float z_loss,
-                              int64_t V, Out dx) {
+                              int64_t V, Out dx, unsigned long long* bad) {
   const int64_t n = blockIdx.x, base = n * V;
   const int32_t t = tg[n];
-  if (t < 0) return;  // ignored row: no gradient (uniform across the block)
+  if (t >= V && threadIdx.x == 0) record_bad(bad, n, t);
+  if (t < 0 || t >= V) return;  // ignored (or bad) row: no gradient (uniform across the block)
   const float g = dloss[n], l = lse[n];
   const float coef = g * (1.f + 2.f * z_loss * l);
   for (int64_t i = threadIdx.x; i < V; i += kThreads) {
@@ -795,8 +909,11 @@ void embedding_forward(const Ctx& c, const Tensor& table, const Tensor& ids, Ten
                ids.dtype() == DType::i32 && o.numel() == ids.numel() * table.dim(1),
            "cuda embedding_forward: " + shapes());
   const int64_t V = table.dim(0), D = table.dim(1);
-  check_ids("embedding_forward", host_ints(c, ids, "embedding_forward"), V);
-  launch_map(c, o.numel(), EmbedFwdF{in(table), ids.ptr<const int32_t>(), D, out(o)},
+  unsigned long long* bad = c.checks->slot([V](int64_t n, int64_t id) {
+    return "cuda embedding_forward: token id " + std::to_string(id) + " at position " +
+           std::to_string(n) + " is outside the vocabulary [0, " + std::to_string(V) + ")";
+  });
+  launch_map(c, o.numel(), EmbedFwdF{in(table), ids.ptr<const int32_t>(), D, V, out(o), bad},
              "embedding_forward", shapes);
 }
 
@@ -810,9 +927,7 @@ void embedding_backward(const Ctx& c, const Tensor& dout, const Tensor& ids, Ten
            "cuda embedding_backward: " + shapes());
   const int64_t V = dtable.dim(0), D = dtable.dim(1), N = ids.numel();
   MT_CHECK(N < INT_MAX, "cuda embedding_backward: too many tokens: " + shapes());
-  const std::vector<int32_t> id = host_ints(c, ids, "embedding_backward");
-  check_ids("embedding_backward", id, V);
-  scatter_rows(c, "embedding_backward", dout, id, V, Tensor(), D, dtable, shapes);
+  scatter_add(c, "embedding_backward", dout, ids, V, Tensor(), D, dtable, shapes);
 }
 
 // ---- MoE row movement -----------------------------------------------------------------------
@@ -839,11 +954,14 @@ void gather_rows(const Ctx& c, const Tensor& x, const Tensor& idx, Tensor& o) {
   MT_CHECK(is_fb(x) && is_fb(o) && idx.defined() && idx.dtype() == DType::i32 &&
                last_dim(o) == last_dim(x) && lead_rows(o) == idx.numel(),
            "cuda gather_rows: " + shapes() + " (want x [N, D], idx [M] i32, out [M, D])");
-  const int64_t D = last_dim(x);
-  check_rows("gather_rows", host_ints(c, idx, "gather_rows"), lead_rows(x));
+  const int64_t D = last_dim(x), N = lead_rows(x);
+  unsigned long long* bad = c.checks->slot([N](int64_t m, int64_t id) {
+    return "cuda gather_rows: idx[" + std::to_string(m) + "] = " + std::to_string(id) +
+           " is outside [0, " + std::to_string(N) + ")";
+  });
   // out[m] = x[idx[m]]: the embedding lookup with x as the table.
-  launch_map(c, o.numel(), EmbedFwdF{in(x), idx.ptr<const int32_t>(), D, out(o)}, "gather_rows",
-             shapes);
+  launch_map(c, o.numel(), EmbedFwdF{in(x), idx.ptr<const int32_t>(), D, N, out(o), bad},
+             "gather_rows", shapes);
 }
 
 void scatter_add_rows(const Ctx& c, const Tensor& src, const Tensor& idx, const Tensor& w,
@@ -856,9 +974,7 @@ void scatter_add_rows(const Ctx& c, const Tensor& src, const Tensor& idx, const 
                (!w.defined() || (is_fb(w) && w.numel() == idx.numel())),
            "cuda scatter_add_rows: " + shapes() +
                " (want src [M, D], idx [M] i32, w [M] or none, out [N, D])");
-  const std::vector<int32_t> id = host_ints(c, idx, "scatter_add_rows");
-  check_rows("scatter_add_rows", id, lead_rows(o));
-  scatter_rows(c, "scatter_add_rows", src, id, lead_rows(o), w, last_dim(o), o, shapes);
+  scatter_add(c, "scatter_add_rows", src, idx, lead_rows(o), w, last_dim(o), o, shapes);
 }
 
 namespace {
@@ -1251,15 +1367,17 @@ void softmax_backward(const Ctx& c, const Tensor& dout, const Tensor& y, Tensor&
 }
 
 namespace {
-void check_targets(const Ctx& c, const char* op, const Tensor& targets, int64_t N, int64_t V) {
+// The targets' shape; their range the kernels check on the device, into the returned slot.
+unsigned long long* check_targets(const Ctx& c, const char* op, const Tensor& targets, int64_t N,
+                                  int64_t V) {
   MT_CHECK(targets.defined() && targets.dtype() == DType::i32 && targets.numel() == N,
            std::string("cuda ") + op + ": targets must be i32 with " + std::to_string(N) +
                " elements, got " + str(targets));
-  const std::vector<int32_t> t = host_ints(c, targets, op);
-  for (size_t n = 0; n < t.size(); ++n)
-    if (t[n] >= V)
-      throw Error(std::string("cuda ") + op + ": target id " + std::to_string(t[n]) + " of row " +
-                  std::to_string(n) + " is outside the vocabulary [0, " + std::to_string(V) + ")");
+  const std::string name = op;
+  return c.checks->slot([name, V](int64_t n, int64_t t) {
+    return "cuda " + name + ": target id " + std::to_string(t) + " of row " + std::to_string(n) +
+           " is outside the vocabulary [0, " + std::to_string(V) + ")";
+  });
 }
 }  // namespace
 
@@ -1275,10 +1393,10 @@ void cross_entropy_forward(const Ctx& c, const Tensor& logits, const Tensor& tar
   MT_CHECK(loss.defined() && loss.dtype() == DType::f32 && loss.numel() == N && lse.defined() &&
                lse.dtype() == DType::f32 && lse.numel() == N,
            "cuda cross_entropy_forward: " + shapes() + " (loss and lse must be f32 [N])");
-  check_targets(c, "cross_entropy_forward", targets, N, V);
+  unsigned long long* bad = check_targets(c, "cross_entropy_forward", targets, N, V);
   if (N == 0) return;
   MT_LAUNCH(ce_fwd_kernel, static_cast<unsigned>(N), kThreads, 0, c.stream)
-  (in(logits), targets.ptr<const int32_t>(), z_loss, V, loss.ptr<float>(), lse.ptr<float>());
+  (in(logits), targets.ptr<const int32_t>(), z_loss, V, loss.ptr<float>(), lse.ptr<float>(), bad);
   launched("cross_entropy_forward", shapes);
 }
 
@@ -1296,11 +1414,11 @@ void cross_entropy_backward(const Ctx& c, const Tensor& dloss, const Tensor& log
   MT_CHECK(is_fb(dloss) && dloss.numel() == N && lse.defined() && lse.dtype() == DType::f32 &&
                lse.numel() == N,
            "cuda cross_entropy_backward: " + shapes() + " (dloss [N], lse f32 [N])");
-  check_targets(c, "cross_entropy_backward", targets, N, V);
+  unsigned long long* bad = check_targets(c, "cross_entropy_backward", targets, N, V);
   if (N == 0) return;
   MT_LAUNCH(ce_bwd_kernel, static_cast<unsigned>(N), kThreads, 0, c.stream)
   (in(dloss), in(logits), targets.ptr<const int32_t>(), lse.ptr<const float>(), z_loss, V,
-   out(dlogits));
+   out(dlogits), bad);
   launched("cross_entropy_backward", shapes);
 }
 
@@ -1347,13 +1465,19 @@ namespace {
 // sc [B Hq T, S] scratch; out [B, T, Hq, D]; lse [B, Hq, T] (or null). Scores, softmax and P V
 // follow the CPU reference (attention/dot_product.cpp): a row with no visible key is zeros with
 // lse -inf. lengths (decode) limits keys to [0, lengths[b]) and sets the query offset.
+// Decode (lengths): a length outside [T, S] is recorded in `bad` and its rows attend to nothing.
 __global__ void attn_fwd_kernel(In q, In k, In v, const int32_t* q_seg, const int32_t* kv_seg,
-                                const int32_t* lengths, AttnArgs a, float* sc, Out o, float* lse) {
+                                const int32_t* lengths, AttnArgs a, float* sc, Out o, float* lse,
+                                unsigned long long* bad) {
   __shared__ float sh[kThreads];
   const int64_t r = blockIdx.x;
   const int64_t i = r % a.T, bh = r / a.T, h = bh % a.Hq, b = bh / a.Hq;
   const int64_t g = h / (a.Hq / a.Hkv);
-  const int64_t L = lengths ? lengths[b] : a.S;
+  int64_t L = lengths ? lengths[b] : a.S;
+  if (L < a.T || L > a.S) {  // uniform across the block
+    if (threadIdx.x == 0 && i == 0) record_bad(bad, b, L);
+    L = 0;
+  }
   const int64_t p = lengths ? L - a.T + i : a.offset + i;
   const int64_t qo = ((b * a.T + i) * a.Hq + h) * a.D;
   float* row = sc + r * a.S;
@@ -1556,16 +1680,15 @@ std::string check_attention_grads(const std::string& op, const Tensor& dout, con
   return shapes;
 }
 
-void check_decode_lengths(const Ctx& c, const std::string& op, const Tensor& lengths, int64_t B,
-                          const AttnArgs& a) {
+unsigned long long* check_decode_lengths(const Ctx& c, const std::string& op, const Tensor& lengths,
+                                         int64_t B, const AttnArgs& a) {
   MT_CHECK(lengths.defined() && lengths.dtype() == DType::i32 && lengths.shape() == Shape{B},
            op + ": lengths must be i32 [" + std::to_string(B) + "]");
-  const std::vector<int32_t> len = host_ints(c, lengths, op);
-  for (int64_t b = 0; b < B; ++b)
-    MT_CHECK(len[b] >= a.T && len[b] <= a.S, op + ": lengths[" + std::to_string(b) +
-                                                 "] = " + std::to_string(len[b]) +
-                                                 " must be in [T, Smax] = [" + std::to_string(a.T) +
-                                                 ", " + std::to_string(a.S) + "]");
+  const int64_t T = a.T, S = a.S;
+  return c.checks->slot([op, T, S](int64_t b, int64_t len) {
+    return op + ": lengths[" + std::to_string(b) + "] = " + std::to_string(len) +
+           " must be in [T, Smax] = [" + std::to_string(T) + ", " + std::to_string(S) + "]";
+  });
 }
 
 void attention_forward(const Ctx& c, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -1580,7 +1703,7 @@ void attention_forward(const Ctx& c, const Tensor& q, const Tensor& k, const Ten
   MT_LAUNCH(attn_fwd_kernel, static_cast<unsigned>(rows), kThreads, 0, c.stream)
   (in(q), in(k), in(v), q_segment.defined() ? q_segment.ptr<const int32_t>() : nullptr,
    kv_segment.defined() ? kv_segment.ptr<const int32_t>() : nullptr, nullptr, a, sc.ptr<float>(),
-   out(o), lse.ptr<float>());
+   out(o), lse.ptr<float>(), nullptr);
   launched(op, [&] { return "q " + str(q) + ", k " + str(k) + ", v " + str(v); });
 }
 
@@ -1612,12 +1735,12 @@ void attention_decode(const Ctx& c, const Tensor& q, const Tensor& k_cache, cons
   const std::string op = "dot_product attention decode";
   const AttnArgs a = attention_args(op, q, k_cache, v_cache, Tensor(), Tensor(), spec, o);
   const int64_t B = q.dim(0), rows = B * a.Hq * a.T;
-  check_decode_lengths(c, op, lengths, B, a);
+  unsigned long long* bad = check_decode_lengths(c, op, lengths, B, a);
   if (rows == 0) return;
   Tensor sc = c.scratch({rows, std::max<int64_t>(a.S, 1)}, DType::f32);
   MT_LAUNCH(attn_fwd_kernel, static_cast<unsigned>(rows), kThreads, 0, c.stream)
   (in(q), in(k_cache), in(v_cache), nullptr, nullptr, lengths.ptr<const int32_t>(), a,
-   sc.ptr<float>(), out(o), nullptr);
+   sc.ptr<float>(), out(o), nullptr, bad);
   launched(op, [&] { return "q " + str(q) + ", k_cache " + str(k_cache); });
 }
 

@@ -30,6 +30,32 @@ struct RopeTables {
   std::vector<std::pair<std::vector<float>, Tensor>> entries;
 };
 
+// Input checks made on the device, so that no host thread waits for the data (reading ids back
+// to check them is a stream synchronisation per call). A kernel that finds a bad index or length
+// records it in its launch's slot and reads nothing out of bounds with it; its outputs are then
+// undefined. The backend throws the failure as an mt::Error at its next synchronize() or
+// copy_to_host(), naming the op and the lowest bad position with its value.
+class DeviceChecks {
+ public:
+  // The message for a failure at `position` (an element index of the checked tensor).
+  using Message = std::function<std::string(int64_t position, int64_t value)>;
+  static constexpr size_t kSlots = 256;
+  static constexpr unsigned long long kClear = ~0ull;  // a slot with no failure
+  // words: kSlots * 8 bytes of device memory; stream: where every checking kernel runs.
+  DeviceChecks(Tensor words, cudaStream_t stream);
+  // A slot for one launch. When all are taken, the stream is synchronised and the pending ones
+  // reported first.
+  unsigned long long* slot(Message message);
+  // With the stream synchronised: throws the first failure in launch order; every slot is free
+  // again either way.
+  void report();
+
+ private:
+  Tensor words_;
+  cudaStream_t stream_;
+  std::vector<Message> pending_;
+};
+
 struct Ctx {
   cudaStream_t stream = nullptr;
   // cuBLASLt GEMMs: handle, workspace and plan cache (gemm.h), shared by copies of this Ctx.
@@ -39,6 +65,8 @@ struct Ctx {
   std::function<Tensor(const Shape&, DType)> scratch;
   // Rope tables on the device (null: uploaded on every call).
   std::shared_ptr<RopeTables> rope;
+  // Where checking kernels record bad inputs (required).
+  std::shared_ptr<DeviceChecks> checks;
 };
 
 // Throws "cuda <op>: <what> failed: <error> (<shapes>)" unless e is cudaSuccess.
