@@ -1,10 +1,10 @@
 #include "test_support.h"
 
+#include <sys/wait.h>
 #include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <sys/wait.h>
 
 #include "config_impl.h"
 #include "mt/error.h"
@@ -86,9 +86,15 @@ double max_rel_err(const std::vector<float>& a, const std::vector<float>& b, dou
   return m;
 }
 
-std::string source_dir() { return MT_SOURCE_DIR; }
-std::string build_dir() { return MT_BUILD_DIR; }
-std::string mt_exe() { return build_dir() + "/bin/mt"; }
+std::string source_dir() {
+  return MT_SOURCE_DIR;
+}
+std::string build_dir() {
+  return MT_BUILD_DIR;
+}
+std::string mt_exe() {
+  return build_dir() + "/bin/mt";
+}
 
 int run_command(const std::string& cmd, std::string& output) {
   output.clear();

@@ -26,7 +26,7 @@ std::unique_ptr<AttentionKernel> attention(const std::string& name, Backend& b);
 Tensor from_vector(Backend& b, const Shape& shape, const std::vector<float>& v,
                    DType dt = DType::f32);
 Tensor from_ints(Backend& b, const Shape& shape, const std::vector<int32_t>& v);
-std::vector<float> to_vector(const Tensor& t);   // any float dtype -> f32
+std::vector<float> to_vector(const Tensor& t);  // any float dtype -> f32
 std::vector<int32_t> to_ints(const Tensor& t);
 
 // Fresh random draws every run unless MT_TEST_SEED is set; the seed is printed on failure
