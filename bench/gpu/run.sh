@@ -12,7 +12,8 @@
 #    forward and forward+backward TFLOP/s (flash vs SDPA flash, dot_product vs SDPA math),
 #    training tokens/s and MFU of llama2-7b with 4 layers (T=4096, batch 2) and llama-bench-1b
 #    (T=2048, batch 4) against PyTorch eager, bf16 autocast with f32 masters (targets: MFU >=
-#    45%, mt/eager >= 1.3) and torch.compile when time allows.
+#    45%, mt/eager >= 1.3), mt's decode throughput (llama-bench-1b, prefill and batch 1/8), and
+#    torch.compile when time allows.
 # 4. One markdown table on stdout (last, so it is in any output tail). Files in $OUT when set,
 #    else bench/gpu/results/: raw.jsonl (every JSON line, tagged source/case), table.md,
 #    status.txt, build.log, ctest.log, bench.log (the commands' stderr), env.txt, and
@@ -325,6 +326,10 @@ train_case() {
 # amortises over a larger batch or accumulation; both sides run the same shapes.
 train_case llama2-7b-4L 150 llama2-7b 4 4096 2
 train_case llama-bench-1b 120 llama-bench-1b "" 2048 4
+# Decode (mt only: prefill 512 tokens, then batch 1 and 8), the ~1B model in f32 and bf16 weights.
+if ((built)); then
+  bench mt decode 60 "${mtc[@]}" bench decode backend=cuda --model=llama-bench-1b
+fi
 # torch.compile last and only with time to spare: compiling takes a minute or more.
 if ((torch_ok)); then
   torch_bench llama2-7b-4L.compile 150 train --model llama2-7b --layers 4 --seq 4096 --batch 2 \

@@ -155,6 +155,19 @@ def main():
             rows.append(("train tokens/s vs torch.compile", c, fmt(mt_tps, 0), fmt(comp_tps, 0),
                          fmt(ratio(mt_tps, comp_tps), 2), "-", "", note))
 
+    # Decode: mt alone (no peer in the script); weight bytes read per second at batch 1 say how
+    # close it is to the memory bound.
+    for r in recs:
+        if r.get("bench") != "decode" or r.get("source") != "mt":
+            continue
+        for d in r.get("results", []):
+            bw = d.get("decode_batch1_bytes_per_sec")
+            note = (f"batch 1 reads {fmt(bw / 1e9 if bw else None, 0)} GB/s of weights; "
+                    f"batch 8 {fmt(d.get('decode_batch8_tokens_per_sec'), 1)} tok/s; "
+                    f"prefill 512: {fmt(d.get('prefill_512_tokens_per_sec'), 0)} tok/s")
+            rows.append(("decode batch 1 tokens/s", f"{d.get('model')} {d.get('dtype')}",
+                         fmt(d.get("decode_batch1_tokens_per_sec"), 1), "", "", "-", "", note))
+
     out = ["## mt vs PyTorch on the GPU (bench/gpu/run.sh)", ""]
     if steps:
         out += ["| step | result | detail |", "| --- | --- | --- |"]
