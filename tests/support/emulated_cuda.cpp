@@ -26,10 +26,7 @@ class EmulatedCuda final : public CudaOps {
     // Tensors held in ctx_ (the rope tables) are the CPU backend's: it must be made first, so
     // that it outlives this backend when both are function-local statics of a test.
     mem();
-    ctx_.scratch = [this](const Shape& s, DType d) { return empty(s, d); };
-    ctx_.rope = std::make_shared<RopeTables>();
-    ctx_.checks = std::make_shared<DeviceChecks>(
-        empty({static_cast<int64_t>(DeviceChecks::kSlots * 8)}, DType::u8), nullptr);
+    init_ctx(nullptr);
   }
   ~EmulatedCuda() override { ctx_ = {}; }  // the cached tensors go back while mem() exists
   EmulatedCuda(const EmulatedCuda&) = delete;

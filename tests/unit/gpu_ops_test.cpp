@@ -228,8 +228,13 @@ TEST_F(GpuOps, SumSquaresEachMatchesOneByOne) {
   std::vector<double> sums = {kNaN};  // resized and overwritten
   gpu().sum_squares_each(ptrs, sums);
   ASSERT_EQ(sums.size(), xs.size());
-  for (size_t i = 0; i < xs.size(); ++i)
+  for (size_t i = 0; i < xs.size(); ++i) {
     EXPECT_EQ(sums[i], gpu().sum_squares(xs[i])) << "tensor " << i << " " << xs[i].str();
+    const Tensor host =
+        test::from_vector(cpu(), xs[i].shape(), test::to_vector(xs[i]), xs[i].dtype());
+    const double want = cpu().sum_squares(host);
+    EXPECT_NEAR(sums[i], want, 1e-9 * want) << "tensor " << i << " against the CPU";
+  }
   EXPECT_EQ(sums[3], 0.0);
   gpu().sum_squares_each({}, sums);
   EXPECT_TRUE(sums.empty());
@@ -813,6 +818,32 @@ TEST_F(GpuAttention, FlashLongTiles) {
     for (int64_t D : {64, 128})
       compare(*ga, kAttnCases[c], DType::bf16, 1, pick(rng, 257, kShrink > 1 ? 300 : 700), D, 2e-2,
               rng);
+  }
+}
+
+// More queries than keys (T > S, no causal mask) is a forward, not a decode: no length check
+// applies. Both kernels, f32 (SIMT) and bf16 at head_dim 64 (tensor cores), against the CPU.
+TEST_F(GpuAttention, ForwardWithMoreQueriesThanKeys) {
+  SEEDED_RNG(rng);
+  for (const char* kernel : {"dot_product", "flash"}) {
+    auto ga = gpu_attention(kernel);
+    auto ca = test::attention("dot_product", cpu());
+    for (DType dt : kDtypes) {
+      SCOPED_TRACE(std::string(kernel) + " " + dname(dt));
+      const int64_t B = 1, T = 150, S = 70, H = 2, D = 64;
+      const Shape sq{B, T, H, D}, sk{B, S, H, D};
+      Both q = make(sq, rand_nz(shape_numel(sq), rng), dt);
+      Both k = make(sk, rand_nz(shape_numel(sk), rng), dt);
+      Both v = make(sk, rand_nz(shape_numel(sk), rng), dt);
+      AttentionSpec spec;
+      spec.causal = false;
+      Both o = poisoned(sq, dt), lse = poisoned({B, H, T}, DType::f32);
+      ga->forward(q.g, k.g, v.g, Tensor(), Tensor(), spec, o.g, lse.g);
+      ca->forward(q.c, k.c, v.c, Tensor(), Tensor(), spec, o.c, lse.c);
+      EXPECT_NO_THROW(gpu().synchronize());
+      EXPECT_TRUE(close(o, dt == DType::bf16 ? 2e-2 : tol(dt), "out"));
+      EXPECT_TRUE(close(lse, 1e-4, "lse"));
+    }
   }
 }
 

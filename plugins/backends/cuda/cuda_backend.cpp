@@ -42,11 +42,7 @@ class CudaBackend final : public mt::cuda::CudaOps {
     // also what makes the allocator's immediate reuse of freed blocks safe.
     check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
     copier_ = std::make_unique<mt::cuda::HostCopier>(stream_);
-    ctx_.stream = stream_;
-    ctx_.scratch = [this](const mt::Shape& s, mt::DType d) { return empty(s, d); };
-    ctx_.rope = std::make_shared<mt::cuda::RopeTables>();
-    ctx_.checks = std::make_shared<mt::cuda::DeviceChecks>(
-        empty({static_cast<int64_t>(mt::cuda::DeviceChecks::kSlots * 8)}, mt::DType::u8), stream_);
+    init_ctx(stream_);
     // The GEMM workspace comes from the caching allocator once, for the backend's life.
     ctx_.gemm = std::make_shared<mt::cuda::Gemm>(
         stream_, precision,

@@ -4,6 +4,7 @@
 // tests/support/emulated_cuda.cpp adds host memory and runs the same launchers on the CPU.
 #pragma once
 
+#include <memory>
 #include <string>
 #include <utility>
 
@@ -18,14 +19,6 @@ class CudaOps : public Backend {
  public:
   const Ctx& ctx() const { return ctx_; }
 
- protected:
-  // Throws the first bad input the kernels recorded since the last report (DeviceChecks); the
-  // subclass calls it once its synchronize() or copy_to_host() has waited for the stream.
-  void report_checks() {
-    if (ctx_.checks) ctx_.checks->report();
-  }
-
- public:
   void fill(Tensor& x, float value) override { cuda::fill(ctx_, x, value); }
   void cast(const Tensor& src, Tensor& dst) override { cuda::cast(ctx_, src, dst); }
   void add(const Tensor& a, const Tensor& b, Tensor& out) override { cuda::add(ctx_, a, b, out); }
@@ -135,6 +128,20 @@ class CudaOps : public Backend {
   }
 
  protected:
+  // The Ctx both backends built on these ops start from: their stream, temporaries from their
+  // own empty(), the rope tables and the input-check slots. Called from the subclass's
+  // constructor (empty() is then the subclass's).
+  void init_ctx(cudaStream_t stream) {
+    ctx_.stream = stream;
+    ctx_.scratch = [this](const Shape& s, DType d) { return empty(s, d); };
+    ctx_.rope = std::make_shared<RopeTables>();
+    ctx_.checks = std::make_shared<DeviceChecks>(
+        empty({static_cast<int64_t>(DeviceChecks::kSlots * 8)}, DType::u8), stream);
+  }
+  // Throws the first bad input the kernels recorded since the last report (DeviceChecks); the
+  // subclass calls it once its synchronize() or copy_to_host() has waited for the stream.
+  void report_checks() { ctx_.checks->report(); }
+
   Ctx ctx_;
 };
 

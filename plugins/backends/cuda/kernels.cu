@@ -97,6 +97,25 @@ __device__ float block_max(float v, float* sh) {
   return block_reduce<float, true>(v, sh);
 }
 
+// What a bad index is called in messages: a token id (embedding) at position n outside the
+// vocabulary [0, V), or a row index idx[m] outside [0, N) (gather, scatter, routing).
+using BadIndex = std::string (*)(const std::string& op, int64_t at, int64_t id, int64_t n);
+std::string bad_token_id(const std::string& op, int64_t n, int64_t id, int64_t V) {
+  return "cuda " + op + ": token id " + std::to_string(id) + " at position " + std::to_string(n) +
+         " is outside the vocabulary [0, " + std::to_string(V) + ")";
+}
+std::string bad_row_index(const std::string& op, int64_t m, int64_t id, int64_t N) {
+  return "cuda " + op + ": idx[" + std::to_string(m) + "] = " + std::to_string(id) +
+         " is outside [0, " + std::to_string(N) + ")";
+}
+
+// Throws for the first index of id outside [0, n).
+void check_indices(const std::string& op, const std::vector<int32_t>& id, int64_t n,
+                   BadIndex bad_index) {
+  for (size_t m = 0; m < id.size(); ++m)
+    if (id[m] < 0 || id[m] >= n) throw Error(bad_index(op, static_cast<int64_t>(m), id[m], n));
+}
+
 // Host copy of a small i32 tensor (ids, targets) for validation and index building.
 std::vector<int32_t> host_ints(const Ctx& c, const Tensor& t, const std::string& op) {
   std::vector<int32_t> h(static_cast<size_t>(t.numel()));
@@ -446,34 +465,24 @@ void scatter_rows(const Ctx& c, const char* op, const Tensor& src, const std::ve
   launched(op, shapes);
 }
 
-// What an index outside [0, N) is called in op's messages.
-std::string bad_index(const std::string& op, int64_t m, int64_t id, int64_t N) {
-  if (op == "embedding_backward")
-    return "cuda " + op + ": token id " + std::to_string(id) + " at position " + std::to_string(m) +
-           " is outside the vocabulary [0, " + std::to_string(N) + ")";
-  return "cuda " + op + ": idx[" + std::to_string(m) + "] = " + std::to_string(id) +
-         " is outside [0, " + std::to_string(N) + ")";
-}
-
 // out[idx[m]] += w[m] src[m] (embedding_backward, scatter_add_rows): up to kDeviceScatterRows
 // rows on the device alone (checked there too), more through host-built runs (one read-back of
 // idx, checked on the host).
 template <class S>
-void scatter_add(const Ctx& c, const char* op, const Tensor& src, const Tensor& idx, int64_t N,
-                 const Tensor& w, int64_t D, Tensor& o, S&& shapes) {
+void scatter_add(const Ctx& c, const char* op, BadIndex bad_index, const Tensor& src,
+                 const Tensor& idx, int64_t N, const Tensor& w, int64_t D, Tensor& o, S&& shapes) {
   const int64_t M = idx.numel();
   MT_CHECK(M < INT_MAX, std::string("cuda ") + op + ": too many rows: " + shapes());
   if (M == 0 || D == 0) return;
   if (M > kDeviceScatterRows) {
     const std::vector<int32_t> id = host_ints(c, idx, op);
-    for (int64_t m = 0; m < M; ++m)
-      if (id[m] < 0 || id[m] >= N) throw Error(bad_index(op, m, id[m], N));
+    check_indices(op, id, N, bad_index);
     scatter_rows(c, op, src, id, N, w, D, o, shapes);
     return;
   }
   const std::string name = op;
-  unsigned long long* bad =
-      c.checks->slot([name, N](int64_t m, int64_t id) { return bad_index(name, m, id, N); });
+  unsigned long long* bad = c.checks->slot(
+      [name, N, bad_index](int64_t m, int64_t id) { return bad_index(name, m, id, N); });
   const In wv = w.defined() ? in(w) : In{nullptr, false};
   MT_LAUNCH(scatter_first_kernel, static_cast<unsigned>(M), kThreads, 0, c.stream)
   (in(src), wv, w.defined(), idx.ptr<const int32_t>(), M, N, D, out(o), bad);
@@ -713,27 +722,19 @@ __global__ void rope_kernel(In x, const int32_t* positions, const float* inv_fre
   }
 }
 
-// inv_freq on the device: from c.rope when it holds these values, else uploaded (and kept there).
-// An entry's host vector is the copy's source, so it lives until the copy is done.
+// inv_freq on the device: from c.rope when it holds these values, else uploaded and kept there.
+// The entry's host vector is the copy's source, so it lives until the copy is done.
 template <class S>
 Tensor rope_table(const Ctx& c, const std::vector<float>& inv_freq, const char* op, S&& shapes) {
-  if (c.rope)
-    for (const auto& [values, dev] : c.rope->entries)
-      if (values == inv_freq) return dev;
-  Tensor dev = c.scratch({std::max<int64_t>(static_cast<int64_t>(inv_freq.size()), 1)}, DType::f32);
-  auto upload = [&](const std::vector<float>& src) {
-    if (!src.empty())
-      check(cudaMemcpyAsync(dev.data(), src.data(), src.size() * sizeof(float),
-                            cudaMemcpyHostToDevice, c.stream),
-            op, "uploading inv_freq", shapes());
-  };
-  if (!c.rope) {
-    upload(inv_freq);  // pageable source: staged before the call returns
-    return dev;
-  }
+  for (const auto& [values, dev] : c.rope->entries)
+    if (values == inv_freq) return dev;
   if (c.rope->entries.size() >= RopeTables::kMaxEntries) c.rope->entries.clear();
-  c.rope->entries.emplace_back(inv_freq, dev);
-  upload(c.rope->entries.back().first);
+  Tensor dev = c.scratch({std::max<int64_t>(static_cast<int64_t>(inv_freq.size()), 1)}, DType::f32);
+  const std::vector<float>& src = c.rope->entries.emplace_back(inv_freq, dev).first;
+  if (!src.empty())
+    check(cudaMemcpyAsync(dev.data(), src.data(), src.size() * sizeof(float),
+                          cudaMemcpyHostToDevice, c.stream),
+          op, "uploading inv_freq", shapes());
   return dev;
 }
 
@@ -873,32 +874,23 @@ void sums(const Ctx& c, const std::vector<const Tensor*>& xs, bool squares,
   const char* op = squares ? "sum_squares" : "sum";
   const auto n = static_cast<int64_t>(xs.size());
   result.assign(xs.size(), 0.0);
+  if (n == 0) return;
   for (const Tensor* x : xs)
     MT_CHECK(x != nullptr && is_fb(*x),
              std::string("cuda ") + op + ": unsupported tensor " + (x ? str(*x) : "null"));
-  // Only non-empty tensors go to the device (an empty one sums to 0).
-  std::vector<int64_t> live;
-  for (int64_t i = 0; i < n; ++i)
-    if (xs[static_cast<size_t>(i)]->numel() > 0) live.push_back(i);
-  if (live.empty()) return;
-  const auto m = static_cast<int64_t>(live.size());
-  // The partials of one tensor (reused by the next: the stream orders them) and the m results,
-  // as doubles in one f32 scratch block; the results come back in one copy and one sync.
-  Tensor buf = c.scratch({2 * (kSumBlocks + m)}, DType::f32);
+  // The partials of one tensor (reused by the next: the stream orders them) and the n results,
+  // as doubles in one f32 scratch block; the results come back in one copy and one sync. An
+  // empty tensor's partials are 0.
+  Tensor buf = c.scratch({2 * (kSumBlocks + n)}, DType::f32);
   double* partial = static_cast<double*>(buf.data());
   double* dst = partial + kSumBlocks;
-  for (int64_t j = 0; j < m; ++j)
-    launch_sum(c, *xs[static_cast<size_t>(live[static_cast<size_t>(j)])], squares, partial,
-               dst + j);
-  const std::string what =
-      m == 1 ? str(*xs[static_cast<size_t>(live[0])]) : std::to_string(m) + " tensors";
-  std::vector<double> got(static_cast<size_t>(m));
-  check(cudaMemcpyAsync(got.data(), dst, static_cast<size_t>(m) * sizeof(double),
+  for (int64_t i = 0; i < n; ++i)
+    launch_sum(c, *xs[static_cast<size_t>(i)], squares, partial, dst + i);
+  const std::string what = n == 1 ? str(*xs[0]) : std::to_string(n) + " tensors";
+  check(cudaMemcpyAsync(result.data(), dst, static_cast<size_t>(n) * sizeof(double),
                         cudaMemcpyDeviceToHost, c.stream),
         op, "copying the result to the host", what);
   check(cudaStreamSynchronize(c.stream), op, "stream synchronize", what);
-  for (int64_t j = 0; j < m; ++j)
-    result[static_cast<size_t>(live[static_cast<size_t>(j)])] = got[static_cast<size_t>(j)];
 }
 
 // ---- embedding ------------------------------------------------------------------------------
@@ -909,10 +901,8 @@ void embedding_forward(const Ctx& c, const Tensor& table, const Tensor& ids, Ten
                ids.dtype() == DType::i32 && o.numel() == ids.numel() * table.dim(1),
            "cuda embedding_forward: " + shapes());
   const int64_t V = table.dim(0), D = table.dim(1);
-  unsigned long long* bad = c.checks->slot([V](int64_t n, int64_t id) {
-    return "cuda embedding_forward: token id " + std::to_string(id) + " at position " +
-           std::to_string(n) + " is outside the vocabulary [0, " + std::to_string(V) + ")";
-  });
+  unsigned long long* bad = c.checks->slot(
+      [V](int64_t n, int64_t id) { return bad_token_id("embedding_forward", n, id, V); });
   launch_map(c, o.numel(), EmbedFwdF{in(table), ids.ptr<const int32_t>(), D, V, out(o), bad},
              "embedding_forward", shapes);
 }
@@ -927,7 +917,7 @@ void embedding_backward(const Ctx& c, const Tensor& dout, const Tensor& ids, Ten
            "cuda embedding_backward: " + shapes());
   const int64_t V = dtable.dim(0), D = dtable.dim(1), N = ids.numel();
   MT_CHECK(N < INT_MAX, "cuda embedding_backward: too many tokens: " + shapes());
-  scatter_add(c, "embedding_backward", dout, ids, V, Tensor(), D, dtable, shapes);
+  scatter_add(c, "embedding_backward", bad_token_id, dout, ids, V, Tensor(), D, dtable, shapes);
 }
 
 // ---- MoE row movement -----------------------------------------------------------------------
@@ -941,12 +931,7 @@ int64_t lead_rows(const Tensor& t) {
   for (int i = 0; i + 1 < t.ndim(); ++i) n *= t.shape()[i];
   return n;
 }
-void check_rows(const char* op, const std::vector<int32_t>& id, int64_t N) {
-  for (size_t m = 0; m < id.size(); ++m)
-    if (id[m] < 0 || id[m] >= N)
-      throw Error(std::string("cuda ") + op + ": idx[" + std::to_string(m) +
-                  "] = " + std::to_string(id[m]) + " is outside [0, " + std::to_string(N) + ")");
-}
+
 }  // namespace
 
 void gather_rows(const Ctx& c, const Tensor& x, const Tensor& idx, Tensor& o) {
@@ -955,10 +940,8 @@ void gather_rows(const Ctx& c, const Tensor& x, const Tensor& idx, Tensor& o) {
                last_dim(o) == last_dim(x) && lead_rows(o) == idx.numel(),
            "cuda gather_rows: " + shapes() + " (want x [N, D], idx [M] i32, out [M, D])");
   const int64_t D = last_dim(x), N = lead_rows(x);
-  unsigned long long* bad = c.checks->slot([N](int64_t m, int64_t id) {
-    return "cuda gather_rows: idx[" + std::to_string(m) + "] = " + std::to_string(id) +
-           " is outside [0, " + std::to_string(N) + ")";
-  });
+  unsigned long long* bad =
+      c.checks->slot([N](int64_t m, int64_t id) { return bad_row_index("gather_rows", m, id, N); });
   // out[m] = x[idx[m]]: the embedding lookup with x as the table.
   launch_map(c, o.numel(), EmbedFwdF{in(x), idx.ptr<const int32_t>(), D, N, out(o), bad},
              "gather_rows", shapes);
@@ -974,7 +957,8 @@ void scatter_add_rows(const Ctx& c, const Tensor& src, const Tensor& idx, const 
                (!w.defined() || (is_fb(w) && w.numel() == idx.numel())),
            "cuda scatter_add_rows: " + shapes() +
                " (want src [M, D], idx [M] i32, w [M] or none, out [N, D])");
-  scatter_add(c, "scatter_add_rows", src, idx, lead_rows(o), w, last_dim(o), o, shapes);
+  scatter_add(c, "scatter_add_rows", bad_row_index, src, idx, lead_rows(o), w, last_dim(o), o,
+              shapes);
 }
 
 namespace {
@@ -1119,7 +1103,8 @@ void topk_route_backward(const Ctx& c, const Tensor& dweights, const Tensor& wei
                dlogits.numel() == N * E && last_dim(dlogits) == E && k >= 1 && k <= E,
            "cuda topk_route_backward: " + shapes() +
                " (want dweights/weights/indices [N, k], dlogits [N, E])");
-  check_rows("topk_route_backward", host_ints(c, indices, "topk_route_backward"), E);
+  check_indices("topk_route_backward", host_ints(c, indices, "topk_route_backward"), E,
+                bad_row_index);
   if (N == 0) return;
   MT_LAUNCH(topk_bwd_kernel, grid_for(N), kThreads, 0, c.stream)
   (in(dweights), in(probs), indices.ptr<const int32_t>(), N, E, static_cast<int>(k), sigmoid,
@@ -1474,7 +1459,7 @@ __global__ void attn_fwd_kernel(In q, In k, In v, const int32_t* q_seg, const in
   const int64_t i = r % a.T, bh = r / a.T, h = bh % a.Hq, b = bh / a.Hq;
   const int64_t g = h / (a.Hq / a.Hkv);
   int64_t L = lengths ? lengths[b] : a.S;
-  if (L < a.T || L > a.S) {  // uniform across the block
+  if (lengths && (L < a.T || L > a.S)) {  // decode only; uniform across the block
     if (threadIdx.x == 0 && i == 0) record_bad(bad, b, L);
     L = 0;
   }

@@ -63,9 +63,9 @@ struct Ctx {
   // Device temporaries from the backend's caching allocator. A temporary may die while kernels
   // that use it are still queued: safe with one stream (see allocator.h).
   std::function<Tensor(const Shape&, DType)> scratch;
-  // Rope tables on the device (null: uploaded on every call).
+  // Rope tables on the device.
   std::shared_ptr<RopeTables> rope;
-  // Where checking kernels record bad inputs (required).
+  // Where checking kernels record bad inputs.
   std::shared_ptr<DeviceChecks> checks;
 };
 
