@@ -12,14 +12,18 @@ namespace {
 // The gradient buffers of an entry's inputs as its backward sees them. d[i] is input i's
 // buffer ready to accumulate into (zero-filled first if it was fresh), or nullptr when the input
 // needs no gradient. Ops that can overwrite instead (matmul with beta = 0, copies) ask
-// overwrite(i) first, which says whether the buffer is fresh and takes the freshness away.
+// overwrite(i) first, which says whether the buffer is fresh and takes the freshness away. A
+// fresh intermediate's buffer is only allocated when first asked for, so an op whose input
+// gradient equals (a view of) its output gradient can adopt(i, dout) instead: no copy at all.
 class Grads {
  public:
-  Grads(Backend& be, std::vector<GradNode*> nodes) : be_(&be), nodes_(std::move(nodes)) {}
+  Grads(Backend& be, std::vector<GradNode*> nodes, bool dout_owned)
+      : be_(&be), nodes_(std::move(nodes)), dout_owned_(dout_owned) {}
   size_t size() const { return nodes_.size(); }
   Tensor* operator[](size_t i) const {
     GradNode* n = nodes_[i];
     if (!n) return nullptr;
+    allocate(n);
     if (n->fresh) {
       be_->fill(n->grad, 0.f);
       n->fresh = false;
@@ -29,14 +33,36 @@ class Grads {
   bool overwrite(size_t i) const {
     GradNode* n = nodes_[i];
     if (!n || !n->fresh) return false;
+    allocate(n);
     n->fresh = false;
     return true;
   }
-  Tensor* raw(size_t i) const { return nodes_[i] ? &nodes_[i]->grad : nullptr; }
+  Tensor* raw(size_t i) const {
+    GradNode* n = nodes_[i];
+    if (!n) return nullptr;
+    allocate(n);
+    return &n->grad;
+  }
+  // Makes `g` input i's gradient buffer when that input is a fresh intermediate (never a
+  // parameter's buffer, never the caller's seed): the entry's output gradient g views is dead
+  // once this entry is done, so later accumulations into it harm nothing.
+  bool adopt(size_t i, const Tensor& g) const {
+    GradNode* n = nodes_[i];
+    if (!n || !n->fresh || n->leaf || n->grad.defined() || !dout_owned_ || g.dtype() != n->dtype ||
+        g.shape() != n->shape)
+      return false;
+    n->grad = g;
+    n->fresh = false;
+    return true;
+  }
 
  private:
+  void allocate(GradNode* n) const {
+    if (!n->grad.defined()) n->grad = be_->empty(n->shape, n->dtype);
+  }
   Backend* be_;
   std::vector<GradNode*> nodes_;
+  bool dout_owned_;  // the output gradient is the graph's own buffer, not the caller's seed
 };
 
 struct Entry {
@@ -180,7 +206,14 @@ Tensor Graph::add(const Tensor& a, const Tensor& b) {
   Backend* be = backend_;
   record(record_, impl_->tape, out, {&a, &b},
          [be](const Tensor& dout, const Grads& d) {
+           // One fresh input takes dout's buffer itself (after the other has read it, when
+           // that one accumulates); the other gets a copy.
+           bool adopted = false;
            for (size_t i = 0; i < 2; ++i) {
+             if (!adopted && d.adopt(i, dout)) {
+               adopted = true;
+               continue;
+             }
              Tensor* g = d.raw(i);
              if (!g) continue;
              if (d.overwrite(i)) be->cast(dout, *g);  // a copy (converting if dtypes differ)
@@ -232,6 +265,7 @@ Tensor Graph::reshape(const Tensor& x, const Shape& shape) {
   const Shape xs = x.shape();
   record(record_, impl_->tape, out, {&x},
          [be, xs](const Tensor& dout, const Grads& d) {
+           if (d.adopt(0, dout.view(xs))) return;  // the same numbers: no copy
            if (d.overwrite(0)) be->cast(dout.view(xs), *d.raw(0));
            else be->axpy(1.f, dout.view(xs), *d[0]);
          });
@@ -242,16 +276,14 @@ Tensor Graph::cast(const Tensor& x, DType dtype) {
   Tensor out = backend_->empty(x.shape(), dtype);
   backend_->cast(x, out);
   Backend* be = backend_;
-  const DType xt = x.dtype();
   record(record_, impl_->tape, out, {&x},
-         [be, xt](const Tensor& dout, const Grads& d) {
-           if (dout.dtype() == xt) {
-             be->axpy(1.f, dout, *d[0]);
-             return;
-           }
-           Tensor tmp = be->empty(dout.shape(), xt);
-           be->cast(dout, tmp);
-           be->axpy(1.f, tmp, *d[0]);
+         [be](const Tensor& dout, const Grads& d) {
+           // A fresh buffer (a parameter's master gradient at the first micro-batch) is
+           // written by the conversion itself; otherwise dout is widened and added in one pass
+           // (axpy converts per operand; bf16 -> f32 is exact, so the bits are those of a cast
+           // followed by an add).
+           if (d.overwrite(0)) be->cast(dout, *d.raw(0));
+           else be->axpy(1.f, dout, *d[0]);
          });
   return out;
 }
@@ -524,13 +556,11 @@ void Graph::backward(const Tensor& y, const Tensor& dy) {
       for (size_t j = 0; j < e.inputs.size(); ++j) {
         GradNode* n = e.inputs[j].get();
         if (!n) continue;
-        if (!n->grad.defined()) {
-          n->grad = backend_->empty(n->shape, n->dtype);
-          n->fresh = true;
-        }
+        if (!n->grad.defined()) n->fresh = true;  // allocated when first asked for (Grads)
         nodes[j] = n;
       }
-      e.backward(e.output->grad, Grads(*backend_, std::move(nodes)));
+      const bool owned = !(dy.defined() && e.output.get() == &root);
+      e.backward(e.output->grad, Grads(*backend_, std::move(nodes), owned));
       if (!e.output->leaf) e.output->grad = Tensor();
     }
     // Free what this entry saved as soon as it is done.

@@ -96,6 +96,97 @@ TEST(Graph, GradientsAccumulateAcrossBackwards) {
   for (size_t i = 0; i < a.size(); ++i) EXPECT_FLOAT_EQ(a[i], 2 * b[i]);
 }
 
+// Gradients that share buffers: reshape and add hand their output gradient to a fresh input
+// instead of copying it (Grads::adopt). Here the adopted buffers are then accumulated into by
+// further consumers (u feeds a reshape, an add with itself and a product; a feeds two adds; p
+// and q meet in an add after their product), so an adoption that aliased two live gradients,
+// kept a stale one or took a parameter's buffer (x [24] is reshaped first) shows against finite
+// differences.
+Tensor shared_buffers(Graph& g, const Tensor& x, const Tensor& w, const Tensor& targets) {
+  Tensor u = g.activation(Activation::silu, g.reshape(x, {2, 3, 4}));  // an intermediate
+  Tensor p = g.activation(Activation::gelu_tanh, u), q = g.scale(u, -0.5f);
+  Tensor pq = g.mul(p, q);
+  u = g.add(u, g.add(g.add(p, q), pq));  // p + q both fresh when their add runs its backward
+  Tensor a = g.reshape(u, {6, 4});
+  Tensor b = g.reshape(g.add(u, u), {6, 4});
+  Tensor c = g.add(b, a);
+  Tensor d = g.mul(c, g.reshape(u, {6, 4}));
+  Tensor e = g.add(d, a);
+  Tensor f = g.add(g.activation(Activation::gelu_tanh, e), e);  // e: an input of both halves
+  return g.cross_entropy(g.matmul(f, w), targets, 0.f, 1.f / 6.f);
+}
+
+TEST(Graph, SharedGradientBuffersMatchFiniteDifferences) {
+  Backend& be = test::cpu();
+  const uint64_t seed = test::seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  std::vector<float> xv = test::randn(24, rng), wv = test::randn(4 * 5, rng, 0.5f);
+  std::vector<int32_t> tv(6);
+  for (auto& t : tv) t = static_cast<int32_t>(rng() % 5);
+  Tensor targets = test::from_ints(be, {6}, tv);
+  auto eval = [&]() {
+    Graph g(be, false);
+    Tensor x = test::from_vector(be, {24}, xv);
+    Tensor w = test::from_vector(be, {4, 5}, wv);
+    return double(test::to_vector(shared_buffers(g, x, w, targets))[0]);
+  };
+  // Parameters as a training step sees them: buffers marked fresh, holding garbage (NaN).
+  Tensor x = test::from_vector(be, {24}, xv), w = test::from_vector(be, {4, 5}, wv);
+  Tensor gx = be.empty({24}, DType::f32), gw = be.empty({4, 5}, DType::f32);
+  be.fill(gx, std::nanf(""));
+  be.fill(gw, std::nanf(""));
+  Graph::track(x, gx);
+  Graph::track(w, gw);
+  Graph::mark_fresh(x);
+  Graph::mark_fresh(w);
+  {
+    Graph g(be);
+    g.backward(shared_buffers(g, x, w, targets));
+  }
+  Graph::finish_fresh(be, x);
+  Graph::finish_fresh(be, w);
+  for (auto [vals, grad] : {std::pair{&xv, &gx}, std::pair{&wv, &gw}}) {
+    const std::vector<float> got = test::to_vector(*grad);
+    for (size_t j = 0; j < vals->size(); ++j) {
+      const float keep = (*vals)[j];
+      const float h = 1e-2f;
+      (*vals)[j] = keep + h;
+      const double up = eval();
+      (*vals)[j] = keep - h;
+      const double down = eval();
+      (*vals)[j] = keep;
+      const double fd = (up - down) / (2.0 * h);
+      EXPECT_NEAR(got[j], fd, 2e-3 + 2e-2 * std::fabs(fd)) << (vals == &xv ? "x " : "w ") << j;
+    }
+  }
+}
+
+// A caller's seed is never adopted: y = p + silu(p) seeded with dy, where p's gradient, were it
+// dy's buffer, would then take silu's contribution in place.
+TEST(Graph, BackwardLeavesTheCallersSeedAlone) {
+  Backend& be = test::cpu();
+  std::mt19937_64 rng(test::seed());
+  const std::vector<float> xv = test::randn(8, rng), dyv = test::randn(8, rng);
+  Tensor x = test::from_vector(be, {8}, xv);
+  Tensor gx = be.zeros({8}, DType::f32);
+  Graph::track(x, gx);
+  Tensor dy = test::from_vector(be, {8}, dyv);
+  {
+    Graph g(be);
+    Tensor p = g.scale(x, 2.f);
+    Tensor y = g.add(p, g.activation(Activation::silu, p));
+    g.backward(y, dy);
+  }
+  EXPECT_EQ(test::to_vector(dy), dyv);
+  const std::vector<float> got = test::to_vector(gx);
+  for (size_t i = 0; i < xv.size(); ++i) {
+    const double p = 2.0 * xv[i], s = 1.0 / (1.0 + std::exp(-p));
+    const double want = dyv[i] * 2.0 * (1.0 + s * (1.0 + p * (1.0 - s)));
+    EXPECT_NEAR(got[i], want, 1e-5 * (1.0 + std::fabs(want))) << i;
+  }
+}
+
 // A llama-test model large enough for activation memory to dominate.
 struct RunResult {
   std::vector<std::vector<float>> grads;
@@ -107,7 +198,7 @@ RunResult train_step(const std::string& remat, const std::string& attention = "f
   ConfigRequest req;
   req.configs_dir = test::source_dir() + "/configs";
   req.model = "llama-test";
-  req.overrides = {"remat_policy=" + remat, "attention=" + attention, "max_target_length=128",
+  req.overrides = {"remat_policy=" + remat,   "attention=" + attention,    "max_target_length=128",
                    "per_device_batch_size=2", "base_num_decoder_layers=4", "num_threads=2"};
   Config cfg = load_config(req);
   ModelRunner r(cfg, test::plugins());
@@ -135,6 +226,61 @@ RunResult train_step(const std::string& remat, const std::string& attention = "f
   out.peak_bytes = be.memory_stats().peak_bytes_in_use - base;
   for (auto& p : r.params()) out.grads.push_back(test::to_vector(p.grad));
   return out;
+}
+
+// Mixed precision (bf16 compute, f32 masters) as the trainer runs it: the master gradients
+// marked fresh, each written by converting its bf16 gradient at the first micro-batch and added
+// to (mixed dtypes) at the second. Two micro-batches of one row, each weighted 1/2, give the
+// gradients of the batch of both rows within bf16 rounding (2.6e-3 relative here, 1e-2 allowed); a
+// second micro-batch counted 1.5 times, or a first one added to stale contents, does not.
+TEST(Graph, MixedPrecisionMicroBatchesAddUpToTheBatch) {
+  ConfigRequest req;
+  req.configs_dir = test::source_dir() + "/configs";
+  req.model = "llama-test";
+  req.overrides = {"dtype=bfloat16", "weight_dtype=float32", "max_target_length=16",
+                   "num_threads=2"};
+  Config cfg = load_config(req);
+  ModelRunner r(cfg, test::plugins());
+  r.init_parameters(11);
+  r.enable_gradients();
+  std::mt19937_64 rng(test::seed());
+  HostBatch rows[2];
+  for (auto& hb : rows) {
+    hb.batch = 1;
+    hb.seq = 16;
+    for (int i = 0; i < 16; ++i) {
+      hb.inputs.push_back(static_cast<int32_t>(rng() % 256));
+      hb.targets.push_back(static_cast<int32_t>(rng() % 256));
+    }
+  }
+  HostBatch both = rows[0];
+  both.batch = 2;
+  both.inputs.insert(both.inputs.end(), rows[1].inputs.begin(), rows[1].inputs.end());
+  both.targets.insert(both.targets.end(), rows[1].targets.begin(), rows[1].targets.end());
+  Backend& be = r.backend();
+  auto grads = [&](const std::vector<const HostBatch*>& micro) {
+    for (auto& p : r.params()) be.fill(p.grad, std::nanf(""));  // stale contents
+    r.zero_gradients();
+    for (const HostBatch* hb : micro) {
+      Graph g(be);
+      g.backward(r.loss(g, r.upload(*hb), 0.f, 1.0 / static_cast<double>(micro.size())));
+    }
+    r.finish_gradients();
+    std::vector<std::vector<float>> out;
+    for (auto& p : r.params()) out.push_back(test::to_vector(p.grad));
+    return out;
+  };
+  const auto split = grads({&rows[0], &rows[1]}), whole = grads({&both});
+  ASSERT_EQ(split.size(), whole.size());
+  for (size_t i = 0; i < split.size(); ++i) {
+    double num = 0, den = 0;
+    for (size_t j = 0; j < split[i].size(); ++j) {
+      ASSERT_TRUE(std::isfinite(split[i][j])) << "param " << i << " element " << j;
+      num += std::pow(double(split[i][j]) - whole[i][j], 2);
+      den += std::pow(double(whole[i][j]), 2);
+    }
+    EXPECT_LT(std::sqrt(num / den), 1e-2) << r.params()[i].spec.name;
+  }
 }
 
 TEST(Graph, RematPoliciesGiveTheSameGradientsWithLessMemory) {
