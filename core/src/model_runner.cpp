@@ -98,6 +98,20 @@ void ModelRunner::init_parameters(uint64_t seed) {
   }
 }
 
+bool ModelRunner::store_weights_in_compute_dtype() {
+  if (!(weight_dtype_ == DType::f32 && compute_dtype_ == DType::bf16)) return false;
+  for (auto& p : params_)
+    MT_CHECK(!p.grad.defined(), "store_weights_in_compute_dtype: " + p.name +
+                                    " has a gradient buffer; it is for inference only");
+  for (auto& p : params_) {
+    Tensor narrow = backend().empty(p.spec.shape, compute_dtype_);
+    backend().cast(p.value, narrow);
+    p.value = std::move(narrow);
+  }
+  weight_dtype_ = compute_dtype_;
+  return true;
+}
+
 void ModelRunner::enable_gradients() {
   for (auto& p : params_) {
     p.grad = backend().zeros(p.spec.shape, DType::f32);

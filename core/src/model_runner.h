@@ -57,6 +57,11 @@ class ModelRunner {
   // Initialises every parameter as MaxText does, deterministically from init_weights_seed
   // (each parameter's stream is seeded by its name, so the result does not depend on order).
   void init_parameters(uint64_t seed);
+  // Inference only (no gradients): when the compute dtype is narrower than weight_dtype (f32
+  // masters, bf16 compute), stores every parameter in the compute dtype, converted once with the
+  // rounding of the per-forward cast, so a decode step reads 2 bytes per weight instead of
+  // converting the 4-byte masters again (8 bytes moved). Returns whether anything changed.
+  bool store_weights_in_compute_dtype();
   // Allocates zeroed gradient buffers and makes the parameters tracked leaves.
   void enable_gradients();
   // Starts a step's gradients: the first backward overwrites instead of accumulating.

@@ -99,6 +99,28 @@ TEST(Decode, CachedDecodeEqualsFullForwardSlidingWindowRope31) {
 
 // bf16 weights and caches (the decode kernels convert only the valid cache rows): equal within
 // bf16 rounding of the two computation orders.
+// Inference with f32 masters and bf16 compute converts the weights once (mt decode, mt score):
+// the logits are those of the per-forward cast, bit for bit, and the parameters are bf16 after.
+TEST(Decode, WeightsStoredInTheComputeDtypeGiveTheSameLogits) {
+  auto r = runner({"dtype=bfloat16", "weight_dtype=float32"});
+  std::mt19937_64 rng(test::seed());
+  std::vector<int32_t> ids(7);
+  for (auto& t : ids) t = static_cast<int32_t>(rng() % r->model().dims().vocab_size);
+  const std::vector<float> cast_each_time = full_forward(*r, ids);
+  ASSERT_TRUE(r->store_weights_in_compute_dtype());
+  EXPECT_EQ(r->weight_dtype(), DType::bf16);
+  for (auto& p : r->params()) EXPECT_EQ(p.value.dtype(), DType::bf16) << p.name;
+  EXPECT_EQ(full_forward(*r, ids), cast_each_time);
+  EXPECT_FALSE(r->store_weights_in_compute_dtype());  // nothing left to convert
+
+  auto f32 = runner({"dtype=float32", "weight_dtype=float32"});
+  EXPECT_FALSE(f32->store_weights_in_compute_dtype());  // nothing narrower to store
+  auto training = runner({"dtype=bfloat16", "weight_dtype=float32"});
+  training->enable_gradients();
+  EXPECT_THROW(training->store_weights_in_compute_dtype(), Error);
+  EXPECT_EQ(training->params()[0].value.dtype(), DType::f32);  // untouched
+}
+
 TEST(Decode, CachedDecodeEqualsFullForwardBf16) {
   decode_matches_forward({"dtype=bfloat16", "weight_dtype=bfloat16"}, 3e-2);
 }
