@@ -435,19 +435,13 @@ void Graph::write_kv_cache(KVCache& cache, const Tensor& k, const Tensor& v) {
                cache.k.str());
   MT_CHECK(cache.write_rows.numel() == k.dim(0) * k.dim(1),
            "write_kv_cache: " + std::to_string(cache.write_rows.numel()) + " rows for " + k.str());
-  // Overwrite with the op set's row ops: subtract each target row's old value (x - x is exactly
-  // 0 in floating point), then add the new one. The caller never names a row twice in one call
-  // (tokens a ring buffer would overwrite within the call go to its sink row, never read).
+  // One scatter_rows per tensor. The caller never names a row twice in one call, except the
+  // sink row, never read, where tokens a ring buffer would overwrite within the call go.
   const int64_t w = k.dim(2) * k.dim(3);
   const int64_t n = cache.write_rows.numel();
-  Tensor minus = backend_->empty({n}, DType::f32);
-  backend_->fill(minus, -1.f);
   for (auto [src, dst] : {std::pair<const Tensor*, Tensor*>{&k, &cache.k}, {&v, &cache.v}}) {
     Tensor rows = dst->view({dst->numel() / w, w});
-    Tensor old = backend_->empty({n, w}, dst->dtype());
-    backend_->gather_rows(rows, cache.write_rows, old);
-    backend_->scatter_add_rows(old, cache.write_rows, minus, rows);
-    backend_->scatter_add_rows(src->view({n, w}), cache.write_rows, Tensor(), rows);
+    backend_->scatter_rows(src->view({n, w}), cache.write_rows, rows);
   }
 }
 

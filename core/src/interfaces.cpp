@@ -17,6 +17,22 @@ Tensor Backend::zeros(const Shape& shape, DType dtype) {
   return t;
 }
 
+void Backend::scatter_rows(const Tensor& src, const Tensor& idx, Tensor& out) {
+  MT_CHECK(src.defined() && out.defined() && idx.defined() && src.ndim() >= 1 && out.ndim() >= 1 &&
+               src.dim(-1) == out.dim(-1) && src.numel() == idx.numel() * src.dim(-1),
+           "scatter_rows: src " + src.str() + ", idx " + (idx.defined() ? idx.str() : "none") +
+               ", out " + (out.defined() ? out.str() : "none") +
+               " (want src [M, D], idx [M] i32, out [N, D])");
+  const int64_t D = out.dim(-1), M = idx.numel();
+  Tensor rows = out.view({D ? out.numel() / D : 0, D});
+  Tensor old = empty({M, D}, out.dtype());
+  gather_rows(rows, idx, old);
+  Tensor minus = empty({M}, DType::f32);
+  fill(minus, -1.f);
+  scatter_add_rows(old, idx, minus, rows);
+  scatter_add_rows(src.view({M, D}), idx, Tensor(), rows);
+}
+
 void fail(const std::string& msg) { throw Error(msg, ErrorKind::runtime); }
 
 }  // namespace mt

@@ -231,6 +231,10 @@ void ProfilingBackend::scatter_add_rows(const Tensor& src, const Tensor& idx, co
   Timer t(*this, "scatter_add_rows");
   inner_.scatter_add_rows(src, idx, w, out);
 }
+void ProfilingBackend::scatter_rows(const Tensor& src, const Tensor& idx, Tensor& out) {
+  Timer t(*this, "scatter_rows");
+  inner_.scatter_rows(src, idx, out);
+}
 
 void ProfilingBackend::grouped_matmul(const Tensor& x, const Tensor& w, const Tensor& offsets,
                                       bool trans_w, Tensor& out) {

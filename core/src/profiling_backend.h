@@ -94,6 +94,7 @@ class ProfilingBackend final : public Backend {
   void gather_rows(const Tensor& x, const Tensor& idx, Tensor& out) override;
   void scatter_add_rows(const Tensor& src, const Tensor& idx, const Tensor& w,
                         Tensor& out) override;
+  void scatter_rows(const Tensor& src, const Tensor& idx, Tensor& out) override;
   void grouped_matmul(const Tensor& x, const Tensor& w, const Tensor& offsets, bool trans_w,
                       Tensor& out) override;
   void grouped_matmul_weight_grad(const Tensor& x, const Tensor& dout, const Tensor& offsets,

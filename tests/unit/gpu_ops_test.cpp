@@ -362,6 +362,9 @@ TEST_F(GpuOps, BadIndicesAreReportedAtTheNextSync) {
       "scatter_add_rows", [&] { gpu().scatter_add_rows(src.g, sidx.g, Tensor(), table.g); },
       "scatter_add_rows: idx[1] = 9 is outside [0, 5)");
   expect_reported(
+      "scatter_rows", [&] { gpu().scatter_rows(src.g, sidx.g, table.g); },
+      "scatter_rows: idx[1] = 9 is outside [0, 5)");
+  expect_reported(
       "embedding_backward", [&] { gpu().embedding_backward(src.g, sidx.g, table.g); },
       "embedding_backward: token id 9 at position 1 is outside the vocabulary [0, 5)");
   Both logits = make({2, 32}, rand_nz(64, rng), DType::f32);
@@ -421,6 +424,26 @@ TEST_F(GpuOps, GatherAndScatterRows) {
         cpu().scatter_add_rows(src.c, idx.c, w.c, acc.c);
         EXPECT_TRUE(close(acc, tol(dt), "scatter_add_rows"));
       }
+}
+
+// scatter_rows (KV-cache writes): distinct rows in random order over a cache whose other rows
+// must survive; the source in either dtype.
+TEST_F(GpuOps, ScatterRows) {
+  SEEDED_RNG(rng);
+  for (DType dt : kDtypes)
+    for (DType st : kDtypes) {
+      SCOPED_TRACE(std::string("out ") + dname(dt) + " src " + dname(st));
+      const int64_t N = pick(rng, 2, 300), M = pick(rng, 1, N - 1), D = pick(rng, 1, 300);
+      std::vector<int32_t> rows(static_cast<size_t>(N));
+      for (int32_t i = 0; i < N; ++i) rows[static_cast<size_t>(i)] = i;
+      std::shuffle(rows.begin(), rows.end(), rng);
+      Both idx = ints({M}, std::vector<int32_t>(rows.begin(), rows.begin() + M));
+      Both src = make({M, D}, rand_nz(M * D, rng), st);
+      Both cache = make({N, D}, rand_nz(N * D, rng), dt);
+      gpu().scatter_rows(src.g, idx.g, cache.g);
+      cpu().scatter_rows(src.c, idx.c, cache.c);
+      EXPECT_TRUE(close(cache, 0.0, "scatter_rows"));  // copies: the same bits
+    }
 }
 
 TEST_F(GpuOps, TopkRoute) {

@@ -315,6 +315,41 @@ TEST(GatherScatter, GatherCopiesRows) {
   b.gather_rows(zeros(b, {3, 0}), test::from_ints(b, {2}, {2, 0}), thin);
 }
 
+// scatter_rows writes the named rows (distinct, in random order) and leaves the others; the SDK's
+// default (gather, subtract, add) gives the same bits. Large enough for the CPU's column tasks.
+TEST(GatherScatter, ScatterRowsOverwritesTheNamedRows) {
+  MT_SEED_TRACE();
+  Backend& b = test::cpu();
+  for (int64_t D : {int64_t{13}, int64_t{1000}})
+    for (DType st : {DType::f32, DType::bf16})
+      for (DType ot : {DType::f32, DType::bf16}) {
+        SCOPED_TRACE(::testing::Message()
+                     << "D=" << D << " src " << dtype_name(st) << " out " << dtype_name(ot));
+        const int64_t N = 131, M = 97;
+        const Vec src = round_bf16(test::randn(static_cast<size_t>(M * D), rng));
+        const Vec init = round_bf16(test::randn(static_cast<size_t>(N * D), rng));
+        IVec rows(static_cast<size_t>(N));
+        for (int32_t i = 0; i < N; ++i) rows[static_cast<size_t>(i)] = i;
+        std::shuffle(rows.begin(), rows.end(), rng);
+        const IVec idx(rows.begin(), rows.begin() + M);  // distinct; 34 rows untouched
+        Vec want = init;
+        for (int64_t m = 0; m < M; ++m)
+          std::copy(src.begin() + m * D, src.begin() + (m + 1) * D, want.begin() + idx[m] * D);
+        Tensor out = make(b, {N, D}, init, ot);
+        b.scatter_rows(make(b, {M, D}, src, st), test::from_ints(b, {M}, idx), out);
+        EXPECT_EQ(read(out), want);  // bf16-representable values survive every conversion
+        Tensor by_default = make(b, {N, D}, init, ot);
+        b.Backend::scatter_rows(make(b, {M, D}, src, st), test::from_ints(b, {M}, idx), by_default);
+        EXPECT_EQ(read(by_default), want);
+      }
+  // Nothing to write, zero-width rows, and a [B, S, H, D] cache viewed as rows.
+  Tensor keep = make(b, {3, 4}, Vec(12, 2.f));
+  b.scatter_rows(b.empty({0, 4}, DType::f32), test::from_ints(b, {0}, {}), keep);
+  EXPECT_EQ(read(keep), Vec(12, 2.f));
+  Tensor thin = b.empty({3, 0}, DType::f32);
+  b.scatter_rows(b.empty({2, 0}, DType::f32), test::from_ints(b, {2}, {2, 0}), thin);
+}
+
 TEST(GatherScatter, ScatterAddMatchesDoubleReference) {
   MT_SEED_TRACE();
   Backend& b = test::cpu();
@@ -414,6 +449,19 @@ TEST(GatherScatter, Errors) {
   EXPECT_THROW(
       b.scatter_add_rows(zeros(b, {2, 3}), test::from_ints(b, {2}, {0, 1}), zeros(b, {3}), dst),
       Error);
+  EXPECT_THROW(b.scatter_rows(zeros(b, {2, 3}), test::from_ints(b, {2}, {0, 4}), dst), Error);
+  EXPECT_THROW(b.scatter_rows(zeros(b, {2, 3}), test::from_ints(b, {2}, {-1, 0}), dst), Error);
+  EXPECT_THROW(b.scatter_rows(zeros(b, {3, 3}), test::from_ints(b, {2}, {0, 1}), dst), Error);
+  EXPECT_THROW(b.scatter_rows(zeros(b, {2, 4}), test::from_ints(b, {2}, {0, 1}), dst), Error);
+  EXPECT_EQ(read(dst), Vec(12, 0.f));  // every refused call left it alone
+  try {
+    b.scatter_rows(zeros(b, {2, 3}), test::from_ints(b, {2}, {1, 9}), dst);
+    FAIL() << "expected mt::Error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("scatter_rows"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("idx[1] = 9"), std::string::npos) << msg;
+  }
   try {
     b.gather_rows(x, test::from_ints(b, {2}, {0, 7}), out);
     FAIL() << "expected mt::Error";

@@ -165,6 +165,9 @@ void CpuBackend::gather_rows(const Tensor& x, const Tensor& idx, Tensor& out) {
 void CpuBackend::scatter_add_rows(const Tensor& src, const Tensor& idx, const Tensor& w, Tensor& out) {
   run([&] { cpu::scatter_add_rows(src, idx, w, out); });
 }
+void CpuBackend::scatter_rows(const Tensor& src, const Tensor& idx, Tensor& out) {
+  run([&] { cpu::scatter_rows(src, idx, out); });
+}
 
 void CpuBackend::grouped_matmul(const Tensor& x, const Tensor& w, const Tensor& offsets, bool trans_w, Tensor& out) {
   run([&] { cpu::grouped_matmul(x, w, offsets, trans_w, out); });

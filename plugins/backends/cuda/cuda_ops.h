@@ -114,6 +114,9 @@ class CudaOps : public Backend {
                         Tensor& out) override {
     cuda::scatter_add_rows(ctx_, src, idx, w, out);
   }
+  void scatter_rows(const Tensor& src, const Tensor& idx, Tensor& out) override {
+    cuda::scatter_rows(ctx_, src, idx, out);
+  }
   void grouped_matmul(const Tensor& x, const Tensor& w, const Tensor& offsets, bool trans_w,
                       Tensor& out) override {
     cuda::grouped_matmul(ctx_, x, w, offsets, trans_w, out);

@@ -361,6 +361,22 @@ void check_ew(const char* op, std::initializer_list<const Tensor*> ts) {
 // ---- embedding ------------------------------------------------------------------------------
 // table [V, D], id [N], out [N, D]
 // An id outside [0, V) is recorded in `bad` (once, at d = 0) and its output row left at 0.
+// out[idx[m]] = src[m], i over [M, D]; a bad row index writes nothing (recorded once per row).
+struct ScatterRowsF {
+  In src;
+  const int32_t* id;
+  int64_t D, N;
+  Out o;
+  unsigned long long* bad;
+  __device__ void operator()(int64_t i) const {
+    const int64_t m = i / D, d = i - m * D, r = id[m];
+    if (r < 0 || r >= N) {
+      if (d == 0) record_bad(bad, m, r);
+      return;
+    }
+    o.set(r * D + d, src[i]);
+  }
+};
 struct EmbedFwdF {
   In table;
   const int32_t* id;
@@ -945,6 +961,18 @@ void gather_rows(const Ctx& c, const Tensor& x, const Tensor& idx, Tensor& o) {
   // out[m] = x[idx[m]]: the embedding lookup with x as the table.
   launch_map(c, o.numel(), EmbedFwdF{in(x), idx.ptr<const int32_t>(), D, N, out(o), bad},
              "gather_rows", shapes);
+}
+
+void scatter_rows(const Ctx& c, const Tensor& src, const Tensor& idx, Tensor& o) {
+  auto shapes = [&] { return "src " + str(src) + ", idx " + str(idx) + ", out " + str(o); };
+  MT_CHECK(is_fb(src) && is_fb(o) && idx.defined() && idx.dtype() == DType::i32 &&
+               last_dim(src) == last_dim(o) && lead_rows(src) == idx.numel(),
+           "cuda scatter_rows: " + shapes() + " (want src [M, D], idx [M] i32, out [N, D])");
+  const int64_t D = last_dim(o), N = lead_rows(o);
+  unsigned long long* bad = c.checks->slot(
+      [N](int64_t m, int64_t id) { return bad_row_index("scatter_rows", m, id, N); });
+  launch_map(c, src.numel(), ScatterRowsF{in(src), idx.ptr<const int32_t>(), D, N, out(o), bad},
+             "scatter_rows", shapes);
 }
 
 void scatter_add_rows(const Ctx& c, const Tensor& src, const Tensor& idx, const Tensor& w,

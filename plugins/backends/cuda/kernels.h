@@ -104,6 +104,7 @@ void topk_route_backward(const Ctx& c, const Tensor& dweights, const Tensor& wei
 void gather_rows(const Ctx& c, const Tensor& x, const Tensor& idx, Tensor& out);
 void scatter_add_rows(const Ctx& c, const Tensor& src, const Tensor& idx, const Tensor& w,
                       Tensor& out);
+void scatter_rows(const Ctx& c, const Tensor& src, const Tensor& idx, Tensor& out);
 
 void grouped_matmul(const Ctx& c, const Tensor& x, const Tensor& w, const Tensor& offsets,
                     bool trans_w, Tensor& out);

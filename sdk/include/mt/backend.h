@@ -195,6 +195,12 @@ class MT_API Backend {
   // out [N, D] += src [M, D] scattered: out[idx[m]] += w[m] * src[m]; w [M] f32 or undefined (1)
   virtual void scatter_add_rows(const Tensor& src, const Tensor& idx, const Tensor& w,
                                 Tensor& out) = 0;
+  // out [N, D]: out[idx[m]] = src[m] for src [M, D], idx [M] i32 in [0, N) (KV-cache writes);
+  // other rows keep their contents, and a row named more than once ends with unspecified
+  // contents (the KV cache's sink row, never read). The default is built from gather_rows and
+  // scatter_add_rows (subtract the old row, exactly 0 where it is finite, then add the new one);
+  // backends override it with one pass that never reads the old rows.
+  virtual void scatter_rows(const Tensor& src, const Tensor& idx, Tensor& out);
   // x [M, K] with rows grouped by expert: rows offsets[e]..offsets[e+1] use w[e].
   // w [E, K, N] ([E, N, K] if trans_w), offsets [E + 1] i32, out [M, N] = x_e @ w[e]
   virtual void grouped_matmul(const Tensor& x, const Tensor& w, const Tensor& offsets, bool trans_w,

@@ -8,4 +8,4 @@
 #define MT_VERSION_MINOR 1
 #define MT_VERSION_PATCH 0
 #define MT_VERSION_STRING "0.1.0"
-#define MT_ABI_VERSION 2u  // 2: Backend::sum_squares_each
+#define MT_ABI_VERSION 3u  // 2: Backend::sum_squares_each; 3: Backend::scatter_rows

@@ -70,6 +70,7 @@ void topk_route_backward(const Tensor& dweights, const Tensor& weights, const Te
                          const Tensor& probs, bool sigmoid, bool normalize, Tensor& dlogits);
 void gather_rows(const Tensor& x, const Tensor& idx, Tensor& out);
 void scatter_add_rows(const Tensor& src, const Tensor& idx, const Tensor& w, Tensor& out);
+void scatter_rows(const Tensor& src, const Tensor& idx, Tensor& out);
 void grouped_matmul(const Tensor& x, const Tensor& w, const Tensor& offsets, bool trans_w,
                     Tensor& out);
 void grouped_matmul_weight_grad(const Tensor& x, const Tensor& dout, const Tensor& offsets,

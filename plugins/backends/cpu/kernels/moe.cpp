@@ -105,6 +105,8 @@ void check_indices(const Tensor& idx, int64_t n, const char* op, const char* wha
 
 // Rows of small per-row kernels handed to one task.
 constexpr int64_t kRowGrain = 16;
+constexpr int64_t kColumnGrain = 256;      // scatter_rows: columns per task
+constexpr int64_t kSerialElems = 1 << 16;  // scatter_rows: below this, one thread
 
 }  // namespace
 
@@ -274,6 +276,43 @@ void gather_rows(const Tensor& x, const Tensor& idx, Tensor& out) {
       }
     }
   });
+}
+
+void scatter_rows(const Tensor& src, const Tensor& idx, Tensor& out) {
+  constexpr const char* op = "scatter_rows";
+  check_float(src, op, "src");
+  check_dtype(idx, DType::i32, op, "idx");
+  check_float(out, op, "out");
+  const int64_t D = last_dim(out), N = lead_rows(out), M = idx.numel();
+  if (last_dim(src) != D || lead_rows(src) != M)
+    fail(fmt::format("{}: idx {} and out {} need src [{}, {}], got {}", op, idx.str(), out.str(), M,
+                     D, src.str()));
+  check_indices(idx, N, op, "idx");
+  const int32_t* id = idx.ptr<const int32_t>();
+  const bool same = src.dtype() == out.dtype();
+  const size_t es = dtype_size(src.dtype());
+  // Tasks own column ranges and take the rows in order, so a row named twice ends with its last
+  // source and no two threads write one element.
+  auto columns = [&](int64_t c0, int64_t c1) {
+    const int64_t w = c1 - c0;
+    std::vector<float> buf(same ? 0 : static_cast<size_t>(w));
+    for (int64_t m = 0; m < M; ++m) {
+      if (same) {
+        std::memcpy(static_cast<char*>(out.data()) + static_cast<size_t>(id[m] * D + c0) * es,
+                    static_cast<const char*>(src.data()) + static_cast<size_t>(m * D + c0) * es,
+                    static_cast<size_t>(w) * es);
+      } else {
+        load(src, m * D + c0, w, buf.data());
+        store(out, id[m] * D + c0, w, buf.data());
+      }
+    }
+  };
+  if (M * D <= kSerialElems) {
+    if (D > 0) columns(0, D);
+    return;
+  }
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, D, kColumnGrain),
+                    [&](const auto& r) { columns(r.begin(), r.end()); });
 }
 
 void scatter_add_rows(const Tensor& src, const Tensor& idx, const Tensor& w, Tensor& out) {
