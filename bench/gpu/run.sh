@@ -12,7 +12,8 @@
 #    forward and forward+backward TFLOP/s (flash vs SDPA flash, dot_product vs SDPA math),
 #    training tokens/s and MFU of llama2-7b with 4 layers (T=4096, batch 2) and llama-bench-1b
 #    (T=2048, batch 4) against PyTorch eager, bf16 autocast with f32 masters (targets: MFU >=
-#    45%, mt/eager >= 1.3), mt's decode throughput (llama-bench-1b, prefill and batch 1/8), and
+#    45%, mt/eager >= 1.3), mt's decode throughput (llama-bench-1b, prefill and batch 1/8), the
+#    7b run again with profile=true (time per op of the steady-state steps, into bench.log), and
 #    torch.compile when time allows.
 # 4. One markdown table on stdout (last, so it is in any output tail). Files in $OUT when set,
 #    else bench/gpu/results/: raw.jsonl (every JSON line, tagged source/case), table.md,
@@ -329,6 +330,26 @@ train_case llama-bench-1b 120 llama-bench-1b "" 2048 4
 # Decode (mt only: prefill 512 tokens, then batch 1 and 8), the ~1B model in f32 and bf16 weights.
 if ((built)); then
   bench mt decode 60 "${mtc[@]}" bench decode backend=cuda --model=llama-bench-1b
+fi
+# Where a step's time goes: the 4-layer 7b again with profile=true (a synchronisation after every
+# op, so slower than the timed run above), 3 steps; the per-op table of steps 2..3 goes to
+# bench.log, not to raw.jsonl (its throughput is not a result).
+if ((built)); then
+  t=$(limit 60)
+  if ((t >= 15)); then
+    echo "== [$(elapsed)s] mt profile: llama2-7b-4L, profile=true (limit ${t}s)" >>"$blog"
+    prc=0
+    timeout -k 5 "$t" "${mtc[@]}" bench train --model=llama2-7b base_num_decoder_layers=4 \
+      max_target_length=4096 per_device_batch_size=2 dtype=bfloat16 weight_dtype=float32 \
+      backend=cuda attention=flash steps=3 profile=true >/dev/null 2>>"$blog" || prc=$?
+    if ((prc == 0)); then
+      note "mt profile" "ok" "time per op in bench.log"
+    else
+      note "mt profile" "exit $prc" "$(tail -n 1 "$blog" | cut -c1-200)"
+    fi
+  else
+    note "mt profile" "skipped" "time budget"
+  fi
 fi
 # torch.compile last and only with time to spare: compiling takes a minute or more.
 if ((torch_ok)); then

@@ -44,6 +44,10 @@ class ModelRunner {
   AttentionKernel& attention() { return prof_attention_ ? *prof_attention_ : *attention_; }
   // Per-op times when profile=true, else null.
   const ProfilingBackend* profiler() const { return profiler_.get(); }
+  // Forgets the per-op times so far (profile=true), e.g. those of setup and warm-up.
+  void reset_profile() {
+    if (profiler_) profiler_->reset();
+  }
   const Model& model() const { return *model_; }
   std::vector<Param>& params() { return params_; }
   Param* find(const std::string& name);

@@ -231,7 +231,10 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
                 static_cast<long>(first_step - 1), static_cast<long>(steps));
   std::vector<const Tensor*> grad_ptrs;
   std::vector<double> grad_sq;
+  // profile=true reports the steady state: setup and the first (warm-up) step are left out.
+  const int64_t profile_from = first_step < steps ? first_step + 1 : first_step;
   for (int64_t step = first_step; step <= steps; ++step) {
+    if (step == profile_from) runner.reset_profile();
     const auto t0 = Clock::now();
     double data_wait = 0;
     std::vector<DeviceBatch> micro;
@@ -335,7 +338,9 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
   sum.failed_checkpoints = failed_saves;
   if (tty) std::printf("\n");
   if (runner.profiler()) {
-    std::fprintf(quiet ? stderr : stdout, "mt: time per op over the whole run:\n%s",
+    std::fprintf(quiet ? stderr : stdout, "mt: time per op over steps %ld..%ld%s:\n%s",
+                 static_cast<long>(profile_from), static_cast<long>(steps),
+                 profile_from > first_step ? " (setup and the warm-up step left out)" : "",
                  runner.profiler()->report().c_str());
   }
   sum.steps = steps;

@@ -127,6 +127,32 @@ TEST(Trainer, NonFiniteLossStopsTheRunNamingTheStep) {
   }
 }
 
+// profile=true times the steady state: setup (initialisation, zeroed moments) and the first step
+// are left out, so 5 steps count twice the calls of 3 (4 steps against 2).
+TEST(Trainer, ProfileLeavesOutSetupAndTheWarmUpStep) {
+  auto matmul_calls = [](int steps) {
+    Fixture f("s" + std::to_string(steps));
+    ::testing::internal::CaptureStderr();
+    train(f.config({"steps=" + std::to_string(steps), "profile=true"}), test::plugins(), true);
+    const std::string out = ::testing::internal::GetCapturedStderr();
+    EXPECT_NE(out.find("time per op over steps 2.." + std::to_string(steps) +
+                       " (setup and the warm-up step left out)"),
+              std::string::npos)
+        << out;
+    std::istringstream lines(out);
+    for (std::string l; std::getline(lines, l);) {
+      std::istringstream w(l);
+      std::string op, share, ms, unit, calls;
+      if (w >> op >> share >> ms >> unit >> calls && op == "matmul") return std::stol(calls);
+    }
+    ADD_FAILURE() << "no matmul line in " << out;
+    return 0L;
+  };
+  const long three = matmul_calls(3), five = matmul_calls(5);
+  EXPECT_GT(three, 0);
+  EXPECT_EQ(five, 2 * three);
+}
+
 // Two micro-batches of one row each must equal one batch of two identical rows.
 TEST(Trainer, GradientAccumulationMatchesTheLargerBatch) {
   Fixture a("a"), b("b");
