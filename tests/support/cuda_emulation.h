@@ -146,9 +146,16 @@ inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr, int) {
   *v = 9;
   return cudaSuccess;
 }
-enum cublasStatus_t : int { CUBLAS_STATUS_SUCCESS = 0 };
-inline const char* cublasLtGetStatusName(cublasStatus_t) {
-  return "CUBLAS_STATUS_EMULATED";
+enum cublasStatus_t : int {
+  CUBLAS_STATUS_SUCCESS = 0,
+  CUBLAS_STATUS_INVALID_VALUE = 7,
+  CUBLAS_STATUS_NOT_SUPPORTED = 15
+};
+inline const char* cublasLtGetStatusName(cublasStatus_t s) {
+  return s == CUBLAS_STATUS_SUCCESS         ? "CUBLAS_STATUS_SUCCESS"
+         : s == CUBLAS_STATUS_INVALID_VALUE ? "CUBLAS_STATUS_INVALID_VALUE"
+         : s == CUBLAS_STATUS_NOT_SUPPORTED ? "CUBLAS_STATUS_NOT_SUPPORTED"
+                                            : "CUBLAS_STATUS_EMULATED";
 }
 inline const char* cublasLtGetStatusString(cublasStatus_t) {
   return "emulated";

@@ -1,8 +1,12 @@
-// Compiles the cuda plugin's kernels.cu and flash.cu as host C++ (cuda_emulation.h must come
-// first) and wraps their launchers in a Backend with host memory.
+// Compiles the cuda plugin's kernels.cu, flash.cu and gemm.cu as host C++ (cuda_emulation.h must
+// come first; gemm.cu's cuBLASLt calls reach cublaslt_emulation.h) and wraps their launchers in
+// a Backend with host memory.
 #include "cuda_emulation.h"
+// (a line apart: clang-format keeps the emulation headers first)
+#include "cublaslt_emulation.h"
 // The plugin's sources, as they are.
 #include "flash.cu"
+#include "gemm.cu"
 #include "kernels.cu"
 
 #include "cuda_ops.h"
@@ -11,12 +15,6 @@
 #include "test_support.h"
 
 namespace mt::cuda {
-
-// gemm.cu's matmul: cuBLASLt is not emulated, the CPU backend multiplies (host memory both).
-void matmul(const Ctx&, const Tensor& a, const Tensor& b, Tensor& o, bool trans_a, bool trans_b,
-            float alpha, float beta) {
-  test::cpu().matmul(a, b, o, trans_a, trans_b, alpha, beta);
-}
 
 namespace {
 
@@ -27,6 +25,9 @@ class EmulatedCuda final : public CudaOps {
     // that it outlives this backend when both are function-local statics of a test.
     mem();
     init_ctx(nullptr);
+    ctx_.gemm = std::make_shared<Gemm>(
+        nullptr, MatmulPrecision::highest,
+        mem().empty({static_cast<int64_t>(Gemm::kWorkspaceBytes)}, DType::u8));
   }
   ~EmulatedCuda() override { ctx_ = {}; }  // the cached tensors go back while mem() exists
   EmulatedCuda(const EmulatedCuda&) = delete;

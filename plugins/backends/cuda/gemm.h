@@ -4,8 +4,10 @@
 // query. mt::cuda::matmul (kernels.h) checks the operands and calls Gemm::run.
 #pragma once
 
+#ifndef MT_CUDA_EMULATION  // tests/support/cublaslt_emulation.h stands in for cuBLASLt
 #include <cublasLt.h>
 #include <cuda_runtime.h>
+#endif
 
 #include <compare>
 #include <cstddef>
