@@ -43,6 +43,18 @@ class Grads {
     allocate(n);
     return &n->grad;
   }
+  // When input i is a recorded cast of a parameter: that parameter's gradient buffer, with
+  // `overwrite` saying whether it is fresh (and taking the freshness away). The cast's own
+  // entry then finds no gradient for its output (unless another consumer gave one) and adds
+  // nothing.
+  Tensor* master(size_t i, bool& overwrite) const {
+    GradNode* n = nodes_[i];
+    if (!n || !n->cast_of || !n->cast_of->leaf) return nullptr;
+    GradNode* s = n->cast_of.get();
+    overwrite = s->fresh;
+    s->fresh = false;
+    return &s->grad;
+  }
   // Makes `g` input i's gradient buffer when that input is a fresh intermediate (never a
   // parameter's buffer, never the caller's seed): the entry's output gradient g views is dead
   // once this entry is done, so later accumulations into it harm nothing.
@@ -180,20 +192,38 @@ Tensor Graph::matmul(const Tensor& a, const Tensor& b, bool ta, bool tb) {
   Backend* be = backend_;
   record(record_, impl_->tape, c, {&a, &b},
          [be, a, b, ta, tb, shared_b](const Tensor& dc, const Grads& d) {
-           if (Tensor* g = d.raw(0)) {
-             const float beta = d.overwrite(0) ? 0.f : 1.f;
-             if (!ta) be->matmul(dc, b, *g, false, !tb, 1.f, beta);
-             else if (!tb) be->matmul(b, dc, *g, false, true, 1.f, beta);
-             else be->matmul(b, dc, *g, true, true, 1.f, beta);
+           // An operand that is a parameter's bf16 copy gets its gradient written into the
+           // parameter's (f32) buffer by the product itself: no bf16 gradient, no conversion.
+           auto target = [&d](size_t i, float& beta) {
+             bool fresh = false;
+             Tensor* g = d.master(i, fresh);
+             if (!g) {
+               g = d.raw(i);
+               fresh = g && d.overwrite(i);
+             }
+             beta = fresh ? 0.f : 1.f;
+             return g;
+           };
+           float beta = 0.f;
+           if (Tensor* g = target(0, beta)) {
+             if (!ta)
+               be->matmul(dc, b, *g, false, !tb, 1.f, beta);
+             else if (!tb)
+               be->matmul(b, dc, *g, false, true, 1.f, beta);
+             else
+               be->matmul(b, dc, *g, true, true, 1.f, beta);
            }
-           if (Tensor* g = d.raw(1)) {
-             const float beta = d.overwrite(1) ? 0.f : 1.f;
+           if (Tensor* g = target(1, beta)) {
              const Tensor a2 = shared_b ? rows2d(a) : a;
              const Tensor dc2 = shared_b ? rows2d(dc) : dc;
-             if (!ta && !tb) be->matmul(a2, dc2, *g, true, false, 1.f, beta);
-             else if (!ta && tb) be->matmul(dc2, a2, *g, true, false, 1.f, beta);
-             else if (!tb) be->matmul(a, dc, *g, false, false, 1.f, beta);
-             else be->matmul(dc, a, *g, true, true, 1.f, beta);
+             if (!ta && !tb)
+               be->matmul(a2, dc2, *g, true, false, 1.f, beta);
+             else if (!ta && tb)
+               be->matmul(dc2, a2, *g, true, false, 1.f, beta);
+             else if (!tb)
+               be->matmul(a, dc, *g, false, false, 1.f, beta);
+             else
+               be->matmul(dc, a, *g, true, true, 1.f, beta);
            }
          });
   return c;
@@ -276,6 +306,7 @@ Tensor Graph::cast(const Tensor& x, DType dtype) {
   Tensor out = backend_->empty(x.shape(), dtype);
   backend_->cast(x, out);
   Backend* be = backend_;
+  const bool of_parameter = record_ && tracked(x) && x.grad_node()->leaf;
   record(record_, impl_->tape, out, {&x},
          [be](const Tensor& dout, const Grads& d) {
            // A fresh buffer (a parameter's master gradient at the first micro-batch) is
@@ -285,6 +316,7 @@ Tensor Graph::cast(const Tensor& x, DType dtype) {
            if (d.overwrite(0)) be->cast(dout, *d.raw(0));
            else be->axpy(1.f, dout, *d[0]);
          });
+  if (of_parameter) out.grad_node()->cast_of = x.grad_node();
   return out;
 }
 

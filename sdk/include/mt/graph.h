@@ -31,6 +31,11 @@ struct GradNode {
   // with beta = 0, a copy) instead of zero-filling and accumulating. Leaves may be marked fresh
   // at the start of a step to skip zeroing parameter gradients (see Graph::finish_fresh).
   bool fresh = false;
+  // On the output of a recorded cast of a parameter (mixed precision's bf16 copy of an f32
+  // master): the parameter's node. A matmul's gradient for that operand goes straight into the
+  // parameter's buffer, in its dtype (Megatron's gradient-accumulation fusion), instead of
+  // through a bf16 gradient and the cast's backward.
+  std::shared_ptr<GradNode> cast_of;
 };
 
 enum class RematPolicy : uint8_t { none, minimal, full };

@@ -8,4 +8,5 @@
 #define MT_VERSION_MINOR 1
 #define MT_VERSION_PATCH 0
 #define MT_VERSION_STRING "0.1.0"
-#define MT_ABI_VERSION 3u  // 2: Backend::sum_squares_each; 3: Backend::scatter_rows
+#define MT_ABI_VERSION \
+  3u  // 2: Backend::sum_squares_each; 3: Backend::scatter_rows, GradNode::cast_of
