@@ -187,6 +187,30 @@ TEST(Graph, BackwardLeavesTheCallersSeedAlone) {
   }
 }
 
+// llama-test with `overrides`, its parameters drawn from `seed`, gradients enabled.
+std::unique_ptr<ModelRunner> llama_test(std::vector<std::string> overrides, uint64_t seed) {
+  ConfigRequest req;
+  req.configs_dir = test::source_dir() + "/configs";
+  req.model = "llama-test";
+  req.overrides = std::move(overrides);
+  auto r = std::make_unique<ModelRunner>(load_config(req), test::plugins());
+  r->init_parameters(seed);
+  r->enable_gradients();
+  return r;
+}
+
+// `batch` rows of `seq` random inputs and targets below 256 (llama-test's vocabulary).
+HostBatch random_batch(int64_t batch, int64_t seq, std::mt19937_64& rng) {
+  HostBatch hb;
+  hb.batch = batch;
+  hb.seq = seq;
+  for (int64_t i = 0; i < batch * seq; ++i) {
+    hb.inputs.push_back(static_cast<int32_t>(rng() % 256));
+    hb.targets.push_back(static_cast<int32_t>(rng() % 256));
+  }
+  return hb;
+}
+
 // A llama-test model large enough for activation memory to dominate.
 struct RunResult {
   std::vector<std::vector<float>> grads;
@@ -195,24 +219,12 @@ struct RunResult {
 };
 
 RunResult train_step(const std::string& remat, const std::string& attention = "flash") {
-  ConfigRequest req;
-  req.configs_dir = test::source_dir() + "/configs";
-  req.model = "llama-test";
-  req.overrides = {"remat_policy=" + remat,   "attention=" + attention,    "max_target_length=128",
-                   "per_device_batch_size=2", "base_num_decoder_layers=4", "num_threads=2"};
-  Config cfg = load_config(req);
-  ModelRunner r(cfg, test::plugins());
-  r.init_parameters(7);
-  r.enable_gradients();
-  HostBatch hb;
-  hb.batch = 2;
-  hb.seq = 128;
+  auto rp = llama_test({"remat_policy=" + remat, "attention=" + attention, "max_target_length=128",
+                        "per_device_batch_size=2", "base_num_decoder_layers=4", "num_threads=2"},
+                       7);
+  ModelRunner& r = *rp;
   std::mt19937_64 rng(3);
-  for (int i = 0; i < 256; ++i) {
-    hb.inputs.push_back(static_cast<int32_t>(rng() % 256));
-    hb.targets.push_back(static_cast<int32_t>(rng() % 256));
-  }
-  DeviceBatch db = r.upload(hb);
+  DeviceBatch db = r.upload(random_batch(2, 128, rng));
   Backend& be = r.backend();
   be.reset_peak_memory();
   const size_t base = be.memory_stats().bytes_in_use;
@@ -229,30 +241,17 @@ RunResult train_step(const std::string& remat, const std::string& attention = "f
 }
 
 // Mixed precision (bf16 compute, f32 masters) as the trainer runs it: the master gradients
-// marked fresh, each written by converting its bf16 gradient at the first micro-batch and added
-// to (mixed dtypes) at the second. Two micro-batches of one row, each weighted 1/2, give the
-// gradients of the batch of both rows within bf16 rounding (2.6e-3 relative here, 1e-2 allowed); a
-// second micro-batch counted 1.5 times, or a first one added to stale contents, does not.
+// marked fresh, written at the first micro-batch (by the weight-gradient product itself, or by
+// converting a norm's bf16 gradient) and added to at the second. Two micro-batches of one row, each
+// weighted 1/2, give the gradients of the batch of both rows within bf16 rounding (2.6e-3 relative
+// here, 1e-2 allowed); a second micro-batch counted 1.5 times, or a first one added to stale
+// contents, does not.
 TEST(Graph, MixedPrecisionMicroBatchesAddUpToTheBatch) {
-  ConfigRequest req;
-  req.configs_dir = test::source_dir() + "/configs";
-  req.model = "llama-test";
-  req.overrides = {"dtype=bfloat16", "weight_dtype=float32", "max_target_length=16",
-                   "num_threads=2"};
-  Config cfg = load_config(req);
-  ModelRunner r(cfg, test::plugins());
-  r.init_parameters(11);
-  r.enable_gradients();
+  auto rp = llama_test(
+      {"dtype=bfloat16", "weight_dtype=float32", "max_target_length=16", "num_threads=2"}, 11);
+  ModelRunner& r = *rp;
   std::mt19937_64 rng(test::seed());
-  HostBatch rows[2];
-  for (auto& hb : rows) {
-    hb.batch = 1;
-    hb.seq = 16;
-    for (int i = 0; i < 16; ++i) {
-      hb.inputs.push_back(static_cast<int32_t>(rng() % 256));
-      hb.targets.push_back(static_cast<int32_t>(rng() % 256));
-    }
-  }
+  const HostBatch rows[2] = {random_batch(1, 16, rng), random_batch(1, 16, rng)};
   HostBatch both = rows[0];
   both.batch = 2;
   both.inputs.insert(both.inputs.end(), rows[1].inputs.begin(), rows[1].inputs.end());
@@ -289,22 +288,12 @@ TEST(Graph, MixedPrecisionMicroBatchesAddUpToTheBatch) {
 // remat (the re-run's products write the masters too).
 TEST(Graph, MatmulWeightGradientsGoStraightToTheMasters) {
   auto grads = [](const std::string& dtype, const std::string& remat) {
-    ConfigRequest req;
-    req.configs_dir = test::source_dir() + "/configs";
-    req.model = "llama-test";
-    req.overrides = {"dtype=" + dtype, "weight_dtype=float32", "max_target_length=16",
-                     "remat_policy=" + remat, "num_threads=2"};
-    ModelRunner r(load_config(req), test::plugins());
-    r.init_parameters(5);
-    r.enable_gradients();
-    HostBatch hb;
-    hb.batch = 2;
-    hb.seq = 16;
+    auto rp = llama_test({"dtype=" + dtype, "weight_dtype=float32", "max_target_length=16",
+                          "remat_policy=" + remat, "num_threads=2"},
+                         5);
+    ModelRunner& r = *rp;
     std::mt19937_64 rng(9);
-    for (int i = 0; i < 32; ++i) {
-      hb.inputs.push_back(static_cast<int32_t>(rng() % 256));
-      hb.targets.push_back(static_cast<int32_t>(rng() % 256));
-    }
+    const HostBatch hb = random_batch(2, 16, rng);
     r.zero_gradients();
     {
       Graph g(r.backend());

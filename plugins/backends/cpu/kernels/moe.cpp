@@ -278,15 +278,22 @@ void gather_rows(const Tensor& x, const Tensor& idx, Tensor& out) {
   });
 }
 
-void scatter_rows(const Tensor& src, const Tensor& idx, Tensor& out) {
-  constexpr const char* op = "scatter_rows";
+namespace {
+// The operands of a scatter of src [M, D] into out [N, D] by idx [M]: dtypes and shapes.
+void check_scatter(const char* op, const Tensor& src, const Tensor& idx, const Tensor& out) {
   check_float(src, op, "src");
   check_dtype(idx, DType::i32, op, "idx");
   check_float(out, op, "out");
+  if (last_dim(src) != last_dim(out) || lead_rows(src) != idx.numel())
+    fail(fmt::format("{}: idx {} and out {} need src [{}, {}], got {}", op, idx.str(), out.str(),
+                     idx.numel(), last_dim(out), src.str()));
+}
+}  // namespace
+
+void scatter_rows(const Tensor& src, const Tensor& idx, Tensor& out) {
+  constexpr const char* op = "scatter_rows";
+  check_scatter(op, src, idx, out);
   const int64_t D = last_dim(out), N = lead_rows(out), M = idx.numel();
-  if (last_dim(src) != D || lead_rows(src) != M)
-    fail(fmt::format("{}: idx {} and out {} need src [{}, {}], got {}", op, idx.str(), out.str(), M,
-                     D, src.str()));
   check_indices(idx, N, op, "idx");
   const int32_t* id = idx.ptr<const int32_t>();
   const bool same = src.dtype() == out.dtype();
@@ -317,13 +324,8 @@ void scatter_rows(const Tensor& src, const Tensor& idx, Tensor& out) {
 
 void scatter_add_rows(const Tensor& src, const Tensor& idx, const Tensor& w, Tensor& out) {
   constexpr const char* op = "scatter_add_rows";
-  check_float(src, op, "src");
-  check_dtype(idx, DType::i32, op, "idx");
-  check_float(out, op, "out");
+  check_scatter(op, src, idx, out);
   const int64_t D = last_dim(out), N = lead_rows(out), M = idx.numel();
-  if (last_dim(src) != D || lead_rows(src) != M)
-    fail(fmt::format("{}: idx {} and out {} need src [{}, {}], got {}", op, idx.str(), out.str(), M,
-                     D, src.str()));
   if (w.defined()) {
     check_float(w, op, "w");
     if (w.numel() != M)
