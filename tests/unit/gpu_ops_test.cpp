@@ -198,6 +198,37 @@ TEST_F(GpuOps, ElementwiseAndCast) {
   EXPECT_EQ(test::to_ints(i.g), std::vector<int32_t>(5, 7));
 }
 
+// The elementwise kernels take 16-byte loads only where every operand is 16-byte aligned: views
+// one element in (2 or 4 bytes off), alone or next to aligned operands, go element by element
+// and give the same results.
+TEST_F(GpuOps, ElementwiseOnUnalignedViews) {
+  SEEDED_RNG(rng);
+  for (DType dt : kDtypes) {
+    SCOPED_TRACE(dname(dt));
+    const int64_t n = pick(rng, 9, 5000);
+    auto view = [&](const Both& b) { return Both{b.g.slice0(1, n + 1), b.c.slice0(1, n + 1)}; };
+    Both a = view(make({n + 1}, rand_nz(n + 1, rng), dt));
+    Both b = make({n}, rand_nz(n, rng), dt);  // aligned
+    Both o = view(poisoned({n + 1}, dt));
+    gpu().add(a.g, b.g, o.g);
+    cpu().add(a.c, b.c, o.c);
+    EXPECT_TRUE(close(o, tol(dt), "add"));
+    Both y = view(make({n + 1}, rand_nz(n + 1, rng), dt));
+    gpu().axpy(0.3f, a.g, y.g);
+    cpu().axpy(0.3f, a.c, y.c);
+    EXPECT_TRUE(close(y, tol(dt), "axpy"));
+    Both dgate = view(make({n + 1}, rand_nz(n + 1, rng), dt)), dup = make({n}, rand_nz(n, rng), dt);
+    gpu().gated_backward(Activation::silu, b.g, a.g, b.g, dgate.g, dup.g);
+    cpu().gated_backward(Activation::silu, b.c, a.c, b.c, dgate.c, dup.c);
+    EXPECT_TRUE(close(dgate, tol(dt), "gated_backward dgate"));
+    EXPECT_TRUE(close(dup, tol(dt), "gated_backward dup"));
+    Both c32 = view(poisoned({n + 1}, DType::f32));
+    gpu().cast(a.g, c32.g);
+    cpu().cast(a.c, c32.c);
+    EXPECT_TRUE(close(c32, 0.0, "cast"));  // exact either way
+  }
+}
+
 TEST_F(GpuOps, SumAndSumSquaresAreDeterministic) {
   SEEDED_RNG(rng);
   for (DType dt : kDtypes) {

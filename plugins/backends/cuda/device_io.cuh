@@ -51,6 +51,64 @@ struct Out {
   __device__ void add(int64_t i, float v) const { set(i, get(i) + v); }
 };
 
+// 16 bytes at p, which must be 16-byte aligned (the device faults otherwise; so does the
+// emulator).
+__device__ __forceinline__ uint4 ld16(const void* p) {
+#ifdef MT_CUDA_EMULATION
+  MT_EMU_REQUIRE(reinterpret_cast<uintptr_t>(p) % 16 == 0, "16-byte load not 16-byte aligned");
+#endif
+  return *static_cast<const uint4*>(p);
+}
+__device__ __forceinline__ void st16(void* p, uint4 v) {
+#ifdef MT_CUDA_EMULATION
+  MT_EMU_REQUIRE(reinterpret_cast<uintptr_t>(p) % 16 == 0, "16-byte store not 16-byte aligned");
+#endif
+  *static_cast<uint4*>(p) = v;
+}
+
+// x[base .. base + 8) as f32; vec: 16-byte loads (bf16: one, f32: two), which the caller may
+// ask for only where x.p + base is 16-byte aligned.
+__device__ __forceinline__ void load8(float (&r)[8], In x, int64_t base, bool vec) {
+  if (vec && x.bf) {
+    const uint4 u = ld16(static_cast<const __nv_bfloat16*>(x.p) + base);
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      r[2 * t] = __uint_as_float(w[t] << 16);
+      r[2 * t + 1] = __uint_as_float(w[t] & 0xffff0000u);
+    }
+  } else if (vec) {
+    const float* p = static_cast<const float*>(x.p) + base;
+    const uint4 u0 = ld16(p), u1 = ld16(p + 4);
+    const uint32_t w[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
+#pragma unroll
+    for (int t = 0; t < 8; ++t) r[t] = __uint_as_float(w[t]);
+  } else {
+#pragma unroll
+    for (int t = 0; t < 8; ++t) r[t] = x[base + t];
+  }
+}
+// o[base .. base + 8) = r, rounded as Out::set; vec as for load8.
+__device__ __forceinline__ void store8(Out o, int64_t base, const float (&r)[8], bool vec) {
+  if (vec && o.bf) {
+    uint32_t w[4];
+#pragma unroll
+    for (int t = 0; t < 4; ++t)
+      w[t] = static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(r[2 * t]))) |
+             (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(r[2 * t + 1]))) << 16);
+    st16(static_cast<__nv_bfloat16*>(o.p) + base, make_uint4(w[0], w[1], w[2], w[3]));
+  } else if (vec) {
+    float* p = static_cast<float*>(o.p) + base;
+    st16(p, make_uint4(__float_as_uint(r[0]), __float_as_uint(r[1]), __float_as_uint(r[2]),
+                       __float_as_uint(r[3])));
+    st16(p + 4, make_uint4(__float_as_uint(r[4]), __float_as_uint(r[5]), __float_as_uint(r[6]),
+                           __float_as_uint(r[7])));
+  } else {
+#pragma unroll
+    for (int t = 0; t < 8; ++t) o.set(base + t, r[t]);
+  }
+}
+
 // Records a bad input in a DeviceChecks slot (kernels.h): the lowest position wins, with its
 // value (positions below 2^32, values as int32).
 __device__ __forceinline__ void record_bad(unsigned long long* slot, int64_t position,

@@ -150,28 +150,6 @@ __global__ void __launch_bounds__(kWarps * 32)
 constexpr int kDecodeKeys = kWarps * 32;  // cache rows per block: one per thread
 constexpr int kDecodeRows = 8;            // query rows per pass over the chunk
 
-// x[base .. base + 8) as f32; vec: 16-byte loads (bf16: one, f32: two), which the host allows
-// when every row start it reads is 16-byte aligned.
-__device__ __forceinline__ void load8(float (&r)[8], In x, int64_t base, bool vec) {
-  if (vec && x.bf) {
-    const uint4 u = *reinterpret_cast<const uint4*>(static_cast<const bf16*>(x.p) + base);
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      r[2 * t] = __uint_as_float(w[t] << 16);
-      r[2 * t + 1] = __uint_as_float(w[t] & 0xffff0000u);
-    }
-  } else if (vec) {
-    const auto* p = reinterpret_cast<const uint4*>(static_cast<const float*>(x.p) + base);
-    const uint4 u0 = p[0], u1 = p[1];
-    const uint32_t w[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
-#pragma unroll
-    for (int t = 0; t < 8; ++t) r[t] = __uint_as_float(w[t]);
-  } else {
-#pragma unroll
-    for (int t = 0; t < 8; ++t) r[t] = x[base + t];
-  }
-}
 __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
