@@ -533,30 +533,33 @@ TEST_F(GpuOps, GroupedMatmul) {
 TEST_F(GpuOps, RmsNorm) {
   SEEDED_RNG(rng);
   for (DType dt : kDtypes)
-    for (bool plus_one : {false, true}) {
-      SCOPED_TRACE(std::string(dname(dt)) + (plus_one ? " plus_one" : ""));
-      const int64_t N = pick(rng, 1, 3000 / kShrink), D = pick(rng, 1, 2100);
-      Both x = make({N, D}, rand_nz(N * D, rng), dt), w = make({D}, rand_nz(D, rng), dt);
-      Both o = poisoned({N, D}, dt), rstd = poisoned({N}, DType::f32);
-      gpu().rmsnorm_forward(x.g, w.g, 1e-5f, plus_one, o.g, rstd.g);
-      cpu().rmsnorm_forward(x.c, w.c, 1e-5f, plus_one, o.c, rstd.c);
-      EXPECT_TRUE(close(o, tol(dt), "rmsnorm_forward out"));
-      EXPECT_TRUE(close(rstd, 1e-5, "rmsnorm_forward rstd"));
+    for (bool plus_one : {false, true})
+      // Any width (element by element) and a multiple of 8 (16-byte accesses).
+      for (const int64_t D : {pick(rng, 1, 2100), 8 * pick(rng, 1, 262)}) {
+        SCOPED_TRACE(std::string(dname(dt)) + (plus_one ? " plus_one" : "") + " D " +
+                     std::to_string(D));
+        const int64_t N = pick(rng, 1, 3000 / kShrink);
+        Both x = make({N, D}, rand_nz(N * D, rng), dt), w = make({D}, rand_nz(D, rng), dt);
+        Both o = poisoned({N, D}, dt), rstd = poisoned({N}, DType::f32);
+        gpu().rmsnorm_forward(x.g, w.g, 1e-5f, plus_one, o.g, rstd.g);
+        cpu().rmsnorm_forward(x.c, w.c, 1e-5f, plus_one, o.c, rstd.c);
+        EXPECT_TRUE(close(o, tol(dt), "rmsnorm_forward out"));
+        EXPECT_TRUE(close(rstd, 1e-5, "rmsnorm_forward rstd"));
 
-      Both dout = make({N, D}, rand_nz(N * D, rng), dt);
-      Both dx = make({N, D}, rand_nz(N * D, rng), dt), dw = make({D}, rand_nz(D, rng), dt);
-      gpu().rmsnorm_backward(dout.g, x.g, w.g, rstd.g, plus_one, dx.g, dw.g);
-      cpu().rmsnorm_backward(dout.c, x.c, w.c, rstd.c, plus_one, dx.c, dw.c);
-      EXPECT_TRUE(close(dx, tol(dt), "rmsnorm_backward dx"));
-      EXPECT_TRUE(close(dw, dt == DType::f32 ? 2e-5 : 1e-2, "rmsnorm_backward dw"));
+        Both dout = make({N, D}, rand_nz(N * D, rng), dt);
+        Both dx = make({N, D}, rand_nz(N * D, rng), dt), dw = make({D}, rand_nz(D, rng), dt);
+        gpu().rmsnorm_backward(dout.g, x.g, w.g, rstd.g, plus_one, dx.g, dw.g);
+        cpu().rmsnorm_backward(dout.c, x.c, w.c, rstd.c, plus_one, dx.c, dw.c);
+        EXPECT_TRUE(close(dx, tol(dt), "rmsnorm_backward dx"));
+        EXPECT_TRUE(close(dw, dt == DType::f32 ? 2e-5 : 1e-2, "rmsnorm_backward dw"));
 
-      // The weight gradient is reproducible bit for bit.
-      Tensor dw1 = gpu().zeros({D}, DType::f32), dw2 = gpu().zeros({D}, DType::f32);
-      Tensor dx1 = gpu().zeros({N, D}, DType::f32);
-      gpu().rmsnorm_backward(dout.g, x.g, w.g, rstd.g, plus_one, dx1, dw1);
-      gpu().rmsnorm_backward(dout.g, x.g, w.g, rstd.g, plus_one, dx1, dw2);
-      EXPECT_EQ(test::to_vector(dw1), test::to_vector(dw2));
-    }
+        // The weight gradient is reproducible bit for bit.
+        Tensor dw1 = gpu().zeros({D}, DType::f32), dw2 = gpu().zeros({D}, DType::f32);
+        Tensor dx1 = gpu().zeros({N, D}, DType::f32);
+        gpu().rmsnorm_backward(dout.g, x.g, w.g, rstd.g, plus_one, dx1, dw1);
+        gpu().rmsnorm_backward(dout.g, x.g, w.g, rstd.g, plus_one, dx1, dw2);
+        EXPECT_EQ(test::to_vector(dw1), test::to_vector(dw2));
+      }
 }
 
 TEST_F(GpuOps, LayerNorm) {

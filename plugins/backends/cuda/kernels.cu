@@ -140,13 +140,20 @@ __global__ void ew_kernel(int64_t n, Ew<I, O, Math> e, bool vec) {
   }
 }
 
+// Whether every pointer is 16-byte aligned (16-byte accesses allowed).
+bool aligned16(std::initializer_list<const void*> ps) {
+  for (const void* p : ps)
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  return true;
+}
+
 template <int I, int O, class Math, class S>
 void launch_ew(const Ctx& c, int64_t n, const Ew<I, O, Math>& e, const std::string& op,
                S&& shapes) {
   if (n <= 0) return;
   bool vec = true;
-  for (const In& x : e.in) vec = vec && reinterpret_cast<uintptr_t>(x.p) % 16 == 0;
-  for (const Out& y : e.out) vec = vec && reinterpret_cast<uintptr_t>(y.p) % 16 == 0;
+  for (const In& x : e.in) vec = vec && aligned16({x.p});
+  for (const Out& y : e.out) vec = vec && aligned16({y.p});
   auto* kernel = &ew_kernel<I, O, Math>;  // (template arguments would split the macro's)
   MT_LAUNCH(kernel, grid_for((n + 7) / 8), kThreads, 0, c.stream)(n, e, vec);
   launched(op, shapes);
@@ -572,36 +579,84 @@ void scatter_add(const Ctx& c, const char* op, BadIndex bad_index, const Tensor&
 
 // ---- rmsnorm --------------------------------------------------------------------------------
 // One block per row. x [N, D], w [D], out [N, D], rstd [N]
-__global__ void rms_fwd_kernel(In x, In w, bool plus_one, float eps, int64_t D, Out o,
+// vec (D % 8 == 0, every operand 16-byte aligned): a thread takes 8 consecutive features at a
+// time through 16-byte accesses (see Ew) instead of one.
+__global__ void rms_fwd_kernel(In x, In w, bool plus_one, float eps, int64_t D, bool vec, Out o,
                                float* rstd) {
   __shared__ float sh[kThreads];
   const int64_t base = blockIdx.x * D;
   float ss = 0;
-  for (int64_t d = threadIdx.x; d < D; d += kThreads) {
-    const float v = x[base + d];
-    ss += v * v;
+  if (vec) {
+    for (int64_t d = threadIdx.x * 8; d < D; d += kThreads * 8) {
+      float v[8];
+      load8(v, x, base + d, true);
+#pragma unroll
+      for (int t = 0; t < 8; ++t) ss += v[t] * v[t];
+    }
+  } else {
+    for (int64_t d = threadIdx.x; d < D; d += kThreads) {
+      const float v = x[base + d];
+      ss += v * v;
+    }
   }
   ss = block_sum(ss, sh);
   const float inv = 1.f / sqrtf(ss / float(D) + eps);
   if (threadIdx.x == 0) rstd[blockIdx.x] = inv;
+  if (vec) {
+    for (int64_t d = threadIdx.x * 8; d < D; d += kThreads * 8) {
+      float v[8], wv[8], r[8];
+      load8(v, x, base + d, true);
+      load8(wv, w, d, true);
+#pragma unroll
+      for (int t = 0; t < 8; ++t) r[t] = v[t] * inv * (plus_one ? 1.f + wv[t] : wv[t]);
+      store8(o, base + d, r, true);
+    }
+    return;
+  }
   for (int64_t d = threadIdx.x; d < D; d += kThreads) {
     const float wv = plus_one ? 1.f + w[d] : w[d];
     o.set(base + d, x[base + d] * inv * wv);
   }
 }
 // dx [N, D] += inv * g * w - x * inv^3 * sum(g w x) / D, one block per row
+// vec as for rms_fwd_kernel.
 __global__ void rms_bwd_dx_kernel(In g, In x, In w, bool plus_one, const float* rstd, int64_t D,
-                                  Out dx) {
+                                  bool vec, Out dx) {
   __shared__ float sh[kThreads];
   const int64_t base = blockIdx.x * D;
   const float inv = rstd[blockIdx.x];
   float s = 0;
-  for (int64_t d = threadIdx.x; d < D; d += kThreads) {
-    const float wv = plus_one ? 1.f + w[d] : w[d];
-    s += g[base + d] * wv * x[base + d];
+  if (vec) {
+    for (int64_t d = threadIdx.x * 8; d < D; d += kThreads * 8) {
+      float gv[8], xv[8], wv[8];
+      load8(gv, g, base + d, true);
+      load8(xv, x, base + d, true);
+      load8(wv, w, d, true);
+#pragma unroll
+      for (int t = 0; t < 8; ++t) s += gv[t] * (plus_one ? 1.f + wv[t] : wv[t]) * xv[t];
+    }
+  } else {
+    for (int64_t d = threadIdx.x; d < D; d += kThreads) {
+      const float wv = plus_one ? 1.f + w[d] : w[d];
+      s += g[base + d] * wv * x[base + d];
+    }
   }
   s = block_sum(s, sh);
   const float c = inv * inv * inv * s / float(D);
+  if (vec) {
+    for (int64_t d = threadIdx.x * 8; d < D; d += kThreads * 8) {
+      float gv[8], xv[8], wv[8], r[8];
+      load8(gv, g, base + d, true);
+      load8(xv, x, base + d, true);
+      load8(wv, w, d, true);
+      load8(r, In{dx.p, dx.bf}, base + d, true);
+#pragma unroll
+      for (int t = 0; t < 8; ++t)
+        r[t] += inv * gv[t] * (plus_one ? 1.f + wv[t] : wv[t]) - c * xv[t];
+      store8(dx, base + d, r, true);
+    }
+    return;
+  }
   for (int64_t d = threadIdx.x; d < D; d += kThreads) {
     const float wv = plus_one ? 1.f + w[d] : w[d];
     dx.add(base + d, inv * g[base + d] * wv - c * x[base + d]);
@@ -1267,8 +1322,9 @@ void rmsnorm_forward(const Ctx& c, const Tensor& x, const Tensor& w, float eps, 
   const int64_t D = x.dim(-1), N = D ? x.numel() / D : 0;
   MT_CHECK(rstd.numel() == N, "cuda rmsnorm_forward: rstd must be f32 [N]: " + shapes());
   if (N == 0) return;
+  const bool vec = D % 8 == 0 && aligned16({x.data(), w.data(), o.data()});
   MT_LAUNCH(rms_fwd_kernel, static_cast<unsigned>(N), kThreads, 0, c.stream)
-  (in(x), in(w), plus_one, eps, D, out(o), rstd.ptr<float>());
+  (in(x), in(w), plus_one, eps, D, vec, out(o), rstd.ptr<float>());
   launched("rmsnorm_forward", shapes);
 }
 
@@ -1285,8 +1341,9 @@ void rmsnorm_backward(const Ctx& c, const Tensor& dout, const Tensor& x, const T
   const int64_t D = x.dim(-1), N = D ? x.numel() / D : 0;
   MT_CHECK(rstd.numel() == N, "cuda rmsnorm_backward: rstd must be f32 [N]: " + shapes());
   if (N == 0) return;
+  const bool vec = D % 8 == 0 && aligned16({dout.data(), x.data(), w.data(), dx.data()});
   MT_LAUNCH(rms_bwd_dx_kernel, static_cast<unsigned>(N), kThreads, 0, c.stream)
-  (in(dout), in(x), in(w), plus_one, rstd.ptr<const float>(), D, out(dx));
+  (in(dout), in(x), in(w), plus_one, rstd.ptr<const float>(), D, vec, out(dx));
   launched("rmsnorm_backward", shapes);
   // dw: fixed row blocks (a function of N only, as on the CPU), each writing its own partial,
   // then the partials added in block order.
