@@ -696,25 +696,28 @@ TEST_F(GpuOps, Softmax) {
 TEST_F(GpuOps, CrossEntropy) {
   SEEDED_RNG(rng);
   for (DType dt : kDtypes)
-    for (float z : {0.f, 1e-4f}) {
-      SCOPED_TRACE(std::string(dname(dt)) + " z_loss " + std::to_string(z));
-      const int64_t N = pick(rng, 1, 300), V = pick(rng, 2, 33000);
-      std::vector<int32_t> t(static_cast<size_t>(N));
-      for (auto& x : t) x = static_cast<int32_t>(pick(rng, 0, V - 1));
-      t[0] = -1;  // an ignored row
-      Both targets = ints({N}, t);
-      Both logits = make({N, V}, rand_nz(N * V, rng, 4.f), dt);
-      Both loss = poisoned({N}, DType::f32), lse = poisoned({N}, DType::f32);
-      gpu().cross_entropy_forward(logits.g, targets.g, z, loss.g, lse.g);
-      cpu().cross_entropy_forward(logits.c, targets.c, z, loss.c, lse.c);
-      EXPECT_TRUE(close(loss, 1e-5, "cross_entropy_forward loss"));
-      EXPECT_TRUE(close(lse, 1e-5, "cross_entropy_forward lse"));
-      Both dloss = make({N}, rand_nz(N, rng), dt);
-      Both dlogits = make({N, V}, rand_nz(N * V, rng, 1e-3f), dt);
-      gpu().cross_entropy_backward(dloss.g, logits.g, targets.g, lse.g, z, dlogits.g);
-      cpu().cross_entropy_backward(dloss.c, logits.c, targets.c, lse.c, z, dlogits.c);
-      EXPECT_TRUE(close(dlogits, tol(dt), "cross_entropy_backward"));
-    }
+    for (float z : {0.f, 1e-4f})
+      // Any vocabulary (element by element) and a multiple of 8 (16-byte loads).
+      for (const int64_t V : {pick(rng, 2, 33000), 8 * pick(rng, 1, 4100)}) {
+        SCOPED_TRACE(std::string(dname(dt)) + " z_loss " + std::to_string(z) + " V " +
+                     std::to_string(V));
+        const int64_t N = pick(rng, 1, 300);
+        std::vector<int32_t> t(static_cast<size_t>(N));
+        for (auto& x : t) x = static_cast<int32_t>(pick(rng, 0, V - 1));
+        t[0] = -1;  // an ignored row
+        Both targets = ints({N}, t);
+        Both logits = make({N, V}, rand_nz(N * V, rng, 4.f), dt);
+        Both loss = poisoned({N}, DType::f32), lse = poisoned({N}, DType::f32);
+        gpu().cross_entropy_forward(logits.g, targets.g, z, loss.g, lse.g);
+        cpu().cross_entropy_forward(logits.c, targets.c, z, loss.c, lse.c);
+        EXPECT_TRUE(close(loss, 1e-5, "cross_entropy_forward loss"));
+        EXPECT_TRUE(close(lse, 1e-5, "cross_entropy_forward lse"));
+        Both dloss = make({N}, rand_nz(N, rng), dt);
+        Both dlogits = make({N, V}, rand_nz(N * V, rng, 1e-3f), dt);
+        gpu().cross_entropy_backward(dloss.g, logits.g, targets.g, lse.g, z, dlogits.g);
+        cpu().cross_entropy_backward(dloss.c, logits.c, targets.c, lse.c, z, dlogits.c);
+        EXPECT_TRUE(close(dlogits, tol(dt), "cross_entropy_backward"));
+      }
 }
 
 TEST_F(GpuOps, AdamW) {
