@@ -603,24 +603,26 @@ TEST_F(GpuOps, Rope) {
   specs[3].original_max_position = 4096;
   specs[4].rotary_dim = 16;  // partial rotary: features past 16 pass through
   for (DType dt : kDtypes)
-    for (size_t si = 0; si < specs.size(); ++si) {
-      SCOPED_TRACE(std::string(dname(dt)) + " spec " + std::to_string(si));
-      const int64_t B = pick(rng, 1, 3), T = pick(rng, 1, 40), H = pick(rng, 1, 5);
-      const int64_t D = 2 * pick(rng, 8, 64);
-      std::vector<int32_t> pos(static_cast<size_t>(B * T));
-      for (auto& p : pos) p = static_cast<int32_t>(pick(rng, 0, 131072));
-      Both positions = ints({B, T}, pos);
-      const Shape s{B, T, H, D};
-      Both x = make(s, rand_nz(shape_numel(s), rng), dt);
-      Both o = poisoned(s, dt);
-      gpu().rope_forward(x.g, positions.g, specs[si], o.g);
-      cpu().rope_forward(x.c, positions.c, specs[si], o.c);
-      EXPECT_TRUE(close(o, tol(dt), "rope_forward"));
-      Both dx = make(s, rand_nz(shape_numel(s), rng), dt);
-      gpu().rope_backward(x.g, positions.g, specs[si], dx.g);
-      cpu().rope_backward(x.c, positions.c, specs[si], dx.c);
-      EXPECT_TRUE(close(dx, tol(dt), "rope_backward"));
-    }
+    for (size_t si = 0; si < specs.size(); ++si)
+      // D = 2 x odd goes element by element, a multiple of 16 through 16-byte accesses.
+      for (const int64_t D : {2 * (2 * pick(rng, 4, 31) + 1), 16 * pick(rng, 1, 8)}) {
+        SCOPED_TRACE(std::string(dname(dt)) + " spec " + std::to_string(si) + " D " +
+                     std::to_string(D));
+        const int64_t B = pick(rng, 1, 3), T = pick(rng, 1, 40), H = pick(rng, 1, 5);
+        std::vector<int32_t> pos(static_cast<size_t>(B * T));
+        for (auto& p : pos) p = static_cast<int32_t>(pick(rng, 0, 131072));
+        Both positions = ints({B, T}, pos);
+        const Shape s{B, T, H, D};
+        Both x = make(s, rand_nz(shape_numel(s), rng), dt);
+        Both o = poisoned(s, dt);
+        gpu().rope_forward(x.g, positions.g, specs[si], o.g);
+        cpu().rope_forward(x.c, positions.c, specs[si], o.c);
+        EXPECT_TRUE(close(o, tol(dt), "rope_forward"));
+        Both dx = make(s, rand_nz(shape_numel(s), rng), dt);
+        gpu().rope_backward(x.g, positions.g, specs[si], dx.g);
+        cpu().rope_backward(x.c, positions.c, specs[si], dx.c);
+        EXPECT_TRUE(close(dx, tol(dt), "rope_backward"));
+      }
 }
 
 TEST_F(GpuOps, Activations) {

@@ -848,9 +848,12 @@ __global__ void ce_bwd_kernel(In dloss, In x, const int32_t* tg, const float* ls
 // its sine and cosine taken in double: in f32 the product alone is off by ~1e-2 rad near 128k.
 // Every head of the row shares the angles: their cosines and sines are taken once per row, into
 // dynamic shared memory (R floats), not once per head (FP64 sincos is the costly part).
+// vec (D % 8 == 0, R / 2 a multiple of 8 half-split or of 4 interleaved, x and o 16-byte
+// aligned): a thread rotates 8 features (two halves' 8, or 4 adjacent pairs) per step through
+// 16-byte accesses.
 __global__ void rope_kernel(In x, const int32_t* positions, const float* inv_freq, int64_t H,
                             int64_t D, int64_t R, bool interleaved, float mscale, bool inverse,
-                            Out o) {
+                            bool vec, Out o) {
   MT_DYNAMIC_SHARED(smem);
   float* cos_s = reinterpret_cast<float*>(smem);
   float* sin_s = cos_s + R / 2;
@@ -865,7 +868,50 @@ __global__ void rope_kernel(In x, const int32_t* positions, const float* inv_fre
     sin_s[i] = sscale * static_cast<float>(sn);
   }
   __syncthreads();
-  for (int64_t j = threadIdx.x; j < H * half; j += kThreads) {
+  // out = r, or out += r when inverse.
+  const auto put8 = [&](int64_t at, float(&r)[8]) {
+    if (inverse) {
+      float old[8];
+      load8(old, In{o.p, o.bf}, at, true);
+#pragma unroll
+      for (int u = 0; u < 8; ++u) r[u] = old[u] + r[u];
+    }
+    store8(o, at, r, true);
+  };
+  if (vec && !interleaved) {
+    const int64_t per_head = half / 8;
+    for (int64_t j = threadIdx.x; j < H * per_head; j += kThreads) {
+      const int64_t h = j / per_head, i0 = (j - h * per_head) * 8;
+      const int64_t ia = base + h * D + i0, ib = ia + half;
+      float a[8], b[8], ra[8], rb[8];
+      load8(a, x, ia, true);
+      load8(b, x, ib, true);
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const float c = cos_s[i0 + u], s = sin_s[i0 + u];
+        ra[u] = a[u] * c - b[u] * s;
+        rb[u] = b[u] * c + a[u] * s;
+      }
+      put8(ia, ra);
+      put8(ib, rb);
+    }
+  } else if (vec) {
+    const int64_t per_head = half / 4;
+    for (int64_t j = threadIdx.x; j < H * per_head; j += kThreads) {
+      const int64_t h = j / per_head, i0 = (j - h * per_head) * 4;
+      const int64_t at = base + h * D + 2 * i0;
+      float v[8], r[8];
+      load8(v, x, at, true);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const float c = cos_s[i0 + u], s = sin_s[i0 + u];
+        r[2 * u] = v[2 * u] * c - v[2 * u + 1] * s;
+        r[2 * u + 1] = v[2 * u + 1] * c + v[2 * u] * s;
+      }
+      put8(at, r);
+    }
+  }
+  for (int64_t j = vec ? H * half : threadIdx.x; j < H * half; j += kThreads) {
     const int64_t h = j / half, i = j - h * half;
     const float c = cos_s[i], s = sin_s[i];
     const int64_t ia = base + h * D + (interleaved ? 2 * i : i);
@@ -927,10 +973,12 @@ void rope_apply(const Ctx& c, const char* op, const Tensor& x, const Tensor& pos
   if (rows == 0 || H == 0 || D == 0) return;
   const RopeFrequencies table = rope_frequencies(spec, R);
   const Tensor freq = rope_table(c, table.inv_freq, op, shapes);
+  const bool vec =
+      D % 8 == 0 && (R / 2) % (spec.interleaved ? 4 : 8) == 0 && aligned16({x.data(), o.data()});
   MT_LAUNCH(rope_kernel, static_cast<unsigned>(rows), kThreads,
             static_cast<size_t>(R) * sizeof(float), c.stream)
   (in(x), positions.ptr<const int32_t>(), freq.ptr<const float>(), H, D, R, spec.interleaved,
-   static_cast<float>(table.mscale), inverse, out(o));
+   static_cast<float>(table.mscale), inverse, vec, out(o));
   launched(op, shapes);
 }
 
