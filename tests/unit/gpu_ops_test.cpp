@@ -234,13 +234,20 @@ TEST_F(GpuOps, SumAndSumSquaresAreDeterministic) {
   for (DType dt : kDtypes) {
     SCOPED_TRACE(dname(dt));
     for (int64_t n : {int64_t{1}, pick(rng, 2, 1000), pick(rng, 100000, 3000000)}) {
-      Both x = make({n}, rand_nz(n, rng), dt);
+      std::vector<float> v = rand_nz(n, rng);
+      Both x = make({n}, v, dt);
       const double gs = gpu().sum(x.g), cs = cpu().sum(x.c);
       const double gq = gpu().sum_squares(x.g), cq = cpu().sum_squares(x.c);
       EXPECT_NEAR(gs, cs, 1e-9 * std::max(1.0, cq)) << "sum, n " << n;
       EXPECT_NEAR(gq, cq, 1e-9 * cq) << "sum_squares, n " << n;
       EXPECT_EQ(gpu().sum(x.g), gs) << "sum must be bitwise reproducible";
       EXPECT_EQ(gpu().sum_squares(x.g), gq);
+      // The same values one element into a buffer (not 16-byte aligned: element loads) are
+      // added in the same order.
+      v.insert(v.begin(), 5.f);
+      const Tensor off = test::from_vector(gpu(), {n + 1}, v, dt).slice0(1, n + 1);
+      EXPECT_EQ(gpu().sum(off), gs) << "n " << n;
+      EXPECT_EQ(gpu().sum_squares(off), gq) << "n " << n;
     }
   }
 }

@@ -300,13 +300,30 @@ void check_same(const char* op, const Tensor& a, const Tensor& b) {
 // ---- two-pass deterministic sum ------------------------------------------------------------
 // x [n] -> partial [kSumBlocks] (double): each block's threads stride the array in a fixed
 // pattern (the grid is fixed), then a fixed tree adds the block's lanes.
-__global__ void sum_partial_kernel(In x, int64_t n, bool squares, double* partial) {
+// A thread takes chunks of 8 consecutive elements, through one 16-byte load (bf16; two for
+// f32) when x is 16-byte aligned (vec), else element by element in the same order: the sum
+// depends on n alone. (One 2- or 4-byte load per thread in flight would leave a Hopper's HBM
+// mostly idle on the gradient norm's pass over every parameter.)
+__global__ void sum_partial_kernel(In x, int64_t n, bool squares, bool vec, double* partial) {
   __shared__ double sh[kThreads];
   double acc = 0;
+  const int64_t chunks = (n + 7) / 8;
   const int64_t stride = static_cast<int64_t>(kSumBlocks) * kThreads;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i < n; i += stride) {
-    const double v = x[i];
-    acc += squares ? v * v : v;
+  for (int64_t c = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; c < chunks;
+       c += stride) {
+    const int64_t base = c * 8;
+    float v[8];
+    if (vec && base + 8 <= n) {
+      load8(v, x, base, true);
+    } else {
+#pragma unroll
+      for (int t = 0; t < 8; ++t) v[t] = base + t < n ? x[base + t] : 0.f;
+    }
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+      const double d = v[t];
+      acc += squares ? d * d : d;
+    }
   }
   const double s = block_reduce<double, false>(acc, sh);
   if (threadIdx.x == 0) partial[blockIdx.x] = s;
@@ -1071,7 +1088,7 @@ namespace {
 void launch_sum(const Ctx& c, const Tensor& x, bool squares, double* partial, double* dst) {
   const char* op = squares ? "sum_squares" : "sum";
   MT_LAUNCH(sum_partial_kernel, kSumBlocks, kThreads, 0, c.stream)
-  (in(x), x.numel(), squares, partial);
+  (in(x), x.numel(), squares, aligned16({x.data()}), partial);
   launched(op, [&] { return str(x); });
   MT_LAUNCH(sum_final_kernel, 1, kThreads, 0, c.stream)(partial, dst);
   launched(op, [&] { return str(x); });
