@@ -448,8 +448,6 @@ void check_ew(const char* op, std::initializer_list<const Tensor*> ts) {
 }
 
 // ---- embedding ------------------------------------------------------------------------------
-// table [V, D], id [N], out [N, D]
-// An id outside [0, V) is recorded in `bad` (once, at d = 0) and its output row left at 0.
 // out[idx[m]] = src[m], i over [M, D]; a bad row index writes nothing (recorded once per row).
 struct ScatterRowsF {
   In src;
@@ -466,6 +464,8 @@ struct ScatterRowsF {
     o.set(r * D + d, src[i]);
   }
 };
+// table [V, D], id [N], out [N, D]
+// An id outside [0, V) is recorded in `bad` (once, at d = 0) and its output row left at 0.
 struct EmbedFwdF {
   In table;
   const int32_t* id;
