@@ -681,11 +681,28 @@ __global__ void rms_bwd_dx_kernel(In g, In x, In w, bool plus_one, const float* 
 }
 // partial [nblocks, D]: block b of `brows` rows sums g x rstd over its rows in row order.
 // grid (ceil(D / kThreads), nblocks)
+// vec (D % 8 == 0, g and x 16-byte aligned): a thread owns 8 consecutive columns, read through
+// 16-byte loads; grid (ceil(D / (8 kThreads)), nblocks). Each column's sum keeps its row order.
 __global__ void rms_bwd_dw_partial_kernel(In g, In x, const float* rstd, int64_t N, int64_t D,
-                                          int64_t brows, float* partial) {
+                                          int64_t brows, bool vec, float* partial) {
+  const int64_t n0 = blockIdx.y * brows, n1 = min(N, n0 + brows);
+  if (vec) {
+    const int64_t d0 = (blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x) * 8;
+    if (d0 >= D) return;
+    float acc[8] = {};
+    for (int64_t n = n0; n < n1; ++n) {
+      float gv[8], xv[8];
+      load8(gv, g, n * D + d0, true);
+      load8(xv, x, n * D + d0, true);
+      const float r = rstd[n];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) acc[u] += gv[u] * xv[u] * r;
+    }
+    store8(Out{partial, false}, blockIdx.y * D + d0, acc, true);
+    return;
+  }
   const int64_t d = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
   if (d >= D) return;
-  const int64_t n0 = blockIdx.y * brows, n1 = min(N, n0 + brows);
   float acc = 0;
   for (int64_t n = n0; n < n1; ++n) acc += g[n * D + d] * x[n * D + d] * rstd[n];
   partial[blockIdx.y * D + d] = acc;
@@ -1450,9 +1467,11 @@ void rmsnorm_backward(const Ctx& c, const Tensor& dout, const Tensor& x, const T
   const int64_t nblocks = (N + brows - 1) / brows;
   Tensor partial = c.scratch({nblocks, D}, DType::f32);
   const unsigned cols = static_cast<unsigned>((D + kThreads - 1) / kThreads);
-  MT_LAUNCH(rms_bwd_dw_partial_kernel, dim3(cols, static_cast<unsigned>(nblocks)), kThreads, 0,
+  const bool vec_dw = D % 8 == 0 && aligned16({dout.data(), x.data()});
+  const unsigned dw_cols = vec_dw ? static_cast<unsigned>((D / 8 + kThreads - 1) / kThreads) : cols;
+  MT_LAUNCH(rms_bwd_dw_partial_kernel, dim3(dw_cols, static_cast<unsigned>(nblocks)), kThreads, 0,
             c.stream)
-  (in(dout), in(x), rstd.ptr<const float>(), N, D, brows, partial.ptr<float>());
+  (in(dout), in(x), rstd.ptr<const float>(), N, D, brows, vec_dw, partial.ptr<float>());
   launched("rmsnorm_backward", shapes);
   MT_LAUNCH(add_partials_kernel, cols, kThreads, 0, c.stream)
   (partial.ptr<const float>(), nblocks, D, out(dw));
