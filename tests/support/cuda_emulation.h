@@ -30,6 +30,8 @@
 #include <functional>
 #include <vector>
 
+#include "mt/dtype.h"
+
 #define __global__
 #define __device__
 #define __host__
@@ -65,10 +67,7 @@ struct __nv_bfloat16 {
   uint16_t bits;
 };
 inline __nv_bfloat16 __float2bfloat16_rn(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return {static_cast<uint16_t>((u >> 16) | 0x40u)};  // NaN
-  return {static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
+  return {mt::f32_to_bf16(f)};
 }
 // The device's correctly rounded arithmetic: the host's IEEE operations (this file's users are
 // built without FMA contraction across these calls).
@@ -162,10 +161,7 @@ inline const char* cublasLtGetStatusString(cublasStatus_t) {
 }
 
 inline float __bfloat162float(__nv_bfloat16 b) {
-  const uint32_t u = static_cast<uint32_t>(b.bits) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
+  return mt::bf16_to_f32(b.bits);
 }
 inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 b) {
   return b.bits;

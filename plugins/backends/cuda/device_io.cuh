@@ -49,6 +49,8 @@ struct Out {
       static_cast<float*>(p)[i] = v;
   }
   __device__ void add(int64_t i, float v) const { set(i, get(i) + v); }
+  // The same memory read as an input (an accumulated output's old values).
+  __device__ In in() const { return {p, bf}; }
 };
 
 // 16 bytes at p, which must be 16-byte aligned (the device faults otherwise; so does the
@@ -107,6 +109,26 @@ __device__ __forceinline__ void store8(Out o, int64_t base, const float (&r)[8],
 #pragma unroll
     for (int t = 0; t < 8; ++t) o.set(base + t, r[t]);
   }
+}
+
+// x[base .. base + 8) as load8 does where all 8 lie below n and vec allows, else element by
+// element with 0 past n (a chunk of 8 at the end of n elements).
+__device__ __forceinline__ void load8_upto(float (&r)[8], In x, int64_t base, int64_t n, bool vec) {
+  if (vec && base + 8 <= n) {
+    load8(r, x, base, true);
+    return;
+  }
+#pragma unroll
+  for (int t = 0; t < 8; ++t) r[t] = base + t < n ? x[base + t] : 0.f;
+}
+// o[base .. min(base + 8, n)) = r, as store8 where all 8 lie below n and vec allows.
+__device__ __forceinline__ void store8_upto(Out o, int64_t base, const float (&r)[8], int64_t n,
+                                            bool vec) {
+  if (vec && base + 8 <= n) {
+    store8(o, base, r, true);
+    return;
+  }
+  for (int t = 0; t < 8 && base + t < n; ++t) o.set(base + t, r[t]);
 }
 
 // Records a bad input in a DeviceChecks slot (kernels.h): the lowest position wins, with its

@@ -97,18 +97,9 @@ __global__ void ew_kernel(int64_t n, Ew<I, O, Math> e, bool vec) {
   for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < chunks;
        c += stride) {
     const int64_t base = c * 8;
-    const bool whole = vec && base + 8 <= n;
-    const int len = base + 8 <= n ? 8 : static_cast<int>(n - base);
     float x[I][8], y[O][8];
 #pragma unroll
-    for (int i = 0; i < I; ++i) {
-      if (whole) {
-        load8(x[i], e.in[i], base, true);
-      } else {
-#pragma unroll
-        for (int t = 0; t < 8; ++t) x[i][t] = t < len ? e.in[i][base + t] : 0.f;
-      }
-    }
+    for (int i = 0; i < I; ++i) load8_upto(x[i], e.in[i], base, n, vec);
 #pragma unroll
     for (int t = 0; t < 8; ++t) {
       float xi[I], yo[O];
@@ -122,20 +113,11 @@ __global__ void ew_kernel(int64_t n, Ew<I, O, Math> e, bool vec) {
     for (int o = 0; o < O; ++o) {
       if (e.acc[o]) {
         float old[8];
-        if (whole) {
-          load8(old, In{e.out[o].p, e.out[o].bf}, base, true);
-        } else {
-#pragma unroll
-          for (int t = 0; t < 8; ++t) old[t] = t < len ? e.out[o].get(base + t) : 0.f;
-        }
+        load8_upto(old, e.out[o].in(), base, n, vec);
 #pragma unroll
         for (int t = 0; t < 8; ++t) y[o][t] = __fadd_rn(old[t], y[o][t]);
       }
-      if (whole) {
-        store8(e.out[o], base, y[o], true);
-      } else {
-        for (int t = 0; t < len; ++t) e.out[o].set(base + t, y[o][t]);
-      }
+      store8_upto(e.out[o], base, y[o], n, vec);
     }
   }
 }
@@ -311,14 +293,8 @@ __global__ void sum_partial_kernel(In x, int64_t n, bool squares, bool vec, doub
   const int64_t stride = static_cast<int64_t>(kSumBlocks) * kThreads;
   for (int64_t c = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; c < chunks;
        c += stride) {
-    const int64_t base = c * 8;
     float v[8];
-    if (vec && base + 8 <= n) {
-      load8(v, x, base, true);
-    } else {
-#pragma unroll
-      for (int t = 0; t < 8; ++t) v[t] = base + t < n ? x[base + t] : 0.f;
-    }
+    load8_upto(v, x, c * 8, n, vec);
 #pragma unroll
     for (int t = 0; t < 8; ++t) {
       const double d = v[t];
@@ -666,7 +642,7 @@ __global__ void rms_bwd_dx_kernel(In g, In x, In w, bool plus_one, const float* 
       load8(gv, g, base + d, true);
       load8(xv, x, base + d, true);
       load8(wv, w, d, true);
-      load8(r, In{dx.p, dx.bf}, base + d, true);
+      load8(r, dx.in(), base + d, true);
 #pragma unroll
       for (int t = 0; t < 8; ++t)
         r[t] += inv * gv[t] * (plus_one ? 1.f + wv[t] : wv[t]) - c * xv[t];
@@ -858,7 +834,7 @@ __global__ void ce_bwd_kernel(In dloss, In x, const int32_t* tg, const float* ls
     for (int64_t i = threadIdx.x * 8; i < V; i += kThreads * 8) {
       float xv[8], r[8];
       load8(xv, x, base + i, true);
-      load8(r, In{dx.p, dx.bf}, base + i, true);
+      load8(r, dx.in(), base + i, true);
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
         r[u] = r[u] + coef * expf(xv[u] - l);
@@ -906,7 +882,7 @@ __global__ void rope_kernel(In x, const int32_t* positions, const float* inv_fre
   const auto put8 = [&](int64_t at, float(&r)[8]) {
     if (inverse) {
       float old[8];
-      load8(old, In{o.p, o.bf}, at, true);
+      load8(old, o.in(), at, true);
 #pragma unroll
       for (int u = 0; u < 8; ++u) r[u] = old[u] + r[u];
     }
