@@ -140,6 +140,11 @@ class CudaOps : public Backend {
     ctx_.rope = std::make_shared<RopeTables>();
     ctx_.checks = std::make_shared<DeviceChecks>(
         empty({static_cast<int64_t>(DeviceChecks::kSlots * 8)}, DType::u8), stream);
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&ctx_.sm_major, cudaDevAttrComputeCapabilityMajor, dev) !=
+            cudaSuccess)
+      ctx_.sm_major = 0;  // unknown: the SIMT kernels, which run anywhere
   }
   // Throws the first bad input the kernels recorded since the last report (DeviceChecks); the
   // subclass calls it once its synchronize() or copy_to_host() has waited for the stream.

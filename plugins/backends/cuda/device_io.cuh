@@ -9,6 +9,7 @@
 #endif
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 
 #include "mt/tensor.h"
@@ -148,6 +149,12 @@ inline In in(const Tensor& t) {
 }
 inline Out out(const Tensor& t) {
   return {t.data(), t.dtype() == DType::bf16};
+}
+// Whether every pointer is 16-byte aligned (load8/store8's 16-byte accesses allowed).
+inline bool aligned16(std::initializer_list<const void*> ps) {
+  for (const void* p : ps)
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  return true;
 }
 inline std::string str(const Tensor& t) {
   return t.defined() ? t.str() : std::string("undefined");

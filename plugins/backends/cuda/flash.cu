@@ -40,15 +40,12 @@ unsigned warp_blocks(int64_t rows) {
 
 // The tensor-core kernels need bf16 operands whose rows start 16-byte aligned, head_dim 64 or
 // 128, mma.sync (compute capability 8.0+), and a grid whose y (heads x batch) fits.
-bool tensor_cores(std::initializer_list<const Tensor*> ts, int64_t D, int64_t grid_y) {
-  if ((D != 64 && D != 128) || grid_y > 65535) return false;
+bool tensor_cores(const Ctx& c, std::initializer_list<const Tensor*> ts, int64_t D,
+                  int64_t grid_y) {
+  if ((D != 64 && D != 128) || grid_y > 65535 || c.sm_major < 8) return false;
   for (const Tensor* t : ts)
-    if (t->dtype() != DType::bf16 || reinterpret_cast<uintptr_t>(t->data()) % 16 != 0) return false;
-  int dev = 0, major = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
-    return false;
-  return major >= 8;
+    if (t->dtype() != DType::bf16 || !aligned16({t->data()})) return false;
+  return true;
 }
 
 // Launches a tensor-core kernel (kTcWarps warps) with `smem` bytes of dynamic shared memory
@@ -96,7 +93,7 @@ void flash_forward(const Ctx& c, const Tensor& q, const Tensor& k, const Tensor&
   if (rows == 0) return;
   const Flash f = make_flash(a, B, q_segment, kv_segment, nullptr);
   const std::string shapes = "q " + str(q) + ", k " + str(k) + ", v " + str(v);
-  const bool tc = tensor_cores({&q, &k, &v}, a.D, B * a.Hq);
+  const bool tc = tensor_cores(c, {&q, &k, &v}, a.D, B * a.Hq);
   check_head_dim(op, a, tc);
   if (tc) {
     // The owned query tile, and two buffers each of K and V tiles.
@@ -125,7 +122,7 @@ void flash_backward(const Ctx& c, const Tensor& dout, const Tensor& q, const Ten
   const int64_t B = q.dim(0), rows = B * a.Hq * a.T;
   if (rows == 0 || a.S == 0) return;
   const Flash f = make_flash(a, B, q_segment, kv_segment, nullptr);
-  const bool tc = tensor_cores({&q, &k, &v, &dout}, a.D, B * a.Hq);
+  const bool tc = tensor_cores(c, {&q, &k, &v, &dout}, a.D, B * a.Hq);
   check_head_dim(op, a, tc);
   Tensor delta = c.scratch({B, a.Hq, a.T}, DType::f32);
   MT_LAUNCH(delta_kernel, warp_blocks(rows), kWarps * 32, 0, c.stream)
@@ -179,10 +176,7 @@ void flash_decode(const Ctx& c, const Tensor& q, const Tensor& k_cache, const Te
            op + ": a cache of " + std::to_string(a.S) + " rows (more than " +
                std::to_string(int64_t{65535} * kDecodeKeys) + ") or " + std::to_string(B * a.Hkv) +
                " batch x kv heads is more than this kernel's grid");
-  const auto aligned = [](const Tensor& t) {
-    return reinterpret_cast<uintptr_t>(t.data()) % 16 == 0;
-  };
-  const bool vec = a.D % 8 == 0 && aligned(k_cache) && aligned(v_cache);
+  const bool vec = a.D % 8 == 0 && aligned16({k_cache.data(), v_cache.data()});
   Tensor partial = c.scratch({rows, splits, a.D + 2}, DType::f32);
   MT_LAUNCH(decode_kernel, dim3(static_cast<unsigned>(B * a.Hkv), static_cast<unsigned>(splits)),
             kWarps * 32, 0, c.stream)

@@ -122,13 +122,6 @@ __global__ void ew_kernel(int64_t n, Ew<I, O, Math> e, bool vec) {
   }
 }
 
-// Whether every pointer is 16-byte aligned (16-byte accesses allowed).
-bool aligned16(std::initializer_list<const void*> ps) {
-  for (const void* p : ps)
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
-  return true;
-}
-
 template <int I, int O, class Math, class S>
 void launch_ew(const Ctx& c, int64_t n, const Ew<I, O, Math>& e, const std::string& op,
                S&& shapes) {

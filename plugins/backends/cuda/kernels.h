@@ -67,6 +67,8 @@ struct Ctx {
   std::shared_ptr<RopeTables> rope;
   // Where checking kernels record bad inputs.
   std::shared_ptr<DeviceChecks> checks;
+  // The device's compute capability (major), asked once: 8+ takes mma.sync.
+  int sm_major = 0;
 };
 
 // Throws "cuda <op>: <what> failed: <error> (<shapes>)" unless e is cudaSuccess.
