@@ -234,6 +234,7 @@ struct ThreadState {
   Block* block = nullptr;
   dim3 thread, blk, grid_dim, block_dim;
   const std::function<void()>* kernel = nullptr;
+  int64_t mma_warp_calls = 0;  // mma.sync executed, per warp (tests check a path took them)
 };
 inline ThreadState state;  // one block runs at a time, on the calling thread
 
@@ -406,6 +407,7 @@ inline void emulated_mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uin
   emu::warp_sync();
   // The warp's first lane multiplies for all 32 (the others wait at the next barrier).
   if (l == 0) {
+    ++emu::state.mma_warp_calls;
     auto half = [](uint32_t r, int hi) {
       return __bfloat162float({static_cast<uint16_t>(hi ? r >> 16 : r & 0xffffu)});
     };

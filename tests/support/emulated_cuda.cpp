@@ -59,6 +59,10 @@ std::unique_ptr<Backend> emulated_cuda() {
   return std::make_unique<cuda::EmulatedCuda>();
 }
 
+int64_t emulated_mma_calls() {
+  return emu::state.mma_warp_calls;
+}
+
 std::unique_ptr<AttentionKernel> emulated_cuda_attention(const std::string& name, Backend& b) {
   auto* ops = dynamic_cast<cuda::CudaOps*>(&b);
   MT_CHECK(ops != nullptr, "emulated_cuda_attention needs an emulated_cuda() backend");

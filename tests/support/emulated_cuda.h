@@ -11,8 +11,10 @@
 namespace mt::test {
 
 // A Backend whose ops are the cuda plugin's launchers (plugins/backends/cuda/cuda_ops.h), its
-// memory the CPU backend's. GEMMs run on the CPU backend: cuBLASLt has no emulation.
+// memory the CPU backend's; GEMMs go through gemm.cu to tests/support/cublaslt_emulation.h.
 std::unique_ptr<Backend> emulated_cuda();
+// How many warp-wide mma.sync the emulated kernels have executed so far (tensor-core paths).
+int64_t emulated_mma_calls();
 // "dot_product" or "flash" of the cuda plugin on an emulated_cuda() backend.
 std::unique_ptr<AttentionKernel> emulated_cuda_attention(const std::string& name, Backend& b);
 

@@ -854,8 +854,15 @@ TEST_F(GpuAttention, FlashSmall) {
     for (const AttnCase& cs : kAttnCases)
       for (int64_t D : {pick(rng, 1, 80), int64_t{64}}) {
         const bool tc = dt == DType::bf16 && D == 64;
+#ifdef MT_CUDA_EMULATED_OPS
+        const int64_t mma_before = test::emulated_mma_calls();
+#endif
         // Tensor cores round P and dS to bf16 before their products (as FlashAttention-2).
         compare(*ga, cs, dt, pick(rng, 1, 3), pick(rng, 1, 40), D, tc ? 2e-2 : tol(dt), rng);
+#ifdef MT_CUDA_EMULATED_OPS
+        // The path this case is meant to cover is the one that ran.
+        EXPECT_EQ(test::emulated_mma_calls() > mma_before, tc) << "D " << D << " " << dname(dt);
+#endif
       }
 }
 
