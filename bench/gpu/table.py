@@ -91,6 +91,8 @@ def main():
         for r in recs:
             if r.get("bench") != bench:
                 continue
+            if r.get("source") not in ("mt", "torch"):
+                continue  # a variant of mt's (below)
             k = key(r)
             if k not in keys:
                 keys.append(k)
@@ -120,6 +122,21 @@ def main():
             note = short(err) if err else (f"torch SDPA {torch_kernel}" if torch_kernel else "")
             rows.append((f"attention {label} TFLOP/s", name, fmt(mv), fmt(pv), fmt(r, 2), "-", "",
                          note))
+
+    # A/B: mt's flash with its dk/dv kernel forced to whole query tiles (source mt-dkv1), against
+    # the default run above (two slices at head_dim 128).
+    default_att = {att_key(r): r for r in recs
+                   if r.get("bench") == "attention" and r.get("source") == "mt"}
+    for r in recs:
+        if r.get("bench") != "attention" or r.get("source") != "mt-dkv1":
+            continue
+        k = att_key(r)
+        d = default_att.get(k)
+        name = f"{k[0]} B={k[1]} T={k[2]} H={k[3]} D={k[5]}" + (" causal" if k[6] else "")
+        vv, dv = value(r, "fwd_bwd_tflops"), value(d, "fwd_bwd_tflops")
+        note = short(r.get("error", "")) or f"default (sliced at D=128): {fmt(dv)} TFLOP/s"
+        rows.append(("A/B fwd+bwd TFLOP/s, MT_CUDA_FLASH_DKV_PARTS=1", name, fmt(vv), "",
+                     fmt(ratio(vv, dv), 2), "-", "", note))
 
     train_mt, train_eager, train_compile, cases = {}, {}, {}, []
     for r in recs:

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <exception>
 #include <functional>
 #include <iterator>
@@ -59,6 +60,22 @@ double tol(DType d) {
   return d == DType::f32 ? 1e-5 : 1e-2;
 }
 
+// A new cuda backend (the emulated one in cuda_emulated_ops_test); throws where there is none.
+std::unique_ptr<Backend> make_gpu() {
+#ifdef MT_CUDA_EMULATED_OPS
+  return test::emulated_cuda();
+#else
+  return test::plugins().make_backend("cuda", config_from_pairs({}));
+#endif
+}
+std::unique_ptr<AttentionKernel> attention_on(const std::string& name, Backend& b) {
+#ifdef MT_CUDA_EMULATED_OPS
+  return test::emulated_cuda_attention(name, b);
+#else
+  return test::attention(name, b);
+#endif
+}
+
 // The cuda backend of this process, made once; null with the reason when there is none.
 struct Gpu {
   std::unique_ptr<Backend> backend;
@@ -68,11 +85,7 @@ Gpu& gpu_state() {
   static Gpu g = [] {
     Gpu r;
     try {
-#ifdef MT_CUDA_EMULATED_OPS
-      r.backend = test::emulated_cuda();
-#else
-      r.backend = test::plugins().make_backend("cuda", config_from_pairs({}));
-#endif
+      r.backend = make_gpu();
     } catch (const Error& e) {
       r.why = e.what();
     } catch (const std::exception& e) {
@@ -90,11 +103,7 @@ class GpuOps : public ::testing::Test {
   }
   Backend& gpu() { return *gpu_state().backend; }
   std::unique_ptr<AttentionKernel> gpu_attention(const std::string& name) {
-#ifdef MT_CUDA_EMULATED_OPS
-    return test::emulated_cuda_attention(name, gpu());
-#else
-    return test::attention(name, gpu());
-#endif
+    return attention_on(name, gpu());
   }
   Backend& cpu() {
     return test::cpu();
@@ -1009,6 +1018,94 @@ TEST_F(GpuAttention, FlashBackwardIsDeterministic) {
         else
           EXPECT_EQ(got[t], first[t]) << dname(dt) << " gradient " << t << " differs between runs";
       }
+    }
+  }
+}
+
+// A cuda backend made while MT_CUDA_FLASH_DKV_PARTS is `value` (the variable restored after).
+std::unique_ptr<Backend> gpu_with_dkv_parts(const char* value) {
+  const char* old = std::getenv("MT_CUDA_FLASH_DKV_PARTS");
+  const std::string saved = old ? old : "";
+  setenv("MT_CUDA_FLASH_DKV_PARTS", value, 1);
+  std::unique_ptr<Backend> b;
+  std::string error;
+  try {
+    b = make_gpu();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  if (old)
+    setenv("MT_CUDA_FLASH_DKV_PARTS", saved.c_str(), 1);
+  else
+    unsetenv("MT_CUDA_FLASH_DKV_PARTS");
+  if (!b) throw Error(error);
+  return b;
+}
+
+// flash's dk/dv kernel takes each streamed query tile whole or in two slices of 32 (the default
+// at head_dim 128, where whole tiles spill registers): the same mma.sync sequence into each
+// accumulator, so the same bits, under causal masks with an offset, GQA, windows and segment ids
+// (slices skipped or taken unmasked where whole tiles are not).
+TEST_F(GpuAttention, FlashDkvSlicesGiveTheSameBits) {
+  SEEDED_RNG(rng);
+  std::unique_ptr<Backend> whole = gpu_with_dkv_parts("1"), sliced = gpu_with_dkv_parts("2");
+  for (size_t c : {size_t{1}, size_t{5}, size_t{6}, size_t{7}})
+    for (int64_t D : {64, 128}) {
+      const AttnCase& cs = kAttnCases[c];
+      SCOPED_TRACE("case " + std::to_string(c) + " D " + std::to_string(D));
+      const int64_t B = 1, T = kShrink > 1 ? 150 : 300, S = T + cs.offset;
+      const Shape sq{B, T, cs.hq, D}, sk{B, S, cs.hkv, D};
+      const std::vector<float> hq = rand_nz(shape_numel(sq), rng),
+                               hk = rand_nz(shape_numel(sk), rng),
+                               hv = rand_nz(shape_numel(sk), rng),
+                               hd = rand_nz(shape_numel(sq), rng);
+      std::vector<int32_t> qseg(static_cast<size_t>(B * T)), kseg(static_cast<size_t>(B * S));
+      for (auto& x : qseg) x = static_cast<int32_t>(pick(rng, 0, 2));
+      for (auto& x : kseg) x = static_cast<int32_t>(pick(rng, 0, 2));
+      AttentionSpec spec;
+      spec.causal = cs.causal;
+      spec.window = cs.window;
+      spec.softcap = cs.softcap;
+      spec.query_offset = cs.offset;
+      std::vector<float> got[2][3];
+      for (int variant = 0; variant < 2; ++variant) {
+        Backend& b = variant == 0 ? *whole : *sliced;
+        auto fa = attention_on("flash", b);
+        Tensor q = test::from_vector(b, sq, hq, DType::bf16),
+               k = test::from_vector(b, sk, hk, DType::bf16),
+               v = test::from_vector(b, sk, hv, DType::bf16),
+               dout = test::from_vector(b, sq, hd, DType::bf16);
+        Tensor qs, ks;
+        if (cs.segments)
+          qs = test::from_ints(b, {B, T}, qseg), ks = test::from_ints(b, {B, S}, kseg);
+        Tensor o = b.empty(sq, DType::bf16), lse = b.empty({B, cs.hq, T}, DType::f32);
+        fa->forward(q, k, v, qs, ks, spec, o, lse);
+        Tensor dq = b.zeros(sq, DType::f32), dk = b.zeros(sk, DType::f32),
+               dv = b.zeros(sk, DType::f32);
+        fa->backward(dout, q, k, v, qs, ks, o, lse, spec, dq, dk, dv);
+        got[variant][0] = test::to_vector(dq);
+        got[variant][1] = test::to_vector(dk);
+        got[variant][2] = test::to_vector(dv);
+      }
+      const char* names[3] = {"dq", "dk", "dv"};
+      for (int t = 0; t < 3; ++t) {
+        EXPECT_EQ(got[0][t], got[1][t]) << names[t] << " differs between 1 and 2 slices";
+        double norm = 0;
+        for (float x : got[0][t]) norm += std::fabs(x);
+        EXPECT_GT(norm, 0.0) << names[t] << " is all zeros";
+      }
+    }
+}
+
+TEST_F(GpuOps, FlashDkvPartsRefusesOtherValues) {
+  for (const char* bad : {"3", "0", "two"}) {
+    try {
+      gpu_with_dkv_parts(bad);
+      ADD_FAILURE() << "MT_CUDA_FLASH_DKV_PARTS=" << bad << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("MT_CUDA_FLASH_DKV_PARTS=" + std::string(bad)),
+                std::string::npos)
+          << e.what();
     }
   }
 }

@@ -41,20 +41,21 @@ class CudaBackend final : public mt::cuda::CudaOps {
     // One non-blocking stream per backend: every kernel, copy and GEMM is ordered on it, which is
     // also what makes the allocator's immediate reuse of freed blocks safe.
     check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
-    copier_ = std::make_unique<mt::cuda::HostCopier>(stream_);
-    init_ctx(stream_);
-    // The GEMM workspace comes from the caching allocator once, for the backend's life.
-    ctx_.gemm = std::make_shared<mt::cuda::Gemm>(
-        stream_, precision,
-        empty({static_cast<int64_t>(mt::cuda::Gemm::kWorkspaceBytes)}, mt::DType::u8));
+    try {
+      copier_ = std::make_unique<mt::cuda::HostCopier>(stream_);
+      init_ctx(stream_);
+      // The GEMM workspace comes from the caching allocator once, for the backend's life.
+      ctx_.gemm = std::make_shared<mt::cuda::Gemm>(
+          stream_, precision,
+          empty({static_cast<int64_t>(mt::cuda::Gemm::kWorkspaceBytes)}, mt::DType::u8));
+    } catch (...) {
+      // No destructor runs for a constructor that throws: give back what was made here, the
+      // tensors in ctx_ while the allocator they return to still exists.
+      teardown();
+      throw;
+    }
   }
-  ~CudaBackend() override {
-    // Errors cannot be reported from a destructor; the process is usually ending.
-    static_cast<void>(cudaStreamSynchronize(stream_));
-    ctx_ = {};        // the GEMM workspace and plans, before the allocator and the stream go
-    copier_.reset();  // its events were recorded on the stream
-    if (stream_) static_cast<void>(cudaStreamDestroy(stream_));
-  }
+  ~CudaBackend() override { teardown(); }
   CudaBackend(const CudaBackend&) = delete;
   CudaBackend& operator=(const CudaBackend&) = delete;
 
@@ -100,6 +101,14 @@ class CudaBackend final : public mt::cuda::CudaOps {
   void reset_peak_memory() override { alloc_.reset_peak(); }
 
  private:
+  void teardown() {
+    // Errors cannot be reported from here; the process is usually ending.
+    if (stream_) static_cast<void>(cudaStreamSynchronize(stream_));
+    ctx_ = {};        // the GEMM workspace and plans, before the allocator and the stream go
+    copier_.reset();  // its events were recorded on the stream
+    if (stream_) static_cast<void>(cudaStreamDestroy(stream_));
+    stream_ = nullptr;
+  }
   static void check(cudaError_t e, const std::string& what) {
     if (e != cudaSuccess) throw mt::Error("cuda: " + what + " failed: " + cuda_message(e));
   }

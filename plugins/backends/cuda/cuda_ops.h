@@ -4,6 +4,7 @@
 // tests/support/emulated_cuda.cpp adds host memory and runs the same launchers on the CPU.
 #pragma once
 
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <utility>
@@ -12,6 +13,7 @@
 #include "kernels.h"
 #include "mt/attention.h"
 #include "mt/backend.h"
+#include "mt/error.h"
 
 namespace mt::cuda {
 
@@ -135,6 +137,14 @@ class CudaOps : public Backend {
   // own empty(), the rope tables and the input-check slots. Called from the subclass's
   // constructor (empty() is then the subclass's).
   void init_ctx(cudaStream_t stream) {
+    if (const char* e = std::getenv("MT_CUDA_FLASH_DKV_PARTS"); e && *e) {
+      const std::string v = e;
+      MT_CHECK(v == "1" || v == "2",
+               "MT_CUDA_FLASH_DKV_PARTS=" + v +
+                   ": flash attention's dk/dv kernel takes each streamed query tile in 1 or 2 "
+                   "slices; set 1 or 2, or unset it for the default (1 at head_dim 64, 2 at 128)");
+      ctx_.flash_dkv_parts = v == "1" ? 1 : 2;
+    }
     ctx_.stream = stream;
     ctx_.scratch = [this](const Shape& s, DType d) { return empty(s, d); };
     ctx_.rope = std::make_shared<RopeTables>();

@@ -137,16 +137,27 @@ void flash_backward(const Ctx& c, const Tensor& dout, const Tensor& q, const Ten
     // two buffers each of Q and dO tiles and of their lse and delta.
     const size_t dq_smem = 2 * tile_bytes(kOwnRows, a.D) + 4 * tile_bytes(kTile, a.D);
     const size_t dkv_smem = dq_smem + 4 * kTile * sizeof(float);
+    // dk/dv in slices of the streamed query tiles (tc_dkv_kernel): whole at head_dim 64, two
+    // at 128 unless Ctx::flash_dkv_parts says otherwise.
+    const int parts = c.flash_dkv_parts > 0 ? c.flash_dkv_parts : a.D == 64 ? 1 : 2;
+    const auto dkv = [&](auto kernel) {
+      launch_tc(c, op, kernel, kgrid, dkv_smem, shapes, bf(q), bf(k), bf(v), bf(dout), f, ls, dl,
+                out(dk), out(dv));
+    };
     if (a.D == 64) {
       launch_tc(c, op, tc_dq_kernel<64, kTcWarps>, qgrid, dq_smem, shapes, bf(q), bf(k), bf(v),
                 bf(dout), f, ls, dl, out(dq));
-      launch_tc(c, op, tc_dkv_kernel<64, kTcWarps>, kgrid, dkv_smem, shapes, bf(q), bf(k), bf(v),
-                bf(dout), f, ls, dl, out(dk), out(dv));
+      if (parts == 1)
+        dkv(tc_dkv_kernel<64, kTcWarps, 1>);
+      else
+        dkv(tc_dkv_kernel<64, kTcWarps, 2>);
     } else {
       launch_tc(c, op, tc_dq_kernel<128, kTcWarps>, qgrid, dq_smem, shapes, bf(q), bf(k), bf(v),
                 bf(dout), f, ls, dl, out(dq));
-      launch_tc(c, op, tc_dkv_kernel<128, kTcWarps>, kgrid, dkv_smem, shapes, bf(q), bf(k), bf(v),
-                bf(dout), f, ls, dl, out(dk), out(dv));
+      if (parts == 1)
+        dkv(tc_dkv_kernel<128, kTcWarps, 1>);
+      else
+        dkv(tc_dkv_kernel<128, kTcWarps, 2>);
     }
     return;
   }

@@ -514,15 +514,15 @@ __device__ __forceinline__ void load_rows(uint32_t (&a)[D / 16][4], const bf16* 
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) load_a<D + 8>(a[kk], tile, row0, kk * 16);
 }
-// s [16 x 64] += A [16 x D] @ tile^T (tile [64][D + 8]: K in Q K^T), one k-step's A fragment at a
-// time: from registers (a_regs) or from rows row0.. of a shared tile.
-template <int D>
-__device__ __forceinline__ void mma_abt(float (&s)[8][4], const uint32_t (&a_regs)[D / 16][4],
+// s [16 x 8 NT] += A [16 x D] @ tile^T (tile [8 NT][D + 8]: K in Q K^T), one k-step's A fragment
+// at a time: from registers (a_regs) or from rows row0.. of a shared tile.
+template <int D, int NT = 8>
+__device__ __forceinline__ void mma_abt(float (&s)[NT][4], const uint32_t (&a_regs)[D / 16][4],
                                         const bf16* tile) {
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
 #pragma unroll
-    for (int nt = 0; nt < 8; nt += 2) {
+    for (int nt = 0; nt < NT; nt += 2) {
       uint32_t b[4];
       load_bt2<D + 8>(b, tile, nt * 8, kk * 16);
       mma(s[nt], a_regs[kk], b[0], b[1]);
@@ -530,15 +530,15 @@ __device__ __forceinline__ void mma_abt(float (&s)[8][4], const uint32_t (&a_reg
     }
   }
 }
-template <int D>
-__device__ __forceinline__ void mma_abt(float (&s)[8][4], const bf16* a_tile, int row0,
+template <int D, int NT = 8>
+__device__ __forceinline__ void mma_abt(float (&s)[NT][4], const bf16* a_tile, int row0,
                                         const bf16* tile) {
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     uint32_t a[4];
     load_a<D + 8>(a, a_tile, row0, kk * 16);
 #pragma unroll
-    for (int nt = 0; nt < 8; nt += 2) {
+    for (int nt = 0; nt < NT; nt += 2) {
       uint32_t b[4];
       load_bt2<D + 8>(b, tile, nt * 8, kk * 16);
       mma(s[nt], a, b[0], b[1]);
@@ -546,13 +546,13 @@ __device__ __forceinline__ void mma_abt(float (&s)[8][4], const bf16* a_tile, in
     }
   }
 }
-// acc [16 x D] += C [16 x 64] @ tile (tile [64][D + 8]: V in P V), C as the f32 C fragments of a
-// previous product, rounded to bf16.
-template <int D>
-__device__ __forceinline__ void mma_cb(float (&acc)[D / 8][4], const float (&c)[8][4],
+// acc [16 x D] += C [16 x 8 NT] @ tile (tile [8 NT][D + 8]: V in P V), C as the f32 C fragments
+// of a previous product, rounded to bf16.
+template <int D, int NT = 8>
+__device__ __forceinline__ void mma_cb(float (&acc)[D / 8][4], const float (&c)[NT][4],
                                        const bf16* tile) {
 #pragma unroll
-  for (int kk = 0; kk < kTile / 16; ++kk) {
+  for (int kk = 0; kk < NT / 2; ++kk) {
     uint32_t a[4];
     a_from_c(a, c[2 * kk], c[2 * kk + 1]);
 #pragma unroll
@@ -846,17 +846,18 @@ __global__ void __launch_bounds__(W * 32)
   }
 }
 
-// dk/dv's elementwise step on a warp's S^T and dP^T (rows: its 16 keys kj, columns: the 64
-// queries from q0): st becomes P^T, dpt dS^T. All: every pair is visible (see Overlap), no mask.
-template <bool All>
-__device__ __forceinline__ void dkv_scores(const Flash& f, float (&st)[8][4], float (&dpt)[8][4],
+// dk/dv's elementwise step on a warp's S^T and dP^T (rows: its 16 keys kj, columns: the 8 NT
+// queries from q0, whose lse and delta are lst and dlt): st becomes P^T, dpt dS^T. All: every
+// pair is visible (see Overlap), no mask.
+template <bool All, int NT>
+__device__ __forceinline__ void dkv_scores(const Flash& f, float (&st)[NT][4], float (&dpt)[NT][4],
                                            const float* lst, const float* dlt, int64_t q0,
                                            int64_t b, const int64_t (&kj)[2],
                                            const int32_t (&kseg)[2]) {
   const AttnArgs& a = f.a;
   const int tq = threadIdx.x & 3;
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
+  for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int r = e >> 1, il = nt * 8 + 2 * tq + (e & 1);
@@ -878,7 +879,13 @@ __device__ __forceinline__ void dkv_scores(const Flash& f, float (&st)[8][4], fl
 // dk, dv: block (key tile, b Hkv + g); warp w owns key rows 16w..16w+15 of the 16 W. The block
 // streams, for each query head of the group, the 64-row query tiles that may see these keys
 // (with their lse and delta): S^T = K Q^T, dP^T = V dO^T, dv += P^T dO, dk += scale dS^T Q.
-template <int D, int W>
+// Parts: a warp takes a streamed tile in that many slices of 64 / Parts queries. The dk and dv
+// accumulators hold 2 D / 8 registers a lane and S^T and dP^T 2 x 64 / (8 Parts) more; at
+// head_dim 128 whole tiles need more than the 255 registers a thread has (ptxas spills), two
+// slices of 32 do not, at the price of loading the warp's K and V fragments once per slice. The
+// mma.sync sequence into each accumulator is the same either way, so the results are the same
+// bits; a slice no key of the warp may see is skipped, and one it sees whole is not masked.
+template <int D, int W, int Parts>
 __global__ void __launch_bounds__(W * 32)
     tc_dkv_kernel(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, Flash f,
                   const float* lse, const float* delta, Out dk, Out dv) {
@@ -947,17 +954,23 @@ __global__ void __launch_bounds__(W * 32)
     const bf16* dot = dos + bi * kTile * P;
     const float* lst = ls_s + bi * kTile;
     const float* dlt = dl_s + bi * kTile;
-    const Overlap ov = overlap(f, q0, kTile, k0 + warp * 16, 16);
-    if (!ov.none) {
-      float st[8][4] = {}, dpt[8][4] = {};
-      mma_abt<D>(st, ks, warp * 16, qt);    // S^T = K Q^T
-      mma_abt<D>(dpt, vs, warp * 16, dot);  // dP^T = V dO^T
+#pragma unroll
+    for (int part = 0; part < Parts; ++part) {
+      constexpr int NQ = kTile / Parts, NT = NQ / 8;
+      const Overlap ov = overlap(f, q0 + part * NQ, NQ, k0 + warp * 16, 16);
+      if (ov.none) continue;
+      const bf16* qp = qt + part * NQ * P;
+      const bf16* dop = dot + part * NQ * P;
+      float st[NT][4] = {}, dpt[NT][4] = {};
+      mma_abt<D, NT>(st, ks, warp * 16, qp);    // S^T = K Q^T
+      mma_abt<D, NT>(dpt, vs, warp * 16, dop);  // dP^T = V dO^T
       if (ov.all)
-        dkv_scores<true>(f, st, dpt, lst, dlt, q0, b, kj, kseg);
+        dkv_scores<true>(f, st, dpt, lst + part * NQ, dlt + part * NQ, q0 + part * NQ, b, kj, kseg);
       else
-        dkv_scores<false>(f, st, dpt, lst, dlt, q0, b, kj, kseg);
-      mma_cb<D>(av, st, dot);  // dv += P^T dO
-      mma_cb<D>(ak, dpt, qt);  // dk += dS^T Q
+        dkv_scores<false>(f, st, dpt, lst + part * NQ, dlt + part * NQ, q0 + part * NQ, b, kj,
+                          kseg);
+      mma_cb<D, NT>(av, st, dop);  // dv += P^T dO
+      mma_cb<D, NT>(ak, dpt, qp);  // dk += dS^T Q
     }
     __syncthreads();
     q0 = q0 + kTile < hi ? q0 + kTile : lo;

@@ -69,6 +69,9 @@ struct Ctx {
   std::shared_ptr<DeviceChecks> checks;
   // The device's compute capability (major), asked once: 8+ takes mma.sync.
   int sm_major = 0;
+  // Slices per streamed query tile in flash's dk/dv kernel (flash_kernels.cuh): 1 or 2, 0 = the
+  // default per head_dim. From MT_CUDA_FLASH_DKV_PARTS, for measuring one against the other.
+  int flash_dkv_parts = 0;
 };
 
 // Throws "cuda <op>: <what> failed: <error> (<shapes>)" unless e is cudaSuccess.
