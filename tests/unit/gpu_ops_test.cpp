@@ -639,6 +639,25 @@ TEST_F(GpuOps, Rope) {
         cpu().rope_backward(x.c, positions.c, specs[si], dx.c);
         EXPECT_TRUE(close(dx, tol(dt), "rope_backward"));
       }
+  // The backend keeps each spec's table: specs that differ in one field at the same width, each
+  // met twice (the second time from the cache), and yarn's attention factor, which scales cos
+  // and sin without changing the frequencies.
+  specs[4] = specs[3];
+  specs[4].attention_factor = 1.5f;
+  const int64_t B = 2, T = 9, H = 3, D = 32;
+  const Shape s{B, T, H, D};
+  std::vector<int32_t> pos(static_cast<size_t>(B * T));
+  for (auto& p : pos) p = static_cast<int32_t>(pick(rng, 0, 131072));
+  Both positions = ints({B, T}, pos);
+  for (int pass = 0; pass < 2; ++pass)
+    for (size_t si = 0; si < specs.size(); ++si) {
+      SCOPED_TRACE("pass " + std::to_string(pass) + " spec " + std::to_string(si));
+      Both x = make(s, rand_nz(shape_numel(s), rng), DType::f32);
+      Both o = poisoned(s, DType::f32);
+      gpu().rope_forward(x.g, positions.g, specs[si], o.g);
+      cpu().rope_forward(x.c, positions.c, specs[si], o.c);
+      EXPECT_TRUE(close(o, tol(DType::f32), "rope_forward"));
+    }
 }
 
 TEST_F(GpuOps, Activations) {

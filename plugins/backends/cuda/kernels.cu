@@ -941,20 +941,24 @@ __global__ void rope_kernel(In x, const int32_t* positions, const float* inv_fre
   }
 }
 
-// inv_freq on the device: from c.rope when it holds these values, else uploaded and kept there.
+// The rope table of (spec, R): from c.rope when it holds it, else computed, uploaded and kept.
 // The entry's host vector is the copy's source, so it lives until the copy is done.
 template <class S>
-Tensor rope_table(const Ctx& c, const std::vector<float>& inv_freq, const char* op, S&& shapes) {
-  for (const auto& [values, dev] : c.rope->entries)
-    if (values == inv_freq) return dev;
+const RopeTables::Entry& rope_table(const Ctx& c, const RopeSpec& spec, int64_t R, const char* op,
+                                    S&& shapes) {
+  for (const auto& e : c.rope->entries)
+    if (e.rotary_dim == R && e.spec == spec) return e;
   if (c.rope->entries.size() >= RopeTables::kMaxEntries) c.rope->entries.clear();
-  Tensor dev = c.scratch({std::max<int64_t>(static_cast<int64_t>(inv_freq.size()), 1)}, DType::f32);
-  const std::vector<float>& src = c.rope->entries.emplace_back(inv_freq, dev).first;
-  if (!src.empty())
-    check(cudaMemcpyAsync(dev.data(), src.data(), src.size() * sizeof(float),
+  RopeFrequencies t = rope_frequencies(spec, R);
+  Tensor dev =
+      c.scratch({std::max<int64_t>(static_cast<int64_t>(t.inv_freq.size()), 1)}, DType::f32);
+  const auto& e = c.rope->entries.emplace_back(
+      RopeTables::Entry{spec, R, std::move(t.inv_freq), t.mscale, std::move(dev)});
+  if (!e.inv_freq.empty())
+    check(cudaMemcpyAsync(e.dev.data(), e.inv_freq.data(), e.inv_freq.size() * sizeof(float),
                           cudaMemcpyHostToDevice, c.stream),
           op, "uploading inv_freq", shapes());
-  return dev;
+  return e;
 }
 
 void rope_apply(const Ctx& c, const char* op, const Tensor& x, const Tensor& positions,
@@ -974,13 +978,12 @@ void rope_apply(const Ctx& c, const char* op, const Tensor& x, const Tensor& pos
                                    " is larger than the " + std::to_string(kMaxRotaryDim) +
                                    " this kernel supports");
   if (rows == 0 || H == 0 || D == 0) return;
-  const RopeFrequencies table = rope_frequencies(spec, R);
-  const Tensor freq = rope_table(c, table.inv_freq, op, shapes);
+  const RopeTables::Entry& table = rope_table(c, spec, R, op, shapes);
   const bool vec =
       D % 8 == 0 && (R / 2) % (spec.interleaved ? 4 : 8) == 0 && aligned16({x.data(), o.data()});
   MT_LAUNCH(rope_kernel, static_cast<unsigned>(rows), kThreads,
             static_cast<size_t>(R) * sizeof(float), c.stream)
-  (in(x), positions.ptr<const int32_t>(), freq.ptr<const float>(), H, D, R, spec.interleaved,
+  (in(x), positions.ptr<const int32_t>(), table.dev.ptr<const float>(), H, D, R, spec.interleaved,
    static_cast<float>(table.mscale), inverse, vec, out(o));
   launched(op, shapes);
 }

@@ -22,12 +22,19 @@ namespace mt::cuda {
 
 class Gemm;  // gemm.h
 
-// Device copies of rope frequency tables (inv_freq), by content: every layer of a model rotates
-// with the same table, uploaded once instead of on every call. A few entries at most (one per
-// distinct rope spec in use); cleared when more would be held.
+// Rope frequency tables by spec and rotary width: every layer of a model rotates with the same
+// table, computed on the host (rope_frequencies) and uploaded once instead of at every call. A
+// few entries at most (one per distinct rope spec in use); cleared when more would be held.
 struct RopeTables {
   static constexpr size_t kMaxEntries = 8;
-  std::vector<std::pair<std::vector<float>, Tensor>> entries;
+  struct Entry {
+    RopeSpec spec;
+    int64_t rotary_dim;
+    std::vector<float> inv_freq;  // the host copy (the upload's source, so kept)
+    double mscale;
+    Tensor dev;  // inv_freq on the device
+  };
+  std::vector<Entry> entries;
 };
 
 // Input checks made on the device, so that no host thread waits for the data (reading ids back

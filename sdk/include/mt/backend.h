@@ -48,6 +48,8 @@ struct RopeSpec {
   float beta_fast = 32.f;        // yarn
   float beta_slow = 1.f;         // yarn
   float attention_factor = 0.f;  // yarn: multiplies cos and sin; 0 = 0.1 * ln(factor) + 1
+
+  bool operator==(const RopeSpec&) const = default;  // every field (NaN never equal)
 };
 
 // The inverse frequencies [rotary_dim / 2] of a rope spec, computed as Hugging Face does (in
