@@ -1129,6 +1129,23 @@ TEST_F(GpuOps, FlashDkvPartsRefusesOtherValues) {
   }
 }
 
+// More memory than any device has: a message that says what to change, and the backend goes on.
+TEST_F(GpuOps, OutOfMemorySaysWhatToChange) {
+  Backend& b = gpu();
+  try {
+    Tensor huge = b.empty({int64_t{1} << 42}, DType::f32);  // 16 TiB
+    ADD_FAILURE() << "16 TiB were allocated";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("out of"), std::string::npos) << m;
+    EXPECT_NE(m.find("per_device_batch_size"), std::string::npos) << m;
+    EXPECT_NE(m.find("remat_policy=full"), std::string::npos) << m;
+  }
+  Tensor t = b.empty({1000}, DType::f32);
+  b.fill(t, 2.f);
+  EXPECT_EQ(b.sum(t), 2000.0);
+}
+
 TEST_F(GpuOps, AllocatorReusesBlocks) {
   Backend& b = gpu();
   { Tensor warm = b.empty({1 << 20}, DType::f32); }

@@ -2,11 +2,21 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdio>
 #include <string>
 
 #include "mt/error.h"
 
 namespace mt::cuda {
+namespace {
+
+std::string gib(size_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f GiB", static_cast<double>(bytes) / (1024.0 * 1024 * 1024));
+  return buf;
+}
+
+}  // namespace
 
 size_t DeviceAllocator::round_size(size_t bytes) {
   if (bytes == 0) bytes = 1;
@@ -53,9 +63,20 @@ void* DeviceAllocator::allocate(size_t bytes) {
     }
     if (e != cudaSuccess) {
       static_cast<void>(cudaGetLastError());
-      throw Error("cuda: out of device memory: could not allocate " + std::to_string(size) +
-                  " bytes with " + std::to_string(stats_.bytes_in_use) + " bytes in use (" +
-                  cudaGetErrorName(e) + ": " + cudaGetErrorString(e) + ")");
+      size_t free_bytes = 0, total_bytes = 0;
+      if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) {
+        static_cast<void>(cudaGetLastError());
+        total_bytes = 0;
+      }
+      throw Error("cuda: out of device memory: could not allocate " + gib(size) + " with " +
+                  gib(stats_.bytes_in_use) + " in use by mt" +
+                  (total_bytes
+                       ? ", " + gib(free_bytes) + " free of the device's " + gib(total_bytes)
+                       : std::string()) +
+                  " (" + cudaGetErrorName(e) + ": " + cudaGetErrorString(e) +
+                  "). Lower per_device_batch_size or max_target_length, recompute activations "
+                  "in the backward pass (remat_policy=full), or split each batch into "
+                  "micro-batches with gradient_accumulation_steps.");
     }
     ++stats_.num_system_allocs;
   }
