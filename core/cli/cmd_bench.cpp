@@ -64,6 +64,11 @@ int bench_train(Args args) {
   std::vector<std::filesystem::path> dirs;
   for (const auto& d : cfg.get_string_list("plugin_dirs")) dirs.emplace_back(d);
   PluginManager pm(dirs);
+  if (cfg.get_int("steps") < 3)
+    throw UsageError("mt bench train needs steps=3 or more (now " +
+                     std::to_string(cfg.get_int("steps")) +
+                     "): its medians leave out the first 2 steps, which warm up the allocator "
+                     "and caches.");
   std::fprintf(stderr, "mt bench train: %s, %ld steps (medians exclude the first 2)...\n",
                cfg.get_string("model_name").c_str(), static_cast<long>(cfg.get_int("steps")));
   const TrainSummary s = train(cfg, pm, /*quiet=*/true);

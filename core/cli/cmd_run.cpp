@@ -23,13 +23,20 @@ int cmd_run(const Args& args) {
   for (const auto& d : cfg.get_string_list("plugin_dirs")) dirs.emplace_back(d);
   PluginManager pm(dirs);
   const TrainSummary s = train(cfg, pm);
+  char speed[256];
+  if (s.timed_steps > 0)
+    std::snprintf(speed, sizeof speed,
+                  "median %.0f tokens/s, %.4f TFLOP/s per device, MFU %.1f%%, %.1f ms/step",
+                  s.tokens_per_sec, s.tflops_per_device, 100 * s.mfu, s.step_time_ms);
+  else
+    std::snprintf(speed, sizeof speed,
+                  "no throughput (the first 2 steps of a run warm up and are not timed; run 3 "
+                  "or more for medians)");
   std::printf(
-      "\nmt run: done. %ld steps, %s tokens; final train loss %.4f%s; median %.0f tokens/s, "
-      "%.4f TFLOP/s per device, MFU %.1f%%, %.1f ms/step.\nmt run: metrics and the resolved "
-      "config are in %s\n",
+      "\nmt run: done. %ld steps, %s tokens; final train loss %.4f%s; %s.\nmt run: metrics and "
+      "the resolved config are in %s\n",
       static_cast<long>(s.steps), human_count(static_cast<double>(s.tokens)).c_str(), s.final_loss,
-      s.final_eval_loss >= 0 ? fmt_eval(s.final_eval_loss).c_str() : "", s.tokens_per_sec,
-      s.tflops_per_device, 100 * s.mfu, s.step_time_ms, s.run_dir.c_str());
+      s.final_eval_loss >= 0 ? fmt_eval(s.final_eval_loss).c_str() : "", speed, s.run_dir.c_str());
   return 0;
 }
 

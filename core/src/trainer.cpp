@@ -346,6 +346,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
   sum.steps = steps;
   sum.checkpoint_seconds = ckpt.total_blocking_seconds();
   sum.final_loss = last_loss;
+  sum.timed_steps = static_cast<int64_t>(tps_hist.size());
   sum.tokens_per_sec = median(tps_hist);
   sum.step_time_ms = median(step_ms_hist);
   sum.tflops_per_device = sum.tokens_per_sec * flops_per_token / 1e12;

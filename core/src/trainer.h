@@ -16,8 +16,11 @@ struct TrainSummary {
   int64_t steps = 0;
   int64_t tokens = 0;
   double final_loss = 0, final_eval_loss = -1;
-  double tokens_per_sec = 0, tflops_per_device = 0, mfu = 0;  // medians after warm-up
+  // Medians over the steps after the first two of the run (warm-up: allocator, plans, caches);
+  // timed_steps counts them, and with none (a run of 2 steps or fewer) these are 0.
+  double tokens_per_sec = 0, tflops_per_device = 0, mfu = 0;
   double step_time_ms = 0;
+  int64_t timed_steps = 0;
   double checkpoint_seconds = 0;  // training time blocked by checkpoint saves
   int64_t failed_checkpoints = 0;  // saves that failed with checkpoint_error_policy=continue
   std::string run_dir;

@@ -86,6 +86,28 @@ TEST(Cli, BenchPrintsOneJsonObject) {
     EXPECT_NE(r.out.find(k), std::string::npos) << k << r.out;
 }
 
+// The first 2 steps of a run warm up and are not timed: with no step left, no throughput is
+// reported (not a median of nothing printed as 0), and the benchmark refuses such a run.
+TEST(Cli, ThroughputNeedsThreeSteps) {
+  const fs::path dir = fs::temp_directory_path() / ("mt_cli_short_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  auto r =
+      mt_cmd("run --model=llama-test steps=2 enable_checkpointing=false base_output_directory=" +
+             dir.string());
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("no throughput"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("0 tokens/s"), std::string::npos) << r.out;
+  r = mt_cmd("run --model=llama-test steps=3 enable_checkpointing=false base_output_directory=" +
+             dir.string());
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("median "), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("no throughput"), std::string::npos) << r.out;
+  r = mt_cmd("bench train --model=llama-test steps=2");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("steps=3 or more (now 2)"), std::string::npos) << r.out;
+  fs::remove_all(dir);
+}
+
 TEST(Cli, BenchKernelsPrintJsonLines) {
   auto r = mt_cmd("bench gemm shapes=32x48x16,8x8x8 iters=1 repeats=1 warmup=0 2>/dev/null");
   EXPECT_EQ(r.code, 0) << r.out;
