@@ -39,6 +39,17 @@ double learning_rate_at(int64_t step, double peak, int64_t warmup, int64_t sched
   return peak * (final_fraction + (1.0 - final_fraction) * cosine);
 }
 
+std::string precision_hint(DType compute, double peak_f32, double peak_bf16) {
+  if (compute != DType::f32 || peak_f32 <= 0 || peak_bf16 < 4 * peak_f32) return {};
+  char b[400];
+  std::snprintf(b, sizeof b,
+                "hint: dtype=float32 computes at up to %.0f TFLOP/s on this device, bfloat16 at "
+                "%.0f; dtype=bfloat16 weight_dtype=float32 trains in MaxText's mixed precision "
+                "(f32 master weights and optimizer state, bf16 activations and matmuls).",
+                peak_f32 / 1e12, peak_bf16 / 1e12);
+  return b;
+}
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -199,6 +210,9 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
         dtype_name(runner.compute_dtype()), dtype_name(runner.weight_dtype()), dataset.c_str(),
         static_cast<long>(batch), static_cast<long>(seq), static_cast<long>(accum),
         static_cast<long>(steps), peak / 1e12);
+    const std::string hint = precision_hint(runner.compute_dtype(), be.peak_flops(DType::f32),
+                                            be.peak_flops(DType::bf16));
+    if (!hint.empty()) std::printf("mt run: %s\n", hint.c_str());
     std::printf("mt run: metrics -> %s\n", (run_dir / "metrics.jsonl").string().c_str());
     if (!resumed_from.empty()) std::printf("mt run: %s\n", resumed_from.c_str());
     std::fflush(stdout);

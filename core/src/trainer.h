@@ -7,6 +7,7 @@
 #include <string>
 
 #include "mt/config.h"
+#include "mt/dtype.h"
 
 namespace mt {
 
@@ -30,6 +31,10 @@ struct TrainSummary {
 // decay to peak * final_fraction at schedule_steps, constant after.
 double learning_rate_at(int64_t step, double peak, int64_t warmup, int64_t schedule_steps,
                         double final_fraction);
+
+// The line mt run prints when dtype=float32 leaves most of the device unused (bf16 peak at least
+// four times the f32 one), suggesting mixed precision; empty otherwise.
+std::string precision_hint(DType compute, double peak_f32, double peak_bf16);
 
 // Trains as the config says. quiet: no terminal output (bench); throws mt::Error on NaN/Inf.
 TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet = false);

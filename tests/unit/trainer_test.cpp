@@ -77,6 +77,20 @@ struct Fixture {
   }
 };
 
+// dtype=float32 on a device whose bf16 peak is at least four times its f32 one (a Hopper: 67
+// against 989 TFLOP/s at matmul_precision=highest) gets a line suggesting mixed precision; nowhere
+// else.
+TEST(Trainer, PrecisionHintOnlyWhereBf16IsMuchFaster) {
+  const std::string h = precision_hint(DType::f32, 67e12, 989e12);
+  EXPECT_NE(h.find("dtype=bfloat16 weight_dtype=float32"), std::string::npos) << h;
+  EXPECT_NE(h.find("67 TFLOP/s"), std::string::npos) << h;
+  EXPECT_NE(h.find("989"), std::string::npos) << h;
+  EXPECT_EQ(precision_hint(DType::bf16, 67e12, 989e12), "");
+  EXPECT_EQ(precision_hint(DType::f32, 494e12, 989e12), "");  // TF32 (matmul_precision=high): 2x
+  EXPECT_EQ(precision_hint(DType::f32, 2.3e11, 2.3e11), "");  // this CPU: bf16 widened to f32
+  EXPECT_EQ(precision_hint(DType::f32, 0, 0), "");            // peak unknown
+}
+
 TEST(Trainer, OverfitsAFixedBatch) {
   Fixture fx;
   const TrainSummary s = train(fx.config({"steps=300", "learning_rate=3e-3",
