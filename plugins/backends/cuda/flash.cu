@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <type_traits>
 
 #include "attention_args.h"
 #include "device_io.cuh"
@@ -69,6 +70,15 @@ unsigned tiles_of(int64_t n, int64_t rows) {
   return static_cast<unsigned>((n + rows - 1) / rows);
 }
 
+// Calls fn with std::integral_constant<int, D> for the tensor-core head sizes, D = 64 or 128.
+template <class F>
+void with_head_dim(int64_t D, F&& fn) {
+  if (D == 64)
+    fn(std::integral_constant<int, 64>{});
+  else
+    fn(std::integral_constant<int, 128>{});
+}
+
 const bf16* bf(const Tensor& t) {
   return t.ptr<const bf16>();
 }
@@ -99,12 +109,10 @@ void flash_forward(const Ctx& c, const Tensor& q, const Tensor& k, const Tensor&
     // The owned query tile, and two buffers each of K and V tiles.
     const dim3 grid(tiles_of(a.T, kOwnRows), static_cast<unsigned>(B * a.Hq));
     const size_t smem = tile_bytes(kOwnRows, a.D) + 4 * tile_bytes(kTile, a.D);
-    if (a.D == 64)
-      launch_tc(c, op, tc_fwd_kernel<64, kTcWarps>, grid, smem, shapes, bf(q), bf(k), bf(v), f,
-                out(o), lse.ptr<float>());
-    else
-      launch_tc(c, op, tc_fwd_kernel<128, kTcWarps>, grid, smem, shapes, bf(q), bf(k), bf(v), f,
-                out(o), lse.ptr<float>());
+    with_head_dim(a.D, [&](auto d) {
+      launch_tc(c, op, tc_fwd_kernel<decltype(d)::value, kTcWarps>, grid, smem, shapes, bf(q),
+                bf(k), bf(v), f, out(o), lse.ptr<float>());
+    });
     return;
   }
   MT_LAUNCH(simt_fwd_kernel, warp_blocks(rows), kWarps * 32, 0, c.stream)
@@ -140,25 +148,19 @@ void flash_backward(const Ctx& c, const Tensor& dout, const Tensor& q, const Ten
     // dk/dv in slices of the streamed query tiles (tc_dkv_kernel): whole at head_dim 64, two
     // at 128 unless Ctx::flash_dkv_parts says otherwise.
     const int parts = c.flash_dkv_parts > 0 ? c.flash_dkv_parts : a.D == 64 ? 1 : 2;
-    const auto dkv = [&](auto kernel) {
-      launch_tc(c, op, kernel, kgrid, dkv_smem, shapes, bf(q), bf(k), bf(v), bf(dout), f, ls, dl,
-                out(dk), out(dv));
-    };
-    if (a.D == 64) {
-      launch_tc(c, op, tc_dq_kernel<64, kTcWarps>, qgrid, dq_smem, shapes, bf(q), bf(k), bf(v),
+    with_head_dim(a.D, [&](auto d) {
+      constexpr int D = decltype(d)::value;
+      launch_tc(c, op, tc_dq_kernel<D, kTcWarps>, qgrid, dq_smem, shapes, bf(q), bf(k), bf(v),
                 bf(dout), f, ls, dl, out(dq));
+      const auto dkv = [&](auto kernel) {
+        launch_tc(c, op, kernel, kgrid, dkv_smem, shapes, bf(q), bf(k), bf(v), bf(dout), f, ls, dl,
+                  out(dk), out(dv));
+      };
       if (parts == 1)
-        dkv(tc_dkv_kernel<64, kTcWarps, 1>);
+        dkv(tc_dkv_kernel<D, kTcWarps, 1>);
       else
-        dkv(tc_dkv_kernel<64, kTcWarps, 2>);
-    } else {
-      launch_tc(c, op, tc_dq_kernel<128, kTcWarps>, qgrid, dq_smem, shapes, bf(q), bf(k), bf(v),
-                bf(dout), f, ls, dl, out(dq));
-      if (parts == 1)
-        dkv(tc_dkv_kernel<128, kTcWarps, 1>);
-      else
-        dkv(tc_dkv_kernel<128, kTcWarps, 2>);
-    }
+        dkv(tc_dkv_kernel<D, kTcWarps, 2>);
+    });
     return;
   }
   MT_LAUNCH(simt_dq_kernel, warp_blocks(rows), kWarps * 32, 0, c.stream)
