@@ -9,13 +9,13 @@
 # 2. ctest -L gpu; `mt plugins`; nvidia-smi.
 # 3. mt bench gemm / attention / train (backend=cuda) and bench/peers/torch_gpu.py on the same
 #    cases: GEMM TFLOP/s at llama2-7b and ~1B shapes (target mt/torch >= 0.95), attention
-#    forward and forward+backward TFLOP/s (flash vs SDPA flash, dot_product vs SDPA math; and
-#    flash with its dk/dv kernel on whole query tiles, MT_CUDA_FLASH_DKV_PARTS=1, as an A/B),
+#    forward and forward+backward TFLOP/s (flash vs SDPA flash, dot_product vs SDPA math),
 #    training tokens/s and MFU of llama2-7b with 4 layers (T=4096, batch 2) and llama-bench-1b
 #    (T=2048, batch 4) against PyTorch eager, bf16 autocast with f32 masters (targets: MFU >=
 #    45%, mt/eager >= 1.3), mt's decode throughput (llama-bench-1b, prefill and batch 1/8), the
-#    7b run again with profile=true (time per op of the steady-state steps, into bench.log), and
-#    torch.compile when time allows.
+#    7b run again with profile=true (time per op of the steady-state steps, into bench.log),
+#    flash fwd+bwd with its dk/dv kernel on whole query tiles (MT_CUDA_FLASH_DKV_PARTS=1) as an
+#    A/B against the default, and torch.compile when time allows.
 # 4. One markdown table on stdout (last, so it is in any output tail). Files in $OUT when set,
 #    else bench/gpu/results/: raw.jsonl (every JSON line, tagged source/case), table.md,
 #    status.txt, build.log, ctest.log, bench.log (the commands' stderr), env.txt, and
@@ -305,12 +305,6 @@ if ((built)); then bench mt gemm 60 "${mtc[@]}" bench gemm backend=cuda; fi
 torch_bench gemm 60 gemm
 if ((built)); then bench mt attention 90 "${mtc[@]}" bench attention backend=cuda; fi
 torch_bench attention 60 attention
-# A/B: flash's dk/dv kernel on whole query tiles (more registers than a thread has at head_dim
-# 128: ptxas spills) against the default two slices; the table gives the ratio.
-if ((built)); then
-  bench mt-dkv1 attention 60 env MT_CUDA_FLASH_DKV_PARTS=1 "${mtc[@]}" bench attention \
-    backend=cuda attention=flash shapes=1x4096x32x128,2x4096x32x128
-fi
 
 # Training: the same model, shapes and optimizer on both sides. mt uses flash attention, or
 # dot_product when this build's cuda backend does not offer flash (the table says which).
@@ -357,6 +351,13 @@ if ((built)); then
   else
     note "mt profile" "skipped" "time budget"
   fi
+fi
+# After the targets, an A/B: flash's dk/dv kernel on whole query tiles (more registers than a
+# thread has at head_dim 128: ptxas spills) against the default two slices (the attention rows
+# above); the table gives the ratio.
+if ((built)); then
+  bench mt-dkv1 attention 60 env MT_CUDA_FLASH_DKV_PARTS=1 "${mtc[@]}" bench attention \
+    backend=cuda attention=flash shapes=1x4096x32x128,2x4096x32x128
 fi
 # torch.compile last and only with time to spare: compiling takes a minute or more.
 if ((torch_ok)); then
