@@ -64,13 +64,14 @@ int bench_train(Args args) {
   std::vector<std::filesystem::path> dirs;
   for (const auto& d : cfg.get_string_list("plugin_dirs")) dirs.emplace_back(d);
   PluginManager pm(dirs);
-  if (cfg.get_int("steps") < 3)
-    throw UsageError("mt bench train needs steps=3 or more (now " +
-                     std::to_string(cfg.get_int("steps")) +
-                     "): its medians leave out the first 2 steps, which warm up the allocator "
-                     "and caches.");
-  std::fprintf(stderr, "mt bench train: %s, %ld steps (medians exclude the first 2)...\n",
-               cfg.get_string("model_name").c_str(), static_cast<long>(cfg.get_int("steps")));
+  if (cfg.get_int("steps") <= kUntimedSteps)
+    throw UsageError(fmt::format(
+        "mt bench train needs steps={} or more (now {}): its medians leave out the first {} "
+        "steps, which warm up the allocator and caches.",
+        kUntimedSteps + 1, cfg.get_int("steps"), kUntimedSteps));
+  std::fprintf(stderr, "mt bench train: %s, %ld steps (medians exclude the first %ld)...\n",
+               cfg.get_string("model_name").c_str(), static_cast<long>(cfg.get_int("steps")),
+               static_cast<long>(kUntimedSteps));
   const TrainSummary s = train(cfg, pm, /*quiet=*/true);
   std::printf(
       "{\"bench\": \"train\", \"model\": \"%s\", \"backend\": \"%s\", \"num_threads\": %ld, "

@@ -30,8 +30,9 @@ int cmd_run(const Args& args) {
                   s.tokens_per_sec, s.tflops_per_device, 100 * s.mfu, s.step_time_ms);
   else
     std::snprintf(speed, sizeof speed,
-                  "no throughput (the first 2 steps of a run warm up and are not timed; run 3 "
-                  "or more for medians)");
+                  "no throughput (the first %ld steps of a run warm up and are not timed; run "
+                  "%ld or more for medians)",
+                  static_cast<long>(kUntimedSteps), static_cast<long>(kUntimedSteps + 1));
   std::printf(
       "\nmt run: done. %ld steps, %s tokens; final train loss %.4f%s; %s.\nmt run: metrics and "
       "the resolved config are in %s\n",

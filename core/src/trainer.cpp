@@ -313,7 +313,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
     const double tps = tokens / step_s;
     const double tflops = tps * flops_per_token / 1e12;
     const double mfu = tps * flops_per_token / peak;
-    if (step > first_step + 1) {  // the first steps warm up the allocator and caches
+    if (step >= first_step + kUntimedSteps) {  // the first steps warm up (kUntimedSteps)
       tps_hist.push_back(tps);
       step_ms_hist.push_back(step_s * 1e3);
     }

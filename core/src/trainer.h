@@ -13,12 +13,16 @@ namespace mt {
 
 class PluginManager;
 
+// The first steps of a run warm up the allocator, GEMM plans and caches: throughput medians leave
+// them out.
+inline constexpr int64_t kUntimedSteps = 2;
+
 struct TrainSummary {
   int64_t steps = 0;
   int64_t tokens = 0;
   double final_loss = 0, final_eval_loss = -1;
-  // Medians over the steps after the first two of the run (warm-up: allocator, plans, caches);
-  // timed_steps counts them, and with none (a run of 2 steps or fewer) these are 0.
+  // Medians over the steps after the first kUntimedSteps of the run; timed_steps counts them, and
+  // with none (a run of kUntimedSteps steps or fewer) these are 0.
   double tokens_per_sec = 0, tflops_per_device = 0, mfu = 0;
   double step_time_ms = 0;
   int64_t timed_steps = 0;

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <utility>
 #include <vector>
 
 enum cudaDataType_t : int { CUDA_R_32F = 0, CUDA_R_16BF = 14 };
@@ -58,6 +59,18 @@ struct Preference {
   uint64_t workspace = 0;
   uint32_t align[4] = {256, 256, 256, 256};  // A, B, C, D: cuBLASLt's default assumption
 };
+// The C API's opaque objects: created on the heap and handed out (release), taken back and
+// freed by the matching destroy.
+template <class T>
+cublasStatus_t create(T** out, T value = {}) {
+  *out = std::make_unique<T>(std::move(value)).release();
+  return CUBLAS_STATUS_SUCCESS;
+}
+template <class T>
+cublasStatus_t destroy(T* p) {
+  std::unique_ptr<T> owned(p);
+  return CUBLAS_STATUS_SUCCESS;
+}
 }  // namespace emu_lt
 
 using cublasLtHandle_t = emu_lt::Handle*;
@@ -77,24 +90,20 @@ struct cublasLtMatmulHeuristicResult_t {
 };
 
 inline cublasStatus_t cublasLtCreate(cublasLtHandle_t* h) {
-  *h = std::make_unique<emu_lt::Handle>().release();  // an opaque C handle: cublasLtDestroy
-  return CUBLAS_STATUS_SUCCESS;
+  return emu_lt::create(h);
 }
 inline cublasStatus_t cublasLtDestroy(cublasLtHandle_t h) {
-  std::unique_ptr<emu_lt::Handle> owned(h);
-  return CUBLAS_STATUS_SUCCESS;
+  return emu_lt::destroy(h);
 }
 
 inline cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t* d, cublasComputeType_t c,
                                                cudaDataType_t scale) {
   if (c != CUBLAS_COMPUTE_32F && c != CUBLAS_COMPUTE_32F_FAST_TF32)
     return CUBLAS_STATUS_NOT_SUPPORTED;
-  *d = std::make_unique<emu_lt::Desc>(emu_lt::Desc{c, scale}).release();
-  return CUBLAS_STATUS_SUCCESS;
+  return emu_lt::create(d, emu_lt::Desc{c, scale});
 }
 inline cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t d) {
-  std::unique_ptr<emu_lt::Desc> owned(d);
-  return CUBLAS_STATUS_SUCCESS;
+  return emu_lt::destroy(d);
 }
 inline cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d,
                                                      cublasLtMatmulDescAttributes_t a,
@@ -115,12 +124,10 @@ inline cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d,
 inline cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t* l, cudaDataType_t type,
                                                  uint64_t rows, uint64_t cols, int64_t ld) {
   if (ld < static_cast<int64_t>(rows) || ld < 1) return CUBLAS_STATUS_INVALID_VALUE;
-  *l = std::make_unique<emu_lt::Layout>(emu_lt::Layout{type, rows, cols, ld}).release();
-  return CUBLAS_STATUS_SUCCESS;
+  return emu_lt::create(l, emu_lt::Layout{type, rows, cols, ld});
 }
 inline cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t l) {
-  std::unique_ptr<emu_lt::Layout> owned(l);
-  return CUBLAS_STATUS_SUCCESS;
+  return emu_lt::destroy(l);
 }
 inline cublasStatus_t cublasLtMatrixLayoutSetAttribute(cublasLtMatrixLayout_t l,
                                                        cublasLtMatrixLayoutAttribute_t a,
@@ -137,12 +144,10 @@ inline cublasStatus_t cublasLtMatrixLayoutSetAttribute(cublasLtMatrixLayout_t l,
 }
 
 inline cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t* p) {
-  *p = std::make_unique<emu_lt::Preference>().release();
-  return CUBLAS_STATUS_SUCCESS;
+  return emu_lt::create(p);
 }
 inline cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t p) {
-  std::unique_ptr<emu_lt::Preference> owned(p);
-  return CUBLAS_STATUS_SUCCESS;
+  return emu_lt::destroy(p);
 }
 inline cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p,
                                                            cublasLtMatmulPreferenceAttributes_t a,

@@ -43,10 +43,8 @@ void* CachingAllocator::allocate(size_t bytes) {
       p = std::aligned_alloc(64, size);
       if (!p)
         throw Error("The CPU backend is out of memory: could not allocate " + std::to_string(size) +
-                    " bytes with " + std::to_string(stats_.bytes_in_use) +
-                    " bytes in use. Lower per_device_batch_size or max_target_length, recompute "
-                    "activations in the backward pass (remat_policy=full), or split each batch "
-                    "into micro-batches with gradient_accumulation_steps.");
+                    " bytes with " + std::to_string(stats_.bytes_in_use) + " bytes in use. " +
+                    kOutOfMemoryAdvice);
     }
     ++stats_.num_system_allocs;
   }

@@ -68,15 +68,12 @@ void* DeviceAllocator::allocate(size_t bytes) {
         static_cast<void>(cudaGetLastError());
         total_bytes = 0;
       }
-      throw Error("cuda: out of device memory: could not allocate " + gib(size) + " with " +
-                  gib(stats_.bytes_in_use) + " in use by mt" +
-                  (total_bytes
-                       ? ", " + gib(free_bytes) + " free of the device's " + gib(total_bytes)
+      throw Error(
+          "cuda: out of device memory: could not allocate " + gib(size) + " with " +
+          gib(stats_.bytes_in_use) + " in use by mt" +
+          (total_bytes ? ", " + gib(free_bytes) + " free of the device's " + gib(total_bytes)
                        : std::string()) +
-                  " (" + cudaGetErrorName(e) + ": " + cudaGetErrorString(e) +
-                  "). Lower per_device_batch_size or max_target_length, recompute activations "
-                  "in the backward pass (remat_policy=full), or split each batch into "
-                  "micro-batches with gradient_accumulation_steps.");
+          " (" + cudaGetErrorName(e) + ": " + cudaGetErrorString(e) + "). " + kOutOfMemoryAdvice);
     }
     ++stats_.num_system_allocs;
   }

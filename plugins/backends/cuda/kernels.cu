@@ -416,39 +416,29 @@ void check_ew(const char* op, std::initializer_list<const Tensor*> ts) {
                    " must be f32 or bf16 with the same element count");
 }
 
-// ---- embedding ------------------------------------------------------------------------------
-// out[idx[m]] = src[m], i over [M, D]; a bad row index writes nothing (recorded once per row).
-struct ScatterRowsF {
-  In src;
+// ---- rows by index: embedding, gather_rows, scatter_rows, scatter-adds --------------------
+// Row copies, i over [M, D] with M = id's length. Gather: out[m] = x[id[m]] (the embedding lookup
+// with x as the table). Scatter: out[id[m]] = x[m]. An index outside [0, n) is recorded in `bad`
+// once per row (at d = 0) and read nothing with; the call's outputs are then undefined (the error
+// comes at the next synchronisation), though a gather writes 0 there and a scatter nothing.
+template <bool Gather>
+struct RowCopyF {
+  In x;
   const int32_t* id;
-  int64_t D, N;
+  int64_t D, n;
   Out o;
   unsigned long long* bad;
   __device__ void operator()(int64_t i) const {
     const int64_t m = i / D, d = i - m * D, r = id[m];
-    if (r < 0 || r >= N) {
+    if (r < 0 || r >= n) {
       if (d == 0) record_bad(bad, m, r);
+      if constexpr (Gather) o.set(i, 0.f);
       return;
     }
-    o.set(r * D + d, src[i]);
-  }
-};
-// table [V, D], id [N], out [N, D]
-// An id outside [0, V) is recorded in `bad` (once, at d = 0) and its output row left at 0.
-struct EmbedFwdF {
-  In table;
-  const int32_t* id;
-  int64_t D, V;
-  Out o;
-  unsigned long long* bad;
-  __device__ void operator()(int64_t i) const {
-    const int64_t n = i / D, d = i - n * D, r = id[n];
-    if (r < 0 || r >= V) {
-      if (d == 0) record_bad(bad, n, r);
-      o.set(i, 0.f);
-      return;
-    }
-    o.set(i, table[r * D + d]);
+    if constexpr (Gather)
+      o.set(i, x[r * D + d]);
+    else
+      o.set(r * D + d, x[i]);
   }
 };
 // Scatter-add by runs of equal destination rows: blockIdx.x = run k (one distinct destination),
@@ -503,8 +493,9 @@ __global__ void scatter_first_kernel(In src, In w, bool has_w, const int32_t* id
 // out[id[m]] += w[m] src[m] for m in [0, M): builds the runs on the host (a stable counting sort
 // of source rows by destination), uploads them and launches scatter_runs_kernel.
 template <class S>
-void scatter_rows(const Ctx& c, const char* op, const Tensor& src, const std::vector<int32_t>& id,
-                  int64_t N, const Tensor& w, int64_t D, Tensor& o, S&& shapes) {
+void scatter_add_runs(const Ctx& c, const char* op, const Tensor& src,
+                      const std::vector<int32_t>& id, int64_t N, const Tensor& w, int64_t D,
+                      Tensor& o, S&& shapes) {
   const int64_t M = static_cast<int64_t>(id.size());
   MT_CHECK(M < INT_MAX, std::string("cuda ") + op + ": too many rows: " + shapes());
   if (M == 0 || D == 0) return;
@@ -551,7 +542,7 @@ void scatter_add(const Ctx& c, const char* op, BadIndex bad_index, const Tensor&
   if (M > kDeviceScatterRows) {
     const std::vector<int32_t> id = host_ints(c, idx, op);
     check_indices(op, id, N, bad_index);
-    scatter_rows(c, op, src, id, N, w, D, o, shapes);
+    scatter_add_runs(c, op, src, id, N, w, D, o, shapes);
     return;
   }
   const std::string name = op;
@@ -1124,7 +1115,7 @@ void embedding_forward(const Ctx& c, const Tensor& table, const Tensor& ids, Ten
   const int64_t V = table.dim(0), D = table.dim(1);
   unsigned long long* bad = c.checks->slot(
       [V](int64_t n, int64_t id) { return bad_token_id("embedding_forward", n, id, V); });
-  launch_map(c, o.numel(), EmbedFwdF{in(table), ids.ptr<const int32_t>(), D, V, out(o), bad},
+  launch_map(c, o.numel(), RowCopyF<true>{in(table), ids.ptr<const int32_t>(), D, V, out(o), bad},
              "embedding_forward", shapes);
 }
 
@@ -1163,8 +1154,7 @@ void gather_rows(const Ctx& c, const Tensor& x, const Tensor& idx, Tensor& o) {
   const int64_t D = last_dim(x), N = lead_rows(x);
   unsigned long long* bad =
       c.checks->slot([N](int64_t m, int64_t id) { return bad_row_index("gather_rows", m, id, N); });
-  // out[m] = x[idx[m]]: the embedding lookup with x as the table.
-  launch_map(c, o.numel(), EmbedFwdF{in(x), idx.ptr<const int32_t>(), D, N, out(o), bad},
+  launch_map(c, o.numel(), RowCopyF<true>{in(x), idx.ptr<const int32_t>(), D, N, out(o), bad},
              "gather_rows", shapes);
 }
 
@@ -1176,7 +1166,7 @@ void scatter_rows(const Ctx& c, const Tensor& src, const Tensor& idx, Tensor& o)
   const int64_t D = last_dim(o), N = lead_rows(o);
   unsigned long long* bad = c.checks->slot(
       [N](int64_t m, int64_t id) { return bad_row_index("scatter_rows", m, id, N); });
-  launch_map(c, src.numel(), ScatterRowsF{in(src), idx.ptr<const int32_t>(), D, N, out(o), bad},
+  launch_map(c, src.numel(), RowCopyF<false>{in(src), idx.ptr<const int32_t>(), D, N, out(o), bad},
              "scatter_rows", shapes);
 }
 

@@ -71,6 +71,12 @@ struct AdamWParams {
   float grad_scale = 1.f;    // multiplies the gradient first (clipping, 1/accumulation)
 };
 
+// What a backend's out-of-memory error ends with: the settings a user can change.
+inline constexpr const char* kOutOfMemoryAdvice =
+    "Lower per_device_batch_size or max_target_length, recompute activations in the backward "
+    "pass (remat_policy=full), or split each batch into micro-batches with "
+    "gradient_accumulation_steps.";
+
 struct MemoryStats {
   size_t bytes_in_use = 0;  // handed out to live tensors
   size_t peak_bytes_in_use = 0;
