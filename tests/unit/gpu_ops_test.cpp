@@ -105,9 +105,7 @@ class GpuOps : public ::testing::Test {
   std::unique_ptr<AttentionKernel> gpu_attention(const std::string& name) {
     return attention_on(name, gpu());
   }
-  Backend& cpu() {
-    return test::cpu();
-  }
+  Backend& cpu() { return test::cpu(); }
 
   // One tensor on each backend holding the same values.
   struct Both {
@@ -1008,6 +1006,56 @@ TEST_F(GpuAttention, FlashDecodeLongCache) {
         ca->decode(q.c, kc.c, vc.c, lengths.c, spec, od.c);
         EXPECT_TRUE(close(od, tol(dt), "split decode"));
       }
+}
+
+// Bad arguments are refused before any launch, with the op and every operand's shape in the
+// message (the launchers build that text only for a message); the kernel computes afterwards.
+TEST_F(GpuAttention, BadArgumentsNameTheOpAndTheShapes) {
+  SEEDED_RNG(rng);
+  const DType dt = DType::bf16;
+  const auto filled = [&](const Shape& s) { return make(s, rand_nz(shape_numel(s), rng), dt).g; };
+  const auto refused = [](const std::string& what, const std::vector<std::string>& parts,
+                          const std::function<void()>& call) {
+    try {
+      call();
+      ADD_FAILURE() << what << " was accepted";
+    } catch (const Error& e) {
+      const std::string m = e.what();
+      for (const std::string& p : parts)
+        EXPECT_NE(m.find(p), std::string::npos)
+            << what << ": \"" << m << "\" lacks \"" << p << "\"";
+    }
+  };
+  for (const std::string name : {"dot_product", "flash"}) {
+    SCOPED_TRACE(name);
+    auto ga = gpu_attention(name);
+    AttentionSpec spec;
+    spec.causal = true;
+    // Three query heads over two kv heads.
+    Tensor q3 = filled({1, 5, 3, 64}), k2 = filled({1, 5, 2, 64}), v2 = filled({1, 5, 2, 64});
+    Tensor o3 = filled({1, 5, 3, 64}), lse3 = gpu().empty({1, 3, 5}, DType::f32);
+    refused("Hq % Hkv != 0",
+            {name + " attention forward", "Hq % Hkv", "q bf16[1, 5, 3, 64]", "k bf16[1, 5, 2, 64]",
+             "out bf16[1, 5, 3, 64]"},
+            [&] { ga->forward(q3, k2, v2, Tensor(), Tensor(), spec, o3, lse3); });
+    // dk with q's shape instead of k's.
+    Tensor q = filled({1, 5, 4, 64}), o = filled({1, 5, 4, 64}), dout = filled({1, 5, 4, 64});
+    Tensor dq = filled({1, 5, 4, 64}), dk = filled({1, 5, 4, 64}), dv = filled({1, 5, 2, 64});
+    Tensor lse = gpu().empty({1, 4, 5}, DType::f32);
+    refused("dk of q's shape",
+            {name + " attention backward", "dout bf16[1, 5, 4, 64]", "dk bf16[1, 5, 4, 64]",
+             "dv bf16[1, 5, 2, 64]"},
+            [&] { ga->backward(dout, q, k2, v2, Tensor(), Tensor(), o, lse, spec, dq, dk, dv); });
+    // Decode into an output of the wrong shape.
+    Tensor q1 = filled({1, 1, 4, 64}), o1 = filled({1, 1, 4, 32});
+    Tensor kc = filled({1, 9, 2, 64}), vc = filled({1, 9, 2, 64});
+    Tensor len = test::from_ints(gpu(), {1}, {6});
+    refused("decode out of another shape",
+            {name + " attention decode", "out must have q's shape", "k bf16[1, 9, 2, 64]",
+             "out bf16[1, 1, 4, 32]"},
+            [&] { ga->decode(q1, kc, vc, len, spec, o1); });
+    compare(*ga, kAttnCases[1], dt, 1, 5, 64, name == "flash" ? 2e-2 : tol(dt), rng);
+  }
 }
 
 // The backward owns its output rows (no atomics): two runs give the same bits.

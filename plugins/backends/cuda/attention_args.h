@@ -28,10 +28,13 @@ AttnArgs attention_args(const std::string& op, const Tensor& q, const Tensor& k,
 // lse must be f32 [B, Hq, T].
 void check_attention_lse(const std::string& op, const Tensor& lse, int64_t B, const AttnArgs& a);
 // The backward's operands: dout and dq of q's shape, dk and dv of k's, lse f32 [B, Hq, T].
-// Returns the shapes string for launch-error messages.
-std::string check_attention_grads(const std::string& op, const Tensor& dout, const Tensor& q,
-                                  const Tensor& k, const Tensor& v, const Tensor& lse,
-                                  const Tensor& dq, const Tensor& dk, const Tensor& dv);
+void check_attention_grads(const std::string& op, const Tensor& dout, const Tensor& q,
+                           const Tensor& k, const Tensor& v, const Tensor& lse, const Tensor& dq,
+                           const Tensor& dk, const Tensor& dv);
+// "dout [..], q [..], ...": the backward's operands, for error messages (built only for one).
+std::string attention_grad_shapes(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                  const Tensor& v, const Tensor& dq, const Tensor& dk,
+                                  const Tensor& dv);
 // Decode: lengths i32 [B]. Whether each is in [T, Smax] the decode kernel checks on the device
 // (a bad length reads nothing: the row attends to no key) and records in the returned slot.
 unsigned long long* check_decode_lengths(const Ctx& c, const std::string& op, const Tensor& lengths,

@@ -50,15 +50,16 @@ bool tensor_cores(const Ctx& c, std::initializer_list<const Tensor*> ts, int64_t
 }
 
 // Launches a tensor-core kernel (kTcWarps warps) with `smem` bytes of dynamic shared memory
-// (above the 48 KiB default, so the kernel must opt in first).
-template <class K, class... Args>
+// (above the 48 KiB default, so the kernel must opt in first). `shapes` is called for an error
+// message only.
+template <class K, class S, class... Args>
 void launch_tc(const Ctx& c, const std::string& op, K kernel, dim3 grid, size_t smem,
-               const std::string& shapes, Args... args) {
-  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(smem)),
-        op, "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)", shapes);
+               const S& shapes, Args... args) {
+  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(smem));
+  if (e != cudaSuccess) check(e, op, "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)", shapes());
   MT_LAUNCH(kernel, grid, kTcWarps * 32, smem, c.stream)(args...);
-  check(cudaGetLastError(), op, "kernel launch", shapes);
+  launched(op, shapes);
 }
 
 // Bytes of a shared [rows][D + 8] bf16 tile.
@@ -102,7 +103,7 @@ void flash_forward(const Ctx& c, const Tensor& q, const Tensor& k, const Tensor&
   check_attention_lse(op, lse, B, a);
   if (rows == 0) return;
   const Flash f = make_flash(a, B, q_segment, kv_segment, nullptr);
-  const std::string shapes = "q " + str(q) + ", k " + str(k) + ", v " + str(v);
+  const auto shapes = [&] { return "q " + str(q) + ", k " + str(k) + ", v " + str(v); };
   const bool tc = tensor_cores(c, {&q, &k, &v}, a.D, B * a.Hq);
   check_head_dim(op, a, tc);
   if (tc) {
@@ -117,7 +118,7 @@ void flash_forward(const Ctx& c, const Tensor& q, const Tensor& k, const Tensor&
   }
   MT_LAUNCH(simt_fwd_kernel, warp_blocks(rows), kWarps * 32, 0, c.stream)
   (in(q), in(k), in(v), f, out(o), lse.ptr<float>());
-  check(cudaGetLastError(), op, "kernel launch", shapes);
+  launched(op, shapes);
 }
 
 void flash_backward(const Ctx& c, const Tensor& dout, const Tensor& q, const Tensor& k,
@@ -126,16 +127,17 @@ void flash_backward(const Ctx& c, const Tensor& dout, const Tensor& q, const Ten
                     Tensor& dk, Tensor& dv) {
   const std::string op = "flash attention backward";
   const AttnArgs a = attention_args(op, q, k, v, q_segment, kv_segment, spec, o);
-  const std::string shapes = check_attention_grads(op, dout, q, k, v, lse, dq, dk, dv);
+  check_attention_grads(op, dout, q, k, v, lse, dq, dk, dv);
   const int64_t B = q.dim(0), rows = B * a.Hq * a.T;
   if (rows == 0 || a.S == 0) return;
+  const auto shapes = [&] { return attention_grad_shapes(dout, q, k, v, dq, dk, dv); };
   const Flash f = make_flash(a, B, q_segment, kv_segment, nullptr);
   const bool tc = tensor_cores(c, {&q, &k, &v, &dout}, a.D, B * a.Hq);
   check_head_dim(op, a, tc);
   Tensor delta = c.scratch({B, a.Hq, a.T}, DType::f32);
   MT_LAUNCH(delta_kernel, warp_blocks(rows), kWarps * 32, 0, c.stream)
   (in(dout), in(o), f, delta.ptr<float>());
-  check(cudaGetLastError(), op, "kernel launch", shapes);
+  launched(op, shapes);
   const float* ls = lse.ptr<const float>();
   const float* dl = delta.ptr<const float>();
   if (tc) {
@@ -165,10 +167,10 @@ void flash_backward(const Ctx& c, const Tensor& dout, const Tensor& q, const Ten
   }
   MT_LAUNCH(simt_dq_kernel, warp_blocks(rows), kWarps * 32, 0, c.stream)
   (in(q), in(k), in(v), in(dout), f, ls, dl, out(dq));
-  check(cudaGetLastError(), op, "kernel launch", shapes);
+  launched(op, shapes);
   MT_LAUNCH(simt_dkv_kernel, warp_blocks(B * a.S * a.Hkv), kWarps * 32, 0, c.stream)
   (in(q), in(k), in(v), in(dout), f, ls, dl, out(dk), out(dv));
-  check(cudaGetLastError(), op, "kernel launch", shapes);
+  launched(op, shapes);
 }
 
 void flash_decode(const Ctx& c, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
@@ -180,8 +182,9 @@ void flash_decode(const Ctx& c, const Tensor& q, const Tensor& k_cache, const Te
   check_head_dim(op, a, false);
   if (rows == 0) return;
   const Flash f = make_flash(a, B, Tensor(), Tensor(), lengths.ptr<const int32_t>());
-  const std::string shapes =
-      "q " + str(q) + ", k_cache " + str(k_cache) + ", v_cache " + str(v_cache);
+  const auto shapes = [&] {
+    return "q " + str(q) + ", k_cache " + str(k_cache) + ", v_cache " + str(v_cache);
+  };
   // A block per kv head and chunk of kDecodeKeys cache rows (decode_kernel), then the chunks'
   // partial softmaxes combined per query row.
   const int64_t splits = (a.S + kDecodeKeys - 1) / kDecodeKeys;
@@ -194,10 +197,10 @@ void flash_decode(const Ctx& c, const Tensor& q, const Tensor& k_cache, const Te
   MT_LAUNCH(decode_kernel, dim3(static_cast<unsigned>(B * a.Hkv), static_cast<unsigned>(splits)),
             kWarps * 32, 0, c.stream)
   (in(q), in(k_cache), in(v_cache), f, vec, partial.ptr<float>(), bad);
-  check(cudaGetLastError(), op, "kernel launch", shapes);
+  launched(op, shapes);
   MT_LAUNCH(combine_kernel, warp_blocks(rows), kWarps * 32, 0, c.stream)
   (partial.ptr<const float>(), splits, f, out(o));
-  check(cudaGetLastError(), op, "kernel launch", shapes);
+  launched(op, shapes);
 }
 
 }  // namespace mt::cuda

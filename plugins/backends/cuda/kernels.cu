@@ -52,13 +52,6 @@ unsigned grid_for(int64_t n) {
   return static_cast<unsigned>(std::clamp<int64_t>((n + kThreads - 1) / kThreads, 1, kMaxGrid));
 }
 
-// Checks the launch just made; the shape string is only built on failure.
-template <class S>
-void launched(const std::string& op, S&& shapes) {
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) check(e, op, "kernel launch", shapes());
-}
-
 // ---- flat maps: f(i) for i in [0, n) ------------------------------------------------------
 template <class F>
 __global__ void map_kernel(int64_t n, F f) {
@@ -1848,14 +1841,16 @@ __global__ void attn_bwd_kv_kernel(In q, In dout, AttnArgs a, const float* ds, c
 AttnArgs attention_args(const std::string& op, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& q_seg, const Tensor& kv_seg, const AttentionSpec& spec,
                         const Tensor& o) {
-  const std::string shapes =
-      " (q " + str(q) + ", k " + str(k) + ", v " + str(v) + ", out " + str(o) + ")";
+  // Built only for a message (MT_CHECK evaluates its message on failure alone).
+  const auto shapes = [&] {
+    return " (q " + str(q) + ", k " + str(k) + ", v " + str(v) + ", out " + str(o) + ")";
+  };
   MT_CHECK(q.defined() && k.defined() && v.defined() && q.ndim() == 4 && k.ndim() == 4 &&
                k.shape() == v.shape() && q.dim(0) == k.dim(0) && q.dim(3) == k.dim(3) &&
                k.dim(2) > 0 && q.dim(2) % k.dim(2) == 0 && is_fb(q) && is_fb(k) && is_fb(v),
            op + ": want q [B, T, Hq, D], k and v [B, S, Hkv, D] f32 or bf16 with Hq % Hkv == 0" +
-               shapes);
-  MT_CHECK(is_fb(o) && o.shape() == q.shape(), op + ": out must have q's shape" + shapes);
+               shapes());
+  MT_CHECK(is_fb(o) && o.shape() == q.shape(), op + ": out must have q's shape" + shapes());
   MT_CHECK(q_seg.defined() == kv_seg.defined(),
            op + ": give both q_segment and kv_segment or neither");
   if (q_seg.defined())
@@ -1863,9 +1858,9 @@ AttnArgs attention_args(const std::string& op, const Tensor& q, const Tensor& k,
                  q_seg.shape() == (Shape{q.dim(0), q.dim(1)}) &&
                  kv_seg.shape() == (Shape{k.dim(0), k.dim(1)}),
              op + ": segment ids must be i32 [B, T] and [B, S], got " + q_seg.str() + " and " +
-                 kv_seg.str() + shapes);
+                 kv_seg.str() + shapes());
   MT_CHECK(spec.window >= 0 && spec.softcap >= 0.f,
-           op + ": window and softcap must be >= 0" + shapes);
+           op + ": window and softcap must be >= 0" + shapes());
   AttnArgs a{};
   a.T = q.dim(1);
   a.S = k.dim(1);
@@ -1877,7 +1872,7 @@ AttnArgs attention_args(const std::string& op, const Tensor& q, const Tensor& k,
   a.cap = spec.softcap;
   a.scale = spec.scale != 0.f ? spec.scale : 1.f / std::sqrt(static_cast<float>(a.D));
   a.offset = spec.query_offset;
-  MT_CHECK(q.dim(0) * a.Hq * a.T <= INT_MAX, op + ": too many query rows" + shapes);
+  MT_CHECK(q.dim(0) * a.Hq * a.T <= INT_MAX, op + ": too many query rows" + shapes());
   return a;
 }
 
@@ -1886,19 +1881,25 @@ void check_attention_lse(const std::string& op, const Tensor& lse, int64_t B, co
            op + ": lse must be f32 [B, Hq, T], got " + str(lse));
 }
 
-std::string check_attention_grads(const std::string& op, const Tensor& dout, const Tensor& q,
-                                  const Tensor& k, const Tensor& v, const Tensor& lse,
-                                  const Tensor& dq, const Tensor& dk, const Tensor& dv) {
-  std::string shapes = "dout " + str(dout) + ", q " + str(q) + ", k " + str(k) + ", v " + str(v) +
-                       ", dq " + str(dq) + ", dk " + str(dk) + ", dv " + str(dv);
+std::string attention_grad_shapes(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                  const Tensor& v, const Tensor& dq, const Tensor& dk,
+                                  const Tensor& dv) {
+  return "dout " + str(dout) + ", q " + str(q) + ", k " + str(k) + ", v " + str(v) + ", dq " +
+         str(dq) + ", dk " + str(dk) + ", dv " + str(dv);
+}
+
+void check_attention_grads(const std::string& op, const Tensor& dout, const Tensor& q,
+                           const Tensor& k, const Tensor& v, const Tensor& lse, const Tensor& dq,
+                           const Tensor& dk, const Tensor& dv) {
+  const auto shapes = [&] { return attention_grad_shapes(dout, q, k, v, dq, dk, dv); };
   const int64_t B = q.dim(0);
-  MT_CHECK(is_fb(dout) && dout.shape() == q.shape() && is_fb(dq) && dq.shape() == q.shape() &&
-               is_fb(dk) && dk.shape() == k.shape() && is_fb(dv) && dv.shape() == v.shape() &&
-               lse.defined() && lse.dtype() == DType::f32 &&
-               lse.shape() == (Shape{B, q.dim(2), q.dim(1)}),
-           op + ": want dout and dq of q's shape, dk and dv of k's, lse f32 [B, Hq, T]: " + shapes);
-  MT_CHECK(B * k.dim(1) * k.dim(2) <= INT_MAX, op + ": too many key rows: " + shapes);
-  return shapes;
+  MT_CHECK(
+      is_fb(dout) && dout.shape() == q.shape() && is_fb(dq) && dq.shape() == q.shape() &&
+          is_fb(dk) && dk.shape() == k.shape() && is_fb(dv) && dv.shape() == v.shape() &&
+          lse.defined() && lse.dtype() == DType::f32 &&
+          lse.shape() == (Shape{B, q.dim(2), q.dim(1)}),
+      op + ": want dout and dq of q's shape, dk and dv of k's, lse f32 [B, Hq, T]: " + shapes());
+  MT_CHECK(B * k.dim(1) * k.dim(2) <= INT_MAX, op + ": too many key rows: " + shapes());
 }
 
 unsigned long long* check_decode_lengths(const Ctx& c, const std::string& op, const Tensor& lengths,
@@ -1935,8 +1936,9 @@ void attention_backward(const Ctx& c, const Tensor& dout, const Tensor& q, const
   const std::string op = "dot_product attention backward";
   const AttnArgs a = attention_args(op, q, k, v, q_segment, kv_segment, spec, o);
   const int64_t B = q.dim(0), rows = B * a.Hq * a.T;
-  const std::string shapes = check_attention_grads(op, dout, q, k, v, lse, dq, dk, dv);
+  check_attention_grads(op, dout, q, k, v, lse, dq, dk, dv);
   if (rows == 0 || a.S == 0) return;
+  const auto shapes = [&] { return attention_grad_shapes(dout, q, k, v, dq, dk, dv); };
   Tensor scratch = c.scratch({3, rows, a.S}, DType::f32);
   float* sc = scratch.ptr<float>();
   float* pr = sc + rows * a.S;
@@ -1945,10 +1947,10 @@ void attention_backward(const Ctx& c, const Tensor& dout, const Tensor& q, const
   const int32_t* ks = kv_segment.defined() ? kv_segment.ptr<const int32_t>() : nullptr;
   MT_LAUNCH(attn_bwd_q_kernel, static_cast<unsigned>(rows), kThreads, 0, c.stream)
   (in(q), in(k), in(v), in(dout), qs, ks, a, sc, pr, dp, out(dq));
-  launched(op, [&] { return shapes; });
+  launched(op, shapes);
   MT_LAUNCH(attn_bwd_kv_kernel, static_cast<unsigned>(B * a.S * a.Hkv), kThreads, 0, c.stream)
   (in(q), in(dout), a, sc, pr, out(dk), out(dv));
-  launched(op, [&] { return shapes; });
+  launched(op, shapes);
 }
 
 void attention_decode(const Ctx& c, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,

@@ -86,6 +86,13 @@ void check(cudaError_t e, const std::string& op, const std::string& what,
            const std::string& shapes = {});
 void check(cublasStatus_t s, const std::string& op, const std::string& what,
            const std::string& shapes = {});
+// Checks the launch just made; `shapes` (a callable returning std::string) is only called to
+// build the message when the launch failed.
+template <class S>
+void launched(const std::string& op, const S& shapes) {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) check(e, op, "kernel launch", shapes());
+}
 
 // elementwise
 void fill(const Ctx& c, Tensor& x, float value);
