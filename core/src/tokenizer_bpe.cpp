@@ -226,10 +226,13 @@ struct BpeTokenizer::Impl {
 
 namespace {
 
+// `where` by value: a temporary string bound to a reference parameter of a function returning a
+// reference trips GCC 13+'s -Wdangling-reference, though the result refers into v alone.
 const json::Value& member(const json::Value& v, std::string_view key, const std::string& origin,
-                          const std::string& where) {
+                          std::string_view where) {
   const json::Value* m = v.find(key);
-  if (!m) throw UsageError(origin + ": " + where + " has no \"" + std::string(key) + "\"");
+  if (!m)
+    throw UsageError(origin + ": " + std::string(where) + " has no \"" + std::string(key) + "\"");
   return *m;
 }
 bool bool_member(const json::Value& v, std::string_view key, bool dflt) {
