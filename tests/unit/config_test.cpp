@@ -2,6 +2,7 @@
 // refusal with the key, the value and where it was set.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <filesystem>
 #include <fstream>
