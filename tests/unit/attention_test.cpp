@@ -376,19 +376,41 @@ TEST(Attention, RowsWithoutKeysGiveZeros) {
   }
 }
 
-// The portable microkernels (chosen where the CPU lacks AVX-512): the flash tests again in a child
-// process with MT_FLASH_KERNELS=generic, on the same seed.
-TEST(Attention, GenericKernelsMatch) {
-  if (std::getenv("MT_FLASH_KERNELS")) GTEST_SKIP() << "already the child run";
-  const uint64_t seed = test::seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
+// The flash tests again in a child process with MT_FLASH_KERNELS=`set` on the same seed; returns
+// its exit code and output.
+int run_flash_tests_with(const std::string& set, std::string& output) {
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
-  std::string output;
-  const int rc = test::run_command(
-      "MT_FLASH_KERNELS=generic MT_TEST_SEED=" + std::to_string(seed) + " '" + self +
+  return test::run_command(
+      "MT_FLASH_KERNELS=" + set + " MT_TEST_SEED=" + std::to_string(test::seed()) + " '" + self +
           "' --gtest_filter='Attention.Flash*:Attention.Decode*:Attention.Deter*'",
       output);
-  EXPECT_EQ(rc, 0) << output;
+}
+
+// The portable microkernels (chosen where the CPU lacks AVX2 + FMA).
+TEST(Attention, GenericKernelsMatch) {
+  if (std::getenv("MT_FLASH_KERNELS")) GTEST_SKIP() << "already the child run";
+  SCOPED_TRACE("seed " + std::to_string(test::seed()));
+  std::string output;
+  EXPECT_EQ(run_flash_tests_with("generic", output), 0) << output;
+}
+
+// The AVX2 + FMA microkernels (chosen where the CPU has them but not AVX-512).
+TEST(Attention, Avx2KernelsMatch) {
+  if (std::getenv("MT_FLASH_KERNELS")) GTEST_SKIP() << "already the child run";
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma"))
+    GTEST_SKIP() << "this CPU has no AVX2 + FMA";
+  SCOPED_TRACE("seed " + std::to_string(test::seed()));
+  std::string output;
+  EXPECT_EQ(run_flash_tests_with("avx2", output), 0) << output;
+}
+
+// A set that does not exist is refused with the choices, not silently replaced.
+TEST(Attention, UnknownKernelSetIsRefused) {
+  if (std::getenv("MT_FLASH_KERNELS")) GTEST_SKIP() << "already the child run";
+  std::string output;
+  EXPECT_NE(run_flash_tests_with("sse9", output), 0) << output;
+  EXPECT_NE(output.find("MT_FLASH_KERNELS=sse9: want generic, avx2 or avx512"), std::string::npos)
+      << output;
 }
 
 // ---- (4) decode == forward ----------------------------------------------------------------

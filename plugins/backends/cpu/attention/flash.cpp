@@ -17,10 +17,10 @@
 // for a fixed thread count, as backend.h asks).
 //
 // Tiles are multiplied by small register-blocked microkernels: AVX-512 intrinsics when the CPU
-// has them (checked at run time, the build stays portable), plain loops otherwise. The per-tile
-// bookkeeping (scaling, masks, online softmax, dS) is compiled twice with target_clones and the
-// loader picks the AVX-512 copy where it runs. MT_FLASH_KERNELS=generic in the environment forces
-// the portable microkernels.
+// has them, else AVX2 + FMA intrinsics (checked at run time, the build stays portable), plain
+// loops otherwise. The per-tile bookkeeping (scaling, masks, online softmax, dS) is compiled
+// three times with target_clones (AVX-512, x86-64-v3, generic) and the loader picks the copy the
+// CPU runs. MT_FLASH_KERNELS=generic|avx2|avx512 in the environment forces a microkernel set.
 #include <oneapi/tbb/parallel_for.h>
 #include <oneapi/tbb/task_arena.h>
 
@@ -43,6 +43,7 @@
 #include <immintrin.h>
 #define MT_FLASH_X86 1
 #define MT_AVX512 __attribute__((target("avx512f")))
+#define MT_AVX2 __attribute__((target("avx2,fma")))
 #define MT_CLONES __attribute__((target_clones("avx512f", "default")))
 #else  // other architectures: the generic kernels only
 #define MT_FLASH_X86 0
@@ -360,6 +361,178 @@ MT_AVX512 void abt_direct_avx512(const float* a, int64_t lda, int64_t nr, const 
     }
 }
 
+// ---- AVX2 + FMA microkernels (same contracts; for CPUs without AVX-512) -------------------
+// Sixteen 8-lane registers: the tiles are cut so that accumulators, operands and broadcasts fit
+// (abt: 4 rows x 16 score columns per pass; acc: 4 rows x 16 features per pass).
+
+// Lanes [0, remaining) of an 8-lane mask for maskload / maskstore (all lanes from 8 on).
+MT_AVX2 MT_ALWAYS_INLINE __m256i tail_mask8(int64_t remaining) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const int32_t n = static_cast<int32_t>(std::clamp<int64_t>(remaining, 0, 8));
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane);
+}
+
+// Score columns [c0, c0 + 16) of NR rows.
+template <int NR>
+MT_AVX2 MT_ALWAYS_INLINE void abt_strip_avx2(const float* a, int64_t lda, const float* bt,
+                                             int64_t D, float* out, int64_t c0) {
+  __m256 acc[NR][2];
+  for (int i = 0; i < NR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const float* b = bt + d * kBK + c0;
+    const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+    for (int i = 0; i < NR; ++i) {
+      const __m256 x = _mm256_broadcast_ss(a + i * lda + d);
+      acc[i][0] = _mm256_fmadd_ps(x, b0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(x, b1, acc[i][1]);
+    }
+  }
+  for (int i = 0; i < NR; ++i) {
+    _mm256_storeu_ps(out + i * kBK + c0, acc[i][0]);
+    _mm256_storeu_ps(out + i * kBK + c0 + 8, acc[i][1]);
+  }
+}
+
+template <int NR>
+MT_AVX2 MT_ALWAYS_INLINE void abt_rows_avx2(const float* a, int64_t lda, const float* bt, int64_t D,
+                                            float* out) {
+  for (int64_t c0 = 0; c0 < kBK; c0 += 16) abt_strip_avx2<NR>(a, lda, bt, D, out, c0);
+}
+
+MT_AVX2 void abt_avx2(const float* a, int64_t lda, int64_t nr, const float* bt, int64_t D,
+                      float* out) {
+  static_assert(kBK % 16 == 0, "the AVX2 kernels take score rows in strips of 16 columns");
+  int64_t r = 0;
+  for (; r + 4 <= nr; r += 4) abt_rows_avx2<4>(a + r * lda, lda, bt, D, out + r * kBK);
+  for (; r < nr; ++r) abt_rows_avx2<1>(a + r * lda, lda, bt, D, out + r * kBK);
+}
+
+// Features [d0, d0 + 16) of NR rows of out; kFull: all 16 exist (no masks in the inner loop).
+template <bool kFull>
+MT_AVX2 MT_ALWAYS_INLINE __m256 load8(const float* p, __m256i m) {
+  return kFull ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, m);
+}
+
+template <int NR, bool kFull>
+MT_AVX2 MT_ALWAYS_INLINE void acc_chunk_avx2(float* out, int64_t ldo, const float* w, int64_t wr,
+                                             int64_t wc, const float* x, int64_t ldx, int64_t nc,
+                                             int64_t d0, int64_t D) {
+  const __m256i m0 = tail_mask8(D - d0), m1 = tail_mask8(D - d0 - 8);
+  __m256 acc[NR][2];
+  for (int i = 0; i < NR; ++i) {
+    acc[i][0] = load8<kFull>(out + i * ldo + d0, m0);
+    acc[i][1] = load8<kFull>(out + i * ldo + d0 + 8, m1);
+  }
+  for (int64_t c = 0; c < nc; ++c) {
+    const float* xr = x + c * ldx + d0;
+    const __m256 x0 = load8<kFull>(xr, m0), x1 = load8<kFull>(xr + 8, m1);
+    for (int i = 0; i < NR; ++i) {
+      const __m256 s = _mm256_broadcast_ss(w + i * wr + c * wc);
+      acc[i][0] = _mm256_fmadd_ps(s, x0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(s, x1, acc[i][1]);
+    }
+  }
+  for (int i = 0; i < NR; ++i) {
+    float* o = out + i * ldo + d0;
+    if (kFull) {
+      _mm256_storeu_ps(o, acc[i][0]);
+      _mm256_storeu_ps(o + 8, acc[i][1]);
+    } else {
+      _mm256_maskstore_ps(o, m0, acc[i][0]);
+      _mm256_maskstore_ps(o + 8, m1, acc[i][1]);
+    }
+  }
+}
+
+template <int NR>
+MT_AVX2 MT_ALWAYS_INLINE void acc_rows_avx2(float* out, int64_t ldo, const float* w, int64_t wr,
+                                            int64_t wc, const float* x, int64_t ldx, int64_t nc,
+                                            int64_t D) {
+  int64_t d0 = 0;
+  for (; d0 + 16 <= D; d0 += 16) acc_chunk_avx2<NR, true>(out, ldo, w, wr, wc, x, ldx, nc, d0, D);
+  if (d0 < D) acc_chunk_avx2<NR, false>(out, ldo, w, wr, wc, x, ldx, nc, d0, D);
+}
+
+MT_AVX2 void acc_avx2(float* out, int64_t ldo, int64_t nr, const float* w, int64_t wr, int64_t wc,
+                      const float* x, int64_t ldx, int64_t nc, int64_t D) {
+  int64_t r = 0;
+  for (; r + 4 <= nr; r += 4)
+    acc_rows_avx2<4>(out + r * ldo, ldo, w + r * wr, wr, wc, x, ldx, nc, D);
+  for (; r < nr; ++r) acc_rows_avx2<1>(out + r * ldo, ldo, w + r * wr, wr, wc, x, ldx, nc, D);
+}
+
+// exp(v) for v in [-87, 88] (callers clamp), the polynomial of exp_approx, eight lanes.
+MT_AVX2 MT_ALWAYS_INLINE __m256 exp_avx2(__m256 v) {
+  const __m256 t = _mm256_fmadd_ps(v, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  const __m256 fn = _mm256_floor_ps(t);
+  __m256 r = _mm256_fnmadd_ps(fn, _mm256_set1_ps(0.693359375f), v);
+  r = _mm256_fmadd_ps(fn, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(_mm256_mul_ps(y, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fn), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+MT_AVX2 MT_ALWAYS_INLINE float hsum_avx2(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+MT_AVX2 float exp_sub_avx2(float* x, int64_t n, float sub) {
+  const __m256 vsub = _mm256_set1_ps(sub), lo = _mm256_set1_ps(-87.f), hi = _mm256_set1_ps(88.f);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t c = 0; c < n; c += 8) {
+    const __m256i m = tail_mask8(n - c);
+    __m256 v = _mm256_sub_ps(_mm256_maskload_ps(x + c, m), vsub);
+    // Lanes below -87 (exp(-inf) included) and lanes past n give exactly 0.
+    const __m256 keep = _mm256_and_ps(_mm256_cmp_ps(v, lo, _CMP_GE_OQ), _mm256_castsi256_ps(m));
+    v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
+    const __m256 res = _mm256_and_ps(exp_avx2(v), keep);
+    _mm256_maskstore_ps(x + c, m, res);
+    sum = _mm256_add_ps(sum, res);
+  }
+  return hsum_avx2(sum);
+}
+
+MT_AVX2 float max_avx2(const float* x, int64_t n) {
+  const __m256 ninf = _mm256_set1_ps(kNegInf);
+  __m256 m = ninf;
+  for (int64_t c = 0; c < n; c += 8) {
+    const __m256i k = tail_mask8(n - c);
+    m = _mm256_max_ps(m,
+                      _mm256_blendv_ps(ninf, _mm256_maskload_ps(x + c, k), _mm256_castsi256_ps(k)));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  return *std::max_element(lanes, lanes + 8);
+}
+
+MT_AVX2 void abt_direct_avx2(const float* a, int64_t lda, int64_t nr, const float* rows,
+                             int64_t ldk, int64_t nk, int64_t D, float* out) {
+  for (int64_t r = 0; r < nr; ++r)
+    for (int64_t c = 0; c < nk; ++c) {
+      const float* q = a + r * lda;
+      const float* k = rows + c * ldk;
+      __m256 acc = _mm256_setzero_ps();
+      int64_t d = 0;
+      for (; d + 8 <= D; d += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc);
+      if (d < D) {
+        const __m256i m = tail_mask8(D - d);
+        acc = _mm256_fmadd_ps(_mm256_maskload_ps(q + d, m), _mm256_maskload_ps(k + d, m), acc);
+      }
+      out[r * kBK + c] = hsum_avx2(acc);
+    }
+}
+
 #endif  // MT_FLASH_X86
 
 struct Kernels {
@@ -373,21 +546,41 @@ struct Kernels {
   void (*softcap)(float*, int64_t, float, float*);
 };
 
+// The best set this CPU runs: AVX-512, else AVX2 + FMA, else the portable loops.
+// MT_FLASH_KERNELS=generic|avx2|avx512 forces one (the tests run every set the CPU has); a set
+// the CPU lacks, or another value, is refused.
 const Kernels& kernels() {
   static const Kernels generic{abt_generic,     abt_direct_generic, acc_generic,
                                exp_sub_generic, max_generic,        softcap_generic};
-  // MT_FLASH_KERNELS=generic forces the portable kernels (the tests run both paths).
-  static const bool force_generic = [] {
-    const char* e = std::getenv("MT_FLASH_KERNELS");
-    return e != nullptr && std::string(e) == "generic";
-  }();
-  if (force_generic) return generic;
 #if MT_FLASH_X86
   static const Kernels avx512{abt_avx512,     abt_direct_avx512, acc_avx512,
                               exp_sub_avx512, max_avx512,        softcap_avx512};
-  if (__builtin_cpu_supports("avx512f")) return avx512;
+  // softcap keeps the portable loop (std::tanh); only Gemma-style models use it.
+  static const Kernels avx2{abt_avx2,     abt_direct_avx2, acc_avx2,
+                            exp_sub_avx2, max_avx2,        softcap_generic};
+  static const bool has_avx512 = __builtin_cpu_supports("avx512f");
+  static const bool has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  static const bool has_avx512 = false, has_avx2 = false;
 #endif
-  return generic;
+  static const Kernels* chosen = []() -> const Kernels* {
+    const char* e = std::getenv("MT_FLASH_KERNELS");
+    const std::string want = e ? e : "";
+    if (want == "generic") return &generic;
+#if MT_FLASH_X86
+    if (want.empty()) return has_avx512 ? &avx512 : has_avx2 ? &avx2 : &generic;
+    if (want == "avx512" && has_avx512) return &avx512;
+    if (want == "avx2" && has_avx2) return &avx2;
+#else
+    if (want.empty()) return &generic;
+#endif
+    return nullptr;
+  }();
+  if (!chosen)
+    fail("MT_FLASH_KERNELS=" + std::string(std::getenv("MT_FLASH_KERNELS")) +
+         ": want generic, avx2 or avx512, one this CPU supports (AVX-512: " +
+         (has_avx512 ? "yes" : "no") + ", AVX2+FMA: " + (has_avx2 ? "yes" : "no") + ")");
+  return *chosen;
 }
 
 // bt [D, kBK] = rows [n, D] (row stride ld) transposed, columns n..kBK zero.
