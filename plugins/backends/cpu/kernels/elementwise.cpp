@@ -2,8 +2,9 @@
 //
 // Every op streams over the flat element range in fixed chunks. f32 operands are used in place;
 // bf16 operands are converted chunk by chunk into f32 stack buffers, so arithmetic is always f32
-// and one set of loops serves every dtype mix. Hot loops are separate functions compiled twice
-// (generic x86-64 and x86-64-v4, picked at load time) because the build targets generic x86-64.
+// and one set of loops serves every dtype mix. Hot loops are separate functions compiled thrice
+// (generic x86-64, x86-64-v3 and x86-64-v4, picked at load time) because the build targets generic
+// x86-64.
 #include <oneapi/tbb/blocked_range.h>
 #include <oneapi/tbb/parallel_for.h>
 
