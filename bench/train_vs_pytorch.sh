@@ -3,7 +3,8 @@
 # thread count) and prints both JSON lines and the ratio mt / PyTorch in tokens/s.
 #   bench/train_vs_pytorch.sh [threads] [steps]
 # The peer runs at its best on this kind of machine: Debian's python3-torch with OpenBLAS forced
-# to its SkylakeX kernels and, when installed, the OpenMP OpenBLAS variant.
+# to its widest kernels the CPU runs (SkylakeX with AVX-512, else Haswell with AVX2) and, when
+# installed, the OpenMP OpenBLAS variant.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 threads=${1:-2}
@@ -14,7 +15,8 @@ py=python3
 [ -x "$root/.venv/bin/python" ] && py=$root/.venv/bin/python
 "$py" -c "import torch" 2>/dev/null || py=/usr/bin/python3
 omp=/usr/lib/x86_64-linux-gnu/openblas-openmp
-export OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-SkylakeX}
+if grep -qw avx512f /proc/cpuinfo; then coretype=SkylakeX; else coretype=Haswell; fi
+export OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-$coretype}
 [ -d "$omp" ] && export LD_LIBRARY_PATH=$omp${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export OMP_NUM_THREADS=$threads
 pt_json=$("$py" "$root/bench/peers/torch_train.py" --threads "$threads" --steps "$steps")
