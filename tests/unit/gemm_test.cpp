@@ -457,25 +457,39 @@ TEST(GemmPath, DescribesPathAndPeak) {
   }
 }
 
+// Set in the child processes the two tests below start. Not MT_CPU_BLAS or OPENBLAS_CORETYPE
+// themselves: a machine may set those for every process (this workplace sets
+// OPENBLAS_CORETYPE=Haswell), and the tests would then skip themselves everywhere.
+constexpr const char* kChildMarker = "MT_GEMM_TEST_CHILD";
+
+bool in_child() {
+  return std::getenv(kChildMarker) != nullptr;
+}
+
 TEST(GemmPath, PortablePathWithoutOpenBlas) {
-  if (std::getenv("MT_CPU_BLAS")) GTEST_SKIP() << "runs as the child of this test";
+  if (in_child()) GTEST_SKIP() << "runs as the child of this test";
   // The GEMM used where OpenBLAS cannot be loaded, and the f32 path for bf16 without AMX: the
   // whole suite again in a child process (both are chosen once per process).
   std::string out;
-  const int rc =
-      test::run_command("MT_CPU_BLAS=portable MT_CPU_AMX=0 /proc/" + std::to_string(getpid()) +
-                            "/exe --gtest_filter=Gemm.*:GemmPath.DescribesPathAndPeak",
-                        out);
+  const int rc = test::run_command(
+      std::string(kChildMarker) + "=1 MT_CPU_BLAS=portable MT_CPU_AMX=0 /proc/" +
+          std::to_string(getpid()) + "/exe --gtest_filter=Gemm.*:GemmPath.DescribesPathAndPeak",
+      out);
   EXPECT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("PASSED"), std::string::npos) << out;
 }
 
 TEST(GemmPath, RespectsCoretypeFromEnvironment) {
-  if (std::getenv("OPENBLAS_CORETYPE")) GTEST_SKIP() << "runs as the child of this test";
-  // OpenBLAS reads the variable when it loads, once per process: check it in a child process.
+  if (in_child()) GTEST_SKIP() << "runs as the child of this test";
+  // OpenBLAS reads the variable when it loads, once per process: check it in a child process,
+  // with a coretype other than the one this process may already have from its environment.
+  const char* inherited = std::getenv("OPENBLAS_CORETYPE");
+  const std::string coretype =
+      inherited && std::string(inherited) == "Haswell" ? "Sandybridge" : "Haswell";
   std::string out;
   const int rc = test::run_command(
-      "OPENBLAS_CORETYPE=Haswell /proc/" + std::to_string(getpid()) +
+      "env -u MT_CPU_BLAS " + std::string(kChildMarker) + "=1 OPENBLAS_CORETYPE=" + coretype +
+          " /proc/" + std::to_string(getpid()) +
           "/exe --gtest_filter=GemmPath.DescribesPathAndPeak:Gemm.AllTransposeCombinations",
       out);
   EXPECT_EQ(rc, 0) << out;
