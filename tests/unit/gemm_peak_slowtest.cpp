@@ -3,9 +3,9 @@
 // than 100%. The best of ten single-thread 512^3 GEMMs must stay under the peak, with 25% margin.
 //
 // Labelled slow because it is timed, and a timed assertion is only as good as the machine is
-// quiet: under `ctest -j` another test shares the core (or its hyperthread sibling) while the
-// peak is measured at start-up, and a clean-clone CI run failed it that way. Run it alone, on an
-// otherwise idle machine: ./test.sh -L slow -R NoMatmulBeatsThePeak
+// quiet: under `ctest -j` another test may share the core (or its hyperthread sibling) while the
+// peak is measured at start-up. A clean-clone CI run failed it in the default suite, most likely
+// that way. Run it alone, on an otherwise idle machine: ./test.sh -L slow -R NoMatmulBeatsThePeak
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -457,9 +457,10 @@ TEST(GemmPath, DescribesPathAndPeak) {
   }
 }
 
-// Set in the child processes the two tests below start. Not MT_CPU_BLAS or OPENBLAS_CORETYPE
-// themselves: a machine may set those for every process (this workplace sets
-// OPENBLAS_CORETYPE=Haswell), and the tests would then skip themselves everywhere.
+// Set in the child processes the two tests below start. Their filters do not select these tests,
+// so the marker only stops a broader filter from recursing. It used to be MT_CPU_BLAS or
+// OPENBLAS_CORETYPE themselves, but a machine may set those for every process (this workplace
+// sets OPENBLAS_CORETYPE=Haswell), and the tests then skipped themselves everywhere.
 constexpr const char* kChildMarker = "MT_GEMM_TEST_CHILD";
 
 bool in_child() {
