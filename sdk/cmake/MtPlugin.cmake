@@ -3,6 +3,12 @@
 # Declares an mt plugin: a shared object named lib<target>.so (call it mt_<kind>_<name>, e.g.
 # mt_model_llama), built with hidden visibility against the SDK, placed where the loader finds
 # it. Works in the mt source tree and out of tree after find_package(mt).
+#
+# Out of tree too, the build tree's RPATHs must not end in an empty entry (the current directory
+# to the dynamic loader), which CMake's in-place install-time RPATH editing pads them with.
+if(NOT DEFINED CMAKE_NO_BUILTIN_CHRPATH)
+  set(CMAKE_NO_BUILTIN_CHRPATH ON)
+endif()
 function(mt_add_plugin target)
   cmake_parse_arguments(ARG "" "" "SOURCES;LIBS" ${ARGN})
   add_library(${target} MODULE ${ARG_SOURCES})
