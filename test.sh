@@ -6,5 +6,5 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 "$root/scripts/setup.sh"
 cd "${BUILD_DIR:-$root/build}"
-if [ $# -eq 0 ]; then set -- -LE 'slow|gpu'; fi
+if [ $# -eq 0 ]; then set -- -LE 'slow|gpu|fuzz'; fi
 exec ctest --output-on-failure -j "$(nproc)" "$@"

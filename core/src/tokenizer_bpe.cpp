@@ -175,6 +175,11 @@ struct StringHash {
 template <typename V>
 using StringMap = std::unordered_map<std::string, V, StringHash, std::equal_to<>>;
 
+// Ids at or above this are refused in a file of `count` tokens: tables are indexed by id.
+int64_t max_token_id_bound(int64_t count) {
+  return std::max<int64_t>(2 * count, 65536);
+}
+
 }  // namespace
 
 struct BpeTokenizer::Impl {
@@ -262,9 +267,23 @@ void BpeTokenizer::Impl::load(const json::Value& root) {
 
 // The tables every format needs once its vocabulary and added tokens are known.
 void BpeTokenizer::Impl::finalize() {
+  // The tables are indexed by id, so their size is the largest id + 1, which the file chooses:
+  // bound it by what the file holds (holes are allowed, but not gigabytes of them).
   n_vocab = 0;
-  for (const auto& [tok, id] : vocab) n_vocab = std::max<int64_t>(n_vocab, id + 1);
-  for (const auto& a : added) n_vocab = std::max<int64_t>(n_vocab, a.id + 1);
+  int64_t max_id = -1;
+  std::string max_what;
+  for (const auto& [tok, id] : vocab)
+    if (id > max_id) max_id = id, max_what = "the vocabulary's token \"" + tok + "\"";
+  for (const auto& a : added)
+    if (a.id > max_id) max_id = a.id, max_what = "the added token \"" + a.content + "\"";
+  const int64_t count = static_cast<int64_t>(vocab.size() + added.size());
+  if (max_id >= max_token_id_bound(count))
+    bad(max_what.substr(0, 200) + " has id " + std::to_string(max_id) + ", but the file holds " +
+        std::to_string(count) + " tokens: ids must lie below " +
+        std::to_string(max_token_id_bound(count)) +
+        " (twice the number of tokens, at least 65536), since every id up to the largest gets a "
+        "table entry. Is the file damaged?");
+  n_vocab = max_id + 1;
   id_to_token.assign(static_cast<size_t>(n_vocab), std::string());
   is_added.assign(static_cast<size_t>(n_vocab), 0);
   for (const auto& [tok, id] : vocab) id_to_token[static_cast<size_t>(id)] = tok;
@@ -351,6 +370,9 @@ void BpeTokenizer::Impl::load_tiktoken(std::string_view text) {
     return m;
   };
   std::vector<std::string> by_rank;  // raw bytes
+  // Ranks index by_rank: bound them by the file's own number of lines before sizing anything.
+  const int64_t rank_bound =
+      max_token_id_bound(static_cast<int64_t>(std::count(text.begin(), text.end(), '\n')) + 1);
   size_t pos = 0, line_no = 0;
   std::string bytes;
   while (pos < text.size()) {
@@ -370,6 +392,12 @@ void BpeTokenizer::Impl::load_tiktoken(std::string_view text) {
     if (rank < 0 || rank > INT32_MAX - 1024 || !base64_decode(line.substr(0, sp), bytes))
       bad("line " + std::to_string(line_no) +
           " is not \"<base64 token> <rank>\" (a tiktoken file)");
+    if (rank >= rank_bound)
+      bad("line " + std::to_string(line_no) + ": rank " + std::to_string(rank) +
+          " is far above the file's number of lines: ranks must lie below " +
+          std::to_string(rank_bound) +
+          " (twice the number of lines, at least 65536), since every rank up to the largest gets "
+          "a table entry. Is the file damaged?");
     if (static_cast<size_t>(rank) >= by_rank.size()) by_rank.resize(static_cast<size_t>(rank) + 1);
     if (!by_rank[static_cast<size_t>(rank)].empty())
       bad("line " + std::to_string(line_no) + ": rank " + std::to_string(rank) + " appears twice");

@@ -287,6 +287,38 @@ TEST(TokenizerFactory, ClearErrors) {
   EXPECT_TRUE(contains(error_of(badmerge, ""), "not in the vocabulary")) << error_of(badmerge, "");
 }
 
+// Issue 24, items 2 and 3: the tables are indexed by id, so an id far above the file's own
+// number of tokens is refused (id 2147483647 used to overflow `id + 1` and write out of bounds;
+// 100000000 took 3.2 GB, 2000000000 was std::bad_alloc, a one-line tiktoken file with rank
+// 300000000 took 19 GB) before anything is sized by it.
+TEST(TokenizerFactory, IdsAreBoundedByTheFile) {
+  TempDir d;
+  auto bpe = [&](const std::string& vocab_id, const std::string& added_id) {
+    return d.file("ids.json", R"({"added_tokens": [{"id": )" + added_id +
+                                  R"(, "content": "<eos>"}],
+      "model": {"type": "BPE", "vocab": {"a": 0, "b": )" +
+                                  vocab_id + R"(, "ab": 2}, "merges": ["a b"]}})");
+  };
+  for (const auto& [vocab_id, added_id] : std::vector<std::pair<std::string, std::string>>{
+           {"2147483647", "3"}, {"100000000", "3"}, {"1", "2000000000"}, {"1", "2147483647"}}) {
+    const std::string e = error_of(bpe(vocab_id, added_id), "");
+    const std::string big = vocab_id == "1" ? added_id : vocab_id;
+    EXPECT_TRUE(contains(e, "has id " + big) && contains(e, "the file holds 4 tokens") &&
+                contains(e, "below 65536"))
+        << e;
+  }
+  // Holes below the bound are fine: an id past the tokens, as padded vocabularies have.
+  EXPECT_EQ(make_tokenizer(bpe("1", "65535"), "")->vocab_size(), 65536);
+
+  const std::string tik = d.file("big.tiktoken", "IQ== 300000000\n");
+  const std::string e = error_of(tik, "tiktoken");
+  EXPECT_TRUE(contains(e, "rank 300000000") && contains(e, "below 65536")) << e;
+  EXPECT_TRUE(contains(error_of(tik, ""), "rank 300000000")) << error_of(tik, "");
+  // A rank with holes under the bound loads (then 256 special tokens follow the ranks).
+  EXPECT_EQ(make_tokenizer(d.file("ok.tiktoken", "IQ== 1000\n"), "tiktoken")->vocab_size(),
+            1001 + 256);
+}
+
 TEST(TokenizerFactory, MinimalBpeFile) {
   // Both merge forms, an unk token with fuse_unk, and no pre-tokenizer or decoder.
   TempDir d;
