@@ -36,6 +36,33 @@ bool split_file_name(const fs::path& p, std::string& kind, std::string& name) {
   return !kind.empty() && !name.empty();
 }
 
+// Why a plugin file may not be loaded for its permissions, or "". Anyone may replace a file that
+// every user can write, or that sits in a directory every user can write (without the sticky
+// bit, which keeps others from renaming it away): loading it would run their code as the user
+// of mt. Refused, as ssh refuses such key files.
+std::string world_writable(const fs::path& file) {
+  auto mode = [](const fs::path& p) {
+    std::error_code ec;
+    const auto st = fs::status(p, ec);
+    return ec ? fs::perms::unknown : st.permissions();
+  };
+  auto others_write = [](fs::perms m) {
+    return m != fs::perms::unknown && (m & fs::perms::others_write) != fs::perms::none;
+  };
+  const fs::perms f = mode(file);
+  fs::path dir = file.parent_path();
+  if (dir.empty()) dir = ".";
+  const fs::perms d = mode(dir);
+  std::string what;
+  if (others_write(f))
+    what = "the file is writable by every user";
+  else if (others_write(d) && (d & fs::perms::sticky_bit) == fs::perms::none)
+    what = "its directory " + dir.string() + " is writable by every user";
+  if (what.empty()) return {};
+  return "was not loaded: " + what +
+         ", so anyone on this machine could replace the code mt would run (`chmod o-w` it)";
+}
+
 std::string join_paths(const std::vector<fs::path>& dirs) {
   std::string s;
   for (const auto& d : dirs) {
@@ -48,7 +75,9 @@ std::string join_paths(const std::vector<fs::path>& dirs) {
 }  // namespace
 
 fs::path PluginManager::core_library_dir() {
-  return fs::path(boost::dll::this_line_location().parent_path().string());
+  // Normalised: the loader reports the path it found the library by, "<bin>/../lib" for a
+  // binary whose RUNPATH is $ORIGIN/../lib.
+  return fs::path(boost::dll::this_line_location().parent_path().string()).lexically_normal();
 }
 
 PluginManager::PluginManager(std::vector<fs::path> extra_dirs) {
@@ -82,6 +111,10 @@ PluginRecord PluginManager::load_file(const fs::path& path, bool do_register) {
   PluginRecord rec;
   rec.path = path;
   split_file_name(path, rec.kind, rec.name);
+  if (std::string why = world_writable(path); !why.empty()) {
+    rec.error = why;
+    return rec;
+  }
   std::shared_ptr<boost::dll::shared_library> lib;
   try {
     lib = std::make_shared<boost::dll::shared_library>(
@@ -180,17 +213,24 @@ std::vector<PluginRecord> PluginManager::scan() {
 }
 
 std::string PluginManager::not_found_message(const std::string& kind, const std::string& name) {
-  std::vector<PluginRecord> all = scan();
-  std::string found;
-  for (const auto& r : all) {
-    if (r.kind != kind) continue;
-    if (!found.empty()) found += "; ";
-    found += r.name + (r.ok ? "" : " (unusable: " + r.error + ")");
+  // The names come from the file names: listing must not load (and so run) every plugin of the
+  // kind, least of all for a mistyped name. `mt plugins` loads them to say which work.
+  std::set<std::string> names;
+  for (const auto& dir : dirs_) {
+    std::error_code ec;
+    for (auto it = fs::directory_iterator(dir, ec); !ec && it != fs::directory_iterator();
+         it.increment(ec)) {
+      std::string k, n;
+      if (split_file_name(it->path(), k, n) && k == kind_dir_name(kind)) names.insert(n);
+    }
   }
+  std::string found;
+  for (const auto& n : names) found += (found.empty() ? "" : ", ") + n;
   return "No " + kind + " plugin named '" + name + "' was found: looked for libmt_" + kind + "_" +
          name + ".so in " + join_paths(dirs_) + ". Available " + kind +
          " plugins: " + (found.empty() ? "none" : found) +
-         ". Add a directory with MT_PLUGIN_PATH or the plugin_dirs key.";
+         " (`mt plugins` says whether each loads). Add a directory with MT_PLUGIN_PATH or the "
+         "plugin_dirs key.";
 }
 
 void PluginManager::require(const std::string& kind, const std::string& name) {
