@@ -62,7 +62,20 @@ Weights open_weights(const fs::path& dir) {
     const json::Value* map = v.find("weight_map");
     if (!map || !map->is_object()) throw Error(index.string() + " has no weight_map object.");
     std::set<std::string> names;
-    for (const auto& [k, f] : map->members) names.insert(f.str);
+    for (const auto& [k, f] : map->members) {
+      // A shard is a file of this directory: an absolute path or one with ".." in the index
+      // (a downloaded directory is not trusted) would open and parse any file on the machine.
+      const fs::path rel(f.str);
+      bool inside = f.is_string() && !f.str.empty() && rel.is_relative();
+      for (const auto& part : rel) inside &= part != "..";
+      if (!inside)
+        throw UsageError(mt::quoted(index) + ": weight_map[\"" + k.substr(0, 200) + "\"] is " +
+                         (f.is_string() ? mt::quoted(fs::path(f.str.substr(0, 200)))
+                                        : std::string("not a string")) +
+                         ", which is not a file name inside the model directory " +
+                         mt::quoted(dir) + ". Shard paths must be relative and stay inside it.");
+      names.insert(f.str);
+    }
     for (const auto& n : names) paths.push_back(dir / n);
   } else if (fs::exists(dir / "model.safetensors")) {
     paths.push_back(dir / "model.safetensors");

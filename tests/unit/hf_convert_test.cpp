@@ -150,5 +150,32 @@ TEST(HfConvert, BadInputIsRefused) {
   EXPECT_NE(out.find("attention_bias"), std::string::npos) << out;
 }
 
+// Issue 24, item 10: shard paths in model.safetensors.index.json stay inside the model
+// directory; an absolute path or one with ".." was opened and parsed.
+TEST(HfConvert, ShardPathsStayInsideTheModelDirectory) {
+  Dirs d;
+  std::string out;
+  auto index = [&](const std::string& shard) {
+    std::ofstream(d.hf / "model.safetensors.index.json")
+        << R"({"metadata": {}, "weight_map": {"model.embed_tokens.weight": )" << shard << "}}";
+  };
+  const std::vector<std::string> bads = {R"("../../../../etc/passwd")", R"("/etc/passwd")",
+                                         R"("sub/../../x.safetensors")", "7"};
+  for (size_t n = 0; n < bads.size(); ++n) {
+    const std::string& bad = bads[n];
+    index(bad);
+    const fs::path o = d.root / "out" / std::to_string(n);
+    EXPECT_EQ(mt_cmd("convert --from=hf --input=" + d.hf.string() + " --output=" + o.string(), out),
+              2)
+        << bad << ": " << out;
+    EXPECT_NE(out.find("not a file name inside the model directory"), std::string::npos)
+        << bad << ": " << out;
+  }
+  index(R"("model.safetensors")");
+  EXPECT_EQ(
+      mt_cmd("convert --from=hf --input=" + d.hf.string() + " --output=" + d.mt.string(), out), 0)
+      << out;
+}
+
 }  // namespace
 }  // namespace mt
