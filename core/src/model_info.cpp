@@ -2,7 +2,55 @@
 
 #include <fmt/format.h>
 
+#include "mt/error.h"
+
 namespace mt {
+
+namespace {
+
+std::string dims_text(const ModelDims& d) {
+  return fmt::format(
+      "vocab_size={} d_model={} mlp_dim={} layers={} query_heads={} kv_heads={} head_dim={}",
+      d.vocab_size, d.d_model, d.mlp_dim, d.num_layers, d.num_query_heads, d.num_kv_heads,
+      d.head_dim);
+}
+
+}  // namespace
+
+void check_model_sizes(const Model& m, int64_t batch, int64_t seq_len) {
+  const ModelDims d = m.dims();
+  int64_t total = 0;
+  auto check = [&](const std::string& what, const Shape& shape) {
+    size_t bytes = 0;
+    try {
+      bytes = shape_bytes(shape, DType::f32);
+    } catch (const Error&) {
+      throw UsageError(fmt::format(
+          "The model cannot be built: {} would have shape {}, an impossible size (a negative "
+          "dimension, or more bytes than fit in 64 bits; the model's dimensions: {}; batch {} x "
+          "{} tokens). Check those config values.",
+          what, shape_str(shape), dims_text(d), batch, seq_len));
+    }
+    return static_cast<int64_t>(bytes);
+  };
+  auto add = [&](const std::string& name, const Shape& shape) {
+    if (__builtin_add_overflow(total, check("parameter '" + name + "'", shape), &total))
+      throw UsageError(fmt::format(
+          "The model cannot be built: its parameters add up to more bytes than fit in 64 bits "
+          "(the model's dimensions: {}). Check those config values.",
+          dims_text(d)));
+  };
+  for (const auto& p : m.top_parameters()) add(p.name, p.shape);
+  for (int i = 0; i < m.num_layers(); ++i)
+    for (const auto& p : m.layer(i).parameters())
+      add("layers." + std::to_string(i) + "." + p.name, p.shape);
+  // The widest activations of one micro-batch: the residual stream, the MLP, the attention
+  // heads and the logits.
+  check("the residual stream", {batch, seq_len, d.d_model});
+  check("the MLP's hidden activations", {batch, seq_len, d.mlp_dim});
+  check("the attention heads' activations", {batch, seq_len, d.num_query_heads, d.head_dim});
+  check("the logits", {batch, seq_len, d.vocab_size});
+}
 
 ParamCounts count_parameters(const Model& m, bool tied_embedding) {
   ParamCounts c;

@@ -21,6 +21,11 @@ ParamCounts count_parameters(const Model& m, bool tied_embedding);
 double training_flops_per_token(const Model& m, bool tied_embedding, int64_t seq_len,
                                 bool causal = true);
 
+// Refuses (UsageError) a model whose parameters or activations of one micro-batch of
+// `batch` x `seq_len` tokens have sizes that do not fit in 64 bits, naming the parameter or
+// activation and the model's dimensions, before anything is allocated. Counts overflow too.
+void check_model_sizes(const Model& m, int64_t batch, int64_t seq_len);
+
 // "6.74B", "15.2M", "1.3K"
 std::string human_count(double n);
 

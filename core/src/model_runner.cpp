@@ -3,6 +3,7 @@
 #include <cmath>
 #include <random>
 
+#include "model_info.h"
 #include "mt/data.h"
 #include "mt/error.h"
 #include "plugin_manager.h"
@@ -39,6 +40,10 @@ ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins) {
   family_ = plugins.make_model_family(cfg.get_string("decoder_block"));
   family_->validate(cfg);
   model_ = family_->build(cfg);
+  // Sizes that overflow are refused here, before any allocation (an allocator asked for 2^63
+  // bytes must never be reached from a config value).
+  check_model_sizes(*model_, cfg.get_int("per_device_batch_size"),
+                    cfg.get_int("max_target_length"));
   const std::string backend_name = cfg.get_string("backend");
   backend_ = plugins.make_backend(backend_name, cfg);
   attention_ = plugins.make_attention(backend_name, cfg.get_string("attention"), *backend_);

@@ -63,9 +63,26 @@ std::string shape_str(const Shape& s) {
 }
 
 int64_t shape_numel(const Shape& s) {
+  bool empty = false;
+  for (auto d : s) {
+    if (d < 0) throw Error("tensor shape " + shape_str(s) + " has a negative dimension");
+    empty |= d == 0;
+  }
+  if (empty) return 0;  // whatever the other dimensions multiply to
   int64_t n = 1;
-  for (auto d : s) n *= d;
+  for (auto d : s)
+    if (__builtin_mul_overflow(n, d, &n))
+      throw Error("tensor shape " + shape_str(s) + " has more elements than fit in 64 bits");
   return n;
+}
+
+size_t shape_bytes(const Shape& s, DType t) {
+  const int64_t n = shape_numel(s);
+  int64_t bytes = 0;
+  if (__builtin_mul_overflow(n, static_cast<int64_t>(dtype_size(t)), &bytes))
+    throw Error("tensor shape " + shape_str(s) + " of " + dtype_name(t) +
+                " has a size in bytes that does not fit in 64 bits");
+  return static_cast<size_t>(bytes);
 }
 
 Storage::~Storage() {

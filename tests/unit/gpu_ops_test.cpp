@@ -1194,6 +1194,17 @@ TEST_F(GpuOps, OutOfMemorySaysWhatToChange) {
   EXPECT_EQ(b.sum(t), 2000.0);
 }
 
+// Sizes past what the arithmetic or any device holds are refused at once (issue 24, item 4:
+// the allocator's rounding loop never ended above 2^63 bytes).
+TEST_F(GpuOps, AbsurdAllocationsAreRefused) {
+  Backend& b = gpu();
+  EXPECT_THROW(b.empty({int64_t{1} << 62, 4}, DType::f32), Error);
+  EXPECT_THROW(b.empty({int64_t{1} << 61}, DType::u8), Error);
+  Tensor t = b.empty({1000}, DType::f32);
+  b.fill(t, 2.f);
+  EXPECT_EQ(b.sum(t), 2000.0);
+}
+
 TEST_F(GpuOps, AllocatorReusesBlocks) {
   Backend& b = gpu();
   { Tensor warm = b.empty({1 << 20}, DType::f32); }

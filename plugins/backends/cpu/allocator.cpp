@@ -1,7 +1,10 @@
 #include "allocator.h"
 
+#include <bit>
+#include <cstdint>
 #include <cstdlib>
 #include <new>
+#include <string>
 
 #include "mt/error.h"
 
@@ -12,9 +15,10 @@ size_t CachingAllocator::round_size(size_t bytes) {
   // Small blocks: multiples of 64 bytes. Large: 4 size classes per power of two, so the waste
   // is at most 25% and similar sizes share blocks.
   if (bytes <= 4096) return (bytes + 63) & ~size_t{63};
-  size_t p = 4096;
-  while (p * 2 < bytes) p *= 2;
-  const size_t step = p / 4;
+  // A quarter of the largest power of two below `bytes`. No loop: a doubling loop never ended
+  // for sizes above 2^63 (it wrapped to 0), which allocate() refuses before rounding anyway.
+  const size_t step = std::bit_floor(bytes - 1) / 4;
+  if (bytes > SIZE_MAX - step) return SIZE_MAX;
   return (bytes + step - 1) / step * step;
 }
 
@@ -24,6 +28,9 @@ CachingAllocator::~CachingAllocator() {
 }
 
 void* CachingAllocator::allocate(size_t bytes) {
+  if (bytes > kMaxAllocationBytes)
+    throw Error("The CPU backend cannot allocate " + std::to_string(bytes) +
+                " bytes: more than any machine has (the limit is 2^60). " + kOutOfMemoryAdvice);
   const size_t size = round_size(bytes);
   std::lock_guard<std::mutex> lock(mu_);
   void* p = nullptr;

@@ -19,9 +19,7 @@ std::string CpuBackend::describe() const {
 double CpuBackend::peak_flops(DType dtype) const { return cpu_peak_flops(dtype, num_threads_); }
 
 Tensor CpuBackend::empty(const Shape& shape, DType dtype) {
-  for (auto d : shape)
-    MT_CHECK(d >= 0, "cannot allocate a tensor of shape " + shape_str(shape));
-  const size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
+  const size_t bytes = shape_bytes(shape, dtype);  // throws for negative or overflowing shapes
   void* p = alloc_.allocate(bytes);
   return Tensor(std::make_shared<Storage>(p, CachingAllocator::round_size(bytes), this), shape,
                 dtype);

@@ -2,6 +2,8 @@
 
 #include <cuda_runtime.h>
 
+#include <bit>
+#include <cstdint>
 #include <cstdio>
 #include <string>
 
@@ -24,9 +26,10 @@ size_t DeviceAllocator::round_size(size_t bytes) {
   // Large: 4 size classes per power of two, so the waste is at most 25% and similar sizes
   // (activations of neighbouring layers) share blocks.
   if (bytes <= (size_t{1} << 20)) return (bytes + 511) & ~size_t{511};
-  size_t p = size_t{1} << 20;
-  while (p * 2 < bytes) p *= 2;
-  const size_t step = p / 4;
+  // A quarter of the largest power of two below `bytes`, without a doubling loop (which never
+  // ended above 2^63); allocate() refuses such sizes before rounding anyway.
+  const size_t step = std::bit_floor(bytes - 1) / 4;
+  if (bytes > SIZE_MAX - step) return SIZE_MAX;
   return (bytes + step - 1) / step * step;
 }
 
@@ -45,6 +48,9 @@ void DeviceAllocator::free_cache_locked() {
 }
 
 void* DeviceAllocator::allocate(size_t bytes) {
+  if (bytes > kMaxAllocationBytes)
+    throw Error("cuda: cannot allocate " + gib(bytes) +
+                ": more than any device has (the limit is 2^60 bytes). " + kOutOfMemoryAdvice);
   const size_t size = round_size(bytes);
   std::lock_guard<std::mutex> lock(mu_);
   void* p = nullptr;

@@ -78,7 +78,7 @@ class CudaBackend final : public mt::cuda::CudaOps {
     return ctx_.gemm->precision() == mt::cuda::MatmulPrecision::tf32 ? 494e12 : 67e12;
   }
   mt::Tensor empty(const mt::Shape& shape, mt::DType dtype) override {
-    const size_t bytes = static_cast<size_t>(mt::shape_numel(shape)) * mt::dtype_size(dtype);
+    const size_t bytes = mt::shape_bytes(shape, dtype);  // checked: throws on overflow
     return mt::Tensor(std::make_shared<mt::Storage>(alloc_.allocate(bytes), bytes, this), shape,
                       dtype);
   }

@@ -77,6 +77,10 @@ inline constexpr const char* kOutOfMemoryAdvice =
     "pass (remat_policy=full), or split each batch into micro-batches with "
     "gradient_accumulation_steps.";
 
+// No allocation is larger: sizes past it come from overflowing arithmetic or absurd configs,
+// and an allocator refuses them before doing anything with them.
+inline constexpr size_t kMaxAllocationBytes = size_t{1} << 60;
+
 struct MemoryStats {
   size_t bytes_in_use = 0;  // handed out to live tensors
   size_t peak_bytes_in_use = 0;

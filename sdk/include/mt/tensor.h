@@ -22,7 +22,11 @@ struct GradNode;
 
 using Shape = std::vector<int64_t>;
 std::string shape_str(const Shape& s);  // "[2, 3, 4]"
+// The one place sizes are computed, checked: element count and bytes of a shape. Both throw
+// mt::Error naming the shape when a dimension is negative or the result overflows 64 bits (a
+// config such as base_emb_dim=9223372036854775807 must be refused, not wrap to a small size).
 int64_t shape_numel(const Shape& s);
+size_t shape_bytes(const Shape& s, DType t);
 
 // A block of memory from a backend's allocator. Returned to the allocator on destruction, so a
 // backend must outlive every Storage it made (backends live for the process, in the registry).
@@ -61,7 +65,7 @@ class Tensor {
   // Size of dimension i; negative i counts from the end.
   int64_t dim(int i) const;
   int64_t numel() const { return shape_numel(impl_->shape); }
-  size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_size(impl_->dtype); }
+  size_t nbytes() const { return shape_bytes(impl_->shape, impl_->dtype); }
   DType dtype() const { return impl_->dtype; }
   Backend* backend() const { return impl_->storage ? impl_->storage->backend() : nullptr; }
 
