@@ -1,6 +1,7 @@
 // mt decode (MaxText's decode.py) and mt score: inference from a trained checkpoint.
 #include <fmt/format.h>
 
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -10,7 +11,9 @@
 #include "checkpoint_manager.h"
 #include "cli.h"
 #include "decoder.h"
+#include "file_util.h"
 #include "hf_interop.h"
+#include "json.h"
 #include "model_runner.h"
 #include "mt/data.h"
 #include "mt/error.h"
@@ -80,31 +83,28 @@ std::vector<int32_t> encode(const Inference& in, const std::string& text) {
   return ids;
 }
 
-// Lines of a text file, or the "text" field of each JSONL line (a minimal reader: the field
-// must be a JSON string).
+// Lines of a text file, or the "text" field of each JSON line (a line starting with '{').
 std::vector<std::string> read_texts(const std::string& path) {
-  std::ifstream f(path);
-  if (!f) throw UsageError("Cannot read '" + path + "'.");
   std::vector<std::string> out;
-  for (std::string line; std::getline(f, line);) {
+  LineReader in(path, "input", kMaxRecordBytes);
+  for (std::string_view line; in.next(line);) {
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
     if (line.empty()) continue;
     if (line[0] != '{') {
-      out.push_back(line);
+      out.emplace_back(line);
       continue;
     }
-    const auto k = line.find("\"text\"");
-    const auto q = k == std::string::npos ? k : line.find('"', line.find(':', k) + 1);
-    if (q == std::string::npos) throw UsageError("'" + path + "': a JSONL line has no \"text\" string.");
-    std::string s;
-    for (size_t i = q + 1; i < line.size() && line[i] != '"'; ++i) {
-      if (line[i] != '\\' || i + 1 >= line.size()) {
-        s += line[i];
-        continue;
-      }
-      const char e = line[++i];
-      s += e == 'n' ? '\n' : e == 't' ? '\t' : e;
+    const std::string where = "'" + path + "' line " + std::to_string(in.line_number());
+    json::Value v;
+    try {
+      v = json::parse(line);
+    } catch (const json::ParseError& e) {
+      throw UsageError(where + ": malformed JSON at byte " + std::to_string(e.offset) + ": " +
+                       e.what);
     }
-    out.push_back(s);
+    const json::Value* t = v.find("text");
+    if (!t || !t->is_string()) throw UsageError(where + ": the JSON line has no \"text\" string.");
+    out.push_back(t->str);
   }
   return out;
 }
@@ -114,13 +114,15 @@ std::vector<int32_t> parse_ids(const std::string& text, const std::string& where
   std::stringstream ss(text);
   for (std::string item; std::getline(ss, item, ',');) {
     if (item.find_first_not_of(" \t\n") == std::string::npos) continue;
-    try {
-      size_t used = 0;
-      const long v = std::stol(item, &used);
-      ids.push_back(static_cast<int32_t>(v));
-    } catch (const std::exception&) {
-      throw UsageError(where + ": '" + item + "' is not a token id (ids are comma-separated integers).");
-    }
+    const size_t a = item.find_first_not_of(" \t\r\n");
+    const size_t b = item.find_last_not_of(" \t\r\n");
+    int32_t v = -1;
+    const auto r = std::from_chars(item.data() + a, item.data() + b + 1, v);
+    if (r.ec != std::errc() || r.ptr != item.data() + b + 1 || v < 0)
+      throw UsageError(where + ": '" + item.substr(a, b + 1 - a) +
+                       "' is not a token id (ids are comma-separated integers from 0 to "
+                       "2147483647).");
+    ids.push_back(v);
   }
   return ids;
 }
@@ -186,11 +188,7 @@ int cmd_score(const Args& args) {
     ids = parse_ids(cfg.get_string("tokens"), "tokens");
   } else if (!cfg.get_string("input").empty()) {
     const std::string path = cfg.get_string("input");
-    std::ifstream f(path);
-    if (!f) throw UsageError("Cannot read input='" + path + "'.");
-    std::stringstream ss;
-    ss << f.rdbuf();
-    const std::string all = ss.str();
+    const std::string all = read_file(path, "input");
     if (all.find_first_not_of("0123456789, \t\n") == std::string::npos) {
       ids = parse_ids(all, path);
     } else {

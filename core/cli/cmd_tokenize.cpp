@@ -35,17 +35,17 @@ std::vector<std::string> read_documents(const std::vector<std::string>& paths,
   std::vector<std::string> docs;
   bytes = 0;
   for (const auto& p : paths) {
-    const std::string text = read_file(p, "input");
-    bytes += text.size();
     const std::string ext = fs::path(p).extension().string();
     if (ext != ".jsonl" && ext != ".json") {
-      docs.push_back(text);
+      docs.push_back(read_file(p, "input", kMaxRecordBytes));
+      bytes += docs.back().size();
       continue;
     }
-    std::istringstream in(text);
-    int line_no = 0;
-    for (std::string line; std::getline(in, line);) {
-      ++line_no;
+    // Line by line, each bounded: a corpus may be larger than any one read should be.
+    LineReader in(p, "input", kMaxRecordBytes);
+    for (std::string_view line; in.next(line);) {
+      const uint64_t line_no = in.line_number();
+      bytes += line.size() + 1;
       if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
       json::Value v;
       try {

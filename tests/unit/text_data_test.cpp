@@ -1,5 +1,6 @@
 // dataset_type=text: text and JSON-lines files tokenized at load, batched like `tokens`.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -317,7 +318,7 @@ TEST_F(TextData, ClearErrors) {
   EXPECT_TRUE(has(m, "dataset_type=text needs tokenizer_path")) << m;
 
   m = error_of([&] { make(cfg(file("missing.jsonl"))); });
-  EXPECT_TRUE(has(m, file("missing.jsonl")) && has(m, "no such file")) << m;
+  EXPECT_TRUE(has(m, file("missing.jsonl")) && has(m, "does not exist")) << m;
 
   m = error_of([&] { make(cfg(file("nothing*.jsonl"))); });
   EXPECT_TRUE(has(m, "matches no file")) << m;
@@ -347,6 +348,30 @@ TEST_F(TextData, ClearErrors) {
 
   m = error_of([&] { make(cfg(good, {{"train_data_columns", ""}})); });
   EXPECT_TRUE(has(m, "train_data_columns")) << m;
+}
+
+// Issue 24, item 5: only regular files are read (dataset_path=/dev/zero grew to 16.8 GB in two
+// minutes; a FIFO would block the open forever), and one record is bounded: a JSON line, or a
+// whole text file, of more than 256 MiB is refused with the line it is on.
+TEST_F(TextData, ReadsAreBounded) {
+  auto has = [](const std::string& msg, const std::string& part) {
+    return msg.find(part) != std::string::npos;
+  };
+  std::string m = error_of([&] { make(cfg("/dev/zero")); });
+  EXPECT_TRUE(has(m, "'/dev/zero' is not a regular file")) << m;
+  const std::string fifo = file("pipe.jsonl");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  m = error_of([&] { make(cfg(fifo)); });
+  EXPECT_TRUE(has(m, fifo) && has(m, "not a regular file")) << m;
+  // Sparse files of zeros without a newline: nothing is written to disk.
+  const std::string jsonl = write("long.jsonl", "{\"text\": \"ok\"}\n");
+  fs::resize_file(jsonl, (uint64_t{256} << 20) + 100);
+  m = error_of([&] { make(cfg(jsonl)); });
+  EXPECT_TRUE(has(m, jsonl) && has(m, "line 2 is longer than 256 MiB")) << m;
+  const std::string txt = write("long.txt", "text");
+  fs::resize_file(txt, (uint64_t{256} << 20) + 1);
+  m = error_of([&] { make(cfg(txt)); });
+  EXPECT_TRUE(has(m, txt) && has(m, "larger than 256 MiB")) << m;
 }
 
 TEST_F(TextData, NonStrictSkipsBadRecords) {

@@ -34,6 +34,7 @@
 
 #include "../common/paths.h"
 #include "../common/row_source.h"
+#include "file_util.h"
 #include "json.h"
 #include "mt/config.h"
 #include "mt/data.h"
@@ -69,40 +70,24 @@ struct RawDoc {
   std::string where;  // "file" or "file:line"
 };
 
-std::string read_whole(const std::string& path) {
-  std::error_code ec;
-  if (!std::filesystem::exists(path, ec))
-    throw mt::UsageError("text: " + path + ": no such file (dataset_path)");
-  if (std::filesystem::is_directory(path, ec))
-    throw mt::UsageError("text: " + path + ": is a directory");
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw mt::Error("text: " + path + ": cannot be read");
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  if (f.bad()) throw mt::Error("text: " + path + ": read failed");
-  return std::move(ss).str();
-}
-
 bool is_json_lines(const std::string& path) {
   const std::string ext = std::filesystem::path(path).extension().string();
   return ext == ".jsonl" || ext == ".json";
 }
 
+// Files and records come through the core's bounded readers: only regular files (dataset_path
+// =/dev/zero grew to 16.8 GB before), and no record (a JSON line, or a whole text file) longer
+// than kMaxRecordBytes.
 std::vector<RawDoc> read_documents(const std::string& path, const std::string& field, bool strict,
                                    Skipped& skipped) {
-  std::string bytes = read_whole(path);
   std::vector<RawDoc> docs;
   if (!is_json_lines(path)) {
-    docs.push_back({std::move(bytes), path});
+    docs.push_back({mt::read_file(path, "text", mt::kMaxRecordBytes), path});
     return docs;
   }
-  size_t pos = 0, line_no = 0;
-  while (pos < bytes.size()) {
-    size_t end = bytes.find('\n', pos);
-    if (end == std::string::npos) end = bytes.size();
-    ++line_no;
-    const std::string_view line(bytes.data() + pos, end - pos);
-    pos = end + 1;
+  mt::LineReader in(path, "text", mt::kMaxRecordBytes);
+  for (std::string_view line; in.next(line);) {
+    const uint64_t line_no = in.line_number();
     if (line.find_first_not_of(" \t\r") == std::string_view::npos) continue;
     const std::string where = path + ":" + std::to_string(line_no);
     mt::json::Value v;
