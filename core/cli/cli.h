@@ -19,8 +19,10 @@ struct Args {
   bool help = false;
 };
 
-// Parses argv[2..]; throws UsageError for malformed arguments.
-Args parse_args(const std::string& command, int argc, char** argv, int first);
+// Parses argv[first..]; throws UsageError for malformed arguments and for bare words (neither
+// key=value nor --flag) beyond the `max_positional` the command takes.
+Args parse_args(const std::string& command, int argc, char** argv, int first,
+                size_t max_positional = 0);
 
 // The configs directory (share/mt/configs beside the install or build tree) and extra model
 // config directories (`models/` inside each plugin search directory).

@@ -13,7 +13,8 @@ namespace fs = std::filesystem;
 
 namespace mt::cli {
 
-Args parse_args(const std::string& command, int argc, char** argv, int first) {
+Args parse_args(const std::string& command, int argc, char** argv, int first,
+                size_t max_positional) {
   Args a;
   a.command = command;
   for (int i = first; i < argc; ++i) {
@@ -31,8 +32,18 @@ Args parse_args(const std::string& command, int argc, char** argv, int first) {
         kv += "=true";
       }
     } else if (s.find('=') == std::string::npos) {
-      a.positional.push_back(s);
-      continue;
+      // A bare word is a typo far more often than not (`steps 5` for steps=5): ignoring it
+      // would run with the default instead, so anything a command does not take is refused.
+      if (a.positional.size() < max_positional) {
+        a.positional.push_back(s);
+        continue;
+      }
+      std::string hint = "write options as key=value or --key=value";
+      if (i + 1 < argc && std::string(argv[i + 1]).find('=') == std::string::npos &&
+          std::string(argv[i + 1]).rfind("-", 0) != 0)
+        hint = "did you mean " + s + "=" + argv[i + 1] + "?";
+      throw UsageError("The argument '" + s + "' is not an option of mt " + command + ": " + hint +
+                       " (`mt " + command + " --help` lists what it takes).");
     }
     const auto eq = kv.find('=');
     const std::string key = kv.substr(0, eq);

@@ -19,6 +19,7 @@ struct Command {
   int (*fn)(const mt::cli::Args&);
   const char* summary;
   const char* usage;
+  size_t positional = 0;  // bare words it takes (`mt bench train`); any other is refused
 };
 
 constexpr const char* kCommonOptions =
@@ -42,11 +43,12 @@ const Command kCommands[] = {
     {"score", mt::cli::cmd_score, "loss and perplexity of a model on text or token ids",
      "mt score --model=NAME load_parameters_path=DIR prompt=\"...\" [output=FILE]\n"},
     {"bench", mt::cli::cmd_bench, "throughput benchmarks (JSON output)",
-     "mt bench train|decode|gemm|attention [--model=NAME] [key=value ...]\n"},
+     "mt bench train|decode|gemm|attention [--model=NAME] [key=value ...]\n", 1},
     {"tokenize", mt::cli::cmd_tokenize, "text or JSONL -> the pre-tokenized `tokens` format",
      "mt tokenize tokenizer_path=FILE input=FILE[,FILE...] output=FILE.tokens\n\n"
      "Tokenizes every document (a .jsonl line's train_data_columns field, or a whole file) on\n"
-     "all cores, adding BOS/EOS per add_bos/add_eos, and writes a file dataset_type=tokens reads.\n"},
+     "all cores, adding BOS/EOS per add_bos/add_eos, and writes a file dataset_type=tokens "
+     "reads.\n"},
     {"plugins", mt::cli::cmd_plugins, "list the plugins found and why any failed to load",
      "mt plugins [plugin_dirs=[DIR,...]]\n\n"
      "Searches the install directory, then MT_PLUGIN_PATH, then plugin_dirs, and prints\n"
@@ -85,7 +87,7 @@ int main(int argc, char** argv) {
   for (const auto& c : kCommands) {
     if (name != c.name) continue;
     try {
-      mt::cli::Args a = mt::cli::parse_args(name, argc, argv, 2);
+      mt::cli::Args a = mt::cli::parse_args(name, argc, argv, 2, c.positional);
       if (a.help) {
         std::printf("%s: %s\n\nUsage: %s\n%s", c.name, c.summary, c.usage, kCommonOptions);
         return 0;

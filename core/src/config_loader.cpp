@@ -12,6 +12,7 @@
 #include <set>
 #include <sstream>
 
+#include "file_util.h"
 #include "mt/error.h"
 
 namespace mt {
@@ -46,6 +47,12 @@ std::optional<int64_t> parse_int(std::string_view s) {
   auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
   if (ec != std::errc() || p != s.data() + s.size()) return std::nullopt;
   return v;
+}
+
+// Digits with an optional sign: what parse_int refuses only when it overflows.
+bool integer_syntax(std::string_view s) {
+  if (!s.empty() && (s[0] == '+' || s[0] == '-')) s.remove_prefix(1);
+  return !s.empty() && s.find_first_not_of("0123456789") == std::string_view::npos;
 }
 
 // Whole-string finite number: configs never want inf or nan, and accepting them would let a
@@ -118,11 +125,8 @@ struct LayerFile {
 // mapping). Refuses malformed YAML with file:line:column, and a key set twice in the same file
 // (yaml-cpp would silently keep both).
 LayerFile read_layer(const fs::path& path, const std::string& shown) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw UsageError(fmt::format("The config file {} cannot be read.", shown));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  const std::string text = ss.str();
+  // Bounded and regular files only: a FIFO or /dev/zero named as --config must not hang.
+  const std::string text = read_file(path.string(), "config", kMaxConfigFileBytes);
 
   LayerFile f;
   f.shown = shown;
@@ -418,7 +422,10 @@ ConfigValue make_value(const KeySpec& spec, const YAML::Node& n, const std::stri
       auto i = quoted ? std::nullopt : parse_int(s);
       if (!i) {
         wrong_type(spec, text, origin,
-                   !quoted && parse_float(s) ? "a fractional number" : "a string");
+                   !quoted && integer_syntax(s) ? "an integer beyond the 64-bit range (at most "
+                                                  "9223372036854775807)"
+                   : !quoted && parse_float(s)  ? "a fractional number"
+                                                : "a string");
       }
       v.i = *i;
       return v;

@@ -414,6 +414,12 @@ TEST(ConfigTypes, WrongTypesAreRefusedWithKeyValueOriginAndDefault) {
       msg, All(Has("steps=abc"), Has("command line"), Has("must be an integer"),
                Has("default is 300"), Has("configs/base.yml:" + std::to_string(steps_line))));
   EXPECT_CONTAINS(usage_error([] { load({"steps=3.5"}); }), Has("fractional"));
+  // Too many digits is not a fraction (issue 24, item 11).
+  for (const char* v : {"steps=9999999999999999999999", "steps=-9999999999999999999999"}) {
+    const std::string msg = usage_error([&] { load({v}); });
+    EXPECT_CONTAINS(msg, Has("beyond the 64-bit range"));
+    EXPECT_EQ(msg.find("fractional"), std::string::npos) << msg;
+  }
   EXPECT_CONTAINS(usage_error([] { load({"learning_rate=fast"}); }),
                   All(Has("learning_rate=fast"), Has("must be a number")));
   EXPECT_CONTAINS(usage_error([] { load({"packing=1"}); }),
