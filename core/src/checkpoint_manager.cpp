@@ -337,19 +337,26 @@ std::optional<int64_t> parse_step(std::string_view name) {
   return v;
 }
 
-// Complete, with every recorded file present at the recorded size. No checksums (fast).
-bool looks_complete(const fs::path& step_dir, int64_t step) {
+// "" when complete, with every recorded file present at the recorded size; else why not. No
+// checksums (fast).
+std::string why_incomplete(const fs::path& step_dir, int64_t step) {
   try {
     Metadata md = read_metadata(step_dir);
-    if (!md.complete || md.step != step) return false;
+    if (!md.complete) return quoted(step_dir / kMetadataName) + " does not say \"complete\": true";
+    if (md.step != step)
+      return quoted(step_dir / kMetadataName) + " records step " + std::to_string(md.step);
     for (const auto& f : md.files) {
       std::error_code ec;
       uintmax_t sz = fs::file_size(step_dir / f.name, ec);
-      if (ec || sz != f.size) return false;
+      if (ec) return quoted(step_dir / f.name) + " cannot be read: " + ec.message();
+      if (sz != f.size)
+        return quoted(step_dir / f.name) + " is " + std::to_string(sz) +
+               " bytes but the metadata records " + std::to_string(f.size) + " (truncated?)";
     }
-    return true;
-  } catch (const std::exception&) {
-    return false;
+    return {};
+  } catch (const std::exception& e) {
+    std::string why = e.what();
+    return why.empty() ? "unreadable metadata" : why;
   }
 }
 
@@ -369,7 +376,7 @@ std::vector<int64_t> list_complete_steps(const fs::path& dir) {
     std::error_code ec;
     if (!e.is_directory(ec)) continue;
     auto step = parse_step(e.path().filename().string());
-    if (step && looks_complete(e.path(), *step)) steps.push_back(*step);
+    if (step && why_incomplete(e.path(), *step).empty()) steps.push_back(*step);
   }
   std::sort(steps.begin(), steps.end());
   return steps;
@@ -656,6 +663,25 @@ void CheckpointManager::wait() {
 
 std::vector<int64_t> CheckpointManager::complete_steps() const {
   return list_complete_steps(dir_);
+}
+
+std::vector<std::string> CheckpointManager::skipped_newer_steps() const {
+  const int64_t latest = latest_step();
+  std::vector<std::pair<int64_t, std::string>> found;
+  for (const auto& e : entries(dir_)) {
+    std::error_code ec;
+    if (!e.is_directory(ec)) continue;
+    auto step = parse_step(e.path().filename().string());
+    if (!step || *step <= latest) continue;
+    std::string why = why_incomplete(e.path(), *step);
+    if (!why.empty())
+      found.emplace_back(*step, "checkpoint step " + std::to_string(*step) + " in " + quoted(dir_) +
+                                    " is skipped: " + why);
+  }
+  std::sort(found.begin(), found.end());
+  std::vector<std::string> out;
+  for (auto& [step, msg] : found) out.push_back(std::move(msg));
+  return out;
 }
 
 int64_t CheckpointManager::latest_step() const {

@@ -87,6 +87,10 @@ class CheckpointManager final : public Checkpointer {
   // Highest step whose metadata says complete and whose files exist with the recorded sizes, or
   // -1. Checksums are verified by restore(), not here, so listing stays fast at start-up.
   int64_t latest_step() const override;
+  // Why each step directory above latest_step() is not used: incomplete metadata or a file of
+  // the wrong size (a crash or an outside change; an interrupted save of mt's own never
+  // publishes a step). One sentence each, ascending; empty when there is none.
+  std::vector<std::string> skipped_newer_steps() const;
   // Verifies every file's checksum, then fills the tensors already in state.params (and
   // state.opt_m / state.opt_v unless they are empty: then the moments are not read) by name,
   // converting dtypes when the stored one differs; names and shapes must match exactly. Sets

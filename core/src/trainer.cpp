@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "checkpoint_manager.h"
+#include "file_util.h"
 #include "hf_interop.h"
 #include "model_info.h"
 #include "model_runner.h"
@@ -22,6 +23,7 @@
 #include "mt/graph.h"
 #include "mt/tokenizer.h"
 #include "plugin_manager.h"
+#include "run_lock.h"
 #include "tokenizer_factory.h"
 
 namespace fs = std::filesystem;
@@ -77,6 +79,16 @@ std::string progress_bar(int64_t step, int64_t steps, double eta_s, double loss,
 }  // namespace
 
 TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
+  // Outputs: the resolved config beside the metrics, in a directory this run alone writes:
+  // locked before anything else is done, so a second run is refused at once.
+  const std::string run_name = cfg.get_string("run_name");
+  if (run_name.empty() || run_name == "." || run_name == ".." ||
+      run_name.find('/') != std::string::npos)
+    cfg.reject("run_name",
+               "must be a plain directory name inside base_output_directory (no '/', not '.' "
+               "or '..'); to write elsewhere, set base_output_directory=.");
+  const fs::path run_dir = fs::path(cfg.get_string("base_output_directory")) / run_name;
+  const RunLock lock(run_dir);
   ModelRunner runner(cfg, plugins);
   Backend& be = runner.backend();
   const int64_t steps = cfg.get_int("steps");
@@ -101,16 +113,14 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
   const auto weight_decay = static_cast<float>(cfg.get_float("adam_weight_decay"));
 
   // Outputs: the resolved config beside the metrics.
-  const fs::path run_dir =
-      fs::path(cfg.get_string("base_output_directory")) / cfg.get_string("run_name");
-  fs::create_directories(run_dir);
   {
     std::ofstream c(run_dir / "config.yml");
     c << cfg.to_yaml(true);
+    c.close();
+    if (!c) throw Error("Cannot write " + quoted(run_dir / "config.yml") + ".");
   }
   std::ofstream metrics(run_dir / "metrics.jsonl", std::ios::app);
-  if (!metrics)
-    throw Error("Cannot write metrics to " + (run_dir / "metrics.jsonl").string() + ".");
+  if (!metrics) throw Error("Cannot write metrics to " + quoted(run_dir / "metrics.jsonl") + ".");
 
   // Data.
   const std::string dataset = cfg.get_string("dataset_type");
@@ -154,6 +164,10 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
                          static_cast<int>(cfg.get_int("max_num_checkpoints_to_keep")), be);
   int64_t first_step = 1;
   std::string resumed_from;
+  // A newer step that is not complete is passed over, but never silently.
+  if (checkpointing)
+    for (const auto& why : ckpt.skipped_newer_steps())
+      std::fprintf(stderr, "mt run: warning: %s; the run does not resume from it.\n", why.c_str());
   if (const int64_t latest = checkpointing ? ckpt.latest_step() : -1; latest >= 0) {
     ckpt.restore(latest, state);
     data->restore(state.data_state);
@@ -194,6 +208,9 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
     state.step = step;
     state.data_state = data->state();
     state.config_yaml = cfg.to_yaml(true);
+    // The previous (async) save's failure first, on its own: save() would rethrow it and start
+    // nothing, so each failure cost the next checkpoint too and only the first was named.
+    guarded([&] { ckpt.wait(); });
     guarded([&] { ckpt.save(state); });
   };
 
@@ -331,6 +348,9 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
         step, loss, lr, grad_norm, tps, tflops, mfu, step_s * 1e3, data_wait * 1e3, ckpt_s * 1e3,
         static_cast<double>(ms.peak_bytes_in_use) / 1e6, ms.num_system_allocs,
         ev >= 0 ? fmt::format(", \"eval_loss\": {:.6f}", ev) : "");
+    // Each record reaches the file at once: a killed run keeps the lines of the steps it
+    // checkpointed, so a resumed run leaves no gap.
+    metrics.flush();
     if (!quiet) {
       const double eta =
           seconds_since(run_start) / static_cast<double>(step) * static_cast<double>(steps - step);
