@@ -30,8 +30,10 @@ std::filesystem::path configs_dir();
 std::vector<std::filesystem::path> model_dirs();
 
 // Resolves the layered config for these arguments (configs/base.yml, the model, --config,
-// overrides) and validates the plugin-independent part.
-Config resolve_config(const Args& a);
+// overrides) and validates the plugin-independent part. With hf_path, the directory's
+// config.json replaces the named model; `notes`: print the config.json fields mt does not use
+// (once per command: a second resolution passes false).
+Config resolve_config(const Args& a, bool notes = true);
 
 int cmd_plugins(const Args& a);
 int cmd_models(const Args& a);

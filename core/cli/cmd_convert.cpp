@@ -57,17 +57,25 @@ int cmd_convert(const Args& args_in) {
     PluginManager pm(dirs);
     const HfImport imp = read_hf_config(input, pm);
     ModelRunner runner(cfg, pm);
-    std::vector<std::string> unused;
-    load_hf_weights(input, runner, &unused);
+    load_hf_weights(input, runner);
     fs::create_directories(output);
     {
       std::ofstream y(fs::path(output) / "model.yml");
       y << "# mt config of the Hugging Face model converted from " << input
         << "\n# use with --config=" << (fs::path(output) / "model.yml").string() << "\n";
+      // No named model beneath it: its sizes, context and tokenizer are the directory's.
+      y << "model_name: \"\"\n";
       for (const auto& o : imp.overrides) {
         const auto eq = o.find('=');
         y << o.substr(0, eq) << ": " << o.substr(eq + 1) << "\n";
       }
+      y << "max_target_length: " << cfg.get_int("max_target_length") << "\n";
+      // The directory's tokenizer files are copied beside the checkpoint (below).
+      std::string tok = cfg.get_string("tokenizer_path");
+      if (!tok.empty() && fs::path(tok) == fs::path(input)) tok = output;
+      std::string q;
+      for (char c : tok) q += c == '"' || c == '\\' ? std::string("\\") + c : std::string(1, c);
+      y << "tokenizer_path: \"" << q << "\"\n";
     }
     CheckpointManager ckpt(fs::path(output) / "checkpoints", /*async=*/false, 0, runner.backend());
     TrainState st;
@@ -80,7 +88,6 @@ int cmd_convert(const Args& args_in) {
     std::printf("mt convert: %zu parameters of a %s model -> %s (config: %s/model.yml)\n",
                 runner.params().size(), imp.family.c_str(),
                 (fs::path(output) / "checkpoints" / "0").string().c_str(), output.c_str());
-    for (const auto& u : unused) std::printf("mt convert: note: tensor not used by mt: %s\n", u.c_str());
     return 0;
   }
   // --to=hf

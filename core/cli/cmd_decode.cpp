@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <utility>
 
 #include "checkpoint_manager.h"
 #include "cli.h"
@@ -130,22 +131,40 @@ std::vector<int32_t> parse_ids(const std::string& text, const std::string& where
 }  // namespace
 
 int cmd_decode(const Args& args) {
-  Inference in = load_inference(args, "decode", /*need_tokenizer=*/true);
+  // tokens=<ids>: the prompt as token ids, and the output as ids (prompt and continuation, as
+  // transformers' generate returns them), so a decode compares exactly with a reference.
+  const bool ids_given = !resolve_config(args, /*notes=*/false).get_string("tokens").empty();
+  Inference in = load_inference(args, "decode", /*need_tokenizer=*/!ids_given);
   const Config& cfg = in.cfg;
   std::vector<std::string> texts;
-  if (!cfg.get_string("prompt_file").empty()) texts = read_texts(cfg.get_string("prompt_file"));
-  else texts.push_back(cfg.get_string("prompt"));
   std::vector<std::vector<int32_t>> prompts;
-  const int64_t max_prefill = cfg.get_int("max_prefill_predict_length");
-  for (const auto& t : texts) {
-    prompts.push_back(encode(in, t));
-    if (static_cast<int64_t>(prompts.back().size()) > max_prefill)
-      throw UsageError(fmt::format("A prompt has {} tokens, more than max_prefill_predict_length={}.",
-                                   prompts.back().size(), max_prefill));
+  if (ids_given) {
+    prompts.push_back(parse_ids(cfg.get_string("tokens"), "tokens"));
+    texts.emplace_back();
+    const int64_t vocab = in.runner->model().dims().vocab_size;
+    for (size_t i = 0; i < prompts[0].size(); ++i)
+      if (prompts[0][i] >= vocab)
+        throw UsageError(
+            fmt::format("Token id {} at position {} is outside the model's "
+                        "vocabulary [0, {}).",
+                        prompts[0][i], i, vocab));
+    if (prompts[0].empty()) throw UsageError("tokens= holds no token id.");
+  } else {
+    if (!cfg.get_string("prompt_file").empty())
+      texts = read_texts(cfg.get_string("prompt_file"));
+    else
+      texts.push_back(cfg.get_string("prompt"));
+    for (const auto& t : texts) prompts.push_back(encode(in, t));
   }
+  const int64_t max_prefill = cfg.get_int("max_prefill_predict_length");
+  for (const auto& p : prompts)
+    if (static_cast<int64_t>(p.size()) > max_prefill)
+      throw UsageError(
+          fmt::format("A prompt has {} tokens, more than max_prefill_predict_length={}.", p.size(),
+                      max_prefill));
   const int64_t max_len = cfg.get_int("max_target_length");
   const SamplingParams sp = sampling_from_config(cfg);
-  const bool stream = prompts.size() == 1;
+  const bool stream = prompts.size() == 1 && !ids_given;
   std::string shown;
   std::vector<int32_t> so_far;
   if (stream) std::printf("%s", texts[0].c_str());
@@ -160,9 +179,17 @@ int cmd_decode(const Args& args) {
       shown = text;
     }
   };
-  const GenerateResult r =
-      generate(*in.runner, prompts, max_len, sp, in.tokenizer->eos_id(), on_token);
-  if (stream) {
+  const GenerateResult r = generate(*in.runner, prompts, max_len, sp,
+                                    in.tokenizer ? in.tokenizer->eos_id() : -1, on_token);
+  if (ids_given) {
+    std::string line;
+    for (const std::vector<int32_t>* part : {&std::as_const(prompts[0]), &r.tokens[0]})
+      for (int32_t id : *part) {
+        if (!line.empty()) line += ',';
+        line += std::to_string(id);
+      }
+    std::printf("%s\n", line.c_str());
+  } else if (stream) {
     std::printf("\n");
   } else {
     for (size_t b = 0; b < prompts.size(); ++b)
@@ -179,7 +206,7 @@ int cmd_decode(const Args& args) {
 }
 
 int cmd_score(const Args& args) {
-  const Config probe = resolve_config(args);
+  const Config probe = resolve_config(args, /*notes=*/false);
   const bool ids_given = !probe.get_string("tokens").empty();
   Inference in = load_inference(args, "score", /*need_tokenizer=*/!ids_given);
   const Config& cfg = in.cfg;
@@ -207,9 +234,24 @@ int cmd_score(const Args& args) {
       throw UsageError(fmt::format("Token id {} at position {} is outside the model's vocabulary "
                                    "[0, {}).", ids[i], i, vocab));
   if (ids.size() < 2) throw UsageError("mt score needs at least two tokens (one to predict).");
-  // Windows of max_target_length tokens, scored independently.
+  // Windows of max_target_length tokens, scored independently: said, never done silently.
   const int64_t window = cfg.get_int("max_target_length");
   const auto n = static_cast<int64_t>(ids.size());
+  if (n > window) {
+    const int64_t mpe = cfg.get_int("max_position_embeddings");
+    std::fprintf(
+        stderr,
+        "mt score: the input has %ld tokens, more than max_target_length=%ld: it is "
+        "scored in %ld independent windows of up to %ld tokens, each without the context "
+        "of the ones before (the first token of each is not predicted). Set "
+        "max_target_length=%ld%s to score it as one sequence.\n",
+        static_cast<long>(n), static_cast<long>(window),
+        static_cast<long>((n + window - 1) / window), static_cast<long>(window),
+        static_cast<long>(mpe > 0 ? std::min(n, mpe) : n),
+        mpe > 0 && n > mpe
+            ? fmt::format(" (the most the model supports: max_position_embeddings={})", mpe).c_str()
+            : "");
+  }
   std::vector<float> all_logits, logprobs;
   const bool keep = !cfg.get_string("output").empty();
   double nll = 0;

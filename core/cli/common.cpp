@@ -1,10 +1,15 @@
+#include <yaml-cpp/yaml.h>
+
+#include <charconv>
 #include <cstdio>
 #include <filesystem>
+#include <set>
 #include <string>
 
 #include "cli.h"
 #include "config_impl.h"
 #include "config_loader.h"
+#include "file_util.h"
 #include "hf_interop.h"
 #include "mt/error.h"
 #include "plugin_manager.h"
@@ -71,7 +76,28 @@ std::vector<fs::path> model_dirs() {
   return r;
 }
 
-Config resolve_config(const Args& a) {
+namespace {
+
+// The keys the user set: key=value / --key=value words and the top-level keys of --config.
+std::set<std::string> user_keys(const Args& a) {
+  std::set<std::string> keys;
+  for (const auto& o : a.overrides) keys.insert(o.substr(0, o.find('=')));
+  if (!a.config_file.empty()) {
+    try {
+      const YAML::Node n = YAML::Load(read_file(a.config_file, "config", kMaxConfigFileBytes));
+      if (n.IsMap())
+        for (const auto& kv : n) keys.insert(kv.first.Scalar());
+    } catch (const std::exception&) {
+      // load_config has already refused a file that does not parse.
+    }
+  }
+  if (!a.model.empty()) keys.insert("model_name");
+  return keys;
+}
+
+}  // namespace
+
+Config resolve_config(const Args& a, bool notes) {
   ConfigRequest req;
   req.configs_dir = configs_dir();
   req.model_dirs = model_dirs();
@@ -80,25 +106,43 @@ Config resolve_config(const Args& a) {
   req.overrides = a.overrides;
   Config cfg = load_config(req);
   // hf_path=<dir>: the model's config comes from its config.json (through the family plugin),
-  // layered after the model file and before the user's own overrides, which still win.
+  // layered after base.yml and before the user's own settings, which still win. No named model
+  // is layered unless the user names one: base.yml's default model (its sizes, context length
+  // and tokenizer) has nothing to do with the directory's.
   if (const std::string hf = cfg.get_string("hf_path"); !hf.empty()) {
     std::vector<fs::path> dirs;
     for (const auto& d : cfg.get_string_list("plugin_dirs")) dirs.emplace_back(d);
     PluginManager pm(dirs);
     const HfImport imp = read_hf_config(hf, pm);
-    std::vector<std::string> layered = imp.overrides;
+    const std::set<std::string> user = user_keys(a);
+    std::vector<std::string> layered;
+    if (!user.count("model_name")) layered.push_back("model_name=");
+    layered.insert(layered.end(), imp.overrides.begin(), imp.overrides.end());
+    // The context: base.yml's max_target_length unless the model supports less.
+    if (!user.count("max_target_length")) {
+      for (const auto& o : imp.overrides) {
+        if (o.rfind("max_position_embeddings=", 0) != 0) continue;
+        int64_t mpe = 0;
+        const std::string v = o.substr(o.find('=') + 1);
+        std::from_chars(v.data(), v.data() + v.size(), mpe);
+        if (mpe > 0 && mpe < cfg.get_int("max_target_length"))
+          layered.push_back("max_target_length=" + std::to_string(mpe));
+      }
+    }
+    // The tokenizer: the directory's own, unless the user named one; never another model's.
     std::error_code ec;
-    // The model directory's own tokenizer, unless the user named one.
-    bool user_tokenizer = false;
-    for (const auto& o : a.overrides) user_tokenizer |= o.rfind("tokenizer_path=", 0) == 0;
-    if (!user_tokenizer && (fs::exists(fs::path(hf) / "tokenizer.json", ec) ||
-                            fs::exists(fs::path(hf) / "tokenizer.model", ec)))
-      layered.push_back("tokenizer_path=" + hf);
+    if (!user.count("tokenizer_path")) {
+      const bool has_tok = fs::exists(fs::path(hf) / "tokenizer.json", ec) ||
+                           fs::exists(fs::path(hf) / "tokenizer.model", ec);
+      layered.push_back("tokenizer_path=" + (has_tok ? hf : std::string()));
+    }
     layered.insert(layered.end(), a.overrides.begin(), a.overrides.end());
     req.overrides = layered;
     cfg = load_config(req);
-    for (const auto& u : imp.unused)
-      std::fprintf(stderr, "mt: note: %s/config.json field not used by mt: %s\n", hf.c_str(), u.c_str());
+    if (notes)
+      for (const auto& u : imp.unused)
+        std::fprintf(stderr, "mt: note: %s/config.json field not used by mt: %s\n", hf.c_str(),
+                     u.c_str());
   }
   // A relative data path that does not exist from the current directory is looked up in
   // share/mt (where the shipped corpus and tokenizer live), so `mt run` works from anywhere.

@@ -568,8 +568,17 @@ void check_combinations(const Config& c) {
                                    std::string(k) == "eval_interval" ? "never" : "= steps"));
     }
   }
+  if (has({"max_target_length", "max_position_embeddings"}) &&
+      c.get_int("max_position_embeddings") > 0 &&
+      c.get_int("max_target_length") > c.get_int("max_position_embeddings")) {
+    throw UsageError(fmt::format(
+        "{} is longer than the model supports: {}. Positions past it were never trained (and "
+        "rotary tables stop there); lower max_target_length.",
+        shown("max_target_length"), shown("max_position_embeddings")));
+  }
   if (has({"decode_sampling_strategy", "decode_sampling_top_k"}) &&
-      c.get_string("decode_sampling_strategy") == "top_k" &&
+      (c.get_string("decode_sampling_strategy") == "top_k" ||
+       c.get_string("decode_sampling_strategy") == "topk") &&
       c.get_int("decode_sampling_top_k") < 1) {
     throw UsageError(fmt::format("{} must be at least 1 when {}.", shown("decode_sampling_top_k"),
                                  shown("decode_sampling_strategy")));

@@ -15,7 +15,8 @@ SamplingParams sampling_from_config(const Config& cfg) {
   const std::string s = cfg.get_string("decode_sampling_strategy");
   if (s == "greedy") p.strategy = SamplingParams::Strategy::greedy;
   else if (s == "weighted") p.strategy = SamplingParams::Strategy::weighted;
-  else if (s == "top_k") p.strategy = SamplingParams::Strategy::top_k;
+  else if (s == "top_k" || s == "topk")
+    p.strategy = SamplingParams::Strategy::top_k;  // topk: MaxText
   else if (s == "nucleus") p.strategy = SamplingParams::Strategy::nucleus;
   else cfg.reject("decode_sampling_strategy", "must be greedy, weighted, top_k or nucleus.");
   p.temperature = static_cast<float>(cfg.get_float("decode_sampling_temperature"));

@@ -128,7 +128,7 @@ HfImport read_hf_config(const fs::path& dir, PluginManager& plugins) {
   return r;
 }
 
-void load_hf_weights(const fs::path& dir, ModelRunner& runner, std::vector<std::string>* unused) {
+void load_hf_weights(const fs::path& dir, ModelRunner& runner) {
   Weights w = open_weights(dir);
   std::set<std::string> used;
   Backend& be = runner.backend();
@@ -153,9 +153,27 @@ void load_hf_weights(const fs::path& dir, ModelRunner& runner, std::vector<std::
     }
     be.cast(t, p.value);
   }
-  if (unused)
-    for (const auto& [n, f] : w.where)
-      if (!used.count(n)) unused->push_back(n);
+  // A tensor no parameter takes means config.json describes another model than the weights do
+  // (tie_word_embeddings=true beside a separate lm_head.weight, fewer layers than the files
+  // hold): refused, as mt's own checkpoint loader refuses extra tensors. Rotary tables that old
+  // checkpoints stored are derived, not weights.
+  std::vector<std::string> extra;
+  for (const auto& [n, f] : w.where) {
+    const std::string suffix = "rotary_emb.inv_freq";
+    const bool derived = n.size() >= suffix.size() &&
+                         n.compare(n.size() - suffix.size(), suffix.size(), suffix) == 0;
+    if (!used.count(n) && !derived) extra.push_back(n);
+  }
+  if (!extra.empty()) {
+    std::string list;
+    for (size_t i = 0; i < extra.size() && i < 8; ++i) list += (i ? ", " : "") + extra[i];
+    if (extra.size() > 8) list += " and " + std::to_string(extra.size() - 8) + " more";
+    throw UsageError(
+        "The weights in " + mt::quoted(dir) + " hold " + std::to_string(extra.size()) +
+        " tensor(s) that the model its config.json describes has no place for: " + list +
+        ". config.json disagrees with the weights (tie_word_embeddings, "
+        "num_hidden_layers, ...); the logits would not be the checkpoint's.");
+  }
 }
 
 void write_hf_model(const fs::path& dir, ModelRunner& runner, const Config& cfg,

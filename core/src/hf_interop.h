@@ -25,10 +25,9 @@ HfImport read_hf_config(const std::filesystem::path& dir, PluginManager& plugins
 
 // Loads every parameter of `runner` from the directory's safetensors by its Hugging Face name
 // (transposing where the family says the layouts differ). Throws mt::Error naming a missing
-// tensor or a shape mismatch; tensors of the directory that no parameter uses are listed in
-// `unused`.
-void load_hf_weights(const std::filesystem::path& dir, ModelRunner& runner,
-                     std::vector<std::string>* unused = nullptr);
+// tensor or a shape mismatch, and mt::UsageError naming the tensors of the directory that no
+// parameter takes (config.json and the weights disagree).
+void load_hf_weights(const std::filesystem::path& dir, ModelRunner& runner);
 
 // Writes config.json and model.safetensors (Hugging Face names and layouts) for `runner`.
 void write_hf_model(const std::filesystem::path& dir, ModelRunner& runner, const Config& cfg,

@@ -2,6 +2,7 @@
 // rotary embeddings (with Llama 3.1 frequency scaling or YaRN), grouped-query attention and a
 // SwiGLU MLP; untied or tied embeddings. Written against the SDK only: the example a new family
 // follows (see sdk/ADDING_A_MODEL.md).
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <map>
@@ -240,44 +241,121 @@ class LlamaFamily final : public mt::ModelFamily {
     o.push_back("base_num_kv_heads=" + (kv ? *kv : heads));
     const std::string* hd = get("head_dim");
     o.push_back("head_dim=" + (hd ? *hd : std::to_string(std::stoll(hidden) / std::stoll(heads))));
-    if (const std::string* v = get("rms_norm_eps")) o.push_back("normalization_layer_epsilon=" + *v);
-    if (const std::string* v = get("rope_theta")) o.push_back("rope_max_timescale=" + *v);
+    if (const std::string* v = get("rms_norm_eps"))
+      o.push_back("normalization_layer_epsilon=" + *v);
     const std::string* tied = get("tie_word_embeddings");
     o.push_back(std::string("logits_via_embedding=") + (tied && *tied == "true" ? "true" : "false"));
-    const std::string* rt = get("rope_scaling.rope_type");
-    if (!rt) rt = get("rope_scaling.type");
+    if (const std::string* v = get("max_position_embeddings"))
+      o.push_back("max_position_embeddings=" + *v);
+
+    // Rotary embeddings: transformers 5 writes rope_parameters {rope_theta, rope_type, factor,
+    // ...}; earlier versions a top-level rope_theta beside rope_scaling {rope_type, factor, ...}.
+    // Both are read (a theta left at its default would make every logit wrong).
+    const bool v5 = std::any_of(hf.begin(), hf.end(), [](const auto& kv) {
+      return kv.first.rfind("rope_parameters.", 0) == 0;
+    });
+    const std::string rp = v5 ? "rope_parameters." : "rope_scaling.";
+    const std::string* theta = get(v5 ? "rope_parameters.rope_theta" : "rope_theta");
+    if (!theta && v5) theta = get("rope_theta");
+    if (theta) o.push_back("rope_max_timescale=" + *theta);
+    const std::string* rt = get(rp + "rope_type");
+    if (!rt) rt = get(rp + "type");
+    // The rope fields each type reads; any other one changes the numerics in a way mt does not
+    // implement, so it is refused rather than ignored.
+    std::vector<std::string> rope_fields = {"rope_type", "type", "rope_theta"};
+    if (const std::string* prf = get(rp + "partial_rotary_factor")) {
+      o.push_back("partial_rotary_factor=" + *prf);
+      rope_fields.push_back("partial_rotary_factor");
+    }
     if (rt && *rt == "llama3") {
       o.push_back("rope_type=llama3.1");
-      o.push_back("rope_factor=" + need("rope_scaling.factor"));
-      o.push_back("rope_low_freq_factor=" + need("rope_scaling.low_freq_factor"));
-      o.push_back("rope_high_freq_factor=" + need("rope_scaling.high_freq_factor"));
+      o.push_back("rope_factor=" + need(rp + "factor"));
+      o.push_back("rope_low_freq_factor=" + need(rp + "low_freq_factor"));
+      o.push_back("rope_high_freq_factor=" + need(rp + "high_freq_factor"));
       o.push_back("original_max_position_embeddings=" +
-                  need("rope_scaling.original_max_position_embeddings"));
+                  need(rp + "original_max_position_embeddings"));
+      for (const char* f :
+           {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
+        rope_fields.push_back(f);
     } else if (rt && *rt == "yarn") {
       o.push_back("rope_type=yarn");
-      o.push_back("rope_factor=" + need("rope_scaling.factor"));
-      if (const std::string* v = get("rope_scaling.beta_fast")) o.push_back("beta_fast=" + *v);
-      if (const std::string* v = get("rope_scaling.beta_slow")) o.push_back("beta_slow=" + *v);
-      if (const std::string* v = get("rope_scaling.original_max_position_embeddings"))
+      o.push_back("rope_factor=" + need(rp + "factor"));
+      if (const std::string* v = get(rp + "beta_fast")) o.push_back("beta_fast=" + *v);
+      if (const std::string* v = get(rp + "beta_slow")) o.push_back("beta_slow=" + *v);
+      if (const std::string* v = get(rp + "original_max_position_embeddings"))
         o.push_back("original_max_position_embeddings=" + *v);
+      for (const char* f : {"factor", "beta_fast", "beta_slow", "original_max_position_embeddings"})
+        rope_fields.push_back(f);
     } else if (rt && *rt != "default") {
-      throw mt::UsageError("config.json's rope_scaling type '" + *rt +
+      throw mt::UsageError("config.json's " + rp.substr(0, rp.size() - 1) + " type '" + *rt +
                            "' is not supported (mt has default, llama3 and yarn).");
     }
-    // Fields that only describe training or tooling, and never change the computation.
-    static const char* const kIgnorable[] = {
-        "architectures", "model_type", "torch_dtype", "transformers_version", "use_cache",
-        "initializer_range", "attention_dropout", "pretraining_tp", "bos_token_id",
-        "eos_token_id", "pad_token_id", "max_position_embeddings", "attention_bias", "mlp_bias",
-        "hidden_act"};
-    static const char* const kUsed[] = {"vocab_size", "hidden_size", "intermediate_size",
-                                        "num_hidden_layers", "num_attention_heads",
-                                        "num_key_value_heads", "head_dim", "rms_norm_eps",
-                                        "rope_theta", "tie_word_embeddings"};
     for (const auto& [k, v] : hf) {
-      bool known = k.rfind("rope_scaling", 0) == 0;
+      if (k.rfind(rp, 0) != 0 || v == "null") continue;
+      const std::string field = k.substr(rp.size());
+      if (std::find(rope_fields.begin(), rope_fields.end(), field) == rope_fields.end())
+        throw mt::UsageError("config.json sets " + k + "=" + v +
+                             ", which changes the rotary "
+                             "embedding in a way mt's llama family does not implement" +
+                             (rt ? " for rope type '" + *rt + "'" : std::string()) + ".");
+    }
+    if (v5 && get("rope_scaling"))
+      throw mt::UsageError(
+          "config.json has both rope_parameters and rope_scaling: which one "
+          "transformers would use is ambiguous; keep one.");
+
+    // Fields that change the computation of models of other families (or of Llama variants)
+    // and that this family does not implement: refused with their name, never ignored.
+    static const char* const kNumerics[] = {"sliding_window",
+                                            "attn_logit_softcapping",
+                                            "final_logit_softcapping",
+                                            "logits_scaling",
+                                            "logit_scale",
+                                            "embedding_multiplier",
+                                            "residual_multiplier",
+                                            "attention_multiplier",
+                                            "num_local_experts",
+                                            "num_experts",
+                                            "num_experts_per_tok",
+                                            "qk_layernorm",
+                                            "use_qk_norm",
+                                            "query_pre_attn_scalar",
+                                            "moe_intermediate_size",
+                                            "kv_lora_rank",
+                                            "q_lora_rank",
+                                            "use_sliding_window",
+                                            "no_rope_layers",
+                                            "layer_types"};
+    for (const char* k : kNumerics) {
+      const std::string* v = get(k);
+      if (!v || *v == "false" || *v == "0") continue;
+      if (std::string(k) == "layer_types" && v->find("sliding") == std::string::npos) continue;
+      throw mt::UsageError("config.json sets " + std::string(k) + "=" + *v +
+                           ", which changes the computation in a way mt's llama family does not "
+                           "implement; the logits would be wrong. Is this a Llama model?");
+    }
+    // Fields that only describe training, tooling or generation, and never change the logits.
+    static const char* const kIgnorable[] = {
+        "architectures",        "model_type",        "torch_dtype",          "dtype",
+        "transformers_version", "use_cache",         "initializer_range",    "attention_dropout",
+        "pretraining_tp",       "bos_token_id",      "eos_token_id",         "pad_token_id",
+        "attention_bias",       "mlp_bias",          "hidden_act",           "tie_word_embeddings",
+        "_name_or_path",        "output_attentions", "output_hidden_states", "return_dict"};
+    static const char* const kUsed[] = {"vocab_size",
+                                        "hidden_size",
+                                        "intermediate_size",
+                                        "num_hidden_layers",
+                                        "num_attention_heads",
+                                        "num_key_value_heads",
+                                        "head_dim",
+                                        "rms_norm_eps",
+                                        "rope_theta",
+                                        "max_position_embeddings"};
+    for (const auto& [k, v] : hf) {
+      bool known = k.rfind("rope_scaling", 0) == 0 || k.rfind("rope_parameters", 0) == 0;
       for (const char* i : kIgnorable) known = known || k == i;
       for (const char* u : kUsed) known = known || k == u;
+      for (const char* n : kNumerics) known = known || k == n;
       if (!known) unused.push_back(k + "=" + v);
     }
     return o;
@@ -310,8 +388,11 @@ class LlamaFamily final : public mt::ModelFamily {
         {"tie_word_embeddings", c.tied ? "true" : "false"},
         {"attention_bias", "false"},
         {"mlp_bias", "false"},
-        {"torch_dtype", cfg.get_string("weight_dtype") == "bfloat16" ? "\"bfloat16\"" : "\"float32\""},
-        {"max_position_embeddings", std::to_string(cfg.get_int("max_target_length"))}};
+        {"torch_dtype",
+         cfg.get_string("weight_dtype") == "bfloat16" ? "\"bfloat16\"" : "\"float32\""},
+        {"max_position_embeddings", std::to_string(cfg.get_int("max_position_embeddings") > 0
+                                                       ? cfg.get_int("max_position_embeddings")
+                                                       : cfg.get_int("max_target_length"))}};
     if (c.rope.type == mt::RopeSpec::Type::llama3) {
       m["rope_scaling.rope_type"] = "\"llama3\"";
       m["rope_scaling.factor"] = num(cfg.get_float("rope_factor"));
