@@ -297,7 +297,10 @@ Metadata read_metadata(const fs::path& step_dir) {
   if (checksum != "crc32c") throw bad("unknown checksum \"" + checksum + "\"");
   const json::Value* files = j.find("files");
   if (!files || !files->is_object()) throw bad("missing \"files\" object");
-  for (const auto& [name, rec] : files->members) {
+  for (const auto& member : files->members) {
+    // Named, not a structured binding: clang before 16 cannot capture those in a lambda.
+    const std::string& name = member.first;
+    const json::Value& rec = member.second;
     // Only our own file names: a path from the metadata must never leave the step directory.
     if (std::find_if(std::begin(kFileNames), std::end(kFileNames),
                      [&](const char* k) { return name == k; }) == std::end(kFileNames))

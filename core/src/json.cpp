@@ -8,6 +8,13 @@
 
 namespace mt::json {
 
+Value::Value() = default;
+Value::~Value() = default;
+Value::Value(const Value&) = default;
+Value::Value(Value&&) noexcept = default;
+Value& Value::operator=(const Value&) = default;
+Value& Value::operator=(Value&&) noexcept = default;
+
 const Value* Value::find(std::string_view key) const {
   for (const auto& [k, v] : members)
     if (k == key) return &v;

@@ -26,6 +26,15 @@ struct Value {
   std::vector<Value> items;
   std::vector<std::pair<std::string, Value>> members;  // in file order
 
+  // Out of line: a member vector of pairs holding the incomplete Value may not be destroyed
+  // inline here (clang instantiates that in C++20, where vector's destructor is constexpr).
+  Value();
+  ~Value();
+  Value(const Value&);
+  Value(Value&&) noexcept;
+  Value& operator=(const Value&);
+  Value& operator=(Value&&) noexcept;
+
   bool is_null() const { return kind == Kind::null; }
   bool is_string() const { return kind == Kind::string; }
   bool is_object() const { return kind == Kind::object; }

@@ -407,8 +407,9 @@ SafeTensorsFile::SafeTensorsFile(const std::filesystem::path& path) : path_(path
         }
         continue;
       }
-      auto tensor_error = [&](const std::string& what) {
-        file_error(path, "tensor '" + key + "': " + what);
+      // `key` by name: clang before 16 cannot capture a structured binding.
+      auto tensor_error = [&, &name = key](const std::string& what) {
+        file_error(path, "tensor '" + name + "': " + what);
       };
       if (!val.is_object())
         tensor_error(std::string("entry is ") + json::kind_name(val.kind) + ", not an object");

@@ -107,4 +107,11 @@ int run_command(const std::string& cmd, std::string& output) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
+MtResult run_mt(const std::string& args, int seconds, const std::string& env) {
+  MtResult r;
+  const std::string limit = seconds > 0 ? "timeout " + std::to_string(seconds) + " " : "";
+  r.code = run_command("MT_PLUGIN_PATH= " + env + " " + limit + mt_exe() + " " + args, r.out);
+  return r;
+}
+
 }  // namespace mt::test

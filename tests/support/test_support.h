@@ -45,4 +45,13 @@ std::string mt_exe();  // build/bin/mt
 // Runs a command, captures stdout+stderr; returns the exit code.
 int run_command(const std::string& cmd, std::string& output);
 
+// `mt <args>` of this build (MT_PLUGIN_PATH cleared), stdout and stderr together. A positive
+// `seconds` bounds it with timeout(1): a hang fails with exit code 124 instead of stalling the
+// suite. `env`: "NAME=value ..." added to mt's environment.
+struct MtResult {
+  int code = -1;
+  std::string out;
+};
+MtResult run_mt(const std::string& args, int seconds = 0, const std::string& env = "");
+
 }  // namespace mt::test

@@ -13,15 +13,8 @@ namespace fs = std::filesystem;
 namespace mt {
 namespace {
 
-struct Result {
-  int code;
-  std::string out;
-};
-
-Result mt_cmd(const std::string& args) {
-  Result r;
-  r.code = test::run_command("MT_PLUGIN_PATH= " + test::mt_exe() + " " + args, r.out);
-  return r;
+test::MtResult mt_cmd(const std::string& args) {
+  return test::run_mt(args);
 }
 
 TEST(Cli, HelpAndVersion) {

@@ -14,19 +14,9 @@ namespace fs = std::filesystem;
 namespace mt {
 namespace {
 
-struct Result {
-  int code;
-  std::string out;
-};
-
-// `mt <args>` with a time limit: a hang is a failure with exit code 124, not a stuck suite.
-// `env`: "NAME=value ..." for mt's environment.
-Result mt_cmd(const std::string& args, int seconds = 120, const std::string& env = "") {
-  Result r;
-  r.code = test::run_command("MT_PLUGIN_PATH= " + env + " timeout " + std::to_string(seconds) +
-                                 " " + test::mt_exe() + " " + args,
-                             r.out);
-  return r;
+// With a time limit: a hang is a failure (exit code 124), not a stuck suite.
+test::MtResult mt_cmd(const std::string& args, int seconds = 120, const std::string& env = "") {
+  return test::run_mt(args, seconds, env);
 }
 
 bool has(const std::string& s, const std::string& part) {
