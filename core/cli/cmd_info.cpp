@@ -86,8 +86,7 @@ int cmd_models(const Args& args) {
       auto fam = pm.make_model_family(cfg.get_string("decoder_block"));
       fam->validate(cfg);
       auto model = fam->build(cfg);
-      params = human_count(static_cast<double>(
-          count_parameters(*model, cfg.get_bool("logits_via_embedding")).total));
+      params = human_count(static_cast<double>(count_parameters(*model).total));
     } catch (const std::exception& e) {
       std::fprintf(stderr, "mt models: %s: %s\n", m.name.c_str(), e.what());
     }

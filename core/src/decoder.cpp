@@ -80,17 +80,24 @@ int32_t sample_token(const float* logits, int64_t vocab, const SamplingParams& p
 
 Decoder::Decoder(ModelRunner& runner, int64_t batch, int64_t max_len)
     : runner_(runner), batch_(batch), max_len_(max_len), vocab_(runner.model().dims().vocab_size) {
-  const ModelDims d = runner.model().dims();
   Backend& be = runner.backend();
-  const int64_t window = runner.sliding_window();
-  ring_ = window > 0 && window < max_len;
-  rows_ = ring_ ? window : max_len;
   // One extra row per sequence: the sink where finished sequences (and prompt tokens a ring
-  // overwrites within the same call) write their ignored keys.
-  for (int i = 0; i < runner.model().num_layers(); ++i) {
+  // overwrites within the same call) write their ignored entries.
+  for (const CacheSpec& spec : runner.cache_specs()) {
+    Group grp;
+    grp.ring = spec.window > 0 && spec.window < max_len;
+    grp.rows = grp.ring ? spec.window : max_len;
+    size_t gi = 0;
+    while (gi < groups_.size() && groups_[gi].rows != grp.rows) ++gi;
+    if (gi == groups_.size()) groups_.push_back(grp);
+    layer_group_.push_back(gi);
     KVCache c;
-    c.k = be.empty({batch, rows_ + 1, d.num_kv_heads, d.head_dim}, runner.compute_dtype());
-    c.v = be.empty({batch, rows_ + 1, d.num_kv_heads, d.head_dim}, runner.compute_dtype());
+    c.window = spec.window;
+    for (const Shape& entry : spec.entries) {
+      Shape shape{batch, grp.rows + 1};
+      shape.insert(shape.end(), entry.begin(), entry.end());
+      c.tensors.push_back(be.empty(shape, runner.compute_dtype()));
+    }
     caches_.push_back(std::move(c));
   }
   lengths_.assign(static_cast<size_t>(batch), 0);
@@ -98,10 +105,8 @@ Decoder::Decoder(ModelRunner& runner, int64_t batch, int64_t max_len)
 }
 
 void Decoder::reset() {
-  for (auto& c : caches_) {
-    runner_.backend().fill(c.k, 0.f);
-    runner_.backend().fill(c.v, 0.f);
-  }
+  for (auto& c : caches_)
+    for (auto& t : c.tensors) runner_.backend().fill(t, 0.f);
   std::fill(lengths_.begin(), lengths_.end(), 0);
 }
 
@@ -118,31 +123,39 @@ std::vector<float> Decoder::prefill(int64_t b, const std::vector<int32_t>& promp
       throw UsageError("Token id " + std::to_string(id) + " is outside the model's vocabulary [0, " +
                        std::to_string(vocab_) + ").");
   const int64_t start = length(b);
-  if (ring_ && start > 0)
-    throw Error("A sliding-window cache is prefilled once per sequence; this one holds " +
-                std::to_string(start) + " tokens already.");
-  std::vector<int32_t> pos(static_cast<size_t>(t)), rows(static_cast<size_t>(t));
-  for (int64_t i = 0; i < t; ++i) {
-    pos[static_cast<size_t>(i)] = static_cast<int32_t>(start + i);
-    // Within sequence b's view; a ring keeps only the prompt's last rows_ tokens.
-    const bool kept = !ring_ || i >= t - rows_;
-    rows[static_cast<size_t>(i)] = static_cast<int32_t>(kept ? row_of(start + i) : rows_);
-  }
-  const int32_t len = static_cast<int32_t>(std::min(start + t, rows_));
+  for (const Group& grp : groups_)
+    if (grp.ring && start > 0)
+      throw Error("A sliding-window cache is prefilled once per sequence; this one holds " +
+                  std::to_string(start) + " tokens already.");
+  std::vector<int32_t> pos(static_cast<size_t>(t));
+  for (int64_t i = 0; i < t; ++i) pos[static_cast<size_t>(i)] = static_cast<int32_t>(start + i);
   Tensor tokens = be.empty({1, t}, DType::i32), positions = be.empty({1, t}, DType::i32);
   be.copy_from_host(tokens, prompt.data());
   be.copy_from_host(positions, pos.data());
-  Tensor wr = be.empty({t}, DType::i32), lengths = be.empty({1}, DType::i32);
-  be.copy_from_host(wr, rows.data());
-  be.copy_from_host(lengths, &len);
+  // Each group's rows for the new tokens, within sequence b's view; a ring keeps only the
+  // prompt's last `rows` tokens (the others go to the sink row).
+  std::vector<Tensor> write_rows, lengths;
+  for (const Group& grp : groups_) {
+    std::vector<int32_t> rows(static_cast<size_t>(t));
+    for (int64_t i = 0; i < t; ++i) {
+      const bool kept = !grp.ring || i >= t - grp.rows;
+      rows[static_cast<size_t>(i)] = static_cast<int32_t>(kept ? grp.row_of(start + i) : grp.rows);
+    }
+    const auto len = static_cast<int32_t>(std::min(start + t, grp.rows));
+    Tensor wr = be.empty({t}, DType::i32), l = be.empty({1}, DType::i32);
+    be.copy_from_host(wr, rows.data());
+    be.copy_from_host(l, &len);
+    write_rows.push_back(wr);
+    lengths.push_back(l);
+  }
   // Sequence b's rows of every cache, as a batch of one.
   std::vector<KVCache> views;
-  for (auto& c : caches_) {
+  for (size_t i = 0; i < caches_.size(); ++i) {
     KVCache v;
-    v.k = c.k.slice0(b, b + 1);
-    v.v = c.v.slice0(b, b + 1);
-    v.lengths = lengths;
-    v.write_rows = wr;
+    for (const auto& tensor : caches_[i].tensors) v.tensors.push_back(tensor.slice0(b, b + 1));
+    v.window = caches_[i].window;
+    v.lengths = lengths[layer_group_[i]];
+    v.write_rows = write_rows[layer_group_[i]];
     v.fresh = start == 0;
     views.push_back(std::move(v));
   }
@@ -162,30 +175,40 @@ std::vector<float> Decoder::prefill(int64_t b, const std::vector<int32_t>& promp
 std::vector<float> Decoder::step(const std::vector<int32_t>& tokens, const std::vector<bool>& active) {
   Backend& be = runner_.backend();
   MT_CHECK(static_cast<int64_t>(tokens.size()) == batch_, "step: one token per sequence");
-  std::vector<int32_t> pos(static_cast<size_t>(batch_)), rows(static_cast<size_t>(batch_)),
-      lens(static_cast<size_t>(batch_)), toks(tokens);
-  const int64_t stride = rows_ + 1;
+  std::vector<int32_t> pos(static_cast<size_t>(batch_)), toks(tokens);
   for (int64_t b = 0; b < batch_; ++b) {
     const auto ub = static_cast<size_t>(b);
     const bool go = active[ub] && !full(b);
     if (toks[ub] < 0 || toks[ub] >= vocab_) toks[ub] = 0;
     pos[ub] = static_cast<int32_t>(go ? lengths_[ub] : std::max<int64_t>(0, lengths_[ub] - 1));
-    rows[ub] = static_cast<int32_t>(b * stride + (go ? row_of(lengths_[ub]) : rows_));  // or sink
-    // Valid rows: in a ring, every row is within the window of the newest token, and softmax
-    // does not care about their order.
-    lens[ub] = static_cast<int32_t>(std::min(lengths_[ub] + (go ? 1 : 0), rows_));
-    if (lens[ub] == 0) lens[ub] = 1;  // an empty sequence attends to its (sink-free) first row
   }
   Tensor t = be.empty({batch_, 1}, DType::i32), p = be.empty({batch_, 1}, DType::i32);
-  Tensor wr = be.empty({batch_}, DType::i32), l = be.empty({batch_}, DType::i32);
   be.copy_from_host(t, toks.data());
   be.copy_from_host(p, pos.data());
-  be.copy_from_host(wr, rows.data());
-  be.copy_from_host(l, lens.data());
-  for (auto& c : caches_) {
-    c.lengths = l;
-    c.write_rows = wr;
-    c.fresh = false;
+  std::vector<Tensor> write_rows, lengths;
+  for (const Group& grp : groups_) {
+    std::vector<int32_t> rows(static_cast<size_t>(batch_)), lens(static_cast<size_t>(batch_));
+    const int64_t stride = grp.rows + 1;
+    for (int64_t b = 0; b < batch_; ++b) {
+      const auto ub = static_cast<size_t>(b);
+      const bool go = active[ub] && !full(b);
+      // The next row, or the sink for a sequence that is not advanced.
+      rows[ub] = static_cast<int32_t>(b * stride + (go ? grp.row_of(lengths_[ub]) : grp.rows));
+      // Valid rows: in a ring, every row is within the window of the newest token, and softmax
+      // does not care about their order.
+      lens[ub] = static_cast<int32_t>(std::min(lengths_[ub] + (go ? 1 : 0), grp.rows));
+      if (lens[ub] == 0) lens[ub] = 1;  // an empty sequence attends to its (sink-free) first row
+    }
+    Tensor wr = be.empty({batch_}, DType::i32), l = be.empty({batch_}, DType::i32);
+    be.copy_from_host(wr, rows.data());
+    be.copy_from_host(l, lens.data());
+    write_rows.push_back(wr);
+    lengths.push_back(l);
+  }
+  for (size_t i = 0; i < caches_.size(); ++i) {
+    caches_[i].lengths = lengths[layer_group_[i]];
+    caches_[i].write_rows = write_rows[layer_group_[i]];
+    caches_[i].fresh = false;
   }
   Graph g(be, /*record=*/false);
   Tensor logits = runner_.forward_cached(g, t, p, caches_);

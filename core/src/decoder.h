@@ -37,8 +37,11 @@ class Decoder {
   int64_t max_len() const { return max_len_; }
   int64_t length(int64_t b) const { return lengths_[static_cast<size_t>(b)]; }
   bool full(int64_t b) const { return length(b) >= max_len_; }
-  // KV-cache rows per sequence (the window for a sliding-window ring buffer, else max_len).
-  int64_t cache_rows() const { return rows_; }
+  // Cache rows per sequence of layer i (its window for a sliding-window ring buffer, else
+  // max_len).
+  int64_t cache_rows(int layer) const {
+    return groups_[layer_group_[static_cast<size_t>(layer)]].rows;
+  }
 
   // Empties every cache.
   void reset();
@@ -50,14 +53,20 @@ class Decoder {
   std::vector<float> step(const std::vector<int32_t>& tokens, const std::vector<bool>& active);
 
  private:
-  // Cache rows per sequence: max_len, or the sliding window when that is shorter (a ring buffer:
-  // the token at position p lives in row p % rows_).
-  int64_t row_of(int64_t pos) const { return ring_ ? pos % rows_ : pos; }
+  // Layers whose caches have the same number of rows share the bookkeeping of a call (which row
+  // each new token goes to, how many rows are valid).
+  struct Group {
+    // Rows per sequence: max_len, or the layer's sliding window when that is shorter (a ring
+    // buffer: the token at position p lives in row p % rows).
+    int64_t rows = 0;
+    bool ring = false;
+    int64_t row_of(int64_t pos) const { return ring ? pos % rows : pos; }
+  };
 
   ModelRunner& runner_;
   int64_t batch_, max_len_, vocab_;
-  int64_t rows_ = 0;
-  bool ring_ = false;
+  std::vector<Group> groups_;
+  std::vector<size_t> layer_group_;
   std::vector<KVCache> caches_;
   std::vector<int64_t> lengths_;
 };

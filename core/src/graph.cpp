@@ -1,100 +1,15 @@
 #include "mt/graph.h"
 
+#include <algorithm>
 #include <string>
 #include <utility>
 
+#include "graph_internal.h"
 #include "mt/error.h"
 
 namespace mt {
 
-namespace {
-
-// The gradient buffers of an entry's inputs as its backward sees them. d[i] is input i's
-// buffer ready to accumulate into (zero-filled first if it was fresh), or nullptr when the input
-// needs no gradient. Ops that can overwrite instead (matmul with beta = 0, copies) ask
-// overwrite(i) first, which says whether the buffer is fresh and takes the freshness away. A
-// fresh intermediate's buffer is only allocated when first asked for, so an op whose input
-// gradient equals (a view of) its output gradient can adopt(i, dout) instead: no copy at all.
-class Grads {
- public:
-  Grads(Backend& be, std::vector<GradNode*> nodes, bool dout_owned)
-      : be_(&be), nodes_(std::move(nodes)), dout_owned_(dout_owned) {}
-  size_t size() const { return nodes_.size(); }
-  Tensor* operator[](size_t i) const {
-    GradNode* n = nodes_[i];
-    if (!n) return nullptr;
-    allocate(n);
-    if (n->fresh) {
-      be_->fill(n->grad, 0.f);
-      n->fresh = false;
-    }
-    return &n->grad;
-  }
-  bool overwrite(size_t i) const {
-    GradNode* n = nodes_[i];
-    if (!n || !n->fresh) return false;
-    allocate(n);
-    n->fresh = false;
-    return true;
-  }
-  Tensor* raw(size_t i) const {
-    GradNode* n = nodes_[i];
-    if (!n) return nullptr;
-    allocate(n);
-    return &n->grad;
-  }
-  // When input i is a recorded cast of a parameter: that parameter's gradient buffer, with
-  // `overwrite` saying whether it is fresh (and taking the freshness away). The cast's own
-  // entry then finds no gradient for its output (unless another consumer gave one) and adds
-  // nothing.
-  Tensor* master(size_t i, bool& overwrite) const {
-    GradNode* n = nodes_[i];
-    if (!n || !n->cast_of || !n->cast_of->leaf) return nullptr;
-    GradNode* s = n->cast_of.get();
-    overwrite = s->fresh;
-    s->fresh = false;
-    return &s->grad;
-  }
-  // Makes `g` input i's gradient buffer when that input is a fresh intermediate (never a
-  // parameter's buffer, never the caller's seed): the entry's output gradient g views is dead
-  // once this entry is done, so later accumulations into it harm nothing.
-  bool adopt(size_t i, const Tensor& g) const {
-    GradNode* n = nodes_[i];
-    if (!n || !n->fresh || n->leaf || n->grad.defined() || !dout_owned_ || g.dtype() != n->dtype ||
-        g.shape() != n->shape)
-      return false;
-    n->grad = g;
-    n->fresh = false;
-    return true;
-  }
-
- private:
-  void allocate(GradNode* n) const {
-    if (!n->grad.defined()) n->grad = be_->empty(n->shape, n->dtype);
-  }
-  Backend* be_;
-  std::vector<GradNode*> nodes_;
-  bool dout_owned_;  // the output gradient is the graph's own buffer, not the caller's seed
-};
-
-struct Entry {
-  std::vector<std::shared_ptr<GradNode>> inputs;  // null where an input needs no gradient
-  std::shared_ptr<GradNode> output;
-  std::function<void(const Tensor& dout, const Grads& dins)> backward;
-};
-
-bool tracked(const Tensor& t) { return t.defined() && t.grad_node() != nullptr; }
-
-}  // namespace
-
-struct Graph::Impl {
-  std::vector<Entry> tape;
-  // remat_policy=minimal: the forward pass saves matmul outputs in order; the re-run in the
-  // backward replays them instead of recomputing.
-  std::vector<Tensor>* matmul_save = nullptr;
-  const std::vector<Tensor>* matmul_replay = nullptr;
-  size_t replay_pos = 0;
-};
+using namespace graph_detail;
 
 bool parse_remat_policy(const std::string& s, RematPolicy& out) {
   if (s == "none") out = RematPolicy::none;
@@ -134,46 +49,6 @@ void Graph::finish_fresh(Backend& backend, const Tensor& param) {
     n->fresh = false;
   }
 }
-
-namespace {
-
-// Records `out` as produced from `inputs` when the graph records and some input is tracked.
-void record(bool on, std::vector<Entry>& tape, Tensor& out, std::vector<const Tensor*> inputs,
-            std::function<void(const Tensor&, const Grads&)> bw) {
-  if (!on) return;
-  bool any = false;
-  for (const Tensor* t : inputs) any = any || tracked(*t);
-  if (!any) return;
-  Entry e;
-  for (const Tensor* t : inputs) e.inputs.push_back(tracked(*t) ? t->grad_node() : nullptr);
-  auto node = std::make_shared<GradNode>();
-  node->shape = out.shape();
-  node->dtype = out.dtype();
-  out.set_grad_node(node);
-  e.output = std::move(node);
-  e.backward = std::move(bw);
-  tape.push_back(std::move(e));
-}
-
-Shape matmul_shape(const Tensor& a, const Tensor& b, bool ta, bool tb) {
-  MT_CHECK(a.ndim() >= 2 && b.ndim() >= 2,
-           "matmul needs matrices, got " + a.str() + " and " + b.str());
-  const int64_t m = ta ? a.dim(-1) : a.dim(-2);
-  const int64_t ka = ta ? a.dim(-2) : a.dim(-1);
-  const int64_t kb = tb ? b.dim(-1) : b.dim(-2);
-  const int64_t n = tb ? b.dim(-2) : b.dim(-1);
-  MT_CHECK(ka == kb, "matmul inner dimensions differ: " + a.str() + (ta ? "^T" : "") + " @ " +
-                         b.str() + (tb ? "^T" : ""));
-  Shape s(a.shape().begin(), a.shape().end() - 2);
-  s.push_back(m);
-  s.push_back(n);
-  return s;
-}
-
-// 2-D view with the leading dimensions flattened into rows.
-Tensor rows2d(const Tensor& t) { return t.view({t.numel() / t.dim(-1), t.dim(-1)}); }
-
-}  // namespace
 
 Tensor Graph::matmul(const Tensor& a, const Tensor& b, bool ta, bool tb) {
   const bool shared_b = b.ndim() == 2 && a.ndim() > 2;
@@ -336,15 +211,6 @@ Tensor Graph::embedding(const Tensor& table, const Tensor& ids) {
   return out;
 }
 
-namespace {
-// The gradient buffer for input i, or a zeroed scratch tensor when that input needs none
-// (kernels always write every gradient they compute).
-Tensor grad_or_scratch(Backend& be, const Grads& d, size_t i, const Tensor& like) {
-  if (d[i]) return *d[i];
-  return be.zeros(like.shape(), like.dtype());
-}
-}  // namespace
-
 Tensor Graph::rmsnorm(const Tensor& x, const Tensor& w, float eps, bool plus_one) {
   Tensor out = backend_->empty(x.shape(), x.dtype());
   Tensor rstd = backend_->empty({x.numel() / x.dim(-1)}, DType::f32);
@@ -460,21 +326,29 @@ Tensor Graph::attention(AttentionKernel& kernel, const Tensor& q, const Tensor& 
   return out;
 }
 
-void Graph::write_kv_cache(KVCache& cache, const Tensor& k, const Tensor& v) {
-  MT_CHECK(k.ndim() == 4 && cache.k.ndim() == 4 && k.dim(2) == cache.k.dim(2) &&
-               k.dim(3) == cache.k.dim(3) && k.shape() == v.shape(),
-           "write_kv_cache: new k " + k.str() + ", v " + v.str() + " do not fit the cache " +
-               cache.k.str());
-  MT_CHECK(cache.write_rows.numel() == k.dim(0) * k.dim(1),
-           "write_kv_cache: " + std::to_string(cache.write_rows.numel()) + " rows for " + k.str());
+void Graph::write_cache(KVCache& cache, size_t entry, const Tensor& x) {
+  MT_CHECK(entry < cache.tensors.size(), "write_cache: entry " + std::to_string(entry) + " of " +
+                                             std::to_string(cache.tensors.size()));
+  Tensor& dst = cache.tensors[entry];
+  const int64_t n = cache.write_rows.numel();
+  MT_CHECK(dst.ndim() >= 2 && x.ndim() == dst.ndim() && x.dim(0) * x.dim(1) == n &&
+               Shape(x.shape().begin() + 2, x.shape().end()) ==
+                   Shape(dst.shape().begin() + 2, dst.shape().end()),
+           "write_cache: new entries " + x.str() + " do not fit the cache " + dst.str() + " (" +
+               std::to_string(n) + " rows to write)");
   // One scatter_rows per tensor. The caller never names a row twice in one call, except the
   // sink row, never read, where tokens a ring buffer would overwrite within the call go.
-  const int64_t w = k.dim(2) * k.dim(3);
-  const int64_t n = cache.write_rows.numel();
-  for (auto [src, dst] : {std::pair<const Tensor*, Tensor*>{&k, &cache.k}, {&v, &cache.v}}) {
-    Tensor rows = dst->view({dst->numel() / w, w});
-    backend_->scatter_rows(src->view({n, w}), cache.write_rows, rows);
-  }
+  const int64_t w = n ? x.numel() / n : 0;
+  Tensor rows = dst.view({w ? dst.numel() / w : 0, w});
+  backend_->scatter_rows(x.view({n, w}), cache.write_rows, rows);
+}
+
+void Graph::write_kv_cache(KVCache& cache, const Tensor& k, const Tensor& v) {
+  MT_CHECK(cache.tensors.size() >= 2 && k.ndim() == 4 && v.ndim() == 4,
+           "write_kv_cache: k " + k.str() + " and v " + v.str() + " for a cache of " +
+               std::to_string(cache.tensors.size()) + " tensors (want k and v [B, T, Hkv, D])");
+  write_cache(cache, 0, k);
+  write_cache(cache, 1, v);
 }
 
 Tensor Graph::cached_attention(AttentionKernel& kernel, const Tensor& q, const Tensor& k,
@@ -492,7 +366,7 @@ Tensor Graph::cached_attention(AttentionKernel& kernel, const Tensor& q, const T
 Tensor Graph::attention_decode(AttentionKernel& kernel, const Tensor& q, const KVCache& cache,
                                const AttentionSpec& spec) {
   Tensor out = backend_->empty(q.shape(), q.dtype());
-  kernel.decode(q, cache.k, cache.v, cache.lengths, spec, out);
+  kernel.decode(q, cache.k(), cache.v(), cache.lengths, spec, out);
   return out;
 }
 
@@ -523,29 +397,42 @@ Tensor Graph::cross_entropy(const Tensor& logits, const Tensor& targets, float z
 
 Tensor Graph::remat(RematPolicy policy, const std::function<Tensor(Graph&, const Tensor&)>& f,
                     const Tensor& x) {
+  return remat_layer(
+             policy, [&f](Graph& g, const Tensor& h) { return LayerOutput(f(g, h)); }, x)
+      .x;
+}
+
+LayerOutput Graph::remat_layer(RematPolicy policy,
+                               const std::function<LayerOutput(Graph&, const Tensor&)>& f,
+                               const Tensor& x) {
   if (policy == RematPolicy::none || !record_) return f(*this, x);
   auto saved = std::make_shared<std::vector<Tensor>>();
-  Tensor y;
+  LayerOutput out;
   {
     Graph fwd(*backend_, /*record=*/false);
     if (policy == RematPolicy::minimal) fwd.impl_->matmul_save = saved.get();
-    y = f(fwd, x);
+    out = f(fwd, x);
   }
-  // Recorded as one entry whose input is x; the parameters inside f are tracked leaves, so
-  // the re-run's own backward accumulates straight into their gradient buffers.
+  // Recorded as one entry whose input is x and whose outputs are y and the auxiliary losses;
+  // the parameters inside f are tracked leaves, so the re-run's own backward accumulates
+  // straight into their gradient buffers.
   Backend* be = backend_;
   const Tensor xs = x;
   auto fn = f;
   const bool minimal = policy == RematPolicy::minimal;
-  if (!record_) return y;
   Entry e;
   e.inputs.push_back(tracked(x) ? x.grad_node() : nullptr);
-  auto node = std::make_shared<GradNode>();
-  node->shape = y.shape();
-  node->dtype = y.dtype();
-  y.set_grad_node(node);
-  e.output = node;
-  e.backward = [be, xs, fn, saved, minimal](const Tensor& dy, const Grads& d) {
+  auto node = [](Tensor& t) {
+    auto n = std::make_shared<GradNode>();
+    n->shape = t.shape();
+    n->dtype = t.dtype();
+    t.set_grad_node(n);
+    return n;
+  };
+  e.output = node(out.x);
+  for (auto& a : out.aux) e.more_outputs.push_back(node(a.value));
+  std::vector<std::shared_ptr<GradNode>> aux_nodes = e.more_outputs;
+  e.backward = [be, xs, fn, saved, minimal, aux_nodes](const Tensor& dy, const Grads& d) {
     Graph re(*be, /*record=*/true);
     if (minimal) re.impl_->matmul_replay = saved.get();
     Tensor xr = detach(xs);
@@ -555,29 +442,71 @@ Tensor Graph::remat(RematPolicy policy, const std::function<Tensor(Graph&, const
       track(xr, *g);
       xr.grad_node()->fresh = fresh;
     }
-    Tensor yr = fn(re, xr);
-    re.backward(yr, dy);
+    LayerOutput r = fn(re, xr);
+    MT_CHECK(r.aux.size() == aux_nodes.size(),
+             "remat: the layer's re-run gave " + std::to_string(r.aux.size()) +
+                 " auxiliary losses, its forward " + std::to_string(aux_nodes.size()));
+    std::vector<std::pair<Tensor, Tensor>> roots;
+    if (dy.defined() && tracked(r.x)) roots.emplace_back(r.x, dy);
+    for (size_t i = 0; i < aux_nodes.size(); ++i)
+      if (aux_nodes[i]->grad.defined() && tracked(r.aux[i].value))
+        roots.emplace_back(r.aux[i].value, aux_nodes[i]->grad);
+    if (!roots.empty()) re.backward(roots);
     if (d.raw(0)) finish_fresh(*be, xr);
   };
   impl_->tape.push_back(std::move(e));
-  return y;
+  return out;
 }
 
 void Graph::backward(const Tensor& y, const Tensor& dy) {
-  MT_CHECK(tracked(y), "backward: " + y.str() + " does not depend on any tracked tensor");
-  auto& root = *y.grad_node();
-  if (dy.defined()) {
-    MT_CHECK(dy.shape() == y.shape(), "backward: seed " + dy.str() + " for " + y.str());
-    root.grad = dy;
-  } else {
-    MT_CHECK(y.numel() == 1, "backward without a seed needs a scalar, got " + y.str());
-    root.grad = backend_->empty(y.shape(), y.dtype());
-    backend_->fill(root.grad, 1.f);
-  }
+  backward({{y, dy}});
+}
+
+void Graph::backward(const std::vector<std::pair<Tensor, Tensor>>& roots) {
   auto& tape = impl_->tape;
+  // The seeds the caller owns: an entry must not accumulate into (or adopt) them.
+  std::vector<const GradNode*> seeded;
+  for (const auto& [y, dy] : roots) {
+    MT_CHECK(tracked(y), "backward: " + y.str() + " does not depend on any tracked tensor");
+    GradNode& root = *y.grad_node();
+    Tensor seed = dy;
+    if (seed.defined()) {
+      MT_CHECK(dy.shape() == y.shape(), "backward: seed " + dy.str() + " for " + y.str());
+    } else {
+      MT_CHECK(y.numel() == 1, "backward without a seed needs a scalar, got " + y.str());
+      seed = backend_->empty(y.shape(), y.dtype());
+      backend_->fill(seed, 1.f);
+    }
+    // A root another root already seeded, or one some recorded op consumed (its gradient will
+    // be accumulated into), gets a buffer of its own.
+    bool consumed = root.grad.defined();
+    for (size_t i = 0; i < tape.size() && !consumed; ++i)
+      for (const auto& in : tape[i].inputs) consumed = consumed || in.get() == &root;
+    if (!consumed) {
+      root.grad = seed;
+      if (dy.defined()) seeded.push_back(&root);
+      continue;
+    }
+    if (!root.grad.defined()) {
+      root.grad = backend_->empty(y.shape(), root.dtype);
+      backend_->cast(seed, root.grad);
+    } else {
+      Tensor own = backend_->empty(y.shape(), root.dtype);
+      backend_->cast(root.grad, own);
+      backend_->axpy(1.f, seed, own);
+      root.grad = own;
+      seeded.erase(std::remove(seeded.begin(), seeded.end(), &root), seeded.end());
+    }
+  }
+  auto has_grad = [](const Entry& e) {
+    if (e.output->grad.defined()) return true;
+    for (const auto& n : e.more_outputs)
+      if (n->grad.defined()) return true;
+    return false;
+  };
   for (size_t i = tape.size(); i-- > 0;) {
     Entry& e = tape[i];
-    if (e.output->grad.defined()) {
+    if (has_grad(e)) {
       std::vector<GradNode*> nodes(e.inputs.size(), nullptr);
       for (size_t j = 0; j < e.inputs.size(); ++j) {
         GradNode* n = e.inputs[j].get();
@@ -585,9 +514,11 @@ void Graph::backward(const Tensor& y, const Tensor& dy) {
         if (!n->grad.defined()) n->fresh = true;  // allocated when first asked for (Grads)
         nodes[j] = n;
       }
-      const bool owned = !(dy.defined() && e.output.get() == &root);
+      const bool owned = std::find(seeded.begin(), seeded.end(), e.output.get()) == seeded.end();
       e.backward(e.output->grad, Grads(*backend_, std::move(nodes), owned));
       if (!e.output->leaf) e.output->grad = Tensor();
+      for (auto& n : e.more_outputs)
+        if (!n->leaf) n->grad = Tensor();
     }
     // Free what this entry saved as soon as it is done.
     e.backward = nullptr;

@@ -42,9 +42,40 @@ void fail(const std::string& msg) { throw Error(msg, ErrorKind::runtime); }
 #include "mt/model.h"
 #include "mt/tokenizer.h"
 
+#include "model_info.h"
+
 namespace mt {
 DecoderLayer::~DecoderLayer() = default;
 Model::~Model() = default;
+double Model::flops_per_token(int64_t seq_len) const {
+  return default_flops_per_token(*this, seq_len);
+}
+
+Params::Params(const std::vector<std::string>& names, std::vector<Tensor> values)
+    : names_(&names), values_(std::move(values)) {
+  MT_CHECK(names.size() == values_.size(), "Params: " + std::to_string(names.size()) +
+                                               " names for " + std::to_string(values_.size()) +
+                                               " tensors");
+}
+
+const Tensor* Params::find(std::string_view name) const {
+  if (!names_) return nullptr;
+  for (size_t i = 0; i < values_.size(); ++i)
+    if ((*names_)[i] == name) return &values_[i];
+  return nullptr;
+}
+
+const Tensor& Params::operator[](std::string_view name) const {
+  if (const Tensor* t = find(name)) return *t;
+  std::string have;
+  if (names_)
+    for (const auto& n : *names_) have += (have.empty() ? "" : ", ") + n;
+  throw Error(
+      "The model asked for a parameter named '" + std::string(name) +
+      "', which it did not declare (declared here: " + (have.empty() ? std::string("none") : have) +
+      "). The family's parameters() and forward() disagree.");
+}
+
 ModelFamily::~ModelFamily() = default;
 std::vector<std::string> ModelFamily::from_hf_config(const HfConfig&,
                                                      std::vector<std::string>&) const {

@@ -52,36 +52,39 @@ void check_model_sizes(const Model& m, int64_t batch, int64_t seq_len) {
   check("the logits", {batch, seq_len, d.vocab_size});
 }
 
-ParamCounts count_parameters(const Model& m, bool tied_embedding) {
+ParamCounts count_parameters(const Model& m) {
   ParamCounts c;
   auto add = [&](const ParamSpec& p) {
     const int64_t n = shape_numel(p.shape);
     c.total += n;
-    if (p.matmul) c.matmul += n;
-  };
-  for (const auto& p : m.top_parameters()) {
-    if (p.name == "embedding") {
-      // The table is a lookup (no FLOPs) unless it doubles as the LM head.
-      c.total += shape_numel(p.shape);
-      if (tied_embedding) c.matmul += shape_numel(p.shape);
-      else c.embedding += shape_numel(p.shape);
-      continue;
+    if (p.matmul) {
+      c.matmul += n;
+      c.active_matmul += static_cast<double>(n) * static_cast<double>(p.active);
+    } else if (p.name == "embedding") {
+      c.embedding += n;  // a lookup: no FLOPs
     }
-    add(p);
-  }
+  };
+  for (const auto& p : m.top_parameters()) add(p);
   for (int i = 0; i < m.num_layers(); ++i)
     for (const auto& p : m.layer(i).parameters()) add(p);
   return c;
 }
 
-double training_flops_per_token(const Model& m, bool tied_embedding, int64_t seq_len,
-                                bool causal) {
-  const ParamCounts c = count_parameters(m, tied_embedding);
+double default_flops_per_token(const Model& m, int64_t seq_len) {
+  const ParamCounts c = count_parameters(m);
   const ModelDims d = m.dims();
-  double attn = 12.0 * static_cast<double>(d.num_layers) * static_cast<double>(d.num_query_heads) *
-                static_cast<double>(d.head_dim) * static_cast<double>(seq_len);
-  if (causal) attn /= 2;
-  return 6.0 * static_cast<double>(c.matmul) + attn;
+  const auto s = static_cast<double>(seq_len);
+  double attn = 0;
+  for (int i = 0; i < m.num_layers(); ++i) {
+    const CacheSpec cs = m.layer(i).cache_spec();
+    if (cs.entries.empty()) continue;  // no attention in this layer
+    // Keys per query of a causal mask over seq_len positions, within the window (the
+    // continuous approximation MaxText and PaLM use: seq_len / 2 without a window).
+    const auto w = static_cast<double>(cs.window);
+    const double keys = cs.window > 0 && w < s ? w - w * w / (2 * s) : s / 2;
+    attn += 12.0 * static_cast<double>(d.num_query_heads) * static_cast<double>(d.head_dim) * keys;
+  }
+  return 6.0 * c.active_matmul + attn;
 }
 
 std::string human_count(double n) {

@@ -10,16 +10,19 @@ namespace mt {
 
 struct ParamCounts {
   int64_t total = 0;
-  int64_t matmul = 0;     // weights that multiply activations (the LM head included)
-  int64_t embedding = 0;  // the lookup table when it is not also the LM head
+  int64_t matmul = 0;        // weights that multiply activations (the LM head included)
+  double active_matmul = 0;  // of those, what one token uses (ParamSpec::active: top-k experts)
+  int64_t embedding = 0;     // lookup tables that are not also the LM head
 };
 
-ParamCounts count_parameters(const Model& m, bool tied_embedding);
+// From the parameter declarations: ParamSpec::matmul says what multiplies activations (a tied
+// embedding declares matmul = true), ParamSpec::active what share of it a token uses.
+ParamCounts count_parameters(const Model& m);
 
-// Training FLOPs per token (DESIGN.md): 6 x matmul parameters + attention
-// 12 x layers x heads x head_dim x seq_len, halved for causal attention.
-double training_flops_per_token(const Model& m, bool tied_embedding, int64_t seq_len,
-                                bool causal = true);
+// Model::flops_per_token's default (DESIGN.md): 6 x active matmul parameters + attention's
+// 12 x heads x head_dim x the keys a query attends to, per layer: seq_len / 2 when causal,
+// fewer within a layer's sliding window (its CacheSpec window).
+double default_flops_per_token(const Model& m, int64_t seq_len);
 
 // Refuses (UsageError) a model whose parameters or activations of one micro-batch of
 // `batch` x `seq_len` tokens have sizes that do not fit in 64 bits, naming the parameter or

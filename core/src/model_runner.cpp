@@ -34,7 +34,6 @@ ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins) {
   compute_dtype_ = dtype_key(cfg, "dtype");
   weight_dtype_ = dtype_key(cfg, "weight_dtype");
   tied_ = cfg.get_bool("logits_via_embedding");
-  window_ = cfg.get_int("sliding_window_size");
   if (!parse_remat_policy(cfg.get_string("remat_policy"), remat_))
     cfg.reject("remat_policy", "must be none, minimal or full.");
   family_ = plugins.make_model_family(cfg.get_string("decoder_block"));
@@ -55,12 +54,22 @@ ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins) {
     profiler_ = std::make_unique<ProfilingBackend>(*backend_);
     prof_attention_ = profiler_->wrap(*attention_);
   }
-  for (const auto& s : model_->top_parameters()) params_.push_back({s.name, s, {}, {}});
+  auto declare = [this](const ParamSpec& s, const std::string& full,
+                        std::vector<std::string>& names) {
+    for (const auto& n : names)
+      if (n == s.name) throw Error("The model family declares the parameter '" + full + "' twice.");
+    names.push_back(s.name);
+    params_.push_back({full, s, {}, {}});
+  };
+  for (const auto& s : model_->top_parameters()) declare(s, s.name, top_names_);
   num_top_ = params_.size();
+  layer_names_.resize(static_cast<size_t>(model_->num_layers()));
   for (int i = 0; i < model_->num_layers(); ++i) {
     layer_begin_.push_back(params_.size());
     for (const auto& s : model_->layer(i).parameters())
-      params_.push_back({"layers." + std::to_string(i) + "." + s.name, s, {}, {}});
+      declare(s, "layers." + std::to_string(i) + "." + s.name,
+              layer_names_[static_cast<size_t>(i)]);
+    cache_specs_.push_back(model_->layer(i).cache_spec());
   }
   for (auto& p : params_) p.value = backend().empty(p.spec.shape, weight_dtype_);
 }
@@ -169,7 +178,7 @@ Tensor ModelRunner::forward(Graph& g, const DeviceBatch& batch) {
   LayerInputs in;
   in.positions = batch.positions;
   in.segment_ids = batch.segment_ids;
-  return run_layers(g, batch.inputs, in, nullptr);
+  return run_layers(g, batch.inputs, in, nullptr, nullptr);
 }
 
 Tensor ModelRunner::forward_cached(Graph& g, const Tensor& tokens, const Tensor& positions,
@@ -179,45 +188,69 @@ Tensor ModelRunner::forward_cached(Graph& g, const Tensor& tokens, const Tensor&
                std::to_string(model_->num_layers()) + " layers");
   LayerInputs in;
   in.positions = positions;
-  return run_layers(g, tokens, in, &caches);
+  return run_layers(g, tokens, in, &caches, nullptr);
 }
 
 Tensor ModelRunner::run_layers(Graph& g, const Tensor& tokens, LayerInputs in,
-                               std::vector<KVCache>* caches) {
+                               std::vector<KVCache>* caches, std::vector<AuxLoss>* aux) {
   // Parameters in the compute dtype: a recorded cast of the master copy, so gradients reach it.
   std::vector<Tensor> ps;
   ps.reserve(params_.size());
   for (auto& p : params_)
     ps.push_back(p.value.dtype() == compute_dtype_ ? p.value : g.cast(p.value, compute_dtype_));
-  const std::vector<Tensor> top(ps.begin(), ps.begin() + static_cast<ptrdiff_t>(num_top_));
+  const Params top(top_names_,
+                   std::vector<Tensor>(ps.begin(), ps.begin() + static_cast<ptrdiff_t>(num_top_)));
   in.attention = &attention();
   Tensor x = model_->embed(g, top, tokens);
   for (int i = 0; i < model_->num_layers(); ++i) {
     const auto ui = static_cast<size_t>(i);
     const size_t b = layer_begin_[ui];
     const size_t e = i + 1 < model_->num_layers() ? layer_begin_[ui + 1] : ps.size();
-    std::vector<Tensor> lp(ps.begin() + static_cast<ptrdiff_t>(b),
-                           ps.begin() + static_cast<ptrdiff_t>(e));
+    const Params lp(layer_names_[ui], std::vector<Tensor>(ps.begin() + static_cast<ptrdiff_t>(b),
+                                                          ps.begin() + static_cast<ptrdiff_t>(e)));
     const DecoderLayer& layer = model_->layer(i);
+    LayerOutput out;
     if (caches) {
       LayerInputs li = in;
       li.cache = &(*caches)[ui];
-      x = layer.forward(g, lp, x, li);
-      continue;
+      out = layer.forward(g, lp, x, li);
+    } else {
+      out = g.remat_layer(
+          remat_,
+          [&layer, lp, in](Graph& gg, const Tensor& h) { return layer.forward(gg, lp, h, in); }, x);
     }
-    x = g.remat(
-        remat_,
-        [&layer, lp, in](Graph& gg, const Tensor& h) { return layer.forward(gg, lp, h, in); }, x);
+    x = std::move(out.x);
+    if (aux)
+      for (auto& a : out.aux) aux->push_back(std::move(a));
   }
   return model_->head(g, top, x);
 }
 
-Tensor ModelRunner::loss(Graph& g, const DeviceBatch& batch, float z_loss, double weight_scale) {
-  Tensor logits = forward(g, batch);
+Tensor ModelRunner::loss(Graph& g, const DeviceBatch& batch, float z_loss, double weight_scale,
+                         std::map<std::string, double>* aux_values) {
+  LayerInputs in;
+  in.positions = batch.positions;
+  in.segment_ids = batch.segment_ids;
+  std::vector<AuxLoss> aux;
+  Tensor logits = run_layers(g, batch.inputs, in, nullptr, aux_values ? &aux : nullptr);
   const int64_t v = logits.dim(-1);
   Tensor flat = g.reshape(logits, {logits.numel() / v, v});
   const double w = batch.valid_targets ? weight_scale / static_cast<double>(batch.valid_targets) : 0.0;
-  return g.cross_entropy(flat, batch.targets, z_loss, static_cast<float>(w));
+  Tensor total = g.cross_entropy(flat, batch.targets, z_loss, static_cast<float>(w));
+  if (aux.empty()) return total;
+  std::map<std::string, int> per_name;
+  for (const auto& a : aux) ++per_name[a.name];
+  for (const auto& a : aux) {
+    MT_CHECK(a.value.defined() && a.value.numel() == 1 && a.value.dtype() == DType::f32,
+             "auxiliary loss '" + a.name + "' must be a scalar [1] f32, got " +
+                 (a.value.defined() ? a.value.str() : std::string("nothing")));
+    float host = 0;
+    backend().copy_to_host(a.value, &host);
+    (*aux_values)[a.name] += weight_scale * static_cast<double>(host) / per_name[a.name];
+    if (a.weight != 0.f)
+      total = g.add(total, g.scale(a.value, static_cast<float>(a.weight * weight_scale)));
+  }
+  return total;
 }
 
 }  // namespace mt

@@ -55,8 +55,8 @@ class ModelRunner {
   DType weight_dtype() const { return weight_dtype_; }
   bool tied_embedding() const { return tied_; }
   RematPolicy remat_policy() const { return remat_; }
-  // sliding_window_size (0 = none): decode keeps a ring buffer of this many rows per layer.
-  int64_t sliding_window() const { return window_; }
+  // Each layer's decode cache, as its family declares it (DecoderLayer::cache_spec).
+  const std::vector<CacheSpec>& cache_specs() const { return cache_specs_; }
 
   // Initialises every parameter as MaxText does, deterministically from init_weights_seed
   // (each parameter's stream is seeded by its name, so the result does not depend on order).
@@ -79,12 +79,17 @@ class ModelRunner {
   Tensor forward_cached(Graph& g, const Tensor& tokens, const Tensor& positions,
                         std::vector<KVCache>& caches);
   // Mean cross-entropy over the batch's valid targets times `weight_scale`; scalar [1] f32.
-  Tensor loss(Graph& g, const DeviceBatch& batch, float z_loss, double weight_scale = 1.0);
+  // With `aux` (training), the layers' auxiliary losses join the objective (each weight x value
+  // x weight_scale) and their values, averaged over the layers reporting each name and times
+  // weight_scale, are added to (*aux)[name]. Without it (evaluation, scoring) they do not.
+  Tensor loss(Graph& g, const DeviceBatch& batch, float z_loss, double weight_scale = 1.0,
+              std::map<std::string, double>* aux = nullptr);
 
   DeviceBatch upload(const struct HostBatch& hb);
 
  private:
-  Tensor run_layers(Graph& g, const Tensor& tokens, LayerInputs in, std::vector<KVCache>* caches);
+  Tensor run_layers(Graph& g, const Tensor& tokens, LayerInputs in, std::vector<KVCache>* caches,
+                    std::vector<AuxLoss>* aux);
 
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<AttentionKernel> attention_;
@@ -95,10 +100,12 @@ class ModelRunner {
   std::vector<Param> params_;
   size_t num_top_ = 0;                  // params_[0, num_top_) are the model's top parameters
   std::vector<size_t> layer_begin_;     // params_ index of each layer's first parameter
+  std::vector<std::string> top_names_;  // the names Params hands the model (relative to a layer)
+  std::vector<std::vector<std::string>> layer_names_;
+  std::vector<CacheSpec> cache_specs_;
   DType compute_dtype_ = DType::f32, weight_dtype_ = DType::f32;
   bool tied_ = false;
   RematPolicy remat_ = RematPolicy::none;
-  int64_t window_ = 0;
 };
 
 }  // namespace mt

@@ -10,12 +10,15 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "checkpoint_manager.h"
 #include "file_util.h"
 #include "hf_interop.h"
+#include "json.h"
 #include "model_info.h"
 #include "model_runner.h"
 #include "mt/data.h"
@@ -64,6 +67,13 @@ double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// The layers' auxiliary losses as metrics.jsonl fields (", \"moe_lb_loss\": 0.01", ...).
+std::string aux_fields(const std::map<std::string, double>& aux) {
+  std::string r;
+  for (const auto& [name, v] : aux) r += fmt::format(", {}: {:.9g}", json::quote(name), v);
+  return r;
 }
 
 std::string progress_bar(int64_t step, int64_t steps, double eta_s, double loss, double tps,
@@ -131,9 +141,8 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
       plugins.dataset_factory(dataset)(cfg, DataShard{}, tokenizer.get());
 
   // Model FLOPs and the peak they are measured against.
-  const double flops_per_token =
-      training_flops_per_token(runner.model(), runner.tied_embedding(), seq);
-  const ParamCounts counts = count_parameters(runner.model(), runner.tied_embedding());
+  const double flops_per_token = runner.model().flops_per_token(seq);
+  const ParamCounts counts = count_parameters(runner.model());
   double peak = cfg.get_float("device_peak_tflops") * 1e12;
   if (peak <= 0) peak = be.peak_flops(runner.compute_dtype());
 
@@ -279,11 +288,12 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
       valid += micro.back().valid_targets;
     }
     double loss = 0;
+    std::map<std::string, double> aux;  // the layers' auxiliary losses, batch-weighted
     for (auto& mb : micro) {
       Graph g(be);
       const double share =
           valid ? static_cast<double>(mb.valid_targets) / static_cast<double>(valid) : 0;
-      Tensor l = runner.loss(g, mb, z_loss, share);
+      Tensor l = runner.loss(g, mb, z_loss, share, &aux);
       float lv = 0;
       be.copy_to_host(l, &lv);
       loss += lv;
@@ -344,9 +354,9 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
         "{{\"step\": {}, \"loss\": {:.9g}, \"learning_rate\": {:.6g}, \"grad_norm\": {:.6g}, "
         "\"tokens_per_sec\": {:.2f}, \"tflops_per_device\": {:.5f}, \"mfu\": {:.5f}, "
         "\"step_time_ms\": {:.2f}, \"data_wait_ms\": {:.3f}, \"checkpoint_ms\": {:.3f}, "
-        "\"peak_memory_mb\": {:.1f}, \"system_allocs\": {}{}}}\n",
+        "\"peak_memory_mb\": {:.1f}, \"system_allocs\": {}{}{}}}\n",
         step, loss, lr, grad_norm, tps, tflops, mfu, step_s * 1e3, data_wait * 1e3, ckpt_s * 1e3,
-        static_cast<double>(ms.peak_bytes_in_use) / 1e6, ms.num_system_allocs,
+        static_cast<double>(ms.peak_bytes_in_use) / 1e6, ms.num_system_allocs, aux_fields(aux),
         ev >= 0 ? fmt::format(", \"eval_loss\": {:.6f}", ev) : "");
     // Each record reaches the file at once: a killed run keeps the lines of the steps it
     // checkpointed, so a resumed run leaves no gap.

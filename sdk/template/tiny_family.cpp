@@ -1,9 +1,11 @@
 // The "tiny" model family: the smallest complete family plugin, as a template.
-// Each decoder layer is a pre-norm residual MLP: x + W2 silu(W1 rmsnorm(x)).
+// Each decoder layer is a pre-norm residual MLP, x + w_out silu(w_in rmsnorm(x)), made of the
+// SDK's shared blocks (mt/blocks.h).
 // A real family (plugins/models/llama) follows the same shape with attention added.
 #include <memory>
 #include <vector>
 
+#include "mt/blocks.h"
 #include "mt/config.h"
 #include "mt/graph.h"
 #include "mt/model.h"
@@ -13,21 +15,30 @@ namespace {
 
 class TinyLayer final : public mt::DecoderLayer {
  public:
-  TinyLayer(int64_t d, int64_t f) : d_(d), f_(f) {}
+  TinyLayer(int64_t d, int64_t f) {
+    mlp_.d_model = d;
+    mlp_.hidden = f;
+    mlp_.act = mt::Activation::silu;
+    mlp_.gated = false;  // w_out(silu(x @ w_in))
+    d_ = d;
+  }
+  // Parameters by name: "norm", then the block's "w_in" and "w_out".
   std::vector<mt::ParamSpec> parameters() const override {
-    return {{"norm", {d_}, mt::Init::ones, 0.f, false, false},
-            {"w1", {d_, f_}, mt::Init::normal, 0.02f, true, true},
-            {"w2", {f_, d_}, mt::Init::normal, 0.02f, true, true}};
+    std::vector<mt::ParamSpec> r = mt::blocks::norm_params("norm", d_, norm_);
+    for (auto& p : mt::blocks::mlp_params(mlp_)) r.push_back(p);
+    return r;
   }
-  mt::Tensor forward(mt::Graph& g, const std::vector<mt::Tensor>& p, const mt::Tensor& x,
-                     const mt::LayerInputs&) const override {
-    mt::Tensor h = g.rmsnorm(x, p[0], 1e-5f);
-    h = g.activation(mt::Activation::silu, g.matmul(h, p[1]));
-    return g.add(x, g.matmul(h, p[2]));
+  mt::LayerOutput forward(mt::Graph& g, const mt::Params& p, const mt::Tensor& x,
+                          const mt::LayerInputs&) const override {
+    return g.add(x, mt::blocks::mlp(g, p, mlp_, mt::blocks::norm(g, p, "norm", x, norm_)));
   }
+  // No attention, so nothing to keep per token when decoding.
+  mt::CacheSpec cache_spec() const override { return {}; }
 
  private:
-  int64_t d_, f_;
+  int64_t d_ = 0;
+  mt::blocks::NormSpec norm_;  // RMSNorm, eps 1e-5
+  mt::blocks::MlpSpec mlp_;
 };
 
 class TinyModel final : public mt::Model {
@@ -45,19 +56,17 @@ class TinyModel final : public mt::Model {
     return m;
   }
   std::vector<mt::ParamSpec> top_parameters() const override {
-    return {{"embedding", {vocab_, d_}, mt::Init::normal, 1.f, true, false},
+    return {mt::blocks::embedding_param("embedding", vocab_, d_, 1.f, /*tied=*/false),
             {"final_norm", {d_}, mt::Init::ones, 0.f, false, false},
-            {"lm_head", {d_, vocab_}, mt::Init::normal, 0.02f, true, true}};
+            mt::blocks::dense_param("lm_head", d_, vocab_)};
   }
   int num_layers() const override { return static_cast<int>(layers_.size()); }
   const mt::DecoderLayer& layer(int i) const override { return *layers_[static_cast<size_t>(i)]; }
-  mt::Tensor embed(mt::Graph& g, const std::vector<mt::Tensor>& top,
-                   const mt::Tensor& tokens) const override {
-    return g.embedding(top[0], tokens);
+  mt::Tensor embed(mt::Graph& g, const mt::Params& top, const mt::Tensor& tokens) const override {
+    return g.embedding(top["embedding"], tokens);
   }
-  mt::Tensor head(mt::Graph& g, const std::vector<mt::Tensor>& top,
-                  const mt::Tensor& hidden) const override {
-    return g.matmul(g.rmsnorm(hidden, top[1], 1e-5f), top[2]);
+  mt::Tensor head(mt::Graph& g, const mt::Params& top, const mt::Tensor& hidden) const override {
+    return g.matmul(g.rmsnorm(hidden, top["final_norm"], 1e-5f), top["lm_head"]);
   }
 
  private:

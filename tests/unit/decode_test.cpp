@@ -59,8 +59,10 @@ void decode_matches_forward(std::vector<std::string> overrides, double tol = 1e-
   std::vector<std::vector<int32_t>> seqs = {{}, {}, {}};
   const int prompt_len[3] = {1, 5, 9};
   Decoder dec(*r, 3, 24);
-  const int64_t window = r->sliding_window();
-  EXPECT_EQ(dec.cache_rows(), window > 0 ? window : 24);  // a ring of the window's size
+  for (int i = 0; i < r->model().num_layers(); ++i) {
+    const int64_t window = r->cache_specs()[static_cast<size_t>(i)].window;
+    EXPECT_EQ(dec.cache_rows(i), window > 0 && window < 24 ? window : 24);  // a ring: the window
+  }
   std::vector<int32_t> next(3);
   for (int b = 0; b < 3; ++b) {
     for (int i = 0; i < prompt_len[b]; ++i) seqs[b].push_back(static_cast<int32_t>(rng() % V));

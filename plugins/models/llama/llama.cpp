@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "mt/blocks.h"
 #include "mt/config.h"
 #include "mt/error.h"
 #include "mt/graph.h"
@@ -24,89 +25,74 @@ using mt::ParamSpec;
 using mt::Tensor;
 
 struct LlamaConfig {
-  int64_t vocab = 0, d = 0, heads = 0, kv_heads = 0, head_dim = 0, mlp = 0, layers = 0;
-  float eps = 1e-5f;
+  int64_t vocab = 0, d = 0, layers = 0;
   bool tied = false;
-  mt::RopeSpec rope;
-  mt::AttentionSpec attn;
+  mt::blocks::NormSpec norm;
+  mt::blocks::AttentionBlockSpec attn;
+  mt::blocks::MlpSpec mlp;
   float final_softcap = 0.f;
 
   explicit LlamaConfig(const mt::Config& c) {
     vocab = c.get_int("vocab_size");
     d = c.get_int("base_emb_dim");
-    heads = c.get_int("base_num_query_heads");
-    kv_heads = c.get_int("base_num_kv_heads");
-    head_dim = c.get_int("head_dim");
-    mlp = c.get_int("base_mlp_dim");
     layers = c.get_int("base_num_decoder_layers");
-    eps = static_cast<float>(c.get_float("normalization_layer_epsilon"));
     tied = c.get_bool("logits_via_embedding");
+    norm.kind = mt::blocks::NormKind::rms;
+    norm.eps = static_cast<float>(c.get_float("normalization_layer_epsilon"));
+
+    attn.d_model = d;
+    attn.heads = c.get_int("base_num_query_heads");
+    attn.kv_heads = c.get_int("base_num_kv_heads");
+    attn.head_dim = c.get_int("head_dim");
+    mt::RopeSpec& rope = attn.rope;
     const std::string rt = c.get_string("rope_type");
     rope.type = rt == "llama3.1" ? mt::RopeSpec::Type::llama3
                 : rt == "yarn"   ? mt::RopeSpec::Type::yarn
                                  : mt::RopeSpec::Type::standard;
     rope.theta = static_cast<float>(c.get_float("rope_max_timescale"));
     rope.rotary_dim = static_cast<int>(
-        std::lround(static_cast<double>(head_dim) * c.get_float("partial_rotary_factor")));
+        std::lround(static_cast<double>(attn.head_dim) * c.get_float("partial_rotary_factor")));
     rope.factor = static_cast<float>(c.get_float("rope_factor"));
     rope.low_freq_factor = static_cast<float>(c.get_float("rope_low_freq_factor"));
     rope.high_freq_factor = static_cast<float>(c.get_float("rope_high_freq_factor"));
     rope.original_max_position = c.get_int("original_max_position_embeddings");
     rope.beta_fast = static_cast<float>(c.get_float("beta_fast"));
     rope.beta_slow = static_cast<float>(c.get_float("beta_slow"));
-    attn.causal = true;
-    attn.window = c.get_int("sliding_window_size");
-    attn.softcap = static_cast<float>(c.get_float("attn_logits_soft_cap"));
-    attn.scale = 1.f / std::sqrt(static_cast<float>(head_dim));
+    attn.attn.causal = true;
+    attn.attn.window = c.get_int("sliding_window_size");
+    attn.attn.softcap = static_cast<float>(c.get_float("attn_logits_soft_cap"));
+    attn.attn.scale = 1.f / std::sqrt(static_cast<float>(attn.head_dim));
+
+    mlp.d_model = d;
+    mlp.hidden = c.get_int("base_mlp_dim");
+    mlp.act = Activation::silu;
+    mlp.gated = true;  // SwiGLU
     final_softcap = static_cast<float>(c.get_float("final_logits_soft_cap"));
   }
 };
 
-// Dense weights are stored [in, out] (y = x @ W) and initialised as MaxText does: truncated
-// normal with the fan-in variance scaling 1 / fan_in.
-ParamSpec dense(const std::string& name, int64_t in, int64_t out) {
-  return {name, {in, out}, Init::truncated_normal,
-          static_cast<float>(1.0 / std::sqrt(static_cast<double>(in))), true, true};
-}
-ParamSpec norm(const std::string& name, int64_t d) {
-  return {name, {d}, Init::ones, 0.f, /*weight_decay=*/false, /*matmul=*/false};
-}
-
+// A pre-norm decoder layer: x + attention(norm(x)), then + mlp(norm(.)).
 class LlamaLayer final : public mt::DecoderLayer {
  public:
   explicit LlamaLayer(const LlamaConfig& c) : c_(c) {}
 
-  // Order matters: forward() reads the tensors by index.
   std::vector<ParamSpec> parameters() const override {
-    const int64_t q = c_.heads * c_.head_dim, kv = c_.kv_heads * c_.head_dim;
-    return {norm("attn_norm", c_.d),   dense("wq", c_.d, q),       dense("wk", c_.d, kv),
-            dense("wv", c_.d, kv),     dense("wo", q, c_.d),       norm("mlp_norm", c_.d),
-            dense("w_gate", c_.d, c_.mlp), dense("w_up", c_.d, c_.mlp), dense("w_down", c_.mlp, c_.d)};
+    std::vector<ParamSpec> r = mt::blocks::norm_params("attn_norm", c_.d, c_.norm);
+    for (auto& p : mt::blocks::attention_params(c_.attn)) r.push_back(p);
+    for (auto& p : mt::blocks::norm_params("mlp_norm", c_.d, c_.norm)) r.push_back(p);
+    for (auto& p : mt::blocks::mlp_params(c_.mlp)) r.push_back(p);
+    return r;
   }
 
   // x [B, T, D] -> [B, T, D]
-  Tensor forward(mt::Graph& g, const std::vector<Tensor>& p, const Tensor& x,
-                 const mt::LayerInputs& in) const override {
-    const int64_t b = x.dim(0), t = x.dim(1);
-    Tensor h = g.rmsnorm(x, p[0], c_.eps);
-    Tensor q = g.reshape(g.matmul(h, p[1]), {b, t, c_.heads, c_.head_dim});
-    Tensor k = g.reshape(g.matmul(h, p[2]), {b, t, c_.kv_heads, c_.head_dim});
-    Tensor v = g.reshape(g.matmul(h, p[3]), {b, t, c_.kv_heads, c_.head_dim});
-    q = g.rope(q, in.positions, c_.rope);
-    k = g.rope(k, in.positions, c_.rope);
-    MT_CHECK(in.attention != nullptr, "llama: no attention kernel given to the layer");
-    Tensor a;
-    if (in.cache) {  // decode: the core's KV cache (linear or sliding-window ring)
-      a = g.cached_attention(*in.attention, q, k, v, *in.cache, c_.attn);
-    } else {
-      a = g.attention(*in.attention, q, k, v, in.segment_ids, in.segment_ids, c_.attn);
-    }
-    a = g.reshape(a, {b, t, c_.heads * c_.head_dim});
-    Tensor r = g.add(x, g.matmul(a, p[4]));
-    h = g.rmsnorm(r, p[5], c_.eps);
-    Tensor m = g.gated(Activation::silu, g.matmul(h, p[6]), g.matmul(h, p[7]));
-    return g.add(r, g.matmul(m, p[8]));
+  mt::LayerOutput forward(mt::Graph& g, const mt::Params& p, const Tensor& x,
+                          const mt::LayerInputs& in) const override {
+    using namespace mt::blocks;
+    Tensor r = g.add(x, attention(g, p, c_.attn, norm(g, p, "attn_norm", x, c_.norm), in));
+    return g.add(r, mlp(g, p, c_.mlp, norm(g, p, "mlp_norm", r, c_.norm)));
   }
+
+  mt::CacheSpec cache_spec() const override { return mt::blocks::attention_cache_spec(c_.attn); }
 
  private:
   LlamaConfig c_;
@@ -121,34 +107,32 @@ class LlamaModel final : public mt::Model {
     m.vocab_size = c_.vocab;
     m.d_model = c_.d;
     m.num_layers = c_.layers;
-    m.num_query_heads = c_.heads;
-    m.num_kv_heads = c_.kv_heads;
-    m.head_dim = c_.head_dim;
-    m.mlp_dim = c_.mlp;
+    m.num_query_heads = c_.attn.heads;
+    m.num_kv_heads = c_.attn.kv_heads;
+    m.head_dim = c_.attn.head_dim;
+    m.mlp_dim = c_.mlp.hidden;
     return m;
   }
 
   // embedding [V, D], final_norm [D], lm_head [D, V] (absent when tied to the embedding)
   std::vector<ParamSpec> top_parameters() const override {
-    std::vector<ParamSpec> r = {
-        {"embedding", {c_.vocab, c_.d}, Init::normal, c_.tied ? 1.f / std::sqrt(float(c_.d)) : 1.f,
-         true, false},
-        norm("final_norm", c_.d)};
-    if (!c_.tied) r.push_back(dense("lm_head", c_.d, c_.vocab));
+    std::vector<ParamSpec> r = {mt::blocks::embedding_param(
+        "embedding", c_.vocab, c_.d, c_.tied ? 1.f / std::sqrt(float(c_.d)) : 1.f, c_.tied)};
+    for (auto& p : mt::blocks::norm_params("final_norm", c_.d, c_.norm)) r.push_back(p);
+    if (!c_.tied) r.push_back(mt::blocks::dense_param("lm_head", c_.d, c_.vocab));
     return r;
   }
   int num_layers() const override { return static_cast<int>(c_.layers); }
   // Every Llama layer has the same structure; only its parameters differ.
   const mt::DecoderLayer& layer(int) const override { return layer_; }
 
-  Tensor embed(mt::Graph& g, const std::vector<Tensor>& top, const Tensor& tokens) const override {
-    return g.embedding(top[0], tokens);
+  Tensor embed(mt::Graph& g, const mt::Params& top, const Tensor& tokens) const override {
+    return g.embedding(top["embedding"], tokens);
   }
   // hidden [B, T, D] -> logits [B, T, V]
-  Tensor head(mt::Graph& g, const std::vector<Tensor>& top, const Tensor& hidden) const override {
-    Tensor h = g.rmsnorm(hidden, top[1], c_.eps);
-    // Tied: logits = h @ embedding^T, the table shared with the input lookup.
-    Tensor logits = c_.tied ? g.matmul(h, top[0], false, true) : g.matmul(h, top[2]);
+  Tensor head(mt::Graph& g, const mt::Params& top, const Tensor& hidden) const override {
+    Tensor h = mt::blocks::norm(g, top, "final_norm", hidden, c_.norm);
+    Tensor logits = mt::blocks::lm_head(g, top, h, c_.tied);
     if (c_.final_softcap > 0.f) logits = g.softcap(logits, c_.final_softcap);
     return logits;
   }
@@ -197,6 +181,10 @@ class LlamaFamily final : public mt::ModelFamily {
       c.reject("partial_rotary_factor",
                "must be in (0, 1] and give an even number of rotary features of head_dim=" +
                    std::to_string(hd) + ".");
+    if (c.get_int("num_experts") != 1)
+      c.reject("num_experts",
+               "must be 1 for the llama family (dense MLPs); mixture-of-experts models are "
+               "families of their own (mixtral, qwen3_moe, deepseek).");
     const auto acts = c.get_string_list("mlp_activations");
     if (acts.size() != 2 || acts[0] != "silu" || acts[1] != "linear")
       c.reject("mlp_activations", "must be [silu, linear] for the llama family (SwiGLU).");
@@ -376,11 +364,11 @@ class LlamaFamily final : public mt::ModelFamily {
         {"model_type", "\"llama\""},
         {"vocab_size", std::to_string(c.vocab)},
         {"hidden_size", std::to_string(c.d)},
-        {"intermediate_size", std::to_string(c.mlp)},
+        {"intermediate_size", std::to_string(c.mlp.hidden)},
         {"num_hidden_layers", std::to_string(c.layers)},
-        {"num_attention_heads", std::to_string(c.heads)},
-        {"num_key_value_heads", std::to_string(c.kv_heads)},
-        {"head_dim", std::to_string(c.head_dim)},
+        {"num_attention_heads", std::to_string(c.attn.heads)},
+        {"num_key_value_heads", std::to_string(c.attn.kv_heads)},
+        {"head_dim", std::to_string(c.attn.head_dim)},
         {"hidden_act", "\"silu\""},
         // From the config's doubles: c's floats would print 1e-5 as 9.99999975e-06.
         {"rms_norm_eps", num(cfg.get_float("normalization_layer_epsilon"))},
@@ -393,18 +381,20 @@ class LlamaFamily final : public mt::ModelFamily {
         {"max_position_embeddings", std::to_string(cfg.get_int("max_position_embeddings") > 0
                                                        ? cfg.get_int("max_position_embeddings")
                                                        : cfg.get_int("max_target_length"))}};
-    if (c.rope.type == mt::RopeSpec::Type::llama3) {
+    if (c.attn.rope.type == mt::RopeSpec::Type::llama3) {
       m["rope_scaling.rope_type"] = "\"llama3\"";
       m["rope_scaling.factor"] = num(cfg.get_float("rope_factor"));
       m["rope_scaling.low_freq_factor"] = num(cfg.get_float("rope_low_freq_factor"));
       m["rope_scaling.high_freq_factor"] = num(cfg.get_float("rope_high_freq_factor"));
-      m["rope_scaling.original_max_position_embeddings"] = std::to_string(c.rope.original_max_position);
-    } else if (c.rope.type == mt::RopeSpec::Type::yarn) {
+      m["rope_scaling.original_max_position_embeddings"] =
+          std::to_string(c.attn.rope.original_max_position);
+    } else if (c.attn.rope.type == mt::RopeSpec::Type::yarn) {
       m["rope_scaling.rope_type"] = "\"yarn\"";
       m["rope_scaling.factor"] = num(cfg.get_float("rope_factor"));
       m["rope_scaling.beta_fast"] = num(cfg.get_float("beta_fast"));
       m["rope_scaling.beta_slow"] = num(cfg.get_float("beta_slow"));
-      m["rope_scaling.original_max_position_embeddings"] = std::to_string(c.rope.original_max_position);
+      m["rope_scaling.original_max_position_embeddings"] =
+          std::to_string(c.attn.rope.original_max_position);
     } else {
       m["rope_scaling"] = "null";
     }

@@ -23,7 +23,7 @@
 #include "mt/export.h"
 #include "mt/tensor.h"
 
-#define MT_OPSET_VERSION 1
+#define MT_OPSET_VERSION 2  // 2: the op set the SDK v2 families need (see version.h)
 
 namespace mt {
 

@@ -11,6 +11,7 @@
 
 #include <functional>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "mt/attention.h"
@@ -77,9 +78,11 @@ class MT_API Graph {
   Tensor attention(AttentionKernel& kernel, const Tensor& q, const Tensor& k, const Tensor& v,
                    const Tensor& q_segment, const Tensor& kv_segment, const AttentionSpec& spec);
   // Decode (not differentiable). write_kv_cache stores k, v [B, T, Hkv, D] at cache.write_rows
-  // (overwriting: a sliding-window cache is a ring buffer). cached_attention is what a layer
+  // (overwriting: a sliding-window cache is a ring buffer); write_cache stores x [B, T, entry...]
+  // into any one of the cache's tensors the same way. cached_attention is what an attention layer
   // calls: for a fresh cache the tokens attend among themselves (spec's causal/window masks) and
   // are stored; otherwise they are stored and q [B, T, Hq, D] attends to the cache's valid rows.
+  void write_cache(KVCache& cache, size_t entry, const Tensor& x);
   void write_kv_cache(KVCache& cache, const Tensor& k, const Tensor& v);
   Tensor attention_decode(AttentionKernel& kernel, const Tensor& q, const KVCache& cache,
                           const AttentionSpec& spec);
@@ -92,12 +95,19 @@ class MT_API Graph {
   // Runs f(g, x) as one rematerialisable block (a decoder layer). none: recorded as usual.
   // full: f runs without recording; the backward re-runs it, recording, from the saved input.
   // minimal: like full, but the forward keeps every matmul output and the re-run reuses them,
-  // so only the cheap ops are recomputed.
+  // so only the cheap ops are recomputed. remat_layer also carries the layer's auxiliary
+  // losses: each comes back as a tensor whose gradient reaches f's parameters through the re-run.
   Tensor remat(RematPolicy policy, const std::function<Tensor(Graph&, const Tensor&)>& f,
                const Tensor& x);
+  LayerOutput remat_layer(RematPolicy policy,
+                          const std::function<LayerOutput(Graph&, const Tensor&)>& f,
+                          const Tensor& x);
 
   // Backpropagates from `y` with seed gradient `dy` (same shape as y), or 1 for a scalar y.
   void backward(const Tensor& y, const Tensor& dy = Tensor());
+  // From several roots at once (y_i with seed dy_i, or 1 for a scalar y_i with no seed): one
+  // pass over the tape, so a tensor reached from several roots gets the sum.
+  void backward(const std::vector<std::pair<Tensor, Tensor>>& roots);
 
   // Marks a tracked parameter's gradient as undefined (to be overwritten by the next backward)
   // instead of zeroing it; finish_fresh() zeroes those no backward reached.

@@ -1,14 +1,17 @@
 // Model families: what a family plugin (llama, gemma, ...) provides.
 //
-// A family declares its parameters and writes each decoder layer's forward in terms of the
-// differentiable ops of ops.h; the core's tape gives the backward. The core owns the loop over
-// layers (remat, decode caches, checkpoints), so every layer has the same call signature.
+// A family declares its parameters and writes each decoder layer's forward from the shared
+// blocks of blocks.h and the differentiable ops of graph.h; the core's tape gives the backward.
+// The core owns the loop over layers (remat, decode caches, checkpoints), so every layer has the
+// same call signature; layers of one model may be of different kinds.
 #pragma once
 
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "mt/attention.h"
@@ -23,24 +26,62 @@ class Graph;
 enum class Init : uint8_t { normal, truncated_normal, zeros, ones };
 
 struct ParamSpec {
-  std::string name;  // relative to the layer inside DecoderLayer ("attn.wq"), else global
+  std::string name;  // relative to the layer inside DecoderLayer ("wq"), else global
   Shape shape;
   Init init = Init::normal;
   float stddev = 0.02f;        // for normal / truncated_normal (truncated at 2 stddev)
   bool weight_decay = true;    // false for norms and biases
   bool matmul = true;          // counts towards model FLOPs (6 x matmul params per token)
+  // The share of this parameter one token uses: 1, or k / E for the stacked weights of E
+  // experts of which each token is routed to k. Model FLOPs and MFU count active parameters.
+  float active = 1.f;
 };
 
-// Per-layer KV cache for decode: k, v [B, Smax, Hkv, D] in the model's dtype. The core fills
-// the bookkeeping for each call; the layer only calls Graph::write_kv_cache and
-// Graph::attention_decode.
+// A layer's parameters (or the model's top parameters) by name, in the compute dtype: what
+// DecoderLayer::forward, Model::embed and Model::head read their tensors from.
+class MT_API Params {
+ public:
+  Params() = default;
+  // names[i] is the name of values[i]; `names` must outlive this object (the core keeps them
+  // for the model's lifetime).
+  Params(const std::vector<std::string>& names, std::vector<Tensor> values);
+  // The tensor called `name`; throws mt::Error naming it and the names there are.
+  const Tensor& operator[](std::string_view name) const;
+  // Null when there is no such parameter (optional ones: biases, q/k norms).
+  const Tensor* find(std::string_view name) const;
+  size_t size() const { return values_.size(); }
+  const std::vector<Tensor>& values() const { return values_; }
+
+ private:
+  const std::vector<std::string>* names_ = nullptr;
+  std::vector<Tensor> values_;
+};
+
+// What a layer keeps per token when decoding; the core's decoder allocates it per layer:
+// tensors [B, rows, entries[i]...] in the compute dtype, rows = window when 0 < window < the
+// context (a ring buffer: position p lives in row p % window), else the context length.
+// Attention's entries are k [Hkv, Dk] and v [Hkv, Dv]; a latent cache (DeepSeek's MLA) has one
+// entry of its own shape. No entries: the layer keeps nothing.
+struct CacheSpec {
+  int64_t window = 0;  // > 0: each token attends to at most the last `window` positions
+  std::vector<Shape> entries;
+  bool operator==(const CacheSpec&) const = default;
+};
+
+// One layer's decode cache, shaped by its CacheSpec. The core fills the bookkeeping for each
+// call; the layer calls Graph::cached_attention (or Graph::write_cache and its own attention
+// over a latent cache).
 struct KVCache {
-  Tensor k, v;
+  std::vector<Tensor> tensors;  // one per CacheSpec entry: [B, rows + 1, entry...]
+  int64_t window = 0;           // the CacheSpec's window
   Tensor lengths;     // [B] i32: valid rows once this call's T tokens are written
-  Tensor write_rows;  // [B * T] i32: row of k/v viewed as [B * Smax, Hkv * D] for each new token
+  Tensor write_rows;  // [B * T] i32: row of tensors[i] viewed as [B * (rows + 1), entry] per token
   // The call's tokens start an empty cache (prefill): they attend among themselves with the
   // ordinary kernel, then are stored. Otherwise they are stored first and attend to the cache.
   bool fresh = false;
+  // Attention's k and v (entries 0 and 1).
+  const Tensor& k() const { return tensors.at(0); }
+  const Tensor& v() const { return tensors.at(1); }
 };
 
 // Everything a layer needs besides its parameters and input.
@@ -51,16 +92,34 @@ struct LayerInputs {
   KVCache* cache = nullptr;  // decode only
 };
 
+// A term a layer adds to the training objective (MoE load balancing, router z-loss): the core
+// adds weight x value to the loss it differentiates and logs value under `name` in
+// metrics.jsonl (averaged over the layers that report it).
+struct AuxLoss {
+  std::string name;
+  Tensor value;  // scalar [1] f32, computed on the graph the layer was given
+  float weight = 1.f;
+};
+
+struct LayerOutput {
+  Tensor x;  // [B, T, D]
+  std::vector<AuxLoss> aux;
+  LayerOutput() = default;
+  LayerOutput(Tensor out) : x(std::move(out)) {}  // NOLINT: a plain layer returns its tensor
+};
+
 class MT_API DecoderLayer {
  public:
   virtual ~DecoderLayer();
   virtual std::vector<ParamSpec> parameters() const = 0;
-  // x [B, T, D] -> [B, T, D]. params: this layer's tensors, in the order of parameters().
-  virtual Tensor forward(Graph& g, const std::vector<Tensor>& params, const Tensor& x,
-                         const LayerInputs& in) const = 0;
+  // x [B, T, D] -> [B, T, D] and any auxiliary losses. p: this layer's parameters by name.
+  virtual LayerOutput forward(Graph& g, const Params& p, const Tensor& x,
+                              const LayerInputs& in) const = 0;
+  // What decode keeps per token for this layer (blocks::attention_cache_spec for attention).
+  virtual CacheSpec cache_spec() const = 0;
 };
 
-// The dimensions the core needs for FLOP counts, caches and checks.
+// The dimensions the core needs for checks and reports.
 struct ModelDims {
   int64_t vocab_size = 0;
   int64_t d_model = 0;
@@ -79,16 +138,33 @@ class MT_API Model {
   // Parameters outside the decoder layers (embedding, final norm, LM head), full names.
   virtual std::vector<ParamSpec> top_parameters() const = 0;
   virtual int num_layers() const = 0;
+  // Layers may differ in kind (dense and MoE, local and global attention).
   virtual const DecoderLayer& layer(int index) const = 0;
-  // tokens [B, T] i32 -> hidden [B, T, D]. top: tensors of top_parameters().
-  virtual Tensor embed(Graph& g, const std::vector<Tensor>& top, const Tensor& tokens) const = 0;
+  // tokens [B, T] i32 -> hidden [B, T, D]. top: the tensors of top_parameters().
+  virtual Tensor embed(Graph& g, const Params& top, const Tensor& tokens) const = 0;
   // hidden [B, T, D] -> logits [B, T, V] (final norm, LM head, soft-cap).
-  virtual Tensor head(Graph& g, const std::vector<Tensor>& top, const Tensor& hidden) const = 0;
-  // Hugging Face name of a parameter ("layers.3.attn.wq" -> "model.layers.3.self_attn.q_proj
-  // .weight") and whether its matrix is stored transposed there. Empty when unmapped.
+  virtual Tensor head(Graph& g, const Params& top, const Tensor& hidden) const = 0;
+
+  // Model FLOPs of one trained token (forward and backward) at context length seq_len, for
+  // TFLOP/s and MFU. The default: 6 x the matmul parameters a token uses (ParamSpec::matmul x
+  // ParamSpec::active; the embedding counts when it is a matmul, i.e. tied to the LM head) plus
+  // attention's 12 x heads x head_dim x attended keys per layer, each layer's keys limited by its
+  // CacheSpec window, half of them when causal. Override for attention of another shape.
+  virtual double flops_per_token(int64_t seq_len) const;
+
+  // Hugging Face name of a parameter ("layers.3.wq" -> "model.layers.3.self_attn.q_proj
+  // .weight") and how its tensor is laid out there. Empty name and stack: unmapped.
   struct HfName {
     std::string name;
+    // Stored [out, in] there (each stacked part, when stacked).
     bool transposed = false;
+    // Many-to-one: the parameter is these tensors stacked along a new first dimension (E
+    // experts' [K, N] matrices -> [E, K, N]); `name` is then empty.
+    std::vector<std::string> stack;
+    // One-to-many: the parameter is columns [slice_begin, slice_end) of the last dimension of
+    // tensor `name` as mt orients it (after the transpose), e.g. q of a fused qkv projection.
+    // slice_end == 0: the whole tensor.
+    int64_t slice_begin = 0, slice_end = 0;
   };
   virtual HfName hf_name(const std::string& mt_name) const {
     (void)mt_name;
@@ -116,6 +192,13 @@ class MT_API ModelFamily {
   virtual std::vector<std::string> from_hf_config(const HfConfig& hf,
                                                   std::vector<std::string>& unused) const;
   virtual std::map<std::string, std::string> to_hf_config(const Config& cfg) const;
+
+  // The family's own config keys, in configs/base.yml's format (each key with its default, a
+  // comment saying what it does and an optional [constraint] annotation). The config loader
+  // adds them to the schema when decoder_block names this family, so `mt config` shows them and
+  // validate() reads them like any key. A key base.yml has already is an error; keys shared by
+  // several families (MaxText's) belong in base.yml.
+  virtual std::string config_schema() const { return {}; }
 };
 
 }  // namespace mt

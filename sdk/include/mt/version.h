@@ -1,12 +1,16 @@
 // mt SDK version and plugin ABI version.
 //
 // MT_ABI_VERSION changes whenever a class or struct a plugin sees changes layout or a virtual
-// function is added, removed or reordered. The loader refuses a plugin whose ABI differs.
+// function is added, removed or reordered: the loader refuses a plugin built for another one.
+// MT_OPSET_VERSION (backend.h) counts changes to the op set a backend implements (kernels added
+// or their contracts changed); a plugin of an older op set still loads when the ABI matches.
 #pragma once
 
 #define MT_VERSION_MAJOR 0
 #define MT_VERSION_MINOR 1
 #define MT_VERSION_PATCH 0
 #define MT_VERSION_STRING "0.1.0"
-#define MT_ABI_VERSION \
-  3u  // 2: Backend::sum_squares_each; 3: Backend::scatter_rows, GradNode::cast_of
+// 2: Backend::sum_squares_each; 3: Backend::scatter_rows, GradNode::cast_of; 4: SDK v2's family
+// contract (Params by name, LayerOutput with auxiliary losses, CacheSpec, Model::flops_per_token,
+// stacked and sliced HfName, ModelFamily::config_schema).
+#define MT_ABI_VERSION 4u

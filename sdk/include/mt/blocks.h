@@ -1,0 +1,107 @@
+// Shared blocks: the pieces every family's layers are composed of (MaxText's layers/,
+// llama.cpp's build_attn / build_ffn / build_moe_ffn). Each block declares its parameters
+// (names relative to the layer, under an optional prefix) and computes from them by name, so a
+// family's DecoderLayer is a short composition:
+//
+//   parameters: norm_params("attn_norm", ...) + attention_params(a) + norm_params("mlp_norm", ...)
+//               + mlp_params(m)
+//   forward:    r = x + attention(g, p, a, norm(g, p, "attn_norm", x, n), in)
+//               return r + mlp(g, p, m, norm(g, p, "mlp_norm", r, n))
+//
+// Dense weights are stored [in, out] (y = x @ W) and initialised as MaxText does: truncated
+// normal with variance 1 / fan_in. Implemented in libmt_core.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "mt/attention.h"
+#include "mt/backend.h"
+#include "mt/export.h"
+#include "mt/model.h"
+#include "mt/tensor.h"
+
+namespace mt {
+
+class Graph;
+
+namespace blocks {
+
+// A dense [in, out] weight (truncated normal, stddev 1 / sqrt(in)) and a bias [out] (zeros, no
+// weight decay, not a matmul).
+MT_API ParamSpec dense_param(const std::string& name, int64_t in, int64_t out);
+MT_API ParamSpec bias_param(const std::string& name, int64_t out);
+
+// ---- norms ----------------------------------------------------------------------------------
+enum class NormKind : uint8_t {
+  rms,           // x * rstd * w (Llama, Mistral, Qwen)
+  rms_plus_one,  // x * rstd * (1 + w), w initialised to 0 (Gemma)
+  layer,         // (x - mean) * rstd * w + b (GPT)
+  layer_no_bias  // (x - mean) * rstd * w
+};
+struct NormSpec {
+  NormKind kind = NormKind::rms;
+  float eps = 1e-5f;
+};
+// `name` is the scale; a layer norm's bias is `name` + "_bias".
+MT_API std::vector<ParamSpec> norm_params(const std::string& name, int64_t d, const NormSpec& s);
+// x [..., d] normalised over its last dimension.
+MT_API Tensor norm(Graph& g, const Params& p, const std::string& name, const Tensor& x,
+                   const NormSpec& s);
+
+// ---- attention ------------------------------------------------------------------------------
+struct AttentionBlockSpec {
+  int64_t d_model = 0;
+  int64_t heads = 0;       // query heads
+  int64_t kv_heads = 0;    // key/value heads: heads for MHA, 1 for MQA, a divisor for GQA
+  int64_t head_dim = 0;    // of queries and keys
+  int64_t v_head_dim = 0;  // of values (and of the output before wo); 0 = head_dim
+  bool qkv_bias = false;   // biases bq, bk, bv (Qwen2, GPT)
+  bool out_bias = false;   // bias bo (GPT)
+  // Per-head norms of q and k before the rotary embedding (Qwen3, Gemma 3): q_norm, k_norm [D].
+  bool qk_norm = false;
+  NormSpec qk_norm_spec;
+  bool use_rope = true;  // false: positions come from elsewhere (GPT's learned table)
+  RopeSpec rope;
+  // Causal mask, sliding window (per layer: local layers set it, global ones leave 0), logit
+  // soft-cap and scale (0 = 1 / sqrt(head_dim); Gemma 2's query_pre_attn_scalar sets it).
+  AttentionSpec attn;
+};
+// wq [d, H*D], wk [d, Hkv*D], wv [d, Hkv*Dv], wo [H*Dv, d], then bq bk bv bo and q_norm k_norm
+// when the spec has them; each name after `prefix`.
+MT_API std::vector<ParamSpec> attention_params(const AttentionBlockSpec& s,
+                                               const std::string& prefix = "");
+// x [B, T, d] (already normalised) -> [B, T, d]: projections, q/k norms, rotary embedding,
+// attention over the batch or through in.cache when decoding, output projection. Values of
+// another head size than q and k are zero-padded to it for the kernel and cut back after.
+MT_API Tensor attention(Graph& g, const Params& p, const AttentionBlockSpec& s, const Tensor& x,
+                        const LayerInputs& in, const std::string& prefix = "");
+// k [Hkv, D] and v [Hkv, Dv] per token, within the spec's window.
+MT_API CacheSpec attention_cache_spec(const AttentionBlockSpec& s);
+
+// ---- feed-forward -----------------------------------------------------------------------------
+struct MlpSpec {
+  int64_t d_model = 0;
+  int64_t hidden = 0;
+  Activation act = Activation::silu;
+  // Gated (SwiGLU / GeGLU): down(act(x @ w_gate) * (x @ w_up)); plain: w_out(act(x @ w_in)).
+  bool gated = true;
+  bool bias = false;  // b_gate/b_up/b_down or b_in/b_out
+};
+MT_API std::vector<ParamSpec> mlp_params(const MlpSpec& s, const std::string& prefix = "");
+// x [..., d] -> [..., d]
+MT_API Tensor mlp(Graph& g, const Params& p, const MlpSpec& s, const Tensor& x,
+                  const std::string& prefix = "");
+
+// ---- embeddings -----------------------------------------------------------------------------
+// embedding [V, d], normal with stddev `stddev`; matmul = tied (it is the LM head too).
+MT_API ParamSpec embedding_param(const std::string& name, int64_t vocab, int64_t d, float stddev,
+                                 bool tied);
+// logits [B, T, V] = h @ embedding^T (tied) or h @ lm_head [d, V].
+MT_API Tensor lm_head(Graph& g, const Params& p, const Tensor& h, bool tied,
+                      const std::string& embedding = "embedding",
+                      const std::string& head = "lm_head");
+
+}  // namespace blocks
+}  // namespace mt
