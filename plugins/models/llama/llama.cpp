@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "mt/blocks.h"
@@ -137,24 +138,30 @@ class LlamaModel final : public mt::Model {
     return logits;
   }
 
+  static HfName hf(std::string name, bool transposed) {
+    HfName h;
+    h.name = std::move(name);
+    h.transposed = transposed;
+    return h;
+  }
   HfName hf_name(const std::string& n) const override {
-    if (n == "embedding") return {"model.embed_tokens.weight", false};
-    if (n == "final_norm") return {"model.norm.weight", false};
-    if (n == "lm_head") return {"lm_head.weight", true};
+    if (n == "embedding") return hf("model.embed_tokens.weight", false);
+    if (n == "final_norm") return hf("model.norm.weight", false);
+    if (n == "lm_head") return hf("lm_head.weight", true);
     // "layers.<i>.<param>"
     const auto dot = n.find('.', 7);
     if (n.rfind("layers.", 0) != 0 || dot == std::string::npos) return {};
     const std::string prefix = "model.layers." + n.substr(7, dot - 7) + ".";
     const std::string p = n.substr(dot + 1);
-    if (p == "attn_norm") return {prefix + "input_layernorm.weight", false};
-    if (p == "mlp_norm") return {prefix + "post_attention_layernorm.weight", false};
-    if (p == "wq") return {prefix + "self_attn.q_proj.weight", true};
-    if (p == "wk") return {prefix + "self_attn.k_proj.weight", true};
-    if (p == "wv") return {prefix + "self_attn.v_proj.weight", true};
-    if (p == "wo") return {prefix + "self_attn.o_proj.weight", true};
-    if (p == "w_gate") return {prefix + "mlp.gate_proj.weight", true};
-    if (p == "w_up") return {prefix + "mlp.up_proj.weight", true};
-    if (p == "w_down") return {prefix + "mlp.down_proj.weight", true};
+    if (p == "attn_norm") return hf(prefix + "input_layernorm.weight", false);
+    if (p == "mlp_norm") return hf(prefix + "post_attention_layernorm.weight", false);
+    if (p == "wq") return hf(prefix + "self_attn.q_proj.weight", true);
+    if (p == "wk") return hf(prefix + "self_attn.k_proj.weight", true);
+    if (p == "wv") return hf(prefix + "self_attn.v_proj.weight", true);
+    if (p == "wo") return hf(prefix + "self_attn.o_proj.weight", true);
+    if (p == "w_gate") return hf(prefix + "mlp.gate_proj.weight", true);
+    if (p == "w_up") return hf(prefix + "mlp.up_proj.weight", true);
+    if (p == "w_down") return hf(prefix + "mlp.down_proj.weight", true);
     return {};
   }
 
