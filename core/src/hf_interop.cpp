@@ -1,5 +1,6 @@
 #include "hf_interop.h"
 
+#include <algorithm>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -25,10 +26,18 @@ void flatten(const json::Value& v, const std::string& prefix, HfConfig& out) {
       for (const auto& [k, m] : v.members) flatten(m, prefix.empty() ? k : prefix + "." + k, out);
       if (v.members.empty()) out[prefix] = "{}";
       break;
-    case json::Value::Kind::null: out[prefix] = "null"; break;
-    case json::Value::Kind::boolean: out[prefix] = v.boolean ? "true" : "false"; break;
-    case json::Value::Kind::number: out[prefix] = v.str; break;
-    case json::Value::Kind::string: out[prefix] = v.str; break;
+    case json::Value::Kind::null:
+      out[prefix] = "null";
+      break;
+    case json::Value::Kind::boolean:
+      out[prefix] = v.boolean ? "true" : "false";
+      break;
+    case json::Value::Kind::number:
+      out[prefix] = v.str;
+      break;
+    case json::Value::Kind::string:
+      out[prefix] = v.str;
+      break;
     case json::Value::Kind::array: {
       std::string s = "[";
       for (size_t i = 0; i < v.items.size(); ++i) {
@@ -98,7 +107,8 @@ Weights open_weights(const fs::path& dir) {
 std::vector<float> transpose(const std::vector<float>& a, int64_t r, int64_t c) {
   std::vector<float> t(a.size());
   for (int64_t i = 0; i < r; ++i)
-    for (int64_t j = 0; j < c; ++j) t[static_cast<size_t>(j * r + i)] = a[static_cast<size_t>(i * c + j)];
+    for (int64_t j = 0; j < c; ++j)
+      t[static_cast<size_t>(j * r + i)] = a[static_cast<size_t>(i * c + j)];
   return t;
 }
 
@@ -128,29 +138,78 @@ HfImport read_hf_config(const fs::path& dir, PluginManager& plugins) {
   return r;
 }
 
+namespace {
+
+// A tensor of the directory as f32 on the host, in mt's orientation ([in, out]: transposed back
+// when Hugging Face stores it [out, in]); `expect` (mt orientation) is checked when given.
+std::vector<float> read_hf(const Weights& w, const std::string& name, bool transposed, Backend& be,
+                           const fs::path& dir, const std::string& param, Shape& shape,
+                           const Shape* expect) {
+  auto it = w.where.find(name);
+  if (it == w.where.end())
+    throw Error("The weights in " + dir.string() + " have no tensor '" + name + "' (mt parameter " +
+                param + ").");
+  Shape hf = it->second->info(name).shape;
+  if (transposed && hf.size() != 2)
+    throw Error("Tensor '" + name + "' in " + dir.string() + " has shape " + shape_str(hf) +
+                "; mt parameter " + param + " reads it as a transposed matrix.");
+  shape = transposed ? Shape{hf[1], hf[0]} : hf;
+  if (expect && shape != *expect)
+    throw Error("Tensor '" + name + "' in " + dir.string() + " has shape " + shape_str(hf) +
+                ", but mt parameter " + param + " needs " +
+                shape_str(transposed ? Shape{(*expect)[1], (*expect)[0]} : *expect) +
+                " there (config.json and the weights disagree).");
+  Tensor t = load_tensor(*it->second, name, be, DType::f32, hf);
+  std::vector<float> host(static_cast<size_t>(t.numel()));
+  be.copy_to_host(t, host.data());
+  return transposed ? transpose(host, hf[0], hf[1]) : host;
+}
+
+}  // namespace
+
 void load_hf_weights(const fs::path& dir, ModelRunner& runner) {
   Weights w = open_weights(dir);
   std::set<std::string> used;
   Backend& be = runner.backend();
   for (auto& p : runner.params()) {
     const Model::HfName hf = runner.model().hf_name(p.name);
-    if (hf.name.empty())
+    if (hf.name.empty() && hf.stack.empty())
       throw Error("The model family has no Hugging Face name for parameter '" + p.name + "'.");
-    auto it = w.where.find(hf.name);
-    if (it == w.where.end())
-      throw Error("The weights in " + dir.string() + " have no tensor '" + hf.name +
-                  "' (mt parameter " + p.name + ").");
-    used.insert(hf.name);
     const Shape& s = p.spec.shape;
-    const Shape hf_shape = hf.transposed ? Shape{s[1], s[0]} : s;
-    Tensor t = load_tensor(*it->second, hf.name, be, DType::f32, hf_shape);
-    if (hf.transposed) {
-      std::vector<float> host(static_cast<size_t>(t.numel()));
-      be.copy_to_host(t, host.data());
-      host = transpose(host, s[1], s[0]);
-      t = be.empty(s, DType::f32);
-      be.copy_from_host(t, host.data());
+    std::vector<float> host;
+    Shape got;
+    if (!hf.stack.empty()) {
+      // [E, ...]: part e is tensor stack[e].
+      if (s.empty() || s[0] != static_cast<int64_t>(hf.stack.size()))
+        throw Error("mt parameter " + p.name + " of shape " + shape_str(s) + " is mapped to " +
+                    std::to_string(hf.stack.size()) + " stacked Hugging Face tensors.");
+      const Shape part(s.begin() + 1, s.end());
+      for (const auto& n : hf.stack) {
+        std::vector<float> one = read_hf(w, n, hf.transposed, be, dir, p.name, got, &part);
+        host.insert(host.end(), one.begin(), one.end());
+        used.insert(n);
+      }
+    } else if (hf.slice_end > 0) {
+      // Columns [begin, end) of a fused tensor, in mt orientation [rows, columns].
+      std::vector<float> all = read_hf(w, hf.name, hf.transposed, be, dir, p.name, got, nullptr);
+      const int64_t width = hf.slice_end - hf.slice_begin;
+      if (s.size() != 2 || got.size() != 2 || got[0] != s[0] || width != s[1] ||
+          hf.slice_begin < 0 || hf.slice_end > got[1])
+        throw Error("mt parameter " + p.name + " of shape " + shape_str(s) +
+                    " is mapped to columns [" + std::to_string(hf.slice_begin) + ", " +
+                    std::to_string(hf.slice_end) + ") of '" + hf.name +
+                    "', whose shape (in mt's orientation) is " + shape_str(got) +
+                    " (config.json and the weights disagree).");
+      host.resize(static_cast<size_t>(s[0] * s[1]));
+      for (int64_t r = 0; r < s[0]; ++r)
+        std::copy_n(all.begin() + r * got[1] + hf.slice_begin, width, host.begin() + r * s[1]);
+      used.insert(hf.name);
+    } else {
+      host = read_hf(w, hf.name, hf.transposed, be, dir, p.name, got, &s);
+      used.insert(hf.name);
     }
+    Tensor t = be.empty(s, DType::f32);
+    be.copy_from_host(t, host.data());
     be.cast(t, p.value);
   }
   // A tensor no parameter takes means config.json describes another model than the weights do
@@ -186,8 +245,10 @@ void write_hf_model(const fs::path& dir, ModelRunner& runner, const Config& cfg,
   std::map<std::string, std::string> top;
   for (const auto& [k, v] : fields) {
     const auto dot = k.find('.');
-    if (dot == std::string::npos) top[k] = v;
-    else nested[k.substr(0, dot)][k.substr(dot + 1)] = v;
+    if (dot == std::string::npos)
+      top[k] = v;
+    else
+      nested[k.substr(0, dot)][k.substr(dot + 1)] = v;
   }
   std::string js = "{\n";
   bool first = true;
@@ -209,32 +270,104 @@ void write_hf_model(const fs::path& dir, ModelRunner& runner, const Config& cfg,
   js += "\n}\n";
   std::ofstream(dir / "config.json") << js;
 
+  write_hf_tensors(dir / "model.safetensors", runner);
+}
+
+void write_hf_tensors(const fs::path& file, ModelRunner& runner) {
   Backend& be = runner.backend();
+  // Host f32 copies in Hugging Face's layout, then each converted to the parameter's dtype.
   std::vector<std::pair<std::string, Tensor>> out;
-  for (auto& p : runner.params()) {
-    const Model::HfName hf = runner.model().hf_name(p.name);
-    if (hf.name.empty())
-      throw Error("The model family has no Hugging Face name for parameter '" + p.name + "'.");
-    if (!hf.transposed) {
-      out.emplace_back(hf.name, p.value);
-      continue;
-    }
-    const Shape& s = p.spec.shape;
-    Tensor f = be.empty(s, DType::f32);
-    be.cast(p.value, f);
-    std::vector<float> host(static_cast<size_t>(f.numel()));
-    be.copy_to_host(f, host.data());
-    host = transpose(host, s[0], s[1]);
-    Tensor t = be.empty({s[1], s[0]}, DType::f32);
+  auto emit = [&](const std::string& name, const Shape& shape, const std::vector<float>& host,
+                  DType dt) {
+    Tensor t = be.empty(shape, DType::f32);
     be.copy_from_host(t, host.data());
-    if (p.value.dtype() != DType::f32) {
-      Tensor c = be.empty(t.shape(), p.value.dtype());
+    if (dt != DType::f32) {
+      Tensor c = be.empty(shape, dt);
       be.cast(t, c);
       t = c;
     }
-    out.emplace_back(hf.name, t);
+    out.emplace_back(name, t);
+  };
+  auto to_host = [&](const Tensor& v) {
+    Tensor f = be.empty(v.shape(), DType::f32);
+    be.cast(v, f);
+    std::vector<float> host(static_cast<size_t>(f.numel()));
+    be.copy_to_host(f, host.data());
+    return host;
+  };
+  // Fused tensors: their columns (mt orientation) gathered from every parameter mapped there.
+  struct Fused {
+    int64_t rows = -1, cols = 0;
+    bool transposed = false;
+    DType dtype = DType::f32;
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+    std::vector<std::pair<int64_t, std::vector<float>>> parts;  // (begin, [rows, width])
+  };
+  std::map<std::string, Fused> fused;
+  for (auto& p : runner.params()) {
+    const Model::HfName hf = runner.model().hf_name(p.name);
+    if (hf.name.empty() && hf.stack.empty())
+      throw Error("The model family has no Hugging Face name for parameter '" + p.name + "'.");
+    const Shape& s = p.spec.shape;
+    const DType dt = p.value.dtype();
+    if (!hf.transposed && hf.stack.empty() && hf.slice_end == 0) {
+      out.emplace_back(hf.name, p.value);
+      continue;
+    }
+    std::vector<float> host = to_host(p.value);
+    auto oriented = [&](std::vector<float> m, const Shape& ms) {  // mt [r, c] -> HF layout
+      return hf.transposed ? transpose(m, ms[0], ms[1]) : m;
+    };
+    auto hf_shape = [&](const Shape& ms) { return hf.transposed ? Shape{ms[1], ms[0]} : ms; };
+    if (!hf.stack.empty()) {
+      MT_CHECK(!s.empty() && s[0] == static_cast<int64_t>(hf.stack.size()),
+               "parameter " + p.name + " " + shape_str(s) + " stacked from " +
+                   std::to_string(hf.stack.size()) + " tensors");
+      const Shape part(s.begin() + 1, s.end());
+      const int64_t n = shape_numel(part);
+      for (size_t e = 0; e < hf.stack.size(); ++e) {
+        std::vector<float> one(host.begin() + static_cast<int64_t>(e) * n,
+                               host.begin() + static_cast<int64_t>(e + 1) * n);
+        emit(hf.stack[e], hf_shape(part), oriented(std::move(one), part), dt);
+      }
+    } else if (hf.slice_end > 0) {
+      MT_CHECK(s.size() == 2 && hf.slice_end - hf.slice_begin == s[1],
+               "parameter " + p.name + " " + shape_str(s) + " as a column slice");
+      Fused& f = fused[hf.name];
+      MT_CHECK(f.rows < 0 || (f.rows == s[0] && f.transposed == hf.transposed),
+               "parameters fused into " + hf.name + " disagree on rows or layout");
+      f.rows = s[0];
+      f.transposed = hf.transposed;
+      f.dtype = dt;
+      f.cols = std::max(f.cols, hf.slice_end);
+      f.ranges.emplace_back(hf.slice_begin, hf.slice_end);
+      f.parts.emplace_back(hf.slice_begin, std::move(host));
+    } else {
+      emit(hf.name, hf_shape(s), oriented(std::move(host), s), dt);
+    }
   }
-  save_tensors(dir / "model.safetensors", out, {{"format", "pt"}});
+  for (auto& [name, f] : fused) {
+    // Every column exactly once, or the file would hold numbers no parameter wrote.
+    std::sort(f.ranges.begin(), f.ranges.end());
+    int64_t next = 0;
+    for (const auto& [b, e] : f.ranges) {
+      if (b != next)
+        throw Error("The parameters mapped into Hugging Face tensor '" + name +
+                    "' do not cover its columns exactly once (gap or overlap at column " +
+                    std::to_string(std::min(b, next)) + ").");
+      next = e;
+    }
+    std::vector<float> all(static_cast<size_t>(f.rows * f.cols));
+    for (const auto& [b, part] : f.parts) {
+      const int64_t width = static_cast<int64_t>(part.size()) / f.rows;
+      for (int64_t r = 0; r < f.rows; ++r)
+        std::copy_n(part.begin() + r * width, width, all.begin() + r * f.cols + b);
+    }
+    const Shape ms{f.rows, f.cols};
+    emit(name, f.transposed ? Shape{f.cols, f.rows} : ms,
+         f.transposed ? transpose(all, f.rows, f.cols) : all, f.dtype);
+  }
+  save_tensors(file, out, {{"format", "pt"}});
 }
 
 void copy_tokenizer_files(const fs::path& from, const fs::path& to) {

@@ -32,6 +32,10 @@ void load_hf_weights(const std::filesystem::path& dir, ModelRunner& runner);
 // Writes config.json and model.safetensors (Hugging Face names and layouts) for `runner`.
 void write_hf_model(const std::filesystem::path& dir, ModelRunner& runner, const Config& cfg,
                     PluginManager& plugins);
+// The tensors alone, as one safetensors file: each parameter under its Model::hf_name, in
+// Hugging Face's layout (transposed, split into stacked parts, fused with the other column
+// slices of the same tensor, which must cover its columns exactly once).
+void write_hf_tensors(const std::filesystem::path& file, ModelRunner& runner);
 
 // Copies tokenizer.json, tokenizer.model, tokenizer_config.json, special_tokens_map.json and
 // generation_config.json from `from` (a directory, or a tokenizer file's directory) if present.
