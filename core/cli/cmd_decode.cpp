@@ -21,6 +21,7 @@
 #include "mt/tokenizer.h"
 #include "plugin_manager.h"
 #include "safetensors.h"
+#include "tokenizer_bpe.h"
 #include "tokenizer_factory.h"
 
 namespace fs = std::filesystem;
@@ -34,7 +35,47 @@ struct Inference {
   std::unique_ptr<PluginManager> pm;
   std::unique_ptr<ModelRunner> runner;
   std::unique_ptr<Tokenizer> tokenizer;  // null when no tokenizer_path is set
+  bool add_bos = true;                   // add_bos, or the directory's add_bos_token
+  int32_t bos = -1;                      // prepended when add_bos
+  std::vector<int32_t> stop_ids;         // any of them ends a sequence
 };
+
+// The special tokens: the tokenizer's own, unless a Hugging Face directory says otherwise
+// (tokenizer_config.json's bos/eos tokens and add_bos_token, which an add_bos the user set still
+// overrides; generation_config.json's eos ids, which stop decoding as they stop generate).
+void special_tokens(Inference& in) {
+  const Config& cfg = in.cfg;
+  in.add_bos = cfg.get_bool("add_bos");
+  in.bos = in.tokenizer ? in.tokenizer->bos_id() : -1;
+  int32_t eos = in.tokenizer ? in.tokenizer->eos_id() : -1;
+  const std::string hf = cfg.get_string("hf_path");
+  if (!hf.empty()) {
+    const HfTokenSettings t = read_hf_token_settings(hf);
+    const auto* bpe = dynamic_cast<const BpeTokenizer*>(in.tokenizer.get());
+    auto id_of = [&](const std::string& token, const char* field) -> int32_t {
+      if (!bpe || token.empty()) return -1;
+      const int32_t id = bpe->token_to_id(token);
+      if (id < 0)
+        throw UsageError(mt::quoted(fs::path(hf) / "tokenizer_config.json") + " names " + field +
+                         " '" + token + "', which the tokenizer has no token for.");
+      return id;
+    };
+    if (const int32_t b = id_of(t.bos_token, "bos_token"); b >= 0)
+      in.bos = b;
+    else if (t.bos_token_id >= 0)
+      in.bos = t.bos_token_id;
+    if (const int32_t e = id_of(t.eos_token, "eos_token"); e >= 0) eos = e;
+    const bool user_set = cfg.origin("add_bos").find("base.yml") == std::string::npos;
+    if (t.add_bos_token && !user_set) in.add_bos = *t.add_bos_token;
+    in.stop_ids = t.eos_token_ids;
+  }
+  if (in.stop_ids.empty() && eos >= 0) in.stop_ids = {eos};
+  const int64_t vocab = in.runner->model().dims().vocab_size;
+  for (int32_t id : in.stop_ids)
+    if (id >= vocab)
+      throw UsageError("The end-of-sequence id " + std::to_string(id) +
+                       " is outside the model's vocabulary [0, " + std::to_string(vocab) + ").");
+}
 
 // Loads the model and its weights (load_parameters_path) and the tokenizer (tokenizer_path).
 Inference load_inference(const Args& args, const char* command, bool need_tokenizer) {
@@ -70,15 +111,16 @@ Inference load_inference(const Args& args, const char* command, bool need_tokeni
     throw UsageError(std::string("mt ") + command +
                      " needs a tokenizer for text: set tokenizer_path= (or give token ids).");
   if (in.tokenizer && in.tokenizer->vocab_size() > in.runner->model().dims().vocab_size)
-    cfg.reject("tokenizer_path", fmt::format("has {} tokens, more than the model's vocab_size={}.",
-                                             in.tokenizer->vocab_size(),
-                                             in.runner->model().dims().vocab_size));
+    cfg.reject("tokenizer_path",
+               fmt::format("has {} tokens, more than the model's vocab_size={}.",
+                           in.tokenizer->vocab_size(), in.runner->model().dims().vocab_size));
+  special_tokens(in);
   return in;
 }
 
 std::vector<int32_t> encode(const Inference& in, const std::string& text) {
   std::vector<int32_t> ids;
-  if (in.cfg.get_bool("add_bos") && in.tokenizer->bos_id() >= 0) ids.push_back(in.tokenizer->bos_id());
+  if (in.add_bos && in.bos >= 0) ids.push_back(in.bos);
   const auto body = in.tokenizer->encode(text);
   ids.insert(ids.end(), body.begin(), body.end());
   return ids;
@@ -179,8 +221,7 @@ int cmd_decode(const Args& args) {
       shown = text;
     }
   };
-  const GenerateResult r = generate(*in.runner, prompts, max_len, sp,
-                                    in.tokenizer ? in.tokenizer->eos_id() : -1, on_token);
+  const GenerateResult r = generate(*in.runner, prompts, max_len, sp, in.stop_ids, on_token);
   if (ids_given) {
     std::string line;
     for (const std::vector<int32_t>* part : {&std::as_const(prompts[0]), &r.tokens[0]})
@@ -222,7 +263,8 @@ int cmd_score(const Args& args) {
       for (const auto& t : read_texts(path)) {
         auto e = encode(in, t);
         ids.insert(ids.end(), e.begin(), e.end());
-        if (in.tokenizer->eos_id() >= 0 && cfg.get_bool("add_eos")) ids.push_back(in.tokenizer->eos_id());
+        if (in.tokenizer->eos_id() >= 0 && cfg.get_bool("add_eos"))
+          ids.push_back(in.tokenizer->eos_id());
       }
     }
   } else {
@@ -231,8 +273,10 @@ int cmd_score(const Args& args) {
   const int64_t vocab = in.runner->model().dims().vocab_size;
   for (size_t i = 0; i < ids.size(); ++i)
     if (ids[i] < 0 || ids[i] >= vocab)
-      throw UsageError(fmt::format("Token id {} at position {} is outside the model's vocabulary "
-                                   "[0, {}).", ids[i], i, vocab));
+      throw UsageError(
+          fmt::format("Token id {} at position {} is outside the model's vocabulary "
+                      "[0, {}).",
+                      ids[i], i, vocab));
   if (ids.size() < 2) throw UsageError("mt score needs at least two tokens (one to predict).");
   // Windows of max_target_length tokens, scored independently: said, never done silently.
   const int64_t window = cfg.get_int("max_target_length");

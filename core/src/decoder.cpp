@@ -13,12 +13,16 @@ namespace mt {
 SamplingParams sampling_from_config(const Config& cfg) {
   SamplingParams p;
   const std::string s = cfg.get_string("decode_sampling_strategy");
-  if (s == "greedy") p.strategy = SamplingParams::Strategy::greedy;
-  else if (s == "weighted") p.strategy = SamplingParams::Strategy::weighted;
+  if (s == "greedy")
+    p.strategy = SamplingParams::Strategy::greedy;
+  else if (s == "weighted")
+    p.strategy = SamplingParams::Strategy::weighted;
   else if (s == "top_k" || s == "topk")
     p.strategy = SamplingParams::Strategy::top_k;  // topk: MaxText
-  else if (s == "nucleus") p.strategy = SamplingParams::Strategy::nucleus;
-  else cfg.reject("decode_sampling_strategy", "must be greedy, weighted, top_k or nucleus.");
+  else if (s == "nucleus")
+    p.strategy = SamplingParams::Strategy::nucleus;
+  else
+    cfg.reject("decode_sampling_strategy", "must be greedy, weighted, top_k or nucleus.");
   p.temperature = static_cast<float>(cfg.get_float("decode_sampling_temperature"));
   p.top_k = cfg.get_int("decode_sampling_top_k");
   p.top_p = static_cast<float>(cfg.get_float("decode_sampling_nucleus_p"));
@@ -113,15 +117,17 @@ void Decoder::reset() {
 std::vector<float> Decoder::prefill(int64_t b, const std::vector<int32_t>& prompt) {
   Backend& be = runner_.backend();
   const auto t = static_cast<int64_t>(prompt.size());
-  MT_CHECK(b >= 0 && b < batch_, "prefill: sequence " + std::to_string(b) + " of " + std::to_string(batch_));
+  MT_CHECK(b >= 0 && b < batch_,
+           "prefill: sequence " + std::to_string(b) + " of " + std::to_string(batch_));
   if (t == 0) throw UsageError("Cannot decode from an empty prompt: it needs at least one token.");
   if (length(b) + t > max_len_)
-    throw UsageError("The prompt has " + std::to_string(t) + " tokens, more than max_target_length=" +
-                     std::to_string(max_len_) + " allows; raise max_target_length.");
+    throw UsageError("The prompt has " + std::to_string(t) +
+                     " tokens, more than max_target_length=" + std::to_string(max_len_) +
+                     " allows; raise max_target_length.");
   for (auto id : prompt)
     if (id < 0 || id >= vocab_)
-      throw UsageError("Token id " + std::to_string(id) + " is outside the model's vocabulary [0, " +
-                       std::to_string(vocab_) + ").");
+      throw UsageError("Token id " + std::to_string(id) +
+                       " is outside the model's vocabulary [0, " + std::to_string(vocab_) + ").");
   const int64_t start = length(b);
   for (const Group& grp : groups_)
     if (grp.ring && start > 0)
@@ -172,7 +178,8 @@ std::vector<float> Decoder::prefill(int64_t b, const std::vector<int32_t>& promp
   return out;
 }
 
-std::vector<float> Decoder::step(const std::vector<int32_t>& tokens, const std::vector<bool>& active) {
+std::vector<float> Decoder::step(const std::vector<int32_t>& tokens,
+                                 const std::vector<bool>& active) {
   Backend& be = runner_.backend();
   MT_CHECK(static_cast<int64_t>(tokens.size()) == batch_, "step: one token per sequence");
   std::vector<int32_t> pos(static_cast<size_t>(batch_)), toks(tokens);
@@ -227,6 +234,17 @@ std::vector<float> Decoder::step(const std::vector<int32_t>& tokens, const std::
 GenerateResult generate(ModelRunner& runner, const std::vector<std::vector<int32_t>>& prompts,
                         int64_t max_len, const SamplingParams& sampling, int32_t eos,
                         const std::function<void(int64_t, int32_t)>& on_token) {
+  return generate(runner, prompts, max_len, sampling,
+                  eos >= 0 ? std::vector<int32_t>{eos} : std::vector<int32_t>{}, on_token);
+}
+
+GenerateResult generate(ModelRunner& runner, const std::vector<std::vector<int32_t>>& prompts,
+                        int64_t max_len, const SamplingParams& sampling,
+                        const std::vector<int32_t>& stop_ids,
+                        const std::function<void(int64_t, int32_t)>& on_token) {
+  auto is_stop = [&stop_ids](int32_t id) {
+    return std::find(stop_ids.begin(), stop_ids.end(), id) != stop_ids.end();
+  };
   using Clock = std::chrono::steady_clock;
   const auto batch = static_cast<int64_t>(prompts.size());
   Decoder dec(runner, batch, max_len);
@@ -242,11 +260,12 @@ GenerateResult generate(ModelRunner& runner, const std::vector<std::vector<int32
     const auto ub = static_cast<size_t>(b);
     std::vector<float> logits = dec.prefill(b, prompts[ub]);
     r.prefill_tokens += static_cast<int64_t>(prompts[ub].size());
-    next[ub] = sample_token(logits.data() + (prompts[ub].size() - 1) * vocab, vocab, sampling, rngs[ub]);
+    next[ub] =
+        sample_token(logits.data() + (prompts[ub].size() - 1) * vocab, vocab, sampling, rngs[ub]);
     r.tokens[ub].push_back(next[ub]);
     if (on_token) on_token(b, next[ub]);
     // A sequence holds at most max_len tokens: its cached ones plus the one just chosen.
-    if (next[ub] == eos || dec.length(b) + 1 >= max_len) active[ub] = false;
+    if (is_stop(next[ub]) || dec.length(b) + 1 >= max_len) active[ub] = false;
   }
   r.prefill_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   t0 = Clock::now();
@@ -259,7 +278,7 @@ GenerateResult generate(ModelRunner& runner, const std::vector<std::vector<int32
       next[ub] = sample_token(logits.data() + b * vocab, vocab, sampling, rngs[ub]);
       r.tokens[ub].push_back(next[ub]);
       if (on_token) on_token(b, next[ub]);
-      if (next[ub] == eos || dec.length(b) + 1 >= max_len) active[ub] = false;
+      if (is_stop(next[ub]) || dec.length(b) + 1 >= max_len) active[ub] = false;
     }
   }
   r.decode_seconds = std::chrono::duration<double>(Clock::now() - t0).count();

@@ -82,5 +82,10 @@ struct GenerateResult {
 GenerateResult generate(ModelRunner& runner, const std::vector<std::vector<int32_t>>& prompts,
                         int64_t max_len, const SamplingParams& sampling, int32_t eos,
                         const std::function<void(int64_t, int32_t)>& on_token = {});
+// The same, stopping at any of `stop_ids` (generation_config.json may name several).
+GenerateResult generate(ModelRunner& runner, const std::vector<std::vector<int32_t>>& prompts,
+                        int64_t max_len, const SamplingParams& sampling,
+                        const std::vector<int32_t>& stop_ids,
+                        const std::function<void(int64_t, int32_t)>& on_token = {});
 
 }  // namespace mt

@@ -1,6 +1,8 @@
 #include "hf_interop.h"
 
 #include <algorithm>
+#include <climits>
+#include <cstdint>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -113,6 +115,64 @@ std::vector<float> transpose(const std::vector<float>& a, int64_t r, int64_t c) 
 }
 
 }  // namespace
+
+HfTokenSettings read_hf_token_settings(const fs::path& dir) {
+  HfTokenSettings r;
+  auto load = [&dir](const char* name, json::Value& v) {
+    const fs::path f = dir / name;
+    std::error_code ec;
+    if (!fs::exists(f, ec)) return false;
+    try {
+      v = json::parse(read_file(f.string(), "Hugging Face " + std::string(name)));
+    } catch (const json::ParseError& e) {
+      throw UsageError(mt::quoted(f) + " is not valid JSON (at byte " + std::to_string(e.offset) +
+                       "): " + e.what);
+    }
+    if (!v.is_object()) throw UsageError(mt::quoted(f) + " is not a JSON object.");
+    return true;
+  };
+  auto bad = [&dir](const char* file, const std::string& field, const char* want) {
+    return UsageError(mt::quoted(dir / file) + ": " + field + " must be " + want + ".");
+  };
+  auto token_id = [&](const char* file, const std::string& field, const json::Value& x) {
+    if (!x.is_int || x.integer < 0 || x.integer > INT32_MAX)
+      throw bad(file, field, "a token id (an integer from 0 to 2^31 - 1)");
+    return static_cast<int32_t>(x.integer);
+  };
+  json::Value tc;
+  if (load("tokenizer_config.json", tc)) {
+    for (auto [field, out] : {std::pair<const char*, std::string*>{"bos_token", &r.bos_token},
+                              {"eos_token", &r.eos_token}}) {
+      const json::Value* t = tc.find(field);
+      if (!t || t->is_null()) continue;
+      const json::Value* content = t->is_object() ? t->find("content") : t;
+      if (!content || !content->is_string())
+        throw bad("tokenizer_config.json", field,
+                  "a string or an object with a \"content\" string");
+      *out = content->str;
+    }
+    if (const json::Value* a = tc.find("add_bos_token"); a && !a->is_null()) {
+      if (a->kind != json::Value::Kind::boolean)
+        throw bad("tokenizer_config.json", "add_bos_token", "true or false");
+      r.add_bos_token = a->boolean;
+    }
+  }
+  json::Value gc;
+  if (load("generation_config.json", gc)) {
+    if (const json::Value* b = gc.find("bos_token_id"); b && !b->is_null())
+      r.bos_token_id = token_id("generation_config.json", "bos_token_id", *b);
+    if (const json::Value* e = gc.find("eos_token_id"); e && !e->is_null()) {
+      if (e->is_array()) {
+        for (size_t i = 0; i < e->items.size(); ++i)
+          r.eos_token_ids.push_back(token_id(
+              "generation_config.json", "eos_token_id[" + std::to_string(i) + "]", e->items[i]));
+      } else {
+        r.eos_token_ids.push_back(token_id("generation_config.json", "eos_token_id", *e));
+      }
+    }
+  }
+  return r;
+}
 
 HfImport read_hf_config(const fs::path& dir, PluginManager& plugins) {
   const fs::path cfg = dir / "config.json";

@@ -3,7 +3,9 @@
 // parameter-name mappings; this file does the I/O.
 #pragma once
 
+#include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -19,6 +21,18 @@ struct HfImport {
   std::vector<std::string> overrides;  // mt config key=value equal to config.json
   std::vector<std::string> unused;     // config.json fields mt does not use, for the user
 };
+
+// What a model directory says about special tokens, beside config.json: tokenizer_config.json's
+// bos_token / eos_token (a string or {"content": ...}) and add_bos_token, and
+// generation_config.json's bos_token_id and eos_token_id (one id or a list: every one stops
+// generate). Absent files and fields leave their members empty.
+struct HfTokenSettings {
+  std::string bos_token, eos_token;
+  std::optional<bool> add_bos_token;
+  int32_t bos_token_id = -1;
+  std::vector<int32_t> eos_token_ids;
+};
+HfTokenSettings read_hf_token_settings(const std::filesystem::path& dir);
 
 // Reads <dir>/config.json and asks the family plugin of its model_type for the mt config.
 HfImport read_hf_config(const std::filesystem::path& dir, PluginManager& plugins);

@@ -2,6 +2,7 @@
 // against transformers, export it back and get the same tensors; hf_path= for score.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -9,6 +10,7 @@
 
 #include "checkpoint_manager.h"
 #include "config_loader.h"
+#include "hf_interop.h"
 #include "model_runner.h"
 #include "mt/data.h"
 #include "safetensors.h"
@@ -58,7 +60,9 @@ int mt_cmd(const std::string& args, std::string& out) {
 TEST(HfConvert, ImportMatchesTransformersAndExportRoundTrips) {
   Dirs d;
   std::string out;
-  ASSERT_EQ(mt_cmd("convert --from=hf --input=" + d.hf.string() + " --output=" + d.mt.string(), out), 0) << out;
+  ASSERT_EQ(
+      mt_cmd("convert --from=hf --input=" + d.hf.string() + " --output=" + d.mt.string(), out), 0)
+      << out;
   ASSERT_TRUE(fs::exists(d.mt / "model.yml")) << out;
   ASSERT_TRUE(fs::exists(d.mt / "checkpoints" / "0" / "params.safetensors")) << out;
   EXPECT_TRUE(fs::exists(d.mt / "tokenizer.json"));
@@ -107,7 +111,10 @@ TEST(HfConvert, ImportMatchesTransformersAndExportRoundTrips) {
   }
   // Importing the export gives the same mt config.
   fs::path again = d.root / "again";
-  ASSERT_EQ(mt_cmd("convert --from=hf --input=" + d.back.string() + " --output=" + again.string(), out), 0) << out;
+  ASSERT_EQ(
+      mt_cmd("convert --from=hf --input=" + d.back.string() + " --output=" + again.string(), out),
+      0)
+      << out;
   std::ifstream y1(d.mt / "model.yml"), y2(again / "model.yml");
   std::string l1, l2;
   // The comment lines name different inputs, and tokenizer_path each output directory.
@@ -123,10 +130,12 @@ TEST(HfConvert, ImportMatchesTransformersAndExportRoundTrips) {
 TEST(HfConvert, HfPathScoresLikeTheConvertedCheckpoint) {
   Dirs d;
   std::string out, a, b;
-  ASSERT_EQ(mt_cmd("convert --from=hf --input=" + d.hf.string() + " --output=" + d.mt.string(), out), 0) << out;
+  ASSERT_EQ(
+      mt_cmd("convert --from=hf --input=" + d.hf.string() + " --output=" + d.mt.string(), out), 0)
+      << out;
   ASSERT_EQ(mt_cmd("score hf_path=" + d.hf.string() + " tokens=3,17,200,5,9,1,77", a), 0) << a;
-  ASSERT_EQ(mt_cmd("score --config=" + (d.mt / "model.yml").string() + " load_parameters_path=" +
-                       d.mt.string() + " tokens=3,17,200,5,9,1,77",
+  ASSERT_EQ(mt_cmd("score --config=" + (d.mt / "model.yml").string() +
+                       " load_parameters_path=" + d.mt.string() + " tokens=3,17,200,5,9,1,77",
                    b),
             0)
       << b;
@@ -139,16 +148,24 @@ TEST(HfConvert, BadInputIsRefused) {
   std::string out;
   fs::create_directories(d.mt);
   std::ofstream(d.mt / "x") << "keep me";
-  EXPECT_EQ(mt_cmd("convert --from=hf --input=" + d.hf.string() + " --output=" + d.mt.string(), out), 2) << out;
+  EXPECT_EQ(
+      mt_cmd("convert --from=hf --input=" + d.hf.string() + " --output=" + d.mt.string(), out), 2)
+      << out;
   EXPECT_NE(out.find("not empty"), std::string::npos) << out;
   EXPECT_TRUE(fs::exists(d.mt / "x"));  // nothing existing is lost
   EXPECT_EQ(mt_cmd("convert --input=a --output=b", out), 2) << out;
-  EXPECT_EQ(mt_cmd("convert --from=hf --input=/nonexistent --output=" + (d.root / "o").string(), out), 2) << out;
+  EXPECT_EQ(
+      mt_cmd("convert --from=hf --input=/nonexistent --output=" + (d.root / "o").string(), out), 2)
+      << out;
   EXPECT_NE(out.find("/nonexistent"), std::string::npos) << out;
   std::string cfg = kConfig;
   cfg.replace(cfg.find("\"attention_bias\": false"), 23, "\"attention_bias\": true");
   std::ofstream(d.hf / "config.json") << cfg;
-  EXPECT_EQ(mt_cmd("convert --from=hf --input=" + d.hf.string() + " --output=" + (d.root / "o2").string(), out), 2) << out;
+  EXPECT_EQ(
+      mt_cmd("convert --from=hf --input=" + d.hf.string() + " --output=" + (d.root / "o2").string(),
+             out),
+      2)
+      << out;
   EXPECT_NE(out.find("attention_bias"), std::string::npos) << out;
 }
 
@@ -270,6 +287,62 @@ TEST(HfImport, DecodeFromIdsEqualsTransformersGenerate) {
                    out),
             0)
       << out;
+}
+
+// generation_config.json's eos ids stop decoding as they stop transformers' generate: the
+// continuation ends at the first of them.
+TEST(HfImport, GenerationConfigEosIdsStopDecoding) {
+  Llama31Dir d(true);
+  const std::vector<int32_t> prompt = d.ints("generate_prompt"), want = d.ints("generate_ids");
+  // A continuation token at its first occurrence (the latest such one): generate stops there.
+  const auto begin = want.begin() + static_cast<ptrdiff_t>(prompt.size());
+  size_t stop = prompt.size();
+  for (size_t i = prompt.size(); i < want.size(); ++i)
+    if (std::find(begin, want.begin() + static_cast<ptrdiff_t>(i), want[i]) ==
+        want.begin() + static_cast<ptrdiff_t>(i))
+      stop = i;
+  ASSERT_LT(stop + 1, want.size()) << "the continuation's last token is its only new one";
+  std::ofstream(d.root / "generation_config.json")
+      << R"({"bos_token_id": 1, "eos_token_id": [255, )" << want[stop] << "]}";
+  std::string out;
+  ASSERT_EQ(
+      mt_cmd("decode hf_path=" + d.root.string() + " tokens=" + join_ids(prompt, 0, prompt.size()) +
+                 " max_target_length=" + std::to_string(want.size()) + " 2>/dev/null",
+             out),
+      0)
+      << out;
+  EXPECT_NE(out.find(join_ids(want, 0, stop + 1) + "\n"), std::string::npos)
+      << "stops at id " << want[stop] << ": " << out;
+  // Malformed special-token files are refused with the file and the field.
+  std::ofstream(d.root / "generation_config.json") << R"({"eos_token_id": "two"})";
+  EXPECT_EQ(mt_cmd("decode hf_path=" + d.root.string() + " tokens=1,2 2>&1", out), 2);
+  EXPECT_NE(out.find("eos_token_id must be a token id"), std::string::npos) << out;
+  std::ofstream(d.root / "generation_config.json") << R"({"eos_token_id": [1, 1000]})";
+  EXPECT_EQ(mt_cmd("decode hf_path=" + d.root.string() + " tokens=1,2 2>&1", out), 2);
+  EXPECT_NE(out.find("1000 is outside the model's vocabulary"), std::string::npos) << out;
+}
+
+TEST(HfImport, TokenizerConfigSpecialTokens) {
+  const fs::path dir = fs::temp_directory_path() / ("mt_tokcfg_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  EXPECT_TRUE(read_hf_token_settings(dir).eos_token_ids.empty());  // no files: nothing said
+  std::ofstream(dir / "tokenizer_config.json")
+      << R"({"add_bos_token": false, "bos_token": {"content": "<s>", "lstrip": false},
+             "eos_token": "</s>"})";
+  std::ofstream(dir / "generation_config.json") << R"({"bos_token_id": 1, "eos_token_id": 2})";
+  const HfTokenSettings t = read_hf_token_settings(dir);
+  EXPECT_EQ(t.bos_token, "<s>");
+  EXPECT_EQ(t.eos_token, "</s>");
+  ASSERT_TRUE(t.add_bos_token.has_value());
+  EXPECT_FALSE(*t.add_bos_token);
+  EXPECT_EQ(t.bos_token_id, 1);
+  EXPECT_EQ(t.eos_token_ids, std::vector<int32_t>{2});
+  std::ofstream(dir / "tokenizer_config.json") << R"({"bos_token": 7})";
+  EXPECT_THROW(read_hf_token_settings(dir), UsageError);
+  std::ofstream(dir / "tokenizer_config.json") << R"({"add_bos_token": "yes"})";
+  EXPECT_THROW(read_hf_token_settings(dir), UsageError);
+  fs::remove_all(dir);
 }
 
 // With hf_path the config is the directory's alone: no named model beneath it (its context

@@ -34,11 +34,11 @@
 
 #include "../common/paths.h"
 #include "../common/row_source.h"
-#include "file_util.h"
-#include "json.h"
 #include "mt/config.h"
 #include "mt/data.h"
 #include "mt/error.h"
+#include "mt/io.h"
+#include "mt/json.h"
 #include "mt/plugin.h"
 #include "mt/tokenizer.h"
 
