@@ -28,6 +28,24 @@ grep -Eq '^tiny-template +tiny +[0-9.]+K' <<<"$out" || fail "mt models does not 
 out=$("$mt" config --model=tiny-template base_emb_dim=48) || fail "mt config exited $?"
 grep -q '^decoder_block: tiny' <<<"$out" || fail "mt config did not resolve the family"
 grep -q '^base_emb_dim: 48' <<<"$out" || fail "mt config did not apply the override"
+# The family's own key (its config_schema()) is shown with its origin, can be set like any key,
+# is checked against its [>0] by the loader and against the family's validate().
+out=$("$mt" config --model=tiny-template --origins) || fail "mt config --origins exited $?"
+grep -Eq "^tiny_residual_scale: 1\.0 +# model family 'tiny' config_schema\(\):1$" <<<"$out" ||
+  fail "mt config does not show the family's key tiny_residual_scale with its origin"
+out=$("$mt" config --model=tiny-template tiny_residual_scale=0.5) || fail "mt config exited $?"
+grep -q '^tiny_residual_scale: 0.5' <<<"$out" || fail "tiny_residual_scale=0.5 was not applied"
+refused() {  # refused <what the message must hold> <mt config arguments...>
+  local want=$1 rc=0
+  shift
+  out=$("$mt" config --model=tiny-template "$@" 2>&1) || rc=$?
+  [ "$rc" = 2 ] || fail "mt config $* exited $rc, not 2: $out"
+  grep -q -- "$want" <<<"$out" || fail "mt config $*: the message lacks '$want': $out"
+}
+refused 'is unstable' tiny_residual_scale=100
+refused 'out of range' tiny_residual_scale=-1
+# Another family's keys are unknown, naming the family that decides.
+refused 'decoder_block=llama' decoder_block=llama tiny_residual_scale=2
 grep -Eq "^data +counting +1\.0\.0 +$abi +.*libmt_data_counting\.so" <<<"$("$mt" plugins)" ||
   fail "mt plugins does not list the counting data plugin"
 # The installed mt trains on the out-of-tree data source, chosen by config alone.

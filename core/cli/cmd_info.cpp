@@ -100,9 +100,11 @@ int cmd_config(const Args& args_in) {
   Args args = args_in;
   const bool origins = take_flag(args, "origins");
   Config cfg = resolve_config(args);
+  // The family checks its part as `mt run` would, so a config shown here is one that runs.
+  PluginManager pm(plugin_dirs_of(cfg));
+  pm.make_model_family(cfg.get_string("decoder_block"))->validate(cfg);
   std::fputs(cfg.to_yaml(origins).c_str(), stdout);
   return 0;
 }
-
 
 }  // namespace mt::cli

@@ -12,6 +12,7 @@
 #include "file_util.h"
 #include "hf_interop.h"
 #include "mt/error.h"
+#include "mt/model.h"
 #include "plugin_manager.h"
 
 namespace fs = std::filesystem;
@@ -54,9 +55,12 @@ Args parse_args(const std::string& command, int argc, char** argv, int first,
     const std::string key = kv.substr(0, eq);
     const std::string value = kv.substr(eq + 1);
     if (key.empty()) throw UsageError("The argument '" + s + "' has no key before '='.");
-    if (key == "model") a.model = value;
-    else if (key == "config") a.config_file = value;
-    else a.overrides.push_back(key + "=" + value);
+    if (key == "model")
+      a.model = value;
+    else if (key == "config")
+      a.config_file = value;
+    else
+      a.overrides.push_back(key + "=" + value);
   }
   return a;
 }
@@ -95,6 +99,12 @@ std::set<std::string> user_keys(const Args& a) {
   return keys;
 }
 
+std::vector<fs::path> plugin_dirs_of(const Config& cfg) {
+  std::vector<fs::path> dirs;
+  for (const auto& d : cfg.get_string_list("plugin_dirs")) dirs.emplace_back(d);
+  return dirs;
+}
+
 }  // namespace
 
 Config resolve_config(const Args& a, bool notes) {
@@ -104,15 +114,32 @@ Config resolve_config(const Args& a, bool notes) {
   req.model = a.model;
   req.config_file = a.config_file;
   req.overrides = a.overrides;
-  Config cfg = load_config(req);
+  // The family's own keys (ModelFamily::config_schema) join the schema once the layers have
+  // decided decoder_block; only that family's plugin is loaded. A family that cannot be loaded
+  // adds no keys: commands that need it refuse it by name when they make it, and the others
+  // (mt plugins, mt tokenize) do not need it.
+  std::string family_error;
+  req.schemas_for = [&family_error](const Config& layers) {
+    const std::string name = layers.get_string("decoder_block");
+    std::vector<SchemaText> texts;
+    try {
+      PluginManager pm(plugin_dirs_of(layers));
+      std::string yaml = pm.make_model_family(name)->config_schema();
+      if (!yaml.empty())
+        texts.push_back({"model family '" + name + "' config_schema()", std::move(yaml)});
+    } catch (const Error& e) {
+      family_error = e.what();
+    }
+    return texts;
+  };
   // hf_path=<dir>: the model's config comes from its config.json (through the family plugin),
   // layered after base.yml and before the user's own settings, which still win. No named model
   // is layered unless the user names one: base.yml's default model (its sizes, context length
   // and tokenizer) has nothing to do with the directory's.
-  if (const std::string hf = cfg.get_string("hf_path"); !hf.empty()) {
-    std::vector<fs::path> dirs;
-    for (const auto& d : cfg.get_string_list("plugin_dirs")) dirs.emplace_back(d);
-    PluginManager pm(dirs);
+  const Config layers = preview_config(req);
+  std::vector<std::string> unused;
+  if (const std::string hf = layers.get_string("hf_path"); !hf.empty()) {
+    PluginManager pm(plugin_dirs_of(layers));
     const HfImport imp = read_hf_config(hf, pm);
     const std::set<std::string> user = user_keys(a);
     std::vector<std::string> layered;
@@ -125,7 +152,7 @@ Config resolve_config(const Args& a, bool notes) {
         int64_t mpe = 0;
         const std::string v = o.substr(o.find('=') + 1);
         std::from_chars(v.data(), v.data() + v.size(), mpe);
-        if (mpe > 0 && mpe < cfg.get_int("max_target_length"))
+        if (mpe > 0 && mpe < layers.get_int("max_target_length"))
           layered.push_back("max_target_length=" + std::to_string(mpe));
       }
     }
@@ -138,12 +165,19 @@ Config resolve_config(const Args& a, bool notes) {
     }
     layered.insert(layered.end(), a.overrides.begin(), a.overrides.end());
     req.overrides = layered;
-    cfg = load_config(req);
-    if (notes)
-      for (const auto& u : imp.unused)
-        std::fprintf(stderr, "mt: note: %s/config.json field not used by mt: %s\n", hf.c_str(),
-                     u.c_str());
+    for (const auto& u : imp.unused)
+      unused.push_back(hf + "/config.json field not used by mt: " + u);
   }
+  Config cfg;
+  try {
+    cfg = load_config(req);
+  } catch (const UnknownKeyError& e) {
+    if (family_error.empty()) throw;
+    throw UnknownKeyError(std::string(e.what()) +
+                          " That family's own keys could not be read: " + family_error);
+  }
+  if (notes)
+    for (const auto& u : unused) std::fprintf(stderr, "mt: note: %s\n", u.c_str());
   // A relative data path that does not exist from the current directory is looked up in
   // share/mt (where the shipped corpus and tokenizer live), so `mt run` works from anywhere.
   const fs::path share = configs_dir().parent_path();

@@ -26,7 +26,8 @@ constexpr const char* kCommonOptions =
     "Options shared by the commands that take a config:\n"
     "  --model=NAME       a named model config from configs/models (`mt models` lists them)\n"
     "  --config=FILE      a YAML file of overrides, applied after the model's config\n"
-    "  key=value          any key of configs/base.yml (also written --key=value); last wins\n"
+    "  key=value          any key of configs/base.yml or of the model family (also written\n"
+    "                     --key=value); last wins\n"
     "Layering, last wins: configs/base.yml, configs/models/<model>.yml, --config, overrides.\n";
 
 const Command kCommands[] = {

@@ -21,8 +21,9 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// load_schema with the name the file's origins carry.
-std::vector<KeySpec> load_schema_as(const fs::path& file, const std::string& shown);
+struct LayerFile;
+// The keys a file (or text) in base.yml's format declares, in order.
+std::vector<KeySpec> schema_of(const LayerFile& f);
 
 // ---- Small text helpers -------------------------------------------------------------------------
 
@@ -121,13 +122,10 @@ struct LayerFile {
   std::string origin(int line) const { return fmt::format("{}:{}", shown, line); }
 };
 
-// Reads and parses one config file: a flat mapping of key: value lines (an empty file is an empty
+// Parses one config file's text: a flat mapping of key: value lines (an empty file is an empty
 // mapping). Refuses malformed YAML with file:line:column, and a key set twice in the same file
 // (yaml-cpp would silently keep both).
-LayerFile read_layer(const fs::path& path, const std::string& shown) {
-  // Bounded and regular files only: a FIFO or /dev/zero named as --config must not hang.
-  const std::string text = read_file(path.string(), "config", kMaxConfigFileBytes);
-
+LayerFile parse_layer(const std::string& text, const std::string& shown) {
   LayerFile f;
   f.shown = shown;
   {
@@ -167,6 +165,11 @@ LayerFile read_layer(const fs::path& path, const std::string& shown) {
     f.entries.push_back({key, kv.second, line});
   }
   return f;
+}
+
+LayerFile read_layer(const fs::path& path, const std::string& shown) {
+  // Bounded and regular files only: a FIFO or /dev/zero named as --config must not hang.
+  return parse_layer(read_file(path.string(), "config", kMaxConfigFileBytes), shown);
 }
 
 // The comment of a YAML line: from the first '#' that is outside quotes and starts the line or
@@ -368,7 +371,8 @@ const char* type_phrase(ValueType t) {
 }
 
 struct Schema {
-  std::string base_shown;  // "configs/base.yml"
+  std::string base_shown;            // "configs/base.yml"
+  std::vector<std::string> plugins;  // how the plugins' schema files and texts are shown
   std::vector<KeySpec> specs;
   std::map<std::string, size_t> index;
   std::vector<std::string> names;
@@ -455,17 +459,37 @@ ConfigValue make_value(const KeySpec& spec, const YAML::Node& n, const std::stri
   return v;
 }
 
-[[noreturn]] void unknown_key(const Schema& schema, const std::string& key,
-                              const std::string& origin) {
-  throw UsageError(fmt::format(
-      "Unknown config key '{}' ({}).{} Every key is listed with its default and meaning in {}.",
-      key, where(origin), suggest(key, schema.names), schema.base_shown));
+// The first key set in the layers that no schema declares.
+struct Unknown {
+  std::string key, origin;
+};
+
+// Refuses an unknown key once every layer is applied, so that the message can say which family
+// the final decoder_block names (a family's own keys exist only when it is named).
+[[noreturn]] void unknown_key(const Schema& schema, const Unknown& u, const Config& c) {
+  std::string listed = schema.base_shown;
+  for (const auto& p : schema.plugins) listed += ", " + p;
+  std::string family;
+  if (c.has("decoder_block")) {
+    const auto& v = c.impl().at("decoder_block");
+    family = fmt::format(
+        " A model family's own keys exist only when decoder_block names that family (here "
+        "decoder_block={}, {}).",
+        v.s, where(v.origin));
+  }
+  throw UnknownKeyError(fmt::format(
+      "Unknown config key '{}' ({}).{} Every key is listed with its default and meaning in {}.{}",
+      u.key, where(u.origin), suggest(u.key, schema.names), listed, family));
 }
 
-void apply_layer(Config& c, const Schema& schema, const LayerFile& f) {
+void apply_layer(Config& c, const Schema& schema, const LayerFile& f,
+                 std::optional<Unknown>& unknown) {
   for (const auto& e : f.entries) {
     const KeySpec* spec = schema.find(e.key);
-    if (!spec) unknown_key(schema, e.key, f.origin(e.line));
+    if (!spec) {
+      if (!unknown) unknown = Unknown{e.key, f.origin(e.line)};
+      continue;
+    }
     c.impl().set(e.key, make_value(*spec, e.value, node_text(e.value), f.origin(e.line)));
   }
 }
@@ -585,15 +609,16 @@ void check_combinations(const Config& c) {
   }
 }
 
-Schema read_schema(const fs::path& configs_dir, const std::vector<fs::path>& schema_files) {
+Schema read_schema(const fs::path& configs_dir, const std::vector<fs::path>& schema_files,
+                   const std::vector<SchemaText>& schema_texts) {
   const fs::path base = configs_dir / "base.yml";
   Schema s;
   s.base_shown = display_path(base, configs_dir);
   std::error_code ec;
   if (!fs::is_regular_file(base, ec)) {
     throw UsageError(fmt::format(
-        "The configs directory {} has no base.yml (every key's default lives there); is mt "
-        "installed completely?",
+        "The configs directory {} has no base.yml (the shared keys and their defaults live "
+        "there); is mt installed completely?",
         configs_dir.generic_string()));
   }
   s.specs = load_schema(base);
@@ -602,15 +627,22 @@ Schema read_schema(const fs::path& configs_dir, const std::vector<fs::path>& sch
       throw UsageError(
           fmt::format("The config schema file {} does not exist.", f.generic_string()));
     }
-    for (auto& spec : load_schema_as(f, display_path(f, configs_dir)))
+    s.plugins.push_back(display_path(f, configs_dir));
+    for (auto& spec : schema_of(read_layer(f, s.plugins.back())))
       s.specs.push_back(std::move(spec));
+  }
+  for (const auto& t : schema_texts) {
+    s.plugins.push_back(t.shown);
+    for (auto& spec : schema_of(parse_layer(t.yaml, t.shown))) s.specs.push_back(std::move(spec));
   }
   for (size_t i = 0; i < s.specs.size(); ++i) {
     const auto& spec = s.specs[i];
     if (auto [it, fresh] = s.index.emplace(spec.name, i); !fresh) {
-      throw UsageError(fmt::format("{} declares the config key '{}' again (first declared at {}).",
-                                   spec.default_value.origin, spec.name,
-                                   s.specs[it->second].default_value.origin));
+      throw UsageError(fmt::format(
+          "{} declares the config key '{}' again (first declared at {}). A plugin's schema may "
+          "only add keys of its own (named after the plugin, e.g. tiny_residual_scale); keys that "
+          "several model families share belong in configs/base.yml.",
+          spec.default_value.origin, spec.name, s.specs[it->second].default_value.origin));
     }
     s.names.push_back(spec.name);
   }
@@ -662,13 +694,12 @@ bool natural_less(const std::string& a, const std::string& b) {
 // ---- Public -------------------------------------------------------------------------------------
 
 std::vector<KeySpec> load_schema(const fs::path& base_yml) {
-  return load_schema_as(base_yml, display_path(base_yml, base_yml.parent_path()));
+  return schema_of(read_layer(base_yml, display_path(base_yml, base_yml.parent_path())));
 }
 
 namespace {
 
-std::vector<KeySpec> load_schema_as(const fs::path& file, const std::string& shown) {
-  const LayerFile f = read_layer(file, shown);
+std::vector<KeySpec> schema_of(const LayerFile& f) {
   std::vector<KeySpec> specs;
   for (const auto& e : f.entries) {
     KeySpec spec;
@@ -761,8 +792,13 @@ std::vector<ModelEntry> list_models(const fs::path& configs_dir,
   return out;
 }
 
-Config load_config(const ConfigRequest& req) {
-  const Schema schema = read_schema(req.configs_dir, req.schema_files);
+namespace {
+
+// The layers over the schema's defaults. lenient: keys the schema does not declare are left out
+// and no constraint is checked (preview_config); else the first such key is refused.
+Config resolve_layers(const ConfigRequest& req, bool lenient) {
+  const Schema schema = read_schema(req.configs_dir, req.schema_files, req.schema_texts);
+  std::optional<Unknown> unknown;
 
   // Layer 1: the defaults.
   Config c;
@@ -845,14 +881,17 @@ Config load_config(const ConfigRequest& req) {
             mf.origin(e.line)));
       }
     }
-    apply_layer(c, schema, mf);
+    apply_layer(c, schema, mf, unknown);
   }
 
   // Layer 3: the --config file; layer 4: the overrides, in command-line order.
-  if (user) apply_layer(c, schema, *user);
+  if (user) apply_layer(c, schema, *user, unknown);
   for (const auto& o : overrides) {
     const KeySpec* spec = schema.find(o.key);
-    if (!spec) unknown_key(schema, o.key, "command line");
+    if (!spec) {
+      if (!unknown) unknown = Unknown{o.key, "command line"};
+      continue;
+    }
     c.impl().set(o.key, override_value(*spec, o, "command line"));
   }
   if (model_spec && !req.model.empty()) {
@@ -863,10 +902,27 @@ Config load_config(const ConfigRequest& req) {
     c.impl().set("model_name", std::move(v));
   }
 
+  if (lenient) return c;
+  if (unknown) unknown_key(schema, *unknown, c);
+
   // Constraints are checked on the final values, so a later layer may repair an earlier one.
   for (const auto& spec : schema.specs) check_constraint(spec, c.impl().at(spec.name));
   check_combinations(c);
   return c;
+}
+
+}  // namespace
+
+Config preview_config(const ConfigRequest& req) {
+  return resolve_layers(req, /*lenient=*/true);
+}
+
+Config load_config(const ConfigRequest& req) {
+  if (!req.schemas_for) return resolve_layers(req, /*lenient=*/false);
+  ConfigRequest full = req;
+  for (auto& t : req.schemas_for(preview_config(req))) full.schema_texts.push_back(std::move(t));
+  full.schemas_for = nullptr;
+  return resolve_layers(full, /*lenient=*/false);
 }
 
 }  // namespace mt

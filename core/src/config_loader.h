@@ -3,20 +3,30 @@
 //
 // The schema is base.yml itself: a key's type is the type of its default, and its constraint is
 // the bracketed annotation at the end of its comment ([>0], [>=0], [>=-1], [0..1],
-// [choices: a|b|c]). Every refusal is an mt::UsageError of one paragraph that names the key, the
-// value and where it was set.
+// [choices: a|b|c]). Plugins add keys of their own in the same format, as files (schema_files)
+// or as text (schema_texts: a model family's config_schema()); a key declared twice is refused.
+// Every refusal is an mt::UsageError of one paragraph that names the key, the value and where it
+// was set.
 #pragma once
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "config_impl.h"
 #include "mt/config.h"
+#include "mt/error.h"
 
 namespace mt {
+
+// Keys declared as text in base.yml's format: a model family's ModelFamily::config_schema().
+struct SchemaText {
+  std::string shown;  // how origins and messages name it: "model family 'tiny' config_schema()"
+  std::string yaml;
+};
 
 struct ConfigRequest {
   std::filesystem::path configs_dir;  // holds base.yml and models/
@@ -24,13 +34,32 @@ struct ConfigRequest {
   std::vector<std::filesystem::path> model_dirs;
   // Files declaring extra keys in base.yml's format (a plugin's own settings), after base.yml's.
   std::vector<std::filesystem::path> schema_files;
+  // Keys declared as text, after schema_files'.
+  std::vector<SchemaText> schema_texts;
+  // When set, load_config first resolves the layers with preview_config and calls this with the
+  // result; the texts it returns are added to schema_texts. The CLI returns the config_schema()
+  // of the family the final decoder_block names, so any layer may set that family's keys, the
+  // one naming the family included.
+  std::function<std::vector<SchemaText>(const Config& preview)> schemas_for;
   std::string model;                   // from --model; "" = model_name from the layers
   std::string config_file;             // --config; "" = none
   std::vector<std::string> overrides;  // "key=value" (or "--key=value") in command-line order
 };
 
-// Resolves and validates the config; throws mt::UsageError.
+// Resolves and validates the config; throws mt::UsageError (UnknownKeyError for a key no schema
+// declares).
 Config load_config(const ConfigRequest& req);
+
+// The layers resolved as load_config resolves them, except that keys no schema declares are
+// left out instead of refused and no constraint is checked: the final values of the keys that
+// decide which schema applies (decoder_block, plugin_dirs, hf_path). Ignores schemas_for.
+Config preview_config(const ConfigRequest& req);
+
+// load_config's refusal of a key that no schema declares.
+class UnknownKeyError : public UsageError {
+ public:
+  using UsageError::UsageError;
+};
 
 struct ModelEntry {
   std::string name;    // file stem: what --model takes

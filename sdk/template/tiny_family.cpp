@@ -1,6 +1,6 @@
 // The "tiny" model family: the smallest complete family plugin, as a template.
-// Each decoder layer is a pre-norm residual MLP, x + w_out silu(w_in rmsnorm(x)), made of the
-// SDK's shared blocks (mt/blocks.h).
+// Each decoder layer is a pre-norm residual MLP, x + s * w_out silu(w_in rmsnorm(x)), made of the
+// SDK's shared blocks (mt/blocks.h); s is the family's own config key tiny_residual_scale.
 // A real family (plugins/models/llama) follows the same shape with attention added.
 #include <memory>
 #include <vector>
@@ -15,7 +15,7 @@ namespace {
 
 class TinyLayer final : public mt::DecoderLayer {
  public:
-  TinyLayer(int64_t d, int64_t f) {
+  TinyLayer(int64_t d, int64_t f, float scale) : scale_(scale) {
     mlp_.d_model = d;
     mlp_.hidden = f;
     mlp_.act = mt::Activation::silu;
@@ -30,13 +30,15 @@ class TinyLayer final : public mt::DecoderLayer {
   }
   mt::LayerOutput forward(mt::Graph& g, const mt::Params& p, const mt::Tensor& x,
                           const mt::LayerInputs&) const override {
-    return g.add(x, mt::blocks::mlp(g, p, mlp_, mt::blocks::norm(g, p, "norm", x, norm_)));
+    const mt::Tensor y = mt::blocks::mlp(g, p, mlp_, mt::blocks::norm(g, p, "norm", x, norm_));
+    return g.add(x, g.scale(y, scale_));
   }
   // No attention, so nothing to keep per token when decoding.
   mt::CacheSpec cache_spec() const override { return {}; }
 
  private:
   int64_t d_ = 0;
+  float scale_ = 1.f;
   mt::blocks::NormSpec norm_;  // RMSNorm, eps 1e-5
   mt::blocks::MlpSpec mlp_;
 };
@@ -46,7 +48,8 @@ class TinyModel final : public mt::Model {
   explicit TinyModel(const mt::Config& c)
       : vocab_(c.get_int("vocab_size")), d_(c.get_int("base_emb_dim")) {
     for (int64_t i = 0; i < c.get_int("base_num_decoder_layers"); ++i)
-      layers_.push_back(std::make_unique<TinyLayer>(d_, c.get_int("base_mlp_dim")));
+      layers_.push_back(std::make_unique<TinyLayer>(
+          d_, c.get_int("base_mlp_dim"), static_cast<float>(c.get_float("tiny_residual_scale"))));
   }
   mt::ModelDims dims() const override {
     mt::ModelDims m;
@@ -77,8 +80,19 @@ class TinyModel final : public mt::Model {
 class TinyFamily final : public mt::ModelFamily {
  public:
   std::string name() const override { return "tiny"; }
+  // The family's own keys, in configs/base.yml's format: `mt config` shows them and any config
+  // layer may set them once decoder_block is tiny. The loader checks the [constraint].
+  std::string config_schema() const override {
+    return "tiny_residual_scale: 1.0  # scales each layer's MLP branch before the residual add "
+           "[>0]\n";
+  }
+  // Rules the schema cannot say, refused with Config::reject (exit 2, naming where it was set).
   void validate(const mt::Config& c) const override {
     if (c.get_int("base_emb_dim") < 1) c.reject("base_emb_dim", "must be at least 1.");
+    if (c.get_float("tiny_residual_scale") > 10)
+      c.reject("tiny_residual_scale",
+               "is unstable: above 10 the residual stream grows with every layer until the "
+               "loss diverges.");
   }
   std::unique_ptr<mt::Model> build(const mt::Config& c) const override {
     return std::make_unique<TinyModel>(c);

@@ -743,6 +743,140 @@ TEST(ConfigModels, PluginSchemaFilesDeclareExtraKeys) {
                   All(Has("'steps'"), Has("dup_keys.yml:1"), Has("configs/base.yml:")));
 }
 
+// A model family's config_schema(), as the CLI passes it.
+SchemaText family_schema(const std::string& family, const std::string& yaml) {
+  return {"model family '" + family + "' config_schema()", yaml};
+}
+const char* const kGptSchema =
+    "gpt_scale: 1.5  # scales the residual branch [>0]\n"
+    "gpt_bias: true  # add biases\n";
+
+TEST(ConfigFamilySchema, KeysResolveWithTheirDefaultOriginAndConstraint) {
+  ConfigRequest r = real_request();
+  r.schema_texts = {family_schema("gpt", kGptSchema)};
+  Config c = load_config(r);
+  EXPECT_DOUBLE_EQ(c.get_float("gpt_scale"), 1.5);
+  EXPECT_EQ(c.origin("gpt_scale"), "model family 'gpt' config_schema():1");
+  EXPECT_TRUE(c.get_bool("gpt_bias"));
+  EXPECT_EQ(c.origin("gpt_bias"), "model family 'gpt' config_schema():2");
+  // `mt config --origins` shows them like base.yml's keys, after them.
+  const std::string yaml = c.to_yaml(true);
+  EXPECT_CONTAINS(yaml, Has("# model family 'gpt' config_schema():1"));
+  EXPECT_GT(yaml.find("gpt_scale: 1.5"), yaml.find("decoder_block:"));
+
+  // Overridden like any key, from the command line or a --config file.
+  r.overrides = {"gpt_scale=3", "--gpt_bias=false"};
+  c = load_config(r);
+  EXPECT_DOUBLE_EQ(c.get_float("gpt_scale"), 3.0);
+  EXPECT_EQ(c.origin("gpt_scale"), "command line");
+  EXPECT_FALSE(c.get_bool("gpt_bias"));
+  TempDir t;
+  r.overrides = {};
+  r.config_file = t.write("user.yml", "gpt_scale: 0.25\n").string();
+  c = load_config(r);
+  EXPECT_DOUBLE_EQ(c.get_float("gpt_scale"), 0.25);
+  EXPECT_EQ(c.origin("gpt_scale"), (t.path() / "user.yml").generic_string() + ":1");
+
+  // Its [>0] and its type are enforced, naming where its default comes from.
+  r.config_file.clear();
+  r.overrides = {"gpt_scale=0"};
+  EXPECT_CONTAINS(usage_error([&] { load_config(r); }),
+                  All(Has("gpt_scale=0"), Has("out of range"), Has("> 0"),
+                      Has("model family 'gpt' config_schema():1")));
+  r.overrides = {"gpt_bias=maybe"};
+  EXPECT_CONTAINS(usage_error([&] { load_config(r); }),
+                  All(Has("gpt_bias=maybe"), Has("true or false")));
+}
+
+TEST(ConfigFamilySchema, AFragmentCannotRedeclareABaseKey) {
+  ConfigRequest r = real_request();
+  r.schema_texts = {family_schema("gpt", "gpt_scale: 1.0  # fine\nsteps: 3  # again\n")};
+  const int steps_line = line_of(real_configs() / "base.yml", "steps:");
+  EXPECT_CONTAINS(usage_error([&] { load_config(r); }),
+                  All(Has("model family 'gpt' config_schema():2"), Has("'steps'"),
+                      Has("configs/base.yml:" + std::to_string(steps_line)),
+                      Has("belong in configs/base.yml")));
+  // Nor a key another plugin's schema file declares.
+  TempDir t;
+  r.schema_files = {t.write("plugin_keys.yml", "gpt_scale: 2.0  # mine\n")};
+  r.schema_texts = {family_schema("gpt", kGptSchema)};
+  EXPECT_CONTAINS(usage_error([&] { load_config(r); }),
+                  All(Has("model family 'gpt' config_schema():1"), Has("'gpt_scale'"),
+                      Has("plugin_keys.yml:1")));
+  // A fragment is read as a schema file is: malformed YAML and bad annotations are named.
+  r.schema_files.clear();
+  r.schema_texts = {family_schema("gpt", "gpt_scale: [1.0\n")};
+  EXPECT_CONTAINS(usage_error([&] { load_config(r); }),
+                  All(Has("model family 'gpt' config_schema()"), Has("malformed YAML")));
+  r.schema_texts = {family_schema("gpt", "gpt_scale: 1.0  # a scale [about 1]\n")};
+  EXPECT_CONTAINS(usage_error([&] { load_config(r); }),
+                  All(Has("model family 'gpt' config_schema():1"), Has("[about 1]")));
+}
+
+// What the CLI does: the layers decide decoder_block (a pre-pass that skips keys it does not
+// know), then the schema of that family alone joins base.yml's.
+struct FamilySchemas {
+  std::vector<std::string> asked;  // decoder_block of each call
+  ConfigRequest request(std::vector<std::string> overrides, std::string model = "") {
+    ConfigRequest r = real_request(std::move(overrides), std::move(model));
+    r.schemas_for = [this](const Config& layers) {
+      const std::string family = layers.get_string("decoder_block");
+      asked.push_back(family);
+      if (family == "gpt") return std::vector<SchemaText>{family_schema("gpt", kGptSchema)};
+      if (family == "other")
+        return std::vector<SchemaText>{family_schema("other", "o_k: 1  # k\n")};
+      return std::vector<SchemaText>{};
+    };
+    return r;
+  }
+};
+
+TEST(ConfigFamilySchema, TheFinalDecoderBlockSelectsTheFragment) {
+  FamilySchemas f;
+  // Set before decoder_block names the family, on the same command line.
+  Config c = load_config(f.request({"gpt_scale=2", "decoder_block=gpt"}));
+  EXPECT_DOUBLE_EQ(c.get_float("gpt_scale"), 2.0);
+  EXPECT_EQ(c.get_string("decoder_block"), "gpt");
+  EXPECT_EQ(f.asked, std::vector<std::string>{"gpt"});
+  EXPECT_FALSE(c.has("o_k"));  // only the named family's keys
+
+  // Named by a model file that also sets the family's key.
+  TempDir t;
+  t.write("models/mine.yml", "decoder_block: gpt\ngpt_scale: 4\n");
+  ConfigRequest r = f.request({}, "mine");
+  r.model_dirs = {t.path() / "models"};
+  c = load_config(r);
+  EXPECT_DOUBLE_EQ(c.get_float("gpt_scale"), 4.0);
+  EXPECT_EQ(c.origin("gpt_scale"), (t.path() / "models" / "mine.yml").generic_string() + ":2");
+
+  // A later layer that names another family takes the key away: refused as unknown, saying
+  // which decoder_block decided and where it was set.
+  r.overrides = {"decoder_block=other"};
+  std::string msg = usage_error([&] { load_config(r); });
+  EXPECT_CONTAINS(msg, All(Has("'gpt_scale'"), Has("mine.yml:2"),
+                           Has("decoder_block=other, set on the command line")));
+  EXPECT_THROW(load_config(r), UnknownKeyError);
+  // With base.yml's family the key is unknown too; a typo of a family key is suggested.
+  msg = usage_error([&] { load_config(f.request({"gpt_scale=2"})); });
+  EXPECT_CONTAINS(msg, All(Has("'gpt_scale'"),
+                           Has("decoder_block=llama, set at configs/models/llama-small.yml:")));
+  EXPECT_EQ(msg.find("model family 'gpt'"), std::string::npos) << msg;
+  msg = usage_error([&] { load_config(f.request({"decoder_block=gpt", "gpt_scal=2"})); });
+  EXPECT_CONTAINS(msg, All(Has("Did you mean 'gpt_scale'?"),
+                           Has("configs/base.yml, model family 'gpt' config_schema()")));
+}
+
+TEST(ConfigFamilySchema, ThePreviewSkipsUnknownKeysAndConstraints) {
+  ConfigRequest r = real_request({"gpt_scale=2", "steps=0", "decoder_block=gpt"});
+  const Config p = preview_config(r);
+  EXPECT_EQ(p.get_string("decoder_block"), "gpt");
+  EXPECT_EQ(p.get_int("steps"), 0);
+  EXPECT_FALSE(p.has("gpt_scale"));
+  // Type errors of known keys are refused all the same.
+  r.overrides = {"steps=abc"};
+  EXPECT_CONTAINS(usage_error([&] { preview_config(r); }), Has("steps=abc"));
+}
+
 TEST(ConfigNearest, Suggestions) {
   const std::vector<std::string> keys = {
       "learning_rate", "per_device_batch_size", "base_emb_dim", "steps", "eval_steps",
