@@ -54,4 +54,23 @@ out=$("$mt" run --model=tiny-template dataset_type=counting steps=3 eval_interva
   tokenizer_path= base_output_directory="$work/out") || fail "mt run with dataset_type=counting exited $?"
 grep -q 'data=counting' <<<"$out" || fail "the run did not use the counting data source"
 grep -q 'mt run: done. 3 steps' <<<"$out" || fail "the run did not finish"
+# The shipped text data source builds out of tree too: it needs the SDK's headers only
+# (mt/json.h, mt/io.h), not the core's private ones.
+mkdir -p "$work/text/src/text"
+cp -r "$src/plugins/data/text/text_source.cpp" "$work/text/src/text/"
+cp -r "$src/plugins/data/common" "$work/text/src/"
+cat >"$work/text/src/CMakeLists.txt" <<'CMAKE'
+cmake_minimum_required(VERSION 3.20)
+project(mt_text_out_of_tree CXX)
+set(CMAKE_CXX_STANDARD 20)
+find_package(mt REQUIRED)
+find_package(Threads REQUIRED)
+set(MT_PLUGIN_OUTPUT_DIR ${CMAKE_BINARY_DIR})
+mt_add_plugin(mt_data_text SOURCES text/text_source.cpp LIBS Threads::Threads)
+CMAKE
+cmake -S "$work/text/src" -B "$work/text/build" -DCMAKE_PREFIX_PATH="$work/prefix" \
+  -DCMAKE_BUILD_TYPE=Release "${launcher[@]}" >"$work/text.log" 2>&1 &&
+  cmake --build "$work/text/build" -j2 >>"$work/text.log" 2>&1 ||
+  { cat "$work/text.log"; fail "the text data plugin does not build out of tree"; }
+[ -f "$work/text/build/libmt_data_text.so" ] || fail "no libmt_data_text.so built out of tree"
 echo "out-of-tree plugins OK"
