@@ -2,6 +2,7 @@
 // what a family would write by hand, with the backward from the tape.
 #include "mt/blocks.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -127,17 +128,27 @@ Tensor attention(Graph& g, const Params& p, const AttentionBlockSpec& s, const T
   }
   AttentionSpec spec = s.attn;
   if (spec.scale == 0.f) spec.scale = 1.f / std::sqrt(static_cast<float>(s.head_dim));
-  if (dv != s.head_dim)
-    throw Error("attention block: a value head size (" + std::to_string(dv) +
-                ") other than the query/key "
-                "head size (" +
-                std::to_string(s.head_dim) + ") needs Graph::concat, not in this build.");
+  // The kernels take one head size: q, k and v are zero-padded to the larger of the two (zero
+  // features add nothing to q . k, and the scale stays 1 / sqrt(head_dim)); the output's padded
+  // features are cut before wo. The decode cache holds the padded entries
+  // (attention_cache_spec).
+  const int64_t dp = std::max(s.head_dim, dv);
+  auto pad = [&](const Tensor& t) {
+    if (t.dim(-1) == dp) return t;
+    Shape zs = t.shape();
+    zs.back() = dp - t.dim(-1);
+    return g.concat({t, g.backend().zeros(zs, t.dtype())});
+  };
+  q = pad(q);
+  k = pad(k);
+  v = pad(v);
   Tensor a;
   if (in.cache) {  // decode: the core's cache (linear or sliding-window ring)
     a = g.cached_attention(*in.attention, q, k, v, *in.cache, spec);
   } else {
     a = g.attention(*in.attention, q, k, v, in.segment_ids, in.segment_ids, spec);
   }
+  if (dv != dp) a = g.split(a, {dv, dp - dv})[0];
   a = g.reshape(a, {b, t, s.heads * dv});
   return linear(g, p, prefix + "wo", prefix + "bo", a, s.out_bias);
 }
@@ -184,6 +195,96 @@ Tensor lm_head(Graph& g, const Params& p, const Tensor& h, bool tied, const std:
                const std::string& head) {
   // Tied: logits = h @ embedding^T, the table shared with the input lookup.
   return tied ? g.matmul(h, p[embedding], false, true) : g.matmul(h, p[head]);
+}
+
+// ---- mixture of experts ---------------------------------------------------------------------
+
+namespace {
+
+void check_moe(const MoeSpec& s, const char* what) {
+  MT_CHECK(s.d_model > 0 && s.hidden > 0 && s.num_experts > 0 && s.top_k >= 1 &&
+               s.top_k <= s.num_experts,
+           std::string(what) + ": d_model " + std::to_string(s.d_model) + ", hidden " +
+               std::to_string(s.hidden) + ", " + std::to_string(s.num_experts) + " experts, top " +
+               std::to_string(s.top_k) + " (want positive sizes and 1 <= top_k <= experts)");
+  if (s.capacity_factor > 0.f)
+    throw Error(std::string(what) + ": capacity_factor " + std::to_string(s.capacity_factor) +
+                " asks for token dropping, which is not implemented; set capacity_factor=-1 "
+                "(dropless: every token reaches its top-k experts)");
+}
+
+// An expert weight [E, in, out]: each expert's matrix initialised as a dense [in, out] one; a
+// token uses top_k of the E.
+ParamSpec expert_param(const MoeSpec& s, const std::string& name, int64_t in, int64_t out) {
+  ParamSpec ps = dense_param(name, in, out);
+  ps.shape = {s.num_experts, in, out};
+  ps.active = static_cast<float>(s.top_k) / static_cast<float>(s.num_experts);
+  return ps;
+}
+
+}  // namespace
+
+std::vector<ParamSpec> moe_params(const MoeSpec& s, const std::string& prefix) {
+  check_moe(s, "moe_params");
+  std::vector<ParamSpec> r = {dense_param(prefix + "router", s.d_model, s.num_experts)};
+  if (s.gated) r.push_back(expert_param(s, prefix + "w_gate", s.d_model, s.hidden));
+  r.push_back(expert_param(s, prefix + "w_up", s.d_model, s.hidden));
+  r.push_back(expert_param(s, prefix + "w_down", s.hidden, s.d_model));
+  return r;
+}
+
+LayerOutput moe(Graph& g, const Params& p, const MoeSpec& s, const Tensor& x,
+                const std::string& prefix) {
+  check_moe(s, "moe block");
+  MT_CHECK(x.ndim() >= 1 && x.dim(-1) == s.d_model,
+           "moe block: input " + x.str() + ", want [..., " + std::to_string(s.d_model) + "]");
+  Backend& be = g.backend();
+  const int64_t d = s.d_model, E = s.num_experts, k = s.top_k;
+  const int64_t n = x.numel() / d, m = n * k;
+  const Tensor x2 = g.reshape(x, {n, d});
+  const Tensor logits = g.matmul(x2, p[prefix + "router"]);  // [n, E]
+  const Graph::Routing r = g.route(logits, static_cast<int>(k), s.sigmoid_scores, s.normalize_topk);
+  // Dropless: the n k token copies sorted by expert (on the host for now: the indices are read
+  // back, one synchronisation per layer), then one grouped matmul per projection.
+  const Graph::ExpertOrder order = g.sort_by_expert(r.indices, E);
+  const Tensor xs = g.gather_rows(x2, order.tokens);  // [m, d], expert by expert
+  Tensor h;
+  if (s.gated) {
+    h = g.gated(s.act, g.grouped_matmul(xs, p[prefix + "w_gate"], order.offsets),
+                g.grouped_matmul(xs, p[prefix + "w_up"], order.offsets));
+  } else {
+    h = g.activation(s.act, g.grouped_matmul(xs, p[prefix + "w_up"], order.offsets));
+  }
+  const Tensor ys = g.grouped_matmul(h, p[prefix + "w_down"], order.offsets);  // [m, d]
+  // Each copy's routing weight, in the sorted order, then back to its token weighted.
+  const Tensor ws = g.reshape(g.gather_rows(g.reshape(r.weights, {m, 1}), order.slots), {m});
+  LayerOutput out(g.reshape(g.scatter_add_rows(ys, order.tokens, ws, n), x.shape()));
+
+  // Load balancing: E * sum_e f_e P_e, f_e (the share of the m slots routed to e) a constant,
+  // P_e = mean over tokens of the scores = (1/n) ones [1, n] @ probs [n, E].
+  std::vector<float> f(static_cast<size_t>(E));
+  for (int64_t e = 0; e < E; ++e)
+    f[static_cast<size_t>(e)] =
+        m ? static_cast<float>(order.counts[static_cast<size_t>(e)]) / static_cast<float>(m) : 0.f;
+  Tensor ft = be.empty({E, 1}, DType::f32);
+  be.copy_from_host(ft, f.data());
+  Tensor mean_row = be.empty({1, n}, DType::f32);
+  be.fill(mean_row, n ? 1.f / static_cast<float>(n) : 0.f);
+  const Tensor pe = g.matmul(mean_row, r.probs);  // [1, E]
+  const Tensor lb = g.reshape(g.scale(g.matmul(pe, ft), static_cast<float>(E)), {1});
+  out.aux.push_back({"moe_lb_loss", lb, s.load_balance_weight});
+
+  // Router z-loss, mean of logsumexp(logits)^2: the cross-entropy kernel adds z lse^2 to each
+  // row's loss, so the difference of its mean with z = 1 and z = 0 (the same targets) is it,
+  // and so is the gradient (2 lse softmax per row).
+  Tensor targets = be.empty({n}, DType::i32);
+  const std::vector<int32_t> zero(static_cast<size_t>(n), 0);
+  if (n) be.copy_from_host(targets, zero.data());
+  const float inv_n = n ? 1.f / static_cast<float>(n) : 0.f;
+  const Tensor with_z = g.cross_entropy(logits, targets, 1.f, inv_n);
+  const Tensor without = g.cross_entropy(logits, targets, 0.f, inv_n);
+  out.aux.push_back({"moe_z_loss", g.add(with_z, g.scale(without, -1.f)), s.z_loss_weight});
+  return out;
 }
 
 }  // namespace mt::blocks

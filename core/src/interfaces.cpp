@@ -1,5 +1,9 @@
 // Out-of-line destructors and small shared helpers of the SDK interfaces (their vtables and
 // typeinfo live in libmt_core, once).
+#include <cstdint>
+#include <string>
+#include <vector>
+
 #include "mt/attention.h"
 #include "mt/backend.h"
 #include "mt/error.h"
@@ -31,6 +35,56 @@ void Backend::scatter_rows(const Tensor& src, const Tensor& idx, Tensor& out) {
   fill(minus, -1.f);
   scatter_add_rows(old, idx, minus, rows);
   scatter_add_rows(src.view({M, D}), idx, Tensor(), rows);
+}
+
+void Backend::copy_columns(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col,
+                           int64_t width, bool accumulate) {
+  auto fb = [](const Tensor& t) {
+    return t.defined() && t.ndim() >= 1 && (t.dtype() == DType::f32 || t.dtype() == DType::bf16);
+  };
+  MT_CHECK(fb(src) && fb(dst), "copy_columns: src " +
+                                   (src.defined() ? src.str() : std::string("none")) + ", dst " +
+                                   (dst.defined() ? dst.str() : std::string("none")) +
+                                   " (want f32 or bf16 matrices src [N, Ds] and dst [N, Dd])");
+  auto rows = [](const Tensor& t) {
+    int64_t r = 1;
+    for (int i = 0; i + 1 < t.ndim(); ++i) r *= t.shape()[static_cast<size_t>(i)];
+    return r;
+  };
+  const int64_t ds = src.dim(-1), dd = dst.dim(-1), n = rows(src);
+  MT_CHECK(n == rows(dst) && width >= 0 && src_col >= 0 && dst_col >= 0 && src_col + width <= ds &&
+               dst_col + width <= dd,
+           "copy_columns: columns [" + std::to_string(src_col) + ", " +
+               std::to_string(src_col + width) + ") of src " + src.str() + " to columns [" +
+               std::to_string(dst_col) + ", " + std::to_string(dst_col + width) + ") of dst " +
+               dst.str() + " (want the same rows and columns inside both)");
+  if (width == 0 || n == 0) return;
+  // The ops-fall-back path of an out-of-tree backend: both matrices through the host, in f32.
+  auto to_f32 = [this](const Tensor& t) {
+    std::vector<float> v(static_cast<size_t>(t.numel()));
+    if (t.dtype() == DType::f32) {
+      copy_to_host(t, v.data());
+    } else {
+      std::vector<uint16_t> b(v.size());
+      copy_to_host(t, b.data());
+      for (size_t i = 0; i < v.size(); ++i) v[i] = bf16_to_f32(b[i]);
+    }
+    return v;
+  };
+  const std::vector<float> s = to_f32(src);
+  std::vector<float> d = to_f32(dst);
+  for (int64_t r = 0; r < n; ++r) {
+    const float* from = s.data() + r * ds + src_col;
+    float* to = d.data() + r * dd + dst_col;
+    for (int64_t c = 0; c < width; ++c) to[c] = accumulate ? to[c] + from[c] : from[c];
+  }
+  if (dst.dtype() == DType::f32) {
+    copy_from_host(dst, d.data());
+  } else {
+    std::vector<uint16_t> b(d.size());
+    for (size_t i = 0; i < d.size(); ++i) b[i] = f32_to_bf16(d[i]);
+    copy_from_host(dst, b.data());
+  }
 }
 
 void fail(const std::string& msg) { throw Error(msg, ErrorKind::runtime); }

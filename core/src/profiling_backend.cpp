@@ -221,6 +221,12 @@ void ProfilingBackend::topk_route_backward(const Tensor& dweights, const Tensor&
   inner_.topk_route_backward(dweights, weights, indices, probs, sigmoid, normalize, dlogits);
 }
 
+void ProfilingBackend::copy_columns(const Tensor& src, int64_t src_col, Tensor& dst,
+                                    int64_t dst_col, int64_t width, bool accumulate) {
+  Timer t(*this, "copy_columns");
+  inner_.copy_columns(src, src_col, dst, dst_col, width, accumulate);
+}
+
 void ProfilingBackend::gather_rows(const Tensor& x, const Tensor& idx, Tensor& out) {
   Timer t(*this, "gather_rows");
   inner_.gather_rows(x, idx, out);

@@ -56,6 +56,8 @@ class ProfilingBackend final : public Backend {
   double sum(const Tensor& x) override;
   double sum_squares(const Tensor& x) override;
   void sum_squares_each(const std::vector<const Tensor*>& xs, std::vector<double>& sums) override;
+  void copy_columns(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col, int64_t width,
+                    bool accumulate) override;
   void matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool trans_b, float alpha,
               float beta) override;
   void embedding_forward(const Tensor& table, const Tensor& ids, Tensor& out) override;

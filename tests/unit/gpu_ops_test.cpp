@@ -491,6 +491,32 @@ TEST_F(GpuOps, ScatterRows) {
     }
 }
 
+// copy_columns (split and concat): a block of columns between matrices of other widths, copied
+// (the same bits, converting where the dtypes differ) or accumulated.
+TEST_F(GpuOps, CopyColumns) {
+  SEEDED_RNG(rng);
+  for (DType dt : kDtypes)
+    for (DType st : kDtypes)
+      for (bool acc : {false, true}) {
+        SCOPED_TRACE(std::string("dst ") + dname(dt) + " src " + dname(st) +
+                     (acc ? " accumulate" : " copy"));
+        const int64_t N = pick(rng, 1, 300 / kShrink), ds = pick(rng, 1, 200),
+                      dd = pick(rng, 1, 200), width = pick(rng, 0, std::min(ds, dd));
+        const int64_t sc = pick(rng, 0, ds - width), dc = pick(rng, 0, dd - width);
+        Both src = make({N, ds}, rand_nz(N * ds, rng), st);
+        Both dst = make({N, dd}, rand_nz(N * dd, rng), dt);
+        gpu().copy_columns(src.g, sc, dst.g, dc, width, acc);
+        cpu().copy_columns(src.c, sc, dst.c, dc, width, acc);
+        EXPECT_TRUE(close(dst, acc ? tol(dt) : 0.0, "copy_columns"));
+      }
+  Both src = make({4, 3}, rand_nz(12, rng), DType::f32);
+  Both dst = make({4, 5}, rand_nz(20, rng), DType::f32);
+  EXPECT_THROW(gpu().copy_columns(src.g, 2, dst.g, 0, 2, false), Error);
+  EXPECT_THROW(gpu().copy_columns(src.g, 0, dst.g, 4, 2, false), Error);
+  Both rows = make({3, 4}, rand_nz(12, rng), DType::f32);
+  EXPECT_THROW(gpu().copy_columns(rows.g, 0, dst.g, 0, 2, false), Error);
+}
+
 TEST_F(GpuOps, TopkRoute) {
   SEEDED_RNG(rng);
   for (DType dt : kDtypes)

@@ -156,6 +156,11 @@ void CpuBackend::topk_route_backward(const Tensor& dweights, const Tensor& weigh
   run([&] { cpu::topk_route_backward(dweights, weights, indices, probs, sigmoid, normalize, dlogits); });
 }
 
+void CpuBackend::copy_columns(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col,
+                              int64_t width, bool accumulate) {
+  run([&] { cpu::copy_columns(src, src_col, dst, dst_col, width, accumulate); });
+}
+
 void CpuBackend::gather_rows(const Tensor& x, const Tensor& idx, Tensor& out) {
   run([&] { cpu::gather_rows(x, idx, out); });
 }

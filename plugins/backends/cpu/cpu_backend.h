@@ -43,6 +43,8 @@ class CpuBackend final : public Backend {
   void axpy(float alpha, const Tensor& x, Tensor& y) override;
   double sum(const Tensor& x) override;
   double sum_squares(const Tensor& x) override;
+  void copy_columns(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col, int64_t width,
+                    bool accumulate) override;
   void matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool trans_b, float alpha,
               float beta) override;
   void embedding_forward(const Tensor& table, const Tensor& ids, Tensor& out) override;

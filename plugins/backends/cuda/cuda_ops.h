@@ -32,6 +32,10 @@ class CudaOps : public Backend {
   void sum_squares_each(const std::vector<const Tensor*>& xs, std::vector<double>& s) override {
     cuda::sums(ctx_, xs, true, s);
   }
+  void copy_columns(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col, int64_t width,
+                    bool accumulate) override {
+    cuda::copy_columns(ctx_, src, src_col, dst, dst_col, width, accumulate);
+  }
   void matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool trans_b, float alpha,
               float beta) override {
     cuda::matmul(ctx_, a, b, c, trans_a, trans_b, alpha, beta);

@@ -1177,6 +1177,43 @@ void scatter_add_rows(const Ctx& c, const Tensor& src, const Tensor& idx, const 
               shapes);
 }
 
+// ---- columns: split and concat on the last dimension -----------------------------------------
+
+namespace {
+// dst[r, dc + j] (+)= src[r, sc + j], i over [N, width]: one thread per element, consecutive
+// threads on consecutive columns of a row, so loads and stores coalesce.
+struct ColumnsF {
+  In s;
+  int64_t ds, sc;
+  Out o;
+  int64_t dd, dc, width;
+  bool acc;
+  __device__ void operator()(int64_t i) const {
+    const int64_t r = i / width, j = i - r * width;
+    const float v = s[r * ds + sc + j];
+    const int64_t at = r * dd + dc + j;
+    o.set(at, acc ? __fadd_rn(o.get(at), v) : v);
+  }
+};
+}  // namespace
+
+void copy_columns(const Ctx& c, const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col,
+                  int64_t width, bool accumulate) {
+  auto shapes = [&] {
+    return "columns [" + std::to_string(src_col) + ", " + std::to_string(src_col + width) +
+           ") of src " + str(src) + " to columns [" + std::to_string(dst_col) + ", " +
+           std::to_string(dst_col + width) + ") of dst " + str(dst);
+  };
+  MT_CHECK(is_fb(src) && is_fb(dst) && src.ndim() >= 1 && dst.ndim() >= 1,
+           "cuda copy_columns: " + shapes() + " (want f32 or bf16 matrices [N, Ds] and [N, Dd])");
+  const int64_t ds = last_dim(src), dd = last_dim(dst), N = lead_rows(src);
+  MT_CHECK(N == lead_rows(dst) && width >= 0 && src_col >= 0 && dst_col >= 0 &&
+               src_col + width <= ds && dst_col + width <= dd,
+           "cuda copy_columns: " + shapes() + " (want the same rows and columns inside both)");
+  launch_map(c, N * width, ColumnsF{in(src), ds, src_col, out(dst), dd, dst_col, width, accumulate},
+             "copy_columns", shapes);
+}
+
 namespace {
 // Routing: one thread per token row; E (experts) is small, and the serial loop is the CPU's own
 // (moe.cpp), so selection, ties (lower index wins, NaN last) and rounding match it exactly.

@@ -106,6 +106,10 @@ double sum(const Ctx& c, const Tensor& x, bool squares);
 void sums(const Ctx& c, const std::vector<const Tensor*>& xs, bool squares,
           std::vector<double>& result);
 
+// split and concat on the last dimension
+void copy_columns(const Ctx& c, const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col,
+                  int64_t width, bool accumulate);
+
 // matmul (cuBLASLt through c.gemm, f32 accumulation; gemm.cu)
 void matmul(const Ctx& c, const Tensor& a, const Tensor& b, Tensor& out, bool trans_a, bool trans_b,
             float alpha, float beta);

@@ -122,6 +122,14 @@ class MT_API Backend {
   // Sum of all elements / of squares, accumulated in double.
   virtual double sum(const Tensor& x) = 0;
   virtual double sum_squares(const Tensor& x) = 0;
+  // Columns of one matrix into another (split and concat on the last dimension): src [N, Ds],
+  // dst [N, Dd] (the same row count N), for every row n and c in [0, width):
+  //   dst[n, dst_col + c] = src[n, src_col + c]      (accumulate = false: a copy, converting)
+  //   dst[n, dst_col + c] += src[n, src_col + c]     (accumulate = true: a backward)
+  // Other columns of dst are left alone. The default goes through the host (copy_to_host and
+  // copy_from_host, correct for any backend, slow); backends override it with one pass.
+  virtual void copy_columns(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col,
+                            int64_t width, bool accumulate);
   // sums[i] = sum_squares(*xs[i]) for every tensor at once (a gradient norm over all
   // parameters): a device backend reads the results back in one round trip instead of one per
   // tensor. The default calls sum_squares in turn; an override must give the same values.

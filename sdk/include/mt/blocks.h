@@ -103,5 +103,32 @@ MT_API Tensor lm_head(Graph& g, const Params& p, const Tensor& h, bool tied,
                       const std::string& embedding = "embedding",
                       const std::string& head = "lm_head");
 
+// ---- mixture of experts -----------------------------------------------------------------------
+struct MoeSpec {
+  int64_t d_model = 0;
+  int64_t hidden = 0;  // per expert
+  int64_t num_experts = 0;
+  int64_t top_k = 1;
+  Activation act = Activation::silu;
+  // Gated experts: down(act(x @ w_gate[e]) * (x @ w_up[e])); plain: down(act(x @ w_up[e])).
+  bool gated = true;
+  bool normalize_topk = false;  // norm_topk_prob: the k weights divided by their sum
+  bool sigmoid_scores = false;  // router scores sigmoid(logits) (DeepSeek-V3) instead of softmax
+  // Switch/Mixtral load balancing, E * sum_e f_e P_e: f_e the fraction of the N k token-slots
+  // routed to expert e, P_e the mean router score of e over the tokens (uniform routing gives 1).
+  float load_balance_weight = 0.f;
+  float z_loss_weight = 0.f;     // router z-loss: mean over tokens of logsumexp(logits)^2
+  float capacity_factor = -1.f;  // -1: dropless (the only kind implemented); > 0 is refused
+};
+// router [d, E]; w_gate (gated only) and w_up [E, d, hidden], w_down [E, hidden, d], each expert
+// weight with ParamSpec::active = top_k / E; names after `prefix`.
+MT_API std::vector<ParamSpec> moe_params(const MoeSpec& s, const std::string& prefix = "");
+// x [..., d] -> [..., d] and the auxiliary losses "moe_lb_loss" (weight load_balance_weight)
+// and "moe_z_loss" (weight z_loss_weight). Dropless: every token's k copies are sorted by
+// expert (on the host, Graph::sort_by_expert) and each projection is one grouped matmul; the
+// experts' outputs are combined with the routing weights by one weighted scatter-add.
+MT_API LayerOutput moe(Graph& g, const Params& p, const MoeSpec& s, const Tensor& x,
+                       const std::string& prefix = "");
+
 }  // namespace blocks
 }  // namespace mt

@@ -92,6 +92,42 @@ class MT_API Graph {
   // (rows with target < 0 count 0). weight = 1 / (number of counted rows) gives the mean.
   Tensor cross_entropy(const Tensor& logits, const Tensor& targets, float z_loss, float weight);
 
+  // ---- split and concat on the last dimension (graph_ops.cpp; Backend::copy_columns) --------
+  // x [..., D] -> pieces [..., sizes[i]], the sizes (each >= 0) summing to D; each piece is a
+  // new tensor in x's dtype.
+  std::vector<Tensor> split(const Tensor& x, const std::vector<int64_t>& sizes);
+  // xs[i] [..., D_i], all of one leading shape -> [..., sum of D_i] in xs[0]'s dtype.
+  Tensor concat(const std::vector<Tensor>& xs);
+
+  // ---- mixture of experts (graph_ops.cpp) ---------------------------------------------------
+  struct Routing {
+    Tensor weights;  // [N, k] f32: the chosen experts' weights (differentiable)
+    Tensor indices;  // [N, k] i32: the chosen experts, by descending score
+    Tensor probs;    // [N, E] f32: every expert's score, softmax or sigmoid (differentiable)
+  };
+  // logits [N, E] (any leading shape) -> top-k routing (Backend::topk_route_forward).
+  Routing route(const Tensor& logits, int k, bool sigmoid, bool normalize);
+  // x [N, D], idx [M] i32 in [0, N) -> [M, D]: out[m] = x[idx[m]]
+  Tensor gather_rows(const Tensor& x, const Tensor& idx);
+  // src [M, D], idx [M] i32 in [0, rows), w [M] f32 or undefined (all 1) -> [rows, D] in src's
+  // dtype: out[r] = sum over m with idx[m] = r of w[m] * src[m]. Differentiable in src and w.
+  Tensor scatter_add_rows(const Tensor& src, const Tensor& idx, const Tensor& w, int64_t rows);
+  // x [M, K] with rows grouped by expert (rows offsets[e]..offsets[e+1] use w[e]), w [E, K, N]
+  // ([E, N, K] if trans_w), offsets [E + 1] i32 -> [M, N]. Differentiable in x and w.
+  Tensor grouped_matmul(const Tensor& x, const Tensor& w, const Tensor& offsets,
+                        bool trans_w = false);
+  // Token copies sorted by expert, for a dropless MoE layer: from indices [N, k] i32 (route's),
+  // the M = N k token-slots (n * k + j) ordered by expert (stably, so by slot within an expert).
+  // Computed on the host (the indices are read back: one synchronisation per layer); a device
+  // sort can replace it without changing the interface.
+  struct ExpertOrder {
+    Tensor slots;                 // [M] i32: the token-slot of each sorted row
+    Tensor tokens;                // [M] i32: its token (slot / k)
+    Tensor offsets;               // [E + 1] i32: expert e's rows are offsets[e]..offsets[e+1]
+    std::vector<int64_t> counts;  // [E] rows per expert, on the host
+  };
+  ExpertOrder sort_by_expert(const Tensor& indices, int64_t num_experts);
+
   // Runs f(g, x) as one rematerialisable block (a decoder layer). none: recorded as usual.
   // full: f runs without recording; the backward re-runs it, recording, from the saved input.
   // minimal: like full, but the forward keeps every matmul output and the re-run reuses them,

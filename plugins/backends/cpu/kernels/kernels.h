@@ -19,6 +19,10 @@ void axpy(float alpha, const Tensor& x, Tensor& y);
 double sum(const Tensor& x);
 double sum_squares(const Tensor& x);
 
+// columns.cpp
+void copy_columns(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col, int64_t width,
+                  bool accumulate);
+
 // gemm.cpp
 // Chooses the GEMM path for this machine. Must run before OpenBLAS initialises its threads
 // (called from the plugin's registration, before any GEMM).
