@@ -1,6 +1,7 @@
 #include "test_support.h"
 
 #include <sys/wait.h>
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdio>
@@ -112,6 +113,15 @@ MtResult run_mt(const std::string& args, int seconds, const std::string& env) {
   const std::string limit = seconds > 0 ? "timeout " + std::to_string(seconds) + " " : "";
   r.code = run_command("MT_PLUGIN_PATH= " + env + " " + limit + mt_exe() + " " + args, r.out);
   return r;
+}
+
+double scaled_err(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    num = std::max(num, std::fabs(double(a[i]) - double(b[i])));
+    den = std::max(den, std::fabs(double(b[i])));
+  }
+  return den > 0 ? num / den : num;
 }
 
 }  // namespace mt::test

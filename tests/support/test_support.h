@@ -34,6 +34,15 @@ std::vector<int32_t> to_ints(const Tensor& t);
 uint64_t seed();
 std::vector<float> randn(size_t n, std::mt19937_64& rng, float stddev = 1.f);
 
+// A std::mt19937_64 named `rng` seeded by seed(), the seed shown with any failure of the scope.
+#define MT_SEEDED_RNG(rng)                                           \
+  const uint64_t seed_ = ::mt::test::seed();                         \
+  SCOPED_TRACE("seed " + std::to_string(seed_) + " (MT_TEST_SEED)"); \
+  std::mt19937_64 rng(seed_)
+
+// max_i |a - b| / max_i |b|: the error relative to the scale of the whole tensor.
+double scaled_err(const std::vector<float>& a, const std::vector<float>& b);
+
 // Max over i of |a - b| / max(|b|, floor): relative error with a floor for values near zero.
 double max_rel_err(const std::vector<float>& a, const std::vector<float>& b, double floor = 1e-3);
 

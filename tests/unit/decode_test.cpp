@@ -27,16 +27,6 @@ std::unique_ptr<ModelRunner> runner(std::vector<std::string> overrides) {
   return r;
 }
 
-// max |a - b| / max |b|: error relative to the logits' scale.
-double scaled_err(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    num = std::max(num, std::fabs(double(a[i]) - double(b[i])));
-    den = std::max(den, std::fabs(double(b[i])));
-  }
-  return den > 0 ? num / den : num;
-}
-
 // Logits of the full (non-cached) forward over `ids` [1, T] -> [T * V].
 std::vector<float> full_forward(ModelRunner& r, const std::vector<int32_t>& ids) {
   HostBatch hb;
@@ -68,7 +58,7 @@ void decode_matches_forward(std::vector<std::string> overrides, double tol = 1e-
     for (int i = 0; i < prompt_len[b]; ++i) seqs[b].push_back(static_cast<int32_t>(rng() % V));
     const std::vector<float> pl = dec.prefill(b, seqs[b]);
     const std::vector<float> ref = full_forward(*r, seqs[b]);
-    EXPECT_LT(scaled_err(pl, ref), tol) << "prefill of sequence " << b;
+    EXPECT_LT(test::scaled_err(pl, ref), tol) << "prefill of sequence " << b;
     next[b] = static_cast<int32_t>(rng() % V);
   }
   for (int step = 0; step < 8; ++step) {
@@ -80,20 +70,24 @@ void decode_matches_forward(std::vector<std::string> overrides, double tol = 1e-
       const std::vector<float> ref = full_forward(*r, seqs[b]);
       const std::vector<float> got(logits.begin() + b * V, logits.begin() + (b + 1) * V);
       const std::vector<float> want(ref.end() - V, ref.end());
-      EXPECT_LT(scaled_err(got, want), tol) << "step " << step << " sequence " << b;
+      EXPECT_LT(test::scaled_err(got, want), tol) << "step " << step << " sequence " << b;
       next[b] = static_cast<int32_t>(rng() % V);
     }
   }
 }
 
-TEST(Decode, CachedDecodeEqualsFullForwardFlashGqa) { decode_matches_forward({"attention=flash"}); }
+TEST(Decode, CachedDecodeEqualsFullForwardFlashGqa) {
+  decode_matches_forward({"attention=flash"});
+}
 TEST(Decode, CachedDecodeEqualsFullForwardDotProduct) {
   decode_matches_forward({"attention=dot_product"});
 }
 TEST(Decode, CachedDecodeEqualsFullForwardMha) {
   decode_matches_forward({"base_num_kv_heads=4"});
 }
-TEST(Decode, CachedDecodeEqualsFullForwardMqa) { decode_matches_forward({"base_num_kv_heads=1"}); }
+TEST(Decode, CachedDecodeEqualsFullForwardMqa) {
+  decode_matches_forward({"base_num_kv_heads=1"});
+}
 TEST(Decode, CachedDecodeEqualsFullForwardSlidingWindowRope31) {
   decode_matches_forward({"sliding_window_size=4", "rope_type=llama3.1",
                           "original_max_position_embeddings=8", "logits_via_embedding=true"});
@@ -141,7 +135,8 @@ void greedy_matches_golden(const char* name, std::vector<std::string> overrides)
       std::vector<float> t(v.size());
       const int64_t rows = p.spec.shape[1], cols = p.spec.shape[0];
       for (int64_t i = 0; i < rows; ++i)
-        for (int64_t j = 0; j < cols; ++j) t[static_cast<size_t>(j * rows + i)] = v[static_cast<size_t>(i * cols + j)];
+        for (int64_t j = 0; j < cols; ++j)
+          t[static_cast<size_t>(j * rows + i)] = v[static_cast<size_t>(i * cols + j)];
       v.swap(t);
     }
     Tensor tv = test::from_vector(r->backend(), p.spec.shape, v);
@@ -149,18 +144,20 @@ void greedy_matches_golden(const char* name, std::vector<std::string> overrides)
   }
   const auto& pi = f.info("generate_prompt");
   const auto& gi = f.info("generate_ids");
-  std::vector<int32_t> prompt(static_cast<size_t>(pi.numel())), want(static_cast<size_t>(gi.numel()));
+  std::vector<int32_t> prompt(static_cast<size_t>(pi.numel())),
+      want(static_cast<size_t>(gi.numel()));
   std::memcpy(prompt.data(), pi.data, pi.nbytes());
   std::memcpy(want.data(), gi.data, gi.nbytes());
-  const GenerateResult g = generate(*r, {prompt}, static_cast<int64_t>(want.size()), SamplingParams{}, -1);
+  const GenerateResult g =
+      generate(*r, {prompt}, static_cast<int64_t>(want.size()), SamplingParams{}, -1);
   std::vector<int32_t> got = prompt;
   got.insert(got.end(), g.tokens[0].begin(), g.tokens[0].end());
   EXPECT_EQ(got, want);
 }
 
 const std::vector<std::string> kGolden = {
-    "vocab_size=256", "base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=2",
-    "head_dim=16", "base_mlp_dim=128", "base_num_decoder_layers=2"};
+    "vocab_size=256", "base_emb_dim=64",  "base_num_query_heads=4",   "base_num_kv_heads=2",
+    "head_dim=16",    "base_mlp_dim=128", "base_num_decoder_layers=2"};
 
 TEST(Decode, GreedyMatchesTransformersGqa) {
   auto o = kGolden;
@@ -169,10 +166,10 @@ TEST(Decode, GreedyMatchesTransformersGqa) {
 }
 TEST(Decode, GreedyMatchesTransformersLlama31) {
   auto o = kGolden;
-  o.insert(o.end(), {"normalization_layer_epsilon=1e-6", "rope_type=llama3.1",
-                     "rope_max_timescale=500000", "rope_factor=8", "rope_low_freq_factor=1",
-                     "rope_high_freq_factor=4", "original_max_position_embeddings=32",
-                     "logits_via_embedding=true"});
+  o.insert(o.end(),
+           {"normalization_layer_epsilon=1e-6", "rope_type=llama3.1", "rope_max_timescale=500000",
+            "rope_factor=8", "rope_low_freq_factor=1", "rope_high_freq_factor=4",
+            "original_max_position_embeddings=32", "logits_via_embedding=true"});
   greedy_matches_golden("llama31", o);
 }
 

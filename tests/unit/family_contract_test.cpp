@@ -60,15 +60,6 @@ HostBatch batch(int64_t b, int64_t t, uint64_t seed) {
   return hb;
 }
 
-double scaled_err(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    num = std::max(num, std::fabs(double(a[i]) - double(b[i])));
-    den = std::max(den, std::fabs(double(b[i])));
-  }
-  return den > 0 ? num / den : num;
-}
-
 TEST(FamilyContract, LayersDeclareTheirOwnCaches) {
   auto r = runner();
   ASSERT_EQ(r->cache_specs().size(), 4u);
@@ -104,7 +95,7 @@ TEST(FamilyContract, DecodeEqualsForwardWithPerLayerWindows) {
   };
   for (int b = 0; b < 2; ++b) {
     for (int i = 0; i < prompt_len[b]; ++i) seqs[b].push_back(static_cast<int32_t>(rng() % 256));
-    EXPECT_LT(scaled_err(dec.prefill(b, seqs[b]), full(seqs[b])), 1e-5) << "prefill " << b;
+    EXPECT_LT(test::scaled_err(dec.prefill(b, seqs[b]), full(seqs[b])), 1e-5) << "prefill " << b;
     next[b] = static_cast<int32_t>(rng() % 256);
   }
   for (int step = 0; step < 8; ++step) {  // past the window of 4
@@ -114,7 +105,7 @@ TEST(FamilyContract, DecodeEqualsForwardWithPerLayerWindows) {
       const std::vector<float> ref = full(seqs[b]);
       const std::vector<float> last(ref.end() - 256, ref.end());
       const std::vector<float> got(logits.begin() + b * 256, logits.begin() + (b + 1) * 256);
-      EXPECT_LT(scaled_err(got, last), 1e-5) << "step " << step << " sequence " << b;
+      EXPECT_LT(test::scaled_err(got, last), 1e-5) << "step " << step << " sequence " << b;
       next[b] = static_cast<int32_t>(rng() % 256);
     }
   }

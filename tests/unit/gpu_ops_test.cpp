@@ -38,11 +38,6 @@
 namespace mt {
 namespace {
 
-#define SEEDED_RNG(rng)                                              \
-  const uint64_t seed_ = test::seed();                               \
-  SCOPED_TRACE("seed " + std::to_string(seed_) + " (MT_TEST_SEED)"); \
-  std::mt19937_64 rng(seed_)
-
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 // cuda_emulated_ops_test runs every GPU thread on the CPU: its largest shapes shrink by this
 // factor so that it stays a unit test; on a device they run whole.
@@ -159,7 +154,7 @@ int64_t pick(std::mt19937_64& rng, int64_t lo, int64_t hi) {
 }
 
 TEST_F(GpuOps, ElementwiseAndCast) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   for (DType dt : kDtypes) {
     SCOPED_TRACE(dname(dt));
     const int64_t n = pick(rng, 1, 100000);
@@ -209,7 +204,7 @@ TEST_F(GpuOps, ElementwiseAndCast) {
 // one element in (2 or 4 bytes off), alone or next to aligned operands, go element by element
 // and give the same results.
 TEST_F(GpuOps, ElementwiseOnUnalignedViews) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   for (DType dt : kDtypes) {
     SCOPED_TRACE(dname(dt));
     const int64_t n = pick(rng, 9, 5000);
@@ -237,7 +232,7 @@ TEST_F(GpuOps, ElementwiseOnUnalignedViews) {
 }
 
 TEST_F(GpuOps, SumAndSumSquaresAreDeterministic) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   for (DType dt : kDtypes) {
     SCOPED_TRACE(dname(dt));
     for (int64_t n : {int64_t{1}, pick(rng, 2, 1000), pick(rng, 100000, 3000000)}) {
@@ -262,7 +257,7 @@ TEST_F(GpuOps, SumAndSumSquaresAreDeterministic) {
 // The gradient norm's batched form: every tensor's sum of squares in one read-back, each equal
 // bit for bit to its own sum_squares (an empty tensor sums to 0), mixed dtypes and sizes.
 TEST_F(GpuOps, SumSquaresEachMatchesOneByOne) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   std::vector<Tensor> xs;
   for (int i = 0; i < 7; ++i) {
     const int64_t n = i == 3 ? 0 : pick(rng, 1, i % 2 ? 200000 : 5000);
@@ -286,7 +281,7 @@ TEST_F(GpuOps, SumSquaresEachMatchesOneByOne) {
 }
 
 TEST_F(GpuOps, Matmul) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   struct Case {
     Shape lead;
     int64_t m, k, n;
@@ -332,7 +327,7 @@ TEST_F(GpuOps, Matmul) {
 }
 
 TEST_F(GpuOps, Embedding) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   // Up to 1024 rows the backward scatters on the device alone, beyond through host-built runs:
   // both sizes, same sums.
   for (DType dt : kDtypes)
@@ -372,7 +367,7 @@ TEST_F(GpuOps, Embedding) {
 // lowest bad position with its value, and the one after is clean again. Nothing is read out of
 // bounds meanwhile (memcheck on a device).
 TEST_F(GpuOps, BadIndicesAreReportedAtTheNextSync) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   auto expect_reported = [&](const char* what, const std::function<void()>& call,
                              const std::string& needle, bool by_copy = false) {
     SCOPED_TRACE(what);
@@ -446,7 +441,7 @@ TEST_F(GpuOps, BadIndicesAreReportedAtTheNextSync) {
 }
 
 TEST_F(GpuOps, GatherAndScatterRows) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   for (DType dt : kDtypes)
     for (bool weighted : {false, true})
       for (int64_t M : {pick(rng, 1, 600), pick(rng, 1025, 1400)}) {  // device, host-built runs
@@ -474,7 +469,7 @@ TEST_F(GpuOps, GatherAndScatterRows) {
 // scatter_rows (KV-cache writes): distinct rows in random order over a cache whose other rows
 // must survive; the source in either dtype.
 TEST_F(GpuOps, ScatterRows) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   for (DType dt : kDtypes)
     for (DType st : kDtypes) {
       SCOPED_TRACE(std::string("out ") + dname(dt) + " src " + dname(st));
@@ -494,7 +489,7 @@ TEST_F(GpuOps, ScatterRows) {
 // copy_columns (split and concat): a block of columns between matrices of other widths, copied
 // (the same bits, converting where the dtypes differ) or accumulated.
 TEST_F(GpuOps, CopyColumns) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   for (DType dt : kDtypes)
     for (DType st : kDtypes)
       for (bool acc : {false, true}) {
@@ -518,7 +513,7 @@ TEST_F(GpuOps, CopyColumns) {
 }
 
 TEST_F(GpuOps, TopkRoute) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   for (DType dt : kDtypes)
     for (bool sigmoid : {false, true})
       for (bool normalize : {false, true}) {
@@ -546,7 +541,7 @@ TEST_F(GpuOps, TopkRoute) {
 }
 
 TEST_F(GpuOps, GroupedMatmul) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   for (DType dt : kDtypes)
     for (bool trans_w : {false, true}) {
       SCOPED_TRACE(std::string(dname(dt)) + (trans_w ? " trans_w" : ""));
@@ -571,7 +566,7 @@ TEST_F(GpuOps, GroupedMatmul) {
 }
 
 TEST_F(GpuOps, RmsNorm) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   for (DType dt : kDtypes)
     for (bool plus_one : {false, true})
       // Any width (element by element) and a multiple of 8 (16-byte accesses).
@@ -603,7 +598,7 @@ TEST_F(GpuOps, RmsNorm) {
 }
 
 TEST_F(GpuOps, LayerNorm) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   for (DType dt : kDtypes)
     for (bool bias : {false, true}) {
       SCOPED_TRACE(std::string(dname(dt)) + (bias ? " bias" : ""));
@@ -632,7 +627,7 @@ TEST_F(GpuOps, LayerNorm) {
 }
 
 TEST_F(GpuOps, Rope) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   std::vector<RopeSpec> specs(5);
   specs[1].interleaved = true;
   specs[2].type = RopeSpec::Type::llama3;
@@ -685,7 +680,7 @@ TEST_F(GpuOps, Rope) {
 }
 
 TEST_F(GpuOps, Activations) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   const Activation acts[] = {Activation::silu, Activation::gelu_tanh, Activation::gelu_exact,
                              Activation::relu};
   for (DType dt : kDtypes)
@@ -717,7 +712,7 @@ TEST_F(GpuOps, Activations) {
 }
 
 TEST_F(GpuOps, Softcap) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   for (DType dt : kDtypes) {
     SCOPED_TRACE(dname(dt));
     const int64_t n = pick(rng, 1, 50000);
@@ -737,7 +732,7 @@ TEST_F(GpuOps, Softcap) {
 }
 
 TEST_F(GpuOps, Softmax) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   for (DType dt : kDtypes) {
     SCOPED_TRACE(dname(dt));
     const int64_t N = pick(rng, 1, 500), C = pick(rng, 1, 3000);
@@ -755,7 +750,7 @@ TEST_F(GpuOps, Softmax) {
 }
 
 TEST_F(GpuOps, CrossEntropy) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   for (DType dt : kDtypes)
     for (float z : {0.f, 1e-4f})
       // Any vocabulary (element by element) and a multiple of 8 (16-byte loads).
@@ -782,7 +777,7 @@ TEST_F(GpuOps, CrossEntropy) {
 }
 
 TEST_F(GpuOps, AdamW) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   for (DType dp : kDtypes)
     for (DType dg : kDtypes) {
       SCOPED_TRACE(std::string("param ") + dname(dp) + ", grad " + dname(dg));
@@ -890,7 +885,7 @@ class GpuAttention : public GpuOps {
 };
 
 TEST_F(GpuAttention, DotProduct) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   auto ga = gpu_attention("dot_product");
   for (DType dt : kDtypes)
     for (const AttnCase& cs : kAttnCases)
@@ -900,7 +895,7 @@ TEST_F(GpuAttention, DotProduct) {
 // Small shapes: f32, and bf16 head sizes other than 64 and 128, take the SIMT kernels; bf16 with
 // head_dim 64 takes the tensor-core kernels on a single partial tile.
 TEST_F(GpuAttention, FlashSmall) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   auto ga = gpu_attention("flash");
   for (DType dt : kDtypes)
     for (const AttnCase& cs : kAttnCases)
@@ -921,7 +916,7 @@ TEST_F(GpuAttention, FlashSmall) {
 // Several 64-row tiles, partial last tiles, and both tensor-core head sizes; f32 runs the SIMT
 // kernels on the same shapes. The sliding window of 70 with offset 9 skips whole key tiles.
 TEST_F(GpuAttention, FlashTiles) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   auto ga = gpu_attention("flash");
   for (DType dt : kDtypes)
     for (const AttnCase& cs : kAttnCases)
@@ -939,7 +934,7 @@ TEST_F(GpuAttention, FlashTiles) {
 // refill each buffer more than once. Emulated, four of the cases (causal MHA with an offset,
 // causal GQA, non-causal MQA, window with offset); on a device all of them.
 TEST_F(GpuAttention, FlashLongTiles) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   auto ga = gpu_attention("flash");
   for (size_t c = 0; c < std::size(kAttnCases); ++c) {
     if (kShrink > 1 && c != 0 && c != 1 && c != 2 && c != 7) continue;
@@ -952,7 +947,7 @@ TEST_F(GpuAttention, FlashLongTiles) {
 // More queries than keys (T > S, no causal mask) is a forward, not a decode: no length check
 // applies. Both kernels, f32 (SIMT) and bf16 at head_dim 64 (tensor cores), against the CPU.
 TEST_F(GpuAttention, ForwardWithMoreQueriesThanKeys) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   for (const char* kernel : {"dot_product", "flash"}) {
     auto ga = gpu_attention(kernel);
     auto ca = test::attention("dot_product", cpu());
@@ -977,7 +972,7 @@ TEST_F(GpuAttention, ForwardWithMoreQueriesThanKeys) {
 
 // flash against dot_product on the GPU itself, bf16 at a training-like shape.
 TEST_F(GpuAttention, FlashMatchesDotProductOnDevice) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   auto fa = gpu_attention("flash");
   auto da = gpu_attention("dot_product");
   const int64_t B = 2, T = kShrink > 1 ? 128 : 256, H = 8, Hkv = 2, D = 128;
@@ -1009,7 +1004,7 @@ TEST_F(GpuAttention, FlashMatchesDotProductOnDevice) {
 // partial softmaxes combined; with a sliding window some chunks see no key at all, and without
 // the causal mask only lengths[b] keeps the rows past each sequence out.
 TEST_F(GpuAttention, FlashDecodeLongCache) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   auto ga = gpu_attention("flash");
   auto ca = test::attention("dot_product", cpu());
   for (DType dt : kDtypes)
@@ -1037,7 +1032,7 @@ TEST_F(GpuAttention, FlashDecodeLongCache) {
 // Bad arguments are refused before any launch, with the op and every operand's shape in the
 // message (the launchers build that text only for a message); the kernel computes afterwards.
 TEST_F(GpuAttention, BadArgumentsNameTheOpAndTheShapes) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   const DType dt = DType::bf16;
   const auto filled = [&](const Shape& s) { return make(s, rand_nz(shape_numel(s), rng), dt).g; };
   const auto refused = [](const std::string& what, const std::vector<std::string>& parts,
@@ -1086,7 +1081,7 @@ TEST_F(GpuAttention, BadArgumentsNameTheOpAndTheShapes) {
 
 // The backward owns its output rows (no atomics): two runs give the same bits.
 TEST_F(GpuAttention, FlashBackwardIsDeterministic) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   auto fa = gpu_attention("flash");
   for (DType dt : kDtypes) {
     const int64_t B = 1, T = 130, H = 4, Hkv = 2, D = 64;
@@ -1140,7 +1135,7 @@ std::unique_ptr<Backend> gpu_with_dkv_parts(const char* value) {
 // accumulator, so the same bits, under causal masks with an offset, GQA, windows and segment ids
 // (slices skipped or taken unmasked where whole tiles are not).
 TEST_F(GpuAttention, FlashDkvSlicesGiveTheSameBits) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   std::unique_ptr<Backend> whole = gpu_with_dkv_parts("1"), sliced = gpu_with_dkv_parts("2");
   for (size_t c : {size_t{1}, size_t{5}, size_t{6}, size_t{7}})
     for (int64_t D : {64, 128}) {

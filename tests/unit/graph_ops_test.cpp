@@ -24,11 +24,6 @@
 namespace mt {
 namespace {
 
-#define SEEDED_RNG(rng)                                              \
-  const uint64_t seed_ = test::seed();                               \
-  SCOPED_TRACE("seed " + std::to_string(seed_) + " (MT_TEST_SEED)"); \
-  std::mt19937_64 rng(seed_)
-
 using Fn = std::function<std::vector<Tensor>(Graph&, const std::vector<Tensor>&)>;
 
 // The tape's gradients of L = sum_j <out_j, seed_j> (random seeds) for every input against
@@ -99,7 +94,7 @@ std::vector<float> rand_vec(int64_t n, std::mt19937_64& rng, float stddev = 1.f)
 // ---- split and concat ---------------------------------------------------------------------------
 
 TEST(GraphOps, SplitForwardAndGradients) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   Backend& be = test::cpu();
   const std::vector<float> xv = rand_vec(2 * 3 * 7, rng);
   // Forward: the pieces are the columns.
@@ -139,7 +134,7 @@ TEST(GraphOps, SplitForwardAndGradients) {
 }
 
 TEST(GraphOps, ConcatForwardAndGradients) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   Backend& be = test::cpu();
   const std::vector<float> av = rand_vec(2 * 3 * 2, rng), bv = rand_vec(2 * 3 * 4, rng);
   Graph plain(be, false);
@@ -296,7 +291,7 @@ class NoColumnsBackend final : public Backend {
 // split and concat, forward and backward, in f32 and bf16, on the CPU backend's kernel and on a
 // backend that lacks it: the same bits.
 TEST(GraphOps, CopyColumnsFallsBackOnABackendWithoutTheKernel) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   Backend& cpu = test::cpu();
   NoColumnsBackend fallback(cpu);
   const std::vector<float> av = rand_vec(4 * 3, rng), bv = rand_vec(4 * 5, rng),
@@ -369,7 +364,7 @@ std::vector<float> separated_logits(int64_t n, int64_t E, std::mt19937_64& rng, 
 }
 
 TEST(GraphOps, RouteGradients) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   const int64_t n = 5, E = 6;
   const std::vector<float> lv = separated_logits(n, E, rng);
   for (bool sigmoid : {false, true})
@@ -398,7 +393,7 @@ TEST(GraphOps, RouteGradients) {
 }
 
 TEST(GraphOps, GatherRowsGradients) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   Backend& be = test::cpu();
   const Tensor idx = test::from_ints(be, {7}, {3, 0, 3, 4, 1, 3, 0});  // repeats, row 2 unused
   const std::vector<float> xv = rand_vec(5 * 3, rng);
@@ -416,7 +411,7 @@ TEST(GraphOps, GatherRowsGradients) {
 }
 
 TEST(GraphOps, WeightedScatterAddGradients) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   Backend& be = test::cpu();
   const Tensor idx = test::from_ints(be, {6}, {2, 0, 2, 3, 2, 0});  // row 1 receives nothing
   const std::vector<float> sv = rand_vec(6 * 4, rng), wv = rand_vec(6, rng);
@@ -455,7 +450,7 @@ TEST(GraphOps, WeightedScatterAddGradients) {
 }
 
 TEST(GraphOps, GroupedMatmulGradients) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   Backend& be = test::cpu();
   const int64_t M = 7, K = 3, N = 4, E = 3;
   const Tensor offsets = test::from_ints(be, {E + 1}, {0, 2, 2, 7});  // expert 1 has no rows
@@ -626,7 +621,7 @@ LayerOutput run_moe(Graph& g, const MoeCase& c, const std::vector<Tensor>& in) {
 }
 
 TEST(GraphOps, MoeBlockMatchesAHostLoopOverTopKExperts) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   Backend& be = test::cpu();
   for (bool gated : {true, false})
     for (bool sigmoid : {false, true})
@@ -665,7 +660,7 @@ TEST(GraphOps, MoeBlockMatchesAHostLoopOverTopKExperts) {
 
 // The block's gradients (output and both auxiliary losses) against central differences.
 TEST(GraphOps, MoeBlockGradients) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   for (bool sigmoid : {false, true}) {
     SCOPED_TRACE(sigmoid ? "sigmoid" : "softmax");
     blocks::MoeSpec s;
@@ -800,7 +795,7 @@ Tensor positions(Backend& be, int64_t B, int64_t t0, int64_t t) {
 }
 
 TEST(GraphOps, AttentionWithAnotherValueHeadSize) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   Backend& be = test::cpu();
   auto kernel = test::attention("dot_product", be);
   for (auto [dk, dv] : {std::pair<int64_t, int64_t>{6, 4}, {4, 6}}) {

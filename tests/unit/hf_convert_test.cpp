@@ -265,17 +265,20 @@ TEST(HfImport, TransformersFiveAndLegacyConfigsGiveTheGoldenLogits) {
   }
 }
 
+// `mt decode` of the directory from token ids (stdout: the ids; stderr is dropped).
+int decode_ids(const fs::path& dir, const std::vector<int32_t>& prompt, size_t max_len,
+               std::string& out) {
+  return mt_cmd("decode hf_path=" + dir.string() + " tokens=" + join_ids(prompt, 0, prompt.size()) +
+                    " max_target_length=" + std::to_string(max_len) + " 2>/dev/null",
+                out);
+}
+
 // Greedy decode from token ids equals transformers' generate (the golden's prompt and ids).
 TEST(HfImport, DecodeFromIdsEqualsTransformersGenerate) {
   Llama31Dir d(true);
   const std::vector<int32_t> prompt = d.ints("generate_prompt"), want = d.ints("generate_ids");
   std::string out;
-  ASSERT_EQ(
-      mt_cmd("decode hf_path=" + d.root.string() + " tokens=" + join_ids(prompt, 0, prompt.size()) +
-                 " max_target_length=" + std::to_string(want.size()) + " 2>/dev/null",
-             out),
-      0)
-      << out;
+  ASSERT_EQ(decode_ids(d.root, prompt, want.size(), out), 0) << out;
   // stdout holds the ids alone; the throughput line goes to stderr (merged here).
   const std::string line = join_ids(want, 0, want.size()) + "\n";
   const size_t at = out.find(line);
@@ -305,12 +308,7 @@ TEST(HfImport, GenerationConfigEosIdsStopDecoding) {
   std::ofstream(d.root / "generation_config.json")
       << R"({"bos_token_id": 1, "eos_token_id": [255, )" << want[stop] << "]}";
   std::string out;
-  ASSERT_EQ(
-      mt_cmd("decode hf_path=" + d.root.string() + " tokens=" + join_ids(prompt, 0, prompt.size()) +
-                 " max_target_length=" + std::to_string(want.size()) + " 2>/dev/null",
-             out),
-      0)
-      << out;
+  ASSERT_EQ(decode_ids(d.root, prompt, want.size(), out), 0) << out;
   EXPECT_NE(out.find(join_ids(want, 0, stop + 1) + "\n"), std::string::npos)
       << "stops at id " << want[stop] << ": " << out;
   // Malformed special-token files are refused with the file and the field.

@@ -23,18 +23,18 @@ struct Golden {
 };
 
 // The mt config equal to each reference model's Hugging Face config.
-const Golden kGqa{"llama_gqa",
-                  {"vocab_size=256", "base_emb_dim=64", "base_num_query_heads=4",
-                   "base_num_kv_heads=2", "head_dim=16", "base_mlp_dim=128",
-                   "base_num_decoder_layers=2", "normalization_layer_epsilon=1e-5",
-                   "rope_max_timescale=10000", "logits_via_embedding=false"}};
-const Golden kLlama31{"llama31",
-                      {"vocab_size=256", "base_emb_dim=64", "base_num_query_heads=4",
-                       "base_num_kv_heads=2", "head_dim=16", "base_mlp_dim=128",
-                       "base_num_decoder_layers=2", "normalization_layer_epsilon=1e-6",
-                       "rope_type=llama3.1", "rope_max_timescale=500000", "rope_factor=8",
-                       "rope_low_freq_factor=1", "rope_high_freq_factor=4",
-                       "original_max_position_embeddings=32", "logits_via_embedding=true"}};
+const Golden kGqa{
+    "llama_gqa",
+    {"vocab_size=256", "base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=2",
+     "head_dim=16", "base_mlp_dim=128", "base_num_decoder_layers=2",
+     "normalization_layer_epsilon=1e-5", "rope_max_timescale=10000", "logits_via_embedding=false"}};
+const Golden kLlama31{
+    "llama31",
+    {"vocab_size=256", "base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=2",
+     "head_dim=16", "base_mlp_dim=128", "base_num_decoder_layers=2",
+     "normalization_layer_epsilon=1e-6", "rope_type=llama3.1", "rope_max_timescale=500000",
+     "rope_factor=8", "rope_low_freq_factor=1", "rope_high_freq_factor=4",
+     "original_max_position_embeddings=32", "logits_via_embedding=true"}};
 
 double json_number(const std::string& json, const std::string& key) {
   const auto p = json.find("\"" + key + "\":");
@@ -53,18 +53,9 @@ std::vector<float> host_f32(const SafeTensorsFile& f, const std::string& name) {
 std::vector<float> transpose(const std::vector<float>& a, int64_t rows, int64_t cols) {
   std::vector<float> t(a.size());
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) t[static_cast<size_t>(c * rows + r)] = a[static_cast<size_t>(r * cols + c)];
+    for (int64_t c = 0; c < cols; ++c)
+      t[static_cast<size_t>(c * rows + r)] = a[static_cast<size_t>(r * cols + c)];
   return t;
-}
-
-// max |a - b| / max |b|: error relative to the tensor's scale.
-double scaled_err(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    num = std::max(num, std::fabs(double(a[i]) - double(b[i])));
-    den = std::max(den, std::fabs(double(b[i])));
-  }
-  return den > 0 ? num / den : num;
 }
 
 struct Loaded {
@@ -83,7 +74,9 @@ Loaded load(const Golden& g, std::vector<std::string> extra) {
   req.overrides.insert(req.overrides.end(), extra.begin(), extra.end());
   Config cfg = load_config(req);
   Loaded l{std::make_unique<ModelRunner>(cfg, test::plugins()),
-           SafeTensorsFile(dir + g.name + ".safetensors"), "", {}};
+           SafeTensorsFile(dir + g.name + ".safetensors"),
+           "",
+           {}};
   std::ifstream js(dir + g.name + ".json");
   std::stringstream ss;
   ss << js.rdbuf();
@@ -107,7 +100,8 @@ Loaded load(const Golden& g, std::vector<std::string> extra) {
   hb.targets.assign(hb.inputs.size(), -1);
   for (int64_t b = 0; b < hb.batch; ++b)
     for (int64_t t = 0; t + 1 < hb.seq; ++t)
-      hb.targets[static_cast<size_t>(b * hb.seq + t)] = hb.inputs[static_cast<size_t>(b * hb.seq + t + 1)];
+      hb.targets[static_cast<size_t>(b * hb.seq + t)] =
+          hb.inputs[static_cast<size_t>(b * hb.seq + t + 1)];
   l.batch = l.runner->upload(hb);
   return l;
 }
@@ -120,7 +114,7 @@ void check(const Golden& g, std::vector<std::string> extra, double logit_tol, do
   {
     Graph fwd(be, /*record=*/false);
     Tensor logits = l.runner->forward(fwd, l.batch);
-    const double e = scaled_err(test::to_vector(logits), host_f32(l.file, "logits"));
+    const double e = test::scaled_err(test::to_vector(logits), host_f32(l.file, "logits"));
     EXPECT_LT(e, logit_tol) << "logits";
     std::printf("%s: logits max error / max |logit| = %.2e\n", g.name, e);
   }
@@ -138,7 +132,7 @@ void check(const Golden& g, std::vector<std::string> extra, double logit_tol, do
     const auto hf = l.runner->model().hf_name(p.name);
     std::vector<float> want = host_f32(l.file, "grad." + hf.name);
     if (hf.transposed) want = transpose(want, p.spec.shape[1], p.spec.shape[0]);
-    const double e = scaled_err(test::to_vector(p.grad), want);
+    const double e = test::scaled_err(test::to_vector(p.grad), want);
     EXPECT_LT(e, grad_tol) << "gradient of " << p.name;
     worst = std::max(worst, e);
   }
@@ -146,7 +140,9 @@ void check(const Golden& g, std::vector<std::string> extra, double logit_tol, do
 }
 
 // f32: logits and loss within 1e-4 relative, gradients within 1e-3 (the tolerances).
-TEST(LlamaGolden, GqaMatchesTransformersFlash) { check(kGqa, {"attention=flash"}, 1e-4, 1e-4, 1e-3); }
+TEST(LlamaGolden, GqaMatchesTransformersFlash) {
+  check(kGqa, {"attention=flash"}, 1e-4, 1e-4, 1e-3);
+}
 TEST(LlamaGolden, GqaMatchesTransformersDotProduct) {
   check(kGqa, {"attention=dot_product"}, 1e-4, 1e-4, 1e-3);
 }
@@ -154,8 +150,12 @@ TEST(LlamaGolden, Llama31RopeScalingTiedMatchesTransformers) {
   check(kLlama31, {"attention=flash"}, 1e-4, 1e-4, 1e-3);
 }
 // Rematerialisation changes memory, never results.
-TEST(LlamaGolden, RematFullMatches) { check(kGqa, {"remat_policy=full"}, 1e-4, 1e-4, 1e-3); }
-TEST(LlamaGolden, RematMinimalMatches) { check(kGqa, {"remat_policy=minimal"}, 1e-4, 1e-4, 1e-3); }
+TEST(LlamaGolden, RematFullMatches) {
+  check(kGqa, {"remat_policy=full"}, 1e-4, 1e-4, 1e-3);
+}
+TEST(LlamaGolden, RematMinimalMatches) {
+  check(kGqa, {"remat_policy=minimal"}, 1e-4, 1e-4, 1e-3);
+}
 // bf16 compute with f32 master weights: close, within bf16's precision.
 TEST(LlamaGolden, Bf16ComputeIsClose) {
   check(kGqa, {"dtype=bfloat16", "weight_dtype=float32"}, 5e-2, 1e-2, 1e-1);

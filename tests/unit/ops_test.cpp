@@ -40,11 +40,6 @@ constexpr double kSumFloor =
 constexpr double kBwdTol = 2e-4, kBwdFloor = 1e-2;
 constexpr double kBf16Tol = 1.5e-2, kBf16Floor = 1e-2;
 
-#define SEEDED_RNG(rng)                                              \
-  const uint64_t seed_ = test::seed();                               \
-  SCOPED_TRACE("seed " + std::to_string(seed_) + " (MT_TEST_SEED)"); \
-  std::mt19937_64 rng(seed_)
-
 using Vec = std::vector<double>;
 using Inputs = std::vector<Vec>;
 using Forward = std::function<Vec(const Inputs&)>;
@@ -174,7 +169,7 @@ TEST(Elementwise, FillAllDtypes) {
 }
 
 TEST(Elementwise, BinaryOpsMatchReference) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   for (int64_t n : {int64_t(1), int64_t(7), int64_t(2049), pick(rng, {5000, 70001})}) {
     auto a = rand_nz(n, rng), b = rand_nz(n, rng);
     const float s = 0.37f, alpha = -1.25f;
@@ -232,7 +227,7 @@ TEST(Elementwise, BinaryOpsMatchReference) {
 }
 
 TEST(Elementwise, SumsInDoubleAndDeterministic) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   for (int64_t n : {int64_t(1), int64_t(9), int64_t(65537), pick(rng, {300001, 1000003})}) {
     auto a = rand_nz(n, rng, 3.f);
     double s = 0, ss = 0;
@@ -281,7 +276,7 @@ uint16_t ref_bf16(float f) {
 }
 
 TEST(Cast, RoundToNearestEvenAndNaN) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   std::vector<float> v = {1.0f,
                           1.00390625f /* tie -> even 1.0 */,
                           1.01171875f /* tie -> up */,
@@ -355,7 +350,7 @@ TEST(Cast, SameDtypeCopies) {
 // ================================ embedding ==================================================
 
 TEST(Embedding, ForwardBackwardDeterministic) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   for (int rep = 0; rep < 3; ++rep) {
     const int64_t V = pick(rng, {1, 5, 37}), D = pick(rng, {1, 3, 16, 65}),
                   N = pick(rng, {1, 7, 64, 300});
@@ -443,7 +438,7 @@ Vec rmsnorm_ref(const Vec& x, const Vec& w, int64_t N, int64_t D, double eps, bo
 }
 
 TEST(RmsNorm, ForwardBackwardAgainstReference) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   const float eps = 1e-6f;
   for (bool plus_one : {false, true}) {
     for (int rep = 0; rep < 4; ++rep) {
@@ -476,7 +471,7 @@ TEST(RmsNorm, ForwardBackwardAgainstReference) {
 // Many rows: the weight gradient is reduced over several row blocks; analytic double reference
 // (d/dw of sum(dout * out) = sum_n dout * x * rstd), bf16 variants and determinism.
 TEST(RmsNorm, ManyRowsBf16AndDeterminism) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   const int64_t N = pick(rng, {257, 1000, 9000}), D = pick(rng, {48, 129});
   const float eps = 1e-5f;
   auto x = rand_nz(N * D, rng), w = rand_nz(D, rng), dout = rand_nz(N * D, rng);
@@ -533,7 +528,7 @@ Vec layernorm_ref(const Vec& x, const Vec& w, const Vec* b, int64_t N, int64_t D
 }
 
 TEST(LayerNorm, ForwardBackwardAgainstReference) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   const float eps = 1e-5f;
   for (bool bias : {true, false}) {
     for (int rep = 0; rep < 4; ++rep) {
@@ -573,7 +568,7 @@ TEST(LayerNorm, ForwardBackwardAgainstReference) {
 }
 
 TEST(LayerNorm, ManyRowsBf16AndDeterminism) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   const int64_t N = pick(rng, {300, 2000}), D = pick(rng, {40, 97});
   const float eps = 1e-5f;
   auto x = rand_nz(N * D, rng), w = rand_nz(D, rng), b = rand_nz(D, rng),
@@ -710,7 +705,7 @@ std::vector<RopeSpec> rope_specs() {
 }
 
 TEST(Rope, MatchesHuggingFaceFormulas) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   std::uniform_int_distribution<int32_t> pd(0, 131072);
   const char* names[] = {"standard", "llama3", "yarn", "yarn(af)"};
   int si = 0;
@@ -823,7 +818,7 @@ const Activation kActs[] = {Activation::silu, Activation::gelu_tanh, Activation:
 const char* kActNames[] = {"silu", "gelu_tanh", "gelu_exact", "relu"};
 
 TEST(Activation, PlainAndGatedAgainstReference) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   for (int ai = 0; ai < 4; ++ai) {
     const Activation act = kActs[ai];
     for (int64_t n : {int64_t(1), pick(rng, {7, 100}), pick(rng, {1025, 3000})}) {
@@ -894,7 +889,7 @@ TEST(Activation, ExtremeInputsStayFinite) {
 }
 
 TEST(Activation, SoftcapAgainstReference) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   for (float cap : {1.f, 30.f}) {
     const int64_t n = pick(rng, {1, 17, 2500});
     auto x = rand_nz(n, rng, 2.f * cap), dout = rand_nz(n, rng);
@@ -929,7 +924,7 @@ Vec softmax_ref(const Vec& x, int64_t N, int64_t C) {
 }
 
 TEST(Softmax, ForwardBackwardAgainstReference) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   for (int rep = 0; rep < 4; ++rep) {
     const int64_t N = pick(rng, {1, 3, 10}), C = pick(rng, {1, 5, 33, 100});
     const std::string tag = "softmax N=" + std::to_string(N) + " C=" + std::to_string(C);
@@ -968,7 +963,7 @@ Vec ce_ref(const Vec& x, const std::vector<int32_t>& t, int64_t N, int64_t V, do
 }
 
 TEST(CrossEntropy, ForwardBackwardAgainstReference) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   for (float z : {0.f, 1e-2f}) {
     for (int rep = 0; rep < 3; ++rep) {
       const int64_t N = pick(rng, {1, 5, 19}), V = pick(rng, {1, 7, 130});
@@ -1002,7 +997,7 @@ TEST(CrossEntropy, ForwardBackwardAgainstReference) {
 }
 
 TEST(CrossEntropy, LargeVocabBf16AndDeterminism) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   const int64_t N = pick(rng, {9, 33}), V = pick(rng, {5003, 32000});
   std::uniform_int_distribution<int32_t> td(0, static_cast<int32_t>(V - 1));
   std::vector<int32_t> t(N);
@@ -1060,7 +1055,7 @@ TEST(CrossEntropy, RejectsBadTargets) {
 
 // Reductions use fixed blocks (not the schedule), so one thread and all threads agree bitwise.
 TEST(Determinism, SameBitsWithOneThreadAndAll) {
-  SEEDED_RNG(rng);
+  MT_SEEDED_RNG(rng);
   // Inputs and outputs live in the shared backend; only the kernels run on the 1-thread one.
   std::unique_ptr<Backend> one =
       test::plugins().make_backend("cpu", config_from_pairs({{"num_threads", "1"}}));
