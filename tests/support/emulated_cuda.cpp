@@ -1,13 +1,22 @@
-// Compiles the cuda plugin's kernels.cu, flash.cu and gemm.cu as host C++ (cuda_emulation.h must
-// come first; gemm.cu's cuBLASLt calls reach cublaslt_emulation.h) and wraps their launchers in
-// a Backend with host memory.
+// Compiles the cuda plugin's .cu sources (the op families' kernels, attention.cu, flash.cu and
+// gemm.cu) as host C++ in this one translation unit (cuda_emulation.h must come first; gemm.cu's
+// cuBLASLt calls reach cublaslt_emulation.h) and wraps their launchers in a Backend with host
+// memory.
 #include "cuda_emulation.h"
 // (a line apart: clang-format keeps the emulation headers first)
 #include "cublaslt_emulation.h"
 // The plugin's sources, as they are.
+#include "adamw.cu"
+#include "attention.cu"
+#include "common.cu"
+#include "elementwise.cu"
 #include "flash.cu"
 #include "gemm.cu"
-#include "kernels.cu"
+#include "moe.cu"
+#include "norm.cu"
+#include "rope.cu"
+#include "rows.cu"
+#include "softmax.cu"
 
 #include "cuda_ops.h"
 #include "emulated_cuda.h"

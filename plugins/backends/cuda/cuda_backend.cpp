@@ -1,6 +1,6 @@
 // The CUDA backend plugin: probes for a driver and a device before registering (and declines
 // with a sentence where there is none), owns one stream, the cuBLASLt GEMM state and a caching
-// device allocator, and forwards each op to its launcher in kernels.cu. Ops without a CUDA kernel
+// device allocator, and forwards each op to its launcher (kernels.h). Ops without a CUDA kernel
 // yet throw, naming themselves.
 #include <cuda_runtime.h>
 #include <dlfcn.h>

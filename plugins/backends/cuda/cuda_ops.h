@@ -1,5 +1,5 @@
-// The CUDA backend's op set as mt::Backend methods that forward to the launchers of kernels.cu,
-// gemm.cu and flash.cu over a Ctx that the subclass sets up (stream, GEMM state, scratch memory):
+// The CUDA backend's op set as mt::Backend methods that forward to the launchers of kernels.h,
+// gemm.h and flash.h over a Ctx that the subclass sets up (stream, GEMM state, scratch memory):
 // CudaBackend (cuda_backend.cpp) adds device memory; the emulated backend of
 // tests/support/emulated_cuda.cpp adds host memory and runs the same launchers on the CPU.
 #pragma once
@@ -167,7 +167,7 @@ class CudaOps : public Backend {
   Ctx ctx_;
 };
 
-// An attention kernel's three launchers: dot_product's (kernels.cu, the reference, scores
+// An attention kernel's three launchers: dot_product's (attention.cu, the reference, scores
 // materialised per query row) or flash's (flash.cu: tensor cores for bf16 with head_dim 64 or
 // 128, one warp per row otherwise).
 struct AttentionLaunchers {

@@ -1,7 +1,9 @@
-// The CUDA backend's kernels as host launchers, one per mt::Backend op. Shapes and semantics are
-// those of the matching Backend method (sdk/include/mt/backend.h); every launcher checks its
-// operands, enqueues on ctx.stream and checks the launch, throwing mt::Error that names the op
-// and the shapes.
+// The CUDA backend's kernels as host launchers, one per mt::Backend op, defined in one .cu file
+// per op family (elementwise.cu, norm.cu, rope.cu, softmax.cu, rows.cu, moe.cu, adamw.cu,
+// attention.cu; gemm.cu for the matmul; common.cu for check() and DeviceChecks, common.cuh for
+// the helpers the kernels share). Shapes and semantics are those of the matching Backend method
+// (sdk/include/mt/backend.h); every launcher checks its operands, enqueues on ctx.stream and
+// checks the launch, throwing mt::Error that names the op and the shapes.
 #pragma once
 
 #ifndef MT_CUDA_EMULATION  // tests/support/cuda_emulation.h stands in for the runtime

@@ -1,0 +1,258 @@
+// Rows by index and columns for the CUDA backend: embedding (forward and backward),
+// gather_rows, scatter_rows, scatter_add_rows and copy_columns.
+#include <climits>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common.cuh"
+
+namespace mt::cuda {
+
+// ---- rows by index: embedding, gather_rows, scatter_rows, scatter-adds --------------------
+namespace {
+
+// Row copies, i over [M, D] with M = id's length. Gather: out[m] = x[id[m]] (the embedding lookup
+// with x as the table). Scatter: out[id[m]] = x[m]. An index outside [0, n) is recorded in `bad`
+// once per row (at d = 0) and read nothing with; the call's outputs are then undefined (the error
+// comes at the next synchronisation), though a gather writes 0 there and a scatter nothing.
+template <bool Gather>
+struct RowCopyF {
+  In x;
+  const int32_t* id;
+  int64_t D, n;
+  Out o;
+  unsigned long long* bad;
+  __device__ void operator()(int64_t i) const {
+    const int64_t m = i / D, d = i - m * D, r = id[m];
+    if (r < 0 || r >= n) {
+      if (d == 0) record_bad(bad, m, r);
+      if constexpr (Gather) o.set(i, 0.f);
+      return;
+    }
+    if constexpr (Gather)
+      o.set(i, x[r * D + d]);
+    else
+      o.set(r * D + d, x[i]);
+  }
+};
+// Scatter-add by runs of equal destination rows: blockIdx.x = run k (one distinct destination),
+// one thread per feature, adding the run's source rows in increasing source order, so the sum's
+// order depends on the indices alone (no atomics). Serves embedding_backward (w = 1) and
+// scatter_add_rows.
+// src [M, D], w [M] (has_w), order [M] source rows sorted by destination (stable),
+// start [runs + 1], run_id [runs] destination rows, out [N, D]
+__global__ void scatter_runs_kernel(In src, In w, bool has_w, const int32_t* order,
+                                    const int32_t* start, const int32_t* run_id, int64_t D, Out o) {
+  const int64_t d = blockIdx.y * static_cast<int64_t>(kThreads) + threadIdx.x;
+  if (d >= D) return;
+  const int64_t k = blockIdx.x;
+  const int64_t dst = static_cast<int64_t>(run_id[k]) * D + d;
+  float acc = o.get(dst);
+  for (int32_t i = start[k]; i < start[k + 1]; ++i) {
+    const int64_t m = order[i];
+    acc += (has_w ? w[m] : 1.f) * src[m * D + d];
+  }
+  o.set(dst, acc);
+}
+
+// The same sums without host help, for up to kDeviceScatterRows source rows (decode's KV-cache
+// writes): block m acts only if source row m is the first with its destination (it scans
+// id[0, m)), and then adds, feature by feature, every source row with that destination in
+// increasing order: the runs' order, so both kernels give the same bits. O(M^2) index reads,
+// hence the bound. An index outside [0, N) is recorded in `bad` and its row skipped.
+constexpr int64_t kDeviceScatterRows = 1024;
+__global__ void scatter_first_kernel(In src, In w, bool has_w, const int32_t* id, int64_t M,
+                                     int64_t N, int64_t D, Out o, unsigned long long* bad) {
+  __shared__ int first;
+  const int64_t m = blockIdx.x;
+  const int64_t r = id[m];
+  if (r < 0 || r >= N) {  // uniform across the block
+    if (threadIdx.x == 0) record_bad(bad, m, r);
+    return;
+  }
+  if (threadIdx.x == 0) first = 1;
+  __syncthreads();
+  for (int64_t j = threadIdx.x; j < m; j += kThreads)
+    if (id[j] == r) first = 0;  // every writer writes 0
+  __syncthreads();
+  if (!first) return;
+  for (int64_t d = threadIdx.x; d < D; d += kThreads) {
+    float acc = o.get(r * D + d);
+    for (int64_t j = m; j < M; ++j)
+      if (id[j] == r) acc += (has_w ? w[j] : 1.f) * src[j * D + d];
+    o.set(r * D + d, acc);
+  }
+}
+
+// out[id[m]] += w[m] src[m] for m in [0, M): builds the runs on the host (a stable counting sort
+// of source rows by destination), uploads them and launches scatter_runs_kernel.
+template <class S>
+void scatter_add_runs(const Ctx& c, const char* op, const Tensor& src,
+                      const std::vector<int32_t>& id, int64_t N, const Tensor& w, int64_t D,
+                      Tensor& o, S&& shapes) {
+  const int64_t M = static_cast<int64_t>(id.size());
+  MT_CHECK(M < INT_MAX, std::string("cuda ") + op + ": too many rows: " + shapes());
+  if (M == 0 || D == 0) return;
+  std::vector<int64_t> count(static_cast<size_t>(N) + 1, 0);
+  for (int32_t v : id) ++count[static_cast<size_t>(v) + 1];
+  for (int64_t v = 0; v < N; ++v) count[v + 1] += count[v];
+  std::vector<int32_t> host(static_cast<size_t>(M));  // then start, then run_id
+  for (int64_t m = 0; m < M; ++m)
+    host[static_cast<size_t>(count[id[m]]++)] = static_cast<int32_t>(m);
+  std::vector<int32_t> start, run_id;
+  for (int64_t i = 0; i < M; ++i) {
+    if (i == 0 || id[host[i]] != id[host[i - 1]]) {
+      start.push_back(static_cast<int32_t>(i));
+      run_id.push_back(id[host[i]]);
+    }
+  }
+  start.push_back(static_cast<int32_t>(M));
+  const int64_t runs = static_cast<int64_t>(run_id.size());
+  host.insert(host.end(), start.begin(), start.end());
+  host.insert(host.end(), run_id.begin(), run_id.end());
+  Tensor dev = c.scratch({static_cast<int64_t>(host.size())}, DType::i32);
+  // From pageable memory: returns once `host` is staged, so it may die after this call.
+  check(cudaMemcpyAsync(dev.data(), host.data(), host.size() * sizeof(int32_t),
+                        cudaMemcpyHostToDevice, c.stream),
+        op, "uploading the row index", shapes());
+  const int32_t* d_order = dev.ptr<const int32_t>();
+  const dim3 grid(static_cast<unsigned>(runs),
+                  static_cast<unsigned>((D + kThreads - 1) / kThreads));
+  const In wv = w.defined() ? in(w) : In{nullptr, false};
+  MT_LAUNCH(scatter_runs_kernel, grid, kThreads, 0, c.stream)
+  (in(src), wv, w.defined(), d_order, d_order + M, d_order + M + runs + 1, D, out(o));
+  launched(op, shapes);
+}
+
+// out[idx[m]] += w[m] src[m] (embedding_backward, scatter_add_rows): up to kDeviceScatterRows
+// rows on the device alone (checked there too), more through host-built runs (one read-back of
+// idx, checked on the host).
+template <class S>
+void scatter_add(const Ctx& c, const char* op, BadIndex bad_index, const Tensor& src,
+                 const Tensor& idx, int64_t N, const Tensor& w, int64_t D, Tensor& o, S&& shapes) {
+  const int64_t M = idx.numel();
+  MT_CHECK(M < INT_MAX, std::string("cuda ") + op + ": too many rows: " + shapes());
+  if (M == 0 || D == 0) return;
+  if (M > kDeviceScatterRows) {
+    const std::vector<int32_t> id = host_ints(c, idx, op);
+    check_indices(op, id, N, bad_index);
+    scatter_add_runs(c, op, src, id, N, w, D, o, shapes);
+    return;
+  }
+  const std::string name = op;
+  unsigned long long* bad = c.checks->slot(
+      [name, N, bad_index](int64_t m, int64_t id) { return bad_index(name, m, id, N); });
+  const In wv = w.defined() ? in(w) : In{nullptr, false};
+  MT_LAUNCH(scatter_first_kernel, static_cast<unsigned>(M), kThreads, 0, c.stream)
+  (in(src), wv, w.defined(), idx.ptr<const int32_t>(), M, N, D, out(o), bad);
+  launched(op, shapes);
+}
+
+}  // namespace
+
+// ---- embedding ------------------------------------------------------------------------------
+
+void embedding_forward(const Ctx& c, const Tensor& table, const Tensor& ids, Tensor& o) {
+  auto shapes = [&] { return "table " + str(table) + ", ids " + str(ids) + ", out " + str(o); };
+  MT_CHECK(table.defined() && table.ndim() == 2 && is_fb(table) && is_fb(o) && ids.defined() &&
+               ids.dtype() == DType::i32 && o.numel() == ids.numel() * table.dim(1),
+           "cuda embedding_forward: " + shapes());
+  const int64_t V = table.dim(0), D = table.dim(1);
+  unsigned long long* bad = c.checks->slot(
+      [V](int64_t n, int64_t id) { return bad_token_id("embedding_forward", n, id, V); });
+  launch_map(c, o.numel(), RowCopyF<true>{in(table), ids.ptr<const int32_t>(), D, V, out(o), bad},
+             "embedding_forward", shapes);
+}
+
+void embedding_backward(const Ctx& c, const Tensor& dout, const Tensor& ids, Tensor& dtable) {
+  auto shapes = [&] {
+    return "dout " + str(dout) + ", ids " + str(ids) + ", dtable " + str(dtable);
+  };
+  MT_CHECK(dtable.defined() && dtable.ndim() == 2 && is_fb(dtable) && is_fb(dout) &&
+               ids.defined() && ids.dtype() == DType::i32 &&
+               dout.numel() == ids.numel() * dtable.dim(1),
+           "cuda embedding_backward: " + shapes());
+  const int64_t V = dtable.dim(0), D = dtable.dim(1), N = ids.numel();
+  MT_CHECK(N < INT_MAX, "cuda embedding_backward: too many tokens: " + shapes());
+  scatter_add(c, "embedding_backward", bad_token_id, dout, ids, V, Tensor(), D, dtable, shapes);
+}
+
+// ---- MoE row movement -----------------------------------------------------------------------
+
+void gather_rows(const Ctx& c, const Tensor& x, const Tensor& idx, Tensor& o) {
+  auto shapes = [&] { return "x " + str(x) + ", idx " + str(idx) + ", out " + str(o); };
+  MT_CHECK(is_fb(x) && is_fb(o) && idx.defined() && idx.dtype() == DType::i32 &&
+               last_dim(o) == last_dim(x) && lead_rows(o) == idx.numel(),
+           "cuda gather_rows: " + shapes() + " (want x [N, D], idx [M] i32, out [M, D])");
+  const int64_t D = last_dim(x), N = lead_rows(x);
+  unsigned long long* bad =
+      c.checks->slot([N](int64_t m, int64_t id) { return bad_row_index("gather_rows", m, id, N); });
+  launch_map(c, o.numel(), RowCopyF<true>{in(x), idx.ptr<const int32_t>(), D, N, out(o), bad},
+             "gather_rows", shapes);
+}
+
+void scatter_rows(const Ctx& c, const Tensor& src, const Tensor& idx, Tensor& o) {
+  auto shapes = [&] { return "src " + str(src) + ", idx " + str(idx) + ", out " + str(o); };
+  MT_CHECK(is_fb(src) && is_fb(o) && idx.defined() && idx.dtype() == DType::i32 &&
+               last_dim(src) == last_dim(o) && lead_rows(src) == idx.numel(),
+           "cuda scatter_rows: " + shapes() + " (want src [M, D], idx [M] i32, out [N, D])");
+  const int64_t D = last_dim(o), N = lead_rows(o);
+  unsigned long long* bad = c.checks->slot(
+      [N](int64_t m, int64_t id) { return bad_row_index("scatter_rows", m, id, N); });
+  launch_map(c, src.numel(), RowCopyF<false>{in(src), idx.ptr<const int32_t>(), D, N, out(o), bad},
+             "scatter_rows", shapes);
+}
+
+void scatter_add_rows(const Ctx& c, const Tensor& src, const Tensor& idx, const Tensor& w,
+                      Tensor& o) {
+  auto shapes = [&] {
+    return "src " + str(src) + ", idx " + str(idx) + ", w " + str(w) + ", out " + str(o);
+  };
+  MT_CHECK(is_fb(src) && is_fb(o) && idx.defined() && idx.dtype() == DType::i32 &&
+               last_dim(src) == last_dim(o) && lead_rows(src) == idx.numel() &&
+               (!w.defined() || (is_fb(w) && w.numel() == idx.numel())),
+           "cuda scatter_add_rows: " + shapes() +
+               " (want src [M, D], idx [M] i32, w [M] or none, out [N, D])");
+  scatter_add(c, "scatter_add_rows", bad_row_index, src, idx, lead_rows(o), w, last_dim(o), o,
+              shapes);
+}
+
+// ---- columns: split and concat on the last dimension -----------------------------------------
+
+namespace {
+// dst[r, dc + j] (+)= src[r, sc + j], i over [N, width]: one thread per element, consecutive
+// threads on consecutive columns of a row, so loads and stores coalesce.
+struct ColumnsF {
+  In s;
+  int64_t ds, sc;
+  Out o;
+  int64_t dd, dc, width;
+  bool acc;
+  __device__ void operator()(int64_t i) const {
+    const int64_t r = i / width, j = i - r * width;
+    const float v = s[r * ds + sc + j];
+    const int64_t at = r * dd + dc + j;
+    o.set(at, acc ? __fadd_rn(o.get(at), v) : v);
+  }
+};
+}  // namespace
+
+void copy_columns(const Ctx& c, const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col,
+                  int64_t width, bool accumulate) {
+  auto shapes = [&] {
+    return "columns [" + std::to_string(src_col) + ", " + std::to_string(src_col + width) +
+           ") of src " + str(src) + " to columns [" + std::to_string(dst_col) + ", " +
+           std::to_string(dst_col + width) + ") of dst " + str(dst);
+  };
+  MT_CHECK(is_fb(src) && is_fb(dst) && src.ndim() >= 1 && dst.ndim() >= 1,
+           "cuda copy_columns: " + shapes() + " (want f32 or bf16 matrices [N, Ds] and [N, Dd])");
+  const int64_t ds = last_dim(src), dd = last_dim(dst), N = lead_rows(src);
+  MT_CHECK(N == lead_rows(dst) && width >= 0 && src_col >= 0 && dst_col >= 0 &&
+               src_col + width <= ds && dst_col + width <= dd,
+           "cuda copy_columns: " + shapes() + " (want the same rows and columns inside both)");
+  launch_map(c, N * width, ColumnsF{in(src), ds, src_col, out(dst), dd, dst_col, width, accumulate},
+             "copy_columns", shapes);
+}
+
+}  // namespace mt::cuda
