@@ -11,6 +11,7 @@
 #include "mt/backend.h"
 #include "mt/error.h"
 #include "mt/model.h"
+#include "mt/ops.h"
 #include "plugin_manager.h"
 
 namespace fs = std::filesystem;
@@ -62,6 +63,14 @@ int cmd_plugins(const Args& args) {
         std::string att;
         for (const auto& n : pm.attention_names(r.name)) att += (att.empty() ? "" : ", ") + n;
         std::printf("         attention kernels: %s\n", att.empty() ? "none" : att.c_str());
+        std::string composed;
+        for (const OpInfo& op : all_ops())
+          if (!b->supports(op.op)) composed += (composed.empty() ? "" : ", ") + op.name;
+        if (composed.empty())
+          std::printf("         ops: all %zu of op set %d with kernels of its own\n",
+                      all_ops().size(), MT_OPSET_VERSION);
+        else
+          std::printf("         ops composed by the core (slower): %s\n", composed.c_str());
       } catch (const std::exception& e) {
         std::printf("         FAILED to start: %s\n", e.what());
       }

@@ -682,7 +682,7 @@ TEST_F(GpuOps, Rope) {
 TEST_F(GpuOps, Activations) {
   MT_SEEDED_RNG(rng);
   const Activation acts[] = {Activation::silu, Activation::gelu_tanh, Activation::gelu_exact,
-                             Activation::relu};
+                             Activation::relu, Activation::tanh};
   for (DType dt : kDtypes)
     for (Activation act : acts) {
       SCOPED_TRACE(std::string(dname(dt)) + " act " + std::to_string(int(act)));

@@ -168,132 +168,12 @@ TEST(GraphOps, ConcatForwardAndGradients) {
 
 // ---- the fallback of a backend without copy_columns --------------------------------------------
 
-// A backend that forwards every pure op to the CPU backend but keeps Backend::copy_columns's
-// default (an out-of-tree backend built before the kernel existed), counting host reads.
-class NoColumnsBackend final : public Backend {
- public:
-  explicit NoColumnsBackend(Backend& in) : b_(in) {}
-  int64_t host_reads = 0;
-  std::string name() const override { return "no_columns"; }
-  std::string describe() const override { return "cpu without copy_columns"; }
-  double peak_flops(DType d) const override { return b_.peak_flops(d); }
-  Tensor empty(const Shape& s, DType d) override { return b_.empty(s, d); }
-  void release(void* p, size_t n) override { b_.release(p, n); }
-  void copy_from_host(Tensor& dst, const void* src) override { b_.copy_from_host(dst, src); }
-  void copy_to_host(const Tensor& src, void* dst) override {
-    ++host_reads;
-    b_.copy_to_host(src, dst);
-  }
-  MemoryStats memory_stats() const override { return b_.memory_stats(); }
-  void reset_peak_memory() override { b_.reset_peak_memory(); }
-  void fill(Tensor& x, float v) override { b_.fill(x, v); }
-  void cast(const Tensor& s, Tensor& d) override { b_.cast(s, d); }
-  void add(const Tensor& a, const Tensor& b, Tensor& o) override { b_.add(a, b, o); }
-  void mul(const Tensor& a, const Tensor& b, Tensor& o) override { b_.mul(a, b, o); }
-  void scale(const Tensor& x, float s, Tensor& o) override { b_.scale(x, s, o); }
-  void axpy(float a, const Tensor& x, Tensor& y) override { b_.axpy(a, x, y); }
-  double sum(const Tensor& x) override { return b_.sum(x); }
-  double sum_squares(const Tensor& x) override { return b_.sum_squares(x); }
-  void matmul(const Tensor& a, const Tensor& b, Tensor& c, bool ta, bool tb, float alpha,
-              float beta) override {
-    b_.matmul(a, b, c, ta, tb, alpha, beta);
-  }
-  void embedding_forward(const Tensor& t, const Tensor& i, Tensor& o) override {
-    b_.embedding_forward(t, i, o);
-  }
-  void embedding_backward(const Tensor& d, const Tensor& i, Tensor& t) override {
-    b_.embedding_backward(d, i, t);
-  }
-  void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, bool p1, Tensor& o,
-                       Tensor& r) override {
-    b_.rmsnorm_forward(x, w, eps, p1, o, r);
-  }
-  void rmsnorm_backward(const Tensor& d, const Tensor& x, const Tensor& w, const Tensor& r, bool p1,
-                        Tensor& dx, Tensor& dw) override {
-    b_.rmsnorm_backward(d, x, w, r, p1, dx, dw);
-  }
-  void layernorm_forward(const Tensor& x, const Tensor& w, const Tensor& b, float eps, Tensor& o,
-                         Tensor& m, Tensor& r) override {
-    b_.layernorm_forward(x, w, b, eps, o, m, r);
-  }
-  void layernorm_backward(const Tensor& d, const Tensor& x, const Tensor& w, const Tensor& m,
-                          const Tensor& r, Tensor& dx, Tensor& dw, Tensor& db) override {
-    b_.layernorm_backward(d, x, w, m, r, dx, dw, db);
-  }
-  void rope_forward(const Tensor& x, const Tensor& p, const RopeSpec& s, Tensor& o) override {
-    b_.rope_forward(x, p, s, o);
-  }
-  void rope_backward(const Tensor& d, const Tensor& p, const RopeSpec& s, Tensor& dx) override {
-    b_.rope_backward(d, p, s, dx);
-  }
-  void activation_forward(Activation a, const Tensor& x, Tensor& o) override {
-    b_.activation_forward(a, x, o);
-  }
-  void activation_backward(Activation a, const Tensor& d, const Tensor& x, Tensor& dx) override {
-    b_.activation_backward(a, d, x, dx);
-  }
-  void gated_forward(Activation a, const Tensor& g, const Tensor& u, Tensor& o) override {
-    b_.gated_forward(a, g, u, o);
-  }
-  void gated_backward(Activation a, const Tensor& d, const Tensor& g, const Tensor& u, Tensor& dg,
-                      Tensor& du) override {
-    b_.gated_backward(a, d, g, u, dg, du);
-  }
-  void softcap_forward(const Tensor& x, float c, Tensor& o) override {
-    b_.softcap_forward(x, c, o);
-  }
-  void softcap_backward(const Tensor& d, const Tensor& o, float c, Tensor& dx) override {
-    b_.softcap_backward(d, o, c, dx);
-  }
-  void softmax_forward(const Tensor& x, Tensor& o) override { b_.softmax_forward(x, o); }
-  void softmax_backward(const Tensor& d, const Tensor& o, Tensor& dx) override {
-    b_.softmax_backward(d, o, dx);
-  }
-  void cross_entropy_forward(const Tensor& l, const Tensor& t, float z, Tensor& loss,
-                             Tensor& lse) override {
-    b_.cross_entropy_forward(l, t, z, loss, lse);
-  }
-  void cross_entropy_backward(const Tensor& d, const Tensor& l, const Tensor& t, const Tensor& lse,
-                              float z, Tensor& dl) override {
-    b_.cross_entropy_backward(d, l, t, lse, z, dl);
-  }
-  void topk_route_forward(const Tensor& l, int k, bool s, bool n, Tensor& w, Tensor& i,
-                          Tensor& p) override {
-    b_.topk_route_forward(l, k, s, n, w, i, p);
-  }
-  void topk_route_backward(const Tensor& dw, const Tensor& w, const Tensor& i, const Tensor& p,
-                           bool s, bool n, Tensor& dl) override {
-    b_.topk_route_backward(dw, w, i, p, s, n, dl);
-  }
-  void gather_rows(const Tensor& x, const Tensor& i, Tensor& o) override {
-    b_.gather_rows(x, i, o);
-  }
-  void scatter_add_rows(const Tensor& s, const Tensor& i, const Tensor& w, Tensor& o) override {
-    b_.scatter_add_rows(s, i, w, o);
-  }
-  void grouped_matmul(const Tensor& x, const Tensor& w, const Tensor& o, bool t,
-                      Tensor& out) override {
-    b_.grouped_matmul(x, w, o, t, out);
-  }
-  void grouped_matmul_weight_grad(const Tensor& x, const Tensor& d, const Tensor& o, bool t,
-                                  Tensor& dw) override {
-    b_.grouped_matmul_weight_grad(x, d, o, t, dw);
-  }
-  void adamw_update(Tensor& p, const Tensor& g, Tensor& m, Tensor& v,
-                    const AdamWParams& a) override {
-    b_.adamw_update(p, g, m, v, a);
-  }
-
- private:
-  Backend& b_;
-};
-
 // split and concat, forward and backward, in f32 and bf16, on the CPU backend's kernel and on a
 // backend that lacks it: the same bits.
 TEST(GraphOps, CopyColumnsFallsBackOnABackendWithoutTheKernel) {
   MT_SEEDED_RNG(rng);
   Backend& cpu = test::cpu();
-  NoColumnsBackend fallback(cpu);
+  test::RequiredOnlyBackend fallback(cpu);
   const std::vector<float> av = rand_vec(4 * 3, rng), bv = rand_vec(4 * 5, rng),
                            sv = rand_vec(4 * 8, rng);
   for (DType dt : {DType::f32, DType::bf16}) {
@@ -512,6 +392,8 @@ float act_host(Activation a, float x) {
       return 0.5f * x * (1.f + std::erf(x / std::sqrt(2.f)));
     case Activation::gelu_tanh:
       return 0.5f * x * (1.f + std::tanh(0.7978845608f * (x + 0.044715f * x * x * x)));
+    case Activation::tanh:
+      return std::tanh(x);
   }
   return 0.f;
 }

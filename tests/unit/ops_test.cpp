@@ -809,17 +809,19 @@ double act_ref(Activation a, double x) {
       return 0.5 * x * (1 + std::erf(x / std::sqrt(2.0)));
     case Activation::relu:
       return x > 0 ? x : 0;
+    case Activation::tanh:
+      return std::tanh(x);
   }
   return 0;
 }
 
 const Activation kActs[] = {Activation::silu, Activation::gelu_tanh, Activation::gelu_exact,
-                            Activation::relu};
-const char* kActNames[] = {"silu", "gelu_tanh", "gelu_exact", "relu"};
+                            Activation::relu, Activation::tanh};
+const char* kActNames[] = {"silu", "gelu_tanh", "gelu_exact", "relu", "tanh"};
 
 TEST(Activation, PlainAndGatedAgainstReference) {
   MT_SEEDED_RNG(rng);
-  for (int ai = 0; ai < 4; ++ai) {
+  for (int ai = 0; ai < 5; ++ai) {
     const Activation act = kActs[ai];
     for (int64_t n : {int64_t(1), pick(rng, {7, 100}), pick(rng, {1025, 3000})}) {
       const std::string tag = std::string(kActNames[ai]) + " n=" + std::to_string(n);
@@ -875,7 +877,7 @@ TEST(Activation, PlainAndGatedAgainstReference) {
 TEST(Activation, ExtremeInputsStayFinite) {
   std::vector<float> x = {-1000.f, -88.f, -20.f, -1e-6f, 0.f, 1e-6f, 20.f, 88.f, 1000.f};
   const int64_t n = static_cast<int64_t>(x.size());
-  for (int ai = 0; ai < 4; ++ai) {
+  for (int ai = 0; ai < 5; ++ai) {
     Tensor tx = T({n}, x), out = B().empty({n}, DType::f32), dx = B().zeros({n}, DType::f32);
     B().activation_forward(kActs[ai], tx, out);
     B().activation_backward(kActs[ai], T({n}, std::vector<float>(n, 1.f)), tx, dx);

@@ -72,6 +72,13 @@ double CpuBackend::sum_squares(const Tensor& x) {
   return r;
 }
 
+void CpuBackend::sum_squares_each(const std::vector<const Tensor*>& xs, std::vector<double>& sums) {
+  sums.resize(xs.size());
+  run([&] {
+    for (size_t i = 0; i < xs.size(); ++i) sums[i] = cpu::sum_squares(*xs[i]);
+  });
+}
+
 void CpuBackend::matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool trans_b, float alpha, float beta) {
   run([&] { cpu::matmul(a, b, c, trans_a, trans_b, alpha, beta); });
 }

@@ -221,6 +221,8 @@ __device__ float act_fwd(Activation act, float v) {
       return 0.5f * v * erfcf(-v * kInvSqrt2);
     case Activation::relu:
       return v > 0.f ? v : 0.f;
+    case Activation::tanh:
+      return tanhf(v);
   }
   return 0.f;
 }
@@ -248,6 +250,10 @@ __device__ void act_both(Activation act, float v, float& a, float& d) {
     case Activation::relu:
       a = v > 0.f ? v : 0.f;
       d = v > 0.f ? 1.f : 0.f;
+      return;
+    case Activation::tanh:
+      a = tanhf(v);
+      d = 1.f - a * a;
       return;
   }
 }

@@ -107,6 +107,17 @@ double sum(const Ctx& c, const Tensor& x, bool squares);
 // result[i] = sum (of squares) of *xs[i], read back in one copy.
 void sums(const Ctx& c, const std::vector<const Tensor*>& xs, bool squares,
           std::vector<double>& result);
+// The op set's names for the three (CudaOps forwards each op to the launcher of its name).
+inline double sum(const Ctx& c, const Tensor& x) {
+  return sum(c, x, false);
+}
+inline double sum_squares(const Ctx& c, const Tensor& x) {
+  return sum(c, x, true);
+}
+inline void sum_squares_each(const Ctx& c, const std::vector<const Tensor*>& xs,
+                             std::vector<double>& out) {
+  sums(c, xs, true, out);
+}
 
 // split and concat on the last dimension
 void copy_columns(const Ctx& c, const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col,

@@ -51,6 +51,9 @@ MT_CLONES void act_fwd_n(Activation act, const float* x, float* o, int64_t n) {
     case Activation::relu:
       for (int64_t i = 0; i < n; ++i) o[i] = x[i] > 0.f ? x[i] : 0.f;
       break;
+    case Activation::tanh:
+      for (int64_t i = 0; i < n; ++i) o[i] = ftanh(x[i]);
+      break;
   }
 }
 
@@ -85,6 +88,13 @@ MT_CLONES void act_both_n(Activation act, const float* x, float* a, float* d, in
       for (int64_t i = 0; i < n; ++i) {
         a[i] = x[i] > 0.f ? x[i] : 0.f;
         d[i] = x[i] > 0.f ? 1.f : 0.f;
+      }
+      break;
+    case Activation::tanh:
+      for (int64_t i = 0; i < n; ++i) {
+        const float t = ftanh(x[i]);
+        a[i] = t;
+        d[i] = 1.f - t * t;
       }
       break;
   }
