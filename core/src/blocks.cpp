@@ -207,10 +207,15 @@ void check_moe(const MoeSpec& s, const char* what) {
            std::string(what) + ": d_model " + std::to_string(s.d_model) + ", hidden " +
                std::to_string(s.hidden) + ", " + std::to_string(s.num_experts) + " experts, top " +
                std::to_string(s.top_k) + " (want positive sizes and 1 <= top_k <= experts)");
-  if (s.capacity_factor > 0.f)
-    throw Error(std::string(what) + ": capacity_factor " + std::to_string(s.capacity_factor) +
-                " asks for token dropping, which is not implemented; set capacity_factor=-1 "
-                "(dropless: every token reaches its top-k experts)");
+  MT_CHECK(std::isfinite(s.capacity_factor),
+           std::string(what) + ": capacity_factor " + std::to_string(s.capacity_factor));
+}
+
+// A [1] f32 tensor holding v (a logged metric: no gradient).
+Tensor scalar(Backend& be, float v) {
+  Tensor t = be.empty({1}, DType::f32);
+  be.copy_from_host(t, &v);
+  return t;
 }
 
 // An expert weight [E, in, out]: each expert's matrix initialised as a dense [in, out] one; a
@@ -233,6 +238,15 @@ std::vector<ParamSpec> moe_params(const MoeSpec& s, const std::string& prefix) {
   return r;
 }
 
+int64_t moe_capacity(const MoeSpec& s, int64_t seq_len) {
+  if (s.capacity_factor <= 0.f) return 0;
+  // MaxText (layers/moe.py, generate_masks): int(max(ceil(T k / E) * cf, cf)); may be 0 for
+  // cf < 1, which drops every slot.
+  const int64_t fair = (seq_len * s.top_k + s.num_experts - 1) / s.num_experts;
+  const double cf = s.capacity_factor;
+  return static_cast<int64_t>(std::max(static_cast<double>(fair) * cf, cf));
+}
+
 LayerOutput moe(Graph& g, const Params& p, const MoeSpec& s, const Tensor& x,
                 const std::string& prefix) {
   check_moe(s, "moe block");
@@ -240,38 +254,61 @@ LayerOutput moe(Graph& g, const Params& p, const MoeSpec& s, const Tensor& x,
            "moe block: input " + x.str() + ", want [..., " + std::to_string(s.d_model) + "]");
   Backend& be = g.backend();
   const int64_t d = s.d_model, E = s.num_experts, k = s.top_k;
-  const int64_t n = x.numel() / d, m = n * k;
+  const int64_t n = x.numel() / d, slots = n * k;
+  // Sequences of T tokens: capacity and load balancing are per sequence, as in MaxText.
+  const int64_t T = x.ndim() >= 2 ? x.dim(-2) : 1, B = T ? n / T : 0;
   const Tensor x2 = g.reshape(x, {n, d});
   const Tensor logits = g.matmul(x2, p[prefix + "router"]);  // [n, E]
   const Graph::Routing r = g.route(logits, static_cast<int>(k), s.sigmoid_scores, s.normalize_topk);
-  // Dropless: the n k token copies sorted by expert (on the host for now: the indices are read
-  // back, one synchronisation per layer), then one grouped matmul per projection.
-  const Graph::ExpertOrder order = g.sort_by_expert(r.indices, E);
-  const Tensor xs = g.gather_rows(x2, order.tokens);  // [m, d], expert by expert
-  Tensor h;
-  if (s.gated) {
-    h = g.gated(s.act, g.grouped_matmul(xs, p[prefix + "w_gate"], order.offsets),
-                g.grouped_matmul(xs, p[prefix + "w_up"], order.offsets));
+  // The n k token copies sorted by expert (on the host for now: the indices are read back, one
+  // synchronisation per layer), those past an expert's capacity left out, then one grouped
+  // matmul per projection.
+  const int64_t capacity = moe_capacity(s, T);
+  const Graph::ExpertOrder order = s.capacity_factor > 0.f
+                                       ? g.sort_by_expert(r.indices, E, capacity, T)
+                                       : g.sort_by_expert(r.indices, E);
+  const int64_t m = order.slots.numel();  // the kept slots
+  LayerOutput out;
+  if (m == 0) {
+    out.x = g.scale(x, 0.f);  // every slot dropped (still on the tape: a backward reaches x)
   } else {
-    h = g.activation(s.act, g.grouped_matmul(xs, p[prefix + "w_up"], order.offsets));
+    const Tensor xs = g.gather_rows(x2, order.tokens);  // [m, d], expert by expert
+    Tensor h;
+    if (s.gated) {
+      h = g.gated(s.act, g.grouped_matmul(xs, p[prefix + "w_gate"], order.offsets),
+                  g.grouped_matmul(xs, p[prefix + "w_up"], order.offsets));
+    } else {
+      h = g.activation(s.act, g.grouped_matmul(xs, p[prefix + "w_up"], order.offsets));
+    }
+    const Tensor ys = g.grouped_matmul(h, p[prefix + "w_down"], order.offsets);  // [m, d]
+    // Each copy's routing weight, in the sorted order, then back to its token weighted.
+    const Tensor ws = g.reshape(g.gather_rows(g.reshape(r.weights, {slots, 1}), order.slots), {m});
+    out.x = g.reshape(g.scatter_add_rows(ys, order.tokens, ws, n), x.shape());
   }
-  const Tensor ys = g.grouped_matmul(h, p[prefix + "w_down"], order.offsets);  // [m, d]
-  // Each copy's routing weight, in the sorted order, then back to its token weighted.
-  const Tensor ws = g.reshape(g.gather_rows(g.reshape(r.weights, {m, 1}), order.slots), {m});
-  LayerOutput out(g.reshape(g.scatter_add_rows(ys, order.tokens, ws, n), x.shape()));
 
-  // Load balancing: E * sum_e f_e P_e, f_e (the share of the m slots routed to e) a constant,
-  // P_e = mean over tokens of the scores = (1/n) ones [1, n] @ probs [n, E].
-  std::vector<float> f(static_cast<size_t>(E));
-  for (int64_t e = 0; e < E; ++e)
-    f[static_cast<size_t>(e)] =
-        m ? static_cast<float>(order.counts[static_cast<size_t>(e)]) / static_cast<float>(m) : 0.f;
-  Tensor ft = be.empty({E, 1}, DType::f32);
-  be.copy_from_host(ft, f.data());
-  Tensor mean_row = be.empty({1, n}, DType::f32);
-  be.fill(mean_row, n ? 1.f / static_cast<float>(n) : 0.f);
-  const Tensor pe = g.matmul(mean_row, r.probs);  // [1, E]
-  const Tensor lb = g.reshape(g.scale(g.matmul(pe, ft), static_cast<float>(E)), {1});
+  // Load balancing, MaxText's: E / B * sum over sequences b and experts e of f_be P_be, with
+  // f_be = count_be / T a constant and P_be = (1/T) sum over b's tokens of the scores, i.e.
+  // sum over tokens t and experts e of probs[t, e] * c[t, e], c[t, e] = E f_{b(t)e} / (B T).
+  // The per-sequence counts read the indices back once more (a second synchronisation per layer
+  // on a device; the sort's host pass could hand them over if that ever shows in a profile).
+  std::vector<int32_t> idx(static_cast<size_t>(slots));
+  if (slots) be.copy_to_host(r.indices, idx.data());
+  std::vector<float> c(static_cast<size_t>(n * E), 0.f);
+  for (int64_t b = 0; b < B; ++b) {
+    std::vector<int64_t> count(static_cast<size_t>(E), 0);
+    for (int64_t i = b * T * k; i < (b + 1) * T * k; ++i) ++count[static_cast<size_t>(idx[i])];
+    for (int64_t t = b * T; t < (b + 1) * T; ++t)
+      for (int64_t e = 0; e < E; ++e)
+        c[static_cast<size_t>(t * E + e)] = static_cast<float>(
+            static_cast<double>(E) * static_cast<double>(count[e]) /
+            (static_cast<double>(T) * static_cast<double>(T) * static_cast<double>(B)));
+  }
+  Tensor ct = be.empty({n, E}, DType::f32);
+  if (n) be.copy_from_host(ct, c.data());
+  Tensor ones_n = be.empty({1, n}, DType::f32), ones_e = be.empty({E, 1}, DType::f32);
+  be.fill(ones_n, 1.f);
+  be.fill(ones_e, 1.f);
+  const Tensor lb = g.reshape(g.matmul(g.matmul(ones_n, g.mul(r.probs, ct)), ones_e), {1});
   out.aux.push_back({"moe_lb_loss", lb, s.load_balance_weight});
 
   // Router z-loss, mean of logsumexp(logits)^2: the cross-entropy kernel adds z lse^2 to each
@@ -284,6 +321,17 @@ LayerOutput moe(Graph& g, const Params& p, const MoeSpec& s, const Tensor& x,
   const Tensor with_z = g.cross_entropy(logits, targets, 1.f, inv_n);
   const Tensor without = g.cross_entropy(logits, targets, 0.f, inv_n);
   out.aux.push_back({"moe_z_loss", g.add(with_z, g.scale(without, -1.f)), s.z_loss_weight});
+
+  // Metrics (weight 0: logged in metrics.jsonl, not trained): the expert load and the drops.
+  const auto [lo, hi] = std::minmax_element(order.routed.begin(), order.routed.end());
+  const float share = slots ? 1.f / static_cast<float>(slots) : 0.f;
+  std::string tag;
+  if (s.layer >= 0) tag.append("/").append(std::to_string(s.layer));
+  out.aux.push_back({"moe_load_min" + tag, scalar(be, static_cast<float>(*lo) * share), 0.f});
+  out.aux.push_back({"moe_load_max" + tag, scalar(be, static_cast<float>(*hi) * share), 0.f});
+  if (s.capacity_factor > 0.f)
+    out.aux.push_back(
+        {"moe_dropped_fraction", scalar(be, static_cast<float>(slots - m) * share), 0.f});
   return out;
 }
 

@@ -287,6 +287,11 @@ Tensor Graph::grouped_matmul(const Tensor& x, const Tensor& w, const Tensor& off
 }
 
 Graph::ExpertOrder Graph::sort_by_expert(const Tensor& indices, int64_t num_experts) {
+  return sort_by_expert(indices, num_experts, -1, 0);
+}
+
+Graph::ExpertOrder Graph::sort_by_expert(const Tensor& indices, int64_t num_experts,
+                                         int64_t capacity, int64_t group_size) {
   MT_CHECK(
       indices.defined() && indices.dtype() == DType::i32 && indices.ndim() >= 1 && num_experts >= 1,
       "sort_by_expert: indices " + (indices.defined() ? indices.str() : std::string("undefined")) +
@@ -294,33 +299,55 @@ Graph::ExpertOrder Graph::sort_by_expert(const Tensor& indices, int64_t num_expe
   const int64_t M = indices.numel(), k = indices.dim(-1);
   MT_CHECK(M < INT_MAX && k >= 1, "sort_by_expert: indices " + indices.str() +
                                       " (want [N, k] with k >= 1 and fewer than 2^31 slots)");
+  const int64_t N = M / k;
+  const bool dropping = capacity >= 0;
+  MT_CHECK(!dropping || (group_size >= 1 && N % group_size == 0),
+           "sort_by_expert: capacity " + std::to_string(capacity) + " per group of " +
+               std::to_string(group_size) + " tokens for indices " + indices.str() +
+               " (want groups that divide the " + std::to_string(N) + " tokens)");
   std::vector<int32_t> id(static_cast<size_t>(M));
   if (M) backend_->copy_to_host(indices, id.data());
   ExpertOrder r;
-  r.counts.assign(static_cast<size_t>(num_experts), 0);
+  const auto E = static_cast<size_t>(num_experts);
+  r.counts.assign(E, 0);
+  r.routed.assign(E, 0);
+  // keep[m]: slot m is computed. Dropping: the m-th slot's place in its expert's queue within its
+  // group (slots in order: token by token, a token's choices by rank) is at most `capacity`.
+  std::vector<char> keep(static_cast<size_t>(M), 1);
+  std::vector<int64_t> in_group(E, 0);
+  const int64_t group_slots = dropping ? group_size * k : 0;
   for (int64_t m = 0; m < M; ++m) {
     const int32_t e = id[static_cast<size_t>(m)];
     MT_CHECK(e >= 0 && e < num_experts, "sort_by_expert: indices[" + std::to_string(m) +
                                             "] = " + std::to_string(e) + " is outside [0, " +
                                             std::to_string(num_experts) + ")");
-    ++r.counts[static_cast<size_t>(e)];
+    const auto ue = static_cast<size_t>(e);
+    ++r.routed[ue];
+    if (dropping) {
+      if (m % group_slots == 0) std::fill(in_group.begin(), in_group.end(), 0);
+      if (++in_group[ue] > capacity) {
+        keep[static_cast<size_t>(m)] = 0;
+        continue;
+      }
+    }
+    ++r.counts[ue];
   }
-  // A stable counting sort of the slots by expert.
-  std::vector<int32_t> offsets(static_cast<size_t>(num_experts) + 1, 0);
-  for (int64_t e = 0; e < num_experts; ++e)
-    offsets[static_cast<size_t>(e) + 1] =
-        offsets[static_cast<size_t>(e)] + static_cast<int32_t>(r.counts[static_cast<size_t>(e)]);
+  // A stable counting sort of the kept slots by expert.
+  std::vector<int32_t> offsets(E + 1, 0);
+  for (size_t e = 0; e < E; ++e) offsets[e + 1] = offsets[e] + static_cast<int32_t>(r.counts[e]);
+  const int64_t kept = offsets[E];
   std::vector<int32_t> next(offsets.begin(), offsets.end() - 1);
-  std::vector<int32_t> slots(static_cast<size_t>(M)), tokens(static_cast<size_t>(M));
+  std::vector<int32_t> slots(static_cast<size_t>(kept)), tokens(static_cast<size_t>(kept));
   for (int64_t m = 0; m < M; ++m) {
+    if (!keep[static_cast<size_t>(m)]) continue;
     const int32_t at = next[static_cast<size_t>(id[static_cast<size_t>(m)])]++;
     slots[static_cast<size_t>(at)] = static_cast<int32_t>(m);
     tokens[static_cast<size_t>(at)] = static_cast<int32_t>(m / k);
   }
-  r.slots = backend_->empty({M}, DType::i32);
-  r.tokens = backend_->empty({M}, DType::i32);
+  r.slots = backend_->empty({kept}, DType::i32);
+  r.tokens = backend_->empty({kept}, DType::i32);
   r.offsets = backend_->empty({num_experts + 1}, DType::i32);
-  if (M) {
+  if (kept) {
     backend_->copy_from_host(r.slots, slots.data());
     backend_->copy_from_host(r.tokens, tokens.data());
   }

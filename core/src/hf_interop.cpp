@@ -206,19 +206,21 @@ std::vector<float> read_hf(const Weights& w, const std::string& name, bool trans
                            const fs::path& dir, const std::string& param, Shape& shape,
                            const Shape* expect) {
   auto it = w.where.find(name);
+  // A missing tensor or a shape other than config.json implies: the directory's config.json and
+  // weights disagree, bad input (exit code 2).
   if (it == w.where.end())
-    throw Error("The weights in " + dir.string() + " have no tensor '" + name + "' (mt parameter " +
-                param + ").");
+    throw UsageError("The weights in " + dir.string() + " have no tensor '" + name +
+                     "' (mt parameter " + param + ").");
   Shape hf = it->second->info(name).shape;
   if (transposed && hf.size() != 2)
-    throw Error("Tensor '" + name + "' in " + dir.string() + " has shape " + shape_str(hf) +
-                "; mt parameter " + param + " reads it as a transposed matrix.");
+    throw UsageError("Tensor '" + name + "' in " + dir.string() + " has shape " + shape_str(hf) +
+                     "; mt parameter " + param + " reads it as a transposed matrix.");
   shape = transposed ? Shape{hf[1], hf[0]} : hf;
   if (expect && shape != *expect)
-    throw Error("Tensor '" + name + "' in " + dir.string() + " has shape " + shape_str(hf) +
-                ", but mt parameter " + param + " needs " +
-                shape_str(transposed ? Shape{(*expect)[1], (*expect)[0]} : *expect) +
-                " there (config.json and the weights disagree).");
+    throw UsageError("Tensor '" + name + "' in " + dir.string() + " has shape " + shape_str(hf) +
+                     ", but mt parameter " + param + " needs " +
+                     shape_str(transposed ? Shape{(*expect)[1], (*expect)[0]} : *expect) +
+                     " there (config.json and the weights disagree).");
   Tensor t = load_tensor(*it->second, name, be, DType::f32, hf);
   std::vector<float> host(static_cast<size_t>(t.numel()));
   be.copy_to_host(t, host.data());
@@ -255,11 +257,11 @@ void load_hf_weights(const fs::path& dir, ModelRunner& runner) {
       const int64_t width = hf.slice_end - hf.slice_begin;
       if (s.size() != 2 || got.size() != 2 || got[0] != s[0] || width != s[1] ||
           hf.slice_begin < 0 || hf.slice_end > got[1])
-        throw Error("mt parameter " + p.name + " of shape " + shape_str(s) +
-                    " is mapped to columns [" + std::to_string(hf.slice_begin) + ", " +
-                    std::to_string(hf.slice_end) + ") of '" + hf.name +
-                    "', whose shape (in mt's orientation) is " + shape_str(got) +
-                    " (config.json and the weights disagree).");
+        throw UsageError("mt parameter " + p.name + " of shape " + shape_str(s) +
+                         " is mapped to columns [" + std::to_string(hf.slice_begin) + ", " +
+                         std::to_string(hf.slice_end) + ") of '" + hf.name +
+                         "', whose shape (in mt's orientation) is " + shape_str(got) +
+                         " (config.json and the weights disagree).");
       host.resize(static_cast<size_t>(s[0] * s[1]));
       for (int64_t r = 0; r < s[0]; ++r)
         std::copy_n(all.begin() + r * got[1] + hf.slice_begin, width, host.begin() + r * s[1]);

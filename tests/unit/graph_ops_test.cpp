@@ -455,8 +455,14 @@ HostMoe host_moe(const MoeCase& c) {
   const auto& wd = c.vals[s.gated ? 4 : 3];
   HostMoe r;
   r.y.assign(static_cast<size_t>(n * d), 0.f);
+  // Load balancing per sequence of T tokens (MaxText's), averaged over the sequences.
+  const int64_t T = c.shapes[0][1];
   std::vector<double> count(static_cast<size_t>(E), 0), mean_p(static_cast<size_t>(E), 0);
   for (int64_t t = 0; t < n; ++t) {
+    if (t % T == 0) {
+      std::fill(count.begin(), count.end(), 0.0);
+      std::fill(mean_p.begin(), mean_p.end(), 0.0);
+    }
     std::vector<double> l(static_cast<size_t>(E), 0), p(static_cast<size_t>(E));
     for (int64_t e = 0; e < E; ++e)
       for (int64_t j = 0; j < d; ++j) l[e] += double(x[t * d + j]) * router[j * E + e];
@@ -467,7 +473,7 @@ HostMoe host_moe(const MoeCase& c) {
     r.z += lse * lse / double(n);
     for (int64_t e = 0; e < E; ++e)
       p[e] = s.sigmoid_scores ? 1.0 / (1.0 + std::exp(-l[e])) : std::exp(l[e] - lse);
-    for (int64_t e = 0; e < E; ++e) mean_p[e] += p[e] / double(n);
+    for (int64_t e = 0; e < E; ++e) mean_p[e] += p[e] / double(T);
     std::vector<int64_t> order(static_cast<size_t>(E));
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return p[a] > p[b]; });
@@ -492,8 +498,10 @@ HostMoe host_moe(const MoeCase& c) {
         r.y[t * d + o] += static_cast<float>(w * acc);
       }
     }
+    if (t % T == T - 1)
+      for (int64_t e = 0; e < E; ++e)
+        r.lb += double(E) * count[e] / double(T) * mean_p[e] / double(n / T);
   }
-  for (int64_t e = 0; e < E; ++e) r.lb += double(E) * count[e] / double(n * k) * mean_p[e];
   return r;
 }
 
@@ -530,7 +538,7 @@ TEST(GraphOps, MoeBlockMatchesAHostLoopOverTopKExperts) {
         EXPECT_EQ(out.x.shape(), c.shapes[0]);
         const HostMoe want = host_moe(c);
         EXPECT_LT(norm_err(test::to_vector(out.x), want.y), 1e-5);
-        ASSERT_EQ(out.aux.size(), 2u);
+        ASSERT_EQ(out.aux.size(), 4u);  // and the load metrics (moe_block_test)
         EXPECT_EQ(out.aux[0].name, "moe_lb_loss");
         EXPECT_EQ(out.aux[0].weight, 0.01f);
         EXPECT_NEAR(test::to_vector(out.aux[0].value)[0], want.lb, 1e-5 * std::max(1.0, want.lb));
@@ -582,13 +590,10 @@ TEST(GraphOps, MoeParamsAndRefusals) {
   s.gated = false;
   EXPECT_EQ(blocks::moe_params(s).size(), 3u);
 
+  // Token dropping's capacity (MaxText's rule; moe_block_test drops by it).
+  EXPECT_EQ(blocks::moe_capacity(s, 100), 0);  // dropless
   s.capacity_factor = 1.25f;
-  try {
-    blocks::moe_params(s);
-    ADD_FAILURE() << "capacity_factor 1.25 accepted";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("capacity_factor"), std::string::npos) << e.what();
-  }
+  EXPECT_EQ(blocks::moe_capacity(s, 100), 31);  // int(ceil(100 * 2 / 8) * 1.25)
   s.capacity_factor = -1.f;
   s.top_k = 9;
   EXPECT_THROW(blocks::moe_params(s), Error);

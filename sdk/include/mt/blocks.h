@@ -114,19 +114,39 @@ struct MoeSpec {
   bool gated = true;
   bool normalize_topk = false;  // norm_topk_prob: the k weights divided by their sum
   bool sigmoid_scores = false;  // router scores sigmoid(logits) (DeepSeek-V3) instead of softmax
-  // Switch/Mixtral load balancing, E * sum_e f_e P_e: f_e the fraction of the N k token-slots
-  // routed to expert e, P_e the mean router score of e over the tokens (uniform routing gives 1).
+  // MaxText's load balancing (Switch Transformer's, as HF's Mixtral computes it), per sequence
+  // and averaged over the sequences: E * sum_e f_e P_e, f_e = (token-slots routed to expert e) /
+  // T (summing to k over the experts), P_e the mean router score of e over the T tokens. Uniform
+  // routing gives k.
   float load_balance_weight = 0.f;
-  float z_loss_weight = 0.f;     // router z-loss: mean over tokens of logsumexp(logits)^2
-  float capacity_factor = -1.f;  // -1: dropless (the only kind implemented); > 0 is refused
+  float z_loss_weight = 0.f;  // router z-loss: mean over tokens of logsumexp(logits)^2
+  // Token dropping as MaxText's dropping MoE does it: > 0 gives every expert a capacity of
+  // C = int(max(ceil(T k / E) * capacity_factor, capacity_factor)) token-slots per sequence of T
+  // tokens; a sequence's slots claim places in token order (a token's choices by descending
+  // score) and those past C are dropped: they add nothing (the residual carries the token).
+  // <= 0 (-1): dropless, every token reaches its k experts.
+  float capacity_factor = -1.f;
+  // The layer's index, which names its expert-load metrics ("moe_load_max/3"); -1: unnamed
+  // ("moe_load_max", averaged over the layers).
+  int layer = -1;
 };
 // router [d, E]; w_gate (gated only) and w_up [E, d, hidden], w_down [E, hidden, d], each expert
 // weight with ParamSpec::active = top_k / E; names after `prefix`.
 MT_API std::vector<ParamSpec> moe_params(const MoeSpec& s, const std::string& prefix = "");
-// x [..., d] -> [..., d] and the auxiliary losses "moe_lb_loss" (weight load_balance_weight)
-// and "moe_z_loss" (weight z_loss_weight). Dropless: every token's k copies are sorted by
-// expert (on the host, Graph::sort_by_expert) and each projection is one grouped matmul; the
-// experts' outputs are combined with the routing weights by one weighted scatter-add.
+// The capacity of each expert per sequence of `seq_len` tokens under token dropping (see
+// MoeSpec::capacity_factor); 0 when the spec is dropless.
+MT_API int64_t moe_capacity(const MoeSpec& s, int64_t seq_len);
+// x [..., T, d] (sequences of T tokens; [d] is one token) -> [..., T, d] and these auxiliary
+// losses, in this order:
+//   "moe_lb_loss" (weight load_balance_weight) and "moe_z_loss" (weight z_loss_weight);
+//   "moe_load_min" and "moe_load_max" (weight 0: logged, not trained): the smallest and largest
+//     share of the layer's N k token-slots routed to one expert (before dropping; uniform routing
+//     gives 1 / E), suffixed "/<layer>" when MoeSpec::layer >= 0;
+//   with token dropping only, "moe_dropped_fraction" (weight 0): the share of the N k token-slots
+//     dropped.
+// Every token's k copies are sorted by expert (on the host, Graph::sort_by_expert), dropped ones
+// left out, and each projection is one grouped matmul; the experts' outputs are combined with
+// the routing weights by one weighted scatter-add.
 MT_API LayerOutput moe(Graph& g, const Params& p, const MoeSpec& s, const Tensor& x,
                        const std::string& prefix = "");
 

@@ -26,8 +26,8 @@ namespace mt {
 struct GradNode {
   Shape shape;
   DType dtype = DType::f32;
-  Tensor grad;       // undefined until some consumer's backward produced a gradient
-  bool leaf = false; // a tracked parameter: its grad is the caller's buffer, never freed
+  Tensor grad;        // undefined until some consumer's backward produced a gradient
+  bool leaf = false;  // a tracked parameter: its grad is the caller's buffer, never freed
   // The buffer's contents are undefined: the first backward to reach it overwrites it (a matmul
   // with beta = 0, a copy) instead of zero-filling and accumulating. Leaves may be marked fresh
   // at the start of a step to skip zeroing parameter gradients (see Graph::finish_fresh).
@@ -125,8 +125,15 @@ class MT_API Graph {
     Tensor tokens;                // [M] i32: its token (slot / k)
     Tensor offsets;               // [E + 1] i32: expert e's rows are offsets[e]..offsets[e+1]
     std::vector<int64_t> counts;  // [E] rows per expert, on the host
+    std::vector<int64_t> routed;  // [E] token-slots routed to each expert, dropped ones included
   };
   ExpertOrder sort_by_expert(const Tensor& indices, int64_t num_experts);
+  // With token dropping (capacity >= 0; < 0 is the dropless sort above): the tokens form groups
+  // of `group_size` (sequences), and within each group an expert takes at most `capacity` slots,
+  // claimed in slot order; the slots past it are left out (M = the kept slots), as MaxText's
+  // dropping MoE does.
+  ExpertOrder sort_by_expert(const Tensor& indices, int64_t num_experts, int64_t capacity,
+                             int64_t group_size);
 
   // Runs f(g, x) as one rematerialisable block (a decoder layer). none: recorded as usual.
   // full: f runs without recording; the backward re-runs it, recording, from the saved input.

@@ -13,5 +13,6 @@
 // 2: Backend::sum_squares_each; 3: Backend::scatter_rows, GradNode::cast_of; 4: SDK v2's family
 // contract (Params by name, LayerOutput with auxiliary losses, CacheSpec, Model::flops_per_token,
 // stacked and sliced HfName, ModelFamily::config_schema); 5: the Backend's ops declared from
-// mt/ops.def (composed ops with defaults, Backend::supports, the list's order).
+// mt/ops.def (composed ops with defaults, Backend::supports, the list's order), and
+// Graph::ExpertOrder::routed with token dropping's sort_by_expert.
 #define MT_ABI_VERSION 5u
