@@ -1,0 +1,434 @@
+// The Qwen families (plugins/models/qwen3: qwen3, qwen3_moe): tiny random models that
+// transformers 5 saved (tests/golden/qwen3_{tied,untied,moe}, made by tools/make_qwen_golden.py)
+// scored and greedily decoded through the mt CLI as users run it, in both config.json forms;
+// the export back to Hugging Face; training on the shipped corpus and resuming; FLOPs of the
+// active experts; and bad input refused with exit code 2.
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "config_loader.h"
+#include "model_info.h"
+#include "mt/model.h"
+#include "plugin_manager.h"
+#include "safetensors.h"
+#include "test_support.h"
+
+namespace fs = std::filesystem;
+
+namespace mt {
+namespace {
+
+const fs::path kGolden = fs::path(test::source_dir()) / "tests" / "golden";
+const char* const kDirs[] = {"qwen3_tied", "qwen3_untied", "qwen3_moe", "qwen2"};
+
+// max |mt - transformers| / max |transformers| over all logits. Measured: 2.5e-7 (qwen3 tied,
+// largest logit 38), 4.4e-7 (qwen3 untied, 3.8), 4.7e-7 (qwen3_moe, 4.2; 4.7e-7 with
+// norm_topk_prob=false), 3.9e-7 (qwen2, 32).
+constexpr double kTol = 1e-4;
+
+struct Reference {
+  SafeTensorsFile file;
+  explicit Reference(const std::string& dir) : file(kGolden / dir / "reference.safetensors") {}
+  std::vector<int32_t> ints(const std::string& name) const {
+    const auto& i = file.info(name);
+    EXPECT_EQ(i.dtype, "I32") << name;
+    std::vector<int32_t> v(static_cast<size_t>(i.numel()));
+    std::memcpy(v.data(), i.data, i.nbytes());
+    return v;
+  }
+  std::vector<float> floats(const std::string& name) const {
+    const auto& i = file.info(name);
+    EXPECT_EQ(i.dtype, "F32") << name;
+    std::vector<float> v(static_cast<size_t>(i.numel()));
+    std::memcpy(v.data(), i.data, i.nbytes());
+    return v;
+  }
+};
+
+std::string join_ids(const std::vector<int32_t>& ids) {
+  std::string s;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (i) s += ',';
+    s += std::to_string(ids[i]);
+  }
+  return s;
+}
+
+// A scratch directory of this test, removed afterwards.
+struct Scratch {
+  fs::path root;
+  Scratch() {
+    const auto* t = ::testing::UnitTest::GetInstance()->current_test_info();
+    root = fs::temp_directory_path() /
+           ("mt_qwen_" + std::to_string(::getpid()) + "_" + std::string(t->name()));
+    fs::remove_all(root);
+    fs::create_directories(root);
+  }
+  ~Scratch() { fs::remove_all(root); }
+};
+
+// A copy of golden directory `name` whose config.json is `config` (a file of that directory).
+fs::path with_config(const Scratch& s, const std::string& name, const std::string& config) {
+  const fs::path dir = s.root / (name + "_" + config);
+  fs::create_directories(dir);
+  fs::copy_file(kGolden / name / "model.safetensors", dir / "model.safetensors");
+  fs::copy_file(kGolden / name / config, dir / "config.json");
+  return dir;
+}
+
+// `mt score hf_path=<dir> tokens=<the input ids>`: the logits mt wrote, and what it printed.
+std::vector<float> score(const fs::path& dir, const Reference& ref, const Scratch& s,
+                         std::string& out) {
+  const fs::path file = s.root / "logits.safetensors";
+  fs::remove(file);
+  const test::MtResult r =
+      test::run_mt("score hf_path=" + dir.string() + " tokens=" + join_ids(ref.ints("input_ids")) +
+                       " output=" + file.string(),
+                   120);
+  out = r.out;
+  EXPECT_EQ(r.code, 0) << r.out;
+  if (r.code != 0 || !fs::exists(file)) return {};
+  SafeTensorsFile got(file);
+  const auto& li = got.info("logits");
+  std::vector<float> v(static_cast<size_t>(li.numel()));
+  std::memcpy(v.data(), li.data, li.nbytes());
+  return v;
+}
+
+std::string edit(const fs::path& file, const std::string& from, const std::string& to) {
+  std::ifstream f(file);
+  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const size_t at = text.find(from);
+  EXPECT_NE(at, std::string::npos) << from << " not in " << file;
+  if (at != std::string::npos) text.replace(at, from.size(), to);
+  std::ofstream(file) << text;
+  return text;
+}
+
+// What the golden directories are: transformers 5's config.json (rope_parameters; Qwen3-MoE's
+// expert count under num_local_experts), the legacy form beside it, Qwen3's head_dim other than
+// hidden / heads and q/k norms, Qwen2's q/k/v biases, and the experts saved per expert
+// (save_pretrained's default).
+TEST(QwenGolden, TheDirectoriesAreWhatTransformersFiveWrote) {
+  for (const char* d : kDirs) {
+    SCOPED_TRACE(d);
+    const bool qwen2 = std::string(d) == "qwen2";
+    std::ifstream f(kGolden / d / "config.json"), l(kGolden / d / "legacy_config.json");
+    std::string v5((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    std::string legacy((std::istreambuf_iterator<char>(l)), std::istreambuf_iterator<char>());
+    EXPECT_NE(v5.find("\"rope_parameters\""), std::string::npos);
+    EXPECT_NE(v5.find("\"transformers_version\": \"5."), std::string::npos);
+    EXPECT_EQ(legacy.find("\"rope_parameters\""), std::string::npos);
+    EXPECT_NE(legacy.find("\"rope_theta\": 1000000.0"), std::string::npos);
+    EXPECT_EQ(v5.find("\"head_dim\": 16") != std::string::npos, !qwen2);
+    EXPECT_NE(v5.find("\"hidden_size\": 32"), std::string::npos);
+    SafeTensorsFile w(kGolden / d / "model.safetensors");
+    bool has_q_norm = false, has_q_bias = false;
+    for (const auto& n : w.names()) {
+      has_q_norm |= n == "model.layers.0.self_attn.q_norm.weight";
+      has_q_bias |= n == "model.layers.0.self_attn.q_proj.bias";
+    }
+    EXPECT_EQ(has_q_norm, !qwen2);
+    EXPECT_EQ(has_q_bias, qwen2);
+    const bool tied = std::string(d) == "qwen3_tied" || qwen2;
+    EXPECT_EQ(v5.find("\"tie_word_embeddings\": true") != std::string::npos, tied);
+    bool has_head = false;
+    for (const auto& n : w.names()) has_head |= n == "lm_head.weight";
+    EXPECT_EQ(has_head, !tied);
+  }
+  std::ifstream f(kGolden / "qwen3_moe" / "config.json");
+  std::string v5((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  EXPECT_NE(v5.find("\"num_local_experts\": 8"), std::string::npos);
+  EXPECT_NE(v5.find("\"norm_topk_prob\": true"), std::string::npos);
+  SafeTensorsFile w(kGolden / "qwen3_moe" / "model.safetensors");
+  EXPECT_NO_THROW(w.info("model.layers.2.mlp.experts.7.down_proj.weight"));
+  EXPECT_NO_THROW(w.info("model.layers.1.mlp.gate_proj.weight"));  // mlp_only_layers=[1]
+}
+
+// Every model scores the 100 tokens as transformers did, from config.json in the transformers 5
+// form and in the legacy one (the same computation: equal logits), with every field understood.
+TEST(QwenGolden, LogitsMatchTransformersInBothConfigForms) {
+  Scratch s;
+  for (const char* d : kDirs) {
+    SCOPED_TRACE(d);
+    const Reference ref(d);
+    const std::vector<float> want = ref.floats("logits");
+    std::string out;
+    const std::vector<float> v5 = score(kGolden / d, ref, s, out);
+    ASSERT_EQ(v5.size(), want.size()) << out;
+    EXPECT_EQ(out.find("mt: note"), std::string::npos) << out;
+    EXPECT_LT(test::scaled_err(v5, want), kTol);
+    const std::vector<float> legacy = score(with_config(s, d, "legacy_config.json"), ref, s, out);
+    EXPECT_EQ(out.find("mt: note"), std::string::npos) << out;
+    ASSERT_EQ(legacy.size(), want.size()) << out;
+    EXPECT_EQ(legacy, v5) << "the two config.json forms configured different models";
+  }
+}
+
+// norm_topk_prob=false (the same weights): the top-k weights are the router's softmax
+// probabilities as they are; the logits move far more than the tolerance, and match.
+TEST(QwenGolden, NormTopkProbFalseMatchesTransformers) {
+  Scratch s;
+  const Reference ref("qwen3_moe");
+  std::string out;
+  const std::vector<float> got =
+      score(with_config(s, "qwen3_moe", "no_norm_topk_config.json"), ref, s, out);
+  const std::vector<float> want = ref.floats("no_norm_topk.logits");
+  ASSERT_EQ(got.size(), want.size()) << out;
+  EXPECT_LT(test::scaled_err(got, want), kTol);
+  EXPECT_GT(test::scaled_err(got, ref.floats("logits")), 100 * kTol);
+}
+
+// `mt decode hf_path=... tokens=<prompt>` prints the prompt and its 20 greedy tokens, equal to
+// transformers' generate(do_sample=False). Smallest top-1/top-2 gaps on the way: 8.3 (tied),
+// 0.024 (untied), 0.037 (moe), against logit errors of ~2e-6.
+TEST(QwenGolden, GreedyDecodeEqualsTransformersGenerate) {
+  for (const char* d : kDirs) {
+    SCOPED_TRACE(d);
+    const Reference ref(d);
+    const std::vector<int32_t> prompt = ref.ints("generate.prompt");
+    const std::vector<int32_t> want = ref.ints("generate.ids");
+    ASSERT_EQ(want.size(), prompt.size() + 20);
+    const test::MtResult r =
+        test::run_mt("decode hf_path=" + (kGolden / d).string() + " tokens=" + join_ids(prompt) +
+                         " max_target_length=" + std::to_string(want.size()) +
+                         " max_prefill_predict_length=" + std::to_string(prompt.size()),
+                     120);
+    ASSERT_EQ(r.code, 0) << r.out;
+    const std::string line = join_ids(want) + "\n";
+    const size_t at = r.out.find(line);
+    EXPECT_TRUE(at != std::string::npos && (at == 0 || r.out[at - 1] == '\n')) << r.out;
+  }
+}
+
+// Hugging Face -> mt -> Hugging Face: the exported directory has the tensors transformers wrote
+// (names, shapes, bytes: the experts per expert, the router, the q/k norms; no lm_head when
+// tied), and its config.json (Qwen's legacy form) scores as transformers did.
+TEST(QwenGolden, ConvertRoundTripWritesWhatTransformersWrote) {
+  Scratch s;
+  for (const char* d : {"qwen3_tied", "qwen3_moe", "qwen2"}) {
+    SCOPED_TRACE(d);
+    const fs::path mtdir = s.root / (std::string(d) + "_mt"),
+                   back = s.root / (std::string(d) + "_hf");
+    test::MtResult r = test::run_mt(
+        "convert --from=hf --input=" + (kGolden / d).string() + " --output=" + mtdir.string(), 120);
+    ASSERT_EQ(r.code, 0) << r.out;
+    r = test::run_mt("convert --to=hf --config=" + (mtdir / "model.yml").string() +
+                         " --input=" + mtdir.string() + " --output=" + back.string(),
+                     120);
+    ASSERT_EQ(r.code, 0) << r.out;
+    SafeTensorsFile a(kGolden / d / "model.safetensors"), b(back / "model.safetensors");
+    EXPECT_EQ(a.names(), b.names());
+    for (const auto& n : a.names()) {
+      const auto &x = a.info(n), &y = b.info(n);
+      EXPECT_EQ(x.shape, y.shape) << n;
+      ASSERT_EQ(x.nbytes(), y.nbytes()) << n;
+      EXPECT_EQ(std::memcmp(x.data, y.data, x.nbytes()), 0) << n << " differs after the round trip";
+    }
+    const Reference ref(d);
+    std::string out;
+    const std::vector<float> got = score(back, ref, s, out);
+    EXPECT_EQ(out.find("mt: note"), std::string::npos) << out;
+    EXPECT_LT(test::scaled_err(got, ref.floats("logits")), kTol);
+  }
+}
+
+// Losses logged in <run>/metrics.jsonl, one per step.
+std::vector<std::string> losses(const fs::path& run) {
+  std::ifstream f(run / "metrics.jsonl");
+  std::vector<std::string> r;
+  for (std::string l; std::getline(f, l);) {
+    const size_t p = l.find("\"loss\": ");
+    if (p != std::string::npos) r.push_back(l.substr(p + 8, l.find(',', p) - p - 8));
+  }
+  return r;
+}
+
+std::string slurp(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// Each family learns from the shipped corpus (its tokenizer's 8192 ids): the mean loss of the
+// last five of 40 steps is well below the first step's.
+TEST(QwenTraining, LossFallsOnTheShippedCorpus) {
+  Scratch s;
+  const std::string data = test::source_dir() + "/data/corpus.train.tokens";
+  for (const char* model : {"qwen3-test", "qwen3-moe-test", "qwen2-test"}) {
+    SCOPED_TRACE(model);
+    const test::MtResult r = test::run_mt(
+        std::string("run --model=") + model + " dataset_type=tokens dataset_path=" + data +
+            " vocab_size=8192 steps=40 log_period=1 learning_rate=3e-3 per_device_batch_size=4 "
+            "eval_interval=-1 enable_checkpointing=false num_threads=2 run_name=" +
+            model + " base_output_directory=" + s.root.string(),
+        120);
+    ASSERT_EQ(r.code, 0) << r.out;
+    const std::vector<std::string> l = losses(s.root / model);
+    ASSERT_EQ(l.size(), 40u) << r.out;
+    double last = 0;
+    for (size_t i = 35; i < 40; ++i) last += std::stod(l[i]) / 5;
+    EXPECT_LT(last, std::stod(l[0]) - 1.0) << r.out;
+    if (std::string(model) == "qwen3-moe-test") {
+      EXPECT_NE(slurp(s.root / model / "metrics.jsonl").find("\"moe_lb_loss\""), std::string::npos);
+    }
+  }
+}
+
+// 8 steps straight, or 4 then a restart to 8: the losses of steps 5..8 and the final
+// parameters are bitwise identical (CPU, fixed thread count), for each family.
+TEST(QwenTraining, ResumedRunEqualsStraightRun) {
+  Scratch s;
+  for (const char* model : {"qwen3-test", "qwen3-moe-test", "qwen2-test"}) {
+    SCOPED_TRACE(model);
+    auto run = [&](const std::string& name, int steps) {
+      const test::MtResult r =
+          test::run_mt(std::string("run --model=") + model +
+                           " dataset_type=synthetic log_period=1 eval_interval=-1 num_threads=2 "
+                           "enable_checkpointing=true checkpoint_period=4 async_checkpointing=true "
+                           "learning_rate_schedule_steps=8 steps=" +
+                           std::to_string(steps) + " run_name=" + name +
+                           " base_output_directory=" + s.root.string(),
+                       120);
+      EXPECT_EQ(r.code, 0) << r.out;
+    };
+    const std::string straight = std::string(model) + "_straight";
+    const std::string resumed = std::string(model) + "_resumed";
+    run(straight, 8);
+    run(resumed, 4);
+    run(resumed, 8);
+    const auto a = losses(s.root / straight), b = losses(s.root / resumed);
+    ASSERT_EQ(a.size(), 8u);
+    EXPECT_EQ(a, b);
+    const std::string pa = slurp(s.root / straight / "checkpoints" / "8" / "params.safetensors");
+    const std::string pb = slurp(s.root / resumed / "checkpoints" / "8" / "params.safetensors");
+    ASSERT_GT(pa.size(), 1000u);
+    EXPECT_TRUE(pa == pb) << "final parameters differ";
+  }
+}
+
+// A named config resolved with the family's own keys, built by its plugin.
+std::unique_ptr<Model> build_named(const std::string& model) {
+  ConfigRequest req;
+  req.configs_dir = test::source_dir() + "/configs";
+  req.model = model;
+  req.schemas_for = [](const Config& layers) {
+    const std::string fam = layers.get_string("decoder_block");
+    return std::vector<SchemaText>{
+        {"model family '" + fam + "'", test::plugins().make_model_family(fam)->config_schema()}};
+  };
+  const Config cfg = load_config(req);
+  return test::plugins().make_model_family(cfg.get_string("decoder_block"))->build(cfg);
+}
+
+// FLOPs count the 8 routed experts of 128: Qwen3-30B-A3B has 30.5B parameters of which 3.3B
+// are active per token (Qwen's figures, the embedding table included), so 6 x (3.35B - the
+// 0.31B lookup table) plus attention; Qwen3-235B-A22B 22B active of 235B.
+TEST(QwenModel, FlopsCountActiveExpertsOnly) {
+  struct Case {
+    const char* model;
+    double total, active;  // parameters, embedding table included
+  };
+  for (const Case c :
+       {Case{"qwen3-30b-a3b", 30.53e9, 3.35e9}, Case{"qwen3-235b-a22b", 235.09e9, 22.19e9}}) {
+    SCOPED_TRACE(c.model);
+    const std::unique_ptr<Model> m = build_named(c.model);
+    const ParamCounts n = count_parameters(*m);
+    EXPECT_NEAR(static_cast<double>(n.total), c.total, 0.01e9);
+    EXPECT_NEAR(n.active_matmul + static_cast<double>(n.embedding), c.active, 0.01e9);
+    const ModelDims d = m->dims();
+    const double seq = 4096;
+    const double attn =
+        12.0 * static_cast<double>(d.num_layers * d.num_query_heads * d.head_dim) * seq / 2;
+    EXPECT_NEAR(m->flops_per_token(4096), 6.0 * n.active_matmul + attn, 1e3);
+    // Not the total: all 128 experts would be ~9x (30B) and ~10x (235B) as many.
+    EXPECT_LT(m->flops_per_token(4096), 6.0 * (c.active + 0.1e9) + attn);
+  }
+  // A dense Qwen3 counts every matmul parameter (tied: the embedding is the LM head).
+  const std::unique_ptr<Model> m = build_named("qwen3-0.6b");
+  const ParamCounts n = count_parameters(*m);
+  EXPECT_NEAR(static_cast<double>(n.total), 596.0e6, 0.1e6);
+  EXPECT_EQ(n.active_matmul, static_cast<double>(n.matmul));
+  EXPECT_EQ(n.matmul, n.total - 28 * (2 * 1024 + 2 * 128) - 1024);  // all but the norms
+}
+
+// `mt models` lists the named configs with the parameter counts Qwen publishes.
+TEST(QwenModel, NamedConfigsHaveThePublishedSizes) {
+  const test::MtResult r = test::run_mt("models", 60);
+  const std::pair<const char*, const char*> expect[] = {
+      {"qwen3-0.6b", "596.0M"},    {"qwen3-1.7b", "1.72B"},        {"qwen3-4b", "4.02B"},
+      {"qwen3-8b", "8.19B"},       {"qwen3-14b", "14.77B"},        {"qwen3-32b", "32.76B"},
+      {"qwen3-30b-a3b", "30.53B"}, {"qwen3-235b-a22b", "235.09B"}, {"qwen2.5-0.5b", "494.0M"},
+      {"qwen2.5-7b", "7.62B"}};
+  for (const auto& [name, size] : expect) {
+    const auto pos = r.out.find(std::string("\n") + name + " ");
+    ASSERT_NE(pos, std::string::npos) << name << "\n" << r.out;
+    const std::string line = r.out.substr(pos + 1, r.out.find('\n', pos + 1) - pos - 1);
+    EXPECT_NE(line.find("qwen"), std::string::npos) << line;
+    EXPECT_NE(line.find(size), std::string::npos) << line;
+  }
+}
+
+// Bad input, each refused before any work with exit code 2 and one paragraph naming it.
+TEST(QwenBadInput, IsRefusedWithOneClearError) {
+  Scratch s;
+  auto expect_refused = [](const std::string& args, const std::string& says) {
+    const test::MtResult r = test::run_mt(args, 60);
+    EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
+    EXPECT_NE(r.out.find(says), std::string::npos) << args << "\n" << r.out;
+  };
+  expect_refused("run --model=qwen3-moe-test num_experts_per_tok=9 steps=1",
+                 "num_experts_per_tok=9");
+  expect_refused("run --model=qwen3-moe-test qwen3_moe_mlp_only_layers='[0,5]' steps=1",
+                 "qwen3_moe_mlp_only_layers");
+  expect_refused("run --model=qwen3-test num_experts=8 steps=1", "qwen3_moe family");
+  // config.json: experts per token beyond the experts, and fields mt does not implement.
+  const std::vector<std::pair<std::string, std::string>> edits = {
+      {"\"num_experts_per_tok\": 3", "\"num_experts_per_tok\": 9"},
+      {"\"use_sliding_window\": false", "\"use_sliding_window\": true"},
+      {"\"attention_bias\": false", "\"attention_bias\": true"},
+      {"\"rope_type\": \"default\"", "\"rope_type\": \"dynamic\", \"factor\": 2.0"},
+      {"\"decoder_sparse_step\": 1", "\"decoder_sparse_step\": 0"},
+      {"\"hidden_act\": \"silu\"", "\"hidden_act\": \"gelu\""}};
+  const std::vector<std::string> says = {"num_experts_per_tok=9", "use_sliding_window=true",
+                                         "attention_bias=true",   "rope_parameters.rope_type",
+                                         "decoder_sparse_step=0", "hidden_act=gelu"};
+  for (size_t i = 0; i < edits.size(); ++i) {
+    const fs::path dir = with_config(s, "qwen3_moe", "config.json");
+    edit(dir / "config.json", edits[i].first, edits[i].second);
+    expect_refused("score hf_path=" + dir.string() + " tokens=1,2,3", says[i]);
+    fs::remove_all(dir);
+  }
+  // Weights for more layers than config.json has: the extra tensors are named.
+  {
+    const fs::path dir = with_config(s, "qwen3_untied", "config.json");
+    edit(dir / "config.json", "\"num_hidden_layers\": 2", "\"num_hidden_layers\": 1");
+    expect_refused("score hf_path=" + dir.string() + " tokens=1,2,3", "model.layers.1.");
+    fs::remove_all(dir);
+  }
+  // Experts of another width than config.json says: bad input naming the tensor and both shapes.
+  {
+    const fs::path dir = with_config(s, "qwen3_moe", "config.json");
+    edit(dir / "config.json", "\"moe_intermediate_size\": 16", "\"moe_intermediate_size\": 24");
+    const test::MtResult r = test::run_mt("score hf_path=" + dir.string() + " tokens=1,2,3", 60);
+    EXPECT_EQ(r.code, 2) << r.out;
+    EXPECT_NE(r.out.find("'model.layers.0.mlp.experts.0.gate_proj.weight'"), std::string::npos)
+        << r.out;
+    EXPECT_NE(r.out.find("config.json and the weights disagree"), std::string::npos) << r.out;
+  }
+}
+
+}  // namespace
+}  // namespace mt
