@@ -152,7 +152,16 @@ Config resolve_config(const Args& a, bool notes) {
         int64_t mpe = 0;
         const std::string v = o.substr(o.find('=') + 1);
         std::from_chars(v.data(), v.data() + v.size(), mpe);
-        if (mpe > 0 && mpe < layers.get_int("max_target_length"))
+        // The context the run would have otherwise: the named model's when the user names one,
+        // else base.yml's (not the default model's, which the directory replaces).
+        int64_t context = layers.get_int("max_target_length");
+        if (!user.count("model_name")) {
+          ConfigRequest base = req;
+          base.overrides = {"model_name="};
+          base.schemas_for = nullptr;
+          context = preview_config(base).get_int("max_target_length");
+        }
+        if (mpe > 0 && mpe < context)
           layered.push_back("max_target_length=" + std::to_string(mpe));
       }
     }

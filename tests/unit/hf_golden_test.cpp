@@ -153,6 +153,32 @@ TEST(HfGolden, ShardedDirectoryScoresLikeTransformers) {
   EXPECT_GT(test::scaled_err(rows(cut, 256, 300), rows(want, 256, 300)), 100 * kF32Tol);
 }
 
+// A model whose max_position_embeddings (300) lies between the default model's context (256)
+// and base.yml's (512): the context is the model's own, so all 300 tokens are one window.
+TEST(HfGolden, ContextIsTheModelsOwnBelowBaseDefault) {
+  Scratch s;
+  const fs::path dir = s.root / "mpe300";
+  fs::create_directories(dir);
+  for (const auto& e : fs::directory_iterator(kGolden / "f32_sharded"))
+    if (e.path().filename() != "config.json") fs::copy_file(e.path(), dir / e.path().filename());
+  std::ifstream in(kGolden / "f32_sharded" / "config.json");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string from = "\"max_position_embeddings\": 512",
+                    to = "\"max_position_embeddings\": 300";
+  const size_t at = text.find(from);
+  ASSERT_NE(at, std::string::npos) << text;
+  text.replace(at, from.size(), to);
+  std::ofstream(dir / "config.json") << text;
+  const test::MtResult c = test::run_mt("config hf_path=" + dir.string(), 60);
+  ASSERT_EQ(c.code, 0) << c.out;
+  EXPECT_NE(c.out.find("max_target_length: 300"), std::string::npos) << c.out;
+  const Reference ref;
+  std::string out;
+  const std::vector<float> got = score(dir, "", s, out);
+  EXPECT_EQ(out.find("independent windows"), std::string::npos) << out;
+  EXPECT_LT(test::scaled_err(got, ref.floats("logits")), kF32Tol) << out;
+}
+
 // config.json in the transformers 4 form (top-level rope_theta and rope_scaling, torch_dtype)
 // beside the same shards gives the same logits.
 TEST(HfGolden, LegacyConfigGivesTheSameLogits) {
