@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "emulated_cuda.h"
 #include "mt/blocks.h"
 #include "mt/error.h"
 #include "mt/graph.h"
@@ -64,8 +65,7 @@ struct Result {
 };
 
 // The block: forward, then the backward from y with seed dy.
-Result run_block(const Case& c) {
-  Backend& be = test::cpu();
+Result run_block(const Case& c, Backend& be = test::cpu()) {
   const int64_t d = c.s.d_model, h = c.s.hidden, E = c.s.num_experts;
   Graph g(be);
   Leaf x = leaf(be, {c.B, c.T, d}, c.x), r = leaf(be, {d, E}, c.router),
@@ -302,6 +302,27 @@ TEST(MoeBlock, LoadMetricsAreLoggedNotTrained) {
   got = run_block(c);
   EXPECT_EQ(got.aux[2].name, "moe_load_min/3");
   EXPECT_EQ(got.aux[3].name, "moe_load_max/3");
+}
+
+}  // namespace
+}  // namespace mt
+
+namespace mt {
+namespace {
+
+// The block on the cuda plugin's kernels (run on the host by tests/support/emulated_cuda):
+// routing, the sort by expert, the grouped matmuls and the weighted scatter, forward and
+// backward, dropless and dropping, give the CPU backend's results.
+TEST(MoeBlock, CudaKernelsGiveTheCpuResults) {
+  MT_SEEDED_RNG(rng);
+  std::unique_ptr<Backend> gpu = test::emulated_cuda();
+  for (float capacity : {-1.f, 1.f})
+    for (int64_t k : {1, 2}) {
+      SCOPED_TRACE("top " + std::to_string(k) + " capacity_factor " + std::to_string(capacity));
+      // (Top 1 renormalised has weight 1 whatever the router says: no router gradient to compare.)
+      const Case c = make_case(4, k, k > 1, capacity, rng);
+      expect_same(run_block(c, *gpu), run_block(c));
+    }
 }
 
 }  // namespace
