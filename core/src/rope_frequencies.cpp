@@ -26,6 +26,9 @@ RopeFrequencies rope_frequencies(const RopeSpec& spec, int64_t R) {
   switch (spec.type) {
     case RopeSpec::Type::standard:
       break;
+    case RopeSpec::Type::linear:  // HF _compute_linear_scaling_rope_parameters: inv_freq / factor
+      for (auto& f : inv) f /= double(spec.factor);
+      break;
     case RopeSpec::Type::llama3: {
       const double factor = spec.factor, lo = spec.low_freq_factor, hi = spec.high_freq_factor;
       const double old_len = double(spec.original_max_position);

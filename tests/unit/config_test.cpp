@@ -14,6 +14,8 @@
 #include "config_impl.h"
 #include "config_loader.h"
 #include "mt/error.h"
+#include "mt/model.h"
+#include "plugin_manager.h"
 #include "test_support.h"
 
 namespace mt {
@@ -673,7 +675,15 @@ TEST(ConfigModels, ListFindsTheRealModelsInNaturalOrder) {
 TEST(ConfigModels, EveryRealModelLoadsAndSatisfiesTheSchema) {
   for (const auto& m : list_models(real_configs(), {})) {
     SCOPED_TRACE(m.name);
-    const Config c = load({}, m.name);
+    // With its family's own keys, which a named config may set (gemma2's
+    // query_pre_attn_scalar), as mt resolves it.
+    ConfigRequest req = real_request({}, m.name);
+    req.schemas_for = [](const Config& layers) {
+      const std::string fam = layers.get_string("decoder_block");
+      return std::vector<SchemaText>{
+          {"model family '" + fam + "'", test::plugins().make_model_family(fam)->config_schema()}};
+    };
+    const Config c = load_config(req);
     EXPECT_EQ(c.get_string("decoder_block"), m.family);
     EXPECT_EQ(c.get_int("base_num_query_heads") % c.get_int("base_num_kv_heads"), 0);
   }

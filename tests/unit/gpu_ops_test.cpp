@@ -812,7 +812,8 @@ struct AttnCase {
 const AttnCase kAttnCases[] = {{4, 4, true, 0, 0.f, false, 0},  {4, 2, true, 0, 0.f, false, 3},
                                {6, 1, false, 0, 0.f, false, 0}, {4, 2, true, 5, 0.f, false, 0},
                                {2, 2, true, 0, 20.f, false, 0}, {4, 1, true, 0, 0.f, true, 0},
-                               {3, 3, false, 4, 10.f, true, 0}, {4, 2, true, 70, 0.f, false, 9}};
+                               {3, 3, false, 4, 10.f, true, 0}, {4, 2, true, 70, 0.f, false, 9},
+                               {4, 1, true, 6, 15.f, false, 2}};  // Gemma: MQA, window, soft-cap
 
 class GpuAttention : public GpuOps {
  protected:

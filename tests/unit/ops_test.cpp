@@ -654,6 +654,8 @@ HfRope hf_rope(const RopeSpec& s, int64_t dim) {
       inv_freq[k] = inv_freq_interpolation * (1 - inv_freq_extrapolation_factor) +
                     inv_freq_extrapolation * inv_freq_extrapolation_factor;
     }
+  } else if (s.type == RopeSpec::Type::linear) {
+    for (auto& f : inv_freq) f /= s.factor;  // _compute_linear_scaling_rope_parameters
   }
   for (double f : inv_freq) out.inv_freq.push_back(static_cast<float>(f));
   return out;
@@ -701,13 +703,18 @@ std::vector<RopeSpec> rope_specs() {
   y.attention_factor = 0.85f;  // explicit attention factor
   y.beta_fast = 16.f;
   specs.push_back(y);
+  RopeSpec lin;  // Gemma 3's global layers: theta 1e6, frequencies divided by 8
+  lin.type = RopeSpec::Type::linear;
+  lin.theta = 1000000.f;
+  lin.factor = 8.f;
+  specs.push_back(lin);
   return specs;
 }
 
 TEST(Rope, MatchesHuggingFaceFormulas) {
   MT_SEEDED_RNG(rng);
   std::uniform_int_distribution<int32_t> pd(0, 131072);
-  const char* names[] = {"standard", "llama3", "yarn", "yarn(af)"};
+  const char* names[] = {"standard", "llama3", "yarn", "yarn(af)", "linear"};
   int si = 0;
   for (RopeSpec spec : rope_specs()) {
     for (bool inter : {false, true}) {

@@ -33,15 +33,18 @@ enum class Activation : uint8_t { silu, gelu_tanh, gelu_exact, relu, tanh };
 enum class Op : uint16_t;  // mt/ops.h: one value per op of mt/ops.def
 
 struct RopeSpec {
-  enum class Type : uint8_t { standard, llama3, yarn };
+  // linear: every frequency divided by `factor` (Hugging Face's "linear"; Gemma 3's global
+  // layers). Appended last: the values of the others are unchanged.
+  enum class Type : uint8_t { standard, llama3, yarn, linear };
   Type type = Type::standard;
   float theta = 10000.f;  // rope_max_timescale
   int rotary_dim = 0;     // rotate the first rotary_dim features of each head; 0 = all of head_dim
   // Pairing: false = Hugging Face "rotate_half" (feature i pairs with i + rotary_dim/2);
   // true = interleaved (2i pairs with 2i+1).
   bool interleaved = false;
-  // Llama 3.1 frequency scaling (type llama3) and YaRN (type yarn): scaling factor and the
-  // original context length the model was trained with.
+  // Llama 3.1 frequency scaling (type llama3), YaRN (type yarn) and linear scaling (type
+  // linear, which reads only the factor): scaling factor and the original context length the
+  // model was trained with.
   float factor = 1.f;
   int64_t original_max_position = 8192;
   float low_freq_factor = 1.f;   // llama3
