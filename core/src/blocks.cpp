@@ -153,6 +153,118 @@ Tensor attention(Graph& g, const Params& p, const AttentionBlockSpec& s, const T
   return linear(g, p, prefix + "wo", prefix + "bo", a, s.out_bias);
 }
 
+// ---- multi-head latent attention ------------------------------------------------------------
+
+namespace {
+
+void check_mla(const MlaSpec& s, const char* what) {
+  MT_CHECK(s.d_model > 0 && s.heads > 0 && s.q_lora_rank >= 0 && s.kv_lora_rank > 0 &&
+               s.qk_nope_head_dim >= 0 && s.qk_rope_head_dim > 0 && s.qk_rope_head_dim % 2 == 0 &&
+               s.v_head_dim > 0,
+           std::string(what) + ": d_model " + std::to_string(s.d_model) + ", heads " +
+               std::to_string(s.heads) + ", q_lora_rank " + std::to_string(s.q_lora_rank) +
+               ", kv_lora_rank " + std::to_string(s.kv_lora_rank) + ", qk_nope_head_dim " +
+               std::to_string(s.qk_nope_head_dim) + ", qk_rope_head_dim " +
+               std::to_string(s.qk_rope_head_dim) + ", v_head_dim " + std::to_string(s.v_head_dim) +
+               " (want positive sizes, an even rope dimension, q_lora_rank >= 0)");
+}
+
+int64_t mla_padded_dim(const MlaSpec& s) {
+  return std::max(s.qk_nope_head_dim + s.qk_rope_head_dim, s.v_head_dim);
+}
+
+}  // namespace
+
+std::vector<ParamSpec> mla_params(const MlaSpec& s, const std::string& prefix) {
+  check_mla(s, "mla_params");
+  const int64_t qk = s.qk_nope_head_dim + s.qk_rope_head_dim;
+  std::vector<ParamSpec> r;
+  if (s.q_lora_rank > 0) {
+    r.push_back(dense_param(prefix + "wq_a", s.d_model, s.q_lora_rank));
+    for (auto& ps : norm_params(prefix + "q_norm", s.q_lora_rank, s.norm)) r.push_back(ps);
+    r.push_back(dense_param(prefix + "wq_b", s.q_lora_rank, s.heads * qk));
+  } else {
+    r.push_back(dense_param(prefix + "wq", s.d_model, s.heads * qk));
+  }
+  r.push_back(dense_param(prefix + "wkv_a", s.d_model, s.kv_lora_rank + s.qk_rope_head_dim));
+  for (auto& ps : norm_params(prefix + "kv_norm", s.kv_lora_rank, s.norm)) r.push_back(ps);
+  r.push_back(
+      dense_param(prefix + "wkv_b", s.kv_lora_rank, s.heads * (s.qk_nope_head_dim + s.v_head_dim)));
+  r.push_back(dense_param(prefix + "wo", s.heads * s.v_head_dim, s.d_model));
+  return r;
+}
+
+CacheSpec mla_cache_spec(const MlaSpec& s) {
+  CacheSpec c;
+  c.window = s.attn.window;
+  const int64_t d = mla_padded_dim(s);
+  c.entries = {{s.heads, d}, {s.heads, d}};
+  return c;
+}
+
+Tensor mla(Graph& g, const Params& p, const MlaSpec& s, const Tensor& x, const LayerInputs& in,
+           const std::string& prefix) {
+  check_mla(s, "mla block");
+  MT_CHECK(x.ndim() == 3 && x.dim(2) == s.d_model,
+           "mla block: input " + x.str() + ", want [B, T, " + std::to_string(s.d_model) + "]");
+  MT_CHECK(in.attention != nullptr, "mla block: no attention kernel given to the layer");
+  const int64_t b = x.dim(0), t = x.dim(1), h = s.heads;
+  const int64_t nope = s.qk_nope_head_dim, rope = s.qk_rope_head_dim, dv = s.v_head_dim;
+  const int64_t qk = nope + rope, dp = mla_padded_dim(s);
+  RopeSpec rs = s.rope;
+  rs.rotary_dim = static_cast<int>(rope);
+
+  // Queries [B, T, H, nope + rope]: the rotary part is the last `rope` features of each head.
+  Tensor q = s.q_lora_rank > 0
+                 ? g.matmul(norm(g, p, prefix + "q_norm", g.matmul(x, p[prefix + "wq_a"]), s.norm),
+                            p[prefix + "wq_b"])
+                 : g.matmul(x, p[prefix + "wq"]);
+  q = g.reshape(q, {b, t, h, qk});
+  std::vector<Tensor> qs = g.split(q, {nope, rope});
+  const Tensor q_rot = g.rope(qs[1], in.positions, rs);
+
+  // The latent: c [B, T, kv_lora_rank] (normalised) and one rotary key [B, T, 1, rope] for all
+  // heads.
+  std::vector<Tensor> kv_a =
+      g.split(g.matmul(x, p[prefix + "wkv_a"]), {s.kv_lora_rank, rope});  // [B, T, ...]
+  const Tensor c = norm(g, p, prefix + "kv_norm", kv_a[0], s.norm);
+  const Tensor k_rot = g.rope(g.reshape(kv_a[1], {b, t, 1, rope}), in.positions, rs);
+  // Every head's copy of the rotary key: rows gathered H times per token (the backward sums
+  // the heads' gradients back into the one key).
+  std::vector<int32_t> rows(static_cast<size_t>(b * t * h));
+  for (int64_t i = 0; i < b * t * h; ++i)
+    rows[static_cast<size_t>(i)] = static_cast<int32_t>(i / h);
+  Tensor idx = g.backend().empty({b * t * h}, DType::i32);
+  if (!rows.empty()) g.backend().copy_from_host(idx, rows.data());
+  const Tensor k_rot_h =
+      g.reshape(g.gather_rows(g.reshape(k_rot, {b * t, rope}), idx), {b, t, h, rope});
+
+  // Per head [k_nope, v] from the latent.
+  std::vector<Tensor> kv =
+      g.split(g.reshape(g.matmul(c, p[prefix + "wkv_b"]), {b, t, h, nope + dv}), {nope, dv});
+  Tensor qf = nope > 0 ? g.concat({qs[0], q_rot}) : q_rot;
+  Tensor kf = nope > 0 ? g.concat({kv[0], k_rot_h}) : k_rot_h;
+  Tensor v = kv[1];
+
+  AttentionSpec spec = s.attn;
+  if (spec.scale == 0.f) spec.scale = 1.f / std::sqrt(static_cast<float>(qk));
+  // One head size for the kernels: zero features add nothing to q . k, and the padded output
+  // features are cut before wo (as attention() does).
+  auto pad = [&](const Tensor& u) {
+    if (u.dim(-1) == dp) return u;
+    Shape zs = u.shape();
+    zs.back() = dp - u.dim(-1);
+    return g.concat({u, g.backend().zeros(zs, u.dtype())});
+  };
+  qf = pad(qf);
+  kf = pad(kf);
+  v = pad(v);
+  Tensor a = in.cache ? g.cached_attention(*in.attention, qf, kf, v, *in.cache, spec)
+                      : g.attention(*in.attention, qf, kf, v, in.segment_ids, in.segment_ids, spec);
+  if (dv != dp) a = g.split(a, {dv, dp - dv})[0];
+  return g.matmul(g.reshape(a, {b, t, h * dv}), p[prefix + "wo"]);
+}
+
 std::vector<ParamSpec> mlp_params(const MlpSpec& s, const std::string& prefix) {
   std::vector<ParamSpec> r;
   if (s.gated) {

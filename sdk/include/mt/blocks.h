@@ -80,6 +80,38 @@ MT_API Tensor attention(Graph& g, const Params& p, const AttentionBlockSpec& s, 
 // k [Hkv, D] and v [Hkv, Dv] per token, within the spec's window.
 MT_API CacheSpec attention_cache_spec(const AttentionBlockSpec& s);
 
+// ---- multi-head latent attention (DeepSeek-V2/V3; MaxText's attention_type mla) -------------
+// Queries: x @ wq, or with q_lora_rank > 0 norm(x @ wq_a) @ wq_b; each head's qk_nope_head_dim +
+// qk_rope_head_dim features, the last qk_rope_head_dim of them rotated. Keys and values come from
+// one compressed latent: [c, k_rope] = x @ wkv_a (c of kv_lora_rank features, k_rope of
+// qk_rope_head_dim, rotated and shared by every head), c = norm(c), [k_nope, v] per head =
+// c @ wkv_b; a head's key is [k_nope, k_rope]. Output: the heads' v_head_dim values @ wo.
+struct MlaSpec {
+  int64_t d_model = 0;
+  int64_t heads = 0;
+  int64_t q_lora_rank = 0;  // 0: no query compression (DeepSeek-V2-Lite)
+  int64_t kv_lora_rank = 0;
+  int64_t qk_nope_head_dim = 0;
+  int64_t qk_rope_head_dim = 0;
+  int64_t v_head_dim = 0;
+  NormSpec norm;  // of the compressed q and kv (q_norm, kv_norm)
+  RopeSpec rope;  // over the qk_rope_head_dim features (rotary_dim = qk_rope_head_dim)
+  // Causal mask, window; scale 0 = 1 / sqrt(qk_nope_head_dim + qk_rope_head_dim).
+  AttentionSpec attn;
+};
+// wq [d, H*(nope+rope)] or wq_a [d, q_lora_rank], q_norm [q_lora_rank], wq_b [q_lora_rank,
+// H*(nope+rope)]; wkv_a [d, kv_lora_rank + rope], kv_norm [kv_lora_rank], wkv_b [kv_lora_rank,
+// H*(nope+v)], wo [H*v, d]; each name after `prefix`.
+MT_API std::vector<ParamSpec> mla_params(const MlaSpec& s, const std::string& prefix = "");
+// x [B, T, d] (already normalised) -> [B, T, d]. Keys and values are expanded from the latent
+// (every head's k and v, as training computes them); values are zero-padded to the query/key
+// head size for the kernel, as attention() does.
+MT_API Tensor mla(Graph& g, const Params& p, const MlaSpec& s, const Tensor& x,
+                  const LayerInputs& in, const std::string& prefix = "");
+// What decode keeps per token: every head's expanded k and v (padded to one head size), not yet
+// the compressed latent.
+MT_API CacheSpec mla_cache_spec(const MlaSpec& s);
+
 // ---- feed-forward -----------------------------------------------------------------------------
 struct MlpSpec {
   int64_t d_model = 0;

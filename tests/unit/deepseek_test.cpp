@@ -1,0 +1,465 @@
+// The DeepSeek families (plugins/models/deepseek: deepseek_v2, deepseek_v3): tiny random models
+// that transformers 5 saved with every feature on (tests/golden/deepseek_{v2,v3}, made by
+// tools/make_deepseek_golden.py: latent attention with and without query compression, values of
+// another head size, yarn with DeepSeek's mscale, dense first layers, shared experts, grouped
+// routing, V3's selection bias) scored and greedily decoded through the mt CLI, in both
+// config.json forms; the export back to Hugging Face; training on the shipped corpus and
+// resuming; the published sizes; and bad input refused with exit code 2.
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "config_loader.h"
+#include "hf_interop.h"
+#include "model_info.h"
+#include "model_runner.h"
+#include "mt/data.h"
+#include "mt/graph.h"
+#include "mt/model.h"
+#include "plugin_manager.h"
+#include "safetensors.h"
+#include "test_support.h"
+
+namespace fs = std::filesystem;
+
+namespace mt {
+namespace {
+
+const fs::path kGolden = fs::path(test::source_dir()) / "tests" / "golden";
+const char* const kDirs[] = {"deepseek_v2", "deepseek_v3"};
+
+// max |mt - transformers| / max |transformers| over all logits. Measured: 5.9e-7 (v2, largest
+// logit 4.2), 6.1e-7 (v3, 3.7; 5.7e-7 with rope_interleave false, 5.7e-7 with norm_topk_prob
+// false).
+constexpr double kTol = 1e-4;
+
+struct Reference {
+  SafeTensorsFile file;
+  explicit Reference(const std::string& dir) : file(kGolden / dir / "reference.safetensors") {}
+  std::vector<int32_t> ints(const std::string& name) const {
+    const auto& i = file.info(name);
+    EXPECT_EQ(i.dtype, "I32") << name;
+    std::vector<int32_t> v(static_cast<size_t>(i.numel()));
+    std::memcpy(v.data(), i.data, i.nbytes());
+    return v;
+  }
+  std::vector<float> floats(const std::string& name) const {
+    const auto& i = file.info(name);
+    EXPECT_EQ(i.dtype, "F32") << name;
+    std::vector<float> v(static_cast<size_t>(i.numel()));
+    std::memcpy(v.data(), i.data, i.nbytes());
+    return v;
+  }
+};
+
+std::string join_ids(const std::vector<int32_t>& ids) {
+  std::string s;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (i) s += ',';
+    s += std::to_string(ids[i]);
+  }
+  return s;
+}
+
+struct Scratch {
+  fs::path root;
+  Scratch() {
+    const auto* t = ::testing::UnitTest::GetInstance()->current_test_info();
+    root = fs::temp_directory_path() /
+           ("mt_deepseek_" + std::to_string(::getpid()) + "_" + std::string(t->name()));
+    fs::remove_all(root);
+    fs::create_directories(root);
+  }
+  ~Scratch() { fs::remove_all(root); }
+};
+
+// A copy of golden directory `name` whose config.json is `config` (a file of that directory).
+fs::path with_config(const Scratch& s, const std::string& name, const std::string& config) {
+  const fs::path dir = s.root / (name + "_" + config);
+  fs::create_directories(dir);
+  fs::copy_file(kGolden / name / "model.safetensors", dir / "model.safetensors");
+  fs::copy_file(kGolden / name / config, dir / "config.json");
+  return dir;
+}
+
+std::vector<float> score(const fs::path& dir, const Reference& ref, const Scratch& s,
+                         std::string& out) {
+  const fs::path file = s.root / "logits.safetensors";
+  fs::remove(file);
+  const test::MtResult r =
+      test::run_mt("score hf_path=" + dir.string() + " tokens=" + join_ids(ref.ints("input_ids")) +
+                       " output=" + file.string(),
+                   120);
+  out = r.out;
+  EXPECT_EQ(r.code, 0) << r.out;
+  if (r.code != 0 || !fs::exists(file)) return {};
+  SafeTensorsFile got(file);
+  const auto& li = got.info("logits");
+  std::vector<float> v(static_cast<size_t>(li.numel()));
+  std::memcpy(v.data(), li.data, li.nbytes());
+  return v;
+}
+
+std::string slurp(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+void edit(const fs::path& file, const std::string& from, const std::string& to) {
+  std::string text = slurp(file);
+  const size_t at = text.find(from);
+  EXPECT_NE(at, std::string::npos) << from << " not in " << file;
+  if (at != std::string::npos) text.replace(at, from.size(), to);
+  std::ofstream(file) << text;
+}
+
+// What the golden directories are: transformers 5's config.json with the features on, the
+// legacy form beside it, and the weights as save_pretrained wrote them.
+TEST(DeepseekGolden, TheDirectoriesHaveEveryFeatureOn) {
+  for (const char* d : kDirs) {
+    SCOPED_TRACE(d);
+    const bool v3 = std::string(d) == "deepseek_v3";
+    const std::string v5 = slurp(kGolden / d / "config.json");
+    const std::string legacy = slurp(kGolden / d / "legacy_config.json");
+    EXPECT_NE(v5.find("\"transformers_version\": \"5."), std::string::npos);
+    EXPECT_NE(v5.find("\"rope_type\": \"yarn\""), std::string::npos);
+    EXPECT_NE(v5.find("\"mscale_all_dim\": 0.8"), std::string::npos);
+    EXPECT_NE(v5.find("\"first_k_dense_replace\": 1"), std::string::npos);
+    EXPECT_NE(v5.find("\"n_group\": 4"), std::string::npos);
+    EXPECT_NE(v5.find("\"v_head_dim\": 12"), std::string::npos);
+    EXPECT_EQ(v5.find("\"q_lora_rank\": null") != std::string::npos, !v3);
+    EXPECT_EQ(legacy.find("\"rope_parameters\""), std::string::npos);
+    EXPECT_NE(legacy.find("\"rope_scaling\""), std::string::npos);
+    SafeTensorsFile w(kGolden / d / "model.safetensors");
+    EXPECT_NO_THROW(w.info("model.layers.0.mlp.gate_proj.weight"));  // dense first layer
+    EXPECT_NO_THROW(w.info("model.layers.2.mlp.experts.7.down_proj.weight"));
+    EXPECT_NO_THROW(w.info("model.layers.2.mlp.shared_experts.up_proj.weight"));
+    bool has_q_a = false, has_bias = false;
+    for (const auto& n : w.names()) {
+      has_q_a |= n == "model.layers.0.self_attn.q_a_proj.weight";
+      has_bias |= n == "model.layers.1.mlp.gate.e_score_correction_bias";
+    }
+    EXPECT_EQ(has_q_a, v3);
+    EXPECT_EQ(has_bias, v3);
+  }
+}
+
+// Both models score the 100 tokens as transformers did, from config.json in either form, with
+// every field understood; V3's variants of the same weights (rotate_half pairs, no
+// renormalisation) move the logits far more than the tolerance, and match too.
+TEST(DeepseekGolden, LogitsMatchTransformers) {
+  Scratch s;
+  for (const char* d : kDirs) {
+    SCOPED_TRACE(d);
+    const Reference ref(d);
+    const std::vector<float> want = ref.floats("logits");
+    std::string out;
+    const std::vector<float> v5 = score(kGolden / d, ref, s, out);
+    ASSERT_EQ(v5.size(), want.size()) << out;
+    EXPECT_EQ(out.find("mt: note"), std::string::npos) << out;
+    EXPECT_LT(test::scaled_err(v5, want), kTol);
+    const std::vector<float> legacy = score(with_config(s, d, "legacy_config.json"), ref, s, out);
+    EXPECT_EQ(out.find("mt: note"), std::string::npos) << out;
+    EXPECT_EQ(legacy, v5) << "the two config.json forms configured different models";
+  }
+  const Reference ref("deepseek_v3");
+  for (const char* v : {"rotate_half", "no_norm_topk"}) {
+    SCOPED_TRACE(v);
+    std::string out;
+    const std::vector<float> got =
+        score(with_config(s, "deepseek_v3", std::string(v) + "_config.json"), ref, s, out);
+    const std::vector<float> want = ref.floats(std::string(v) + ".logits");
+    ASSERT_EQ(got.size(), want.size()) << out;
+    EXPECT_LT(test::scaled_err(got, want), kTol);
+    EXPECT_GT(test::scaled_err(got, ref.floats("logits")), 100 * kTol);
+  }
+}
+
+// `mt decode hf_path=... tokens=<prompt>` prints the prompt and its 20 greedy tokens, equal to
+// transformers' generate(do_sample=False). Smallest top-1/top-2 gaps: 0.032 (v2), 0.020 (v3).
+TEST(DeepseekGolden, GreedyDecodeEqualsTransformersGenerate) {
+  for (const char* d : kDirs) {
+    SCOPED_TRACE(d);
+    const Reference ref(d);
+    const std::vector<int32_t> prompt = ref.ints("generate.prompt");
+    const std::vector<int32_t> want = ref.ints("generate.ids");
+    ASSERT_EQ(want.size(), prompt.size() + 20);
+    const test::MtResult r =
+        test::run_mt("decode hf_path=" + (kGolden / d).string() + " tokens=" + join_ids(prompt) +
+                         " max_target_length=" + std::to_string(want.size()) +
+                         " max_prefill_predict_length=" + std::to_string(prompt.size()),
+                     120);
+    ASSERT_EQ(r.code, 0) << r.out;
+    const std::string line = join_ids(want) + "\n";
+    const size_t at = r.out.find(line);
+    EXPECT_TRUE(at != std::string::npos && (at == 0 || r.out[at - 1] == '\n')) << r.out;
+  }
+}
+
+// Hugging Face -> mt -> Hugging Face: the same tensors (names, shapes, bytes), and the exported
+// config.json (transformers 5's form) scores as transformers did.
+TEST(DeepseekGolden, ConvertRoundTripWritesWhatTransformersWrote) {
+  Scratch s;
+  for (const char* d : kDirs) {
+    SCOPED_TRACE(d);
+    const fs::path mtdir = s.root / (std::string(d) + "_mt"),
+                   back = s.root / (std::string(d) + "_hf");
+    test::MtResult r = test::run_mt(
+        "convert --from=hf --input=" + (kGolden / d).string() + " --output=" + mtdir.string(), 120);
+    ASSERT_EQ(r.code, 0) << r.out;
+    r = test::run_mt("convert --to=hf --config=" + (mtdir / "model.yml").string() +
+                         " --input=" + mtdir.string() + " --output=" + back.string(),
+                     120);
+    ASSERT_EQ(r.code, 0) << r.out;
+    SafeTensorsFile a(kGolden / d / "model.safetensors"), b(back / "model.safetensors");
+    EXPECT_EQ(a.names(), b.names());
+    for (const auto& n : a.names()) {
+      const auto &x = a.info(n), &y = b.info(n);
+      EXPECT_EQ(x.shape, y.shape) << n;
+      ASSERT_EQ(x.nbytes(), y.nbytes()) << n;
+      EXPECT_EQ(std::memcmp(x.data, y.data, x.nbytes()), 0) << n << " differs after the round trip";
+    }
+    const Reference ref(d);
+    std::string out;
+    const std::vector<float> got = score(back, ref, s, out);
+    EXPECT_EQ(out.find("mt: note"), std::string::npos) << out;
+    EXPECT_LT(test::scaled_err(got, ref.floats("logits")), kTol);
+  }
+}
+
+// The loss over the 100 tokens and every parameter's gradient, against transformers' (f32):
+// the backward of latent attention (the rotary key shared by the heads, the splits, the
+// compressed q and kv norms) and of DeepSeek's routing weights (V2: the softmax gathered; V3:
+// the masked sigmoid route, renormalised). The V3 selection bias gets none (a buffer there).
+// Measured: loss 7e-8 / 0 relative, worst gradient 1.24e-6 (v2) and 1.20e-6 (v3) of its largest
+// element.
+TEST(DeepseekGolden, LossAndGradientsMatchTransformers) {
+  for (const char* d : kDirs) {
+    SCOPED_TRACE(d);
+    const HfImport imp = read_hf_config(kGolden / d, test::plugins());
+    ConfigRequest req;
+    req.configs_dir = test::source_dir() + "/configs";
+    req.model = "";
+    req.overrides = imp.overrides;
+    req.overrides.push_back("max_target_length=100");
+    req.schemas_for = [](const Config& layers) {
+      const std::string fam = layers.get_string("decoder_block");
+      return std::vector<SchemaText>{
+          {"model family '" + fam + "'", test::plugins().make_model_family(fam)->config_schema()}};
+    };
+    ModelRunner runner(load_config(req), test::plugins());
+    load_hf_weights(kGolden / d, runner);
+    const Reference ref(d);
+    HostBatch hb;
+    hb.batch = 1;
+    hb.seq = 100;
+    hb.inputs = ref.ints("input_ids");
+    hb.targets.assign(hb.inputs.begin() + 1, hb.inputs.end());
+    hb.targets.push_back(-1);  // the last position predicts nothing
+    const DeviceBatch batch = runner.upload(hb);
+    runner.enable_gradients();
+    Graph graph(runner.backend());
+    const Tensor loss = runner.loss(graph, batch, 0.f);
+    const double want = ref.floats("loss")[0], got = test::to_vector(loss)[0];
+    EXPECT_LT(std::fabs(got - want) / want, 1e-5) << got << " vs " << want;
+    graph.backward(loss);
+    double worst = 0;
+    for (auto& p : runner.params()) {
+      const Model::HfName hf = runner.model().hf_name(p.name);
+      const std::vector<float> g = test::to_vector(p.grad);
+      if (p.name.find("router_bias") != std::string::npos) {
+        EXPECT_EQ(g, std::vector<float>(g.size(), 0.f)) << p.name;
+        continue;
+      }
+      // transformers' [out, in] matrices (each expert's, when stacked) into mt's [in, out].
+      std::vector<std::string> names = hf.stack;
+      if (names.empty()) names.push_back(hf.name);
+      std::vector<float> w;
+      for (const std::string& n : names) {
+        std::vector<float> part = ref.floats("grad." + n);
+        if (hf.transposed) {
+          const int64_t in = p.spec.shape[p.spec.shape.size() - 2], out = p.spec.shape.back();
+          std::vector<float> t(part.size());
+          for (int64_t r = 0; r < out; ++r)
+            for (int64_t c = 0; c < in; ++c)
+              t[static_cast<size_t>(c * out + r)] = part[static_cast<size_t>(r * in + c)];
+          part = t;
+        }
+        w.insert(w.end(), part.begin(), part.end());
+      }
+      ASSERT_EQ(g.size(), w.size()) << p.name;
+      const double e = test::scaled_err(g, w);
+      EXPECT_LT(e, 1e-4) << "gradient of " << p.name;
+      worst = std::max(worst, e);
+    }
+    std::printf("%s: loss %.7f vs %.7f; worst gradient error %.2e\n", d, got, want, worst);
+  }
+}
+
+std::vector<std::string> losses(const fs::path& run) {
+  std::ifstream f(run / "metrics.jsonl");
+  std::vector<std::string> r;
+  for (std::string l; std::getline(f, l);) {
+    const size_t p = l.find("\"loss\": ");
+    if (p != std::string::npos) r.push_back(l.substr(p + 8, l.find(',', p) - p - 8));
+  }
+  return r;
+}
+
+// deepseek3-test, and the same sizes as a V2 without query compression, learn from the shipped
+// corpus: the mean loss of the last five of 30 steps is well below the first step's.
+TEST(DeepseekTraining, LossFallsOnTheShippedCorpus) {
+  Scratch s;
+  const std::string data = test::source_dir() + "/data/corpus.train.tokens";
+  const std::pair<const char*, const char*> runs[] = {
+      {"v3", ""}, {"v2", " decoder_block=deepseek_v2 q_lora_rank=0 norm_topk_prob=false"}};
+  for (const auto& [name, extra] : runs) {
+    SCOPED_TRACE(name);
+    const test::MtResult r = test::run_mt(
+        std::string("run --model=deepseek3-test dataset_type=tokens dataset_path=") + data +
+            " vocab_size=8192 steps=30 log_period=1 learning_rate=3e-3 per_device_batch_size=4 "
+            "eval_interval=-1 enable_checkpointing=false num_threads=2 run_name=" +
+            name + " base_output_directory=" + s.root.string() + extra,
+        120);
+    ASSERT_EQ(r.code, 0) << r.out;
+    const std::vector<std::string> l = losses(s.root / name);
+    ASSERT_EQ(l.size(), 30u) << r.out;
+    double last = 0;
+    for (size_t i = 25; i < 30; ++i) last += std::stod(l[i]) / 5;
+    EXPECT_LT(last, std::stod(l[0]) - 1.0) << r.out;
+    const std::string metrics = slurp(s.root / name / "metrics.jsonl");
+    EXPECT_NE(metrics.find("\"moe_load_max/1\""), std::string::npos);
+  }
+}
+
+// 6 steps straight, or 3 then a restart to 6: the losses and the final parameters are bitwise
+// identical; the V3 selection bias gets no gradient (it stays at its initial zeros).
+TEST(DeepseekTraining, ResumedRunEqualsStraightRun) {
+  Scratch s;
+  auto run = [&](const std::string& name, int steps) {
+    const test::MtResult r = test::run_mt(
+        "run --model=deepseek3-test dataset_type=synthetic log_period=1 "
+        "eval_interval=-1 num_threads=2 enable_checkpointing=true checkpoint_period=3 "
+        "async_checkpointing=true learning_rate_schedule_steps=6 steps=" +
+            std::to_string(steps) + " run_name=" + name +
+            " base_output_directory=" + s.root.string(),
+        120);
+    EXPECT_EQ(r.code, 0) << r.out;
+  };
+  run("straight", 6);
+  run("resumed", 3);
+  run("resumed", 6);
+  const auto a = losses(s.root / "straight"), b = losses(s.root / "resumed");
+  ASSERT_EQ(a.size(), 6u);
+  EXPECT_EQ(a, b);
+  const fs::path pa = s.root / "straight" / "checkpoints" / "6" / "params.safetensors";
+  const std::string ba = slurp(pa),
+                    bb = slurp(s.root / "resumed" / "checkpoints" / "6" / "params.safetensors");
+  ASSERT_GT(ba.size(), 1000u);
+  EXPECT_TRUE(ba == bb) << "final parameters differ";
+  SafeTensorsFile p(pa);
+  const auto& bias = p.info("layers.1.router_bias");
+  ASSERT_EQ(bias.dtype, "F32");
+  std::vector<float> v(static_cast<size_t>(bias.numel()));
+  std::memcpy(v.data(), bias.data, bias.nbytes());
+  EXPECT_EQ(v, std::vector<float>(8, 0.f));
+  const auto& router = p.info("layers.1.router");  // trained through the routing weights
+  std::vector<float> w(static_cast<size_t>(router.numel()));
+  std::memcpy(w.data(), router.data, router.nbytes());
+  EXPECT_NE(w[0], 0.f);
+}
+
+std::unique_ptr<Model> build_named(const std::string& model) {
+  ConfigRequest req;
+  req.configs_dir = test::source_dir() + "/configs";
+  req.model = model;
+  req.schemas_for = [](const Config& layers) {
+    const std::string fam = layers.get_string("decoder_block");
+    return std::vector<SchemaText>{
+        {"model family '" + fam + "'", test::plugins().make_model_family(fam)->config_schema()}};
+  };
+  const Config cfg = load_config(req);
+  return test::plugins().make_model_family(cfg.get_string("decoder_block"))->build(cfg);
+}
+
+// The named configs have DeepSeek's published sizes: V2-Lite 15.7B parameters of which 2.4B
+// are active per token, V2 236B (21B active), V3 671B (37B active); totals with the embedding
+// table, active ones without its lookup (measured: 2.45B, 20.9B, 36.6B).
+TEST(DeepseekModel, NamedConfigsHaveThePublishedSizes) {
+  struct Case {
+    const char* model;
+    double total, active, tol;
+  };
+  for (const Case c :
+       {Case{"deepseek2-16b", 15.7e9, 2.4e9, 0.06e9}, Case{"deepseek2-236b", 236e9, 21e9, 0.5e9},
+        Case{"deepseek3-671b", 671e9, 37e9, 0.5e9}}) {
+    SCOPED_TRACE(c.model);
+    const std::unique_ptr<Model> m = build_named(c.model);
+    const ParamCounts n = count_parameters(*m);
+    EXPECT_NEAR(static_cast<double>(n.total), c.total, c.tol);
+    EXPECT_NEAR(n.active_matmul, c.active, c.tol);
+  }
+}
+
+// Bad input, each refused before any work with exit code 2 and one paragraph naming it.
+TEST(DeepseekBadInput, IsRefusedWithOneClearError) {
+  Scratch s;
+  auto expect_refused = [](const std::string& args, const std::string& says) {
+    const test::MtResult r = test::run_mt(args, 60);
+    EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
+    EXPECT_NE(r.out.find(says), std::string::npos) << args << "\n" << r.out;
+  };
+  const std::string run = "run --model=deepseek3-test steps=1 ";
+  expect_refused(run + "kv_lora_rank=100", "kv_lora_rank=100");
+  expect_refused(run + "q_lora_rank=65", "q_lora_rank=65");
+  expect_refused(run + "n_routing_groups=3", "must divide num_experts=8");
+  expect_refused(run + "topk_routing_group=5", "topk_routing_group=5");
+  expect_refused(run + "num_experts_per_tok=5 topk_routing_group=2", "num_experts_per_tok=5");
+  expect_refused(run + "n_routing_groups=8 topk_routing_group=2", "two best scores");
+  expect_refused(run + "qk_rope_head_dim=15", "qk_rope_head_dim=15");
+  expect_refused(run + "first_num_dense_layers=4", "first_num_dense_layers=4");
+  // config.json: fields mt does not implement, or settings that cannot be.
+  struct Edit {
+    const char* dir;
+    const char* from;
+    const char* to;
+    const char* says;
+  };
+  const Edit edits[] = {
+      {"deepseek_v2", "\"norm_topk_prob\": false", "\"norm_topk_prob\": true", "norm_topk_prob"},
+      {"deepseek_v2", "\"topk_method\": \"group_limited_greedy\"", "\"topk_method\": \"noaux_tc\"",
+       "topk_method=noaux_tc"},
+      {"deepseek_v3", "\"attention_bias\": false", "\"attention_bias\": true",
+       "attention_bias=true"},
+      {"deepseek_v3", "\"num_key_value_heads\": 4", "\"num_key_value_heads\": 2",
+       "num_key_value_heads=2"},
+      {"deepseek_v3", "\"n_group\": 4", "\"n_group\": 3", "n_routing_groups"},
+      {"deepseek_v3", "\"kv_lora_rank\": 16", "\"kv_lora_rank\": 48", "kv_lora_rank"},
+      {"deepseek_v3", "\"rope_type\": \"yarn\"", "\"rope_type\": \"longrope\"",
+       "rope_parameters.rope_type"}};
+  for (const Edit& e : edits) {
+    SCOPED_TRACE(e.to);
+    const fs::path dir = with_config(s, e.dir, "config.json");
+    edit(dir / "config.json", e.from, e.to);
+    expect_refused("score hf_path=" + dir.string() + " tokens=1,2,3", e.says);
+    fs::remove_all(dir);
+  }
+}
+
+}  // namespace
+}  // namespace mt
