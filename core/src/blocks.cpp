@@ -197,10 +197,27 @@ std::vector<ParamSpec> mla_params(const MlaSpec& s, const std::string& prefix) {
 CacheSpec mla_cache_spec(const MlaSpec& s) {
   CacheSpec c;
   c.window = s.attn.window;
-  const int64_t d = mla_padded_dim(s);
-  c.entries = {{s.heads, d}, {s.heads, d}};
+  // One entry: the normalised latent c and the rotary key, as one kv head [c, k_rope].
+  c.entries = {{1, s.kv_lora_rank + s.qk_rope_head_dim}};
   return c;
 }
+
+namespace {
+
+// u [n0, n1, ...] -> [n1, n0, ...] (the rest flattened into rows of w features): one row gather.
+Tensor swap01(Graph& g, const Tensor& u, int64_t n0, int64_t n1) {
+  const int64_t w = n0 * n1 > 0 ? u.numel() / (n0 * n1) : 0;
+  if (n0 == 1 || n1 == 1) return g.reshape(u, {n1, n0, w});
+  std::vector<int32_t> rows(static_cast<size_t>(n0 * n1));
+  for (int64_t i1 = 0; i1 < n1; ++i1)
+    for (int64_t i0 = 0; i0 < n0; ++i0)
+      rows[static_cast<size_t>(i1 * n0 + i0)] = static_cast<int32_t>(i0 * n1 + i1);
+  Tensor idx = g.backend().empty({n0 * n1}, DType::i32);
+  g.backend().copy_from_host(idx, rows.data());
+  return g.reshape(g.gather_rows(g.reshape(u, {n0 * n1, w}), idx), {n1, n0, w});
+}
+
+}  // namespace
 
 Tensor mla(Graph& g, const Params& p, const MlaSpec& s, const Tensor& x, const LayerInputs& in,
            const std::string& prefix) {
@@ -229,6 +246,41 @@ Tensor mla(Graph& g, const Params& p, const MlaSpec& s, const Tensor& x, const L
       g.split(g.matmul(x, p[prefix + "wkv_a"]), {s.kv_lora_rank, rope});  // [B, T, ...]
   const Tensor c = norm(g, p, prefix + "kv_norm", kv_a[0], s.norm);
   const Tensor k_rot = g.rope(g.reshape(kv_a[1], {b, t, 1, rope}), in.positions, rs);
+  AttentionSpec spec = s.attn;
+  if (spec.scale == 0.f) spec.scale = 1.f / std::sqrt(static_cast<float>(qk));
+
+  // Decode: the cache keeps the latent [c, k_rope] per token (mla_cache_spec), written by the
+  // prefill too. A step attends to it with the up-projections absorbed: q_nope of head h times
+  // W_uk[h]^T (wkv_b's k columns of h, [L, nope]) is a query in latent space, so scores are
+  // q_abs . c + q_rope . k_rope: multi-query attention with one kv head of L + rope features
+  // whose values are the same rows (the output's rope features are dropped). The weighted sum of
+  // latents times W_uv[h] (the v columns, [L, dv]) is head h's value, then wo. The scale stays
+  // the spec's (DeepSeek's), not 1 / sqrt(L + rope).
+  if (in.cache) {
+    const int64_t lat = s.kv_lora_rank;
+    g.write_cache(*in.cache, 0,
+                  g.reshape(g.concat({c, g.reshape(k_rot, {b, t, rope})}), {b, t, 1, lat + rope}));
+    if (!in.cache->fresh) {
+      const int64_t m = b * t;
+      // wkv_b [L, H * (nope + dv)] -> [H, L, nope + dv] -> W_uk [H, L, nope], W_uv [H, L, dv].
+      const std::vector<Tensor> w =
+          g.split(swap01(g, p[prefix + "wkv_b"], s.kv_lora_rank, h), {nope, dv});
+      Tensor q_lat = nope > 0 ? g.reshape(swap01(g,
+                                                 g.matmul(swap01(g, qs[0], m, h), w[0],
+                                                          /*trans_a=*/false, /*trans_b=*/true),
+                                                 h, m),
+                                          {b, t, h, lat})
+                              : g.backend().zeros({b, t, h, lat}, q_rot.dtype());
+      KVCache both = *in.cache;  // the latent rows serve as keys and as values
+      both.tensors = {in.cache->tensors.at(0), in.cache->tensors.at(0)};
+      const Tensor a =
+          g.split(g.attention_decode(*in.attention, g.concat({q_lat, q_rot}), both, spec),
+                  {lat, rope})[0];                                           // [B, T, H, L]
+      const Tensor o = swap01(g, g.matmul(swap01(g, a, m, h), w[1]), h, m);  // [M, H, dv]
+      return g.matmul(g.reshape(o, {b, t, h * dv}), p[prefix + "wo"]);
+    }
+  }
+
   // Every head's copy of the rotary key: rows gathered H times per token (the backward sums
   // the heads' gradients back into the one key).
   std::vector<int32_t> rows(static_cast<size_t>(b * t * h));
@@ -238,7 +290,6 @@ Tensor mla(Graph& g, const Params& p, const MlaSpec& s, const Tensor& x, const L
   if (!rows.empty()) g.backend().copy_from_host(idx, rows.data());
   const Tensor k_rot_h =
       g.reshape(g.gather_rows(g.reshape(k_rot, {b * t, rope}), idx), {b, t, h, rope});
-
   // Per head [k_nope, v] from the latent.
   std::vector<Tensor> kv =
       g.split(g.reshape(g.matmul(c, p[prefix + "wkv_b"]), {b, t, h, nope + dv}), {nope, dv});
@@ -246,8 +297,6 @@ Tensor mla(Graph& g, const Params& p, const MlaSpec& s, const Tensor& x, const L
   Tensor kf = nope > 0 ? g.concat({kv[0], k_rot_h}) : k_rot_h;
   Tensor v = kv[1];
 
-  AttentionSpec spec = s.attn;
-  if (spec.scale == 0.f) spec.scale = 1.f / std::sqrt(static_cast<float>(qk));
   // One head size for the kernels: zero features add nothing to q . k, and the padded output
   // features are cut before wo (as attention() does).
   auto pad = [&](const Tensor& u) {
@@ -259,7 +308,8 @@ Tensor mla(Graph& g, const Params& p, const MlaSpec& s, const Tensor& x, const L
   qf = pad(qf);
   kf = pad(kf);
   v = pad(v);
-  Tensor a = in.cache ? g.cached_attention(*in.attention, qf, kf, v, *in.cache, spec)
+  // A fresh cache (prefill): the tokens attend among themselves; their latent is stored above.
+  Tensor a = in.cache ? g.attention(*in.attention, qf, kf, v, Tensor(), Tensor(), spec)
                       : g.attention(*in.attention, qf, kf, v, in.segment_ids, in.segment_ids, spec);
   if (dv != dp) a = g.split(a, {dv, dp - dv})[0];
   return g.matmul(g.reshape(a, {b, t, h * dv}), p[prefix + "wo"]);

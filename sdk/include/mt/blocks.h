@@ -103,13 +103,17 @@ struct MlaSpec {
 // H*(nope+rope)]; wkv_a [d, kv_lora_rank + rope], kv_norm [kv_lora_rank], wkv_b [kv_lora_rank,
 // H*(nope+v)], wo [H*v, d]; each name after `prefix`.
 MT_API std::vector<ParamSpec> mla_params(const MlaSpec& s, const std::string& prefix = "");
-// x [B, T, d] (already normalised) -> [B, T, d]. Keys and values are expanded from the latent
-// (every head's k and v, as training computes them); values are zero-padded to the query/key
-// head size for the kernel, as attention() does.
+// x [B, T, d] (already normalised) -> [B, T, d]. Training and prefill (no cache, or a fresh
+// one) expand keys and values from the latent (every head's k and v); values are zero-padded to
+// the query/key head size for the kernel, as attention() does. With a cache, the latent
+// [c, k_rope] is stored; a decode step (cache not fresh) absorbs the up-projections: each
+// head's q_nope times its W_uk^T (wkv_b's k columns) attends in latent space, as multi-query
+// attention over the cached latent rows (keys and values both), with the spec's scale; the
+// weighted latent times the head's W_uv (wkv_b's v columns) is its value, then wo.
 MT_API Tensor mla(Graph& g, const Params& p, const MlaSpec& s, const Tensor& x,
                   const LayerInputs& in, const std::string& prefix = "");
-// What decode keeps per token: every head's expanded k and v (padded to one head size), not yet
-// the compressed latent.
+// What decode keeps per token: the compressed latent, one entry [1, kv_lora_rank +
+// qk_rope_head_dim] (the normalised c, then the rotated key), not every head's k and v.
 MT_API CacheSpec mla_cache_spec(const MlaSpec& s);
 
 // ---- feed-forward -----------------------------------------------------------------------------
