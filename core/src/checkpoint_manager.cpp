@@ -556,8 +556,8 @@ Metadata load_step(fs::path step_dir, std::map<std::string, Tensor>* const targe
   for (const auto& [file, i] : open) {
     std::string problems = match_problems(file, *targets[i]);
     if (!problems.empty())
-      throw Error("Checkpoint file " + quoted(file.path()) + " does not match the model: " +
-                  problems + ". Was it written with a different model config?");
+      throw UsageError("Checkpoint file " + quoted(file.path()) + " does not match the model: " +
+                       problems + ". Was it written with a different model config?");
   }
   for (const auto& [file, i] : open)
     for (auto& [name, t] : *targets[i]) load_into(file, name, t);
@@ -865,8 +865,8 @@ void load_parameters(const fs::path& path, std::map<std::string, Tensor>& params
     SafeTensorsFile file(path);
     std::string problems = match_problems(file, params);
     if (!problems.empty())
-      throw Error("Parameter file " + quoted(path) + " does not match the model: " + problems +
-                  ". Was it written with a different model config?");
+      throw UsageError("Parameter file " + quoted(path) + " does not match the model: " + problems +
+                       ". Was it written with a different model config?");
     for (auto& [name, t] : params) load_into(file, name, t);
     return;
   }

@@ -252,19 +252,23 @@ void load_hf_weights(const fs::path& dir, ModelRunner& runner) {
         used.insert(n);
       }
     } else if (hf.slice_end > 0) {
-      // Columns [begin, end) of a fused tensor, in mt orientation [rows, columns].
+      // Columns [begin, end) of a fused tensor, in mt orientation [rows, columns]; a vector (a
+      // fused bias) is one row.
       std::vector<float> all = read_hf(w, hf.name, hf.transposed, be, dir, p.name, got, nullptr);
       const int64_t width = hf.slice_end - hf.slice_begin;
-      if (s.size() != 2 || got.size() != 2 || got[0] != s[0] || width != s[1] ||
-          hf.slice_begin < 0 || hf.slice_end > got[1])
+      const bool vec = s.size() == 1;
+      const int64_t rows = vec ? 1 : s.size() == 2 ? s[0] : -1;
+      const int64_t cols = got.empty() ? -1 : got.back();
+      if (rows < 0 || got.size() != s.size() || (!vec && got[0] != s[0]) || width != s.back() ||
+          hf.slice_begin < 0 || hf.slice_end > cols)
         throw UsageError("mt parameter " + p.name + " of shape " + shape_str(s) +
                          " is mapped to columns [" + std::to_string(hf.slice_begin) + ", " +
                          std::to_string(hf.slice_end) + ") of '" + hf.name +
                          "', whose shape (in mt's orientation) is " + shape_str(got) +
                          " (config.json and the weights disagree).");
-      host.resize(static_cast<size_t>(s[0] * s[1]));
-      for (int64_t r = 0; r < s[0]; ++r)
-        std::copy_n(all.begin() + r * got[1] + hf.slice_begin, width, host.begin() + r * s[1]);
+      host.resize(static_cast<size_t>(rows * width));
+      for (int64_t r = 0; r < rows; ++r)
+        std::copy_n(all.begin() + r * cols + hf.slice_begin, width, host.begin() + r * width);
       used.insert(hf.name);
     } else {
       host = read_hf(w, hf.name, hf.transposed, be, dir, p.name, got, &s);
@@ -393,12 +397,14 @@ void write_hf_tensors(const fs::path& file, ModelRunner& runner) {
         emit(hf.stack[e], hf_shape(part), oriented(std::move(one), part), dt);
       }
     } else if (hf.slice_end > 0) {
-      MT_CHECK(s.size() == 2 && hf.slice_end - hf.slice_begin == s[1],
+      MT_CHECK((s.size() == 2 || (s.size() == 1 && !hf.transposed)) &&
+                   hf.slice_end - hf.slice_begin == s.back(),
                "parameter " + p.name + " " + shape_str(s) + " as a column slice");
       Fused& f = fused[hf.name];
-      MT_CHECK(f.rows < 0 || (f.rows == s[0] && f.transposed == hf.transposed),
+      const int64_t rows = s.size() == 2 ? s[0] : 0;  // 0: a vector (a fused bias)
+      MT_CHECK(f.rows < 0 || (f.rows == rows && f.transposed == hf.transposed),
                "parameters fused into " + hf.name + " disagree on rows or layout");
-      f.rows = s[0];
+      f.rows = rows;
       f.transposed = hf.transposed;
       f.dtype = dt;
       f.cols = std::max(f.cols, hf.slice_end);
@@ -419,13 +425,14 @@ void write_hf_tensors(const fs::path& file, ModelRunner& runner) {
                     std::to_string(std::min(b, next)) + ").");
       next = e;
     }
-    std::vector<float> all(static_cast<size_t>(f.rows * f.cols));
+    const int64_t rows = std::max<int64_t>(f.rows, 1);
+    std::vector<float> all(static_cast<size_t>(rows * f.cols));
     for (const auto& [b, part] : f.parts) {
-      const int64_t width = static_cast<int64_t>(part.size()) / f.rows;
-      for (int64_t r = 0; r < f.rows; ++r)
+      const int64_t width = static_cast<int64_t>(part.size()) / rows;
+      for (int64_t r = 0; r < rows; ++r)
         std::copy_n(part.begin() + r * width, width, all.begin() + r * f.cols + b);
     }
-    const Shape ms{f.rows, f.cols};
+    const Shape ms = f.rows == 0 ? Shape{f.cols} : Shape{f.rows, f.cols};
     emit(name, f.transposed ? Shape{f.cols, f.rows} : ms,
          f.transposed ? transpose(all, f.rows, f.cols) : all, f.dtype);
   }

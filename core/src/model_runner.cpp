@@ -201,7 +201,7 @@ Tensor ModelRunner::run_layers(Graph& g, const Tensor& tokens, LayerInputs in,
   const Params top(top_names_,
                    std::vector<Tensor>(ps.begin(), ps.begin() + static_cast<ptrdiff_t>(num_top_)));
   in.attention = &attention();
-  Tensor x = model_->embed(g, top, tokens);
+  Tensor x = model_->embed_at(g, top, tokens, in.positions);
   for (int i = 0; i < model_->num_layers(); ++i) {
     const auto ui = static_cast<size_t>(i);
     const size_t b = layer_begin_[ui];

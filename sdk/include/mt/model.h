@@ -142,6 +142,15 @@ class MT_API Model {
   virtual const DecoderLayer& layer(int index) const = 0;
   // tokens [B, T] i32 -> hidden [B, T, D]. top: the tensors of top_parameters().
   virtual Tensor embed(Graph& g, const Params& top, const Tensor& tokens) const = 0;
+  // tokens [B, T] i32 and their absolute positions [B, T] i32 (0-based; restarting per packed
+  // document) -> hidden [B, T, D]: what the core calls, in training and decode. The default is
+  // embed(g, top, tokens); a family with learned absolute positions (GPT's position table)
+  // overrides this one.
+  virtual Tensor embed_at(Graph& g, const Params& top, const Tensor& tokens,
+                          const Tensor& positions) const {
+    (void)positions;
+    return embed(g, top, tokens);
+  }
   // hidden [B, T, D] -> logits [B, T, V] (final norm, LM head, soft-cap).
   virtual Tensor head(Graph& g, const Params& top, const Tensor& hidden) const = 0;
 
@@ -162,7 +171,8 @@ class MT_API Model {
     // experts' [K, N] matrices -> [E, K, N]); `name` is then empty.
     std::vector<std::string> stack;
     // One-to-many: the parameter is columns [slice_begin, slice_end) of the last dimension of
-    // tensor `name` as mt orients it (after the transpose), e.g. q of a fused qkv projection.
+    // tensor `name` as mt orients it (after the transpose), e.g. q of a fused qkv projection,
+    // or elements [slice_begin, slice_end) of a vector (bq of GPT-2's fused c_attn.bias).
     // slice_end == 0: the whole tensor.
     int64_t slice_begin = 0, slice_end = 0;
   };

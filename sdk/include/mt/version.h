@@ -14,5 +14,6 @@
 // contract (Params by name, LayerOutput with auxiliary losses, CacheSpec, Model::flops_per_token,
 // stacked and sliced HfName, ModelFamily::config_schema); 5: the Backend's ops declared from
 // mt/ops.def (composed ops with defaults, Backend::supports, the list's order), and
-// Graph::ExpertOrder::routed with token dropping's sort_by_expert.
-#define MT_ABI_VERSION 5u
+// Graph::ExpertOrder::routed with token dropping's sort_by_expert; 6: Model::embed_at (token
+// embeddings with their positions, for learned absolute position tables).
+#define MT_ABI_VERSION 6u

@@ -1,0 +1,406 @@
+// The GPT families (plugins/models/gpt: gpt2, gpt3): tiny random GPT2LMHeadModel directories that
+// transformers 5 saved (tests/golden/gpt2/{tied,untied}, made by tools/make_gpt_golden.py)
+// scored and greedily decoded through the mt CLI as users run it, in both config.json forms; the
+// tiny GPT-2-format tokenizer against transformers' GPT2TokenizerFast; the export back to
+// Hugging Face; training on the shipped corpus and resuming; the named configs' sizes; and bad
+// input refused with exit code 2.
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "json.h"
+#include "mt/io.h"
+#include "safetensors.h"
+#include "test_support.h"
+#include "tokenizer_factory.h"
+
+namespace fs = std::filesystem;
+
+namespace mt {
+namespace {
+
+const fs::path kGolden = fs::path(test::source_dir()) / "tests" / "golden" / "gpt2";
+const char* const kDirs[] = {"tied", "untied"};
+
+// max |mt - transformers| / max |transformers| over all logits. Measured: 2.5e-7 (tied, largest
+// logit 30.5), 3.3e-7 (untied, 3.8).
+constexpr double kTol = 1e-4;
+
+struct Reference {
+  SafeTensorsFile file;
+  explicit Reference(const std::string& dir) : file(kGolden / dir / "reference.safetensors") {}
+  std::vector<int32_t> ints(const std::string& name) const {
+    const auto& i = file.info(name);
+    EXPECT_EQ(i.dtype, "I32") << name;
+    std::vector<int32_t> v(static_cast<size_t>(i.numel()));
+    std::memcpy(v.data(), i.data, i.nbytes());
+    return v;
+  }
+  std::vector<float> floats(const std::string& name) const {
+    const auto& i = file.info(name);
+    EXPECT_EQ(i.dtype, "F32") << name;
+    std::vector<float> v(static_cast<size_t>(i.numel()));
+    std::memcpy(v.data(), i.data, i.nbytes());
+    return v;
+  }
+};
+
+std::string join_ids(const std::vector<int32_t>& ids) {
+  std::string s;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (i) s += ',';
+    s += std::to_string(ids[i]);
+  }
+  return s;
+}
+
+// A scratch directory of this test, removed afterwards.
+struct Scratch {
+  fs::path root;
+  Scratch() {
+    const auto* t = ::testing::UnitTest::GetInstance()->current_test_info();
+    root = fs::temp_directory_path() /
+           ("mt_gpt_" + std::to_string(::getpid()) + "_" + std::string(t->name()));
+    fs::remove_all(root);
+    fs::create_directories(root);
+  }
+  ~Scratch() { fs::remove_all(root); }
+};
+
+// A copy of golden directory `name` whose config.json is `config` (a file of that directory).
+fs::path with_config(const Scratch& s, const std::string& name, const std::string& config) {
+  const fs::path dir = s.root / (name + "_" + config);
+  fs::create_directories(dir);
+  fs::copy_file(kGolden / name / "model.safetensors", dir / "model.safetensors");
+  fs::copy_file(kGolden / name / config, dir / "config.json");
+  return dir;
+}
+
+// `mt score hf_path=<dir> tokens=<the input ids>`: the logits mt wrote, and what it printed.
+std::vector<float> score(const fs::path& dir, const Reference& ref, const Scratch& s,
+                         std::string& out) {
+  const fs::path file = s.root / "logits.safetensors";
+  fs::remove(file);
+  const test::MtResult r =
+      test::run_mt("score hf_path=" + dir.string() + " tokens=" + join_ids(ref.ints("input_ids")) +
+                       " output=" + file.string(),
+                   120);
+  out = r.out;
+  EXPECT_EQ(r.code, 0) << r.out;
+  if (r.code != 0 || !fs::exists(file)) return {};
+  SafeTensorsFile got(file);
+  const auto& li = got.info("logits");
+  std::vector<float> v(static_cast<size_t>(li.numel()));
+  std::memcpy(v.data(), li.data, li.nbytes());
+  return v;
+}
+
+void edit(const fs::path& file, const std::string& from, const std::string& to) {
+  std::ifstream f(file);
+  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const size_t at = text.find(from);
+  EXPECT_NE(at, std::string::npos) << from << " not in " << file;
+  if (at != std::string::npos) text.replace(at, from.size(), to);
+  std::ofstream(file) << text;
+}
+
+std::string slurp(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// What the golden directories are: transformers 5's GPT2LMHeadModel files (Conv1D weights
+// [in, out], q/k/v fused in c_attn), tied and untied, and the legacy config.json beside them.
+TEST(GptGolden, TheDirectoriesAreWhatTransformersFiveWrote) {
+  for (const char* d : kDirs) {
+    SCOPED_TRACE(d);
+    const bool tied = std::string(d) == "tied";
+    const std::string v5 = slurp(kGolden / d / "config.json");
+    const std::string legacy = slurp(kGolden / d / "legacy_config.json");
+    EXPECT_NE(v5.find("\"transformers_version\": \"5."), std::string::npos);
+    EXPECT_NE(v5.find("\"model_type\": \"gpt2\""), std::string::npos);
+    EXPECT_NE(v5.find("\"dtype\": \"float32\""), std::string::npos);
+    EXPECT_NE(legacy.find("\"torch_dtype\": \"float32\""), std::string::npos);
+    EXPECT_NE(legacy.find("\"n_ctx\": 128"), std::string::npos);
+    EXPECT_EQ(v5.find("\"tie_word_embeddings\": true") != std::string::npos, tied);
+    EXPECT_NE(v5.find(tied ? "\"activation_function\": \"gelu_new\""
+                           : "\"activation_function\": \"gelu\""),
+              std::string::npos);
+    SafeTensorsFile w(kGolden / d / "model.safetensors");
+    EXPECT_EQ(w.info("transformer.h.0.attn.c_attn.weight").shape, (Shape{32, 96}));
+    EXPECT_EQ(w.info("transformer.h.0.attn.c_attn.bias").shape, (Shape{96}));
+    EXPECT_EQ(w.info("transformer.h.1.mlp.c_fc.weight").shape, (Shape{32, tied ? 128 : 48}));
+    EXPECT_EQ(w.info("transformer.wpe.weight").shape, (Shape{128, 32}));
+    bool has_head = false;
+    for (const auto& n : w.names()) has_head |= n == "lm_head.weight";
+    EXPECT_EQ(has_head, !tied);
+  }
+}
+
+// Both models score the 100 tokens as transformers did, from config.json in the transformers 5
+// form and in the hub's legacy one (equal logits), with every field understood.
+TEST(GptGolden, LogitsMatchTransformersInBothConfigForms) {
+  Scratch s;
+  for (const char* d : kDirs) {
+    SCOPED_TRACE(d);
+    const Reference ref(d);
+    const std::vector<float> want = ref.floats("logits");
+    std::string out;
+    const std::vector<float> v5 = score(kGolden / d, ref, s, out);
+    ASSERT_EQ(v5.size(), want.size()) << out;
+    EXPECT_EQ(out.find("mt: note"), std::string::npos) << out;
+    EXPECT_LT(test::scaled_err(v5, want), kTol);
+    const std::vector<float> legacy = score(with_config(s, d, "legacy_config.json"), ref, s, out);
+    EXPECT_EQ(out.find("mt: note"), std::string::npos) << out;
+    ASSERT_EQ(legacy.size(), want.size()) << out;
+    EXPECT_EQ(legacy, v5) << "the two config.json forms configured different models";
+  }
+}
+
+// `mt decode hf_path=... tokens=<prompt>` prints the prompt and its 20 greedy tokens, equal to
+// transformers' generate(do_sample=False). Smallest top-1/top-2 gaps on the way: 3.0 (tied),
+// 0.021 (untied), against logit errors of ~1e-6.
+TEST(GptGolden, GreedyDecodeEqualsTransformersGenerate) {
+  for (const char* d : kDirs) {
+    SCOPED_TRACE(d);
+    const Reference ref(d);
+    const std::vector<int32_t> prompt = ref.ints("generate.prompt");
+    const std::vector<int32_t> want = ref.ints("generate.ids");
+    ASSERT_EQ(want.size(), prompt.size() + 20);
+    const test::MtResult r =
+        test::run_mt("decode hf_path=" + (kGolden / d).string() + " tokens=" + join_ids(prompt) +
+                         " max_target_length=" + std::to_string(want.size()) +
+                         " max_prefill_predict_length=" + std::to_string(prompt.size()),
+                     120);
+    ASSERT_EQ(r.code, 0) << r.out;
+    const std::string line = join_ids(want) + "\n";
+    const size_t at = r.out.find(line);
+    EXPECT_TRUE(at != std::string::npos && (at == 0 || r.out[at - 1] == '\n')) << r.out;
+  }
+}
+
+// The tiny GPT-2-format tokenizer (byte-level BPE, GPT-2's regex, no normalizer) encodes and
+// decodes as transformers' GPT2TokenizerFast did (reference.json's tokenizer_cases).
+TEST(GptGolden, TokenizerMatchesTransformers) {
+  const json::Value ref =
+      json::parse(read_file((kGolden / "tied" / "reference.json").string(), "reference"));
+  auto tok = make_tokenizer((kGolden / "tied" / "tokenizer.json").string(), "");
+  EXPECT_EQ(tok->vocab_size(), 384);
+  const auto* cases = ref.find("tokenizer_cases");
+  ASSERT_NE(cases, nullptr);
+  ASSERT_GE(cases->items.size(), 10u);
+  for (const auto& c : cases->items) {
+    const std::string text = c.find("text")->str;
+    std::vector<int32_t> want;
+    for (const auto& id : c.find("ids")->items) want.push_back(static_cast<int32_t>(id.integer));
+    EXPECT_EQ(tok->encode(text), want) << text;
+    EXPECT_EQ(tok->decode(want), c.find("decoded")->str) << text;
+  }
+}
+
+// Hugging Face -> mt -> Hugging Face: the exported directory has the tensors transformers wrote
+// (names, shapes, bytes: c_attn's fused weight and bias reassembled, no lm_head when tied), and
+// its config.json scores as transformers did.
+TEST(GptGolden, ConvertRoundTripWritesWhatTransformersWrote) {
+  Scratch s;
+  for (const char* d : kDirs) {
+    SCOPED_TRACE(d);
+    const fs::path mtdir = s.root / (std::string(d) + "_mt"),
+                   back = s.root / (std::string(d) + "_hf");
+    test::MtResult r = test::run_mt(
+        "convert --from=hf --input=" + (kGolden / d).string() + " --output=" + mtdir.string(), 120);
+    ASSERT_EQ(r.code, 0) << r.out;
+    r = test::run_mt("convert --to=hf --config=" + (mtdir / "model.yml").string() +
+                         " --input=" + mtdir.string() + " --output=" + back.string(),
+                     120);
+    ASSERT_EQ(r.code, 0) << r.out;
+    SafeTensorsFile a(kGolden / d / "model.safetensors"), b(back / "model.safetensors");
+    EXPECT_EQ(a.names(), b.names());
+    for (const auto& n : a.names()) {
+      const auto &x = a.info(n), &y = b.info(n);
+      EXPECT_EQ(x.shape, y.shape) << n;
+      ASSERT_EQ(x.nbytes(), y.nbytes()) << n;
+      EXPECT_EQ(std::memcmp(x.data, y.data, x.nbytes()), 0) << n << " differs after the round trip";
+    }
+    const std::string config = slurp(back / "config.json");
+    EXPECT_NE(config.find("\"architectures\": [\"GPT2LMHeadModel\"]"), std::string::npos);
+    const Reference ref(d);
+    std::string out;
+    const std::vector<float> got = score(back, ref, s, out);
+    EXPECT_EQ(out.find("mt: note"), std::string::npos) << out;
+    EXPECT_LT(test::scaled_err(got, ref.floats("logits")), kTol);
+  }
+}
+
+// Losses logged in <run>/metrics.jsonl, one per step.
+std::vector<std::string> losses(const fs::path& run) {
+  std::ifstream f(run / "metrics.jsonl");
+  std::vector<std::string> r;
+  for (std::string l; std::getline(f, l);) {
+    const size_t p = l.find("\"loss\": ");
+    if (p != std::string::npos) r.push_back(l.substr(p + 8, l.find(',', p) - p - 8));
+  }
+  return r;
+}
+
+// A gpt2 model small enough for unit tests (the named ones are 124M and up).
+const char* const kSmallGpt2 =
+    " base_emb_dim=64 base_num_query_heads=4 base_num_kv_heads=4 head_dim=16 base_mlp_dim=256 "
+    "base_num_decoder_layers=2 max_target_length=64";
+
+// Each family learns from the shipped corpus (its tokenizer's 8192 ids): the mean loss of the
+// last five of 40 steps is well below the first step's.
+TEST(GptTraining, LossFallsOnTheShippedCorpus) {
+  Scratch s;
+  const std::string data = test::source_dir() + "/data/corpus.train.tokens";
+  for (const std::string model : {"gpt3-52k", "gpt2"}) {
+    SCOPED_TRACE(model);
+    const test::MtResult r = test::run_mt(
+        "run --model=" + model + " dataset_type=tokens dataset_path=" + data +
+            " vocab_size=8192 steps=40 log_period=1 learning_rate=1e-2 per_device_batch_size=4 "
+            "max_target_length=64 eval_interval=-1 enable_checkpointing=false num_threads=2 "
+            "run_name=" +
+            model + " base_output_directory=" + s.root.string() +
+            (model == "gpt2" ? kSmallGpt2 : ""),
+        120);
+    ASSERT_EQ(r.code, 0) << r.out;
+    const std::vector<std::string> l = losses(s.root / model);
+    ASSERT_EQ(l.size(), 40u) << r.out;
+    double last = 0;
+    for (size_t i = 35; i < 40; ++i) last += std::stod(l[i]) / 5;
+    EXPECT_LT(last, std::stod(l[0]) - 1.0) << r.out;
+  }
+}
+
+// 8 steps straight, or 4 then a restart to 8: the losses of steps 5..8 and the final
+// parameters (the position table among them) are bitwise identical (CPU, fixed thread count).
+TEST(GptTraining, ResumedRunEqualsStraightRun) {
+  Scratch s;
+  for (const std::string model : {"gpt3-52k", "gpt2"}) {
+    SCOPED_TRACE(model);
+    auto run = [&](const std::string& name, int steps) {
+      const test::MtResult r = test::run_mt(
+          "run --model=" + model +
+              " dataset_type=synthetic log_period=1 eval_interval=-1 num_threads=2 vocab_size=512 "
+              "enable_checkpointing=true checkpoint_period=4 async_checkpointing=true "
+              "max_target_length=32 learning_rate_schedule_steps=8 steps=" +
+              std::to_string(steps) + " run_name=" + name +
+              " base_output_directory=" + s.root.string() + (model == "gpt2" ? kSmallGpt2 : ""),
+          120);
+      EXPECT_EQ(r.code, 0) << r.out;
+    };
+    const std::string straight = model + "_straight", resumed = model + "_resumed";
+    run(straight, 8);
+    run(resumed, 4);
+    run(resumed, 8);
+    const auto a = losses(s.root / straight), b = losses(s.root / resumed);
+    ASSERT_EQ(a.size(), 8u);
+    EXPECT_EQ(a, b);
+    const std::string pa = slurp(s.root / straight / "checkpoints" / "8" / "params.safetensors");
+    const std::string pb = slurp(s.root / resumed / "checkpoints" / "8" / "params.safetensors");
+    ASSERT_GT(pa.size(), 1000u);
+    EXPECT_NE(pa.find("position_embedding"), std::string::npos);
+    EXPECT_TRUE(pa == pb) << "final parameters differ";
+  }
+}
+
+// `mt models` lists the named configs with the published parameter counts (tied embeddings:
+// the LM head is the token table): GPT-2 124M / 355M / 774M / 1.5B as Hugging Face counts them,
+// MaxText's gpt3-52k, -6b and -175b.
+TEST(GptModel, NamedConfigsHaveThePublishedSizes) {
+  const test::MtResult r = test::run_mt("models", 60);
+  const std::pair<const char*, const char*> expect[] = {
+      {"gpt2", "124.4M"},      {"gpt2-medium", "354.8M"}, {"gpt2-large", "774.0M"},
+      {"gpt2-xl", "1.56B"},    {"gpt3-52k", "52.5K"},     {"gpt3-6b", "5.59B"},
+      {"gpt3-175b", "174.78B"}};
+  for (const auto& [name, size] : expect) {
+    const auto pos = r.out.find(std::string("\n") + name + " ");
+    ASSERT_NE(pos, std::string::npos) << name << "\n" << r.out;
+    const std::string line = r.out.substr(pos + 1, r.out.find('\n', pos + 1) - pos - 1);
+    EXPECT_NE(line.find("gpt"), std::string::npos) << line;
+    EXPECT_NE(line.find(size), std::string::npos) << line;
+  }
+}
+
+// Bad input, each refused before any work with exit code 2 and one paragraph naming it.
+TEST(GptBadInput, IsRefusedWithOneClearError) {
+  Scratch s;
+  auto expect_refused = [](const std::string& args, const std::string& says) {
+    const test::MtResult r = test::run_mt(args, 60);
+    EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
+    EXPECT_NE(r.out.find(says), std::string::npos) << args << "\n" << r.out;
+  };
+  expect_refused("run --model=gpt3-52k head_dim=4 steps=1", "head_dim=4");
+  expect_refused("run --model=gpt3-52k max_target_length=4096 steps=1",
+                 "trainable_position_size=2048");
+  expect_refused("run --model=gpt3-52k mlp_activations=[silu,linear] steps=1", "mlp_activations");
+  expect_refused("run --model=gpt3-52k trainable_position_size=-1 steps=1",
+                 "trainable_position_size");
+  // config.json: fields mt does not implement, and impossible shapes.
+  const std::vector<std::pair<std::string, std::string>> edits = {
+      {"\"scale_attn_by_inverse_layer_idx\": false", "\"scale_attn_by_inverse_layer_idx\": true"},
+      {"\"reorder_and_upcast_attn\": false", "\"reorder_and_upcast_attn\": true"},
+      {"\"scale_attn_weights\": true", "\"scale_attn_weights\": false"},
+      {"\"add_cross_attention\": false", "\"add_cross_attention\": true"},
+      {"\"activation_function\": \"gelu_new\"", "\"activation_function\": \"quick_gelu\""},
+      {"\"n_head\": 4", "\"n_head\": 5"},
+      {"\"n_embd\": 32", "\"n_embd\": 32, \"rope_theta\": 10000.0"}};
+  const std::vector<std::string> says = {"scale_attn_by_inverse_layer_idx=true",
+                                         "reorder_and_upcast_attn=true",
+                                         "scale_attn_weights=false",
+                                         "add_cross_attention=true",
+                                         "activation_function=quick_gelu",
+                                         "n_embd must be a multiple of n_head",
+                                         "rope_theta"};
+  for (size_t i = 0; i < edits.size(); ++i) {
+    const fs::path dir = with_config(s, "tied", "config.json");
+    edit(dir / "config.json", edits[i].first, edits[i].second);
+    expect_refused("score hf_path=" + dir.string() + " tokens=1,2,3", says[i]);
+    fs::remove_all(dir);
+  }
+  // An MLP of another width than the weights have: bad input naming the tensor.
+  {
+    const fs::path dir = with_config(s, "untied", "config.json");
+    edit(dir / "config.json", "\"n_inner\": 48", "\"n_inner\": 64");
+    const test::MtResult r = test::run_mt("score hf_path=" + dir.string() + " tokens=1,2,3", 60);
+    EXPECT_EQ(r.code, 2) << r.out;
+    EXPECT_NE(r.out.find("'transformer.h.0.mlp.c_fc.weight'"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("config.json and the weights disagree"), std::string::npos) << r.out;
+  }
+  // An mt checkpoint of another width: every disagreeing tensor named, exit code 2.
+  {
+    const std::string common =
+        " steps=2 eval_interval=-1 max_target_length=32 num_threads=2 "
+        "base_output_directory=" +
+        s.root.string();
+    test::MtResult r = test::run_mt(
+        "run --model=gpt3-52k checkpoint_period=2 async_checkpointing=false run_name=a" + common,
+        60);
+    ASSERT_EQ(r.code, 0) << r.out;
+    r = test::run_mt(
+        "run --model=gpt3-52k base_emb_dim=32 head_dim=16 run_name=b "
+        "load_parameters_path=" +
+            (s.root / "a" / "checkpoints" / "2").string() + common,
+        60);
+    EXPECT_EQ(r.code, 2) << r.out;
+    EXPECT_NE(r.out.find("tensor 'position_embedding' has shape [2048, 16] in the file but "
+                         "[2048, 32] in the model"),
+              std::string::npos)
+        << r.out;
+  }
+}
+
+}  // namespace
+}  // namespace mt
