@@ -15,7 +15,19 @@
 //     T=1024 (dot_product's [T, T] scores make it the small-T reference), or T=512, H=8, D=64 on
 //     the CPU backend; attention= runs every case with that kernel. kv_heads= (default H, fewer
 //     is GQA), causal= (default true), dtype= (default bfloat16).
-//   Shared by gemm and attention: backend= (default cpu), warmup= (calls before timing),
+//   mt bench moe [--model=NAME] [tokens=N] [backward=true|false] [key=value ...]
+//     one JSON line: a mixture-of-experts layer (blocks::moe on a Graph: router, top-k routing,
+//     sort by expert, gather, one grouped matmul per projection, weighted scatter-add, auxiliary
+//     losses) forward and forward+backward, median ms and the GFLOP/s of its grouped matmuls
+//     (2 x tokens x top_k x 3 x d_model x hidden forward, three times that with the backward),
+//     against the same FLOPs as dense GEMMs on the same backend (the three projections of
+//     tokens x top_k rows through one expert's matrices with Backend::matmul, and their six
+//     backward products), and the ratio; also the three grouped matmuls alone (no routing).
+//     The cases are timed interleaved (each timed repeat runs each of them once in turn);
+//     profile=true then times one more call of the layer per op (stderr).
+//     Default: mixtral-8x7b's layer (d_model 4096, experts 14336 wide, 8 experts, top 2) at
+//     tokens=256 on the CPU backend (float32) or 8192 elsewhere (bfloat16).
+//   Shared by gemm, attention and moe: backend= (default cpu), warmup= (calls before timing),
 //   iters= (calls per timed repeat, between two synchronize()), repeats= (timed repeats; the
 //   median is reported). FLOPs: 2MKN per product; attention forward 4 B T S H D (QK^T and PV)
 //   and forward+backward three times that (DESIGN.md's model FLOPs: the backward's recomputed
@@ -41,8 +53,10 @@
 #include "model_runner.h"
 #include "mt/attention.h"
 #include "mt/backend.h"
+#include "mt/blocks.h"
 #include "mt/error.h"
 #include "plugin_manager.h"
+#include "profiling_backend.h"
 #include "trainer.h"
 
 namespace mt::cli {
@@ -125,6 +139,22 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
   size_t weight_bytes = 0;
   for (auto& p : r.params()) weight_bytes += p.value.nbytes();
   const size_t elt = dtype_size(r.compute_dtype());
+  // What each layer's cache holds per token (its CacheSpec: k and v, or a latent), and the
+  // bytes a step reads at a given length (a windowed layer reads its window at most).
+  const std::vector<CacheSpec> specs = r.cache_specs();
+  double cache_bytes_per_token = 0;
+  for (const CacheSpec& c : specs)
+    for (const Shape& e : c.entries)
+      cache_bytes_per_token += static_cast<double>(shape_numel(e) * static_cast<int64_t>(elt));
+  auto cache_bytes_read = [&](int64_t length) {
+    double bytes = 0;
+    for (const CacheSpec& c : specs) {
+      const int64_t rows = c.window > 0 ? std::min(length, c.window) : length;
+      for (const Shape& e : c.entries)
+        bytes += static_cast<double>(rows * shape_numel(e) * static_cast<int64_t>(elt));
+    }
+    return bytes;
+  };
   auto decode = [&](int64_t batch, double* bytes_per_s) {
     Decoder dec(r, batch, 1024);
     std::vector<int32_t> next(static_cast<size_t>(batch));
@@ -134,8 +164,7 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
     const auto t0 = Clock::now();
     double kv_bytes = 0;
     for (int64_t s = 0; s < steps; ++s) {
-      kv_bytes += 2.0 * static_cast<double>(d.num_layers * dec.length(0) * d.num_kv_heads *
-                                            d.head_dim * static_cast<int64_t>(elt));
+      kv_bytes += cache_bytes_read(dec.length(0));
       dec.step(next, active);
     }
     const double t = secs(t0);
@@ -152,8 +181,9 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
   return fmt::format(
       "{{\"model\": \"{}\", \"dtype\": \"{}\", \"weight_bytes\": {}, "
       "\"prefill_512_tokens_per_sec\": {:.1f}, \"decode_batch1_tokens_per_sec\": {:.2f}, "
-      "\"decode_batch1_bytes_per_sec\": {:.4g}, \"decode_batch8_tokens_per_sec\": {:.2f}}}",
-      model, dtype, weight_bytes, prefill_tps, b1, bw, b8);
+      "\"decode_batch1_bytes_per_sec\": {:.4g}, \"decode_batch8_tokens_per_sec\": {:.2f}, "
+      "\"kv_cache_bytes_per_token\": {:.0f}}}",
+      model, dtype, weight_bytes, prefill_tps, b1, bw, b8, cache_bytes_per_token);
 }
 
 // STREAM-like triad a = b + s * c over arrays far larger than the caches, on all cores: the
@@ -573,6 +603,211 @@ int bench_attention(Args args) {
   return failed ? 1 : 0;
 }
 
+// ---- moe: one mixture-of-experts layer against dense GEMMs of the same FLOPs -----------------
+
+// Median milliseconds per call of each of `calls`, timed interleaved (each timed repeat runs
+// every call in turn), so a load that drifts on a shared machine weighs on all of them alike.
+std::vector<double> interleaved_median_ms(Backend& be, const Timing& t,
+                                          const std::vector<std::function<void()>>& calls) {
+  for (const auto& call : calls)
+    for (int64_t i = 0; i < t.warmup; ++i) call();
+  be.synchronize();
+  std::vector<std::vector<double>> ms(calls.size());
+  for (int64_t r = 0; r < t.repeats; ++r)
+    for (size_t c = 0; c < calls.size(); ++c) {
+      const auto t0 = Clock::now();
+      for (int64_t i = 0; i < t.iters; ++i) calls[c]();
+      be.synchronize();
+      ms[c].push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count() /
+                      static_cast<double>(t.iters));
+    }
+  std::vector<double> medians;
+  for (auto& v : ms) {
+    std::sort(v.begin(), v.end());
+    const size_t n = v.size();
+    medians.push_back(n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]));
+  }
+  return medians;
+}
+
+int bench_moe(Args args) {
+  auto& ov = args.overrides;
+  const auto tokens_text = take_key(ov, "tokens");
+  const bool with_backward = parse_flag("backward", take_key(ov, "backward").value_or("true"));
+  std::vector<std::string> timing_keys = take_timing_keys(ov);
+  const bool dtype_given = has_key(ov, "dtype");
+  // The layer's shape from the model's config (its other keys are not used).
+  Args model_args = args;
+  if (model_args.model.empty()) model_args.model = "mixtral-8x7b";
+  const std::string model = model_args.model;
+  const Config mc = resolve_config(model_args);
+  args.model.clear();
+  Config cfg = resolve_config(args);
+  const std::string backend = cfg.get_string("backend");
+  const bool cpu = backend == "cpu";
+  if (!cpu && !dtype_given) {  // bfloat16 on a device; the CPU keeps float32, as training does
+    args.overrides.insert(args.overrides.begin(), "dtype=bfloat16");
+    cfg = resolve_config(args);
+  }
+  // One call is long on the CPU (seconds): one call per timed repeat unless told.
+  timing_keys.insert(timing_keys.begin(), std::string("iters=") + (cpu ? "1" : "10"));
+  const Timing timing = take_timing(timing_keys, cpu);
+  const DType dt = compute_dtype(cfg);
+
+  blocks::MoeSpec s;
+  s.d_model = mc.get_int("base_emb_dim");
+  const int64_t moe_dim = mc.get_int("base_moe_mlp_dim");
+  s.hidden = moe_dim > 0 ? moe_dim : mc.get_int("base_mlp_dim");
+  s.num_experts = mc.get_int("num_experts");
+  s.top_k = mc.get_int("num_experts_per_tok");
+  s.normalize_topk = mc.get_bool("norm_topk_prob");
+  s.act = Activation::silu;
+  s.gated = true;
+  s.load_balance_weight = static_cast<float>(mc.get_float("load_balance_loss_weight"));
+  if (s.num_experts < 2)
+    throw UsageError("mt bench moe needs a model with num_experts > 1; --model=" + model + " has " +
+                     std::to_string(s.num_experts) + ".");
+  const int64_t n = parse_count("tokens", tokens_text.value_or(cpu ? "256" : "8192"), 1);
+  const int64_t d = s.d_model, h = s.hidden, E = s.num_experts, k = s.top_k, m = n * k;
+
+  auto pm = plugin_manager(cfg);
+  std::unique_ptr<Backend> be = pm->make_backend(backend, cfg);
+  std::fprintf(stderr,
+               "mt bench moe: %s; %s layer (d_model %ld, %ld experts of %ld, top %ld), %ld "
+               "tokens, %s, median of %ld x %ld calls\n",
+               be->describe().c_str(), model.c_str(), static_cast<long>(d), static_cast<long>(E),
+               static_cast<long>(h), static_cast<long>(k), static_cast<long>(n), dtype_name(dt),
+               static_cast<long>(timing.repeats), static_cast<long>(timing.iters));
+  const std::string fields = fmt::format(
+      "\"backend\": \"{}\", \"model\": \"{}\", \"d_model\": {}, \"hidden\": {}, "
+      "\"experts\": {}, \"top_k\": {}, \"tokens\": {}, \"dtype\": \"{}\"",
+      backend, model, d, h, E, k, n, dtype_name(dt));
+  try {
+    // Values: x with unit variance, weights as a trained layer's scale (1/sqrt(fan-in)), a router
+    // whose random logits spread the tokens over the experts about evenly.
+    const float unit = std::sqrt(3.f);
+    Tensor x = random_tensor(*be, {n, d}, dt, 21, unit);
+    Tensor dy = random_tensor(*be, {n, d}, dt, 22, unit);
+    Tensor router = random_tensor(*be, {d, E}, dt, 23, unit / std::sqrt(static_cast<float>(d)));
+    Tensor w_gate = random_tensor(*be, {E, d, h}, dt, 24, unit / std::sqrt(static_cast<float>(d)));
+    Tensor w_up = random_tensor(*be, {E, d, h}, dt, 25, unit / std::sqrt(static_cast<float>(d)));
+    Tensor w_down = random_tensor(*be, {E, h, d}, dt, 26, unit / std::sqrt(static_cast<float>(h)));
+    // Gradient buffers (f32, as the trainer's), accumulated into across the timed calls.
+    Tensor gx = be->zeros({n, d}, DType::f32), grouter = be->zeros({d, E}, DType::f32);
+    Tensor gw_gate, gw_up, gw_down;
+    if (with_backward) {
+      gw_gate = be->zeros({E, d, h}, DType::f32);
+      gw_up = be->zeros({E, d, h}, DType::f32);
+      gw_down = be->zeros({E, h, d}, DType::f32);
+      Graph::track(x, gx);
+      Graph::track(router, grouter);
+      Graph::track(w_gate, gw_gate);
+      Graph::track(w_up, gw_up);
+      Graph::track(w_down, gw_down);
+    }
+    static const std::vector<std::string> names = {"router", "w_gate", "w_up", "w_down"};
+    const Params p(names, {router, w_gate, w_up, w_down});
+
+    // The layer, as a decoder layer runs it (on `active`: the backend, or its profiler).
+    Backend* active = be.get();
+    float load_min = 0, load_max = 0;
+    auto moe_forward = [&] {
+      Graph g(*active, /*record=*/false);
+      LayerOutput o = blocks::moe(g, p, s, x);
+      for (const auto& a : o.aux) {
+        if (a.name == "moe_load_min") be->copy_to_host(a.value, &load_min);
+        if (a.name == "moe_load_max") be->copy_to_host(a.value, &load_max);
+      }
+    };
+    auto moe_forward_backward = [&] {
+      Graph g(*active);
+      LayerOutput o = blocks::moe(g, p, s, x);
+      // The output with a seed gradient and the load-balancing loss (the router's backward).
+      g.backward({{o.x, dy}, {o.aux.at(0).value, Tensor()}});
+    };
+    // The three grouped matmuls alone, on the routing of one forward.
+    Tensor xs, hs;
+    Graph::ExpertOrder order;
+    {
+      Graph g(*be, false);
+      const Graph::Routing r =
+          g.route(g.matmul(x, router), static_cast<int>(k), false, s.normalize_topk);
+      order = g.sort_by_expert(r.indices, E);
+      xs = g.gather_rows(x, order.tokens);
+      hs = be->empty({m, h}, dt);
+      be->fill(hs, 0.5f);
+    }
+    auto grouped_forward = [&] {
+      Graph g(*be, false);
+      g.grouped_matmul(xs, w_gate, order.offsets);
+      g.grouped_matmul(xs, w_up, order.offsets);
+      g.grouped_matmul(hs, w_down, order.offsets);
+    };
+    // The dense GEMMs of the same FLOPs: m = tokens x top_k rows through expert 0's matrices.
+    const Tensor wg0 = w_gate.slice0(0, 1).view({d, h}), wu0 = w_up.slice0(0, 1).view({d, h});
+    const Tensor wd0 = w_down.slice0(0, 1).view({h, d});
+    Tensor xd = random_tensor(*be, {m, d}, dt, 27, unit), dh_d = be->empty({m, h}, dt);
+    Tensor hg = be->empty({m, h}, dt), hu = be->empty({m, h}, dt), yd = be->empty({m, d}, dt);
+    Tensor dyd = random_tensor(*be, {m, d}, dt, 28, unit), dxd = be->empty({m, d}, dt);
+    Tensor dwg = be->empty({d, h}, dt), dwu = be->empty({d, h}, dt), dwd = be->empty({h, d}, dt);
+    auto dense_forward = [&] {
+      be->matmul(xd, wg0, hg, false, false);
+      be->matmul(xd, wu0, hu, false, false);
+      be->matmul(hg, wd0, yd, false, false);
+    };
+    auto dense_forward_backward = [&] {
+      dense_forward();
+      be->matmul(dyd, wd0, dh_d, false, true);            // d(h) = dy @ w_down^T
+      be->matmul(hg, dyd, dwd, true, false);              // dw_down = h^T dy
+      be->matmul(dh_d, wg0, dxd, false, true);            // dx = dg @ w_gate^T
+      be->matmul(dh_d, wu0, dxd, false, true, 1.f, 1.f);  //    + du @ w_up^T
+      be->matmul(xd, dh_d, dwg, true, false);             // dw_gate = x^T dg
+      be->matmul(xd, dh_d, dwu, true, false);             // dw_up = x^T du
+    };
+    const double flop =
+        2.0 * static_cast<double>(m) * 3.0 * static_cast<double>(d) * static_cast<double>(h);
+    auto gflops = [](double f, double ms) { return f / (ms * 1e-3) / 1e9; };
+    const auto fwd =
+        interleaved_median_ms(*be, timing, {moe_forward, grouped_forward, dense_forward});
+    const double moe_fwd = fwd[0], grouped_fwd = fwd[1], dense_fwd = fwd[2];
+    std::string out = fmt::format(
+        "{{\"bench\": \"moe\", {}, \"grouped_gflop_fwd\": {:.4g}, \"load_min\": {:.4f}, "
+        "\"load_max\": {:.4f}, \"moe_fwd_ms\": {:.2f}, \"moe_fwd_gflops\": {:.4g}, "
+        "\"grouped_matmuls_fwd_ms\": {:.2f}, \"grouped_matmuls_fwd_gflops\": {:.4g}, "
+        "\"dense_fwd_ms\": {:.2f}, \"dense_fwd_gflops\": {:.4g}, "
+        "\"ratio_fwd_moe_over_dense\": {:.3f}",
+        fields, flop / 1e9, load_min, load_max, moe_fwd, gflops(flop, moe_fwd), grouped_fwd,
+        gflops(flop, grouped_fwd), dense_fwd, gflops(flop, dense_fwd), dense_fwd / moe_fwd);
+    if (with_backward) {
+      const auto fb =
+          interleaved_median_ms(*be, timing, {moe_forward_backward, dense_forward_backward});
+      const double moe_fb = fb[0], dense_fb = fb[1];
+      out += fmt::format(
+          ", \"moe_fwd_bwd_ms\": {:.2f}, \"moe_fwd_bwd_gflops\": {:.4g}, "
+          "\"dense_fwd_bwd_ms\": {:.2f}, \"dense_fwd_bwd_gflops\": {:.4g}, "
+          "\"ratio_fwd_bwd_moe_over_dense\": {:.3f}",
+          moe_fb, gflops(3 * flop, moe_fb), dense_fb, gflops(3 * flop, dense_fb),
+          dense_fb / moe_fb);
+    }
+    std::printf("%s, \"peak_gflops\": %.4g}\n", out.c_str(), be->peak_flops(dt) / 1e9);
+    std::fflush(stdout);
+    if (cfg.get_bool("profile")) {  // where one more call of the layer spends its time
+      ProfilingBackend prof(*be);
+      active = &prof;
+      with_backward ? moe_forward_backward() : moe_forward();
+      active = be.get();
+      std::fprintf(stderr, "mt bench moe: one %s of the layer, time per op:\n%s",
+                   with_backward ? "forward+backward" : "forward", prof.report().c_str());
+    }
+  } catch (const UsageError&) {
+    throw;
+  } catch (const Error& e) {
+    report_failure("moe", model, fields, e.what());
+    return 1;
+  }
+  return 0;
+}
+
 }  // namespace
 
 int cmd_bench(const Args& args) {
@@ -581,11 +816,13 @@ int cmd_bench(const Args& args) {
   if (what == "decode") return bench_decode(args);
   if (what == "gemm") return bench_gemm(args);
   if (what == "attention") return bench_attention(args);
+  if (what == "moe") return bench_moe(args);
   throw UsageError(
       "mt bench needs what to measure: `mt bench train` (training throughput of "
       "configuration M or --model=NAME), `mt bench decode` (prefill and decode "
-      "throughput), `mt bench gemm` (matmul TFLOP/s at transformer shapes) or "
-      "`mt bench attention` (attention forward and backward TFLOP/s)" +
+      "throughput), `mt bench gemm` (matmul TFLOP/s at transformer shapes), "
+      "`mt bench attention` (attention forward and backward TFLOP/s) or `mt bench moe` (a "
+      "mixture-of-experts layer's grouped matmuls against dense GEMMs)" +
       std::string(what.empty() ? "" : "; '" + what + "' is not one of them") + ".");
 }
 

@@ -26,7 +26,8 @@ TEST(Cli, HelpAndVersion) {
   r = mt_cmd("--version");
   EXPECT_EQ(r.code, 0);
   EXPECT_NE(r.out.find("plugin ABI"), std::string::npos);
-  for (const char* c : {"run", "decode", "convert", "score", "bench", "plugins", "models", "config"}) {
+  for (const char* c :
+       {"run", "decode", "convert", "score", "bench", "plugins", "models", "config"}) {
     r = mt_cmd(std::string(c) + " --help");
     EXPECT_EQ(r.code, 0) << c;
     EXPECT_NE(r.out.find("Usage: mt " + std::string(c)), std::string::npos) << c << r.out;
@@ -41,7 +42,8 @@ TEST(Cli, UnknownCommandIsAUsageError) {
 
 // mt tokenize reproduces the shipped token file, which Hugging Face's tokenizers library made.
 TEST(Cli, TokenizeReproducesTheShippedTokenFile) {
-  const fs::path out = fs::temp_directory_path() / ("mt_tok_" + std::to_string(::getpid()) + ".tokens");
+  const fs::path out =
+      fs::temp_directory_path() / ("mt_tok_" + std::to_string(::getpid()) + ".tokens");
   const std::string data = test::source_dir() + "/data/";
   auto r = mt_cmd("tokenize tokenizer_path=" + data + "tokenizer.json input=" + data +
                   "corpus.eval.jsonl output=" + out.string());
@@ -54,7 +56,8 @@ TEST(Cli, TokenizeReproducesTheShippedTokenFile) {
   EXPECT_GT(sa.str().size(), 1000u);
   EXPECT_TRUE(sa.str() == sb.str()) << "mt tokenize differs from the shipped corpus.eval.tokens";
   fs::remove(out);
-  r = mt_cmd("tokenize tokenizer_path=" + data + "tokenizer.json input=/nonexistent.jsonl output=" + out.string());
+  r = mt_cmd("tokenize tokenizer_path=" + data +
+             "tokenizer.json input=/nonexistent.jsonl output=" + out.string());
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.out.find("/nonexistent.jsonl"), std::string::npos) << r.out;
   EXPECT_FALSE(fs::exists(out));
@@ -69,13 +72,26 @@ TEST(Cli, BenchNeedsAKnownTarget) {
 TEST(Cli, BenchPrintsOneJsonObject) {
   auto r = mt_cmd("bench train --model=llama-test steps=4 2>/dev/null");
   EXPECT_EQ(r.code, 0) << r.out;
-  for (const char* k : {"\"tokens_per_sec\"", "\"model_tflops_per_sec\"", "\"mfu\"", "\"step_time_ms\""})
+  for (const char* k :
+       {"\"tokens_per_sec\"", "\"model_tflops_per_sec\"", "\"mfu\"", "\"step_time_ms\""})
     EXPECT_NE(r.out.find(k), std::string::npos) << k << r.out;
   r = mt_cmd("bench decode --model=llama-test steps=2 2>/dev/null");
   EXPECT_EQ(r.code, 0) << r.out;
-  for (const char* k : {"\"prefill_512_tokens_per_sec\"", "\"decode_batch1_tokens_per_sec\"",
-                        "\"decode_batch1_bytes_per_sec\"", "\"decode_batch8_tokens_per_sec\"",
-                        "\"bfloat16\""})
+  for (const char* k :
+       {"\"prefill_512_tokens_per_sec\"", "\"decode_batch1_tokens_per_sec\"",
+        "\"decode_batch1_bytes_per_sec\"", "\"decode_batch8_tokens_per_sec\"", "\"bfloat16\""})
+    EXPECT_NE(r.out.find(k), std::string::npos) << k << r.out;
+  // The cache bytes per token come from the layers' cache specs: llama-test's 2 layers of k and
+  // v, 2 heads of 16 (f32: 512 bytes); deepseek3-test's latent (3 layers of 32 + 16 features, 576).
+  EXPECT_NE(r.out.find("\"kv_cache_bytes_per_token\": 512"), std::string::npos) << r.out;
+  r = mt_cmd("bench decode --model=deepseek3-test steps=2 2>/dev/null");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("\"kv_cache_bytes_per_token\": 576"), std::string::npos) << r.out;
+  // The MoE layer against dense GEMMs of its FLOPs.
+  r = mt_cmd("bench moe --model=mixtral-test tokens=16 2>/dev/null");
+  EXPECT_EQ(r.code, 0) << r.out;
+  for (const char* k : {"\"bench\": \"moe\"", "\"experts\": 8", "\"top_k\": 2",
+                        "\"ratio_fwd_moe_over_dense\"", "\"ratio_fwd_bwd_moe_over_dense\""})
     EXPECT_NE(r.out.find(k), std::string::npos) << k << r.out;
 }
 
@@ -104,8 +120,8 @@ TEST(Cli, ThroughputNeedsThreeSteps) {
 TEST(Cli, BenchKernelsPrintJsonLines) {
   auto r = mt_cmd("bench gemm shapes=32x48x16,8x8x8 iters=1 repeats=1 warmup=0 2>/dev/null");
   EXPECT_EQ(r.code, 0) << r.out;
-  for (const char* k : {"\"bench\": \"gemm\"", "\"M\": 32", "\"K\": 48", "\"N\": 16",
-                        "\"M\": 8", "\"tflops\"", "\"median_ms\""})
+  for (const char* k : {"\"bench\": \"gemm\"", "\"M\": 32", "\"K\": 48", "\"N\": 16", "\"M\": 8",
+                        "\"tflops\"", "\"median_ms\""})
     EXPECT_NE(r.out.find(k), std::string::npos) << k << r.out;
   r = mt_cmd("bench attention shapes=1x32x2x16 kv_heads=1 iters=1 repeats=1 warmup=0 2>/dev/null");
   EXPECT_EQ(r.code, 0) << r.out;
@@ -136,10 +152,11 @@ TEST(Cli, InferenceNeedsACheckpoint) {
 TEST(Cli, TrainThenDecodeAndScore) {
   const fs::path dir = fs::temp_directory_path() / ("mt_cli_flow_" + std::to_string(::getpid()));
   fs::remove_all(dir);
-  auto r = mt_cmd("run --model=llama-small steps=3 eval_interval=3 eval_steps=1 "
-                  "per_device_batch_size=1 max_target_length=32 base_num_decoder_layers=1 "
-                  "checkpoint_period=3 async_checkpointing=false base_output_directory=" +
-                  dir.string());
+  auto r = mt_cmd(
+      "run --model=llama-small steps=3 eval_interval=3 eval_steps=1 "
+      "per_device_batch_size=1 max_target_length=32 base_num_decoder_layers=1 "
+      "checkpoint_period=3 async_checkpointing=false base_output_directory=" +
+      dir.string());
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("eval loss"), std::string::npos) << r.out;
   const std::string ckpt = " --model=llama-small base_num_decoder_layers=1 load_parameters_path=" +
@@ -174,8 +191,8 @@ TEST(Cli, ModelsListsFamiliesAndPublishedSizes) {
   auto r = mt_cmd("models");
   EXPECT_EQ(r.code, 0) << r.out;
   const std::pair<const char*, const char*> expect[] = {
-      {"llama2-7b", "6.74B"},    {"llama2-13b", "13.02B"},   {"llama2-70b", "68.98B"},
-      {"llama3-8b", "8.03B"},    {"llama3.1-8b", "8.03B"},   {"llama3-70b", "70.55B"},
+      {"llama2-7b", "6.74B"},       {"llama2-13b", "13.02B"}, {"llama2-70b", "68.98B"},
+      {"llama3-8b", "8.03B"},       {"llama3.1-8b", "8.03B"}, {"llama3-70b", "70.55B"},
       {"llama3.1-405b", "405.85B"}, {"llama3.2-1b", "1.24B"}, {"llama3.2-3b", "3.21B"}};
   for (const auto& [name, size] : expect) {
     const auto pos = r.out.find(std::string("\n") + name + " ");
@@ -193,7 +210,7 @@ TEST(Cli, ConfigPrintsTheLayeredConfig) {
   std::ofstream(file) << "learning_rate: 0.001\nsteps: 7\n";
   auto r = mt_cmd("config --model=llama2-7b --config=" + file.string() + " steps=9 --log_period=3");
   EXPECT_EQ(r.code, 0) << r.out;
-  EXPECT_NE(r.out.find("\nbase_emb_dim: 4096\n"), std::string::npos) << r.out;  // model file
+  EXPECT_NE(r.out.find("\nbase_emb_dim: 4096\n"), std::string::npos) << r.out;    // model file
   EXPECT_NE(r.out.find("\nlearning_rate: 0.001\n"), std::string::npos) << r.out;  // --config
   EXPECT_NE(r.out.find("\nsteps: 9\n"), std::string::npos) << r.out;              // override wins
   EXPECT_NE(r.out.find("\nlog_period: 3\n"), std::string::npos) << r.out;         // --key=value
