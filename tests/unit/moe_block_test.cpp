@@ -314,6 +314,10 @@ namespace {
 // routing, the sort by expert, the grouped matmuls and the weighted scatter, forward and
 // backward, dropless and dropping, give the CPU backend's results.
 TEST(MoeBlock, CudaKernelsGiveTheCpuResults) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "the emulated GPU threads switch stacks with _longjmp, which AddressSanitizer "
+                  "does not follow (the sanitizer pass leaves the emulation out)";
+#endif
   MT_SEEDED_RNG(rng);
   std::unique_ptr<Backend> gpu = test::emulated_cuda();
   for (float capacity : {-1.f, 1.f})
