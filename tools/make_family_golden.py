@@ -38,20 +38,13 @@ Run from the repository root with the transformers 5 environment
 """
 
 import argparse
-import json
 import os
-import re
-import shlex
 import shutil
-import sys
-import tempfile
 
-import numpy
-import safetensors
 import torch
-import transformers
-from safetensors.torch import save_file
 from transformers import MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM
+
+import golden_common as gc
 
 VOCAB = 128
 SEQ = 80
@@ -103,39 +96,6 @@ FAMILIES = {
 }
 
 
-def build(spec):
-    torch.manual_seed(spec["seed"])
-    config = spec["config_class"](**spec["config"])
-    model = spec["model_class"](config).to(torch.float32)
-    gen = torch.Generator().manual_seed(spec["seed"] + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            elif name == "model.embed_tokens.weight":
-                p.copy_(torch.randn(p.shape, generator=gen))
-            else:  # [..., out, in]: fan_in is the last dimension (experts' stacks included)
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-    model.eval()
-    return model
-
-
-def load(spec, path, config_path=None):
-    kw = {}
-    if config_path:
-        kw["config"] = spec["config_class"].from_json_file(config_path)
-    m = spec["model_class"].from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager", **kw
-    )
-    m.eval()
-    return m
-
-
-def logits_of(model, ids):
-    with torch.no_grad():
-        return model(input_ids=ids).logits[0]
-
-
 def router_margin(model, ids, k):
     """Smallest gap between a token's k-th and (k+1)-th router probability, over the layers."""
     with torch.no_grad():
@@ -148,49 +108,6 @@ def router_margin(model, ids, k):
     return min(gaps)
 
 
-def generate(model, prompt):
-    with torch.no_grad():
-        g = model.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            num_beams=1,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    ids = g.sequences
-    assert ids.shape == (1, prompt.shape[1] + NEW_TOKENS), ids.shape
-    margins = []
-    for s in g.scores:
-        top2 = torch.topk(s[0].float(), 2).values
-        margins.append((top2[0] - top2[1]).item())
-    return ids, min(margins)
-
-
-def legacy_form(cfg):
-    """transformers 5's config.json dict in the form transformers 4 writes."""
-    out = {}
-    for k, v in cfg.items():
-        if k == "rope_parameters":
-            rope = dict(v)
-            out["rope_theta"] = rope.pop("rope_theta")
-            out["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
-        elif k == "dtype":
-            out["torch_dtype"] = v
-        else:
-            out[k] = v
-    return out
-
-
-def one_line_lists(text):
-    return re.sub(
-        r"\[\s*([-0-9.e,\s]+?)\s*\]",
-        lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]",
-        text,
-    )
-
-
 def make(family, out_root, command):
     spec = FAMILIES[family]
     out = os.path.join(out_root, family)
@@ -198,23 +115,19 @@ def make(family, out_root, command):
     shutil.rmtree(hf_dir, ignore_errors=True)
     os.makedirs(out, exist_ok=True)
 
-    model = build(spec)
+    model = gc.build(spec["config_class"], spec["model_class"], spec["config"], spec["seed"])
     model.save_pretrained(hf_dir)
     del model
 
     # Everything from here on is computed from the saved directory, as a user would load it.
-    gen = torch.Generator().manual_seed(spec["seed"] + 2)
-    input_ids = torch.randint(0, VOCAB, (1, SEQ), generator=gen)
-    prompt = torch.randint(0, VOCAB, (1, PROMPT_LEN), generator=gen)
+    input_ids, prompt = gc.random_inputs(spec["seed"], VOCAB, SEQ, PROMPT_LEN)
     long_prompt = input_ids[:, :LONG_PROMPT_LEN].clone()
 
-    m = load(spec, hf_dir)
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        config_json = json.load(f)
-    assert "rope_parameters" in config_json and "dtype" in config_json, config_json
-    logits = logits_of(m, input_ids)
-    gen_ids, gen_margin = generate(m, prompt)
-    long_ids, long_margin = generate(m, long_prompt)
+    m = gc.load(spec["model_class"], hf_dir)
+    config_json = gc.read_config(hf_dir)
+    logits = gc.logits_of(m, input_ids)
+    gen_ids, gen_margin = gc.generate(m, prompt, NEW_TOKENS)
+    long_ids, long_margin = gc.generate(m, long_prompt, NEW_TOKENS)
     routing = None
     if family == "mixtral":
         routing = {
@@ -224,22 +137,18 @@ def make(family, out_root, command):
         }
         assert min(routing.values()) > 1e-4, routing
 
-    legacy = legacy_form(config_json)
     legacy_path = os.path.join(out, "legacy_config.json")
-    with open(legacy_path, "w") as f:
-        f.write(json.dumps(legacy, indent=2, sort_keys=True) + "\n")
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in os.listdir(hf_dir):
-            shutil.copy(os.path.join(hf_dir, name), tmp)
-        shutil.copy(legacy_path, os.path.join(tmp, "config.json"))
-        old = load(spec, tmp)
+    gc.write_json(legacy_path, gc.legacy_form(config_json), one_line=False)
+
+    def same_config(old):
         assert old.config.rope_parameters == m.config.rope_parameters, (
             old.config.rope_parameters,
             m.config.rope_parameters,
         )
         assert old.config.sliding_window == m.config.sliding_window
-        assert torch.equal(logits_of(old, input_ids), logits), "legacy config: other logits"
-        del old
+
+    old_logits = gc.logits_with_config(spec["model_class"], hf_dir, legacy_path, input_ids, check=same_config)
+    assert torch.equal(old_logits, logits), "legacy config: other logits"
 
     tensors = {
         "input_ids": input_ids.to(torch.int32),
@@ -249,12 +158,8 @@ def make(family, out_root, command):
         "generate_long.prompt": long_prompt.to(torch.int32),
         "generate_long.ids": long_ids.to(torch.int32),
     }
-    tensors = {k: v.contiguous() for k, v in tensors.items()}
-    save_file(tensors, os.path.join(out, "reference.safetensors"), metadata={"format": "pt"})
-
-    for root, dirs, files in os.walk(out):  # the library creates files private
-        for name in files:
-            os.chmod(os.path.join(root, name), 0o644)
+    tensors = gc.save_tensors(os.path.join(out, "reference.safetensors"), tensors)
+    gc.chmod_tree(out)
     sizes = {}
     for root, dirs, files in os.walk(out):
         for name in sorted(files):
@@ -285,24 +190,14 @@ def make(family, out_root, command):
             "max_new_tokens": NEW_TOKENS,
             "do_sample": False,
         },
-        "tensors": {
-            k: [str(v.dtype).replace("torch.", ""), list(v.shape)] for k, v in tensors.items()
-        },
+        "tensors": gc.tensor_list(tensors),
         "file_sizes": sizes,
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "safetensors": safetensors.__version__,
-            "numpy": numpy.__version__,
-            "python": sys.version.split()[0],
-        },
+        "versions": gc.versions(),
         "command": command,
     }
     if routing is not None:
         info["min_router_kth_gap"] = routing
-    with open(os.path.join(out, "reference.json"), "w") as f:
-        f.write(one_line_lists(json.dumps(info, indent=2)) + "\n")
-    os.chmod(os.path.join(out, "reference.json"), 0o644)
+    gc.write_reference_json(os.path.join(out, "reference.json"), info, lists="numbers")
     print(
         f"{out}: {sum(sizes.values())} bytes; margins {gen_margin:.4g} / {long_margin:.4g}"
         + (f"; router gaps {routing}" if routing else "")
@@ -311,16 +206,10 @@ def make(family, out_root, command):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    here = os.path.dirname(os.path.abspath(__file__))
-    ap.add_argument("--out", default=os.path.normpath(os.path.join(here, "..", "tests", "golden")))
+    ap.add_argument("--out", default=os.path.join(gc.repo_root(), "tests", "golden"))
     ap.add_argument("--family", choices=sorted(FAMILIES), action="append")
     args = ap.parse_args()
-    assert transformers.__version__.split(".")[0] == "5", transformers.__version__
-    torch.set_num_threads(1)  # one thread: reductions in a fixed order
-    torch.use_deterministic_algorithms(True)
-    command = ".venv-tf5/bin/python tools/make_family_golden.py" + "".join(
-        " " + shlex.quote(a) for a in sys.argv[1:]
-    )
+    command = gc.setup("make_family_golden.py")
     for family in args.family or sorted(FAMILIES):
         make(family, args.out, command)
 

@@ -50,17 +50,9 @@ Run from the repository root with the transformers 5 environment
 import argparse
 import json
 import os
-import re
-import shlex
 import shutil
-import sys
-import tempfile
 
-import numpy
-import safetensors
 import torch
-import transformers
-from safetensors.torch import save_file
 from transformers import (
     Gemma2Config,
     Gemma2ForCausalLM,
@@ -70,6 +62,8 @@ from transformers import (
     GemmaForCausalLM,
 )
 from transformers.models.gemma2 import modeling_gemma2
+
+import golden_common as gc
 
 VOCAB = 128
 SEQ = 100
@@ -142,61 +136,24 @@ MODELS = {
 }
 
 
-def build(config_cls, model_cls, cfg, seed, name):
-    torch.manual_seed(seed)
-    model = model_cls(config_cls(**cfg)).to(torch.float32)
-    gen = torch.Generator().manual_seed(seed + 1)
-    hidden = cfg["hidden_size"]
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("norm.weight"):
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
-            elif n == "model.embed_tokens.weight":
-                p.copy_(torch.randn(p.shape, generator=gen) / hidden**0.5)
-                if name == "gemma2":
-                    p.mul_(3.0)  # the tied read-out reaches past the final cap
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-                if name == "gemma2" and (n.endswith("q_proj.weight") or n.endswith("k_proj.weight")):
-                    p.mul_(3.0)
-                if name == "gemma2" and n.endswith("o_proj.weight"):
-                    p.mul_(2.0)
-    model.eval()
-    return model
+def init(name, hidden):
+    """Gemma's init of each parameter n of model name (see the module's docstring)."""
 
+    def init_one(n, p, gen):
+        if n.endswith("norm.weight"):
+            p.copy_(0.2 * gc.randn(p, gen))
+        elif n == "model.embed_tokens.weight":
+            p.copy_(gc.randn(p, gen) / hidden**0.5)
+            if name == "gemma2":
+                p.mul_(3.0)  # the tied read-out reaches past the final cap
+        else:
+            p.copy_(gc.randn(p, gen) / p.shape[-1] ** 0.5)
+            if name == "gemma2" and (n.endswith("q_proj.weight") or n.endswith("k_proj.weight")):
+                p.mul_(3.0)
+            if name == "gemma2" and n.endswith("o_proj.weight"):
+                p.mul_(2.0)
 
-def load(model_cls, config_cls, path, config_path=None):
-    kw = {}
-    if config_path:
-        kw["config"] = config_cls.from_json_file(config_path)
-    m = model_cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager", **kw)
-    m.eval()
-    return m
-
-
-def logits_of(model, ids):
-    with torch.no_grad():
-        return model(input_ids=ids).logits[0]
-
-
-def generate(model, prompt):
-    with torch.no_grad():
-        g = model.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            num_beams=1,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    ids = g.sequences
-    assert ids.shape == (1, prompt.shape[1] + NEW_TOKENS), ids.shape
-    margins = []
-    for s in g.scores:
-        top2 = torch.topk(s[0].float(), 2).values
-        margins.append((top2[0] - top2[1]).item())
-    return ids, min(margins)
+    return init_one
 
 
 def softcap_stats(model, ids):
@@ -232,24 +189,19 @@ def softcap_stats(model, ids):
 
 def legacy_form(name, cfg):
     """transformers 5's config.json dict in the transformers 4 form Google's checkpoints have."""
-    out = {}
-    for k, v in cfg.items():
-        if k == "rope_parameters":
-            if name == "gemma3":
-                full, sliding = dict(v["full_attention"]), dict(v["sliding_attention"])
-                out["rope_theta"] = full.pop("rope_theta")
-                out["rope_local_base_freq"] = sliding.pop("rope_theta")
-                out["rope_scaling"] = full if full.get("rope_type", "default") != "default" else None
-            else:
-                rope = dict(v)
-                out["rope_theta"] = rope.pop("rope_theta")
-                out["rope_scaling"] = None
-        elif k == "dtype":
-            out["torch_dtype"] = v
-        elif k in ("layer_types", "_sliding_window_pattern"):
-            continue  # Google's config.json files have none (Gemma 3: sliding_window_pattern)
-        else:
-            out[k] = v
+
+    def rope(v):
+        if name == "gemma3":
+            full, sliding = dict(v["full_attention"]), dict(v["sliding_attention"])
+            return {
+                "rope_theta": full.pop("rope_theta"),
+                "rope_local_base_freq": sliding.pop("rope_theta"),
+                "rope_scaling": full if full.get("rope_type", "default") != "default" else None,
+            }
+        return {"rope_theta": v["rope_theta"], "rope_scaling": None}
+
+    # Google's config.json files have no layer_types (Gemma 3: sliding_window_pattern)
+    out = gc.legacy_form(cfg, rope=rope, skip=("layer_types", "_sliding_window_pattern"))
     if name == "gemma":
         out["hidden_act"] = "gelu"  # as Google wrote it; transformers reads it as the tanh gelu
         out["hidden_activation"] = None
@@ -262,40 +214,21 @@ def legacy_form(name, cfg):
     return out
 
 
-def one_line_lists(text):
-    return re.sub(
-        r"\[\s*([-0-9.e,\s\"a-z_]+?)\s*\]",
-        lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]",
-        text,
-    )
-
-
-def write_json(path, obj):
-    with open(path, "w") as f:
-        f.write(one_line_lists(json.dumps(obj, indent=2, sort_keys=True)) + "\n")
-
-
 def make(name, out, command):
     config_cls, model_cls, cfg, seed = MODELS[name]
     d = os.path.join(out, name)
     shutil.rmtree(d, ignore_errors=True)
-    model = build(config_cls, model_cls, cfg, seed, name)
-    model.save_pretrained(d)
-    num_parameters = sum(p.numel() for p in model.parameters())
+    model = gc.build(config_cls, model_cls, cfg, seed, init(name, cfg["hidden_size"]))
+    num_parameters = gc.save_model(model, d)
     del model
-    assert os.path.exists(os.path.join(d, "model.safetensors")), os.listdir(d)
 
-    gen = torch.Generator().manual_seed(seed + 2)
-    input_ids = torch.randint(0, VOCAB, (1, SEQ), generator=gen)
-    prompt = torch.randint(0, VOCAB, (1, PROMPT_LEN), generator=gen)
+    input_ids, prompt = gc.random_inputs(seed, VOCAB, SEQ, PROMPT_LEN)
 
     # Everything from here on is computed from the saved directory, as a user would load it.
-    m = load(model_cls, config_cls, d)
-    with open(os.path.join(d, "config.json")) as f:
-        config_json = json.load(f)
-    assert "rope_parameters" in config_json and "dtype" in config_json, config_json
-    logits = logits_of(m, input_ids)
-    gen_ids, gen_margin = generate(m, prompt)
+    m = gc.load(model_cls, d)
+    config_json = gc.read_config(d)
+    logits = gc.logits_of(m, input_ids)
+    gen_ids, gen_margin = gc.generate(m, prompt, NEW_TOKENS)
     notes = {}
     tensors = {
         "input_ids": input_ids.to(torch.int32),
@@ -309,32 +242,30 @@ def make(name, out, command):
         m.config.final_logit_softcapping = None
         for layer in m.model.layers:
             layer.self_attn.attn_logit_softcapping = None
-        uncapped = logits_of(m, input_ids)
+        uncapped = gc.logits_of(m, input_ids)
         tensors["uncapped.logits"] = uncapped
-        notes["uncapped vs capped logits (max abs diff / max abs capped)"] = (
-            (uncapped - logits).abs().max() / logits.abs().max()
-        ).item()
+        notes["uncapped vs capped logits (max abs diff / max abs capped)"] = gc.relative_diff(
+            uncapped, logits
+        )
     del m
 
-    with safetensors.safe_open(os.path.join(d, "model.safetensors"), "pt") as f:
-        weight_names = sorted(f.keys())
+    weight_names = gc.weight_names(d)
 
     legacy = legacy_form(name, config_json)
-    write_json(os.path.join(d, "legacy_config.json"), legacy)
-    with tempfile.TemporaryDirectory() as tmp:
-        shutil.copy(os.path.join(d, "model.safetensors"), tmp)
-        shutil.copy(os.path.join(d, "legacy_config.json"), os.path.join(tmp, "config.json"))
-        old = load(model_cls, config_cls, tmp)
-        assert old.config.layer_types == config_json["layer_types"] if "layer_types" in config_json else True
-        assert torch.equal(logits_of(old, input_ids), logits), "legacy config: other logits"
-        del old
+    gc.write_json(os.path.join(d, "legacy_config.json"), legacy)
 
-    tensors = {k: v.contiguous() for k, v in tensors.items()}
-    save_file(tensors, os.path.join(d, "reference.safetensors"), metadata={"format": "pt"})
-    for root, dirs, files in os.walk(d):  # the library creates files private
-        for fn in files:
-            os.chmod(os.path.join(root, fn), 0o644)
-    sizes = {fn: os.path.getsize(os.path.join(d, fn)) for fn in sorted(os.listdir(d))}
+    def same_layers(old):
+        assert old.config.layer_types == config_json["layer_types"] if "layer_types" in config_json else True
+
+    old_logits = gc.logits_with_config(
+        model_cls, d, os.path.join(d, "legacy_config.json"), input_ids,
+        files=["model.safetensors"], check=same_layers,
+    )
+    assert torch.equal(old_logits, logits), "legacy config: other logits"
+
+    tensors = gc.save_tensors(os.path.join(d, "reference.safetensors"), tensors)
+    gc.chmod_tree(d)
+    sizes = gc.file_sizes(d)
     info = {
         "hf_class": model_cls.__name__,
         "attn_implementation": "eager",
@@ -346,44 +277,24 @@ def make(name, out, command):
         "num_parameters": num_parameters,
         "weights": weight_names,
         "input": {"seq": SEQ, "sliding_window": WINDOW},
-        "generate": {
-            "prompt": prompt[0].tolist(),
-            "ids": gen_ids[0].tolist(),
-            "max_new_tokens": NEW_TOKENS,
-            "do_sample": False,
-            "min_top1_top2_logit_margin": gen_margin,
-        },
+        "generate": gc.generate_info(prompt, gen_ids, gen_margin, NEW_TOKENS),
         "max_abs_logit": logits.abs().max().item(),
-        "tensors": {k: [str(v.dtype).replace("torch.", ""), list(v.shape)] for k, v in tensors.items()},
+        "tensors": gc.tensor_list(tensors),
         "notes": notes,
         "file_sizes": sizes,
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "safetensors": safetensors.__version__,
-            "numpy": numpy.__version__,
-            "python": sys.version.split()[0],
-        },
+        "versions": gc.versions(),
         "command": command,
     }
-    with open(os.path.join(d, "reference.json"), "w") as f:
-        f.write(one_line_lists(json.dumps(info, indent=2)) + "\n")
-    os.chmod(os.path.join(d, "reference.json"), 0o644)
+    gc.write_reference_json(os.path.join(d, "reference.json"), info)
     print(f"{d}: {sum(sizes.values())} bytes; {num_parameters} parameters; margin {gen_margin:.4g}; "
           f"max |logit| {logits.abs().max().item():.4g}; {json.dumps(notes)}")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    here = os.path.dirname(os.path.abspath(__file__))
-    ap.add_argument("--out", default=os.path.normpath(os.path.join(here, "..", "tests", "golden")))
+    ap.add_argument("--out", default=os.path.join(gc.repo_root(), "tests", "golden"))
     args = ap.parse_args()
-    assert transformers.__version__.split(".")[0] == "5", transformers.__version__
-    torch.set_num_threads(1)  # one thread: reductions in a fixed order
-    torch.use_deterministic_algorithms(True)
-    command = ".venv-tf5/bin/python tools/make_gemma_golden.py" + "".join(
-        " " + shlex.quote(a) for a in sys.argv[1:]
-    )
+    command = gc.setup("make_gemma_golden.py")
     for name in MODELS:
         make(name, args.out, command)
 

@@ -41,19 +41,14 @@ Run from the repository root with the transformers 5 environment
 import argparse
 import json
 import os
-import re
-import shlex
 import shutil
-import sys
 import tempfile
 
-import numpy
-import safetensors
 import tokenizers
 import torch
-import transformers
-from safetensors.torch import save_file
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
+
+import golden_common as gc
 
 SEQ = 100
 PROMPT_LEN, NEW_TOKENS = 8, 20
@@ -128,122 +123,62 @@ def build_tokenizer(root, out_dir):
     return cases
 
 
-def build(cfg, seed):
-    torch.manual_seed(seed)
-    model = GPT2LMHeadModel(GPT2Config(**cfg)).to(torch.float32)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.startswith("transformer.ln") or ".ln_" in name:
-                base = 1.0 if name.endswith("weight") else 0.0
-                p.copy_(base + 0.1 * torch.randn(p.shape, generator=gen))
-            elif name == "transformer.wte.weight":
-                p.copy_(torch.randn(p.shape, generator=gen))
-            elif name == "transformer.wpe.weight":
-                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
-            elif p.dim() == 1:
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
-            elif name == "lm_head.weight":  # nn.Linear [out, in]
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
-            else:  # Conv1D [in, out]
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[0] ** 0.5)
-    model.eval()
-    return model
-
-
-def load(path, config_path=None):
-    kw = {}
-    if config_path:
-        kw["config"] = GPT2Config.from_json_file(config_path)
-    m = GPT2LMHeadModel.from_pretrained(path, dtype=torch.float32, attn_implementation="eager", **kw)
-    m.eval()
-    return m
-
-
-def logits_of(model, ids):
-    with torch.no_grad():
-        return model(input_ids=ids).logits[0]
-
-
-def generate(model, prompt):
-    with torch.no_grad():
-        g = model.generate(prompt, attention_mask=torch.ones_like(prompt),
-                           max_new_tokens=NEW_TOKENS, do_sample=False, num_beams=1,
-                           output_scores=True, return_dict_in_generate=True)
-    ids = g.sequences
-    assert ids.shape == (1, prompt.shape[1] + NEW_TOKENS), ids.shape
-    margins = []
-    for s in g.scores:
-        top2 = torch.topk(s[0].float(), 2).values
-        margins.append((top2[0] - top2[1]).item())
-    return ids, min(margins)
+def init(name, p, gen):
+    if name.startswith("transformer.ln") or ".ln_" in name:
+        base = 1.0 if name.endswith("weight") else 0.0
+        p.copy_(base + 0.1 * gc.randn(p, gen))
+    elif name == "transformer.wte.weight":
+        p.copy_(gc.randn(p, gen))
+    elif name == "transformer.wpe.weight":
+        p.copy_(0.5 * gc.randn(p, gen))
+    elif p.dim() == 1:
+        p.copy_(0.2 * gc.randn(p, gen))
+    elif name == "lm_head.weight":  # nn.Linear [out, in]
+        p.copy_(gc.randn(p, gen) / p.shape[1] ** 0.5)
+    else:  # Conv1D [in, out]
+        p.copy_(gc.randn(p, gen) / p.shape[0] ** 0.5)
 
 
 def legacy_form(cfg):
     """transformers 5's config.json dict in the form of the hub's GPT-2 files (transformers 4)."""
-    out = {}
-    for k, v in cfg.items():
-        if k == "dtype":
-            out["torch_dtype"] = v
-        else:
-            out[k] = v
+    out = gc.legacy_form(cfg)  # GPT-2's config has no rope_parameters
     out["n_ctx"] = cfg["n_positions"]
     out["task_specific_params"] = {"text-generation": {"do_sample": True, "max_length": 50}}
     return out
-
-
-def one_line_lists(text):
-    return re.sub(r"\[\s*([-0-9.e,\s\"a-z_]+?)\s*\]",
-                  lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", text)
-
-
-def write_json(path, obj):
-    with open(path, "w") as f:
-        f.write(one_line_lists(json.dumps(obj, indent=2, sort_keys=True)) + "\n")
 
 
 def make(name, out, root, command):
     cfg, seed = MODELS[name]
     d = os.path.join(out, name)
     shutil.rmtree(d, ignore_errors=True)
-    model = build(cfg, seed)
-    model.save_pretrained(d)
-    num_parameters = sum(p.numel() for p in model.parameters())
+    model = gc.build(GPT2Config, GPT2LMHeadModel, cfg, seed, init)
+    num_parameters = gc.save_model(model, d)
     del model
     cases = build_tokenizer(root, d) if name == "tied" else None
 
-    gen = torch.Generator().manual_seed(seed + 2)
-    input_ids = torch.randint(0, cfg["vocab_size"], (1, SEQ), generator=gen)
-    prompt = torch.randint(0, cfg["vocab_size"], (1, PROMPT_LEN), generator=gen)
+    input_ids, prompt = gc.random_inputs(seed, cfg["vocab_size"], SEQ, PROMPT_LEN)
 
     # Everything from here on is computed from the saved directory, as a user would load it.
-    m = load(d)
-    with open(os.path.join(d, "config.json")) as f:
-        config_json = json.load(f)
-    logits = logits_of(m, input_ids)
-    gen_ids, gen_margin = generate(m, prompt)
-    with safetensors.safe_open(os.path.join(d, "model.safetensors"), "pt") as f:
-        weight_names = sorted(f.keys())
+    m = gc.load(GPT2LMHeadModel, d)
+    config_json = gc.read_config(d, tf5_form=False)
+    logits = gc.logits_of(m, input_ids)
+    gen_ids, gen_margin = gc.generate(m, prompt, NEW_TOKENS)
+    weight_names = gc.weight_names(d)
     tensors = {
         "input_ids": input_ids.to(torch.int32),
         "logits": logits,
         "generate.prompt": prompt.to(torch.int32),
         "generate.ids": gen_ids.to(torch.int32),
     }
-    write_json(os.path.join(d, "legacy_config.json"), legacy_form(config_json))
-    with tempfile.TemporaryDirectory() as tmp:
-        shutil.copy(os.path.join(d, "model.safetensors"), tmp)
-        shutil.copy(os.path.join(d, "legacy_config.json"), os.path.join(tmp, "config.json"))
-        old = load(tmp)
-        assert torch.equal(logits_of(old, input_ids), logits), "legacy config: other logits"
-        del old
+    gc.write_json(os.path.join(d, "legacy_config.json"), legacy_form(config_json))
+    old_logits = gc.logits_with_config(
+        GPT2LMHeadModel, d, os.path.join(d, "legacy_config.json"), input_ids, files=["model.safetensors"]
+    )
+    assert torch.equal(old_logits, logits), "legacy config: other logits"
 
-    tensors = {k: v.contiguous() for k, v in tensors.items()}
-    save_file(tensors, os.path.join(d, "reference.safetensors"), metadata={"format": "pt"})
-    for r, dirs, files in os.walk(d):  # the library creates files private
-        for fn in files:
-            os.chmod(os.path.join(r, fn), 0o644)
-    sizes = {fn: os.path.getsize(os.path.join(d, fn)) for fn in sorted(os.listdir(d))}
+    tensors = gc.save_tensors(os.path.join(d, "reference.safetensors"), tensors)
+    gc.chmod_tree(d)
+    sizes = gc.file_sizes(d)
     info = {
         "hf_class": "GPT2LMHeadModel",
         "attn_implementation": "eager",
@@ -254,46 +189,26 @@ def make(name, out, root, command):
         "num_parameters": num_parameters,
         "weights": weight_names,
         "input": {"seq": SEQ},
-        "generate": {
-            "prompt": prompt[0].tolist(),
-            "ids": gen_ids[0].tolist(),
-            "max_new_tokens": NEW_TOKENS,
-            "do_sample": False,
-            "min_top1_top2_logit_margin": gen_margin,
-        },
+        "generate": gc.generate_info(prompt, gen_ids, gen_margin, NEW_TOKENS),
         "max_abs_logit": logits.abs().max().item(),
-        "tensors": {k: [str(v.dtype).replace("torch.", ""), list(v.shape)] for k, v in tensors.items()},
+        "tensors": gc.tensor_list(tensors),
         "file_sizes": sizes,
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "tokenizers": tokenizers.__version__,
-            "safetensors": safetensors.__version__,
-            "numpy": numpy.__version__,
-            "python": sys.version.split()[0],
-        },
+        "versions": gc.versions(tokenizers),
         "command": command,
     }
     if cases is not None:
         info["tokenizer_cases"] = cases
-    with open(os.path.join(d, "reference.json"), "w") as f:
-        f.write(json.dumps(info, indent=2, ensure_ascii=False) + "\n")
-    os.chmod(os.path.join(d, "reference.json"), 0o644)
+    gc.write_reference_json(os.path.join(d, "reference.json"), info, lists=None)
     print(f"{d}: {sum(sizes.values())} bytes; {num_parameters} parameters; margin {gen_margin:.4g}; "
           f"max |logit| {logits.abs().max().item():.3g}")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.normpath(os.path.join(here, ".."))
+    root = gc.repo_root()
     ap.add_argument("--out", default=os.path.join(root, "tests", "golden", "gpt2"))
     args = ap.parse_args()
-    assert transformers.__version__.split(".")[0] == "5", transformers.__version__
-    torch.set_num_threads(1)  # one thread: reductions in a fixed order
-    torch.use_deterministic_algorithms(True)
-    command = ".venv-tf5/bin/python tools/make_gpt_golden.py" + "".join(
-        " " + shlex.quote(a) for a in sys.argv[1:])
+    command = gc.setup("make_gpt_golden.py")
     for name in MODELS:
         make(name, args.out, root, command)
 

@@ -33,18 +33,12 @@ Run from the repository root with the transformers 5 environment
 import argparse
 import json
 import os
-import re
-import shlex
 import shutil
-import sys
-import tempfile
 
-import numpy
-import safetensors
 import torch
-import transformers
-from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
+
+import golden_common as gc
 
 VOCAB = 256
 SEQ = 300  # more than 256, the context length that used to be the default
@@ -82,102 +76,15 @@ CONFIG = dict(
 
 
 def build():
-    torch.manual_seed(SEED)
-    config = LlamaConfig(**CONFIG)
-    model = LlamaForCausalLM(config).to(torch.float32)
-    # Weights at the scale of a trained model, not HF's N(0, 0.02) init (whose near-uniform
-    # attention would hide a wrong rotary embedding): N(0, 1) embeddings, N(0, 1/fan_in) for
-    # every matrix (so activations and logits are O(1) and attention is peaked), RMSNorm gains
-    # 1 + 0.1 N(0, 1) (so a wrong norm shows).
-    gen = torch.Generator().manual_seed(SEED + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            elif name == "model.embed_tokens.weight":
-                p.copy_(torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
-    model.eval()
-    return model
-
-
-def load(path, dtype, config_path=None):
-    kw = {}
-    if config_path:
-        kw["config"] = LlamaConfig.from_json_file(config_path)
-    m = LlamaForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager", **kw)
-    m.eval()
-    return m
-
-
-def logits_of(model, ids):
-    with torch.no_grad():
-        return model(input_ids=ids).logits[0]
-
-
-def generate(model, prompt):
-    with torch.no_grad():
-        g = model.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            num_beams=1,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    ids = g.sequences
-    assert ids.shape == (1, prompt.shape[1] + NEW_TOKENS), ids.shape
-    margins = []
-    for s in g.scores:
-        top2 = torch.topk(s[0].float(), 2).values
-        margins.append((top2[0] - top2[1]).item())
-    return ids, min(margins)
-
-
-def scaled_err(a, b):
-    """max |a - b| / max |b|, as the C++ tests measure it."""
-    a, b = a.double(), b.double()
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
-def legacy_form(cfg):
-    """transformers 5's config.json dict in the form transformers 4 writes."""
-    out = {}
-    for k, v in cfg.items():
-        if k == "rope_parameters":
-            rope = dict(v)
-            out["rope_theta"] = rope.pop("rope_theta")
-            out["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
-        elif k == "dtype":
-            out["torch_dtype"] = v
-        else:
-            out[k] = v
-    return out
-
-
-def one_line_lists(text):
-    return re.sub(
-        r"\[\s*([-0-9.e,\s]+?)\s*\]",
-        lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]",
-        text,
-    )
+    # Weights at the scale of a trained model (golden_common.trained_init).
+    return gc.build(LlamaConfig, LlamaForCausalLM, CONFIG, SEED)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    here = os.path.dirname(os.path.abspath(__file__))
-    ap.add_argument(
-        "--out", default=os.path.normpath(os.path.join(here, "..", "tests", "golden", "hf_tf5"))
-    )
+    ap.add_argument("--out", default=os.path.join(gc.repo_root(), "tests", "golden", "hf_tf5"))
     args = ap.parse_args()
-    assert transformers.__version__.split(".")[0] == "5", transformers.__version__
-    torch.set_num_threads(1)  # one thread: reductions in a fixed order
-    torch.use_deterministic_algorithms(True)
-    command = ".venv-tf5/bin/python tools/make_hf_golden.py" + "".join(
-        " " + shlex.quote(a) for a in sys.argv[1:]
-    )
+    command = gc.setup("make_hf_golden.py")
     out = args.out
     f32_dir, bf16_dir = os.path.join(out, "f32_sharded"), os.path.join(out, "bf16")
     for d in (f32_dir, bf16_dir):
@@ -195,46 +102,38 @@ def main():
     del model
 
     # Everything from here on is computed from the saved directories, as a user would load them.
-    gen = torch.Generator().manual_seed(SEED + 2)
-    input_ids = torch.randint(0, VOCAB, (1, SEQ), generator=gen)
-    prompt = torch.randint(0, VOCAB, (1, PROMPT_LEN), generator=gen)
+    input_ids, prompt = gc.random_inputs(SEED, VOCAB, SEQ, PROMPT_LEN)
     long_prompt = input_ids[:, :LONG_PROMPT_LEN].clone()
 
-    f32 = load(f32_dir, torch.float32)
-    with open(os.path.join(f32_dir, "config.json")) as f:
-        config_json = json.load(f)
-    assert "rope_parameters" in config_json and "dtype" in config_json, config_json
-    logits = logits_of(f32, input_ids)
-    gen_ids, gen_margin = generate(f32, prompt)
-    long_ids, long_margin = generate(f32, long_prompt)
+    f32 = gc.load(LlamaForCausalLM, f32_dir)
+    config_json = gc.read_config(f32_dir)
+    logits = gc.logits_of(f32, input_ids)
+    gen_ids, gen_margin = gc.generate(f32, prompt, NEW_TOKENS)
+    long_ids, long_margin = gc.generate(f32, long_prompt, NEW_TOKENS)
 
     # The legacy config.json: transformers 5 reads it to the same model, bit for bit.
-    legacy = legacy_form(config_json)
     legacy_path = os.path.join(out, "legacy_config.json")
-    with open(legacy_path, "w") as f:
-        f.write(json.dumps(legacy, indent=2, sort_keys=True) + "\n")
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in os.listdir(f32_dir):
-            shutil.copy(os.path.join(f32_dir, name), tmp)
-        shutil.copy(legacy_path, os.path.join(tmp, "config.json"))
-        old = load(tmp, torch.float32)
+    gc.write_json(legacy_path, gc.legacy_form(config_json), one_line=False)
+
+    def same_rope(old):
         assert old.config.rope_parameters == f32.config.rope_parameters, (
             old.config.rope_parameters,
             f32.config.rope_parameters,
         )
-        assert torch.equal(logits_of(old, input_ids), logits), "legacy config: other logits"
-        del old
 
-    bf16 = load(bf16_dir, torch.bfloat16)
+    old_logits = gc.logits_with_config(LlamaForCausalLM, f32_dir, legacy_path, input_ids, check=same_rope)
+    assert torch.equal(old_logits, logits), "legacy config: other logits"
+
+    bf16 = gc.load(LlamaForCausalLM, bf16_dir, torch.bfloat16)
     with open(os.path.join(bf16_dir, "config.json")) as f:
         bf16_config = json.load(f)
     assert bf16_config.get("dtype") == "bfloat16", bf16_config
-    logits_bf16 = logits_of(bf16, input_ids)
+    logits_bf16 = gc.logits_of(bf16, input_ids)
     assert logits_bf16.dtype == torch.bfloat16
     del bf16
-    bf16_in_f32 = load(bf16_dir, torch.float32)  # the bf16 weights, exactly, computed in f32
-    logits_bf16w_f32 = logits_of(bf16_in_f32, input_ids)
-    bf16_gen_ids, bf16_gen_margin = generate(bf16_in_f32, prompt)
+    bf16_in_f32 = gc.load(LlamaForCausalLM, bf16_dir)  # the bf16 weights, exactly, computed in f32
+    logits_bf16w_f32 = gc.logits_of(bf16_in_f32, input_ids)
+    bf16_gen_ids, bf16_gen_margin = gc.generate(bf16_in_f32, prompt, NEW_TOKENS)
 
     tensors = {
         "input_ids": input_ids.to(torch.int32),
@@ -248,17 +147,12 @@ def main():
         "bf16.generate.prompt": prompt.to(torch.int32),
         "bf16.generate.ids": bf16_gen_ids.to(torch.int32),
     }
-    tensors = {k: v.contiguous() for k, v in tensors.items()}
-    st_path = os.path.join(out, "reference.safetensors")
-    save_file(tensors, st_path, metadata={"format": "pt"})
-
-    for root, dirs, files in os.walk(out):  # the library creates files private
-        for name in files:
-            os.chmod(os.path.join(root, name), 0o644)
+    tensors = gc.save_tensors(os.path.join(out, "reference.safetensors"), tensors)
+    gc.chmod_tree(out)
 
     errors = {
-        "bf16.logits_bf16 vs bf16.logits_f32": scaled_err(logits_bf16, logits_bf16w_f32),
-        "bf16.logits_f32 vs logits": scaled_err(logits_bf16w_f32, logits),
+        "bf16.logits_bf16 vs bf16.logits_f32": gc.scaled_err(logits_bf16, logits_bf16w_f32),
+        "bf16.logits_f32 vs logits": gc.scaled_err(logits_bf16w_f32, logits),
     }
     sizes = {}
     for root, dirs, files in os.walk(out):
@@ -296,22 +190,12 @@ def main():
             "do_sample": False,
         },
         "reference_errors_max_abs_over_max_abs": errors,
-        "tensors": {
-            k: [str(v.dtype).replace("torch.", ""), list(v.shape)] for k, v in tensors.items()
-        },
+        "tensors": gc.tensor_list(tensors),
         "file_sizes": sizes,
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "safetensors": safetensors.__version__,
-            "numpy": numpy.__version__,
-            "python": sys.version.split()[0],
-        },
+        "versions": gc.versions(),
         "command": command,
     }
-    with open(os.path.join(out, "reference.json"), "w") as f:
-        f.write(one_line_lists(json.dumps(info, indent=2)) + "\n")
-    os.chmod(os.path.join(out, "reference.json"), 0o644)
+    gc.write_reference_json(os.path.join(out, "reference.json"), info, lists="numbers")
     print(
         f"{out}: {sum(sizes.values())} bytes in {len(sizes) + 1} files; shards {shards}; "
         f"margins {gen_margin:.4g} / {long_margin:.4g} / {bf16_gen_margin:.4g}; errors {errors}"

@@ -42,19 +42,10 @@ Run from the repository root with the transformers 5 environment
 
 import argparse
 import copy
-import json
 import os
-import re
-import shlex
 import shutil
-import sys
-import tempfile
 
-import numpy
-import safetensors
 import torch
-import transformers
-from safetensors.torch import save_file
 from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -63,6 +54,8 @@ from transformers import (
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
+
+import golden_common as gc
 
 VOCAB = 128
 SEQ = 100
@@ -130,116 +123,38 @@ MODELS = {
 }
 
 
-def build(config_cls, model_cls, cfg, seed):
-    torch.manual_seed(seed)
-    model = model_cls(config_cls(**cfg)).to(torch.float32)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            elif name == "model.embed_tokens.weight":
-                p.copy_(torch.randn(p.shape, generator=gen))
-            elif p.dim() == 1:  # Qwen2's q/k/v biases: large enough that a lost one shows
-                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
-            else:
-                # [out, in] matrices and the experts' [E, out, in] stacks: fan_in is the last
-                # dimension.
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-    model.eval()
-    return model
-
-
-def load(model_cls, config_cls, path, config_path=None):
-    kw = {}
-    if config_path:
-        kw["config"] = config_cls.from_json_file(config_path)
-    m = model_cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager", **kw)
-    m.eval()
-    return m
-
-
-def logits_of(model, ids):
-    with torch.no_grad():
-        return model(input_ids=ids).logits[0]
-
-
-def generate(model, prompt):
-    with torch.no_grad():
-        g = model.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            num_beams=1,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    ids = g.sequences
-    assert ids.shape == (1, prompt.shape[1] + NEW_TOKENS), ids.shape
-    margins = []
-    for s in g.scores:
-        top2 = torch.topk(s[0].float(), 2).values
-        margins.append((top2[0] - top2[1]).item())
-    return ids, min(margins)
+def init(name, p, gen):
+    if p.dim() == 1 and not name.endswith("norm.weight"):
+        # Qwen2's q/k/v biases: large enough that a lost one shows
+        p.copy_(0.5 * gc.randn(p, gen))
+    else:
+        gc.trained_init(name, p, gen)
 
 
 def legacy_form(cfg):
-    """transformers 5's config.json dict in the form transformers 4 (and Qwen's hub) writes."""
-    out = {}
-    for k, v in cfg.items():
-        if k == "rope_parameters":
-            rope = dict(v)
-            out["rope_theta"] = rope.pop("rope_theta")
-            out["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
-        elif k == "dtype":
-            out["torch_dtype"] = v
-        elif k == "layer_types":
-            continue  # 4.x configs of Qwen3 have none
-        elif k == "num_local_experts":
-            out["num_experts"] = v  # transformers 5 writes Qwen3-MoE's num_experts by this alias
-        else:
-            out[k] = v
-    return out
-
-
-def one_line_lists(text):
-    return re.sub(
-        r"\[\s*([-0-9.e,\s\"a-z_]+?)\s*\]",
-        lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]",
-        text,
-    )
-
-
-def write_json(path, obj):
-    with open(path, "w") as f:
-        f.write(one_line_lists(json.dumps(obj, indent=2, sort_keys=True)) + "\n")
+    """transformers 5's config.json dict in the form transformers 4 (and Qwen's hub) writes:
+    4.x configs of Qwen3 have no layer_types, and transformers 5 writes Qwen3-MoE's num_experts
+    by the alias num_local_experts."""
+    return gc.legacy_form(cfg, skip=("layer_types",), rename={"num_local_experts": "num_experts"})
 
 
 def make(name, out, command):
     config_cls, model_cls, cfg, seed = MODELS[name]
     d = os.path.join(out, name)
     shutil.rmtree(d, ignore_errors=True)
-    model = build(config_cls, model_cls, cfg, seed)
-    model.save_pretrained(d)
-    num_parameters = sum(p.numel() for p in model.parameters())
+    model = gc.build(config_cls, model_cls, cfg, seed, init)
+    num_parameters = gc.save_model(model, d)
     del model
-    assert os.path.exists(os.path.join(d, "model.safetensors")), os.listdir(d)
 
-    gen = torch.Generator().manual_seed(seed + 2)
-    input_ids = torch.randint(0, VOCAB, (1, SEQ), generator=gen)
-    prompt = torch.randint(0, VOCAB, (1, PROMPT_LEN), generator=gen)
+    input_ids, prompt = gc.random_inputs(seed, VOCAB, SEQ, PROMPT_LEN)
 
     # Everything from here on is computed from the saved directory, as a user would load it.
-    m = load(model_cls, config_cls, d)
-    with open(os.path.join(d, "config.json")) as f:
-        config_json = json.load(f)
-    assert "rope_parameters" in config_json and "dtype" in config_json, config_json
-    logits = logits_of(m, input_ids)
-    gen_ids, gen_margin = generate(m, prompt)
+    m = gc.load(model_cls, d)
+    config_json = gc.read_config(d)
+    logits = gc.logits_of(m, input_ids)
+    gen_ids, gen_margin = gc.generate(m, prompt, NEW_TOKENS)
 
-    with safetensors.safe_open(os.path.join(d, "model.safetensors"), "pt") as f:
-        weight_names = sorted(f.keys())
+    weight_names = gc.weight_names(d)
     tensors = {
         "input_ids": input_ids.to(torch.int32),
         "logits": logits,
@@ -248,34 +163,33 @@ def make(name, out, command):
     }
 
     legacy = legacy_form(config_json)
-    write_json(os.path.join(d, "legacy_config.json"), legacy)
+    gc.write_json(os.path.join(d, "legacy_config.json"), legacy)
     extra = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        shutil.copy(os.path.join(d, "model.safetensors"), tmp)
-        shutil.copy(os.path.join(d, "legacy_config.json"), os.path.join(tmp, "config.json"))
-        old = load(model_cls, config_cls, tmp)
-        assert torch.equal(logits_of(old, input_ids), logits), "legacy config: other logits"
-        del old
-        if name == "qwen3_moe":
-            # The same weights with norm_topk_prob=false: the top-k weights are the softmax's.
-            variant = copy.deepcopy(config_json)
-            variant["norm_topk_prob"] = False
-            write_json(os.path.join(d, "no_norm_topk_config.json"), variant)
-            shutil.copy(os.path.join(d, "no_norm_topk_config.json"), os.path.join(tmp, "config.json"))
-            nn = load(model_cls, config_cls, tmp)
-            assert nn.config.norm_topk_prob is False
-            tensors["no_norm_topk.logits"] = logits_of(nn, input_ids)
-            extra["no_norm_topk.logits vs logits (max abs / max abs)"] = (
-                (tensors["no_norm_topk.logits"] - logits).abs().max() / logits.abs().max()
-            ).item()
-            del nn
+    weights = ["model.safetensors"]
+    old_logits = gc.logits_with_config(
+        model_cls, d, os.path.join(d, "legacy_config.json"), input_ids, files=weights
+    )
+    assert torch.equal(old_logits, logits), "legacy config: other logits"
+    if name == "qwen3_moe":
+        # The same weights with norm_topk_prob=false: the top-k weights are the softmax's.
+        variant = copy.deepcopy(config_json)
+        variant["norm_topk_prob"] = False
+        variant_path = os.path.join(d, "no_norm_topk_config.json")
+        gc.write_json(variant_path, variant)
 
-    tensors = {k: v.contiguous() for k, v in tensors.items()}
-    save_file(tensors, os.path.join(d, "reference.safetensors"), metadata={"format": "pt"})
-    for root, dirs, files in os.walk(d):  # the library creates files private
-        for fn in files:
-            os.chmod(os.path.join(root, fn), 0o644)
-    sizes = {fn: os.path.getsize(os.path.join(d, fn)) for fn in sorted(os.listdir(d))}
+        def check(nn):
+            assert nn.config.norm_topk_prob is False
+
+        tensors["no_norm_topk.logits"] = gc.logits_with_config(
+            model_cls, d, variant_path, input_ids, files=weights, check=check
+        )
+        extra["no_norm_topk.logits vs logits (max abs / max abs)"] = gc.relative_diff(
+            tensors["no_norm_topk.logits"], logits
+        )
+
+    tensors = gc.save_tensors(os.path.join(d, "reference.safetensors"), tensors)
+    gc.chmod_tree(d)
+    sizes = gc.file_sizes(d)
     info = {
         "hf_class": model_cls.__name__,
         "attn_implementation": "eager",
@@ -286,43 +200,23 @@ def make(name, out, command):
         "num_parameters": num_parameters,
         "weights": weight_names,
         "input": {"seq": SEQ},
-        "generate": {
-            "prompt": prompt[0].tolist(),
-            "ids": gen_ids[0].tolist(),
-            "max_new_tokens": NEW_TOKENS,
-            "do_sample": False,
-            "min_top1_top2_logit_margin": gen_margin,
-        },
+        "generate": gc.generate_info(prompt, gen_ids, gen_margin, NEW_TOKENS),
         "max_abs_logit": logits.abs().max().item(),
-        "tensors": {k: [str(v.dtype).replace("torch.", ""), list(v.shape)] for k, v in tensors.items()},
+        "tensors": gc.tensor_list(tensors),
         "notes": extra,
         "file_sizes": sizes,
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "safetensors": safetensors.__version__,
-            "numpy": numpy.__version__,
-            "python": sys.version.split()[0],
-        },
+        "versions": gc.versions(),
         "command": command,
     }
-    with open(os.path.join(d, "reference.json"), "w") as f:
-        f.write(one_line_lists(json.dumps(info, indent=2)) + "\n")
-    os.chmod(os.path.join(d, "reference.json"), 0o644)
+    gc.write_reference_json(os.path.join(d, "reference.json"), info)
     print(f"{d}: {sum(sizes.values())} bytes; {num_parameters} parameters; margin {gen_margin:.4g}")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    here = os.path.dirname(os.path.abspath(__file__))
-    ap.add_argument("--out", default=os.path.normpath(os.path.join(here, "..", "tests", "golden")))
+    ap.add_argument("--out", default=os.path.join(gc.repo_root(), "tests", "golden"))
     args = ap.parse_args()
-    assert transformers.__version__.split(".")[0] == "5", transformers.__version__
-    torch.set_num_threads(1)  # one thread: reductions in a fixed order
-    torch.use_deterministic_algorithms(True)
-    command = ".venv-tf5/bin/python tools/make_qwen_golden.py" + "".join(
-        " " + shlex.quote(a) for a in sys.argv[1:]
-    )
+    command = gc.setup("make_qwen_golden.py")
     for name in MODELS:
         make(name, args.out, command)
 
