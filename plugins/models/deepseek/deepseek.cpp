@@ -18,9 +18,7 @@
 #include "deepseek.h"
 
 #include <algorithm>
-#include <charconv>
 #include <cmath>
-#include <cstdio>
 #include <map>
 #include <memory>
 #include <numeric>
@@ -34,6 +32,7 @@
 #include "mt/config.h"
 #include "mt/error.h"
 #include "mt/graph.h"
+#include "mt/hf.h"
 #include "mt/model.h"
 
 namespace mt_deepseek {
@@ -389,27 +388,18 @@ class DsModel final : public mt::Model {
                                c_.tied);
   }
 
-  static HfName hf(std::string name, bool transposed) {
-    HfName h;
-    h.name = std::move(name);
-    h.transposed = transposed;
-    return h;
-  }
   // Hugging Face's names (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM); experts per expert
   // (mlp.experts.<e>.<proj>.weight, what save_pretrained writes), stacked [E, in, out].
   HfName hf_name(const std::string& n) const override {
-    if (n == "embedding") return hf("model.embed_tokens.weight", false);
-    if (n == "final_norm") return hf("model.norm.weight", false);
-    if (n == "lm_head") return hf("lm_head.weight", true);
-    const auto dot = n.find('.', 7);
-    if (n.rfind("layers.", 0) != 0 || dot == std::string::npos) return {};
-    const std::string index = n.substr(7, dot - 7);
-    int64_t i = -1;
-    std::from_chars(index.data(), index.data() + index.size(), i);
+    if (n == "embedding") return mt::hf_tensor("model.embed_tokens.weight");
+    if (n == "final_norm") return mt::hf_tensor("model.norm.weight");
+    if (n == "lm_head") return mt::hf_tensor("lm_head.weight", true);
+    std::string index, p;  // "layers.<i>.<param>"
+    if (!mt::hf_split_layer(n, index, p)) return {};
+    const int64_t i = mt::hf_layer_number(index);
     if (i < 0 || i >= c_.layers) return {};
     const std::string prefix = "model.layers." + index + ".";
-    const std::string p = n.substr(dot + 1);
-    static const std::map<std::string, std::pair<const char*, bool>> kNames = {
+    static const mt::HfNameTable kNames = {
         {"attn_norm", {"input_layernorm.weight", false}},
         {"mlp_norm", {"post_attention_layernorm.weight", false}},
         {"wq", {"self_attn.q_proj.weight", true}},
@@ -425,31 +415,17 @@ class DsModel final : public mt::Model {
         {"shared_w_gate", {"mlp.shared_experts.gate_proj.weight", true}},
         {"shared_w_up", {"mlp.shared_experts.up_proj.weight", true}},
         {"shared_w_down", {"mlp.shared_experts.down_proj.weight", true}}};
-    if (auto it = kNames.find(p); it != kNames.end())
-      return hf(prefix + it->second.first, it->second.second);
+    if (kNames.count(p)) return mt::hf_from_table(kNames, p, prefix);
     if (p != "w_gate" && p != "w_up" && p != "w_down") return {};
-    const char* proj = p == "w_gate" ? "gate_proj" : p == "w_up" ? "up_proj" : "down_proj";
-    if (i < c_.first_dense) return hf(prefix + "mlp." + proj + ".weight", true);
-    HfName h;
-    h.transposed = true;
-    for (int64_t e = 0; e < c_.experts; ++e)
-      h.stack.push_back(prefix + "mlp.experts." + std::to_string(e) + "." + proj + ".weight");
-    return h;
+    const std::string proj = p == "w_gate" ? "gate_proj" : p == "w_up" ? "up_proj" : "down_proj";
+    if (i < c_.first_dense) return mt::hf_tensor(prefix + "mlp." + proj + ".weight", true);
+    return mt::hf_experts(prefix + "mlp.experts.", c_.experts, "." + proj + ".weight");
   }
 
  private:
   DsConfig c_;
   std::vector<std::unique_ptr<DsLayer>> layers_;
 };
-
-// Floats as JSON numbers that read back as floats ("10000.0", "1e-06").
-std::string num(double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.9g", v);
-  std::string s = buf;
-  if (s.find_first_of(".e") == std::string::npos) s += ".0";
-  return s;
-}
 
 class DsFamily final : public mt::ModelFamily {
  public:
@@ -538,25 +514,18 @@ std::vector<std::string> DsFamily::from_hf_config(const mt::HfConfig& hf,
                                                   std::vector<std::string>& unused) const {
   const std::string display = v3_ ? "DeepSeek-V3" : "DeepSeek-V2";
   const std::string who = "mt's " + name_ + " family";
-  auto get = [&](const std::string& k) -> const std::string* {
-    auto it = hf.find(k);
-    return it == hf.end() || it->second == "null" ? nullptr : &it->second;
-  };
+  auto get = [&](const std::string& k) { return mt::hf_get(hf, k); };
   std::set<std::string> used;
   auto need = [&](const std::string& k) -> const std::string& {
-    const std::string* v = get(k);
     used.insert(k);
-    if (!v)
-      throw mt::UsageError("config.json has no '" + k + "', which a " + display + " model needs.");
-    return *v;
+    return mt::hf_need(hf, k, display);
   };
   auto use = [&](const std::string& k) {
     used.insert(k);
     return get(k);
   };
   auto refuse = [&](const std::string& k, const std::string& v, const std::string& what) {
-    throw mt::UsageError("config.json sets " + k + "=" + v + ": " + what + ", which " + who +
-                         " does not implement; the logits would be wrong.");
+    mt::hf_refuse(k, v, what, who);
   };
   auto is_true = [](const std::string* v) { return v && *v == "true"; };
 
@@ -640,8 +609,9 @@ std::vector<std::string> DsFamily::from_hf_config(const mt::HfConfig& hf,
       factor_cs = std::stod(*af);
     else if (m != 0 && ma != 0)
       factor_cs = yarn_mscale(factor, m) / yarn_mscale(factor, ma);
-    if (factor_cs != 0) o.push_back("deepseek_rope_attention_factor=" + num(factor_cs));
-    o.push_back("mscale=" + num(ma));
+    if (factor_cs != 0)
+      o.push_back("deepseek_rope_attention_factor=" + mt::hf_json_number(factor_cs));
+    o.push_back("mscale=" + mt::hf_json_number(ma));
     for (const char* x : {"factor", "beta_fast", "beta_slow", "original_max_position_embeddings",
                           "attention_factor", "mscale", "mscale_all_dim", "truncate"})
       rope_fields.push_back(x);
@@ -779,13 +749,13 @@ std::map<std::string, std::string> DsFamily::to_hf_config(const mt::Config& cfg)
       {"num_experts_per_tok", std::to_string(c.top_k)},
       {"n_shared_experts", std::to_string(cfg.get_int("shared_experts"))},
       {"first_k_dense_replace", std::to_string(c.first_dense)},
-      {"routed_scaling_factor", num(cfg.get_float("routed_scaling_factor"))},
+      {"routed_scaling_factor", mt::hf_json_number(cfg.get_float("routed_scaling_factor"))},
       {"norm_topk_prob", c.normalize ? "true" : "false"},
       {"hidden_act", "\"silu\""},
-      {"rms_norm_eps", num(cfg.get_float("normalization_layer_epsilon"))},
+      {"rms_norm_eps", mt::hf_json_number(cfg.get_float("normalization_layer_epsilon"))},
       {"tie_word_embeddings", c.tied ? "true" : "false"},
       {"attention_bias", "false"},
-      {"rope_parameters.rope_theta", num(cfg.get_float("rope_max_timescale"))},
+      {"rope_parameters.rope_theta", mt::hf_json_number(cfg.get_float("rope_max_timescale"))},
       {"dtype", cfg.get_string("weight_dtype") == "bfloat16" ? "\"bfloat16\"" : "\"float32\""},
       {"max_position_embeddings", std::to_string(cfg.get_int("max_position_embeddings") > 0
                                                      ? cfg.get_int("max_position_embeddings")
@@ -808,15 +778,15 @@ std::map<std::string, std::string> DsFamily::to_hf_config(const mt::Config& cfg)
   }
   if (c.mla.rope.type == mt::RopeSpec::Type::yarn) {
     m["rope_parameters.rope_type"] = "\"yarn\"";
-    m["rope_parameters.factor"] = num(cfg.get_float("rope_factor"));
-    m["rope_parameters.beta_fast"] = num(cfg.get_float("beta_fast"));
-    m["rope_parameters.beta_slow"] = num(cfg.get_float("beta_slow"));
+    m["rope_parameters.factor"] = mt::hf_json_number(cfg.get_float("rope_factor"));
+    m["rope_parameters.beta_fast"] = mt::hf_json_number(cfg.get_float("beta_fast"));
+    m["rope_parameters.beta_slow"] = mt::hf_json_number(cfg.get_float("beta_slow"));
     m["rope_parameters.original_max_position_embeddings"] =
         std::to_string(c.mla.rope.original_max_position);
     const double af = cfg.get_float("deepseek_rope_attention_factor");
-    if (af > 0) m["rope_parameters.attention_factor"] = num(af);
+    if (af > 0) m["rope_parameters.attention_factor"] = mt::hf_json_number(af);
     const double ms = cfg.get_float("mscale");
-    if (ms > 0) m["rope_parameters.mscale_all_dim"] = num(ms);
+    if (ms > 0) m["rope_parameters.mscale_all_dim"] = mt::hf_json_number(ms);
   } else {
     m["rope_parameters.rope_type"] = "\"default\"";
   }

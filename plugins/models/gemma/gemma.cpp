@@ -18,7 +18,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <map>
 #include <memory>
 #include <set>
@@ -31,6 +30,7 @@
 #include "mt/dtype.h"
 #include "mt/error.h"
 #include "mt/graph.h"
+#include "mt/hf.h"
 #include "mt/model.h"
 
 namespace mt_gemma {
@@ -224,25 +224,18 @@ class GemmaModel final : public mt::Model {
     return c_.final_softcap > 0.f ? g.softcap(logits, c_.final_softcap) : logits;
   }
 
-  static HfName hf(std::string name, bool transposed) {
-    HfName h;
-    h.name = std::move(name);
-    h.transposed = transposed;
-    return h;
-  }
   // GemmaForCausalLM's, Gemma2ForCausalLM's and Gemma3ForCausalLM's names. Gemma's
   // post_attention_layernorm is the norm before the MLP; Gemma 2 and 3 call that one
   // pre_feedforward_layernorm, and post_attention_layernorm the norm after attention.
   HfName hf_name(const std::string& n) const override {
-    if (n == "embedding") return hf("model.embed_tokens.weight", false);
-    if (n == "final_norm") return hf("model.norm.weight", false);
-    if (n == "lm_head") return c_.tied ? HfName{} : hf("lm_head.weight", true);
-    const auto dot = n.find('.', 7);
-    if (n.rfind("layers.", 0) != 0 || dot == std::string::npos) return {};
-    const std::string prefix = "model.layers." + n.substr(7, dot - 7) + ".";
-    const std::string p = n.substr(dot + 1);
+    if (n == "embedding") return mt::hf_tensor("model.embed_tokens.weight");
+    if (n == "final_norm") return mt::hf_tensor("model.norm.weight");
+    if (n == "lm_head") return c_.tied ? HfName{} : mt::hf_tensor("lm_head.weight", true);
+    std::string index, p;  // "layers.<i>.<param>"
+    if (!mt::hf_split_layer(n, index, p)) return {};
+    const std::string prefix = "model.layers." + index + ".";
     const bool v1 = c_.variant == Variant::gemma;
-    static const std::map<std::string, std::pair<const char*, bool>> kNames = {
+    static const mt::HfNameTable kNames = {
         {"attn_norm", {"input_layernorm.weight", false}},
         {"post_attn_norm", {"post_attention_layernorm.weight", false}},
         {"post_mlp_norm", {"post_feedforward_layernorm.weight", false}},
@@ -256,12 +249,9 @@ class GemmaModel final : public mt::Model {
         {"w_up", {"mlp.up_proj.weight", true}},
         {"w_down", {"mlp.down_proj.weight", true}}};
     if (p == "mlp_norm")
-      return hf(
-          prefix + (v1 ? "post_attention_layernorm.weight" : "pre_feedforward_layernorm.weight"),
-          false);
-    if (auto it = kNames.find(p); it != kNames.end())
-      return hf(prefix + it->second.first, it->second.second);
-    return {};
+      return mt::hf_tensor(
+          prefix + (v1 ? "post_attention_layernorm.weight" : "pre_feedforward_layernorm.weight"));
+    return mt::hf_from_table(kNames, p, prefix);
   }
 
  private:
@@ -271,19 +261,11 @@ class GemmaModel final : public mt::Model {
 
 // ---- config.json ------------------------------------------------------------------------------
 
-// Floats as JSON numbers that read back as floats ("10000.0", "1e-06").
-std::string num(double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.9g", v);
-  std::string s = buf;
-  if (s.find_first_of(".en") == std::string::npos) s += ".0";
-  return s;
-}
 // A whole number as a JSON integer ("256"), else as a float: transformers declares
 // query_pre_attn_scalar an int.
 std::string whole_or_num(double v) {
   return v == std::floor(v) && std::fabs(v) < 1e15 ? std::to_string(static_cast<int64_t>(v))
-                                                   : num(v);
+                                                   : mt::hf_json_number(v);
 }
 
 class GemmaFamily final : public mt::ModelFamily {
@@ -360,10 +342,7 @@ std::vector<std::string> GemmaFamily::from_hf_config(const mt::HfConfig& hf,
   const std::string model = display(v_);
   const std::string who =
       "mt's " + std::string(v_ == Variant::gemma3 ? "gemma3" : name_) + " family";
-  auto get = [&](const std::string& k) -> const std::string* {
-    auto it = hf.find(k);
-    return it == hf.end() || it->second == "null" ? nullptr : &it->second;
-  };
+  auto get = [&](const std::string& k) { return mt::hf_get(hf, k); };
   std::set<std::string> used;  // fields read (or known not to change the logits)
   auto use = [&](const std::string& k) {
     used.insert(k);
@@ -371,33 +350,13 @@ std::vector<std::string> GemmaFamily::from_hf_config(const mt::HfConfig& hf,
   };
   auto need = [&](const std::string& k) -> const std::string& {
     used.insert(k);
-    const std::string* v = get(k);
-    if (!v)
-      throw mt::UsageError("config.json has no '" + k + "', which a " + model + " model needs.");
-    return *v;
+    return mt::hf_need(hf, k, model);
   };
   auto refuse = [&](const std::string& k, const std::string& v, const std::string& what) {
-    throw mt::UsageError("config.json sets " + k + "=" + v + ": " + what + ", which " + who +
-                         " does not implement; the logits would be wrong.");
+    mt::hf_refuse(k, v, what, who);
   };
-  auto integer = [&](const std::string& k, const std::string& v) {
-    try {
-      size_t n = 0;
-      const long long x = std::stoll(v, &n);
-      if (n == v.size()) return static_cast<int64_t>(x);
-    } catch (const std::exception&) {
-    }
-    throw mt::UsageError("config.json's " + k + " is '" + v + "'; it must be an integer.");
-  };
-  auto number = [&](const std::string& k, const std::string& v) {
-    try {
-      size_t n = 0;
-      const double x = std::stod(v, &n);
-      if (n == v.size() && std::isfinite(x)) return x;
-    } catch (const std::exception&) {
-    }
-    throw mt::UsageError("config.json's " + k + " is '" + v + "'; it must be a number.");
-  };
+  const auto integer = mt::hf_integer;
+  const auto number = mt::hf_number;
 
   // Gemma 3's multimodal checkpoints (Gemma3ForConditionalGeneration, model_type gemma3) nest
   // the text model's config under text_config beside a vision tower.
@@ -602,7 +561,7 @@ std::vector<std::string> GemmaFamily::from_hf_config(const mt::HfConfig& hf,
   if (v_ == Variant::gemma3) {
     o.push_back("local_rope_max_timescale=" +
                 (local_theta ? *local_theta : std::string("10000.0")));
-    o.push_back("rope_linear_scaling_factor=" + num(factor));
+    o.push_back("rope_linear_scaling_factor=" + mt::hf_json_number(factor));
   }
   if (const std::string* prf = use("partial_rotary_factor");
       prf && number("partial_rotary_factor", *prf) != 1.0)
@@ -677,8 +636,8 @@ std::map<std::string, std::string> GemmaFamily::to_hf_config(const mt::Config& c
       {"num_key_value_heads", std::to_string(c.global.kv_heads)},
       {"head_dim", std::to_string(c.global.head_dim)},
       // From the config's doubles: c's floats would print 1e-6 as 9.99999997e-07.
-      {"rms_norm_eps", num(cfg.get_float("normalization_layer_epsilon"))},
-      {"rope_theta", num(cfg.get_float("rope_max_timescale"))},
+      {"rms_norm_eps", mt::hf_json_number(cfg.get_float("normalization_layer_epsilon"))},
+      {"rope_theta", mt::hf_json_number(cfg.get_float("rope_max_timescale"))},
       {"tie_word_embeddings", c.tied ? "true" : "false"},
       {"attention_bias", "false"},
       {"attention_dropout", "0.0"},
@@ -695,7 +654,7 @@ std::map<std::string, std::string> GemmaFamily::to_hf_config(const mt::Config& c
   m["hidden_activation"] = "\"gelu_pytorch_tanh\"";
   auto cap = [&](const char* key) {
     const double v = cfg.get_float(key);
-    return v > 0 ? num(v) : std::string("null");
+    return v > 0 ? mt::hf_json_number(v) : std::string("null");
   };
   m["attn_logit_softcapping"] = cap("attn_logits_soft_cap");
   m["final_logit_softcapping"] = cap("final_logits_soft_cap");
@@ -727,11 +686,11 @@ std::map<std::string, std::string> GemmaFamily::to_hf_config(const mt::Config& c
   m["sliding_window_pattern"] = std::to_string(cfg.get_int("sliding_window_pattern"));
   const double local_theta = cfg.get_float("local_rope_max_timescale");
   m["rope_local_base_freq"] =
-      num(local_theta > 0 ? local_theta : cfg.get_float("rope_max_timescale"));
+      mt::hf_json_number(local_theta > 0 ? local_theta : cfg.get_float("rope_max_timescale"));
   const double factor = cfg.get_float("rope_linear_scaling_factor");
   if (factor != 1.0) {
     m["rope_scaling.rope_type"] = "\"linear\"";
-    m["rope_scaling.factor"] = num(factor);
+    m["rope_scaling.factor"] = mt::hf_json_number(factor);
   } else {
     m["rope_scaling"] = "null";
   }

@@ -16,7 +16,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <map>
 #include <memory>
 #include <set>
@@ -28,6 +27,7 @@
 #include "mt/config.h"
 #include "mt/error.h"
 #include "mt/graph.h"
+#include "mt/hf.h"
 #include "mt/model.h"
 
 namespace mt_gpt {
@@ -162,28 +162,18 @@ class GptModel final : public mt::Model {
                                c_.tied);
   }
 
-  static HfName hf(std::string name, bool transposed = false, int64_t begin = 0, int64_t end = 0) {
-    HfName h;
-    h.name = std::move(name);
-    h.transposed = transposed;
-    h.slice_begin = begin;
-    h.slice_end = end;
-    return h;
-  }
   // GPT2LMHeadModel's names. Its Conv1D weights are stored [in, out], as mt stores them (not
   // transposed); c_attn fuses q, k and v as columns [0, D), [D, 2D), [2D, 3D) of one [D, 3D]
   // weight and one [3D] bias.
   HfName hf_name(const std::string& n) const override {
-    if (n == "embedding") return hf("transformer.wte.weight");
-    if (n == "position_embedding") return hf("transformer.wpe.weight");
-    if (n == "final_norm") return hf("transformer.ln_f.weight");
-    if (n == "final_norm_bias") return hf("transformer.ln_f.bias");
-    if (n == "lm_head") return hf("lm_head.weight", true);
-    // "layers.<i>.<param>"
-    const auto dot = n.find('.', 7);
-    if (n.rfind("layers.", 0) != 0 || dot == std::string::npos) return {};
-    const std::string h = "transformer.h." + n.substr(7, dot - 7) + ".";
-    const std::string p = n.substr(dot + 1);
+    if (n == "embedding") return mt::hf_tensor("transformer.wte.weight");
+    if (n == "position_embedding") return mt::hf_tensor("transformer.wpe.weight");
+    if (n == "final_norm") return mt::hf_tensor("transformer.ln_f.weight");
+    if (n == "final_norm_bias") return mt::hf_tensor("transformer.ln_f.bias");
+    if (n == "lm_head") return mt::hf_tensor("lm_head.weight", true);
+    std::string index, p;  // "layers.<i>.<param>"
+    if (!mt::hf_split_layer(n, index, p)) return {};
+    const std::string h = "transformer.h." + index + ".";
     const int64_t d = c_.d;
     static const std::map<std::string, const char*> kNames = {
         {"attn_norm", "ln_1.weight"},   {"attn_norm_bias", "ln_1.bias"},
@@ -191,13 +181,14 @@ class GptModel final : public mt::Model {
         {"mlp_norm", "ln_2.weight"},    {"mlp_norm_bias", "ln_2.bias"},
         {"w_in", "mlp.c_fc.weight"},    {"b_in", "mlp.c_fc.bias"},
         {"w_out", "mlp.c_proj.weight"}, {"b_out", "mlp.c_proj.bias"}};
-    if (auto it = kNames.find(p); it != kNames.end()) return hf(h + it->second);
+    if (auto it = kNames.find(p); it != kNames.end()) return mt::hf_tensor(h + it->second);
     static const std::map<std::string, std::pair<const char*, int64_t>> kFused = {
         {"wq", {"attn.c_attn.weight", 0}}, {"wk", {"attn.c_attn.weight", 1}},
         {"wv", {"attn.c_attn.weight", 2}}, {"bq", {"attn.c_attn.bias", 0}},
         {"bk", {"attn.c_attn.bias", 1}},   {"bv", {"attn.c_attn.bias", 2}}};
     if (auto it = kFused.find(p); it != kFused.end())
-      return hf(h + it->second.first, false, it->second.second * d, (it->second.second + 1) * d);
+      return mt::hf_tensor(h + it->second.first, false, it->second.second * d,
+                           (it->second.second + 1) * d);
     return {};
   }
 
@@ -205,15 +196,6 @@ class GptModel final : public mt::Model {
   GptConfig c_;
   GptLayer layer_;
 };
-
-// Floats as JSON numbers that read back as floats ("1e-05").
-std::string num(double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.9g", v);
-  std::string s = buf;
-  if (s.find_first_of(".e") == std::string::npos) s += ".0";
-  return s;
-}
 
 // config.json's activation_function -> mlp_activations' name.
 const char* activation_from_hf(const std::string& f) {
@@ -288,10 +270,9 @@ std::vector<std::string> GptFamily::from_hf_config(const mt::HfConfig& hf,
                                                    std::vector<std::string>& unused) const {
   const std::string who = "mt's " + name_ + " family";
   std::set<std::string> used;
-  auto get = [&](const std::string& k) -> const std::string* {
+  auto get = [&](const std::string& k) {
     used.insert(k);
-    auto it = hf.find(k);
-    return it == hf.end() || it->second == "null" ? nullptr : &it->second;
+    return mt::hf_get(hf, k);
   };
   // A field under its GPT-2 name or the generic alias GPT2Config maps to it (attribute_map).
   auto field = [&](const std::string& k, const std::string& alias) -> const std::string* {
@@ -308,8 +289,7 @@ std::vector<std::string> GptFamily::from_hf_config(const mt::HfConfig& hf,
     return *v;
   };
   auto refuse = [&](const std::string& k, const std::string& v, const std::string& what) {
-    throw mt::UsageError("config.json sets " + k + "=" + v + ": " + what + ", which " + who +
-                         " does not implement; the logits would be wrong.");
+    mt::hf_refuse(k, v, what, who);
   };
   auto integer = [&](const std::string& k, const std::string& v) {
     if (v.empty() || v.size() > 18 || v.find_first_not_of("0123456789") != std::string::npos ||
@@ -419,7 +399,7 @@ std::map<std::string, std::string> GptFamily::to_hf_config(const mt::Config& cfg
           {"n_ctx", std::to_string(c.positions)},
           {"activation_function", std::string("\"") + hf_act + "\""},
           // From the config's double: c's float would print 1e-5 as 9.99999975e-06.
-          {"layer_norm_epsilon", num(cfg.get_float("normalization_layer_epsilon"))},
+          {"layer_norm_epsilon", mt::hf_json_number(cfg.get_float("normalization_layer_epsilon"))},
           {"tie_word_embeddings", c.tied ? "true" : "false"},
           {"scale_attn_weights", "true"},
           {"scale_attn_by_inverse_layer_idx", "false"},

@@ -4,7 +4,6 @@
 // follows (see sdk/ADDING_A_MODEL.md).
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <map>
 #include <memory>
 #include <string>
@@ -15,6 +14,7 @@
 #include "mt/config.h"
 #include "mt/error.h"
 #include "mt/graph.h"
+#include "mt/hf.h"
 #include "mt/model.h"
 #include "mt/plugin.h"
 
@@ -138,31 +138,22 @@ class LlamaModel final : public mt::Model {
     return logits;
   }
 
-  static HfName hf(std::string name, bool transposed) {
-    HfName h;
-    h.name = std::move(name);
-    h.transposed = transposed;
-    return h;
-  }
   HfName hf_name(const std::string& n) const override {
-    if (n == "embedding") return hf("model.embed_tokens.weight", false);
-    if (n == "final_norm") return hf("model.norm.weight", false);
-    if (n == "lm_head") return hf("lm_head.weight", true);
-    // "layers.<i>.<param>"
-    const auto dot = n.find('.', 7);
-    if (n.rfind("layers.", 0) != 0 || dot == std::string::npos) return {};
-    const std::string prefix = "model.layers." + n.substr(7, dot - 7) + ".";
-    const std::string p = n.substr(dot + 1);
-    if (p == "attn_norm") return hf(prefix + "input_layernorm.weight", false);
-    if (p == "mlp_norm") return hf(prefix + "post_attention_layernorm.weight", false);
-    if (p == "wq") return hf(prefix + "self_attn.q_proj.weight", true);
-    if (p == "wk") return hf(prefix + "self_attn.k_proj.weight", true);
-    if (p == "wv") return hf(prefix + "self_attn.v_proj.weight", true);
-    if (p == "wo") return hf(prefix + "self_attn.o_proj.weight", true);
-    if (p == "w_gate") return hf(prefix + "mlp.gate_proj.weight", true);
-    if (p == "w_up") return hf(prefix + "mlp.up_proj.weight", true);
-    if (p == "w_down") return hf(prefix + "mlp.down_proj.weight", true);
-    return {};
+    if (n == "embedding") return mt::hf_tensor("model.embed_tokens.weight");
+    if (n == "final_norm") return mt::hf_tensor("model.norm.weight");
+    if (n == "lm_head") return mt::hf_tensor("lm_head.weight", true);
+    std::string index, p;  // "layers.<i>.<param>"
+    if (!mt::hf_split_layer(n, index, p)) return {};
+    static const mt::HfNameTable kNames = {{"attn_norm", {"input_layernorm.weight", false}},
+                                           {"mlp_norm", {"post_attention_layernorm.weight", false}},
+                                           {"wq", {"self_attn.q_proj.weight", true}},
+                                           {"wk", {"self_attn.k_proj.weight", true}},
+                                           {"wv", {"self_attn.v_proj.weight", true}},
+                                           {"wo", {"self_attn.o_proj.weight", true}},
+                                           {"w_gate", {"mlp.gate_proj.weight", true}},
+                                           {"w_up", {"mlp.up_proj.weight", true}},
+                                           {"w_down", {"mlp.down_proj.weight", true}}};
+    return mt::hf_from_table(kNames, p, "model.layers." + index + ".");
   }
 
  private:
@@ -178,9 +169,8 @@ class LlamaFamily final : public mt::ModelFamily {
     const int64_t heads = c.get_int("base_num_query_heads");
     const int64_t kv = c.get_int("base_num_kv_heads");
     if (heads % kv != 0)
-      c.reject("base_num_kv_heads",
-               "must divide base_num_query_heads=" + std::to_string(heads) +
-                   " (each group of query heads shares one key/value head).");
+      c.reject("base_num_kv_heads", "must divide base_num_query_heads=" + std::to_string(heads) +
+                                        " (each group of query heads shares one key/value head).");
     const int64_t hd = c.get_int("head_dim");
     const double prf = c.get_float("partial_rotary_factor");
     const auto rot = std::lround(static_cast<double>(hd) * prf);
@@ -205,14 +195,9 @@ class LlamaFamily final : public mt::ModelFamily {
   // LlamaForCausalLM's config.json <-> mt keys.
   std::vector<std::string> from_hf_config(const mt::HfConfig& hf,
                                           std::vector<std::string>& unused) const override {
-    auto get = [&](const std::string& k) -> const std::string* {
-      auto it = hf.find(k);
-      return it == hf.end() || it->second == "null" ? nullptr : &it->second;
-    };
+    auto get = [&](const std::string& k) { return mt::hf_get(hf, k); };
     auto need = [&](const std::string& k) -> const std::string& {
-      const std::string* v = get(k);
-      if (!v) throw mt::UsageError("config.json has no '" + k + "', which a Llama model needs.");
-      return *v;
+      return mt::hf_need(hf, k, "Llama");
     };
     auto refuse_true = [&](const std::string& k, const std::string& what) {
       if (const std::string* v = get(k); v && *v == "true")
@@ -239,7 +224,8 @@ class LlamaFamily final : public mt::ModelFamily {
     if (const std::string* v = get("rms_norm_eps"))
       o.push_back("normalization_layer_epsilon=" + *v);
     const std::string* tied = get("tie_word_embeddings");
-    o.push_back(std::string("logits_via_embedding=") + (tied && *tied == "true" ? "true" : "false"));
+    o.push_back(std::string("logits_via_embedding=") +
+                (tied && *tied == "true" ? "true" : "false"));
     if (const std::string* v = get("max_position_embeddings"))
       o.push_back("max_position_embeddings=" + *v);
 
@@ -358,14 +344,7 @@ class LlamaFamily final : public mt::ModelFamily {
 
   std::map<std::string, std::string> to_hf_config(const mt::Config& cfg) const override {
     const LlamaConfig c(cfg);
-    // Floats as JSON numbers that read back as floats ("10000.0", "1e-05").
-    auto num = [](double v) {
-      char buf[64];
-      std::snprintf(buf, sizeof buf, "%.9g", v);
-      std::string s = buf;
-      if (s.find_first_of(".e") == std::string::npos) s += ".0";
-      return s;
-    };
+    const auto num = mt::hf_json_number;  // floats that read back as floats: "10000.0", "1e-05"
     std::map<std::string, std::string> m = {
         {"architectures", "[\"LlamaForCausalLM\"]"},
         {"model_type", "\"llama\""},

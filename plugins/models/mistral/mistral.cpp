@@ -6,7 +6,6 @@
 // blocks::mlp or blocks::moe.
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <map>
 #include <memory>
 #include <string>
@@ -18,6 +17,7 @@
 #include "mt/config.h"
 #include "mt/error.h"
 #include "mt/graph.h"
+#include "mt/hf.h"
 #include "mt/model.h"
 #include "mt/registry.h"
 
@@ -147,62 +147,41 @@ class Model final : public mt::Model {
                                c_.tied);
   }
 
-  static HfName hf(std::string name, bool transposed) {
-    HfName h;
-    h.name = std::move(name);
-    h.transposed = transposed;
-    return h;
-  }
-  // The experts' matrices of a layer, one tensor each ([out, in]), as transformers 5's
-  // save_pretrained writes them (and every Mixtral checkpoint on the Hub has them).
-  HfName experts(const std::string& prefix, const char* w) const {
-    HfName h;
-    h.transposed = true;
-    for (int64_t e = 0; e < c_.experts.num_experts; ++e)
-      h.stack.push_back(prefix + "block_sparse_moe.experts." + std::to_string(e) + "." + w +
-                        ".weight");
-    return h;
-  }
   HfName hf_name(const std::string& n) const override {
-    if (n == "embedding") return hf("model.embed_tokens.weight", false);
-    if (n == "final_norm") return hf("model.norm.weight", false);
-    if (n == "lm_head") return hf("lm_head.weight", true);
-    const auto dot = n.find('.', 7);
-    if (n.rfind("layers.", 0) != 0 || dot == std::string::npos) return {};
-    const std::string prefix = "model.layers." + n.substr(7, dot - 7) + ".";
-    const std::string p = n.substr(dot + 1);
-    if (p == "attn_norm") return hf(prefix + "input_layernorm.weight", false);
-    if (p == "mlp_norm") return hf(prefix + "post_attention_layernorm.weight", false);
-    if (p == "wq") return hf(prefix + "self_attn.q_proj.weight", true);
-    if (p == "wk") return hf(prefix + "self_attn.k_proj.weight", true);
-    if (p == "wv") return hf(prefix + "self_attn.v_proj.weight", true);
-    if (p == "wo") return hf(prefix + "self_attn.o_proj.weight", true);
+    if (n == "embedding") return mt::hf_tensor("model.embed_tokens.weight");
+    if (n == "final_norm") return mt::hf_tensor("model.norm.weight");
+    if (n == "lm_head") return mt::hf_tensor("lm_head.weight", true);
+    std::string index, p;  // "layers.<i>.<param>"
+    if (!mt::hf_split_layer(n, index, p)) return {};
+    const std::string prefix = "model.layers." + index + ".";
+    static const mt::HfNameTable kNames = {{"attn_norm", {"input_layernorm.weight", false}},
+                                           {"mlp_norm", {"post_attention_layernorm.weight", false}},
+                                           {"wq", {"self_attn.q_proj.weight", true}},
+                                           {"wk", {"self_attn.k_proj.weight", true}},
+                                           {"wv", {"self_attn.v_proj.weight", true}},
+                                           {"wo", {"self_attn.o_proj.weight", true}}};
+    if (kNames.count(p)) return mt::hf_from_table(kNames, p, prefix);
     if (c_.moe) {
-      if (p == "router") return hf(prefix + "block_sparse_moe.gate.weight", true);
-      if (p == "w_gate") return experts(prefix, "w1");
-      if (p == "w_down") return experts(prefix, "w2");
-      if (p == "w_up") return experts(prefix, "w3");
-      return {};
+      // The experts' matrices of a layer, one tensor each ([out, in]), as transformers 5's
+      // save_pretrained writes them (and every Mixtral checkpoint on the Hub has them).
+      static const std::map<std::string, const char*> kExperts = {
+          {"w_gate", ".w1.weight"}, {"w_down", ".w2.weight"}, {"w_up", ".w3.weight"}};
+      if (p == "router") return mt::hf_tensor(prefix + "block_sparse_moe.gate.weight", true);
+      auto it = kExperts.find(p);
+      if (it == kExperts.end()) return {};
+      return mt::hf_experts(prefix + "block_sparse_moe.experts.", c_.experts.num_experts,
+                            it->second);
     }
-    if (p == "w_gate") return hf(prefix + "mlp.gate_proj.weight", true);
-    if (p == "w_up") return hf(prefix + "mlp.up_proj.weight", true);
-    if (p == "w_down") return hf(prefix + "mlp.down_proj.weight", true);
-    return {};
+    static const mt::HfNameTable kMlp = {{"w_gate", {"mlp.gate_proj.weight", true}},
+                                         {"w_up", {"mlp.up_proj.weight", true}},
+                                         {"w_down", {"mlp.down_proj.weight", true}}};
+    return mt::hf_from_table(kMlp, p, prefix);
   }
 
  private:
   FamilyConfig c_;
   std::vector<Layer> layers_;
 };
-
-// Floats as JSON numbers that read back as floats ("10000.0", "1e-05").
-std::string json_number(double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.9g", v);
-  std::string s = buf;
-  if (s.find_first_of(".en") == std::string::npos) s += ".0";
-  return s;
-}
 
 class Family final : public mt::ModelFamily {
  public:
@@ -253,25 +232,11 @@ class Family final : public mt::ModelFamily {
   std::vector<std::string> from_hf_config(const mt::HfConfig& hf,
                                           std::vector<std::string>& unused) const override {
     const std::string model = moe_ ? "Mixtral" : "Mistral";
-    auto get = [&](const std::string& k) -> const std::string* {
-      auto it = hf.find(k);
-      return it == hf.end() || it->second == "null" ? nullptr : &it->second;
-    };
+    auto get = [&](const std::string& k) { return mt::hf_get(hf, k); };
     auto need = [&](const std::string& k) -> const std::string& {
-      const std::string* v = get(k);
-      if (!v)
-        throw mt::UsageError("config.json has no '" + k + "', which a " + model + " model needs.");
-      return *v;
+      return mt::hf_need(hf, k, model);
     };
-    auto integer = [&](const std::string& k, const std::string& v) {
-      try {
-        size_t used = 0;
-        const long long x = std::stoll(v, &used);
-        if (used == v.size()) return static_cast<int64_t>(x);
-      } catch (const std::exception&) {
-      }
-      throw mt::UsageError("config.json's " + k + " is '" + v + "'; it must be an integer.");
-    };
+    const auto integer = mt::hf_integer;
     if (const std::string* act = get("hidden_act"); act && *act != "silu")
       throw mt::UsageError("config.json's hidden_act is '" + *act + "'; mt's " + name() +
                            " family implements silu (SwiGLU) only.");
@@ -471,8 +436,8 @@ class Family final : public mt::ModelFamily {
         {"head_dim", std::to_string(c.attn.head_dim)},
         {"hidden_act", "\"silu\""},
         // From the config's doubles: c's floats would print 1e-5 as 9.99999975e-06.
-        {"rms_norm_eps", json_number(cfg.get_float("normalization_layer_epsilon"))},
-        {"rope_theta", json_number(cfg.get_float("rope_max_timescale"))},
+        {"rms_norm_eps", mt::hf_json_number(cfg.get_float("normalization_layer_epsilon"))},
+        {"rope_theta", mt::hf_json_number(cfg.get_float("rope_max_timescale"))},
         {"rope_scaling", "null"},
         {"sliding_window", c.attn.attn.window > 0 ? std::to_string(c.attn.attn.window) : "null"},
         {"tie_word_embeddings", c.tied ? "true" : "false"},
@@ -488,7 +453,7 @@ class Family final : public mt::ModelFamily {
             "MixtralForCausalLM always renormalises the top-k routing weights.");
       m["num_local_experts"] = std::to_string(c.experts.num_experts);
       m["num_experts_per_tok"] = std::to_string(c.experts.top_k);
-      m["router_aux_loss_coef"] = json_number(cfg.get_float("load_balance_loss_weight"));
+      m["router_aux_loss_coef"] = mt::hf_json_number(cfg.get_float("load_balance_loss_weight"));
       m["output_router_logits"] = "false";
       m["router_jitter_noise"] = "0.0";
     }

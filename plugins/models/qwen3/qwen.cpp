@@ -13,7 +13,6 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
-#include <cstdio>
 #include <map>
 #include <memory>
 #include <set>
@@ -25,6 +24,7 @@
 #include "mt/config.h"
 #include "mt/error.h"
 #include "mt/graph.h"
+#include "mt/hf.h"
 #include "mt/model.h"
 
 namespace mt_qwen {
@@ -221,52 +221,36 @@ class QwenModel final : public mt::Model {
                                c_.tied);
   }
 
-  static HfName hf(std::string name, bool transposed) {
-    HfName h;
-    h.name = std::move(name);
-    h.transposed = transposed;
-    return h;
-  }
   // Hugging Face's names (Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM). An expert
   // weight [E, in, out] is the stack of the E per-expert Linear weights
   // mlp.experts.<e>.<proj>.weight [out, in], the layout save_pretrained writes by default.
   HfName hf_name(const std::string& n) const override {
-    if (n == "embedding") return hf("model.embed_tokens.weight", false);
-    if (n == "final_norm") return hf("model.norm.weight", false);
-    if (n == "lm_head") return hf("lm_head.weight", true);
-    // "layers.<i>.<param>"
-    const auto dot = n.find('.', 7);
-    if (n.rfind("layers.", 0) != 0 || dot == std::string::npos) return {};
-    const std::string index = n.substr(7, dot - 7);
+    if (n == "embedding") return mt::hf_tensor("model.embed_tokens.weight");
+    if (n == "final_norm") return mt::hf_tensor("model.norm.weight");
+    if (n == "lm_head") return mt::hf_tensor("lm_head.weight", true);
+    std::string index, p;  // "layers.<i>.<param>"
+    if (!mt::hf_split_layer(n, index, p)) return {};
     const std::string prefix = "model.layers." + index + ".";
-    const std::string p = n.substr(dot + 1);
-    static const std::map<std::string, std::pair<const char*, bool>> kNames = {
-        {"attn_norm", {"input_layernorm.weight", false}},
-        {"mlp_norm", {"post_attention_layernorm.weight", false}},
-        {"wq", {"self_attn.q_proj.weight", true}},
-        {"wk", {"self_attn.k_proj.weight", true}},
-        {"wv", {"self_attn.v_proj.weight", true}},
-        {"wo", {"self_attn.o_proj.weight", true}},
-        {"bq", {"self_attn.q_proj.bias", false}},
-        {"bk", {"self_attn.k_proj.bias", false}},
-        {"bv", {"self_attn.v_proj.bias", false}},
-        {"q_norm", {"self_attn.q_norm.weight", false}},
-        {"k_norm", {"self_attn.k_norm.weight", false}}};
-    if (auto it = kNames.find(p); it != kNames.end())
-      return hf(prefix + it->second.first, it->second.second);
-    int64_t i = -1;
-    std::from_chars(index.data(), index.data() + index.size(), i);
+    static const mt::HfNameTable kNames = {{"attn_norm", {"input_layernorm.weight", false}},
+                                           {"mlp_norm", {"post_attention_layernorm.weight", false}},
+                                           {"wq", {"self_attn.q_proj.weight", true}},
+                                           {"wk", {"self_attn.k_proj.weight", true}},
+                                           {"wv", {"self_attn.v_proj.weight", true}},
+                                           {"wo", {"self_attn.o_proj.weight", true}},
+                                           {"bq", {"self_attn.q_proj.bias", false}},
+                                           {"bk", {"self_attn.k_proj.bias", false}},
+                                           {"bv", {"self_attn.v_proj.bias", false}},
+                                           {"q_norm", {"self_attn.q_norm.weight", false}},
+                                           {"k_norm", {"self_attn.k_norm.weight", false}}};
+    if (kNames.count(p)) return mt::hf_from_table(kNames, p, prefix);
+    const int64_t i = mt::hf_layer_number(index);
     if (i < 0 || i >= c_.layers) return {};
-    const char* proj = p == "w_gate" ? "gate_proj" : p == "w_up" ? "up_proj" : "down_proj";
+    const std::string proj = p == "w_gate" ? "gate_proj" : p == "w_up" ? "up_proj" : "down_proj";
     if (p != "w_gate" && p != "w_up" && p != "w_down" && p != "router") return {};
     if (!c_.sparse[static_cast<size_t>(i)])
-      return p == "router" ? HfName{} : hf(prefix + "mlp." + proj + ".weight", true);
-    if (p == "router") return hf(prefix + "mlp.gate.weight", true);  // [E, D]
-    HfName h;
-    h.transposed = true;
-    for (int64_t e = 0; e < c_.moe.num_experts; ++e)
-      h.stack.push_back(prefix + "mlp.experts." + std::to_string(e) + "." + proj + ".weight");
-    return h;
+      return p == "router" ? HfName{} : mt::hf_tensor(prefix + "mlp." + proj + ".weight", true);
+    if (p == "router") return mt::hf_tensor(prefix + "mlp.gate.weight", true);  // [E, D]
+    return mt::hf_experts(prefix + "mlp.experts.", c_.moe.num_experts, "." + proj + ".weight");
   }
 
  private:
@@ -292,15 +276,6 @@ HfNames hf_names(Variant v) {
       return {"qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3-MoE"};
   }
   return {"", "", ""};
-}
-
-// Floats as JSON numbers that read back as floats ("1000000.0", "1e-06").
-std::string num(double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.9g", v);
-  std::string s = buf;
-  if (s.find_first_of(".e") == std::string::npos) s += ".0";
-  return s;
 }
 
 class QwenFamily final : public mt::ModelFamily {
@@ -368,20 +343,12 @@ std::vector<std::string> QwenFamily::from_hf_config(const mt::HfConfig& hf,
                                                     std::vector<std::string>& unused) const {
   const HfNames names = hf_names(v_);
   const std::string who = std::string("mt's ") + name_ + " family";
-  auto get = [&](const std::string& k) -> const std::string* {
-    auto it = hf.find(k);
-    return it == hf.end() || it->second == "null" ? nullptr : &it->second;
-  };
+  auto get = [&](const std::string& k) { return mt::hf_get(hf, k); };
   auto need = [&](const std::string& k) -> const std::string& {
-    const std::string* v = get(k);
-    if (!v)
-      throw mt::UsageError("config.json has no '" + k + "', which a " + names.display +
-                           " model needs.");
-    return *v;
+    return mt::hf_need(hf, k, names.display);
   };
   auto refuse = [&](const std::string& k, const std::string& v, const std::string& what) {
-    throw mt::UsageError("config.json sets " + k + "=" + v + ": " + what + ", which " + who +
-                         " does not implement; the logits would be wrong.");
+    mt::hf_refuse(k, v, what, who);
   };
   std::set<std::string> used;  // fields read (or known not to change the logits)
   auto use = [&](const std::string& k) {
@@ -579,8 +546,8 @@ std::map<std::string, std::string> QwenFamily::to_hf_config(const mt::Config& cf
       {"head_dim", std::to_string(c.attn.head_dim)},
       {"hidden_act", "\"silu\""},
       // From the config's doubles: c's floats would print 1e-6 as 9.99999997e-07.
-      {"rms_norm_eps", num(cfg.get_float("normalization_layer_epsilon"))},
-      {"rope_theta", num(cfg.get_float("rope_max_timescale"))},
+      {"rms_norm_eps", mt::hf_json_number(cfg.get_float("normalization_layer_epsilon"))},
+      {"rope_theta", mt::hf_json_number(cfg.get_float("rope_max_timescale"))},
       {"tie_word_embeddings", c.tied ? "true" : "false"},
       {"use_sliding_window", "false"},
       {"sliding_window", "null"},
@@ -594,9 +561,9 @@ std::map<std::string, std::string> QwenFamily::to_hf_config(const mt::Config& cf
   if (v_ != Variant::qwen2) m["attention_bias"] = "false";
   if (c.attn.rope.type == mt::RopeSpec::Type::yarn) {
     m["rope_scaling.rope_type"] = "\"yarn\"";
-    m["rope_scaling.factor"] = num(cfg.get_float("rope_factor"));
-    m["rope_scaling.beta_fast"] = num(cfg.get_float("beta_fast"));
-    m["rope_scaling.beta_slow"] = num(cfg.get_float("beta_slow"));
+    m["rope_scaling.factor"] = mt::hf_json_number(cfg.get_float("rope_factor"));
+    m["rope_scaling.beta_fast"] = mt::hf_json_number(cfg.get_float("beta_fast"));
+    m["rope_scaling.beta_slow"] = mt::hf_json_number(cfg.get_float("beta_slow"));
     m["rope_scaling.original_max_position_embeddings"] =
         std::to_string(c.attn.rope.original_max_position);
   } else if (c.attn.rope.type == mt::RopeSpec::Type::llama3) {
@@ -617,7 +584,7 @@ std::map<std::string, std::string> QwenFamily::to_hf_config(const mt::Config& cf
       only += std::to_string(i);
     }
     m["mlp_only_layers"] = only + "]";
-    m["router_aux_loss_coef"] = num(cfg.get_float("load_balance_loss_weight"));
+    m["router_aux_loss_coef"] = mt::hf_json_number(cfg.get_float("load_balance_loss_weight"));
     m["output_router_logits"] = "false";
   }
   return m;
