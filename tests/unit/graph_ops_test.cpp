@@ -368,6 +368,55 @@ TEST(GraphOps, GroupedMatmulGradients) {
   }
 }
 
+// The CPU kernels tile the experts' blocks over the threads: at shapes of several row and column
+// tiles (an empty expert, a one-row expert, a segment of two row tiles), forward and weight
+// gradient match one backend matmul per expert (the per-expert form) and repeat bit for bit.
+TEST(GraphOps, GroupedMatmulTiledMatchesPerExpert) {
+  MT_SEEDED_RNG(rng);
+  Backend& be = test::cpu();
+  const int64_t K = 40, N = 600, E = 5;
+  const std::vector<int32_t> off = {0, 0, 1, 4, 304, 374};
+  const int64_t M = off[E];
+  const Tensor offsets = test::from_ints(be, {E + 1}, off);
+  const Tensor x = test::from_vector(be, {M, K}, rand_vec(M * K, rng));
+  const Tensor dout = test::from_vector(be, {M, N}, rand_vec(M * N, rng));
+  const std::vector<float> dw0 = rand_vec(E * K * N, rng);
+  for (bool trans : {false, true}) {
+    SCOPED_TRACE(trans ? "trans_w" : "w");
+    const Shape ws = trans ? Shape{E, N, K} : Shape{E, K, N};
+    const Tensor w = test::from_vector(be, ws, rand_vec(E * K * N, rng));
+    auto forward = [&] {
+      Tensor o = be.empty({M, N}, DType::f32);
+      be.grouped_matmul(x, w, offsets, trans, o);
+      return test::to_vector(o);
+    };
+    auto weight_grad = [&] {
+      Tensor dw = test::from_vector(be, ws, dw0);
+      be.grouped_matmul_weight_grad(x, dout, offsets, trans, dw);
+      return test::to_vector(dw);
+    };
+    Tensor o_ref = be.zeros({M, N}, DType::f32);
+    Tensor dw_ref = test::from_vector(be, ws, dw0);
+    for (int64_t e = 0; e < E; ++e) {
+      if (off[e] == off[e + 1]) continue;
+      const Tensor xe = x.slice0(off[e], off[e + 1]), de = dout.slice0(off[e], off[e + 1]);
+      Tensor oe = o_ref.slice0(off[e], off[e + 1]);
+      const Tensor we = w.slice0(e, e + 1).view({ws[1], ws[2]});
+      be.matmul(xe, we, oe, false, trans);
+      Tensor dwe = dw_ref.slice0(e, e + 1).view({ws[1], ws[2]});
+      if (trans)
+        be.matmul(de, xe, dwe, true, false, 1.f, 1.f);
+      else
+        be.matmul(xe, de, dwe, true, false, 1.f, 1.f);
+    }
+    const std::vector<float> o = forward(), dw = weight_grad();
+    EXPECT_LT(norm_err(o, test::to_vector(o_ref)), 1e-5);
+    EXPECT_LT(norm_err(dw, test::to_vector(dw_ref)), 1e-5);
+    EXPECT_EQ(forward(), o);
+    EXPECT_EQ(weight_grad(), dw);
+  }
+}
+
 TEST(GraphOps, SortByExpert) {
   Backend& be = test::cpu();
   Graph g(be, false);

@@ -646,6 +646,16 @@ std::string gemm_describe() {
       ob.corename.empty() ? "?" : ob.corename, ob.coretype_origin, bf16, matvec, isa().str());
 }
 
+void sgemm_serial(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                  const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
+                  int64_t ldc) {
+  run_tile(Tile{trans_a, trans_b, m, n, k, alpha, beta, a, lda, b, ldb, c, ldc});
+}
+
+bool sgemm_fast() {
+  return openblas().sgemm != nullptr;
+}
+
 double cpu_peak_flops(DType dtype, int num_threads) {
   // Measured single-core rates times the thread count. bf16 matmuls with both operands in bf16 run
   // on AMX tiles where the CPU has them (measured tile rate); otherwise bf16 operands are widened

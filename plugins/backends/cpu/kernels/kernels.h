@@ -31,6 +31,14 @@ std::string gemm_describe();  // "OpenBLAS 0.3.21 (SkylakeX kernels), AVX512_BF1
 double cpu_peak_flops(DType dtype, int num_threads);
 void matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool trans_b, float alpha,
             float beta);
+// One single-threaded f32 GEMM on raw row-major pointers (OpenBLAS, else the portable loop):
+// c = alpha * op(a) op(b) + beta * c, m, n, k >= 1. For kernels that tile work over oneTBB
+// themselves (the MoE grouped matmul); the result depends only on the operands and shapes.
+void sgemm_serial(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                  const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
+                  int64_t ldc);
+// Whether sgemm_serial runs OpenBLAS (false: the slow portable loop).
+bool sgemm_fast();
 
 // embedding.cpp
 void embedding_forward(const Tensor& table, const Tensor& ids, Tensor& out);
@@ -68,8 +76,8 @@ void cross_entropy_backward(const Tensor& dloss, const Tensor& logits, const Ten
                             const Tensor& lse, float z_loss, Tensor& dlogits);
 
 // moe.cpp
-void topk_route_forward(const Tensor& logits, int k, bool sigmoid, bool normalize,
-                        Tensor& weights, Tensor& indices, Tensor& probs);
+void topk_route_forward(const Tensor& logits, int k, bool sigmoid, bool normalize, Tensor& weights,
+                        Tensor& indices, Tensor& probs);
 void topk_route_backward(const Tensor& dweights, const Tensor& weights, const Tensor& indices,
                          const Tensor& probs, bool sigmoid, bool normalize, Tensor& dlogits);
 void gather_rows(const Tensor& x, const Tensor& idx, Tensor& out);

@@ -4,6 +4,8 @@
 #include <fmt/format.h>
 #include <oneapi/tbb/blocked_range.h>
 #include <oneapi/tbb/parallel_for.h>
+#include <oneapi/tbb/partitioner.h>
+#include <oneapi/tbb/task_arena.h>
 
 #include <algorithm>
 #include <cmath>
@@ -383,10 +385,73 @@ void scatter_add_rows(const Tensor& src, const Tensor& idx, const Tensor& w, Ten
 
 // ---- grouped matmul ---------------------------------------------------------------------------
 
-// Each expert's segment is one call of the backend's matmul on views: it owns the GEMM path
-// (OpenBLAS tiles on the arena's threads, bf16 widened in allocator scratch, the matrix-vector
-// kernel for a single row), and it nests inside this kernel without oversubscribing the cores.
-// Experts run one after the other; each GEMM is split across the threads.
+// f32 (the CPU's training dtype) with OpenBLAS: one parallel loop over blocks of every expert's
+// output, (expert, row tile, column tile), each block one single-threaded SGEMM. With few rows
+// per expert (64 at Mixtral's shapes) the threads then share the whole problem: no fork and join
+// per expert, no thread idling while another finishes its half of an expert, tiles taken as they
+// come (a core that the machine's other load slows takes fewer). Experts without rows make no
+// tasks. The tiling depends only on the shapes and constants below, never on the thread count or
+// the schedule, and every output element is written by one call: results are bitwise
+// reproducible.
+// Otherwise (bf16 operands, no OpenBLAS) each expert's segment is one call of the backend's matmul
+// on views: it owns those paths (AMX tiles, widening in allocator scratch) and splits each GEMM
+// across the threads; experts run one after the other. A forward segment of a single row also
+// takes matmul's matrix-vector kernel.
+
+namespace {
+
+// One task: rows [r0, r1) and columns [c0, c1) of expert e's output block.
+struct GmmTask {
+  int64_t e, r0, r1, c0, c1;
+};
+
+constexpr int64_t kGmmRowTile = 256;     // forward: rows of an expert's segment per task
+constexpr int64_t kGmmColTile = 512;     // forward: output columns per task
+constexpr int64_t kGradRowTile = 512;    // weight gradient: rows of dw[e] per task
+constexpr int64_t kGradColTile = 512;    // weight gradient: columns of dw[e] per task
+constexpr double kGmmSerialFlops = 4e6;  // below this, one thread does it all
+
+// [0, n) cut into ceil(n / tile) near-equal pieces, each a multiple of `align` but the last.
+std::vector<int64_t> cuts(int64_t n, int64_t tile, int64_t align) {
+  const int64_t parts = std::max<int64_t>(1, (n + tile - 1) / tile);
+  const int64_t step =
+      std::max<int64_t>(align, ((n + parts - 1) / parts + align - 1) / align * align);
+  std::vector<int64_t> b;
+  for (int64_t at = 0; at < n; at += step) b.push_back(at);
+  b.push_back(n);
+  return b;
+}
+
+// Appends expert e's tasks: the blocks of a rows x cols output.
+void add_tasks(std::vector<GmmTask>& tasks, int64_t e, int64_t rows, int64_t cols, int64_t row_tile,
+               int64_t col_tile) {
+  const std::vector<int64_t> rc = cuts(rows, row_tile, 1), cc = cuts(cols, col_tile, 16);
+  for (size_t i = 0; i + 1 < rc.size(); ++i)
+    for (size_t j = 0; j + 1 < cc.size(); ++j)
+      tasks.push_back(GmmTask{e, rc[i], rc[i + 1], cc[j], cc[j + 1]});
+}
+
+template <class Body>
+void run_tasks(const std::vector<GmmTask>& tasks, double flops, const Body& body) {
+  if (tasks.size() <= 1 || flops < kGmmSerialFlops ||
+      tbb::this_task_arena::max_concurrency() <= 1) {
+    for (const GmmTask& t : tasks) body(t);
+    return;
+  }
+  tbb::parallel_for(
+      tbb::blocked_range<size_t>(0, tasks.size(), 1),
+      [&](const tbb::blocked_range<size_t>& r) {
+        for (size_t i = r.begin(); i < r.end(); ++i) body(tasks[i]);
+      },
+      tbb::simple_partitioner());
+}
+
+bool all_f32(const Tensor& a, const Tensor& b, const Tensor& c) {
+  return a.dtype() == DType::f32 && b.dtype() == DType::f32 && c.dtype() == DType::f32 &&
+         sgemm_fast();
+}
+
+}  // namespace
 
 void grouped_matmul(const Tensor& x, const Tensor& w, const Tensor& offsets, bool trans_w,
                     Tensor& out) {
@@ -407,13 +472,41 @@ void grouped_matmul(const Tensor& x, const Tensor& w, const Tensor& offsets, boo
 
   const Tensor x2 = x.view({M, K});
   const Tensor out2 = out.view({M, N});
-  for (int64_t e = 0; e < E; ++e) {
+  auto per_expert = [&](int64_t e) {
     const int64_t r0 = off[e], r1 = off[e + 1];
-    if (r0 == r1) continue;
     Tensor out_e = out2.slice0(r0, r1);
     matmul(x2.slice0(r0, r1), w.slice0(e, e + 1).view({w.dim(1), w.dim(2)}), out_e, false, trans_w,
            1.f, 0.f);
+  };
+  if (!all_f32(x, w, out) || N == 0) {
+    for (int64_t e = 0; e < E; ++e)
+      if (off[e] != off[e + 1]) per_expert(e);
+    return;
   }
+  if (K == 0) {
+    std::fill(out.ptr<float>(), out.ptr<float>() + M * N, 0.f);
+    return;
+  }
+  std::vector<GmmTask> tasks;
+  double flops = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t rows = off[e + 1] - off[e];
+    if (rows < 2) continue;  // none, or one: the matrix-vector kernel below
+    add_tasks(tasks, e, rows, N, kGmmRowTile, kGmmColTile);
+    flops += 2.0 * double(rows) * double(N) * double(K);
+  }
+  const float* xp = x.ptr<const float>();
+  const float* wp = w.ptr<const float>();
+  float* op_ = out.ptr<float>();
+  run_tasks(tasks, flops, [&](const GmmTask& t) {
+    const int64_t r = off[t.e] + t.r0;
+    const float* we = wp + t.e * K * N;
+    // out[r.., c0..] = x[r.., :] op(w[e])[:, c0..]: w[e] is [K, N], or [N, K] if trans_w.
+    sgemm_serial(false, trans_w, t.r1 - t.r0, t.c1 - t.c0, K, 1.f, xp + r * K, K,
+                 trans_w ? we + t.c0 * K : we + t.c0, trans_w ? K : N, 0.f, op_ + r * N + t.c0, N);
+  });
+  for (int64_t e = 0; e < E; ++e)
+    if (off[e + 1] - off[e] == 1) per_expert(e);
 }
 
 void grouped_matmul_weight_grad(const Tensor& x, const Tensor& dout, const Tensor& offsets,
@@ -433,18 +526,42 @@ void grouped_matmul_weight_grad(const Tensor& x, const Tensor& dout, const Tenso
                      dw.str(), trans_w, K, N, x.str(), dout.str()));
   const std::vector<int32_t> off = read_offsets(offsets, E, M, op);
 
-  const Tensor x2 = x.view({M, K});
-  const Tensor d2 = dout.view({M, N});
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t r0 = off[e], r1 = off[e + 1];
-    if (r0 == r1) continue;  // an expert without tokens gets no gradient
-    Tensor dw_e = dw.slice0(e, e + 1).view({dw.dim(1), dw.dim(2)});
-    // Accumulate (beta = 1): dw[e] += x_e^T dout_e ([K, N]), or dout_e^T x_e ([N, K]) if trans_w.
-    if (trans_w)
-      matmul(d2.slice0(r0, r1), x2.slice0(r0, r1), dw_e, true, false, 1.f, 1.f);
-    else
-      matmul(x2.slice0(r0, r1), d2.slice0(r0, r1), dw_e, true, false, 1.f, 1.f);
+  if (!all_f32(x, dout, dw)) {
+    const Tensor x2 = x.view({M, K});
+    const Tensor d2 = dout.view({M, N});
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = off[e], r1 = off[e + 1];
+      if (r0 == r1) continue;  // an expert without tokens gets no gradient
+      Tensor dw_e = dw.slice0(e, e + 1).view({dw.dim(1), dw.dim(2)});
+      // Accumulate (beta = 1): dw[e] += x_e^T dout_e ([K, N]), or dout_e^T x_e ([N, K]) if
+      // trans_w.
+      if (trans_w)
+        matmul(d2.slice0(r0, r1), x2.slice0(r0, r1), dw_e, true, false, 1.f, 1.f);
+      else
+        matmul(x2.slice0(r0, r1), d2.slice0(r0, r1), dw_e, true, false, 1.f, 1.f);
+    }
+    return;
   }
+  // dw[e] ([R, C]) += a_e^T b_e with a_e [rows, R], b_e [rows, C]: a = x, b = dout ([K, N]), or
+  // a = dout, b = x if trans_w ([N, K]). An expert without tokens gets no gradient.
+  const int64_t R = trans_w ? N : K, C = trans_w ? K : N;
+  if (R == 0 || C == 0) return;
+  const float* ap = trans_w ? dout.ptr<const float>() : x.ptr<const float>();
+  const float* bp = trans_w ? x.ptr<const float>() : dout.ptr<const float>();
+  std::vector<GmmTask> tasks;
+  double flops = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t rows = off[e + 1] - off[e];
+    if (rows == 0) continue;
+    add_tasks(tasks, e, R, C, kGradRowTile, kGradColTile);
+    flops += 2.0 * double(rows) * double(R) * double(C);
+  }
+  float* dwp = dw.ptr<float>();
+  run_tasks(tasks, flops, [&](const GmmTask& t) {
+    const int64_t s = off[t.e], rows = off[t.e + 1] - s;
+    sgemm_serial(true, false, t.r1 - t.r0, t.c1 - t.c0, rows, 1.f, ap + s * R + t.r0, R,
+                 bp + s * C + t.c0, C, 1.f, dwp + t.e * R * C + t.r0 * C + t.c0, C);
+  });
 }
 
 }  // namespace mt::cpu
