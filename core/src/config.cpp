@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <mutex>
+#include <set>
 
 #include "config_impl.h"
 #include "mt/error.h"
@@ -40,7 +42,42 @@ Config& Config::operator=(Config&&) noexcept = default;
 const ConfigValue& Config::Impl::at(const std::string& key) const {
   auto it = values.find(key);
   if (it == values.end()) throw UsageError("The config has no key '" + key + "'.");
+  {
+    std::lock_guard<std::mutex> lock(reads->m);
+    reads->keys.insert(key);
+  }
   return it->second;
+}
+
+void reset_config_reads(const Config& c) {
+  auto& r = *c.impl().reads;
+  std::lock_guard<std::mutex> lock(r.m);
+  r.keys.clear();
+}
+
+std::vector<std::string> unread_model_keys(const Config& c) {
+  // Read by the core (ModelRunner, the kernels), not by the family.
+  static const std::set<std::string> kCore = {"attention",           "dtype",
+                                              "weight_dtype",        "matmul_precision",
+                                              "remat_policy",        "init_weights_seed",
+                                              "init_weights_stddev", "logits_via_embedding"};
+  const Config::Impl& im = c.impl();
+  std::set<std::string> read;
+  {
+    std::lock_guard<std::mutex> lock(im.reads->m);
+    read = im.reads->keys;
+  }
+  std::vector<std::string> out;
+  for (const auto& key : im.order) {
+    auto sec = im.sections.find(key);
+    auto def = im.defaults.find(key);
+    if (sec == im.sections.end() || def == im.defaults.end()) continue;
+    if (sec->second != "Model" && sec->second != "Multi-head latent attention (DeepSeek)") continue;
+    if (kCore.count(key) || read.count(key)) continue;
+    if (config_value_yaml(im.values.at(key)) == def->second) continue;
+    out.push_back(key);
+  }
+  return out;
 }
 
 bool Config::has(const std::string& key) const {

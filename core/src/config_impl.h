@@ -3,6 +3,9 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
+#include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -26,6 +29,15 @@ struct ConfigValue {
 struct Config::Impl {
   std::vector<std::string> order;
   std::map<std::string, ConfigValue> values;
+  // Each schema key's section in its file ("Model", ...), and the keys read through the typed
+  // getters since the last reset, shared by the copies of a Config (a family may copy it).
+  std::map<std::string, std::string> sections;
+  std::map<std::string, std::string> defaults;  // the default's YAML text
+  struct Reads {
+    std::mutex m;
+    std::set<std::string> keys;
+  };
+  std::shared_ptr<Reads> reads = std::make_shared<Reads>();
 
   void set(const std::string& key, ConfigValue v) {
     if (!values.count(key)) order.push_back(key);
@@ -43,6 +55,12 @@ std::string config_value_yaml(const ConfigValue& v);
 std::string config_set_where(const std::string& origin);
 
 // Builds a Config from key=value pairs (tests, tools): values are typed as YAML scalars.
+// Model keys (base.yml's "Model" and "Multi-head latent attention" sections, less those the
+// core itself reads: dtypes, attention kernel, remat, init) whose value is not the default and
+// which nothing has read since reset_config_reads(): keys the model family does not implement.
+void reset_config_reads(const Config& c);
+std::vector<std::string> unread_model_keys(const Config& c);
+
 Config config_from_pairs(const std::vector<std::pair<std::string, std::string>>& kv,
                          const std::string& origin = "code");
 

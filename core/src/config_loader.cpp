@@ -728,6 +728,15 @@ std::vector<KeySpec> schema_of(const LayerFile& f) {
       comment = trim(std::string_view(comment).substr(0, open));
     }
     spec.doc = comment;
+    for (int l = std::min(e.line - 1, static_cast<int>(f.lines.size())) - 1; l >= 0; --l) {
+      const std::string_view line = f.lines[static_cast<size_t>(l)];
+      if (line.rfind("# ----", 0) != 0) continue;
+      std::string_view name = line.substr(6);
+      while (!name.empty() && (name.back() == '-' || name.back() == ' ')) name.remove_suffix(1);
+      while (!name.empty() && name.front() == ' ') name.remove_prefix(1);
+      spec.section = std::string(name);
+      break;
+    }
     specs.push_back(std::move(spec));
   }
   return specs;
@@ -802,7 +811,11 @@ Config resolve_layers(const ConfigRequest& req, bool lenient) {
 
   // Layer 1: the defaults.
   Config c;
-  for (const auto& spec : schema.specs) c.impl().set(spec.name, spec.default_value);
+  for (const auto& spec : schema.specs) {
+    c.impl().set(spec.name, spec.default_value);
+    c.impl().sections[spec.name] = spec.section;
+    c.impl().defaults[spec.name] = config_value_yaml(spec.default_value);
+  }
 
   // Read the later layers first: the --config file and the overrides may name the model, whose
   // file is applied before them.

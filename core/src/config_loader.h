@@ -87,6 +87,8 @@ struct KeySpec {
   std::optional<double> min, max;  // bounds from the annotation
   bool min_exclusive = false, max_exclusive = false;
   std::vector<std::string> choices;
+  // The "# ---- <name> ----" heading the key stands under in its file ("Model", "Run", ...).
+  std::string section;
 };
 
 // Reads base.yml into the schema, in file order; throws mt::UsageError.

@@ -1,5 +1,7 @@
 #include "model_runner.h"
 
+#include "config_impl.h"
+
 #include <cmath>
 #include <random>
 
@@ -31,6 +33,7 @@ DType dtype_key(const Config& cfg, const std::string& key) {
 }  // namespace
 
 ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins) {
+  reset_config_reads(cfg);
   compute_dtype_ = dtype_key(cfg, "dtype");
   weight_dtype_ = dtype_key(cfg, "weight_dtype");
   tied_ = cfg.get_bool("logits_via_embedding");
@@ -39,6 +42,20 @@ ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins) {
   family_ = plugins.make_model_family(cfg.get_string("decoder_block"));
   family_->validate(cfg);
   model_ = family_->build(cfg);
+  // A model key set to something other than its default that neither the family nor the core
+  // read would change nothing: the run would silently be another model than the one asked for.
+  if (const std::vector<std::string> unread = unread_model_keys(cfg); !unread.empty()) {
+    std::string list;
+    for (const auto& k : unread)
+      list += (list.empty() ? "" : ", ") + k + "=" + config_value_yaml(cfg.impl().values.at(k)) +
+              " (" + config_set_where(cfg.impl().values.at(k).origin) + ")";
+    throw UsageError("The " + cfg.get_string("decoder_block") + " model family does not use " +
+                     list + ": the model would be built as if " +
+                     (unread.size() == 1 ? "it were" : "they were") +
+                     " left at the default. Remove " + (unread.size() == 1 ? "it" : "them") +
+                     ", or choose a decoder_block (model) that implements " +
+                     (unread.size() == 1 ? "it." : "them."));
+  }
   // Sizes that overflow are refused here, before any allocation (an allocator asked for 2^63
   // bytes must never be reached from a config value).
   check_model_sizes(*model_, cfg.get_int("per_device_batch_size"),

@@ -233,6 +233,10 @@ TEST(Cli, BadInputIsRefusedWithExitCode2) {
       {"config --config=/nonexistent/x.yml", "/nonexistent/x.yml"},
       {"run backend=tpu", "libmt_backend_tpu.so"},
       {"run --model=llama2-7b backend=cuda steps=1", "cuda"},
+      // A model key the family does not implement would silently build another model.
+      {"run --model=llama-test steps=1 rope_linear_scaling_factor=8 base_output_directory=" +
+           (dir / "out").string(),
+       "llama model family does not use rope_linear_scaling_factor=8.0"},
   };
   for (const auto& c : cases) {
     auto r = mt_cmd(c.args);

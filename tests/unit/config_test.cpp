@@ -672,6 +672,36 @@ TEST(ConfigModels, ListFindsTheRealModelsInNaturalOrder) {
   EXPECT_LT(pos("llama3.1-70b"), pos("llama3.1-405b"));
 }
 
+// Every named model's family reads every model key its file sets (a key it ignored would be
+// refused by the runner: unread_model_keys), and a key the family does not implement is found.
+TEST(ConfigModels, EveryRealModelsFamilyUsesTheKeysItsFileSets) {
+  for (const auto& m : list_models(real_configs(), {})) {
+    SCOPED_TRACE(m.name);
+    ConfigRequest req = real_request({}, m.name);
+    req.schemas_for = [](const Config& layers) {
+      const std::string fam = layers.get_string("decoder_block");
+      return std::vector<SchemaText>{
+          {"model family '" + fam + "'", test::plugins().make_model_family(fam)->config_schema()}};
+    };
+    const Config c = load_config(req);
+    auto family = test::plugins().make_model_family(c.get_string("decoder_block"));
+    reset_config_reads(c);
+    family->validate(c);
+    auto model = family->build(c);
+    EXPECT_EQ(unread_model_keys(c), std::vector<std::string>{});
+  }
+  // llama has no linear rope scaling and no experts' groups: both are found.
+  ConfigRequest req =
+      real_request({"rope_linear_scaling_factor=8", "n_routing_groups=4"}, "llama-test");
+  const Config c = load_config(req);
+  auto family = test::plugins().make_model_family("llama");
+  reset_config_reads(c);
+  family->validate(c);
+  auto model = family->build(c);
+  EXPECT_EQ(unread_model_keys(c),
+            (std::vector<std::string>{"rope_linear_scaling_factor", "n_routing_groups"}));
+}
+
 TEST(ConfigModels, EveryRealModelLoadsAndSatisfiesTheSchema) {
   for (const auto& m : list_models(real_configs(), {})) {
     SCOPED_TRACE(m.name);

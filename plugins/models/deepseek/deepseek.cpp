@@ -446,6 +446,11 @@ class DsFamily final : public mt::ModelFamily {
                "must be at most the model width " + width + " (0 = no query compression).");
     if (c.get_int("qk_rope_head_dim") % 2 != 0)
       c.reject("qk_rope_head_dim", "must be even: the rotary embedding turns pairs of features.");
+    if (c.get_int("base_num_kv_heads") != c.get_int("base_num_query_heads"))
+      c.reject("base_num_kv_heads",
+               "must equal base_num_query_heads=" +
+                   std::to_string(c.get_int("base_num_query_heads")) + " for " + fam +
+                   ": latent attention expands a key and a value for every query head.");
     if (c.get_float("partial_rotary_factor") != 1.0)
       c.reject("partial_rotary_factor",
                "must be 1.0 for " + fam + ": qk_rope_head_dim says which features are rotated.");
