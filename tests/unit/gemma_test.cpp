@@ -5,19 +5,15 @@
 // shipped corpus and resuming; the published sizes; and bad input refused with exit code 2.
 #include <gtest/gtest.h>
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "family_test_support.h"
 #include "safetensors.h"
 #include "test_support.h"
 
@@ -33,90 +29,13 @@ const char* const kDirs[] = {"gemma", "gemma2", "gemma3"};
 // logit 5.6), 1.7e-6 (gemma2, 7.9; both soft-caps biting), 1.3e-6 (gemma3, 4.5).
 constexpr double kTol = 1e-4;
 
-struct Reference {
-  SafeTensorsFile file;
-  explicit Reference(const std::string& dir) : file(kGolden / dir / "reference.safetensors") {}
-  std::vector<int32_t> ints(const std::string& name) const {
-    const auto& i = file.info(name);
-    EXPECT_EQ(i.dtype, "I32") << name;
-    std::vector<int32_t> v(static_cast<size_t>(i.numel()));
-    std::memcpy(v.data(), i.data, i.nbytes());
-    return v;
-  }
-  std::vector<float> floats(const std::string& name) const {
-    const auto& i = file.info(name);
-    EXPECT_EQ(i.dtype, "F32") << name;
-    std::vector<float> v(static_cast<size_t>(i.numel()));
-    std::memcpy(v.data(), i.data, i.nbytes());
-    return v;
-  }
-};
-
-std::string join_ids(const std::vector<int32_t>& ids) {
-  std::string s;
-  for (size_t i = 0; i < ids.size(); ++i) {
-    if (i) s += ',';
-    s += std::to_string(ids[i]);
-  }
-  return s;
-}
-
-std::string slurp(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
-// A scratch directory of this test, removed afterwards.
-struct Scratch {
-  fs::path root;
-  Scratch() {
-    const auto* t = ::testing::UnitTest::GetInstance()->current_test_info();
-    root = fs::temp_directory_path() /
-           ("mt_gemma_" + std::to_string(::getpid()) + "_" + std::string(t->name()));
-    fs::remove_all(root);
-    fs::create_directories(root);
-  }
-  ~Scratch() { fs::remove_all(root); }
-};
-
-// A copy of golden directory `name` whose config.json is `config` (a file of that directory).
-fs::path with_config(const Scratch& s, const std::string& name, const std::string& config) {
-  const fs::path dir = s.root / (name + "_" + config);
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  fs::copy_file(kGolden / name / "model.safetensors", dir / "model.safetensors");
-  fs::copy_file(kGolden / name / config, dir / "config.json");
-  return dir;
-}
-
-void edit(const fs::path& file, const std::string& from, const std::string& to) {
-  std::string text = slurp(file);
-  const size_t at = text.find(from);
-  ASSERT_NE(at, std::string::npos) << from << " not in " << file;
-  text.replace(at, from.size(), to);
-  std::ofstream(file) << text;
-}
-
-// `mt score hf_path=<dir> tokens=<the input ids> [extra]`: the logits mt wrote, and its output.
-std::vector<float> score(const fs::path& dir, const Reference& ref, const Scratch& s,
-                         std::string& out, const std::string& extra = "") {
-  const fs::path file = s.root / "logits.safetensors";
-  fs::remove(file);
-  const test::MtResult r =
-      test::run_mt("score hf_path=" + dir.string() + " tokens=" + join_ids(ref.ints("input_ids")) +
-                       " output=" + file.string() + " " + extra,
-                   120);
-  out = r.out;
-  EXPECT_EQ(r.code, 0) << r.out;
-  if (r.code != 0 || !fs::exists(file)) return {};
-  SafeTensorsFile got(file);
-  const auto& li = got.info("logits");
-  std::vector<float> v(static_cast<size_t>(li.numel()));
-  std::memcpy(v.data(), li.data, li.nbytes());
-  return v;
-}
+using test::edit_file;
+using test::expect_refused;
+using test::losses;
+using test::Reference;
+using test::score;
+using test::Scratch;
+using test::slurp;
 
 // What the golden directories are: transformers 5's config.json (rope_parameters, layer_types;
 // Gemma 3's per-layer-type rope parameters with linear scaling on the global layers), the legacy
@@ -152,7 +71,7 @@ TEST(GemmaGolden, TheDirectoriesAreWhatTransformersFiveWrote) {
             std::string::npos);
   EXPECT_NE(slurp(kGolden / "gemma" / "legacy_config.json").find("\"hidden_act\": \"gelu\""),
             std::string::npos);
-  const Reference g2("gemma2");
+  const Reference g2(kGolden / "gemma2");
   const std::vector<float> capped = g2.floats("logits");
   EXPECT_GT(test::scaled_err(g2.floats("uncapped.logits"), capped), 0.5);
   float top = 0;
@@ -168,20 +87,12 @@ TEST(GemmaGolden, LogitsMatchTransformersInBothConfigForms) {
   Scratch s;
   for (const char* d : kDirs) {
     SCOPED_TRACE(d);
-    const Reference ref(d);
-    const std::vector<float> want = ref.floats("logits");
-    std::string out;
-    const std::vector<float> v5 = score(kGolden / d, ref, s, out);
-    ASSERT_EQ(v5.size(), want.size()) << out;
-    EXPECT_EQ(out.find("mt: note"), std::string::npos) << out;
-    EXPECT_LT(test::scaled_err(v5, want), kTol);
-    const std::vector<float> legacy = score(with_config(s, d, "legacy_config.json"), ref, s, out);
-    EXPECT_EQ(out.find("mt: note"), std::string::npos) << out;
-    ASSERT_EQ(legacy.size(), want.size()) << out;
-    EXPECT_EQ(legacy, v5) << "the two config.json forms configured different models";
+    ASSERT_NO_FATAL_FAILURE(test::expect_logits_in_both_forms(s, kGolden, d, kTol));
     if (std::string(d) == "gemma2") {
+      const Reference ref(kGolden / d);
+      std::string out;
       const std::vector<float> dp = score(kGolden / d, ref, s, out, "attention=dot_product");
-      EXPECT_LT(test::scaled_err(dp, want), kTol);
+      EXPECT_LT(test::scaled_err(dp, ref.floats("logits")), kTol);
     }
   }
 }
@@ -190,7 +101,7 @@ TEST(GemmaGolden, LogitsMatchTransformersInBothConfigForms) {
 // over config.json's) mt matches transformers' logits of the same weights without caps.
 TEST(GemmaGolden, Gemma2WithoutSoftCapsMatchesTransformersWithout) {
   Scratch s;
-  const Reference ref("gemma2");
+  const Reference ref(kGolden / "gemma2");
   std::string out;
   const std::vector<float> got =
       score(kGolden / "gemma2", ref, s, out, "attn_logits_soft_cap=0 final_logits_soft_cap=0");
@@ -205,7 +116,7 @@ TEST(GemmaGolden, Gemma2WithoutSoftCapsMatchesTransformersWithout) {
 // windows of 100 and 4096 as with every layer global, and differently with the model's 16.
 TEST(GemmaGolden, WindowNotShorterThanTheContextMakesLocalLayersGlobal) {
   Scratch s;
-  const Reference ref("gemma2");
+  const Reference ref(kGolden / "gemma2");
   std::string out;
   const std::vector<float> global =
       score(kGolden / "gemma2", ref, s, out, "sliding_window_pattern=1");
@@ -228,11 +139,7 @@ TEST(GemmaGolden, WindowNotShorterThanTheContextMakesLocalLayersGlobal) {
 // to be the same either way; its windows show in the logits above).
 std::string decode(const fs::path& dir, const std::vector<int32_t>& prompt, size_t total,
                    const std::string& extra = "") {
-  const test::MtResult r =
-      test::run_mt("decode hf_path=" + dir.string() + " tokens=" + join_ids(prompt) +
-                       " max_target_length=" + std::to_string(total) +
-                       " max_prefill_predict_length=" + std::to_string(prompt.size()) + " " + extra,
-                   120);
+  const test::MtResult r = test::decode(dir, prompt, total, extra);
   EXPECT_EQ(r.code, 0) << r.out;
   return r.out;
 }
@@ -240,14 +147,13 @@ std::string decode(const fs::path& dir, const std::vector<int32_t>& prompt, size
 TEST(GemmaGolden, GreedyDecodeEqualsTransformersGenerate) {
   for (const char* d : kDirs) {
     SCOPED_TRACE(d);
-    const Reference ref(d);
+    const Reference ref(kGolden / d);
     const std::vector<int32_t> prompt = ref.ints("generate.prompt");
     const std::vector<int32_t> want = ref.ints("generate.ids");
     ASSERT_EQ(want.size(), prompt.size() + 40);
-    const std::string line = join_ids(want) + "\n";
+    const std::string line = test::join_ids(want) + "\n";
     const std::string out = decode(kGolden / d, prompt, want.size());
-    const size_t at = out.find(line);
-    EXPECT_TRUE(at != std::string::npos && (at == 0 || out[at - 1] == '\n')) << out;
+    EXPECT_TRUE(test::has_ids_line(out, want)) << out;
     if (std::string(d) == "gemma3") {
       EXPECT_EQ(decode(kGolden / d, prompt, want.size(), "sliding_window_pattern=1").find(line),
                 std::string::npos);
@@ -265,38 +171,13 @@ TEST(GemmaGolden, ConvertRoundTripWritesWhatTransformersWrote) {
     SCOPED_TRACE(d);
     const fs::path mtdir = s.root / (std::string(d) + "_mt"),
                    back = s.root / (std::string(d) + "_hf");
-    test::MtResult r = test::run_mt(
-        "convert --from=hf --input=" + (kGolden / d).string() + " --output=" + mtdir.string(), 120);
-    ASSERT_EQ(r.code, 0) << r.out;
-    r = test::run_mt("convert --to=hf --config=" + (mtdir / "model.yml").string() +
-                         " --input=" + mtdir.string() + " --output=" + back.string(),
-                     120);
-    ASSERT_EQ(r.code, 0) << r.out;
-    SafeTensorsFile a(kGolden / d / "model.safetensors"), b(back / "model.safetensors");
-    EXPECT_EQ(a.names(), b.names());
-    for (const auto& n : a.names()) {
-      const auto &x = a.info(n), &y = b.info(n);
-      EXPECT_EQ(x.shape, y.shape) << n;
-      ASSERT_EQ(x.nbytes(), y.nbytes()) << n;
-      EXPECT_EQ(std::memcmp(x.data, y.data, x.nbytes()), 0) << n << " differs after the round trip";
-    }
-    const Reference ref(d);
+    ASSERT_NO_FATAL_FAILURE(test::convert_round_trip(kGolden / d, mtdir, back));
+    const Reference ref(kGolden / d);
     std::string out;
     const std::vector<float> got = score(back, ref, s, out);
     EXPECT_EQ(out.find("mt: note"), std::string::npos) << out;
     EXPECT_LT(test::scaled_err(got, ref.floats("logits")), kTol);
   }
-}
-
-// Losses logged in <run>/metrics.jsonl, one per step.
-std::vector<std::string> losses(const fs::path& run) {
-  std::ifstream f(run / "metrics.jsonl");
-  std::vector<std::string> r;
-  for (std::string l; std::getline(f, l);) {
-    const size_t p = l.find("\"loss\": ");
-    if (p != std::string::npos) r.push_back(l.substr(p + 8, l.find(',', p) - p - 8));
-  }
-  return r;
 }
 
 const char* const kTestModels[] = {"gemma-test", "gemma2-test", "gemma3-test"};
@@ -305,21 +186,14 @@ const char* const kTestModels[] = {"gemma-test", "gemma2-test", "gemma3-test"};
 // last five of 30 steps is well below the first step's.
 TEST(GemmaTraining, LossFallsOnTheShippedCorpus) {
   Scratch s;
-  const std::string data = test::source_dir() + "/data/corpus.train.tokens";
   for (const char* model : kTestModels) {
     SCOPED_TRACE(model);
-    const test::MtResult r = test::run_mt(
-        std::string("run --model=") + model + " dataset_type=tokens dataset_path=" + data +
-            " vocab_size=8192 steps=30 log_period=1 learning_rate=3e-3 per_device_batch_size=4 "
-            "eval_interval=-1 enable_checkpointing=false num_threads=2 run_name=" +
-            model + " base_output_directory=" + s.root.string(),
-        120);
+    const test::MtResult r =
+        test::run_training(model, test::corpus_options(30, "3e-3"), s.root, model);
     ASSERT_EQ(r.code, 0) << r.out;
     const std::vector<std::string> l = losses(s.root / model);
     ASSERT_EQ(l.size(), 30u) << r.out;
-    double last = 0;
-    for (size_t i = 25; i < 30; ++i) last += std::stod(l[i]) / 5;
-    EXPECT_LT(last, std::stod(l[0]) - 1.0) << r.out;
+    EXPECT_LT(test::last_five_mean(l), std::stod(l[0]) - 1.0) << r.out;
   }
 }
 
@@ -330,14 +204,8 @@ TEST(GemmaTraining, ResumedRunEqualsStraightRun) {
   for (const char* model : kTestModels) {
     SCOPED_TRACE(model);
     auto run = [&](const std::string& name, int steps) {
-      const test::MtResult r =
-          test::run_mt(std::string("run --model=") + model +
-                           " dataset_type=synthetic log_period=1 eval_interval=-1 num_threads=2 "
-                           "enable_checkpointing=true checkpoint_period=4 async_checkpointing=true "
-                           "learning_rate_schedule_steps=8 steps=" +
-                           std::to_string(steps) + " run_name=" + name +
-                           " base_output_directory=" + s.root.string(),
-                       120);
+      const test::MtResult r = test::run_training(
+          model, test::resume_options(4, 8) + " steps=" + std::to_string(steps), s.root, name);
       EXPECT_EQ(r.code, 0) << r.out;
     };
     const std::string straight = std::string(model) + "_straight";
@@ -345,41 +213,28 @@ TEST(GemmaTraining, ResumedRunEqualsStraightRun) {
     run(straight, 8);
     run(resumed, 4);
     run(resumed, 8);
-    const auto a = losses(s.root / straight), b = losses(s.root / resumed);
-    ASSERT_EQ(a.size(), 8u);
-    EXPECT_EQ(a, b);
-    const std::string pa = slurp(s.root / straight / "checkpoints" / "8" / "params.safetensors");
-    const std::string pb = slurp(s.root / resumed / "checkpoints" / "8" / "params.safetensors");
-    ASSERT_GT(pa.size(), 1000u);
-    EXPECT_TRUE(pa == pb) << "final parameters differ";
+    ASSERT_NO_FATAL_FAILURE(test::expect_same_runs(s.root / straight, s.root / resumed, 8));
   }
 }
 
 // `mt models` lists the named configs with the parameter counts Google publishes (Gemma 3 4B and
 // up: the text model, without the vision tower's ~0.4B).
 TEST(GemmaModel, NamedConfigsHaveThePublishedSizes) {
-  const test::MtResult r = test::run_mt("models", 60);
-  const std::pair<const char*, const char*> expect[] = {
-      {"gemma-2b", "2.51B"},  {"gemma-7b", "8.54B"},    {"gemma2-2b", "2.61B"},
-      {"gemma2-9b", "9.24B"}, {"gemma2-27b", "27.23B"}, {"gemma3-1b", "999.9M"},
-      {"gemma3-4b", "3.88B"}, {"gemma3-12b", "11.77B"}, {"gemma3-27b", "27.01B"}};
-  for (const auto& [name, size] : expect) {
-    const auto pos = r.out.find(std::string("\n") + name + " ");
-    ASSERT_NE(pos, std::string::npos) << name << "\n" << r.out;
-    const std::string line = r.out.substr(pos + 1, r.out.find('\n', pos + 1) - pos - 1);
-    EXPECT_NE(line.find("gemma"), std::string::npos) << line;
-    EXPECT_NE(line.find(size), std::string::npos) << line;
-  }
+  test::expect_named_sizes({{"gemma-2b", "2.51B"},
+                            {"gemma-7b", "8.54B"},
+                            {"gemma2-2b", "2.61B"},
+                            {"gemma2-9b", "9.24B"},
+                            {"gemma2-27b", "27.23B"},
+                            {"gemma3-1b", "999.9M"},
+                            {"gemma3-4b", "3.88B"},
+                            {"gemma3-12b", "11.77B"},
+                            {"gemma3-27b", "27.01B"}},
+                           "gemma");
 }
 
 // Bad input, each refused before any work with exit code 2 and one paragraph naming it.
 TEST(GemmaBadInput, IsRefusedWithOneClearError) {
   Scratch s;
-  auto expect_refused = [](const std::string& args, const std::string& says) {
-    const test::MtResult r = test::run_mt(args, 60);
-    EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
-    EXPECT_NE(r.out.find(says), std::string::npos) << args << "\n" << r.out;
-  };
   // Named configs: settings a family does not have.
   expect_refused("run --model=gemma-test attn_logits_soft_cap=50 steps=1", "attn_logits_soft_cap");
   expect_refused("run --model=gemma-test sliding_window_size=8 steps=1", "sliding_window_size");
@@ -391,8 +246,8 @@ TEST(GemmaBadInput, IsRefusedWithOneClearError) {
                  "sliding_window_pattern");  // gemma2's and gemma3's key, not gemma's
   // config.json: head_dim other than the checkpoint's (the tensors of the other shape named).
   {
-    const fs::path dir = with_config(s, "gemma2", "config.json");
-    edit(dir / "config.json", "\"head_dim\": 16", "\"head_dim\": 8");
+    const fs::path dir = test::with_config(s, kGolden, "gemma2", "config.json");
+    edit_file(dir / "config.json", "\"head_dim\": 16", "\"head_dim\": 8");
     expect_refused("score hf_path=" + dir.string() + " tokens=1,2,3",
                    "config.json and the weights disagree");
   }
@@ -419,8 +274,8 @@ TEST(GemmaBadInput, IsRefusedWithOneClearError) {
        "vision tower is out of scope"}};
   for (const Edit& e : edits) {
     SCOPED_TRACE(e.says);
-    const fs::path dir = with_config(s, e.dir, "config.json");
-    edit(dir / "config.json", e.from, e.to);
+    const fs::path dir = test::with_config(s, kGolden, e.dir, "config.json");
+    edit_file(dir / "config.json", e.from, e.to);
     expect_refused("score hf_path=" + dir.string() + " tokens=1,2,3", e.says);
   }
 }

@@ -6,18 +6,14 @@
 // input refused with exit code 2.
 #include <gtest/gtest.h>
 
-#include <unistd.h>
-
 #include <cstdint>
-#include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "family_test_support.h"
 #include "json.h"
 #include "mt/io.h"
 #include "safetensors.h"
@@ -36,90 +32,13 @@ const char* const kDirs[] = {"tied", "untied"};
 // logit 30.5), 3.3e-7 (untied, 3.8).
 constexpr double kTol = 1e-4;
 
-struct Reference {
-  SafeTensorsFile file;
-  explicit Reference(const std::string& dir) : file(kGolden / dir / "reference.safetensors") {}
-  std::vector<int32_t> ints(const std::string& name) const {
-    const auto& i = file.info(name);
-    EXPECT_EQ(i.dtype, "I32") << name;
-    std::vector<int32_t> v(static_cast<size_t>(i.numel()));
-    std::memcpy(v.data(), i.data, i.nbytes());
-    return v;
-  }
-  std::vector<float> floats(const std::string& name) const {
-    const auto& i = file.info(name);
-    EXPECT_EQ(i.dtype, "F32") << name;
-    std::vector<float> v(static_cast<size_t>(i.numel()));
-    std::memcpy(v.data(), i.data, i.nbytes());
-    return v;
-  }
-};
-
-std::string join_ids(const std::vector<int32_t>& ids) {
-  std::string s;
-  for (size_t i = 0; i < ids.size(); ++i) {
-    if (i) s += ',';
-    s += std::to_string(ids[i]);
-  }
-  return s;
-}
-
-// A scratch directory of this test, removed afterwards.
-struct Scratch {
-  fs::path root;
-  Scratch() {
-    const auto* t = ::testing::UnitTest::GetInstance()->current_test_info();
-    root = fs::temp_directory_path() /
-           ("mt_gpt_" + std::to_string(::getpid()) + "_" + std::string(t->name()));
-    fs::remove_all(root);
-    fs::create_directories(root);
-  }
-  ~Scratch() { fs::remove_all(root); }
-};
-
-// A copy of golden directory `name` whose config.json is `config` (a file of that directory).
-fs::path with_config(const Scratch& s, const std::string& name, const std::string& config) {
-  const fs::path dir = s.root / (name + "_" + config);
-  fs::create_directories(dir);
-  fs::copy_file(kGolden / name / "model.safetensors", dir / "model.safetensors");
-  fs::copy_file(kGolden / name / config, dir / "config.json");
-  return dir;
-}
-
-// `mt score hf_path=<dir> tokens=<the input ids>`: the logits mt wrote, and what it printed.
-std::vector<float> score(const fs::path& dir, const Reference& ref, const Scratch& s,
-                         std::string& out) {
-  const fs::path file = s.root / "logits.safetensors";
-  fs::remove(file);
-  const test::MtResult r =
-      test::run_mt("score hf_path=" + dir.string() + " tokens=" + join_ids(ref.ints("input_ids")) +
-                       " output=" + file.string(),
-                   120);
-  out = r.out;
-  EXPECT_EQ(r.code, 0) << r.out;
-  if (r.code != 0 || !fs::exists(file)) return {};
-  SafeTensorsFile got(file);
-  const auto& li = got.info("logits");
-  std::vector<float> v(static_cast<size_t>(li.numel()));
-  std::memcpy(v.data(), li.data, li.nbytes());
-  return v;
-}
-
-void edit(const fs::path& file, const std::string& from, const std::string& to) {
-  std::ifstream f(file);
-  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  const size_t at = text.find(from);
-  EXPECT_NE(at, std::string::npos) << from << " not in " << file;
-  if (at != std::string::npos) text.replace(at, from.size(), to);
-  std::ofstream(file) << text;
-}
-
-std::string slurp(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
+using test::edit_file;
+using test::expect_refused;
+using test::losses;
+using test::Reference;
+using test::score;
+using test::Scratch;
+using test::slurp;
 
 // What the golden directories are: transformers 5's GPT2LMHeadModel files (Conv1D weights
 // [in, out], q/k/v fused in c_attn), tied and untied, and the legacy config.json beside them.
@@ -155,17 +74,7 @@ TEST(GptGolden, LogitsMatchTransformersInBothConfigForms) {
   Scratch s;
   for (const char* d : kDirs) {
     SCOPED_TRACE(d);
-    const Reference ref(d);
-    const std::vector<float> want = ref.floats("logits");
-    std::string out;
-    const std::vector<float> v5 = score(kGolden / d, ref, s, out);
-    ASSERT_EQ(v5.size(), want.size()) << out;
-    EXPECT_EQ(out.find("mt: note"), std::string::npos) << out;
-    EXPECT_LT(test::scaled_err(v5, want), kTol);
-    const std::vector<float> legacy = score(with_config(s, d, "legacy_config.json"), ref, s, out);
-    EXPECT_EQ(out.find("mt: note"), std::string::npos) << out;
-    ASSERT_EQ(legacy.size(), want.size()) << out;
-    EXPECT_EQ(legacy, v5) << "the two config.json forms configured different models";
+    ASSERT_NO_FATAL_FAILURE(test::expect_logits_in_both_forms(s, kGolden, d, kTol));
   }
 }
 
@@ -175,19 +84,8 @@ TEST(GptGolden, LogitsMatchTransformersInBothConfigForms) {
 TEST(GptGolden, GreedyDecodeEqualsTransformersGenerate) {
   for (const char* d : kDirs) {
     SCOPED_TRACE(d);
-    const Reference ref(d);
-    const std::vector<int32_t> prompt = ref.ints("generate.prompt");
-    const std::vector<int32_t> want = ref.ints("generate.ids");
-    ASSERT_EQ(want.size(), prompt.size() + 20);
-    const test::MtResult r =
-        test::run_mt("decode hf_path=" + (kGolden / d).string() + " tokens=" + join_ids(prompt) +
-                         " max_target_length=" + std::to_string(want.size()) +
-                         " max_prefill_predict_length=" + std::to_string(prompt.size()),
-                     120);
-    ASSERT_EQ(r.code, 0) << r.out;
-    const std::string line = join_ids(want) + "\n";
-    const size_t at = r.out.find(line);
-    EXPECT_TRUE(at != std::string::npos && (at == 0 || r.out[at - 1] == '\n')) << r.out;
+    const Reference ref(kGolden / d);
+    ASSERT_NO_FATAL_FAILURE(test::expect_decode_equals_generate(ref, "generate", kGolden / d, 20));
   }
 }
 
@@ -219,40 +117,15 @@ TEST(GptGolden, ConvertRoundTripWritesWhatTransformersWrote) {
     SCOPED_TRACE(d);
     const fs::path mtdir = s.root / (std::string(d) + "_mt"),
                    back = s.root / (std::string(d) + "_hf");
-    test::MtResult r = test::run_mt(
-        "convert --from=hf --input=" + (kGolden / d).string() + " --output=" + mtdir.string(), 120);
-    ASSERT_EQ(r.code, 0) << r.out;
-    r = test::run_mt("convert --to=hf --config=" + (mtdir / "model.yml").string() +
-                         " --input=" + mtdir.string() + " --output=" + back.string(),
-                     120);
-    ASSERT_EQ(r.code, 0) << r.out;
-    SafeTensorsFile a(kGolden / d / "model.safetensors"), b(back / "model.safetensors");
-    EXPECT_EQ(a.names(), b.names());
-    for (const auto& n : a.names()) {
-      const auto &x = a.info(n), &y = b.info(n);
-      EXPECT_EQ(x.shape, y.shape) << n;
-      ASSERT_EQ(x.nbytes(), y.nbytes()) << n;
-      EXPECT_EQ(std::memcmp(x.data, y.data, x.nbytes()), 0) << n << " differs after the round trip";
-    }
+    ASSERT_NO_FATAL_FAILURE(test::convert_round_trip(kGolden / d, mtdir, back));
     const std::string config = slurp(back / "config.json");
     EXPECT_NE(config.find("\"architectures\": [\"GPT2LMHeadModel\"]"), std::string::npos);
-    const Reference ref(d);
+    const Reference ref(kGolden / d);
     std::string out;
     const std::vector<float> got = score(back, ref, s, out);
     EXPECT_EQ(out.find("mt: note"), std::string::npos) << out;
     EXPECT_LT(test::scaled_err(got, ref.floats("logits")), kTol);
   }
-}
-
-// Losses logged in <run>/metrics.jsonl, one per step.
-std::vector<std::string> losses(const fs::path& run) {
-  std::ifstream f(run / "metrics.jsonl");
-  std::vector<std::string> r;
-  for (std::string l; std::getline(f, l);) {
-    const size_t p = l.find("\"loss\": ");
-    if (p != std::string::npos) r.push_back(l.substr(p + 8, l.find(',', p) - p - 8));
-  }
-  return r;
 }
 
 // A gpt2 model small enough for unit tests (the named ones are 124M and up).
@@ -264,23 +137,17 @@ const char* const kSmallGpt2 =
 // last five of 40 steps is well below the first step's.
 TEST(GptTraining, LossFallsOnTheShippedCorpus) {
   Scratch s;
-  const std::string data = test::source_dir() + "/data/corpus.train.tokens";
   for (const std::string model : {"gpt3-52k", "gpt2"}) {
     SCOPED_TRACE(model);
-    const test::MtResult r = test::run_mt(
-        "run --model=" + model + " dataset_type=tokens dataset_path=" + data +
-            " vocab_size=8192 steps=40 log_period=1 learning_rate=1e-2 per_device_batch_size=4 "
-            "max_target_length=64 eval_interval=-1 enable_checkpointing=false num_threads=2 "
-            "run_name=" +
-            model + " base_output_directory=" + s.root.string() +
-            (model == "gpt2" ? kSmallGpt2 : ""),
-        120);
+    const test::MtResult r =
+        test::run_training(model,
+                           test::corpus_options(40, "1e-2") + " max_target_length=64" +
+                               (model == "gpt2" ? kSmallGpt2 : ""),
+                           s.root, model);
     ASSERT_EQ(r.code, 0) << r.out;
     const std::vector<std::string> l = losses(s.root / model);
     ASSERT_EQ(l.size(), 40u) << r.out;
-    double last = 0;
-    for (size_t i = 35; i < 40; ++i) last += std::stod(l[i]) / 5;
-    EXPECT_LT(last, std::stod(l[0]) - 1.0) << r.out;
+    EXPECT_LT(test::last_five_mean(l), std::stod(l[0]) - 1.0) << r.out;
   }
 }
 
@@ -291,28 +158,21 @@ TEST(GptTraining, ResumedRunEqualsStraightRun) {
   for (const std::string model : {"gpt3-52k", "gpt2"}) {
     SCOPED_TRACE(model);
     auto run = [&](const std::string& name, int steps) {
-      const test::MtResult r = test::run_mt(
-          "run --model=" + model +
-              " dataset_type=synthetic log_period=1 eval_interval=-1 num_threads=2 vocab_size=512 "
-              "enable_checkpointing=true checkpoint_period=4 async_checkpointing=true "
-              "max_target_length=32 learning_rate_schedule_steps=8 steps=" +
-              std::to_string(steps) + " run_name=" + name +
-              " base_output_directory=" + s.root.string() + (model == "gpt2" ? kSmallGpt2 : ""),
-          120);
+      const test::MtResult r = test::run_training(
+          model,
+          test::resume_options(4, 8) + " vocab_size=512 max_target_length=32 steps=" +
+              std::to_string(steps) + (model == "gpt2" ? kSmallGpt2 : ""),
+          s.root, name);
       EXPECT_EQ(r.code, 0) << r.out;
     };
     const std::string straight = model + "_straight", resumed = model + "_resumed";
     run(straight, 8);
     run(resumed, 4);
     run(resumed, 8);
-    const auto a = losses(s.root / straight), b = losses(s.root / resumed);
-    ASSERT_EQ(a.size(), 8u);
-    EXPECT_EQ(a, b);
-    const std::string pa = slurp(s.root / straight / "checkpoints" / "8" / "params.safetensors");
-    const std::string pb = slurp(s.root / resumed / "checkpoints" / "8" / "params.safetensors");
-    ASSERT_GT(pa.size(), 1000u);
-    EXPECT_NE(pa.find("position_embedding"), std::string::npos);
-    EXPECT_TRUE(pa == pb) << "final parameters differ";
+    ASSERT_NO_FATAL_FAILURE(test::expect_same_runs(s.root / straight, s.root / resumed, 8));
+    EXPECT_NE(slurp(s.root / straight / "checkpoints" / "8" / "params.safetensors")
+                  .find("position_embedding"),
+              std::string::npos);
   }
 }
 
@@ -320,28 +180,19 @@ TEST(GptTraining, ResumedRunEqualsStraightRun) {
 // the LM head is the token table): GPT-2 124M / 355M / 774M / 1.5B as Hugging Face counts them,
 // MaxText's gpt3-52k, -6b and -175b.
 TEST(GptModel, NamedConfigsHaveThePublishedSizes) {
-  const test::MtResult r = test::run_mt("models", 60);
-  const std::pair<const char*, const char*> expect[] = {
-      {"gpt2", "124.4M"},      {"gpt2-medium", "354.8M"}, {"gpt2-large", "774.0M"},
-      {"gpt2-xl", "1.56B"},    {"gpt3-52k", "52.5K"},     {"gpt3-6b", "5.59B"},
-      {"gpt3-175b", "174.78B"}};
-  for (const auto& [name, size] : expect) {
-    const auto pos = r.out.find(std::string("\n") + name + " ");
-    ASSERT_NE(pos, std::string::npos) << name << "\n" << r.out;
-    const std::string line = r.out.substr(pos + 1, r.out.find('\n', pos + 1) - pos - 1);
-    EXPECT_NE(line.find("gpt"), std::string::npos) << line;
-    EXPECT_NE(line.find(size), std::string::npos) << line;
-  }
+  test::expect_named_sizes({{"gpt2", "124.4M"},
+                            {"gpt2-medium", "354.8M"},
+                            {"gpt2-large", "774.0M"},
+                            {"gpt2-xl", "1.56B"},
+                            {"gpt3-52k", "52.5K"},
+                            {"gpt3-6b", "5.59B"},
+                            {"gpt3-175b", "174.78B"}},
+                           "gpt");
 }
 
 // Bad input, each refused before any work with exit code 2 and one paragraph naming it.
 TEST(GptBadInput, IsRefusedWithOneClearError) {
   Scratch s;
-  auto expect_refused = [](const std::string& args, const std::string& says) {
-    const test::MtResult r = test::run_mt(args, 60);
-    EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
-    EXPECT_NE(r.out.find(says), std::string::npos) << args << "\n" << r.out;
-  };
   expect_refused("run --model=gpt3-52k head_dim=4 steps=1", "head_dim=4");
   expect_refused("run --model=gpt3-52k max_target_length=4096 steps=1",
                  "trainable_position_size=2048");
@@ -365,15 +216,15 @@ TEST(GptBadInput, IsRefusedWithOneClearError) {
                                          "n_embd must be a multiple of n_head",
                                          "rope_theta"};
   for (size_t i = 0; i < edits.size(); ++i) {
-    const fs::path dir = with_config(s, "tied", "config.json");
-    edit(dir / "config.json", edits[i].first, edits[i].second);
+    const fs::path dir = test::with_config(s, kGolden, "tied", "config.json");
+    edit_file(dir / "config.json", edits[i].first, edits[i].second);
     expect_refused("score hf_path=" + dir.string() + " tokens=1,2,3", says[i]);
     fs::remove_all(dir);
   }
   // An MLP of another width than the weights have: bad input naming the tensor.
   {
-    const fs::path dir = with_config(s, "untied", "config.json");
-    edit(dir / "config.json", "\"n_inner\": 48", "\"n_inner\": 64");
+    const fs::path dir = test::with_config(s, kGolden, "untied", "config.json");
+    edit_file(dir / "config.json", "\"n_inner\": 48", "\"n_inner\": 64");
     const test::MtResult r = test::run_mt("score hf_path=" + dir.string() + " tokens=1,2,3", 60);
     EXPECT_EQ(r.code, 2) << r.out;
     EXPECT_NE(r.out.find("'transformer.h.0.mlp.c_fc.weight'"), std::string::npos) << r.out;

@@ -5,13 +5,13 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <string>
 #include <vector>
 
+#include "family_test_support.h"
 #include "json.h"
 #include "mt/dtype.h"
 #include "safetensors.h"
@@ -28,75 +28,20 @@ const fs::path kGolden = fs::path(test::source_dir()) / "tests" / "golden" / "hf
 // weights), 5e-7 (bf16 weights read into f32), on logits whose largest magnitude is 4.2.
 constexpr double kF32Tol = 1e-4;
 
-// The reference tensors (reference.safetensors) as host vectors.
-struct Reference {
-  SafeTensorsFile file{kGolden / "reference.safetensors"};
-  std::vector<int32_t> ints(const std::string& name) const {
-    const auto& i = file.info(name);
-    EXPECT_EQ(i.dtype, "I32") << name;
-    std::vector<int32_t> v(static_cast<size_t>(i.numel()));
-    std::memcpy(v.data(), i.data, i.nbytes());
-    return v;
-  }
-  std::vector<float> floats(const std::string& name) const {
-    const auto& i = file.info(name);
-    std::vector<float> v(static_cast<size_t>(i.numel()));
-    if (i.dtype == "BF16") {
-      for (size_t k = 0; k < v.size(); ++k) {
-        uint16_t b;
-        std::memcpy(&b, i.data + 2 * k, 2);
-        v[k] = bf16_to_f32(b);
-      }
-    } else {
-      EXPECT_EQ(i.dtype, "F32") << name;
-      std::memcpy(v.data(), i.data, i.nbytes());
-    }
-    return v;
-  }
+// The reference tensors (reference.safetensors) as host vectors, bf16 ones read into f32.
+struct Reference : test::Reference {
+  Reference() : test::Reference(kGolden) {}
+  std::vector<float> floats(const std::string& name) const { return widened(name); }
 };
 
-std::string join_ids(const std::vector<int32_t>& ids) {
-  std::string s;
-  for (size_t i = 0; i < ids.size(); ++i) {
-    if (i) s += ',';
-    s += std::to_string(ids[i]);
-  }
-  return s;
-}
-
-// A scratch directory of this test, removed afterwards.
-struct Scratch {
-  fs::path root;
-  Scratch() {
-    const auto* t = ::testing::UnitTest::GetInstance()->current_test_info();
-    root = fs::temp_directory_path() /
-           ("mt_hf_tf5_" + std::to_string(::getpid()) + "_" + std::string(t->name()));
-    fs::remove_all(root);
-    fs::create_directories(root);
-  }
-  ~Scratch() { fs::remove_all(root); }
-};
+using test::Scratch;
 
 // `mt score hf_path=<dir> tokens=<the 300 input ids> output=...` and the logits it wrote
 // ([300, 256] f32); `out` gets what mt printed.
 std::vector<float> score(const fs::path& dir, const std::string& extra, const Scratch& s,
                          std::string& out) {
-  const Reference ref;
-  const fs::path file = s.root / "logits.safetensors";
-  fs::remove(file);
-  const test::MtResult r =
-      test::run_mt("score hf_path=" + dir.string() + " tokens=" + join_ids(ref.ints("input_ids")) +
-                       " output=" + file.string() + " " + extra,
-                   120);
-  out = r.out;
-  EXPECT_EQ(r.code, 0) << r.out;
-  if (r.code != 0 || !fs::exists(file)) return {};
-  SafeTensorsFile got(file);
-  const auto& li = got.info("logits");
-  EXPECT_EQ(li.shape, (Shape{300, 256}));
-  std::vector<float> v(static_cast<size_t>(li.numel()));
-  std::memcpy(v.data(), li.data, li.nbytes());
-  return v;
+  const Shape shape{300, 256};
+  return test::score(dir, Reference(), s, out, extra, &shape);
 }
 
 // Rows [begin, end) of a [300, 256] logits matrix.
@@ -247,19 +192,7 @@ TEST(HfGolden, DecodeFromIdsEqualsTransformersGenerate) {
   for (const Case c : {Case{"f32_sharded", "generate"}, Case{"f32_sharded", "generate_long"},
                        Case{"bf16", "bf16.generate"}}) {
     SCOPED_TRACE(c.name);
-    const std::vector<int32_t> prompt = ref.ints(std::string(c.name) + ".prompt");
-    const std::vector<int32_t> want = ref.ints(std::string(c.name) + ".ids");
-    ASSERT_EQ(want.size(), prompt.size() + 20);
-    const test::MtResult r = test::run_mt(
-        "decode hf_path=" + (kGolden / c.dir).string() + " tokens=" + join_ids(prompt) +
-            " max_target_length=" + std::to_string(want.size()) +
-            " max_prefill_predict_length=" + std::to_string(prompt.size()),
-        120);
-    ASSERT_EQ(r.code, 0) << r.out;
-    // stdout holds the ids alone on a line; the throughput line (stderr) is merged here.
-    const std::string line = join_ids(want) + "\n";
-    const size_t at = r.out.find(line);
-    EXPECT_TRUE(at != std::string::npos && (at == 0 || r.out[at - 1] == '\n')) << r.out;
+    ASSERT_NO_FATAL_FAILURE(test::expect_decode_equals_generate(ref, c.name, kGolden / c.dir, 20));
   }
 }
 

@@ -7,15 +7,13 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "config_loader.h"
+#include "family_test_support.h"
 #include "model_info.h"
 #include "mt/config.h"
 #include "mt/model.h"
@@ -34,52 +32,11 @@ const fs::path kGolden = fs::path(test::source_dir()) / "tests" / "golden";
 // 4.1e-7 (mixtral), on logits whose largest magnitude is about 4.
 constexpr double kTol = 1e-4;
 
-struct Reference {
-  explicit Reference(const std::string& family)
-      : file(kGolden / family / "reference.safetensors") {}
-  SafeTensorsFile file;
-  std::vector<int32_t> ints(const std::string& name) const {
-    const auto& i = file.info(name);
-    EXPECT_EQ(i.dtype, "I32") << name;
-    std::vector<int32_t> v(static_cast<size_t>(i.numel()));
-    std::memcpy(v.data(), i.data, i.nbytes());
-    return v;
-  }
-  std::vector<float> floats(const std::string& name) const {
-    const auto& i = file.info(name);
-    EXPECT_EQ(i.dtype, "F32") << name;
-    std::vector<float> v(static_cast<size_t>(i.numel()));
-    std::memcpy(v.data(), i.data, i.nbytes());
-    return v;
-  }
-};
-
-std::string join_ids(const std::vector<int32_t>& ids) {
-  std::string s;
-  for (size_t i = 0; i < ids.size(); ++i) {
-    if (i) s += ',';
-    s += std::to_string(ids[i]);
-  }
-  return s;
-}
-
-std::string read_text(const fs::path& p) {
-  std::ifstream f(p);
-  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-}
+using test::Reference;
+using test::replace_first;
 
 // A scratch directory of this test, removed afterwards.
-struct Scratch {
-  fs::path root;
-  Scratch() {
-    const auto* t = ::testing::UnitTest::GetInstance()->current_test_info();
-    std::string name = std::string(t->test_suite_name()) + "_" + t->name();
-    std::replace(name.begin(), name.end(), '/', '_');
-    root = fs::temp_directory_path() / ("mt_family_" + std::to_string(::getpid()) + "_" + name);
-    fs::remove_all(root);
-    fs::create_directories(root);
-  }
-  ~Scratch() { fs::remove_all(root); }
+struct Scratch : test::Scratch {
   // A copy of the family's HF directory, config.json replaced by `config` when given.
   fs::path copy_hf(const std::string& family, const std::string& config = "") const {
     const fs::path dir = root / ("hf_" + std::to_string(copies++));
@@ -92,32 +49,10 @@ struct Scratch {
   mutable int copies = 0;
 };
 
-// Replaces the first `from` in `text`.
-std::string edit(std::string text, const std::string& from, const std::string& to) {
-  const size_t at = text.find(from);
-  EXPECT_NE(at, std::string::npos) << from;
-  if (at != std::string::npos) text.replace(at, from.size(), to);
-  return text;
-}
-
 // `mt score hf_path=<dir> tokens=<the reference input> output=...`: the logits [SEQ, V].
 std::vector<float> score(const std::string& family, const fs::path& dir, const std::string& extra,
                          const Scratch& s, std::string& out) {
-  const Reference ref(family);
-  const fs::path file = s.root / "logits.safetensors";
-  fs::remove(file);
-  const test::MtResult r =
-      test::run_mt("score hf_path=" + dir.string() + " tokens=" + join_ids(ref.ints("input_ids")) +
-                       " output=" + file.string() + " " + extra,
-                   120);
-  out = r.out;
-  EXPECT_EQ(r.code, 0) << r.out;
-  if (r.code != 0 || !fs::exists(file)) return {};
-  SafeTensorsFile got(file);
-  const auto& li = got.info("logits");
-  std::vector<float> v(static_cast<size_t>(li.numel()));
-  std::memcpy(v.data(), li.data, li.nbytes());
-  return v;
+  return test::score(dir, Reference(kGolden / family), s, out, extra);
 }
 
 // Rows [begin, end) of a [SEQ, 128] logits matrix.
@@ -135,11 +70,11 @@ INSTANTIATE_TEST_SUITE_P(Families, FamilyGolden, ::testing::Values("mistral", "m
 // The directories are what the tests take them to be: transformers 5's config.json and, for
 // Mixtral, the experts one tensor each, as save_pretrained writes them.
 TEST_P(FamilyGolden, TheDirectoryIsWhatTransformersFiveWrote) {
-  const std::string cfg = read_text(kGolden / GetParam() / "hf" / "config.json");
+  const std::string cfg = test::slurp(kGolden / GetParam() / "hf" / "config.json");
   EXPECT_NE(cfg.find("\"rope_parameters\""), std::string::npos);
   EXPECT_NE(cfg.find("\"transformers_version\": \"5."), std::string::npos);
   EXPECT_EQ(cfg.find("\"rope_theta\": 1"), cfg.find("\"rope_theta\": 1"));
-  const std::string legacy = read_text(kGolden / GetParam() / "legacy_config.json");
+  const std::string legacy = test::slurp(kGolden / GetParam() / "legacy_config.json");
   EXPECT_EQ(legacy.find("rope_parameters"), std::string::npos);
   EXPECT_NE(legacy.find("\"torch_dtype\""), std::string::npos);
   SafeTensorsFile w(kGolden / GetParam() / "hf" / "model.safetensors");
@@ -158,7 +93,7 @@ TEST_P(FamilyGolden, TheDirectoryIsWhatTransformersFiveWrote) {
 // comparison sees a model configured otherwise (no window; Mixtral's weights not renormalised).
 TEST_P(FamilyGolden, ScoresLikeTransformers) {
   Scratch s;
-  const Reference ref(GetParam());
+  const Reference ref(kGolden / GetParam());
   const std::vector<float> want = ref.floats("logits");
   std::string out;
   const std::vector<float> got = score(GetParam(), kGolden / GetParam() / "hf", "", s, out);
@@ -177,7 +112,7 @@ TEST_P(FamilyGolden, ScoresLikeTransformers) {
 TEST_P(FamilyGolden, LegacyConfigGivesTheSameLogits) {
   Scratch s;
   const fs::path dir =
-      s.copy_hf(GetParam(), read_text(kGolden / GetParam() / "legacy_config.json"));
+      s.copy_hf(GetParam(), test::slurp(kGolden / GetParam() / "legacy_config.json"));
   std::string out;
   const std::vector<float> legacy = score(GetParam(), dir, "", s, out);
   EXPECT_EQ(out.find("mt: note"), std::string::npos) << out;
@@ -189,21 +124,11 @@ TEST_P(FamilyGolden, LegacyConfigGivesTheSameLogits) {
 // `mt decode hf_path=... tokens=<prompt>` equals transformers' greedy generate: a short prompt
 // and one of 60 tokens (Mistral's ring-buffer cache of 16 rows wraps several times).
 TEST_P(FamilyGolden, DecodeEqualsTransformersGenerate) {
-  const Reference ref(GetParam());
+  const Reference ref(kGolden / GetParam());
   for (const char* name : {"generate", "generate_long"}) {
     SCOPED_TRACE(name);
-    const std::vector<int32_t> prompt = ref.ints(std::string(name) + ".prompt");
-    const std::vector<int32_t> want = ref.ints(std::string(name) + ".ids");
-    ASSERT_EQ(want.size(), prompt.size() + 20);
-    const test::MtResult r = test::run_mt(
-        "decode hf_path=" + (kGolden / GetParam() / "hf").string() + " tokens=" + join_ids(prompt) +
-            " max_target_length=" + std::to_string(want.size()) +
-            " max_prefill_predict_length=" + std::to_string(prompt.size()),
-        120);
-    ASSERT_EQ(r.code, 0) << r.out;
-    const std::string line = join_ids(want) + "\n";
-    const size_t at = r.out.find(line);
-    EXPECT_TRUE(at != std::string::npos && (at == 0 || r.out[at - 1] == '\n')) << r.out;
+    ASSERT_NO_FATAL_FAILURE(
+        test::expect_decode_equals_generate(ref, name, kGolden / GetParam() / "hf", 20));
   }
 }
 
@@ -212,68 +137,55 @@ TEST_P(FamilyGolden, DecodeEqualsTransformersGenerate) {
 TEST_P(FamilyGolden, ConvertRoundTrips) {
   Scratch s;
   const fs::path hf = kGolden / GetParam() / "hf", m = s.root / "mt", back = s.root / "back";
-  test::MtResult r =
-      test::run_mt("convert --from=hf --input=" + hf.string() + " --output=" + m.string(), 120);
-  ASSERT_EQ(r.code, 0) << r.out;
-  r = test::run_mt("convert --to=hf --config=" + (m / "model.yml").string() +
-                       " --input=" + m.string() + " --output=" + back.string(),
-                   120);
-  ASSERT_EQ(r.code, 0) << r.out;
-  SafeTensorsFile a(hf / "model.safetensors"), b(back / "model.safetensors");
-  EXPECT_EQ(a.names(), b.names());
-  for (const auto& n : a.names()) {
-    const auto &x = a.info(n), &y = b.info(n);
-    EXPECT_EQ(x.shape, y.shape) << n;
-    ASSERT_EQ(x.nbytes(), y.nbytes()) << n;
-    EXPECT_EQ(std::memcmp(x.data, y.data, x.nbytes()), 0) << n << " differs after the round trip";
-  }
-  const std::string cfg = read_text(back / "config.json");
+  ASSERT_NO_FATAL_FAILURE(test::convert_round_trip(hf, m, back));
+  const std::string cfg = test::slurp(back / "config.json");
   EXPECT_NE(cfg.find(GetParam() == "mistral" ? "MistralForCausalLM" : "MixtralForCausalLM"),
             std::string::npos)
       << cfg;
   std::string out;
   const std::vector<float> got = score(GetParam(), back, "", s, out);
   EXPECT_EQ(out.find("mt: note"), std::string::npos) << out;
-  EXPECT_LT(test::scaled_err(got, Reference(GetParam()).floats("logits")), kTol);
+  EXPECT_LT(test::scaled_err(got, Reference(kGolden / GetParam()).floats("logits")), kTol);
 }
 
 // Bad input: one clear error each, exit code 2, nothing written.
 TEST(FamilyBadInput, RefusedWithExitCode2) {
   Scratch s;
-  const std::string mistral = read_text(kGolden / "mistral" / "hf" / "config.json");
-  const std::string mixtral = read_text(kGolden / "mixtral" / "hf" / "config.json");
+  const std::string mistral = test::slurp(kGolden / "mistral" / "hf" / "config.json");
+  const std::string mixtral = test::slurp(kGolden / "mixtral" / "hf" / "config.json");
   struct Case {
     const char* what;
     std::string family, config, want;
   };
   const std::vector<Case> cases = {
       {"more experts per token than experts", "mixtral",
-       edit(mixtral, "\"num_experts_per_tok\": 2", "\"num_experts_per_tok\": 9"),
+       replace_first(mixtral, "\"num_experts_per_tok\": 2", "\"num_experts_per_tok\": 9"),
        "num_experts_per_tok=9 is more than num_local_experts=8"},
       {"shapes that disagree with config.json", "mistral",
-       edit(mistral, "\"intermediate_size\": 128", "\"intermediate_size\": 96"),
+       replace_first(mistral, "\"intermediate_size\": 128", "\"intermediate_size\": 96"),
        "config.json and the weights disagree"},
       {"expert shapes that disagree with config.json", "mixtral",
-       edit(mixtral, "\"intermediate_size\": 32", "\"intermediate_size\": 48"),
+       replace_first(mixtral, "\"intermediate_size\": 32", "\"intermediate_size\": 48"),
        "block_sparse_moe.experts.0.w1.weight"},
       {"fewer experts than the weights hold", "mixtral",
-       edit(mixtral, "\"num_local_experts\": 8", "\"num_local_experts\": 4"),
+       replace_first(mixtral, "\"num_local_experts\": 8", "\"num_local_experts\": 4"),
        "block_sparse_moe.gate.weight"},
       {"a soft-cap the family does not implement", "mistral",
-       edit(mistral, "\"head_dim\"", "\"attn_logit_softcapping\": 30.0, \"head_dim\""),
+       replace_first(mistral, "\"head_dim\"", "\"attn_logit_softcapping\": 30.0, \"head_dim\""),
        "attn_logit_softcapping=30.0, which changes the computation"},
       {"a rope type the family does not implement", "mixtral",
-       edit(mixtral, "\"rope_type\": \"default\"", "\"rope_type\": \"yarn\", \"factor\": 4.0"),
+       replace_first(mixtral, "\"rope_type\": \"default\"",
+                     "\"rope_type\": \"yarn\", \"factor\": 4.0"),
        "rope_parameters.factor=4.0"},
       {"router jitter", "mixtral",
-       edit(mixtral, "\"router_jitter_noise\": 0.0", "\"router_jitter_noise\": 0.1"),
+       replace_first(mixtral, "\"router_jitter_noise\": 0.0", "\"router_jitter_noise\": 0.1"),
        "router_jitter_noise=0.1"},
       {"experts in a mistral config.json", "mistral",
-       edit(mistral, "\"head_dim\"", "\"num_local_experts\": 8, \"head_dim\""),
+       replace_first(mistral, "\"head_dim\"", "\"num_local_experts\": 8, \"head_dim\""),
        "Is this a Mistral model?"},
       {"layer types that mix attention kinds", "mistral",
-       edit(mistral, "\"head_dim\"",
-            "\"layer_types\": [\"sliding_attention\", \"full_attention\"], \"head_dim\""),
+       replace_first(mistral, "\"head_dim\"",
+                     "\"layer_types\": [\"sliding_attention\", \"full_attention\"], \"head_dim\""),
        "mixes attention kinds"},
   };
   for (const Case& c : cases) {
@@ -402,15 +314,10 @@ TEST_P(FamilyTraining, ResumedRunEqualsStraightRun) {
       EXPECT_GT(field(a[i], "moe_dropped_fraction"), 0.0) << a[i];
     }
   }
-  auto bytes = [](const fs::path& p) {
-    std::ifstream f(p, std::ios::binary);
-    std::stringstream ss;
-    ss << f.rdbuf();
-    return ss.str();
-  };
-  const std::string pa = bytes(straight.dir / "r" / "checkpoints" / "8" / "params.safetensors");
+  const std::string pa =
+      test::slurp(straight.dir / "r" / "checkpoints" / "8" / "params.safetensors");
   ASSERT_GT(pa.size(), 1000u);
-  EXPECT_TRUE(pa == bytes(resumed.dir / "r" / "checkpoints" / "8" / "params.safetensors"))
+  EXPECT_TRUE(pa == test::slurp(resumed.dir / "r" / "checkpoints" / "8" / "params.safetensors"))
       << "final parameters differ";
 }
 

@@ -5,19 +5,16 @@
 // active experts; and bad input refused with exit code 2.
 #include <gtest/gtest.h>
 
-#include <unistd.h>
-
 #include <cstdint>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "config_loader.h"
+#include "family_test_support.h"
 #include "model_info.h"
 #include "mt/model.h"
 #include "plugin_manager.h"
@@ -37,84 +34,14 @@ const char* const kDirs[] = {"qwen3_tied", "qwen3_untied", "qwen3_moe", "qwen2"}
 // norm_topk_prob=false), 3.9e-7 (qwen2, 32).
 constexpr double kTol = 1e-4;
 
-struct Reference {
-  SafeTensorsFile file;
-  explicit Reference(const std::string& dir) : file(kGolden / dir / "reference.safetensors") {}
-  std::vector<int32_t> ints(const std::string& name) const {
-    const auto& i = file.info(name);
-    EXPECT_EQ(i.dtype, "I32") << name;
-    std::vector<int32_t> v(static_cast<size_t>(i.numel()));
-    std::memcpy(v.data(), i.data, i.nbytes());
-    return v;
-  }
-  std::vector<float> floats(const std::string& name) const {
-    const auto& i = file.info(name);
-    EXPECT_EQ(i.dtype, "F32") << name;
-    std::vector<float> v(static_cast<size_t>(i.numel()));
-    std::memcpy(v.data(), i.data, i.nbytes());
-    return v;
-  }
-};
-
-std::string join_ids(const std::vector<int32_t>& ids) {
-  std::string s;
-  for (size_t i = 0; i < ids.size(); ++i) {
-    if (i) s += ',';
-    s += std::to_string(ids[i]);
-  }
-  return s;
-}
-
-// A scratch directory of this test, removed afterwards.
-struct Scratch {
-  fs::path root;
-  Scratch() {
-    const auto* t = ::testing::UnitTest::GetInstance()->current_test_info();
-    root = fs::temp_directory_path() /
-           ("mt_qwen_" + std::to_string(::getpid()) + "_" + std::string(t->name()));
-    fs::remove_all(root);
-    fs::create_directories(root);
-  }
-  ~Scratch() { fs::remove_all(root); }
-};
-
-// A copy of golden directory `name` whose config.json is `config` (a file of that directory).
-fs::path with_config(const Scratch& s, const std::string& name, const std::string& config) {
-  const fs::path dir = s.root / (name + "_" + config);
-  fs::create_directories(dir);
-  fs::copy_file(kGolden / name / "model.safetensors", dir / "model.safetensors");
-  fs::copy_file(kGolden / name / config, dir / "config.json");
-  return dir;
-}
-
-// `mt score hf_path=<dir> tokens=<the input ids>`: the logits mt wrote, and what it printed.
-std::vector<float> score(const fs::path& dir, const Reference& ref, const Scratch& s,
-                         std::string& out) {
-  const fs::path file = s.root / "logits.safetensors";
-  fs::remove(file);
-  const test::MtResult r =
-      test::run_mt("score hf_path=" + dir.string() + " tokens=" + join_ids(ref.ints("input_ids")) +
-                       " output=" + file.string(),
-                   120);
-  out = r.out;
-  EXPECT_EQ(r.code, 0) << r.out;
-  if (r.code != 0 || !fs::exists(file)) return {};
-  SafeTensorsFile got(file);
-  const auto& li = got.info("logits");
-  std::vector<float> v(static_cast<size_t>(li.numel()));
-  std::memcpy(v.data(), li.data, li.nbytes());
-  return v;
-}
-
-std::string edit(const fs::path& file, const std::string& from, const std::string& to) {
-  std::ifstream f(file);
-  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  const size_t at = text.find(from);
-  EXPECT_NE(at, std::string::npos) << from << " not in " << file;
-  if (at != std::string::npos) text.replace(at, from.size(), to);
-  std::ofstream(file) << text;
-  return text;
-}
+using test::build_named;
+using test::edit_file;
+using test::expect_refused;
+using test::losses;
+using test::Reference;
+using test::score;
+using test::Scratch;
+using test::slurp;
 
 // What the golden directories are: transformers 5's config.json (rope_parameters; Qwen3-MoE's
 // expert count under num_local_experts), the legacy form beside it, Qwen3's head_dim other than
@@ -162,17 +89,7 @@ TEST(QwenGolden, LogitsMatchTransformersInBothConfigForms) {
   Scratch s;
   for (const char* d : kDirs) {
     SCOPED_TRACE(d);
-    const Reference ref(d);
-    const std::vector<float> want = ref.floats("logits");
-    std::string out;
-    const std::vector<float> v5 = score(kGolden / d, ref, s, out);
-    ASSERT_EQ(v5.size(), want.size()) << out;
-    EXPECT_EQ(out.find("mt: note"), std::string::npos) << out;
-    EXPECT_LT(test::scaled_err(v5, want), kTol);
-    const std::vector<float> legacy = score(with_config(s, d, "legacy_config.json"), ref, s, out);
-    EXPECT_EQ(out.find("mt: note"), std::string::npos) << out;
-    ASSERT_EQ(legacy.size(), want.size()) << out;
-    EXPECT_EQ(legacy, v5) << "the two config.json forms configured different models";
+    ASSERT_NO_FATAL_FAILURE(test::expect_logits_in_both_forms(s, kGolden, d, kTol));
   }
 }
 
@@ -180,10 +97,10 @@ TEST(QwenGolden, LogitsMatchTransformersInBothConfigForms) {
 // probabilities as they are; the logits move far more than the tolerance, and match.
 TEST(QwenGolden, NormTopkProbFalseMatchesTransformers) {
   Scratch s;
-  const Reference ref("qwen3_moe");
+  const Reference ref(kGolden / "qwen3_moe");
   std::string out;
   const std::vector<float> got =
-      score(with_config(s, "qwen3_moe", "no_norm_topk_config.json"), ref, s, out);
+      score(test::with_config(s, kGolden, "qwen3_moe", "no_norm_topk_config.json"), ref, s, out);
   const std::vector<float> want = ref.floats("no_norm_topk.logits");
   ASSERT_EQ(got.size(), want.size()) << out;
   EXPECT_LT(test::scaled_err(got, want), kTol);
@@ -196,19 +113,8 @@ TEST(QwenGolden, NormTopkProbFalseMatchesTransformers) {
 TEST(QwenGolden, GreedyDecodeEqualsTransformersGenerate) {
   for (const char* d : kDirs) {
     SCOPED_TRACE(d);
-    const Reference ref(d);
-    const std::vector<int32_t> prompt = ref.ints("generate.prompt");
-    const std::vector<int32_t> want = ref.ints("generate.ids");
-    ASSERT_EQ(want.size(), prompt.size() + 20);
-    const test::MtResult r =
-        test::run_mt("decode hf_path=" + (kGolden / d).string() + " tokens=" + join_ids(prompt) +
-                         " max_target_length=" + std::to_string(want.size()) +
-                         " max_prefill_predict_length=" + std::to_string(prompt.size()),
-                     120);
-    ASSERT_EQ(r.code, 0) << r.out;
-    const std::string line = join_ids(want) + "\n";
-    const size_t at = r.out.find(line);
-    EXPECT_TRUE(at != std::string::npos && (at == 0 || r.out[at - 1] == '\n')) << r.out;
+    const Reference ref(kGolden / d);
+    ASSERT_NO_FATAL_FAILURE(test::expect_decode_equals_generate(ref, "generate", kGolden / d, 20));
   }
 }
 
@@ -221,22 +127,8 @@ TEST(QwenGolden, ConvertRoundTripWritesWhatTransformersWrote) {
     SCOPED_TRACE(d);
     const fs::path mtdir = s.root / (std::string(d) + "_mt"),
                    back = s.root / (std::string(d) + "_hf");
-    test::MtResult r = test::run_mt(
-        "convert --from=hf --input=" + (kGolden / d).string() + " --output=" + mtdir.string(), 120);
-    ASSERT_EQ(r.code, 0) << r.out;
-    r = test::run_mt("convert --to=hf --config=" + (mtdir / "model.yml").string() +
-                         " --input=" + mtdir.string() + " --output=" + back.string(),
-                     120);
-    ASSERT_EQ(r.code, 0) << r.out;
-    SafeTensorsFile a(kGolden / d / "model.safetensors"), b(back / "model.safetensors");
-    EXPECT_EQ(a.names(), b.names());
-    for (const auto& n : a.names()) {
-      const auto &x = a.info(n), &y = b.info(n);
-      EXPECT_EQ(x.shape, y.shape) << n;
-      ASSERT_EQ(x.nbytes(), y.nbytes()) << n;
-      EXPECT_EQ(std::memcmp(x.data, y.data, x.nbytes()), 0) << n << " differs after the round trip";
-    }
-    const Reference ref(d);
+    ASSERT_NO_FATAL_FAILURE(test::convert_round_trip(kGolden / d, mtdir, back));
+    const Reference ref(kGolden / d);
     std::string out;
     const std::vector<float> got = score(back, ref, s, out);
     EXPECT_EQ(out.find("mt: note"), std::string::npos) << out;
@@ -244,43 +136,18 @@ TEST(QwenGolden, ConvertRoundTripWritesWhatTransformersWrote) {
   }
 }
 
-// Losses logged in <run>/metrics.jsonl, one per step.
-std::vector<std::string> losses(const fs::path& run) {
-  std::ifstream f(run / "metrics.jsonl");
-  std::vector<std::string> r;
-  for (std::string l; std::getline(f, l);) {
-    const size_t p = l.find("\"loss\": ");
-    if (p != std::string::npos) r.push_back(l.substr(p + 8, l.find(',', p) - p - 8));
-  }
-  return r;
-}
-
-std::string slurp(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
 // Each family learns from the shipped corpus (its tokenizer's 8192 ids): the mean loss of the
 // last five of 40 steps is well below the first step's.
 TEST(QwenTraining, LossFallsOnTheShippedCorpus) {
   Scratch s;
-  const std::string data = test::source_dir() + "/data/corpus.train.tokens";
   for (const char* model : {"qwen3-test", "qwen3-moe-test", "qwen2-test"}) {
     SCOPED_TRACE(model);
-    const test::MtResult r = test::run_mt(
-        std::string("run --model=") + model + " dataset_type=tokens dataset_path=" + data +
-            " vocab_size=8192 steps=40 log_period=1 learning_rate=3e-3 per_device_batch_size=4 "
-            "eval_interval=-1 enable_checkpointing=false num_threads=2 run_name=" +
-            model + " base_output_directory=" + s.root.string(),
-        120);
+    const test::MtResult r =
+        test::run_training(model, test::corpus_options(40, "3e-3"), s.root, model);
     ASSERT_EQ(r.code, 0) << r.out;
     const std::vector<std::string> l = losses(s.root / model);
     ASSERT_EQ(l.size(), 40u) << r.out;
-    double last = 0;
-    for (size_t i = 35; i < 40; ++i) last += std::stod(l[i]) / 5;
-    EXPECT_LT(last, std::stod(l[0]) - 1.0) << r.out;
+    EXPECT_LT(test::last_five_mean(l), std::stod(l[0]) - 1.0) << r.out;
     if (std::string(model) == "qwen3-moe-test") {
       EXPECT_NE(slurp(s.root / model / "metrics.jsonl").find("\"moe_lb_loss\""), std::string::npos);
     }
@@ -294,14 +161,8 @@ TEST(QwenTraining, ResumedRunEqualsStraightRun) {
   for (const char* model : {"qwen3-test", "qwen3-moe-test", "qwen2-test"}) {
     SCOPED_TRACE(model);
     auto run = [&](const std::string& name, int steps) {
-      const test::MtResult r =
-          test::run_mt(std::string("run --model=") + model +
-                           " dataset_type=synthetic log_period=1 eval_interval=-1 num_threads=2 "
-                           "enable_checkpointing=true checkpoint_period=4 async_checkpointing=true "
-                           "learning_rate_schedule_steps=8 steps=" +
-                           std::to_string(steps) + " run_name=" + name +
-                           " base_output_directory=" + s.root.string(),
-                       120);
+      const test::MtResult r = test::run_training(
+          model, test::resume_options(4, 8) + " steps=" + std::to_string(steps), s.root, name);
       EXPECT_EQ(r.code, 0) << r.out;
     };
     const std::string straight = std::string(model) + "_straight";
@@ -309,28 +170,8 @@ TEST(QwenTraining, ResumedRunEqualsStraightRun) {
     run(straight, 8);
     run(resumed, 4);
     run(resumed, 8);
-    const auto a = losses(s.root / straight), b = losses(s.root / resumed);
-    ASSERT_EQ(a.size(), 8u);
-    EXPECT_EQ(a, b);
-    const std::string pa = slurp(s.root / straight / "checkpoints" / "8" / "params.safetensors");
-    const std::string pb = slurp(s.root / resumed / "checkpoints" / "8" / "params.safetensors");
-    ASSERT_GT(pa.size(), 1000u);
-    EXPECT_TRUE(pa == pb) << "final parameters differ";
+    ASSERT_NO_FATAL_FAILURE(test::expect_same_runs(s.root / straight, s.root / resumed, 8));
   }
-}
-
-// A named config resolved with the family's own keys, built by its plugin.
-std::unique_ptr<Model> build_named(const std::string& model) {
-  ConfigRequest req;
-  req.configs_dir = test::source_dir() + "/configs";
-  req.model = model;
-  req.schemas_for = [](const Config& layers) {
-    const std::string fam = layers.get_string("decoder_block");
-    return std::vector<SchemaText>{
-        {"model family '" + fam + "'", test::plugins().make_model_family(fam)->config_schema()}};
-  };
-  const Config cfg = load_config(req);
-  return test::plugins().make_model_family(cfg.get_string("decoder_block"))->build(cfg);
 }
 
 // FLOPs count the 8 routed experts of 128: Qwen3-30B-A3B has 30.5B parameters of which 3.3B
@@ -366,29 +207,22 @@ TEST(QwenModel, FlopsCountActiveExpertsOnly) {
 
 // `mt models` lists the named configs with the parameter counts Qwen publishes.
 TEST(QwenModel, NamedConfigsHaveThePublishedSizes) {
-  const test::MtResult r = test::run_mt("models", 60);
-  const std::pair<const char*, const char*> expect[] = {
-      {"qwen3-0.6b", "596.0M"},    {"qwen3-1.7b", "1.72B"},        {"qwen3-4b", "4.02B"},
-      {"qwen3-8b", "8.19B"},       {"qwen3-14b", "14.77B"},        {"qwen3-32b", "32.76B"},
-      {"qwen3-30b-a3b", "30.53B"}, {"qwen3-235b-a22b", "235.09B"}, {"qwen2.5-0.5b", "494.0M"},
-      {"qwen2.5-7b", "7.62B"}};
-  for (const auto& [name, size] : expect) {
-    const auto pos = r.out.find(std::string("\n") + name + " ");
-    ASSERT_NE(pos, std::string::npos) << name << "\n" << r.out;
-    const std::string line = r.out.substr(pos + 1, r.out.find('\n', pos + 1) - pos - 1);
-    EXPECT_NE(line.find("qwen"), std::string::npos) << line;
-    EXPECT_NE(line.find(size), std::string::npos) << line;
-  }
+  test::expect_named_sizes({{"qwen3-0.6b", "596.0M"},
+                            {"qwen3-1.7b", "1.72B"},
+                            {"qwen3-4b", "4.02B"},
+                            {"qwen3-8b", "8.19B"},
+                            {"qwen3-14b", "14.77B"},
+                            {"qwen3-32b", "32.76B"},
+                            {"qwen3-30b-a3b", "30.53B"},
+                            {"qwen3-235b-a22b", "235.09B"},
+                            {"qwen2.5-0.5b", "494.0M"},
+                            {"qwen2.5-7b", "7.62B"}},
+                           "qwen");
 }
 
 // Bad input, each refused before any work with exit code 2 and one paragraph naming it.
 TEST(QwenBadInput, IsRefusedWithOneClearError) {
   Scratch s;
-  auto expect_refused = [](const std::string& args, const std::string& says) {
-    const test::MtResult r = test::run_mt(args, 60);
-    EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
-    EXPECT_NE(r.out.find(says), std::string::npos) << args << "\n" << r.out;
-  };
   expect_refused("run --model=qwen3-moe-test num_experts_per_tok=9 steps=1",
                  "num_experts_per_tok=9");
   expect_refused("run --model=qwen3-moe-test qwen3_moe_mlp_only_layers='[0,5]' steps=1",
@@ -406,22 +240,23 @@ TEST(QwenBadInput, IsRefusedWithOneClearError) {
                                          "attention_bias=true",   "rope_parameters.rope_type",
                                          "decoder_sparse_step=0", "hidden_act=gelu"};
   for (size_t i = 0; i < edits.size(); ++i) {
-    const fs::path dir = with_config(s, "qwen3_moe", "config.json");
-    edit(dir / "config.json", edits[i].first, edits[i].second);
+    const fs::path dir = test::with_config(s, kGolden, "qwen3_moe", "config.json");
+    edit_file(dir / "config.json", edits[i].first, edits[i].second);
     expect_refused("score hf_path=" + dir.string() + " tokens=1,2,3", says[i]);
     fs::remove_all(dir);
   }
   // Weights for more layers than config.json has: the extra tensors are named.
   {
-    const fs::path dir = with_config(s, "qwen3_untied", "config.json");
-    edit(dir / "config.json", "\"num_hidden_layers\": 2", "\"num_hidden_layers\": 1");
+    const fs::path dir = test::with_config(s, kGolden, "qwen3_untied", "config.json");
+    edit_file(dir / "config.json", "\"num_hidden_layers\": 2", "\"num_hidden_layers\": 1");
     expect_refused("score hf_path=" + dir.string() + " tokens=1,2,3", "model.layers.1.");
     fs::remove_all(dir);
   }
   // Experts of another width than config.json says: bad input naming the tensor and both shapes.
   {
-    const fs::path dir = with_config(s, "qwen3_moe", "config.json");
-    edit(dir / "config.json", "\"moe_intermediate_size\": 16", "\"moe_intermediate_size\": 24");
+    const fs::path dir = test::with_config(s, kGolden, "qwen3_moe", "config.json");
+    edit_file(dir / "config.json", "\"moe_intermediate_size\": 16",
+              "\"moe_intermediate_size\": 24");
     const test::MtResult r = test::run_mt("score hf_path=" + dir.string() + " tokens=1,2,3", 60);
     EXPECT_EQ(r.code, 2) << r.out;
     EXPECT_NE(r.out.find("'model.layers.0.mlp.experts.0.gate_proj.weight'"), std::string::npos)
