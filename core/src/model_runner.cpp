@@ -209,7 +209,9 @@ Tensor ModelRunner::forward_cached(Graph& g, const Tensor& tokens, const Tensor&
 }
 
 Tensor ModelRunner::run_layers(Graph& g, const Tensor& tokens, LayerInputs in,
-                               std::vector<KVCache>* caches, std::vector<AuxLoss>* aux) {
+                               std::vector<KVCache>* caches, std::vector<AuxLoss>* aux,
+                               std::vector<LayerStats>* stats) {
+  if (stats) stats->resize(static_cast<size_t>(model_->num_layers()));
   // Parameters in the compute dtype: a recorded cast of the master copy, so gradients reach it.
   std::vector<Tensor> ps;
   ps.reserve(params_.size());
@@ -239,17 +241,29 @@ Tensor ModelRunner::run_layers(Graph& g, const Tensor& tokens, LayerInputs in,
     x = std::move(out.x);
     if (aux)
       for (auto& a : out.aux) aux->push_back(std::move(a));
+    // The forward's statistics: remat_layer returns those of its first run, not the re-run's.
+    if (stats)
+      for (const auto& st : out.stats) {
+        std::vector<double>& acc = (*stats)[ui][st.name];
+        if (acc.empty()) acc.assign(st.values.size(), 0.0);
+        MT_CHECK(acc.size() == st.values.size(),
+                 "layer " + std::to_string(i) + "'s statistic '" + st.name + "' has " +
+                     std::to_string(st.values.size()) + " values, " + std::to_string(acc.size()) +
+                     " before");
+        for (size_t j = 0; j < acc.size(); ++j) acc[j] += st.values[j];
+      }
   }
   return model_->head(g, top, x);
 }
 
 Tensor ModelRunner::loss(Graph& g, const DeviceBatch& batch, float z_loss, double weight_scale,
-                         std::map<std::string, double>* aux_values) {
+                         std::map<std::string, double>* aux_values,
+                         std::vector<LayerStats>* stats) {
   LayerInputs in;
   in.positions = batch.positions;
   in.segment_ids = batch.segment_ids;
   std::vector<AuxLoss> aux;
-  Tensor logits = run_layers(g, batch.inputs, in, nullptr, aux_values ? &aux : nullptr);
+  Tensor logits = run_layers(g, batch.inputs, in, nullptr, aux_values ? &aux : nullptr, stats);
   const int64_t v = logits.dim(-1);
   Tensor flat = g.reshape(logits, {logits.numel() / v, v});
   const double w = batch.valid_targets ? weight_scale / static_cast<double>(batch.valid_targets) : 0.0;
@@ -268,6 +282,19 @@ Tensor ModelRunner::loss(Graph& g, const DeviceBatch& batch, float z_loss, doubl
       total = g.add(total, g.scale(a.value, static_cast<float>(a.weight * weight_scale)));
   }
   return total;
+}
+
+void ModelRunner::after_step(const std::vector<LayerStats>& stats) {
+  static const LayerStats kNone;
+  for (int i = 0; i < model_->num_layers(); ++i) {
+    const auto ui = static_cast<size_t>(i);
+    const size_t b = layer_begin_[ui];
+    const size_t e = i + 1 < model_->num_layers() ? layer_begin_[ui + 1] : params_.size();
+    std::vector<Tensor> values;
+    for (size_t j = b; j < e; ++j) values.push_back(params_[j].value);
+    const Params lp(layer_names_[ui], std::move(values));
+    model_->layer(i).after_step(backend(), lp, ui < stats.size() ? stats[ui] : kNone);
+  }
 }
 
 }  // namespace mt

@@ -82,14 +82,20 @@ class ModelRunner {
   // With `aux` (training), the layers' auxiliary losses join the objective (each weight x value
   // x weight_scale) and their values, averaged over the layers reporting each name and times
   // weight_scale, are added to (*aux)[name]. Without it (evaluation, scoring) they do not.
+  // With `stats` (training), each layer's LayerOutput::stats are summed elementwise into
+  // (*stats)[layer][name] (resized to the layers), from the forward only (not remat's re-run).
   Tensor loss(Graph& g, const DeviceBatch& batch, float z_loss, double weight_scale = 1.0,
-              std::map<std::string, double>* aux = nullptr);
+              std::map<std::string, double>* aux = nullptr,
+              std::vector<LayerStats>* stats = nullptr);
+  // After the optimizer step: each layer's DecoderLayer::after_step with its master parameters
+  // and its step statistics (`stats` as loss() summed them; empty for a layer with none).
+  void after_step(const std::vector<LayerStats>& stats);
 
   DeviceBatch upload(const struct HostBatch& hb);
 
  private:
   Tensor run_layers(Graph& g, const Tensor& tokens, LayerInputs in, std::vector<KVCache>* caches,
-                    std::vector<AuxLoss>* aux);
+                    std::vector<AuxLoss>* aux, std::vector<LayerStats>* stats = nullptr);
 
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<AttentionKernel> attention_;

@@ -288,12 +288,13 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
       valid += micro.back().valid_targets;
     }
     double loss = 0;
-    std::map<std::string, double> aux;  // the layers' auxiliary losses, batch-weighted
+    std::map<std::string, double> aux;    // the layers' auxiliary losses, batch-weighted
+    std::vector<LayerStats> layer_stats;  // their statistics, summed over the micro-batches
     for (auto& mb : micro) {
       Graph g(be);
       const double share =
           valid ? static_cast<double>(mb.valid_targets) / static_cast<double>(valid) : 0;
-      Tensor l = runner.loss(g, mb, z_loss, share, &aux);
+      Tensor l = runner.loss(g, mb, z_loss, share, &aux, &layer_stats);
       float lv = 0;
       be.copy_to_host(l, &lv);
       loss += lv;
@@ -328,6 +329,8 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
       be.adamw_update(p.value, p.grad, m[i], v[i], adam);
       ++i;
     }
+    // Updates outside the gradient (DeepSeek-V3's router_bias), before the step's checkpoint.
+    runner.after_step(layer_stats);
     runner.zero_gradients();
     double ckpt_s = 0;
     if (checkpointing && (step % ckpt_period == 0 || step == steps)) {

@@ -7,24 +7,21 @@
 // resuming; the published sizes; and bad input refused with exit code 2.
 #include <gtest/gtest.h>
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <memory>
 #include <random>
-#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "config_loader.h"
 #include "decoder.h"
+#include "family_test_support.h"
 #include "hf_interop.h"
 #include "model_info.h"
 #include "model_runner.h"
@@ -48,87 +45,14 @@ const char* const kDirs[] = {"deepseek_v2", "deepseek_v3"};
 // false).
 constexpr double kTol = 1e-4;
 
-struct Reference {
-  SafeTensorsFile file;
-  explicit Reference(const std::string& dir) : file(kGolden / dir / "reference.safetensors") {}
-  std::vector<int32_t> ints(const std::string& name) const {
-    const auto& i = file.info(name);
-    EXPECT_EQ(i.dtype, "I32") << name;
-    std::vector<int32_t> v(static_cast<size_t>(i.numel()));
-    std::memcpy(v.data(), i.data, i.nbytes());
-    return v;
-  }
-  std::vector<float> floats(const std::string& name) const {
-    const auto& i = file.info(name);
-    EXPECT_EQ(i.dtype, "F32") << name;
-    std::vector<float> v(static_cast<size_t>(i.numel()));
-    std::memcpy(v.data(), i.data, i.nbytes());
-    return v;
-  }
-};
-
-std::string join_ids(const std::vector<int32_t>& ids) {
-  std::string s;
-  for (size_t i = 0; i < ids.size(); ++i) {
-    if (i) s += ',';
-    s += std::to_string(ids[i]);
-  }
-  return s;
-}
-
-struct Scratch {
-  fs::path root;
-  Scratch() {
-    const auto* t = ::testing::UnitTest::GetInstance()->current_test_info();
-    root = fs::temp_directory_path() /
-           ("mt_deepseek_" + std::to_string(::getpid()) + "_" + std::string(t->name()));
-    fs::remove_all(root);
-    fs::create_directories(root);
-  }
-  ~Scratch() { fs::remove_all(root); }
-};
-
-// A copy of golden directory `name` whose config.json is `config` (a file of that directory).
-fs::path with_config(const Scratch& s, const std::string& name, const std::string& config) {
-  const fs::path dir = s.root / (name + "_" + config);
-  fs::create_directories(dir);
-  fs::copy_file(kGolden / name / "model.safetensors", dir / "model.safetensors");
-  fs::copy_file(kGolden / name / config, dir / "config.json");
-  return dir;
-}
-
-std::vector<float> score(const fs::path& dir, const Reference& ref, const Scratch& s,
-                         std::string& out) {
-  const fs::path file = s.root / "logits.safetensors";
-  fs::remove(file);
-  const test::MtResult r =
-      test::run_mt("score hf_path=" + dir.string() + " tokens=" + join_ids(ref.ints("input_ids")) +
-                       " output=" + file.string(),
-                   120);
-  out = r.out;
-  EXPECT_EQ(r.code, 0) << r.out;
-  if (r.code != 0 || !fs::exists(file)) return {};
-  SafeTensorsFile got(file);
-  const auto& li = got.info("logits");
-  std::vector<float> v(static_cast<size_t>(li.numel()));
-  std::memcpy(v.data(), li.data, li.nbytes());
-  return v;
-}
-
-std::string slurp(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
-void edit(const fs::path& file, const std::string& from, const std::string& to) {
-  std::string text = slurp(file);
-  const size_t at = text.find(from);
-  EXPECT_NE(at, std::string::npos) << from << " not in " << file;
-  if (at != std::string::npos) text.replace(at, from.size(), to);
-  std::ofstream(file) << text;
-}
+using test::build_named;
+using test::edit_file;
+using test::expect_refused;
+using test::losses;
+using test::Reference;
+using test::score;
+using test::Scratch;
+using test::slurp;
 
 // What the golden directories are: transformers 5's config.json with the features on, the
 // legacy form beside it, and the weights as save_pretrained wrote them.
@@ -168,23 +92,24 @@ TEST(DeepseekGolden, LogitsMatchTransformers) {
   Scratch s;
   for (const char* d : kDirs) {
     SCOPED_TRACE(d);
-    const Reference ref(d);
+    const Reference ref(kGolden / d);
     const std::vector<float> want = ref.floats("logits");
     std::string out;
     const std::vector<float> v5 = score(kGolden / d, ref, s, out);
     ASSERT_EQ(v5.size(), want.size()) << out;
     EXPECT_EQ(out.find("mt: note"), std::string::npos) << out;
     EXPECT_LT(test::scaled_err(v5, want), kTol);
-    const std::vector<float> legacy = score(with_config(s, d, "legacy_config.json"), ref, s, out);
+    const std::vector<float> legacy =
+        score(test::with_config(s, kGolden, d, "legacy_config.json"), ref, s, out);
     EXPECT_EQ(out.find("mt: note"), std::string::npos) << out;
     EXPECT_EQ(legacy, v5) << "the two config.json forms configured different models";
   }
-  const Reference ref("deepseek_v3");
+  const Reference ref(kGolden / "deepseek_v3");
   for (const char* v : {"rotate_half", "no_norm_topk"}) {
     SCOPED_TRACE(v);
     std::string out;
-    const std::vector<float> got =
-        score(with_config(s, "deepseek_v3", std::string(v) + "_config.json"), ref, s, out);
+    const std::vector<float> got = score(
+        test::with_config(s, kGolden, "deepseek_v3", std::string(v) + "_config.json"), ref, s, out);
     const std::vector<float> want = ref.floats(std::string(v) + ".logits");
     ASSERT_EQ(got.size(), want.size()) << out;
     EXPECT_LT(test::scaled_err(got, want), kTol);
@@ -197,19 +122,8 @@ TEST(DeepseekGolden, LogitsMatchTransformers) {
 TEST(DeepseekGolden, GreedyDecodeEqualsTransformersGenerate) {
   for (const char* d : kDirs) {
     SCOPED_TRACE(d);
-    const Reference ref(d);
-    const std::vector<int32_t> prompt = ref.ints("generate.prompt");
-    const std::vector<int32_t> want = ref.ints("generate.ids");
-    ASSERT_EQ(want.size(), prompt.size() + 20);
-    const test::MtResult r =
-        test::run_mt("decode hf_path=" + (kGolden / d).string() + " tokens=" + join_ids(prompt) +
-                         " max_target_length=" + std::to_string(want.size()) +
-                         " max_prefill_predict_length=" + std::to_string(prompt.size()),
-                     120);
-    ASSERT_EQ(r.code, 0) << r.out;
-    const std::string line = join_ids(want) + "\n";
-    const size_t at = r.out.find(line);
-    EXPECT_TRUE(at != std::string::npos && (at == 0 || r.out[at - 1] == '\n')) << r.out;
+    const Reference ref(kGolden / d);
+    ASSERT_NO_FATAL_FAILURE(test::expect_decode_equals_generate(ref, "generate", kGolden / d, 20));
   }
 }
 
@@ -221,22 +135,8 @@ TEST(DeepseekGolden, ConvertRoundTripWritesWhatTransformersWrote) {
     SCOPED_TRACE(d);
     const fs::path mtdir = s.root / (std::string(d) + "_mt"),
                    back = s.root / (std::string(d) + "_hf");
-    test::MtResult r = test::run_mt(
-        "convert --from=hf --input=" + (kGolden / d).string() + " --output=" + mtdir.string(), 120);
-    ASSERT_EQ(r.code, 0) << r.out;
-    r = test::run_mt("convert --to=hf --config=" + (mtdir / "model.yml").string() +
-                         " --input=" + mtdir.string() + " --output=" + back.string(),
-                     120);
-    ASSERT_EQ(r.code, 0) << r.out;
-    SafeTensorsFile a(kGolden / d / "model.safetensors"), b(back / "model.safetensors");
-    EXPECT_EQ(a.names(), b.names());
-    for (const auto& n : a.names()) {
-      const auto &x = a.info(n), &y = b.info(n);
-      EXPECT_EQ(x.shape, y.shape) << n;
-      ASSERT_EQ(x.nbytes(), y.nbytes()) << n;
-      EXPECT_EQ(std::memcmp(x.data, y.data, x.nbytes()), 0) << n << " differs after the round trip";
-    }
-    const Reference ref(d);
+    ASSERT_NO_FATAL_FAILURE(test::convert_round_trip(kGolden / d, mtdir, back));
+    const Reference ref(kGolden / d);
     std::string out;
     const std::vector<float> got = score(back, ref, s, out);
     EXPECT_EQ(out.find("mt: note"), std::string::npos) << out;
@@ -266,7 +166,7 @@ TEST(DeepseekGolden, LossAndGradientsMatchTransformers) {
     };
     ModelRunner runner(load_config(req), test::plugins());
     load_hf_weights(kGolden / d, runner);
-    const Reference ref(d);
+    const Reference ref(kGolden / d);
     HostBatch hb;
     hb.batch = 1;
     hb.seq = 100;
@@ -313,37 +213,20 @@ TEST(DeepseekGolden, LossAndGradientsMatchTransformers) {
   }
 }
 
-std::vector<std::string> losses(const fs::path& run) {
-  std::ifstream f(run / "metrics.jsonl");
-  std::vector<std::string> r;
-  for (std::string l; std::getline(f, l);) {
-    const size_t p = l.find("\"loss\": ");
-    if (p != std::string::npos) r.push_back(l.substr(p + 8, l.find(',', p) - p - 8));
-  }
-  return r;
-}
-
 // deepseek3-test, and the same sizes as a V2 without query compression, learn from the shipped
 // corpus: the mean loss of the last five of 30 steps is well below the first step's.
 TEST(DeepseekTraining, LossFallsOnTheShippedCorpus) {
   Scratch s;
-  const std::string data = test::source_dir() + "/data/corpus.train.tokens";
   const std::pair<const char*, const char*> runs[] = {
       {"v3", ""}, {"v2", " decoder_block=deepseek_v2 q_lora_rank=0 norm_topk_prob=false"}};
   for (const auto& [name, extra] : runs) {
     SCOPED_TRACE(name);
-    const test::MtResult r = test::run_mt(
-        std::string("run --model=deepseek3-test dataset_type=tokens dataset_path=") + data +
-            " vocab_size=8192 steps=30 log_period=1 learning_rate=3e-3 per_device_batch_size=4 "
-            "eval_interval=-1 enable_checkpointing=false num_threads=2 run_name=" +
-            name + " base_output_directory=" + s.root.string() + extra,
-        120);
+    const test::MtResult r = test::run_training(
+        "deepseek3-test", test::corpus_options(30, "3e-3") + extra, s.root, name);
     ASSERT_EQ(r.code, 0) << r.out;
     const std::vector<std::string> l = losses(s.root / name);
     ASSERT_EQ(l.size(), 30u) << r.out;
-    double last = 0;
-    for (size_t i = 25; i < 30; ++i) last += std::stod(l[i]) / 5;
-    EXPECT_LT(last, std::stod(l[0]) - 1.0) << r.out;
+    EXPECT_LT(test::last_five_mean(l), std::stod(l[0]) - 1.0) << r.out;
     const std::string metrics = slurp(s.root / name / "metrics.jsonl");
     EXPECT_NE(metrics.find("\"moe_load_max/1\""), std::string::npos);
   }
@@ -354,27 +237,16 @@ TEST(DeepseekTraining, LossFallsOnTheShippedCorpus) {
 TEST(DeepseekTraining, ResumedRunEqualsStraightRun) {
   Scratch s;
   auto run = [&](const std::string& name, int steps) {
-    const test::MtResult r = test::run_mt(
-        "run --model=deepseek3-test dataset_type=synthetic log_period=1 "
-        "eval_interval=-1 num_threads=2 enable_checkpointing=true checkpoint_period=3 "
-        "async_checkpointing=true learning_rate_schedule_steps=6 steps=" +
-            std::to_string(steps) + " run_name=" + name +
-            " base_output_directory=" + s.root.string(),
-        120);
+    const test::MtResult r = test::run_training(
+        "deepseek3-test", test::resume_options(3, 6) + " steps=" + std::to_string(steps), s.root,
+        name);
     EXPECT_EQ(r.code, 0) << r.out;
   };
   run("straight", 6);
   run("resumed", 3);
   run("resumed", 6);
-  const auto a = losses(s.root / "straight"), b = losses(s.root / "resumed");
-  ASSERT_EQ(a.size(), 6u);
-  EXPECT_EQ(a, b);
-  const fs::path pa = s.root / "straight" / "checkpoints" / "6" / "params.safetensors";
-  const std::string ba = slurp(pa),
-                    bb = slurp(s.root / "resumed" / "checkpoints" / "6" / "params.safetensors");
-  ASSERT_GT(ba.size(), 1000u);
-  EXPECT_TRUE(ba == bb) << "final parameters differ";
-  SafeTensorsFile p(pa);
+  ASSERT_NO_FATAL_FAILURE(test::expect_same_runs(s.root / "straight", s.root / "resumed", 6));
+  SafeTensorsFile p(s.root / "straight" / "checkpoints" / "6" / "params.safetensors");
   const auto& bias = p.info("layers.1.router_bias");
   ASSERT_EQ(bias.dtype, "F32");
   std::vector<float> v(static_cast<size_t>(bias.numel()));
@@ -384,19 +256,6 @@ TEST(DeepseekTraining, ResumedRunEqualsStraightRun) {
   std::vector<float> w(static_cast<size_t>(router.numel()));
   std::memcpy(w.data(), router.data, router.nbytes());
   EXPECT_NE(w[0], 0.f);
-}
-
-std::unique_ptr<Model> build_named(const std::string& model) {
-  ConfigRequest req;
-  req.configs_dir = test::source_dir() + "/configs";
-  req.model = model;
-  req.schemas_for = [](const Config& layers) {
-    const std::string fam = layers.get_string("decoder_block");
-    return std::vector<SchemaText>{
-        {"model family '" + fam + "'", test::plugins().make_model_family(fam)->config_schema()}};
-  };
-  const Config cfg = load_config(req);
-  return test::plugins().make_model_family(cfg.get_string("decoder_block"))->build(cfg);
 }
 
 // The named configs have DeepSeek's published sizes: V2-Lite 15.7B parameters of which 2.4B
@@ -421,11 +280,6 @@ TEST(DeepseekModel, NamedConfigsHaveThePublishedSizes) {
 // Bad input, each refused before any work with exit code 2 and one paragraph naming it.
 TEST(DeepseekBadInput, IsRefusedWithOneClearError) {
   Scratch s;
-  auto expect_refused = [](const std::string& args, const std::string& says) {
-    const test::MtResult r = test::run_mt(args, 60);
-    EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
-    EXPECT_NE(r.out.find(says), std::string::npos) << args << "\n" << r.out;
-  };
   const std::string run = "run --model=deepseek3-test steps=1 ";
   expect_refused(run + "kv_lora_rank=100", "kv_lora_rank=100");
   expect_refused(run + "q_lora_rank=65", "q_lora_rank=65");
@@ -456,8 +310,8 @@ TEST(DeepseekBadInput, IsRefusedWithOneClearError) {
        "rope_parameters.rope_type"}};
   for (const Edit& e : edits) {
     SCOPED_TRACE(e.to);
-    const fs::path dir = with_config(s, e.dir, "config.json");
-    edit(dir / "config.json", e.from, e.to);
+    const fs::path dir = test::with_config(s, kGolden, e.dir, "config.json");
+    edit_file(dir / "config.json", e.from, e.to);
     expect_refused("score hf_path=" + dir.string() + " tokens=1,2,3", e.says);
     fs::remove_all(dir);
   }
@@ -579,6 +433,182 @@ TEST(DeepseekDecode, CacheHoldsTheLatentOnly) {
                 static_cast<long long>(per_head * bf16),
                 static_cast<double>(per_head) / static_cast<double>(latent));
   }
+}
+
+// deepseek3-test in f32 with `overrides`, its parameters initialised (seed 7), for training.
+std::unique_ptr<ModelRunner> named_training_runner(const std::vector<std::string>& overrides) {
+  ConfigRequest req;
+  req.configs_dir = test::source_dir() + "/configs";
+  req.model = "deepseek3-test";
+  req.overrides = {"dtype=float32", "weight_dtype=float32"};
+  for (const auto& o : overrides) req.overrides.push_back(o);
+  req.schemas_for = [](const Config& layers) {
+    const std::string fam = layers.get_string("decoder_block");
+    return std::vector<SchemaText>{
+        {"model family '" + fam + "'", test::plugins().make_model_family(fam)->config_schema()}};
+  };
+  auto r = std::make_unique<ModelRunner>(load_config(req), test::plugins());
+  r->init_parameters(7);
+  r->enable_gradients();
+  r->zero_gradients();
+  return r;
+}
+
+// V3's aux-loss-free balancing, through ModelRunner as the trainer drives it: two micro-batches
+// (2 x 32 tokens, top 2 of 8 experts: 128 token-slots each) are run forward and backward; each
+// MoE layer reports its experts' loads (the biased choice), summed over the micro-batches, each
+// micro-batch's least and most loaded expert those of the moe_load_min/max metrics (counted by
+// sort_by_expert), the re-run of remat_policy=full not counted (the same sums as without remat,
+// unchanged by the backward). The bias has no gradient, and AdamW (lr 1, adam_weight_decay 0.1
+// where the spec asks for decay) leaves it as it was; after_step then adds rate x sign(mean -
+// load) to it, exactly; with rate 0 it stays as it was.
+TEST(DeepseekTraining, RouterBiasUpdateFollowsTheStepsLoads) {
+  const float rate = 0.01f;
+  std::vector<LayerStats> by_policy[2];
+  int pi = 0;
+  for (const char* policy : {"none", "full"}) {
+    SCOPED_TRACE(policy);
+    for (const float r : {rate, 0.f}) {
+      const auto runner = named_training_runner(
+          {std::string("remat_policy=") + policy, "routed_bias_update_rate=" + std::to_string(r)});
+      Backend& be = runner->backend();
+      // A nonzero starting bias, different per expert and layer.
+      std::vector<std::vector<float>> bias0;
+      for (const char* name : {"layers.1.router_bias", "layers.2.router_bias"}) {
+        Param* p = runner->find(name);
+        ASSERT_NE(p, nullptr) << name;
+        std::vector<float> b(8);
+        for (size_t e = 0; e < b.size(); ++e)
+          b[e] = 0.003f * static_cast<float>(e) - 0.01f * static_cast<float>(bias0.size());
+        be.copy_from_host(p->value, b.data());
+        bias0.push_back(b);
+      }
+      std::mt19937_64 rng(11);
+      std::vector<LayerStats> stats, before;
+      for (int micro = 0; micro < 2; ++micro) {
+        HostBatch hb;
+        hb.batch = 2;
+        hb.seq = 32;
+        for (int i = 0; i < 64; ++i) {
+          hb.inputs.push_back(static_cast<int32_t>(rng() % 256));
+          hb.targets.push_back(static_cast<int32_t>(rng() % 256));
+        }
+        const DeviceBatch db = runner->upload(hb);
+        Graph g(be);
+        std::map<std::string, double> aux;
+        const Tensor l = runner->loss(g, db, 0.f, 0.5, &aux, &stats);
+        const std::vector<LayerStats> after_forward = stats;
+        g.backward(l);
+        EXPECT_EQ(stats, after_forward) << "the backward (remat's re-run) changed the statistics";
+        ASSERT_EQ(stats.size(), 3u);
+        EXPECT_TRUE(stats[0].empty()) << "the dense layer reports no loads";
+        for (int layer = 1; layer < 3; ++layer) {
+          SCOPED_TRACE(layer);
+          const auto it = stats[layer].find("expert_load");
+          ASSERT_NE(it, stats[layer].end());
+          ASSERT_EQ(it->second.size(), 8u);
+          std::vector<double> mine = it->second;
+          if (micro == 1)
+            for (size_t e = 0; e < 8; ++e) mine[e] -= before[layer].at("expert_load")[e];
+          double total = 0;
+          for (double x : mine) total += x;
+          EXPECT_EQ(total, 128.0);
+          const std::string tag = "/" + std::to_string(layer);
+          // aux values are times the weight scale 0.5.
+          EXPECT_NEAR(*std::min_element(mine.begin(), mine.end()) / 128.0,
+                      2 * aux.at("moe_load_min" + tag), 1e-7);
+          EXPECT_NEAR(*std::max_element(mine.begin(), mine.end()) / 128.0,
+                      2 * aux.at("moe_load_max" + tag), 1e-7);
+        }
+        before = stats;
+      }
+      runner->finish_gradients();
+      AdamWParams adam;
+      adam.lr = 1.f;
+      for (auto& p : runner->params()) {
+        if (p.name.find("router_bias") != std::string::npos) {
+          EXPECT_EQ(test::to_vector(p.grad), std::vector<float>(8, 0.f)) << p.name;
+          EXPECT_FALSE(p.spec.weight_decay) << p.name;
+        }
+        adam.weight_decay = p.spec.weight_decay ? 0.1f : 0.f;
+        Tensor m = be.zeros(p.spec.shape, DType::f32), v = be.zeros(p.spec.shape, DType::f32);
+        be.adamw_update(p.value, p.grad, m, v, adam);
+      }
+      for (int layer = 1; layer < 3; ++layer)
+        EXPECT_EQ(test::to_vector(
+                      runner->find("layers." + std::to_string(layer) + ".router_bias")->value),
+                  bias0[layer - 1])
+            << "AdamW moved the bias of layer " << layer;
+      runner->after_step(stats);
+      for (int layer = 1; layer < 3; ++layer) {
+        SCOPED_TRACE(layer);
+        const std::vector<double>& load = stats[layer].at("expert_load");
+        const double mean = 256.0 / 8;
+        std::vector<float> want = bias0[layer - 1];
+        int moved = 0;
+        for (size_t e = 0; e < 8; ++e) {
+          const float sign = load[e] < mean ? 1.f : load[e] > mean ? -1.f : 0.f;
+          want[e] += r * sign;
+          moved += sign != 0.f;
+        }
+        EXPECT_GT(moved, 0);
+        EXPECT_EQ(test::to_vector(
+                      runner->find("layers." + std::to_string(layer) + ".router_bias")->value),
+                  want);
+        if (r == 0.f) {
+          EXPECT_EQ(want, bias0[layer - 1]);
+        }
+      }
+      if (r != 0.f) by_policy[pi] = stats;
+    }
+    ++pi;
+  }
+  EXPECT_EQ(by_policy[0], by_policy[1]) << "remat_policy=full counted other loads than none";
+}
+
+// Through mt run: one step with routed_bias_update_rate=0.01 moves each MoE layer's bias from
+// its zeros to exactly +-0.01 or 0, some experts up and some down; 6 steps straight or 3 then a
+// restart to 6 with the update on stay bitwise identical (the bias is in the checkpoint); V2,
+// which has no bias, refuses the key.
+TEST(DeepseekTraining, RouterBiasUpdateThroughTraining) {
+  Scratch s;
+  const std::string on = " routed_bias_update_rate=0.01";
+  auto bias_of = [](const fs::path& run, int step, int layer) {
+    SafeTensorsFile p(run / "checkpoints" / std::to_string(step) / "params.safetensors");
+    const auto& b = p.info("layers." + std::to_string(layer) + ".router_bias");
+    std::vector<float> v(static_cast<size_t>(b.numel()));
+    std::memcpy(v.data(), b.data, b.nbytes());
+    return v;
+  };
+  {
+    const test::MtResult r = test::run_training(
+        "deepseek3-test", test::resume_options(1, 1) + " steps=1" + on, s.root, "one");
+    ASSERT_EQ(r.code, 0) << r.out;
+    for (int layer = 1; layer < 3; ++layer) {
+      int up = 0, down = 0;
+      for (const float b : bias_of(s.root / "one", 1, layer)) {
+        EXPECT_TRUE(b == 0.f || b == 0.01f || b == -0.01f) << b;
+        up += b > 0;
+        down += b < 0;
+      }
+      EXPECT_GT(up, 0) << "layer " << layer;
+      EXPECT_GT(down, 0) << "layer " << layer;
+    }
+  }
+  auto run = [&](const std::string& name, int steps) {
+    const test::MtResult r = test::run_training(
+        "deepseek3-test", test::resume_options(3, 6) + " steps=" + std::to_string(steps) + on,
+        s.root, name);
+    EXPECT_EQ(r.code, 0) << r.out;
+  };
+  run("straight", 6);
+  run("resumed", 3);
+  run("resumed", 6);
+  ASSERT_NO_FATAL_FAILURE(test::expect_same_runs(s.root / "straight", s.root / "resumed", 6));
+  EXPECT_EQ(bias_of(s.root / "straight", 6, 1), bias_of(s.root / "resumed", 6, 1));
+  EXPECT_NE(bias_of(s.root / "straight", 6, 1), std::vector<float>(8, 0.f));
+  expect_refused("run --model=deepseek3-test steps=1 decoder_block=deepseek_v2" + on,
+                 "routed_bias_update_rate");
 }
 
 }  // namespace

@@ -10,7 +10,10 @@
 //                the choice only: groups ranked by the sum of their two best biased scores, the
 //                top k of the biased scores within the chosen groups, weighted by their unbiased
 //                scores (divided by their sum with norm_topk_prob), times routed_scaling_factor.
-//                The bias gets no gradient.
+//                The bias gets no gradient; with routed_bias_update_rate r > 0 it is nudged
+//                after each optimizer step (DecoderLayer::after_step): router_bias[e] +=
+//                r x sign(mean load - load of e), the loads counted over the step's top-k
+//                choices (biased, as chosen) in every micro-batch (aux-loss-free balancing).
 // The expert choice is made on the host (the router's scores are read back once per layer, as
 // Graph::sort_by_expert reads the choice back anyway); the weights are computed on the graph
 // from the chosen experts, so the router is trained through them. Every layer is pre-norm:
@@ -72,6 +75,7 @@ struct DsConfig {
   bool normalize = false;
   float scaling = 1.f;
   float lb_weight = 0.f;
+  float bias_rate = 0.f;  // V3: routed_bias_update_rate
 
   DsConfig(const mt::Config& c, bool is_v3) : v3(is_v3) {
     vocab = c.get_int("vocab_size");
@@ -129,6 +133,7 @@ struct DsConfig {
     normalize = c.get_bool("norm_topk_prob");
     scaling = static_cast<float>(c.get_float("routed_scaling_factor"));
     lb_weight = static_cast<float>(c.get_float("load_balance_loss_weight"));
+    bias_rate = static_cast<float>(c.get_float("routed_bias_update_rate"));
   }
 };
 
@@ -292,6 +297,12 @@ mt::LayerOutput deepseek_moe(mt::Graph& g, const mt::Params& p, const DsConfig& 
   const std::string tag = "/" + std::to_string(layer);
   out.aux.push_back({"moe_load_min" + tag, scalar(be, static_cast<float>(*lo) * share), 0.f});
   out.aux.push_back({"moe_load_max" + tag, scalar(be, static_cast<float>(*hi) * share), 0.f});
+  // V3: each expert's token-slots, for the router_bias update after the step (after_step).
+  if (c.v3) {
+    std::vector<double> load(static_cast<size_t>(E), 0.0);
+    for (const int32_t e : chosen) load[static_cast<size_t>(e)] += 1.0;
+    out.stats.push_back({"expert_load", std::move(load)});
+  }
   return out;
 }
 
@@ -339,6 +350,35 @@ class DsLayer final : public mt::DecoderLayer {
   }
 
   mt::CacheSpec cache_spec() const override { return mt::blocks::mla_cache_spec(c_.mla); }
+
+  // V3's aux-loss-free balancing: router_bias[e] += rate x sign(mean load - load of e), the
+  // loads summed over the step's micro-batches; an expert at the mean keeps its bias.
+  void after_step(mt::Backend& be, const mt::Params& p,
+                  const mt::LayerStats& stats) const override {
+    if (!sparse_ || !c_.v3 || c_.bias_rate == 0.f) return;
+    const auto it = stats.find("expert_load");
+    if (it == stats.end()) return;
+    const std::vector<double>& load = it->second;
+    MT_CHECK(static_cast<int64_t>(load.size()) == c_.experts,
+             "deepseek after_step: expert_load has " + std::to_string(load.size()) +
+                 " values for " + std::to_string(c_.experts) + " experts");
+    double total = 0;
+    for (const double l : load) total += l;
+    const double mean = total / static_cast<double>(c_.experts);
+    Tensor bias = p["router_bias"];
+    std::vector<float> b = host_floats(be, bias);
+    for (size_t e = 0; e < b.size(); ++e) {
+      const float sign = load[e] < mean ? 1.f : load[e] > mean ? -1.f : 0.f;
+      b[e] += c_.bias_rate * sign;
+    }
+    if (bias.dtype() == mt::DType::f32) {
+      be.copy_from_host(bias, b.data());
+    } else {
+      Tensor f = be.empty(bias.shape(), mt::DType::f32);
+      be.copy_from_host(f, b.data());
+      be.cast(f, bias);
+    }
+  }
 
  private:
   DsConfig c_;
@@ -465,6 +505,11 @@ class DsFamily final : public mt::ModelFamily {
       c.reject("sliding_window_size", "must be 0 for " + fam +
                                           ": every layer attends to the "
                                           "whole context.");
+    if (!v3_ && c.get_float("routed_bias_update_rate") != 0.0)
+      c.reject("routed_bias_update_rate",
+               "must be 0.0 for " + fam +
+                   ": it updates DeepSeek-V3's router_bias (decoder_block=deepseek_v3); V2 "
+                   "routes without one.");
     if (c.get_float("capacity_factor") > 0)
       c.reject("capacity_factor",
                "must be <= 0 for " + fam + ": its mixture of experts is dropless in mt for now.");

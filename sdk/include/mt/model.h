@@ -20,6 +20,7 @@
 
 namespace mt {
 
+class Backend;
 class Config;
 class Graph;
 
@@ -101,9 +102,21 @@ struct AuxLoss {
   float weight = 1.f;
 };
 
+// A statistic a layer reports from its forward in training, on the host and not
+// differentiated (DeepSeek-V3: how many token-slots each expert was given). The core sums each
+// name's values elementwise over a step's micro-batches (counting the forward only, not remat's
+// re-run) and hands the sums to DecoderLayer::after_step after the optimizer update.
+struct LayerStat {
+  std::string name;
+  std::vector<double> values;  // the same length in every forward of the layer
+};
+// A layer's statistics of one step, summed over its micro-batches, by name.
+using LayerStats = std::map<std::string, std::vector<double>>;
+
 struct LayerOutput {
   Tensor x;  // [B, T, D]
   std::vector<AuxLoss> aux;
+  std::vector<LayerStat> stats;
   LayerOutput() = default;
   LayerOutput(Tensor out) : x(std::move(out)) {}  // NOLINT: a plain layer returns its tensor
 };
@@ -117,6 +130,16 @@ class MT_API DecoderLayer {
                               const LayerInputs& in) const = 0;
   // What decode keeps per token for this layer (blocks::attention_cache_spec for attention).
   virtual CacheSpec cache_spec() const = 0;
+  // Called by the trainer once per step, after the optimizer has updated every parameter and
+  // before the step's checkpoint: `p` is this layer's master parameters (weight_dtype), which
+  // the layer may overwrite in place (be.copy_from_host / be.cast into p's tensors), and
+  // `stats` the step's LayerOutput::stats summed over its micro-batches. For updates outside
+  // the gradient (DeepSeek-V3's router_bias nudge toward balanced load). Default: nothing.
+  virtual void after_step(Backend& be, const Params& p, const LayerStats& stats) const {
+    (void)be;
+    (void)p;
+    (void)stats;
+  }
 };
 
 // The dimensions the core needs for checks and reports.

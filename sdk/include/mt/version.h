@@ -15,5 +15,7 @@
 // stacked and sliced HfName, ModelFamily::config_schema); 5: the Backend's ops declared from
 // mt/ops.def (composed ops with defaults, Backend::supports, the list's order), and
 // Graph::ExpertOrder::routed with token dropping's sort_by_expert; 6: Model::embed_at (token
-// embeddings with their positions, for learned absolute position tables).
-#define MT_ABI_VERSION 6u
+// embeddings with their positions, for learned absolute position tables); 7: LayerOutput::stats
+// (LayerStat, non-differentiable per-layer statistics) and DecoderLayer::after_step (updates
+// after the optimizer step: DeepSeek-V3's routed_bias_update_rate).
+#define MT_ABI_VERSION 7u
