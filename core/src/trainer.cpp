@@ -27,6 +27,7 @@
 #include "mt/tokenizer.h"
 #include "plugin_manager.h"
 #include "run_lock.h"
+#include "tensorboard.h"
 #include "tokenizer_factory.h"
 
 namespace fs = std::filesystem;
@@ -223,6 +224,13 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
     guarded([&] { ckpt.save(state); });
   };
 
+  // TensorBoard events where MaxText writes them (<run>/tensorboard/<run_name>). The START at the
+  // first step makes TensorBoard drop what a killed run wrote after its last checkpoint.
+  std::unique_ptr<TensorBoardWriter> tb;
+  if (cfg.get_bool("enable_tensorboard") && first_step <= steps) {
+    tb = std::make_unique<TensorBoardWriter>(run_dir / "tensorboard" / run_name);
+    tb->write_session_start(first_step);
+  }
   const bool tty = !quiet && isatty(fileno(stdout));
   if (!quiet) {
     std::printf("mt run: %s (%s family), %s parameters (%s in matmuls), %s\n",
@@ -240,6 +248,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
                                             be.peak_flops(DType::bf16));
     if (!hint.empty()) std::printf("mt run: %s\n", hint.c_str());
     std::printf("mt run: metrics -> %s\n", (run_dir / "metrics.jsonl").string().c_str());
+    if (tb) std::printf("mt run: tensorboard -> %s\n", tb->path().parent_path().c_str());
     if (!resumed_from.empty()) std::printf("mt run: %s\n", resumed_from.c_str());
     std::fflush(stdout);
   }
@@ -364,6 +373,18 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
     // Each record reaches the file at once: a killed run keeps the lines of the steps it
     // checkpointed, so a resumed run leaves no gap.
     metrics.flush();
+    if (tb) {  // MaxText's tags (perf/mfu: mt's own)
+      tensorboard::Scalars sc = {{"learning/loss", loss},
+                                 {"learning/current_learning_rate", lr},
+                                 {"learning/grad_norm", grad_norm},
+                                 {"perf/step_time_seconds", step_s},
+                                 {"perf/per_device_tokens_per_sec", tps},
+                                 {"perf/per_device_tflops_per_sec", tflops},
+                                 {"perf/mfu", mfu}};
+      for (const auto& [name, v] : aux) sc.emplace_back("learning/" + name, v);
+      if (ev >= 0) sc.emplace_back("eval/avg_loss", ev);
+      tb->write_scalars(step, sc);
+    }
     if (!quiet) {
       const double eta =
           seconds_since(run_start) / static_cast<double>(step) * static_cast<double>(steps - step);
