@@ -39,6 +39,7 @@ int cmd_plugins(const Args& a);
 int cmd_models(const Args& a);
 int cmd_config(const Args& a);
 int cmd_run(const Args& a);
+int cmd_plan(const Args& a);
 int cmd_decode(const Args& a);
 int cmd_score(const Args& a);
 int cmd_convert(const Args& a);

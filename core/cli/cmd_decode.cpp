@@ -15,6 +15,7 @@
 #include "file_util.h"
 #include "hf_interop.h"
 #include "json.h"
+#include "memory_plan.h"
 #include "model_runner.h"
 #include "mt/data.h"
 #include "mt/error.h"
@@ -92,7 +93,14 @@ Inference load_inference(const Args& args, const char* command, bool need_tokeni
   std::vector<fs::path> dirs;
   for (const auto& d : cfg.get_string_list("plugin_dirs")) dirs.emplace_back(d);
   in.pm = std::make_unique<PluginManager>(dirs);
-  in.runner = std::make_unique<ModelRunner>(cfg, *in.pm);
+  {
+    // mt decode: the memory plan first (weights, caches of max_target_length, a prefill), so a
+    // model that cannot fit is refused with the changes that make it fit before any loading.
+    std::unique_ptr<Backend> device = in.pm->make_backend(cfg.get_string("backend"), cfg);
+    if (std::string(command) == "decode")
+      check_fits(cfg, *in.pm, *device, PlanFor::decode, command);
+    in.runner = std::make_unique<ModelRunner>(cfg, *in.pm, std::move(device));
+  }
   if (!ckpt.empty()) {
     std::map<std::string, Tensor> params;
     for (auto& p : in.runner->params()) params[p.name] = p.value;

@@ -37,6 +37,15 @@ const Command kCommands[] = {
      "throughput and MFU every log_period steps; metrics go to\n"
      "<base_output_directory>/<run_name>/metrics.jsonl. With no arguments it trains the\n"
      "embedded default (a small Llama on the shipped corpus, on the CPU).\n"},
+    {"plan", mt::cli::cmd_plan, "memory and FLOPs of a config before any work, and how to fit",
+     "mt plan [--model=NAME] [plan_device=h100-80gb|h200|a100-40gb|a100-80gb|cpu-<N>gb] "
+     "[key=value ...]\n\n"
+     "Builds the model and runs one training step, a prefill and a decode step on a backend\n"
+     "that only counts bytes (nothing is allocated), then prints parameters, the bytes of\n"
+     "weights, gradients, optimizer state, activations and KV cache, the peak per device,\n"
+     "model FLOPs per step and the step time at the device's peak and an assumed MFU. When the\n"
+     "training peak does not fit, it lists the cheapest key=value changes that make it fit.\n"
+     "mt run and mt decode make the same check first. Exit status: 0 fits, 3 does not fit.\n"},
     {"decode", mt::cli::cmd_decode, "generate text from a model (prefill + KV-cache decode)",
      "mt decode --model=NAME load_parameters_path=DIR prompt=\"...\" [key=value ...]\n"},
     {"convert", mt::cli::cmd_convert, "convert checkpoints from and to Hugging Face",

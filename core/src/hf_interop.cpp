@@ -8,12 +8,15 @@
 #include <memory>
 #include <set>
 
+#include <oneapi/tbb/parallel_for.h>
+
 #include "file_util.h"
 #include "json.h"
 #include "model_runner.h"
 #include "mt/error.h"
 #include "mt/model.h"
 #include "plugin_manager.h"
+#include "progress.h"
 #include "safetensors.h"
 
 namespace fs = std::filesystem;
@@ -106,11 +109,19 @@ Weights open_weights(const fs::path& dir) {
 }
 
 // Row-major [r, c] -> [c, r] on the host.
+// In 32 x 32 tiles (both sides stay in cache), the tiles in parallel.
 std::vector<float> transpose(const std::vector<float>& a, int64_t r, int64_t c) {
   std::vector<float> t(a.size());
-  for (int64_t i = 0; i < r; ++i)
-    for (int64_t j = 0; j < c; ++j)
-      t[static_cast<size_t>(j * r + i)] = a[static_cast<size_t>(i * c + j)];
+  constexpr int64_t kTile = 32;
+  const int64_t tiles_r = (r + kTile - 1) / kTile, tiles_c = (c + kTile - 1) / kTile;
+  const float* src = a.data();
+  float* dst = t.data();
+  tbb::parallel_for(int64_t{0}, tiles_r * tiles_c, [&](int64_t tile) {
+    const int64_t i0 = tile / tiles_c * kTile, j0 = tile % tiles_c * kTile;
+    const int64_t i1 = std::min(r, i0 + kTile), j1 = std::min(c, j0 + kTile);
+    for (int64_t j = j0; j < j1; ++j)  // contiguous writes, reads along a tile's column
+      for (int64_t i = i0; i < i1; ++i) dst[j * r + i] = src[i * c + j];
+  });
   return t;
 }
 
@@ -202,16 +213,22 @@ namespace {
 
 // A tensor of the directory as f32 on the host, in mt's orientation ([in, out]: transposed back
 // when Hugging Face stores it [out, in]); `expect` (mt orientation) is checked when given.
-std::vector<float> read_hf(const Weights& w, const std::string& name, bool transposed, Backend& be,
+std::vector<float> read_hf(const Weights& w, const std::string& name, bool transposed,
                            const fs::path& dir, const std::string& param, Shape& shape,
-                           const Shape* expect) {
+                           const Shape* expect, std::set<std::string>& used) {
   auto it = w.where.find(name);
+  // Weights saved from the base model (GPT2Model rather than GPT2LMHeadModel: the hub's gpt2)
+  // lack the head model's prefix ("transformer.h.0..." is stored as "h.0..."); transformers
+  // loads them by adding its base_model_prefix, and so does mt, for the first component.
+  if (it == w.where.end())
+    if (const auto dot = name.find('.'); dot != std::string::npos)
+      it = w.where.find(name.substr(dot + 1));
   // A missing tensor or a shape other than config.json implies: the directory's config.json and
   // weights disagree, bad input (exit code 2).
   if (it == w.where.end())
     throw UsageError("The weights in " + dir.string() + " have no tensor '" + name +
                      "' (mt parameter " + param + ").");
-  Shape hf = it->second->info(name).shape;
+  Shape hf = it->second->info(it->first).shape;
   if (transposed && hf.size() != 2)
     throw UsageError("Tensor '" + name + "' in " + dir.string() + " has shape " + shape_str(hf) +
                      "; mt parameter " + param + " reads it as a transposed matrix.");
@@ -221,9 +238,8 @@ std::vector<float> read_hf(const Weights& w, const std::string& name, bool trans
                      ", but mt parameter " + param + " needs " +
                      shape_str(transposed ? Shape{(*expect)[1], (*expect)[0]} : *expect) +
                      " there (config.json and the weights disagree).");
-  Tensor t = load_tensor(*it->second, name, be, DType::f32, hf);
-  std::vector<float> host(static_cast<size_t>(t.numel()));
-  be.copy_to_host(t, host.data());
+  used.insert(it->first);
+  std::vector<float> host = read_f32(*it->second, it->first);
   return transposed ? transpose(host, hf[0], hf[1]) : host;
 }
 
@@ -247,14 +263,13 @@ void load_hf_weights(const fs::path& dir, ModelRunner& runner) {
                     std::to_string(hf.stack.size()) + " stacked Hugging Face tensors.");
       const Shape part(s.begin() + 1, s.end());
       for (const auto& n : hf.stack) {
-        std::vector<float> one = read_hf(w, n, hf.transposed, be, dir, p.name, got, &part);
+        std::vector<float> one = read_hf(w, n, hf.transposed, dir, p.name, got, &part, used);
         host.insert(host.end(), one.begin(), one.end());
-        used.insert(n);
       }
     } else if (hf.slice_end > 0) {
       // Columns [begin, end) of a fused tensor, in mt orientation [rows, columns]; a vector (a
       // fused bias) is one row.
-      std::vector<float> all = read_hf(w, hf.name, hf.transposed, be, dir, p.name, got, nullptr);
+      std::vector<float> all = read_hf(w, hf.name, hf.transposed, dir, p.name, got, nullptr, used);
       const int64_t width = hf.slice_end - hf.slice_begin;
       const bool vec = s.size() == 1;
       const int64_t rows = vec ? 1 : s.size() == 2 ? s[0] : -1;
@@ -269,14 +284,16 @@ void load_hf_weights(const fs::path& dir, ModelRunner& runner) {
       host.resize(static_cast<size_t>(rows * width));
       for (int64_t r = 0; r < rows; ++r)
         std::copy_n(all.begin() + r * cols + hf.slice_begin, width, host.begin() + r * width);
-      used.insert(hf.name);
     } else {
-      host = read_hf(w, hf.name, hf.transposed, be, dir, p.name, got, &s);
-      used.insert(hf.name);
+      host = read_hf(w, hf.name, hf.transposed, dir, p.name, got, &s, used);
     }
-    Tensor t = be.empty(s, DType::f32);
-    be.copy_from_host(t, host.data());
-    be.cast(t, p.value);
+    if (p.value.dtype() == DType::f32) {
+      be.copy_from_host(p.value, host.data());
+    } else {  // the backend's rounding, as every other cast to the weight dtype
+      Tensor t = be.empty(s, DType::f32);
+      be.copy_from_host(t, host.data());
+      be.cast(t, p.value);
+    }
   }
   // A tensor no parameter takes means config.json describes another model than the weights do
   // (tie_word_embeddings=true beside a separate lm_head.weight, fewer layers than the files

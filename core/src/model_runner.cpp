@@ -9,6 +9,7 @@
 #include "mt/data.h"
 #include "mt/error.h"
 #include "plugin_manager.h"
+#include "progress.h"
 
 namespace mt {
 
@@ -32,7 +33,12 @@ DType dtype_key(const Config& cfg, const std::string& key) {
 
 }  // namespace
 
-ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins) {
+ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins)
+    : ModelRunner(cfg, plugins, nullptr, nullptr) {}
+
+ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins,
+                         std::unique_ptr<Backend> given_backend,
+                         std::unique_ptr<AttentionKernel> given_attention) {
   reset_config_reads(cfg);
   compute_dtype_ = dtype_key(cfg, "dtype");
   weight_dtype_ = dtype_key(cfg, "weight_dtype");
@@ -61,13 +67,15 @@ ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins) {
   check_model_sizes(*model_, cfg.get_int("per_device_batch_size"),
                     cfg.get_int("max_target_length"));
   const std::string backend_name = cfg.get_string("backend");
-  backend_ = plugins.make_backend(backend_name, cfg);
-  attention_ = plugins.make_attention(backend_name, cfg.get_string("attention"), *backend_);
+  backend_ = given_backend ? std::move(given_backend) : plugins.make_backend(backend_name, cfg);
+  attention_ = given_attention
+                   ? std::move(given_attention)
+                   : plugins.make_attention(backend_name, cfg.get_string("attention"), *backend_);
   if (!attention_)
     throw UsageError("attention=" + cfg.get_string("attention") + " is registered by the " +
                      backend_name + " backend but not implemented there yet.");
 
-  if (cfg.get_bool("profile")) {
+  if (cfg.get_bool("profile") && backend_->name() != "meta") {
     profiler_ = std::make_unique<ProfilingBackend>(*backend_);
     prof_attention_ = profiler_->wrap(*attention_);
   }
@@ -99,33 +107,31 @@ Param* ModelRunner::find(const std::string& name) {
   return nullptr;
 }
 
-void ModelRunner::init_parameters(uint64_t seed) {
+void ModelRunner::init_parameters(uint64_t seed, Progress* progress) {
+  // On the backend, straight into each parameter in its own dtype: zeros and ones by fill, the
+  // normals by fill_random from the parameter's own stream (seed ^ fnv1a(name)), whose values
+  // depend on neither the order, the backend nor its thread count (mt/random_fill.h).
   for (auto& p : params_) {
-    std::vector<float> host(static_cast<size_t>(shape_numel(p.spec.shape)));
-    std::mt19937_64 rng(seed ^ fnv1a(p.name));
-    std::normal_distribution<float> normal(0.f, 1.f);
     switch (p.spec.init) {
-      case Init::zeros: std::fill(host.begin(), host.end(), 0.f); break;
-      case Init::ones: std::fill(host.begin(), host.end(), 1.f); break;
-      case Init::normal:
-        for (auto& v : host) v = normal(rng) * p.spec.stddev;
+      case Init::zeros:
+        backend().fill(p.value, 0.f);
         break;
+      case Init::ones:
+        backend().fill(p.value, 1.f);
+        break;
+      case Init::normal:
       case Init::truncated_normal: {
-        // Truncated at two standard deviations and rescaled so the variance is stddev^2
-        // (the std of a unit normal truncated to [-2, 2] is 0.87962566).
-        const float s = p.spec.stddev / 0.87962566f;
-        for (auto& v : host) {
-          float z;
-          do z = normal(rng);
-          while (std::fabs(z) > 2.f);
-          v = z * s;
-        }
+        RandomFill spec;
+        spec.key = seed ^ fnv1a(p.name);
+        spec.distribution = p.spec.init == Init::normal
+                                ? RandomFill::Distribution::normal
+                                : RandomFill::Distribution::truncated_normal;
+        spec.stddev = p.spec.stddev;
+        backend().fill_random(p.value, spec);
         break;
       }
     }
-    Tensor f = backend().empty(p.spec.shape, DType::f32);
-    backend().copy_from_host(f, host.data());
-    backend().cast(f, p.value);
+    if (progress) progress->add(static_cast<double>(p.value.nbytes()));
   }
 }
 

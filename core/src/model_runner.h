@@ -37,6 +37,11 @@ class ModelRunner {
  public:
   // Loads the backend, attention and model family plugins the config names.
   ModelRunner(const Config& cfg, PluginManager& plugins);
+  // The same on a backend (and attention kernel) made by the caller: a MetaBackend for
+  // `mt plan`, or the backend a memory check already made. A null attention is made from the
+  // plugins for the backend's name.
+  ModelRunner(const Config& cfg, PluginManager& plugins, std::unique_ptr<Backend> backend,
+              std::unique_ptr<AttentionKernel> attention = nullptr);
   ~ModelRunner();
 
   // The backend ops run on (the profiling wrapper when profile=true).
@@ -59,8 +64,10 @@ class ModelRunner {
   const std::vector<CacheSpec>& cache_specs() const { return cache_specs_; }
 
   // Initialises every parameter as MaxText does, deterministically from init_weights_seed
-  // (each parameter's stream is seeded by its name, so the result does not depend on order).
-  void init_parameters(uint64_t seed);
+  // (each parameter's stream is seeded by its name, so the result does not depend on order),
+  // on the backend with Backend::fill_random: the same bits on every backend and thread count.
+  // `progress` (optional) advances by each parameter's bytes.
+  void init_parameters(uint64_t seed, class Progress* progress = nullptr);
   // Inference only (no gradients): when the compute dtype is narrower than weight_dtype (f32
   // masters, bf16 compute), stores every parameter in the compute dtype, converted once with the
   // rounding of the per-forward cast, so a decode step reads 2 bytes per weight instead of

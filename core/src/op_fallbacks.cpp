@@ -2,6 +2,7 @@
 // one of them runs. Each is built from required ops only (or goes through the host), so it runs
 // on any backend; the backends shipped with mt override them all with kernels of their own, and
 // tests/unit/backend_ops_test.cpp runs every composition against those kernels.
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -9,6 +10,7 @@
 #include "mt/backend.h"
 #include "mt/error.h"
 #include "mt/ops.h"
+#include "mt/random_fill.h"
 
 namespace mt {
 namespace {
@@ -252,6 +254,35 @@ void Backend::copy_columns(const Tensor& src, int64_t src_col, Tensor& dst, int6
     std::vector<uint16_t> b(d.size());
     for (size_t i = 0; i < d.size(); ++i) b[i] = f32_to_bf16(d[i]);
     copy_from_host(dst, b.data());
+  }
+}
+
+void Backend::fill_random(Tensor& out, const RandomFill& spec) {
+  const bool truncated = spec.distribution == RandomFill::Distribution::truncated_normal;
+  MT_CHECK(out.defined() && (out.dtype() == DType::f32 || out.dtype() == DType::bf16),
+           "fill_random: out " + str(out) + " (want f32 or bf16)");
+  MT_CHECK((truncated || spec.distribution == RandomFill::Distribution::normal) &&
+               std::isfinite(spec.stddev) && spec.stddev >= 0.f,
+           "fill_random: distribution " + std::to_string(int(spec.distribution)) + ", stddev " +
+               std::to_string(spec.stddev) + " (want normal or truncated_normal, stddev >= 0)");
+  // Made on the host, element by element from mt/random_fill.h's reference, and copied.
+  const int64_t n = out.numel();
+  const float scale = random_fill::value_scale(truncated, spec.stddev);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (int64_t g = 0; g * 4 < n; ++g) {
+    float z[4];
+    random_fill::normal4(spec.key, static_cast<uint64_t>(g), 0, z);
+    for (int64_t j = 0; j < 4 && g * 4 + j < n; ++j) {
+      const auto i = static_cast<uint64_t>(g * 4 + j);
+      v[i] = random_fill::standard_draw(spec.key, i, truncated, z[j]) * scale;
+    }
+  }
+  if (out.dtype() == DType::f32) {
+    copy_from_host(out, v.data());
+  } else {
+    std::vector<uint16_t> b(v.size());
+    for (size_t i = 0; i < v.size(); ++i) b[i] = f32_to_bf16(v[i]);
+    copy_from_host(out, b.data());
   }
 }
 

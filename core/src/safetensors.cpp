@@ -1,6 +1,8 @@
 #include "safetensors.h"
 
 #include <fcntl.h>
+#include <oneapi/tbb/blocked_range.h>
+#include <oneapi/tbb/parallel_for.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -126,13 +128,6 @@ T load_le(const std::byte* p) {
   T v;
   std::memcpy(&v, p, sizeof(T));  // x86-64 and aarch64 are little-endian, as is the format
   return v;
-}
-
-double read_float(const std::string& dt, const std::byte* p) {
-  if (dt == "F32") return load_le<float>(p);
-  if (dt == "BF16") return bf16_to_f32(load_le<uint16_t>(p));
-  if (dt == "F16") return f16_to_f32(load_le<uint16_t>(p));
-  return load_le<double>(p);  // F64
 }
 
 // Signed value of an integer element; false for a U64 above INT64_MAX.
@@ -550,6 +545,46 @@ const SafeTensorInfo& SafeTensorsFile::info(std::string_view name) const {
 namespace {
 
 // Host bytes of `info` converted to `want`; empty when no conversion is needed (same dtype).
+// n floating elements of file type `dt` at `in` (unaligned, little-endian) to `want` at `out`:
+// the type dispatch once, outside the loop, and blocks of the tensor converted in parallel
+// (loading a checkpoint is bound by this pass).
+template <class Load>
+void convert_floats_from(Load load, DType want, std::byte* out, size_t n) {
+  auto each = [&](auto store) {
+    tbb::parallel_for(tbb::blocked_range<size_t>(0, n, size_t{1} << 16),
+                      [&](const tbb::blocked_range<size_t>& r) {
+                        for (size_t i = r.begin(); i < r.end(); ++i) store(i, load(i));
+                      });
+  };
+  if (want == DType::f32)
+    each([out](size_t i, float v) { std::memcpy(out + i * 4, &v, 4); });
+  else if (want == DType::bf16)
+    each([out](size_t i, float v) {
+      const uint16_t h = f32_to_bf16(v);
+      std::memcpy(out + i * 2, &h, 2);
+    });
+  else
+    each([out](size_t i, float v) {
+      const uint16_t h = f32_to_f16(v);
+      std::memcpy(out + i * 2, &h, 2);
+    });
+}
+
+void convert_floats(const std::string& dt, const std::byte* in, DType want, std::byte* out,
+                    size_t n) {
+  if (dt == "F32")
+    convert_floats_from([in](size_t i) { return load_le<float>(in + i * 4); }, want, out, n);
+  else if (dt == "BF16")
+    convert_floats_from([in](size_t i) { return bf16_to_f32(load_le<uint16_t>(in + i * 2)); }, want,
+                        out, n);
+  else if (dt == "F16")
+    convert_floats_from([in](size_t i) { return f16_to_f32(load_le<uint16_t>(in + i * 2)); }, want,
+                        out, n);
+  else  // F64
+    convert_floats_from([in](size_t i) { return static_cast<float>(load_le<double>(in + i * 8)); },
+                        want, out, n);
+}
+
 std::vector<std::byte> convert(const SafeTensorsFile& file, const SafeTensorInfo& info,
                                DType want) {
   auto bad = [&](const std::string& what) {
@@ -560,16 +595,7 @@ std::vector<std::byte> convert(const SafeTensorsFile& file, const SafeTensorInfo
   const size_t out_size = dtype_size(want);
   std::vector<std::byte> out(n * out_size);
   if (src->cls == StType::Cls::flt && is_float(want)) {
-    for (size_t i = 0; i < n; ++i) {
-      float v = static_cast<float>(read_float(info.dtype, info.data + i * src->size));
-      std::byte* o = out.data() + i * out_size;
-      if (want == DType::f32) {
-        std::memcpy(o, &v, 4);
-      } else {
-        uint16_t h = want == DType::bf16 ? f32_to_bf16(v) : f32_to_f16(v);
-        std::memcpy(o, &h, 2);
-      }
-    }
+    convert_floats(info.dtype, info.data, want, out.data(), n);
     return out;
   }
   if ((src->cls == StType::Cls::sint || src->cls == StType::Cls::uint) && !is_float(want)) {
@@ -646,6 +672,17 @@ Tensor load_tensor(const SafeTensorsFile& file, std::string_view name, Backend& 
     file_error(file.path(), "tensor '" + info.name + "' has shape " + shape_str(info.shape) +
                                 ", expected " + shape_str(expect));
   return load_tensor(file, name, backend, want);
+}
+
+std::vector<float> read_f32(const SafeTensorsFile& file, std::string_view name) {
+  const SafeTensorInfo& info = file.info(name);
+  const StType* src = find_st_type(info.dtype);
+  if (src->cls != StType::Cls::flt)
+    file_error(file.path(), "tensor '" + info.name + "' is " + info.dtype + ", not floating");
+  std::vector<float> out(static_cast<size_t>(info.numel()));
+  convert_floats(info.dtype, info.data, DType::f32, reinterpret_cast<std::byte*>(out.data()),
+                 out.size());
+  return out;
 }
 
 void load_into(const SafeTensorsFile& file, std::string_view name, Tensor& dst) {

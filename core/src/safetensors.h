@@ -94,6 +94,8 @@ Tensor load_tensor(const SafeTensorsFile& file, std::string_view name, Backend& 
                    const Shape& expect);
 // Loads tensor `name` into an existing tensor: shapes must match; converts to dst's dtype.
 void load_into(const SafeTensorsFile& file, std::string_view name, Tensor& dst);
+// Floating tensor `name` as f32 on the host, converted in parallel (throws for other types).
+std::vector<float> read_f32(const SafeTensorsFile& file, std::string_view name);
 
 // ---- writing --------------------------------------------------------------------------------
 struct SafeTensorsEntry {

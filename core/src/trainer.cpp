@@ -19,6 +19,7 @@
 #include "file_util.h"
 #include "hf_interop.h"
 #include "json.h"
+#include "memory_plan.h"
 #include "model_info.h"
 #include "model_runner.h"
 #include "mt/data.h"
@@ -26,6 +27,7 @@
 #include "mt/graph.h"
 #include "mt/tokenizer.h"
 #include "plugin_manager.h"
+#include "progress.h"
 #include "run_lock.h"
 #include "tensorboard.h"
 #include "tokenizer_factory.h"
@@ -89,6 +91,79 @@ std::string progress_bar(int64_t step, int64_t steps, double eta_s, double loss,
 
 }  // namespace
 
+OptimizerState make_optimizer_state(ModelRunner& runner, const Config& cfg,
+                                    std::unique_ptr<Backend> host) {
+  DType mu = runner.weight_dtype();
+  if (const std::string s = cfg.get_string("mu_dtype"); !s.empty())
+    if (!parse_dtype(s, mu) || !(mu == DType::f32 || mu == DType::bf16))
+      cfg.reject("mu_dtype", "must be float32, bfloat16, or \"\" (the weight_dtype).");
+  OptimizerState opt;
+  if (cfg.get_bool("optimizer_memory_host_offload")) {
+    MT_CHECK(host != nullptr, "optimizer_memory_host_offload needs a host backend");
+    opt.host = std::move(host);
+  }
+  Backend& be = opt.host ? *opt.host : runner.backend();
+  for (auto& p : runner.params()) {
+    opt.m.push_back(be.zeros(p.spec.shape, mu));
+    opt.v.push_back(be.zeros(p.spec.shape, DType::f32));
+  }
+  return opt;
+}
+
+StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& micro, float z_loss) {
+  Backend& be = runner.backend();
+  int64_t valid = 0;
+  for (const auto& mb : micro) valid += mb.valid_targets;
+  StepGradients r;
+  for (auto& mb : micro) {
+    Graph g(be);
+    const double share =
+        valid ? static_cast<double>(mb.valid_targets) / static_cast<double>(valid) : 0;
+    Tensor l = runner.loss(g, mb, z_loss, share, &r.aux, &r.layer_stats);
+    float lv = 0;
+    be.copy_to_host(l, &lv);
+    r.loss += lv;
+    g.backward(l);
+  }
+  runner.finish_gradients();
+  // The global gradient norm: every tensor's sum of squares in one call (one device round
+  // trip), added in parameter order.
+  std::vector<const Tensor*> grads;
+  for (auto& p : runner.params()) grads.push_back(&p.grad);
+  std::vector<double> sq;
+  be.sum_squares_each(grads, sq);
+  double total = 0;
+  for (double x : sq) total += x;
+  r.grad_norm = std::sqrt(total);
+  return r;
+}
+
+void apply_update(ModelRunner& runner, OptimizerState& opt, AdamWParams adam, float weight_decay,
+                  const std::vector<LayerStats>& layer_stats) {
+  Backend& be = runner.backend();
+  size_t i = 0;
+  for (auto& p : runner.params()) {
+    adam.weight_decay = p.spec.weight_decay ? weight_decay : 0.f;
+    if (opt.host) {
+      // Offloaded: this parameter's moments to the device, the update there, and back. The
+      // host tensors' memory is host memory (a CPU backend's), which copies read and write.
+      Tensor m = be.empty(opt.m[i].shape(), opt.m[i].dtype());
+      Tensor v = be.empty(opt.v[i].shape(), opt.v[i].dtype());
+      be.copy_from_host(m, opt.m[i].data());
+      be.copy_from_host(v, opt.v[i].data());
+      be.adamw_update(p.value, p.grad, m, v, adam);
+      be.copy_to_host(m, opt.m[i].data());
+      be.copy_to_host(v, opt.v[i].data());
+    } else {
+      be.adamw_update(p.value, p.grad, opt.m[i], opt.v[i], adam);
+    }
+    ++i;
+  }
+  // Updates outside the gradient (DeepSeek-V3's router_bias), before the step's checkpoint.
+  runner.after_step(layer_stats);
+  runner.zero_gradients();
+}
+
 TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
   // Outputs: the resolved config beside the metrics, in a directory this run alone writes:
   // locked before anything else is done, so a second run is refused at once.
@@ -99,8 +174,12 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
                "must be a plain directory name inside base_output_directory (no '/', not '.' "
                "or '..'); to write elsewhere, set base_output_directory=.");
   const fs::path run_dir = fs::path(cfg.get_string("base_output_directory")) / run_name;
+  // The memory plan first: a model that cannot fit is refused with the changes that make it
+  // fit, before the run directory is locked or anything is allocated.
+  std::unique_ptr<Backend> device = plugins.make_backend(cfg.get_string("backend"), cfg);
+  check_fits(cfg, plugins, *device, PlanFor::train, "run");
   const RunLock lock(run_dir);
-  ModelRunner runner(cfg, plugins);
+  ModelRunner runner(cfg, plugins, std::move(device));
   Backend& be = runner.backend();
   const int64_t steps = cfg.get_int("steps");
   const int64_t accum = cfg.get_int("gradient_accumulation_steps");
@@ -147,14 +226,19 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
   double peak = cfg.get_float("device_peak_tflops") * 1e12;
   if (peak <= 0) peak = be.peak_flops(runner.compute_dtype());
 
-  runner.init_parameters(static_cast<uint64_t>(cfg.get_int("init_weights_seed")));
+  {
+    // On the backend (fill_random); a phase that lasts shows its progress on a terminal.
+    double bytes = 0;
+    for (auto& p : runner.params()) bytes += static_cast<double>(p.value.nbytes());
+    Progress init("mt run: initialising parameters", bytes, "B", !quiet);
+    runner.init_parameters(static_cast<uint64_t>(cfg.get_int("init_weights_seed")), &init);
+    be.synchronize();
+  }
   runner.enable_gradients();
   runner.zero_gradients();
-  std::vector<Tensor> m, v;
-  for (auto& p : runner.params()) {
-    m.push_back(be.zeros(p.spec.shape, DType::f32));
-    v.push_back(be.zeros(p.spec.shape, DType::f32));
-  }
+  OptimizerState opt = make_optimizer_state(
+      runner, cfg,
+      cfg.get_bool("optimizer_memory_host_offload") ? plugins.make_backend("cpu", cfg) : nullptr);
 
   // Checkpoints: resume from this run's latest complete step, else start from another run's
   // full state or parameters when asked (MaxText's load_full_state_path / load_parameters_path).
@@ -163,8 +247,8 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
     size_t i = 0;
     for (auto& p : runner.params()) {
       state.params[p.name] = p.value;
-      state.opt_m[p.name] = m[i];
-      state.opt_v[p.name] = v[i];
+      state.opt_m[p.name] = opt.m[i];
+      state.opt_v[p.name] = opt.v[i];
       ++i;
     }
   }
@@ -255,7 +339,8 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
 
   auto eval_loss = [&]() -> double {
     double total = 0, count = 0;
-    for (int64_t i = 0; i < eval_steps; ++i) {
+    Progress shown("mt run: evaluating", static_cast<double>(eval_steps), "batches", tty);
+    for (int64_t i = 0; i < eval_steps; ++i, shown.add(1)) {
       HostBatch hb;
       if (!data->next(hb, /*eval=*/true)) break;
       DeviceBatch db = runner.upload(hb);
@@ -278,8 +363,6 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
   if (first_step > steps && !quiet)
     std::printf("mt run: the checkpoint is already at step %ld of steps=%ld; nothing to do.\n",
                 static_cast<long>(first_step - 1), static_cast<long>(steps));
-  std::vector<const Tensor*> grad_ptrs;
-  std::vector<double> grad_sq;
   // profile=true reports the steady state: setup and the first (warm-up) step are left out.
   const int64_t profile_from = first_step < steps ? first_step + 1 : first_step;
   for (int64_t step = first_step; step <= steps; ++step) {
@@ -287,37 +370,16 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
     const auto t0 = Clock::now();
     double data_wait = 0;
     std::vector<DeviceBatch> micro;
-    int64_t valid = 0;
     for (int64_t a = 0; a < accum; ++a) {
       const auto tw = Clock::now();
       HostBatch hb;
       data->next(hb, /*eval=*/false);
       data_wait += seconds_since(tw);
       micro.push_back(runner.upload(hb));
-      valid += micro.back().valid_targets;
     }
-    double loss = 0;
-    std::map<std::string, double> aux;    // the layers' auxiliary losses, batch-weighted
-    std::vector<LayerStats> layer_stats;  // their statistics, summed over the micro-batches
-    for (auto& mb : micro) {
-      Graph g(be);
-      const double share =
-          valid ? static_cast<double>(mb.valid_targets) / static_cast<double>(valid) : 0;
-      Tensor l = runner.loss(g, mb, z_loss, share, &aux, &layer_stats);
-      float lv = 0;
-      be.copy_to_host(l, &lv);
-      loss += lv;
-      g.backward(l);
-    }
-    runner.finish_gradients();
-    // The global gradient norm: every tensor's sum of squares in one call (one device round
-    // trip), added in parameter order.
-    grad_ptrs.clear();
-    for (auto& p : runner.params()) grad_ptrs.push_back(&p.grad);
-    be.sum_squares_each(grad_ptrs, grad_sq);
-    double sq = 0;
-    for (double x : grad_sq) sq += x;
-    const double grad_norm = std::sqrt(sq);
+    StepGradients sg = forward_backward(runner, micro, z_loss);
+    const double loss = sg.loss, grad_norm = sg.grad_norm;
+    const std::map<std::string, double>& aux = sg.aux;
     if (!std::isfinite(loss) || !std::isfinite(grad_norm)) {
       if (tty) std::printf("\n");
       throw Error(fmt::format(
@@ -332,15 +394,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
     adam.lr = static_cast<float>(lr);
     adam.step = step;
     adam.grad_scale = clip > 0 && grad_norm > clip ? static_cast<float>(clip / grad_norm) : 1.f;
-    size_t i = 0;
-    for (auto& p : runner.params()) {
-      adam.weight_decay = p.spec.weight_decay ? weight_decay : 0.f;
-      be.adamw_update(p.value, p.grad, m[i], v[i], adam);
-      ++i;
-    }
-    // Updates outside the gradient (DeepSeek-V3's router_bias), before the step's checkpoint.
-    runner.after_step(layer_stats);
-    runner.zero_gradients();
+    apply_update(runner, opt, adam, weight_decay, sg.layer_stats);
     double ckpt_s = 0;
     if (checkpointing && (step % ckpt_period == 0 || step == steps)) {
       save(step);
@@ -355,6 +409,17 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
     if (step >= first_step + kUntimedSteps) {  // the first steps warm up (kUntimedSteps)
       tps_hist.push_back(tps);
       step_ms_hist.push_back(step_s * 1e3);
+      // The run's length on this machine, from its first timed step, when it is a minute or
+      // more (a terminal's progress line carries a live ETA instead).
+      const double left = step_s * static_cast<double>(steps - step);
+      if (step == first_step + kUntimedSteps && left >= 60 && !quiet && !tty) {
+        std::printf(
+            "mt run: %.3g s a step on this machine: the remaining %ld steps take about %s "
+            "(evaluations and checkpoints extra)\n",
+            step_s, static_cast<long>(steps - step),
+            left < 120 ? fmt::format("{:.0f} s", left).c_str()
+                       : fmt::format("{:.0f} min", left / 60).c_str());
+      }
     }
     last_loss = loss;
     sum.tokens += static_cast<int64_t>(tokens);

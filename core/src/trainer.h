@@ -4,8 +4,13 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <memory>
 #include <string>
+#include <vector>
 
+#include "model_runner.h"
+#include "mt/backend.h"
 #include "mt/config.h"
 #include "mt/dtype.h"
 
@@ -39,6 +44,34 @@ double learning_rate_at(int64_t step, double peak, int64_t warmup, int64_t sched
 // The line mt run prints when dtype=float32 leaves most of the device unused (bf16 peak at least
 // four times the f32 one), suggesting mixed precision; empty otherwise.
 std::string precision_hint(DType compute, double peak_f32, double peak_bf16);
+
+// AdamW's state beside the parameters: the first moment (mu) in mu_dtype (MaxText's key; ""
+// = weight_dtype), the second (nu) always in float32. With optimizer_memory_host_offload the
+// moments live on `host` (a CPU backend: host memory) and each parameter's are streamed through
+// the device for its update.
+struct OptimizerState {
+  std::unique_ptr<Backend> host;  // declared first: the moments go before their allocator
+  std::vector<Tensor> m, v;
+};
+// `host`: where offloaded moments live (the trainer passes a CPU backend, the plan a
+// MetaBackend); required when optimizer_memory_host_offload is set, else unused.
+OptimizerState make_optimizer_state(ModelRunner& runner, const Config& cfg,
+                                    std::unique_ptr<Backend> host = nullptr);
+
+// One optimizer step's forward and backward passes over its micro-batches (gradients
+// accumulate; the loss is weighted by each micro-batch's share of the valid targets), then the
+// gradients finished and their global norm.
+struct StepGradients {
+  double loss = 0, grad_norm = 0;
+  std::map<std::string, double> aux;    // the layers' auxiliary losses, batch-weighted
+  std::vector<LayerStats> layer_stats;  // their statistics, summed over the micro-batches
+};
+StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& micro, float z_loss);
+// AdamW on every parameter (weight decay where ParamSpec::weight_decay says), then the layers'
+// updates outside the gradient (after_step), then the gradients are made fresh for the next
+// step.
+void apply_update(ModelRunner& runner, OptimizerState& opt, AdamWParams adam, float weight_decay,
+                  const std::vector<LayerStats>& layer_stats);
 
 // Trains as the config says. quiet: no terminal output (bench); throws mt::Error on NaN/Inf.
 TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet = false);

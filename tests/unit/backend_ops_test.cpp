@@ -149,6 +149,19 @@ std::vector<OpCase> cases() {
     r.b.copy_columns(src, 0, dst, 5, 4, true);
     r.keep("accumulate", dst);
   });
+  // Parameter initialisation: every backend writes the same bits (mt/random_fill.h), so exactly.
+  add(Op::fill_random, "fill_random", [](OpRun& r) {
+    Tensor a = r.out({1031}), b = r.out({3, 5});
+    RandomFill s;
+    s.key = 0x9e3779b97f4a7c15ull;
+    s.stddev = 0.5f;
+    r.b.fill_random(a, s);
+    r.keep("normal", a);
+    s.distribution = RandomFill::Distribution::truncated_normal;
+    r.b.fill_random(b, s);
+    r.keep("truncated_normal", b);
+  })->tol_f32 = 0;
+  c.back().tol_bf16 = 0;
   // ---- matmul
   add(Op::matmul, "matmul", [](OpRun& r) {
     Tensor a = r.in({5, 7}), b = r.in({7, 6}), c = r.out({5, 6});
@@ -381,7 +394,8 @@ std::vector<OpCase> cases() {
   }
   // ---- optimizer
   add(Op::adamw_update, "adamw_update", [](OpRun& r) {
-    Tensor p = r.in({45}), g = r.in({45}), m = r.f32({45}, 0.1f), v = r.positive_f32({45});
+    // m in the case's dtype: a bf16 first moment is mu_dtype=bfloat16.
+    Tensor p = r.in({45}), g = r.in({45}), m = r.in({45}, 0.1f), v = r.positive_f32({45});
     AdamWParams a;
     a.lr = 1e-2f;
     a.weight_decay = 0.1f;

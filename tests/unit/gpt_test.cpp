@@ -78,6 +78,32 @@ TEST(GptGolden, LogitsMatchTransformersInBothConfigForms) {
   }
 }
 
+// The hub's gpt2 stores the base model's weights without GPT2LMHeadModel's "transformer."
+// prefix ("h.0.attn.c_attn.weight", "wte.weight"); transformers adds its base_model_prefix when
+// loading them, and so does mt: the same logits as from the prefixed file.
+TEST(GptGolden, WeightsWithoutTheBaseModelPrefixLoad) {
+  Scratch s;
+  const fs::path dir = s.root / "hub";
+  fs::create_directories(dir);
+  for (const char* f : {"config.json", "tokenizer.json", "tokenizer_config.json"})
+    fs::copy_file(kGolden / "tied" / f, dir / f);
+  const SafeTensorsFile src(kGolden / "tied" / "model.safetensors");
+  std::vector<SafeTensorsEntry> entries;
+  const std::string prefix = "transformer.";
+  for (const auto& n : src.names()) {
+    const SafeTensorInfo& info = src.info(n);
+    entries.emplace_back(n.rfind(prefix, 0) == 0 ? n.substr(prefix.size()) : n, info.dtype,
+                         info.shape, info.data);
+  }
+  write_safetensors(dir / "model.safetensors", entries);
+  const Reference ref(kGolden / "tied");
+  std::string out_hub, out_golden;
+  const std::vector<float> hub = test::score(dir, ref, s, out_hub);
+  const std::vector<float> golden = test::score(kGolden / "tied", ref, s, out_golden);
+  ASSERT_FALSE(hub.empty()) << out_hub;
+  EXPECT_EQ(hub, golden);
+}
+
 // `mt decode hf_path=... tokens=<prompt>` prints the prompt and its 20 greedy tokens, equal to
 // transformers' generate(do_sample=False). Smallest top-1/top-2 gaps on the way: 3.0 (tied),
 // 0.021 (untied), against logit errors of ~1e-6.

@@ -763,11 +763,41 @@ TEST(AdamW, Errors) {
   hp.step = 1;
   Tensor g7 = zeros(b, {7});
   EXPECT_THROW(b.adamw_update(p, g7, m, v, hp), Error);
-  Tensor m16 = zeros(b, {8}, DType::bf16);
-  EXPECT_THROW(b.adamw_update(p, g, m16, v, hp), Error);
+  Tensor v16 = zeros(b, {8}, DType::bf16);  // m may be bf16 (mu_dtype), v may not
+  EXPECT_THROW(b.adamw_update(p, g, m, v16, hp), Error);
   Tensor pi = b.empty({8}, DType::i32);
   EXPECT_THROW(b.adamw_update(pi, g, m, v, hp), Error);
   EXPECT_NO_THROW(b.adamw_update(p, g, m, v, hp));
+}
+
+// mu_dtype=bfloat16: a bf16 first moment gives the update of the f32 one from the same
+// (bf16-representable) values, computed in f32, with m stored rounded to bf16; v and the
+// parameter are unaffected.
+TEST(AdamW, Bf16FirstMomentIsTheF32UpdateRounded) {
+  MT_SEED_TRACE();
+  Backend& b = test::cpu();
+  const int64_t n = 1000;  // past the 16-wide vector body, with a tail
+  auto round16 = [](std::vector<float> v) {
+    for (float& x : v) x = bf16_to_f32(f32_to_bf16(x));
+    return v;
+  };
+  const std::vector<float> p0 = test::randn(n, rng), g0 = test::randn(n, rng);
+  const std::vector<float> m0 = round16(test::randn(n, rng, 0.1f));
+  std::vector<float> v0 = test::randn(n, rng, 0.1f);
+  for (float& x : v0) x = x * x;
+  AdamWParams hp;
+  hp.lr = 1e-2f;
+  hp.weight_decay = 0.1f;
+  hp.step = 4;
+  Tensor p32 = test::from_vector(b, {n}, p0), m32 = test::from_vector(b, {n}, m0),
+         v32 = test::from_vector(b, {n}, v0), g = test::from_vector(b, {n}, g0);
+  Tensor p16 = test::from_vector(b, {n}, p0), m16 = test::from_vector(b, {n}, m0, DType::bf16),
+         v16 = test::from_vector(b, {n}, v0);
+  b.adamw_update(p32, g, m32, v32, hp);
+  b.adamw_update(p16, g, m16, v16, hp);
+  EXPECT_EQ(test::to_vector(p16), test::to_vector(p32));
+  EXPECT_EQ(test::to_vector(v16), test::to_vector(v32));
+  EXPECT_EQ(test::to_vector(m16), round16(test::to_vector(m32)));
 }
 
 // ---- conventions shared by the kernels --------------------------------------------------------

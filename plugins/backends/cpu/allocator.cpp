@@ -17,7 +17,9 @@ size_t CachingAllocator::round_size(size_t bytes) {
   if (bytes <= 4096) return (bytes + 63) & ~size_t{63};
   // A quarter of the largest power of two below `bytes`. No loop: a doubling loop never ended
   // for sizes above 2^63 (it wrapped to 0), which allocate() refuses before rounding anyway.
-  const size_t step = std::bit_floor(bytes - 1) / 4;
+  // Above 64 MiB (weights, optimizer state, the largest activations) a 2 MiB granule instead:
+  // four classes per power of two wasted up to 25% there (7.5% of llama2-7b's f32 weights).
+  const size_t step = bytes > (size_t{64} << 20) ? size_t{2} << 20 : std::bit_floor(bytes - 1) / 4;
   if (bytes > SIZE_MAX - step) return SIZE_MAX;
   return (bytes + step - 1) / step * step;
 }

@@ -1,8 +1,11 @@
 // CpuBackend: identity, memory, and forwarding of every kernel into the backend's oneTBB arena.
 #include "cpu_backend.h"
 
-#include <cstring>
+#include <unistd.h>
+
 #include <fmt/format.h>
+#include <cstring>
+#include <fstream>
 
 #include "kernels/kernels.h"
 #include "mt/error.h"
@@ -14,6 +17,26 @@ CpuBackend::~CpuBackend() = default;
 
 std::string CpuBackend::describe() const {
   return fmt::format("cpu: {} threads (oneTBB), GEMM: {}", num_threads_, gemm_describe());
+}
+
+namespace {
+// The host's RAM, or the cgroup's memory limit when that is lower (a container's).
+size_t host_memory_limit_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  size_t limit = pages > 0 && page > 0 ? static_cast<size_t>(pages) * static_cast<size_t>(page) : 0;
+  for (const char* f :
+       {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    std::ifstream in(f);
+    unsigned long long v = 0;
+    if (in >> v && v > 0 && (limit == 0 || v < limit)) limit = static_cast<size_t>(v);
+  }
+  return limit;
+}
+}  // namespace
+
+size_t CpuBackend::host_memory_limit() const {
+  std::call_once(limit_once_, [this] { limit_ = host_memory_limit_bytes(); });
+  return limit_;
 }
 
 double CpuBackend::peak_flops(DType dtype) const { return cpu_peak_flops(dtype, num_threads_); }
@@ -33,7 +56,11 @@ void CpuBackend::copy_from_host(Tensor& dst, const void* src) {
 void CpuBackend::copy_to_host(const Tensor& src, void* dst) {
   if (src.nbytes()) std::memcpy(dst, src.data(), src.nbytes());
 }
-MemoryStats CpuBackend::memory_stats() const { return alloc_.stats(); }
+MemoryStats CpuBackend::memory_stats() const {
+  MemoryStats s = alloc_.stats();
+  s.bytes_limit = host_memory_limit();
+  return s;
+}
 void CpuBackend::reset_peak_memory() { alloc_.reset_peak(); }
 
 void CpuBackend::fill(Tensor& x, float value) {
@@ -166,6 +193,10 @@ void CpuBackend::topk_route_backward(const Tensor& dweights, const Tensor& weigh
 void CpuBackend::copy_columns(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col,
                               int64_t width, bool accumulate) {
   run([&] { cpu::copy_columns(src, src_col, dst, dst_col, width, accumulate); });
+}
+
+void CpuBackend::fill_random(Tensor& out, const RandomFill& spec) {
+  run([&] { cpu::fill_random(out, spec); });
 }
 
 void CpuBackend::gather_rows(const Tensor& x, const Tensor& idx, Tensor& out) {

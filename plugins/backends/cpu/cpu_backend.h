@@ -4,6 +4,7 @@
 #include <oneapi/tbb/task_arena.h>
 
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "allocator.h"
@@ -42,8 +43,12 @@ class CpuBackend final : public Backend {
 #undef MT_OP
 
  private:
+  size_t host_memory_limit() const;  // read once
+
   int num_threads_;
   tbb::task_arena arena_;
+  mutable std::once_flag limit_once_;
+  mutable size_t limit_ = 0;
   CachingAllocator alloc_;
 };
 

@@ -42,9 +42,8 @@ void adamw_update(const Ctx& c, Tensor& param, const Tensor& grad, Tensor& m, Te
   auto shapes = [&] {
     return "param " + str(param) + ", grad " + str(grad) + ", m " + str(m) + ", v " + str(v);
   };
-  MT_CHECK(is_fb(param) && is_fb(grad) && m.defined() && m.dtype() == DType::f32 && v.defined() &&
-               v.dtype() == DType::f32,
-           "cuda adamw_update: param and grad must be f32 or bf16 and m, v f32: " + shapes());
+  MT_CHECK(is_fb(param) && is_fb(grad) && is_fb(m) && v.defined() && v.dtype() == DType::f32,
+           "cuda adamw_update: param, grad and m must be f32 or bf16 and v f32: " + shapes());
   const int64_t n = param.numel();
   MT_CHECK(grad.numel() == n && m.numel() == n && v.numel() == n,
            "cuda adamw_update: element counts differ: " + shapes());

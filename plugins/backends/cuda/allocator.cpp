@@ -28,7 +28,9 @@ size_t DeviceAllocator::round_size(size_t bytes) {
   if (bytes <= (size_t{1} << 20)) return (bytes + 511) & ~size_t{511};
   // A quarter of the largest power of two below `bytes`, without a doubling loop (which never
   // ended above 2^63); allocate() refuses such sizes before rounding anyway.
-  const size_t step = std::bit_floor(bytes - 1) / 4;
+  // Above 64 MiB (weights, optimizer state, the largest activations) a 2 MiB granule instead:
+  // four classes per power of two wasted up to 25% there (7.5% of llama2-7b's f32 weights).
+  const size_t step = bytes > (size_t{64} << 20) ? size_t{2} << 20 : std::bit_floor(bytes - 1) / 4;
   if (bytes > SIZE_MAX - step) return SIZE_MAX;
   return (bytes + step - 1) / step * step;
 }

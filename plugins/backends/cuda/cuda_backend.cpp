@@ -38,6 +38,11 @@ class CudaBackend final : public mt::cuda::CudaOps {
     cudaDeviceProp p{};
     check(cudaGetDeviceProperties(&p, device_), "cudaGetDeviceProperties");
     name_ = p.name;
+    // What this process can hold: the device's free memory before anything of ours is on it
+    // (the CUDA context and other processes already took their share of the total).
+    size_t free_bytes = 0, total_bytes = 0;
+    check(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo");
+    bytes_limit_ = free_bytes;
     // One non-blocking stream per backend: every kernel, copy and GEMM is ordered on it, which is
     // also what makes the allocator's immediate reuse of freed blocks safe.
     check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -97,7 +102,11 @@ class CudaBackend final : public mt::cuda::CudaOps {
     check(cudaStreamSynchronize(stream_), "synchronize");
     report_checks();
   }
-  mt::MemoryStats memory_stats() const override { return alloc_.stats(); }
+  mt::MemoryStats memory_stats() const override {
+    mt::MemoryStats s = alloc_.stats();
+    s.bytes_limit = bytes_limit_;
+    return s;
+  }
   void reset_peak_memory() override { alloc_.reset_peak(); }
 
  private:
@@ -114,6 +123,7 @@ class CudaBackend final : public mt::cuda::CudaOps {
   }
   int device_;
   std::string name_;
+  size_t bytes_limit_ = 0;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<mt::cuda::HostCopier> copier_;  // pinned staging for host <-> device copies
   // ctx_ (in CudaOps) outlives these members: the destructor empties it first, so the GEMM

@@ -1,16 +1,18 @@
-// Elementwise kernels of the CUDA backend: fill, cast, add, mul, scale, axpy, the deterministic
-// sums, activations (plain and gated) and the soft-cap. All but fill and the sums are Ew math
-// (common.cuh).
+// Elementwise kernels of the CUDA backend: fill, cast, add, mul, scale, axpy, fill_random, the
+// deterministic sums, activations (plain and gated) and the soft-cap. All but fill, fill_random
+// and the sums are Ew math (common.cuh).
 #ifndef MT_CUDA_EMULATION
 #include <cuda_bf16.h>
 #endif
 
+#include <cmath>
 #include <cstdint>
 #include <initializer_list>
 #include <string>
 #include <vector>
 
 #include "common.cuh"
+#include "mt/random_fill.h"
 
 namespace mt::cuda {
 
@@ -117,6 +119,55 @@ void axpy(const Ctx& c, float alpha, const Tensor& x, Tensor& y) {
   check_same("axpy", x, y);
   launch_ew(c, x.numel(), Ew<1, 1, AxpyM>{{in(x)}, {out(y)}, {true}, {alpha}}, "axpy",
             [&] { return str(x) + " -> " + str(y); });
+}
+
+// ---- random fill ----------------------------------------------------------------------------
+namespace {
+
+// Eight elements (two Philox blocks) per thread and step, stored as one (bf16) or two (f32)
+// 16-byte stores where the output is aligned. The truncated normal's rare redraws (4.55% of
+// elements) diverge within a warp, briefly.
+__global__ void fill_random_kernel(Out o, int64_t n, uint64_t key, bool truncated, float scale,
+                                   bool vec) {
+  namespace rf = random_fill;
+  const int64_t chunks = (n + 7) / 8;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < chunks;
+       c += stride) {
+    const int64_t base = c * 8;
+    float a[4], b[4], z[8];
+    rf::normal4(key, static_cast<uint64_t>(c) * 2, 0, a);
+    rf::normal4(key, static_cast<uint64_t>(c) * 2 + 1, 0, b);
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      z[t] = a[t];
+      z[t + 4] = b[t];
+    }
+#pragma unroll
+    for (int t = 0; t < 8; ++t)
+      z[t] = __fmul_rn(rf::standard_draw(key, static_cast<uint64_t>(base + t), truncated, z[t]),
+                       scale);
+    store8_upto(o, base, z, n, vec);
+  }
+}
+
+}  // namespace
+
+void fill_random(const Ctx& c, Tensor& t, const RandomFill& spec) {
+  auto shapes = [&] { return str(t); };
+  const bool truncated = spec.distribution == RandomFill::Distribution::truncated_normal;
+  MT_CHECK(is_fb(t), "cuda fill_random: out " + shapes() + " (want f32 or bf16)");
+  MT_CHECK((truncated || spec.distribution == RandomFill::Distribution::normal) &&
+               std::isfinite(spec.stddev) && spec.stddev >= 0.f,
+           "cuda fill_random: distribution " + std::to_string(int(spec.distribution)) +
+               ", stddev " + std::to_string(spec.stddev) +
+               " (want normal or truncated_normal, stddev >= 0)");
+  const int64_t n = t.numel();
+  if (n == 0) return;
+  const float scale = random_fill::value_scale(truncated, spec.stddev);
+  MT_LAUNCH(fill_random_kernel, grid_for((n + 7) / 8), kThreads, 0, c.stream)
+  (out(t), n, spec.key, truncated, scale, aligned16({t.data()}));
+  launched("fill_random", shapes);
 }
 
 // ---- two-pass deterministic sum ------------------------------------------------------------

@@ -122,6 +122,8 @@ inline void sum_squares_each(const Ctx& c, const std::vector<const Tensor*>& xs,
 // split and concat on the last dimension
 void copy_columns(const Ctx& c, const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col,
                   int64_t width, bool accumulate);
+// parameter initialisation: mt/random_fill.h's values, the same bits as the CPU's (elementwise.cu)
+void fill_random(const Ctx& c, Tensor& out, const RandomFill& spec);
 
 // matmul (cuBLASLt through c.gemm, f32 accumulation; gemm.cu)
 void matmul(const Ctx& c, const Tensor& a, const Tensor& b, Tensor& out, bool trans_a, bool trans_b,

@@ -23,7 +23,8 @@
 #include "mt/export.h"
 #include "mt/tensor.h"
 
-#define MT_OPSET_VERSION 3  // 3: ops as data (mt/ops.def), Activation::tanh (see version.h)
+// 3: ops as data (mt/ops.def), Activation::tanh; 4: fill_random (see version.h)
+#define MT_OPSET_VERSION 4
 
 namespace mt {
 
@@ -75,6 +76,16 @@ struct AdamWParams {
   float grad_scale = 1.f;    // multiplies the gradient first (clipping, 1/accumulation)
 };
 
+// Backend::fill_random's distribution. normal: N(0, stddev^2). truncated_normal: a standard
+// normal truncated at +-2 and rescaled so the variance is stddev^2 (as MaxText's initialisers).
+// key: the stream (the parameter's seed); mt/random_fill.h defines every element's value.
+struct RandomFill {
+  enum class Distribution : uint8_t { normal, truncated_normal };
+  uint64_t key = 0;
+  Distribution distribution = Distribution::normal;
+  float stddev = 1.f;
+};
+
 // What a backend's out-of-memory error ends with: the settings a user can change.
 inline constexpr const char* kOutOfMemoryAdvice =
     "Lower per_device_batch_size or max_target_length, recompute activations in the backward "
@@ -90,6 +101,10 @@ struct MemoryStats {
   size_t peak_bytes_in_use = 0;
   size_t bytes_cached = 0;       // held by the caching allocator, free for reuse
   size_t num_system_allocs = 0;  // calls to the system allocator since start
+  // What the device can hold in all (the GPU's memory, the host's RAM or cgroup limit); 0 when
+  // the backend cannot tell. `mt plan` and the check before `mt run` / `mt decode` compare the
+  // predicted peak with it.
+  size_t bytes_limit = 0;
 };
 
 class MT_API Backend {

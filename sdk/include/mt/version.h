@@ -17,5 +17,6 @@
 // Graph::ExpertOrder::routed with token dropping's sort_by_expert; 6: Model::embed_at (token
 // embeddings with their positions, for learned absolute position tables); 7: LayerOutput::stats
 // (LayerStat, non-differentiable per-layer statistics) and DecoderLayer::after_step (updates
-// after the optimizer step: DeepSeek-V3's routed_bias_update_rate).
-#define MT_ABI_VERSION 7u
+// after the optimizer step: DeepSeek-V3's routed_bias_update_rate); 8: Backend::fill_random
+// (RandomFill, counter-based parameter initialisation; op set 4), MemoryStats::bytes_limit.
+#define MT_ABI_VERSION 8u

@@ -19,6 +19,9 @@ void axpy(float alpha, const Tensor& x, Tensor& y);
 double sum(const Tensor& x);
 double sum_squares(const Tensor& x);
 
+// random.cpp
+void fill_random(Tensor& out, const RandomFill& spec);
+
 // columns.cpp
 void copy_columns(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col, int64_t width,
                   bool accumulate);

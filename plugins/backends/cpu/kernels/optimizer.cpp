@@ -52,14 +52,16 @@ void store_f(uint16_t* p, int64_t i, float v) {
 // One contiguous block, one element at a time: the portable path and the tail of the vector one.
 // The vector path below performs the same f32 operations in the same order (no FMA
 // contraction), so both give the same bits.
-template <class P, class G>
-void adamw_scalar(P* param, const G* grad, float* m, float* v, int64_t begin, int64_t end,
+template <class P, class G, class M>
+void adamw_scalar(P* param, const G* grad, M* m, float* v, int64_t begin, int64_t end,
                   const AdamWConsts& c) {
   for (int64_t i = begin; i < end; ++i) {
     const float g = load_f(grad, i) * c.grad_scale;
-    const float mi = c.b1 * m[i] + c.one_minus_b1 * g;
+    // A bf16 first moment (mu_dtype=bfloat16) is updated in f32 and stored rounded; the
+    // update uses the f32 value, as optax does.
+    const float mi = c.b1 * load_f(m, i) + c.one_minus_b1 * g;
     const float vi = c.b2 * v[i] + c.one_minus_b2 * (g * g);
-    m[i] = mi;
+    store_f(m, i, mi);
     v[i] = vi;
     const float p = load_f(param, i);
     // Decoupled weight decay uses the parameter before this step's update.
@@ -94,8 +96,8 @@ MT_AVX512 inline void store16(uint16_t* p, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
 }
 
-template <class P, class G>
-MT_AVX512 void adamw_avx512(P* param, const G* grad, float* m, float* v, int64_t begin, int64_t end,
+template <class P, class G, class M>
+MT_AVX512 void adamw_avx512(P* param, const G* grad, M* m, float* v, int64_t begin, int64_t end,
                             const AdamWConsts& c) {
   const __m512 b1 = _mm512_set1_ps(c.b1), omb1 = _mm512_set1_ps(c.one_minus_b1);
   const __m512 b2 = _mm512_set1_ps(c.b2), omb2 = _mm512_set1_ps(c.one_minus_b2);
@@ -123,8 +125,8 @@ bool have_avx512() {
   return yes;
 }
 
-template <class P, class G>
-void adamw_typed(P* param, const G* grad, float* m, float* v, int64_t n, const AdamWConsts& c) {
+template <class P, class G, class M>
+void adamw_typed(P* param, const G* grad, M* m, float* v, int64_t n, const AdamWConsts& c) {
   const bool simd = have_avx512();
   tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, kGrain),
                     [&](const tbb::blocked_range<int64_t>& r) {
@@ -135,6 +137,20 @@ void adamw_typed(P* param, const G* grad, float* m, float* v, int64_t n, const A
                     });
 }
 
+template <class M>
+void adamw_dispatch(Tensor& param, const Tensor& grad, M* m, float* v, int64_t n,
+                    const AdamWConsts& c) {
+  const bool p32 = param.dtype() == DType::f32, g32 = grad.dtype() == DType::f32;
+  if (p32 && g32)
+    adamw_typed(param.ptr<float>(), grad.ptr<const float>(), m, v, n, c);
+  else if (p32)
+    adamw_typed(param.ptr<float>(), grad.ptr<const uint16_t>(), m, v, n, c);
+  else if (g32)
+    adamw_typed(param.ptr<uint16_t>(), grad.ptr<const float>(), m, v, n, c);
+  else
+    adamw_typed(param.ptr<uint16_t>(), grad.ptr<const uint16_t>(), m, v, n, c);
+}
+
 }  // namespace
 
 void adamw_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) {
@@ -142,10 +158,10 @@ void adamw_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const
   for (const Tensor* t : std::initializer_list<const Tensor*>{&param, &grad, &m, &v})
     if (!t->defined()) fail(fmt::format("{}: every tensor must be defined", op));
   const auto is_f32_or_bf16 = [](DType t) { return t == DType::f32 || t == DType::bf16; };
-  if (!is_f32_or_bf16(param.dtype()) || !is_f32_or_bf16(grad.dtype()) || m.dtype() != DType::f32 ||
-      v.dtype() != DType::f32)
+  if (!is_f32_or_bf16(param.dtype()) || !is_f32_or_bf16(grad.dtype()) ||
+      !is_f32_or_bf16(m.dtype()) || v.dtype() != DType::f32)
     fail(
-        fmt::format("{}: param and grad must be f32 or bf16 and m, v f32; got param {}, grad {}, "
+        fmt::format("{}: param, grad and m must be f32 or bf16 and v f32; got param {}, grad {}, "
                     "m {}, v {}",
                     op, param.str(), grad.str(), m.str(), v.str()));
   const int64_t n = param.numel();
@@ -169,17 +185,10 @@ void adamw_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const
   c.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
   c.decay = static_cast<float>(static_cast<double>(p.lr) * p.weight_decay);
 
-  float* mp = m.ptr<float>();
-  float* vp = v.ptr<float>();
-  const bool p32 = param.dtype() == DType::f32, g32 = grad.dtype() == DType::f32;
-  if (p32 && g32)
-    adamw_typed(param.ptr<float>(), grad.ptr<const float>(), mp, vp, n, c);
-  else if (p32)
-    adamw_typed(param.ptr<float>(), grad.ptr<const uint16_t>(), mp, vp, n, c);
-  else if (g32)
-    adamw_typed(param.ptr<uint16_t>(), grad.ptr<const float>(), mp, vp, n, c);
+  if (m.dtype() == DType::f32)
+    adamw_dispatch(param, grad, m.ptr<float>(), v.ptr<float>(), n, c);
   else
-    adamw_typed(param.ptr<uint16_t>(), grad.ptr<const uint16_t>(), mp, vp, n, c);
+    adamw_dispatch(param, grad, m.ptr<uint16_t>(), v.ptr<float>(), n, c);
 }
 
 }  // namespace mt::cpu

@@ -1,0 +1,461 @@
+#include "memory_plan.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <map>
+#include <memory>
+
+#include "config_impl.h"
+#include "decoder.h"
+#include "model_runner.h"
+#include "mt/data.h"
+#include "mt/error.h"
+#include "trainer.h"
+
+namespace mt {
+
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+bool tf32_matmuls(const Config& cfg) {
+  const std::string p = cfg.has("matmul_precision") ? cfg.get_string("matmul_precision") : "";
+  return p == "high" || p == "default";
+}
+
+// `base` with key=value words applied, typed as the keys' current values.
+Config with_words(const Config& base, const std::vector<std::string>& words) {
+  Config c = base;
+  for (const auto& w : words) {
+    const auto eq = w.find('=');
+    const std::string key = w.substr(0, eq), value = w.substr(eq + 1);
+    ConfigValue v = c.impl().at(key);
+    v.s = value;
+    if (v.type == ValueType::int_) std::from_chars(value.data(), value.data() + value.size(), v.i);
+    if (v.type == ValueType::bool_) v.b = value == "true";
+    v.origin = "command line (mt plan's suggestion)";
+    c.impl().set(key, std::move(v));
+  }
+  return c;
+}
+
+std::unique_ptr<ModelRunner> meta_runner(const Config& cfg, PluginManager& plugins,
+                                         const DeviceProfile& device) {
+  auto backend = std::make_unique<MetaBackend>(device);
+  auto attention = std::make_unique<MetaAttention>(cfg.get_string("attention"), *backend,
+                                                   device.f32_working_copies);
+  return std::make_unique<ModelRunner>(cfg, plugins, std::move(backend), std::move(attention));
+}
+
+size_t in_use(ModelRunner& r) {
+  return r.backend().memory_stats().bytes_in_use;
+}
+
+// One training step exactly as train() runs it (trainer.h's pieces), on a MetaBackend.
+TrainingPlan trace_training(const Config& cfg, PluginManager& plugins,
+                            const DeviceProfile& device) {
+  auto runner = meta_runner(cfg, plugins, device);
+  Backend& be = runner->backend();
+  TrainingPlan t;
+  t.weights = in_use(*runner);
+  runner->enable_gradients();
+  runner->zero_gradients();
+  t.gradients = in_use(*runner) - t.weights;
+  const bool offload = cfg.get_bool("optimizer_memory_host_offload");
+  OptimizerState opt = make_optimizer_state(
+      *runner, cfg, offload ? std::make_unique<MetaBackend>(DeviceProfile{}) : nullptr);
+  t.optimizer = in_use(*runner) - t.weights - t.gradients;
+  if (opt.host) t.host_optimizer = opt.host->memory_stats().bytes_in_use;
+  const int64_t batch = cfg.get_int("per_device_batch_size");
+  const int64_t seq = cfg.get_int("max_target_length");
+  std::vector<DeviceBatch> micro;
+  HostBatch hb;
+  hb.batch = batch;
+  hb.seq = seq;
+  hb.inputs.assign(static_cast<size_t>(batch * seq), 0);
+  hb.targets = hb.inputs;
+  const size_t before = in_use(*runner);
+  for (int64_t a = 0; a < cfg.get_int("gradient_accumulation_steps"); ++a)
+    micro.push_back(runner->upload(hb));
+  t.batches = in_use(*runner) - before;
+  be.reset_peak_memory();
+  StepGradients sg = forward_backward(*runner, micro, 0.f);
+  AdamWParams adam;
+  adam.lr = 1e-4f;
+  apply_update(*runner, opt, adam, 0.f, sg.layer_stats);
+  t.peak = be.memory_stats().peak_bytes_in_use;
+  t.activations = t.peak - (t.weights + t.gradients + t.optimizer + t.batches);
+  if (cfg.get_bool("enable_checkpointing") && cfg.get_bool("async_checkpointing")) {
+    for (const auto& p : runner->params()) t.checkpoint += p.value.nbytes();
+    for (const auto* moments : {&opt.m, &opt.v})
+      for (const auto& m : *moments) t.checkpoint += m.nbytes();
+  }
+  if (device.is_host) t.peak += t.host_optimizer + t.checkpoint;
+  return t;
+}
+
+// Loading as mt decode does (weights stored in the compute dtype), then caches, a prefill of the
+// longest prompt and one decode step of every sequence.
+DecodePlan trace_decode(const Config& cfg, PluginManager& plugins, const DeviceProfile& device,
+                        int64_t batch) {
+  auto runner = meta_runner(cfg, plugins, device);
+  Backend& be = runner->backend();
+  DecodePlan d;
+  d.batch = batch;
+  d.max_len = cfg.get_int("max_target_length");
+  d.prefill = std::min(cfg.get_int("max_prefill_predict_length"), d.max_len - 1);
+  runner->store_weights_in_compute_dtype();
+  d.weights = in_use(*runner);
+  Decoder dec(*runner, batch, d.max_len);
+  d.kv_cache = in_use(*runner) - d.weights;
+  be.reset_peak_memory();
+  if (d.prefill > 0) {
+    dec.prefill(0, std::vector<int32_t>(static_cast<size_t>(d.prefill), 0));
+    dec.step(std::vector<int32_t>(static_cast<size_t>(batch), 0),
+             std::vector<bool>(static_cast<size_t>(batch), true));
+  }
+  d.peak = std::max(be.memory_stats().peak_bytes_in_use, d.weights + d.kv_cache);
+  d.activations = d.peak - d.weights - d.kv_cache;
+  return d;
+}
+
+size_t planned_peak(const Config& cfg, PluginManager& plugins, const DeviceProfile& device,
+                    bool train, int64_t decode_batch) {
+  return train ? trace_training(cfg, plugins, device).peak
+               : trace_decode(cfg, plugins, device, decode_batch).peak;
+}
+
+// Training peaks already traced in a search, by the sorted words applied.
+using PeakMemo = std::map<std::string, size_t>;
+
+size_t training_peak(const Config& cfg, const std::vector<std::string>& words,
+                     PluginManager& plugins, const DeviceProfile& device, PeakMemo& memo) {
+  std::vector<std::string> sorted = words;
+  std::sort(sorted.begin(), sorted.end());
+  const std::string key = fmt::format("{}", fmt::join(sorted, " "));
+  if (auto it = memo.find(key); it != memo.end()) return it->second;
+  return memo[key] = planned_peak(with_words(cfg, words), plugins, device, true, 1);
+}
+
+// The changes a user can make, cheapest first (in the throughput or accuracy they cost), each
+// only where it changes something.
+std::vector<std::vector<std::string>> training_changes(const Config& cfg,
+                                                       const DeviceProfile& device) {
+  std::vector<std::vector<std::string>> c;
+  const std::string mu = cfg.get_string("mu_dtype");
+  const std::string weight = cfg.get_string("weight_dtype");
+  if (mu != "bfloat16" && !(mu.empty() && weight == "bfloat16")) c.push_back({"mu_dtype=bfloat16"});
+  const std::string remat = cfg.get_string("remat_policy");
+  if (remat == "none") c.push_back({"remat_policy=minimal"});
+  if (remat != "full") c.push_back({"remat_policy=full"});
+  if (cfg.get_string("dtype") == "float32") c.push_back({"dtype=bfloat16"});
+  // Smaller micro-batches, the same global batch: the largest that fits is found later.
+  if (cfg.get_int("per_device_batch_size") > 1) c.push_back({"<micro-batches>"});
+  // The snapshot of asynchronous checkpoints, where it shares the device's memory.
+  if (device.is_host && cfg.get_bool("enable_checkpointing") && cfg.get_bool("async_checkpointing"))
+    c.insert(c.begin(), {"async_checkpointing=false"});
+  // Host memory for the moments: only where the device is not the host.
+  if (!device.is_host && !cfg.get_bool("optimizer_memory_host_offload"))
+    c.push_back({"optimizer_memory_host_offload=true"});
+  if (weight == "float32") c.push_back({"weight_dtype=bfloat16"});
+  return c;
+}
+
+// Micro-batches: per_device_batch_size / 2^j with gradient_accumulation_steps x 2^j, the largest
+// micro-batch whose peak fits (or the smallest, with its peak, when none does).
+PlanFix micro_batch_fix(const Config& cfg, const std::vector<std::string>& others,
+                        PluginManager& plugins, const DeviceProfile& device, PeakMemo& memo) {
+  const int64_t batch = cfg.get_int("per_device_batch_size");
+  const int64_t accum = cfg.get_int("gradient_accumulation_steps");
+  PlanFix best;
+  for (int64_t div = 2; div <= batch; div *= 2) {
+    if (batch % div) break;
+    PlanFix f;
+    f.words = others;
+    f.words.push_back(fmt::format("per_device_batch_size={}", batch / div));
+    f.words.push_back(fmt::format("gradient_accumulation_steps={}", accum * div));
+    f.peak = training_peak(cfg, f.words, plugins, device, memo);
+    f.fits = f.peak <= device.bytes;
+    best = f;
+    if (f.fits) break;
+  }
+  return best;
+}
+
+void find_fixes(Plan& plan, const Config& cfg, PluginManager& plugins, const DeviceProfile& device,
+                bool train, int64_t decode_batch) {
+  if (device.bytes == 0) return;
+  if (train) {
+    const auto changes = training_changes(cfg, device);
+    PeakMemo memo;
+    auto evaluate = [&](std::vector<std::string> words) {
+      if (!words.empty() && words.back() == "<micro-batches>") {
+        words.pop_back();
+        return micro_batch_fix(cfg, words, plugins, device, memo);
+      }
+      PlanFix f;
+      f.words = words;
+      f.peak = training_peak(cfg, words, plugins, device, memo);
+      f.fits = f.peak <= device.bytes;
+      return f;
+    };
+    // Each change alone; then, if none is enough, changes added cheapest first until it fits.
+    for (const auto& c : changes) {
+      PlanFix f = evaluate(c);
+      if (f.fits) plan.fixes.push_back(f);
+    }
+    if (!plan.fixes.empty()) {
+      if (plan.fixes.size() > 4) plan.fixes.resize(4);
+      return;
+    }
+    std::vector<std::string> acc;
+    PlanFix last;
+    // A later change of the same key replaces the earlier one (remat minimal, then full).
+    auto key_of = [](const std::string& w) { return w.substr(0, w.find('=')); };
+    for (const auto& c : changes) {
+      std::vector<std::string> words;
+      for (const auto& w : acc)
+        if (std::none_of(c.begin(), c.end(),
+                         [&](const std::string& n) { return key_of(n) == key_of(w); }))
+          words.push_back(w);
+      words.insert(words.end(), c.begin(), c.end());
+      last = evaluate(words);
+      acc = last.words;
+      if (!last.fits) continue;
+      // Then each change that is not needed is dropped again, the costliest first (a batch
+      // split goes with its accumulation steps).
+      for (size_t i = acc.size(); i-- > 0;) {
+        if (i >= acc.size()) continue;
+        const std::string k = key_of(acc[i]);
+        if (k == "gradient_accumulation_steps") continue;
+        std::vector<std::string> fewer;
+        for (const auto& w : acc)
+          if (key_of(w) != k &&
+              !(k == "per_device_batch_size" && key_of(w) == "gradient_accumulation_steps"))
+            fewer.push_back(w);
+        PlanFix f;
+        f.words = fewer;
+        f.peak = training_peak(cfg, fewer, plugins, device, memo);
+        f.fits = f.peak <= device.bytes;
+        if (f.fits) {
+          acc = fewer;
+          last = f;
+        }
+      }
+      plan.fixes.push_back(last);
+      return;
+    }
+    const TrainingPlan& t = *plan.train;
+    plan.beyond_fixes =
+        fmt::format("Even with {} the peak is {} of the device's {}.",
+                    last.words.empty() ? std::string("every change")
+                                       : fmt::format("{}", fmt::join(last.words, " ")),
+                    human_bytes(static_cast<double>(last.peak)),
+                    human_bytes(static_cast<double>(device.bytes)));
+    plan.beyond_fixes += fmt::format(
+        " The weights, gradients and optimizer state alone take {} at this precision: the "
+        "model needs more memory than one device has (a smaller model, or sharding over several "
+        "devices, which mt does not do yet).",
+        human_bytes(static_cast<double>(t.weights + t.gradients + t.optimizer)));
+    return;
+  }
+  // Decode: bf16 weights and caches, then a shorter context.
+  std::vector<std::vector<std::string>> changes;
+  if (cfg.get_string("dtype") == "float32") changes.push_back({"dtype=bfloat16"});
+  for (int64_t len = cfg.get_int("max_target_length") / 2;
+       len >= std::max<int64_t>(cfg.get_int("max_prefill_predict_length") + 1, 128); len /= 2)
+    changes.push_back({fmt::format("max_target_length={}", len)});
+  for (const auto& c : changes) {
+    PlanFix f;
+    f.words = c;
+    f.peak = planned_peak(with_words(cfg, c), plugins, device, false, decode_batch);
+    f.fits = f.peak <= device.bytes;
+    if (f.fits) {
+      plan.fixes.push_back(f);
+      break;
+    }
+  }
+  if (plan.fixes.empty())
+    plan.beyond_fixes = fmt::format(
+        "The weights alone take {} in {}: the model needs more memory than one device has.",
+        human_bytes(static_cast<double>(plan.decode->weights)), dtype_name(plan.compute));
+}
+
+}  // namespace
+
+std::string human_bytes(double b) {
+  if (b < 1024) return fmt::format("{:.0f} B", b);
+  if (b < 1024.0 * 1024) return fmt::format("{:.1f} KiB", b / 1024);
+  if (b < kGiB) return fmt::format("{:.1f} MiB", b / (1024.0 * 1024));
+  return fmt::format("{:.2f} GiB", b / kGiB);
+}
+
+DeviceProfile plan_target(const Config& cfg, const Backend* real, bool use_plan_device) {
+  const std::string name = use_plan_device ? cfg.get_string("plan_device") : std::string();
+  if (!name.empty()) {
+    std::optional<DeviceProfile> p = named_device(name, tf32_matmuls(cfg));
+    if (!p)
+      cfg.reject("plan_device", "is not a device mt knows. Known: " + named_devices() +
+                                    " (e.g. cpu-24gb for a host with 24 GiB).");
+    if (name.rfind("cpu-", 0) == 0) p->f32_working_copies = p->is_host = true;
+    if (p->peak_bf16 == 0 && real && real->name() == "cpu") {
+      p->peak_bf16 = real->peak_flops(DType::bf16);
+      p->peak_f32 = real->peak_flops(DType::f32);
+    }
+    return *p;
+  }
+  DeviceProfile p;
+  if (!real) return p;
+  p.name = real->describe();
+  p.bytes = real->memory_stats().bytes_limit;
+  p.peak_bf16 = real->peak_flops(DType::bf16);
+  p.peak_f32 = real->peak_flops(DType::f32);
+  p.f32_working_copies = p.is_host = real->name() == "cpu";
+  if (real->name() == "cuda") {
+    p.small_granule = 512;
+    p.small_limit = size_t{1} << 20;
+  }
+  return p;
+}
+
+Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& device, PlanFor what,
+               bool with_fixes, int64_t decode_batch) {
+  Plan plan;
+  plan.device = device;
+  plan.assumed_mfu = cfg.get_float("plan_assumed_mfu");
+  {
+    auto runner = meta_runner(cfg, plugins, device);
+    plan.counts = count_parameters(runner->model());
+    plan.compute = runner->compute_dtype();
+    plan.weights = runner->weight_dtype();
+    plan.flops_per_token = runner->model().flops_per_token(cfg.get_int("max_target_length"));
+  }
+  plan.tokens_per_step = cfg.get_int("per_device_batch_size") * cfg.get_int("max_target_length") *
+                         cfg.get_int("gradient_accumulation_steps");
+  if (what != PlanFor::decode) plan.train = trace_training(cfg, plugins, device);
+  if (what != PlanFor::train) plan.decode = trace_decode(cfg, plugins, device, decode_batch);
+  if (with_fixes && plan.train)
+    for (const char* policy : {"none", "minimal", "full"})
+      plan.activations_by_remat.emplace_back(
+          policy,
+          trace_training(with_words(cfg, {std::string("remat_policy=") + policy}), plugins, device)
+              .activations);
+  const bool train = what != PlanFor::decode;
+  const size_t peak = train ? plan.train->peak : plan.decode->peak;
+  if (with_fixes && device.bytes && peak > device.bytes)
+    find_fixes(plan, cfg, plugins, device, train, decode_batch);
+  return plan;
+}
+
+std::string format_plan(const Plan& p, const Config& cfg) {
+  std::string s;
+  const double cap = static_cast<double>(p.device.bytes);
+  auto row = [&](const char* what, size_t bytes, const std::string& note) {
+    s += fmt::format("  {:<13}{:>12}  {}\n", what, human_bytes(static_cast<double>(bytes)), note);
+  };
+  s += fmt::format("device: {}{}\n", p.device.name,
+                   p.device.bytes ? fmt::format(", {} of memory", human_bytes(cap))
+                                  : std::string(", memory unknown"));
+  s += fmt::format("parameters: {} total, {} in matmuls, {} active per token\n",
+                   human_count(static_cast<double>(p.counts.total)),
+                   human_count(static_cast<double>(p.counts.matmul)),
+                   human_count(p.counts.active_matmul));
+  auto verdict = [&](size_t peak) {
+    if (!p.device.bytes) return std::string();
+    if (peak <= p.device.bytes)
+      return fmt::format("fits: {:.0f}% of the device", 100.0 * static_cast<double>(peak) / cap);
+    return fmt::format("DOES NOT FIT: {} over", human_bytes(static_cast<double>(peak) - cap));
+  };
+  if (p.train) {
+    const TrainingPlan& t = *p.train;
+    const std::string mu = cfg.get_string("mu_dtype");
+    s += fmt::format(
+        "training, per device (per_device_batch_size={} x max_target_length={}, "
+        "gradient_accumulation_steps={}, remat_policy={}, dtype={}):\n",
+        cfg.get_int("per_device_batch_size"), cfg.get_int("max_target_length"),
+        cfg.get_int("gradient_accumulation_steps"), cfg.get_string("remat_policy"),
+        cfg.get_string("dtype"));
+    row("weights", t.weights, fmt::format("weight_dtype={}", dtype_name(p.weights)));
+    row("gradients", t.gradients, "float32");
+    if (t.host_optimizer)
+      row("optimizer", t.optimizer,
+          fmt::format("AdamW: mu {}, nu float32, in host memory ({} there; "
+                      "optimizer_memory_host_offload)",
+                      mu.empty() ? dtype_name(p.weights) : mu,
+                      human_bytes(static_cast<double>(t.host_optimizer))));
+    else
+      row("optimizer", t.optimizer,
+          fmt::format("AdamW: mu {}, nu float32", mu.empty() ? dtype_name(p.weights) : mu));
+    row("batches", t.batches, "token ids of the step's micro-batches");
+    row("activations", t.activations,
+        "peak above those: saved for the backward, their gradients, temporaries");
+    if (t.checkpoint)
+      row("checkpoint", t.checkpoint,
+          p.device.is_host ? "host copy of weights and moments that async_checkpointing keeps"
+                           : "in host memory: async_checkpointing's copy of weights and moments");
+    row("peak", t.peak, verdict(t.peak));
+    if (!p.activations_by_remat.empty()) {
+      s += "  activations by remat_policy:";
+      for (const auto& [policy, bytes] : p.activations_by_remat)
+        s += fmt::format(" {} {}{}", policy, human_bytes(static_cast<double>(bytes)),
+                         &policy == &p.activations_by_remat.back().first ? "" : ",");
+      s += "\n";
+    }
+    const double flops = p.flops_per_token * static_cast<double>(p.tokens_per_step);
+    const double peak_flops = p.compute == DType::bf16 ? p.device.peak_bf16 : p.device.peak_f32;
+    s += fmt::format("  model FLOPs per step: {:.4g} ({} tokens x {:.4g} per token)\n", flops,
+                     p.tokens_per_step, p.flops_per_token);
+    if (peak_flops > 0)
+      s += fmt::format(
+          "  step time: {:.3g} s at the device's peak {:.3g} TFLOP/s ({}); {:.3g} s at an assumed "
+          "MFU of {:.0f}% (plan_assumed_mfu): {:.4g} tokens/s\n",
+          flops / peak_flops, peak_flops / 1e12, dtype_name(p.compute),
+          flops / (peak_flops * p.assumed_mfu), 100 * p.assumed_mfu,
+          static_cast<double>(p.tokens_per_step) * peak_flops * p.assumed_mfu / flops);
+    else
+      s += "  step time: unknown (the device's peak FLOP/s is not known; set plan_device)\n";
+  }
+  if (p.decode) {
+    const DecodePlan& d = *p.decode;
+    s += fmt::format("decode ({} sequence{} of up to {} tokens, prefill of {}, dtype={}):\n",
+                     d.batch, d.batch == 1 ? "" : "s", d.max_len, d.prefill,
+                     cfg.get_string("dtype"));
+    row("weights", d.weights, fmt::format("stored in {}", dtype_name(p.compute)));
+    row("KV cache", d.kv_cache,
+        fmt::format("{} per token",
+                    human_bytes(static_cast<double>(d.kv_cache) /
+                                static_cast<double>(std::max<int64_t>(1, d.batch * d.max_len)))));
+    row("activations", d.activations, "peak of the prefill and a decode step above those");
+    row("peak", d.peak, verdict(d.peak));
+  }
+  if (!p.fixes.empty()) {
+    s += p.fixes.size() == 1 && p.fixes[0].words.size() > 1
+             ? "to fit, add these words to the command:\n"
+             : "to fit, add any one of these to the command (cheapest first):\n";
+    for (const auto& f : p.fixes)
+      s += fmt::format("  {:<60} peak {}\n", fmt::format("{}", fmt::join(f.words, " ")),
+                       human_bytes(static_cast<double>(f.peak)));
+  }
+  if (!p.beyond_fixes.empty()) s += p.beyond_fixes + "\n";
+  return s;
+}
+
+void check_fits(const Config& cfg, PluginManager& plugins, Backend& device, PlanFor what,
+                const char* command) {
+  const DeviceProfile target = plan_target(cfg, &device, /*use_plan_device=*/false);
+  if (target.bytes == 0) return;  // a backend that cannot tell
+  const Plan quick = make_plan(cfg, plugins, target, what, /*with_fixes=*/false);
+  if (quick.fits()) return;
+  const Plan plan = make_plan(cfg, plugins, target, what, /*with_fixes=*/true);
+  throw UsageError(fmt::format(
+      "The run does not fit: mt {} would need {} on a device that holds {}, and would fail "
+      "part-way. Nothing was allocated. The plan (what `mt plan` prints for this config):\n{}",
+      command, human_bytes(static_cast<double>(plan.peak())),
+      human_bytes(static_cast<double>(target.bytes)), format_plan(plan, cfg)));
+}
+
+}  // namespace mt

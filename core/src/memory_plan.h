@@ -1,0 +1,94 @@
+// The memory and FLOPs plan (`mt plan`, and the check before `mt run` and `mt decode`): the
+// configured model is built and one training step (or a prefill and a decode step) is run on a
+// MetaBackend, which counts what the real backend would hold without allocating or computing
+// anything. When the peak does not fit the device, the plan lists the cheapest changes that make
+// it fit, each as the key=value words to add and the peak they give.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "meta_backend.h"
+#include "model_info.h"
+#include "mt/backend.h"
+#include "mt/config.h"
+
+namespace mt {
+
+class PluginManager;
+
+// Bytes one training step holds: what lives for the whole run (weights, gradients, AdamW's
+// moments), the step's micro-batches of token ids, and the peak of everything else above them
+// (activations saved for the backward pass, their gradients, temporaries, the compute-dtype
+// copies of the weights): peak = weights + gradients + optimizer + batches + activations, plus
+// host_optimizer and checkpoint where the device is the host.
+// On a device whose memory is the host's (the CPU backend) the peak also holds what lives in
+// host memory: offloaded moments, and the asynchronous checkpoint's snapshot of the weights and
+// moments, kept for the run after its first save.
+struct TrainingPlan {
+  size_t weights = 0, gradients = 0, optimizer = 0, batches = 0, activations = 0, peak = 0;
+  size_t host_optimizer = 0;  // AdamW's moments in host memory (optimizer_memory_host_offload)
+  size_t checkpoint = 0;      // host memory of async_checkpointing's snapshot
+};
+
+// Bytes of inference: weights (in the compute dtype once loaded), the KV caches of `batch`
+// sequences of `max_len` tokens, and the peak above them during a prefill of `prefill` tokens
+// and a decode step.
+struct DecodePlan {
+  int64_t batch = 1, max_len = 0, prefill = 0;
+  size_t weights = 0, kv_cache = 0, activations = 0, peak = 0;
+};
+
+struct PlanFix {
+  std::vector<std::string> words;  // key=value
+  size_t peak = 0;
+  bool fits = false;
+};
+
+struct Plan {
+  DeviceProfile device;
+  ParamCounts counts;
+  DType compute = DType::f32, weights = DType::f32;
+  double flops_per_token = 0;  // Model::flops_per_token at max_target_length
+  int64_t tokens_per_step = 0;
+  double assumed_mfu = 0.4;
+  std::optional<TrainingPlan> train;
+  std::optional<DecodePlan> decode;
+  // The full plan's training activations under each remat policy.
+  std::vector<std::pair<std::string, size_t>> activations_by_remat;
+  std::vector<PlanFix> fixes;  // for what was planned (train, else decode) when it does not fit
+  // Set when even every change available leaves it over: what still exceeds the device.
+  std::string beyond_fixes;
+  size_t peak() const { return train ? train->peak : decode ? decode->peak : 0; }
+  bool fits() const { return device.bytes == 0 || peak() <= device.bytes; }
+};
+
+// The device a plan is for: plan_device when set (and use_plan_device), else `real` (the
+// configured backend: its bytes_limit and peak FLOP/s; nothing known without one).
+DeviceProfile plan_target(const Config& cfg, const Backend* real, bool use_plan_device = true);
+
+// What the plan covers.
+enum class PlanFor { train, decode, both };
+
+// Builds the model on a MetaBackend for `device` and traces what `what` asks; with
+// `with_fixes`, searches the changes that make the first part (training, else decode) fit.
+// decode_batch: the sequences decoded at once.
+Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& device, PlanFor what,
+               bool with_fixes, int64_t decode_batch = 1);
+
+// The plan as `mt plan` prints it.
+std::string format_plan(const Plan& plan, const Config& cfg);
+
+// Before `mt run` (train) or `mt decode`: when the predicted peak exceeds what `device` can
+// hold, throws UsageError (exit 2) with the plan and its fixes; nothing has been allocated.
+void check_fits(const Config& cfg, PluginManager& plugins, Backend& device, PlanFor what,
+                const char* command);
+
+// "512 B", "3.2 MiB", "25.1 GiB"
+std::string human_bytes(double bytes);
+
+}  // namespace mt

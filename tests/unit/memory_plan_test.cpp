@@ -1,0 +1,314 @@
+// The memory plan (mt plan, and the check before mt run / mt decode): its peak against the CPU
+// backend's measured peak for the same step, the changes it proposes, the refusal of a run that
+// cannot fit, and its bad inputs.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "config_loader.h"
+#include "decoder.h"
+#include "memory_plan.h"
+#include "model_runner.h"
+#include "mt/data.h"
+#include "mt/error.h"
+#include "test_support.h"
+#include "trainer.h"
+
+namespace mt {
+namespace {
+
+Config config_for(const std::string& model, std::vector<std::string> extra) {
+  ConfigRequest req;
+  req.configs_dir = test::source_dir() + "/configs";
+  req.model = model;
+  // No checkpoints unless a test asks: their host snapshot is not the allocator's to measure.
+  req.overrides = {"num_threads=2", "dataset_type=synthetic", "enable_checkpointing=false"};
+  req.overrides.insert(req.overrides.end(), extra.begin(), extra.end());
+  req.schemas_for = [](const Config& layers) {
+    const std::string fam = layers.get_string("decoder_block");
+    return std::vector<SchemaText>{
+        {"model family '" + fam + "'", test::plugins().make_model_family(fam)->config_schema()}};
+  };
+  return load_config(req);
+}
+
+// One training step as train() runs it, on the real CPU backend (a fresh one: its peak counts
+// from zero), after initialisation: the peak the allocator reached.
+size_t measured_training_peak(const Config& cfg) {
+  ModelRunner runner(cfg, test::plugins());
+  runner.init_parameters(1);
+  runner.backend().reset_peak_memory();
+  runner.enable_gradients();
+  runner.zero_gradients();
+  OptimizerState opt = make_optimizer_state(runner, cfg,
+                                            cfg.get_bool("optimizer_memory_host_offload")
+                                                ? test::plugins().make_backend("cpu", cfg)
+                                                : nullptr);
+  const int64_t batch = cfg.get_int("per_device_batch_size");
+  const int64_t seq = cfg.get_int("max_target_length");
+  const int64_t vocab = runner.model().dims().vocab_size;
+  std::mt19937 rng(7);
+  std::vector<DeviceBatch> micro;
+  for (int64_t a = 0; a < cfg.get_int("gradient_accumulation_steps"); ++a) {
+    HostBatch hb;
+    hb.batch = batch;
+    hb.seq = seq;
+    for (int64_t i = 0; i < batch * seq; ++i) {
+      hb.inputs.push_back(static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab)));
+      hb.targets.push_back(static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab)));
+    }
+    micro.push_back(runner.upload(hb));
+  }
+  AdamWParams adam;
+  adam.lr = 1e-3f;
+  for (int step = 1; step <= 2; ++step) {
+    adam.step = step;
+    StepGradients sg = forward_backward(runner, micro, 0.f);
+    apply_update(runner, opt, adam, 0.1f, sg.layer_stats);
+  }
+  return runner.backend().memory_stats().peak_bytes_in_use;
+}
+
+size_t measured_decode_peak(const Config& cfg, int64_t batch) {
+  ModelRunner runner(cfg, test::plugins());
+  runner.init_parameters(1);
+  runner.store_weights_in_compute_dtype();
+  runner.backend().reset_peak_memory();
+  const int64_t max_len = cfg.get_int("max_target_length");
+  Decoder dec(runner, batch, max_len);
+  const int64_t prefill = std::min(cfg.get_int("max_prefill_predict_length"), max_len - 1);
+  std::vector<int32_t> prompt(static_cast<size_t>(prefill));
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(i % 50 + 1);
+  dec.prefill(0, prompt);
+  dec.step(std::vector<int32_t>(static_cast<size_t>(batch), 3),
+           std::vector<bool>(static_cast<size_t>(batch), true));
+  return runner.backend().memory_stats().peak_bytes_in_use;
+}
+
+DeviceProfile cpu_profile(const Config& cfg) {
+  return plan_target(cfg, &test::cpu(), /*use_plan_device=*/false);
+}
+
+struct Case {
+  std::string model;
+  std::vector<std::string> keys;
+};
+
+std::string name_of(const Case& c) {
+  std::string n = c.model;
+  for (const auto& k : c.keys) n += " " + k;
+  return n;
+}
+
+// The plan's training peak within 10% of the measured one (the issue's bound; the meta trace
+// runs the same code, so it is usually exact to the allocator's size classes).
+TEST(MemoryPlan, TrainingPeakMatchesTheMeasuredPeak) {
+  const std::vector<Case> cases = {
+      {"llama-test", {"remat_policy=none", "per_device_batch_size=4", "max_target_length=64"}},
+      {"llama-test", {"remat_policy=minimal", "per_device_batch_size=4", "max_target_length=64"}},
+      {"llama-test", {"remat_policy=full", "per_device_batch_size=4", "max_target_length=64"}},
+      {"llama-test", {"remat_policy=none", "per_device_batch_size=1", "max_target_length=128"}},
+      {"llama-test", {"dtype=bfloat16", "remat_policy=none", "per_device_batch_size=2"}},
+      {"llama-test", {"dtype=bfloat16", "remat_policy=full", "per_device_batch_size=2"}},
+      {"llama-test", {"weight_dtype=bfloat16", "dtype=bfloat16", "mu_dtype=bfloat16"}},
+      {"llama-test", {"gradient_accumulation_steps=3", "per_device_batch_size=2"}},
+      {"llama-test", {"attention=dot_product", "max_target_length=96"}},
+      {"llama-test", {"optimizer_memory_host_offload=true", "per_device_batch_size=4"}},
+      {"mixtral-test", {"remat_policy=none", "per_device_batch_size=2"}},
+      {"gemma2-test", {"remat_policy=minimal", "per_device_batch_size=2"}},
+      {"deepseek3-test", {"remat_policy=none", "per_device_batch_size=2"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(name_of(c));
+    const Config cfg = config_for(c.model, c.keys);
+    const Plan plan = make_plan(cfg, test::plugins(), cpu_profile(cfg), PlanFor::train, false);
+    ASSERT_TRUE(plan.train);
+    // The allocator's share: offloaded moments are in another (host) allocator.
+    const double predicted = static_cast<double>(plan.train->peak - plan.train->host_optimizer);
+    const double measured = static_cast<double>(measured_training_peak(cfg));
+    EXPECT_NEAR(predicted / measured, 1.0, 0.10)
+        << "predicted " << human_bytes(predicted) << ", measured " << human_bytes(measured);
+    if (std::getenv("MT_PLAN_VERBOSE"))
+      std::printf("%-90s predicted %10.0f measured %10.0f ratio %.4f\n", name_of(c).c_str(),
+                  predicted, measured, predicted / measured);
+    EXPECT_EQ(plan.train->weights + plan.train->gradients + plan.train->optimizer +
+                  plan.train->batches + plan.train->activations + plan.train->host_optimizer,
+              plan.train->peak);
+  }
+}
+
+TEST(MemoryPlan, DecodePeakMatchesTheMeasuredPeak) {
+  const std::vector<Case> cases = {
+      {"llama-test", {"max_target_length=128", "max_prefill_predict_length=32"}},
+      {"llama-test", {"dtype=bfloat16", "max_target_length=256", "max_prefill_predict_length=64"}},
+      {"gemma2-test", {"max_target_length=128"}},
+      {"deepseek3-test", {"max_target_length=128"}},
+  };
+  for (const Case& c : cases)
+    for (int64_t batch : {1, 3}) {
+      SCOPED_TRACE(name_of(c) + " batch " + std::to_string(batch));
+      const Config cfg = config_for(c.model, c.keys);
+      const Plan plan =
+          make_plan(cfg, test::plugins(), cpu_profile(cfg), PlanFor::decode, false, batch);
+      ASSERT_TRUE(plan.decode);
+      const double predicted = static_cast<double>(plan.decode->peak);
+      const double measured = static_cast<double>(measured_decode_peak(cfg, batch));
+      EXPECT_NEAR(predicted / measured, 1.0, 0.10)
+          << "predicted " << human_bytes(predicted) << ", measured " << human_bytes(measured);
+      if (std::getenv("MT_PLAN_VERBOSE"))
+        std::printf("%-90s predicted %10.0f measured %10.0f ratio %.4f\n",
+                    (name_of(c) + " batch " + std::to_string(batch)).c_str(), predicted, measured,
+                    predicted / measured);
+    }
+}
+
+// The parts follow their definitions: f32 weights are 4 bytes a parameter, gradients f32 too,
+// and mu_dtype=bfloat16 makes AdamW's state 6 bytes a parameter instead of 8.
+TEST(MemoryPlan, PartsFollowTheDtypes) {
+  const Config f32 = config_for("llama-test", {});
+  const Config lean = config_for("llama-test", {"mu_dtype=bfloat16"});
+  const Config bf16w = config_for("llama-test", {"weight_dtype=bfloat16"});
+  DeviceProfile dev;  // size classes only
+  const Plan a = make_plan(f32, test::plugins(), dev, PlanFor::train, false);
+  const Plan b = make_plan(lean, test::plugins(), dev, PlanFor::train, false);
+  const Plan c = make_plan(bf16w, test::plugins(), dev, PlanFor::train, false);
+  const auto n = static_cast<double>(a.counts.total);
+  EXPECT_NEAR(static_cast<double>(a.train->weights) / n, 4.0, 0.2);
+  EXPECT_NEAR(static_cast<double>(a.train->gradients) / n, 4.0, 0.2);
+  EXPECT_NEAR(static_cast<double>(a.train->optimizer) / n, 8.0, 0.4);
+  EXPECT_NEAR(static_cast<double>(b.train->optimizer) / n, 6.0, 0.3);
+  EXPECT_NEAR(static_cast<double>(c.train->weights) / n, 2.0, 0.1);
+  // MaxText: mu inherits weight_dtype when mu_dtype is unset.
+  EXPECT_NEAR(static_cast<double>(c.train->optimizer) / n, 6.0, 0.3);
+}
+
+// On the CPU the asynchronous checkpoint's snapshot (weights and both moments, kept after the
+// first save) shares the device's memory: the plan counts it, and proposes turning it off.
+TEST(MemoryPlan, HostCheckpointSnapshotCounts) {
+  const Config off = config_for("llama-test", {});
+  const Config on = config_for("llama-test", {"enable_checkpointing=true"});
+  DeviceProfile host = cpu_profile(on);
+  const Plan a = make_plan(off, test::plugins(), host, PlanFor::train, false);
+  const Plan b = make_plan(on, test::plugins(), host, PlanFor::train, false);
+  const size_t snapshot = static_cast<size_t>(a.counts.total) * 12;  // f32 weights, m and v
+  EXPECT_EQ(b.train->checkpoint, snapshot);
+  EXPECT_EQ(b.train->peak, a.train->peak + snapshot);
+  host.bytes = a.train->peak + snapshot / 2;
+  const Plan c = make_plan(on, test::plugins(), host, PlanFor::train, true);
+  ASSERT_FALSE(c.fixes.empty()) << format_plan(c, on);
+  EXPECT_EQ(c.fixes[0].words, std::vector<std::string>{"async_checkpointing=false"});
+}
+
+// A device too small for the config: the plan lists changes, and each one, applied, fits.
+TEST(MemoryPlan, ProposedChangesFitWhenApplied) {
+  const Config cfg = config_for(
+      "llama-test", {"per_device_batch_size=8", "max_target_length=256", "remat_policy=none"});
+  DeviceProfile dev;
+  const Plan full = make_plan(cfg, test::plugins(), dev, PlanFor::train, false);
+  const TrainingPlan& t = *full.train;
+  // Room for the persistent state and a third of the activations.
+  dev.name = "test device";
+  dev.bytes = t.weights + t.gradients + t.optimizer + t.batches + t.activations / 3;
+  const Plan plan = make_plan(cfg, test::plugins(), dev, PlanFor::train, true);
+  EXPECT_FALSE(plan.fits());
+  ASSERT_FALSE(plan.fixes.empty()) << format_plan(plan, cfg);
+  for (const PlanFix& f : plan.fixes) {
+    std::vector<std::string> keys = {"per_device_batch_size=8", "max_target_length=256",
+                                     "remat_policy=none"};
+    keys.insert(keys.end(), f.words.begin(), f.words.end());
+    const Plan again =
+        make_plan(config_for("llama-test", keys), test::plugins(), dev, PlanFor::train, false);
+    EXPECT_TRUE(again.fits()) << testing::PrintToString(f.words) << "\n" << format_plan(again, cfg);
+    EXPECT_EQ(again.train->peak, f.peak);
+  }
+  const std::string text = format_plan(plan, cfg);
+  EXPECT_NE(text.find("DOES NOT FIT"), std::string::npos) << text;
+  EXPECT_NE(text.find("remat_policy="), std::string::npos) << text;
+  // Smaller than the weights, gradients and optimizer state: no change is enough, and it says so.
+  dev.bytes = t.weights;
+  const Plan hopeless = make_plan(cfg, test::plugins(), dev, PlanFor::train, true);
+  EXPECT_TRUE(hopeless.fixes.empty());
+  EXPECT_NE(hopeless.beyond_fixes.find("more memory than one device has"), std::string::npos)
+      << hopeless.beyond_fixes;
+}
+
+// The user's command from the issue: llama2-7b on one 80 GB H100 does not fit in f32 with AdamW
+// (108 GB of weights, gradients and moments), and the plan says so in well under two seconds,
+// with a change of settings that, added to the command, fits.
+TEST(MemoryPlan, Llama2_7bOnAnH100IsPlannedInSecondsAndItsFixFits) {
+  const std::string cmd = "plan --model=llama2-7b backend=cpu plan_device=h100-80gb";
+  const auto t0 = std::chrono::steady_clock::now();
+  const test::MtResult r = test::run_mt(cmd, 60);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(r.code, 3) << r.out;
+  EXPECT_LT(s, 10.0) << "the issue asks for under two seconds; this machine is shared";
+  for (const char* want : {"6.74B", "DOES NOT FIT", "optimizer", "activations", "KV cache",
+                           "model FLOPs per step", "to fit", "activations by remat_policy"})
+    EXPECT_NE(r.out.find(want), std::string::npos) << want << " in:\n" << r.out;
+  // The suggested words: the line after "to fit, ...", up to "peak".
+  const auto at = r.out.find("to fit");
+  ASSERT_NE(at, std::string::npos) << r.out;
+  const auto line_start = r.out.find('\n', at) + 1;
+  std::istringstream line(r.out.substr(line_start, r.out.find('\n', line_start) - line_start));
+  std::string words;
+  for (std::string w; line >> w && w != "peak";) words += " " + w;
+  ASSERT_FALSE(words.empty()) << r.out;
+  const test::MtResult fixed = test::run_mt(cmd + words, 60);
+  EXPECT_EQ(fixed.code, 0) << words << "\n" << fixed.out;
+  EXPECT_NE(fixed.out.find("fits:"), std::string::npos) << fixed.out;
+  // Host offload of the moments, the issue's other way: fits with remat and one sequence.
+  const test::MtResult offload = test::run_mt(
+      cmd + " per_device_batch_size=1 remat_policy=full optimizer_memory_host_offload=true", 60);
+  EXPECT_EQ(offload.code, 0) << offload.out;
+  EXPECT_NE(offload.out.find("in host memory"), std::string::npos) << offload.out;
+  // A 70B model: nothing one device can do.
+  const test::MtResult big =
+      test::run_mt("plan --model=llama2-70b backend=cpu plan_device=h100-80gb", 60);
+  EXPECT_EQ(big.code, 3) << big.out;
+  EXPECT_NE(big.out.find("more memory than one device has"), std::string::npos) << big.out;
+}
+
+// mt run refuses a model that cannot fit this machine before allocating it: exit 2, the plan
+// on stderr, no run directory left behind, and within seconds (not after initialising 70B
+// parameters).
+TEST(MemoryPlan, RunRefusesAModelThatCannotFit) {
+  const std::string out = ::testing::TempDir() + "mt_plan_refuse";
+  const auto t0 = std::chrono::steady_clock::now();
+  const test::MtResult r = test::run_mt(
+      "run --model=llama2-70b backend=cpu dataset_type=synthetic steps=1 base_output_directory=" +
+          out,
+      60);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_LT(s, 20.0);
+  EXPECT_NE(r.out.find("does not fit"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("Nothing was allocated"), std::string::npos) << r.out;
+  EXPECT_FALSE(std::filesystem::exists(out + "/default")) << "a refused run leaves nothing";
+  std::filesystem::remove_all(out);
+  // mt decode: refused before it reads a single weight (the path does not even exist).
+  const test::MtResult d =
+      test::run_mt("decode --model=llama2-70b backend=cpu load_parameters_path=/nonexistent", 60);
+  EXPECT_EQ(d.code, 2) << d.out;
+  EXPECT_NE(d.out.find("does not fit"), std::string::npos) << d.out;
+  EXPECT_NE(d.out.find("KV cache"), std::string::npos) << d.out;
+}
+
+TEST(MemoryPlan, BadInputsAreRefusedClearly) {
+  const test::MtResult dev = test::run_mt("plan --model=llama-test plan_device=tpu-v9", 30);
+  EXPECT_EQ(dev.code, 2) << dev.out;
+  EXPECT_NE(dev.out.find("h100-80gb"), std::string::npos) << dev.out;
+  const test::MtResult zero = test::run_mt("plan --model=llama-test plan_device=cpu-0gb", 30);
+  EXPECT_EQ(zero.code, 2) << zero.out;
+  const test::MtResult mu = test::run_mt("plan --model=llama-test mu_dtype=float16", 30);
+  EXPECT_EQ(mu.code, 2) << mu.out;
+  EXPECT_NE(mu.out.find("mu_dtype"), std::string::npos) << mu.out;
+}
+
+}  // namespace
+}  // namespace mt
