@@ -249,7 +249,15 @@ void load_hf_weights(const fs::path& dir, ModelRunner& runner) {
   Weights w = open_weights(dir);
   std::set<std::string> used;
   Backend& be = runner.backend();
+  double bytes = 0;
+  for (auto& p : runner.params()) bytes += static_cast<double>(shape_numel(p.spec.shape)) * 4;
+  Progress shown("loading " + dir.filename().string(), bytes, "B", true);
   for (auto& p : runner.params()) {
+    shown.add(static_cast<double>(shape_numel(p.spec.shape)) * 4);
+    // Multi-token prediction modules (mtp.<k>.*, Model::mtp_depths) have no place in
+    // transformers' models, which build none: they keep the values they have (mt run
+    // initialises every parameter before loading).
+    if (p.name.rfind("mtp.", 0) == 0) continue;
     const Model::HfName hf = runner.model().hf_name(p.name);
     if (hf.name.empty() && hf.stack.empty())
       throw Error("The model family has no Hugging Face name for parameter '" + p.name + "'.");
@@ -388,6 +396,7 @@ void write_hf_tensors(const fs::path& file, ModelRunner& runner) {
   };
   std::map<std::string, Fused> fused;
   for (auto& p : runner.params()) {
+    if (p.name.rfind("mtp.", 0) == 0) continue;  // not exported: transformers has no MTP modules
     const Model::HfName hf = runner.model().hf_name(p.name);
     if (hf.name.empty() && hf.stack.empty())
       throw Error("The model family has no Hugging Face name for parameter '" + p.name + "'.");

@@ -38,6 +38,14 @@ Model::~Model() = default;
 double Model::flops_per_token(int64_t seq_len) const {
   return default_flops_per_token(*this, seq_len);
 }
+const DecoderLayer& Model::mtp_layer(int depth) const {
+  throw Error("The model family declares no multi-token prediction layer " + std::to_string(depth) +
+              ".");
+}
+Tensor Model::mtp_combine(Graph&, const Params&, const Tensor&, const Tensor&, int depth) const {
+  throw Error("The model family declares no multi-token prediction module " +
+              std::to_string(depth) + ".");
+}
 
 Params::Params(const std::vector<std::string>& names, std::vector<Tensor> values)
     : names_(&names), values_(std::move(values)) {

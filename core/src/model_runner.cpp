@@ -88,13 +88,26 @@ ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins,
   };
   for (const auto& s : model_->top_parameters()) declare(s, s.name, top_names_);
   num_top_ = params_.size();
-  layer_names_.resize(static_cast<size_t>(model_->num_layers()));
+  mtp_depths_ = model_->mtp_depths();
+  MT_CHECK(mtp_depths_ >= 0,
+           "the model declares " + std::to_string(mtp_depths_) + " multi-token prediction depths");
+  layer_names_.resize(static_cast<size_t>(model_->num_layers() + mtp_depths_));
   for (int i = 0; i < model_->num_layers(); ++i) {
     layer_begin_.push_back(params_.size());
     for (const auto& s : model_->layer(i).parameters())
       declare(s, "layers." + std::to_string(i) + "." + s.name,
               layer_names_[static_cast<size_t>(i)]);
     cache_specs_.push_back(model_->layer(i).cache_spec());
+  }
+  // Multi-token prediction depth k's module and layer share one namespace, "mtp.<k>.", after
+  // the decoder's layers (training only: decode's caches are the decoder's).
+  for (int k = 1; k <= mtp_depths_; ++k) {
+    layer_begin_.push_back(params_.size());
+    std::vector<std::string>& names =
+        layer_names_[static_cast<size_t>(model_->num_layers() + k - 1)];
+    const std::string prefix = "mtp." + std::to_string(k) + ".";
+    for (const auto& s : model_->mtp_parameters(k)) declare(s, prefix + s.name, names);
+    for (const auto& s : model_->mtp_layer(k).parameters()) declare(s, prefix + s.name, names);
   }
   for (auto& p : params_) p.value = backend().empty(p.spec.shape, weight_dtype_);
 }
@@ -194,6 +207,30 @@ DeviceBatch ModelRunner::upload(const HostBatch& hb) {
                   std::to_string(i) + " of the batch is outside the model's vocabulary [0, " +
                   std::to_string(vocab) + ").");
   for (auto t : hb.targets) d.valid_targets += t >= 0;
+  // Multi-token prediction: depth k reads position i + k's token and predicts its target, in
+  // the same packed document only; beyond the sequence nothing (-1).
+  if (mtp_depths_ > 0 && !hb.targets.empty()) {
+    const std::vector<int32_t>& pos = hb.positions;
+    const std::vector<int32_t>& seg = hb.segment_ids;
+    for (int k = 1; k <= mtp_depths_; ++k) {
+      const auto n = static_cast<size_t>(hb.batch * hb.seq);
+      std::vector<int32_t> in(n, 0), at(n, 0), tg(n, -1);
+      for (int64_t b = 0; b < hb.batch; ++b)
+        for (int64_t i = 0; i + k < hb.seq; ++i) {
+          const auto src = static_cast<size_t>(b * hb.seq + i);
+          const auto dst = static_cast<size_t>(b * hb.seq + i + k);
+          in[src] = hb.inputs[dst];
+          at[src] = pos.empty() ? static_cast<int32_t>(i + k) : pos[dst];
+          if (seg.empty() || seg[dst] == seg[src]) tg[src] = hb.targets[dst];
+        }
+      MtpBatch m;
+      m.inputs = put(in);
+      m.positions = put(at);
+      m.targets = put(tg);
+      for (auto t : tg) m.valid_targets += t >= 0;
+      d.mtp.push_back(std::move(m));
+    }
+  }
   return d;
 }
 
@@ -201,7 +238,8 @@ Tensor ModelRunner::forward(Graph& g, const DeviceBatch& batch) {
   LayerInputs in;
   in.positions = batch.positions;
   in.segment_ids = batch.segment_ids;
-  return run_layers(g, batch.inputs, in, nullptr, nullptr);
+  const std::vector<Tensor> ps = compute_params(g);
+  return model_->head(g, top_params(ps), run_layers(g, ps, batch.inputs, in, nullptr, nullptr));
 }
 
 Tensor ModelRunner::forward_cached(Graph& g, const Tensor& tokens, const Tensor& positions,
@@ -211,55 +249,74 @@ Tensor ModelRunner::forward_cached(Graph& g, const Tensor& tokens, const Tensor&
                std::to_string(model_->num_layers()) + " layers");
   LayerInputs in;
   in.positions = positions;
-  return run_layers(g, tokens, in, &caches, nullptr);
+  const std::vector<Tensor> ps = compute_params(g);
+  return model_->head(g, top_params(ps), run_layers(g, ps, tokens, in, &caches, nullptr));
 }
 
-Tensor ModelRunner::run_layers(Graph& g, const Tensor& tokens, LayerInputs in,
-                               std::vector<KVCache>* caches, std::vector<AuxLoss>* aux,
-                               std::vector<LayerStats>* stats) {
-  if (stats) stats->resize(static_cast<size_t>(model_->num_layers()));
-  // Parameters in the compute dtype: a recorded cast of the master copy, so gradients reach it.
+std::vector<Tensor> ModelRunner::compute_params(Graph& g) {
   std::vector<Tensor> ps;
   ps.reserve(params_.size());
   for (auto& p : params_)
     ps.push_back(p.value.dtype() == compute_dtype_ ? p.value : g.cast(p.value, compute_dtype_));
-  const Params top(top_names_,
-                   std::vector<Tensor>(ps.begin(), ps.begin() + static_cast<ptrdiff_t>(num_top_)));
+  return ps;
+}
+
+Params ModelRunner::top_params(const std::vector<Tensor>& ps) const {
+  return Params(top_names_,
+                std::vector<Tensor>(ps.begin(), ps.begin() + static_cast<ptrdiff_t>(num_top_)));
+}
+
+const DecoderLayer& ModelRunner::block_layer(size_t i) const {
+  const auto n = static_cast<size_t>(model_->num_layers());
+  return i < n ? model_->layer(static_cast<int>(i))
+               : model_->mtp_layer(static_cast<int>(i - n) + 1);
+}
+
+Tensor ModelRunner::run_layer(Graph& g, const DecoderLayer& layer, const Params& lp,
+                              const Tensor& x, const LayerInputs& in, KVCache* cache,
+                              std::vector<AuxLoss>* aux, std::vector<LayerStats>* stats,
+                              size_t slot) {
+  LayerOutput out;
+  if (cache) {
+    LayerInputs li = in;
+    li.cache = cache;
+    out = layer.forward(g, lp, x, li);
+  } else {
+    out = g.remat_layer(
+        remat_,
+        [&layer, lp, in](Graph& gg, const Tensor& h) { return layer.forward(gg, lp, h, in); }, x);
+  }
+  if (aux)
+    for (auto& a : out.aux) aux->push_back(std::move(a));
+  // The forward's statistics: remat_layer returns those of its first run, not the re-run's.
+  if (stats)
+    for (const auto& st : out.stats) {
+      std::vector<double>& acc = (*stats)[slot][st.name];
+      if (acc.empty()) acc.assign(st.values.size(), 0.0);
+      MT_CHECK(acc.size() == st.values.size(), "layer " + std::to_string(slot) + "'s statistic '" +
+                                                   st.name + "' has " +
+                                                   std::to_string(st.values.size()) + " values, " +
+                                                   std::to_string(acc.size()) + " before");
+      for (size_t j = 0; j < acc.size(); ++j) acc[j] += st.values[j];
+    }
+  return std::move(out.x);
+}
+
+Tensor ModelRunner::run_layers(Graph& g, const std::vector<Tensor>& ps, const Tensor& tokens,
+                               LayerInputs in, std::vector<KVCache>* caches,
+                               std::vector<AuxLoss>* aux, std::vector<LayerStats>* stats) {
+  if (stats) stats->resize(layer_begin_.size());
   in.attention = &attention();
-  Tensor x = model_->embed_at(g, top, tokens, in.positions);
+  Tensor x = model_->embed_at(g, top_params(ps), tokens, in.positions);
   for (int i = 0; i < model_->num_layers(); ++i) {
     const auto ui = static_cast<size_t>(i);
-    const size_t b = layer_begin_[ui];
-    const size_t e = i + 1 < model_->num_layers() ? layer_begin_[ui + 1] : ps.size();
-    const Params lp(layer_names_[ui], std::vector<Tensor>(ps.begin() + static_cast<ptrdiff_t>(b),
-                                                          ps.begin() + static_cast<ptrdiff_t>(e)));
-    const DecoderLayer& layer = model_->layer(i);
-    LayerOutput out;
-    if (caches) {
-      LayerInputs li = in;
-      li.cache = &(*caches)[ui];
-      out = layer.forward(g, lp, x, li);
-    } else {
-      out = g.remat_layer(
-          remat_,
-          [&layer, lp, in](Graph& gg, const Tensor& h) { return layer.forward(gg, lp, h, in); }, x);
-    }
-    x = std::move(out.x);
-    if (aux)
-      for (auto& a : out.aux) aux->push_back(std::move(a));
-    // The forward's statistics: remat_layer returns those of its first run, not the re-run's.
-    if (stats)
-      for (const auto& st : out.stats) {
-        std::vector<double>& acc = (*stats)[ui][st.name];
-        if (acc.empty()) acc.assign(st.values.size(), 0.0);
-        MT_CHECK(acc.size() == st.values.size(),
-                 "layer " + std::to_string(i) + "'s statistic '" + st.name + "' has " +
-                     std::to_string(st.values.size()) + " values, " + std::to_string(acc.size()) +
-                     " before");
-        for (size_t j = 0; j < acc.size(); ++j) acc[j] += st.values[j];
-      }
+    const Params lp(layer_names_[ui],
+                    std::vector<Tensor>(ps.begin() + static_cast<ptrdiff_t>(block_begin(ui)),
+                                        ps.begin() + static_cast<ptrdiff_t>(block_end(ui))));
+    x = run_layer(g, model_->layer(i), lp, x, in, caches ? &(*caches)[ui] : nullptr, aux, stats,
+                  ui);
   }
-  return model_->head(g, top, x);
+  return x;
 }
 
 Tensor ModelRunner::loss(Graph& g, const DeviceBatch& batch, float z_loss, double weight_scale,
@@ -269,11 +326,48 @@ Tensor ModelRunner::loss(Graph& g, const DeviceBatch& batch, float z_loss, doubl
   in.positions = batch.positions;
   in.segment_ids = batch.segment_ids;
   std::vector<AuxLoss> aux;
-  Tensor logits = run_layers(g, batch.inputs, in, nullptr, aux_values ? &aux : nullptr, stats);
+  const std::vector<Tensor> ps = compute_params(g);
+  const Params top = top_params(ps);
+  const Tensor hidden =
+      run_layers(g, ps, batch.inputs, in, nullptr, aux_values ? &aux : nullptr, stats);
+  Tensor logits = model_->head(g, top, hidden);
   const int64_t v = logits.dim(-1);
   Tensor flat = g.reshape(logits, {logits.numel() / v, v});
   const double w = batch.valid_targets ? weight_scale / static_cast<double>(batch.valid_targets) : 0.0;
   Tensor total = g.cross_entropy(flat, batch.targets, z_loss, static_cast<float>(w));
+  // Multi-token prediction, in training only: depth k combines h^{k-1} with the embeddings of
+  // the tokens k ahead, runs its layer, and the shared head predicts the token k + 1 ahead.
+  // Objective: scale / D x sum over depths of their mean cross-entropy (DeepSeek-V3's lambda /
+  // D; MaxText pools the depths' tokens instead, which is the same for D = 1).
+  if (aux_values && mtp_depths_ > 0) {
+    MT_CHECK(static_cast<int>(batch.mtp.size()) == mtp_depths_,
+             "loss: the batch has " + std::to_string(batch.mtp.size()) +
+                 " multi-token prediction depths for the model's " + std::to_string(mtp_depths_) +
+                 " (make it with ModelRunner::upload, with targets)");
+    const double per_depth = static_cast<double>(model_->mtp_loss_scale()) / mtp_depths_;
+    Tensor h = hidden;
+    for (int k = 1; k <= mtp_depths_; ++k) {
+      const MtpBatch& mb = batch.mtp[static_cast<size_t>(k - 1)];
+      const size_t slot = static_cast<size_t>(model_->num_layers() + k - 1);
+      const Params lp(layer_names_[slot],
+                      std::vector<Tensor>(ps.begin() + static_cast<ptrdiff_t>(block_begin(slot)),
+                                          ps.begin() + static_cast<ptrdiff_t>(block_end(slot))));
+      const Tensor e = model_->embed_at(g, top, mb.inputs, mb.positions);
+      const Tensor x = model_->mtp_combine(g, lp, h, e, k);
+      LayerInputs li = in;
+      li.attention = &attention();
+      h = run_layer(g, model_->mtp_layer(k), lp, x, li, nullptr, &aux, stats, slot);
+      const Tensor lk = model_->head(g, top, h);
+      const double wk = mb.valid_targets ? 1.0 / static_cast<double>(mb.valid_targets) : 0.0;
+      const Tensor ce = g.cross_entropy(g.reshape(lk, {lk.numel() / v, v}), mb.targets, 0.f,
+                                        static_cast<float>(wk));
+      float host = 0;
+      backend().copy_to_host(ce, &host);
+      (*aux_values)["mtp_loss/" + std::to_string(k)] += weight_scale * static_cast<double>(host);
+      (*aux_values)["mtp_loss"] += weight_scale * per_depth * static_cast<double>(host);
+      total = g.add(total, g.scale(ce, static_cast<float>(per_depth * weight_scale)));
+    }
+  }
   if (aux.empty()) return total;
   std::map<std::string, int> per_name;
   for (const auto& a : aux) ++per_name[a.name];
@@ -292,14 +386,11 @@ Tensor ModelRunner::loss(Graph& g, const DeviceBatch& batch, float z_loss, doubl
 
 void ModelRunner::after_step(const std::vector<LayerStats>& stats) {
   static const LayerStats kNone;
-  for (int i = 0; i < model_->num_layers(); ++i) {
-    const auto ui = static_cast<size_t>(i);
-    const size_t b = layer_begin_[ui];
-    const size_t e = i + 1 < model_->num_layers() ? layer_begin_[ui + 1] : params_.size();
+  for (size_t i = 0; i < layer_begin_.size(); ++i) {
     std::vector<Tensor> values;
-    for (size_t j = b; j < e; ++j) values.push_back(params_[j].value);
-    const Params lp(layer_names_[ui], std::move(values));
-    model_->layer(i).after_step(backend(), lp, ui < stats.size() ? stats[ui] : kNone);
+    for (size_t j = block_begin(i); j < block_end(i); ++j) values.push_back(params_[j].value);
+    const Params lp(layer_names_[i], std::move(values));
+    block_layer(i).after_step(backend(), lp, i < stats.size() ? stats[i] : kNone);
   }
 }
 

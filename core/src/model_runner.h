@@ -27,10 +27,19 @@ struct Param {
   Tensor grad;   // same dtype as value; accumulated by backward
 };
 
+// Multi-token prediction's inputs at depth k (Model::mtp_depths): the batch shifted left by k
+// on the host. inputs/positions: those of position i + k (0 past the end); targets: the target
+// of position i + k, or -1 where i + k is past the end or in another packed document.
+struct MtpBatch {
+  Tensor inputs, positions, targets;  // [B, T] i32
+  int64_t valid_targets = 0;
+};
+
 // One batch on the backend: [B, T] i32 tensors.
 struct DeviceBatch {
   Tensor inputs, targets, positions, segment_ids;
   int64_t valid_targets = 0;  // targets >= 0
+  std::vector<MtpBatch> mtp;  // one per depth when the model has MTP modules and targets
 };
 
 class ModelRunner {
@@ -90,19 +99,41 @@ class ModelRunner {
   // x weight_scale) and their values, averaged over the layers reporting each name and times
   // weight_scale, are added to (*aux)[name]. Without it (evaluation, scoring) they do not.
   // With `stats` (training), each layer's LayerOutput::stats are summed elementwise into
-  // (*stats)[layer][name] (resized to the layers), from the forward only (not remat's re-run).
+  // (*stats)[layer][name] (resized to the layers, then the MTP layers), from the forward only
+  // (not remat's re-run).
+  // Multi-token prediction runs in training only (with `aux`): its objective term joins the
+  // total, and (*aux) gets "mtp_loss" (the term added: scale / D x the depths' mean
+  // cross-entropies) and "mtp_loss/<k>" (depth k's mean cross-entropy), times weight_scale.
   Tensor loss(Graph& g, const DeviceBatch& batch, float z_loss, double weight_scale = 1.0,
               std::map<std::string, double>* aux = nullptr,
               std::vector<LayerStats>* stats = nullptr);
-  // After the optimizer step: each layer's DecoderLayer::after_step with its master parameters
-  // and its step statistics (`stats` as loss() summed them; empty for a layer with none).
+  // After the optimizer step: each layer's (and MTP layer's) DecoderLayer::after_step with its
+  // master parameters and its step statistics (`stats` as loss() summed them; empty for a layer
+  // with none).
   void after_step(const std::vector<LayerStats>& stats);
 
   DeviceBatch upload(const struct HostBatch& hb);
 
  private:
-  Tensor run_layers(Graph& g, const Tensor& tokens, LayerInputs in, std::vector<KVCache>* caches,
-                    std::vector<AuxLoss>* aux, std::vector<LayerStats>* stats = nullptr);
+  // The parameters in the compute dtype: a recorded cast of each master copy (gradients reach it).
+  std::vector<Tensor> compute_params(Graph& g);
+  Params top_params(const std::vector<Tensor>& ps) const;
+  // The decoder: tokens -> the last layer's output [B, T, D], before the head.
+  Tensor run_layers(Graph& g, const std::vector<Tensor>& ps, const Tensor& tokens, LayerInputs in,
+                    std::vector<KVCache>* caches, std::vector<AuxLoss>* aux,
+                    std::vector<LayerStats>* stats = nullptr);
+  // One layer's output, under the remat policy (or with its cache), its aux and stats collected
+  // (stats at index `slot`).
+  Tensor run_layer(Graph& g, const DecoderLayer& layer, const Params& lp, const Tensor& x,
+                   const LayerInputs& in, KVCache* cache, std::vector<AuxLoss>* aux,
+                   std::vector<LayerStats>* stats, size_t slot);
+  // params_ index range [begin, end) of decoder layer i (i < num_layers) or of MTP depth
+  // i - num_layers + 1.
+  size_t block_begin(size_t i) const { return layer_begin_[i]; }
+  size_t block_end(size_t i) const {
+    return i + 1 < layer_begin_.size() ? layer_begin_[i + 1] : params_.size();
+  }
+  const DecoderLayer& block_layer(size_t i) const;
 
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<AttentionKernel> attention_;
@@ -114,7 +145,8 @@ class ModelRunner {
   size_t num_top_ = 0;                  // params_[0, num_top_) are the model's top parameters
   std::vector<size_t> layer_begin_;     // params_ index of each layer's first parameter
   std::vector<std::string> top_names_;  // the names Params hands the model (relative to a layer)
-  std::vector<std::vector<std::string>> layer_names_;
+  std::vector<std::vector<std::string>> layer_names_;  // then one entry per MTP depth
+  int mtp_depths_ = 0;
   std::vector<CacheSpec> cache_specs_;
   DType compute_dtype_ = DType::f32, weight_dtype_ = DType::f32;
   bool tied_ = false;

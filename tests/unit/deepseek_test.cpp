@@ -13,7 +13,9 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <memory>
+#include <numeric>
 #include <random>
 #include <string>
 #include <utility>
@@ -609,6 +611,258 @@ TEST(DeepseekTraining, RouterBiasUpdateThroughTraining) {
   EXPECT_NE(bias_of(s.root / "straight", 6, 1), std::vector<float>(8, 0.f));
   expect_refused("run --model=deepseek3-test steps=1 decoder_block=deepseek_v2" + on,
                  "routed_bias_update_rate");
+}
+
+// ---- multi-token prediction (mtp_num_layers) -----------------------------------------------
+
+// A golden directory's model (f32, load balancing off) with `overrides`, its parameters first
+// initialised (seed 3: what the Hugging Face weights leave, the MTP modules) and then loaded.
+std::unique_ptr<ModelRunner> golden_mtp_runner(const std::vector<std::string>& overrides) {
+  const HfImport imp = read_hf_config(kGolden / "deepseek_v3", test::plugins());
+  ConfigRequest req;
+  req.configs_dir = test::source_dir() + "/configs";
+  req.model = "";
+  req.overrides = imp.overrides;
+  for (const char* o : {"max_target_length=100", "dtype=float32", "weight_dtype=float32",
+                        "load_balance_loss_weight=0"})
+    req.overrides.emplace_back(o);
+  for (const auto& o : overrides) req.overrides.push_back(o);
+  req.schemas_for = [](const Config& layers) {
+    const std::string fam = layers.get_string("decoder_block");
+    return std::vector<SchemaText>{
+        {"model family '" + fam + "'", test::plugins().make_model_family(fam)->config_schema()}};
+  };
+  auto r = std::make_unique<ModelRunner>(load_config(req), test::plugins());
+  r->init_parameters(3);
+  load_hf_weights(kGolden / "deepseek_v3", *r);
+  return r;
+}
+
+// ids [1, T] with next-token targets (the last predicts nothing).
+HostBatch next_token_batch(const std::vector<int32_t>& ids) {
+  HostBatch hb;
+  hb.batch = 1;
+  hb.seq = static_cast<int64_t>(ids.size());
+  hb.inputs = ids;
+  hb.targets.assign(ids.begin() + 1, ids.end());
+  hb.targets.push_back(-1);
+  return hb;
+}
+
+std::vector<float> file_floats(const SafeTensorsFile& f, const std::string& name) {
+  const SafeTensorInfo& t = f.info(name);
+  EXPECT_EQ(t.dtype, "F32") << name;
+  std::vector<float> v(static_cast<size_t>(t.numel()));
+  std::memcpy(v.data(), t.data, t.nbytes());
+  return v;
+}
+
+// Two MTP depths (scale 0.3) on the golden V3 model, their weights (a MoE layer each, random
+// e_score_correction_bias) and the reference losses and gradients from tools/make_mtp_golden.py,
+// which builds the modules in PyTorch around transformers' own DeepseekV3DecoderLayer. mt's
+// main loss, each depth's cross-entropy, the objective and every MTP weight's gradient agree
+// (relative 1e-4). Measured: see the printed line.
+TEST(DeepseekMtp, LossesAndGradientsMatchTheReference) {
+  const SafeTensorsFile ref(kGolden / "deepseek_v3" / "mtp.safetensors");
+  auto r = golden_mtp_runner({"mtp_num_layers=2", "mtp_loss_scaling_factor=0.3"});
+  size_t loaded = 0;
+  for (auto& p : r->params()) {
+    if (p.name.rfind("mtp.", 0) != 0) continue;
+    const std::vector<float> v = file_floats(ref, p.name);
+    ASSERT_EQ(static_cast<int64_t>(v.size()), p.value.numel()) << p.name;
+    r->backend().copy_from_host(p.value, v.data());
+    ++loaded;
+  }
+  EXPECT_GT(loaded, 20u);
+  std::vector<int32_t> ids(100);
+  {
+    const SafeTensorInfo& t = ref.info("input_ids");
+    std::memcpy(ids.data(), t.data, t.nbytes());
+  }
+  const DeviceBatch batch = r->upload(next_token_batch(ids));
+  const std::vector<float> want_ce = file_floats(ref, "mtp_loss");
+  const double want_main = file_floats(ref, "loss")[0];
+  {
+    Graph g(r->backend(), false);  // evaluation: no MTP
+    const double main = test::to_vector(r->loss(g, batch, 0.f))[0];
+    EXPECT_LT(std::fabs(main - want_main) / want_main, 1e-4) << main << " vs " << want_main;
+  }
+  r->enable_gradients();
+  r->zero_gradients();
+  Graph g(r->backend());
+  std::map<std::string, double> aux;
+  const Tensor total = r->loss(g, batch, 0.f, 1.0, &aux);
+  double worst = 0;
+  for (int k = 1; k <= 2; ++k) {
+    const double got = aux.at("mtp_loss/" + std::to_string(k)), want = want_ce[k - 1];
+    EXPECT_LT(std::fabs(got - want) / want, 1e-4) << "depth " << k << ": " << got << " vs " << want;
+    worst = std::max(worst, std::fabs(got - want) / want);
+  }
+  const double want_mtp = 0.3 / 2 * (want_ce[0] + want_ce[1]);
+  EXPECT_LT(std::fabs(aux.at("mtp_loss") - want_mtp) / want_mtp, 1e-4);
+  const double got_total = test::to_vector(total)[0];
+  EXPECT_LT(std::fabs(got_total - (want_main + want_mtp)) / (want_main + want_mtp), 1e-4);
+  g.backward(total);
+  r->finish_gradients();
+  double worst_grad = 0;
+  for (auto& p : r->params()) {
+    if (p.name.rfind("mtp.", 0) != 0) continue;
+    const std::vector<float> got = test::to_vector(p.grad);
+    if (p.name.find("router_bias") != std::string::npos) {
+      EXPECT_EQ(got, std::vector<float>(got.size(), 0.f)) << p.name;
+      continue;
+    }
+    const double e = test::scaled_err(got, file_floats(ref, "grad." + p.name));
+    EXPECT_LT(e, 1e-4) << "gradient of " << p.name;
+    worst_grad = std::max(worst_grad, e);
+  }
+  std::printf("mtp: CE %.7f %.7f vs %.7f %.7f; worst loss error %.2e, gradient %.2e\n",
+              aux.at("mtp_loss/1"), aux.at("mtp_loss/2"), want_ce[0], want_ce[1], worst,
+              worst_grad);
+}
+
+// Upload's shifted batches: depth k reads position i + k's token and target, -1 past the end and
+// across a packed document's boundary.
+TEST(DeepseekMtp, ShiftedTargetsStopAtTheSequenceAndDocumentEnds) {
+  auto r = named_training_runner({"mtp_num_layers=2"});
+  HostBatch hb;
+  hb.batch = 1;
+  hb.seq = 6;
+  hb.inputs = {10, 11, 12, 20, 21, 22};
+  hb.targets = {11, 12, -1, 21, 22, -1};
+  hb.positions = {0, 1, 2, 0, 1, 2};
+  hb.segment_ids = {1, 1, 1, 2, 2, 2};
+  const DeviceBatch d = r->upload(hb);
+  ASSERT_EQ(d.mtp.size(), 2u);
+  auto ints = [&](const Tensor& t) {
+    std::vector<int32_t> v(static_cast<size_t>(t.numel()));
+    r->backend().copy_to_host(t, v.data());
+    return v;
+  };
+  EXPECT_EQ(ints(d.mtp[0].inputs), (std::vector<int32_t>{11, 12, 20, 21, 22, 0}));
+  EXPECT_EQ(ints(d.mtp[0].targets), (std::vector<int32_t>{12, -1, -1, 22, -1, -1}));
+  EXPECT_EQ(ints(d.mtp[0].positions), (std::vector<int32_t>{1, 2, 0, 1, 2, 0}));
+  EXPECT_EQ(d.mtp[0].valid_targets, 2);
+  EXPECT_EQ(ints(d.mtp[1].targets), (std::vector<int32_t>{-1, -1, -1, -1, -1, -1}));
+  EXPECT_EQ(d.mtp[1].valid_targets, 0);
+}
+
+// Central differences of the training objective (main loss + 1 x the MTP term, load balancing
+// off) against the backward, on deepseek3-test's tiny sizes: elements of each MTP weight kind
+// (norms, projection, the layer's attention, router, experts, shared expert) and of the shared
+// final norm and head, which the MTP path also reaches. Not the embedding: moving one of its
+// rows moves the main model's MoE routing across a tie (a jump the difference sees, with or
+// without MTP); the golden test checks the path from the embedding through MTP's gradients.
+TEST(DeepseekMtp, GradientsMatchFiniteDifferences) {
+  auto r = named_training_runner({"mtp_num_layers=1", "mtp_loss_scaling_factor=1",
+                                  "load_balance_loss_weight=0", "max_target_length=12",
+                                  "per_device_batch_size=1"});
+  std::vector<int32_t> ids;
+  std::mt19937 rng(5);
+  for (int i = 0; i < 12; ++i) ids.push_back(static_cast<int32_t>(rng() % 256));
+  const DeviceBatch batch = r->upload(next_token_batch(ids));
+  auto objective = [&] {
+    Graph g(r->backend(), false);
+    std::map<std::string, double> aux;
+    return static_cast<double>(test::to_vector(r->loss(g, batch, 0.f, 1.0, &aux))[0]);
+  };
+  {
+    Graph g(r->backend());
+    std::map<std::string, double> aux;
+    const Tensor l = r->loss(g, batch, 0.f, 1.0, &aux);
+    EXPECT_GT(aux.at("mtp_loss"), 0.0);
+    g.backward(l);
+    r->finish_gradients();
+  }
+  const char* names[] = {"mtp.1.mtp_projection",
+                         "mtp.1.mtp_embedding_norm",
+                         "mtp.1.mtp_hidden_norm",
+                         "mtp.1.wq_b",
+                         "mtp.1.wkv_a",
+                         "mtp.1.wo",
+                         "mtp.1.router",
+                         "mtp.1.w_gate",
+                         "mtp.1.w_down",
+                         "mtp.1.shared_w_up",
+                         "final_norm",
+                         "lm_head"};
+  int checked = 0;
+  for (const char* name : names) {
+    Param* p = r->find(name);
+    ASSERT_NE(p, nullptr) << name;
+    std::vector<float> w = test::to_vector(p->value);
+    const std::vector<float> grad = test::to_vector(p->grad);
+    // The elements of largest gradient (a tiny one is all rounding in a difference).
+    std::vector<size_t> order(w.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + 3, order.end(),
+                      [&](size_t a, size_t b) { return std::fabs(grad[a]) > std::fabs(grad[b]); });
+    for (int j = 0; j < 3; ++j) {
+      const size_t i = order[static_cast<size_t>(j)];
+      const float h = 1e-2f * std::max(1.f, std::fabs(w[i]));
+      const float orig = w[i], hi = orig + h, lo = orig - h;
+      w[i] = hi;
+      r->backend().copy_from_host(p->value, w.data());
+      const double up = objective();
+      w[i] = lo;
+      r->backend().copy_from_host(p->value, w.data());
+      const double down = objective();
+      w[i] = orig;
+      r->backend().copy_from_host(p->value, w.data());
+      const double fd = (up - down) / (static_cast<double>(hi) - static_cast<double>(lo));
+      EXPECT_NEAR(fd, grad[i], 2e-2 * std::fabs(grad[i]) + 1e-4) << name << "[" << i << "]";
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 36);
+}
+
+// Decode and scoring never run the MTP modules: with mtp_num_layers=1 the golden model's logits
+// and its evaluation loss are bit for bit those without, and decode's caches are the decoder's.
+TEST(DeepseekMtp, ForwardAndEvaluationIgnoreTheModules) {
+  auto plain = golden_mtp_runner({});
+  auto with = golden_mtp_runner({"mtp_num_layers=1"});
+  EXPECT_GT(with->params().size(), plain->params().size());
+  EXPECT_EQ(with->cache_specs(), plain->cache_specs());
+  const std::vector<int32_t> ids = Reference(kGolden / "deepseek_v3").ints("input_ids");
+  const std::vector<int32_t> head(ids.begin(), ids.begin() + 40);
+  EXPECT_EQ(full_forward(*with, head), full_forward(*plain, head));
+  const DeviceBatch a = plain->upload(next_token_batch(ids));
+  const DeviceBatch b = with->upload(next_token_batch(ids));
+  Graph ga(plain->backend(), false), gb(with->backend(), false);
+  EXPECT_EQ(test::to_vector(plain->loss(ga, a, 0.f)), test::to_vector(with->loss(gb, b, 0.f)));
+}
+
+// Training with one MTP depth: the objective's MTP term is logged (mtp_loss, mtp_loss/1), the
+// modules are checkpointed, and 3 steps then a restart to 6 equal 6 straight steps bitwise.
+TEST(DeepseekMtp, TrainsAndResumesBitwise) {
+  Scratch s;
+  const std::string on = " mtp_num_layers=1";
+  auto run = [&](const std::string& name, int steps) {
+    const test::MtResult r = test::run_training(
+        "deepseek3-test", test::resume_options(3, 6) + " steps=" + std::to_string(steps) + on,
+        s.root, name);
+    EXPECT_EQ(r.code, 0) << r.out;
+  };
+  run("straight", 6);
+  run("resumed", 3);
+  run("resumed", 6);
+  ASSERT_NO_FATAL_FAILURE(test::expect_same_runs(s.root / "straight", s.root / "resumed", 6));
+  const std::string metrics = slurp(s.root / "straight" / "metrics.jsonl");
+  EXPECT_NE(metrics.find("\"mtp_loss\""), std::string::npos);
+  EXPECT_NE(metrics.find("\"mtp_loss/1\""), std::string::npos);
+  SafeTensorsFile p(s.root / "straight" / "checkpoints" / "6" / "params.safetensors");
+  EXPECT_EQ(p.info("mtp.1.mtp_projection").shape, (Shape{128, 64}));
+  EXPECT_EQ(p.info("mtp.1.w_gate").shape, (Shape{8, 64, 32}));
+}
+
+TEST(DeepseekMtp, BadInputIsRefusedWithOneClearError) {
+  Scratch s;
+  const std::string run = "run --model=deepseek3-test steps=1 ";
+  expect_refused(run + "mtp_num_layers=-1", "mtp_num_layers");
+  expect_refused(run + "mtp_loss_scaling_factor=-0.5", "mtp_loss_scaling_factor");
+  expect_refused(run + "decoder_block=deepseek_v2 mtp_num_layers=1",
+                 "multi-token prediction is DeepSeek-V3's");
 }
 
 }  // namespace

@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <memory>
 #include <numeric>
@@ -54,7 +55,14 @@ constexpr const char* kSchema =
     "+ d/2) (config.json's rope_interleave)\n"
     "deepseek_rope_attention_factor: 0.0  # yarn: cos and sin are multiplied by this (Hugging "
     "Face's attention_factor; from config.json's mscale / mscale_all_dim: 1 in every released "
-    "model); 0 = 0.1 ln(rope_factor) + 1 [>=0]\n";
+    "model); 0 = 0.1 ln(rope_factor) + 1 [>=0]\n"
+    "mtp_num_layers: 0  # DeepSeek-V3's multi-token prediction (MaxText's key): D modules after "
+    "the decoder, in training only; depth k combines the previous depth's hidden state with the "
+    "embeddings of the tokens k ahead, runs one decoder layer (of the last layer's kind) and the "
+    "shared head predicts the token k + 1 ahead; 0 = none [>=0]\n"
+    "mtp_loss_scaling_factor: 0.1  # the multi-token prediction term in the training objective: "
+    "this / mtp_num_layers x the sum of the depths' mean cross-entropies (MaxText's key and "
+    "default) [>=0]\n";
 
 // yarn_get_mscale of DeepSeek's code: 0.1 m ln(factor) + 1 for factor > 1.
 double yarn_mscale(double factor, double m) {
@@ -76,6 +84,8 @@ struct DsConfig {
   float scaling = 1.f;
   float lb_weight = 0.f;
   float bias_rate = 0.f;  // V3: routed_bias_update_rate
+  int mtp_layers = 0;     // V3: mtp_num_layers
+  float mtp_scale = 0.f;  // mtp_loss_scaling_factor
 
   DsConfig(const mt::Config& c, bool is_v3) : v3(is_v3) {
     vocab = c.get_int("vocab_size");
@@ -134,6 +144,8 @@ struct DsConfig {
     scaling = static_cast<float>(c.get_float("routed_scaling_factor"));
     lb_weight = static_cast<float>(c.get_float("load_balance_loss_weight"));
     bias_rate = static_cast<float>(c.get_float("routed_bias_update_rate"));
+    mtp_layers = static_cast<int>(c.get_int("mtp_num_layers"));
+    mtp_scale = static_cast<float>(c.get_float("mtp_loss_scaling_factor"));
   }
 };
 
@@ -175,9 +187,17 @@ std::vector<int32_t> choose_experts(const DsConfig& c, const std::vector<float>&
       const int64_t per = E / c.groups;
       std::vector<std::pair<float, int64_t>> gs;
       for (int64_t gi = 0; gi < c.groups; ++gi) {
-        std::vector<float> m(s + gi * per, s + (gi + 1) * per);
-        std::sort(m.begin(), m.end(), std::greater<float>());
-        gs.push_back({c.v3 ? m[0] + m[1] : m[0], gi});
+        // The group's best two scores in one pass (V3 sums them; V2 takes the best).
+        float best = -std::numeric_limits<float>::infinity(), second = best;
+        for (int64_t e = gi * per; e < (gi + 1) * per; ++e) {
+          if (s[e] > best) {
+            second = best;
+            best = s[e];
+          } else if (s[e] > second) {
+            second = s[e];
+          }
+        }
+        gs.push_back({c.v3 ? best + second : best, gi});
       }
       std::stable_sort(gs.begin(), gs.end(),
                        [](const auto& a, const auto& b) { return a.first > b.first; });
@@ -185,11 +205,14 @@ std::vector<int32_t> choose_experts(const DsConfig& c, const std::vector<float>&
       for (int64_t j = 0; j < c.top_groups; ++j)
         std::fill_n(allowed.begin() + gs[static_cast<size_t>(j)].second * per, per, 1);
     }
+    // The k best, ties to the lower index (what a stable sort of all E gives, in O(E log k):
+    // the plan and training run this per token and layer).
     std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+    std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t a, int32_t b) {
       if (allowed[static_cast<size_t>(a)] != allowed[static_cast<size_t>(b)])
         return allowed[static_cast<size_t>(a)] > allowed[static_cast<size_t>(b)];
-      return s[a] > s[b];
+      if (s[a] != s[b]) return s[a] > s[b];
+      return a < b;
     });
     std::copy_n(order.begin(), k, out.begin() + t * k);
   }
@@ -391,6 +414,11 @@ class DsModel final : public mt::Model {
   DsModel(const mt::Config& cfg, bool v3) : c_(cfg, v3) {
     for (int64_t i = 0; i < c_.layers; ++i)
       layers_.push_back(std::make_unique<DsLayer>(c_, i >= c_.first_dense, static_cast<int>(i)));
+    // Multi-token prediction layers are of the last decoder layer's kind (MaxText's choice; in
+    // DeepSeek-V3 a MoE layer), numbered after the decoder's for their load metrics.
+    for (int k = 1; k <= c_.mtp_layers; ++k)
+      mtp_layers_.push_back(std::make_unique<DsLayer>(c_, c_.layers > c_.first_dense,
+                                                      static_cast<int>(c_.layers) + k - 1));
   }
 
   mt::ModelDims dims() const override {
@@ -426,6 +454,29 @@ class DsModel final : public mt::Model {
   Tensor head(mt::Graph& g, const mt::Params& top, const Tensor& hidden) const override {
     return mt::blocks::lm_head(g, top, mt::blocks::norm(g, top, "final_norm", hidden, c_.norm),
                                c_.tied);
+  }
+
+  // Multi-token prediction: h' = W [RMSNorm_e(embedding); RMSNorm_h(hidden)], the embedding
+  // first, as DeepSeek-V3's released eh_proj and MaxText's current layer order them (the
+  // paper writes [h; e]: the same model up to a permutation of W's rows).
+  int mtp_depths() const override { return c_.mtp_layers; }
+  float mtp_loss_scale() const override { return c_.mtp_scale; }
+  std::vector<ParamSpec> mtp_parameters(int) const override {
+    std::vector<ParamSpec> r = mt::blocks::norm_params("mtp_embedding_norm", c_.d, c_.norm);
+    for (auto& p : mt::blocks::norm_params("mtp_hidden_norm", c_.d, c_.norm)) r.push_back(p);
+    r.push_back(mt::blocks::dense_param("mtp_projection", 2 * c_.d, c_.d));
+    return r;
+  }
+  const mt::DecoderLayer& mtp_layer(int depth) const override {
+    return *mtp_layers_.at(static_cast<size_t>(depth - 1));
+  }
+  Tensor mtp_combine(mt::Graph& g, const mt::Params& p, const Tensor& hidden,
+                     const Tensor& embedded, int) const override {
+    using mt::blocks::norm;
+    const Tensor cat = g.concat({norm(g, p, "mtp_embedding_norm", embedded, c_.norm),
+                                 norm(g, p, "mtp_hidden_norm", hidden, c_.norm)});
+    const Tensor flat = g.reshape(cat, {cat.numel() / (2 * c_.d), 2 * c_.d});
+    return g.reshape(g.matmul(flat, p["mtp_projection"]), hidden.shape());
   }
 
   // Hugging Face's names (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM); experts per expert
@@ -465,6 +516,7 @@ class DsModel final : public mt::Model {
  private:
   DsConfig c_;
   std::vector<std::unique_ptr<DsLayer>> layers_;
+  std::vector<std::unique_ptr<DsLayer>> mtp_layers_;
 };
 
 class DsFamily final : public mt::ModelFamily {
@@ -510,6 +562,17 @@ class DsFamily final : public mt::ModelFamily {
                "must be 0.0 for " + fam +
                    ": it updates DeepSeek-V3's router_bias (decoder_block=deepseek_v3); V2 "
                    "routes without one.");
+    const int64_t mtp = c.get_int("mtp_num_layers");
+    if (mtp < 0)
+      c.reject("mtp_num_layers",
+               "must be 0 (no multi-token prediction) or a positive number of "
+               "prediction depths.");
+    if (!v3_ && mtp > 0)
+      c.reject("mtp_num_layers",
+               "must be 0 for " + fam +
+                   ": multi-token prediction is DeepSeek-V3's (decoder_block=deepseek_v3).");
+    if (c.get_float("mtp_loss_scaling_factor") < 0)
+      c.reject("mtp_loss_scaling_factor", "must be >= 0: it weighs a loss in the objective.");
     if (c.get_float("capacity_factor") > 0)
       c.reject("capacity_factor",
                "must be <= 0 for " + fam + ": its mixture of experts is dropless in mt for now.");

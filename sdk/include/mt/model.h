@@ -177,6 +177,26 @@ class MT_API Model {
   // hidden [B, T, D] -> logits [B, T, V] (final norm, LM head, soft-cap).
   virtual Tensor head(Graph& g, const Params& top, const Tensor& hidden) const = 0;
 
+  // Multi-token prediction (DeepSeek-V3 section 2.2; MaxText's mtp_num_layers): D modules run
+  // after the decoder in training only. Depth k = 1..D takes the previous depth's hidden state
+  // h^{k-1} [B, T, D] (depth 0: the last decoder layer's output, before the final norm) and the
+  // embeddings of the tokens k ahead (embed_at of the inputs shifted left by k), combines them
+  // with mtp_combine, runs mtp_layer(k), and the shared head() predicts the token k + 1 ahead.
+  // The core adds mtp_loss_scale() / D x the sum of the depths' mean cross-entropies to the
+  // training objective; evaluation, scoring and decode never run the modules. Depth k's
+  // parameters are mtp_parameters(k) and mtp_layer(k).parameters(), named "mtp.<k>.<name>" (one
+  // namespace: no name twice), and both mtp_combine and the layer read them from one Params.
+  virtual int mtp_depths() const { return 0; }
+  virtual float mtp_loss_scale() const { return 0.f; }
+  virtual std::vector<ParamSpec> mtp_parameters(int depth) const {
+    (void)depth;
+    return {};
+  }
+  virtual const DecoderLayer& mtp_layer(int depth) const;
+  // hidden [B, T, D] (h^{k-1}), embedded [B, T, D] (the tokens k ahead) -> mtp_layer's input.
+  virtual Tensor mtp_combine(Graph& g, const Params& p, const Tensor& hidden,
+                             const Tensor& embedded, int depth) const;
+
   // Model FLOPs of one trained token (forward and backward) at context length seq_len, for
   // TFLOP/s and MFU. The default: 6 x the matmul parameters a token uses (ParamSpec::matmul x
   // ParamSpec::active; the embedding counts when it is a matmul, i.e. tied to the LM head) plus

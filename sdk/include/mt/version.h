@@ -18,5 +18,7 @@
 // embeddings with their positions, for learned absolute position tables); 7: LayerOutput::stats
 // (LayerStat, non-differentiable per-layer statistics) and DecoderLayer::after_step (updates
 // after the optimizer step: DeepSeek-V3's routed_bias_update_rate); 8: Backend::fill_random
-// (RandomFill, counter-based parameter initialisation; op set 4), MemoryStats::bytes_limit.
+// (RandomFill, counter-based parameter initialisation; op set 4), MemoryStats::bytes_limit, and
+// Model's multi-token prediction (mtp_depths, mtp_loss_scale, mtp_parameters, mtp_layer,
+// mtp_combine).
 #define MT_ABI_VERSION 8u
