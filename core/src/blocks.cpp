@@ -359,6 +359,21 @@ Tensor lm_head(Graph& g, const Params& p, const Tensor& h, bool tied, const std:
   return tied ? g.matmul(h, p[embedding], false, true) : g.matmul(h, p[head]);
 }
 
+std::vector<ParamSpec> decoder_top_params(int64_t vocab, int64_t d, const NormSpec& norm, bool tied,
+                                          float embedding_stddev) {
+  if (embedding_stddev == 0.f) embedding_stddev = tied ? 1.f / std::sqrt(float(d)) : 1.f;
+  std::vector<ParamSpec> r = {embedding_param("embedding", vocab, d, embedding_stddev, tied)};
+  for (auto& p : norm_params("final_norm", d, norm)) r.push_back(p);
+  if (!tied) r.push_back(dense_param("lm_head", d, vocab));
+  return r;
+}
+
+Tensor decoder_head(Graph& g, const Params& top, const Tensor& hidden, const NormSpec& norm,
+                    bool tied, float softcap) {
+  Tensor logits = lm_head(g, top, mt::blocks::norm(g, top, "final_norm", hidden, norm), tied);
+  return softcap > 0.f ? g.softcap(logits, softcap) : logits;
+}
+
 // ---- mixture of experts ---------------------------------------------------------------------
 
 namespace {

@@ -28,6 +28,18 @@ Model::HfName hf_experts(const std::string& prefix, int64_t experts, const std::
   return h;
 }
 
+bool hf_causal_lm_top(const std::string& mt_name, bool tied, Model::HfName& out) {
+  if (mt_name == "embedding")
+    out = hf_tensor("model.embed_tokens.weight");
+  else if (mt_name == "final_norm")
+    out = hf_tensor("model.norm.weight");
+  else if (mt_name == "lm_head")
+    out = tied ? Model::HfName{} : hf_tensor("lm_head.weight", true);
+  else
+    return false;
+  return true;
+}
+
 bool hf_split_layer(const std::string& mt_name, std::string& index, std::string& param) {
   const auto dot = mt_name.find('.', 7);
   if (mt_name.rfind("layers.", 0) != 0 || dot == std::string::npos) return false;

@@ -438,11 +438,7 @@ class DsModel final : public mt::Model {
   }
 
   std::vector<ParamSpec> top_parameters() const override {
-    std::vector<ParamSpec> r = {mt::blocks::embedding_param(
-        "embedding", c_.vocab, c_.d, c_.tied ? 1.f / std::sqrt(float(c_.d)) : 1.f, c_.tied)};
-    for (auto& p : mt::blocks::norm_params("final_norm", c_.d, c_.norm)) r.push_back(p);
-    if (!c_.tied) r.push_back(mt::blocks::dense_param("lm_head", c_.d, c_.vocab));
-    return r;
+    return mt::blocks::decoder_top_params(c_.vocab, c_.d, c_.norm, c_.tied);
   }
   int num_layers() const override { return static_cast<int>(c_.layers); }
   const mt::DecoderLayer& layer(int i) const override {
@@ -452,8 +448,7 @@ class DsModel final : public mt::Model {
     return g.embedding(top["embedding"], tokens);
   }
   Tensor head(mt::Graph& g, const mt::Params& top, const Tensor& hidden) const override {
-    return mt::blocks::lm_head(g, top, mt::blocks::norm(g, top, "final_norm", hidden, c_.norm),
-                               c_.tied);
+    return mt::blocks::decoder_head(g, top, hidden, c_.norm, c_.tied);
   }
 
   // Multi-token prediction: h' = W [RMSNorm_e(embedding); RMSNorm_h(hidden)], the embedding
@@ -482,9 +477,7 @@ class DsModel final : public mt::Model {
   // Hugging Face's names (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM); experts per expert
   // (mlp.experts.<e>.<proj>.weight, what save_pretrained writes), stacked [E, in, out].
   HfName hf_name(const std::string& n) const override {
-    if (n == "embedding") return mt::hf_tensor("model.embed_tokens.weight");
-    if (n == "final_norm") return mt::hf_tensor("model.norm.weight");
-    if (n == "lm_head") return mt::hf_tensor("lm_head.weight", true);
+    if (HfName top; mt::hf_causal_lm_top(n, c_.tied, top)) return top;
     std::string index, p;  // "layers.<i>.<param>"
     if (!mt::hf_split_layer(n, index, p)) return {};
     const int64_t i = mt::hf_layer_number(index);

@@ -202,11 +202,8 @@ class GemmaModel final : public mt::Model {
   // embedding [V, D] (N(0, 1/D): times sqrt(D) on the way in, unit-size inputs), final_norm
   // [D], lm_head [D, V] (absent when tied, as every released Gemma is).
   std::vector<ParamSpec> top_parameters() const override {
-    std::vector<ParamSpec> r = {mt::blocks::embedding_param(
-        "embedding", c_.vocab, c_.d, 1.f / std::sqrt(static_cast<float>(c_.d)), c_.tied)};
-    for (auto& p : mt::blocks::norm_params("final_norm", c_.d, c_.norm)) r.push_back(p);
-    if (!c_.tied) r.push_back(mt::blocks::dense_param("lm_head", c_.d, c_.vocab));
-    return r;
+    return mt::blocks::decoder_top_params(c_.vocab, c_.d, c_.norm, c_.tied,
+                                          1.f / std::sqrt(static_cast<float>(c_.d)));
   }
   int num_layers() const override { return static_cast<int>(c_.layers); }
   const mt::DecoderLayer& layer(int i) const override {
@@ -219,18 +216,14 @@ class GemmaModel final : public mt::Model {
   }
   // hidden [B, T, D] -> logits [B, T, V]: final norm, LM head, then the final soft-cap.
   Tensor head(mt::Graph& g, const mt::Params& top, const Tensor& hidden) const override {
-    Tensor logits = mt::blocks::lm_head(
-        g, top, mt::blocks::norm(g, top, "final_norm", hidden, c_.norm), c_.tied);
-    return c_.final_softcap > 0.f ? g.softcap(logits, c_.final_softcap) : logits;
+    return mt::blocks::decoder_head(g, top, hidden, c_.norm, c_.tied, c_.final_softcap);
   }
 
   // GemmaForCausalLM's, Gemma2ForCausalLM's and Gemma3ForCausalLM's names. Gemma's
   // post_attention_layernorm is the norm before the MLP; Gemma 2 and 3 call that one
   // pre_feedforward_layernorm, and post_attention_layernorm the norm after attention.
   HfName hf_name(const std::string& n) const override {
-    if (n == "embedding") return mt::hf_tensor("model.embed_tokens.weight");
-    if (n == "final_norm") return mt::hf_tensor("model.norm.weight");
-    if (n == "lm_head") return c_.tied ? HfName{} : mt::hf_tensor("lm_head.weight", true);
+    if (HfName top; mt::hf_causal_lm_top(n, c_.tied, top)) return top;
     std::string index, p;  // "layers.<i>.<param>"
     if (!mt::hf_split_layer(n, index, p)) return {};
     const std::string prefix = "model.layers." + index + ".";

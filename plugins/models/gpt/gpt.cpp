@@ -136,12 +136,10 @@ class GptModel final : public mt::Model {
   // [D, V] (absent when tied to the embedding). The position table is a lookup (not a matmul);
   // GPT-2's original initialisation gives it stddev 0.01.
   std::vector<ParamSpec> top_parameters() const override {
-    std::vector<ParamSpec> r = {
-        mt::blocks::embedding_param("embedding", c_.vocab, c_.d,
-                                    c_.tied ? 1.f / std::sqrt(float(c_.d)) : 1.f, c_.tied),
-        mt::blocks::embedding_param("position_embedding", c_.positions, c_.d, 0.01f, false)};
-    for (auto& p : mt::blocks::norm_params("final_norm", c_.d, c_.norm)) r.push_back(p);
-    if (!c_.tied) r.push_back(mt::blocks::dense_param("lm_head", c_.d, c_.vocab));
+    // The learned position table right after the token embedding.
+    std::vector<ParamSpec> r = mt::blocks::decoder_top_params(c_.vocab, c_.d, c_.norm, c_.tied);
+    r.insert(r.begin() + 1,
+             mt::blocks::embedding_param("position_embedding", c_.positions, c_.d, 0.01f, false));
     return r;
   }
   int num_layers() const override { return static_cast<int>(c_.layers); }
@@ -158,8 +156,7 @@ class GptModel final : public mt::Model {
   }
   // hidden [B, T, D] -> logits [B, T, V]
   Tensor head(mt::Graph& g, const mt::Params& top, const Tensor& hidden) const override {
-    return mt::blocks::lm_head(g, top, mt::blocks::norm(g, top, "final_norm", hidden, c_.norm),
-                               c_.tied);
+    return mt::blocks::decoder_head(g, top, hidden, c_.norm, c_.tied);
   }
 
   // GPT2LMHeadModel's names. Its Conv1D weights are stored [in, out], as mt stores them (not

@@ -117,11 +117,7 @@ class LlamaModel final : public mt::Model {
 
   // embedding [V, D], final_norm [D], lm_head [D, V] (absent when tied to the embedding)
   std::vector<ParamSpec> top_parameters() const override {
-    std::vector<ParamSpec> r = {mt::blocks::embedding_param(
-        "embedding", c_.vocab, c_.d, c_.tied ? 1.f / std::sqrt(float(c_.d)) : 1.f, c_.tied)};
-    for (auto& p : mt::blocks::norm_params("final_norm", c_.d, c_.norm)) r.push_back(p);
-    if (!c_.tied) r.push_back(mt::blocks::dense_param("lm_head", c_.d, c_.vocab));
-    return r;
+    return mt::blocks::decoder_top_params(c_.vocab, c_.d, c_.norm, c_.tied);
   }
   int num_layers() const override { return static_cast<int>(c_.layers); }
   // Every Llama layer has the same structure; only its parameters differ.
@@ -132,16 +128,11 @@ class LlamaModel final : public mt::Model {
   }
   // hidden [B, T, D] -> logits [B, T, V]
   Tensor head(mt::Graph& g, const mt::Params& top, const Tensor& hidden) const override {
-    Tensor h = mt::blocks::norm(g, top, "final_norm", hidden, c_.norm);
-    Tensor logits = mt::blocks::lm_head(g, top, h, c_.tied);
-    if (c_.final_softcap > 0.f) logits = g.softcap(logits, c_.final_softcap);
-    return logits;
+    return mt::blocks::decoder_head(g, top, hidden, c_.norm, c_.tied, c_.final_softcap);
   }
 
   HfName hf_name(const std::string& n) const override {
-    if (n == "embedding") return mt::hf_tensor("model.embed_tokens.weight");
-    if (n == "final_norm") return mt::hf_tensor("model.norm.weight");
-    if (n == "lm_head") return mt::hf_tensor("lm_head.weight", true);
+    if (HfName top; mt::hf_causal_lm_top(n, c_.tied, top)) return top;
     std::string index, p;  // "layers.<i>.<param>"
     if (!mt::hf_split_layer(n, index, p)) return {};
     static const mt::HfNameTable kNames = {{"attn_norm", {"input_layernorm.weight", false}},

@@ -139,6 +139,16 @@ MT_API Tensor lm_head(Graph& g, const Params& p, const Tensor& h, bool tied,
                       const std::string& embedding = "embedding",
                       const std::string& head = "lm_head");
 
+// The top of a decoder as most families have it: "embedding" [V, d] (normal with stddev
+// `embedding_stddev`; 0 = 1/sqrt(d) when tied to the LM head, else 1), "final_norm" and
+// "lm_head" [d, V] unless tied.
+MT_API std::vector<ParamSpec> decoder_top_params(int64_t vocab, int64_t d, const NormSpec& norm,
+                                                 bool tied, float embedding_stddev = 0.f);
+// hidden [B, T, d] -> logits [B, T, V]: final_norm, the LM head, and the final logits' soft-cap
+// when `softcap` > 0.
+MT_API Tensor decoder_head(Graph& g, const Params& top, const Tensor& hidden, const NormSpec& norm,
+                           bool tied, float softcap = 0.f);
+
 // ---- mixture of experts -----------------------------------------------------------------------
 struct MoeSpec {
   int64_t d_model = 0;

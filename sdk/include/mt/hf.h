@@ -22,6 +22,10 @@ MT_API Model::HfName hf_tensor(std::string name, bool transposed = false, int64_
 // [0, experts) and stored [out, in] (transformers' per-expert Linear weights).
 MT_API Model::HfName hf_experts(const std::string& prefix, int64_t experts,
                                 const std::string& suffix);
+// The top of Hugging Face's *ForCausalLM (Llama, Mistral, Qwen, Gemma, DeepSeek): embedding ->
+// model.embed_tokens.weight, final_norm -> model.norm.weight, lm_head -> lm_head.weight
+// (transposed; none when tied). False for any other name.
+MT_API bool hf_causal_lm_top(const std::string& mt_name, bool tied, Model::HfName& out);
 // Splits "layers.<i>.<param>" into "<i>" and "<param>"; false for any other name.
 MT_API bool hf_split_layer(const std::string& mt_name, std::string& index, std::string& param);
 // The number a layer index starts with ("3" -> 3); -1 when it starts with none.
