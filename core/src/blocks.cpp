@@ -284,8 +284,8 @@ Tensor mla(Graph& g, const Params& p, const MlaSpec& s, const Tensor& x, const L
   // Every head's copy of the rotary key: rows gathered H times per token (the backward sums
   // the heads' gradients back into the one key).
   std::vector<int32_t> rows(static_cast<size_t>(b * t * h));
-  for (int64_t i = 0; i < b * t * h; ++i)
-    rows[static_cast<size_t>(i)] = static_cast<int32_t>(i / h);
+  for (int64_t tok = 0, i = 0; tok < b * t; ++tok)
+    for (int64_t j = 0; j < h; ++j) rows[static_cast<size_t>(i++)] = static_cast<int32_t>(tok);
   Tensor idx = g.backend().empty({b * t * h}, DType::i32);
   if (!rows.empty()) g.backend().copy_from_host(idx, rows.data());
   const Tensor k_rot_h =

@@ -365,6 +365,13 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
                 static_cast<long>(first_step - 1), static_cast<long>(steps));
   // profile=true reports the steady state: setup and the first (warm-up) step are left out.
   const int64_t profile_from = first_step < steps ? first_step + 1 : first_step;
+  // A terminal shows that the first step is under way (it warms up the allocator and kernels,
+  // and takes longest); the progress line replaces this when it ends.
+  if (tty && first_step <= steps) {
+    std::printf("step %ld of %ld: the first step, which warms up the allocator and kernels...",
+                static_cast<long>(first_step), static_cast<long>(steps));
+    std::fflush(stdout);
+  }
   for (int64_t step = first_step; step <= steps; ++step) {
     if (step == profile_from) runner.reset_profile();
     const auto t0 = Clock::now();
