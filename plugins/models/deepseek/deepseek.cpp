@@ -298,14 +298,17 @@ mt::LayerOutput deepseek_moe(mt::Graph& g, const mt::Params& p, const DsConfig& 
   // MaxText's load balancing per sequence, on the unbiased scores: E / B * sum over sequences
   // and experts of (slots of the expert / T) * (mean score of the expert).
   std::vector<float> cw(static_cast<size_t>(n * E), 0.f);
+  std::vector<float> per_expert(static_cast<size_t>(E));
   for (int64_t b = 0; b < B; ++b) {
     std::vector<int64_t> count(static_cast<size_t>(E), 0);
     for (int64_t i = b * T * k; i < (b + 1) * T * k; ++i) ++count[static_cast<size_t>(chosen[i])];
+    // The same factor for every token of the sequence: computed once, copied to each row.
+    for (int64_t e = 0; e < E; ++e)
+      per_expert[static_cast<size_t>(e)] = static_cast<float>(
+          static_cast<double>(E) * static_cast<double>(count[e]) /
+          (static_cast<double>(T) * static_cast<double>(T) * static_cast<double>(B)));
     for (int64_t t = b * T; t < (b + 1) * T; ++t)
-      for (int64_t e = 0; e < E; ++e)
-        cw[static_cast<size_t>(t * E + e)] = static_cast<float>(
-            static_cast<double>(E) * static_cast<double>(count[e]) /
-            (static_cast<double>(T) * static_cast<double>(T) * static_cast<double>(B)));
+      std::copy(per_expert.begin(), per_expert.end(), cw.begin() + t * E);
   }
   Tensor ct = be.empty({n, E}, mt::DType::f32);
   if (n) be.copy_from_host(ct, cw.data());
