@@ -22,37 +22,7 @@
 #include "mt/backend.h"
 #include "mt/ops.h"
 #include "plugin_manager.h"
-
-namespace mt {
-// The backend's memory and required ops, without its fill_random: the core's composition runs.
-class HostComposed final : public Backend {
- public:
-  explicit HostComposed(Backend& inner) : b_(inner) {}
-  std::string name() const override { return "host_composed"; }
-  std::string describe() const override { return name(); }
-  double peak_flops(DType d) const override { return b_.peak_flops(d); }
-  Tensor empty(const Shape& s, DType d) override { return b_.empty(s, d); }
-  void release(void* p, size_t n) override { b_.release(p, n); }
-  void copy_from_host(Tensor& dst, const void* src) override { b_.copy_from_host(dst, src); }
-  void copy_to_host(const Tensor& src, void* dst) override { b_.copy_to_host(src, dst); }
-  void synchronize() override { b_.synchronize(); }
-  MemoryStats memory_stats() const override { return b_.memory_stats(); }
-  void reset_peak_memory() override { b_.reset_peak_memory(); }
-#define MT_OP_required(ret, name, params, args) \
-  ret name params override {                    \
-    return b_.name args;                        \
-  }
-#define MT_OP_composed(ret, name, params, args)
-#define MT_OP(kind, ret, name, params, args) MT_OP_##kind(ret, name, params, args)
-#include "mt/ops.def"
-#undef MT_OP
-#undef MT_OP_composed
-#undef MT_OP_required
-
- private:
-  Backend& b_;
-};
-}  // namespace mt
+#include "required_only_backend.h"
 
 namespace {
 
@@ -95,7 +65,7 @@ BENCHMARK(BM_FillRandom)
     ->UseRealTime();
 
 void BM_FillRandomHostComposed(benchmark::State& state) {
-  mt::HostComposed b(backend());
+  mt::RequiredOnlyBackend b(backend());
   fill(state, b);
 }
 BENCHMARK(BM_FillRandomHostComposed)

@@ -1,7 +1,7 @@
 // The cross-backend op table (as ggml's test-backend-ops): every op of mt/ops.def, in f32 and
 // bf16, on every backend present, against the CPU backend's kernels. The backends under test:
 // - cpu_composed: the CPU's required ops with the core's composition of every composed op (a
-//   backend that lacks them: tests/support's RequiredOnlyBackend);
+//   backend that lacks them: core/src/required_only_backend.h);
 // - emulated_cuda: the cuda plugin's launchers run on the host (tests/support/emulated_cuda);
 // - emulated_cuda_composed: the same without its composed ops;
 // - cuda: the plugin on a real device (skipped, with the reason, where there is none).
