@@ -8,6 +8,7 @@
 #include <string>
 
 #include "cli.h"
+#include "communicator.h"
 #include "mt/backend.h"
 #include "mt/error.h"
 #include "mt/version.h"
@@ -105,6 +106,11 @@ int main(int argc, char** argv) {
       return c.fn(a);
     } catch (const mt::Error& e) {
       std::fflush(stdout);
+      // Under mpirun every rank refuses bad input alike (the same arguments and files): rank 0
+      // says it once.
+      if (e.kind() == mt::ErrorKind::usage && mt::launcher_world_size() > 1 &&
+          mt::launcher_rank() != 0)
+        return e.exit_code();
       std::fprintf(stderr, "mt %s: error: %s\n", c.name, e.what());
       return e.exit_code();
     } catch (const std::exception& e) {

@@ -103,6 +103,7 @@ PluginManager::~PluginManager() {
   attention_.clear();
   models_.clear();
   datasets_.clear();
+  communicators_.clear();
   // The libraries are opened with RTLD_NODELETE: dlclose never unmaps them, so objects a
   // plugin made that are still alive somewhere keep valid code until process exit.
 }
@@ -304,6 +305,16 @@ const DatasetFactory& PluginManager::dataset_factory(const std::string& name) {
   return it->second;
 }
 
+std::unique_ptr<Communicator> PluginManager::make_communicator(const std::string& name,
+                                                               const Config& cfg) {
+  if (!communicators_.count(name)) require("comm", name);
+  auto it = communicators_.find(name);
+  if (it == communicators_.end())
+    throw UsageError("The comm plugin '" + name + "' registered no communicator named '" + name +
+                     "'.");
+  return it->second(cfg);
+}
+
 void PluginManager::add_backend(const std::string& name, BackendFactory f) {
   backends_[name] = std::move(f);
 }
@@ -316,6 +327,9 @@ void PluginManager::add_model_family(const std::string& name, ModelFamilyFactory
 }
 void PluginManager::add_dataset(const std::string& name, DatasetFactory f) {
   datasets_[name] = std::move(f);
+}
+void PluginManager::add_communicator(const std::string& name, CommunicatorFactory f) {
+  communicators_[name] = std::move(f);
 }
 
 }  // namespace mt

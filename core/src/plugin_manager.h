@@ -53,6 +53,7 @@ class PluginManager final : public Registry {
                                                   const std::string& name, Backend& b);
   std::unique_ptr<ModelFamily> make_model_family(const std::string& name);
   const DatasetFactory& dataset_factory(const std::string& name);
+  std::unique_ptr<Communicator> make_communicator(const std::string& name, const Config& cfg);
   std::vector<std::string> attention_names(const std::string& backend) const;
 
   // Registry
@@ -61,6 +62,7 @@ class PluginManager final : public Registry {
                      AttentionFactory f) override;
   void add_model_family(const std::string& name, ModelFamilyFactory f) override;
   void add_dataset(const std::string& name, DatasetFactory f) override;
+  void add_communicator(const std::string& name, CommunicatorFactory f) override;
 
   // The directory holding libmt_core (lib/), from which bin/ and share/mt/configs are found.
   static std::filesystem::path core_library_dir();
@@ -76,6 +78,7 @@ class PluginManager final : public Registry {
   std::map<std::string, AttentionFactory> attention_;  // "backend/name"
   std::map<std::string, ModelFamilyFactory> models_;
   std::map<std::string, DatasetFactory> datasets_;
+  std::map<std::string, CommunicatorFactory> communicators_;
 };
 
 }  // namespace mt

@@ -12,14 +12,17 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "checkpoint_manager.h"
+#include "communicator.h"
 #include "file_util.h"
 #include "hf_interop.h"
 #include "json.h"
 #include "memory_plan.h"
+#include "mesh.h"
 #include "model_info.h"
 #include "model_runner.h"
 #include "mt/data.h"
@@ -110,10 +113,17 @@ OptimizerState make_optimizer_state(ModelRunner& runner, const Config& cfg,
   return opt;
 }
 
-StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& micro, float z_loss) {
+StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& micro, float z_loss,
+                               Communicator* comm) {
   Backend& be = runner.backend();
+  const bool ranks = comm && comm->size() > 1;
   int64_t valid = 0;
   for (const auto& mb : micro) valid += mb.valid_targets;
+  if (ranks) {  // the weights are shares of the global batch's targets
+    double v = static_cast<double>(valid);
+    comm->all_reduce_sum(&v, 1);
+    valid = std::llround(v);
+  }
   StepGradients r;
   for (auto& mb : micro) {
     Graph g(be);
@@ -126,6 +136,26 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
     g.backward(l);
   }
   runner.finish_gradients();
+  if (ranks) {
+    // Gradients summed over the ranks (one bucket), then the scalars every rank reports: the
+    // loss, the auxiliary losses and the layers' statistics (DeepSeek-V3's expert loads),
+    // flattened in the same order on every rank.
+    std::vector<Tensor*> grads;
+    for (auto& p : runner.params()) grads.push_back(&p.grad);
+    comm->all_reduce_sum(be, grads);
+    std::vector<double> scalars{r.loss};
+    for (const auto& [name, v] : r.aux) scalars.push_back(v);
+    for (const auto& layer : r.layer_stats)
+      for (const auto& [name, values] : layer)
+        scalars.insert(scalars.end(), values.begin(), values.end());
+    comm->all_reduce_sum(scalars.data(), scalars.size());
+    size_t k = 0;
+    r.loss = scalars[k++];
+    for (auto& [name, v] : r.aux) v = scalars[k++];
+    for (auto& layer : r.layer_stats)
+      for (auto& [name, values] : layer)
+        for (double& x : values) x = scalars[k++];
+  }
   // The global gradient norm: every tensor's sum of squares in one call (one device round
   // trip), added in parameter order.
   std::vector<const Tensor*> grads;
@@ -164,7 +194,48 @@ void apply_update(ModelRunner& runner, OptimizerState& opt, AdamWParams adam, fl
   runner.zero_gradients();
 }
 
-TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
+namespace {
+
+uint64_t fnv1a64(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+// Every rank must train the same config: rank 0's hash of the resolved config against each
+// rank's. Every rank learns which ranks differ, so all refuse together (and rank 0 says so).
+void check_same_config(const Config& cfg, Communicator& comm) {
+  if (comm.size() == 1) return;
+  const uint64_t mine = fnv1a64(cfg.to_yaml(false));
+  uint64_t root = mine;
+  comm.broadcast(&root, sizeof root, 0);
+  std::vector<double> differs(static_cast<size_t>(comm.size()), 0.0);
+  differs[static_cast<size_t>(comm.rank())] = root != mine ? 1.0 : 0.0;
+  comm.all_reduce_sum(differs.data(), differs.size());
+  std::string which;
+  for (size_t r = 0; r < differs.size(); ++r)
+    if (differs[r] > 0) which += (which.empty() ? "" : ", ") + std::to_string(r);
+  if (!which.empty())
+    throw UsageError(
+        "The ranks were started with different configs: the resolved config of "
+        "rank(s) " +
+        which +
+        " differs from rank 0's (`mt config` with the same "
+        "arguments shows it); start every rank with the same arguments and files.");
+}
+
+}  // namespace
+
+TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Communicator* comm_in) {
+  // The job's ranks: data parallelism over all of them, or one rank.
+  std::unique_ptr<Communicator> own_comm;
+  if (!comm_in) own_comm = make_local_communicator();
+  Communicator& comm = comm_in ? *comm_in : *own_comm;
+  const int ranks = comm.size();
+  const bool lead = comm.rank() == 0;  // prints and writes the run's files
+  quiet = quiet || !lead;
+  const Mesh mesh = resolve_mesh(cfg, ranks);
+  check_same_config(cfg, comm);
   // Outputs: the resolved config beside the metrics, in a directory this run alone writes:
   // locked before anything else is done, so a second run is refused at once.
   const std::string run_name = cfg.get_string("run_name");
@@ -178,7 +249,8 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
   // fit, before the run directory is locked or anything is allocated.
   std::unique_ptr<Backend> device = plugins.make_backend(cfg.get_string("backend"), cfg);
   check_fits(cfg, plugins, *device, PlanFor::train, "run");
-  const RunLock lock(run_dir);
+  std::optional<RunLock> lock;
+  if (lead) lock.emplace(run_dir);
   ModelRunner runner(cfg, plugins, std::move(device));
   Backend& be = runner.backend();
   const int64_t steps = cfg.get_int("steps");
@@ -202,23 +274,24 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
   adam.eps = static_cast<float>(cfg.get_float("adam_eps"));
   const auto weight_decay = static_cast<float>(cfg.get_float("adam_weight_decay"));
 
-  // Outputs: the resolved config beside the metrics.
-  {
+  // Outputs: the resolved config beside the metrics (rank 0's).
+  std::ofstream metrics;
+  if (lead) {
     std::ofstream c(run_dir / "config.yml");
     c << cfg.to_yaml(true);
     c.close();
     if (!c) throw Error("Cannot write " + quoted(run_dir / "config.yml") + ".");
+    metrics.open(run_dir / "metrics.jsonl", std::ios::app);
+    if (!metrics) throw Error("Cannot write metrics to " + quoted(run_dir / "metrics.jsonl") + ".");
   }
-  std::ofstream metrics(run_dir / "metrics.jsonl", std::ios::app);
-  if (!metrics) throw Error("Cannot write metrics to " + quoted(run_dir / "metrics.jsonl") + ".");
 
   // Data.
   const std::string dataset = cfg.get_string("dataset_type");
   std::unique_ptr<Tokenizer> tokenizer;
   if (!cfg.get_string("tokenizer_path").empty())
     tokenizer = make_tokenizer(cfg.get_string("tokenizer_path"), cfg.get_string("tokenizer_type"));
-  std::unique_ptr<DatasetSource> data =
-      plugins.dataset_factory(dataset)(cfg, DataShard{}, tokenizer.get());
+  std::unique_ptr<DatasetSource> data = plugins.dataset_factory(dataset)(
+      cfg, DataShard{comm.rank(), static_cast<int>(mesh.data)}, tokenizer.get());
 
   // Model FLOPs and the peak they are measured against.
   const double flops_per_token = runner.model().flops_per_token(seq);
@@ -259,10 +332,13 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
   int64_t first_step = 1;
   std::string resumed_from;
   // A newer step that is not complete is passed over, but never silently.
-  if (checkpointing)
+  if (checkpointing && lead)
     for (const auto& why : ckpt.skipped_newer_steps())
       std::fprintf(stderr, "mt run: warning: %s; the run does not resume from it.\n", why.c_str());
-  if (const int64_t latest = checkpointing ? ckpt.latest_step() : -1; latest >= 0) {
+  // Rank 0 chooses the step and every rank restores that one.
+  int64_t latest = checkpointing && lead ? ckpt.latest_step() : -1;
+  comm.broadcast(&latest, sizeof latest, 0);
+  if (latest >= 0) {
     ckpt.restore(latest, state);
     data->restore(state.data_state);
     first_step = state.step + 1;
@@ -299,6 +375,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
     }
   };
   auto save = [&](int64_t step) {
+    if (!lead) return;
     state.step = step;
     state.data_state = data->state();
     state.config_yaml = cfg.to_yaml(true);
@@ -311,7 +388,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
   // TensorBoard events where MaxText writes them (<run>/tensorboard/<run_name>). The START at the
   // first step makes TensorBoard drop what a killed run wrote after its last checkpoint.
   std::unique_ptr<TensorBoardWriter> tb;
-  if (cfg.get_bool("enable_tensorboard") && first_step <= steps) {
+  if (lead && cfg.get_bool("enable_tensorboard") && first_step <= steps) {
     tb = std::make_unique<TensorBoardWriter>(run_dir / "tensorboard" / run_name);
     tb->write_session_start(first_step);
   }
@@ -334,6 +411,11 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
     std::printf("mt run: metrics -> %s\n", (run_dir / "metrics.jsonl").string().c_str());
     if (tb) std::printf("mt run: tensorboard -> %s\n", tb->path().parent_path().c_str());
     if (!resumed_from.empty()) std::printf("mt run: %s\n", resumed_from.c_str());
+    if (ranks > 1)
+      std::printf(
+          "mt run: data parallelism over %d ranks (communicator %s): global batch %ld "
+          "sequences\n",
+          ranks, comm.name().c_str(), static_cast<long>(batch * accum * ranks));
     std::fflush(stdout);
   }
 
@@ -352,7 +434,9 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
       total += lv * static_cast<double>(db.valid_targets);
       count += static_cast<double>(db.valid_targets);
     }
-    return count > 0 ? total / count : -1;
+    double tc[2] = {total, count};  // every rank's share of the eval set
+    comm.all_reduce_sum(tc, 2);
+    return tc[1] > 0 ? tc[0] / tc[1] : -1;
   };
 
   TrainSummary sum;
@@ -384,7 +468,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
       data_wait += seconds_since(tw);
       micro.push_back(runner.upload(hb));
     }
-    StepGradients sg = forward_backward(runner, micro, z_loss);
+    StepGradients sg = forward_backward(runner, micro, z_loss, &comm);
     const double loss = sg.loss, grad_norm = sg.grad_norm;
     const std::map<std::string, double>& aux = sg.aux;
     if (!std::isfinite(loss) || !std::isfinite(grad_norm)) {
@@ -409,10 +493,11 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
     }
     be.synchronize();
     const double step_s = seconds_since(t0);
-    const double tokens = static_cast<double>(batch * seq * accum);
+    // Every rank's tokens; TFLOP/s and MFU per device (each rank drives one).
+    const double tokens = static_cast<double>(batch * seq * accum * ranks);
     const double tps = tokens / step_s;
-    const double tflops = tps * flops_per_token / 1e12;
-    const double mfu = tps * flops_per_token / peak;
+    const double tflops = tps * flops_per_token / ranks / 1e12;
+    const double mfu = tps * flops_per_token / (ranks * peak);
     if (step >= first_step + kUntimedSteps) {  // the first steps warm up (kUntimedSteps)
       tps_hist.push_back(tps);
       step_ms_hist.push_back(step_s * 1e3);
@@ -434,14 +519,15 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
     if (eval_interval > 0 && (step % eval_interval == 0 || step == steps)) ev = eval_loss();
     if (ev >= 0) sum.final_eval_loss = ev;
     const MemoryStats ms = be.memory_stats();
-    metrics << fmt::format(
-        "{{\"step\": {}, \"loss\": {:.9g}, \"learning_rate\": {:.6g}, \"grad_norm\": {:.6g}, "
-        "\"tokens_per_sec\": {:.2f}, \"tflops_per_device\": {:.5f}, \"mfu\": {:.5f}, "
-        "\"step_time_ms\": {:.2f}, \"data_wait_ms\": {:.3f}, \"checkpoint_ms\": {:.3f}, "
-        "\"peak_memory_mb\": {:.1f}, \"system_allocs\": {}{}{}}}\n",
-        step, loss, lr, grad_norm, tps, tflops, mfu, step_s * 1e3, data_wait * 1e3, ckpt_s * 1e3,
-        static_cast<double>(ms.peak_bytes_in_use) / 1e6, ms.num_system_allocs, aux_fields(aux),
-        ev >= 0 ? fmt::format(", \"eval_loss\": {:.6f}", ev) : "");
+    if (lead)
+      metrics << fmt::format(
+          "{{\"step\": {}, \"loss\": {:.9g}, \"learning_rate\": {:.6g}, \"grad_norm\": {:.6g}, "
+          "\"tokens_per_sec\": {:.2f}, \"tflops_per_device\": {:.5f}, \"mfu\": {:.5f}, "
+          "\"step_time_ms\": {:.2f}, \"data_wait_ms\": {:.3f}, \"checkpoint_ms\": {:.3f}, "
+          "\"peak_memory_mb\": {:.1f}, \"system_allocs\": {}{}{}}}\n",
+          step, loss, lr, grad_norm, tps, tflops, mfu, step_s * 1e3, data_wait * 1e3, ckpt_s * 1e3,
+          static_cast<double>(ms.peak_bytes_in_use) / 1e6, ms.num_system_allocs, aux_fields(aux),
+          ev >= 0 ? fmt::format(", \"eval_loss\": {:.6f}", ev) : "");
     // Each record reaches the file at once: a killed run keeps the lines of the steps it
     // checkpointed, so a resumed run leaves no gap.
     metrics.flush();
@@ -450,7 +536,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
                                  {"learning/current_learning_rate", lr},
                                  {"learning/grad_norm", grad_norm},
                                  {"perf/step_time_seconds", step_s},
-                                 {"perf/per_device_tokens_per_sec", tps},
+                                 {"perf/per_device_tokens_per_sec", tps / ranks},
                                  {"perf/per_device_tflops_per_sec", tflops},
                                  {"perf/mfu", mfu}};
       for (const auto& [name, v] : aux) sc.emplace_back("learning/" + name, v);
@@ -477,7 +563,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
   if (checkpointing) guarded([&] { ckpt.wait(); });
   sum.failed_checkpoints = failed_saves;
   if (tty) std::printf("\n");
-  if (runner.profiler()) {
+  if (runner.profiler() && lead) {
     std::fprintf(quiet ? stderr : stdout, "mt: time per op over steps %ld..%ld%s:\n%s",
                  static_cast<long>(profile_from), static_cast<long>(steps),
                  profile_from > first_step ? " (setup and the warm-up step left out)" : "",
@@ -489,8 +575,8 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet) {
   sum.timed_steps = static_cast<int64_t>(tps_hist.size());
   sum.tokens_per_sec = median(tps_hist);
   sum.step_time_ms = median(step_ms_hist);
-  sum.tflops_per_device = sum.tokens_per_sec * flops_per_token / 1e12;
-  sum.mfu = sum.tokens_per_sec * flops_per_token / peak;
+  sum.tflops_per_device = sum.tokens_per_sec * flops_per_token / ranks / 1e12;
+  sum.mfu = sum.tokens_per_sec * flops_per_token / (ranks * peak);
   return sum;
 }
 

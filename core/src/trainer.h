@@ -16,6 +16,7 @@
 
 namespace mt {
 
+class Communicator;
 class PluginManager;
 
 // The first steps of a run warm up the allocator, GEMM plans and caches: throughput medians leave
@@ -66,7 +67,13 @@ struct StepGradients {
   std::map<std::string, double> aux;    // the layers' auxiliary losses, batch-weighted
   std::vector<LayerStats> layer_stats;  // their statistics, summed over the micro-batches
 };
-StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& micro, float z_loss);
+//
+// With a communicator of several ranks (data parallelism), each rank passes its own share of the
+// global batch: the valid-target count that weights the loss is the sum over the ranks, and the
+// gradients, the loss, the auxiliary losses and the layers' statistics are summed over them
+// (before the norm), so every rank ends with the same step as one rank given the whole batch.
+StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& micro, float z_loss,
+                               Communicator* comm = nullptr);
 // AdamW on every parameter (weight decay where ParamSpec::weight_decay says), then the layers'
 // updates outside the gradient (after_step), then the gradients are made fresh for the next
 // step.
@@ -74,6 +81,10 @@ void apply_update(ModelRunner& runner, OptimizerState& opt, AdamWParams adam, fl
                   const std::vector<LayerStats>& layer_stats);
 
 // Trains as the config says. quiet: no terminal output (bench); throws mt::Error on NaN/Inf.
-TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet = false);
+// comm: the job's ranks (data parallelism; null = one rank). Rank 0 alone prints, writes
+// metrics, TensorBoard events and checkpoints and holds the run lock; every rank restores the
+// same checkpoint. Throughput and MFU count every rank's tokens.
+TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet = false,
+                   Communicator* comm = nullptr);
 
 }  // namespace mt

@@ -1,4 +1,6 @@
 // Registration of the CPU backend plugin: the backend "cpu" and its attention kernels.
+#include <sched.h>
+
 #include <thread>
 
 #include "cpu_backend.h"
@@ -11,7 +13,15 @@ namespace {
 
 int threads_from(const mt::Config& cfg) {
   int n = cfg.has("num_threads") ? static_cast<int>(cfg.get_int("num_threads")) : 0;
-  if (n <= 0) n = static_cast<int>(std::thread::hardware_concurrency());
+  if (n <= 0) {
+    // The cores this process may run on: mpirun binds each rank to its own, taskset and
+    // cpusets restrict them too (hardware_concurrency counts the machine's).
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    n = sched_getaffinity(0, sizeof set, &set) == 0
+            ? CPU_COUNT(&set)
+            : static_cast<int>(std::thread::hardware_concurrency());
+  }
   return n > 0 ? n : 1;
 }
 

@@ -15,8 +15,9 @@
 // data_shuffle_seed and the epoch number only, so every rank agrees on it. The visited rows
 // form one endless stream across epochs, grouped into batches of per_device_batch_size rows;
 // rank r of n takes global batches r, r+n, r+2n, ...: ranks see disjoint rows, and their union
-// is exactly what a single rank sees. state() is "epoch,position": where in that stream this
-// rank's next batch starts.
+// is exactly what a single rank sees (with n x per_device_batch_size rows a batch, in the same
+// order). state() is "epoch,position": where in that stream the next global batch starts (rank
+// 0's next batch), the same on every rank.
 //
 // Eval. The last eval_split of the rows (or all rows of eval_dataset_path) in file order,
 // sharded the same way; every rank gets the same number of batches (padding rows are fully
@@ -260,7 +261,7 @@ class RowSource final : public mt::DatasetSource {
                       std::to_string(train_->corpus().size()) + " tokens; packing needs at " +
                       "least max_target_length+1 = " + std::to_string(seq_ + 1) +
                       ", unpacked rows need documents of 2 or more tokens)");
-    cursor_ = static_cast<uint64_t>(shard_.rank) * static_cast<uint64_t>(batch_);
+    cursor_ = offset();
   }
 
   // The settings every row source reads, validated (throws mt::UsageError naming the key).
@@ -312,9 +313,11 @@ class RowSource final : public mt::DatasetSource {
     return true;
   }
 
+  // The position of the global batch's first row (rank 0's), the same on every rank: a
+  // checkpoint rank 0 writes restores every rank.
   std::string state() const override {
-    const uint64_t n = train_->size();
-    return std::to_string(cursor_ / n) + "," + std::to_string(cursor_ % n);
+    const uint64_t n = train_->size(), global = cursor_ - offset();
+    return std::to_string(global / n) + "," + std::to_string(global % n);
   }
 
   void restore(const std::string& s) override {
@@ -331,7 +334,7 @@ class RowSource final : public mt::DatasetSource {
                       std::to_string(train_->size()) + " (the training rows of " +
                       train_->corpus().describe() + ")");
     prefetch_.reset();  // stops the producer; the batches it built are for the old position
-    cursor_ = epoch * train_->size() + pos;
+    cursor_ = epoch * train_->size() + pos + offset();
   }
 
  private:
@@ -341,6 +344,11 @@ class RowSource final : public mt::DatasetSource {
     uint64_t epoch = UINT64_MAX;
     std::vector<uint64_t> perm;
   };
+
+  // This rank's first row within each global batch.
+  uint64_t offset() const {
+    return static_cast<uint64_t>(shard_.rank) * static_cast<uint64_t>(batch_);
+  }
 
   uint64_t stride() const {
     return static_cast<uint64_t>(shard_.count) * static_cast<uint64_t>(batch_);

@@ -2,10 +2,11 @@
 // tests that need data without files (MaxText's name for the same thing).
 //
 // Every row holds max_target_length+1 draws: inputs are the first max_target_length, targets
-// the same row shifted by one, positions 0..T-1, one segment. Batch k of the global stream is
-// drawn from a generator seeded by (data_shuffle_seed, k) alone, so batches are independent of
-// each other: restoring is setting a counter, and rank r of n (taking global batches r, r+n,
-// ...) sees exactly its share of what one rank would see. The eval stream is another stream of
+// the same row shifted by one, positions 0..T-1, one segment. Row k of the global stream is
+// drawn from a generator seeded by (data_shuffle_seed, k) alone, so rows are independent of
+// each other and of the batch size: restoring is setting a counter, and rank r of n (taking
+// global batches r, r+n, ...) sees exactly its share of what one rank with n times the batch
+// would see, in the same order. The eval stream is another stream of
 // the same kind; it never runs out (the trainer bounds it with eval_steps) and each evaluation
 // (a run of consecutive eval calls) starts again at its first batch, so evaluations compare.
 #include <charconv>
@@ -72,10 +73,10 @@ class SyntheticSource final : public mt::DatasetSource {
   }
 
  private:
-  // This rank's i-th batch of the stream `stream`: global batch i*count + rank.
+  // This rank's i-th batch of the stream `stream`: global batch i*count + rank, whose row r is
+  // row (i*count + rank) * batch + r of the stream, drawn from that row number alone.
   void fill(mt::HostBatch& b, uint64_t stream, uint64_t i) const {
     const uint64_t global = i * count_ + rank_;
-    std::mt19937_64 rng(splitmix64(stream ^ splitmix64(global)));
     // Not std::uniform_int_distribution: its algorithm is the library's choice, and the
     // stream must be the same on every build.
     const auto vocab = static_cast<uint64_t>(vocab_);
@@ -87,6 +88,8 @@ class SyntheticSource final : public mt::DatasetSource {
     b.segment_ids.assign(n, 1);
     b.positions.resize(n);
     for (int64_t r = 0; r < batch_; ++r) {
+      const uint64_t row = global * static_cast<uint64_t>(batch_) + static_cast<uint64_t>(r);
+      std::mt19937_64 rng(splitmix64(stream ^ splitmix64(row)));
       const size_t o = static_cast<size_t>(r * seq_);
       auto prev = static_cast<int32_t>(rng() % vocab);
       for (int64_t t = 0; t < seq_; ++t) {

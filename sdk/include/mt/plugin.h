@@ -21,6 +21,7 @@ namespace PluginKind {
 inline constexpr const char* backend = "backend";
 inline constexpr const char* model = "model";
 inline constexpr const char* data = "data";
+inline constexpr const char* comm = "comm";  // communicators (mt/comm.h)
 }  // namespace PluginKind
 
 // Plain C layout: stable across ABI versions so the loader can always read `abi` first.

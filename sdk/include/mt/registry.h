@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "mt/comm.h"
 #include "mt/export.h"
 
 namespace mt {
@@ -39,6 +40,8 @@ class MT_API Registry {
                              AttentionFactory f) = 0;
   virtual void add_model_family(const std::string& name, ModelFamilyFactory f) = 0;
   virtual void add_dataset(const std::string& name, DatasetFactory f) = 0;
+  // `communicator=<name>` (plugin kind "comm": libmt_comm_<name>.so).
+  virtual void add_communicator(const std::string& name, CommunicatorFactory f) = 0;
 };
 
 }  // namespace mt

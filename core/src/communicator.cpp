@@ -1,0 +1,122 @@
+// The Communicator's defaults (mt/comm.h), the one-rank `local` communicator, and the choice of
+// communicator for a run (`communicator=auto|local|mpi`).
+#include "communicator.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "mt/backend.h"
+#include "mt/config.h"
+#include "mt/dtype.h"
+#include "mt/error.h"
+#include "mt/tensor.h"
+#include "plugin_manager.h"
+
+namespace mt {
+
+Communicator::~Communicator() = default;
+
+void Communicator::all_reduce_sum(Backend& backend, const std::vector<Tensor*>& tensors) {
+  if (size() == 1) return;
+  size_t total = 0;
+  for (const Tensor* t : tensors) {
+    MT_CHECK(t->dtype() == DType::f32 || t->dtype() == DType::bf16,
+             "all_reduce_sum takes f32 or bf16 tensors");
+    total += static_cast<size_t>(t->numel());
+  }
+  // One bucket: a single collective for every tensor (latency once, not once per tensor).
+  std::vector<float> host(total);
+  std::vector<uint16_t> half;
+  size_t off = 0;
+  for (const Tensor* t : tensors) {
+    const auto n = static_cast<size_t>(t->numel());
+    if (t->dtype() == DType::f32) {
+      backend.copy_to_host(*t, host.data() + off);
+    } else {
+      half.resize(n);
+      backend.copy_to_host(*t, half.data());
+      for (size_t i = 0; i < n; ++i) host[off + i] = bf16_to_f32(half[i]);
+    }
+    off += n;
+  }
+  all_reduce_sum(host.data(), host.size());
+  off = 0;
+  for (Tensor* t : tensors) {
+    const auto n = static_cast<size_t>(t->numel());
+    if (t->dtype() == DType::f32) {
+      backend.copy_from_host(*t, host.data() + off);
+    } else {
+      half.resize(n);
+      for (size_t i = 0; i < n; ++i) half[i] = f32_to_bf16(host[off + i]);
+      backend.copy_from_host(*t, half.data());
+    }
+    off += n;
+  }
+}
+
+void Communicator::all_gather(const float*, size_t, float*) {
+  throw Error("The " + name() + " communicator has no all_gather yet (FSDP is not implemented).");
+}
+void Communicator::reduce_scatter_sum(const float*, size_t, float*) {
+  throw Error("The " + name() +
+              " communicator has no reduce_scatter yet (FSDP is not implemented).");
+}
+
+namespace {
+
+class LocalCommunicator final : public Communicator {
+ public:
+  std::string name() const override { return "local"; }
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  void all_reduce_sum(float*, size_t) override {}
+  void all_reduce_sum(double*, size_t) override {}
+  void all_reduce_sum(Backend&, const std::vector<Tensor*>&) override {}
+  void broadcast(void*, size_t, int) override {}
+  void barrier() override {}
+  void all_gather(const float* in, size_t n, float* out) override {
+    if (n) std::memcpy(out, in, n * sizeof(float));
+  }
+  void reduce_scatter_sum(const float* in, size_t n, float* out) override {
+    if (n) std::memcpy(out, in, n * sizeof(float));
+  }
+  [[noreturn]] void abort(int code) override {
+    std::fflush(stdout);
+    std::fflush(stderr);
+    std::_Exit(code);
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> make_local_communicator() {
+  return std::make_unique<LocalCommunicator>();
+}
+
+int launcher_world_size() {
+  const char* s = std::getenv("OMPI_COMM_WORLD_SIZE");
+  return s && *s ? std::atoi(s) : 0;
+}
+
+int launcher_rank() {
+  const char* s = std::getenv("OMPI_COMM_WORLD_RANK");
+  return s && *s ? std::atoi(s) : 0;
+}
+
+std::unique_ptr<Communicator> make_communicator(const Config& cfg, PluginManager& plugins) {
+  std::string name = cfg.has("communicator") ? cfg.get_string("communicator") : "auto";
+  if (name == "auto") name = launcher_world_size() > 0 ? "mpi" : "local";
+  if (name == "local") {
+    if (launcher_world_size() > 1)
+      cfg.reject("communicator",
+                 "is local (one rank) but mpirun started " + std::to_string(launcher_world_size()) +
+                     " ranks; use communicator=mpi (or auto) to train with all of them.");
+    return make_local_communicator();
+  }
+  return plugins.make_communicator(name, cfg);
+}
+
+}  // namespace mt

@@ -1,0 +1,72 @@
+#include "mesh.h"
+
+#include <string>
+#include <vector>
+
+#include "mt/config.h"
+#include "mt/error.h"
+
+namespace mt {
+
+Mesh resolve_mesh(const Config& cfg, int ranks) {
+  struct Axis {
+    const char* key;
+    int64_t value;
+  };
+  std::vector<Axis> axes;
+  for (const char* k : {"ici_data_parallelism", "ici_fsdp_parallelism", "ici_tensor_parallelism",
+                        "dcn_data_parallelism", "dcn_fsdp_parallelism", "dcn_tensor_parallelism"})
+    axes.push_back({k, cfg.has(k) ? cfg.get_int(k) : (k[4] == 'd' && k[0] == 'i' ? -1 : 1)});
+  const char* fill = nullptr;
+  int64_t known = 1;
+  std::string shown;
+  for (auto& a : axes) {
+    if (a.value == -1) {
+      if (fill)
+        throw UsageError(std::string("The mesh has more than one axis set to -1 (") + fill +
+                         " and " + a.key + "); set all but one of them to a size.");
+      fill = a.key;
+    } else if (a.value < 1) {
+      cfg.reject(a.key, "must be a positive size or -1 (what is left of the ranks).");
+    } else {
+      known *= a.value;
+    }
+    if (a.value != 1) {
+      if (!shown.empty()) shown += ' ';
+      shown.append(a.key).append("=").append(std::to_string(a.value));
+    }
+  }
+  const std::string where =
+      ranks == 1 ? "1 rank runs (start more with mpirun -np N)"
+                 : std::to_string(ranks) + " ranks run (mpirun -np " + std::to_string(ranks) + ")";
+  if (fill) {
+    if (ranks % known != 0)
+      throw UsageError("The mesh (" + shown + ") does not divide the ranks: its fixed axes make " +
+                       std::to_string(known) + " devices, which " + where +
+                       " is not a multiple of, so " + fill + "=-1 has no size.");
+    for (auto& a : axes)
+      if (a.value == -1) a.value = ranks / known;
+  } else if (known != ranks) {
+    throw UsageError("The mesh (" + (shown.empty() ? std::string("every axis 1") : shown) +
+                     ") has " + std::to_string(known) + " device" + (known == 1 ? "" : "s") +
+                     " but " + where +
+                     "; the product of the ici_*_parallelism and "
+                     "dcn_*_parallelism axes must equal the number of ranks.");
+  }
+  Mesh m;
+  m.data = axes[0].value * axes[3].value;
+  m.fsdp = axes[1].value * axes[4].value;
+  m.tensor = axes[2].value * axes[5].value;
+  if (m.fsdp > 1 || m.tensor > 1)
+    throw UsageError(
+        std::string(m.fsdp > 1 ? "FSDP" : "Tensor") + " parallelism (" +
+        (m.fsdp > 1
+             ? "ici_fsdp_parallelism x dcn_fsdp_parallelism = " + std::to_string(m.fsdp)
+             : "ici_tensor_parallelism x dcn_tensor_parallelism = " + std::to_string(m.tensor)) +
+        ") is not implemented yet: mt runs data parallelism only so far "
+        "(ici_data_parallelism, dcn_data_parallelism); set the fsdp and tensor axes "
+        "to 1.");
+  return m;
+}
+
+}  // namespace mt

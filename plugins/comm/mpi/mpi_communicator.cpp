@@ -1,0 +1,147 @@
+// communicator=mpi: collectives over MPI (OpenMPI) on host memory.
+//
+// Sums are ours, not MPI_SUM's: MPI leaves the order of a reduction to the implementation (and
+// OpenMPI's choice depends on message size and rank count), so results could differ from one
+// job shape to another. all_reduce_sum is a reduce-scatter and an all-gather built from
+// MPI_Alltoallv and MPI_Allgatherv: rank r owns the r-th slice, receives every rank's copy of it
+// and adds them in rank order (((x_0 + x_1) + x_2) + ...), then every rank gathers the owners'
+// slices. The traffic is a ring all-reduce's (2 (N - 1) / N of the buffer per rank) and every rank
+// ends with the same bits, whatever the timing.
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mt/comm.h"
+#include "mt/config.h"
+#include "mt/error.h"
+#include "mt/plugin.h"
+
+namespace {
+
+void check(int rc, const char* what) {
+  if (rc == MPI_SUCCESS) return;
+  char msg[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, msg, &len);
+  throw mt::Error(std::string("mpi: ") + what +
+                  " failed: " + std::string(msg, static_cast<size_t>(len)));
+}
+
+template <class T>
+MPI_Datatype mpi_type();
+template <>
+MPI_Datatype mpi_type<float>() {
+  return MPI_FLOAT;
+}
+template <>
+MPI_Datatype mpi_type<double>() {
+  return MPI_DOUBLE;
+}
+
+class MpiCommunicator final : public mt::Communicator {
+ public:
+  MpiCommunicator() {
+    int initialised = 0;
+    MPI_Initialized(&initialised);
+    if (!initialised) {
+      int provided = 0;
+      // Only the training thread calls MPI (oneTBB workers and the checkpoint writer do not).
+      check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided), "MPI_Init_thread");
+      owns_ = true;
+    }
+    // Errors come back as codes, which check() turns into mt::Error with MPI's sentence.
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
+    MPI_Comm_size(MPI_COMM_WORLD, &size_);
+  }
+  ~MpiCommunicator() override {
+    // Not while an exception unwinds: MPI_Finalize waits for the other ranks, which may be
+    // blocked in a collective this rank will never join (the caller aborts the job instead).
+    if (owns_ && std::uncaught_exceptions() == 0) MPI_Finalize();
+  }
+
+  std::string name() const override { return "mpi"; }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+
+  void all_reduce_sum(float* data, size_t n) override { reduce(data, n); }
+  void all_reduce_sum(double* data, size_t n) override { reduce(data, n); }
+
+  void broadcast(void* data, size_t bytes, int root) override {
+    auto* p = static_cast<char*>(data);
+    while (bytes > 0) {  // MPI counts are int
+      const size_t part = std::min<size_t>(bytes, 1u << 30);
+      check(MPI_Bcast(p, static_cast<int>(part), MPI_BYTE, root, MPI_COMM_WORLD), "MPI_Bcast");
+      p += part;
+      bytes -= part;
+    }
+  }
+
+  void barrier() override { check(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier"); }
+
+  [[noreturn]] void abort(int code) override {
+    std::fflush(stdout);
+    std::fflush(stderr);
+    MPI_Abort(MPI_COMM_WORLD, code);
+    std::_Exit(code);
+  }
+
+ private:
+  template <class T>
+  void reduce(T* data, size_t n) {
+    if (size_ == 1 || n == 0) return;
+    const auto N = static_cast<size_t>(size_);
+    // Slices of the buffer in chunks of at most 2^28 elements (MPI counts are int).
+    const size_t chunk = size_t{1} << 28;
+    for (size_t base = 0; base < n; base += chunk) {
+      const size_t len = std::min(chunk, n - base);
+      T* buf = data + base;
+      std::vector<int> counts(N), displs(N);
+      for (size_t r = 0; r < N; ++r) {
+        const size_t lo = len * r / N, hi = len * (r + 1) / N;
+        counts[r] = static_cast<int>(hi - lo);
+        displs[r] = static_cast<int>(lo);
+      }
+      const auto me = static_cast<size_t>(rank_);
+      const auto mine = static_cast<size_t>(counts[me]);
+      // Every rank's copy of my slice, rank after rank.
+      recv_.resize(mine * N * sizeof(T));
+      T* got = reinterpret_cast<T*>(recv_.data());
+      std::vector<int> rcounts(N, counts[me]), rdispls(N);
+      for (size_t r = 0; r < N; ++r) rdispls[r] = static_cast<int>(r * mine);
+      check(MPI_Alltoallv(buf, counts.data(), displs.data(), mpi_type<T>(), got, rcounts.data(),
+                          rdispls.data(), mpi_type<T>(), MPI_COMM_WORLD),
+            "MPI_Alltoallv");
+      T* out = buf + displs[me];
+      for (size_t i = 0; i < mine; ++i) {
+        T s = got[i];
+        for (size_t r = 1; r < N; ++r) s += got[r * mine + i];
+        out[i] = s;
+      }
+      check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, counts.data(), displs.data(),
+                           mpi_type<T>(), MPI_COMM_WORLD),
+            "MPI_Allgatherv");
+    }
+  }
+
+  int rank_ = 0, size_ = 1;
+  bool owns_ = false;
+  std::vector<char> recv_;
+};
+
+void register_all(mt::Registry& r) {
+  r.add_communicator("mpi", [](const mt::Config&) -> std::unique_ptr<mt::Communicator> {
+    return std::make_unique<MpiCommunicator>();
+  });
+}
+
+}  // namespace
+
+MT_PLUGIN(mt::PluginKind::comm, "mpi", "0.1.0", register_all, nullptr)

@@ -1,0 +1,58 @@
+// Communicator: the collectives between the ranks of one job, a plugin kind of its own
+// (`communicator=`): `local` (one rank, in the core), `mpi` (plugins/comm/mpi, OpenMPI on host
+// memory), later `nccl` on a device backend's streams. The core and the model plugins never call
+// MPI or NCCL themselves; they call this.
+//
+// Every collective is called by every rank in the same order with the same sizes. Sums are
+// deterministic: each element is added in rank order, ((x_0 + x_1) + x_2) + ..., whatever the
+// timing, and every rank ends with the same bits.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mt/export.h"
+
+namespace mt {
+
+class Backend;
+class Config;
+class Tensor;
+
+class MT_API Communicator {
+ public:
+  virtual ~Communicator();
+  virtual std::string name() const = 0;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  // Host memory, in place, on every rank.
+  virtual void all_reduce_sum(float* data, size_t n) = 0;
+  virtual void all_reduce_sum(double* data, size_t n) = 0;
+  // `root`'s bytes to every rank (each rank passes a buffer of the same size).
+  virtual void broadcast(void* data, size_t bytes, int root) = 0;
+  virtual void barrier() = 0;
+
+  // Tensors of `backend` (f32 or bf16 storage), summed over the ranks in place, as one bucket.
+  // The default copies through the host (one f32 buffer for all of them) and calls the host
+  // all_reduce_sum: exact for the CPU backend, whose tensors are host memory, and a round trip
+  // for a device backend until a device communicator (NCCL) overrides it.
+  virtual void all_reduce_sum(Backend& backend, const std::vector<Tensor*>& tensors);
+
+  // Declared for FSDP and tensor parallelism; not implemented yet by any communicator (they
+  // throw mt::Error saying so). out = the ranks' `in` in rank order / this rank's part of the
+  // rank-ordered sum.
+  virtual void all_gather(const float* in, size_t n, float* out);
+  virtual void reduce_scatter_sum(const float* in, size_t n, float* out);
+
+  // Ends the whole job with `code` from this rank (a rank that failed calls it, so no other
+  // rank waits forever in a collective). Never returns.
+  [[noreturn]] virtual void abort(int code) = 0;
+};
+
+using CommunicatorFactory = std::function<std::unique_ptr<Communicator>(const Config&)>;
+
+}  // namespace mt

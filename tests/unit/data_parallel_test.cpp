@@ -1,0 +1,303 @@
+// Data parallelism over MPI (communicator=mpi under mpirun): N ranks train exactly as one rank
+// given the whole global batch; a mesh that does not fit the ranks, or one the trainer cannot
+// run yet, is one clear error (exit 2); a rank that fails ends the job. The mpirun tests skip
+// where OpenMPI's mpirun is not installed. Every command runs under timeout(1), so a hang fails
+// the test instead of stalling the suite.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "config_impl.h"
+#include "mt/backend.h"
+#include "mt/data.h"
+#include "mt/plugin.h"
+#include "mt/tokenizer.h"
+#include "safetensors.h"
+#include "test_support.h"
+
+namespace fs = std::filesystem;
+
+namespace mt {
+namespace {
+
+bool have_mpirun() {
+  std::string out;
+  return test::run_command("command -v mpirun", out) == 0;
+}
+
+#define MT_NEED_MPIRUN()                                                               \
+  if (!have_mpirun())                                                                  \
+  GTEST_SKIP() << "mpirun was not found on PATH (Debian: apt-get install openmpi-bin " \
+                  "libopenmpi-dev); the multi-rank tests need it"
+
+struct Dir {
+  fs::path root;
+  Dir() {
+    root = fs::temp_directory_path() /
+           ("mt_dp_" + std::to_string(getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(root);
+    fs::create_directories(root);
+  }
+  ~Dir() { fs::remove_all(root); }
+};
+
+// `mpirun -np <ranks> mt <args>`, bounded by `seconds`. `prefix`: a shell command line that
+// ends by exec'ing its arguments (to give one rank another environment).
+test::MtResult mpirun(int ranks, const std::string& args, int seconds = 60,
+                      const std::string& prefix = "") {
+  test::MtResult r;
+  r.code = test::run_command("MT_PLUGIN_PATH= timeout " + std::to_string(seconds) +
+                                 " mpirun --oversubscribe --allow-run-as-root -np " +
+                                 std::to_string(ranks) + " " + prefix + " " + test::mt_exe() + " " +
+                                 args,
+                             r.out);
+  return r;
+}
+
+std::vector<double> losses(const fs::path& run) {
+  std::ifstream f(run / "metrics.jsonl");
+  std::vector<double> r;
+  std::string line;
+  while (std::getline(f, line)) {
+    const size_t k = line.find("\"loss\": ");
+    if (k != std::string::npos) r.push_back(std::stod(line.substr(k + 8)));
+  }
+  return r;
+}
+
+size_t count(const std::string& s, const std::string& what) {
+  size_t n = 0;
+  for (size_t p = s.find(what); p != std::string::npos; p = s.find(what, p + 1)) ++n;
+  return n;
+}
+
+// The training run every comparison uses: 20 steps of llama-test on one thread per rank, the
+// final parameters checkpointed.
+std::string train_args(const fs::path& root, const std::string& name, int batch,
+                       const std::string& extra = "") {
+  return "run --model=llama-test steps=20 num_threads=1 learning_rate=3e-3 "
+         "enable_checkpointing=true async_checkpointing=false checkpoint_period=20 "
+         "enable_tensorboard=false eval_interval=10 eval_steps=2 base_output_directory=" +
+         root.string() + " run_name=" + name + " per_device_batch_size=" + std::to_string(batch) +
+         " " + extra;
+}
+
+double max_param_err(const fs::path& a_run, const fs::path& b_run) {
+  const SafeTensorsFile a(a_run / "checkpoints" / "20" / "params.safetensors");
+  const SafeTensorsFile b(b_run / "checkpoints" / "20" / "params.safetensors");
+  EXPECT_EQ(a.names(), b.names());
+  double e = 0;
+  for (const auto& n : b.names()) e = std::max(e, test::scaled_err(read_f32(a, n), read_f32(b, n)));
+  return e;
+}
+
+double max_loss_err(const fs::path& a_run, const fs::path& b_run) {
+  const std::vector<double> a = losses(a_run), b = losses(b_run);
+  EXPECT_EQ(b.size(), 20u);
+  EXPECT_EQ(a.size(), b.size());
+  double e = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i)
+    e = std::max(e, std::fabs(a[i] - b[i]) / std::fabs(b[i]));
+  return e;
+}
+
+// N ranks with per_device_batch_size b (and `accum` micro-batches) against one rank given the
+// same global batch, N x b, and against one rank with batch b and N x accum micro-batches.
+// Every loss agrees within 1e-6. The final parameters (each tensor's largest difference
+// relative to its largest magnitude) agree with the accumulating run within 1e-6 (accum = 1); from
+// the N x b run, summing the batch's gradient in parts moves them by the f32 rounding of the sum,
+// which 20 AdamW steps magnify to a few 1e-6 of their scale, as much as one rank's gradient
+// accumulation does (N ranks add the same parts in rank order, which is accumulation's order).
+void compare_runs(const fs::path& root, int ranks, int batch, int accum, const std::string& extra) {
+  const std::string acc = " gradient_accumulation_steps=";
+  const test::MtResult whole = test::run_mt(
+      train_args(root, "whole", ranks * batch, extra + acc + std::to_string(accum)), 120);
+  ASSERT_EQ(whole.code, 0) << whole.out;
+  const test::MtResult parts = test::run_mt(
+      train_args(root, "parts", batch, extra + acc + std::to_string(ranks * accum)), 120);
+  ASSERT_EQ(parts.code, 0) << parts.out;
+  const auto t0 = std::chrono::steady_clock::now();
+  const test::MtResult many =
+      mpirun(ranks, train_args(root, "many", batch, extra + acc + std::to_string(accum)), 120);
+  ASSERT_EQ(many.code, 0) << many.out;
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double loss = max_loss_err(root / "many", root / "whole");
+  const double params = max_param_err(root / "many", root / "whole");
+  const double params_acc = max_param_err(root / "many", root / "parts");
+  const double acc_vs_whole = max_param_err(root / "parts", root / "whole");
+  std::printf(
+      "  %d ranks x batch %d (%.1f s) vs 1 rank x batch %d: losses %.3g, parameters "
+      "%.3g; vs 1 rank x batch %d x %d micro-batches: losses %.3g, parameters %.3g "
+      "(that run vs batch %d: parameters %.3g)\n",
+      ranks, batch, secs, ranks * batch, loss, params, batch, ranks * accum,
+      max_loss_err(root / "many", root / "parts"), params_acc, ranks * batch, acc_vs_whole);
+  EXPECT_LE(loss, 1e-6);
+  EXPECT_LE(max_loss_err(root / "many", root / "parts"), 1e-6);
+  // Same parts in the same order when each rank has one micro-batch; with several, each rank
+  // first adds its own (rows r, r + N, ...), another order.
+  if (accum == 1) {
+    EXPECT_LE(params_acc, 1e-6);
+  }
+  EXPECT_LE(params, acc_vs_whole + 1e-6);
+  EXPECT_LE(params, 3e-5);
+}
+
+TEST(DataParallel, TwoRanksTrainAsOneRankWithTheGlobalBatch) {
+  MT_NEED_MPIRUN();
+  Dir d;
+  compare_runs(d.root, 2, 2, 1, "dataset_type=synthetic");
+}
+
+TEST(DataParallel, FourRanksWithAccumulationOnATokensFile) {
+  MT_NEED_MPIRUN();
+  Dir d;
+  const std::string data = test::source_dir() + "/data/";
+  compare_runs(d.root, 4, 1, 2,
+               "vocab_size=8192 dataset_type=tokens dataset_path=" + data +
+                   "corpus.train.tokens eval_dataset_path=" + data + "corpus.eval.tokens");
+}
+
+TEST(DataParallel, ResumedRanksContinueAsAStraightRun) {
+  MT_NEED_MPIRUN();
+  Dir d;
+  const std::string common =
+      "dataset_type=tokens vocab_size=8192 dataset_path=" + test::source_dir() +
+      "/data/corpus.train.tokens";
+  ASSERT_EQ(mpirun(2, train_args(d.root, "straight", 2, common)).code, 0);
+  // 10 steps, then a second job resumes from rank 0's checkpoint at step 10.
+  test::MtResult r = mpirun(2, train_args(d.root, "resumed", 2,
+                                          common + " checkpoint_period=10 steps=10 "
+                                                   "learning_rate_schedule_steps=20"));
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = mpirun(2, train_args(d.root, "resumed", 2,
+                           common + " checkpoint_period=10 learning_rate_schedule_steps=20"));
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("resumed from step 10"), std::string::npos) << r.out;
+  EXPECT_EQ(losses(d.root / "resumed"), losses(d.root / "straight"));
+}
+
+TEST(DataParallel, AMeshThatDoesNotFitTheRanksIsOneErrorOnRankZero) {
+  MT_NEED_MPIRUN();
+  Dir d;
+  const auto t0 = std::chrono::steady_clock::now();
+  const test::MtResult r =
+      mpirun(2, train_args(d.root, "bad", 2, "dataset_type=synthetic ici_data_parallelism=3"), 30);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_EQ(count(r.out, "has 3 devices but 2 ranks run"), 1u) << r.out;
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 20);
+  EXPECT_FALSE(fs::exists(d.root / "bad" / "metrics.jsonl"));
+}
+
+TEST(DataParallel, FsdpIsRefusedNamingWhatIsImplemented) {
+  MT_NEED_MPIRUN();
+  Dir d;
+  const test::MtResult r =
+      mpirun(2, train_args(d.root, "fsdp", 2, "dataset_type=synthetic ici_fsdp_parallelism=2"), 30);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_EQ(count(r.out,
+                  "FSDP parallelism (ici_fsdp_parallelism x dcn_fsdp_parallelism = 2) is "
+                  "not implemented yet: mt runs data parallelism only"),
+            1u)
+      << r.out;
+}
+
+TEST(DataParallel, RanksStartedWithDifferentConfigsAreRefused) {
+  MT_NEED_MPIRUN();
+  Dir d;
+  // Rank 1 gets another learning rate through mt's own argument list.
+  const test::MtResult r =
+      mpirun(2, train_args(d.root, "differ", 2, "dataset_type=synthetic"), 30,
+             "bash -c 'exec \"$0\" \"$@\" $([ \"$OMPI_COMM_WORLD_RANK\" = 1 ] && echo "
+             "learning_rate=1e-3)'");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_EQ(count(r.out, "the resolved config of rank(s) 1 differs from rank 0's"), 1u) << r.out;
+}
+
+TEST(DataParallel, ARankThatFailsEndsTheJob) {
+  MT_NEED_MPIRUN();
+  Dir d;
+  // Rank 1's attention refuses an unknown kernel set at its first forward, while rank 0 waits
+  // for it in the step's collectives.
+  const auto t0 = std::chrono::steady_clock::now();
+  const test::MtResult r =
+      mpirun(2, train_args(d.root, "fails", 2, "dataset_type=synthetic steps=100000"), 30,
+             "bash -c '[ \"$OMPI_COMM_WORLD_RANK\" = 1 ] && export MT_FLASH_KERNELS=bogus; exec "
+             "\"$0\" \"$@\"'");
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_NE(r.code, 124) << "the job hung: " << r.out;
+  EXPECT_NE(r.out.find("error on rank 1 of 2: MT_FLASH_KERNELS=bogus"), std::string::npos) << r.out;
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 20);
+}
+
+// Without mpirun: one rank, and a mesh of more devices is refused before any work.
+TEST(DataParallel, OneRankRefusesAMeshOfTwo) {
+  Dir d;
+  const test::MtResult r = test::run_mt(
+      train_args(d.root, "one", 2, "dataset_type=synthetic ici_data_parallelism=2"), 30);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("has 2 devices but 1 rank runs (start more with mpirun -np N)"),
+            std::string::npos)
+      << r.out;
+}
+
+// The data plugins' shards: rank r of N with batch b, concatenated in rank order, is one rank's
+// batch of N x b, step after step, and a checkpointed position restores every rank.
+std::unique_ptr<DatasetSource> source(const std::string& type, int batch, int rank, int ranks,
+                                      std::vector<std::pair<std::string, std::string>> kv) {
+  kv.push_back({"per_device_batch_size", std::to_string(batch)});
+  kv.push_back({"max_target_length", "16"});
+  kv.push_back({"vocab_size", "8192"});
+  return test::plugins().dataset_factory(type)(config_from_pairs(kv), DataShard{rank, ranks},
+                                               nullptr);
+}
+
+TEST(DataParallel, ShardsConcatenateToTheGlobalBatch) {
+  const std::string tokens = test::source_dir() + "/data/corpus.train.tokens";
+  for (const std::string type : {"synthetic", "tokens"}) {
+    SCOPED_TRACE(type);
+    const std::vector<std::pair<std::string, std::string>> extra =
+        type == "tokens"
+            ? std::vector<std::pair<std::string, std::string>>{{"dataset_path", tokens}}
+            : std::vector<std::pair<std::string, std::string>>{};
+    const int N = 3, b = 2;
+    auto one = source(type, N * b, 0, 1, extra);
+    std::vector<std::unique_ptr<DatasetSource>> ranks;
+    for (int r = 0; r < N; ++r) ranks.push_back(source(type, b, r, N, extra));
+    for (int step = 0; step < 4; ++step) {
+      HostBatch whole;
+      ASSERT_TRUE(one->next(whole, false));
+      std::vector<int32_t> in, tg;
+      for (auto& s : ranks) {
+        HostBatch part;
+        ASSERT_TRUE(s->next(part, false));
+        in.insert(in.end(), part.inputs.begin(), part.inputs.end());
+        tg.insert(tg.end(), part.targets.begin(), part.targets.end());
+      }
+      EXPECT_EQ(in, whole.inputs) << "step " << step;
+      EXPECT_EQ(tg, whole.targets) << "step " << step;
+    }
+    // Every rank's state is the global position; restored on every rank, each continues with
+    // its own share.
+    for (auto& s : ranks) EXPECT_EQ(s->state(), ranks[0]->state());
+    const std::string at = ranks[0]->state();
+    for (int r = 0; r < N; ++r) {
+      auto fresh = source(type, b, r, N, extra);
+      fresh->restore(at);
+      HostBatch x, y;
+      fresh->next(x, false);
+      ranks[static_cast<size_t>(r)]->next(y, false);
+      EXPECT_EQ(x.inputs, y.inputs) << "rank " << r;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace mt
