@@ -18,6 +18,7 @@
 
 #include "config_impl.h"
 #include "config_loader.h"
+#include "fnv1a.h"
 #include "model_runner.h"
 #include "mt/backend.h"
 #include "mt/ops.h"
@@ -135,19 +136,11 @@ BENCHMARK(BM_InitParameters)
 
 // ModelRunner::init_parameters before fill_random: a host vector per parameter from
 // std::mt19937_64 seeded by seed ^ fnv1a(name), copied to the backend in f32 and cast.
-uint64_t fnv1a(const std::string& s) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return h;
-}
 void init_parameters_mt19937(mt::ModelRunner& r, uint64_t seed) {
   mt::Backend& b = r.backend();
   for (auto& p : r.params()) {
     std::vector<float> host(static_cast<size_t>(mt::shape_numel(p.spec.shape)));
-    std::mt19937_64 rng(seed ^ fnv1a(p.name));
+    std::mt19937_64 rng(seed ^ mt::fnv1a(p.name));
     std::normal_distribution<float> normal(0.f, 1.f);
     switch (p.spec.init) {
       case mt::Init::zeros:

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <random>
 
+#include "fnv1a.h"
 #include "model_info.h"
 #include "mt/data.h"
 #include "mt/error.h"
@@ -14,15 +15,6 @@
 namespace mt {
 
 namespace {
-
-uint64_t fnv1a(const std::string& s) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return h;
-}
 
 DType dtype_key(const Config& cfg, const std::string& key) {
   DType t;

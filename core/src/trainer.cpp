@@ -19,6 +19,7 @@
 #include "checkpoint_manager.h"
 #include "communicator.h"
 #include "file_util.h"
+#include "fnv1a.h"
 #include "hf_interop.h"
 #include "json.h"
 #include "memory_plan.h"
@@ -196,17 +197,11 @@ void apply_update(ModelRunner& runner, OptimizerState& opt, AdamWParams adam, fl
 
 namespace {
 
-uint64_t fnv1a64(const std::string& s) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
-  return h;
-}
-
 // Every rank must train the same config: rank 0's hash of the resolved config against each
 // rank's. Every rank learns which ranks differ, so all refuse together (and rank 0 says so).
 void check_same_config(const Config& cfg, Communicator& comm) {
   if (comm.size() == 1) return;
-  const uint64_t mine = fnv1a64(cfg.to_yaml(false));
+  const uint64_t mine = fnv1a(cfg.to_yaml(false));
   uint64_t root = mine;
   comm.broadcast(&root, sizeof root, 0);
   std::vector<double> differs(static_cast<size_t>(comm.size()), 0.0);
