@@ -25,6 +25,7 @@
 #include "json.h"
 #include "mt/error.h"
 #include "mt/version.h"
+#include "progress.h"
 
 namespace mt {
 namespace {
@@ -725,10 +726,17 @@ void CheckpointManager::save(const TrainState& state) {
       throw;
     }
   } else {
+    // The copy blocks training: a terminal shows its progress when it lasts (a large model).
+    double total = 0;
+    for (const auto* m : maps)
+      for (const auto& [name, t] : *m) total += static_cast<double>(t.nbytes());
+    Progress shown("checkpoint of step " + std::to_string(state.step) + ": copying to host memory",
+                   total, "B", true);
     size_t k = 0;
     for (int i = 0; i < 3; ++i) {
       for (const auto& [name, t] : *maps[i]) {
         size_t n = t.nbytes();
+        shown.add(static_cast<double>(n));
         if (k == buffers_.size()) buffers_.emplace_back();
         HostBuffer& b = buffers_[k++];
         if (b.size != n || !b.data) {
