@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_backend.h"
 #include "config_impl.h"
 #include "mt/backend.h"
 #include "mt/dtype.h"
@@ -29,15 +30,8 @@
 
 namespace {
 
-// The backend under test, made once: all cores, or MT_BENCH_THREADS threads (with 1 thread the
-// CPU-time column is the kernel's whole cost, which is steadier on a shared machine).
 mt::Backend& backend() {
-  static mt::PluginManager pm;
-  static std::unique_ptr<mt::Backend> b = [] {
-    const char* t = std::getenv("MT_BENCH_THREADS");
-    return pm.make_backend("cpu", mt::config_from_pairs({{"num_threads", t ? t : "0"}}));
-  }();
-  return *b;
+  return mt::bench::cpu_backend();
 }
 
 // A tensor of standard-normal values (converted to dt).

@@ -16,6 +16,7 @@
 #include <random>
 #include <vector>
 
+#include "bench_backend.h"
 #include "config_impl.h"
 #include "config_loader.h"
 #include "fnv1a.h"
@@ -28,12 +29,7 @@
 namespace {
 
 mt::Backend& backend() {
-  static mt::PluginManager pm;
-  static std::unique_ptr<mt::Backend> b = [] {
-    const char* t = std::getenv("MT_BENCH_THREADS");
-    return pm.make_backend("cpu", mt::config_from_pairs({{"num_threads", t ? t : "0"}}));
-  }();
-  return *b;
+  return mt::bench::cpu_backend();
 }
 
 constexpr int64_t kElements = int64_t{1} << 25;  // 32 Mi parameters: 128 MiB in f32

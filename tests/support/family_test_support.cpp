@@ -211,6 +211,20 @@ double last_five_mean(const std::vector<std::string>& l) {
   return last;
 }
 
+void expect_resumed_equals_straight(const std::string& model, const std::string& options,
+                                    const fs::path& base) {
+  auto run = [&](const std::string& name, int steps) {
+    const MtResult r = run_training(
+        model, resume_options(3, 6) + " steps=" + std::to_string(steps) + " " + options, base,
+        name);
+    ASSERT_EQ(r.code, 0) << r.out;
+  };
+  ASSERT_NO_FATAL_FAILURE(run("straight", 6));
+  ASSERT_NO_FATAL_FAILURE(run("resumed", 3));
+  ASSERT_NO_FATAL_FAILURE(run("resumed", 6));
+  ASSERT_NO_FATAL_FAILURE(expect_same_runs(base / "straight", base / "resumed", 6));
+}
+
 void expect_same_runs(const fs::path& straight, const fs::path& resumed, size_t steps) {
   const auto a = losses(straight), b = losses(resumed);
   ASSERT_EQ(a.size(), steps);

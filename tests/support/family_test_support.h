@@ -98,6 +98,12 @@ double last_five_mean(const std::vector<std::string>& losses);
 void expect_same_runs(const std::filesystem::path& straight, const std::filesystem::path& resumed,
                       size_t steps);
 
+// Trains <model> with `options` (resume_options(3, 6) added) 6 steps straight as <base>/straight,
+// and 3 steps then a restart to 6 as <base>/resumed; both runs must succeed and be the same
+// (expect_same_runs). Fatal failures: call it in ASSERT_NO_FATAL_FAILURE.
+void expect_resumed_equals_straight(const std::string& model, const std::string& options,
+                                    const std::filesystem::path& base);
+
 // `mt <args>` refused before any work: exit code 2, its output naming `says`.
 void expect_refused(const std::string& args, const std::string& says);
 

@@ -597,16 +597,7 @@ TEST(DeepseekTraining, RouterBiasUpdateThroughTraining) {
       EXPECT_GT(down, 0) << "layer " << layer;
     }
   }
-  auto run = [&](const std::string& name, int steps) {
-    const test::MtResult r = test::run_training(
-        "deepseek3-test", test::resume_options(3, 6) + " steps=" + std::to_string(steps) + on,
-        s.root, name);
-    EXPECT_EQ(r.code, 0) << r.out;
-  };
-  run("straight", 6);
-  run("resumed", 3);
-  run("resumed", 6);
-  ASSERT_NO_FATAL_FAILURE(test::expect_same_runs(s.root / "straight", s.root / "resumed", 6));
+  ASSERT_NO_FATAL_FAILURE(test::expect_resumed_equals_straight("deepseek3-test", on, s.root));
   EXPECT_EQ(bias_of(s.root / "straight", 6, 1), bias_of(s.root / "resumed", 6, 1));
   EXPECT_NE(bias_of(s.root / "straight", 6, 1), std::vector<float>(8, 0.f));
   expect_refused("run --model=deepseek3-test steps=1 decoder_block=deepseek_v2" + on,
@@ -838,16 +829,7 @@ TEST(DeepseekMtp, ForwardAndEvaluationIgnoreTheModules) {
 TEST(DeepseekMtp, TrainsAndResumesBitwise) {
   Scratch s;
   const std::string on = " mtp_num_layers=1";
-  auto run = [&](const std::string& name, int steps) {
-    const test::MtResult r = test::run_training(
-        "deepseek3-test", test::resume_options(3, 6) + " steps=" + std::to_string(steps) + on,
-        s.root, name);
-    EXPECT_EQ(r.code, 0) << r.out;
-  };
-  run("straight", 6);
-  run("resumed", 3);
-  run("resumed", 6);
-  ASSERT_NO_FATAL_FAILURE(test::expect_same_runs(s.root / "straight", s.root / "resumed", 6));
+  ASSERT_NO_FATAL_FAILURE(test::expect_resumed_equals_straight("deepseek3-test", on, s.root));
   const std::string metrics = slurp(s.root / "straight" / "metrics.jsonl");
   EXPECT_NE(metrics.find("\"mtp_loss\""), std::string::npos);
   EXPECT_NE(metrics.find("\"mtp_loss/1\""), std::string::npos);
