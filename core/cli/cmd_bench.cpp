@@ -1,7 +1,8 @@
 // mt bench: throughput benchmarks, JSON on stdout.
 //   mt bench train [--model=NAME] [key=value ...]   (default: configuration M, llama-bench-m)
 //     one JSON object: tokens/s, model TFLOP/s and MFU of a short synthetic training run.
-//   mt bench decode [--model=NAME] [steps=N]        prefill and decode throughput (M and ~1B).
+//   mt bench decode [--model=NAME] [steps=N] [dtypes=float32,bfloat16]
+//                                                   prefill and decode throughput (M and ~1B).
 //   mt bench gemm [--model=NAME] [shapes=MxKxN,...] [key=value ...]
 //     one JSON line per product c[M, N] = a[M, K] @ b[K, N] through Backend::matmul: median ms
 //     and TFLOP/s. Default shapes: a transformer's projections (attention, MLP up and down, LM
@@ -136,8 +137,21 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
     dec.prefill(0, prompt(512));
     prefill_tps = 512 / secs(t0);
   }
+  // Bytes of weights: all of them, and what a batch-1 decode step reads: a routed expert
+  // stack's active share (ParamSpec::active, k of E experts), one row of an embedding table
+  // that is only looked up (a tied one is also the LM head, read whole), everything else whole.
   size_t weight_bytes = 0;
-  for (auto& p : r.params()) weight_bytes += p.value.nbytes();
+  double step_bytes = 0;
+  for (auto& p : r.params()) {
+    const auto n = static_cast<double>(p.value.nbytes());
+    weight_bytes += p.value.nbytes();
+    if (p.spec.matmul)
+      step_bytes += n * static_cast<double>(p.spec.active);
+    else if (p.name == "embedding" && p.value.ndim() == 2)
+      step_bytes += n / static_cast<double>(p.value.dim(0));
+    else
+      step_bytes += n;
+  }
   const size_t elt = dtype_size(r.compute_dtype());
   // What each layer's cache holds per token (its CacheSpec: k and v, or a latent), and the
   // bytes a step reads at a given length (a windowed layer reads its window at most).
@@ -168,7 +182,7 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
       dec.step(next, active);
     }
     const double t = secs(t0);
-    if (bytes_per_s) *bytes_per_s = (static_cast<double>(weight_bytes) * steps + kv_bytes) / t;
+    if (bytes_per_s) *bytes_per_s = (step_bytes * static_cast<double>(steps) + kv_bytes) / t;
     return static_cast<double>(batch * steps) / t;
   };
   double bw = 0;
@@ -182,8 +196,8 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
       "{{\"model\": \"{}\", \"dtype\": \"{}\", \"weight_bytes\": {}, "
       "\"prefill_512_tokens_per_sec\": {:.1f}, \"decode_batch1_tokens_per_sec\": {:.2f}, "
       "\"decode_batch1_bytes_per_sec\": {:.4g}, \"decode_batch8_tokens_per_sec\": {:.2f}, "
-      "\"kv_cache_bytes_per_token\": {:.0f}}}",
-      model, dtype, weight_bytes, prefill_tps, b1, bw, b8, cache_bytes_per_token);
+      "\"kv_cache_bytes_per_token\": {:.0f}, \"decode_weight_bytes_per_token\": {:.4g}}}",
+      model, dtype, weight_bytes, prefill_tps, b1, bw, b8, cache_bytes_per_token, step_bytes);
 }
 
 // STREAM-like triad a = b + s * c over arrays far larger than the caches, on all cores: the
@@ -218,9 +232,23 @@ int bench_decode(const Args& args) {
   Args rest = args;
   rest.model.clear();
   int64_t steps = 16;
+  std::vector<std::string> dtypes = {"float32", "bfloat16"};
   for (auto it = rest.overrides.begin(); it != rest.overrides.end();) {
     if (it->rfind("steps=", 0) == 0) {
       steps = std::stoll(it->substr(6));
+      it = rest.overrides.erase(it);
+    } else if (it->rfind("dtypes=", 0) == 0) {
+      // The bench's own key: which of float32,bfloat16 to run (comma-separated).
+      dtypes.clear();
+      std::string v = it->substr(7) + ",";
+      for (size_t a = 0, b; (b = v.find(',', a)) != std::string::npos; a = b + 1)
+        if (b > a) dtypes.push_back(v.substr(a, b - a));
+      for (const auto& d : dtypes)
+        if (d != "float32" && d != "bfloat16")
+          throw UsageError("mt bench decode: dtypes=" + it->substr(7) + " names '" + d +
+                           "'; it takes float32, bfloat16 or both, comma-separated.");
+      if (dtypes.empty())
+        throw UsageError("mt bench decode: dtypes= is empty; give float32, bfloat16 or both.");
       it = rest.overrides.erase(it);
     } else {
       ++it;
@@ -229,7 +257,9 @@ int bench_decode(const Args& args) {
   const double triad = triad_bytes_per_sec();
   double peak = 0;
   {
-    Config cfg = resolve_config(rest);
+    Args first_model = rest;  // the words may hold the family's keys: resolved with its model
+    first_model.model = models.front();
+    Config cfg = resolve_config(first_model);
     PluginManager pm;
     peak = pm.make_backend(cfg.get_string("backend"), cfg)->peak_flops(DType::f32);
   }
@@ -239,8 +269,8 @@ int bench_decode(const Args& args) {
       triad, peak);
   bool first = true;
   for (const auto& m : models)
-    for (const char* dt : {"float32", "bfloat16"}) {
-      std::fprintf(stderr, "mt bench decode: %s %s...\n", m.c_str(), dt);
+    for (const auto& dt : dtypes) {
+      std::fprintf(stderr, "mt bench decode: %s %s...\n", m.c_str(), dt.c_str());
       out += std::string(first ? "" : ", ") + bench_decode_one(rest, m, dt, steps);
       first = false;
     }

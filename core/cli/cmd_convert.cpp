@@ -57,7 +57,18 @@ int cmd_convert(const Args& args_in) {
     PluginManager pm(dirs);
     const HfImport imp = read_hf_config(input, pm);
     ModelRunner runner(cfg, pm);
+    // Multi-token prediction modules (asked for with the family's key among the words) have no
+    // form in transformers' checkpoints: they start from the config's initialisation, as in
+    // `mt run`, and everything else is loaded over it.
+    size_t mtp = 0;
+    for (auto& p : runner.params()) mtp += p.name.rfind("mtp.", 0) == 0 ? 1 : 0;
+    if (mtp) runner.init_parameters(static_cast<uint64_t>(cfg.get_int("init_weights_seed")));
     load_hf_weights(input, runner);
+    if (mtp)
+      std::printf(
+          "mt convert: the %zu multi-token prediction parameters (mtp.*) have no Hugging "
+          "Face form; they are initialised (init_weights_seed=%lld) for training\n",
+          mtp, static_cast<long long>(cfg.get_int("init_weights_seed")));
     fs::create_directories(output);
     {
       std::ofstream y(fs::path(output) / "model.yml");
@@ -68,6 +79,13 @@ int cmd_convert(const Args& args_in) {
       for (const auto& o : imp.overrides) {
         const auto eq = o.find('=');
         y << o.substr(0, eq) << ": " << o.substr(eq + 1) << "\n";
+      }
+      // The command's own key=value words (e.g. mtp_num_layers=1) shape the checkpoint too.
+      for (const auto& o : args.overrides) {
+        const auto eq = o.find('=');
+        const std::string key = o.substr(0, eq);
+        if (key == "hf_path" || key == "max_target_length" || key == "tokenizer_path") continue;
+        y << key << ": " << o.substr(eq + 1) << "\n";
       }
       y << "max_target_length: " << cfg.get_int("max_target_length") << "\n";
       // The directory's tokenizer files are copied beside the checkpoint (below).

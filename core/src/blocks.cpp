@@ -197,6 +197,10 @@ std::vector<ParamSpec> mla_params(const MlaSpec& s, const std::string& prefix) {
 CacheSpec mla_cache_spec(const MlaSpec& s) {
   CacheSpec c;
   c.window = s.attn.window;
+  if (s.naive_cache) {  // every head's key and value, padded to one head size
+    c.entries = {{s.heads, mla_padded_dim(s)}, {s.heads, mla_padded_dim(s)}};
+    return c;
+  }
   // One entry: the normalised latent c and the rotary key, as one kv head [c, k_rope].
   c.entries = {{1, s.kv_lora_rank + s.qk_rope_head_dim}};
   return c;
@@ -256,15 +260,26 @@ Tensor mla(Graph& g, const Params& p, const MlaSpec& s, const Tensor& x, const L
   // whose values are the same rows (the output's rope features are dropped). The weighted sum of
   // latents times W_uv[h] (the v columns, [L, dv]) is head h's value, then wo. The scale stays
   // the spec's (DeepSeek's), not 1 / sqrt(L + rope).
-  if (in.cache) {
+  if (in.cache && !s.naive_cache) {
     const int64_t lat = s.kv_lora_rank;
     g.write_cache(*in.cache, 0,
                   g.reshape(g.concat({c, g.reshape(k_rot, {b, t, rope})}), {b, t, 1, lat + rope}));
     if (!in.cache->fresh) {
       const int64_t m = b * t;
-      // wkv_b [L, H * (nope + dv)] -> [H, L, nope + dv] -> W_uk [H, L, nope], W_uv [H, L, dv].
-      const std::vector<Tensor> w =
-          g.split(swap01(g, p[prefix + "wkv_b"], s.kv_lora_rank, h), {nope, dv});
+      // wkv_b [L, H * (nope + dv)] -> [H, L, nope + dv] -> W_uk [H, L, nope], W_uv [H, L, dv]:
+      // made once per decoder when it keeps them (KVCache::derived), else at every step.
+      std::vector<Tensor> w;
+      auto* kept = in.cache->derived.get();
+      const std::string uk = prefix + "mla.w_uk", uv = prefix + "mla.w_uv";
+      if (kept && kept->count(uk) && kept->count(uv)) {
+        w = {kept->at(uk), kept->at(uv)};
+      } else {
+        w = g.split(swap01(g, p[prefix + "wkv_b"], s.kv_lora_rank, h), {nope, dv});
+        if (kept) {
+          (*kept)[uk] = w[0];
+          (*kept)[uv] = w[1];
+        }
+      }
       Tensor q_lat = nope > 0 ? g.reshape(swap01(g,
                                                  g.matmul(swap01(g, qs[0], m, h), w[0],
                                                           /*trans_a=*/false, /*trans_b=*/true),
@@ -309,8 +324,11 @@ Tensor mla(Graph& g, const Params& p, const MlaSpec& s, const Tensor& x, const L
   kf = pad(kf);
   v = pad(v);
   // A fresh cache (prefill): the tokens attend among themselves; their latent is stored above.
-  Tensor a = in.cache ? g.attention(*in.attention, qf, kf, v, Tensor(), Tensor(), spec)
-                      : g.attention(*in.attention, qf, kf, v, in.segment_ids, in.segment_ids, spec);
+  // The naive cache stores the expanded keys and values instead, and a step attends to them.
+  Tensor a =
+      in.cache && s.naive_cache ? g.cached_attention(*in.attention, qf, kf, v, *in.cache, spec)
+      : in.cache                ? g.attention(*in.attention, qf, kf, v, Tensor(), Tensor(), spec)
+                 : g.attention(*in.attention, qf, kf, v, in.segment_ids, in.segment_ids, spec);
   if (dv != dp) a = g.split(a, {dv, dp - dv})[0];
   return g.matmul(g.reshape(a, {b, t, h * dv}), p[prefix + "wo"]);
 }

@@ -97,6 +97,7 @@ Decoder::Decoder(ModelRunner& runner, int64_t batch, int64_t max_len)
     layer_group_.push_back(gi);
     KVCache c;
     c.window = spec.window;
+    c.derived = std::make_shared<std::map<std::string, Tensor>>();
     for (const Shape& entry : spec.entries) {
       Shape shape{batch, grp.rows + 1};
       shape.insert(shape.end(), entry.begin(), entry.end());
@@ -160,6 +161,7 @@ std::vector<float> Decoder::prefill(int64_t b, const std::vector<int32_t>& promp
     KVCache v;
     for (const auto& tensor : caches_[i].tensors) v.tensors.push_back(tensor.slice0(b, b + 1));
     v.window = caches_[i].window;
+    v.derived = caches_[i].derived;
     v.lengths = lengths[layer_group_[i]];
     v.write_rows = write_rows[layer_group_[i]];
     v.fresh = start == 0;

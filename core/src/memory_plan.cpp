@@ -257,9 +257,10 @@ void find_fixes(Plan& plan, const Config& cfg, PluginManager& plugins, const Dev
                     human_bytes(static_cast<double>(last.peak)),
                     human_bytes(static_cast<double>(device.bytes)));
     plan.beyond_fixes += fmt::format(
-        " The weights, gradients and optimizer state alone take {} at this precision: the "
-        "model needs more memory than one device has (a smaller model, or sharding over several "
-        "devices, which mt does not do yet).",
+        " As configured, the weights, gradients and optimizer state alone take {}; what stays "
+        "on the device with every change above is still more than it has: the model needs more "
+        "memory than one device has (a smaller model, or sharding over several devices, which mt "
+        "does not do yet).",
         human_bytes(static_cast<double>(t.weights + t.gradients + t.optimizer)));
     return;
   }
@@ -360,10 +361,14 @@ std::string format_plan(const Plan& p, const Config& cfg) {
   s += fmt::format("device: {}{}\n", p.device.name,
                    p.device.bytes ? fmt::format(", {} of memory", human_bytes(cap))
                                   : std::string(", memory unknown"));
-  s += fmt::format("parameters: {} total, {} in matmuls, {} active per token\n",
+  s += fmt::format("parameters: {} total, {} in matmuls, {} active per token{}\n",
                    human_count(static_cast<double>(p.counts.total)),
                    human_count(static_cast<double>(p.counts.matmul)),
-                   human_count(p.counts.active_matmul));
+                   human_count(p.counts.active_matmul),
+                   p.counts.mtp ? fmt::format(" (the total includes {} of multi-token prediction "
+                                              "modules, trained only)",
+                                              human_count(static_cast<double>(p.counts.mtp)))
+                                : std::string());
   auto verdict = [&](size_t peak) {
     if (!p.device.bytes) return std::string();
     if (peak <= p.device.bytes)

@@ -67,6 +67,18 @@ ParamCounts count_parameters(const Model& m) {
   for (const auto& p : m.top_parameters()) add(p);
   for (int i = 0; i < m.num_layers(); ++i)
     for (const auto& p : m.layer(i).parameters()) add(p);
+  // Multi-token prediction: each depth's module and layer, then the shared head it runs (the
+  // top-level matmul parameters: the LM head, or the tied embedding).
+  const ParamCounts main = c;
+  for (int k = 1; k <= m.mtp_depths(); ++k) {
+    for (const auto& p : m.mtp_parameters(k)) add(p);
+    for (const auto& p : m.mtp_layer(k).parameters()) add(p);
+    for (const auto& p : m.top_parameters())
+      if (p.matmul) c.active_matmul += static_cast<double>(shape_numel(p.shape)) * p.active;
+  }
+  c.mtp = c.total - main.total;
+  c.mtp_active_matmul = c.active_matmul - main.active_matmul;
+  c.active_matmul = main.active_matmul;
   return c;
 }
 
@@ -75,8 +87,9 @@ double default_flops_per_token(const Model& m, int64_t seq_len) {
   const ModelDims d = m.dims();
   const auto s = static_cast<double>(seq_len);
   double attn = 0;
-  for (int i = 0; i < m.num_layers(); ++i) {
-    const CacheSpec cs = m.layer(i).cache_spec();
+  for (int i = 0; i < m.num_layers() + m.mtp_depths(); ++i) {
+    const CacheSpec cs =
+        (i < m.num_layers() ? m.layer(i) : m.mtp_layer(i - m.num_layers() + 1)).cache_spec();
     if (cs.entries.empty()) continue;  // no attention in this layer
     // Keys per query of a causal mask over seq_len positions, within the window (the
     // continuous approximation MaxText and PaLM use: seq_len / 2 without a window).
@@ -84,7 +97,7 @@ double default_flops_per_token(const Model& m, int64_t seq_len) {
     const double keys = cs.window > 0 && w < s ? w - w * w / (2 * s) : s / 2;
     attn += 12.0 * static_cast<double>(d.num_query_heads) * static_cast<double>(d.head_dim) * keys;
   }
-  return 6.0 * c.active_matmul + attn;
+  return 6.0 * (c.active_matmul + c.mtp_active_matmul) + attn;
 }
 
 std::string human_count(double n) {

@@ -13,6 +13,11 @@ struct ParamCounts {
   int64_t matmul = 0;        // weights that multiply activations (the LM head included)
   double active_matmul = 0;  // of those, what one token uses (ParamSpec::active: top-k experts)
   int64_t embedding = 0;     // lookup tables that are not also the LM head
+  // Multi-token prediction modules (Model::mtp_depths; counted in total and matmul, not in
+  // active_matmul, which is what inference runs per token): their parameters, and the matmul
+  // parameters a training token runs in them, the shared LM head once per depth included.
+  int64_t mtp = 0;
+  double mtp_active_matmul = 0;
 };
 
 // From the parameter declarations: ParamSpec::matmul says what multiplies activations (a tied
@@ -21,7 +26,8 @@ ParamCounts count_parameters(const Model& m);
 
 // Model::flops_per_token's default (DESIGN.md): 6 x active matmul parameters + attention's
 // 12 x heads x head_dim x the keys a query attends to, per layer: seq_len / 2 when causal,
-// fewer within a layer's sliding window (its CacheSpec window).
+// fewer within a layer's sliding window (its CacheSpec window). A training token also runs the
+// multi-token prediction depths: their active matmul parameters and their layers' attention.
 double default_flops_per_token(const Model& m, int64_t seq_len);
 
 // Refuses (UsageError) a model whose parameters or activations of one micro-batch of

@@ -261,21 +261,37 @@ TEST(DeepseekTraining, ResumedRunEqualsStraightRun) {
 }
 
 // The named configs have DeepSeek's published sizes: V2-Lite 15.7B parameters of which 2.4B
-// are active per token, V2 236B (21B active), V3 671B (37B active); totals with the embedding
-// table, active ones without its lookup (measured: 2.45B, 20.9B, 36.6B).
+// are active per token, V2 236B (21B active), V3 671B (37B active) plus its 14B multi-token
+// prediction module (DeepSeek's count includes that module's own copies of the embedding and
+// the head, 2 x 129280 x 7168, which mt shares with the main model; "14B" is rounded, hence
+// its wider bound); totals with the embedding
+// table, active ones without its lookup (measured: 2.45B, 20.9B, 36.6B; MTP 11.7B). A training
+// token's FLOPs include the module's (one MoE layer, the projection and the head).
 TEST(DeepseekModel, NamedConfigsHaveThePublishedSizes) {
   struct Case {
     const char* model;
-    double total, active, tol;
+    double total, active, mtp, tol;
   };
-  for (const Case c :
-       {Case{"deepseek2-16b", 15.7e9, 2.4e9, 0.06e9}, Case{"deepseek2-236b", 236e9, 21e9, 0.5e9},
-        Case{"deepseek3-671b", 671e9, 37e9, 0.5e9}}) {
+  for (const Case c : {Case{"deepseek2-16b", 15.7e9, 2.4e9, 0, 0.06e9},
+                       Case{"deepseek2-236b", 236e9, 21e9, 0, 0.5e9},
+                       Case{"deepseek3-671b", 671e9, 37e9, 14e9 - 2.0 * 129280 * 7168, 0.6e9}}) {
     SCOPED_TRACE(c.model);
     const std::unique_ptr<Model> m = build_named(c.model);
     const ParamCounts n = count_parameters(*m);
-    EXPECT_NEAR(static_cast<double>(n.total), c.total, c.tol);
+    EXPECT_NEAR(static_cast<double>(n.total - n.mtp), c.total, c.tol);
     EXPECT_NEAR(n.active_matmul, c.active, c.tol);
+    EXPECT_NEAR(static_cast<double>(n.mtp), c.mtp, c.tol);
+    std::printf("%s: %.4gB parameters (%.4gB of them MTP), %.4gB active, MTP %.4gB per token\n",
+                c.model, n.total / 1e9, n.mtp / 1e9, n.active_matmul / 1e9,
+                n.mtp_active_matmul / 1e9);
+    if (c.mtp > 0) {
+      // One depth: a MoE layer's active weights, the [2d, d] projection and the LM head.
+      double layer = 0;
+      for (const ParamSpec& p : m->layer(m->num_layers() - 1).parameters())
+        if (p.matmul) layer += static_cast<double>(shape_numel(p.shape)) * p.active;
+      EXPECT_DOUBLE_EQ(n.mtp_active_matmul, layer + 2.0 * 7168 * 7168 + 129280.0 * 7168);
+      EXPECT_GT(default_flops_per_token(*m, 4096), 6 * (n.active_matmul + n.mtp_active_matmul));
+    }
   }
 }
 
@@ -322,7 +338,8 @@ TEST(DeepseekBadInput, IsRefusedWithOneClearError) {
 // ---- decode over the compressed latent cache ----------------------------------------------
 
 // A golden directory's model with its transformers weights, in f32.
-std::unique_ptr<ModelRunner> golden_runner(const char* dir, const std::string& attention) {
+std::unique_ptr<ModelRunner> golden_runner(const char* dir, const std::string& attention,
+                                           const std::vector<std::string>& extra = {}) {
   const HfImport imp = read_hf_config(kGolden / dir, test::plugins());
   ConfigRequest req;
   req.configs_dir = test::source_dir() + "/configs";
@@ -331,6 +348,7 @@ std::unique_ptr<ModelRunner> golden_runner(const char* dir, const std::string& a
   for (const char* o : {"max_target_length=32", "dtype=float32", "weight_dtype=float32"})
     req.overrides.emplace_back(o);
   req.overrides.push_back("attention=" + attention);
+  for (const auto& o : extra) req.overrides.push_back(o);
   req.schemas_for = [](const Config& layers) {
     const std::string fam = layers.get_string("decoder_block");
     return std::vector<SchemaText>{
@@ -356,53 +374,62 @@ std::vector<float> full_forward(ModelRunner& r, const std::vector<int32_t>& ids)
 // logits of the full forward: three sequences of different prompt lengths, one paused every other
 // step, one given a second prompt chunk after its first (T > 1 tokens attending to a cache);
 // both attention kernels, V2 (no query compression) and V3 (q_lora_rank 24), yarn's mscale on the
-// scale. Measured worst errors: 7e-7 to 1.1e-6 (the prompts vary with the test seed).
+// scale. The absorbed W_uk and W_uv are made at the first step and kept by the decoder
+// (KVCache::derived) for the later ones. The same with mla_naive_kvcache=true: the cache holds
+// every head's expanded key and value (4 heads, padded to max(8 + 8, 12) = 16 features).
+// Measured worst errors: 7e-7 to 1.1e-6 (the prompts vary with the test seed).
 TEST(DeepseekDecode, AbsorbedLatentDecodeEqualsFullForward) {
   for (const char* d : kDirs) {
     for (const char* attention : {"dot_product", "flash"}) {
-      SCOPED_TRACE(std::string(d) + " " + attention);
-      const auto r = golden_runner(d, attention);
-      for (const CacheSpec& cs : r->cache_specs()) EXPECT_EQ(cs, (CacheSpec{0, {{1, 16 + 8}}}));
-      const int64_t V = r->model().dims().vocab_size;
-      std::mt19937_64 rng(test::seed());
-      std::vector<std::vector<int32_t>> seqs(3);
-      const int prompt_len[3] = {1, 5, 9};
-      Decoder dec(*r, 3, 24);
-      double worst = 0;
-      auto check = [&](const std::vector<float>& got, const std::vector<float>& want,
-                       const std::string& what) {
-        const double e = test::scaled_err(got, want);
-        EXPECT_LT(e, kTol) << what;
-        worst = std::max(worst, e);
-      };
-      std::vector<int32_t> next(3);
-      for (int b = 0; b < 3; ++b) {
-        for (int i = 0; i < prompt_len[b]; ++i) seqs[b].push_back(static_cast<int32_t>(rng() % V));
-        check(dec.prefill(b, seqs[b]), full_forward(*r, seqs[b]), "prefill " + std::to_string(b));
-        next[b] = static_cast<int32_t>(rng() % V);
-      }
-      // A second chunk of 3 tokens for sequence 2: they attend to the cache and each other.
-      std::vector<int32_t> chunk(3);
-      for (auto& id : chunk) id = static_cast<int32_t>(rng() % V);
-      const std::vector<float> cl = dec.prefill(2, chunk);
-      seqs[2].insert(seqs[2].end(), chunk.begin(), chunk.end());
-      const std::vector<float> cref = full_forward(*r, seqs[2]);
-      check(cl, std::vector<float>(cref.end() - 3 * V, cref.end()), "second chunk");
-      for (int step = 0; step < 8; ++step) {
-        const std::vector<bool> active = {true, step % 2 == 0, true};
-        const std::vector<float> logits = dec.step(next, active);
+      for (const bool naive : {false, true}) {
+        SCOPED_TRACE(std::string(d) + " " + attention + (naive ? " naive cache" : ""));
+        const auto r = golden_runner(
+            d, attention, {std::string("mla_naive_kvcache=") + (naive ? "true" : "false")});
+        const CacheSpec want =
+            naive ? CacheSpec{0, {{4, 16}, {4, 16}}} : CacheSpec{0, {{1, 16 + 8}}};
+        for (const CacheSpec& cs : r->cache_specs()) EXPECT_EQ(cs, want);
+        const int64_t V = r->model().dims().vocab_size;
+        std::mt19937_64 rng(test::seed());
+        std::vector<std::vector<int32_t>> seqs(3);
+        const int prompt_len[3] = {1, 5, 9};
+        Decoder dec(*r, 3, 24);
+        double worst = 0;
+        auto check = [&](const std::vector<float>& got, const std::vector<float>& want,
+                         const std::string& what) {
+          const double e = test::scaled_err(got, want);
+          EXPECT_LT(e, kTol) << what;
+          worst = std::max(worst, e);
+        };
+        std::vector<int32_t> next(3);
         for (int b = 0; b < 3; ++b) {
-          if (!active[static_cast<size_t>(b)]) continue;
-          seqs[b].push_back(next[b]);
-          const std::vector<float> ref = full_forward(*r, seqs[b]);
-          check(std::vector<float>(logits.begin() + b * V, logits.begin() + (b + 1) * V),
-                std::vector<float>(ref.end() - V, ref.end()),
-                "step " + std::to_string(step) + " sequence " + std::to_string(b));
+          for (int i = 0; i < prompt_len[b]; ++i)
+            seqs[b].push_back(static_cast<int32_t>(rng() % V));
+          check(dec.prefill(b, seqs[b]), full_forward(*r, seqs[b]), "prefill " + std::to_string(b));
           next[b] = static_cast<int32_t>(rng() % V);
         }
+        // A second chunk of 3 tokens for sequence 2: they attend to the cache and each other.
+        std::vector<int32_t> chunk(3);
+        for (auto& id : chunk) id = static_cast<int32_t>(rng() % V);
+        const std::vector<float> cl = dec.prefill(2, chunk);
+        seqs[2].insert(seqs[2].end(), chunk.begin(), chunk.end());
+        const std::vector<float> cref = full_forward(*r, seqs[2]);
+        check(cl, std::vector<float>(cref.end() - 3 * V, cref.end()), "second chunk");
+        for (int step = 0; step < 8; ++step) {
+          const std::vector<bool> active = {true, step % 2 == 0, true};
+          const std::vector<float> logits = dec.step(next, active);
+          for (int b = 0; b < 3; ++b) {
+            if (!active[static_cast<size_t>(b)]) continue;
+            seqs[b].push_back(next[b]);
+            const std::vector<float> ref = full_forward(*r, seqs[b]);
+            check(std::vector<float>(logits.begin() + b * V, logits.begin() + (b + 1) * V),
+                  std::vector<float>(ref.end() - V, ref.end()),
+                  "step " + std::to_string(step) + " sequence " + std::to_string(b));
+            next[b] = static_cast<int32_t>(rng() % V);
+          }
+        }
+        std::printf("%s %s: %s decode vs full forward, worst error %.2e\n", d, attention,
+                    naive ? "naive-cache" : "absorbed", worst);
       }
-      std::printf("%s %s: absorbed decode vs full forward, worst error %.2e\n", d, attention,
-                  worst);
     }
   }
 }
@@ -836,6 +863,45 @@ TEST(DeepseekMtp, TrainsAndResumesBitwise) {
   SafeTensorsFile p(s.root / "straight" / "checkpoints" / "6" / "params.safetensors");
   EXPECT_EQ(p.info("mtp.1.mtp_projection").shape, (Shape{128, 64}));
   EXPECT_EQ(p.info("mtp.1.w_gate").shape, (Shape{8, 64, 32}));
+}
+
+// `mt convert --from=hf ... mtp_num_layers=1`: transformers' checkpoints hold no MTP modules,
+// so they are initialised as `mt run` initialises them (init_weights_seed), the rest is the
+// Hugging Face weights: the checkpoint equals golden_mtp_runner's (initialised with seed 3, then
+// loaded) parameter for parameter. model.yml keeps mtp_num_layers, so the checkpoint converts
+// back with it (the modules left out of config.json and the safetensors).
+TEST(DeepseekMtp, ConvertFromHuggingFaceInitialisesTheModules) {
+  Scratch s;
+  const fs::path out = s.root / "mt", back = s.root / "hf";
+  test::MtResult r =
+      test::run_mt("convert --from=hf --input=" + (kGolden / "deepseek_v3").string() +
+                       " --output=" + out.string() + " mtp_num_layers=1 init_weights_seed=3",
+                   120);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("multi-token prediction parameters (mtp.*) have no Hugging Face form"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(slurp(out / "model.yml").find("\nmtp_num_layers: 1\n"), std::string::npos);
+  const auto want = golden_mtp_runner({"mtp_num_layers=1"});
+  SafeTensorsFile ck(out / "checkpoints" / "0" / "params.safetensors");
+  size_t mtp = 0;
+  for (auto& p : want->params()) {
+    SCOPED_TRACE(p.name);
+    const std::vector<float> v = file_floats(ck, p.name);
+    EXPECT_EQ(v, test::to_vector(p.value));
+    if (p.name.rfind("mtp.", 0) != 0) continue;
+    ++mtp;
+    if (p.spec.init == Init::normal) {
+      EXPECT_GT(*std::max_element(v.begin(), v.end()), 0.f);
+    }
+  }
+  EXPECT_GT(mtp, 10u);
+  r = test::run_mt("convert --to=hf --config=" + (out / "model.yml").string() +
+                       " --input=" + out.string() + " --output=" + back.string(),
+                   120);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(SafeTensorsFile(back / "model.safetensors").names(),
+            SafeTensorsFile(kGolden / "deepseek_v3" / "model.safetensors").names());
 }
 
 TEST(DeepseekMtp, BadInputIsRefusedWithOneClearError) {

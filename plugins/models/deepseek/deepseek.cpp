@@ -56,6 +56,10 @@ constexpr const char* kSchema =
     "deepseek_rope_attention_factor: 0.0  # yarn: cos and sin are multiplied by this (Hugging "
     "Face's attention_factor; from config.json's mscale / mscale_all_dim: 1 in every released "
     "model); 0 = 0.1 ln(rope_factor) + 1 [>=0]\n"
+    "mla_naive_kvcache: false  # decode caches every head's expanded key and value (MaxText's "
+    "key; its default is true) instead of the compressed latent, which a decode step attends to "
+    "with the up-projections absorbed: for comparison, as it takes (2 x heads x max(nope + rope, "
+    "v)) / (kv_lora_rank + rope) times the memory per token\n"
     "mtp_num_layers: 0  # DeepSeek-V3's multi-token prediction (MaxText's key): D modules after "
     "the decoder, in training only; depth k combines the previous depth's hidden state with the "
     "embeddings of the tokens k ahead, runs one decoder layer (of the last layer's kind) and the "
@@ -102,6 +106,7 @@ struct DsConfig {
     mla.qk_nope_head_dim = c.get_int("qk_nope_head_dim");
     mla.qk_rope_head_dim = c.get_int("qk_rope_head_dim");
     mla.v_head_dim = c.get_int("v_head_dim");
+    mla.naive_cache = c.get_bool("mla_naive_kvcache");
     // DeepSeek's compressed q and kv norms have epsilon 1e-6 whatever rms_norm_eps says
     // (Hugging Face's DeepseekV2RMSNorm default); the layer norms use the model's.
     mla.norm.kind = mt::blocks::NormKind::rms;

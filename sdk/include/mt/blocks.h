@@ -98,6 +98,10 @@ struct MlaSpec {
   RopeSpec rope;  // over the qk_rope_head_dim features (rotary_dim = qk_rope_head_dim)
   // Causal mask, window; scale 0 = 1 / sqrt(qk_nope_head_dim + qk_rope_head_dim).
   AttentionSpec attn;
+  // Decode caches every head's expanded key and value (MaxText's mla_naive_kvcache), padded to
+  // one head size, as attention() does, instead of the latent: for comparison only, as it
+  // needs (2 x heads x max(nope + rope, v)) / (kv_lora_rank + rope) times the memory.
+  bool naive_cache = false;
 };
 // wq [d, H*(nope+rope)] or wq_a [d, q_lora_rank], q_norm [q_lora_rank], wq_b [q_lora_rank,
 // H*(nope+rope)]; wkv_a [d, kv_lora_rank + rope], kv_norm [kv_lora_rank], wkv_b [kv_lora_rank,
@@ -109,11 +113,14 @@ MT_API std::vector<ParamSpec> mla_params(const MlaSpec& s, const std::string& pr
 // [c, k_rope] is stored; a decode step (cache not fresh) absorbs the up-projections: each
 // head's q_nope times its W_uk^T (wkv_b's k columns) attends in latent space, as multi-query
 // attention over the cached latent rows (keys and values both), with the spec's scale; the
-// weighted latent times the head's W_uv (wkv_b's v columns) is its value, then wo.
+// weighted latent times the head's W_uv (wkv_b's v columns) is its value, then wo. The
+// per-head W_uk and W_uv are kept in the cache's `derived` map after the first step. With
+// naive_cache the cache holds the expanded keys and values and a step attends to them.
 MT_API Tensor mla(Graph& g, const Params& p, const MlaSpec& s, const Tensor& x,
                   const LayerInputs& in, const std::string& prefix = "");
 // What decode keeps per token: the compressed latent, one entry [1, kv_lora_rank +
-// qk_rope_head_dim] (the normalised c, then the rotated key), not every head's k and v.
+// qk_rope_head_dim] (the normalised c, then the rotated key), not every head's k and v; with
+// naive_cache, k and v [heads, max(nope + rope, v)].
 MT_API CacheSpec mla_cache_spec(const MlaSpec& s);
 
 // ---- feed-forward -----------------------------------------------------------------------------

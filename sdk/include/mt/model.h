@@ -80,6 +80,11 @@ struct KVCache {
   // The call's tokens start an empty cache (prefill): they attend among themselves with the
   // ordinary kernel, then are stored. Otherwise they are stored first and attend to the cache.
   bool fresh = false;
+  // Tensors a layer derives from its weights for decoding and keeps while the decoder lives
+  // (latent attention's absorbed up-projections): made at its first step, by name, in the one
+  // map the decoder gives each layer (every call's view shares it); the weights do not change
+  // while a decoder decodes. Null: nothing is kept, the layer derives them at every call.
+  std::shared_ptr<std::map<std::string, Tensor>> derived;
   // Attention's k and v (entries 0 and 1).
   const Tensor& k() const { return tensors.at(0); }
   const Tensor& v() const { return tensors.at(1); }

@@ -20,5 +20,7 @@
 // after the optimizer step: DeepSeek-V3's routed_bias_update_rate); 8: Backend::fill_random
 // (RandomFill, counter-based parameter initialisation; op set 4), MemoryStats::bytes_limit, and
 // Model's multi-token prediction (mtp_depths, mtp_loss_scale, mtp_parameters, mtp_layer,
-// mtp_combine), and the Communicator plugin kind (mt/comm.h, Registry::add_communicator).
-#define MT_ABI_VERSION 8u
+// mtp_combine), and the Communicator plugin kind (mt/comm.h, Registry::add_communicator); 9:
+// KVCache::derived (tensors a layer derives from its weights once per decoder) and
+// blocks::MlaSpec::naive_cache.
+#define MT_ABI_VERSION 9u
