@@ -177,21 +177,23 @@ Tensor scalar(mt::Backend& be, float v) {
 
 // Each token's top_k experts, chosen as DeepSeek does: `choice` [n, E] holds the scores the
 // choice ranks (V3: biased); with groups, a token's experts come from its top_groups groups,
-// ranked by the best score in each (V2) or the sum of the two best (V3). Ties go to the lower
-// index. Returns [n, k] expert indices, by descending choice score.
+// ranked by the best score in each (V2) or the sum of the two best (V3), ties to the lower group.
+// Ties go to the lower index. Returns [n, k] expert indices, by descending choice score. The plan
+// and training run this per token and layer (deepseek3-671b: 256 experts, 58 layers): one pass
+// over the candidate experts keeping the k best in order, no sort (the validated configs leave
+// at least k candidates).
 std::vector<int32_t> choose_experts(const DsConfig& c, const std::vector<float>& choice,
                                     int64_t n) {
   const int64_t E = c.experts, k = c.top_k;
+  const int64_t groups = c.groups > 0 ? c.groups : 1, per = E / groups;
+  const int64_t picked = c.groups > 0 ? c.top_groups : 1;
   std::vector<int32_t> out(static_cast<size_t>(n * k));
-  std::vector<int32_t> order(static_cast<size_t>(E));
-  std::vector<char> allowed(static_cast<size_t>(E));
+  std::vector<std::pair<float, int64_t>> gs(static_cast<size_t>(groups));
+  std::vector<int64_t> allowed(static_cast<size_t>(picked));
   for (int64_t t = 0; t < n; ++t) {
     const float* s = choice.data() + t * E;
-    std::fill(allowed.begin(), allowed.end(), 1);
     if (c.groups > 0) {
-      const int64_t per = E / c.groups;
-      std::vector<std::pair<float, int64_t>> gs;
-      for (int64_t gi = 0; gi < c.groups; ++gi) {
+      for (int64_t gi = 0; gi < groups; ++gi) {
         // The group's best two scores in one pass (V3 sums them; V2 takes the best).
         float best = -std::numeric_limits<float>::infinity(), second = best;
         for (int64_t e = gi * per; e < (gi + 1) * per; ++e) {
@@ -202,24 +204,29 @@ std::vector<int32_t> choose_experts(const DsConfig& c, const std::vector<float>&
             second = s[e];
           }
         }
-        gs.push_back({c.v3 ? best + second : best, gi});
+        gs[static_cast<size_t>(gi)] = {c.v3 ? best + second : best, gi};
       }
-      std::stable_sort(gs.begin(), gs.end(),
-                       [](const auto& a, const auto& b) { return a.first > b.first; });
-      std::fill(allowed.begin(), allowed.end(), 0);
-      for (int64_t j = 0; j < c.top_groups; ++j)
-        std::fill_n(allowed.begin() + gs[static_cast<size_t>(j)].second * per, per, 1);
+      std::partial_sort(gs.begin(), gs.begin() + picked, gs.end(),
+                        [](const auto& a, const auto& b) {
+                          return a.first > b.first || (a.first == b.first && a.second < b.second);
+                        });
+      for (int64_t j = 0; j < picked; ++j) allowed[static_cast<size_t>(j)] = gs[j].second;
+      std::sort(allowed.begin(), allowed.end());  // candidates in ascending expert order
+    } else {
+      allowed[0] = 0;
     }
-    // The k best, ties to the lower index (what a stable sort of all E gives, in O(E log k):
-    // the plan and training run this per token and layer).
-    std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t a, int32_t b) {
-      if (allowed[static_cast<size_t>(a)] != allowed[static_cast<size_t>(b)])
-        return allowed[static_cast<size_t>(a)] > allowed[static_cast<size_t>(b)];
-      if (s[a] != s[b]) return s[a] > s[b];
-      return a < b;
-    });
-    std::copy_n(order.begin(), k, out.begin() + t * k);
+    // The k best so far, by descending score; a candidate (in ascending index order) goes after
+    // those with an equal score, so ties go to the lower index.
+    int32_t* top = out.data() + t * k;
+    int64_t have = 0;
+    for (const int64_t gi : allowed)
+      for (int64_t e = gi * per; e < (gi + 1) * per; ++e) {
+        const float v = s[e];
+        if (have == k && !(v > s[top[k - 1]])) continue;
+        int64_t at = have < k ? have++ : k - 1;
+        for (; at > 0 && s[top[at - 1]] < v; --at) top[at] = top[at - 1];
+        top[at] = static_cast<int32_t>(e);
+      }
   }
   return out;
 }
@@ -236,22 +243,10 @@ mt::LayerOutput deepseek_moe(mt::Graph& g, const mt::Params& p, const DsConfig& 
   Tensor logits = g.matmul(x2, p["router"]);  // [n, E]
   if (logits.dtype() != mt::DType::f32) logits = g.cast(logits, mt::DType::f32);
 
-  // The choice, on the host.
-  const std::vector<float> lg = host_floats(be, logits);
-  std::vector<float> score(lg.size());
-  for (int64_t t = 0; t < n; ++t) {
-    const float* l = lg.data() + t * E;
-    float* s = score.data() + t * E;
-    if (c.v3) {
-      for (int64_t e = 0; e < E; ++e) s[e] = 1.f / (1.f + std::exp(-l[e]));
-    } else {
-      const float mx = *std::max_element(l, l + E);
-      double sum = 0;
-      for (int64_t e = 0; e < E; ++e) sum += std::exp(static_cast<double>(l[e] - mx));
-      for (int64_t e = 0; e < E; ++e)
-        s[e] = static_cast<float>(std::exp(static_cast<double>(l[e] - mx)) / sum);
-    }
-  }
+  // Every expert's score (V3 sigmoid, V2 softmax) by the backend's route kernel (differentiable:
+  // the weights and the balancing loss below use it), read back for the choice on the host.
+  const Tensor all_scores = g.route(logits, 1, c.v3, false).probs;  // [n, E]
+  std::vector<float> score = host_floats(be, all_scores);
   if (c.v3) {
     const std::vector<float> bias = host_floats(be, p["router_bias"]);
     for (int64_t t = 0; t < n; ++t)
@@ -264,7 +259,6 @@ mt::LayerOutput deepseek_moe(mt::Graph& g, const mt::Params& p, const DsConfig& 
   // exactly 0) picks exactly the chosen and computes their weights. Softmax scores as they are:
   // gathered from the softmax over every expert.
   Tensor weights, indices;
-  const Tensor all_scores = g.route(logits, 1, c.v3, false).probs;  // [n, E], differentiable
   if (c.v3 || c.normalize) {
     std::vector<float> mask(static_cast<size_t>(n * E), -1e30f);
     for (int64_t t = 0; t < n; ++t)
