@@ -132,6 +132,37 @@ void expect_logits_in_both_forms(const Scratch& s, const fs::path& golden, const
   EXPECT_EQ(legacy, v5) << "the two config.json forms configured different models";
 }
 
+void expect_bf16_as_close_as_transformers(const Scratch& s, const fs::path& dir, double ratio) {
+  const Reference ref(dir);
+  const std::vector<float> f32 = ref.floats("logits");
+  SafeTensorsFile theirs_file(dir / "bf16_reference.safetensors");
+  const auto& ti = theirs_file.info("logits");
+  ASSERT_EQ(ti.dtype, "F32");
+  std::vector<float> theirs(static_cast<size_t>(ti.numel()));
+  std::memcpy(theirs.data(), ti.data, ti.nbytes());
+  ASSERT_EQ(theirs.size(), f32.size());
+  std::string out;
+  const std::vector<float> ours = score(dir, ref, s, out, "dtype=bfloat16 weight_dtype=bfloat16");
+  ASSERT_EQ(ours.size(), f32.size()) << out;
+  const double e_ours = scaled_err(ours, f32), e_theirs = scaled_err(theirs, f32);
+  // How many positions pick the float32 reference's most likely token.
+  const size_t vocab = static_cast<size_t>(ti.shape.back());
+  auto agree = [&](const std::vector<float>& v) {
+    size_t n = 0;
+    for (size_t t = 0; t * vocab < v.size(); ++t) {
+      auto row = [&](const std::vector<float>& x) {
+        return std::max_element(x.begin() + t * vocab, x.begin() + (t + 1) * vocab) -
+               (x.begin() + t * vocab);
+      };
+      n += row(v) == row(f32) ? 1 : 0;
+    }
+    return n;
+  };
+  std::printf("%s: bf16 error against f32: mt %.3e, transformers %.3e; argmax agrees %zu vs %zu\n",
+              dir.filename().string().c_str(), e_ours, e_theirs, agree(ours), agree(theirs));
+  EXPECT_LE(e_ours, ratio * e_theirs);
+}
+
 MtResult decode(const fs::path& dir, const std::vector<int32_t>& prompt, size_t length,
                 const std::string& extra) {
   return run_mt("decode hf_path=" + dir.string() + " tokens=" + join_ids(prompt) +

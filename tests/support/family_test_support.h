@@ -64,6 +64,14 @@ std::vector<float> score(const std::filesystem::path& dir, const Reference& ref,
 void expect_logits_in_both_forms(const Scratch& s, const std::filesystem::path& golden,
                                  const std::string& name, double tol);
 
+// bfloat16 against transformers' own (tools/make_bf16_reference.py wrote
+// <dir>/bf16_reference.safetensors): `mt score` of <dir> with dtype=weight_dtype=bfloat16 is at
+// most `ratio` times as far from the float32 reference logits as transformers in bfloat16 is
+// (max error over the largest logit). How often each picks the float32 argmax is printed, not
+// asserted: a random model's near-ties flip either way under bf16 rounding.
+void expect_bf16_as_close_as_transformers(const Scratch& s, const std::filesystem::path& dir,
+                                          double ratio = 1.25);
+
 // `mt decode hf_path=<dir> tokens=<prompt> [extra]` for `length` tokens in all.
 MtResult decode(const std::filesystem::path& dir, const std::vector<int32_t>& prompt, size_t length,
                 const std::string& extra = "");
