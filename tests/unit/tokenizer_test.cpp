@@ -1,7 +1,9 @@
 // The tokenizers against the ids the reference libraries (Hugging Face `tokenizers`,
 // `sentencepiece`) produce: tests/golden/tokenizer/cases.json, made by
 // tools/make_tokenizer_golden.py.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -10,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "fnv1a.h"
 #include "json.h"
 #include "mt/error.h"
 #include "test_support.h"
@@ -317,6 +320,95 @@ TEST(TokenizerFactory, IdsAreBoundedByTheFile) {
   // A rank with holes under the bound loads (then 256 special tokens follow the ranks).
   EXPECT_EQ(make_tokenizer(d.file("ok.tiktoken", "IQ== 1000\n"), "tiktoken")->vocab_size(),
             1001 + 256);
+}
+
+// ---- Gemma's tokenizer at Gemma's size -------------------------------------------------------
+
+// SentencePiece ModelProto `pieces` entries <unused0>.. (piece, score 0, type NORMAL), the
+// bytes tools/make_gemma_tokenizer_golden.py appends to gemma_sp.model (protobuf concatenates
+// repeated fields).
+std::string unused_pieces(int64_t count) {
+  auto varint = [](std::string& out, uint64_t n) {
+    do {
+      const auto b = static_cast<unsigned char>(n & 0x7F);
+      n >>= 7;
+      out.push_back(static_cast<char>(b | (n ? 0x80 : 0)));
+    } while (n);
+  };
+  std::string out;
+  for (int64_t i = 0; i < count; ++i) {
+    const std::string name = "<unused" + std::to_string(i) + ">";
+    std::string body = "\x0a";
+    varint(body, name.size());
+    body += name;
+    body += std::string("\x15\0\0\0\0", 5);  // score 0.0f
+    body += "\x18";
+    varint(body, 1);  // NORMAL: a piece no merge reaches
+    out += "\x0a";
+    varint(out, body.size());
+    out += body;
+  }
+  return out;
+}
+
+// A Gemma-style SentencePiece (BPE, byte fallback, no dummy prefix, whitespace-only pieces,
+// <pad> 0 <eos> 1 <bos> 2 <unk> 3, <start_of_turn>/<end_of_turn>, newline and space runs) of
+// Gemma's 256000 pieces, built as the tool built it (the same bytes: size and FNV-1a hash),
+// gives transformers' GemmaTokenizer ids and SentencePiece's decoding for every case; the last
+// ids decode to their pieces, and an id past the vocabulary is skipped.
+TEST(Tokenizer, GemmaSentencePieceAt256kPieces) {
+  const std::string dir = test::source_dir() + "/tests/golden/tokenizer/";
+  const json::Value g = json::parse(read_file(dir + "gemma.json", "golden"));
+  const int64_t pad_to = g.find("pad_to")->integer;
+  ASSERT_EQ(pad_to, 256000);
+  std::string model = read_file(dir + "gemma_sp.model", "model");
+  model += unused_pieces(pad_to - g.find("trained_pieces")->integer);
+  EXPECT_EQ(static_cast<int64_t>(model.size()), g.find("padded_bytes")->integer);
+  EXPECT_EQ(fmt::format("{:016x}", fnv1a(model)), g.find("padded_fnv1a64")->str);
+  const fs::path file =
+      fs::temp_directory_path() / ("mt_gemma_tokenizer_" + std::to_string(::getpid()) + ".model");
+  {
+    std::ofstream f(file, std::ios::binary);
+    f << model;
+  }
+  auto tok = make_tokenizer(file.string(), "sentencepiece");
+  EXPECT_EQ(tok->vocab_size(), 256000);
+  EXPECT_EQ(tok->bos_id(), 2);
+  EXPECT_EQ(tok->eos_id(), 1);
+  size_t n = 0;
+  for (const auto& c : g.find("cases")->items) {
+    std::vector<int32_t> want;
+    for (const auto& id : c.find("ids")->items) want.push_back(static_cast<int32_t>(id.integer));
+    const std::string text = c.find("text")->str;
+    EXPECT_EQ(tok->encode(text), want) << "text \"" << text << "\"";
+    EXPECT_EQ(tok->decode(want), c.find("decoded")->str) << "text \"" << text << "\"";
+    ++n;
+  }
+  EXPECT_GE(n, 85u);
+  EXPECT_EQ(tok->decode({255999, 4}), "<unused251999><start_of_turn>");
+  EXPECT_EQ(tok->decode({256000}), "");
+  // A model whose vocab_size is smaller than the tokenizer's is refused, naming both: scoring
+  // the Gemma golden model (vocab 128), and training gemma-test (vocab 256) on text.
+  const std::string src = test::source_dir();
+  test::MtResult r =
+      test::run_mt("score hf_path=" + src + "/tests/golden/gemma tokenizer_path=" + file.string() +
+                       " prompt=hello",
+                   60);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("has 256000 tokens, more than the model's vocab_size=128"),
+            std::string::npos)
+      << r.out;
+  r = test::run_mt("run --model=gemma-test steps=1 dataset_type=text dataset_path=" + src +
+                       "/data/corpus.train.jsonl base_output_directory=" +
+                       (fs::temp_directory_path() / "mt_gemma_tokenizer_run").string() +
+                       " tokenizer_path=" + file.string(),
+                   60);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("vocab_size=256 (set at configs/models/gemma-test.yml:4) is smaller than "
+                       "the tokenizer's vocabulary (256000 ids)"),
+            std::string::npos)
+      << r.out;
+  fs::remove(file);
 }
 
 TEST(TokenizerFactory, MinimalBpeFile) {
