@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -235,6 +236,60 @@ TEST(DataParallel, ARankThatFailsEndsTheJob) {
   EXPECT_NE(r.code, 124) << "the job hung: " << r.out;
   EXPECT_NE(r.out.find("error on rank 1 of 2: MT_FLASH_KERNELS=bogus"), std::string::npos) << r.out;
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 20);
+}
+
+// step -> loss of a run's metrics.jsonl, the last line of each step winning (a job killed after
+// its last checkpoint logged steps that its restart logs again).
+std::map<int64_t, double> losses_by_step(const fs::path& run) {
+  std::ifstream f(run / "metrics.jsonl");
+  std::map<int64_t, double> r;
+  std::string line;
+  while (std::getline(f, line)) {
+    const size_t s = line.find("\"step\": "), k = line.find("\"loss\": ");
+    if (s != std::string::npos && k != std::string::npos)
+      r[std::stoll(line.substr(s + 8))] = std::stod(line.substr(k + 8));
+  }
+  return r;
+}
+
+// A rank killed (SIGKILL) in the middle of training: the job ends with an error instead of
+// hanging in the step's collectives, the last complete checkpoint stays loadable, and a restart
+// of the job resumes from it and continues exactly as a run that was never killed.
+TEST(DataParallel, AKilledRankEndsTheJobAndTheRestartResumes) {
+  MT_NEED_MPIRUN();
+  Dir d;
+  const std::string common =
+      "dataset_type=tokens vocab_size=8192 dataset_path=" + test::source_dir() +
+      "/data/corpus.train.tokens checkpoint_period=2 eval_interval=-1 "
+      "learning_rate_schedule_steps=1000";
+  // Rank 1 kills itself with SIGKILL once rank 0 has logged 6 steps (exec keeps its PID).
+  const std::string killer =
+      "bash -c 'if [ \"$OMPI_COMM_WORLD_RANK\" = 1 ]; then (while [ $(cat " +
+      (d.root / "killed" / "metrics.jsonl").string() +
+      " 2>/dev/null | wc -l) -lt 6 ]; do sleep 0.05; done; kill -9 $$) & fi; exec \"$0\" "
+      "\"$@\"'";
+  const auto t0 = std::chrono::steady_clock::now();
+  test::MtResult r =
+      mpirun(2, train_args(d.root, "killed", 2, common + " steps=100000"), 60, killer);
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_NE(r.code, 124) << "the job hung: " << r.out;
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 45);
+  // The newest complete checkpoint, then the same job restarted to 4 steps past it.
+  int64_t last = -1;
+  for (const auto& e : fs::directory_iterator(d.root / "killed" / "checkpoints"))
+    if (fs::exists(e.path() / "params.safetensors") && fs::exists(e.path() / "metadata.json"))
+      last = std::max<int64_t>(last, std::stoll(e.path().filename().string()));
+  ASSERT_GE(last, 2) << r.out;
+  const std::string until = " steps=" + std::to_string(last + 4);
+  r = mpirun(2, train_args(d.root, "killed", 2, common + until), 60);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("resumed from step"), std::string::npos) << r.out;
+  r = mpirun(2, train_args(d.root, "straight", 2, common + until), 60);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::map<int64_t, double> killed = losses_by_step(d.root / "killed"),
+                                  straight = losses_by_step(d.root / "straight");
+  EXPECT_EQ(straight.size(), static_cast<size_t>(last + 4));
+  EXPECT_EQ(killed, straight);
 }
 
 // Without mpirun: one rank, and a mesh of more devices is refused before any work.
