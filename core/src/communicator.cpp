@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -96,14 +97,27 @@ std::unique_ptr<Communicator> make_local_communicator() {
   return std::make_unique<LocalCommunicator>();
 }
 
+namespace {
+// The first of `names` set in the environment, as a number; 0 when none is.
+int env_int(std::initializer_list<const char*> names) {
+  for (const char* n : names)
+    if (const char* s = std::getenv(n); s && *s) return std::atoi(s);
+  return 0;
+}
+// Started by Slurm's srun with PMIx (OpenMPI's direct launch): no OMPI_* variables, PMIX_RANK.
+bool srun_with_pmix() {
+  return std::getenv("PMIX_RANK") && std::getenv("SLURM_STEP_NUM_TASKS");
+}
+}  // namespace
+
 int launcher_world_size() {
-  const char* s = std::getenv("OMPI_COMM_WORLD_SIZE");
-  return s && *s ? std::atoi(s) : 0;
+  if (const int n = env_int({"OMPI_COMM_WORLD_SIZE"})) return n;
+  return srun_with_pmix() ? env_int({"SLURM_STEP_NUM_TASKS"}) : 0;
 }
 
 int launcher_rank() {
-  const char* s = std::getenv("OMPI_COMM_WORLD_RANK");
-  return s && *s ? std::atoi(s) : 0;
+  if (std::getenv("OMPI_COMM_WORLD_SIZE")) return env_int({"OMPI_COMM_WORLD_RANK"});
+  return srun_with_pmix() ? env_int({"PMIX_RANK"}) : 0;
 }
 
 std::unique_ptr<Communicator> make_communicator(const Config& cfg, PluginManager& plugins) {

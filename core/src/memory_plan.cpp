@@ -11,6 +11,7 @@
 
 #include "config_impl.h"
 #include "decoder.h"
+#include "mesh.h"
 #include "model_runner.h"
 #include "mt/data.h"
 #include "mt/error.h"
@@ -338,6 +339,28 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
   plan.tokens_per_step = cfg.get_int("per_device_batch_size") * cfg.get_int("max_target_length") *
                          cfg.get_int("gradient_accumulation_steps");
   if (what != PlanFor::decode) plan.train = trace_training(cfg, plugins, device);
+  // The mesh's data-parallel ranks (an axis of -1, the rest of the ranks, counts 1 here: the
+  // plan knows only the sizes set); the trainer's own checks refuse what it cannot run.
+  if (plan.train) {
+    int64_t axes = 1;
+    for (const char* k : {"ici_data_parallelism", "ici_fsdp_parallelism", "ici_tensor_parallelism",
+                          "dcn_data_parallelism", "dcn_fsdp_parallelism", "dcn_tensor_parallelism"})
+      if (cfg.has(k) && cfg.get_int(k) > 1) axes *= cfg.get_int(k);
+    const Mesh mesh = resolve_mesh(cfg, static_cast<int>(axes));
+    if (mesh.data > 1) {
+      CollectivePlan c;
+      c.ici = std::max<int64_t>(1, cfg.get_int("ici_data_parallelism"));
+      c.dcn = mesh.data / c.ici;
+      c.gradient_bytes = static_cast<size_t>(plan.counts.total) * 4;
+      const auto g = static_cast<double>(c.gradient_bytes);
+      auto ring = [](int64_t n) {
+        return 2.0 * static_cast<double>(n - 1) / static_cast<double>(n);
+      };
+      c.ici_bytes = ring(c.ici) * g;
+      c.dcn_bytes = ring(c.dcn) * g / static_cast<double>(c.ici);
+      plan.collectives = c;
+    }
+  }
   if (what != PlanFor::train) plan.decode = trace_decode(cfg, plugins, device, decode_batch);
   if (with_fixes && plan.train)
     for (const char* policy : {"none", "minimal", "full"})
@@ -423,6 +446,29 @@ std::string format_plan(const Plan& p, const Config& cfg) {
           static_cast<double>(p.tokens_per_step) * peak_flops * p.assumed_mfu / flops);
     else
       s += "  step time: unknown (the device's peak FLOP/s is not known; set plan_device)\n";
+    if (p.collectives) {
+      const CollectivePlan& c = *p.collectives;
+      auto link = [](double bytes, double bw, const char* where) {
+        if (bytes == 0) return fmt::format("none {}", where);
+        return fmt::format("{} {}{}", human_bytes(bytes), where,
+                           bw > 0 ? fmt::format(" ({:.0f} GB/s: {:.3g} s)", bw / 1e9, bytes / bw)
+                                  : std::string(" (bandwidth not known)"));
+      };
+      const double t = (p.device.ici_bytes_per_s > 0 ? c.ici_bytes / p.device.ici_bytes_per_s : 0) +
+                       (p.device.dcn_bytes_per_s > 0 ? c.dcn_bytes / p.device.dcn_bytes_per_s : 0);
+      s += fmt::format(
+          "  collectives: data parallelism over {} ranks ({} per node x {} node{}), each holding "
+          "the whole model: every step all-reduces {} of float32 gradients; a ring moves, per "
+          "rank and direction, {} and {}{}\n",
+          c.ici * c.dcn, c.ici, c.dcn, c.dcn == 1 ? "" : "s",
+          human_bytes(static_cast<double>(c.gradient_bytes)),
+          link(c.ici_bytes, p.device.ici_bytes_per_s, "within the node"),
+          link(c.dcn_bytes, p.device.dcn_bytes_per_s, "across nodes"),
+          t > 0 ? fmt::format("; not yet overlapped with the backward: about {:.3g} s a step "
+                              "beyond the compute",
+                              t)
+                : std::string());
+    }
   }
   if (p.decode) {
     const DecodePlan& d = *p.decode;

@@ -43,6 +43,15 @@ struct DecodePlan {
   size_t weights = 0, kv_cache = 0, activations = 0, peak = 0;
 };
 
+// Data parallelism's collectives per training step: every rank's gradients summed (all-reduce),
+// as a ring would move them: 2 (N - 1) / N of the bytes through each rank's links, first among
+// the `ici` ranks of a node, then across the `dcn` nodes (a 1 / ici share each).
+struct CollectivePlan {
+  int64_t ici = 1, dcn = 1;             // data-parallel ranks within a node, and nodes
+  size_t gradient_bytes = 0;            // all-reduced each step (float32 gradients)
+  double ici_bytes = 0, dcn_bytes = 0;  // through one rank's links, per direction
+};
+
 struct PlanFix {
   std::vector<std::string> words;  // key=value
   size_t peak = 0;
@@ -58,6 +67,7 @@ struct Plan {
   double assumed_mfu = 0.4;
   std::optional<TrainingPlan> train;
   std::optional<DecodePlan> decode;
+  std::optional<CollectivePlan> collectives;  // training with more than one data-parallel rank
   // The full plan's training activations under each remat policy.
   std::vector<std::pair<std::string, size_t>> activations_by_remat;
   std::vector<PlanFix> fixes;  // for what was planned (train, else decode) when it does not fit

@@ -18,16 +18,18 @@ constexpr uintptr_t kNowhere = uintptr_t{1} << 40;
 
 std::optional<DeviceProfile> named_device(const std::string& name, bool tf32) {
   // Memory: what cudaMemGetInfo leaves free to one process once the CUDA context exists (the
-  // devices' totals less about 0.5-1 GiB); FLOP/s: the SXM data sheets' dense figures.
+  // devices' totals less about 0.5-1 GiB); FLOP/s: the SXM data sheets' dense figures; links:
+  // NVLink per direction (H100/H200 450 GB/s, A100 300 GB/s) and one InfiniBand NIC per GPU as
+  // the DGX systems have (NDR 400 Gb/s = 50 GB/s; HDR 200 Gb/s = 25 GB/s for the A100s).
   struct Gpu {
     const char* name;
-    double gib, bf16, tf32, f32;
+    double gib, bf16, tf32, f32, ici, dcn;
   };
   static constexpr Gpu kGpus[] = {
-      {"h100-80gb", 78.5, 989e12, 494e12, 67e12},
-      {"h200", 139.0, 989e12, 494e12, 67e12},
-      {"a100-40gb", 39.0, 312e12, 156e12, 19.5e12},
-      {"a100-80gb", 78.5, 312e12, 156e12, 19.5e12},
+      {"h100-80gb", 78.5, 989e12, 494e12, 67e12, 450e9, 50e9},
+      {"h200", 139.0, 989e12, 494e12, 67e12, 450e9, 50e9},
+      {"a100-40gb", 39.0, 312e12, 156e12, 19.5e12, 300e9, 25e9},
+      {"a100-80gb", 78.5, 312e12, 156e12, 19.5e12, 300e9, 25e9},
   };
   for (const auto& g : kGpus)
     if (name == g.name) {
@@ -38,6 +40,8 @@ std::optional<DeviceProfile> named_device(const std::string& name, bool tf32) {
       p.peak_f32 = tf32 ? g.tf32 : g.f32;
       p.small_granule = 512;
       p.small_limit = size_t{1} << 20;
+      p.ici_bytes_per_s = g.ici;
+      p.dcn_bytes_per_s = g.dcn;
       return p;
     }
   // cpu-<N>gb: N GiB of host memory; its FLOP/s are the CPU backend's own (filled in by the

@@ -32,6 +32,10 @@ struct DeviceProfile {
   // CPU's GEMM and attention kernels).
   bool f32_working_copies = false;
   bool is_host = false;  // the device's memory is the host's (the CPU backend)
+  // Bandwidth of one device's links, bytes/s per direction, for the plan's collectives: to the
+  // devices of its node (NVLink; the `ici_` axes) and across nodes (the network; `dcn_`). 0: not
+  // known (the CPU).
+  double ici_bytes_per_s = 0, dcn_bytes_per_s = 0;
 };
 
 // plan_device's named devices (h100-80gb, h200, a100-40gb, a100-80gb) and cpu-<N>gb; nullopt

@@ -274,6 +274,36 @@ TEST(MemoryPlan, Llama2_7bOnAnH100IsPlannedInSecondsAndItsFixFits) {
   EXPECT_NE(big.out.find("more memory than one device has"), std::string::npos) << big.out;
 }
 
+// Data parallelism's gradient all-reduce in the plan: 8 ranks on a node and 2 nodes move, per
+// rank, 2 x 7/8 of the f32 gradients over NVLink and 2 x 1/2 of an eighth of them across nodes,
+// at the device's link bandwidths; one rank plans none; FSDP is refused as the trainer refuses
+// it.
+TEST(MemoryPlan, DataParallelCollectivesArePlanned) {
+  const DeviceProfile h100 = *named_device("h100-80gb", false);
+  const Config one = config_for("llama-test", {});
+  EXPECT_FALSE(make_plan(one, test::plugins(), h100, PlanFor::train, false).collectives);
+  const Config many =
+      config_for("llama-test", {"ici_data_parallelism=8", "dcn_data_parallelism=2"});
+  const Plan p = make_plan(many, test::plugins(), h100, PlanFor::train, false);
+  ASSERT_TRUE(p.collectives);
+  const CollectivePlan& c = *p.collectives;
+  EXPECT_EQ(c.ici, 8);
+  EXPECT_EQ(c.dcn, 2);
+  EXPECT_EQ(c.gradient_bytes, static_cast<size_t>(p.counts.total) * 4);
+  const auto g = static_cast<double>(c.gradient_bytes);
+  EXPECT_DOUBLE_EQ(c.ici_bytes, 2.0 * 7 / 8 * g);
+  EXPECT_DOUBLE_EQ(c.dcn_bytes, 2.0 * 1 / 2 * g / 8);
+  const std::string text = format_plan(p, many);
+  EXPECT_NE(text.find("data parallelism over 16 ranks (8 per node x 2 nodes)"), std::string::npos)
+      << text;
+  EXPECT_NE(text.find("(450 GB/s: "), std::string::npos) << text;
+  EXPECT_NE(text.find("(50 GB/s: "), std::string::npos) << text;
+  const test::MtResult r =
+      test::run_mt("plan --model=llama-test ici_fsdp_parallelism=4 plan_device=h100-80gb", 60);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("FSDP parallelism"), std::string::npos) << r.out;
+}
+
 // mt run refuses a model that cannot fit this machine before allocating it: exit 2, the plan
 // on stderr, no run directory left behind, and within seconds (not after initialising 70B
 // parameters).
