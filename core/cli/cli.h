@@ -7,6 +7,12 @@
 
 #include "mt/config.h"
 
+namespace mt {
+class Communicator;
+class PluginManager;
+struct TrainSummary;
+}  // namespace mt
+
 namespace mt::cli {
 
 // Arguments after the subcommand, split into what every command understands.
@@ -34,6 +40,13 @@ std::vector<std::filesystem::path> model_dirs();
 // config.json replaces the named model; `notes`: print the config.json fields mt does not use
 // (once per command: a second resolution passes false).
 Config resolve_config(const Args& a, bool notes = true);
+
+// train() on this rank of `comm`'s job. A failure with one rank is thrown as usual; with more,
+// a refusal (which every rank reaches alike) is printed once by rank 0 and any other failure
+// as "error on rank r of N", and the rank ends the whole job (Communicator::abort) so that no
+// rank waits forever in a collective. `command` prefixes the messages ("mt run").
+TrainSummary train_on_ranks(const Config& cfg, PluginManager& pm, bool quiet, Communicator& comm,
+                            const char* command);
 
 int cmd_plugins(const Args& a);
 int cmd_models(const Args& a);

@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "cli.h"
+#include "communicator.h"
 #include "decoder.h"
 #include "json.h"
 #include "model_info.h"
@@ -87,13 +88,17 @@ int bench_train(Args args) {
   std::fprintf(stderr, "mt bench train: %s, %ld steps (medians exclude the first %ld)...\n",
                cfg.get_string("model_name").c_str(), static_cast<long>(cfg.get_int("steps")),
                static_cast<long>(kUntimedSteps));
-  const TrainSummary s = train(cfg, pm, /*quiet=*/true);
+  // Under mpirun, one rank of a data-parallel job: tokens/s counts every rank's tokens.
+  std::unique_ptr<Communicator> comm = make_communicator(cfg, pm);
+  const TrainSummary s = train_on_ranks(cfg, pm, /*quiet=*/true, *comm, "mt bench");
+  if (comm->rank() != 0) return 0;
   std::printf(
-      "{\"bench\": \"train\", \"model\": \"%s\", \"backend\": \"%s\", \"num_threads\": %ld, "
-      "\"batch\": %ld, \"seq\": %ld, \"steps\": %ld, \"dtype\": \"%s\", \"attention\": \"%s\", "
+      "{\"bench\": \"train\", \"model\": \"%s\", \"backend\": \"%s\", \"ranks\": %d, "
+      "\"num_threads\": %ld, \"batch\": %ld, \"seq\": %ld, \"steps\": %ld, \"dtype\": \"%s\", "
+      "\"attention\": \"%s\", "
       "\"remat_policy\": \"%s\", \"tokens_per_sec\": %.2f, \"model_tflops_per_sec\": %.5f, "
       "\"mfu\": %.5f, \"step_time_ms\": %.1f, \"final_loss\": %.4f}\n",
-      cfg.get_string("model_name").c_str(), cfg.get_string("backend").c_str(),
+      cfg.get_string("model_name").c_str(), cfg.get_string("backend").c_str(), comm->size(),
       static_cast<long>(cfg.get_int("num_threads")),
       static_cast<long>(cfg.get_int("per_device_batch_size")),
       static_cast<long>(cfg.get_int("max_target_length")), static_cast<long>(s.steps),

@@ -26,24 +26,7 @@ int cmd_run(const Args& args) {
   PluginManager pm(dirs);
   // Under mpirun: one rank of a data-parallel job (communicator=auto|mpi).
   std::unique_ptr<Communicator> comm = make_communicator(cfg, pm);
-  TrainSummary s;
-  try {
-    s = train(cfg, pm, /*quiet=*/false, comm.get());
-  } catch (const Error& e) {
-    if (comm->size() == 1) throw;
-    // Refusals of the config and the mesh are decided by every rank alike: rank 0 says it once
-    // and every rank exits with its code. Any other failure may be this rank's alone while the
-    // others wait in a collective: it ends the whole job.
-    std::fflush(stdout);
-    if (e.kind() == ErrorKind::usage) {
-      if (comm->rank() == 0) std::fprintf(stderr, "mt run: error: %s\n", e.what());
-      std::fflush(stderr);
-      comm->abort(e.exit_code());
-    }
-    std::fprintf(stderr, "mt run: error on rank %d of %d: %s\n", comm->rank(), comm->size(),
-                 e.what());
-    comm->abort(e.exit_code());
-  }
+  const TrainSummary s = train_on_ranks(cfg, pm, /*quiet=*/false, *comm, "mt run");
   if (comm->rank() != 0) return 0;
   char speed[256];
   if (s.timed_steps > 0)

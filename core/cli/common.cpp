@@ -7,6 +7,7 @@
 #include <string>
 
 #include "cli.h"
+#include "communicator.h"
 #include "config_impl.h"
 #include "config_loader.h"
 #include "file_util.h"
@@ -14,6 +15,7 @@
 #include "mt/error.h"
 #include "mt/model.h"
 #include "plugin_manager.h"
+#include "trainer.h"
 
 namespace fs = std::filesystem;
 
@@ -201,6 +203,29 @@ Config resolve_config(const Args& a, bool notes) {
     }
   }
   return cfg;
+}
+
+TrainSummary train_on_ranks(const Config& cfg, PluginManager& pm, bool quiet, Communicator& comm,
+                            const char* command) {
+  TrainSummary s;
+  try {
+    s = train(cfg, pm, quiet, &comm);
+  } catch (const Error& e) {
+    if (comm.size() == 1) throw;
+    // Refusals of the config and the mesh are decided by every rank alike: rank 0 says it once
+    // and every rank exits with its code. Any other failure may be this rank's alone while the
+    // others wait in a collective: it ends the whole job.
+    std::fflush(stdout);
+    if (e.kind() == ErrorKind::usage) {
+      if (comm.rank() == 0) std::fprintf(stderr, "%s: error: %s\n", command, e.what());
+      std::fflush(stderr);
+      comm.abort(e.exit_code());
+    }
+    std::fprintf(stderr, "%s: error on rank %d of %d: %s\n", command, comm.rank(), comm.size(),
+                 e.what());
+    comm.abort(e.exit_code());
+  }
+  return s;
 }
 
 }  // namespace mt::cli
