@@ -441,6 +441,14 @@ TEST(GemmPath, DescribesPathAndPeak) {
   EXPECT_NE(d.find("GEMM"), std::string::npos);
   EXPECT_GT(be.peak_flops(DType::f32), 1e9);
   EXPECT_GT(be.peak_flops(DType::bf16), 1e9);
+  // A forced matrix-vector kernel set is the one the line names.
+  if (const char* env = std::getenv("MT_CPU_MATVEC")) {
+    const std::string v = env;
+    const char* name = v == "avx512" ? "M=1: mt AVX-512 kernels"
+                       : v == "avx2" ? "M=1: mt AVX2 kernels"
+                                     : "M=1: mt portable kernels";
+    EXPECT_NE(d.find(name), std::string::npos) << "MT_CPU_MATVEC=" << v;
+  }
   if (const char* env = std::getenv("MT_CPU_BLAS")) {
     EXPECT_NE(d.find("portable"), std::string::npos) << "MT_CPU_BLAS=" << env;
     return;
@@ -478,6 +486,38 @@ TEST(GemmPath, PortablePathWithoutOpenBlas) {
       out);
   EXPECT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("PASSED"), std::string::npos) << out;
+}
+
+// Every matrix-vector kernel set the CPU has (MT_CPU_MATVEC; chosen once per process, so each
+// in a child process): the M = 1 cases (and batched decode's few rows) against the double
+// reference, determinism, and the start-up line naming the set. A set that does not exist, or
+// one the CPU lacks, is refused when the first product needs it.
+TEST(GemmPath, EveryMatvecKernelSetMatches) {
+  if (in_child()) GTEST_SKIP() << "runs as the child of this test";
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  const std::string exe = "/proc/" + std::to_string(getpid()) + "/exe";
+  for (const auto& [set, has] :
+       {std::pair<const char*, bool>{"portable", true}, {"avx2", avx2}, {"avx512", avx512}}) {
+    SCOPED_TRACE(set);
+    if (!has) continue;
+    std::string out;
+    const int rc = test::run_command(
+        std::string(kChildMarker) + "=1 MT_CPU_MATVEC=" + set + " " + exe +
+            " --gtest_filter=Gemm.MatrixVector:Gemm.Deterministic:GemmPath.DescribesPathAndPeak",
+        out);
+    EXPECT_EQ(rc, 0) << out;
+    EXPECT_NE(out.find("[  PASSED  ] 3 tests"), std::string::npos) << out;
+  }
+  std::string out;
+  EXPECT_NE(test::run_command(std::string(kChildMarker) + "=1 MT_CPU_MATVEC=sse9 " + exe +
+                                  " --gtest_filter=Gemm.MatrixVector",
+                              out),
+            0);
+  EXPECT_NE(out.find("MT_CPU_MATVEC=sse9: unknown kernel set; use portable, avx2 or avx512"),
+            std::string::npos)
+      << out;
 }
 
 TEST(GemmPath, RespectsCoretypeFromEnvironment) {

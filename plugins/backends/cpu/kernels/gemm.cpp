@@ -494,19 +494,174 @@ MT_AVX512 void gemv_cols_avx512(const float* x, const W* w, int64_t k, int64_t l
   }
 }
 
+#define MT_AVX2 __attribute__((target("avx2,fma")))
+
+// Eight f32 from W (bf16 widened in registers by a 16-bit shift).
+template <class W>
+MT_AVX2 inline __m256 load8(const W* p) {
+  if constexpr (std::is_same_v<W, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+// Horizontal sum in a fixed order.
+MT_AVX2 inline float hsum8(__m256 v) {
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 d = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));
+}
+
+// AVX2 + FMA (x86-64-v3 CPUs without AVX-512): the AVX-512 kernels' loops at 8 lanes, two
+// accumulators per weight row in the dot products (FMA latency), the last k % 8 terms added
+// in scalar after the vector sum.
+template <class W>
+MT_AVX2 void gemv_rows_avx2(const float* x, const W* w, int64_t k, int64_t ldw, int64_t j0,
+                            int64_t j1, float alpha, float beta, float* y) {
+  const int64_t k16 = k / 16 * 16, k8 = k / 8 * 8;
+  auto tail = [&](const W* r) {
+    float t = 0.f;
+    for (int64_t p = k8; p < k; ++p) t += x[p] * load_scalar(r + p);
+    return t;
+  };
+  int64_t j = j0;
+  // Four rows at a time: each x vector is loaded once for four weight streams.
+  for (; j + 4 <= j1; j += 4) {
+    const W* r0 = w + j * ldw;
+    const W* r1 = r0 + ldw;
+    const W* r2 = r1 + ldw;
+    const W* r3 = r2 + ldw;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    int64_t p = 0;
+    for (; p < k16; p += 16) {
+      const __m256 xa = _mm256_loadu_ps(x + p), xb = _mm256_loadu_ps(x + p + 8);
+      a0 = _mm256_fmadd_ps(xa, load8(r0 + p), a0);
+      b0 = _mm256_fmadd_ps(xb, load8(r0 + p + 8), b0);
+      a1 = _mm256_fmadd_ps(xa, load8(r1 + p), a1);
+      b1 = _mm256_fmadd_ps(xb, load8(r1 + p + 8), b1);
+      a2 = _mm256_fmadd_ps(xa, load8(r2 + p), a2);
+      b2 = _mm256_fmadd_ps(xb, load8(r2 + p + 8), b2);
+      a3 = _mm256_fmadd_ps(xa, load8(r3 + p), a3);
+      b3 = _mm256_fmadd_ps(xb, load8(r3 + p + 8), b3);
+    }
+    if (p < k8) {
+      const __m256 xa = _mm256_loadu_ps(x + p);
+      a0 = _mm256_fmadd_ps(xa, load8(r0 + p), a0);
+      a1 = _mm256_fmadd_ps(xa, load8(r1 + p), a1);
+      a2 = _mm256_fmadd_ps(xa, load8(r2 + p), a2);
+      a3 = _mm256_fmadd_ps(xa, load8(r3 + p), a3);
+    }
+    y[j] = combine(hsum8(_mm256_add_ps(a0, b0)) + tail(r0), alpha, beta, y[j]);
+    y[j + 1] = combine(hsum8(_mm256_add_ps(a1, b1)) + tail(r1), alpha, beta, y[j + 1]);
+    y[j + 2] = combine(hsum8(_mm256_add_ps(a2, b2)) + tail(r2), alpha, beta, y[j + 2]);
+    y[j + 3] = combine(hsum8(_mm256_add_ps(a3, b3)) + tail(r3), alpha, beta, y[j + 3]);
+  }
+  for (; j < j1; ++j) {
+    const W* r0 = w + j * ldw;
+    __m256 a0 = _mm256_setzero_ps();
+    for (int64_t p = 0; p < k8; p += 8)
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + p), load8(r0 + p), a0);
+    y[j] = combine(hsum8(a0) + tail(r0), alpha, beta, y[j]);
+  }
+}
+
+template <class W>
+MT_AVX2 void gemv_cols_avx2(const float* x, const W* w, int64_t k, int64_t ldw, int64_t j0,
+                            int64_t j1, float alpha, float beta, float* y) {
+  alignas(32) float acc[kColsChunk];
+  const int64_t n = j1 - j0, n8 = n / 8 * 8;
+  for (int64_t j = 0; j < n; ++j) acc[j] = 0.f;
+  // Four rows of W per pass over the partial sums: four weight streams per load/store of acc;
+  // the last n % 8 columns in scalar.
+  int64_t p = 0;
+  for (; p + 4 <= k; p += 4) {
+    const __m256 x0 = _mm256_set1_ps(x[p]), x1 = _mm256_set1_ps(x[p + 1]);
+    const __m256 x2 = _mm256_set1_ps(x[p + 2]), x3 = _mm256_set1_ps(x[p + 3]);
+    const W* r0 = w + p * ldw + j0;
+    const W* r1 = r0 + ldw;
+    const W* r2 = r1 + ldw;
+    const W* r3 = r2 + ldw;
+    for (int64_t v = 0; v < n8; v += 8) {
+      __m256 s = _mm256_load_ps(acc + v);
+      s = _mm256_fmadd_ps(x0, load8(r0 + v), s);
+      s = _mm256_fmadd_ps(x1, load8(r1 + v), s);
+      s = _mm256_fmadd_ps(x2, load8(r2 + v), s);
+      s = _mm256_fmadd_ps(x3, load8(r3 + v), s);
+      _mm256_store_ps(acc + v, s);
+    }
+    for (int64_t j = n8; j < n; ++j)
+      acc[j] += x[p] * load_scalar(r0 + j) + x[p + 1] * load_scalar(r1 + j) +
+                x[p + 2] * load_scalar(r2 + j) + x[p + 3] * load_scalar(r3 + j);
+  }
+  for (; p < k; ++p) {
+    const __m256 x0 = _mm256_set1_ps(x[p]);
+    const W* r0 = w + p * ldw + j0;
+    for (int64_t v = 0; v < n8; v += 8)
+      _mm256_store_ps(acc + v, _mm256_fmadd_ps(x0, load8(r0 + v), _mm256_load_ps(acc + v)));
+    for (int64_t j = n8; j < n; ++j) acc[j] += x[p] * load_scalar(r0 + j);
+  }
+  for (int64_t j = 0; j < n; ++j) y[j0 + j] = combine(acc[j], alpha, beta, y[j0 + j]);
+}
+
+// The matrix-vector kernel set: the widest the CPU has, or MT_CPU_MATVEC=portable|avx2|avx512
+// (to compare them, and for the tests); an unknown value or a set the CPU lacks is refused.
+enum class MatvecSet { portable, avx2, avx512 };
+
+MatvecSet matvec_set() {
+  static const MatvecSet kSet = [] {
+    const MatvecSet best = isa().avx512     ? MatvecSet::avx512
+                           : isa().avx2_fma ? MatvecSet::avx2
+                                            : MatvecSet::portable;
+    const char* env = std::getenv("MT_CPU_MATVEC");
+    if (!env || !*env) return best;
+    const std::string v = env;
+    if (v == "portable") return MatvecSet::portable;
+    if (v == "avx2" && isa().avx2_fma) return MatvecSet::avx2;
+    if (v == "avx512" && isa().avx512) return MatvecSet::avx512;
+    fail("MT_CPU_MATVEC=" + v + ": " +
+         (v == "avx2" || v == "avx512"
+              ? "this CPU lacks that instruction set (it has " + isa().str() + ")"
+              : std::string("unknown kernel set")) +
+         "; use portable, avx2 or avx512, or unset it for the widest the CPU has.");
+  }();
+  return kSet;
+}
+
+const char* matvec_set_name() {
+  switch (matvec_set()) {
+    case MatvecSet::avx512:
+      return "mt AVX-512 kernels";
+    case MatvecSet::avx2:
+      return "mt AVX2 kernels";
+    default:
+      return "mt portable kernels";
+  }
+}
+
 template <class W>
 void gemv(bool rows, const float* x, const W* w, int64_t k, int64_t ldw, int64_t j0, int64_t j1,
           float alpha, float beta, float* y) {
-  if (isa().avx512) {
-    if (rows)
-      gemv_rows_avx512(x, w, k, ldw, j0, j1, alpha, beta, y);
-    else
-      gemv_cols_avx512(x, w, k, ldw, j0, j1, alpha, beta, y);
-  } else {
-    if (rows)
-      gemv_rows_portable(x, w, k, ldw, j0, j1, alpha, beta, y);
-    else
-      gemv_cols_portable(x, w, k, ldw, j0, j1, alpha, beta, y);
+  switch (matvec_set()) {
+    case MatvecSet::avx512:
+      if (rows)
+        gemv_rows_avx512(x, w, k, ldw, j0, j1, alpha, beta, y);
+      else
+        gemv_cols_avx512(x, w, k, ldw, j0, j1, alpha, beta, y);
+      return;
+    case MatvecSet::avx2:
+      if (rows)
+        gemv_rows_avx2(x, w, k, ldw, j0, j1, alpha, beta, y);
+      else
+        gemv_cols_avx2(x, w, k, ldw, j0, j1, alpha, beta, y);
+      return;
+    default:
+      if (rows)
+        gemv_rows_portable(x, w, k, ldw, j0, j1, alpha, beta, y);
+      else
+        gemv_cols_portable(x, w, k, ldw, j0, j1, alpha, beta, y);
   }
 }
 
@@ -637,7 +792,7 @@ std::string gemm_describe() {
   const std::string bf16 = amx_bf16_usable()
                                ? "bf16 x bf16 on AMX tiles (mt), other bf16 widened to f32"
                                : "bf16 widened to f32";
-  const std::string matvec = isa().avx512 ? "mt AVX-512 kernels" : "mt portable kernels";
+  const std::string matvec = matvec_set_name();
   if (!ob.sgemm)
     return fmt::format("portable mt GEMM, slow (OpenBLAS not usable: {}); {}; M=1: {}; CPU: {}",
                        ob.error, bf16, matvec, isa().str());
