@@ -120,7 +120,7 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
   for (const auto& d : cfg.get_string_list("plugin_dirs")) dirs.emplace_back(d);
   PluginManager pm(dirs);
   ModelRunner r(cfg, pm);
-  r.init_parameters(1);
+  r.init_parameters(static_cast<uint64_t>(cfg.get_int("init_weights_seed")));
   const ModelDims d = r.model().dims();
   std::mt19937_64 rng(5);
   auto prompt = [&](int64_t n) {

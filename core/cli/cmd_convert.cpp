@@ -3,7 +3,8 @@
 //       writes <mt dir>/checkpoints/0/ (parameters) and <mt dir>/model.yml (the mt config keys
 //       equal to config.json), and copies the tokenizer files.
 //   mt convert --to=hf --input=<mt checkpoint> --output=<hf dir> [--model=... | --config=...]
-//       writes config.json + model.safetensors (+ the tokenizer of tokenizer_path).
+//       writes config.json + model.safetensors (+ the tokenizer of tokenizer_path); without
+//       --input, the model's initial weights (init_weights_seed) instead of a checkpoint's.
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -44,8 +45,12 @@ int cmd_convert(const Args& args_in) {
   if ((from.empty()) == (to.empty()) || (from.empty() ? to : from) != "hf")
     throw UsageError("mt convert needs exactly one of --from=hf (import a Hugging Face model) or "
                      "--to=hf (export an mt checkpoint).");
-  if (input.empty() || output.empty())
-    throw UsageError("mt convert needs --input=<dir> and --output=<dir>.");
+  // --to=hf without --input exports freshly initialised weights (init_weights_seed): the same
+  // random model `mt run` and `mt bench` start from, for other tools (peer benchmarks).
+  if (output.empty() || (input.empty() && from == "hf"))
+    throw UsageError(
+        "mt convert needs --input=<dir> and --output=<dir> (--to=hf without --input writes the "
+        "model's initial weights, init_weights_seed).");
   if (fs::exists(output) && !fs::is_empty(output))
     throw UsageError("The output directory '" + output +
                      "' exists and is not empty; mt convert never overwrites, choose another.");
@@ -114,9 +119,13 @@ int cmd_convert(const Args& args_in) {
   for (const auto& d : cfg.get_string_list("plugin_dirs")) dirs.emplace_back(d);
   PluginManager pm(dirs);
   ModelRunner runner(cfg, pm);
-  std::map<std::string, Tensor> params;
-  for (auto& p : runner.params()) params[p.name] = p.value;
-  load_parameters(input, params);
+  if (input.empty()) {
+    runner.init_parameters(static_cast<uint64_t>(cfg.get_int("init_weights_seed")));
+  } else {
+    std::map<std::string, Tensor> params;
+    for (auto& p : runner.params()) params[p.name] = p.value;
+    load_parameters(input, params);
+  }
   write_hf_model(output, runner, cfg, pm);
   if (!cfg.get_string("tokenizer_path").empty()) copy_tokenizer_files(cfg.get_string("tokenizer_path"), output);
   std::printf("mt convert: %zu parameters -> %s (config.json, model.safetensors)\n",

@@ -127,6 +127,38 @@ TEST(HfConvert, ImportMatchesTransformersAndExportRoundTrips) {
   EXPECT_EQ(body(y1), body(y2));
 }
 
+// `mt convert --to=hf` without --input exports the model's initial weights (init_weights_seed):
+// imported back (`mt convert --from=hf`), they are the parameters ModelRunner::init_parameters
+// gives for that seed, bit for bit.
+TEST(HfConvert, ExportWithoutInputWritesTheInitialWeights) {
+  Dirs d;
+  std::string out;
+  ASSERT_EQ(
+      mt_cmd("convert --to=hf --model=llama-test init_weights_seed=5 --output=" + d.back.string(),
+             out),
+      0)
+      << out;
+  ASSERT_EQ(
+      mt_cmd("convert --from=hf --input=" + d.back.string() + " --output=" + d.mt.string(), out), 0)
+      << out;
+  ConfigRequest req;
+  req.configs_dir = test::source_dir() + "/configs";
+  req.model = "llama-test";
+  ModelRunner r(load_config(req), test::plugins());
+  r.init_parameters(5);
+  SafeTensorsFile ck(d.mt / "checkpoints" / "0" / "params.safetensors");
+  ASSERT_EQ(ck.names().size(), r.params().size());
+  for (auto& p : r.params()) {
+    const auto& i = ck.info(p.name);
+    ASSERT_EQ(i.dtype, "F32") << p.name;
+    std::vector<float> v(static_cast<size_t>(i.numel()));
+    std::memcpy(v.data(), i.data, i.nbytes());
+    EXPECT_EQ(v, test::to_vector(p.value)) << p.name;
+  }
+  // --from=hf still needs its input.
+  EXPECT_EQ(mt_cmd("convert --from=hf --output=" + (d.root / "x").string(), out), 2) << out;
+}
+
 TEST(HfConvert, HfPathScoresLikeTheConvertedCheckpoint) {
   Dirs d;
   std::string out, a, b;

@@ -873,6 +873,10 @@ std::map<std::string, std::string> DsFamily::to_hf_config(const mt::Config& cfg)
     m["topk_group"] = std::to_string(c.groups > 0 ? c.top_groups : 1);
     m["rope_interleave"] = c.mla.rope.interleaved ? "true" : "false";
     m["num_mtp_layers"] = "0";
+    // As DeepSeek's own config.json says them (transformers implies them; other readers,
+    // llama.cpp's converter among them, read them).
+    m["scoring_func"] = "\"sigmoid\"";
+    m["topk_method"] = "\"noaux_tc\"";
   } else {
     if (c.normalize)
       throw mt::UsageError(

@@ -1,0 +1,204 @@
+#!/usr/bin/env bash
+# CPU inference throughput: `mt bench decode` against llama.cpp's llama-bench on the same random
+# weights, for each model and dtype (float32, bfloat16): prefill of one 512-token prompt, and
+# decode at batch 1 after a 128-token prompt (llama-bench's tg test at depth 128), at the same
+# thread count, interleaved (mt, then llama.cpp, then again) so that a machine shared with other
+# work slows each alike. Prints every run's JSON line, then one summary line per model and dtype
+# with the medians of each side, the ratios mt / llama.cpp, and both parameter counts (they must
+# agree: the same tensors).
+#   bench/decode_vs_llamacpp.sh [model ...]       (default: llama-bench-m llama-bench-1b)
+# A model is a name of configs/models, optionally with mt config overrides after a colon, e.g.
+#   bench/decode_vs_llamacpp.sh llama-bench-m deepseek3-test:kv_lora_rank=16,vocab_size=512
+# The weights: `mt convert --to=hf` without --input exports the initial weights that `mt bench
+# decode` starts from (the same words, so the same init_weights_seed), and
+# bench/peers/llamacpp_gguf.py turns that into float32 and bfloat16
+# GGUF files through the checkout's own converter (convert_hf_to_gguf.py's conversion package)
+# with a synthetic vocabulary of the model's size (llama-bench feeds token ids only). They are
+# kept in WORK/models/ and made again when mt's build (binary, plugins, configs) is newer. llama.cpp keeps its default
+# KV cache (f16; llama-bench has no f32 cache) and flash-attention setting (auto).
+# Run it on an otherwise idle machine: with THREADS equal to the cores and one of them busy with
+# other work, llama.cpp's threads wait for each other at every op (seen here on 2 cores: decode
+# ~10x slower than at 1 thread), which would measure the machine's load, not llama.cpp.
+# Environment:
+#   LLAMA_CPP_DIR  a llama.cpp source checkout (convert_hf_to_gguf.py, gguf-py, tools/llama-bench);
+#                  without one, or without a Python that has numpy, torch, safetensors and
+#                  transformers (its converter's imports), llama.cpp is skipped, saying why, and
+#                  mt still runs. llama-bench is built in WORK/llama-build (cmake, GGML_NATIVE=ON,
+#                  static, the llama-bench target only, JOBS parallel jobs (default 2);
+#                  reused once built).
+#   MT_BUILD    mt's build directory (default build)
+#   PYTHON      the Python for the converter (default .venv-tf5 if it imports torch, else python3)
+#   THREADS     threads of both (default 2)
+#   REPS        interleaved repetitions (default 3); each llama-bench call times one run
+#               (-r 1) after its own warm-up, as mt times one prefill after one
+#   STEPS       decode steps timed (default 16: mt's steps=, llama-bench's -n)
+#   DTYPES      which of "float32 bfloat16" to run (default both; one alone is passed to mt as
+#               its bench decode's dtypes=)
+#   WORK        where llama.cpp's build, the weights and results.jsonl go (default
+#               /tmp/mt-vs-llamacpp)
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+models=("$@")
+[ ${#models[@]} -gt 0 ] || models=(llama-bench-m llama-bench-1b)
+threads=${THREADS:-2}
+reps=${REPS:-3}
+steps=${STEPS:-16}
+read -r -a dtypes <<< "${DTYPES:-float32 bfloat16}"
+mt_build=${MT_BUILD:-$root/build}
+mt=$mt_build/bin/mt
+work=${WORK:-/tmp/mt-vs-llamacpp}
+mkdir -p "$work"
+results=$work/results.jsonl
+: > "$results"
+: > "$work/mt.log"
+: > "$work/llama-bench.log"
+
+say() { echo "$1" | tee -a "$results"; }
+
+py=${PYTHON:-}
+if [ -z "$py" ]; then
+  py=python3
+  if "$root/.venv-tf5/bin/python" -c "import torch" 2>/dev/null; then py=$root/.venv-tf5/bin/python; fi
+fi
+
+# A model argument: NAME[:key=value,...] -> mt's words, and a label for files and JSON.
+mt_words() {
+  echo "--model=${1%%:*}"
+  if [[ $1 == *:* ]]; then tr ',' '\n' <<< "${1#*:}"; fi
+}
+label_of() { tr ':,=/' '_+._' <<< "$1"; }  # no comma: llama-bench splits -m at commas
+
+# llama.cpp: the checkout, a Python for its converter, and llama-bench built from it.
+llama_bench=""
+lcpp=${LLAMA_CPP_DIR:-}
+if [ -z "$lcpp" ]; then
+  say '{"peer": "llama.cpp", "skipped": "LLAMA_CPP_DIR is not set (a llama.cpp source checkout)"}'
+elif [ ! -f "$lcpp/convert_hf_to_gguf.py" ] || [ ! -f "$lcpp/tools/llama-bench/llama-bench.cpp" ]; then
+  say "{\"peer\": \"llama.cpp\", \"skipped\": \"LLAMA_CPP_DIR=$lcpp has no convert_hf_to_gguf.py or tools/llama-bench\"}"
+elif ! "$py" -c "import numpy, torch, safetensors, transformers" 2>/dev/null; then
+  say "{\"peer\": \"llama.cpp\", \"skipped\": \"$py lacks numpy, torch, safetensors or transformers for the GGUF converter (set PYTHON=...)\"}"
+else
+  build=$work/llama-build
+  if [ ! -x "$build/bin/llama-bench" ]; then
+    echo "decode_vs_llamacpp: building llama-bench in $build (several minutes)..." >&2
+    if ! { cmake -S "$lcpp" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+             -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF &&
+           cmake --build "$build" --target llama-bench -j "${JOBS:-2}"; } > "$work/llama-build.log" 2>&1; then
+      say "{\"peer\": \"llama.cpp\", \"skipped\": \"llama-bench did not build (see $work/llama-build.log)\"}"
+    fi
+  fi
+  [ -x "$build/bin/llama-bench" ] && llama_bench=$build/bin/llama-bench
+fi
+
+# The GGUF files of one model, made unless those of an earlier run are newer than mt's build.
+make_gguf() {
+  local dir=$1 log=$1/make.log
+  local -a words
+  mapfile -t words < <(mt_words "$2")
+  if [ -f "$dir/done" ] && [ -z "$(find "$mt_build/bin" "$mt_build/lib" "$mt_build/share" -newer "$dir/done" -print -quit 2> /dev/null)" ]; then
+    return 0
+  fi
+  rm -rf "$dir" && mkdir -p "$dir"
+  echo "decode_vs_llamacpp: writing $2's weights for llama.cpp (log: $log)..." >&2
+  # The initial weights of the words' init_weights_seed, which `mt bench decode` starts from.
+  "$mt" convert --to=hf "${words[@]}" max_target_length=1024 num_threads="$threads" \
+    --output="$dir/hf" > "$log" 2>&1 || return 1
+  local t
+  for t in f32 bf16; do
+    "$py" "$root/bench/peers/llamacpp_gguf.py" --llama-cpp "$lcpp" --input "$dir/hf" \
+      --outtype "$t" --outfile "$dir/$t.gguf" >> "$log" 2>&1 || return 1
+  done
+  rm -rf "$dir/hf"
+  touch "$dir/done"
+}
+
+declare -A gguf_dir=()
+if [ -n "$llama_bench" ]; then
+  for m in "${models[@]}"; do
+    dir=$work/models/$(label_of "$m")
+    if make_gguf "$dir" "$m"; then
+      gguf_dir[$m]=$dir
+    else
+      say "{\"peer\": \"llama.cpp\", \"model\": \"$m\", \"skipped\": \"its GGUF could not be written (see $dir/make.log)\"}"
+    fi
+  done
+fi
+
+# One JSON line per run: mt's per-dtype results, llama-bench's tests, tagged with model and rep.
+tag() {
+  python3 -c '
+import json, sys
+peer, model, rep = sys.argv[1], sys.argv[2], int(sys.argv[3])
+for line in sys.stdin:
+    if not line.strip().startswith("{"):
+        continue
+    j = json.loads(line)
+    if peer == "mt":
+        for r in j["results"]:
+            print(json.dumps({"peer": "mt", "model": model, "rep": rep, **{k: v for k, v in r.items() if k != "model"},
+                              "memory_bandwidth_triad_bytes_per_sec": j["memory_bandwidth_triad_bytes_per_sec"]}))
+    else:
+        n_prompt, n_gen, depth = j["n_prompt"], j["n_gen"], j["n_depth"]
+        test = f"pp{n_prompt}" if n_prompt else f"tg{n_gen}@d{depth}"
+        print(json.dumps({"peer": "llama.cpp", "model": model, "rep": rep, "dtype": sys.argv[4], "test": test,
+                          "tokens_per_sec": round(j["avg_ts"], 2), "model_n_params": j["model_n_params"],
+                          "model_size": j["model_size"], "n_threads": j["n_threads"], "type_k": j["type_k"],
+                          "flash_attn": j.get("flash_attn"), "build_commit": j.get("build_commit")}))
+' "$@"
+}
+
+mt_dtypes=()
+if [ ${#dtypes[@]} -eq 1 ]; then mt_dtypes=("dtypes=${dtypes[0]}"); fi
+for rep in $(seq "$reps"); do
+  for m in "${models[@]}"; do
+    mapfile -t words < <(mt_words "$m")
+    "$mt" bench decode "${words[@]}" "${mt_dtypes[@]}" num_threads="$threads" steps="$steps" \
+      2>> "$work/mt.log" | tag mt "$m" "$rep" | tee -a "$results" ||
+      say "{\"peer\": \"mt\", \"model\": \"$m\", \"failed\": \"see $work/mt.log\"}"
+    [ -n "${gguf_dir[$m]:-}" ] || continue
+    for dt in "${dtypes[@]}"; do
+      gguf=${gguf_dir[$m]}/$([ "$dt" = float32 ] && echo f32 || echo bf16).gguf
+      { "$llama_bench" -m "$gguf" -p 512 -n 0 -t "$threads" -r 1 -o jsonl &&
+        "$llama_bench" -m "$gguf" -p 0 -n "$steps" -d 128 -t "$threads" -r 1 -o jsonl; } \
+        2>> "$work/llama-bench.log" | tag llama.cpp "$m" "$rep" "$dt" | tee -a "$results" ||
+        say "{\"peer\": \"llama.cpp\", \"model\": \"$m\", \"dtype\": \"$dt\", \"failed\": \"see $work/llama-bench.log\"}"
+    done
+  done
+done
+
+python3 - "$results" "$steps" <<'PY'
+import json, statistics, sys
+runs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+tg = f"tg{sys.argv[2]}@d128"
+by = {}
+for r in runs:
+    if "dtype" not in r or ("failed" in r) or ("skipped" in r):
+        continue
+    d = by.setdefault((r["model"], r["dtype"]), {})
+    if r["peer"] == "mt":
+        d.setdefault("mt_prefill", []).append(r["prefill_512_tokens_per_sec"])
+        d.setdefault("mt_decode", []).append(r["decode_batch1_tokens_per_sec"])
+        d["mt_weight_bytes"] = r["weight_bytes"]
+    elif r["test"] == "pp512":
+        d.setdefault("lc_prefill", []).append(r["tokens_per_sec"])
+        d["llamacpp_params"] = r["model_n_params"]
+    elif r["test"] == tg:
+        d.setdefault("lc_decode", []).append(r["tokens_per_sec"])
+for (model, dtype), d in by.items():
+    med = {k: statistics.median(v) for k, v in d.items() if isinstance(v, list)}
+    out = {"summary": "decode tokens/s, medians", "model": model, "dtype": dtype}
+    if "mt_weight_bytes" in d:
+        out["mt_params"] = d["mt_weight_bytes"] // (4 if dtype == "float32" else 2)
+    if "llamacpp_params" in d:
+        out["llamacpp_params"] = d["llamacpp_params"]
+        if "mt_params" in out:
+            out["same_params"] = out["mt_params"] == d["llamacpp_params"]
+    for what, name in (("prefill", "prefill_512"), ("decode", "decode_batch1")):
+        for side, peer in (("mt", "mt"), ("lc", "llamacpp")):
+            if f"{side}_{what}" in med:
+                out[f"{peer}_{name}_tokens_per_sec"] = round(med[f"{side}_{what}"], 2)
+        if f"mt_{what}" in med and f"lc_{what}" in med:
+            out[f"mt_over_llamacpp_{name}"] = round(med[f"mt_{what}"] / med[f"lc_{what}"], 3)
+    out["runs"] = {k: len(v) for k, v in d.items() if isinstance(v, list)}
+    print(json.dumps(out))
+PY
