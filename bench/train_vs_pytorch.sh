@@ -2,18 +2,24 @@
 # Trains configuration M with mt and with PyTorch back to back (same shapes, optimizer, float32,
 # thread count) and prints both JSON lines and the ratio mt / PyTorch in tokens/s.
 #   bench/train_vs_pytorch.sh [threads] [steps]
-# The peer runs at its best on this kind of machine: Debian's python3-torch with OpenBLAS forced
-# to its widest kernels the CPU runs (SkylakeX with AVX-512, else Haswell with AVX2) and, when
-# installed, the OpenMP OpenBLAS variant.
+# The peer is the fastest PyTorch a user would install: PYTHON when set, else the first of
+# .venv-tf5, .venv (PyTorch 2 from pip, with MKL: tools/setup_reference_env_tf5.sh) and
+# python3 (Debian's python3-torch 1.13, about 1.3x slower on this model) that imports torch.
+# Debian's build uses OpenBLAS, forced here to the widest kernels the CPU runs (SkylakeX with
+# AVX-512, else Haswell with AVX2) and, when installed, its OpenMP variant.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 threads=${1:-2}
 steps=${2:-6}
 mt_json=$("$root/build/bin/mt" bench train num_threads="$threads" steps="$steps")
 echo "$mt_json"
-py=python3
-[ -x "$root/.venv/bin/python" ] && py=$root/.venv/bin/python
-"$py" -c "import torch" 2>/dev/null || py=/usr/bin/python3
+py=${PYTHON:-}
+if [ -z "$py" ]; then
+  for c in "$root/.venv-tf5/bin/python" "$root/.venv/bin/python" python3; do
+    if "$c" -c "import torch" 2>/dev/null; then py=$c; break; fi
+  done
+fi
+[ -n "$py" ] || { echo '{"peer": "pytorch", "skipped": "no Python with torch (set PYTHON=...)"}'; exit 0; }
 omp=/usr/lib/x86_64-linux-gnu/openblas-openmp
 if grep -qw avx512f /proc/cpuinfo; then coretype=SkylakeX; else coretype=Haswell; fi
 export OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-$coretype}
