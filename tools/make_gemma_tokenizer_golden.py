@@ -36,7 +36,8 @@ import sentencepiece as spm
 import transformers
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from make_tokenizer_golden import TRICKY, corpus_texts, random_strings  # noqa: E402
+from make_tokenizer_golden import (TRICKY, corpus_texts, random_strings,  # noqa: E402
+                                   train_sentencepiece)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "tests", "golden", "tokenizer")
@@ -73,35 +74,16 @@ def fnv1a64(data):
     return h
 
 
-def train(texts, out_dir):
-    cwd = os.getcwd()
-    os.chdir(out_dir)
-    try:
-        with open("gemma_train.txt", "w", encoding="utf-8") as f:
-            for t in texts:
-                for para in t.split("\n"):
-                    if para.strip():
-                        f.write(para + "\n")
-        spm.SentencePieceTrainer.train(
-            input="gemma_train.txt", model_prefix="gemma_sp", vocab_size=4000, model_type="bpe",
-            byte_fallback=True, split_digits=True, normalization_rule_name="identity",
-            remove_extra_whitespaces=False, add_dummy_prefix=False,
-            allow_whitespace_only_pieces=True, character_coverage=0.9995,
-            pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>",
-            bos_piece="<bos>", unk_piece="<unk>",
-            user_defined_symbols=["<start_of_turn>", "<end_of_turn>", "<mask>", "\n", "\n\n",
-                                  "\u2581\u2581", "\u2581\u2581\u2581\u2581"],
-            num_threads=1, minloglevel=2, max_sentence_length=16384)
-    finally:
-        for f in ("gemma_train.txt", "gemma_sp.vocab"):
-            if os.path.exists(f):
-                os.unlink(f)
-        os.chdir(cwd)
-
-
 def main():
     texts = corpus_texts(os.path.join(ROOT, "data", "corpus.train.jsonl"))
-    train(texts, OUT)
+    train_sentencepiece(
+        texts, OUT, prefix="gemma_sp", vocab_size=4000, model_type="bpe", byte_fallback=True,
+        split_digits=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        add_dummy_prefix=False, allow_whitespace_only_pieces=True, character_coverage=0.9995,
+        pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>",
+        bos_piece="<bos>", unk_piece="<unk>",
+        user_defined_symbols=["<start_of_turn>", "<end_of_turn>", "<mask>", "\n", "\n\n",
+                              "\u2581\u2581", "\u2581\u2581\u2581\u2581"])
     with open(os.path.join(OUT, "gemma_sp.model"), "rb") as f:
         base = f.read()
     trained = spm.SentencePieceProcessor(model_file=os.path.join(OUT, "gemma_sp.model"))

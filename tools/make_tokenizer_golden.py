@@ -113,25 +113,30 @@ def random_strings(rng, n):
     return ["".join(rng.choice(pool) for _ in range(rng.randint(1, 60))) for _ in range(n)]
 
 
-def train_sentencepiece(texts, out_dir):
+# Llama 2's options: BPE, byte fallback, digits split, no normalization, whitespace kept.
+LLAMA2_SP_OPTIONS = dict(
+    vocab_size=1000, model_type="bpe", byte_fallback=True, split_digits=True,
+    normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=True,
+    character_coverage=0.9995)
+
+
+def train_sentencepiece(texts, out_dir, prefix="sp", **options):
+    """Trains out_dir/<prefix>.model on the texts' paragraphs with `options` (default Llama 2's)."""
     # The trainer records its input and output paths in the model: relative names, from inside
     # out_dir, keep the file the same on every machine.
     cwd = os.getcwd()
     os.chdir(out_dir)
     try:
-        with open("sp_train.txt", "w", encoding="utf-8") as f:
+        with open(prefix + "_train.txt", "w", encoding="utf-8") as f:
             for t in texts:
                 for para in t.split("\n"):
                     if para.strip():
                         f.write(para + "\n")
-        # Llama 2's options: BPE, byte fallback, digits split, no normalization, whitespace kept.
         spm.SentencePieceTrainer.train(
-            input="sp_train.txt", model_prefix="sp", vocab_size=1000, model_type="bpe",
-            byte_fallback=True, split_digits=True, normalization_rule_name="identity",
-            remove_extra_whitespaces=False, add_dummy_prefix=True, character_coverage=0.9995,
-            num_threads=1, minloglevel=2, max_sentence_length=16384)
+            input=prefix + "_train.txt", model_prefix=prefix, num_threads=1, minloglevel=2,
+            max_sentence_length=16384, **(options or LLAMA2_SP_OPTIONS))
     finally:
-        for f in ("sp_train.txt", "sp.vocab"):
+        for f in (prefix + "_train.txt", prefix + ".vocab"):
             if os.path.exists(f):
                 os.unlink(f)
         os.chdir(cwd)
