@@ -65,6 +65,62 @@ namespace mt::cli {
 
 namespace {
 
+// Takes the bench's own `key=value` arguments (keys configs/base.yml does not have) out of the
+// overrides before the config sees them; the last one wins, as for config keys.
+std::optional<std::string> take_key(std::vector<std::string>& overrides, const std::string& key) {
+  std::optional<std::string> value;
+  const std::string prefix = key + "=";
+  for (auto it = overrides.begin(); it != overrides.end();) {
+    if (it->rfind(prefix, 0) == 0) {
+      value = it->substr(prefix.size());
+      it = overrides.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return value;
+}
+
+bool has_key(const std::vector<std::string>& overrides, const std::string& key) {
+  return std::any_of(overrides.begin(), overrides.end(),
+                     [&](const std::string& o) { return o.rfind(key + "=", 0) == 0; });
+}
+
+// The whole of `text` as an integer, or nothing.
+std::optional<int64_t> to_int(const std::string& text) {
+  size_t used = 0;
+  int64_t v = 0;
+  try {
+    v = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+  if (used != text.size()) return std::nullopt;
+  return v;
+}
+
+int64_t parse_count(const std::string& key, const std::string& text, int64_t min) {
+  const auto v = to_int(text);
+  if (!v || *v < min)
+    throw UsageError(fmt::format("{}={} must be an integer of at least {}.", key, text, min));
+  return *v;
+}
+
+bool parse_flag(const std::string& key, const std::string& text) {
+  if (text == "true") return true;
+  if (text == "false") return false;
+  throw UsageError(key + "=" + text + " must be true or false.");
+}
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> parts;
+  size_t start = 0;
+  for (size_t end; (end = s.find(sep, start)) != std::string::npos; start = end + 1)
+    parts.push_back(s.substr(start, end - start));
+  parts.push_back(s.substr(start));
+  return parts;
+}
+
 int bench_train(Args args) {
   if (args.model.empty()) args.model = "llama-bench-m";
   // Benchmark defaults, before the user's overrides so those still win.
@@ -242,28 +298,15 @@ int bench_decode(const Args& args) {
   if (!args.model.empty()) models = {args.model};
   Args rest = args;
   rest.model.clear();
-  int64_t steps = 16;
+  const int64_t steps = parse_count("steps", take_key(rest.overrides, "steps").value_or("16"), 1);
+  // The bench's own key: which of float32,bfloat16 to run (comma-separated).
   std::vector<std::string> dtypes = {"float32", "bfloat16"};
-  for (auto it = rest.overrides.begin(); it != rest.overrides.end();) {
-    if (it->rfind("steps=", 0) == 0) {
-      steps = std::stoll(it->substr(6));
-      it = rest.overrides.erase(it);
-    } else if (it->rfind("dtypes=", 0) == 0) {
-      // The bench's own key: which of float32,bfloat16 to run (comma-separated).
-      dtypes.clear();
-      std::string v = it->substr(7) + ",";
-      for (size_t a = 0, b; (b = v.find(',', a)) != std::string::npos; a = b + 1)
-        if (b > a) dtypes.push_back(v.substr(a, b - a));
-      for (const auto& d : dtypes)
-        if (d != "float32" && d != "bfloat16")
-          throw UsageError("mt bench decode: dtypes=" + it->substr(7) + " names '" + d +
-                           "'; it takes float32, bfloat16 or both, comma-separated.");
-      if (dtypes.empty())
-        throw UsageError("mt bench decode: dtypes= is empty; give float32, bfloat16 or both.");
-      it = rest.overrides.erase(it);
-    } else {
-      ++it;
-    }
+  if (const auto v = take_key(rest.overrides, "dtypes")) {
+    dtypes = split(*v, ',');
+    for (const auto& d : dtypes)
+      if (d != "float32" && d != "bfloat16")
+        throw UsageError("mt bench decode: dtypes=" + *v + " names '" + d +
+                         "'; it takes float32, bfloat16 or both, comma-separated.");
   }
   const double triad = triad_bytes_per_sec();
   double peak = 0;
@@ -292,62 +335,6 @@ int bench_decode(const Args& args) {
 // ---- gemm and attention: one kernel at a time -------------------------------------------------
 
 using Clock = std::chrono::steady_clock;
-
-// Takes the bench's own `key=value` arguments (keys configs/base.yml does not have) out of the
-// overrides before the config sees them; the last one wins, as for config keys.
-std::optional<std::string> take_key(std::vector<std::string>& overrides, const std::string& key) {
-  std::optional<std::string> value;
-  const std::string prefix = key + "=";
-  for (auto it = overrides.begin(); it != overrides.end();) {
-    if (it->rfind(prefix, 0) == 0) {
-      value = it->substr(prefix.size());
-      it = overrides.erase(it);
-    } else {
-      ++it;
-    }
-  }
-  return value;
-}
-
-bool has_key(const std::vector<std::string>& overrides, const std::string& key) {
-  return std::any_of(overrides.begin(), overrides.end(),
-                     [&](const std::string& o) { return o.rfind(key + "=", 0) == 0; });
-}
-
-// The whole of `text` as an integer, or nothing.
-std::optional<int64_t> to_int(const std::string& text) {
-  size_t used = 0;
-  int64_t v = 0;
-  try {
-    v = std::stoll(text, &used);
-  } catch (const std::exception&) {
-    return std::nullopt;
-  }
-  if (used != text.size()) return std::nullopt;
-  return v;
-}
-
-int64_t parse_count(const std::string& key, const std::string& text, int64_t min) {
-  const auto v = to_int(text);
-  if (!v || *v < min)
-    throw UsageError(fmt::format("{}={} must be an integer of at least {}.", key, text, min));
-  return *v;
-}
-
-bool parse_flag(const std::string& key, const std::string& text) {
-  if (text == "true") return true;
-  if (text == "false") return false;
-  throw UsageError(key + "=" + text + " must be true or false.");
-}
-
-std::vector<std::string> split(const std::string& s, char sep) {
-  std::vector<std::string> parts;
-  size_t start = 0;
-  for (size_t end; (end = s.find(sep, start)) != std::string::npos; start = end + 1)
-    parts.push_back(s.substr(start, end - start));
-  parts.push_back(s.substr(start));
-  return parts;
-}
 
 // "8192x4096x4096,1024x768x768" -> one vector of positive sizes per shape, each of `form`'s rank.
 std::vector<std::vector<int64_t>> parse_shapes(const std::string& text, const std::string& form) {

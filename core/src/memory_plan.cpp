@@ -342,11 +342,7 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
   // The mesh's data-parallel ranks (an axis of -1, the rest of the ranks, counts 1 here: the
   // plan knows only the sizes set); the trainer's own checks refuse what it cannot run.
   if (plan.train) {
-    int64_t axes = 1;
-    for (const char* k : {"ici_data_parallelism", "ici_fsdp_parallelism", "ici_tensor_parallelism",
-                          "dcn_data_parallelism", "dcn_fsdp_parallelism", "dcn_tensor_parallelism"})
-      if (cfg.has(k) && cfg.get_int(k) > 1) axes *= cfg.get_int(k);
-    const Mesh mesh = resolve_mesh(cfg, static_cast<int>(axes));
+    const Mesh mesh = resolve_mesh(cfg, static_cast<int>(mesh_devices_set(cfg)));
     if (mesh.data > 1) {
       CollectivePlan c;
       c.ici = std::max<int64_t>(1, cfg.get_int("ici_data_parallelism"));

@@ -8,15 +8,33 @@
 
 namespace mt {
 
-Mesh resolve_mesh(const Config& cfg, int ranks) {
-  struct Axis {
-    const char* key;
-    int64_t value;
-  };
+namespace {
+
+struct Axis {
+  const char* key;
+  int64_t value;
+};
+
+// MaxText's six axes as configured (ici_data_parallelism defaults to -1, the others to 1).
+std::vector<Axis> mesh_axes(const Config& cfg) {
   std::vector<Axis> axes;
   for (const char* k : {"ici_data_parallelism", "ici_fsdp_parallelism", "ici_tensor_parallelism",
                         "dcn_data_parallelism", "dcn_fsdp_parallelism", "dcn_tensor_parallelism"})
     axes.push_back({k, cfg.has(k) ? cfg.get_int(k) : (k[4] == 'd' && k[0] == 'i' ? -1 : 1)});
+  return axes;
+}
+
+}  // namespace
+
+int64_t mesh_devices_set(const Config& cfg) {
+  int64_t n = 1;
+  for (const Axis& a : mesh_axes(cfg))
+    if (a.value > 1) n *= a.value;
+  return n;
+}
+
+Mesh resolve_mesh(const Config& cfg, int ranks) {
+  std::vector<Axis> axes = mesh_axes(cfg);
   const char* fill = nullptr;
   int64_t known = 1;
   std::string shown;

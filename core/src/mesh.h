@@ -18,4 +18,8 @@ struct Mesh {
 // config and the rank count, so every rank of a job decides the same.
 Mesh resolve_mesh(const Config& cfg, int ranks);
 
+// The devices the mesh's sizes name (the product of the axes set above 1; -1, the rest of the
+// ranks, counts 1): what mt plan plans for without a job to count the ranks.
+int64_t mesh_devices_set(const Config& cfg);
+
 }  // namespace mt

@@ -87,6 +87,16 @@ TEST(Cli, BenchPrintsOneJsonObject) {
   r = mt_cmd("bench decode --model=deepseek3-test steps=2 2>/dev/null");
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("\"kv_cache_bytes_per_token\": 576"), std::string::npos) << r.out;
+  // dtypes= picks the runs; its values and steps= are checked (steps=abc was an internal error).
+  r = mt_cmd("bench decode --model=llama-test steps=2 dtypes=bfloat16 2>/dev/null");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(r.out.find("\"float32\""), std::string::npos) << r.out;
+  r = mt_cmd("bench decode --model=llama-test steps=abc 2>&1");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("steps=abc must be an integer of at least 1"), std::string::npos) << r.out;
+  r = mt_cmd("bench decode --model=llama-test dtypes=f16 2>&1");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("dtypes=f16 names 'f16'"), std::string::npos) << r.out;
   // The MoE layer against dense GEMMs of its FLOPs.
   r = mt_cmd("bench moe --model=mixtral-test tokens=16 2>/dev/null");
   EXPECT_EQ(r.code, 0) << r.out;
