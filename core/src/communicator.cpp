@@ -4,7 +4,6 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <initializer_list>
 #include <string>
 #include <vector>
@@ -58,12 +57,12 @@ void Communicator::all_reduce_sum(Backend& backend, const std::vector<Tensor*>& 
   }
 }
 
-void Communicator::all_gather(const float*, size_t, float*) {
-  throw Error("The " + name() + " communicator has no all_gather yet (FSDP is not implemented).");
+void Communicator::reduce_scatter_sum(float*, size_t) {
+  if (size() > 1)
+    throw Error("The " + name() + " communicator has no reduce_scatter_sum (sharded state).");
 }
-void Communicator::reduce_scatter_sum(const float*, size_t, float*) {
-  throw Error("The " + name() +
-              " communicator has no reduce_scatter yet (FSDP is not implemented).");
+void Communicator::all_gather(float*, size_t) {
+  if (size() > 1) throw Error("The " + name() + " communicator has no all_gather (sharded state).");
 }
 
 namespace {
@@ -78,12 +77,8 @@ class LocalCommunicator final : public Communicator {
   void all_reduce_sum(Backend&, const std::vector<Tensor*>&) override {}
   void broadcast(void*, size_t, int) override {}
   void barrier() override {}
-  void all_gather(const float* in, size_t n, float* out) override {
-    if (n) std::memcpy(out, in, n * sizeof(float));
-  }
-  void reduce_scatter_sum(const float* in, size_t n, float* out) override {
-    if (n) std::memcpy(out, in, n * sizeof(float));
-  }
+  void reduce_scatter_sum(float*, size_t) override {}
+  void all_gather(float*, size_t) override {}
   [[noreturn]] void abort(int code) override {
     std::fflush(stdout);
     std::fflush(stderr);

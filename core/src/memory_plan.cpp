@@ -56,6 +56,12 @@ size_t in_use(ModelRunner& r) {
   return r.backend().memory_stats().bytes_in_use;
 }
 
+// The data-parallel ranks of the mesh the config sets (an axis of -1 counts 1: the plan knows
+// only the sizes set).
+int64_t data_ranks(const Config& cfg) {
+  return resolve_mesh(cfg, static_cast<int>(mesh_devices_set(cfg))).data;
+}
+
 // One training step exactly as train() runs it (trainer.h's pieces), on a MetaBackend.
 TrainingPlan trace_training(const Config& cfg, PluginManager& plugins,
                             const DeviceProfile& device) {
@@ -67,8 +73,12 @@ TrainingPlan trace_training(const Config& cfg, PluginManager& plugins,
   runner->zero_gradients();
   t.gradients = in_use(*runner) - t.weights;
   const bool offload = cfg.get_bool("optimizer_memory_host_offload");
+  // Rank 0 of the mesh's data-parallel ranks: with shard_optimizer_over_data it holds the
+  // largest part of the moments (shard_range gives the later ranks as much or one element more
+  // only when the total does not divide; a rounding the plan leaves out).
   OptimizerState opt = make_optimizer_state(
-      *runner, cfg, offload ? std::make_unique<MetaBackend>(DeviceProfile{}) : nullptr);
+      *runner, cfg, offload ? std::make_unique<MetaBackend>(DeviceProfile{}) : nullptr, 0,
+      static_cast<int>(data_ranks(cfg)));
   t.optimizer = in_use(*runner) - t.weights - t.gradients;
   if (opt.host) t.host_optimizer = opt.host->memory_stats().bytes_in_use;
   const int64_t batch = cfg.get_int("per_device_batch_size");
@@ -91,9 +101,14 @@ TrainingPlan trace_training(const Config& cfg, PluginManager& plugins,
   t.peak = be.memory_stats().peak_bytes_in_use;
   t.activations = t.peak - (t.weights + t.gradients + t.optimizer + t.batches);
   if (cfg.get_bool("enable_checkpointing") && cfg.get_bool("async_checkpointing")) {
-    for (const auto& p : runner->params()) t.checkpoint += p.value.nbytes();
-    for (const auto* moments : {&opt.m, &opt.v})
-      for (const auto& m : *moments) t.checkpoint += m.nbytes();
+    // Rank 0's snapshot: the weights and the whole moments (gathered when sharded).
+    size_t i = 0;
+    for (const auto& p : runner->params()) {
+      t.checkpoint +=
+          p.value.nbytes() + static_cast<size_t>(p.value.numel()) *
+                                 (dtype_size(opt.m[i].dtype()) + dtype_size(opt.v[i].dtype()));
+      ++i;
+    }
   }
   if (device.is_host) t.peak += t.host_optimizer + t.checkpoint;
   return t;
@@ -153,6 +168,9 @@ std::vector<std::vector<std::string>> training_changes(const Config& cfg,
   const std::string remat = cfg.get_string("remat_policy");
   if (remat == "none") c.push_back({"remat_policy=minimal"});
   if (remat != "full") c.push_back({"remat_policy=full"});
+  // The moments divided among the data-parallel ranks: the same traffic, the same losses.
+  if (data_ranks(cfg) > 1 && !cfg.get_bool("shard_optimizer_over_data"))
+    c.insert(c.begin(), {"shard_optimizer_over_data=true"});
   if (cfg.get_string("dtype") == "float32") c.push_back({"dtype=bfloat16"});
   // Smaller micro-batches, the same global batch: the largest that fits is found later.
   if (cfg.get_int("per_device_batch_size") > 1) c.push_back({"<micro-batches>"});
@@ -348,6 +366,7 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
       c.ici = std::max<int64_t>(1, cfg.get_int("ici_data_parallelism"));
       c.dcn = mesh.data / c.ici;
       c.gradient_bytes = static_cast<size_t>(plan.counts.total) * 4;
+      c.sharded_optimizer = cfg.get_bool("shard_optimizer_over_data");
       const auto g = static_cast<double>(c.gradient_bytes);
       auto ring = [](int64_t n) {
         return 2.0 * static_cast<double>(n - 1) / static_cast<double>(n);
@@ -413,7 +432,11 @@ std::string format_plan(const Plan& p, const Config& cfg) {
                       human_bytes(static_cast<double>(t.host_optimizer))));
     else
       row("optimizer", t.optimizer,
-          fmt::format("AdamW: mu {}, nu float32", mu.empty() ? dtype_name(p.weights) : mu));
+          fmt::format("AdamW: mu {}, nu float32{}", mu.empty() ? dtype_name(p.weights) : mu,
+                      p.collectives && p.collectives->sharded_optimizer
+                          ? fmt::format(", this rank's 1/{} of them (shard_optimizer_over_data)",
+                                        p.collectives->ici * p.collectives->dcn)
+                          : ""));
     row("batches", t.batches, "token ids of the step's micro-batches");
     row("activations", t.activations,
         "peak above those: saved for the backward, their gradients, temporaries");
@@ -453,11 +476,17 @@ std::string format_plan(const Plan& p, const Config& cfg) {
       const double t = (p.device.ici_bytes_per_s > 0 ? c.ici_bytes / p.device.ici_bytes_per_s : 0) +
                        (p.device.dcn_bytes_per_s > 0 ? c.dcn_bytes / p.device.dcn_bytes_per_s : 0);
       s += fmt::format(
-          "  collectives: data parallelism over {} ranks ({} per node x {} node{}), each holding "
-          "the whole model: every step all-reduces {} of float32 gradients; a ring moves, per "
-          "rank and direction, {} and {}{}\n",
+          "  collectives: data parallelism over {} ranks ({} per node x {} node{}), {}: every "
+          "step {}; a ring moves, per rank and direction, {} and {}{}\n",
           c.ici * c.dcn, c.ici, c.dcn, c.dcn == 1 ? "" : "s",
-          human_bytes(static_cast<double>(c.gradient_bytes)),
+          c.sharded_optimizer ? "each holding the whole weights and 1/N of the moments"
+                              : "each holding the whole model",
+          c.sharded_optimizer
+              ? fmt::format("reduce-scatters {} of float32 gradients and all-gathers the "
+                            "updated parameters (as float32: the bytes of an all-reduce)",
+                            human_bytes(static_cast<double>(c.gradient_bytes)))
+              : fmt::format("all-reduces {} of float32 gradients",
+                            human_bytes(static_cast<double>(c.gradient_bytes))),
           link(c.ici_bytes, p.device.ici_bytes_per_s, "within the node"),
           link(c.dcn_bytes, p.device.dcn_bytes_per_s, "across nodes"),
           t > 0 ? fmt::format("; not yet overlapped with the backward: about {:.3g} s a step "
@@ -491,10 +520,20 @@ std::string format_plan(const Plan& p, const Config& cfg) {
   return s;
 }
 
-void check_fits(const Config& cfg, PluginManager& plugins, Backend& device, PlanFor what,
-                const char* command) {
-  const DeviceProfile target = plan_target(cfg, &device, /*use_plan_device=*/false);
+void check_fits(const Config& cfg_in, PluginManager& plugins, Backend& device, PlanFor what,
+                const char* command, int ranks) {
+  const DeviceProfile target = plan_target(cfg_in, &device, /*use_plan_device=*/false);
   if (target.bytes == 0) return;  // a backend that cannot tell
+  // The data axis of -1 made explicit: the job's ranks it takes (only one axis may be -1).
+  Config cfg = cfg_in;
+  const int64_t ici = cfg_in.get_int("ici_data_parallelism");
+  const int64_t dcn = cfg_in.get_int("dcn_data_parallelism");
+  if (ranks > 1 && (ici == -1 || dcn == -1)) {
+    const int64_t data = resolve_mesh(cfg_in, ranks).data;
+    const int64_t i = ici == -1 ? data / dcn : ici;
+    cfg = with_words(cfg_in, {fmt::format("ici_data_parallelism={}", i),
+                              fmt::format("dcn_data_parallelism={}", data / i)});
+  }
   const Plan quick = make_plan(cfg, plugins, target, what, /*with_fixes=*/false);
   if (quick.fits()) return;
   const Plan plan = make_plan(cfg, plugins, target, what, /*with_fixes=*/true);

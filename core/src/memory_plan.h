@@ -50,6 +50,7 @@ struct CollectivePlan {
   int64_t ici = 1, dcn = 1;             // data-parallel ranks within a node, and nodes
   size_t gradient_bytes = 0;            // all-reduced each step (float32 gradients)
   double ici_bytes = 0, dcn_bytes = 0;  // through one rank's links, per direction
+  bool sharded_optimizer = false;       // shard_optimizer_over_data: reduce-scatter + all-gather
 };
 
 struct PlanFix {
@@ -95,8 +96,10 @@ std::string format_plan(const Plan& plan, const Config& cfg);
 
 // Before `mt run` (train) or `mt decode`: when the predicted peak exceeds what `device` can
 // hold, throws UsageError (exit 2) with the plan and its fixes; nothing has been allocated.
+// `ranks`: the job's (mpirun's) ranks, which a data axis of -1 takes what is left of (the plan
+// alone cannot count them): sharded optimizer state is planned per rank.
 void check_fits(const Config& cfg, PluginManager& plugins, Backend& device, PlanFor what,
-                const char* command);
+                const char* command, int ranks = 1);
 
 // "512 B", "3.2 MiB", "25.1 GiB"
 std::string human_bytes(double bytes);

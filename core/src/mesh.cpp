@@ -83,7 +83,8 @@ Mesh resolve_mesh(const Config& cfg, int ranks) {
              : "ici_tensor_parallelism x dcn_tensor_parallelism = " + std::to_string(m.tensor)) +
         ") is not implemented yet: mt runs data parallelism only so far "
         "(ici_data_parallelism, dcn_data_parallelism); set the fsdp and tensor axes "
-        "to 1.");
+        "to 1. To divide the optimizer state among data-parallel ranks (ZeRO-1), add "
+        "shard_optimizer_over_data=true.");
   return m;
 }
 

@@ -14,6 +14,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "checkpoint_manager.h"
@@ -95,8 +96,44 @@ std::string progress_bar(int64_t step, int64_t steps, double eta_s, double loss,
 
 }  // namespace
 
+namespace {
+
+// Elements [b, e) of `t` flattened: a view sharing its storage.
+Tensor flat_part(const Tensor& t, int64_t b, int64_t e) {
+  return t.view({t.numel()}).slice0(b, e);
+}
+
+// Elements [b, e) of `t` to or from f32 host memory (bf16 widened / rounded: exact for values
+// that came from bf16).
+void part_to_host(const Tensor& t, int64_t b, int64_t e, float* out) {
+  if (b == e) return;
+  const Tensor part = flat_part(t, b, e);
+  if (t.dtype() == DType::f32) {
+    t.backend()->copy_to_host(part, out);
+    return;
+  }
+  MT_CHECK(t.dtype() == DType::bf16, "sharded state is f32 or bf16");
+  std::vector<uint16_t> half(static_cast<size_t>(e - b));
+  t.backend()->copy_to_host(part, half.data());
+  for (size_t i = 0; i < half.size(); ++i) out[i] = bf16_to_f32(half[i]);
+}
+void part_from_host(Tensor& t, int64_t b, int64_t e, const float* in) {
+  if (b == e) return;
+  Tensor part = flat_part(t, b, e);
+  if (t.dtype() == DType::f32) {
+    t.backend()->copy_from_host(part, in);
+    return;
+  }
+  MT_CHECK(t.dtype() == DType::bf16, "sharded state is f32 or bf16");
+  std::vector<uint16_t> half(static_cast<size_t>(e - b));
+  for (size_t i = 0; i < half.size(); ++i) half[i] = f32_to_bf16(in[i]);
+  t.backend()->copy_from_host(part, half.data());
+}
+
+}  // namespace
+
 OptimizerState make_optimizer_state(ModelRunner& runner, const Config& cfg,
-                                    std::unique_ptr<Backend> host) {
+                                    std::unique_ptr<Backend> host, int rank, int ranks) {
   DType mu = runner.weight_dtype();
   if (const std::string s = cfg.get_string("mu_dtype"); !s.empty())
     if (!parse_dtype(s, mu) || !(mu == DType::f32 || mu == DType::bf16))
@@ -107,6 +144,22 @@ OptimizerState make_optimizer_state(ModelRunner& runner, const Config& cfg,
     opt.host = std::move(host);
   }
   Backend& be = opt.host ? *opt.host : runner.backend();
+  if (cfg.get_bool("shard_optimizer_over_data") && ranks > 1) {
+    int64_t total = 0;
+    for (auto& p : runner.params()) total += shape_numel(p.spec.shape);
+    const auto [lo, hi] = shard_range(static_cast<size_t>(total), rank, ranks);
+    int64_t at = 0;  // the parameter's first element in the flat order
+    for (auto& p : runner.params()) {
+      const int64_t n = shape_numel(p.spec.shape);
+      const int64_t b = std::clamp(static_cast<int64_t>(lo) - at, int64_t{0}, n);
+      const int64_t e = std::clamp(static_cast<int64_t>(hi) - at, b, n);
+      opt.shard.emplace_back(b, e);
+      opt.m.push_back(be.zeros({e - b}, mu));
+      opt.v.push_back(be.zeros({e - b}, DType::f32));
+      at += n;
+    }
+    return opt;
+  }
   for (auto& p : runner.params()) {
     opt.m.push_back(be.zeros(p.spec.shape, mu));
     opt.v.push_back(be.zeros(p.spec.shape, DType::f32));
@@ -115,7 +168,7 @@ OptimizerState make_optimizer_state(ModelRunner& runner, const Config& cfg,
 }
 
 StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& micro, float z_loss,
-                               Communicator* comm) {
+                               Communicator* comm, const OptimizerState* opt) {
   Backend& be = runner.backend();
   const bool ranks = comm && comm->size() > 1;
   int64_t valid = 0;
@@ -141,9 +194,30 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
     // Gradients summed over the ranks (one bucket), then the scalars every rank reports: the
     // loss, the auxiliary losses and the layers' statistics (DeepSeek-V3's expert loads),
     // flattened in the same order on every rank.
-    std::vector<Tensor*> grads;
-    for (auto& p : runner.params()) grads.push_back(&p.grad);
-    comm->all_reduce_sum(be, grads);
+    if (opt && opt->sharded()) {
+      // Every gradient flattened into one host buffer (one collective), reduce-scattered, and
+      // this rank's part of each gradient copied back.
+      int64_t total = 0;
+      for (auto& p : runner.params()) total += p.grad.numel();
+      std::vector<float> flat(static_cast<size_t>(total));
+      int64_t at = 0;
+      for (auto& p : runner.params()) {
+        part_to_host(p.grad, 0, p.grad.numel(), flat.data() + at);
+        at += p.grad.numel();
+      }
+      comm->reduce_scatter_sum(flat.data(), flat.size());
+      at = 0;
+      size_t i = 0;
+      for (auto& p : runner.params()) {
+        const auto [b, e] = opt->shard[i++];
+        part_from_host(p.grad, b, e, flat.data() + at + b);
+        at += p.grad.numel();
+      }
+    } else {
+      std::vector<Tensor*> grads;
+      for (auto& p : runner.params()) grads.push_back(&p.grad);
+      comm->all_reduce_sum(be, grads);
+    }
     std::vector<double> scalars{r.loss};
     for (const auto& [name, v] : r.aux) scalars.push_back(v);
     for (const auto& layer : r.layer_stats)
@@ -159,22 +233,42 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
   }
   // The global gradient norm: every tensor's sum of squares in one call (one device round
   // trip), added in parameter order.
+  // Sharded over ranks: this rank's parts, then the ranks' sums added in rank order.
+  const bool parts = ranks && opt && opt->sharded();
+  std::vector<Tensor> views;
+  size_t i = 0;
+  for (auto& p : runner.params()) {
+    const auto [b, e] = parts ? opt->shard[i] : std::pair<int64_t, int64_t>{0, p.grad.numel()};
+    if (b < e) views.push_back(parts ? flat_part(p.grad, b, e) : p.grad);
+    ++i;
+  }
   std::vector<const Tensor*> grads;
-  for (auto& p : runner.params()) grads.push_back(&p.grad);
+  for (const Tensor& t : views) grads.push_back(&t);
   std::vector<double> sq;
   be.sum_squares_each(grads, sq);
   double total = 0;
   for (double x : sq) total += x;
+  if (parts) comm->all_reduce_sum(&total, 1);
   r.grad_norm = std::sqrt(total);
   return r;
 }
 
 void apply_update(ModelRunner& runner, OptimizerState& opt, AdamWParams adam, float weight_decay,
-                  const std::vector<LayerStats>& layer_stats) {
+                  const std::vector<LayerStats>& layer_stats, Communicator* comm) {
   Backend& be = runner.backend();
   size_t i = 0;
   for (auto& p : runner.params()) {
     adam.weight_decay = p.spec.weight_decay ? weight_decay : 0.f;
+    Tensor value = p.value, grad = p.grad;  // or this rank's parts of them
+    if (opt.sharded()) {
+      const auto [b, e] = opt.shard[i];
+      if (b == e) {
+        ++i;
+        continue;
+      }
+      value = flat_part(p.value, b, e);
+      grad = flat_part(p.grad, b, e);
+    }
     if (opt.host) {
       // Offloaded: this parameter's moments to the device, the update there, and back. The
       // host tensors' memory is host memory (a CPU backend's), which copies read and write.
@@ -182,13 +276,32 @@ void apply_update(ModelRunner& runner, OptimizerState& opt, AdamWParams adam, fl
       Tensor v = be.empty(opt.v[i].shape(), opt.v[i].dtype());
       be.copy_from_host(m, opt.m[i].data());
       be.copy_from_host(v, opt.v[i].data());
-      be.adamw_update(p.value, p.grad, m, v, adam);
+      be.adamw_update(value, grad, m, v, adam);
       be.copy_to_host(m, opt.m[i].data());
       be.copy_to_host(v, opt.v[i].data());
     } else {
-      be.adamw_update(p.value, p.grad, opt.m[i], opt.v[i], adam);
+      be.adamw_update(value, grad, opt.m[i], opt.v[i], adam);
     }
     ++i;
+  }
+  if (opt.sharded() && comm && comm->size() > 1) {
+    // Every rank's updated parts to every rank: one host buffer, one collective.
+    int64_t total = 0;
+    for (auto& p : runner.params()) total += p.value.numel();
+    std::vector<float> flat(static_cast<size_t>(total));
+    int64_t at = 0;
+    i = 0;
+    for (auto& p : runner.params()) {
+      const auto [b, e] = opt.shard[i++];
+      part_to_host(p.value, b, e, flat.data() + at + b);
+      at += p.value.numel();
+    }
+    comm->all_gather(flat.data(), flat.size());
+    at = 0;
+    for (auto& p : runner.params()) {
+      part_from_host(p.value, 0, p.value.numel(), flat.data() + at);
+      at += p.value.numel();
+    }
   }
   // Updates outside the gradient (DeepSeek-V3's router_bias), before the step's checkpoint.
   runner.after_step(layer_stats);
@@ -243,7 +356,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   // The memory plan first: a model that cannot fit is refused with the changes that make it
   // fit, before the run directory is locked or anything is allocated.
   std::unique_ptr<Backend> device = plugins.make_backend(cfg.get_string("backend"), cfg);
-  check_fits(cfg, plugins, *device, PlanFor::train, "run");
+  check_fits(cfg, plugins, *device, PlanFor::train, "run", ranks);
   std::optional<RunLock> lock;
   if (lead) lock.emplace(run_dir);
   ModelRunner runner(cfg, plugins, std::move(device));
@@ -306,20 +419,87 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   runner.zero_gradients();
   OptimizerState opt = make_optimizer_state(
       runner, cfg,
-      cfg.get_bool("optimizer_memory_host_offload") ? plugins.make_backend("cpu", cfg) : nullptr);
+      cfg.get_bool("optimizer_memory_host_offload") ? plugins.make_backend("cpu", cfg) : nullptr,
+      comm.rank(), static_cast<int>(mesh.data));
 
   // Checkpoints: resume from this run's latest complete step, else start from another run's
   // full state or parameters when asked (MaxText's load_full_state_path / load_parameters_path).
+  // Sharded moments are not in `state`: a checkpoint holds them whole (any number of ranks,
+  // sharded or not, resumes from it), gathered for a save and cut to this rank's parts after a
+  // restore, through full-size tensors in host memory that live only as long as that.
   TrainState state;
   {
     size_t i = 0;
     for (auto& p : runner.params()) {
       state.params[p.name] = p.value;
-      state.opt_m[p.name] = opt.m[i];
-      state.opt_v[p.name] = opt.v[i];
+      if (!opt.sharded()) {
+        state.opt_m[p.name] = opt.m[i];
+        state.opt_v[p.name] = opt.v[i];
+      }
       ++i;
     }
   }
+  std::unique_ptr<Backend> host_for_moments;  // a CPU backend, made at the first need
+  auto full_moments = [&](TrainState& into, bool keep, bool gather) {
+    if (!host_for_moments) host_for_moments = plugins.make_backend("cpu", cfg);
+    Backend& h = *host_for_moments;
+    int64_t total = 0;
+    for (auto& p : runner.params()) total += p.value.numel();
+    for (auto* moments : {&opt.m, &opt.v}) {
+      std::vector<float> flat;
+      if (gather) {  // this rank's parts, then every rank's
+        flat.resize(static_cast<size_t>(total));
+        int64_t at = 0;
+        size_t i = 0;
+        for (auto& p : runner.params()) {
+          const auto [b, e] = opt.shard[i];
+          part_to_host((*moments)[i], 0, e - b, flat.data() + at + b);
+          at += p.value.numel();
+          ++i;
+        }
+        comm.all_gather(flat.data(), flat.size());
+      }
+      if (!keep) continue;
+      auto& map = moments == &opt.m ? into.opt_m : into.opt_v;
+      int64_t at = 0;
+      size_t i = 0;
+      for (auto& p : runner.params()) {
+        Tensor t = gather ? h.empty(p.spec.shape, (*moments)[i].dtype())
+                          : h.zeros(p.spec.shape, (*moments)[i].dtype());
+        if (gather) part_from_host(t, 0, t.numel(), flat.data() + at);
+        map[p.name] = t;
+        at += p.value.numel();
+        ++i;
+      }
+    }
+  };
+  // Reads a full state into `state` through `read`; sharded, into full-size host moments first,
+  // of which this rank keeps its parts.
+  auto read_state = [&](const std::function<void(TrainState&)>& read) {
+    if (!opt.sharded()) {
+      read(state);
+      return;
+    }
+    TrainState full;
+    full.params = state.params;
+    full_moments(full, /*keep=*/true, /*gather=*/false);
+    read(full);
+    size_t i = 0;
+    for (auto& p : runner.params()) {
+      const auto [b, e] = opt.shard[i];
+      for (auto [from, to] : {std::pair{&full.opt_m, &opt.m}, std::pair{&full.opt_v, &opt.v}}) {
+        Tensor& mine = (*to)[i];
+        if (b == e) continue;
+        const Tensor& whole = from->at(p.name);
+        mine.backend()->copy_from_host(
+            mine, static_cast<const char*>(whole.data()) + b * dtype_size(whole.dtype()));
+      }
+      ++i;
+    }
+    full.opt_m.clear();
+    full.opt_v.clear();
+    state = std::move(full);
+  };
   const bool checkpointing = cfg.get_bool("enable_checkpointing");
   const int64_t ckpt_period = cfg.get_int("checkpoint_period");
   CheckpointManager ckpt(run_dir / "checkpoints", cfg.get_bool("async_checkpointing"),
@@ -334,12 +514,13 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   int64_t latest = checkpointing && lead ? ckpt.latest_step() : -1;
   comm.broadcast(&latest, sizeof latest, 0);
   if (latest >= 0) {
-    ckpt.restore(latest, state);
+    read_state([&](TrainState& st) { ckpt.restore(latest, st); });
     data->restore(state.data_state);
     first_step = state.step + 1;
     resumed_from = fmt::format("resumed from step {} in {}", latest, ckpt.directory().string());
   } else if (!cfg.get_string("load_full_state_path").empty()) {
-    load_full_state(cfg.get_string("load_full_state_path"), state);
+    read_state(
+        [&](TrainState& st) { load_full_state(cfg.get_string("load_full_state_path"), st); });
     data->restore(state.data_state);
     first_step = state.step + 1;
     resumed_from = "full state from " + cfg.get_string("load_full_state_path");
@@ -370,14 +551,27 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     }
   };
   auto save = [&](int64_t step) {
+    // Sharded moments: every rank joins the gathers, rank 0 keeps the whole moments for the
+    // save (the snapshot copies them; they are freed when it returns).
+    TrainState with_moments;
+    if (opt.sharded()) full_moments(with_moments, /*keep=*/lead, /*gather=*/true);
     if (!lead) return;
     state.step = step;
     state.data_state = data->state();
     state.config_yaml = cfg.to_yaml(true);
+    const TrainState* saved = &state;
+    if (opt.sharded()) {
+      with_moments.params = state.params;
+      with_moments.step = state.step;
+      with_moments.data_state = state.data_state;
+      with_moments.rng_state = state.rng_state;
+      with_moments.config_yaml = state.config_yaml;
+      saved = &with_moments;
+    }
     // The previous (async) save's failure first, on its own: save() would rethrow it and start
     // nothing, so each failure cost the next checkpoint too and only the first was named.
     guarded([&] { ckpt.wait(); });
-    guarded([&] { ckpt.save(state); });
+    guarded([&] { ckpt.save(*saved); });
   };
 
   // TensorBoard events where MaxText writes them (<run>/tensorboard/<run_name>). The START at the
@@ -388,6 +582,21 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     tb->write_session_start(first_step);
   }
   const bool tty = !quiet && isatty(fileno(stdout));
+  std::string shard_note;
+  if (opt.sharded()) {
+    double mine = 0, whole = 0;
+    size_t i = 0;
+    for (auto& p : runner.params()) {
+      mine += static_cast<double>(opt.m[i].nbytes() + opt.v[i].nbytes());
+      whole += static_cast<double>(p.value.numel()) *
+               static_cast<double>(dtype_size(opt.m[i].dtype()) + dtype_size(opt.v[i].dtype()));
+      ++i;
+    }
+    shard_note = fmt::format(
+        "; optimizer state sharded over them (shard_optimizer_over_data): {} of moments on "
+        "each rank instead of {}",
+        human_bytes(mine), human_bytes(whole));
+  }
   if (!quiet) {
     std::printf("mt run: %s (%s family), %s parameters (%s in matmuls), %s\n",
                 cfg.get_string("model_name").c_str(), cfg.get_string("decoder_block").c_str(),
@@ -409,8 +618,8 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     if (ranks > 1)
       std::printf(
           "mt run: data parallelism over %d ranks (communicator %s): global batch %ld "
-          "sequences\n",
-          ranks, comm.name().c_str(), static_cast<long>(batch * accum * ranks));
+          "sequences%s\n",
+          ranks, comm.name().c_str(), static_cast<long>(batch * accum * ranks), shard_note.c_str());
     std::fflush(stdout);
   }
 
@@ -463,7 +672,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
       data_wait += seconds_since(tw);
       micro.push_back(runner.upload(hb));
     }
-    StepGradients sg = forward_backward(runner, micro, z_loss, &comm);
+    StepGradients sg = forward_backward(runner, micro, z_loss, &comm, &opt);
     const double loss = sg.loss, grad_norm = sg.grad_norm;
     const std::map<std::string, double>& aux = sg.aux;
     if (!std::isfinite(loss) || !std::isfinite(grad_norm)) {
@@ -480,7 +689,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     adam.lr = static_cast<float>(lr);
     adam.step = step;
     adam.grad_scale = clip > 0 && grad_norm > clip ? static_cast<float>(clip / grad_norm) : 1.f;
-    apply_update(runner, opt, adam, weight_decay, sg.layer_stats);
+    apply_update(runner, opt, adam, weight_decay, sg.layer_stats, &comm);
     double ckpt_s = 0;
     if (checkpointing && (step % ckpt_period == 0 || step == steps)) {
       save(step);

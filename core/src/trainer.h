@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "model_runner.h"
@@ -50,14 +51,27 @@ std::string precision_hint(DType compute, double peak_f32, double peak_bf16);
 // = weight_dtype), the second (nu) always in float32. With optimizer_memory_host_offload the
 // moments live on `host` (a CPU backend: host memory) and each parameter's are streamed through
 // the device for its update.
+//
+// With shard_optimizer_over_data (MaxText's ZeRO-1) and several data-parallel ranks, the
+// parameters flattened and laid end to end in order are split among the ranks as
+// Communicator::reduce_scatter_sum splits a buffer (shard_range): each rank keeps the moments of
+// its part only, receives only its part of the summed gradients, updates only its part of the
+// parameters and gathers the others' parts. `shard` holds, per parameter, the [first, second)
+// of its flattened elements that this rank owns (possibly empty); m[i] and v[i] have that many
+// elements. Unsharded, `shard` is empty and the moments have the parameters' shapes.
 struct OptimizerState {
   std::unique_ptr<Backend> host;  // declared first: the moments go before their allocator
   std::vector<Tensor> m, v;
+  std::vector<std::pair<int64_t, int64_t>> shard;
+  bool sharded() const { return !shard.empty(); }
 };
 // `host`: where offloaded moments live (the trainer passes a CPU backend, the plan a
-// MetaBackend); required when optimizer_memory_host_offload is set, else unused.
+// MetaBackend); required when optimizer_memory_host_offload is set, else unused. `rank` of
+// `ranks` data-parallel ranks: the part this rank keeps when shard_optimizer_over_data is set
+// (one rank keeps everything, unsharded).
 OptimizerState make_optimizer_state(ModelRunner& runner, const Config& cfg,
-                                    std::unique_ptr<Backend> host = nullptr);
+                                    std::unique_ptr<Backend> host = nullptr, int rank = 0,
+                                    int ranks = 1);
 
 // One optimizer step's forward and backward passes over its micro-batches (gradients
 // accumulate; the loss is weighted by each micro-batch's share of the valid targets), then the
@@ -72,13 +86,17 @@ struct StepGradients {
 // global batch: the valid-target count that weights the loss is the sum over the ranks, and the
 // gradients, the loss, the auxiliary losses and the layers' statistics are summed over them
 // (before the norm), so every rank ends with the same step as one rank given the whole batch.
+// With a sharded `opt`, the gradients are reduce-scattered instead: each rank's part of them
+// (opt.shard) is the sum over the ranks, the rest is left as this rank's own, and the global
+// norm adds the parts' squares over the ranks.
 StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& micro, float z_loss,
-                               Communicator* comm = nullptr);
+                               Communicator* comm = nullptr, const OptimizerState* opt = nullptr);
 // AdamW on every parameter (weight decay where ParamSpec::weight_decay says), then the layers'
 // updates outside the gradient (after_step), then the gradients are made fresh for the next
-// step.
+// step. A sharded `opt` updates this rank's part of each parameter, then gathers the other
+// ranks' parts over `comm` (null: no gather, as the memory plan's trace runs it).
 void apply_update(ModelRunner& runner, OptimizerState& opt, AdamWParams adam, float weight_decay,
-                  const std::vector<LayerStats>& layer_stats);
+                  const std::vector<LayerStats>& layer_stats, Communicator* comm = nullptr);
 
 // Trains as the config says. quiet: no terminal output (bench); throws mt::Error on NaN/Inf.
 // comm: the job's ranks (data parallelism; null = one rank). Rank 0 alone prints, writes

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <string>
 #include <vector>
@@ -185,6 +186,90 @@ TEST(DataParallel, ResumedRanksContinueAsAStraightRun) {
   EXPECT_EQ(losses(d.root / "resumed"), losses(d.root / "straight"));
 }
 
+std::string file_bytes(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
+}
+
+// The last "peak_memory_mb" of a run's metrics.
+double last_peak_mb(const fs::path& run) {
+  std::ifstream f(run / "metrics.jsonl");
+  std::string line, last;
+  while (std::getline(f, line))
+    if (line.find("\"peak_memory_mb\": ") != std::string::npos) last = line;
+  const size_t k = last.find("\"peak_memory_mb\": ");
+  return k == std::string::npos ? -1 : std::stod(last.substr(k + 18));
+}
+
+// shard_optimizer_over_data (ZeRO-1): the reduce-scatter adds each element in rank order as the
+// all-reduce does, AdamW is elementwise and the all-gather copies, so the run is plain data
+// parallelism's to the bit (losses, parameters and the moments the checkpoint gathers), with
+// half the moments on each of 2 ranks: the device peak drops by that much.
+TEST(DataParallel, ShardedOptimizerStateTrainsAsPlainDataParallelism) {
+  MT_NEED_MPIRUN();
+  Dir d;
+  test::MtResult r = mpirun(2, train_args(d.root, "plain", 2, "dataset_type=synthetic"), 120);
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = mpirun(
+      2, train_args(d.root, "sharded", 2, "dataset_type=synthetic shard_optimizer_over_data=true"),
+      120);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("optimizer state sharded over them (shard_optimizer_over_data)"),
+            std::string::npos)
+      << r.out;
+  EXPECT_EQ(losses(d.root / "sharded"), losses(d.root / "plain"));
+  size_t moment_bytes = 0;
+  for (const char* f : {"params.safetensors", "opt_m.safetensors", "opt_v.safetensors"}) {
+    const std::string a = file_bytes(d.root / "plain" / "checkpoints" / "20" / f);
+    const std::string b = file_bytes(d.root / "sharded" / "checkpoints" / "20" / f);
+    ASSERT_FALSE(a.empty()) << f;
+    EXPECT_TRUE(a == b) << f << " differs from plain data parallelism's";
+    if (std::string(f) != "params.safetensors") moment_bytes += a.size();
+  }
+  // The same in rounds of 1000 elements per rank (a large model's parts take several rounds).
+  r = mpirun(
+      2, train_args(d.root, "rounds", 2, "dataset_type=synthetic shard_optimizer_over_data=true"),
+      120, "env MT_MPI_ROUND_ELEMENTS=1000");
+  ASSERT_EQ(r.code, 0) << r.out;
+  for (const char* f : {"params.safetensors", "opt_m.safetensors", "opt_v.safetensors"})
+    EXPECT_TRUE(file_bytes(d.root / "plain" / "checkpoints" / "20" / f) ==
+                file_bytes(d.root / "rounds" / "checkpoints" / "20" / f))
+        << f << " differs in rounds of 1000";
+  // Half the moments (less the files' headers) fewer on each rank; metrics round to 0.1 MB.
+  const double saved = last_peak_mb(d.root / "plain") - last_peak_mb(d.root / "sharded");
+  EXPECT_GE(saved, 0.5 * static_cast<double>(moment_bytes) / 1e6 * 0.9 - 0.1) << saved;
+}
+
+// A checkpoint holds the moments whole: saved by 2 sharded ranks, it resumes under 1 rank and
+// under 4 sharded ranks (the same global batch), and both continue as the straight run.
+TEST(DataParallel, ShardedCheckpointsResumeOnAnyNumberOfRanks) {
+  MT_NEED_MPIRUN();
+  Dir d;
+  const std::string common =
+      "dataset_type=tokens vocab_size=8192 dataset_path=" + test::source_dir() +
+      "/data/corpus.train.tokens learning_rate_schedule_steps=20 ";
+  const std::string sharded = "shard_optimizer_over_data=true ";
+  ASSERT_EQ(mpirun(2, train_args(d.root, "straight", 2, common + sharded), 120).code, 0);
+  test::MtResult r = mpirun(
+      2, train_args(d.root, "one", 2, common + sharded + "checkpoint_period=10 steps=10"), 120);
+  ASSERT_EQ(r.code, 0) << r.out;
+  fs::copy(d.root / "one", d.root / "four", fs::copy_options::recursive);
+  r = test::run_mt(train_args(d.root, "one", 4, common + "checkpoint_period=10"), 120);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("resumed from step 10"), std::string::npos) << r.out;
+  r = mpirun(4, train_args(d.root, "four", 1, common + sharded + "checkpoint_period=10"), 120);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("resumed from step 10"), std::string::npos) << r.out;
+  const std::vector<double> want = losses(d.root / "straight");
+  ASSERT_EQ(want.size(), 20u);
+  for (const char* run : {"one", "four"}) {
+    const std::vector<double> got = losses(d.root / run);
+    ASSERT_EQ(got.size(), 20u) << run;
+    for (size_t i = 0; i < 20; ++i)
+      EXPECT_NEAR(got[i], want[i], 1e-6 * std::fabs(want[i])) << run << " step " << i + 1;
+  }
+}
+
 TEST(DataParallel, AMeshThatDoesNotFitTheRanksIsOneErrorOnRankZero) {
   MT_NEED_MPIRUN();
   Dir d;
@@ -208,6 +293,7 @@ TEST(DataParallel, FsdpIsRefusedNamingWhatIsImplemented) {
                   "not implemented yet: mt runs data parallelism only"),
             1u)
       << r.out;
+  EXPECT_EQ(count(r.out, "add shard_optimizer_over_data=true"), 1u) << r.out;
 }
 
 TEST(DataParallel, RanksStartedWithDifferentConfigsAreRefused) {

@@ -304,6 +304,35 @@ TEST(MemoryPlan, DataParallelCollectivesArePlanned) {
   EXPECT_NE(r.out.find("FSDP parallelism"), std::string::npos) << r.out;
 }
 
+// shard_optimizer_over_data: each of N data-parallel ranks holds 1/N of the moments (within the
+// allocator's size classes: llama2-7b's are large, so 1%), the plan says so, and a run over 8
+// ranks that does not fit is told to shard first (it costs no traffic and changes no loss).
+TEST(MemoryPlan, ShardedOptimizerStateIsPlannedPerRank) {
+  const DeviceProfile h100 = *named_device("h100-80gb", false);
+  const Plan whole = make_plan(config_for("llama2-7b", {"ici_data_parallelism=8"}), test::plugins(),
+                               h100, PlanFor::train, false);
+  const Config sharded_cfg =
+      config_for("llama2-7b", {"ici_data_parallelism=8", "shard_optimizer_over_data=true"});
+  const Plan sharded = make_plan(sharded_cfg, test::plugins(), h100, PlanFor::train, false);
+  ASSERT_TRUE(whole.train && sharded.train);
+  const auto w = static_cast<double>(whole.train->optimizer);
+  EXPECT_GT(w, 50e9);
+  EXPECT_NEAR(static_cast<double>(sharded.train->optimizer), w / 8, 0.01 * w / 8);
+  EXPECT_EQ(whole.train->peak - sharded.train->peak,
+            whole.train->optimizer - sharded.train->optimizer);
+  const std::string text = format_plan(sharded, sharded_cfg);
+  EXPECT_NE(text.find("this rank's 1/8 of them (shard_optimizer_over_data)"), std::string::npos)
+      << text;
+  EXPECT_NE(text.find("reduce-scatters"), std::string::npos) << text;
+  // llama2-7b in f32 over 8 ranks: 117 GiB, over an H100; sharding alone fits it (73.1 GiB).
+  const test::MtResult r =
+      test::run_mt("plan --model=llama2-7b plan_device=h100-80gb ici_data_parallelism=8", 60);
+  EXPECT_EQ(r.code, 3) << r.out;
+  const size_t fix = r.out.find("to fit, add any one of these");
+  ASSERT_NE(fix, std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("shard_optimizer_over_data=true", fix), r.out.find('\n', fix) + 3) << r.out;
+}
+
 // mt run refuses a model that cannot fit this machine before allocating it: exit 2, the plan
 // on stderr, no run directory left behind, and within seconds (not after initialising 70B
 // parameters).

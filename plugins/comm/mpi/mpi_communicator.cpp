@@ -16,6 +16,7 @@
 #include <exception>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "mt/comm.h"
@@ -60,6 +61,8 @@ class MpiCommunicator final : public mt::Communicator {
     MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
     MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
     MPI_Comm_size(MPI_COMM_WORLD, &size_);
+    if (const char* r = std::getenv("MT_MPI_ROUND_ELEMENTS"); r && *r)
+      round_override_ = static_cast<size_t>(std::max(0LL, std::atoll(r)));
   }
   ~MpiCommunicator() override {
     // Not while an exception unwinds: MPI_Finalize waits for the other ranks, which may be
@@ -73,6 +76,68 @@ class MpiCommunicator final : public mt::Communicator {
 
   void all_reduce_sum(float* data, size_t n) override { reduce(data, n); }
   void all_reduce_sum(double* data, size_t n) override { reduce(data, n); }
+
+  // Both in rounds of at most round_elems() elements of each rank's part, packed into one
+  // contiguous buffer per round (MPI counts and displacements are int; parts may be larger).
+  void reduce_scatter_sum(float* data, size_t n) override {
+    if (size_ == 1 || n == 0) return;
+    const auto N = static_cast<size_t>(size_);
+    const auto me = static_cast<size_t>(rank_);
+    const size_t rounds = (longest_part(n) + round_elems() - 1) / round_elems();
+    std::vector<int> counts(N), displs(N), rcounts(N), rdispls(N);
+    std::vector<float> send, got;
+    for (size_t k = 0; k < rounds; ++k) {
+      size_t total = 0;
+      for (size_t r = 0; r < N; ++r) {
+        const auto [lo, hi] = round_of(n, r, k);
+        counts[r] = static_cast<int>(hi - lo);
+        displs[r] = static_cast<int>(total);
+        total += hi - lo;
+      }
+      send.resize(total);
+      for (size_t r = 0; r < N; ++r)
+        std::copy_n(data + round_of(n, r, k).first, counts[r], send.data() + displs[r]);
+      const auto [lo, hi] = round_of(n, me, k);
+      const size_t mine = hi - lo;
+      got.resize(mine * N);
+      for (size_t r = 0; r < N; ++r) {
+        rcounts[r] = static_cast<int>(mine);
+        rdispls[r] = static_cast<int>(r * mine);
+      }
+      check(MPI_Alltoallv(send.data(), counts.data(), displs.data(), MPI_FLOAT, got.data(),
+                          rcounts.data(), rdispls.data(), MPI_FLOAT, MPI_COMM_WORLD),
+            "MPI_Alltoallv");
+      for (size_t i = 0; i < mine; ++i) {  // rank order, as all_reduce_sum adds
+        float s = got[i];
+        for (size_t r = 1; r < N; ++r) s += got[r * mine + i];
+        data[lo + i] = s;
+      }
+    }
+  }
+
+  void all_gather(float* data, size_t n) override {
+    if (size_ == 1 || n == 0) return;
+    const auto N = static_cast<size_t>(size_);
+    const size_t rounds = (longest_part(n) + round_elems() - 1) / round_elems();
+    std::vector<int> counts(N), displs(N);
+    std::vector<float> got;
+    for (size_t k = 0; k < rounds; ++k) {
+      size_t total = 0;
+      for (size_t r = 0; r < N; ++r) {
+        const auto [lo, hi] = round_of(n, r, k);
+        counts[r] = static_cast<int>(hi - lo);
+        displs[r] = static_cast<int>(total);
+        total += hi - lo;
+      }
+      got.resize(total);
+      const auto [lo, hi] = round_of(n, static_cast<size_t>(rank_), k);
+      check(MPI_Allgatherv(data + lo, static_cast<int>(hi - lo), MPI_FLOAT, got.data(),
+                           counts.data(), displs.data(), MPI_FLOAT, MPI_COMM_WORLD),
+            "MPI_Allgatherv");
+      for (size_t r = 0; r < N; ++r)
+        std::copy_n(got.data() + displs[r], counts[r], data + round_of(n, r, k).first);
+    }
+  }
 
   void broadcast(void* data, size_t bytes, int root) override {
     auto* p = static_cast<char*>(data);
@@ -131,7 +196,31 @@ class MpiCommunicator final : public mt::Communicator {
     }
   }
 
+  // Elements of one rank's part per round of reduce_scatter_sum and all_gather: a round's
+  // packed buffer (N parts) stays within 2^30 elements, inside MPI's int counts.
+  // MT_MPI_ROUND_ELEMENTS sets a smaller round, so the tests cover several rounds on small
+  // models.
+  size_t round_elems() const {
+    const size_t cap = std::max<size_t>(1, (size_t{1} << 30) / static_cast<size_t>(size_));
+    return round_override_ > 0 ? std::min(cap, round_override_) : cap;
+  }
+  size_t longest_part(size_t n) const {
+    size_t m = 0;
+    for (int r = 0; r < size_; ++r) {
+      const auto [lo, hi] = mt::shard_range(n, r, size_);
+      m = std::max(m, hi - lo);
+    }
+    return m;
+  }
+  // Rank r's elements in round k: [lo, hi) of `data`, possibly empty.
+  std::pair<size_t, size_t> round_of(size_t n, size_t r, size_t k) const {
+    const auto [lo, hi] = mt::shard_range(n, static_cast<int>(r), size_);
+    const size_t a = std::min(hi, lo + k * round_elems()), b = std::min(hi, a + round_elems());
+    return {a, b};
+  }
+
   int rank_ = 0, size_ = 1;
+  size_t round_override_ = 0;
   bool owns_ = false;
   std::vector<char> recv_;
 };

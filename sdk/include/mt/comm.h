@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "mt/export.h"
@@ -42,16 +43,28 @@ class MT_API Communicator {
   // for a device backend until a device communicator (NCCL) overrides it.
   virtual void all_reduce_sum(Backend& backend, const std::vector<Tensor*>& tensors);
 
-  // Declared for FSDP and tensor parallelism; not implemented yet by any communicator (they
-  // throw mt::Error saying so). out = the ranks' `in` in rank order / this rank's part of the
-  // rank-ordered sum.
-  virtual void all_gather(const float* in, size_t n, float* out);
-  virtual void reduce_scatter_sum(const float* in, size_t n, float* out);
+  // Sharded state (ZeRO, FSDP) on host memory, in place. A buffer of n elements is split among
+  // the ranks in rank order, rank r owning [n r / N, n (r + 1) / N) (shard_range below).
+  // reduce_scatter_sum leaves in this rank's part of `data` the rank-ordered sum of every rank's
+  // values there (the same bits all_reduce_sum gives; the rest of `data` is unspecified);
+  // all_gather copies each rank's part of `data` to every other rank. The defaults are for one
+  // rank (nothing to do) and throw mt::Error for more.
+  virtual void reduce_scatter_sum(float* data, size_t n);
+  virtual void all_gather(float* data, size_t n);
 
   // Ends the whole job with `code` from this rank (a rank that failed calls it, so no other
   // rank waits forever in a collective). Never returns.
   [[noreturn]] virtual void abort(int code) = 0;
 };
+
+// The part [first, second) of an n-element buffer that `rank` of `ranks` owns in
+// reduce_scatter_sum and all_gather.
+inline std::pair<size_t, size_t> shard_range(size_t n, int rank, int ranks) {
+  const auto r = static_cast<size_t>(rank), N = static_cast<size_t>(ranks);
+  // n r / N without overflow for any n a buffer can have.
+  auto at = [&](size_t k) { return n / N * k + n % N * k / N; };
+  return {at(r), at(r + 1)};
+}
 
 using CommunicatorFactory = std::function<std::unique_ptr<Communicator>(const Config&)>;
 

@@ -22,5 +22,6 @@
 // Model's multi-token prediction (mtp_depths, mtp_loss_scale, mtp_parameters, mtp_layer,
 // mtp_combine), and the Communicator plugin kind (mt/comm.h, Registry::add_communicator); 9:
 // KVCache::derived (tensors a layer derives from its weights once per decoder) and
-// blocks::MlaSpec::naive_cache.
-#define MT_ABI_VERSION 9u
+// blocks::MlaSpec::naive_cache; 10: Communicator::reduce_scatter_sum and all_gather in place
+// over shard_range's parts (sharded optimizer state).
+#define MT_ABI_VERSION 10u
