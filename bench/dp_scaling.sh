@@ -6,7 +6,8 @@
 # rank's tokens) of each and the efficiency N-rank tokens/s / (N x 1-rank tokens/s), which is
 # 1.0 when the ranks add nothing but their gradient all-reduce to a step. Also runs 1 rank
 # with N x THREADS_PER_RANK threads (the same cores as the N ranks, used by one process) for
-# comparison.
+# comparison, and the N ranks again with shard_optimizer_over_data=true (ZeRO-1: the same
+# traffic, 1/N of the moments per rank) to show what sharding costs.
 #   bench/dp_scaling.sh [model] [ranks] [reps]     (default llama-small, 2, 3)
 # Environment:
 #   MT_BUILD           mt's build directory (default build)
@@ -29,12 +30,12 @@ fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-run() {  # label ranks threads
+run() {  # label ranks threads [more words]
   local line
   # shellcheck disable=SC2086
   line=$(mpirun --oversubscribe --allow-run-as-root -np "$2" "$mt" bench train --model="$model" \
     num_threads="$3" steps="$steps" ici_data_parallelism="$2" \
-    base_output_directory="$work/out-$1" ${EXTRA:-} 2>/dev/null | tail -n 1)
+    base_output_directory="$work/out-$1" ${EXTRA:-} ${4:-} 2>/dev/null | tail -n 1)
   echo "$line"
   echo "$1 $(echo "$line" | grep -o '"tokens_per_sec": [0-9.]*' | sed 's/.*: //')" >> "$work/rows"
 }
@@ -42,15 +43,18 @@ for ((i = 0; i < reps; ++i)); do
   run one 1 "$tpr"
   run many "$ranks" "$tpr"
   run wide 1 $((ranks * tpr))
+  run sharded "$ranks" "$tpr" shard_optimizer_over_data=true
 done
 
 median() { sort -g | awk '{v[NR] = $1} END {print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
 one=$(awk '$1 == "one" {print $2}' "$work/rows" | median)
 many=$(awk '$1 == "many" {print $2}' "$work/rows" | median)
 wide=$(awk '$1 == "wide" {print $2}' "$work/rows" | median)
-awk -v m="$model" -v n="$ranks" -v t="$tpr" -v r="$reps" -v one="$one" -v many="$many" -v wide="$wide" 'BEGIN {
+sharded=$(awk '$1 == "sharded" {print $2}' "$work/rows" | median)
+awk -v m="$model" -v n="$ranks" -v t="$tpr" -v r="$reps" -v one="$one" -v many="$many" -v wide="$wide" -v sh="$sharded" 'BEGIN {
   printf "{\"summary\": \"%s data parallelism, medians of %d\", \"threads_per_rank\": %d, ", m, r, t
   printf "\"one_rank_tokens_per_sec\": %s, \"ranks\": %d, \"ranks_tokens_per_sec\": %s, ", one, n, many
   printf "\"efficiency\": %.3f, \"one_rank_with_all_threads_tokens_per_sec\": %s, ", (one > 0) ? many / (n * one) : 0, wide
-  printf "\"ranks_over_one_rank_with_all_threads\": %.3f}\n", (wide > 0) ? many / wide : 0
+  printf "\"ranks_over_one_rank_with_all_threads\": %.3f, ", (wide > 0) ? many / wide : 0
+  printf "\"sharded_optimizer_tokens_per_sec\": %s, \"sharded_over_plain\": %.3f}\n", sh, (many > 0) ? sh / many : 0
 }'

@@ -77,13 +77,38 @@ class MpiCommunicator final : public mt::Communicator {
   void all_reduce_sum(float* data, size_t n) override { reduce(data, n); }
   void all_reduce_sum(double* data, size_t n) override { reduce(data, n); }
 
-  // Both in rounds of at most round_elems() elements of each rank's part, packed into one
+  // A buffer of at most kIntMax elements whose parts fit one round goes straight to MPI; larger
+  // ones in rounds of at most round_elems() elements of each rank's part, packed into one
   // contiguous buffer per round (MPI counts and displacements are int; parts may be larger).
   void reduce_scatter_sum(float* data, size_t n) override {
     if (size_ == 1 || n == 0) return;
     const auto N = static_cast<size_t>(size_);
     const auto me = static_cast<size_t>(rank_);
     const size_t rounds = (longest_part(n) + round_elems() - 1) / round_elems();
+    if (rounds == 1 && n <= kIntMax) {  // one call straight from `data`, no packing
+      std::vector<int> counts(N), displs(N), rcounts(N), rdispls(N);
+      for (size_t r = 0; r < N; ++r) {
+        const auto [lo, hi] = mt::shard_range(n, static_cast<int>(r), size_);
+        counts[r] = static_cast<int>(hi - lo);
+        displs[r] = static_cast<int>(lo);
+      }
+      const auto mine = static_cast<size_t>(counts[me]);
+      std::vector<float> got(mine * N);
+      for (size_t r = 0; r < N; ++r) {
+        rcounts[r] = counts[me];
+        rdispls[r] = static_cast<int>(r * mine);
+      }
+      check(MPI_Alltoallv(data, counts.data(), displs.data(), MPI_FLOAT, got.data(), rcounts.data(),
+                          rdispls.data(), MPI_FLOAT, MPI_COMM_WORLD),
+            "MPI_Alltoallv");
+      float* out = data + displs[me];
+      for (size_t i = 0; i < mine; ++i) {
+        float s = got[i];
+        for (size_t r = 1; r < N; ++r) s += got[r * mine + i];
+        out[i] = s;
+      }
+      return;
+    }
     std::vector<int> counts(N), displs(N), rcounts(N), rdispls(N);
     std::vector<float> send, got;
     for (size_t k = 0; k < rounds; ++k) {
@@ -119,6 +144,18 @@ class MpiCommunicator final : public mt::Communicator {
     if (size_ == 1 || n == 0) return;
     const auto N = static_cast<size_t>(size_);
     const size_t rounds = (longest_part(n) + round_elems() - 1) / round_elems();
+    if (rounds == 1 && n <= kIntMax) {  // in place, no packing
+      std::vector<int> counts(N), displs(N);
+      for (size_t r = 0; r < N; ++r) {
+        const auto [lo, hi] = mt::shard_range(n, static_cast<int>(r), size_);
+        counts[r] = static_cast<int>(hi - lo);
+        displs[r] = static_cast<int>(lo);
+      }
+      check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, data, counts.data(), displs.data(),
+                           MPI_FLOAT, MPI_COMM_WORLD),
+            "MPI_Allgatherv");
+      return;
+    }
     std::vector<int> counts(N), displs(N);
     std::vector<float> got;
     for (size_t k = 0; k < rounds; ++k) {
@@ -200,6 +237,7 @@ class MpiCommunicator final : public mt::Communicator {
   // packed buffer (N parts) stays within 2^30 elements, inside MPI's int counts.
   // MT_MPI_ROUND_ELEMENTS sets a smaller round, so the tests cover several rounds on small
   // models.
+  static constexpr size_t kIntMax = 2147483647;
   size_t round_elems() const {
     const size_t cap = std::max<size_t>(1, (size_t{1} << 30) / static_cast<size_t>(size_));
     return round_override_ > 0 ? std::min(cap, round_override_) : cap;
