@@ -326,15 +326,16 @@ BENCHMARK(BM_ReadBandwidth)
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 
-// Args: K, N, trans_b (W stored [N, K]), bf16 weights (0/1).
+// Args: K, N, trans_b (W stored [N, K]), bf16 weights (0/1), M rows of x (batched decode's
+// few rows: 1 or up to 8).
 void BM_MatVec(benchmark::State& state) {
-  const int64_t k = state.range(0), n = state.range(1);
+  const int64_t k = state.range(0), n = state.range(1), m = state.range(4);
   const bool tb = state.range(2);
   const mt::DType dw = state.range(3) ? mt::DType::bf16 : mt::DType::f32;
   mt::Backend& be = backend();
-  mt::Tensor x = random_tensor({1, k}, mt::DType::f32);
+  mt::Tensor x = random_tensor({m, k}, mt::DType::f32);
   mt::Tensor w = random_tensor(tb ? mt::Shape{n, k} : mt::Shape{k, n}, dw);
-  mt::Tensor y = be.empty({1, n}, mt::DType::f32);
+  mt::Tensor y = be.empty({m, n}, mt::DType::f32);
   const double bytes = double(w.nbytes());
   const double bw = read_bandwidth(int64_t(bytes));
   be.matmul(x, w, y, false, tb);
@@ -353,12 +354,12 @@ void BM_MatVec(benchmark::State& state) {
   state.counters["GB/s"] = rate * 1e-9;
   state.counters["read_GB/s"] = bw * 1e-9;
   state.counters["pct_bw"] = 100.0 * rate / bw;
-  state.counters["GFLOP/s"] = 2.0 * double(k * n) * double(state.iterations()) / seconds * 1e-9;
+  state.counters["GFLOP/s"] = 2.0 * double(m * k * n) * double(state.iterations()) / seconds * 1e-9;
 }
 BENCHMARK(BM_MatVec)
-    ->ArgNames({"K", "N", "tb", "bf16_w"})
-    ->ArgsProduct({{768}, {3072}, {0, 1}, {0, 1}})
-    ->ArgsProduct({{2048}, {5632}, {0, 1}, {0, 1}})
+    ->ArgNames({"K", "N", "tb", "bf16_w", "M"})
+    ->ArgsProduct({{768}, {3072}, {0, 1}, {0, 1}, {1}})
+    ->ArgsProduct({{2048}, {5632}, {0, 1}, {0, 1}, {1, 8}})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 

@@ -258,7 +258,11 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
   if (r.profiler())
     std::fprintf(stderr, "mt bench decode: %s %s, batch 1, time per op:\n%s", model.c_str(),
                  dtype.c_str(), r.profiler()->report().c_str());
+  if (r.profiler()) const_cast<ProfilingBackend*>(r.profiler())->reset();
   const double b8 = decode(8, nullptr);
+  if (r.profiler())
+    std::fprintf(stderr, "mt bench decode: %s %s, batch 8, time per op:\n%s", model.c_str(),
+                 dtype.c_str(), r.profiler()->report().c_str());
   return fmt::format(
       "{{\"model\": \"{}\", \"dtype\": \"{}\", \"weight_bytes\": {}, "
       "\"prefill_512_tokens_per_sec\": {:.1f}, \"decode_batch1_tokens_per_sec\": {:.2f}, "

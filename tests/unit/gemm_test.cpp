@@ -271,20 +271,48 @@ TEST_F(Gemm, MatrixVector) {
   // Wider than one task's column chunk (several rounds of chunks per thread).
   for (DType db : {DType::f32, DType::bf16})
     check({.batch = 0, .m = 1, .n = odd(4097, 4601), .k = 9, .db = db}, rng_);
-  // A few rows against shared bf16 weights (batched decode) go row by row.
+  // A few rows against shared weights (batched decode, up to 8 rows: the few-rows kernels), f32
+  // and bf16, with the batch folded into the rows (2 x 2, 2 x 4) and alone (3, 5, 8).
   for (bool tb : {false, true})
-    check({.batch = 2,
-           .m = 2,
-           .n = 77,
-           .k = 45,
-           .tb = tb,
-           .alpha = 0.5f,
-           .beta = 1.f,
-           .db = DType::bf16},
-          rng_);
+    for (DType db : {DType::f32, DType::bf16}) {
+      for (int64_t m : {2, 4})
+        check(
+            {.batch = 2, .m = m, .n = 77, .k = 45, .tb = tb, .alpha = 0.5f, .beta = 1.f, .db = db},
+            rng_);
+      for (int64_t m : {3, 5, 8})
+        check({.batch = 0, .m = m, .n = odd(17, 301), .k = odd(33, 301), .tb = tb, .db = db}, rng_);
+    }
   // Batched decode: one row per batch item with batched b and with a transposed a.
   check({.batch = 3, .m = 1, .n = 40, .k = 33, .ta = true, .tb = true, .shared_b = false}, rng_);
   check({.batch = 3, .m = 1, .n = 40, .k = 33, .ta = true}, rng_);
+}
+
+// Batched decode: each row of a few-row product (shared weights, up to 8 rows) is bit for bit
+// what that row alone gives, so a sequence's tokens do not depend on the batch beside it.
+TEST_F(Gemm, FewRowsEqualEachRowAlone) {
+  MT_SEED_TRACE();
+  Backend& be = test::cpu();
+  for (bool tb : {false, true})
+    for (DType db : {DType::f32, DType::bf16})
+      for (int64_t m : {2, 7, 8}) {
+        const int64_t n = odd(17, 2601), k = odd(17, 301);
+        SCOPED_TRACE("m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" +
+                     std::to_string(k) + " tb=" + std::to_string(tb) + " " + dtype_name(db));
+        std::vector<float> va = test::randn(size_t(m * k), rng_);
+        std::vector<float> vb = test::randn(size_t(k * n), rng_);
+        const Tensor b = make(be, tb ? Shape{n, k} : Shape{k, n}, vb, db);
+        Tensor c = be.zeros({m, n}, DType::f32);
+        be.matmul(make(be, {m, k}, va, DType::f32), b, c, false, tb, 1.f, 0.f);
+        const std::vector<float> all = read(c);
+        for (int64_t r = 0; r < m; ++r) {
+          std::vector<float> row(va.begin() + r * k, va.begin() + (r + 1) * k);
+          Tensor c1 = be.zeros({1, n}, DType::f32);
+          be.matmul(make(be, {1, k}, row, DType::f32), b, c1, false, tb, 1.f, 0.f);
+          const std::vector<float> one = read(c1);
+          for (int64_t j = 0; j < n; ++j)
+            ASSERT_EQ(all[size_t(r * n + j)], one[size_t(j)]) << "row " << r << " column " << j;
+        }
+      }
 }
 
 TEST_F(Gemm, Bf16Operands) {
@@ -505,10 +533,11 @@ TEST(GemmPath, EveryMatvecKernelSetMatches) {
     std::string out;
     const int rc = test::run_command(
         std::string(kChildMarker) + "=1 MT_CPU_MATVEC=" + set + " " + exe +
-            " --gtest_filter=Gemm.MatrixVector:Gemm.Deterministic:GemmPath.DescribesPathAndPeak",
+            " --gtest_filter=Gemm.MatrixVector:Gemm.Deterministic:Gemm.FewRowsEqualEachRowAlone:"
+            "GemmPath.DescribesPathAndPeak",
         out);
     EXPECT_EQ(rc, 0) << out;
-    EXPECT_NE(out.find("[  PASSED  ] 3 tests"), std::string::npos) << out;
+    EXPECT_NE(out.find("[  PASSED  ] 4 tests"), std::string::npos) << out;
   }
   std::string out;
   EXPECT_NE(test::run_command(std::string(kChildMarker) + "=1 MT_CPU_MATVEC=sse9 " + exe +

@@ -381,17 +381,28 @@ void gemv_rows_portable(const float* x, const W* w, int64_t k, int64_t ldw, int6
   }
 }
 
+// The "cols" kernels take M rows of x (x + r ldx) and of y (y + r ldy), M <= kFewRows, against
+// the same W: each weight segment is read from memory once for all of them (batched decode),
+// and every output is summed in the same order as with M = 1, so a row's result does not depend
+// on the rows beside it.
+constexpr int64_t kFewRows = 8;
+
 template <class W>
-void gemv_cols_portable(const float* x, const W* w, int64_t k, int64_t ldw, int64_t j0, int64_t j1,
-                        float alpha, float beta, float* y) {
-  float acc[kColsChunk];
+void gemv_cols_portable(int64_t rows_m, const float* x, int64_t ldx, const W* w, int64_t k,
+                        int64_t ldw, int64_t j0, int64_t j1, float alpha, float beta, float* y,
+                        int64_t ldy) {
+  std::vector<float> acc_buf(static_cast<size_t>(rows_m * (j1 - j0)), 0.f);
   const int64_t n = j1 - j0;
-  for (int64_t j = 0; j < n; ++j) acc[j] = 0.f;
   for (int64_t p = 0; p < k; ++p) {
     const W* row = w + p * ldw + j0;
-    for (int64_t j = 0; j < n; ++j) acc[j] += x[p] * load_scalar(row + j);
+    for (int64_t j = 0; j < n; ++j) {
+      const float wv = load_scalar(row + j);
+      for (int64_t r = 0; r < rows_m; ++r) acc_buf[size_t(r * n + j)] += x[r * ldx + p] * wv;
+    }
   }
-  for (int64_t j = 0; j < n; ++j) y[j0 + j] = combine(acc[j], alpha, beta, y[j0 + j]);
+  for (int64_t r = 0; r < rows_m; ++r)
+    for (int64_t j = 0; j < n; ++j)
+      y[r * ldy + j0 + j] = combine(acc_buf[size_t(r * n + j)], alpha, beta, y[r * ldy + j0 + j]);
 }
 
 #define MT_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
@@ -466,47 +477,55 @@ MT_AVX512 void gemv_rows_avx512(const float* x, const W* w, int64_t k, int64_t l
 }
 
 template <class W>
-MT_AVX512 void gemv_cols_avx512(const float* x, const W* w, int64_t k, int64_t ldw, int64_t j0,
-                                int64_t j1, float alpha, float beta, float* y) {
-  alignas(64) float acc[kColsChunk];
-  const int64_t n = j1 - j0, nv = (n + 15) / 16;
-  for (int64_t v = 0; v < nv; ++v) _mm512_store_ps(acc + 16 * v, _mm512_setzero_ps());
-  // Four rows of W per pass over the partial sums: four weight streams per load/store of acc.
+MT_AVX512 void gemv_cols_avx512(int64_t rows_m, const float* x, int64_t ldx, const W* w, int64_t k,
+                                int64_t ldw, int64_t j0, int64_t j1, float alpha, float beta,
+                                float* y, int64_t ldy) {
+  alignas(64) float acc[kFewRows * kColsChunk];
+  const int64_t n = j1 - j0, nv = (n + 15) / 16, lda = nv * 16;
+  for (int64_t i = 0; i < rows_m * lda; i += 16) _mm512_store_ps(acc + i, _mm512_setzero_ps());
+  // Four rows of W per pass over the partial sums: four weight streams per load/store of acc,
+  // widened once for the M rows of x.
   int64_t p = 0;
   for (; p + 4 <= k; p += 4) {
-    const __m512 x0 = _mm512_set1_ps(x[p]), x1 = _mm512_set1_ps(x[p + 1]);
-    const __m512 x2 = _mm512_set1_ps(x[p + 2]), x3 = _mm512_set1_ps(x[p + 3]);
     const W* r0 = w + p * ldw + j0;
     const W* r1 = r0 + ldw;
     const W* r2 = r1 + ldw;
     const W* r3 = r2 + ldw;
     for (int64_t v = 0; v < nv; ++v) {
       const __mmask16 m = tail_mask(n - 16 * v);
-      __m512 s = _mm512_load_ps(acc + 16 * v);
-      s = _mm512_fmadd_ps(x0, load16(r0 + 16 * v, m), s);
-      s = _mm512_fmadd_ps(x1, load16(r1 + 16 * v, m), s);
-      s = _mm512_fmadd_ps(x2, load16(r2 + 16 * v, m), s);
-      s = _mm512_fmadd_ps(x3, load16(r3 + 16 * v, m), s);
-      _mm512_store_ps(acc + 16 * v, s);
+      const __m512 w0 = load16(r0 + 16 * v, m), w1 = load16(r1 + 16 * v, m);
+      const __m512 w2 = load16(r2 + 16 * v, m), w3 = load16(r3 + 16 * v, m);
+      for (int64_t r = 0; r < rows_m; ++r) {
+        const float* xr = x + r * ldx + p;
+        float* a = acc + r * lda + 16 * v;
+        __m512 s = _mm512_load_ps(a);
+        s = _mm512_fmadd_ps(_mm512_set1_ps(xr[0]), w0, s);
+        s = _mm512_fmadd_ps(_mm512_set1_ps(xr[1]), w1, s);
+        s = _mm512_fmadd_ps(_mm512_set1_ps(xr[2]), w2, s);
+        s = _mm512_fmadd_ps(_mm512_set1_ps(xr[3]), w3, s);
+        _mm512_store_ps(a, s);
+      }
     }
   }
   for (; p < k; ++p) {
-    const __m512 x0 = _mm512_set1_ps(x[p]);
     const W* r0 = w + p * ldw + j0;
     for (int64_t v = 0; v < nv; ++v) {
-      const __mmask16 m = tail_mask(n - 16 * v);
-      _mm512_store_ps(acc + 16 * v,
-                      _mm512_fmadd_ps(x0, load16(r0 + 16 * v, m), _mm512_load_ps(acc + 16 * v)));
+      const __m512 w0 = load16(r0 + 16 * v, tail_mask(n - 16 * v));
+      for (int64_t r = 0; r < rows_m; ++r) {
+        float* a = acc + r * lda + 16 * v;
+        _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + p]), w0, _mm512_load_ps(a)));
+      }
     }
   }
   const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
-  for (int64_t v = 0; v < nv; ++v) {
-    const __mmask16 m = tail_mask(n - 16 * v);
-    float* out = y + j0 + 16 * v;
-    __m512 r = _mm512_mul_ps(va, _mm512_load_ps(acc + 16 * v));
-    if (beta != 0.f) r = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m, out), r);
-    _mm512_mask_storeu_ps(out, m, r);
-  }
+  for (int64_t r = 0; r < rows_m; ++r)
+    for (int64_t v = 0; v < nv; ++v) {
+      const __mmask16 m = tail_mask(n - 16 * v);
+      float* out = y + r * ldy + j0 + 16 * v;
+      __m512 o = _mm512_mul_ps(va, _mm512_load_ps(acc + r * lda + 16 * v));
+      if (beta != 0.f) o = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m, out), o);
+      _mm512_mask_storeu_ps(out, m, o);
+    }
 }
 
 #define MT_AVX2 __attribute__((target("avx2,fma")))
@@ -584,41 +603,55 @@ MT_AVX2 void gemv_rows_avx2(const float* x, const W* w, int64_t k, int64_t ldw, 
 }
 
 template <class W>
-MT_AVX2 void gemv_cols_avx2(const float* x, const W* w, int64_t k, int64_t ldw, int64_t j0,
-                            int64_t j1, float alpha, float beta, float* y) {
-  alignas(32) float acc[kColsChunk];
-  const int64_t n = j1 - j0, n8 = n / 8 * 8;
-  for (int64_t j = 0; j < n; ++j) acc[j] = 0.f;
-  // Four rows of W per pass over the partial sums: four weight streams per load/store of acc;
-  // the last n % 8 columns in scalar.
+MT_AVX2 void gemv_cols_avx2(int64_t rows_m, const float* x, int64_t ldx, const W* w, int64_t k,
+                            int64_t ldw, int64_t j0, int64_t j1, float alpha, float beta, float* y,
+                            int64_t ldy) {
+  alignas(32) float acc[kFewRows * kColsChunk];
+  const int64_t n = j1 - j0, n8 = n / 8 * 8, lda = (n + 7) / 8 * 8;
+  for (int64_t i = 0; i < rows_m * lda; ++i) acc[i] = 0.f;
+  // Four rows of W per pass over the partial sums: four weight streams per load/store of acc,
+  // widened once for the M rows of x; the last n % 8 columns in scalar.
   int64_t p = 0;
   for (; p + 4 <= k; p += 4) {
-    const __m256 x0 = _mm256_set1_ps(x[p]), x1 = _mm256_set1_ps(x[p + 1]);
-    const __m256 x2 = _mm256_set1_ps(x[p + 2]), x3 = _mm256_set1_ps(x[p + 3]);
     const W* r0 = w + p * ldw + j0;
     const W* r1 = r0 + ldw;
     const W* r2 = r1 + ldw;
     const W* r3 = r2 + ldw;
     for (int64_t v = 0; v < n8; v += 8) {
-      __m256 s = _mm256_load_ps(acc + v);
-      s = _mm256_fmadd_ps(x0, load8(r0 + v), s);
-      s = _mm256_fmadd_ps(x1, load8(r1 + v), s);
-      s = _mm256_fmadd_ps(x2, load8(r2 + v), s);
-      s = _mm256_fmadd_ps(x3, load8(r3 + v), s);
-      _mm256_store_ps(acc + v, s);
+      const __m256 w0 = load8(r0 + v), w1 = load8(r1 + v), w2 = load8(r2 + v), w3 = load8(r3 + v);
+      for (int64_t r = 0; r < rows_m; ++r) {
+        const float* xr = x + r * ldx + p;
+        float* a = acc + r * lda + v;
+        __m256 s = _mm256_load_ps(a);
+        s = _mm256_fmadd_ps(_mm256_set1_ps(xr[0]), w0, s);
+        s = _mm256_fmadd_ps(_mm256_set1_ps(xr[1]), w1, s);
+        s = _mm256_fmadd_ps(_mm256_set1_ps(xr[2]), w2, s);
+        s = _mm256_fmadd_ps(_mm256_set1_ps(xr[3]), w3, s);
+        _mm256_store_ps(a, s);
+      }
     }
     for (int64_t j = n8; j < n; ++j)
-      acc[j] += x[p] * load_scalar(r0 + j) + x[p + 1] * load_scalar(r1 + j) +
-                x[p + 2] * load_scalar(r2 + j) + x[p + 3] * load_scalar(r3 + j);
+      for (int64_t r = 0; r < rows_m; ++r) {
+        const float* xr = x + r * ldx + p;
+        acc[r * lda + j] += xr[0] * load_scalar(r0 + j) + xr[1] * load_scalar(r1 + j) +
+                            xr[2] * load_scalar(r2 + j) + xr[3] * load_scalar(r3 + j);
+      }
   }
   for (; p < k; ++p) {
-    const __m256 x0 = _mm256_set1_ps(x[p]);
     const W* r0 = w + p * ldw + j0;
-    for (int64_t v = 0; v < n8; v += 8)
-      _mm256_store_ps(acc + v, _mm256_fmadd_ps(x0, load8(r0 + v), _mm256_load_ps(acc + v)));
-    for (int64_t j = n8; j < n; ++j) acc[j] += x[p] * load_scalar(r0 + j);
+    for (int64_t v = 0; v < n8; v += 8) {
+      const __m256 w0 = load8(r0 + v);
+      for (int64_t r = 0; r < rows_m; ++r) {
+        float* a = acc + r * lda + v;
+        _mm256_store_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(x[r * ldx + p]), w0, _mm256_load_ps(a)));
+      }
+    }
+    for (int64_t j = n8; j < n; ++j)
+      for (int64_t r = 0; r < rows_m; ++r) acc[r * lda + j] += x[r * ldx + p] * load_scalar(r0 + j);
   }
-  for (int64_t j = 0; j < n; ++j) y[j0 + j] = combine(acc[j], alpha, beta, y[j0 + j]);
+  for (int64_t r = 0; r < rows_m; ++r)
+    for (int64_t j = 0; j < n; ++j)
+      y[r * ldy + j0 + j] = combine(acc[r * lda + j], alpha, beta, y[r * ldy + j0 + j]);
 }
 
 // The matrix-vector kernel set: the widest the CPU has, or MT_CPU_MATVEC=portable|avx2|avx512
@@ -656,35 +689,39 @@ const char* matvec_set_name() {
   }
 }
 
+// M rows of x and y (M <= kFewRows) against W: the "cols" kernels take them all at once; the
+// "rows" kernels run each row over a block of 4 weight rows at a time, which stays in L1/L2
+// while the M rows pass over it (one read from memory).
 template <class W>
-void gemv(bool rows, const float* x, const W* w, int64_t k, int64_t ldw, int64_t j0, int64_t j1,
-          float alpha, float beta, float* y) {
-  switch (matvec_set()) {
-    case MatvecSet::avx512:
-      if (rows)
-        gemv_rows_avx512(x, w, k, ldw, j0, j1, alpha, beta, y);
+void gemv(bool rows, int64_t rows_m, const float* x, int64_t ldx, const W* w, int64_t k,
+          int64_t ldw, int64_t j0, int64_t j1, float alpha, float beta, float* y, int64_t ldy) {
+  const MatvecSet set = matvec_set();
+  if (!rows) {
+    if (set == MatvecSet::avx512)
+      gemv_cols_avx512(rows_m, x, ldx, w, k, ldw, j0, j1, alpha, beta, y, ldy);
+    else if (set == MatvecSet::avx2)
+      gemv_cols_avx2(rows_m, x, ldx, w, k, ldw, j0, j1, alpha, beta, y, ldy);
+    else
+      gemv_cols_portable(rows_m, x, ldx, w, k, ldw, j0, j1, alpha, beta, y, ldy);
+    return;
+  }
+  const int64_t block = rows_m == 1 ? j1 - j0 : 4;
+  for (int64_t b0 = j0; b0 < j1; b0 += block) {
+    const int64_t b1 = std::min(j1, b0 + block);
+    for (int64_t r = 0; r < rows_m; ++r) {
+      const float* xr = x + r * ldx;
+      float* yr = y + r * ldy;
+      if (set == MatvecSet::avx512)
+        gemv_rows_avx512(xr, w, k, ldw, b0, b1, alpha, beta, yr);
+      else if (set == MatvecSet::avx2)
+        gemv_rows_avx2(xr, w, k, ldw, b0, b1, alpha, beta, yr);
       else
-        gemv_cols_avx512(x, w, k, ldw, j0, j1, alpha, beta, y);
-      return;
-    case MatvecSet::avx2:
-      if (rows)
-        gemv_rows_avx2(x, w, k, ldw, j0, j1, alpha, beta, y);
-      else
-        gemv_cols_avx2(x, w, k, ldw, j0, j1, alpha, beta, y);
-      return;
-    default:
-      if (rows)
-        gemv_rows_portable(x, w, k, ldw, j0, j1, alpha, beta, y);
-      else
-        gemv_cols_portable(x, w, k, ldw, j0, j1, alpha, beta, y);
+        gemv_rows_portable(xr, w, k, ldw, b0, b1, alpha, beta, yr);
+    }
   }
 }
 
 // ---- drivers --------------------------------------------------------------------------------
-
-// Rows of a up to which bf16 weights are read once per row by the matrix-vector kernels rather
-// than widened or packed for a GEMM (each costs about as much as ~4 passes over bf16 weights).
-constexpr int64_t kFewRows = 4;
 
 struct Problem {
   int64_t batch, m, n, k;
@@ -693,7 +730,8 @@ struct Problem {
   int64_t stride_a, stride_b, stride_c;  // elements between batch items; stride_b 0 = shared b
 };
 
-// Every output of c [batch, 1, n]: tasks over (batch item, chunk of outputs).
+// Every output of c [batch, m, n], m <= kFewRows (a untransposed): tasks over (batch item,
+// chunk of outputs), each for all m rows.
 template <class W>
 void matvec(const Problem& p, const float* a, const W* b, float* c) {
   const bool rows = p.tb;  // trans_b: b is [n, k]
@@ -710,8 +748,8 @@ void matvec(const Problem& p, const float* a, const W* b, float* c) {
   const int64_t chunks = (p.n + chunk - 1) / chunk;
   auto body = [&](int64_t t) {
     const int64_t bi = t / chunks, j0 = (t % chunks) * chunk, j1 = std::min(p.n, j0 + chunk);
-    gemv(rows, a + bi * p.stride_a, b + bi * p.stride_b, p.k, rows ? p.k : p.n, j0, j1, p.alpha,
-         p.beta, c + bi * p.stride_c);
+    gemv(rows, p.m, a + bi * p.stride_a, p.k, b + bi * p.stride_b, p.k, rows ? p.k : p.n, j0, j1,
+         p.alpha, p.beta, c + bi * p.stride_c, p.n);
   };
   const int64_t tasks = p.batch * chunks;
   if (tasks == 1) {
@@ -869,19 +907,19 @@ void matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool tran
     if (p.m > INT_MAX) fail(describe_call(a, b, c, trans_a, trans_b) + ": a has too many rows");
   }
 
-  // A few rows against shared bf16 weights (batched decode): the matrix-vector kernels read the
-  // bf16 weights once per row, less traffic than widening (or tile-packing) all of them for a
-  // handful of rows. With b shared and a untransposed the batch is already folded into M.
-  if (shared_b && !trans_a && p.m > 1 && p.m <= kFewRows && b.dtype() == DType::bf16)
-    p = Problem{p.m, 1, n, k, false, trans_b, alpha, beta, k, 0, n};
+  // A few rows against shared weights (batched decode): the matrix-vector kernels read the
+  // weights once for all of them, less traffic than widening (or tile-packing) bf16 weights for
+  // a handful of rows or a GEMM's packing, and each row's result is what it alone would get.
+  // With b shared and a untransposed the batch is already folded into M.
+  const bool few = p.m == 1 || (shared_b && !trans_a && p.m <= kFewRows);
 
   // bf16 c: computed in an f32 scratch (holding c's old values when beta needs them).
   Tensor c32 = c.dtype() == DType::f32 || beta != 0.f ? as_f32(c)
                                                       : c.backend()->empty(c.shape(), DType::f32);
   if (k == 0) {
     scale_only(beta, c32.ptr<float>(), c32.numel());
-  } else if (p.m == 1) {
-    const Tensor a32 = as_f32(a);  // one row per batch item: cheap to widen
+  } else if (few) {
+    const Tensor a32 = as_f32(a);  // a few rows per batch item: cheap to widen
     if (b.dtype() == DType::bf16)
       matvec(p, a32.ptr<const float>(), b.ptr<const uint16_t>(), c32.ptr<float>());
     else
