@@ -4,7 +4,8 @@
 # and THREADS_PER_RANK threads, interleaved REPS times so that other load on the machine slows
 # each alike. Prints every run's JSON line, then one summary line: the median tokens/s (every
 # rank's tokens) of each and the efficiency N-rank tokens/s / (N x 1-rank tokens/s), which is
-# 1.0 when the ranks add nothing but their gradient all-reduce to a step. Also runs 1 rank
+# 1.0 when the ranks add nothing but their gradient all-reduce to a step, and the median share
+# of an N-rank step spent in collectives (exposed: mt does not overlap them). Also runs 1 rank
 # with N x THREADS_PER_RANK threads (the same cores as the N ranks, used by one process) for
 # comparison, and the N ranks again with shard_optimizer_over_data=true (ZeRO-1: the same
 # traffic, 1/N of the moments per rank) to show what sharding costs.
@@ -37,7 +38,7 @@ run() {  # label ranks threads [more words]
     num_threads="$3" steps="$steps" ici_data_parallelism="$2" \
     base_output_directory="$work/out-$1" ${EXTRA:-} ${4:-} 2>/dev/null | tail -n 1)
   echo "$line"
-  echo "$1 $(echo "$line" | grep -o '"tokens_per_sec": [0-9.]*' | sed 's/.*: //')" >> "$work/rows"
+  echo "$1 $(echo "$line" | grep -o '"tokens_per_sec": [0-9.]*' | sed 's/.*: //') $(echo "$line" | grep -o '"communication_share": [0-9.]*' | sed 's/.*: //')" >> "$work/rows"
 }
 for ((i = 0; i < reps; ++i)); do
   run one 1 "$tpr"
@@ -51,10 +52,13 @@ one=$(awk '$1 == "one" {print $2}' "$work/rows" | median)
 many=$(awk '$1 == "many" {print $2}' "$work/rows" | median)
 wide=$(awk '$1 == "wide" {print $2}' "$work/rows" | median)
 sharded=$(awk '$1 == "sharded" {print $2}' "$work/rows" | median)
-awk -v m="$model" -v n="$ranks" -v t="$tpr" -v r="$reps" -v one="$one" -v many="$many" -v wide="$wide" -v sh="$sharded" 'BEGIN {
+many_comm=$(awk '$1 == "many" {print $3}' "$work/rows" | median)
+sharded_comm=$(awk '$1 == "sharded" {print $3}' "$work/rows" | median)
+awk -v m="$model" -v n="$ranks" -v t="$tpr" -v r="$reps" -v one="$one" -v many="$many" -v wide="$wide" -v sh="$sharded" -v mc="$many_comm" -v sc="$sharded_comm" 'BEGIN {
   printf "{\"summary\": \"%s data parallelism, medians of %d\", \"threads_per_rank\": %d, ", m, r, t
   printf "\"one_rank_tokens_per_sec\": %s, \"ranks\": %d, \"ranks_tokens_per_sec\": %s, ", one, n, many
   printf "\"efficiency\": %.3f, \"one_rank_with_all_threads_tokens_per_sec\": %s, ", (one > 0) ? many / (n * one) : 0, wide
   printf "\"ranks_over_one_rank_with_all_threads\": %.3f, ", (wide > 0) ? many / wide : 0
+  printf "\"ranks_communication_share\": %s, \"sharded_communication_share\": %s, ", mc, sc
   printf "\"sharded_optimizer_tokens_per_sec\": %s, \"sharded_over_plain\": %.3f}\n", sh, (many > 0) ? sh / many : 0
 }'

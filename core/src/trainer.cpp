@@ -171,14 +171,16 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
                                Communicator* comm, const OptimizerState* opt) {
   Backend& be = runner.backend();
   const bool ranks = comm && comm->size() > 1;
+  StepGradients r;
   int64_t valid = 0;
   for (const auto& mb : micro) valid += mb.valid_targets;
   if (ranks) {  // the weights are shares of the global batch's targets
+    const auto t0 = Clock::now();
     double v = static_cast<double>(valid);
     comm->all_reduce_sum(&v, 1);
     valid = std::llround(v);
+    r.communication_s += seconds_since(t0);
   }
-  StepGradients r;
   for (auto& mb : micro) {
     Graph g(be);
     const double share =
@@ -191,6 +193,8 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
   }
   runner.finish_gradients();
   if (ranks) {
+    be.synchronize();  // the backward's kernels are compute, not the collectives' time
+    const auto t0 = Clock::now();
     // Gradients summed over the ranks (one bucket), then the scalars every rank reports: the
     // loss, the auxiliary losses and the layers' statistics (DeepSeek-V3's expert loads),
     // flattened in the same order on every rank.
@@ -230,6 +234,7 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
     for (auto& layer : r.layer_stats)
       for (auto& [name, values] : layer)
         for (double& x : values) x = scalars[k++];
+    r.communication_s += seconds_since(t0);
   }
   // The global gradient norm: every tensor's sum of squares in one call (one device round
   // trip), added in parameter order.
@@ -248,13 +253,17 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
   be.sum_squares_each(grads, sq);
   double total = 0;
   for (double x : sq) total += x;
-  if (parts) comm->all_reduce_sum(&total, 1);
+  if (parts) {
+    const auto t0 = Clock::now();
+    comm->all_reduce_sum(&total, 1);
+    r.communication_s += seconds_since(t0);
+  }
   r.grad_norm = std::sqrt(total);
   return r;
 }
 
-void apply_update(ModelRunner& runner, OptimizerState& opt, AdamWParams adam, float weight_decay,
-                  const std::vector<LayerStats>& layer_stats, Communicator* comm) {
+double apply_update(ModelRunner& runner, OptimizerState& opt, AdamWParams adam, float weight_decay,
+                    const std::vector<LayerStats>& layer_stats, Communicator* comm) {
   Backend& be = runner.backend();
   size_t i = 0;
   for (auto& p : runner.params()) {
@@ -284,7 +293,10 @@ void apply_update(ModelRunner& runner, OptimizerState& opt, AdamWParams adam, fl
     }
     ++i;
   }
+  double communication_s = 0;
   if (opt.sharded() && comm && comm->size() > 1) {
+    be.synchronize();
+    const auto t0 = Clock::now();
     // Every rank's updated parts to every rank: one host buffer, one collective.
     int64_t total = 0;
     for (auto& p : runner.params()) total += p.value.numel();
@@ -302,10 +314,12 @@ void apply_update(ModelRunner& runner, OptimizerState& opt, AdamWParams adam, fl
       part_from_host(p.value, 0, p.value.numel(), flat.data() + at);
       at += p.value.numel();
     }
+    communication_s = seconds_since(t0);
   }
   // Updates outside the gradient (DeepSeek-V3's router_bias), before the step's checkpoint.
   runner.after_step(layer_stats);
   runner.zero_gradients();
+  return communication_s;
 }
 
 namespace {
@@ -645,7 +659,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
 
   TrainSummary sum;
   sum.run_dir = run_dir.string();
-  std::vector<double> tps_hist, step_ms_hist;
+  std::vector<double> tps_hist, step_ms_hist, comm_ms_hist;
   const auto run_start = Clock::now();
   double last_loss = 0;
   if (first_step > steps && !quiet)
@@ -689,7 +703,8 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     adam.lr = static_cast<float>(lr);
     adam.step = step;
     adam.grad_scale = clip > 0 && grad_norm > clip ? static_cast<float>(clip / grad_norm) : 1.f;
-    apply_update(runner, opt, adam, weight_decay, sg.layer_stats, &comm);
+    const double comm_s =
+        sg.communication_s + apply_update(runner, opt, adam, weight_decay, sg.layer_stats, &comm);
     double ckpt_s = 0;
     if (checkpointing && (step % ckpt_period == 0 || step == steps)) {
       save(step);
@@ -705,6 +720,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     if (step >= first_step + kUntimedSteps) {  // the first steps warm up (kUntimedSteps)
       tps_hist.push_back(tps);
       step_ms_hist.push_back(step_s * 1e3);
+      comm_ms_hist.push_back(comm_s * 1e3);
       // The run's length on this machine, from its first timed step, when it is a minute or
       // more (a terminal's progress line carries a live ETA instead).
       const double left = step_s * static_cast<double>(steps - step);
@@ -728,10 +744,11 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
           "{{\"step\": {}, \"loss\": {:.9g}, \"learning_rate\": {:.6g}, \"grad_norm\": {:.6g}, "
           "\"tokens_per_sec\": {:.2f}, \"tflops_per_device\": {:.5f}, \"mfu\": {:.5f}, "
           "\"step_time_ms\": {:.2f}, \"data_wait_ms\": {:.3f}, \"checkpoint_ms\": {:.3f}, "
-          "\"peak_memory_mb\": {:.1f}, \"system_allocs\": {}{}{}}}\n",
+          "\"peak_memory_mb\": {:.1f}, \"system_allocs\": {}{}{}{}}}\n",
           step, loss, lr, grad_norm, tps, tflops, mfu, step_s * 1e3, data_wait * 1e3, ckpt_s * 1e3,
-          static_cast<double>(ms.peak_bytes_in_use) / 1e6, ms.num_system_allocs, aux_fields(aux),
-          ev >= 0 ? fmt::format(", \"eval_loss\": {:.6f}", ev) : "");
+          static_cast<double>(ms.peak_bytes_in_use) / 1e6, ms.num_system_allocs,
+          ranks > 1 ? fmt::format(", \"communication_ms\": {:.3f}", comm_s * 1e3) : "",
+          aux_fields(aux), ev >= 0 ? fmt::format(", \"eval_loss\": {:.6f}", ev) : "");
     // Each record reaches the file at once: a killed run keeps the lines of the steps it
     // checkpointed, so a resumed run leaves no gap.
     metrics.flush();
@@ -779,6 +796,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   sum.timed_steps = static_cast<int64_t>(tps_hist.size());
   sum.tokens_per_sec = median(tps_hist);
   sum.step_time_ms = median(step_ms_hist);
+  sum.communication_ms = median(comm_ms_hist);
   sum.tflops_per_device = sum.tokens_per_sec * flops_per_token / ranks / 1e12;
   sum.mfu = sum.tokens_per_sec * flops_per_token / (ranks * peak);
   return sum;

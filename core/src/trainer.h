@@ -32,6 +32,8 @@ struct TrainSummary {
   // with none (a run of kUntimedSteps steps or fewer) these are 0.
   double tokens_per_sec = 0, tflops_per_device = 0, mfu = 0;
   double step_time_ms = 0;
+  // Median time per step in collectives (several ranks), exposed: not overlapped with compute.
+  double communication_ms = 0;
   int64_t timed_steps = 0;
   double checkpoint_seconds = 0;  // training time blocked by checkpoint saves
   int64_t failed_checkpoints = 0;  // saves that failed with checkpoint_error_policy=continue
@@ -78,6 +80,9 @@ OptimizerState make_optimizer_state(ModelRunner& runner, const Config& cfg,
 // gradients finished and their global norm.
 struct StepGradients {
   double loss = 0, grad_norm = 0;
+  // Wall time in the step's collectives over the ranks, with the host copies around them (none
+  // overlaps compute: it is all exposed); 0 for one rank.
+  double communication_s = 0;
   std::map<std::string, double> aux;    // the layers' auxiliary losses, batch-weighted
   std::vector<LayerStats> layer_stats;  // their statistics, summed over the micro-batches
 };
@@ -94,9 +99,10 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
 // AdamW on every parameter (weight decay where ParamSpec::weight_decay says), then the layers'
 // updates outside the gradient (after_step), then the gradients are made fresh for the next
 // step. A sharded `opt` updates this rank's part of each parameter, then gathers the other
-// ranks' parts over `comm` (null: no gather, as the memory plan's trace runs it).
-void apply_update(ModelRunner& runner, OptimizerState& opt, AdamWParams adam, float weight_decay,
-                  const std::vector<LayerStats>& layer_stats, Communicator* comm = nullptr);
+// ranks' parts over `comm` (null: no gather, as the memory plan's trace runs it). Returns the
+// seconds that gather took (0 without one).
+double apply_update(ModelRunner& runner, OptimizerState& opt, AdamWParams adam, float weight_decay,
+                    const std::vector<LayerStats>& layer_stats, Communicator* comm = nullptr);
 
 // Trains as the config says. quiet: no terminal output (bench); throws mt::Error on NaN/Inf.
 // comm: the job's ranks (data parallelism; null = one rank). Rank 0 alone prints, writes

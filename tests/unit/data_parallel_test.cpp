@@ -218,6 +218,19 @@ TEST(DataParallel, ShardedOptimizerStateTrainsAsPlainDataParallelism) {
             std::string::npos)
       << r.out;
   EXPECT_EQ(losses(d.root / "sharded"), losses(d.root / "plain"));
+  // Every step records the time its collectives took (exposed: nothing overlaps them).
+  for (const char* run : {"plain", "sharded"}) {
+    std::ifstream f(d.root / run / "metrics.jsonl");
+    std::string line;
+    int timed = 0;
+    while (std::getline(f, line)) {
+      const size_t k = line.find("\"communication_ms\": ");
+      ASSERT_NE(k, std::string::npos) << run << ": " << line;
+      EXPECT_GT(std::stod(line.substr(k + 20)), 0.0) << run << ": " << line;
+      ++timed;
+    }
+    EXPECT_EQ(timed, 20) << run;
+  }
   size_t moment_bytes = 0;
   for (const char* f : {"params.safetensors", "opt_m.safetensors", "opt_v.safetensors"}) {
     const std::string a = file_bytes(d.root / "plain" / "checkpoints" / "20" / f);
