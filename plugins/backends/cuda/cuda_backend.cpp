@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 
+#include <cstdlib>
 #include <string>
 #include <utility>
 
@@ -167,8 +168,17 @@ void register_cuda(mt::Registry& r) {
         cfg.has("matmul_precision") ? cfg.get_string("matmul_precision") : "highest";
     if (p != "highest" && p != "high" && p != "default")
       cfg.reject("matmul_precision", "is not one of the choices: default, high, highest.");
-    return std::make_unique<CudaBackend>(
-        0, p == "highest" ? mt::cuda::MatmulPrecision::highest : mt::cuda::MatmulPrecision::tf32);
+    // One GPU per process: under mpirun or srun, the launcher's local rank modulo the GPUs
+    // visible (as the nccl communicator chooses), so the ranks of a node use different GPUs.
+    int device = 0, devices = 0;
+    for (const char* v : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"})
+      if (const char* s = std::getenv(v); s && *s) {
+        device = std::atoi(s);
+        break;
+      }
+    if (cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0) device %= devices;
+    return std::make_unique<CudaBackend>(device, p == "highest" ? mt::cuda::MatmulPrecision::highest
+                                                                : mt::cuda::MatmulPrecision::tf32);
   });
   add_attention(r, "dot_product", mt::cuda::kDotProduct);
   add_attention(r, "flash", mt::cuda::kFlash);
