@@ -84,44 +84,16 @@ class MpiCommunicator final : public mt::Communicator {
     if (size_ == 1 || n == 0) return;
     const auto N = static_cast<size_t>(size_);
     const auto me = static_cast<size_t>(rank_);
-    const size_t rounds = (longest_part(n) + round_elems() - 1) / round_elems();
-    if (rounds == 1 && n <= kIntMax) {  // one call straight from `data`, no packing
-      std::vector<int> counts(N), displs(N), rcounts(N), rdispls(N);
-      for (size_t r = 0; r < N; ++r) {
-        const auto [lo, hi] = mt::shard_range(n, static_cast<int>(r), size_);
-        counts[r] = static_cast<int>(hi - lo);
-        displs[r] = static_cast<int>(lo);
-      }
-      const auto mine = static_cast<size_t>(counts[me]);
-      std::vector<float> got(mine * N);
-      for (size_t r = 0; r < N; ++r) {
-        rcounts[r] = counts[me];
-        rdispls[r] = static_cast<int>(r * mine);
-      }
-      check(MPI_Alltoallv(data, counts.data(), displs.data(), MPI_FLOAT, got.data(), rcounts.data(),
-                          rdispls.data(), MPI_FLOAT, MPI_COMM_WORLD),
-            "MPI_Alltoallv");
-      float* out = data + displs[me];
-      for (size_t i = 0; i < mine; ++i) {
-        float s = got[i];
-        for (size_t r = 1; r < N; ++r) s += got[r * mine + i];
-        out[i] = s;
-      }
-      return;
-    }
     std::vector<int> counts(N), displs(N), rcounts(N), rdispls(N);
     std::vector<float> send, got;
-    for (size_t k = 0; k < rounds; ++k) {
-      size_t total = 0;
-      for (size_t r = 0; r < N; ++r) {
-        const auto [lo, hi] = round_of(n, r, k);
-        counts[r] = static_cast<int>(hi - lo);
-        displs[r] = static_cast<int>(total);
-        total += hi - lo;
+    const bool direct = rounds(n) == 1 && n <= kIntMax;  // straight from `data`, no packing
+    for (size_t k = 0; k < rounds(n); ++k) {
+      const size_t total = layout(n, k, direct, counts, displs);
+      if (!direct) {
+        send.resize(total);
+        for (size_t r = 0; r < N; ++r)
+          std::copy_n(data + round_of(n, r, k).first, counts[r], send.data() + displs[r]);
       }
-      send.resize(total);
-      for (size_t r = 0; r < N; ++r)
-        std::copy_n(data + round_of(n, r, k).first, counts[r], send.data() + displs[r]);
       const auto [lo, hi] = round_of(n, me, k);
       const size_t mine = hi - lo;
       got.resize(mine * N);
@@ -129,44 +101,27 @@ class MpiCommunicator final : public mt::Communicator {
         rcounts[r] = static_cast<int>(mine);
         rdispls[r] = static_cast<int>(r * mine);
       }
-      check(MPI_Alltoallv(send.data(), counts.data(), displs.data(), MPI_FLOAT, got.data(),
-                          rcounts.data(), rdispls.data(), MPI_FLOAT, MPI_COMM_WORLD),
+      check(MPI_Alltoallv(direct ? data : send.data(), counts.data(), displs.data(), MPI_FLOAT,
+                          got.data(), rcounts.data(), rdispls.data(), MPI_FLOAT, MPI_COMM_WORLD),
             "MPI_Alltoallv");
-      for (size_t i = 0; i < mine; ++i) {  // rank order, as all_reduce_sum adds
-        float s = got[i];
-        for (size_t r = 1; r < N; ++r) s += got[r * mine + i];
-        data[lo + i] = s;
-      }
+      add_in_rank_order(got.data(), mine, data + lo);
     }
   }
 
   void all_gather(float* data, size_t n) override {
     if (size_ == 1 || n == 0) return;
     const auto N = static_cast<size_t>(size_);
-    const size_t rounds = (longest_part(n) + round_elems() - 1) / round_elems();
-    if (rounds == 1 && n <= kIntMax) {  // in place, no packing
-      std::vector<int> counts(N), displs(N);
-      for (size_t r = 0; r < N; ++r) {
-        const auto [lo, hi] = mt::shard_range(n, static_cast<int>(r), size_);
-        counts[r] = static_cast<int>(hi - lo);
-        displs[r] = static_cast<int>(lo);
-      }
+    std::vector<int> counts(N), displs(N);
+    if (rounds(n) == 1 && n <= kIntMax) {  // in place, no packing
+      layout(n, 0, true, counts, displs);
       check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, data, counts.data(), displs.data(),
                            MPI_FLOAT, MPI_COMM_WORLD),
             "MPI_Allgatherv");
       return;
     }
-    std::vector<int> counts(N), displs(N);
     std::vector<float> got;
-    for (size_t k = 0; k < rounds; ++k) {
-      size_t total = 0;
-      for (size_t r = 0; r < N; ++r) {
-        const auto [lo, hi] = round_of(n, r, k);
-        counts[r] = static_cast<int>(hi - lo);
-        displs[r] = static_cast<int>(total);
-        total += hi - lo;
-      }
-      got.resize(total);
+    for (size_t k = 0; k < rounds(n); ++k) {
+      got.resize(layout(n, k, false, counts, displs));
       const auto [lo, hi] = round_of(n, static_cast<size_t>(rank_), k);
       check(MPI_Allgatherv(data + lo, static_cast<int>(hi - lo), MPI_FLOAT, got.data(),
                            counts.data(), displs.data(), MPI_FLOAT, MPI_COMM_WORLD),
@@ -221,12 +176,7 @@ class MpiCommunicator final : public mt::Communicator {
       check(MPI_Alltoallv(buf, counts.data(), displs.data(), mpi_type<T>(), got, rcounts.data(),
                           rdispls.data(), mpi_type<T>(), MPI_COMM_WORLD),
             "MPI_Alltoallv");
-      T* out = buf + displs[me];
-      for (size_t i = 0; i < mine; ++i) {
-        T s = got[i];
-        for (size_t r = 1; r < N; ++r) s += got[r * mine + i];
-        out[i] = s;
-      }
+      add_in_rank_order(got, mine, buf + displs[me]);
       check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, counts.data(), displs.data(),
                            mpi_type<T>(), MPI_COMM_WORLD),
             "MPI_Allgatherv");
@@ -249,6 +199,31 @@ class MpiCommunicator final : public mt::Communicator {
       m = std::max(m, hi - lo);
     }
     return m;
+  }
+  size_t rounds(size_t n) const { return (longest_part(n) + round_elems() - 1) / round_elems(); }
+  // Each rank's count in round k, and its displacement: in `data` (direct) or packed one after
+  // another; returns the round's total.
+  size_t layout(size_t n, size_t k, bool direct, std::vector<int>& counts,
+                std::vector<int>& displs) const {
+    size_t total = 0;
+    for (size_t r = 0; r < counts.size(); ++r) {
+      const auto [lo, hi] = round_of(n, r, k);
+      counts[r] = static_cast<int>(hi - lo);
+      displs[r] = static_cast<int>(direct ? lo : total);
+      total += hi - lo;
+    }
+    return total;
+  }
+  // out[i] = got[i] + got[mine + i] + ... : every rank's copy of this rank's part, in rank
+  // order (((x_0 + x_1) + x_2) + ...), the same bits whatever the timing.
+  template <class T>
+  void add_in_rank_order(const T* got, size_t mine, T* out) const {
+    const auto N = static_cast<size_t>(size_);
+    for (size_t i = 0; i < mine; ++i) {
+      T s = got[i];
+      for (size_t r = 1; r < N; ++r) s += got[r * mine + i];
+      out[i] = s;
+    }
   }
   // Rank r's elements in round k: [lo, hi) of `data`, possibly empty.
   std::pair<size_t, size_t> round_of(size_t n, size_t r, size_t k) const {
