@@ -363,6 +363,44 @@ BENCHMARK(BM_MatVec)
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 
+// Decode's access pattern: one matrix-vector product after another over distinct weight
+// matrices whose total (>= 512 MiB) no cache holds, so every call streams its weights from
+// memory as a decode step does. Args: K, N, trans_b, bf16 weights (0/1). GB/s here against
+// BM_MatVec's on one large matrix shows what each call's start and end cost.
+void BM_MatVecStream(benchmark::State& state) {
+  const int64_t k = state.range(0), n = state.range(1);
+  const bool tb = state.range(2);
+  const mt::DType dw = state.range(3) ? mt::DType::bf16 : mt::DType::f32;
+  mt::Backend& be = backend();
+  const int64_t one = k * n * static_cast<int64_t>(mt::dtype_size(dw));
+  const int64_t count = std::max<int64_t>(2, (int64_t{512} << 20) / one);
+  std::vector<mt::Tensor> ws;
+  for (int64_t i = 0; i < count; ++i)
+    ws.push_back(random_tensor(tb ? mt::Shape{n, k} : mt::Shape{k, n}, dw));
+  mt::Tensor x = random_tensor({1, k}, mt::DType::f32);
+  mt::Tensor y = be.empty({1, n}, mt::DType::f32);
+  for (const auto& w : ws) be.matmul(x, w, y, false, tb);
+  double seconds = 0;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (const auto& w : ws) be.matmul(x, w, y, false, tb);
+    be.synchronize();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    state.SetIterationTime(s);
+    seconds += s;
+  }
+  const double bytes = double(one) * double(count) * double(state.iterations());
+  state.counters["GB/s"] = bytes / seconds * 1e-9;
+  state.counters["us_per_call"] = seconds / double(count * state.iterations()) * 1e6;
+}
+BENCHMARK(BM_MatVecStream)
+    ->ArgNames({"K", "N", "tb", "bf16_w"})
+    ->ArgsProduct({{768}, {768, 2048}, {0, 1}, {0, 1}})
+    ->ArgsProduct({{2048}, {768}, {0, 1}, {0, 1}})
+    ->ArgsProduct({{2048}, {5632}, {0, 1}, {0, 1}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+
 }  // namespace
 
 BENCHMARK_MAIN();

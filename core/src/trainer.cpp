@@ -94,10 +94,6 @@ std::string progress_bar(int64_t step, int64_t steps, double eta_s, double loss,
                      step, steps, loss, tps, 100 * mfu, eta_s);
 }
 
-}  // namespace
-
-namespace {
-
 // Elements [b, e) of `t` flattened: a view sharing its storage.
 Tensor flat_part(const Tensor& t, int64_t b, int64_t e) {
   return t.view({t.numel()}).slice0(b, e);
