@@ -210,8 +210,10 @@ else
     note configure "FAILED" "$why; see build.log"
   else
     if [ "$tests" = OFF ]; then note configure "ok without tests" "GoogleTest not found: see build.log"; fi
-    # mt, every plugin, the gpu test binaries; keep going past a failing target.
-    mapfile -t targets < <(sed -n 's/.*mt_add_plugin(\([A-Za-z0-9_]*\).*/\1/p' plugins/*/*/CMakeLists.txt)
+    # mt, every plugin (as the build system names them: the family plugins are made in loops),
+    # the gpu test binaries; keep going past a failing target.
+    mapfile -t targets < <(cmake --build "$build" --target help 2>/dev/null |
+      grep -oE '\bmt_(backend|model|data|comm)_[a-z0-9_]+' | sort -u)
     targets=(mt "${targets[@]}")
     if [ "$tests" = ON ]; then targets+=("${gpu_tests[@]}"); fi
     keep=(-k)

@@ -392,6 +392,17 @@ inline float __shfl_xor_sync(unsigned /*mask*/, float v, int offset) {
   return r;
 }
 
+inline int __any_sync(unsigned /*mask*/, int predicate) {
+  auto& b = *emu::state.block;
+  const int w = emu::warp(), l = emu::lane();
+  b.shfl[w][l] = predicate ? 1.f : 0.f;
+  emu::warp_sync();
+  int any = 0;
+  for (int i = 0; i < 32; ++i) any |= b.shfl[w][i] != 0.f;
+  emu::warp_sync();
+  return any;
+}
+
 // mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32: c += A (16x16) B (16x8) with, for lane
 // = 4 gid + tq, A's registers {A[gid][2tq..], A[gid+8][2tq..], A[gid][2tq+8..],
 // A[gid+8][2tq+8..]}, B's {B[2tq..2tq+1][gid], B[2tq+8..2tq+9][gid]} (lower index in the low

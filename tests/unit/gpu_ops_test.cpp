@@ -1111,11 +1111,11 @@ TEST_F(GpuAttention, FlashBackwardIsDeterministic) {
   }
 }
 
-// A cuda backend made while MT_CUDA_FLASH_DKV_PARTS is `value` (the variable restored after).
-std::unique_ptr<Backend> gpu_with_dkv_parts(const char* value) {
-  const char* old = std::getenv("MT_CUDA_FLASH_DKV_PARTS");
+// A cuda backend made while the environment variable `name` is `value` (restored after).
+std::unique_ptr<Backend> gpu_with_env(const char* name, const char* value) {
+  const char* old = std::getenv(name);
   const std::string saved = old ? old : "";
-  setenv("MT_CUDA_FLASH_DKV_PARTS", value, 1);
+  setenv(name, value, 1);
   std::unique_ptr<Backend> b;
   std::string error;
   try {
@@ -1124,20 +1124,21 @@ std::unique_ptr<Backend> gpu_with_dkv_parts(const char* value) {
     error = e.what();
   }
   if (old)
-    setenv("MT_CUDA_FLASH_DKV_PARTS", saved.c_str(), 1);
+    setenv(name, saved.c_str(), 1);
   else
-    unsetenv("MT_CUDA_FLASH_DKV_PARTS");
+    unsetenv(name);
   if (!b) throw Error(error);
   return b;
 }
+std::unique_ptr<Backend> gpu_with_dkv_parts(const char* value) {
+  return gpu_with_env("MT_CUDA_FLASH_DKV_PARTS", value);
+}
 
-// flash's dk/dv kernel takes each streamed query tile whole or in two slices of 32 (the default
-// at head_dim 128, where whole tiles spill registers): the same mma.sync sequence into each
-// accumulator, so the same bits, under causal masks with an offset, GQA, windows and segment ids
-// (slices skipped or taken unmasked where whole tiles are not).
-TEST_F(GpuAttention, FlashDkvSlicesGiveTheSameBits) {
+// Flash forward and backward (bf16, tensor cores) on two backends made with different kernel
+// knobs that must not change a bit: o, lse, dq, dk and dv equal, under causal masks with an
+// offset, GQA, windows and segment ids, at head_dim 64 and 128.
+void expect_same_flash_bits(Backend& first, Backend& second, const std::string& what) {
   MT_SEEDED_RNG(rng);
-  std::unique_ptr<Backend> whole = gpu_with_dkv_parts("1"), sliced = gpu_with_dkv_parts("2");
   for (size_t c : {size_t{1}, size_t{5}, size_t{6}, size_t{7}})
     for (int64_t D : {64, 128}) {
       const AttnCase& cs = kAttnCases[c];
@@ -1156,9 +1157,9 @@ TEST_F(GpuAttention, FlashDkvSlicesGiveTheSameBits) {
       spec.window = cs.window;
       spec.softcap = cs.softcap;
       spec.query_offset = cs.offset;
-      std::vector<float> got[2][3];
+      std::vector<float> got[2][5];
       for (int variant = 0; variant < 2; ++variant) {
-        Backend& b = variant == 0 ? *whole : *sliced;
+        Backend& b = variant == 0 ? first : second;
         auto fa = attention_on("flash", b);
         Tensor q = test::from_vector(b, sq, hq, DType::bf16),
                k = test::from_vector(b, sk, hk, DType::bf16),
@@ -1172,16 +1173,55 @@ TEST_F(GpuAttention, FlashDkvSlicesGiveTheSameBits) {
         Tensor dq = b.zeros(sq, DType::f32), dk = b.zeros(sk, DType::f32),
                dv = b.zeros(sk, DType::f32);
         fa->backward(dout, q, k, v, qs, ks, o, lse, spec, dq, dk, dv);
-        got[variant][0] = test::to_vector(dq);
-        got[variant][1] = test::to_vector(dk);
-        got[variant][2] = test::to_vector(dv);
+        got[variant][0] = test::to_vector(o);
+        got[variant][1] = test::to_vector(lse);
+        got[variant][2] = test::to_vector(dq);
+        got[variant][3] = test::to_vector(dk);
+        got[variant][4] = test::to_vector(dv);
       }
-      const char* names[3] = {"dq", "dk", "dv"};
-      for (int t = 0; t < 3; ++t) {
-        EXPECT_EQ(got[0][t], got[1][t]) << names[t] << " differs between 1 and 2 slices";
+      const char* names[5] = {"o", "lse", "dq", "dk", "dv"};
+      for (int t = 0; t < 5; ++t) {
+        EXPECT_EQ(got[0][t], got[1][t]) << names[t] << " differs between " << what;
         double norm = 0;
-        for (float x : got[0][t]) norm += std::fabs(x);
+        for (float x : got[0][t]) norm += std::isfinite(x) ? std::fabs(x) : 0.0;
         EXPECT_GT(norm, 0.0) << names[t] << " is all zeros";
+      }
+    }
+}
+
+// flash's dk/dv kernel takes each streamed query tile whole or in two slices of 32 (the default
+// at head_dim 128, where whole tiles spill registers): the same mma.sync sequence into each
+// accumulator, so the same bits (slices skipped or taken unmasked where whole tiles are not).
+TEST_F(GpuAttention, FlashDkvSlicesGiveTheSameBits) {
+  std::unique_ptr<Backend> whole = gpu_with_dkv_parts("1"), sliced = gpu_with_dkv_parts("2");
+  expect_same_flash_bits(*whole, *sliced, "1 and 2 slices");
+}
+
+// The forward and dq kernels with 4 or 8 warps a block: each warp's 16 query rows meet the same
+// key tiles in the same order (tiles that none of them sees are skipped), so the same bits.
+TEST_F(GpuAttention, FlashWarpsPerBlockGiveTheSameBits) {
+  std::unique_ptr<Backend> four = gpu_with_env("MT_CUDA_FLASH_WARPS", "4"),
+                           eight = gpu_with_env("MT_CUDA_FLASH_WARPS", "8");
+  expect_same_flash_bits(*four, *eight, "4 and 8 warps a block");
+}
+
+// The dk/dv kernel with 4 or 8 warps a block: each warp's 16 key rows meet the same query tiles
+// in the same order, so the same bits.
+TEST_F(GpuAttention, FlashDkvWarpsPerBlockGiveTheSameBits) {
+  std::unique_ptr<Backend> four = gpu_with_env("MT_CUDA_FLASH_DKV_WARPS", "4"),
+                           eight = gpu_with_env("MT_CUDA_FLASH_DKV_WARPS", "8");
+  expect_same_flash_bits(*four, *eight, "dk/dv kernels of 4 and 8 warps a block");
+}
+
+TEST_F(GpuOps, FlashWarpsRefusesOtherValues) {
+  for (const char* var : {"MT_CUDA_FLASH_WARPS", "MT_CUDA_FLASH_DKV_WARPS"})
+    for (const char* bad : {"2", "16", "four"}) {
+      try {
+        gpu_with_env(var, bad);
+        ADD_FAILURE() << var << "=" << bad << " was accepted";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find(std::string(var) + "=" + bad), std::string::npos)
+            << e.what();
       }
     }
 }

@@ -45,6 +45,22 @@ class CudaOps : public Backend {
                    "slices; set 1 or 2, or unset it for the default (1 at head_dim 64, 2 at 128)");
       ctx_.flash_dkv_parts = v == "1" ? 1 : 2;
     }
+    if (const char* e = std::getenv("MT_CUDA_FLASH_WARPS"); e && *e) {
+      const std::string v = e;
+      MT_CHECK(v == "4" || v == "8",
+               "MT_CUDA_FLASH_WARPS=" + v +
+                   ": flash attention's tensor-core forward and dq kernels run 4 or 8 warps a "
+                   "block (16 query rows each); set 4 or 8, or unset it for the default (4)");
+      ctx_.flash_warps = v == "4" ? 4 : 8;
+    }
+    if (const char* e = std::getenv("MT_CUDA_FLASH_DKV_WARPS"); e && *e) {
+      const std::string v = e;
+      MT_CHECK(v == "4" || v == "8",
+               "MT_CUDA_FLASH_DKV_WARPS=" + v +
+                   ": flash attention's tensor-core dk/dv kernel runs 4 or 8 warps a block (16 key "
+                   "rows each); set 4 or 8, or unset it for the default (4)");
+      ctx_.flash_dkv_warps = v == "4" ? 4 : 8;
+    }
     ctx_.stream = stream;
     ctx_.scratch = [this](const Shape& s, DType d) { return empty(s, d); };
     ctx_.rope = std::make_shared<RopeTables>();

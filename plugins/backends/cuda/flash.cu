@@ -49,16 +49,16 @@ bool tensor_cores(const Ctx& c, std::initializer_list<const Tensor*> ts, int64_t
   return true;
 }
 
-// Launches a tensor-core kernel (kTcWarps warps) with `smem` bytes of dynamic shared memory
+// Launches a tensor-core kernel of `warps` warps with `smem` bytes of dynamic shared memory
 // (above the 48 KiB default, so the kernel must opt in first). `shapes` is called for an error
 // message only.
 template <class K, class S, class... Args>
-void launch_tc(const Ctx& c, const std::string& op, K kernel, dim3 grid, size_t smem,
+void launch_tc(const Ctx& c, const std::string& op, K kernel, int warps, dim3 grid, size_t smem,
                const S& shapes, Args... args) {
   const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              static_cast<int>(smem));
   if (e != cudaSuccess) check(e, op, "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)", shapes());
-  MT_LAUNCH(kernel, grid, kTcWarps * 32, smem, c.stream)(args...);
+  MT_LAUNCH(kernel, grid, static_cast<unsigned>(warps * 32), smem, c.stream)(args...);
   launched(op, shapes);
 }
 
@@ -66,7 +66,6 @@ void launch_tc(const Ctx& c, const std::string& op, K kernel, dim3 grid, size_t 
 size_t tile_bytes(int64_t rows, int64_t D) {
   return static_cast<size_t>(rows) * static_cast<size_t>(D + 8) * sizeof(bf16);
 }
-constexpr int64_t kOwnRows = 16 * kTcWarps;  // rows of the tile a tensor-core block owns
 unsigned tiles_of(int64_t n, int64_t rows) {
   return static_cast<unsigned>((n + rows - 1) / rows);
 }
@@ -78,6 +77,36 @@ void with_head_dim(int64_t D, F&& fn) {
     fn(std::integral_constant<int, 64>{});
   else
     fn(std::integral_constant<int, 128>{});
+}
+// Calls fn with std::bool_constant<Cap>: whether the scores are soft-capped (the kernels
+// without a cap have no tanh in their code).
+template <class F>
+void with_cap(const AttnArgs& a, F&& fn) {
+  if (a.cap > 0.f)
+    fn(std::true_type{});
+  else
+    fn(std::false_type{});
+}
+// Calls fn with std::integral_constant<int, W> for the warps per block of the forward and dq
+// kernels: 4 (64 query rows a block) unless Ctx::flash_warps says 8. On an H200 (2026-11-26,
+// B=2 T=4096 H=32 causal) 4 warps ran the forward 3% faster at head_dim 128 and 17% at 64: two
+// blocks share a multiprocessor (their registers allow no more warps either way), each waiting
+// at its own barriers.
+template <class F>
+void with_warps(const Ctx& c, F&& fn) {
+  if (c.flash_warps == 8)
+    fn(std::integral_constant<int, 8>{});
+  else
+    fn(std::integral_constant<int, 4>{});
+}
+// The same for the dk/dv kernel (16 key rows a warp): 4 unless Ctx::flash_dkv_warps says 8 (on
+// the same H200, forward + backward 3-4% faster at T=4096 than 8 warps, 1% at T=1024).
+template <class F>
+void with_dkv_warps(const Ctx& c, F&& fn) {
+  if (c.flash_dkv_warps == 8)
+    fn(std::integral_constant<int, 8>{});
+  else
+    fn(std::integral_constant<int, 4>{});
 }
 
 const bf16* bf(const Tensor& t) {
@@ -107,12 +136,17 @@ void flash_forward(const Ctx& c, const Tensor& q, const Tensor& k, const Tensor&
   const bool tc = tensor_cores(c, {&q, &k, &v}, a.D, B * a.Hq);
   check_head_dim(op, a, tc);
   if (tc) {
-    // The owned query tile, and two buffers each of K and V tiles.
-    const dim3 grid(tiles_of(a.T, kOwnRows), static_cast<unsigned>(B * a.Hq));
-    const size_t smem = tile_bytes(kOwnRows, a.D) + 4 * tile_bytes(kTile, a.D);
-    with_head_dim(a.D, [&](auto d) {
-      launch_tc(c, op, tc_fwd_kernel<decltype(d)::value, kTcWarps>, grid, smem, shapes, bf(q),
-                bf(k), bf(v), f, out(o), lse.ptr<float>());
+    // The owned query tile (16 rows a warp), and two buffers each of K and V tiles.
+    with_warps(c, [&](auto w) {
+      constexpr int W = decltype(w)::value;
+      const dim3 grid(tiles_of(a.T, 16 * W), static_cast<unsigned>(B * a.Hq));
+      const size_t smem = tile_bytes(16 * W, a.D) + 4 * tile_bytes(kTile, a.D);
+      with_head_dim(a.D, [&](auto d) {
+        with_cap(a, [&](auto cap) {
+          launch_tc(c, op, tc_fwd_kernel<decltype(d)::value, W, decltype(cap)::value>, W, grid,
+                    smem, shapes, bf(q), bf(k), bf(v), f, out(o), lse.ptr<float>());
+        });
+      });
     });
     return;
   }
@@ -141,27 +175,37 @@ void flash_backward(const Ctx& c, const Tensor& dout, const Tensor& q, const Ten
   const float* ls = lse.ptr<const float>();
   const float* dl = delta.ptr<const float>();
   if (tc) {
-    const dim3 qgrid(tiles_of(a.T, kOwnRows), static_cast<unsigned>(B * a.Hq));
-    const dim3 kgrid(tiles_of(a.S, kOwnRows), static_cast<unsigned>(B * a.Hkv));
     // dq: the owned Q and dO tiles, two buffers each of K and V. dk/dv: the owned K and V tiles,
     // two buffers each of Q and dO tiles and of their lse and delta.
-    const size_t dq_smem = 2 * tile_bytes(kOwnRows, a.D) + 4 * tile_bytes(kTile, a.D);
-    const size_t dkv_smem = dq_smem + 4 * kTile * sizeof(float);
     // dk/dv in slices of the streamed query tiles (tc_dkv_kernel): whole at head_dim 64, two
     // at 128 unless Ctx::flash_dkv_parts says otherwise.
     const int parts = c.flash_dkv_parts > 0 ? c.flash_dkv_parts : a.D == 64 ? 1 : 2;
     with_head_dim(a.D, [&](auto d) {
-      constexpr int D = decltype(d)::value;
-      launch_tc(c, op, tc_dq_kernel<D, kTcWarps>, qgrid, dq_smem, shapes, bf(q), bf(k), bf(v),
-                bf(dout), f, ls, dl, out(dq));
-      const auto dkv = [&](auto kernel) {
-        launch_tc(c, op, kernel, kgrid, dkv_smem, shapes, bf(q), bf(k), bf(v), bf(dout), f, ls, dl,
-                  out(dk), out(dv));
-      };
-      if (parts == 1)
-        dkv(tc_dkv_kernel<D, kTcWarps, 1>);
-      else
-        dkv(tc_dkv_kernel<D, kTcWarps, 2>);
+      with_cap(a, [&](auto cap) {
+        constexpr int D = decltype(d)::value;
+        constexpr bool Cap = decltype(cap)::value;
+        with_warps(c, [&](auto w) {
+          constexpr int W = decltype(w)::value;
+          const dim3 qgrid(tiles_of(a.T, 16 * W), static_cast<unsigned>(B * a.Hq));
+          const size_t dq_smem = 2 * tile_bytes(16 * W, a.D) + 4 * tile_bytes(kTile, a.D);
+          launch_tc(c, op, tc_dq_kernel<D, W, Cap>, W, qgrid, dq_smem, shapes, bf(q), bf(k), bf(v),
+                    bf(dout), f, ls, dl, out(dq));
+        });
+        with_dkv_warps(c, [&](auto w) {
+          constexpr int W = decltype(w)::value;
+          const dim3 kgrid(tiles_of(a.S, 16 * W), static_cast<unsigned>(B * a.Hkv));
+          const size_t dkv_smem =
+              2 * tile_bytes(16 * W, a.D) + 4 * tile_bytes(kTile, a.D) + 4 * kTile * sizeof(float);
+          const auto dkv = [&](auto kernel) {
+            launch_tc(c, op, kernel, W, kgrid, dkv_smem, shapes, bf(q), bf(k), bf(v), bf(dout), f,
+                      ls, dl, out(dk), out(dv));
+          };
+          if (parts == 1)
+            dkv(tc_dkv_kernel<D, W, 1, Cap>);
+          else
+            dkv(tc_dkv_kernel<D, W, 2, Cap>);
+        });
+      });
     });
     return;
   }

@@ -388,13 +388,19 @@ __global__ void __launch_bounds__(kWarps * 32)
 // [rows][D + 8] bf16: the 16-byte pad puts the eight rows of each 8x8 load in distinct banks.
 //
 // Tiles move global -> shared with cp.async, double-buffered: the next key (or query) tile is in
-// flight while the current one is multiplied. A block has W = kTcWarps warps of 16 rows each;
-// the tile it owns (query rows forward and dq, key rows dk/dv) has 16 W rows, the tiles it streams
-// kTile = 64. Per warp and streamed tile: no product at all when no row of the warp sees a key of
-// the tile, and no per-element mask when every row sees every key (most tiles of a long causal
-// sequence); softmax exponentials are exp2 of scores pre-multiplied by log2(e).
+// flight while the current one is multiplied. A block has W warps of 16 rows each (4 unless
+// MT_CUDA_FLASH_WARPS=8 for the forward and dq, MT_CUDA_FLASH_DKV_WARPS=8 for dk/dv); the tile it
+// owns (query rows forward and dq, key rows dk/dv) has 16 W rows, the tiles it streams kTile = 64.
+// Per warp and streamed tile: no product at all when no row of the warp sees a key of the tile,
+// and no per-element mask when every row sees every key (most tiles of a long causal sequence).
+// Scores are kept in log2 units (Scores) so that each softmax weight is one subtraction and one
+// ex2; the kernels are compiled with and without a soft-cap, so that the common case carries no
+// tanh in its code. What bounds these kernels is the instructions issued per mma.sync (Nsight
+// Compute on an H200, 2026-11-26, forward at B=2 T=4096 H=32 D=128 causal: 12.2 per mma, 0.9
+// issued a cycle, 3.35 ms before; 6.1 per mma, 1.3 a cycle, 1.16 ms after the log2 scores, the
+// soft-cap instances, the 32-bit masks and copy_tile's fixed addresses). Two warps a scheduler
+// (the registers allow no more) leave little to hide latency with: see docs/ARCHITECTURE.md.
 
-constexpr int kTcWarps = 8;
 constexpr float kLog2e = 1.4426950408889634f;
 
 __device__ __forceinline__ uint32_t pack_bf16(bf16 lo, bf16 hi) {
@@ -566,14 +572,29 @@ __device__ __forceinline__ void mma_cb(float (&acc)[D / 8][4], const float (&c)[
 }
 // Starts copying rows [0, Rows) of a shared [Rows][D + 8] tile from global rows `stride` elements
 // apart, 16 bytes per cp.async over the block's Threads threads; rows n and beyond are zeros.
+// Thread t copies chunk t % (D / 8) of rows t / (D / 8) + i Threads / (D / 8): the same chunk of
+// every row it copies, so its addresses are one base and a constant step (a few instructions a
+// copy: this runs for every streamed tile).
 template <int D, int Rows, int Threads>
 __device__ __forceinline__ void copy_tile(bf16* dst, const bf16* src, int64_t stride, int64_t n) {
-  constexpr int kChunks = D / 8;
+  constexpr int kChunks = D / 8, kStep = Threads / kChunks;
+  static_assert(Threads % kChunks == 0 && Rows % kStep == 0, "copy_tile's threads and rows");
+  const int t = static_cast<int>(threadIdx.x);
+  const int r0 = t / kChunks, c = (t % kChunks) * 8;
+  const int rows = n < Rows ? static_cast<int>(n) : Rows;
+  const bf16* s = src + r0 * stride + c;
+  bf16* d = dst + r0 * (D + 8) + c;
+  const int64_t step = kStep * stride;
+  if (rows == Rows) {  // every tile but the last of a sequence: no row test
 #pragma unroll
-  for (int idx = threadIdx.x; idx < Rows * kChunks; idx += Threads) {
-    const int r = idx / kChunks, c = idx % kChunks;
-    const bool ok = r < n;
-    cp_async<16>(dst + r * (D + 8) + c * 8, ok ? src + r * stride + c * 8 : src, ok);
+    for (int i = 0; i < Rows / kStep; ++i)
+      cp_async<16>(d + i * kStep * (D + 8), s + i * step, true);
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < Rows / kStep; ++i) {
+    const bool ok = r0 + i * kStep < rows;
+    cp_async<16>(d + i * kStep * (D + 8), ok ? s + i * step : src, ok);
   }
 }
 __device__ __forceinline__ float quad_max(float v) {
@@ -626,20 +647,90 @@ __device__ __forceinline__ void tile_key_range(const AttnArgs& a, int64_t q0, in
   lo = a.window > 0 && a.offset + q0 - a.window + 1 > 0 ? a.offset + q0 - a.window + 1 : 0;
   lo = lo / kTile * kTile;
 }
-// Score of C-fragment element e of n-tile nt (key k0 + 8 nt + 2 tq + (e & 1), query row e >> 1)
-// after scale, cap and mask: -inf where masked; with `all`, no mask.
-__device__ __forceinline__ float masked_score(const Flash& f, const QueryRows& qr, int64_t b,
-                                              int64_t k0, int nt, int e, float dot, bool all) {
-  if (all) return cap_score(f.a, dot);
-  const int64_t j = k0 + nt * 8 + 2 * (threadIdx.x & 3) + (e & 1);
-  const int r = e >> 1;
-  const bool vis = qr.valid[r] && j < f.a.S && visible(f.a, qr.pos[r], j) &&
-                   (!f.q_seg || f.kv_seg[b * f.a.S + j] == qr.seg[r]);
-  return vis ? cap_score(f.a, dot) : -INFINITY;
+// 2^x on the special-function unit, denormal results flushed to zero (softmax weights below
+// 2^-126 of the row's largest count for nothing next to it); 2^-inf = 0.
+__device__ __forceinline__ float fast_exp2(float x) {
+#if defined(MT_CUDA_EMULATION)
+  return exp2f(x);
+#elif defined(__CUDA_ARCH__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return exp2f(x);
+#endif
 }
-// exp(x - m) as exp2, with -m log2(e) precomputed: one FMA and one ex2 per score.
-__device__ __forceinline__ float exp_shifted(float x, float neg_m_log2e) {
-  return exp2f(fmaf(x, kLog2e, neg_m_log2e));
+
+// The tensor-core kernels keep scores in log2 units, y = x log2(e) for the capped score x, so
+// that each softmax weight is one FMA (or subtraction) and one ex2. Without a soft-cap (Cap =
+// false, the kernels' common instance: no tanh in their code at all) y = dot scale log2(e); with
+// one, y = cap log2(e) tanh(dot scale / cap), and d x / d s = 1 - (y / (cap log2(e)))^2.
+struct Scores {
+  float mul;    // dot -> y without a cap; dot -> tanh's argument with one
+  float cap2;   // cap log2(e)
+  float icap2;  // 1 / (cap log2(e))
+  __device__ explicit Scores(const AttnArgs& a)
+      : mul(a.cap > 0.f ? a.scale / a.cap : a.scale * kLog2e),
+        cap2(a.cap * kLog2e),
+        icap2(a.cap > 0.f ? 1.f / (a.cap * kLog2e) : 0.f) {}
+  template <bool Cap>
+  __device__ __forceinline__ float of(float dot) const {
+    if constexpr (Cap)
+      return cap2 * tanhf(dot * mul);
+    else
+      return dot * mul;
+  }
+  template <bool Cap>
+  __device__ __forceinline__ float grad(float y) const {
+    if constexpr (Cap) {
+      const float t = y * icap2;
+      return 1.f - t * t;
+    } else {
+      return 1.f;
+    }
+  }
+};
+
+// Clamps x - base into [0, n]: an index range of the 64-bit sequence as columns of one tile.
+__device__ __forceinline__ int tile_cols(int64_t x, int64_t base, int n) {
+  const int64_t c = x - base;
+  return c < 0 ? 0 : c > n ? n : static_cast<int>(c);
+}
+// A warp's 16 x 64 tile of dots (C fragments: element e of n-tile nt is key k0 + 8 nt + 2 tq +
+// (e & 1) of query row e >> 1) into scores in log2 units, -inf where masked. Masked = false for
+// the tiles every row of the warp sees whole (Overlap::all): no per-element test at all; else
+// each row's visible keys under causal, window and the sequence ends are one range of columns
+// (32-bit compares per element), and segment ids, when given, are compared per element.
+template <bool Cap, bool Masked>
+__device__ __forceinline__ void tile_scores(float (&s)[8][4], const Flash& f, const Scores& sc,
+                                            const QueryRows& qr, int64_t b, int64_t k0) {
+  const AttnArgs& a = f.a;
+  const int tq = threadIdx.x & 3;
+  int lo[2] = {0, 0}, hi[2] = {kTile, kTile};
+  if constexpr (Masked) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      int64_t kl, kh;
+      key_range(a, qr.pos[r], a.S, kl, kh);
+      lo[r] = tile_cols(kl, k0, kTile);
+      hi[r] = qr.valid[r] ? tile_cols(kh, k0, kTile) : 0;
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float y = sc.of<Cap>(s[nt][e]);
+      if constexpr (Masked) {
+        const int r = e >> 1, col = nt * 8 + 2 * tq + (e & 1);
+        bool vis = col >= lo[r] && col < hi[r];
+        if (f.q_seg) vis = vis && f.kv_seg[b * a.S + k0 + col] == qr.seg[r];
+        s[nt][e] = vis ? y : -INFINITY;
+      } else {
+        s[nt][e] = y;
+      }
+    }
+  }
 }
 
 // The key and value tiles a forward or dq block streams: two buffers each of kTile rows in shared
@@ -675,8 +766,10 @@ struct KvStream {
 };
 
 // Forward: block (query tile, b Hq + h), the query tiles in reverse so that under a causal mask
-// the longest rows start first; warp w owns query rows 16w..16w+15 of the tile.
-template <int D, int W>
+// the longest rows start first; warp w owns query rows 16w..16w+15 of the tile. The online
+// softmax runs in log2 units (Scores): running max m and per-thread partial row sums l (the
+// quad's four summed once at the end), rescaled by 2^(m_old - m_new) per tile.
+template <int D, int W, bool Cap>
 __global__ void __launch_bounds__(W * 32)
     tc_fwd_kernel(const bf16* q, const bf16* k, const bf16* v, Flash f, Out o, float* lse) {
   constexpr int P = D + 8, QT = 16 * W;
@@ -704,6 +797,7 @@ __global__ void __launch_bounds__(W * 32)
   uint32_t qa[D / 16][4];
   load_rows<D>(qa, qs, warp * 16);
 
+  const Scores sc(a);
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   float acc[D / 8][4] = {};
   int buf = 0;
@@ -713,38 +807,41 @@ __global__ void __launch_bounds__(W * 32)
     if (!ov.none) {
       float s[8][4] = {};
       mma_abt<D>(s, qa, kv.key(buf));
-      float mx[2] = {-INFINITY, -INFINITY};
+      if (ov.all)
+        tile_scores<Cap, false>(s, f, sc, qr, b, k0);
+      else
+        tile_scores<Cap, true>(s, f, sc, qr, b, k0);
+      float mx[2] = {m[0], m[1]};
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[nt][e] = masked_score(f, qr, b, k0, nt, e, s[nt][e], ov.all);
-          mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
-        }
+        for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
       }
-      float corr[2], nb[2], sum[2] = {0.f, 0.f};
+      float corr[2], base[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const float mn = fmaxf(m[r], quad_max(mx[r]));
-        const float base = mn == -INFINITY ? 0.f : mn;  // nothing visible yet: no NaN from exp
-        nb[r] = -base * kLog2e;
-        corr[r] = exp_shifted(m[r], nb[r]);
-        m[r] = mn;
+        mx[r] = quad_max(mx[r]);
+        base[r] = mx[r] == -INFINITY ? 0.f : mx[r];  // nothing visible yet: no NaN from -inf + inf
+        corr[r] = fast_exp2(m[r] - base[r]);
+        m[r] = mx[r];
+        l[r] *= corr[r];
       }
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          s[nt][e] = exp_shifted(s[nt][e], nb[e >> 1]);
-          sum[e >> 1] += s[nt][e];
+          s[nt][e] = fast_exp2(s[nt][e] - base[e >> 1]);
+          l[e >> 1] += s[nt][e];
         }
       }
+      // Rescale only when some row's max moved (corr < 1): the max settles after the first
+      // tiles, and skipping a multiplication by exactly 1 changes no bit.
+      if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
 #pragma unroll
-      for (int r = 0; r < 2; ++r) l[r] = l[r] * corr[r] + quad_sum(sum[r]);
+        for (int nt = 0; nt < D / 8; ++nt) {
 #pragma unroll
-      for (int nt = 0; nt < D / 8; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[nt][e] *= corr[e >> 1];
+          for (int e = 0; e < 4; ++e) acc[nt][e] *= corr[e >> 1];
+        }
       }
       mma_cb<D>(acc, s, kv.value(buf));
     }
@@ -752,7 +849,10 @@ __global__ void __launch_bounds__(W * 32)
   }
   float inv[2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) inv[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
+  for (int r = 0; r < 2; ++r) {
+    l[r] = quad_sum(l[r]);
+    inv[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
+  }
 #pragma unroll
   for (int nt = 0; nt < D / 8; ++nt) {
 #pragma unroll
@@ -764,14 +864,15 @@ __global__ void __launch_bounds__(W * 32)
     }
   }
   if (tq == 0) {
+    constexpr float kLn2 = 0.6931471805599453f;
     for (int r = 0; r < 2; ++r)
-      if (qr.valid[r]) lse[bh * a.T + qr.i[r]] = l[r] > 0.f ? m[r] + logf(l[r]) : -INFINITY;
+      if (qr.valid[r]) lse[bh * a.T + qr.i[r]] = l[r] > 0.f ? m[r] * kLn2 + logf(l[r]) : -INFINITY;
   }
 }
 
 // dq: block (query tile, b Hq + h), as the forward; dS = P (dP - delta) cap' with dP = dO V^T,
 // then dq += scale dS K.
-template <int D, int W>
+template <int D, int W, bool Cap>
 __global__ void __launch_bounds__(W * 32)
     tc_dq_kernel(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, Flash f,
                  const float* lse, const float* delta, Out dq) {
@@ -799,11 +900,15 @@ __global__ void __launch_bounds__(W * 32)
     cp_async_wait<0>();
   }
   const QueryRows qr(f, b, q0);
-  float nls[2], dl[2];  // -lse log2(e), delta
+  // -lse log2(e) and delta per row. A row that saw no key (lse = -inf) or lies past the
+  // sequence gets -inf: all its weights 2^(y - inf) are 0, so no gradient flows through it.
+  float nls[2], dl[2];
   for (int r = 0; r < 2; ++r) {
-    nls[r] = qr.valid[r] ? -lse[bh * a.T + qr.i[r]] * kLog2e : INFINITY;
+    const float ls = qr.valid[r] ? lse[bh * a.T + qr.i[r]] : -INFINITY;
+    nls[r] = ls == -INFINITY ? -INFINITY : -ls * kLog2e;
     dl[r] = qr.valid[r] ? delta[bh * a.T + qr.i[r]] : 0.f;
   }
+  const Scores sc(a);
   __syncthreads();
   uint32_t qa[D / 16][4];
   load_rows<D>(qa, qs, warp * 16);
@@ -818,16 +923,19 @@ __global__ void __launch_bounds__(W * 32)
       float s[8][4] = {}, dp[8][4] = {};
       mma_abt<D>(s, qa, kt);                          // S = Q K^T
       mma_abt<D>(dp, dos, warp * 16, kv.value(buf));  // dP = dO V^T
+      if (ov.all)
+        tile_scores<Cap, false>(s, f, sc, qr, b, k0);
+      else
+        tile_scores<Cap, true>(s, f, sc, qr, b, k0);
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = e >> 1;
-          const float x = masked_score(f, qr, b, k0, nt, e, s[nt][e], ov.all);
-          // A row that saw no key has lse = -inf (nls = +inf): no gradient flows through it.
-          s[nt][e] = x == -INFINITY || nls[r] == INFINITY
-                         ? 0.f
-                         : exp_shifted(x, nls[r]) * (dp[nt][e] - dl[r]) * cap_grad(a, x);
+          const float y = s[nt][e], p = fast_exp2(y + nls[r]);
+          const float ds = p * (dp[nt][e] - dl[r]);
+          // With a cap, a masked y = -inf has no finite derivative: its weight p = 0 decides.
+          s[nt][e] = Cap ? (p > 0.f ? ds * sc.grad<Cap>(y) : 0.f) : ds;
         }
       }
       mma_cb<D>(acc, s, kt);  // dq += dS K
@@ -848,14 +956,27 @@ __global__ void __launch_bounds__(W * 32)
 
 // dk/dv's elementwise step on a warp's S^T and dP^T (rows: its 16 keys kj, columns: the 8 NT
 // queries from q0, whose lse and delta are lst and dlt): st becomes P^T, dpt dS^T. All: every
-// pair is visible (see Overlap), no mask.
-template <bool All, int NT>
-__device__ __forceinline__ void dkv_scores(const Flash& f, float (&st)[NT][4], float (&dpt)[NT][4],
-                                           const float* lst, const float* dlt, int64_t q0,
-                                           int64_t b, const int64_t (&kj)[2],
+// pair is visible (see Overlap), no mask. Scores in log2 units as the forward's (Scores).
+template <bool Cap, bool All, int NT>
+__device__ __forceinline__ void dkv_scores(const Flash& f, const Scores& sc, float (&st)[NT][4],
+                                           float (&dpt)[NT][4], const float* lst, const float* dlt,
+                                           int64_t q0, int64_t b, const int64_t (&kj)[2],
                                            const int32_t (&kseg)[2]) {
   const AttnArgs& a = f.a;
   const int tq = threadIdx.x & 3;
+  // The queries i that key row r may see, as columns [lo, hi) of this slice: causal wants
+  // offset + i >= kj, the window offset + i - kj < window, and i < T.
+  int lo[2] = {0, 0}, hi[2] = {8 * NT, 8 * NT};
+  if constexpr (!All) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t il = a.causal ? kj[r] - a.offset : 0;
+      int64_t ih = a.window > 0 ? kj[r] - a.offset + a.window : a.T;
+      ih = ih < a.T ? ih : a.T;
+      lo[r] = tile_cols(il, q0, 8 * NT);
+      hi[r] = kj[r] < a.S ? tile_cols(ih, q0, 8 * NT) : 0;
+    }
+  }
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
@@ -864,13 +985,12 @@ __device__ __forceinline__ void dkv_scores(const Flash& f, float (&st)[NT][4], f
       const float ls = lst[il];  // finite wherever every pair is visible
       bool vis = true;
       if constexpr (!All) {
-        const int64_t i = q0 + il;
-        vis = kj[r] < a.S && i < a.T && ls != -INFINITY && visible(a, a.offset + i, kj[r]) &&
-              (!f.q_seg || f.q_seg[b * a.T + i] == kseg[r]);
+        vis = il >= lo[r] && il < hi[r] && ls != -INFINITY;
+        if (f.q_seg) vis = vis && f.q_seg[b * a.T + q0 + il] == kseg[r];
       }
-      const float x = cap_score(a, st[nt][e]);
-      const float pe = vis ? exp_shifted(x, -ls * kLog2e) : 0.f;
-      dpt[nt][e] = vis ? pe * (dpt[nt][e] - dlt[il]) * cap_grad(a, x) : 0.f;
+      const float y = sc.of<Cap>(st[nt][e]);
+      const float pe = vis ? fast_exp2(fmaf(ls, -kLog2e, y)) : 0.f;
+      dpt[nt][e] = vis ? pe * (dpt[nt][e] - dlt[il]) * sc.grad<Cap>(y) : 0.f;
       st[nt][e] = pe;
     }
   }
@@ -885,7 +1005,7 @@ __device__ __forceinline__ void dkv_scores(const Flash& f, float (&st)[NT][4], f
 // slices of 32 do not, at the price of loading the warp's K and V fragments once per slice. The
 // mma.sync sequence into each accumulator is the same either way, so the results are the same
 // bits; a slice no key of the warp may see is skipped, and one it sees whole is not masked.
-template <int D, int W, int Parts>
+template <int D, int W, int Parts, bool Cap>
 __global__ void __launch_bounds__(W * 32)
     tc_dkv_kernel(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, Flash f,
                   const float* lse, const float* delta, Out dk, Out dv) {
@@ -939,6 +1059,7 @@ __global__ void __launch_bounds__(W * 32)
   const int steps = static_cast<int>(f.group) * tiles;
   if (steps > 0) issue();
 
+  const Scores sc(a);
   float ak[D / 8][4] = {}, av[D / 8][4] = {};
   int64_t q0 = lo;
   for (int step = 0; step < steps; ++step) {
@@ -965,10 +1086,11 @@ __global__ void __launch_bounds__(W * 32)
       mma_abt<D, NT>(st, ks, warp * 16, qp);    // S^T = K Q^T
       mma_abt<D, NT>(dpt, vs, warp * 16, dop);  // dP^T = V dO^T
       if (ov.all)
-        dkv_scores<true>(f, st, dpt, lst + part * NQ, dlt + part * NQ, q0 + part * NQ, b, kj, kseg);
+        dkv_scores<Cap, true>(f, sc, st, dpt, lst + part * NQ, dlt + part * NQ, q0 + part * NQ, b,
+                              kj, kseg);
       else
-        dkv_scores<false>(f, st, dpt, lst + part * NQ, dlt + part * NQ, q0 + part * NQ, b, kj,
-                          kseg);
+        dkv_scores<Cap, false>(f, sc, st, dpt, lst + part * NQ, dlt + part * NQ, q0 + part * NQ, b,
+                               kj, kseg);
       mma_cb<D, NT>(av, st, dop);  // dv += P^T dO
       mma_cb<D, NT>(ak, dpt, qp);  // dk += dS^T Q
     }

@@ -81,6 +81,12 @@ struct Ctx {
   // Slices per streamed query tile in flash's dk/dv kernel (flash_kernels.cuh): 1 or 2, 0 = the
   // default per head_dim. From MT_CUDA_FLASH_DKV_PARTS, for measuring one against the other.
   int flash_dkv_parts = 0;
+  // Warps per block of flash's tensor-core forward and dq kernels (16 query rows each): 4 or 8,
+  // 0 = the default (4). From MT_CUDA_FLASH_WARPS, for measuring one against the other.
+  int flash_warps = 0;
+  // The same for the dk/dv kernel (16 key rows a warp): 4 or 8, 0 = the default (4). From
+  // MT_CUDA_FLASH_DKV_WARPS.
+  int flash_dkv_warps = 0;
 };
 
 // Throws "cuda <op>: <what> failed: <error> (<shapes>)" unless e is cudaSuccess.
