@@ -37,30 +37,19 @@ class CudaOps : public Backend {
   // own empty(), the rope tables and the input-check slots. Called from the subclass's
   // constructor (empty() is then the subclass's).
   void init_ctx(cudaStream_t stream) {
-    if (const char* e = std::getenv("MT_CUDA_FLASH_DKV_PARTS"); e && *e) {
-      const std::string v = e;
-      MT_CHECK(v == "1" || v == "2",
-               "MT_CUDA_FLASH_DKV_PARTS=" + v +
-                   ": flash attention's dk/dv kernel takes each streamed query tile in 1 or 2 "
-                   "slices; set 1 or 2, or unset it for the default (1 at head_dim 64, 2 at 128)");
-      ctx_.flash_dkv_parts = v == "1" ? 1 : 2;
-    }
-    if (const char* e = std::getenv("MT_CUDA_FLASH_WARPS"); e && *e) {
-      const std::string v = e;
-      MT_CHECK(v == "4" || v == "8",
-               "MT_CUDA_FLASH_WARPS=" + v +
-                   ": flash attention's tensor-core forward and dq kernels run 4 or 8 warps a "
-                   "block (16 query rows each); set 4 or 8, or unset it for the default (4)");
-      ctx_.flash_warps = v == "4" ? 4 : 8;
-    }
-    if (const char* e = std::getenv("MT_CUDA_FLASH_DKV_WARPS"); e && *e) {
-      const std::string v = e;
-      MT_CHECK(v == "4" || v == "8",
-               "MT_CUDA_FLASH_DKV_WARPS=" + v +
-                   ": flash attention's tensor-core dk/dv kernel runs 4 or 8 warps a block (16 key "
-                   "rows each); set 4 or 8, or unset it for the default (4)");
-      ctx_.flash_dkv_warps = v == "4" ? 4 : 8;
-    }
+    // Kernel choices for measuring one against the other; each gives the same bits.
+    ctx_.flash_dkv_parts = env_choice("MT_CUDA_FLASH_DKV_PARTS", "1", "2",
+                                      "flash attention's dk/dv kernel takes each streamed query "
+                                      "tile in 1 or 2 slices",
+                                      "1 at head_dim 64, 2 at 128");
+    ctx_.flash_warps = env_choice("MT_CUDA_FLASH_WARPS", "4", "8",
+                                  "flash attention's tensor-core forward and dq kernels run 4 or "
+                                  "8 warps a block (16 query rows each)",
+                                  "4");
+    ctx_.flash_dkv_warps = env_choice("MT_CUDA_FLASH_DKV_WARPS", "4", "8",
+                                      "flash attention's tensor-core dk/dv kernel runs 4 or 8 "
+                                      "warps a block (16 key rows each)",
+                                      "4");
     ctx_.stream = stream;
     ctx_.scratch = [this](const Shape& s, DType d) { return empty(s, d); };
     ctx_.rope = std::make_shared<RopeTables>();
@@ -71,6 +60,17 @@ class CudaOps : public Backend {
         cudaDeviceGetAttribute(&ctx_.sm_major, cudaDevAttrComputeCapabilityMajor, dev) !=
             cudaSuccess)
       ctx_.sm_major = 0;  // unknown: the SIMT kernels, which run anywhere
+  }
+  // The environment variable `name`: unset or empty gives 0 (the default, which `deflt` names
+  // for the message), `a` or `b` their number, anything else an error saying what it chooses.
+  static int env_choice(const char* name, const char* a, const char* b, const char* what,
+                        const char* deflt) {
+    const char* e = std::getenv(name);
+    if (!e || !*e) return 0;
+    const std::string v = e;
+    MT_CHECK(v == a || v == b, std::string(name) + "=" + v + ": " + what + "; set " + a + " or " +
+                                   b + ", or unset it for the default (" + deflt + ")");
+    return std::stoi(v);
   }
   // Throws the first bad input the kernels recorded since the last report (DeviceChecks); the
   // subclass calls it once its synchronize() or copy_to_host() has waited for the stream.

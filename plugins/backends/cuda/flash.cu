@@ -87,23 +87,15 @@ void with_cap(const AttnArgs& a, F&& fn) {
   else
     fn(std::false_type{});
 }
-// Calls fn with std::integral_constant<int, W> for the warps per block of the forward and dq
-// kernels: 4 (64 query rows a block) unless Ctx::flash_warps says 8. On an H200 (2026-11-26,
-// B=2 T=4096 H=32 causal) 4 warps ran the forward 3% faster at head_dim 128 and 17% at 64: two
-// blocks share a multiprocessor (their registers allow no more warps either way), each waiting
-// at its own barriers.
+// Calls fn with std::integral_constant<int, W> for the warps per block of a tensor-core kernel:
+// 4 (64 rows a block) unless `choice` (Ctx::flash_warps for the forward and dq,
+// Ctx::flash_dkv_warps for dk/dv) says 8. On an H200 (2026-11-26, B=2 T=4096 H=32 causal) 4
+// warps ran the forward 3% faster at head_dim 128 and 17% at 64, and forward + backward 3-4%
+// faster again with a 4-warp dk/dv: two blocks share a multiprocessor (their registers allow no
+// more warps either way), each waiting at its own barriers.
 template <class F>
-void with_warps(const Ctx& c, F&& fn) {
-  if (c.flash_warps == 8)
-    fn(std::integral_constant<int, 8>{});
-  else
-    fn(std::integral_constant<int, 4>{});
-}
-// The same for the dk/dv kernel (16 key rows a warp): 4 unless Ctx::flash_dkv_warps says 8 (on
-// the same H200, forward + backward 3-4% faster at T=4096 than 8 warps, 1% at T=1024).
-template <class F>
-void with_dkv_warps(const Ctx& c, F&& fn) {
-  if (c.flash_dkv_warps == 8)
+void with_warps(int choice, F&& fn) {
+  if (choice == 8)
     fn(std::integral_constant<int, 8>{});
   else
     fn(std::integral_constant<int, 4>{});
@@ -137,7 +129,7 @@ void flash_forward(const Ctx& c, const Tensor& q, const Tensor& k, const Tensor&
   check_head_dim(op, a, tc);
   if (tc) {
     // The owned query tile (16 rows a warp), and two buffers each of K and V tiles.
-    with_warps(c, [&](auto w) {
+    with_warps(c.flash_warps, [&](auto w) {
       constexpr int W = decltype(w)::value;
       const dim3 grid(tiles_of(a.T, 16 * W), static_cast<unsigned>(B * a.Hq));
       const size_t smem = tile_bytes(16 * W, a.D) + 4 * tile_bytes(kTile, a.D);
@@ -184,14 +176,14 @@ void flash_backward(const Ctx& c, const Tensor& dout, const Tensor& q, const Ten
       with_cap(a, [&](auto cap) {
         constexpr int D = decltype(d)::value;
         constexpr bool Cap = decltype(cap)::value;
-        with_warps(c, [&](auto w) {
+        with_warps(c.flash_warps, [&](auto w) {
           constexpr int W = decltype(w)::value;
           const dim3 qgrid(tiles_of(a.T, 16 * W), static_cast<unsigned>(B * a.Hq));
           const size_t dq_smem = 2 * tile_bytes(16 * W, a.D) + 4 * tile_bytes(kTile, a.D);
           launch_tc(c, op, tc_dq_kernel<D, W, Cap>, W, qgrid, dq_smem, shapes, bf(q), bf(k), bf(v),
                     bf(dout), f, ls, dl, out(dq));
         });
-        with_dkv_warps(c, [&](auto w) {
+        with_warps(c.flash_dkv_warps, [&](auto w) {
           constexpr int W = decltype(w)::value;
           const dim3 kgrid(tiles_of(a.S, 16 * W), static_cast<unsigned>(B * a.Hkv));
           const size_t dkv_smem =
