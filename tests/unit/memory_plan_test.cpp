@@ -251,17 +251,29 @@ TEST(MemoryPlan, Llama2_7bOnAnH100IsPlannedInSecondsAndItsFixFits) {
   for (const char* want : {"6.74B", "DOES NOT FIT", "optimizer", "activations", "KV cache",
                            "model FLOPs per step", "to fit", "activations by remat_policy"})
     EXPECT_NE(r.out.find(want), std::string::npos) << want << " in:\n" << r.out;
-  // The suggested words: the line after "to fit, ...", up to "peak".
+  // The suggested words: each line after "to fit, ...", up to "peak". Each fits when added;
+  // and since moving the moments to the host (the one change that fits alone) makes every step
+  // wait for the host, a combination that keeps them on the device is offered too (on an H100
+  // it trained 56 times faster, 2026-11-26).
   const auto at = r.out.find("to fit");
   ASSERT_NE(at, std::string::npos) << r.out;
-  const auto line_start = r.out.find('\n', at) + 1;
-  std::istringstream line(r.out.substr(line_start, r.out.find('\n', line_start) - line_start));
-  std::string words;
-  for (std::string w; line >> w && w != "peak";) words += " " + w;
-  ASSERT_FALSE(words.empty()) << r.out;
-  const test::MtResult fixed = test::run_mt(cmd + words, 60);
-  EXPECT_EQ(fixed.code, 0) << words << "\n" << fixed.out;
-  EXPECT_NE(fixed.out.find("fits:"), std::string::npos) << fixed.out;
+  std::istringstream lines(r.out.substr(r.out.find('\n', at) + 1));
+  std::vector<std::string> fixes;
+  for (std::string l;
+       std::getline(lines, l) && l.rfind("  ", 0) == 0 && l.find("peak") != std::string::npos;) {
+    std::istringstream line(l);
+    std::string words;
+    for (std::string w; line >> w && w != "peak";) words += " " + w;
+    fixes.push_back(words);
+  }
+  ASSERT_EQ(fixes.size(), 2u) << r.out;
+  EXPECT_EQ(fixes[0], " optimizer_memory_host_offload=true") << r.out;
+  EXPECT_EQ(fixes[1].find("optimizer_memory_host_offload"), std::string::npos) << r.out;
+  for (const std::string& words : fixes) {
+    const test::MtResult fixed = test::run_mt(cmd + words, 60);
+    EXPECT_EQ(fixed.code, 0) << words << "\n" << fixed.out;
+    EXPECT_NE(fixed.out.find("fits:"), std::string::npos) << fixed.out;
+  }
   // Host offload of the moments, the other way: fits with remat and one sequence.
   const test::MtResult offload = test::run_mt(
       cmd + " per_device_batch_size=1 remat_policy=full optimizer_memory_host_offload=true", 60);
