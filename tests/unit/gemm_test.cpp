@@ -338,6 +338,37 @@ TEST_F(Gemm, Bf16Operands) {
   }
 }
 
+// bf16 x bf16 GEMMs on the packed-tile path (AMX, or AVX512_BF16's dot products on CPUs without
+// AMX; the f32 path elsewhere): several 128-row blocks, 32-column panels with a ragged last one,
+// K over several 256-deep chunks with a ragged end, every transpose, accumulating into c.
+TEST_F(Gemm, Bf16GemmAcrossBlocksAndChunks) {
+  MT_SEED_TRACE();
+  const DType h = DType::bf16;
+  for (int t = 0; t < 4; ++t)
+    check({.batch = 0,
+           .m = 301,
+           .n = 97,
+           .k = 601,
+           .ta = bool(t & 1),
+           .tb = bool(t & 2),
+           .beta = 0.5f,
+           .da = h,
+           .db = h},
+          rng_);
+  check({.batch = 3, .m = 40, .n = 33, .k = 70, .shared_b = false, .da = h, .db = h, .dc = h},
+        rng_);
+  // The start-up line names the path, and the bf16 peak that MFU divides by is at least f32's.
+  Backend& be = test::cpu();
+  const char* off = std::getenv("MT_CPU_BF16DOT");
+  const bool dot = __builtin_cpu_supports("avx512bf16") && !__builtin_cpu_supports("amx-bf16") &&
+                   !(off && std::string(off) == "0");
+  if (dot) {
+    EXPECT_NE(be.describe().find("bf16 x bf16 on AVX512_BF16 dot products"), std::string::npos)
+        << be.describe();
+  }
+  EXPECT_GE(be.peak_flops(h), be.peak_flops(DType::f32));
+}
+
 TEST_F(Gemm, TiledOverThreads) {
   MT_SEED_TRACE();
   // Big enough to be cut into per-thread tiles: along M (m >= n) and along N (n > m, 16-column

@@ -14,9 +14,12 @@
 //   threads and oneTBB workers never compete, and a matmul called from inside a parallel kernel
 //   (the MoE grouped matmul) nests without oversubscription.
 // - bf16 x bf16: AMX tiles where the CPU and kernel allow them (gemm_amx.cpp), several times the
-//   f32 rate. Any other bf16 operand is widened to f32 in a scratch tensor from the backend's
-//   caching allocator and takes the SGEMM: the AVX512_BF16 dot instruction runs at half the f32
-//   FMA rate, so a compute-bound GEMM gains nothing from it.
+//   f32 rate; else AVX512_BF16's vdpbf16ps on the same packed tiles where the CPU has it (on the
+//   2-core AMD EPYC, Zen 4, of 2026-11-26: 380-400 GFLOP/s against the SGEMM's 190 at llama-bench-m
+//   shapes, 320-340 for the weight gradients; on the Xeon this file was first measured on the
+//   instruction ran at half the FMA rate instead: MT_CPU_BF16DOT=0 turns it off). Any other bf16
+//   operand is widened to f32 in a scratch tensor from the backend's caching allocator and takes
+//   the SGEMM.
 // - M = 1 (decode) is memory-bound: own AVX-512 matrix-vector kernels read f32 or bf16 weights
 //   directly (bf16 widened in registers: half the bytes, f32 products).
 //
@@ -838,13 +841,16 @@ void gemm_setup(int num_threads) {
   (void)openblas();
   (void)core_peak();
   (void)amx_core_peak_flops();
+  (void)dot_core_peak_flops();
 }
 
 std::string gemm_describe() {
   const OpenBlas& ob = openblas();
-  const std::string bf16 = amx_bf16_usable()
-                               ? "bf16 x bf16 on AMX tiles (mt), other bf16 widened to f32"
-                               : "bf16 widened to f32";
+  const std::string bf16 =
+      amx_bf16_usable() ? "bf16 x bf16 on AMX tiles (mt), other bf16 widened to f32"
+      : dot_bf16_usable()
+          ? "bf16 x bf16 on AVX512_BF16 dot products (mt), other bf16 widened to f32"
+          : "bf16 widened to f32";
   const std::string matvec = matvec_set_name();
   if (!ob.sgemm)
     return fmt::format("portable mt GEMM, slow (OpenBLAS not usable: {}); {}; M=1: {}; CPU: {}",
@@ -869,9 +875,10 @@ double cpu_peak_flops(DType dtype, int num_threads) {
   // on AMX tiles where the CPU has them (measured tile rate); otherwise bf16 operands are widened
   // and run on the same f32 FMA units, so their peak is the f32 peak (the CPU's AVX512_BF16 dot
   // instruction would reach only half of it).
-  const double per_core = dtype == DType::bf16 && amx_bf16_usable()
-                              ? std::max(amx_core_peak_flops(), core_peak())
-                              : core_peak();
+  const double per_core = dtype != DType::bf16 ? core_peak()
+                          : amx_bf16_usable()  ? std::max(amx_core_peak_flops(), core_peak())
+                          : dot_bf16_usable()  ? std::max(dot_core_peak_flops(), core_peak())
+                                               : core_peak();
   return per_core * std::max(1, num_threads);
 }
 
@@ -924,12 +931,14 @@ void matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool tran
       matvec(p, a32.ptr<const float>(), b.ptr<const uint16_t>(), c32.ptr<float>());
     else
       matvec(p, a32.ptr<const float>(), b.ptr<const float>(), c32.ptr<float>());
-  } else if (a.dtype() == DType::bf16 && b.dtype() == DType::bf16 && amx_bf16_usable()) {
+  } else if (a.dtype() == DType::bf16 && b.dtype() == DType::bf16 &&
+             (amx_bf16_usable() || dot_bf16_usable())) {
+    const auto gemm = amx_bf16_usable() ? &amx_gemm_bf16 : &dot_gemm_bf16;
     for (int64_t bi = 0; bi < p.batch; ++bi)
-      amx_gemm_bf16(*c.backend(), p.ta, p.tb, p.m, p.n, p.k, alpha,
-                    a.ptr<const uint16_t>() + bi * p.stride_a, p.ta ? p.m : p.k,
-                    b.ptr<const uint16_t>() + bi * p.stride_b, p.tb ? p.k : p.n, beta,
-                    c32.ptr<float>() + bi * p.stride_c, p.n);
+      gemm(*c.backend(), p.ta, p.tb, p.m, p.n, p.k, alpha,
+           a.ptr<const uint16_t>() + bi * p.stride_a, p.ta ? p.m : p.k,
+           b.ptr<const uint16_t>() + bi * p.stride_b, p.tb ? p.k : p.n, beta,
+           c32.ptr<float>() + bi * p.stride_c, p.n);
   } else {
     const Tensor a32 = as_f32(a), b32 = as_f32(b);
     gemm_f32(p, a32.ptr<const float>(), b32.ptr<const float>(), c32.ptr<float>());

@@ -10,7 +10,13 @@
 // (16 KiB) is reused from L1 by the block's four row groups, whose f32 sums (16 KiB) also stay in
 // L1, so only a streams from L2 (tile loads, not the tile multiplies, limit an unblocked loop).
 //
-// Determinism: each c element is one tile accumulation in a fixed k order.
+// Without AMX, CPUs with AVX512_BF16 (AMD Zen 4 and later, Intel Cooper Lake) run the same
+// packing and loops with a vdpbf16ps micro-kernel on the same packed tiles: a 32 x 32 block in
+// four passes of 8 rows x 32 columns (16 accumulators), each k pair of a row broadcast against
+// the panel's two 16-column pair vectors. On the 2-core AMD EPYC (Zen 4) of 2026-11-26 vdpbf16ps
+// ran 58 GMAC/s a core against 27 for f32 FMAs.
+//
+// Determinism: each c element is one accumulation in a fixed k order.
 #include "kernels/gemm_amx.h"
 
 #include <immintrin.h>
@@ -26,6 +32,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
+#include <vector>
 
 namespace mt::cpu {
 namespace {
@@ -132,6 +140,76 @@ MT_AMX void micro_kernel(const uint16_t* pa, const uint16_t* pb, int64_t steps, 
   _tile_stored(1, acc + 16, kStride);
   _tile_stored(2, acc + 16 * kBlock, kStride);
   _tile_stored(3, acc + 16 * kBlock + 16, kStride);
+}
+
+#define MT_BF16DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+// micro_kernel's contract on vdpbf16ps: acc (32 x 32 f32) += pa . pb over `steps` k steps of 32,
+// from the same packed tiles (a: [2 tiles][16 rows][32 k]; b: [2 tiles][16 k pairs][16 cols][2]).
+MT_BF16DOT void dot_micro_kernel(const uint16_t* pa, const uint16_t* pb, int64_t steps, bool first,
+                                 float* acc) {
+  for (int64_t r0 = 0; r0 < kBlock; r0 += 8) {
+    __m512 c[8][2];
+    for (int r = 0; r < 8; ++r)
+      for (int h = 0; h < 2; ++h)
+        c[r][h] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + (r0 + r) * kBlock + 16 * h);
+    const int64_t tile = r0 / 16, row0 = r0 % 16;
+    for (int64_t st = 0; st < steps; ++st) {
+      const uint16_t* a = pa + st * 2 * kTileElems + tile * kTileElems + row0 * kTileK;
+      const uint16_t* b = pb + st * 2 * kTileElems;
+      for (int64_t pr = 0; pr < kTileK / 2; ++pr) {
+        const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + pr * 32));
+        const __m512bh b1 =
+            reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + kTileElems + pr * 32));
+        for (int r = 0; r < 8; ++r) {
+          uint32_t pair;
+          std::memcpy(&pair, a + r * kTileK + 2 * pr, sizeof pair);
+          const __m512bh av = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
+          c[r][0] = _mm512_dpbf16_ps(c[r][0], av, b0);
+          c[r][1] = _mm512_dpbf16_ps(c[r][1], av, b1);
+        }
+      }
+    }
+    for (int r = 0; r < 8; ++r)
+      for (int h = 0; h < 2; ++h) _mm512_store_ps(acc + (r0 + r) * kBlock + 16 * h, c[r][h]);
+  }
+}
+
+// Best-case FLOP/s of one core on vdpbf16ps: 12 independent chains, every hardware thread
+// running at once (the all-core clock, as the f32 peak is measured), the best thread's best run.
+MT_BF16DOT double dot_loop(long iters) {
+  __m512 acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(0.001f * static_cast<float>(i));
+  const __m512bh x = reinterpret_cast<__m512bh>(_mm512_set1_epi32(0x3f803f80));
+  const __m512bh y = reinterpret_cast<__m512bh>(_mm512_set1_epi32(0x3f7f3f7f));
+  for (long n = 0; n < iters; ++n)
+    for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], x, y);
+  for (int i = 1; i < 12; ++i) acc[0] = _mm512_add_ps(acc[0], acc[i]);
+  alignas(64) float out[16];
+  _mm512_store_ps(out, acc[0]);
+  return out[0];
+}
+
+double measure_dot_peak() {
+  constexpr long kIters = 200000;
+  auto one_core = [] {
+    double best = 0, sink = 0;
+    for (int rep = 0; rep < 8; ++rep) {
+      const auto t0 = std::chrono::steady_clock::now();
+      sink += dot_loop(kIters);
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      best = std::max(best, 2.0 * 32 * 12 * static_cast<double>(kIters) / s);
+    }
+    if (sink == 12345.678) best += 1;  // keeps the loop from being optimised away
+    return best;
+  };
+  const unsigned n = std::clamp(std::thread::hardware_concurrency(), 1u, 256u);
+  std::vector<double> best(n, 0.0);
+  std::vector<std::thread> threads;
+  for (unsigned i = 1; i < n; ++i) threads.emplace_back([&, i] { best[i] = one_core(); });
+  best[0] = one_core();
+  for (auto& t : threads) t.join();
+  return *std::max_element(best.begin(), best.end());
 }
 
 // c block [rows, cols] (<= 32 x 32) = alpha * acc + beta * c.
@@ -242,9 +320,48 @@ double amx_core_peak_flops() {
   return kPeak;
 }
 
+bool dot_bf16_usable() {
+  // Asked once per process; immutable afterwards. MT_CPU_BF16DOT=0 keeps bf16 GEMMs on the f32
+  // path (for comparisons).
+  static const bool kUsable = [] {
+    const char* env = std::getenv("MT_CPU_BF16DOT");
+    if (env && std::string(env) == "0") return false;
+    __builtin_cpu_init();
+    return !amx_bf16_usable() && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512bf16");
+  }();
+  return kUsable;
+}
+
+double dot_core_peak_flops() {
+  static const double kPeak = dot_bf16_usable() ? measure_dot_peak() : 0.0;  // measured once
+  return kPeak;
+}
+
+namespace {
+void gemm_bf16_packed(bool amx, Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t k,
+                      float alpha, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb,
+                      float beta, float* c, int64_t ldc);
+}  // namespace
+
 void amx_gemm_bf16(Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
                    const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta,
                    float* c, int64_t ldc) {
+  gemm_bf16_packed(true, be, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+void dot_gemm_bf16(Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
+                   const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta,
+                   float* c, int64_t ldc) {
+  gemm_bf16_packed(false, be, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+namespace {
+// The loops of both: amx picks the tile micro-kernel (and the tile state), else vdpbf16ps.
+void gemm_bf16_packed(bool amx, Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t k,
+                      float alpha, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb,
+                      float beta, float* c, int64_t ldc) {
   const int64_t kb = (k + kTileK - 1) / kTileK;
   const int64_t panels = (n + kBlock - 1) / kBlock;
   const int64_t panel_elems = kb * 2 * kTileElems;
@@ -267,7 +384,7 @@ void amx_gemm_bf16(Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t 
   tbb::parallel_for(
       tbb::blocked_range<int64_t>(0, row_blocks * splits, 1),
       [&](const tbb::blocked_range<int64_t>& r) {
-        configure_tiles();
+        if (amx) configure_tiles();
         alignas(64) float acc[kRowBlock * kBlock];  // the row block's sums for one panel
         const int slot = std::max(0, tbb::this_task_arena::current_thread_index());
         uint16_t* pa = pa_all + (slot % threads) * block_elems;
@@ -282,10 +399,15 @@ void amx_gemm_bf16(Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t 
             // for the block's row groups, whose partial sums (16 KiB) stay there too.
             for (int64_t s0 = 0; s0 < kb; s0 += kStepsPerChunk) {
               const int64_t steps = std::min(kStepsPerChunk, kb - s0);
-              for (int64_t g = 0; g < groups; ++g)
-                micro_kernel(pa + (g * kb + s0) * 2 * kTileElems,
-                             pb + q * panel_elems + s0 * 2 * kTileElems, steps, s0 == 0,
-                             acc + g * kBlock * kBlock);
+              for (int64_t g = 0; g < groups; ++g) {
+                const uint16_t* ga = pa + (g * kb + s0) * 2 * kTileElems;
+                const uint16_t* gb = pb + q * panel_elems + s0 * 2 * kTileElems;
+                float* gacc = acc + g * kBlock * kBlock;
+                if (amx)
+                  micro_kernel(ga, gb, steps, s0 == 0, gacc);
+                else
+                  dot_micro_kernel(ga, gb, steps, s0 == 0, gacc);
+              }
             }
             const int64_t n0 = q * kBlock;
             for (int64_t g = 0; g < groups; ++g) {
@@ -296,9 +418,10 @@ void amx_gemm_bf16(Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t 
           }
         }
         // Hands the tile state back, so context switches of this thread stay cheap.
-        release_tiles();
+        if (amx) release_tiles();
       },
       tbb::simple_partitioner());
 }
+}  // namespace
 
 }  // namespace mt::cpu
