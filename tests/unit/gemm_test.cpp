@@ -338,26 +338,11 @@ TEST_F(Gemm, Bf16Operands) {
   }
 }
 
-// bf16 x bf16 GEMMs on the packed-tile path (AMX, or AVX512_BF16's dot products on CPUs without
-// AMX; the f32 path elsewhere): several 128-row blocks, 32-column panels with a ragged last one,
-// K over several 256-deep chunks with a ragged end, every transpose, accumulating into c.
-TEST_F(Gemm, Bf16GemmAcrossBlocksAndChunks) {
-  MT_SEED_TRACE();
+// Where bf16 x bf16 GEMMs run on AVX512_BF16's dot products (no AMX; Bf16LargeShapes checks
+// their results), the start-up line names that path, and the bf16 peak that MFU divides by is
+// at least f32's.
+TEST_F(Gemm, Bf16DotPathIsNamedAndItsPeakCounted) {
   const DType h = DType::bf16;
-  for (int t = 0; t < 4; ++t)
-    check({.batch = 0,
-           .m = 301,
-           .n = 97,
-           .k = 601,
-           .ta = bool(t & 1),
-           .tb = bool(t & 2),
-           .beta = 0.5f,
-           .da = h,
-           .db = h},
-          rng_);
-  check({.batch = 3, .m = 40, .n = 33, .k = 70, .shared_b = false, .da = h, .db = h, .dc = h},
-        rng_);
-  // The start-up line names the path, and the bf16 peak that MFU divides by is at least f32's.
   Backend& be = test::cpu();
   const char* off = std::getenv("MT_CPU_BF16DOT");
   const bool dot = __builtin_cpu_supports("avx512bf16") && !__builtin_cpu_supports("amx-bf16") &&
@@ -389,7 +374,8 @@ TEST_F(Gemm, TiledOverThreads) {
 
 TEST_F(Gemm, Bf16LargeShapes) {
   MT_SEED_TRACE();
-  // bf16 x bf16 takes the AMX path where the CPU has it: several 128-row blocks with a ragged
+  // bf16 x bf16 takes the AMX path where the CPU has it (else AVX512_BF16's dot products on the
+  // same packed tiles, else the f32 path): several 128-row blocks with a ragged
   // end, 32-column panels with a ragged end, K across several 32-wide tile steps with a tail and
   // across several 256-wide chunks, and a single row block split over column ranges.
   const DType h = DType::bf16;

@@ -203,13 +203,7 @@ double measure_dot_peak() {
     if (sink == 12345.678) best += 1;  // keeps the loop from being optimised away
     return best;
   };
-  const unsigned n = std::clamp(std::thread::hardware_concurrency(), 1u, 256u);
-  std::vector<double> best(n, 0.0);
-  std::vector<std::thread> threads;
-  for (unsigned i = 1; i < n; ++i) threads.emplace_back([&, i] { best[i] = one_core(); });
-  best[0] = one_core();
-  for (auto& t : threads) t.join();
-  return *std::max_element(best.begin(), best.end());
+  return best_on_every_thread(one_core);
 }
 
 // c block [rows, cols] (<= 32 x 32) = alpha * acc + beta * c.
@@ -318,6 +312,16 @@ bool amx_bf16_usable() {
 double amx_core_peak_flops() {
   static const double kPeak = amx_bf16_usable() ? measure_amx_peak() : 0.0;  // measured once
   return kPeak;
+}
+
+double best_on_every_thread(const std::function<double()>& one_core) {
+  const unsigned n = std::clamp(std::thread::hardware_concurrency(), 1u, 256u);
+  std::vector<double> best(n, 0.0);
+  std::vector<std::thread> threads;
+  for (unsigned i = 1; i < n; ++i) threads.emplace_back([&, i] { best[i] = one_core(); });
+  best[0] = one_core();
+  for (auto& t : threads) t.join();
+  return *std::max_element(best.begin(), best.end());
 }
 
 bool dot_bf16_usable() {

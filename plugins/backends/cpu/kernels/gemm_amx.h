@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 
 #include "mt/backend.h"
 
@@ -27,6 +28,9 @@ void amx_gemm_bf16(Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t 
 // exact bf16 products, f32 sums, at about twice the f32 FMA rate on Zen 4. Usable when the CPU
 // has it, AMX is not usable and MT_CPU_BF16DOT is not 0 (checked once).
 bool dot_bf16_usable();
+// The largest of `one_core`'s results with it running on every hardware thread at once: a
+// core's peak at the clock all cores sustain together (the f32 FMA peak and the dot product's).
+double best_on_every_thread(const std::function<double()>& one_core);
 // Measured vdpbf16ps FLOP/s of one core at the all-core clock (0 when not usable).
 double dot_core_peak_flops();
 void dot_gemm_bf16(Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
