@@ -15,6 +15,14 @@
 # .devcarry/debs, unpacked into a private prefix). The build's paths are absolute (rpaths, the
 # tests' plugin directory), so MT_BUILT_AT (default /work/main, where it was built) is made a link
 # to this checkout when that path is free. Logs and results go to $OUT (else /tmp/mt-probe).
+# The packages: `mkdir -p .devcarry/debs && cd .devcarry/debs && apt-get download libyaml-cpp0.7
+# libfmt9 libtbb12 libtbbmalloc2 libtbbbind-2-5 libhwloc15 libopenblas0-pthread libgfortran5
+# libquadmath0 libpcre2-8-0 libsentencepiece0 libutf8proc2 libopenmpi3 openmpi-bin openmpi-common
+# libpmix2 libevent-core-2.1-7 libevent-pthreads-2.1-7 libfabric1 libucx0 libibverbs1 librdmacm1
+# libnl-3-200 libnl-route-3-200 libpsm2-2 libpsm-infinipath1 libudev1` (15 MB; echo /.devcarry/
+# >> .git/info/exclude). The workplace's device tool then carries, 8 paths: build-gpu/bin,
+# build-gpu/lib, build-gpu/share, build-gpu/tests/gpu_ops_test, build-gpu/tests/gpu_train_test,
+# build-gpu/tests/gpu_nccl_test, build-gpu/tests/plugins, .devcarry (~30 MB with the tree).
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$root"
