@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 
 #include "config_impl.h"
 #include "mt/error.h"
@@ -25,6 +26,28 @@ Backend& cpu(int threads) {
 
 std::unique_ptr<AttentionKernel> attention(const std::string& name, Backend& b) {
   return plugins().make_attention(b.name(), name, b);
+}
+
+DevicePlugins device_plugins(const std::vector<std::pair<std::string, std::string>>& required,
+                             const std::string& file, const std::string& not_built) {
+  DevicePlugins s;
+  try {
+    for (const auto& [kind, name] : required) plugins().require(kind, name);
+  } catch (const std::exception& e) {
+    bool built = false;
+    for (const auto& dir : plugins().search_dirs()) {
+      std::error_code ec;
+      built = built || std::filesystem::exists(dir / file, ec);
+    }
+    const std::string why = e.what();
+    if (!built)
+      s.skip = "the " + file + " plugin was not built (" + not_built + "): " + why;
+    else if (why.find("declined to run on this machine") != std::string::npos)
+      s.skip = "no CUDA device: " + why;
+    else
+      s.error = why;
+  }
+  return s;
 }
 
 Tensor from_vector(Backend& b, const Shape& shape, const std::vector<float>& v, DType dt) {

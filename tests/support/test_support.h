@@ -24,6 +24,16 @@ PluginManager& plugins();
 Backend& cpu(int threads = 0);
 std::unique_ptr<AttentionKernel> attention(const std::string& name, Backend& b);
 
+// Whether the plugins a device test needs run here: each {kind, name} is required in turn. `skip`
+// says why not when that is the machine's doing (the library `file` was not built, `not_built`
+// saying what the build lacks; or a plugin declined: no driver or no device), `error` why loading
+// failed otherwise (a test failure). Both empty: they run.
+struct DevicePlugins {
+  std::string skip, error;
+};
+DevicePlugins device_plugins(const std::vector<std::pair<std::string, std::string>>& required,
+                             const std::string& file, const std::string& not_built);
+
 using mt::RequiredOnlyBackend;  // core/src/required_only_backend.h
 
 Tensor from_vector(Backend& b, const Shape& shape, const std::vector<float>& v,

@@ -31,26 +31,10 @@ struct NcclPlugin {
 };
 const NcclPlugin& nccl_plugin() {
   static const NcclPlugin state = [] {
-    NcclPlugin s;
-    try {
-      test::plugins().require("comm", "nccl");
-      test::plugins().require("backend", "cuda");
-    } catch (const std::exception& e) {
-      bool built = false;
-      for (const auto& dir : test::plugins().search_dirs()) {
-        std::error_code ec;
-        built = built || fs::exists(dir / "libmt_comm_nccl.so", ec);
-      }
-      const std::string why = e.what();
-      if (!built)
-        s.skip =
-            "the nccl communicator plugin was not built (no NCCL, MPI or CUDA toolkit): " + why;
-      else if (why.find("declined to run on this machine") != std::string::npos)
-        s.skip = "no CUDA device: " + why;
-      else
-        s.error = why;
-    }
-    return s;
+    const test::DevicePlugins d =
+        test::device_plugins({{"comm", "nccl"}, {"backend", "cuda"}}, "libmt_comm_nccl.so",
+                             "no NCCL, MPI or CUDA toolkit");
+    return NcclPlugin{d.skip, d.error};
   }();
   return state;
 }

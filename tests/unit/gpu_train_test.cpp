@@ -56,22 +56,10 @@ const CudaPlugin& cuda_plugin() {
       test::plugins().add_attention(
           "cuda", name, [name](Backend& b) { return test::emulated_cuda_attention(name, b); });
 #else
-    try {
-      test::plugins().require("backend", "cuda");
-    } catch (const std::exception& e) {
-      bool built = false;
-      for (const auto& dir : test::plugins().search_dirs()) {
-        std::error_code ec;
-        built = built || fs::exists(dir / "libmt_backend_cuda.so", ec);
-      }
-      const std::string why = e.what();
-      if (!built)
-        s.skip = "the cuda backend plugin was not built (no CUDA toolkit): " + why;
-      else if (why.find("declined to run on this machine") != std::string::npos)
-        s.skip = "no CUDA device: " + why;
-      else
-        s.error = why;
-    }
+    const test::DevicePlugins d =
+        test::device_plugins({{"backend", "cuda"}}, "libmt_backend_cuda.so", "no CUDA toolkit");
+    s.skip = d.skip;
+    s.error = d.error;
 #endif
     return s;
   }();
