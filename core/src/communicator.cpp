@@ -2,6 +2,7 @@
 // communicator for a run (`communicator=auto|local|mpi`).
 #include "communicator.h"
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <initializer_list>
@@ -126,6 +127,35 @@ std::unique_ptr<Communicator> make_communicator(const Config& cfg, PluginManager
     return make_local_communicator();
   }
   return plugins.make_communicator(name, cfg);
+}
+
+Tensor flat_part(const Tensor& t, int64_t b, int64_t e) {
+  return t.view({t.numel()}).slice0(b, e);
+}
+
+void part_to_host(const Tensor& t, int64_t b, int64_t e, float* out) {
+  if (b == e) return;
+  const Tensor part = flat_part(t, b, e);
+  if (t.dtype() == DType::f32) {
+    t.backend()->copy_to_host(part, out);
+    return;
+  }
+  MT_CHECK(t.dtype() == DType::bf16, "sharded state is f32 or bf16");
+  std::vector<uint16_t> half(static_cast<size_t>(e - b));
+  t.backend()->copy_to_host(part, half.data());
+  for (size_t i = 0; i < half.size(); ++i) out[i] = bf16_to_f32(half[i]);
+}
+void part_from_host(Tensor& t, int64_t b, int64_t e, const float* in) {
+  if (b == e) return;
+  Tensor part = flat_part(t, b, e);
+  if (t.dtype() == DType::f32) {
+    t.backend()->copy_from_host(part, in);
+    return;
+  }
+  MT_CHECK(t.dtype() == DType::bf16, "sharded state is f32 or bf16");
+  std::vector<uint16_t> half(static_cast<size_t>(e - b));
+  for (size_t i = 0; i < half.size(); ++i) half[i] = f32_to_bf16(in[i]);
+  t.backend()->copy_from_host(part, half.data());
 }
 
 }  // namespace mt

@@ -3,9 +3,11 @@
 // needed at run time).
 #pragma once
 
+#include <cstdint>
 #include <memory>
 
 #include "mt/comm.h"
+#include "mt/tensor.h"
 
 namespace mt {
 
@@ -19,5 +21,13 @@ std::unique_ptr<Communicator> make_communicator(const Config& cfg, PluginManager
 // by mpirun) and this process's rank (0 then).
 int launcher_world_size();
 int launcher_rank();
+
+// Sharded state (ZeRO-1, FSDP) goes through f32 host buffers for the host collectives.
+// Elements [b, e) of `t` flattened: a view sharing its storage.
+Tensor flat_part(const Tensor& t, int64_t b, int64_t e);
+// Elements [b, e) of `t` (f32 or bf16) to or from f32 host memory: bf16 widened / rounded to
+// nearest even, exact for values that came from bf16.
+void part_to_host(const Tensor& t, int64_t b, int64_t e, float* out);
+void part_from_host(Tensor& t, int64_t b, int64_t e, const float* in);
 
 }  // namespace mt

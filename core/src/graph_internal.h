@@ -57,6 +57,10 @@ class Grads {
     GradNode* n = nodes_[i];
     if (!n || !n->cast_of || !n->cast_of->leaf) return nullptr;
     GradNode* s = n->cast_of.get();
+    if (!s->grad.defined()) {  // a leaf whose buffer is made on first use (FSDP's gathers)
+      s->grad = be_->empty(s->shape, s->dtype);
+      s->fresh = true;
+    }
     overwrite = s->fresh;
     s->fresh = false;
     return &s->grad;

@@ -295,10 +295,12 @@ void load_hf_weights(const fs::path& dir, ModelRunner& runner) {
     } else {
       host = read_hf(w, hf.name, hf.transposed, dir, p.name, got, &s, used);
     }
+    if (runner.sharding().on())  // FSDP: this rank's part of the whole tensor
+      host = std::vector<float>(host.begin() + p.shard_begin, host.begin() + p.shard_end);
     if (p.value.dtype() == DType::f32) {
       be.copy_from_host(p.value, host.data());
     } else {  // the backend's rounding, as every other cast to the weight dtype
-      Tensor t = be.empty(s, DType::f32);
+      Tensor t = be.empty(p.value.shape(), DType::f32);
       be.copy_from_host(t, host.data());
       be.cast(t, p.value);
     }

@@ -45,27 +45,39 @@ Config with_words(const Config& base, const std::vector<std::string>& words) {
 }
 
 std::unique_ptr<ModelRunner> meta_runner(const Config& cfg, PluginManager& plugins,
-                                         const DeviceProfile& device) {
+                                         const DeviceProfile& device, ParamSharding sharding = {}) {
   auto backend = std::make_unique<MetaBackend>(device);
   auto attention = std::make_unique<MetaAttention>(cfg.get_string("attention"), *backend,
                                                    device.f32_working_copies);
-  return std::make_unique<ModelRunner>(cfg, plugins, std::move(backend), std::move(attention));
+  return std::make_unique<ModelRunner>(cfg, plugins, std::move(backend), std::move(attention),
+                                       sharding);
 }
 
 size_t in_use(ModelRunner& r) {
   return r.backend().memory_stats().bytes_in_use;
 }
 
-// The data-parallel ranks of the mesh the config sets (an axis of -1 counts 1: the plan knows
-// only the sizes set).
+// The ranks the batch is split among in the mesh the config sets (the data and fsdp axes; an
+// axis of -1 counts 1: the plan knows only the sizes set).
 int64_t data_ranks(const Config& cfg) {
-  return resolve_mesh(cfg, static_cast<int>(mesh_devices_set(cfg))).data;
+  return resolve_mesh(cfg, static_cast<int>(mesh_devices_set(cfg))).batch_ranks();
+}
+
+// The ranks FSDP divides the parameters among (all of them, as the trainer does), or 1.
+int64_t fsdp_ranks(const Config& cfg) {
+  const Mesh mesh = resolve_mesh(cfg, static_cast<int>(mesh_devices_set(cfg)));
+  return mesh.fsdp > 1 ? mesh.batch_ranks() : 1;
 }
 
 // One training step exactly as train() runs it (trainer.h's pieces), on a MetaBackend.
 TrainingPlan trace_training(const Config& cfg, PluginManager& plugins,
                             const DeviceProfile& device) {
-  auto runner = meta_runner(cfg, plugins, device);
+  // Rank 0 of FSDP's ranks: its parts of every tensor (shard_range gives later ranks one
+  // element more at most), and each layer's whole weights while the layer runs.
+  const int64_t fsdp = fsdp_ranks(cfg);
+  auto runner =
+      meta_runner(cfg, plugins, device,
+                  fsdp > 1 ? ParamSharding{nullptr, 0, static_cast<int>(fsdp)} : ParamSharding{});
   Backend& be = runner->backend();
   TrainingPlan t;
   t.weights = in_use(*runner);
@@ -104,9 +116,9 @@ TrainingPlan trace_training(const Config& cfg, PluginManager& plugins,
     // Rank 0's snapshot: the weights and the whole moments (gathered when sharded).
     size_t i = 0;
     for (const auto& p : runner->params()) {
-      t.checkpoint +=
-          p.value.nbytes() + static_cast<size_t>(p.value.numel()) *
-                                 (dtype_size(opt.m[i].dtype()) + dtype_size(opt.v[i].dtype()));
+      t.checkpoint += static_cast<size_t>(shape_numel(p.spec.shape)) *
+                      (dtype_size(p.value.dtype()) + dtype_size(opt.m[i].dtype()) +
+                       dtype_size(opt.v[i].dtype()));
       ++i;
     }
   }
@@ -169,8 +181,15 @@ std::vector<std::vector<std::string>> training_changes(const Config& cfg,
   if (remat == "none") c.push_back({"remat_policy=minimal"});
   if (remat != "full") c.push_back({"remat_policy=full"});
   // The moments divided among the data-parallel ranks: the same traffic, the same losses.
-  if (data_ranks(cfg) > 1 && !cfg.get_bool("shard_optimizer_over_data"))
-    c.insert(c.begin(), {"shard_optimizer_over_data=true"});
+  if (data_ranks(cfg) > 1 && fsdp_ranks(cfg) == 1) {
+    if (!cfg.get_bool("shard_optimizer_over_data"))
+      c.insert(c.begin(), {"shard_optimizer_over_data=true"});
+    // FSDP over the same ranks: the weights and gradients divided too, for two more gathers
+    // of the weights a step.
+    const int64_t ici = cfg.get_int("ici_data_parallelism");
+    if (ici > 1 && cfg.get_int("dcn_data_parallelism") == 1)
+      c.push_back({fmt::format("ici_fsdp_parallelism={}", ici), "ici_data_parallelism=1"});
+  }
   if (cfg.get_string("dtype") == "float32") c.push_back({"dtype=bfloat16"});
   // Smaller micro-batches, the same global batch: the largest that fits is found later.
   if (cfg.get_int("per_device_batch_size") > 1) c.push_back({"<micro-batches>"});
@@ -304,8 +323,9 @@ void find_fixes(Plan& plan, const Config& cfg, PluginManager& plugins, const Dev
     plan.beyond_fixes += fmt::format(
         " As configured, the weights, gradients and optimizer state alone take {}; what stays "
         "on the device with every change above is still more than it has: the model needs more "
-        "memory than one device has (a smaller model, or sharding over several devices, which mt "
-        "does not do yet).",
+        "memory than one device has: a smaller model, or FSDP over several devices "
+        "(mpirun -np N mt run ... ici_fsdp_parallelism=N divides the weights, gradients and "
+        "moments by N).",
         human_bytes(static_cast<double>(t.weights + t.gradients + t.optimizer)));
     return;
   }
@@ -387,15 +407,22 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
   // plan knows only the sizes set); the trainer's own checks refuse what it cannot run.
   if (plan.train) {
     const Mesh mesh = resolve_mesh(cfg, static_cast<int>(mesh_devices_set(cfg)));
-    if (mesh.data > 1) {
+    if (mesh.batch_ranks() > 1) {
       CollectivePlan c;
-      c.ici = std::max<int64_t>(1, cfg.get_int("ici_data_parallelism"));
-      c.dcn = mesh.data / c.ici;
+      c.ici = std::max<int64_t>(1, cfg.get_int("ici_data_parallelism")) *
+              std::max<int64_t>(1, cfg.get_int("ici_fsdp_parallelism"));
+      c.dcn = mesh.batch_ranks() / c.ici;
       c.gradient_bytes = static_cast<size_t>(plan.counts.total) * 4;
-      c.sharded_optimizer = cfg.get_bool("shard_optimizer_over_data");
+      c.fsdp = mesh.fsdp > 1;
+      c.sharded_optimizer = !c.fsdp && cfg.get_bool("shard_optimizer_over_data");
+      c.gathers = cfg.get_string("remat_policy") == "none" ? 1 : 2;
+      c.micro_batches = cfg.get_int("gradient_accumulation_steps");
+      // A ring's all-reduce moves 2 (n - 1) / n of the buffer through each rank's link in each
+      // direction; an all-gather or a reduce-scatter half of that.
+      const double rounds = c.fsdp ? static_cast<double>(c.micro_batches * (c.gathers + 1)) : 2.0;
       const auto g = static_cast<double>(c.gradient_bytes);
-      auto ring = [](int64_t n) {
-        return 2.0 * static_cast<double>(n - 1) / static_cast<double>(n);
+      auto ring = [rounds](int64_t n) {
+        return rounds * static_cast<double>(n - 1) / static_cast<double>(n);
       };
       c.ici_bytes = ring(c.ici) * g;
       c.dcn_bytes = ring(c.dcn) * g / static_cast<double>(c.ici);
@@ -448,8 +475,12 @@ std::string format_plan(const Plan& p, const Config& cfg) {
         cfg.get_int("per_device_batch_size"), cfg.get_int("max_target_length"),
         cfg.get_int("gradient_accumulation_steps"), cfg.get_string("remat_policy"),
         cfg.get_string("dtype"));
-    row("weights", t.weights, fmt::format("weight_dtype={}", dtype_name(p.weights)));
-    row("gradients", t.gradients, "float32");
+    const bool fsdp = p.collectives && p.collectives->fsdp;
+    const std::string part =
+        fsdp ? fmt::format(", this rank's 1/{} (FSDP)", p.collectives->ici * p.collectives->dcn)
+             : std::string();
+    row("weights", t.weights, fmt::format("weight_dtype={}{}", dtype_name(p.weights), part));
+    row("gradients", t.gradients, "float32" + part);
     if (t.host_optimizer)
       row("optimizer", t.optimizer,
           fmt::format("AdamW: mu {}, nu float32, in host memory ({} there; "
@@ -462,10 +493,12 @@ std::string format_plan(const Plan& p, const Config& cfg) {
                       p.collectives && p.collectives->sharded_optimizer
                           ? fmt::format(", this rank's 1/{} of them (shard_optimizer_over_data)",
                                         p.collectives->ici * p.collectives->dcn)
-                          : ""));
+                          : part));
     row("batches", t.batches, "token ids of the step's micro-batches");
     row("activations", t.activations,
-        "peak above those: saved for the backward, their gradients, temporaries");
+        fsdp ? "peak above those: saved for the backward, their gradients, temporaries, the "
+               "gathered whole weights of the layers in use and their gradients"
+             : "peak above those: saved for the backward, their gradients, temporaries");
     if (t.checkpoint)
       row("checkpoint", t.checkpoint,
           p.device.is_host ? "host copy of weights and moments that async_checkpointing keeps"
@@ -501,19 +534,27 @@ std::string format_plan(const Plan& p, const Config& cfg) {
       };
       const double t = (p.device.ici_bytes_per_s > 0 ? c.ici_bytes / p.device.ici_bytes_per_s : 0) +
                        (p.device.dcn_bytes_per_s > 0 ? c.dcn_bytes / p.device.dcn_bytes_per_s : 0);
+      const std::string what =
+          c.fsdp
+              ? fmt::format(
+                    "all-gathers {} of float32 weights {} and reduce-scatters their "
+                    "gradients once per micro-batch ({} of them)",
+                    human_bytes(static_cast<double>(c.gradient_bytes)),
+                    c.gathers == 1 ? "once" : "twice (remat re-runs the layers)", c.micro_batches)
+          : c.sharded_optimizer ? fmt::format(
+                                      "reduce-scatters {} of float32 gradients and all-gathers the "
+                                      "updated parameters (as float32: the bytes of an all-reduce)",
+                                      human_bytes(static_cast<double>(c.gradient_bytes)))
+                                : fmt::format("all-reduces {} of float32 gradients",
+                                              human_bytes(static_cast<double>(c.gradient_bytes)));
       s += fmt::format(
-          "  collectives: data parallelism over {} ranks ({} per node x {} node{}), {}: every "
+          "  collectives: {} over {} ranks ({} per node x {} node{}), {}: every "
           "step {}; a ring moves, per rank and direction, {} and {}{}\n",
-          c.ici * c.dcn, c.ici, c.dcn, c.dcn == 1 ? "" : "s",
-          c.sharded_optimizer ? "each holding the whole weights and 1/N of the moments"
-                              : "each holding the whole model",
-          c.sharded_optimizer
-              ? fmt::format("reduce-scatters {} of float32 gradients and all-gathers the "
-                            "updated parameters (as float32: the bytes of an all-reduce)",
-                            human_bytes(static_cast<double>(c.gradient_bytes)))
-              : fmt::format("all-reduces {} of float32 gradients",
-                            human_bytes(static_cast<double>(c.gradient_bytes))),
-          link(c.ici_bytes, p.device.ici_bytes_per_s, "within the node"),
+          c.fsdp ? "FSDP" : "data parallelism", c.ici * c.dcn, c.ici, c.dcn, c.dcn == 1 ? "" : "s",
+          c.fsdp                ? "each holding 1/N of the weights, gradients and moments"
+          : c.sharded_optimizer ? "each holding the whole weights and 1/N of the moments"
+                                : "each holding the whole model",
+          what, link(c.ici_bytes, p.device.ici_bytes_per_s, "within the node"),
           link(c.dcn_bytes, p.device.dcn_bytes_per_s, "across nodes"),
           t > 0 ? fmt::format("; not yet overlapped with the backward: about {:.3g} s a step "
                               "beyond the compute",

@@ -51,6 +51,11 @@ struct CollectivePlan {
   size_t gradient_bytes = 0;            // all-reduced each step (float32 gradients)
   double ici_bytes = 0, dcn_bytes = 0;  // through one rank's links, per direction
   bool sharded_optimizer = false;       // shard_optimizer_over_data: reduce-scatter + all-gather
+  // FSDP: per micro-batch, the weights all-gathered `gathers` times (2 when remat re-runs the
+  // layers, 1 else) and the gradients reduce-scattered once, as float32.
+  bool fsdp = false;
+  int gathers = 0;
+  int64_t micro_batches = 1;
 };
 
 struct PlanFix {

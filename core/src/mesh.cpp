@@ -75,16 +75,13 @@ Mesh resolve_mesh(const Config& cfg, int ranks) {
   m.data = axes[0].value * axes[3].value;
   m.fsdp = axes[1].value * axes[4].value;
   m.tensor = axes[2].value * axes[5].value;
-  if (m.fsdp > 1 || m.tensor > 1)
+  if (m.tensor > 1)
     throw UsageError(
-        std::string(m.fsdp > 1 ? "FSDP" : "Tensor") + " parallelism (" +
-        (m.fsdp > 1
-             ? "ici_fsdp_parallelism x dcn_fsdp_parallelism = " + std::to_string(m.fsdp)
-             : "ici_tensor_parallelism x dcn_tensor_parallelism = " + std::to_string(m.tensor)) +
-        ") is not implemented yet: mt runs data parallelism only so far "
-        "(ici_data_parallelism, dcn_data_parallelism); set the fsdp and tensor axes "
-        "to 1. To divide the optimizer state among data-parallel ranks (ZeRO-1), add "
-        "shard_optimizer_over_data=true.");
+        "Tensor parallelism (ici_tensor_parallelism x dcn_tensor_parallelism = " +
+        std::to_string(m.tensor) +
+        ") is not implemented yet: mt runs data parallelism and FSDP so far; set the tensor "
+        "axes to 1 and use ici_fsdp_parallelism (parameters, gradients and optimizer state "
+        "divided among the ranks) or ici_data_parallelism.");
   return m;
 }
 

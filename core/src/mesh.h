@@ -1,6 +1,7 @@
 // The device mesh from MaxText's keys: ici_{data,fsdp,tensor}_parallelism within a node and
 // their dcn_ twins across nodes; -1 on one axis = whatever the others leave of the ranks. Their
-// product must be the number of ranks. Only data parallelism is implemented so far.
+// product must be the number of ranks. Data parallelism and FSDP are implemented; tensor
+// parallelism is not yet.
 #pragma once
 
 #include <cstdint>
@@ -11,10 +12,13 @@ class Config;
 
 struct Mesh {
   int64_t data = 1, fsdp = 1, tensor = 1;  // ici x dcn of each axis
+  // The ranks the global batch is split among: the data and fsdp axes (as MaxText shards the
+  // batch over both).
+  int64_t batch_ranks() const { return data * fsdp; }
 };
 
 // Throws UsageError (one sentence naming the keys) when the axes do not multiply to `ranks`,
-// more than one axis is -1, or an axis other than data is above 1. A pure function of the
+// more than one axis is -1, or the tensor axis is above 1. A pure function of the
 // config and the rank count, so every rank of a job decides the same.
 Mesh resolve_mesh(const Config& cfg, int ranks);
 

@@ -2,10 +2,13 @@
 
 #include "config_impl.h"
 
+#include <chrono>
 #include <cmath>
 #include <random>
 
+#include "communicator.h"
 #include "fnv1a.h"
+#include "graph_internal.h"
 #include "model_info.h"
 #include "mt/data.h"
 #include "mt/error.h"
@@ -30,7 +33,8 @@ ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins)
 
 ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins,
                          std::unique_ptr<Backend> given_backend,
-                         std::unique_ptr<AttentionKernel> given_attention) {
+                         std::unique_ptr<AttentionKernel> given_attention, ParamSharding sharding)
+    : sharding_(sharding) {
   reset_config_reads(cfg);
   compute_dtype_ = dtype_key(cfg, "dtype");
   weight_dtype_ = dtype_key(cfg, "weight_dtype");
@@ -101,7 +105,18 @@ ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins,
     for (const auto& s : model_->mtp_parameters(k)) declare(s, prefix + s.name, names);
     for (const auto& s : model_->mtp_layer(k).parameters()) declare(s, prefix + s.name, names);
   }
-  for (auto& p : params_) p.value = backend().empty(p.spec.shape, weight_dtype_);
+  for (auto& p : params_) {
+    const int64_t n = shape_numel(p.spec.shape);
+    if (sharding_.on()) {
+      const auto [b, e] = shard_range(static_cast<size_t>(n), sharding_.rank, sharding_.ranks);
+      p.shard_begin = static_cast<int64_t>(b);
+      p.shard_end = static_cast<int64_t>(e);
+      p.value = backend().empty({p.shard_end - p.shard_begin}, weight_dtype_);
+    } else {
+      p.shard_end = n;
+      p.value = backend().empty(p.spec.shape, weight_dtype_);
+    }
+  }
 }
 
 ModelRunner::~ModelRunner() = default;
@@ -116,6 +131,8 @@ void ModelRunner::init_parameters(uint64_t seed, Progress* progress) {
   // On the backend, straight into each parameter in its own dtype: zeros and ones by fill, the
   // normals by fill_random from the parameter's own stream (seed ^ fnv1a(name)), whose values
   // depend on neither the order, the backend nor its thread count (mt/random_fill.h).
+  // FSDP: a normal draw is a function of the element's index in the whole tensor, so a rank
+  // draws the whole parameter and keeps its part (one parameter at a time).
   for (auto& p : params_) {
     switch (p.spec.init) {
       case Init::zeros:
@@ -132,7 +149,13 @@ void ModelRunner::init_parameters(uint64_t seed, Progress* progress) {
                                 ? RandomFill::Distribution::normal
                                 : RandomFill::Distribution::truncated_normal;
         spec.stddev = p.spec.stddev;
-        backend().fill_random(p.value, spec);
+        if (sharding_.on()) {
+          Tensor whole = backend().empty(p.spec.shape, p.value.dtype());
+          backend().fill_random(whole, spec);
+          backend().cast(flat_part(whole, p.shard_begin, p.shard_end), p.value);
+        } else {
+          backend().fill_random(p.value, spec);
+        }
         break;
       }
     }
@@ -146,7 +169,7 @@ bool ModelRunner::store_weights_in_compute_dtype() {
     MT_CHECK(!p.grad.defined(), "store_weights_in_compute_dtype: " + p.name +
                                     " has a gradient buffer; it is for inference only");
   for (auto& p : params_) {
-    Tensor narrow = backend().empty(p.spec.shape, compute_dtype_);
+    Tensor narrow = backend().empty(p.value.shape(), compute_dtype_);
     backend().cast(p.value, narrow);
     p.value = std::move(narrow);
   }
@@ -156,7 +179,7 @@ bool ModelRunner::store_weights_in_compute_dtype() {
 
 void ModelRunner::enable_gradients() {
   for (auto& p : params_) {
-    p.grad = backend().zeros(p.spec.shape, DType::f32);
+    p.grad = backend().zeros(p.value.shape(), DType::f32);
     Graph::track(p.value, p.grad);
   }
 }
@@ -248,9 +271,78 @@ Tensor ModelRunner::forward_cached(Graph& g, const Tensor& tokens, const Tensor&
 std::vector<Tensor> ModelRunner::compute_params(Graph& g) {
   std::vector<Tensor> ps;
   ps.reserve(params_.size());
-  for (auto& p : params_)
-    ps.push_back(p.value.dtype() == compute_dtype_ ? p.value : g.cast(p.value, compute_dtype_));
+  for (size_t i = 0; i < params_.size(); ++i)
+    ps.push_back(i < num_top_ || !sharding_.on() ? compute_param(g, i) : Tensor());
   return ps;
+}
+
+Tensor ModelRunner::compute_param(Graph& g, size_t i) {
+  const Tensor v = sharding_.on() ? gather(g, i) : params_[i].value;
+  return v.dtype() == compute_dtype_ ? v : g.cast(v, compute_dtype_);
+}
+
+Tensor ModelRunner::whole_value(size_t i) {
+  if (!sharding_.on()) return params_[i].value;
+  Graph g(backend(), /*record=*/false);
+  return gather(g, i);
+}
+
+Tensor ModelRunner::gather(Graph& g, size_t i) {
+  Param& p = params_[i];
+  Backend& be = backend();
+  Tensor whole = be.empty(p.spec.shape, p.value.dtype());
+  const auto n = static_cast<size_t>(whole.numel());
+  Communicator* comm = sharding_.comm;
+  const int64_t b = p.shard_begin, e = p.shard_end;
+  double* seconds = &comm_seconds_;
+  if (comm) {
+    be.synchronize();
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<float> host(n);
+    part_to_host(p.value, 0, e - b, host.data() + b);
+    comm->all_gather(host.data(), n);
+    part_from_host(whole, 0, whole.numel(), host.data());
+    *seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  if (!g.recording() || !graph_detail::tracked(p.value)) return whole;
+  // The backward: every rank's whole gradient, reduce-scattered (summed in rank order, as data
+  // parallelism's all-reduce sums), added into this rank's part of the master gradient. The
+  // whole tensor is a leaf whose gradient buffer is made on first use, so a matmul of its
+  // compute-dtype cast writes its weight gradient there in f32 (as it does into an unsharded
+  // master's buffer); the buffer is dropped once reduced.
+  auto node = std::make_shared<GradNode*>(nullptr);
+  graph_detail::record(
+      true, g.internals().tape, whole, {&p.value},
+      [comm, n, b, e, node, seconds, &be](const Tensor& dout, const graph_detail::Grads& d) {
+        be.synchronize();
+        const auto t0 = std::chrono::steady_clock::now();
+        // (No communicator: the memory plan's trace, which allocates as this does.)
+        std::vector<float> host(comm ? n : 0);
+        if (comm) {
+          part_to_host(dout, 0, static_cast<int64_t>(n), host.data());
+          comm->reduce_scatter_sum(host.data(), n);
+        }
+        if (d.overwrite(0)) {
+          if (comm) part_from_host(*d.raw(0), 0, e - b, host.data() + b);
+        } else if (Tensor* acc = d[0]) {
+          Tensor mine = be.empty({e - b}, DType::f32);
+          if (comm) part_from_host(mine, 0, e - b, host.data() + b);
+          be.axpy(1.f, mine, *acc);
+        }
+        (*node)->grad = Tensor();
+        *seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      });
+  *node = whole.grad_node().get();
+  (*node)->leaf = true;
+  (*node)->dtype = DType::f32;  // as a master's gradient, whatever the weight dtype
+  return whole;
+}
+
+Params ModelRunner::block_params(Graph& g, const std::vector<Tensor>& ps, size_t block) {
+  std::vector<Tensor> values;
+  for (size_t j = block_begin(block); j < block_end(block); ++j)
+    values.push_back(sharding_.on() ? compute_param(g, j) : ps[j]);
+  return Params(layer_names_[block], std::move(values));
 }
 
 Params ModelRunner::top_params(const std::vector<Tensor>& ps) const {
@@ -264,7 +356,7 @@ const DecoderLayer& ModelRunner::block_layer(size_t i) const {
                : model_->mtp_layer(static_cast<int>(i - n) + 1);
 }
 
-Tensor ModelRunner::run_layer(Graph& g, const DecoderLayer& layer, const Params& lp,
+Tensor ModelRunner::run_layer(Graph& g, const DecoderLayer& layer, const std::vector<Tensor>& ps,
                               const Tensor& x, const LayerInputs& in, KVCache* cache,
                               std::vector<AuxLoss>* aux, std::vector<LayerStats>* stats,
                               size_t slot) {
@@ -272,11 +364,19 @@ Tensor ModelRunner::run_layer(Graph& g, const DecoderLayer& layer, const Params&
   if (cache) {
     LayerInputs li = in;
     li.cache = cache;
-    out = layer.forward(g, lp, x, li);
+    out = layer.forward(g, block_params(g, ps, slot), x, li);
   } else {
+    // The parameters are made on the graph the layer runs on: FSDP's gathers happen inside the
+    // block, so remat frees them with its activations and gathers again for the backward.
+    // (remat's re-run comes after this call returns: the lambda keeps what it needs by value.)
+    const bool gather = sharding_.on();
+    const Params lp = gather ? Params() : block_params(g, ps, slot);
     out = g.remat_layer(
         remat_,
-        [&layer, lp, in](Graph& gg, const Tensor& h) { return layer.forward(gg, lp, h, in); }, x);
+        [this, &layer, lp, gather, slot, in](Graph& gg, const Tensor& h) {
+          return layer.forward(gg, gather ? block_params(gg, {}, slot) : lp, h, in);
+        },
+        x);
   }
   if (aux)
     for (auto& a : out.aux) aux->push_back(std::move(a));
@@ -302,10 +402,7 @@ Tensor ModelRunner::run_layers(Graph& g, const std::vector<Tensor>& ps, const Te
   Tensor x = model_->embed_at(g, top_params(ps), tokens, in.positions);
   for (int i = 0; i < model_->num_layers(); ++i) {
     const auto ui = static_cast<size_t>(i);
-    const Params lp(layer_names_[ui],
-                    std::vector<Tensor>(ps.begin() + static_cast<ptrdiff_t>(block_begin(ui)),
-                                        ps.begin() + static_cast<ptrdiff_t>(block_end(ui))));
-    x = run_layer(g, model_->layer(i), lp, x, in, caches ? &(*caches)[ui] : nullptr, aux, stats,
+    x = run_layer(g, model_->layer(i), ps, x, in, caches ? &(*caches)[ui] : nullptr, aux, stats,
                   ui);
   }
   return x;
@@ -341,14 +438,11 @@ Tensor ModelRunner::loss(Graph& g, const DeviceBatch& batch, float z_loss, doubl
     for (int k = 1; k <= mtp_depths_; ++k) {
       const MtpBatch& mb = batch.mtp[static_cast<size_t>(k - 1)];
       const size_t slot = static_cast<size_t>(model_->num_layers() + k - 1);
-      const Params lp(layer_names_[slot],
-                      std::vector<Tensor>(ps.begin() + static_cast<ptrdiff_t>(block_begin(slot)),
-                                          ps.begin() + static_cast<ptrdiff_t>(block_end(slot))));
       const Tensor e = model_->embed_at(g, top, mb.inputs, mb.positions);
-      const Tensor x = model_->mtp_combine(g, lp, h, e, k);
+      const Tensor x = model_->mtp_combine(g, block_params(g, ps, slot), h, e, k);
       LayerInputs li = in;
       li.attention = &attention();
-      h = run_layer(g, model_->mtp_layer(k), lp, x, li, nullptr, &aux, stats, slot);
+      h = run_layer(g, model_->mtp_layer(k), ps, x, li, nullptr, &aux, stats, slot);
       const Tensor lk = model_->head(g, top, h);
       const double wk = mb.valid_targets ? 1.0 / static_cast<double>(mb.valid_targets) : 0.0;
       const Tensor ce = g.cross_entropy(g.reshape(lk, {lk.numel() / v, v}), mb.targets, 0.f,
@@ -379,10 +473,21 @@ Tensor ModelRunner::loss(Graph& g, const DeviceBatch& batch, float z_loss, doubl
 void ModelRunner::after_step(const std::vector<LayerStats>& stats) {
   static const LayerStats kNone;
   for (size_t i = 0; i < layer_begin_.size(); ++i) {
+    const LayerStats& st = i < stats.size() ? stats[i] : kNone;
+    // FSDP: the layer sees its whole master parameters, gathered, and every rank keeps its part
+    // of what it wrote (every rank computes the same update from the same summed statistics).
+    // Only layers that reported statistics are called there, so a step gathers nothing for
+    // the others.
+    if (sharding_.on() && st.empty()) continue;
     std::vector<Tensor> values;
-    for (size_t j = block_begin(i); j < block_end(i); ++j) values.push_back(params_[j].value);
-    const Params lp(layer_names_[i], std::move(values));
-    block_layer(i).after_step(backend(), lp, i < stats.size() ? stats[i] : kNone);
+    for (size_t j = block_begin(i); j < block_end(i); ++j) values.push_back(whole_value(j));
+    const Params lp(layer_names_[i], values);
+    block_layer(i).after_step(backend(), lp, st);
+    if (sharding_.on())
+      for (size_t j = block_begin(i); j < block_end(i); ++j) {
+        Param& p = params_[j];
+        backend().cast(flat_part(values[j - block_begin(i)], p.shard_begin, p.shard_end), p.value);
+      }
   }
 }
 

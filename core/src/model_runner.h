@@ -18,13 +18,30 @@
 
 namespace mt {
 
+class Communicator;
 class PluginManager;
 
 struct Param {
   std::string name;  // "embedding", "layers.3.wq"
   ParamSpec spec;
-  Tensor value;  // master copy, weight_dtype
-  Tensor grad;   // same dtype as value; accumulated by backward
+  Tensor value;  // master copy, weight_dtype; FSDP: this rank's part, 1-D
+  Tensor grad;   // f32, value's shape; accumulated by backward
+  // The elements [shard_begin, shard_end) of the flattened parameter `value` holds: all of
+  // them unless the runner's parameters are sharded (FSDP), where shard_range splits them.
+  int64_t shard_begin = 0, shard_end = 0;
+};
+
+// FSDP (ZeRO-3, MaxText's fsdp axis): every parameter's flattened elements are split among
+// `ranks` as Communicator::all_gather splits a buffer (shard_range), each rank keeping only its
+// part of the master weights and gradients. A layer's whole weights are gathered from the ranks
+// just before it runs (inside the remat block, so remat_policy=full frees them after the layer
+// and gathers them again for its backward), and the backward reduce-scatters each whole
+// gradient into the ranks' parts. `comm` null with ranks > 1: the memory plan's trace, which
+// allocates as a rank does and communicates nothing.
+struct ParamSharding {
+  Communicator* comm = nullptr;
+  int rank = 0, ranks = 1;
+  bool on() const { return ranks > 1; }
 };
 
 // Multi-token prediction's inputs at depth k (Model::mtp_depths): the batch shifted left by k
@@ -49,8 +66,9 @@ class ModelRunner {
   // The same on a backend (and attention kernel) made by the caller: a MetaBackend for
   // `mt plan`, or the backend a memory check already made. A null attention is made from the
   // plugins for the backend's name.
+  // `sharding`: the parameters' FSDP split (none by default).
   ModelRunner(const Config& cfg, PluginManager& plugins, std::unique_ptr<Backend> backend,
-              std::unique_ptr<AttentionKernel> attention = nullptr);
+              std::unique_ptr<AttentionKernel> attention = nullptr, ParamSharding sharding = {});
   ~ModelRunner();
 
   // The backend ops run on (the profiling wrapper when profile=true).
@@ -65,6 +83,17 @@ class ModelRunner {
   const Model& model() const { return *model_; }
   std::vector<Param>& params() { return params_; }
   Param* find(const std::string& name);
+  const ParamSharding& sharding() const { return sharding_; }
+  // FSDP: the seconds spent in the gathers and reduce-scatters since the last call (with the
+  // host copies around them, after a synchronize so no compute is counted), then reset.
+  double take_communication_seconds() {
+    const double s = comm_seconds_;
+    comm_seconds_ = 0;
+    return s;
+  }
+  // Parameter i's whole master tensor: its value, or (FSDP) a new tensor gathered from the
+  // ranks' parts (every rank calls it for the same i).
+  Tensor whole_value(size_t i);
   DType compute_dtype() const { return compute_dtype_; }
   DType weight_dtype() const { return weight_dtype_; }
   bool tied_embedding() const { return tied_; }
@@ -115,18 +144,28 @@ class ModelRunner {
   DeviceBatch upload(const struct HostBatch& hb);
 
  private:
-  // The parameters in the compute dtype: a recorded cast of each master copy (gradients reach it).
+  // The parameters in the compute dtype: a recorded cast of each master copy (gradients reach
+  // it). FSDP: the top parameters gathered; the layers' are undefined, block_params gathers
+  // each layer's when it runs.
   std::vector<Tensor> compute_params(Graph& g);
+  // Parameter i in the compute dtype on g: its master (FSDP: gathered, a recorded op whose
+  // backward reduce-scatters the whole gradient into the rank's part) cast when narrower.
+  Tensor compute_param(Graph& g, size_t i);
+  Tensor gather(Graph& g, size_t i);
+  // Block i's (decoder layer i, or MTP depth i - num_layers + 1) parameters on g: those of
+  // compute_params(g) in `ps`, or (FSDP) gathered on g (`ps` unused).
+  Params block_params(Graph& g, const std::vector<Tensor>& ps, size_t block);
   Params top_params(const std::vector<Tensor>& ps) const;
   // The decoder: tokens -> the last layer's output [B, T, D], before the head.
   Tensor run_layers(Graph& g, const std::vector<Tensor>& ps, const Tensor& tokens, LayerInputs in,
                     std::vector<KVCache>* caches, std::vector<AuxLoss>* aux,
                     std::vector<LayerStats>* stats = nullptr);
-  // One layer's output, under the remat policy (or with its cache), its aux and stats collected
-  // (stats at index `slot`).
-  Tensor run_layer(Graph& g, const DecoderLayer& layer, const Params& lp, const Tensor& x,
-                   const LayerInputs& in, KVCache* cache, std::vector<AuxLoss>* aux,
-                   std::vector<LayerStats>* stats, size_t slot);
+  // Block `slot`'s output, under the remat policy (or with its cache), its aux and stats
+  // collected (stats at index `slot`). Its parameters are block_params(.., ps, slot) on the
+  // graph the layer runs on (remat's own when it rematerialises).
+  Tensor run_layer(Graph& g, const DecoderLayer& layer, const std::vector<Tensor>& ps,
+                   const Tensor& x, const LayerInputs& in, KVCache* cache,
+                   std::vector<AuxLoss>* aux, std::vector<LayerStats>* stats, size_t slot);
   // params_ index range [begin, end) of decoder layer i (i < num_layers) or of MTP depth
   // i - num_layers + 1.
   size_t block_begin(size_t i) const { return layer_begin_[i]; }
@@ -151,6 +190,8 @@ class ModelRunner {
   DType compute_dtype_ = DType::f32, weight_dtype_ = DType::f32;
   bool tied_ = false;
   RematPolicy remat_ = RematPolicy::none;
+  ParamSharding sharding_;
+  double comm_seconds_ = 0;
 };
 
 }  // namespace mt

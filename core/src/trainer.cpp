@@ -94,38 +94,6 @@ std::string progress_bar(int64_t step, int64_t steps, double eta_s, double loss,
                      step, steps, loss, tps, 100 * mfu, eta_s);
 }
 
-// Elements [b, e) of `t` flattened: a view sharing its storage.
-Tensor flat_part(const Tensor& t, int64_t b, int64_t e) {
-  return t.view({t.numel()}).slice0(b, e);
-}
-
-// Elements [b, e) of `t` to or from f32 host memory (bf16 widened / rounded: exact for values
-// that came from bf16).
-void part_to_host(const Tensor& t, int64_t b, int64_t e, float* out) {
-  if (b == e) return;
-  const Tensor part = flat_part(t, b, e);
-  if (t.dtype() == DType::f32) {
-    t.backend()->copy_to_host(part, out);
-    return;
-  }
-  MT_CHECK(t.dtype() == DType::bf16, "sharded state is f32 or bf16");
-  std::vector<uint16_t> half(static_cast<size_t>(e - b));
-  t.backend()->copy_to_host(part, half.data());
-  for (size_t i = 0; i < half.size(); ++i) out[i] = bf16_to_f32(half[i]);
-}
-void part_from_host(Tensor& t, int64_t b, int64_t e, const float* in) {
-  if (b == e) return;
-  Tensor part = flat_part(t, b, e);
-  if (t.dtype() == DType::f32) {
-    t.backend()->copy_from_host(part, in);
-    return;
-  }
-  MT_CHECK(t.dtype() == DType::bf16, "sharded state is f32 or bf16");
-  std::vector<uint16_t> half(static_cast<size_t>(e - b));
-  for (size_t i = 0; i < half.size(); ++i) half[i] = f32_to_bf16(in[i]);
-  t.backend()->copy_from_host(part, half.data());
-}
-
 }  // namespace
 
 OptimizerState make_optimizer_state(ModelRunner& runner, const Config& cfg,
@@ -140,7 +108,8 @@ OptimizerState make_optimizer_state(ModelRunner& runner, const Config& cfg,
     opt.host = std::move(host);
   }
   Backend& be = opt.host ? *opt.host : runner.backend();
-  if (cfg.get_bool("shard_optimizer_over_data") && ranks > 1) {
+  // FSDP: the parameters are this rank's parts already, and so are the moments beside them.
+  if (cfg.get_bool("shard_optimizer_over_data") && ranks > 1 && !runner.sharding().on()) {
     int64_t total = 0;
     for (auto& p : runner.params()) total += shape_numel(p.spec.shape);
     const auto [lo, hi] = shard_range(static_cast<size_t>(total), rank, ranks);
@@ -157,8 +126,8 @@ OptimizerState make_optimizer_state(ModelRunner& runner, const Config& cfg,
     return opt;
   }
   for (auto& p : runner.params()) {
-    opt.m.push_back(be.zeros(p.spec.shape, mu));
-    opt.v.push_back(be.zeros(p.spec.shape, DType::f32));
+    opt.m.push_back(be.zeros(p.value.shape(), mu));
+    opt.v.push_back(be.zeros(p.value.shape(), DType::f32));
   }
   return opt;
 }
@@ -188,13 +157,16 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
     g.backward(l);
   }
   runner.finish_gradients();
+  r.communication_s += runner.take_communication_seconds();
   if (ranks) {
     be.synchronize();  // the backward's kernels are compute, not the collectives' time
     const auto t0 = Clock::now();
     // Gradients summed over the ranks (one bucket), then the scalars every rank reports: the
     // loss, the auxiliary losses and the layers' statistics (DeepSeek-V3's expert loads),
     // flattened in the same order on every rank.
-    if (opt && opt->sharded()) {
+    if (runner.sharding().on()) {
+      // FSDP: the backward reduce-scattered every gradient into this rank's part already.
+    } else if (opt && opt->sharded()) {
       // Every gradient flattened into one host buffer (one collective), reduce-scattered, and
       // this rank's part of each gradient copied back.
       int64_t total = 0;
@@ -235,7 +207,8 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
   // The global gradient norm: every tensor's sum of squares in one call (one device round
   // trip), added in parameter order.
   // Sharded over ranks: this rank's parts, then the ranks' sums added in rank order.
-  const bool parts = ranks && opt && opt->sharded();
+  const bool fsdp = runner.sharding().on();
+  const bool parts = ranks && opt && opt->sharded() && !fsdp;
   std::vector<Tensor> views;
   size_t i = 0;
   for (auto& p : runner.params()) {
@@ -249,7 +222,7 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
   be.sum_squares_each(grads, sq);
   double total = 0;
   for (double x : sq) total += x;
-  if (parts) {
+  if (parts || (ranks && fsdp)) {
     const auto t0 = Clock::now();
     comm->all_reduce_sum(&total, 1);
     r.communication_s += seconds_since(t0);
@@ -369,7 +342,11 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   check_fits(cfg, plugins, *device, PlanFor::train, "run", ranks);
   std::optional<RunLock> lock;
   if (lead) lock.emplace(run_dir);
-  ModelRunner runner(cfg, plugins, std::move(device));
+  // FSDP: the parameters divided among every rank of the job (the data axis too, so a mesh of
+  // data x fsdp ranks shards over all of them; the batch is split over both axes).
+  ParamSharding sharding;
+  if (mesh.fsdp > 1) sharding = {&comm, comm.rank(), ranks};
+  ModelRunner runner(cfg, plugins, std::move(device), nullptr, sharding);
   Backend& be = runner.backend();
   const int64_t steps = cfg.get_int("steps");
   const int64_t accum = cfg.get_int("gradient_accumulation_steps");
@@ -409,7 +386,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   if (!cfg.get_string("tokenizer_path").empty())
     tokenizer = make_tokenizer(cfg.get_string("tokenizer_path"), cfg.get_string("tokenizer_type"));
   std::unique_ptr<DatasetSource> data = plugins.dataset_factory(dataset)(
-      cfg, DataShard{comm.rank(), static_cast<int>(mesh.data)}, tokenizer.get());
+      cfg, DataShard{comm.rank(), static_cast<int>(mesh.batch_ranks())}, tokenizer.get());
 
   // Model FLOPs and the peak they are measured against.
   const double flops_per_token = runner.model().flops_per_token(seq);
@@ -430,15 +407,18 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   OptimizerState opt = make_optimizer_state(
       runner, cfg,
       cfg.get_bool("optimizer_memory_host_offload") ? plugins.make_backend("cpu", cfg) : nullptr,
-      comm.rank(), static_cast<int>(mesh.data));
+      comm.rank(), static_cast<int>(mesh.batch_ranks()));
 
   // Checkpoints: resume from this run's latest complete step, else start from another run's
   // full state or parameters when asked (MaxText's load_full_state_path / load_parameters_path).
   // Sharded moments are not in `state`: a checkpoint holds them whole (any number of ranks,
   // sharded or not, resumes from it), gathered for a save and cut to this rank's parts after a
   // restore, through full-size tensors in host memory that live only as long as that.
+  // FSDP: neither are the parameters, which a save gathers whole (per parameter) and a restore
+  // cuts to this rank's parts the same way.
+  const bool fsdp = runner.sharding().on();
   TrainState state;
-  {
+  if (!fsdp) {
     size_t i = 0;
     for (auto& p : runner.params()) {
       state.params[p.name] = p.value;
@@ -450,6 +430,56 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     }
   }
   std::unique_ptr<Backend> host_for_moments;  // a CPU backend, made at the first need
+  // FSDP: parameter i's whole tensor from every rank's `part` of it (its value or a moment), a
+  // host tensor on rank 0 (undefined on the others, which only join the gather).
+  auto whole_on_host = [&](const Tensor& part, size_t i) -> Tensor {
+    if (!host_for_moments) host_for_moments = plugins.make_backend("cpu", cfg);
+    const Param& p = runner.params()[i];
+    const int64_t n = shape_numel(p.spec.shape);
+    std::vector<float> flat(static_cast<size_t>(n));
+    part_to_host(part, 0, part.numel(), flat.data() + p.shard_begin);
+    comm.all_gather(flat.data(), flat.size());
+    if (!lead) return Tensor();
+    Tensor t = host_for_moments->empty(p.spec.shape, part.dtype());
+    part_from_host(t, 0, n, flat.data());
+    return t;
+  };
+  // FSDP: whole host tensors for a restore to read into (zeros; the moments only with `moments`).
+  auto whole_state = [&](bool moments) {
+    if (!host_for_moments) host_for_moments = plugins.make_backend("cpu", cfg);
+    TrainState full;
+    size_t i = 0;
+    for (auto& p : runner.params()) {
+      full.params[p.name] = host_for_moments->zeros(p.spec.shape, p.value.dtype());
+      if (moments) {
+        full.opt_m[p.name] = host_for_moments->zeros(p.spec.shape, opt.m[i].dtype());
+        full.opt_v[p.name] = host_for_moments->zeros(p.spec.shape, opt.v[i].dtype());
+      }
+      ++i;
+    }
+    return full;
+  };
+  // FSDP: this rank's parts of a whole state's tensors into the parameters (and the moments).
+  auto keep_parts = [&](TrainState& full) {
+    size_t i = 0;
+    for (auto& p : runner.params()) {
+      auto cut = [&](const std::map<std::string, Tensor>& from, Tensor& mine) {
+        const auto it = from.find(p.name);
+        if (it == from.end() || p.shard_end == p.shard_begin) return;
+        const Tensor& whole = it->second;
+        MT_CHECK(whole.dtype() == mine.dtype(), "restored " + p.name + " in another dtype");
+        mine.backend()->copy_from_host(mine, static_cast<const char*>(whole.data()) +
+                                                 p.shard_begin * dtype_size(whole.dtype()));
+      };
+      cut(full.params, p.value);
+      cut(full.opt_m, opt.m[i]);
+      cut(full.opt_v, opt.v[i]);
+      ++i;
+    }
+    full.params.clear();
+    full.opt_m.clear();
+    full.opt_v.clear();
+  };
   auto full_moments = [&](TrainState& into, bool keep, bool gather) {
     if (!host_for_moments) host_for_moments = plugins.make_backend("cpu", cfg);
     Backend& h = *host_for_moments;
@@ -486,6 +516,13 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   // Reads a full state into `state` through `read`; sharded, into full-size host moments first,
   // of which this rank keeps its parts.
   auto read_state = [&](const std::function<void(TrainState&)>& read) {
+    if (fsdp) {
+      TrainState full = whole_state(/*moments=*/true);
+      read(full);
+      keep_parts(full);
+      state = std::move(full);
+      return;
+    }
     if (!opt.sharded()) {
       read(state);
       return;
@@ -535,7 +572,13 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     first_step = state.step + 1;
     resumed_from = "full state from " + cfg.get_string("load_full_state_path");
   } else if (!cfg.get_string("load_parameters_path").empty()) {
-    load_parameters(cfg.get_string("load_parameters_path"), state.params);
+    if (fsdp) {
+      TrainState full = whole_state(/*moments=*/false);
+      load_parameters(cfg.get_string("load_parameters_path"), full.params);
+      keep_parts(full);
+    } else {
+      load_parameters(cfg.get_string("load_parameters_path"), state.params);
+    }
     resumed_from = "parameters from " + cfg.get_string("load_parameters_path");
   } else if (!cfg.get_string("hf_path").empty()) {
     load_hf_weights(cfg.get_string("hf_path"), runner);
@@ -565,13 +608,22 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     // save (the snapshot copies them; they are freed when it returns).
     TrainState with_moments;
     if (opt.sharded()) full_moments(with_moments, /*keep=*/lead, /*gather=*/true);
+    if (fsdp) {  // every tensor gathered whole, parameter by parameter
+      size_t i = 0;
+      for (auto& p : runner.params()) {
+        with_moments.params[p.name] = whole_on_host(p.value, i);
+        with_moments.opt_m[p.name] = whole_on_host(opt.m[i], i);
+        with_moments.opt_v[p.name] = whole_on_host(opt.v[i], i);
+        ++i;
+      }
+    }
     if (!lead) return;
     state.step = step;
     state.data_state = data->state();
     state.config_yaml = cfg.to_yaml(true);
     const TrainState* saved = &state;
-    if (opt.sharded()) {
-      with_moments.params = state.params;
+    if (opt.sharded() || fsdp) {
+      if (!fsdp) with_moments.params = state.params;
       with_moments.step = state.step;
       with_moments.data_state = state.data_state;
       with_moments.rng_state = state.rng_state;
@@ -607,6 +659,22 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
         "each rank instead of {}",
         human_bytes(mine), human_bytes(whole));
   }
+  if (fsdp) {
+    double mine = 0, whole = 0;
+    size_t i = 0;
+    for (auto& p : runner.params()) {
+      const double per =
+          static_cast<double>(dtype_size(p.value.dtype()) + 4 + dtype_size(opt.m[i].dtype()) +
+                              dtype_size(opt.v[i].dtype()));
+      mine += static_cast<double>(p.value.numel()) * per;
+      whole += static_cast<double>(shape_numel(p.spec.shape)) * per;
+      ++i;
+    }
+    shard_note = fmt::format(
+        "; parameters divided among all {1} ranks (ici_fsdp_parallelism x dcn_fsdp_parallelism = "
+        "{0}): {2} of weights, gradients and moments on each rank instead of {3}",
+        mesh.fsdp, ranks, human_bytes(mine), human_bytes(whole));
+  }
   if (!quiet) {
     std::printf("mt run: %s (%s family), %s parameters (%s in matmuls), %s\n",
                 cfg.get_string("model_name").c_str(), cfg.get_string("decoder_block").c_str(),
@@ -626,10 +694,9 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     if (tb) std::printf("mt run: tensorboard -> %s\n", tb->path().parent_path().c_str());
     if (!resumed_from.empty()) std::printf("mt run: %s\n", resumed_from.c_str());
     if (ranks > 1)
-      std::printf(
-          "mt run: data parallelism over %d ranks (communicator %s): global batch %ld "
-          "sequences%s\n",
-          ranks, comm.name().c_str(), static_cast<long>(batch * accum * ranks), shard_note.c_str());
+      std::printf("mt run: %s over %d ranks (communicator %s): global batch %ld sequences%s\n",
+                  fsdp ? "FSDP" : "data parallelism", ranks, comm.name().c_str(),
+                  static_cast<long>(batch * accum * ranks), shard_note.c_str());
     std::fflush(stdout);
   }
 

@@ -118,7 +118,9 @@ double max_loss_err(const fs::path& a_run, const fs::path& b_run) {
 // the N x b run, summing the batch's gradient in parts moves them by the f32 rounding of the sum,
 // which 20 AdamW steps magnify to a few 1e-6 of their scale, as much as one rank's gradient
 // accumulation does (N ranks add the same parts in rank order, which is accumulation's order).
-void compare_runs(const fs::path& root, int ranks, int batch, int accum, const std::string& extra) {
+// `mesh`: the many-rank run's own words (FSDP's axes).
+void compare_runs(const fs::path& root, int ranks, int batch, int accum, const std::string& extra,
+                  const std::string& mesh = "") {
   const std::string acc = " gradient_accumulation_steps=";
   const test::MtResult whole = test::run_mt(
       train_args(root, "whole", ranks * batch, extra + acc + std::to_string(accum)), 120);
@@ -127,8 +129,9 @@ void compare_runs(const fs::path& root, int ranks, int batch, int accum, const s
       train_args(root, "parts", batch, extra + acc + std::to_string(ranks * accum)), 120);
   ASSERT_EQ(parts.code, 0) << parts.out;
   const auto t0 = std::chrono::steady_clock::now();
-  const test::MtResult many =
-      mpirun(ranks, train_args(root, "many", batch, extra + acc + std::to_string(accum)), 120);
+  const test::MtResult many = mpirun(
+      ranks, train_args(root, "many", batch, mesh + " " + extra + acc + std::to_string(accum)),
+      120);
   ASSERT_EQ(many.code, 0) << many.out;
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const double loss = max_loss_err(root / "many", root / "whole");
@@ -295,18 +298,122 @@ TEST(DataParallel, AMeshThatDoesNotFitTheRanksIsOneErrorOnRankZero) {
   EXPECT_FALSE(fs::exists(d.root / "bad" / "metrics.jsonl"));
 }
 
-TEST(DataParallel, FsdpIsRefusedNamingWhatIsImplemented) {
+TEST(DataParallel, TensorParallelismIsRefusedNamingWhatIsImplemented) {
   MT_NEED_MPIRUN();
   Dir d;
   const test::MtResult r =
-      mpirun(2, train_args(d.root, "fsdp", 2, "dataset_type=synthetic ici_fsdp_parallelism=2"), 30);
+      mpirun(2, train_args(d.root, "tp", 2, "dataset_type=synthetic ici_tensor_parallelism=2"), 30);
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_EQ(count(r.out,
-                  "FSDP parallelism (ici_fsdp_parallelism x dcn_fsdp_parallelism = 2) is "
-                  "not implemented yet: mt runs data parallelism only"),
+                  "Tensor parallelism (ici_tensor_parallelism x dcn_tensor_parallelism = 2) is "
+                  "not implemented yet: mt runs data parallelism and FSDP so far"),
             1u)
       << r.out;
-  EXPECT_EQ(count(r.out, "add shard_optimizer_over_data=true"), 1u) << r.out;
+  EXPECT_FALSE(fs::exists(d.root / "tp" / "metrics.jsonl"));
+}
+
+// FSDP (ici_fsdp_parallelism): each rank keeps 1/N of every parameter, its gradient and its
+// moments, gathers a layer's weights when the layer runs and reduce-scatters the gradients in
+// the backward. The gathers copy and the reduce-scatter adds in rank order as the all-reduce
+// does, so the losses are plain data parallelism's; the parameters differ by no more than the
+// gradient norm's f32 rounding (summed from the ranks' parts, as ZeRO-1 sums it) moves them.
+// The device peak: under remat_policy=full (each layer's weights gathered again for its
+// backward) it falls by half of the weights, gradients and moments, less what the gathers
+// hold: the top parameters (embedding, head) whole for the step with their gradients, and a
+// layer's while it runs (8 layers here, so the layers hold most of the parameters). Without
+// remat the backward keeps every layer's gathered weights, so only the gradients' and the
+// moments' halves go.
+TEST(DataParallel, FsdpTrainsAsPlainDataParallelism) {
+  MT_NEED_MPIRUN();
+  Dir d;
+  for (const std::string extra : {"", "remat_policy=full dtype=bfloat16 weight_dtype=bfloat16"}) {
+    SCOPED_TRACE(extra);
+    const std::string common = "dataset_type=synthetic base_num_decoder_layers=8 " + extra;
+    test::MtResult r = mpirun(2, train_args(d.root, "plain", 2, common), 120);
+    ASSERT_EQ(r.code, 0) << r.out;
+    r = mpirun(
+        2, train_args(d.root, "fsdp", 2, common + " ici_fsdp_parallelism=2 ici_data_parallelism=1"),
+        120);
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_NE(r.out.find("FSDP over 2 ranks (communicator mpi): global batch 4 sequences; "
+                         "parameters divided among all 2 ranks (ici_fsdp_parallelism x "
+                         "dcn_fsdp_parallelism = 2)"),
+              std::string::npos)
+        << r.out;
+    const std::vector<double> plain = losses(d.root / "plain"), fsdp = losses(d.root / "fsdp");
+    ASSERT_EQ(plain.size(), 20u);
+    ASSERT_EQ(fsdp.size(), 20u);
+    for (size_t i = 0; i < 20; ++i)
+      EXPECT_NEAR(fsdp[i], plain[i], 1e-6 * std::fabs(plain[i])) << "step " << i + 1;
+    EXPECT_LE(max_param_err(d.root / "fsdp", d.root / "plain"), 1e-6);
+    // Every step's collectives are timed (the gathers and reduce-scatters inside the step).
+    std::ifstream f(d.root / "fsdp" / "metrics.jsonl");
+    std::string line;
+    while (std::getline(f, line)) {
+      const size_t k = line.find("\"communication_ms\": ");
+      ASSERT_NE(k, std::string::npos) << line;
+      EXPECT_GT(std::stod(line.substr(k + 20)), 0.0) << line;
+    }
+    // What a rank of plain data parallelism holds per parameter: weights, f32 gradients, mu
+    // (the weight dtype) and f32 nu, 16 bytes (f32 weights) or 12 (bf16), 4 or 6 times the
+    // parameter file's bytes.
+    const std::string a =
+        file_bytes(d.root / "plain" / "checkpoints" / "20" / "params.safetensors");
+    const double state_mb = static_cast<double>(a.size()) / 1e6 * (extra.empty() ? 4.0 : 6.0);
+    const double saved = last_peak_mb(d.root / "plain") - last_peak_mb(d.root / "fsdp");
+    // f32 without remat: 2 + 4 of 16 bytes a parameter go, less the top gathers; bf16 weights
+    // under remat: half of 12.
+    EXPECT_GE(saved, (extra.empty() ? 0.2 : 0.35) * state_mb) << saved << " MB of " << state_mb;
+    EXPECT_LE(saved, (extra.empty() ? 0.3 : 0.5) * state_mb + 0.2)
+        << saved << " MB of " << state_mb;
+    fs::remove_all(d.root / "plain");
+    fs::remove_all(d.root / "fsdp");
+  }
+}
+
+// FSDP over 4 ranks with 2 micro-batches each, and a mesh of 2 data x 2 fsdp ranks, train as
+// one rank given the whole global batch (compare_runs' tolerances).
+TEST(DataParallel, FsdpRanksTrainAsOneRankWithTheGlobalBatch) {
+  MT_NEED_MPIRUN();
+  Dir d;
+  compare_runs(d.root, 4, 1, 2, "dataset_type=synthetic",
+               "ici_fsdp_parallelism=4 ici_data_parallelism=1");
+  for (const char* run : {"whole", "parts", "many"}) fs::remove_all(d.root / run);
+  compare_runs(d.root, 4, 1, 1, "dataset_type=synthetic remat_policy=minimal",
+               "ici_fsdp_parallelism=2 ici_data_parallelism=2");
+}
+
+// A checkpoint of FSDP ranks holds every tensor whole: saved by 4 FSDP ranks, it resumes under
+// 2 FSDP ranks and under 1 rank (the same global batch), and both continue as the straight run.
+TEST(DataParallel, FsdpCheckpointsResumeOnAnyNumberOfRanks) {
+  MT_NEED_MPIRUN();
+  Dir d;
+  const std::string common =
+      "dataset_type=tokens vocab_size=8192 dataset_path=" + test::source_dir() +
+      "/data/corpus.train.tokens learning_rate_schedule_steps=20 ";
+  const std::string fsdp = "ici_data_parallelism=1 ici_fsdp_parallelism=";
+  ASSERT_EQ(mpirun(4, train_args(d.root, "straight", 1, common + fsdp + "4"), 120).code, 0);
+  test::MtResult r = mpirun(
+      4, train_args(d.root, "one", 1, common + fsdp + "4 checkpoint_period=10 steps=10"), 120);
+  ASSERT_EQ(r.code, 0) << r.out;
+  fs::copy(d.root / "one", d.root / "two", fs::copy_options::recursive);
+  r = test::run_mt(train_args(d.root, "one", 4, common + "checkpoint_period=10"), 120);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("resumed from step 10"), std::string::npos) << r.out;
+  r = mpirun(2, train_args(d.root, "two", 2, common + fsdp + "2 checkpoint_period=10"), 120);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("resumed from step 10"), std::string::npos) << r.out;
+  const std::vector<double> want = losses(d.root / "straight");
+  ASSERT_EQ(want.size(), 20u);
+  for (const char* run : {"one", "two"}) {
+    const std::vector<double> got = losses(d.root / run);
+    ASSERT_EQ(got.size(), 20u) << run;
+    for (size_t i = 0; i < 20; ++i)
+      EXPECT_NEAR(got[i], want[i], 1e-6 * std::fabs(want[i])) << run << " step " << i + 1;
+  }
+  // The final parameters of the three agree (FSDP's norm adds the ranks' parts: f32 rounding).
+  EXPECT_LE(max_param_err(d.root / "one", d.root / "straight"), 1e-5);
+  EXPECT_LE(max_param_err(d.root / "two", d.root / "straight"), 1e-5);
 }
 
 TEST(DataParallel, RanksStartedWithDifferentConfigsAreRefused) {

@@ -288,8 +288,8 @@ TEST(MemoryPlan, Llama2_7bOnAnH100IsPlannedInSecondsAndItsFixFits) {
 
 // Data parallelism's gradient all-reduce in the plan: 8 ranks on a node and 2 nodes move, per
 // rank, 2 x 7/8 of the f32 gradients over NVLink and 2 x 1/2 of an eighth of them across nodes,
-// at the device's link bandwidths; one rank plans none; FSDP is refused as the trainer refuses
-// it.
+// at the device's link bandwidths; one rank plans none; tensor parallelism is refused as the
+// trainer refuses it.
 TEST(MemoryPlan, DataParallelCollectivesArePlanned) {
   const DeviceProfile h100 = *named_device("h100-80gb", false);
   const Config one = config_for("llama-test", {});
@@ -311,9 +311,51 @@ TEST(MemoryPlan, DataParallelCollectivesArePlanned) {
   EXPECT_NE(text.find("(450 GB/s: "), std::string::npos) << text;
   EXPECT_NE(text.find("(50 GB/s: "), std::string::npos) << text;
   const test::MtResult r =
-      test::run_mt("plan --model=llama-test ici_fsdp_parallelism=4 plan_device=h100-80gb", 60);
+      test::run_mt("plan --model=llama-test ici_tensor_parallelism=4 plan_device=h100-80gb", 60);
   EXPECT_EQ(r.code, 2) << r.out;
-  EXPECT_NE(r.out.find("FSDP parallelism"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("Tensor parallelism"), std::string::npos) << r.out;
+}
+
+// FSDP over 8 ranks: each holds 1/8 of the weights, gradients and moments (within the
+// allocator's size classes, which round the smaller parts up by 7.5% here), plus, while a layer
+// runs, its gathered weights and their gradients; the collectives are, per micro-batch, two
+// all-gathers of the f32 weights under remat (the backward's re-run gathers again) and one
+// reduce-scatter of the gradients, each moving 7/8 of them through a rank's link. A run that does
+// not fit on one device is offered FSDP over its data-parallel ranks.
+TEST(MemoryPlan, FsdpIsPlannedPerRank) {
+  const DeviceProfile h100 = *named_device("h100-80gb", false);
+  const Plan whole = make_plan(config_for("llama2-7b", {"remat_policy=full"}), test::plugins(),
+                               h100, PlanFor::train, false);
+  const Config cfg = config_for(
+      "llama2-7b", {"remat_policy=full", "ici_data_parallelism=1", "ici_fsdp_parallelism=8"});
+  const Plan fsdp = make_plan(cfg, test::plugins(), h100, PlanFor::train, false);
+  ASSERT_TRUE(whole.train && fsdp.train);
+  for (auto [part, all] : {std::pair{fsdp.train->weights, whole.train->weights},
+                           std::pair{fsdp.train->gradients, whole.train->gradients},
+                           std::pair{fsdp.train->optimizer, whole.train->optimizer}})
+    EXPECT_NEAR(static_cast<double>(part), static_cast<double>(all) / 8, 0.1 * all / 8);
+  // A layer's f32 weights and gradients (about 200M parameters x 8 bytes) above the
+  // unsharded run's activations, and far below the 7/8 of the state that went.
+  EXPECT_GT(fsdp.train->activations, whole.train->activations);
+  EXPECT_LT(fsdp.train->peak, whole.train->peak / 5);
+  ASSERT_TRUE(fsdp.collectives);
+  const CollectivePlan& c = *fsdp.collectives;
+  EXPECT_TRUE(c.fsdp);
+  EXPECT_EQ(c.gathers, 2);
+  EXPECT_EQ(c.ici, 8);
+  EXPECT_EQ(c.dcn, 1);
+  EXPECT_DOUBLE_EQ(c.ici_bytes, 3.0 * 7 / 8 * static_cast<double>(c.gradient_bytes));
+  const std::string text = format_plan(fsdp, cfg);
+  EXPECT_NE(text.find("FSDP over 8 ranks (8 per node x 1 node)"), std::string::npos) << text;
+  EXPECT_NE(text.find("this rank's 1/8 (FSDP)"), std::string::npos) << text;
+  // Eight data-parallel ranks of llama2-7b do not fit an H100 each; FSDP over them does.
+  const Plan dp = make_plan(config_for("llama2-7b", {"ici_data_parallelism=8"}), test::plugins(),
+                            h100, PlanFor::train, true);
+  bool offered = false;
+  for (const PlanFix& f : dp.fixes)
+    for (const std::string& w : f.words)
+      if (w == "ici_fsdp_parallelism=8") offered = offered || f.fits;
+  EXPECT_TRUE(offered) << format_plan(dp, config_for("llama2-7b", {"ici_data_parallelism=8"}));
 }
 
 // shard_optimizer_over_data: each of N data-parallel ranks holds 1/N of the moments (within the

@@ -27,7 +27,10 @@ struct GradNode {
   Shape shape;
   DType dtype = DType::f32;
   Tensor grad;        // undefined until some consumer's backward produced a gradient
-  bool leaf = false;  // a tracked parameter: its grad is the caller's buffer, never freed
+  // A tracked parameter: its grad is the caller's buffer, never freed by backward (FSDP's
+  // gathered whole weights are leaves too, their buffer made on first use, freed by the
+  // gather's own backward).
+  bool leaf = false;
   // The buffer's contents are undefined: the first backward to reach it overwrites it (a matmul
   // with beta = 0, a copy) instead of zero-filling and accumulating. Leaves may be marked fresh
   // at the start of a step to skip zeroing parameter gradients (see Graph::finish_fresh).
@@ -160,6 +163,8 @@ class MT_API Graph {
   size_t tape_size() const;
 
   struct Impl;
+  // The tape, for the core's own ops (core/src/graph_internal.h); opaque to plugins.
+  Impl& internals() const { return *impl_; }
 
  private:
   Backend* backend_;
