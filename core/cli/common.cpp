@@ -1,10 +1,12 @@
 #include <yaml-cpp/yaml.h>
 
 #include <charconv>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <set>
 #include <string>
+#include <thread>
 
 #include "cli.h"
 #include "communicator.h"
@@ -219,6 +221,9 @@ TrainSummary train_on_ranks(const Config& cfg, PluginManager& pm, bool quiet, Co
     if (e.kind() == ErrorKind::usage) {
       if (comm.rank() == 0) std::fprintf(stderr, "%s: error: %s\n", command, e.what());
       std::fflush(stderr);
+      // The others give rank 0 a moment to say it: its abort ends them first, while one of
+      // theirs could end rank 0 before it has printed.
+      if (comm.rank() != 0) std::this_thread::sleep_for(std::chrono::seconds(3));
       comm.abort(e.exit_code());
     }
     std::fprintf(stderr, "%s: error on rank %d of %d: %s\n", command, comm.rank(), comm.size(),

@@ -30,6 +30,20 @@ Tensor linear(Graph& g, const Params& p, const std::string& w, const std::string
   return bias ? add_bias(g, y, p[b]) : y;
 }
 
+// A row-parallel projection (wo, w_down): under tensor parallelism each rank holds some rows of
+// w and its x holds the matching features, so x @ w is a part of the sum; the parts are added
+// over the ranks before the (replicated) bias.
+Tensor row_linear(Graph& g, const Params& p, const std::string& w, const std::string& b,
+                  const Tensor& x, bool bias) {
+  Tensor y = g.tensor_parallel_sum(g.matmul(x, p[w]));
+  return bias ? add_bias(g, y, p[b]) : y;
+}
+
+ParamSpec with_axes(ParamSpec s, std::vector<std::string> axes) {
+  s.axes = std::move(axes);
+  return s;
+}
+
 int64_t v_dim(const AttentionBlockSpec& s) {
   return s.v_head_dim > 0 ? s.v_head_dim : s.head_dim;
 }
@@ -62,33 +76,56 @@ std::vector<ParamSpec> norm_params(const std::string& name, int64_t d, const Nor
   return r;
 }
 
-Tensor norm(Graph& g, const Params& p, const std::string& name, const Tensor& x,
-            const NormSpec& s) {
+namespace {
+
+// The norm with weight w and bias b (layer norms).
+Tensor norm_with(Graph& g, const Tensor& w, const Tensor& b, const Tensor& x, const NormSpec& s) {
   switch (s.kind) {
     case NormKind::rms:
-      return g.rmsnorm(x, p[name], s.eps);
+      return g.rmsnorm(x, w, s.eps);
     case NormKind::rms_plus_one:
-      return g.rmsnorm(x, p[name], s.eps, /*plus_one=*/true);
+      return g.rmsnorm(x, w, s.eps, /*plus_one=*/true);
     case NormKind::layer:
-      return g.layernorm(x, p[name], p[name + "_bias"], s.eps);
+      return g.layernorm(x, w, b, s.eps);
     case NormKind::layer_no_bias:
-      return g.layernorm(x, p[name], Tensor(), s.eps);
+      return g.layernorm(x, w, Tensor(), s.eps);
   }
   throw Error("norm: unknown kind");
+}
+
+// A per-head norm (q_norm, k_norm) on this rank's heads: its replicated weight gets a part of
+// its gradient on each tensor rank, summed over them (tensor_parallel_input's backward).
+Tensor head_norm(Graph& g, const Params& p, const std::string& name, const Tensor& x,
+                 const NormSpec& s) {
+  const Tensor* b = p.find(name + "_bias");
+  return norm_with(g, g.tensor_parallel_input(p[name]), b ? g.tensor_parallel_input(*b) : Tensor(),
+                   x, s);
+}
+
+}  // namespace
+
+Tensor norm(Graph& g, const Params& p, const std::string& name, const Tensor& x,
+            const NormSpec& s) {
+  const Tensor* b = s.kind == NormKind::layer ? &p[name + "_bias"] : nullptr;
+  return norm_with(g, p[name], b ? *b : Tensor(), x, s);
 }
 
 std::vector<ParamSpec> attention_params(const AttentionBlockSpec& s, const std::string& prefix) {
   const int64_t q = s.heads * s.head_dim, k = s.kv_heads * s.head_dim;
   const int64_t v = s.kv_heads * v_dim(s), o = s.heads * v_dim(s);
+  // Megatron's split: the heads' columns of wq, wk, wv (and their biases) and the heads' rows
+  // of wo, when logical_axis_rules put heads and kv_heads on the tensor axis.
   std::vector<ParamSpec> r = {
-      dense_param(prefix + "wq", s.d_model, q), dense_param(prefix + "wk", s.d_model, k),
-      dense_param(prefix + "wv", s.d_model, v), dense_param(prefix + "wo", o, s.d_model)};
+      with_axes(dense_param(prefix + "wq", s.d_model, q), {"embed", "heads"}),
+      with_axes(dense_param(prefix + "wk", s.d_model, k), {"embed", "kv_heads"}),
+      with_axes(dense_param(prefix + "wv", s.d_model, v), {"embed", "kv_heads"}),
+      with_axes(dense_param(prefix + "wo", o, s.d_model), {"heads", "embed"})};
   if (s.qkv_bias) {
-    r.push_back(bias_param(prefix + "bq", q));
-    r.push_back(bias_param(prefix + "bk", k));
-    r.push_back(bias_param(prefix + "bv", v));
+    r.push_back(with_axes(bias_param(prefix + "bq", q), {"heads"}));
+    r.push_back(with_axes(bias_param(prefix + "bk", k), {"kv_heads"}));
+    r.push_back(with_axes(bias_param(prefix + "bv", v), {"kv_heads"}));
   }
-  if (s.out_bias) r.push_back(bias_param(prefix + "bo", s.d_model));
+  if (s.out_bias) r.push_back(with_axes(bias_param(prefix + "bo", s.d_model), {"embed"}));
   if (s.qk_norm) {
     for (const char* n : {"q_norm", "k_norm"})
       for (auto& ps : norm_params(prefix + n, s.head_dim, s.qk_norm_spec)) r.push_back(ps);
@@ -112,15 +149,19 @@ Tensor attention(Graph& g, const Params& p, const AttentionBlockSpec& s, const T
       "attention block: input " + x.str() + ", want [B, T, " + std::to_string(s.d_model) + "]");
   MT_CHECK(in.attention != nullptr, "attention block: no attention kernel given to the layer");
   const int64_t b = x.dim(0), t = x.dim(1), dv = v_dim(s);
-  Tensor q = g.reshape(linear(g, p, prefix + "wq", prefix + "bq", x, s.qkv_bias),
-                       {b, t, s.heads, s.head_dim});
-  Tensor k = g.reshape(linear(g, p, prefix + "wk", prefix + "bk", x, s.qkv_bias),
-                       {b, t, s.kv_heads, s.head_dim});
+  // This rank's heads: all of them, or its part under tensor parallelism (the weights' columns).
+  const int64_t heads = p[prefix + "wq"].dim(-1) / s.head_dim;
+  const int64_t kv_heads = p[prefix + "wk"].dim(-1) / s.head_dim;
+  const Tensor xin = g.tensor_parallel_input(x);
+  Tensor q = g.reshape(linear(g, p, prefix + "wq", prefix + "bq", xin, s.qkv_bias),
+                       {b, t, heads, s.head_dim});
+  Tensor k = g.reshape(linear(g, p, prefix + "wk", prefix + "bk", xin, s.qkv_bias),
+                       {b, t, kv_heads, s.head_dim});
   Tensor v =
-      g.reshape(linear(g, p, prefix + "wv", prefix + "bv", x, s.qkv_bias), {b, t, s.kv_heads, dv});
+      g.reshape(linear(g, p, prefix + "wv", prefix + "bv", xin, s.qkv_bias), {b, t, kv_heads, dv});
   if (s.qk_norm) {
-    q = norm(g, p, prefix + "q_norm", q, s.qk_norm_spec);
-    k = norm(g, p, prefix + "k_norm", k, s.qk_norm_spec);
+    q = head_norm(g, p, prefix + "q_norm", q, s.qk_norm_spec);
+    k = head_norm(g, p, prefix + "k_norm", k, s.qk_norm_spec);
   }
   if (s.use_rope) {
     q = g.rope(q, in.positions, s.rope);
@@ -149,8 +190,8 @@ Tensor attention(Graph& g, const Params& p, const AttentionBlockSpec& s, const T
     a = g.attention(*in.attention, q, k, v, in.segment_ids, in.segment_ids, spec);
   }
   if (dv != dp) a = g.split(a, {dv, dp - dv})[0];
-  a = g.reshape(a, {b, t, s.heads * dv});
-  return linear(g, p, prefix + "wo", prefix + "bo", a, s.out_bias);
+  a = g.reshape(a, {b, t, heads * dv});
+  return row_linear(g, p, prefix + "wo", prefix + "bo", a, s.out_bias);
 }
 
 // ---- multi-head latent attention ------------------------------------------------------------
@@ -335,21 +376,24 @@ Tensor mla(Graph& g, const Params& p, const MlaSpec& s, const Tensor& x, const L
 
 std::vector<ParamSpec> mlp_params(const MlpSpec& s, const std::string& prefix) {
   std::vector<ParamSpec> r;
+  // Megatron's split: the hidden columns of the input projections and rows of the output one,
+  // when logical_axis_rules put mlp on the tensor axis.
+  const std::vector<std::string> in_axes{"embed", "mlp"}, out_axes{"mlp", "embed"};
   if (s.gated) {
-    r = {dense_param(prefix + "w_gate", s.d_model, s.hidden),
-         dense_param(prefix + "w_up", s.d_model, s.hidden),
-         dense_param(prefix + "w_down", s.hidden, s.d_model)};
+    r = {with_axes(dense_param(prefix + "w_gate", s.d_model, s.hidden), in_axes),
+         with_axes(dense_param(prefix + "w_up", s.d_model, s.hidden), in_axes),
+         with_axes(dense_param(prefix + "w_down", s.hidden, s.d_model), out_axes)};
     if (s.bias) {
-      r.push_back(bias_param(prefix + "b_gate", s.hidden));
-      r.push_back(bias_param(prefix + "b_up", s.hidden));
-      r.push_back(bias_param(prefix + "b_down", s.d_model));
+      r.push_back(with_axes(bias_param(prefix + "b_gate", s.hidden), {"mlp"}));
+      r.push_back(with_axes(bias_param(prefix + "b_up", s.hidden), {"mlp"}));
+      r.push_back(with_axes(bias_param(prefix + "b_down", s.d_model), {"embed"}));
     }
   } else {
-    r = {dense_param(prefix + "w_in", s.d_model, s.hidden),
-         dense_param(prefix + "w_out", s.hidden, s.d_model)};
+    r = {with_axes(dense_param(prefix + "w_in", s.d_model, s.hidden), in_axes),
+         with_axes(dense_param(prefix + "w_out", s.hidden, s.d_model), out_axes)};
     if (s.bias) {
-      r.push_back(bias_param(prefix + "b_in", s.hidden));
-      r.push_back(bias_param(prefix + "b_out", s.d_model));
+      r.push_back(with_axes(bias_param(prefix + "b_in", s.hidden), {"mlp"}));
+      r.push_back(with_axes(bias_param(prefix + "b_out", s.d_model), {"embed"}));
     }
   }
   return r;
@@ -357,13 +401,15 @@ std::vector<ParamSpec> mlp_params(const MlpSpec& s, const std::string& prefix) {
 
 Tensor mlp(Graph& g, const Params& p, const MlpSpec& s, const Tensor& x,
            const std::string& prefix) {
+  // Under tensor parallelism this rank computes its hidden columns and its part of the output.
+  const Tensor xin = g.tensor_parallel_input(x);
   if (s.gated) {
-    Tensor gate = linear(g, p, prefix + "w_gate", prefix + "b_gate", x, s.bias);
-    Tensor up = linear(g, p, prefix + "w_up", prefix + "b_up", x, s.bias);
-    return linear(g, p, prefix + "w_down", prefix + "b_down", g.gated(s.act, gate, up), s.bias);
+    Tensor gate = linear(g, p, prefix + "w_gate", prefix + "b_gate", xin, s.bias);
+    Tensor up = linear(g, p, prefix + "w_up", prefix + "b_up", xin, s.bias);
+    return row_linear(g, p, prefix + "w_down", prefix + "b_down", g.gated(s.act, gate, up), s.bias);
   }
-  Tensor h = g.activation(s.act, linear(g, p, prefix + "w_in", prefix + "b_in", x, s.bias));
-  return linear(g, p, prefix + "w_out", prefix + "b_out", h, s.bias);
+  Tensor h = g.activation(s.act, linear(g, p, prefix + "w_in", prefix + "b_in", xin, s.bias));
+  return row_linear(g, p, prefix + "w_out", prefix + "b_out", h, s.bias);
 }
 
 ParamSpec embedding_param(const std::string& name, int64_t vocab, int64_t d, float stddev,

@@ -66,6 +66,14 @@ void Communicator::all_gather(float*, size_t) {
   if (size() > 1) throw Error("The " + name() + " communicator has no all_gather (sharded state).");
 }
 
+std::unique_ptr<Communicator> Communicator::split(int, int) {
+  if (size() > 1)
+    throw UsageError("The " + name() +
+                     " communicator cannot divide its ranks into groups, which tensor "
+                     "parallelism needs; use communicator=mpi.");
+  return make_local_communicator();
+}
+
 namespace {
 
 class LocalCommunicator final : public Communicator {

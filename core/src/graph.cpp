@@ -4,6 +4,7 @@
 #include <string>
 #include <utility>
 
+#include "communicator.h"
 #include "graph_internal.h"
 #include "mt/error.h"
 
@@ -395,6 +396,50 @@ Tensor Graph::cross_entropy(const Tensor& logits, const Tensor& targets, float z
   return total;
 }
 
+namespace {
+
+// x summed over the group's ranks in rank order, through an f32 host buffer (a bf16 x is
+// rounded once, after the sum).
+Tensor sum_over(Backend& be, Communicator& group, const Tensor& x) {
+  std::vector<float> host(static_cast<size_t>(x.numel()));
+  part_to_host(x, 0, x.numel(), host.data());
+  group.all_reduce_sum(host.data(), host.size());
+  Tensor out = be.empty(x.shape(), x.dtype());
+  part_from_host(out, 0, out.numel(), host.data());
+  return out;
+}
+
+}  // namespace
+
+Tensor Graph::tensor_parallel_input(const Tensor& x) {
+  if (!tensor_group_ || tensor_group_->size() == 1) return x;
+  Tensor out = x.view(x.shape());  // the same values, a node of its own
+  Backend* be = backend_;
+  Communicator* group = tensor_group_;
+  record(record_, impl_->tape, out, {&x}, [be, group](const Tensor& dout, const Grads& d) {
+    const Tensor sum = sum_over(*be, *group, dout);
+    if (d.overwrite(0))
+      be->cast(sum, *d.raw(0));
+    else
+      be->axpy(1.f, sum, *d[0]);
+  });
+  return out;
+}
+
+Tensor Graph::tensor_parallel_sum(const Tensor& x) {
+  if (!tensor_group_ || tensor_group_->size() == 1) return x;
+  Tensor out = sum_over(*backend_, *tensor_group_, x);
+  Backend* be = backend_;
+  record(record_, impl_->tape, out, {&x}, [be](const Tensor& dout, const Grads& d) {
+    if (d.adopt(0, dout)) return;
+    if (d.overwrite(0))
+      be->cast(dout, *d.raw(0));
+    else
+      be->axpy(1.f, dout, *d[0]);
+  });
+  return out;
+}
+
 Tensor Graph::remat(RematPolicy policy, const std::function<Tensor(Graph&, const Tensor&)>& f,
                     const Tensor& x) {
   return remat_layer(
@@ -410,6 +455,7 @@ LayerOutput Graph::remat_layer(RematPolicy policy,
   LayerOutput out;
   {
     Graph fwd(*backend_, /*record=*/false);
+    fwd.tensor_group_ = tensor_group_;
     if (policy == RematPolicy::minimal) fwd.impl_->matmul_save = saved.get();
     out = f(fwd, x);
   }
@@ -417,6 +463,7 @@ LayerOutput Graph::remat_layer(RematPolicy policy,
   // the parameters inside f are tracked leaves, so the re-run's own backward accumulates
   // straight into their gradient buffers.
   Backend* be = backend_;
+  Communicator* group = tensor_group_;
   const Tensor xs = x;
   auto fn = f;
   const bool minimal = policy == RematPolicy::minimal;
@@ -432,8 +479,9 @@ LayerOutput Graph::remat_layer(RematPolicy policy,
   e.output = node(out.x);
   for (auto& a : out.aux) e.more_outputs.push_back(node(a.value));
   std::vector<std::shared_ptr<GradNode>> aux_nodes = e.more_outputs;
-  e.backward = [be, xs, fn, saved, minimal, aux_nodes](const Tensor& dy, const Grads& d) {
+  e.backward = [be, group, xs, fn, saved, minimal, aux_nodes](const Tensor& dy, const Grads& d) {
     Graph re(*be, /*record=*/true);
+    re.tensor_group_ = group;
     if (minimal) re.impl_->matmul_replay = saved.get();
     Tensor xr = detach(xs);
     const bool fresh = d.overwrite(0);

@@ -295,8 +295,11 @@ void load_hf_weights(const fs::path& dir, ModelRunner& runner) {
     } else {
       host = read_hf(w, hf.name, hf.transposed, dir, p.name, got, &s, used);
     }
-    if (runner.sharding().on())  // FSDP: this rank's part of the whole tensor
-      host = std::vector<float>(host.begin() + p.shard_begin, host.begin() + p.shard_end);
+    if (runner.sharding().on() || p.tensor_dim >= 0) {  // FSDP or tensor parallelism: a part
+      const std::vector<char> mine = runner.local_part(p, host.data(), sizeof(float));
+      host.assign(reinterpret_cast<const float*>(mine.data()),
+                  reinterpret_cast<const float*>(mine.data() + mine.size()));
+    }
     if (p.value.dtype() == DType::f32) {
       be.copy_from_host(p.value, host.data());
     } else {  // the backend's rounding, as every other cast to the weight dtype

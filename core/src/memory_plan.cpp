@@ -45,12 +45,13 @@ Config with_words(const Config& base, const std::vector<std::string>& words) {
 }
 
 std::unique_ptr<ModelRunner> meta_runner(const Config& cfg, PluginManager& plugins,
-                                         const DeviceProfile& device, ParamSharding sharding = {}) {
+                                         const DeviceProfile& device, ParamSharding sharding = {},
+                                         TensorSharding tensor = {}) {
   auto backend = std::make_unique<MetaBackend>(device);
   auto attention = std::make_unique<MetaAttention>(cfg.get_string("attention"), *backend,
                                                    device.f32_working_copies);
   return std::make_unique<ModelRunner>(cfg, plugins, std::move(backend), std::move(attention),
-                                       sharding);
+                                       sharding, tensor);
 }
 
 size_t in_use(ModelRunner& r) {
@@ -75,9 +76,13 @@ TrainingPlan trace_training(const Config& cfg, PluginManager& plugins,
   // Rank 0 of FSDP's ranks: its parts of every tensor (shard_range gives later ranks one
   // element more at most), and each layer's whole weights while the layer runs.
   const int64_t fsdp = fsdp_ranks(cfg);
+  // Tensor rank 0 of its group: its part of the split weights (equal parts).
+  const auto tensor =
+      static_cast<int>(resolve_mesh(cfg, static_cast<int>(mesh_devices_set(cfg))).tensor);
   auto runner =
       meta_runner(cfg, plugins, device,
-                  fsdp > 1 ? ParamSharding{nullptr, 0, static_cast<int>(fsdp)} : ParamSharding{});
+                  fsdp > 1 ? ParamSharding{nullptr, 0, static_cast<int>(fsdp)} : ParamSharding{},
+                  TensorSharding{nullptr, 0, tensor});
   Backend& be = runner->backend();
   TrainingPlan t;
   t.weights = in_use(*runner);
@@ -393,8 +398,10 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
   Plan plan;
   plan.device = device;
   plan.assumed_mfu = cfg.get_float("plan_assumed_mfu");
+  ModelDims dims;
   {
     auto runner = meta_runner(cfg, plugins, device);
+    dims = runner->model().dims();
     plan.counts = count_parameters(runner->model());
     plan.compute = runner->compute_dtype();
     plan.weights = runner->weight_dtype();
@@ -407,12 +414,14 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
   // plan knows only the sizes set); the trainer's own checks refuse what it cannot run.
   if (plan.train) {
     const Mesh mesh = resolve_mesh(cfg, static_cast<int>(mesh_devices_set(cfg)));
-    if (mesh.batch_ranks() > 1) {
+    if (mesh.batch_ranks() > 1 || mesh.tensor > 1) {
       CollectivePlan c;
       c.ici = std::max<int64_t>(1, cfg.get_int("ici_data_parallelism")) *
               std::max<int64_t>(1, cfg.get_int("ici_fsdp_parallelism"));
       c.dcn = mesh.batch_ranks() / c.ici;
-      c.gradient_bytes = static_cast<size_t>(plan.counts.total) * 4;
+      // A tensor rank's gradients are its parts (as allocated).
+      c.gradient_bytes =
+          mesh.tensor > 1 ? plan.train->gradients : static_cast<size_t>(plan.counts.total) * 4;
       c.fsdp = mesh.fsdp > 1;
       c.sharded_optimizer = !c.fsdp && cfg.get_bool("shard_optimizer_over_data");
       c.gathers = cfg.get_string("remat_policy") == "none" ? 1 : 2;
@@ -426,6 +435,19 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
       };
       c.ici_bytes = ring(c.ici) * g;
       c.dcn_bytes = ring(c.dcn) * g / static_cast<double>(c.ici);
+      // Tensor parallelism: per layer and micro-batch, the attention and MLP outputs summed
+      // over the group in the forward and their inputs' gradients in the backward (and the
+      // forward's two again when remat re-runs the layer), [B, T, d] in f32 each.
+      c.tensor = mesh.tensor;
+      if (c.tensor > 1) {
+        c.tensor_sums = dims.num_layers * c.micro_batches * (c.gathers == 1 ? 4 : 6);
+        c.tensor_sum_bytes =
+            static_cast<size_t>(cfg.get_int("per_device_batch_size") *
+                                cfg.get_int("max_target_length") * dims.d_model * 4);
+        c.tensor_bytes = 2.0 * static_cast<double>(c.tensor - 1) / static_cast<double>(c.tensor) *
+                         static_cast<double>(c.tensor_sums) *
+                         static_cast<double>(c.tensor_sum_bytes);
+      }
       plan.collectives = c;
     }
   }
@@ -476,9 +498,12 @@ std::string format_plan(const Plan& p, const Config& cfg) {
         cfg.get_int("gradient_accumulation_steps"), cfg.get_string("remat_policy"),
         cfg.get_string("dtype"));
     const bool fsdp = p.collectives && p.collectives->fsdp;
+    const bool tensor = p.collectives && p.collectives->tensor > 1;
     const std::string part =
         fsdp ? fmt::format(", this rank's 1/{} (FSDP)", p.collectives->ici * p.collectives->dcn)
-             : std::string();
+        : tensor
+            ? fmt::format(", this rank's part (tensor parallelism over {})", p.collectives->tensor)
+            : std::string();
     row("weights", t.weights, fmt::format("weight_dtype={}{}", dtype_name(p.weights), part));
     row("gradients", t.gradients, "float32" + part);
     if (t.host_optimizer)
@@ -534,32 +559,44 @@ std::string format_plan(const Plan& p, const Config& cfg) {
       };
       const double t = (p.device.ici_bytes_per_s > 0 ? c.ici_bytes / p.device.ici_bytes_per_s : 0) +
                        (p.device.dcn_bytes_per_s > 0 ? c.dcn_bytes / p.device.dcn_bytes_per_s : 0);
-      const std::string what =
-          c.fsdp
-              ? fmt::format(
-                    "all-gathers {} of float32 weights {} and reduce-scatters their "
-                    "gradients once per micro-batch ({} of them)",
-                    human_bytes(static_cast<double>(c.gradient_bytes)),
-                    c.gathers == 1 ? "once" : "twice (remat re-runs the layers)", c.micro_batches)
-          : c.sharded_optimizer ? fmt::format(
-                                      "reduce-scatters {} of float32 gradients and all-gathers the "
-                                      "updated parameters (as float32: the bytes of an all-reduce)",
-                                      human_bytes(static_cast<double>(c.gradient_bytes)))
-                                : fmt::format("all-reduces {} of float32 gradients",
-                                              human_bytes(static_cast<double>(c.gradient_bytes)));
-      s += fmt::format(
-          "  collectives: {} over {} ranks ({} per node x {} node{}), {}: every "
-          "step {}; a ring moves, per rank and direction, {} and {}{}\n",
-          c.fsdp ? "FSDP" : "data parallelism", c.ici * c.dcn, c.ici, c.dcn, c.dcn == 1 ? "" : "s",
-          c.fsdp                ? "each holding 1/N of the weights, gradients and moments"
-          : c.sharded_optimizer ? "each holding the whole weights and 1/N of the moments"
-                                : "each holding the whole model",
-          what, link(c.ici_bytes, p.device.ici_bytes_per_s, "within the node"),
-          link(c.dcn_bytes, p.device.dcn_bytes_per_s, "across nodes"),
-          t > 0 ? fmt::format("; not yet overlapped with the backward: about {:.3g} s a step "
-                              "beyond the compute",
-                              t)
-                : std::string());
+      if (c.tensor > 1)
+        s += fmt::format(
+            "  collectives: tensor parallelism over {} ranks per batch (logical_axis_rules), "
+            "each holding 1/{} of the split weights: every step sums {} activations of {} over "
+            "the group (2 per layer each way{}); a ring moves, per rank and direction, {}\n",
+            c.tensor, c.tensor, c.tensor_sums, human_bytes(static_cast<double>(c.tensor_sum_bytes)),
+            c.gathers == 1 ? "" : ", and 2 more when remat re-runs it",
+            link(c.tensor_bytes, p.device.ici_bytes_per_s, "within the node"));
+      if (c.ici * c.dcn > 1) {
+        const std::string what =
+            c.fsdp
+                ? fmt::format(
+                      "all-gathers {} of float32 weights {} and reduce-scatters their "
+                      "gradients once per micro-batch ({} of them)",
+                      human_bytes(static_cast<double>(c.gradient_bytes)),
+                      c.gathers == 1 ? "once" : "twice (remat re-runs the layers)", c.micro_batches)
+            : c.sharded_optimizer
+                ? fmt::format(
+                      "reduce-scatters {} of float32 gradients and all-gathers the "
+                      "updated parameters (as float32: the bytes of an all-reduce)",
+                      human_bytes(static_cast<double>(c.gradient_bytes)))
+                : fmt::format("all-reduces {} of float32 gradients",
+                              human_bytes(static_cast<double>(c.gradient_bytes)));
+        s += fmt::format(
+            "  collectives: {} over {} ranks ({} per node x {} node{}), {}: every "
+            "step {}; a ring moves, per rank and direction, {} and {}{}\n",
+            c.fsdp ? "FSDP" : "data parallelism", c.ici * c.dcn, c.ici, c.dcn,
+            c.dcn == 1 ? "" : "s",
+            c.fsdp                ? "each holding 1/N of the weights, gradients and moments"
+            : c.sharded_optimizer ? "each holding the whole weights and 1/N of the moments"
+                                  : "each holding the whole model",
+            what, link(c.ici_bytes, p.device.ici_bytes_per_s, "within the node"),
+            link(c.dcn_bytes, p.device.dcn_bytes_per_s, "across nodes"),
+            t > 0 ? fmt::format("; not yet overlapped with the backward: about {:.3g} s a step "
+                                "beyond the compute",
+                                t)
+                  : std::string());
+      }
     }
   }
   if (p.decode) {

@@ -56,6 +56,12 @@ struct CollectivePlan {
   bool fsdp = false;
   int gathers = 0;
   int64_t micro_batches = 1;
+  // Tensor parallelism: `tensor` ranks per batch sum `tensor_sums` activations of
+  // `tensor_sum_bytes` each (f32) a step; tensor_bytes through one rank's link per direction.
+  int64_t tensor = 1;
+  int64_t tensor_sums = 0;
+  size_t tensor_sum_bytes = 0;
+  double tensor_bytes = 0;
 };
 
 struct PlanFix {

@@ -1,7 +1,7 @@
 // The device mesh from MaxText's keys: ici_{data,fsdp,tensor}_parallelism within a node and
 // their dcn_ twins across nodes; -1 on one axis = whatever the others leave of the ranks. Their
-// product must be the number of ranks. Data parallelism and FSDP are implemented; tensor
-// parallelism is not yet.
+// product must be the number of ranks. Tensor parallelism's ranks are the innermost: rank r is
+// tensor rank r % tensor of batch group r / tensor.
 #pragma once
 
 #include <cstdint>
@@ -18,7 +18,8 @@ struct Mesh {
 };
 
 // Throws UsageError (one sentence naming the keys) when the axes do not multiply to `ranks`,
-// more than one axis is -1, or the tensor axis is above 1. A pure function of the
+// more than one axis is -1, or tensor parallelism meets FSDP or shard_optimizer_over_data
+// (not implemented together yet). A pure function of the
 // config and the rank count, so every rank of a job decides the same.
 Mesh resolve_mesh(const Config& cfg, int ranks);
 

@@ -2,6 +2,7 @@
 
 #include "config_impl.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <random>
@@ -33,8 +34,9 @@ ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins)
 
 ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins,
                          std::unique_ptr<Backend> given_backend,
-                         std::unique_ptr<AttentionKernel> given_attention, ParamSharding sharding)
-    : sharding_(sharding) {
+                         std::unique_ptr<AttentionKernel> given_attention, ParamSharding sharding,
+                         TensorSharding tensor)
+    : sharding_(sharding), tensor_(tensor) {
   reset_config_reads(cfg);
   compute_dtype_ = dtype_key(cfg, "dtype");
   weight_dtype_ = dtype_key(cfg, "weight_dtype");
@@ -105,9 +107,15 @@ ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins,
     for (const auto& s : model_->mtp_parameters(k)) declare(s, prefix + s.name, names);
     for (const auto& s : model_->mtp_layer(k).parameters()) declare(s, prefix + s.name, names);
   }
+  if (tensor_.on()) split_for_tensor_parallelism(cfg);
   for (auto& p : params_) {
     const int64_t n = shape_numel(p.spec.shape);
-    if (sharding_.on()) {
+    if (tensor_.on() && p.tensor_dim >= 0) {
+      Shape local = p.spec.shape;
+      local[static_cast<size_t>(p.tensor_dim)] /= tensor_.ranks;
+      p.shard_end = shape_numel(local);
+      p.value = backend().empty(local, weight_dtype_);
+    } else if (sharding_.on()) {
       const auto [b, e] = shard_range(static_cast<size_t>(n), sharding_.rank, sharding_.ranks);
       p.shard_begin = static_cast<int64_t>(b);
       p.shard_end = static_cast<int64_t>(e);
@@ -149,7 +157,11 @@ void ModelRunner::init_parameters(uint64_t seed, Progress* progress) {
                                 ? RandomFill::Distribution::normal
                                 : RandomFill::Distribution::truncated_normal;
         spec.stddev = p.spec.stddev;
-        if (sharding_.on()) {
+        if (tensor_.on() && p.tensor_dim >= 0) {
+          Tensor whole = backend().empty(p.spec.shape, p.value.dtype());
+          backend().fill_random(whole, spec);
+          backend().cast(tensor_part(p, whole), p.value);
+        } else if (sharding_.on()) {
           Tensor whole = backend().empty(p.spec.shape, p.value.dtype());
           backend().fill_random(whole, spec);
           backend().cast(flat_part(whole, p.shard_begin, p.shard_end), p.value);
@@ -281,6 +293,105 @@ Tensor ModelRunner::compute_param(Graph& g, size_t i) {
   return v.dtype() == compute_dtype_ ? v : g.cast(v, compute_dtype_);
 }
 
+void ModelRunner::split_for_tensor_parallelism(const Config& cfg) {
+  // logical_axis_rules: "logical:mesh" pairs; only the tensor axis places parameter dimensions
+  // (FSDP divides flattened elements, and the data axis holds whole copies).
+  std::vector<std::string> on_tensor;
+  for (const std::string& rule : cfg.get_string_list("logical_axis_rules")) {
+    const size_t colon = rule.find(':');
+    const std::string mesh = colon == std::string::npos ? "" : rule.substr(colon + 1);
+    if (colon == std::string::npos || colon == 0 || mesh != "tensor")
+      cfg.reject("logical_axis_rules",
+                 "must be a list of \"logical:tensor\" pairs (e.g. \"heads:tensor\"), each "
+                 "putting a logical axis of the parameters on the tensor mesh axis; \"" +
+                     rule + "\" is not one.");
+    on_tensor.push_back(rule.substr(0, colon));
+  }
+  const ModelDims dims = model_->dims();
+  const int t = tensor_.ranks;
+  for (auto& p : params_) {
+    for (size_t d = 0; d < p.spec.axes.size() && d < p.spec.shape.size(); ++d) {
+      const std::string& axis = p.spec.axes[d];
+      if (std::find(on_tensor.begin(), on_tensor.end(), axis) == on_tensor.end()) continue;
+      if (p.tensor_dim >= 0)
+        throw UsageError("logical_axis_rules put two dimensions of parameter " + p.name +
+                         " on the tensor axis; a parameter may be split along one only.");
+      if (d != 0 && d + 1 != p.spec.shape.size())
+        throw UsageError("logical_axis_rules put dimension " + std::to_string(d) +
+                         " of parameter " + p.name +
+                         " on the tensor axis; only a first or last dimension can be split.");
+      // Whole heads on each rank: the attention block counts its heads from the columns.
+      const int64_t units = axis == "heads"      ? dims.num_query_heads
+                            : axis == "kv_heads" ? dims.num_kv_heads
+                                                 : p.spec.shape[d];
+      const char* what = axis == "heads"      ? "query heads (base_num_query_heads)"
+                         : axis == "kv_heads" ? "key/value heads (base_num_kv_heads)"
+                                              : nullptr;
+      if (units % t != 0 || p.spec.shape[d] % t != 0)
+        throw UsageError(
+            "Tensor parallelism over " + std::to_string(t) + " ranks divides the '" + axis +
+            "' axis, but " + cfg.get_string("model_name") + " has " + std::to_string(units) + " " +
+            (what ? what : "elements there (parameter " + p.name + ")") + ", which " +
+            std::to_string(t) +
+            " does not divide. Choose ici_tensor_parallelism x dcn_tensor_parallelism dividing "
+            "it, or leave that axis out of logical_axis_rules.");
+      p.tensor_dim = static_cast<int>(d);
+    }
+  }
+}
+
+Tensor ModelRunner::tensor_part(const Param& p, const Tensor& whole) {
+  if (!tensor_.on() || p.tensor_dim < 0) return whole;
+  const int64_t cols = whole.dim(-1), n = whole.numel();
+  const auto t = static_cast<int64_t>(tensor_.rank), parts = static_cast<int64_t>(tensor_.ranks);
+  if (p.tensor_dim == 0) {  // rows (or a vector's elements): one contiguous range
+    Tensor out = backend().empty({n / parts}, whole.dtype());
+    backend().cast(flat_part(whole, t * n / parts, (t + 1) * n / parts), out);
+    Shape s = whole.shape();
+    s[0] /= parts;
+    return out.view(s);
+  }
+  const int64_t width = cols / parts;
+  Shape s = whole.shape();
+  s.back() = width;
+  Tensor out = backend().empty(s, whole.dtype());
+  Tensor dst = out.view({n / cols, width});
+  backend().copy_columns(whole.view({n / cols, cols}), t * width, dst, 0, width, false);
+  return out;
+}
+
+std::vector<char> ModelRunner::local_part(const Param& p, const void* whole, size_t elem) const {
+  const auto* src = static_cast<const char*>(whole);
+  const int64_t n = shape_numel(p.spec.shape);
+  if (tensor_.on() && p.tensor_dim >= 0) {
+    const int64_t parts = tensor_.ranks, t = tensor_.rank;
+    if (p.tensor_dim == 0)
+      return std::vector<char>(src + t * (n / parts) * elem, src + (t + 1) * (n / parts) * elem);
+    const int64_t cols = p.spec.shape.back(), width = cols / parts, rows = n / cols;
+    std::vector<char> out(static_cast<size_t>(rows * width) * elem);
+    for (int64_t r = 0; r < rows; ++r)
+      std::copy_n(src + (r * cols + t * width) * elem, width * elem, out.data() + r * width * elem);
+    return out;
+  }
+  return std::vector<char>(src + p.shard_begin * elem, src + p.shard_end * elem);
+}
+
+std::vector<char> ModelRunner::whole_from_tensor_parts(const Param& p,
+                                                       const std::vector<char>& parts,
+                                                       size_t elem) const {
+  if (p.tensor_dim != 0 && p.tensor_dim + 1 == static_cast<int>(p.spec.shape.size())) {
+    const int64_t n = shape_numel(p.spec.shape), count = tensor_.ranks;
+    const int64_t cols = p.spec.shape.back(), width = cols / count, rows = n / cols;
+    std::vector<char> out(static_cast<size_t>(n) * elem);
+    for (int64_t t = 0; t < count; ++t)
+      for (int64_t r = 0; r < rows; ++r)
+        std::copy_n(parts.data() + (t * rows * width + r * width) * elem, width * elem,
+                    out.data() + (r * cols + t * width) * elem);
+    return out;
+  }
+  return parts;  // rows: the parts in order are the whole
+}
+
 Tensor ModelRunner::whole_value(size_t i) {
   if (!sharding_.on()) return params_[i].value;
   Graph g(backend(), /*record=*/false);
@@ -399,6 +510,8 @@ Tensor ModelRunner::run_layers(Graph& g, const std::vector<Tensor>& ps, const Te
                                std::vector<AuxLoss>* aux, std::vector<LayerStats>* stats) {
   if (stats) stats->resize(layer_begin_.size());
   in.attention = &attention();
+  // Tensor parallelism: the blocks sum their row-parallel projections over the group.
+  if (tensor_.on()) g.set_tensor_group(tensor_.group);
   Tensor x = model_->embed_at(g, top_params(ps), tokens, in.positions);
   for (int i = 0; i < model_->num_layers(); ++i) {
     const auto ui = static_cast<size_t>(i);

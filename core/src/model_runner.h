@@ -29,6 +29,9 @@ struct Param {
   // The elements [shard_begin, shard_end) of the flattened parameter `value` holds: all of
   // them unless the runner's parameters are sharded (FSDP), where shard_range splits them.
   int64_t shard_begin = 0, shard_end = 0;
+  // Tensor parallelism: the dimension (0 or the last) split among the tensor ranks, this
+  // rank holding the t-th of its equal parts; -1: whole on every rank (replicated).
+  int tensor_dim = -1;
 };
 
 // FSDP (ZeRO-3, MaxText's fsdp axis): every parameter's flattened elements are split among
@@ -40,6 +43,17 @@ struct Param {
 // allocates as a rank does and communicates nothing.
 struct ParamSharding {
   Communicator* comm = nullptr;
+  int rank = 0, ranks = 1;
+  bool on() const { return ranks > 1; }
+};
+
+// Tensor parallelism (Megatron, MaxText's tensor axis): each parameter dimension whose logical
+// axis (ParamSpec::axes) the config's logical_axis_rules put on the tensor axis is divided
+// among the `ranks` of `group` (this one the `rank`-th); the layers' blocks compute on their
+// parts and sum the row-parallel projections over the group (Graph::tensor_group). `group`
+// null with ranks > 1: the memory plan's trace.
+struct TensorSharding {
+  Communicator* group = nullptr;
   int rank = 0, ranks = 1;
   bool on() const { return ranks > 1; }
 };
@@ -66,9 +80,11 @@ class ModelRunner {
   // The same on a backend (and attention kernel) made by the caller: a MetaBackend for
   // `mt plan`, or the backend a memory check already made. A null attention is made from the
   // plugins for the backend's name.
-  // `sharding`: the parameters' FSDP split (none by default).
+  // `sharding`: the parameters' FSDP split, `tensor` their tensor-parallel one (none by
+  // default).
   ModelRunner(const Config& cfg, PluginManager& plugins, std::unique_ptr<Backend> backend,
-              std::unique_ptr<AttentionKernel> attention = nullptr, ParamSharding sharding = {});
+              std::unique_ptr<AttentionKernel> attention = nullptr, ParamSharding sharding = {},
+              TensorSharding tensor = {});
   ~ModelRunner();
 
   // The backend ops run on (the profiling wrapper when profile=true).
@@ -84,6 +100,18 @@ class ModelRunner {
   std::vector<Param>& params() { return params_; }
   Param* find(const std::string& name);
   const ParamSharding& sharding() const { return sharding_; }
+  const TensorSharding& tensor_sharding() const { return tensor_; }
+  // Tensor parallelism: this rank's part of a whole tensor of parameter `p` (a new tensor on
+  // the backend), or the tensor itself when `p` is replicated.
+  Tensor tensor_part(const Param& p, const Tensor& whole);
+  // This rank's part of parameter p's whole tensor in host memory (`whole`: elements of `elem`
+  // bytes in p's whole shape), in p.value's layout: FSDP's flat range, tensor parallelism's rows
+  // or columns, or all of it.
+  std::vector<char> local_part(const Param& p, const void* whole, size_t elem) const;
+  // The inverse, for a save: the whole tensor's bytes from `parts`, the tensor ranks' local
+  // parts of p one after another in rank order.
+  std::vector<char> whole_from_tensor_parts(const Param& p, const std::vector<char>& parts,
+                                            size_t elem) const;
   // FSDP: the seconds spent in the gathers and reduce-scatters since the last call (with the
   // host copies around them, after a synchronize so no compute is counted), then reset.
   double take_communication_seconds() {
@@ -155,6 +183,9 @@ class ModelRunner {
   // Block i's (decoder layer i, or MTP depth i - num_layers + 1) parameters on g: those of
   // compute_params(g) in `ps`, or (FSDP) gathered on g (`ps` unused).
   Params block_params(Graph& g, const std::vector<Tensor>& ps, size_t block);
+  // Marks each parameter's dimension that logical_axis_rules put on the tensor axis
+  // (Param::tensor_dim), refusing what the tensor ranks do not divide.
+  void split_for_tensor_parallelism(const Config& cfg);
   Params top_params(const std::vector<Tensor>& ps) const;
   // The decoder: tokens -> the last layer's output [B, T, D], before the head.
   Tensor run_layers(Graph& g, const std::vector<Tensor>& ps, const Tensor& tokens, LayerInputs in,
@@ -191,6 +222,7 @@ class ModelRunner {
   bool tied_ = false;
   RematPolicy remat_ = RematPolicy::none;
   ParamSharding sharding_;
+  TensorSharding tensor_;
   double comm_seconds_ = 0;
 };
 

@@ -209,11 +209,15 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
   // Sharded over ranks: this rank's parts, then the ranks' sums added in rank order.
   const bool fsdp = runner.sharding().on();
   const bool parts = ranks && opt && opt->sharded() && !fsdp;
+  // Tensor parallelism: the split gradients' parts on every tensor rank, the replicated ones
+  // (the same on each) on the first only, then summed over the group.
+  const TensorSharding& tensor = runner.tensor_sharding();
   std::vector<Tensor> views;
   size_t i = 0;
   for (auto& p : runner.params()) {
     const auto [b, e] = parts ? opt->shard[i] : std::pair<int64_t, int64_t>{0, p.grad.numel()};
-    if (b < e) views.push_back(parts ? flat_part(p.grad, b, e) : p.grad);
+    const bool counted = !tensor.on() || p.tensor_dim >= 0 || tensor.rank == 0;
+    if (b < e && counted) views.push_back(parts ? flat_part(p.grad, b, e) : p.grad);
     ++i;
   }
   std::vector<const Tensor*> grads;
@@ -225,6 +229,11 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
   if (parts || (ranks && fsdp)) {
     const auto t0 = Clock::now();
     comm->all_reduce_sum(&total, 1);
+    r.communication_s += seconds_since(t0);
+  }
+  if (tensor.on() && tensor.group) {
+    const auto t0 = Clock::now();
+    tensor.group->all_reduce_sum(&total, 1);
     r.communication_s += seconds_since(t0);
   }
   r.grad_norm = std::sqrt(total);
@@ -327,6 +336,17 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   quiet = quiet || !lead;
   const Mesh mesh = resolve_mesh(cfg, ranks);
   check_same_config(cfg, comm);
+  // Tensor parallelism: groups of mesh.tensor consecutive ranks share a batch and divide the
+  // split weights; the ranks of one tensor index across the groups are data parallelism's
+  // (gradients, losses and the data shard go over them).
+  const int tp = static_cast<int>(mesh.tensor);
+  const int tp_rank = comm.rank() % tp, batch_index = comm.rank() / tp;
+  std::unique_ptr<Communicator> tensor_group, data_group;
+  if (tp > 1) {
+    tensor_group = comm.split(batch_index, tp_rank);
+    data_group = comm.split(tp_rank, batch_index);
+  }
+  Communicator& dp = data_group ? *data_group : comm;
   // Outputs: the resolved config beside the metrics, in a directory this run alone writes:
   // locked before anything else is done, so a second run is refused at once.
   const std::string run_name = cfg.get_string("run_name");
@@ -346,7 +366,8 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   // data x fsdp ranks shards over all of them; the batch is split over both axes).
   ParamSharding sharding;
   if (mesh.fsdp > 1) sharding = {&comm, comm.rank(), ranks};
-  ModelRunner runner(cfg, plugins, std::move(device), nullptr, sharding);
+  ModelRunner runner(cfg, plugins, std::move(device), nullptr, sharding,
+                     TensorSharding{tensor_group.get(), tp_rank, tp});
   Backend& be = runner.backend();
   const int64_t steps = cfg.get_int("steps");
   const int64_t accum = cfg.get_int("gradient_accumulation_steps");
@@ -386,7 +407,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   if (!cfg.get_string("tokenizer_path").empty())
     tokenizer = make_tokenizer(cfg.get_string("tokenizer_path"), cfg.get_string("tokenizer_type"));
   std::unique_ptr<DatasetSource> data = plugins.dataset_factory(dataset)(
-      cfg, DataShard{comm.rank(), static_cast<int>(mesh.batch_ranks())}, tokenizer.get());
+      cfg, DataShard{batch_index, static_cast<int>(mesh.batch_ranks())}, tokenizer.get());
 
   // Model FLOPs and the peak they are measured against.
   const double flops_per_token = runner.model().flops_per_token(seq);
@@ -407,7 +428,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   OptimizerState opt = make_optimizer_state(
       runner, cfg,
       cfg.get_bool("optimizer_memory_host_offload") ? plugins.make_backend("cpu", cfg) : nullptr,
-      comm.rank(), static_cast<int>(mesh.batch_ranks()));
+      batch_index, static_cast<int>(mesh.batch_ranks()));
 
   // Checkpoints: resume from this run's latest complete step, else start from another run's
   // full state or parameters when asked (MaxText's load_full_state_path / load_parameters_path).
@@ -416,9 +437,11 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   // restore, through full-size tensors in host memory that live only as long as that.
   // FSDP: neither are the parameters, which a save gathers whole (per parameter) and a restore
   // cuts to this rank's parts the same way.
+  // Tensor parallelism likewise: a save gathers each split tensor from the tensor ranks.
   const bool fsdp = runner.sharding().on();
+  const bool parts = fsdp || tp > 1;
   TrainState state;
-  if (!fsdp) {
+  if (!parts) {
     size_t i = 0;
     for (auto& p : runner.params()) {
       state.params[p.name] = p.value;
@@ -437,8 +460,20 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     const Param& p = runner.params()[i];
     const int64_t n = shape_numel(p.spec.shape);
     std::vector<float> flat(static_cast<size_t>(n));
-    part_to_host(part, 0, part.numel(), flat.data() + p.shard_begin);
-    comm.all_gather(flat.data(), flat.size());
+    if (tp > 1) {  // the tensor ranks' parts, in rank order, then laid out whole
+      part_to_host(part, 0, part.numel(),
+                   flat.data() + (p.tensor_dim >= 0 ? tp_rank * part.numel() : 0));
+      if (p.tensor_dim >= 0) {
+        tensor_group->all_gather(flat.data(), flat.size());
+        std::vector<char> bytes(reinterpret_cast<const char*>(flat.data()),
+                                reinterpret_cast<const char*>(flat.data() + n));
+        bytes = runner.whole_from_tensor_parts(p, bytes, sizeof(float));
+        std::copy_n(bytes.data(), bytes.size(), reinterpret_cast<char*>(flat.data()));
+      }
+    } else {
+      part_to_host(part, 0, part.numel(), flat.data() + p.shard_begin);
+      comm.all_gather(flat.data(), flat.size());
+    }
     if (!lead) return Tensor();
     Tensor t = host_for_moments->empty(p.spec.shape, part.dtype());
     part_from_host(t, 0, n, flat.data());
@@ -468,8 +503,9 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
         if (it == from.end() || p.shard_end == p.shard_begin) return;
         const Tensor& whole = it->second;
         MT_CHECK(whole.dtype() == mine.dtype(), "restored " + p.name + " in another dtype");
-        mine.backend()->copy_from_host(mine, static_cast<const char*>(whole.data()) +
-                                                 p.shard_begin * dtype_size(whole.dtype()));
+        const std::vector<char> bytes =
+            runner.local_part(p, whole.data(), dtype_size(whole.dtype()));
+        mine.backend()->copy_from_host(mine, bytes.data());
       };
       cut(full.params, p.value);
       cut(full.opt_m, opt.m[i]);
@@ -516,7 +552,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   // Reads a full state into `state` through `read`; sharded, into full-size host moments first,
   // of which this rank keeps its parts.
   auto read_state = [&](const std::function<void(TrainState&)>& read) {
-    if (fsdp) {
+    if (parts) {
       TrainState full = whole_state(/*moments=*/true);
       read(full);
       keep_parts(full);
@@ -572,7 +608,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     first_step = state.step + 1;
     resumed_from = "full state from " + cfg.get_string("load_full_state_path");
   } else if (!cfg.get_string("load_parameters_path").empty()) {
-    if (fsdp) {
+    if (parts) {
       TrainState full = whole_state(/*moments=*/false);
       load_parameters(cfg.get_string("load_parameters_path"), full.params);
       keep_parts(full);
@@ -608,7 +644,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     // save (the snapshot copies them; they are freed when it returns).
     TrainState with_moments;
     if (opt.sharded()) full_moments(with_moments, /*keep=*/lead, /*gather=*/true);
-    if (fsdp) {  // every tensor gathered whole, parameter by parameter
+    if (parts) {  // every tensor gathered whole, parameter by parameter
       size_t i = 0;
       for (auto& p : runner.params()) {
         with_moments.params[p.name] = whole_on_host(p.value, i);
@@ -622,8 +658,8 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     state.data_state = data->state();
     state.config_yaml = cfg.to_yaml(true);
     const TrainState* saved = &state;
-    if (opt.sharded() || fsdp) {
-      if (!fsdp) with_moments.params = state.params;
+    if (opt.sharded() || parts) {
+      if (!parts) with_moments.params = state.params;
       with_moments.step = state.step;
       with_moments.data_state = state.data_state;
       with_moments.rng_state = state.rng_state;
@@ -693,10 +729,21 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     std::printf("mt run: metrics -> %s\n", (run_dir / "metrics.jsonl").string().c_str());
     if (tb) std::printf("mt run: tensorboard -> %s\n", tb->path().parent_path().c_str());
     if (!resumed_from.empty()) std::printf("mt run: %s\n", resumed_from.c_str());
+    if (tp > 1) {
+      int64_t split = 0, whole = 0;
+      for (auto& p : runner.params())
+        (p.tensor_dim >= 0 ? split : whole) += shape_numel(p.spec.shape);
+      shard_note = fmt::format(
+          "; tensor parallelism over {} ranks per batch (logical_axis_rules): {} parameters "
+          "divided among them, {} whole on each{}",
+          tp, human_count(static_cast<double>(split)), human_count(static_cast<double>(whole)),
+          shard_note);
+    }
     if (ranks > 1)
-      std::printf("mt run: %s over %d ranks (communicator %s): global batch %ld sequences%s\n",
-                  fsdp ? "FSDP" : "data parallelism", ranks, comm.name().c_str(),
-                  static_cast<long>(batch * accum * ranks), shard_note.c_str());
+      std::printf("mt run: %s over %d rank%s (communicator %s): global batch %ld sequences%s\n",
+                  fsdp ? "FSDP" : "data parallelism", static_cast<int>(mesh.batch_ranks()),
+                  mesh.batch_ranks() == 1 ? "" : "s", comm.name().c_str(),
+                  static_cast<long>(batch * accum * mesh.batch_ranks()), shard_note.c_str());
     std::fflush(stdout);
   }
 
@@ -715,8 +762,8 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
       total += lv * static_cast<double>(db.valid_targets);
       count += static_cast<double>(db.valid_targets);
     }
-    double tc[2] = {total, count};  // every rank's share of the eval set
-    comm.all_reduce_sum(tc, 2);
+    double tc[2] = {total, count};  // every data rank's share of the eval set
+    dp.all_reduce_sum(tc, 2);
     return tc[1] > 0 ? tc[0] / tc[1] : -1;
   };
 
@@ -749,7 +796,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
       data_wait += seconds_since(tw);
       micro.push_back(runner.upload(hb));
     }
-    StepGradients sg = forward_backward(runner, micro, z_loss, &comm, &opt);
+    StepGradients sg = forward_backward(runner, micro, z_loss, &dp, &opt);
     const double loss = sg.loss, grad_norm = sg.grad_norm;
     const std::map<std::string, double>& aux = sg.aux;
     if (!std::isfinite(loss) || !std::isfinite(grad_norm)) {
@@ -767,7 +814,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     adam.step = step;
     adam.grad_scale = clip > 0 && grad_norm > clip ? static_cast<float>(clip / grad_norm) : 1.f;
     const double comm_s =
-        sg.communication_s + apply_update(runner, opt, adam, weight_decay, sg.layer_stats, &comm);
+        sg.communication_s + apply_update(runner, opt, adam, weight_decay, sg.layer_stats, &dp);
     double ckpt_s = 0;
     if (checkpointing && (step % ckpt_period == 0 || step == steps)) {
       save(step);
@@ -776,7 +823,8 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     be.synchronize();
     const double step_s = seconds_since(t0);
     // Every rank's tokens; TFLOP/s and MFU per device (each rank drives one).
-    const double tokens = static_cast<double>(batch * seq * accum * ranks);
+    // (Tensor ranks share their group's tokens.)
+    const double tokens = static_cast<double>(batch * seq * accum * mesh.batch_ranks());
     const double tps = tokens / step_s;
     const double tflops = tps * flops_per_token / ranks / 1e12;
     const double mfu = tps * flops_per_token / (ranks * peak);

@@ -358,6 +358,41 @@ TEST(MemoryPlan, FsdpIsPlannedPerRank) {
   EXPECT_TRUE(offered) << format_plan(dp, config_for("llama2-7b", {"ici_data_parallelism=8"}));
 }
 
+// Tensor parallelism over 8 ranks: each holds 1/8 of the split weights (llama2-7b's
+// attention and MLP matrices) and the whole embedding and head, with their gradients and
+// moments; the collectives are the blocks' sums, 4 a layer (2 forward, 2 backward) of a
+// [B, T, d] f32 activation, each moving 2 x 7/8 of it through a rank's link. Heads the axis does
+// not divide are refused.
+TEST(MemoryPlan, TensorParallelismIsPlannedPerRank) {
+  const DeviceProfile h100 = *named_device("h100-80gb", false);
+  const Plan whole =
+      make_plan(config_for("llama2-7b", {}), test::plugins(), h100, PlanFor::train, false);
+  const Config cfg =
+      config_for("llama2-7b", {"ici_data_parallelism=1", "ici_tensor_parallelism=8"});
+  const Plan tp = make_plan(cfg, test::plugins(), h100, PlanFor::train, false);
+  ASSERT_TRUE(whole.train && tp.train);
+  // embedding and lm_head: 2 x 32000 x 4096 whole; the rest (6.48B) in eighths.
+  const double top = 2.0 * 32000 * 4096, rest = static_cast<double>(whole.counts.total) - top;
+  EXPECT_NEAR(static_cast<double>(tp.train->weights), 4 * (top + rest / 8),
+              0.1 * 4 * (top + rest / 8));
+  EXPECT_NEAR(static_cast<double>(tp.train->optimizer), 8 * (top + rest / 8),
+              0.1 * 8 * (top + rest / 8));
+  EXPECT_LT(tp.train->activations, whole.train->activations);
+  ASSERT_TRUE(tp.collectives);
+  const CollectivePlan& c = *tp.collectives;
+  EXPECT_EQ(c.tensor, 8);
+  EXPECT_EQ(c.tensor_sums, 32 * 4);
+  EXPECT_EQ(c.tensor_sum_bytes, static_cast<size_t>(4 * 512 * 4096 * 4));
+  EXPECT_DOUBLE_EQ(c.tensor_bytes, 2.0 * 7 / 8 * 128 * static_cast<double>(c.tensor_sum_bytes));
+  const std::string text = format_plan(tp, cfg);
+  EXPECT_NE(text.find("tensor parallelism over 8 ranks per batch"), std::string::npos) << text;
+  EXPECT_NE(text.find("this rank's part (tensor parallelism over 8)"), std::string::npos) << text;
+  EXPECT_THROW(
+      make_plan(config_for("llama-test", {"ici_data_parallelism=1", "ici_tensor_parallelism=4"}),
+                test::plugins(), h100, PlanFor::train, false),
+      UsageError);
+}
+
 // shard_optimizer_over_data: each of N data-parallel ranks holds 1/N of the moments (within the
 // allocator's size classes: llama2-7b's are large, so 1%), the plan says so, and a run over 8
 // ranks that does not fit is told to shard first (it costs no traffic and changes no loss).

@@ -59,15 +59,23 @@ class MpiCommunicator final : public mt::Communicator {
     }
     // Errors come back as codes, which check() turns into mt::Error with MPI's sentence.
     MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
-    MPI_Comm_size(MPI_COMM_WORLD, &size_);
-    if (const char* r = std::getenv("MT_MPI_ROUND_ELEMENTS"); r && *r)
-      round_override_ = static_cast<size_t>(std::max(0LL, std::atoll(r)));
+    attach(MPI_COMM_WORLD);
   }
+  // A group of the world's ranks (split); the world's communicator outlives it.
+  explicit MpiCommunicator(MPI_Comm group) : split_(true) { attach(group); }
   ~MpiCommunicator() override {
     // Not while an exception unwinds: MPI_Finalize waits for the other ranks, which may be
     // blocked in a collective this rank will never join (the caller aborts the job instead).
-    if (owns_ && std::uncaught_exceptions() == 0) MPI_Finalize();
+    if (std::uncaught_exceptions() != 0) return;
+    if (split_) MPI_Comm_free(&comm_);
+    if (owns_) MPI_Finalize();
+  }
+
+  std::unique_ptr<mt::Communicator> split(int color, int key) override {
+    MPI_Comm group = MPI_COMM_NULL;
+    check(MPI_Comm_split(comm_, color, key, &group), "MPI_Comm_split");
+    MPI_Comm_set_errhandler(group, MPI_ERRORS_RETURN);
+    return std::make_unique<MpiCommunicator>(group);
   }
 
   std::string name() const override { return "mpi"; }
@@ -102,7 +110,7 @@ class MpiCommunicator final : public mt::Communicator {
         rdispls[r] = static_cast<int>(r * mine);
       }
       check(MPI_Alltoallv(direct ? data : send.data(), counts.data(), displs.data(), MPI_FLOAT,
-                          got.data(), rcounts.data(), rdispls.data(), MPI_FLOAT, MPI_COMM_WORLD),
+                          got.data(), rcounts.data(), rdispls.data(), MPI_FLOAT, comm_),
             "MPI_Alltoallv");
       add_in_rank_order(got.data(), mine, data + lo);
     }
@@ -115,7 +123,7 @@ class MpiCommunicator final : public mt::Communicator {
     if (rounds(n) == 1 && n <= kIntMax) {  // in place, no packing
       layout(n, 0, true, counts, displs);
       check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, data, counts.data(), displs.data(),
-                           MPI_FLOAT, MPI_COMM_WORLD),
+                           MPI_FLOAT, comm_),
             "MPI_Allgatherv");
       return;
     }
@@ -124,7 +132,7 @@ class MpiCommunicator final : public mt::Communicator {
       got.resize(layout(n, k, false, counts, displs));
       const auto [lo, hi] = round_of(n, static_cast<size_t>(rank_), k);
       check(MPI_Allgatherv(data + lo, static_cast<int>(hi - lo), MPI_FLOAT, got.data(),
-                           counts.data(), displs.data(), MPI_FLOAT, MPI_COMM_WORLD),
+                           counts.data(), displs.data(), MPI_FLOAT, comm_),
             "MPI_Allgatherv");
       for (size_t r = 0; r < N; ++r)
         std::copy_n(got.data() + displs[r], counts[r], data + round_of(n, r, k).first);
@@ -135,13 +143,13 @@ class MpiCommunicator final : public mt::Communicator {
     auto* p = static_cast<char*>(data);
     while (bytes > 0) {  // MPI counts are int
       const size_t part = std::min<size_t>(bytes, 1u << 30);
-      check(MPI_Bcast(p, static_cast<int>(part), MPI_BYTE, root, MPI_COMM_WORLD), "MPI_Bcast");
+      check(MPI_Bcast(p, static_cast<int>(part), MPI_BYTE, root, comm_), "MPI_Bcast");
       p += part;
       bytes -= part;
     }
   }
 
-  void barrier() override { check(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier"); }
+  void barrier() override { check(MPI_Barrier(comm_), "MPI_Barrier"); }
 
   [[noreturn]] void abort(int code) override {
     std::fflush(stdout);
@@ -174,11 +182,11 @@ class MpiCommunicator final : public mt::Communicator {
       std::vector<int> rcounts(N, counts[me]), rdispls(N);
       for (size_t r = 0; r < N; ++r) rdispls[r] = static_cast<int>(r * mine);
       check(MPI_Alltoallv(buf, counts.data(), displs.data(), mpi_type<T>(), got, rcounts.data(),
-                          rdispls.data(), mpi_type<T>(), MPI_COMM_WORLD),
+                          rdispls.data(), mpi_type<T>(), comm_),
             "MPI_Alltoallv");
       add_in_rank_order(got, mine, buf + displs[me]);
       check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, counts.data(), displs.data(),
-                           mpi_type<T>(), MPI_COMM_WORLD),
+                           mpi_type<T>(), comm_),
             "MPI_Allgatherv");
     }
   }
@@ -232,9 +240,18 @@ class MpiCommunicator final : public mt::Communicator {
     return {a, b};
   }
 
+  void attach(MPI_Comm c) {
+    comm_ = c;
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+    if (const char* r = std::getenv("MT_MPI_ROUND_ELEMENTS"); r && *r)
+      round_override_ = static_cast<size_t>(std::max(0LL, std::atoll(r)));
+  }
+
+  MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
   size_t round_override_ = 0;
-  bool owns_ = false;
+  bool owns_ = false, split_ = false;
   std::vector<char> recv_;
 };
 

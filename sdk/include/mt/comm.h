@@ -52,6 +52,12 @@ class MT_API Communicator {
   virtual void reduce_scatter_sum(float* data, size_t n);
   virtual void all_gather(float* data, size_t n);
 
+  // The ranks that pass the same `color`, as a communicator of their own, ranked by `key`
+  // (then by this rank): the groups of a mesh axis (tensor parallelism's ranks, data
+  // parallelism's across them). Every rank calls it. The default serves one rank and throws
+  // mt::Error for more.
+  virtual std::unique_ptr<Communicator> split(int color, int key);
+
   // Ends the whole job with `code` from this rank (a rank that failed calls it, so no other
   // rank waits forever in a collective). Never returns.
   [[noreturn]] virtual void abort(int code) = 0;

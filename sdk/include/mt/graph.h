@@ -45,6 +45,8 @@ struct GradNode {
 enum class RematPolicy : uint8_t { none, minimal, full };
 bool parse_remat_policy(const std::string& s, RematPolicy& out);
 
+class Communicator;
+
 class MT_API Graph {
  public:
   explicit Graph(Backend& backend, bool record = true);
@@ -54,6 +56,18 @@ class MT_API Graph {
 
   Backend& backend() const { return *backend_; }
   bool recording() const { return record_; }
+
+  // ---- tensor parallelism (Megatron) ----------------------------------------------------------
+  // The ranks a layer's split weights are divided among (set by the core; remat's graphs inherit
+  // it); null or one rank: both ops below are the identity and cost nothing.
+  void set_tensor_group(Communicator* group) { tensor_group_ = group; }
+  Communicator* tensor_group() const { return tensor_group_; }
+  // Before a column-parallel projection (wq, w_gate, ...): x itself; the backward sums x's
+  // gradient over the group (each rank's part of the projection contributes its share).
+  Tensor tensor_parallel_input(const Tensor& x);
+  // After a row-parallel projection (wo, w_down, ...): the sum of every rank's x, in rank order
+  // (the same bits on each); the backward passes the gradient through.
+  Tensor tensor_parallel_sum(const Tensor& x);
 
   // Marks `param` as a leaf whose gradient accumulates (+=) into `grad` (same shape).
   static void track(Tensor& param, Tensor grad);
@@ -170,6 +184,7 @@ class MT_API Graph {
   Backend* backend_;
   bool record_;
   std::unique_ptr<Impl> impl_;
+  Communicator* tensor_group_ = nullptr;
 };
 
 }  // namespace mt

@@ -36,6 +36,11 @@ struct ParamSpec {
   // The share of this parameter one token uses: 1, or k / E for the stacked weights of E
   // experts of which each token is routed to k. Model FLOPs and MFU count active parameters.
   float active = 1.f;
+  // Logical axis of each dimension (MaxText's names: "embed", "heads", "kv_heads", "mlp",
+  // "vocab", ...), or empty. The config's logical_axis_rules map them onto mesh axes: a
+  // dimension on the tensor axis is split among the tensor-parallel ranks (Megatron), and the
+  // layer's forward must then work on its part (blocks::attention and blocks::mlp do).
+  std::vector<std::string> axes = {};
 };
 
 // A layer's parameters (or the model's top parameters) by name, in the compute dtype: what

@@ -24,4 +24,4 @@
 // KVCache::derived (tensors a layer derives from its weights once per decoder) and
 // blocks::MlaSpec::naive_cache; 10: Communicator::reduce_scatter_sum and all_gather in place
 // over shard_range's parts (sharded optimizer state).
-#define MT_ABI_VERSION 10u
+#define MT_ABI_VERSION 11u
