@@ -7,8 +7,12 @@
 # 1.0 when the ranks add nothing but their gradient all-reduce to a step, and the median share
 # of an N-rank step spent in collectives (exposed: mt does not overlap them). Also runs 1 rank
 # with N x THREADS_PER_RANK threads (the same cores as the N ranks, used by one process) for
-# comparison, and the N ranks again with shard_optimizer_over_data=true (ZeRO-1: the same
-# traffic, 1/N of the moments per rank) to show what sharding costs.
+# comparison, the N ranks again with shard_optimizer_over_data=true (ZeRO-1: the same
+# traffic, 1/N of the moments per rank) and with ici_fsdp_parallelism=N (FSDP: 1/N of the
+# weights, gradients and moments, each layer's weights gathered and its gradients
+# reduce-scattered inside the step) to show what sharding costs, and N tensor-parallel ranks
+# (ici_tensor_parallelism=N: one batch split by heads and MLP columns, so its tokens/s is
+# compared with one rank's).
 #   bench/dp_scaling.sh [model] [ranks] [reps]     (default llama-small, 2, 3)
 # Environment:
 #   MT_BUILD           mt's build directory (default build)
@@ -35,7 +39,7 @@ run() {  # label ranks threads [more words]
   local line
   # shellcheck disable=SC2086
   line=$(mpirun --oversubscribe --allow-run-as-root -np "$2" "$mt" bench train --model="$model" \
-    num_threads="$3" steps="$steps" ici_data_parallelism="$2" \
+    num_threads="$3" steps="$steps" ici_data_parallelism="${5:-$2}" \
     base_output_directory="$work/out-$1" ${EXTRA:-} ${4:-} 2>/dev/null | tail -n 1)
   echo "$line"
   echo "$1 $(echo "$line" | grep -o '"tokens_per_sec": [0-9.]*' | sed 's/.*: //') $(echo "$line" | grep -o '"communication_share": [0-9.]*' | sed 's/.*: //')" >> "$work/rows"
@@ -45,6 +49,8 @@ for ((i = 0; i < reps; ++i)); do
   run many "$ranks" "$tpr"
   run wide 1 $((ranks * tpr))
   run sharded "$ranks" "$tpr" shard_optimizer_over_data=true
+  run fsdp "$ranks" "$tpr" ici_fsdp_parallelism="$ranks" 1
+  run tensor "$ranks" "$tpr" ici_tensor_parallelism="$ranks" 1
 done
 
 median() { sort -g | awk '{v[NR] = $1} END {print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
@@ -54,11 +60,16 @@ wide=$(awk '$1 == "wide" {print $2}' "$work/rows" | median)
 sharded=$(awk '$1 == "sharded" {print $2}' "$work/rows" | median)
 many_comm=$(awk '$1 == "many" {print $3}' "$work/rows" | median)
 sharded_comm=$(awk '$1 == "sharded" {print $3}' "$work/rows" | median)
-awk -v m="$model" -v n="$ranks" -v t="$tpr" -v r="$reps" -v one="$one" -v many="$many" -v wide="$wide" -v sh="$sharded" -v mc="$many_comm" -v sc="$sharded_comm" 'BEGIN {
+fsdp=$(awk '$1 == "fsdp" {print $2}' "$work/rows" | median)
+fsdp_comm=$(awk '$1 == "fsdp" {print $3}' "$work/rows" | median)
+tensor=$(awk '$1 == "tensor" {print $2}' "$work/rows" | median)
+awk -v m="$model" -v n="$ranks" -v t="$tpr" -v r="$reps" -v one="$one" -v many="$many" -v wide="$wide" -v sh="$sharded" -v mc="$many_comm" -v sc="$sharded_comm" -v fs="$fsdp" -v fc="$fsdp_comm" -v tp="$tensor" 'BEGIN {
   printf "{\"summary\": \"%s data parallelism, medians of %d\", \"threads_per_rank\": %d, ", m, r, t
   printf "\"one_rank_tokens_per_sec\": %s, \"ranks\": %d, \"ranks_tokens_per_sec\": %s, ", one, n, many
   printf "\"efficiency\": %.3f, \"one_rank_with_all_threads_tokens_per_sec\": %s, ", (one > 0) ? many / (n * one) : 0, wide
   printf "\"ranks_over_one_rank_with_all_threads\": %.3f, ", (wide > 0) ? many / wide : 0
   printf "\"ranks_communication_share\": %s, \"sharded_communication_share\": %s, ", mc, sc
-  printf "\"sharded_optimizer_tokens_per_sec\": %s, \"sharded_over_plain\": %.3f}\n", sh, (many > 0) ? sh / many : 0
+  printf "\"sharded_optimizer_tokens_per_sec\": %s, \"sharded_over_plain\": %.3f, ", sh, (many > 0) ? sh / many : 0
+  printf "\"fsdp_tokens_per_sec\": %s, \"fsdp_over_plain\": %.3f, \"fsdp_communication_share\": %s, ", fs, (many > 0) ? fs / many : 0, fc
+  printf "\"tensor_parallel_tokens_per_sec\": %s, \"tensor_parallel_over_one_rank\": %.3f}\n", tp, (one > 0) ? tp / one : 0
 }'
