@@ -1,6 +1,7 @@
 #include "mt/graph.h"
 
 #include <algorithm>
+#include <chrono>
 #include <string>
 #include <utility>
 
@@ -399,13 +400,18 @@ Tensor Graph::cross_entropy(const Tensor& logits, const Tensor& targets, float z
 namespace {
 
 // x summed over the group's ranks in rank order, through an f32 host buffer (a bf16 x is
-// rounded once, after the sum).
-Tensor sum_over(Backend& be, Communicator& group, const Tensor& x) {
+// rounded once, after the sum); the seconds it took (after a synchronize: no compute) are
+// added to *seconds when given.
+Tensor sum_over(Backend& be, Communicator& group, const Tensor& x, double* seconds) {
+  be.synchronize();
+  const auto t0 = std::chrono::steady_clock::now();
   std::vector<float> host(static_cast<size_t>(x.numel()));
   part_to_host(x, 0, x.numel(), host.data());
   group.all_reduce_sum(host.data(), host.size());
   Tensor out = be.empty(x.shape(), x.dtype());
   part_from_host(out, 0, out.numel(), host.data());
+  if (seconds)
+    *seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return out;
 }
 
@@ -416,8 +422,9 @@ Tensor Graph::tensor_parallel_input(const Tensor& x) {
   Tensor out = x.view(x.shape());  // the same values, a node of its own
   Backend* be = backend_;
   Communicator* group = tensor_group_;
-  record(record_, impl_->tape, out, {&x}, [be, group](const Tensor& dout, const Grads& d) {
-    const Tensor sum = sum_over(*be, *group, dout);
+  double* seconds = tensor_seconds_;
+  record(record_, impl_->tape, out, {&x}, [be, group, seconds](const Tensor& dout, const Grads& d) {
+    const Tensor sum = sum_over(*be, *group, dout, seconds);
     if (d.overwrite(0))
       be->cast(sum, *d.raw(0));
     else
@@ -428,7 +435,7 @@ Tensor Graph::tensor_parallel_input(const Tensor& x) {
 
 Tensor Graph::tensor_parallel_sum(const Tensor& x) {
   if (!tensor_group_ || tensor_group_->size() == 1) return x;
-  Tensor out = sum_over(*backend_, *tensor_group_, x);
+  Tensor out = sum_over(*backend_, *tensor_group_, x, tensor_seconds_);
   Backend* be = backend_;
   record(record_, impl_->tape, out, {&x}, [be](const Tensor& dout, const Grads& d) {
     if (d.adopt(0, dout)) return;
@@ -456,6 +463,7 @@ LayerOutput Graph::remat_layer(RematPolicy policy,
   {
     Graph fwd(*backend_, /*record=*/false);
     fwd.tensor_group_ = tensor_group_;
+    fwd.tensor_seconds_ = tensor_seconds_;
     if (policy == RematPolicy::minimal) fwd.impl_->matmul_save = saved.get();
     out = f(fwd, x);
   }
@@ -464,6 +472,7 @@ LayerOutput Graph::remat_layer(RematPolicy policy,
   // straight into their gradient buffers.
   Backend* be = backend_;
   Communicator* group = tensor_group_;
+  double* group_seconds = tensor_seconds_;
   const Tensor xs = x;
   auto fn = f;
   const bool minimal = policy == RematPolicy::minimal;
@@ -479,9 +488,11 @@ LayerOutput Graph::remat_layer(RematPolicy policy,
   e.output = node(out.x);
   for (auto& a : out.aux) e.more_outputs.push_back(node(a.value));
   std::vector<std::shared_ptr<GradNode>> aux_nodes = e.more_outputs;
-  e.backward = [be, group, xs, fn, saved, minimal, aux_nodes](const Tensor& dy, const Grads& d) {
+  e.backward = [be, group, group_seconds, xs, fn, saved, minimal, aux_nodes](const Tensor& dy,
+                                                                             const Grads& d) {
     Graph re(*be, /*record=*/true);
     re.tensor_group_ = group;
+    re.tensor_seconds_ = group_seconds;
     if (minimal) re.impl_->matmul_replay = saved.get();
     Tensor xr = detach(xs);
     const bool fresh = d.overwrite(0);

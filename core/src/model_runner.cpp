@@ -511,7 +511,7 @@ Tensor ModelRunner::run_layers(Graph& g, const std::vector<Tensor>& ps, const Te
   if (stats) stats->resize(layer_begin_.size());
   in.attention = &attention();
   // Tensor parallelism: the blocks sum their row-parallel projections over the group.
-  if (tensor_.on()) g.set_tensor_group(tensor_.group);
+  if (tensor_.on()) g.set_tensor_group(tensor_.group, &comm_seconds_);
   Tensor x = model_->embed_at(g, top_params(ps), tokens, in.positions);
   for (int i = 0; i < model_->num_layers(); ++i) {
     const auto ui = static_cast<size_t>(i);

@@ -112,8 +112,9 @@ class ModelRunner {
   // parts of p one after another in rank order.
   std::vector<char> whole_from_tensor_parts(const Param& p, const std::vector<char>& parts,
                                             size_t elem) const;
-  // FSDP: the seconds spent in the gathers and reduce-scatters since the last call (with the
-  // host copies around them, after a synchronize so no compute is counted), then reset.
+  // FSDP's gathers and reduce-scatters and tensor parallelism's sums: the seconds spent in them
+  // since the last call (with the host copies around them, after a synchronize so no compute
+  // is counted), then reset.
   double take_communication_seconds() {
     const double s = comm_seconds_;
     comm_seconds_ = 0;

@@ -59,8 +59,12 @@ class MT_API Graph {
 
   // ---- tensor parallelism (Megatron) ----------------------------------------------------------
   // The ranks a layer's split weights are divided among (set by the core; remat's graphs inherit
-  // it); null or one rank: both ops below are the identity and cost nothing.
-  void set_tensor_group(Communicator* group) { tensor_group_ = group; }
+  // it); null or one rank: both ops below are the identity and cost nothing. `seconds`, when
+  // given, accumulates the time the sums take (with their host copies).
+  void set_tensor_group(Communicator* group, double* seconds = nullptr) {
+    tensor_group_ = group;
+    tensor_seconds_ = seconds;
+  }
   Communicator* tensor_group() const { return tensor_group_; }
   // Before a column-parallel projection (wq, w_gate, ...): x itself; the backward sums x's
   // gradient over the group (each rank's part of the projection contributes its share).
@@ -185,6 +189,7 @@ class MT_API Graph {
   bool record_;
   std::unique_ptr<Impl> impl_;
   Communicator* tensor_group_ = nullptr;
+  double* tensor_seconds_ = nullptr;
 };
 
 }  // namespace mt
