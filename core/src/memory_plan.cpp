@@ -64,10 +64,10 @@ int64_t data_ranks(const Config& cfg) {
   return resolve_mesh(cfg, static_cast<int>(mesh_devices_set(cfg))).batch_ranks();
 }
 
-// The ranks FSDP divides the parameters among (all of them, as the trainer does), or 1.
+// The ranks FSDP divides the parameters among (the fsdp axis; with a data axis too, each
+// group of them holds a copy: HSDP).
 int64_t fsdp_ranks(const Config& cfg) {
-  const Mesh mesh = resolve_mesh(cfg, static_cast<int>(mesh_devices_set(cfg)));
-  return mesh.fsdp > 1 ? mesh.batch_ranks() : 1;
+  return resolve_mesh(cfg, static_cast<int>(mesh_devices_set(cfg))).fsdp;
 }
 
 // One training step exactly as train() runs it (trainer.h's pieces), on a MetaBackend.
@@ -423,6 +423,8 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
       c.gradient_bytes =
           mesh.tensor > 1 ? plan.train->gradients : static_cast<size_t>(plan.counts.total) * 4;
       c.fsdp = mesh.fsdp > 1;
+      c.fsdp_ranks = mesh.fsdp;
+      c.copies = c.fsdp ? mesh.data : 1;
       c.sharded_optimizer = !c.fsdp && cfg.get_bool("shard_optimizer_over_data");
       c.gathers = cfg.get_string("remat_policy") == "none" ? 1 : 2;
       c.micro_batches = cfg.get_int("gradient_accumulation_steps");
@@ -430,11 +432,23 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
       // direction; an all-gather or a reduce-scatter half of that.
       const double rounds = c.fsdp ? static_cast<double>(c.micro_batches * (c.gathers + 1)) : 2.0;
       const auto g = static_cast<double>(c.gradient_bytes);
-      auto ring = [rounds](int64_t n) {
-        return rounds * static_cast<double>(n - 1) / static_cast<double>(n);
+      auto ring = [](double r, int64_t n) {
+        return r * static_cast<double>(n - 1) / static_cast<double>(n);
       };
-      c.ici_bytes = ring(c.ici) * g;
-      c.dcn_bytes = ring(c.dcn) * g / static_cast<double>(c.ici);
+      if (c.fsdp && mesh.data > 1) {
+        // HSDP: the gathers and reduce-scatters among the fsdp ranks (within the node when
+        // ici_fsdp_parallelism holds them all), then each part's gradient all-reduced over the
+        // data axis's copies.
+        const bool fsdp_in_node = cfg.get_int("dcn_fsdp_parallelism") == 1;
+        const double fsdp_bytes = ring(rounds, mesh.fsdp) * g;
+        const double copies = ring(2.0, mesh.data) * g / static_cast<double>(mesh.fsdp);
+        const bool data_in_node = cfg.get_int("dcn_data_parallelism") == 1;
+        c.ici_bytes = (fsdp_in_node ? fsdp_bytes : 0) + (data_in_node ? copies : 0);
+        c.dcn_bytes = (fsdp_in_node ? 0 : fsdp_bytes) + (data_in_node ? 0 : copies);
+      } else {
+        c.ici_bytes = ring(rounds, c.ici) * g;
+        c.dcn_bytes = ring(rounds, c.dcn) * g / static_cast<double>(c.ici);
+      }
       // Tensor parallelism: per layer and micro-batch, the attention and MLP outputs summed
       // over the group in the forward and their inputs' gradients in the backward (and the
       // forward's two again when remat re-runs the layer), [B, T, d] in f32 each.
@@ -500,7 +514,7 @@ std::string format_plan(const Plan& p, const Config& cfg) {
     const bool fsdp = p.collectives && p.collectives->fsdp;
     const bool tensor = p.collectives && p.collectives->tensor > 1;
     const std::string part =
-        fsdp ? fmt::format(", this rank's 1/{} (FSDP)", p.collectives->ici * p.collectives->dcn)
+        fsdp ? fmt::format(", this rank's 1/{} (FSDP)", p.collectives->fsdp_ranks)
         : tensor
             ? fmt::format(", this rank's part (tensor parallelism over {})", p.collectives->tensor)
             : std::string();
@@ -572,9 +586,11 @@ std::string format_plan(const Plan& p, const Config& cfg) {
             c.fsdp
                 ? fmt::format(
                       "all-gathers {} of float32 weights {} and reduce-scatters their "
-                      "gradients once per micro-batch ({} of them)",
+                      "gradients once per micro-batch ({} of them){}",
                       human_bytes(static_cast<double>(c.gradient_bytes)),
-                      c.gathers == 1 ? "once" : "twice (remat re-runs the layers)", c.micro_batches)
+                      c.gathers == 1 ? "once" : "twice (remat re-runs the layers)", c.micro_batches,
+                      c.copies > 1 ? ", then all-reduces each rank's part of them over the copies"
+                                   : "")
             : c.sharded_optimizer
                 ? fmt::format(
                       "reduce-scatters {} of float32 gradients and all-gathers the "
@@ -587,7 +603,11 @@ std::string format_plan(const Plan& p, const Config& cfg) {
             "step {}; a ring moves, per rank and direction, {} and {}{}\n",
             c.fsdp ? "FSDP" : "data parallelism", c.ici * c.dcn, c.ici, c.dcn,
             c.dcn == 1 ? "" : "s",
-            c.fsdp                ? "each holding 1/N of the weights, gradients and moments"
+            c.fsdp ? (c.copies > 1 ? fmt::format("each holding 1/{} of the weights, gradients "
+                                                 "and moments, in {} copies (HSDP)",
+                                                 c.fsdp_ranks, c.copies)
+                                   : std::string("each holding 1/N of the weights, gradients "
+                                                 "and moments"))
             : c.sharded_optimizer ? "each holding the whole weights and 1/N of the moments"
                                   : "each holding the whole model",
             what, link(c.ici_bytes, p.device.ici_bytes_per_s, "within the node"),

@@ -54,6 +54,7 @@ struct CollectivePlan {
   // FSDP: per micro-batch, the weights all-gathered `gathers` times (2 when remat re-runs the
   // layers, 1 else) and the gradients reduce-scattered once, as float32.
   bool fsdp = false;
+  int64_t fsdp_ranks = 1, copies = 1;  // FSDP's group, and HSDP's copies of it (the data axis)
   int gathers = 0;
   int64_t micro_batches = 1;
   // Tensor parallelism: `tensor` ranks per batch sum `tensor_sums` activations of

@@ -40,10 +40,13 @@ struct Param {
 // just before it runs (inside the remat block, so remat_policy=full frees them after the layer
 // and gathers them again for its backward), and the backward reduce-scatters each whole
 // gradient into the ranks' parts. `comm` null with ranks > 1: the memory plan's trace, which
-// allocates as a rank does and communicates nothing.
+// allocates as a rank does and communicates nothing. `replicas` (HSDP: FSDP within each group
+// of `comm`'s ranks, data parallelism across the groups): the ranks holding the same part in
+// the other groups, over which the trainer sums the parts' gradients; null when one group.
 struct ParamSharding {
   Communicator* comm = nullptr;
   int rank = 0, ranks = 1;
+  Communicator* replicas = nullptr;
   bool on() const { return ranks > 1; }
 };
 

@@ -165,7 +165,13 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
     // loss, the auxiliary losses and the layers' statistics (DeepSeek-V3's expert loads),
     // flattened in the same order on every rank.
     if (runner.sharding().on()) {
-      // FSDP: the backward reduce-scattered every gradient into this rank's part already.
+      // FSDP: the backward reduce-scattered every gradient into this rank's part already; HSDP
+      // adds the parts of the other groups' ranks holding the same part.
+      if (Communicator* replicas = runner.sharding().replicas) {
+        std::vector<Tensor*> grads;
+        for (auto& p : runner.params()) grads.push_back(&p.grad);
+        replicas->all_reduce_sum(be, grads);
+      }
     } else if (opt && opt->sharded()) {
       // Every gradient flattened into one host buffer (one collective), reduce-scattered, and
       // this rank's part of each gradient copied back.
@@ -228,7 +234,8 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
   for (double x : sq) total += x;
   if (parts || (ranks && fsdp)) {
     const auto t0 = Clock::now();
-    comm->all_reduce_sum(&total, 1);
+    // FSDP: the parts of one group make every gradient once (HSDP's other groups hold copies).
+    (fsdp && runner.sharding().comm ? runner.sharding().comm : comm)->all_reduce_sum(&total, 1);
     r.communication_s += seconds_since(t0);
   }
   if (tensor.on() && tensor.group) {
@@ -362,10 +369,19 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   check_fits(cfg, plugins, *device, PlanFor::train, "run", ranks);
   std::optional<RunLock> lock;
   if (lead) lock.emplace(run_dir);
-  // FSDP: the parameters divided among every rank of the job (the data axis too, so a mesh of
-  // data x fsdp ranks shards over all of them; the batch is split over both axes).
+  // FSDP: the parameters divided among the mesh.fsdp ranks of each group (the innermost), and
+  // with data parallelism too (HSDP) each part's gradient summed over the groups; the batch is
+  // split over both axes.
   ParamSharding sharding;
-  if (mesh.fsdp > 1) sharding = {&comm, comm.rank(), ranks};
+  std::unique_ptr<Communicator> fsdp_group, replica_group;
+  if (mesh.fsdp > 1) {
+    const int f = static_cast<int>(mesh.fsdp);
+    if (mesh.data > 1) {
+      fsdp_group = comm.split(comm.rank() / f, comm.rank() % f);
+      replica_group = comm.split(comm.rank() % f, comm.rank() / f);
+    }
+    sharding = {fsdp_group ? fsdp_group.get() : &comm, comm.rank() % f, f, replica_group.get()};
+  }
   ModelRunner runner(cfg, plugins, std::move(device), nullptr, sharding,
                      TensorSharding{tensor_group.get(), tp_rank, tp});
   Backend& be = runner.backend();
@@ -472,7 +488,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
       }
     } else {
       part_to_host(part, 0, part.numel(), flat.data() + p.shard_begin);
-      comm.all_gather(flat.data(), flat.size());
+      runner.sharding().comm->all_gather(flat.data(), flat.size());
     }
     if (!lead) return Tensor();
     Tensor t = host_for_moments->empty(p.spec.shape, part.dtype());
@@ -707,9 +723,13 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
       ++i;
     }
     shard_note = fmt::format(
-        "; parameters divided among all {1} ranks (ici_fsdp_parallelism x dcn_fsdp_parallelism = "
-        "{0}): {2} of weights, gradients and moments on each rank instead of {3}",
-        mesh.fsdp, ranks, human_bytes(mine), human_bytes(whole));
+        "; parameters divided among {1} (ici_fsdp_parallelism x dcn_fsdp_parallelism = "
+        "{0}){2}: {3} of weights, gradients and moments on each rank instead of {4}",
+        mesh.fsdp,
+        mesh.data > 1 ? fmt::format("the {} ranks of each of {} groups", mesh.fsdp, mesh.data)
+                      : fmt::format("all {} ranks", ranks),
+        mesh.data > 1 ? ", each group holding a copy (HSDP)" : "", human_bytes(mine),
+        human_bytes(whole));
   }
   if (!quiet) {
     std::printf("mt run: %s (%s family), %s parameters (%s in matmuls), %s\n",

@@ -118,9 +118,10 @@ double max_loss_err(const fs::path& a_run, const fs::path& b_run) {
 // the N x b run, summing the batch's gradient in parts moves them by the f32 rounding of the sum,
 // which 20 AdamW steps magnify to a few 1e-6 of their scale, as much as one rank's gradient
 // accumulation does (N ranks add the same parts in rank order, which is accumulation's order).
-// `mesh`: the many-rank run's own words (FSDP's axes).
+// `mesh`: the many-rank run's own words (FSDP's axes). `rank_order`: the ranks' gradients are
+// added in rank order (not so under HSDP, which adds within each group, then the groups).
 void compare_runs(const fs::path& root, int ranks, int batch, int accum, const std::string& extra,
-                  const std::string& mesh = "") {
+                  const std::string& mesh = "", bool rank_order = true) {
   const std::string acc = " gradient_accumulation_steps=";
   const test::MtResult whole = test::run_mt(
       train_args(root, "whole", ranks * batch, extra + acc + std::to_string(accum)), 120);
@@ -148,7 +149,7 @@ void compare_runs(const fs::path& root, int ranks, int batch, int accum, const s
   EXPECT_LE(max_loss_err(root / "many", root / "parts"), 1e-6);
   // Same parts in the same order when each rank has one micro-batch; with several, each rank
   // first adds its own (rows r, r + N, ...), another order.
-  if (accum == 1) {
+  if (accum == 1 && rank_order) {
     EXPECT_LE(params_acc, 1e-6);
   }
   EXPECT_LE(params, acc_vs_whole + 1e-6);
@@ -463,8 +464,9 @@ TEST(DataParallel, FsdpTrainsAsPlainDataParallelism) {
   }
 }
 
-// FSDP over 4 ranks with 2 micro-batches each, and a mesh of 2 data x 2 fsdp ranks, train as
-// one rank given the whole global batch (compare_runs' tolerances).
+// FSDP over 4 ranks with 2 micro-batches each, and a mesh of 2 data x 2 fsdp ranks (HSDP: each
+// pair of ranks divides the parameters, the pairs hold copies whose parts' gradients are summed
+// across them), train as one rank given the whole global batch (compare_runs' tolerances).
 TEST(DataParallel, FsdpRanksTrainAsOneRankWithTheGlobalBatch) {
   MT_NEED_MPIRUN();
   Dir d;
@@ -472,7 +474,19 @@ TEST(DataParallel, FsdpRanksTrainAsOneRankWithTheGlobalBatch) {
                "ici_fsdp_parallelism=4 ici_data_parallelism=1");
   for (const char* run : {"whole", "parts", "many"}) fs::remove_all(d.root / run);
   compare_runs(d.root, 4, 1, 1, "dataset_type=synthetic remat_policy=minimal",
-               "ici_fsdp_parallelism=2 ici_data_parallelism=2");
+               "ici_fsdp_parallelism=2 ici_data_parallelism=2", /*rank_order=*/false);
+  const test::MtResult r = mpirun(
+      4,
+      train_args(d.root, "hsdp", 1,
+                 "dataset_type=synthetic steps=2 ici_fsdp_parallelism=2 ici_data_parallelism=2"),
+      60);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("parameters divided among the 2 ranks of each of 2 groups "
+                       "(ici_fsdp_parallelism x dcn_fsdp_parallelism = 2), each group holding a "
+                       "copy (HSDP): 834.5 KiB of weights, gradients and moments on each rank "
+                       "instead of 1.6 MiB"),
+            std::string::npos)
+      << r.out;
 }
 
 // A checkpoint of FSDP ranks holds every tensor whole: saved by 4 FSDP ranks, it resumes under

@@ -348,6 +348,18 @@ TEST(MemoryPlan, FsdpIsPlannedPerRank) {
   const std::string text = format_plan(fsdp, cfg);
   EXPECT_NE(text.find("FSDP over 8 ranks (8 per node x 1 node)"), std::string::npos) << text;
   EXPECT_NE(text.find("this rank's 1/8 (FSDP)"), std::string::npos) << text;
+  // HSDP: 8 fsdp ranks on each of 2 nodes hold 1/8 each, the nodes copies of each other.
+  const Config hsdp_cfg =
+      config_for("llama2-7b", {"remat_policy=full", "ici_data_parallelism=1",
+                               "ici_fsdp_parallelism=8", "dcn_data_parallelism=2"});
+  const Plan hsdp = make_plan(hsdp_cfg, test::plugins(), h100, PlanFor::train, false);
+  ASSERT_TRUE(hsdp.train && hsdp.collectives);
+  EXPECT_EQ(hsdp.train->weights, fsdp.train->weights);
+  EXPECT_EQ(hsdp.collectives->copies, 2);
+  EXPECT_DOUBLE_EQ(hsdp.collectives->ici_bytes, c.ici_bytes);
+  EXPECT_DOUBLE_EQ(hsdp.collectives->dcn_bytes,
+                   2.0 * 1 / 2 * static_cast<double>(c.gradient_bytes) / 8);
+  EXPECT_NE(format_plan(hsdp, hsdp_cfg).find("in 2 copies (HSDP)"), std::string::npos);
   // Eight data-parallel ranks of llama2-7b do not fit an H100 each; FSDP over them does.
   const Plan dp = make_plan(config_for("llama2-7b", {"ici_data_parallelism=8"}), test::plugins(),
                             h100, PlanFor::train, true);
