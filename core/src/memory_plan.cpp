@@ -419,9 +419,9 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
       c.ici = std::max<int64_t>(1, cfg.get_int("ici_data_parallelism")) *
               std::max<int64_t>(1, cfg.get_int("ici_fsdp_parallelism"));
       c.dcn = mesh.batch_ranks() / c.ici;
-      // A tensor rank's gradients are its parts (as allocated).
-      c.gradient_bytes =
-          mesh.tensor > 1 ? plan.train->gradients : static_cast<size_t>(plan.counts.total) * 4;
+      // A tensor rank's gradients are its parts (as allocated; FSDP divides those again).
+      c.gradient_bytes = mesh.tensor > 1 ? plan.train->gradients * static_cast<size_t>(mesh.fsdp)
+                                         : static_cast<size_t>(plan.counts.total) * 4;
       c.fsdp = mesh.fsdp > 1;
       c.fsdp_ranks = mesh.fsdp;
       c.copies = c.fsdp ? mesh.data : 1;
@@ -514,7 +514,10 @@ std::string format_plan(const Plan& p, const Config& cfg) {
     const bool fsdp = p.collectives && p.collectives->fsdp;
     const bool tensor = p.collectives && p.collectives->tensor > 1;
     const std::string part =
-        fsdp ? fmt::format(", this rank's 1/{} (FSDP)", p.collectives->fsdp_ranks)
+        fsdp && tensor
+            ? fmt::format(", this rank's part (tensor parallelism over {}, then 1/{} by FSDP)",
+                          p.collectives->tensor, p.collectives->fsdp_ranks)
+        : fsdp ? fmt::format(", this rank's 1/{} (FSDP)", p.collectives->fsdp_ranks)
         : tensor
             ? fmt::format(", this rank's part (tensor parallelism over {})", p.collectives->tensor)
             : std::string();

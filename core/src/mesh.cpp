@@ -75,13 +75,6 @@ Mesh resolve_mesh(const Config& cfg, int ranks) {
   m.data = axes[0].value * axes[3].value;
   m.fsdp = axes[1].value * axes[4].value;
   m.tensor = axes[2].value * axes[5].value;
-  if (m.tensor > 1 && m.fsdp > 1)
-    throw UsageError("Tensor parallelism (ici_tensor_parallelism x dcn_tensor_parallelism = " +
-                     std::to_string(m.tensor) +
-                     ") together with FSDP (ici_fsdp_parallelism x "
-                     "dcn_fsdp_parallelism = " +
-                     std::to_string(m.fsdp) +
-                     ") is not implemented yet: use one of them with data parallelism.");
   if (m.tensor > 1 && cfg.get_bool("shard_optimizer_over_data"))
     throw UsageError(
         "shard_optimizer_over_data with tensor parallelism is not implemented yet: set it to "

@@ -18,9 +18,9 @@ struct Mesh {
 };
 
 // Throws UsageError (one sentence naming the keys) when the axes do not multiply to `ranks`,
-// more than one axis is -1, or tensor parallelism meets FSDP or shard_optimizer_over_data
-// (not implemented together yet). A pure function of the
-// config and the rank count, so every rank of a job decides the same.
+// more than one axis is -1, or tensor parallelism meets shard_optimizer_over_data (not
+// implemented together yet). A pure function of the config and the rank count, so every rank
+// of a job decides the same.
 Mesh resolve_mesh(const Config& cfg, int ranks);
 
 // The devices the mesh's sizes name (the product of the axes set above 1; -1, the rest of the

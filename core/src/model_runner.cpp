@@ -108,21 +108,20 @@ ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins,
     for (const auto& s : model_->mtp_layer(k).parameters()) declare(s, prefix + s.name, names);
   }
   if (tensor_.on()) split_for_tensor_parallelism(cfg);
+  // Tensor parallelism's part first, then FSDP's part of that.
   for (auto& p : params_) {
-    const int64_t n = shape_numel(p.spec.shape);
-    if (tensor_.on() && p.tensor_dim >= 0) {
-      Shape local = p.spec.shape;
-      local[static_cast<size_t>(p.tensor_dim)] /= tensor_.ranks;
-      p.shard_end = shape_numel(local);
-      p.value = backend().empty(local, weight_dtype_);
-    } else if (sharding_.on()) {
+    p.local_shape = p.spec.shape;
+    if (tensor_.on() && p.tensor_dim >= 0)
+      p.local_shape[static_cast<size_t>(p.tensor_dim)] /= tensor_.ranks;
+    const int64_t n = shape_numel(p.local_shape);
+    if (sharding_.on()) {
       const auto [b, e] = shard_range(static_cast<size_t>(n), sharding_.rank, sharding_.ranks);
       p.shard_begin = static_cast<int64_t>(b);
       p.shard_end = static_cast<int64_t>(e);
       p.value = backend().empty({p.shard_end - p.shard_begin}, weight_dtype_);
     } else {
       p.shard_end = n;
-      p.value = backend().empty(p.spec.shape, weight_dtype_);
+      p.value = backend().empty(p.local_shape, weight_dtype_);
     }
   }
 }
@@ -157,14 +156,11 @@ void ModelRunner::init_parameters(uint64_t seed, Progress* progress) {
                                 ? RandomFill::Distribution::normal
                                 : RandomFill::Distribution::truncated_normal;
         spec.stddev = p.spec.stddev;
-        if (tensor_.on() && p.tensor_dim >= 0) {
+        if (sharding_.on() || (tensor_.on() && p.tensor_dim >= 0)) {
           Tensor whole = backend().empty(p.spec.shape, p.value.dtype());
           backend().fill_random(whole, spec);
-          backend().cast(tensor_part(p, whole), p.value);
-        } else if (sharding_.on()) {
-          Tensor whole = backend().empty(p.spec.shape, p.value.dtype());
-          backend().fill_random(whole, spec);
-          backend().cast(flat_part(whole, p.shard_begin, p.shard_end), p.value);
+          const Tensor local = tensor_part(p, whole);
+          backend().cast(flat_part(local, p.shard_begin, p.shard_end), p.value);
         } else {
           backend().fill_random(p.value, spec);
         }
@@ -363,15 +359,19 @@ Tensor ModelRunner::tensor_part(const Param& p, const Tensor& whole) {
 std::vector<char> ModelRunner::local_part(const Param& p, const void* whole, size_t elem) const {
   const auto* src = static_cast<const char*>(whole);
   const int64_t n = shape_numel(p.spec.shape);
+  std::vector<char> local;  // the tensor-parallel part, when split
   if (tensor_.on() && p.tensor_dim >= 0) {
     const int64_t parts = tensor_.ranks, t = tensor_.rank;
-    if (p.tensor_dim == 0)
-      return std::vector<char>(src + t * (n / parts) * elem, src + (t + 1) * (n / parts) * elem);
-    const int64_t cols = p.spec.shape.back(), width = cols / parts, rows = n / cols;
-    std::vector<char> out(static_cast<size_t>(rows * width) * elem);
-    for (int64_t r = 0; r < rows; ++r)
-      std::copy_n(src + (r * cols + t * width) * elem, width * elem, out.data() + r * width * elem);
-    return out;
+    if (p.tensor_dim == 0) {
+      local.assign(src + t * (n / parts) * elem, src + (t + 1) * (n / parts) * elem);
+    } else {
+      const int64_t cols = p.spec.shape.back(), width = cols / parts, rows = n / cols;
+      local.resize(static_cast<size_t>(rows * width) * elem);
+      for (int64_t r = 0; r < rows; ++r)
+        std::copy_n(src + (r * cols + t * width) * elem, width * elem,
+                    local.data() + r * width * elem);
+    }
+    src = local.data();
   }
   return std::vector<char>(src + p.shard_begin * elem, src + p.shard_end * elem);
 }
@@ -401,7 +401,7 @@ Tensor ModelRunner::whole_value(size_t i) {
 Tensor ModelRunner::gather(Graph& g, size_t i) {
   Param& p = params_[i];
   Backend& be = backend();
-  Tensor whole = be.empty(p.spec.shape, p.value.dtype());
+  Tensor whole = be.empty(p.local_shape, p.value.dtype());
   const auto n = static_cast<size_t>(whole.numel());
   Communicator* comm = sharding_.comm;
   const int64_t b = p.shard_begin, e = p.shard_end;

@@ -32,6 +32,9 @@ struct Param {
   // Tensor parallelism: the dimension (0 or the last) split among the tensor ranks, this
   // rank holding the t-th of its equal parts; -1: whole on every rank (replicated).
   int tensor_dim = -1;
+  // The shape of this rank's tensor-parallel part (spec.shape unless split): what FSDP divides
+  // and gathers.
+  Shape local_shape = {};
 };
 
 // FSDP (ZeRO-3, MaxText's fsdp axis): every parameter's flattened elements are split among

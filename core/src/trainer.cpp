@@ -372,15 +372,15 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   // FSDP: the parameters divided among the mesh.fsdp ranks of each group (the innermost), and
   // with data parallelism too (HSDP) each part's gradient summed over the groups; the batch is
   // split over both axes.
+  // Rank r is tensor rank r % T, fsdp rank (r / T) % F, data index r / (T F).
   ParamSharding sharding;
   std::unique_ptr<Communicator> fsdp_group, replica_group;
   if (mesh.fsdp > 1) {
-    const int f = static_cast<int>(mesh.fsdp);
-    if (mesh.data > 1) {
-      fsdp_group = comm.split(comm.rank() / f, comm.rank() % f);
-      replica_group = comm.split(comm.rank() % f, comm.rank() / f);
-    }
-    sharding = {fsdp_group ? fsdp_group.get() : &comm, comm.rank() % f, f, replica_group.get()};
+    const int f = static_cast<int>(mesh.fsdp), r = comm.rank();
+    const int fsdp_rank = (r / tp) % f, data_index = r / (tp * f);
+    if (mesh.data > 1 || tp > 1) fsdp_group = comm.split(data_index * tp + tp_rank, fsdp_rank);
+    if (mesh.data > 1) replica_group = comm.split(fsdp_rank * tp + tp_rank, data_index);
+    sharding = {fsdp_group ? fsdp_group.get() : &comm, fsdp_rank, f, replica_group.get()};
   }
   ModelRunner runner(cfg, plugins, std::move(device), nullptr, sharding,
                      TensorSharding{tensor_group.get(), tp_rank, tp});
@@ -469,26 +469,24 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     }
   }
   std::unique_ptr<Backend> host_for_moments;  // a CPU backend, made at the first need
-  // FSDP: parameter i's whole tensor from every rank's `part` of it (its value or a moment), a
-  // host tensor on rank 0 (undefined on the others, which only join the gather).
+  // FSDP and tensor parallelism: parameter i's whole tensor from every rank's `part` of it (its
+  // value or a moment), a host tensor on rank 0 (undefined on the others, which only join the
+  // gathers): FSDP's parts make the tensor-parallel part, the tensor ranks' parts the whole.
   auto whole_on_host = [&](const Tensor& part, size_t i) -> Tensor {
     if (!host_for_moments) host_for_moments = plugins.make_backend("cpu", cfg);
     const Param& p = runner.params()[i];
-    const int64_t n = shape_numel(p.spec.shape);
+    const int64_t n = shape_numel(p.spec.shape), local = shape_numel(p.local_shape);
+    const bool split = tp > 1 && p.tensor_dim >= 0;
     std::vector<float> flat(static_cast<size_t>(n));
-    if (tp > 1) {  // the tensor ranks' parts, in rank order, then laid out whole
-      part_to_host(part, 0, part.numel(),
-                   flat.data() + (p.tensor_dim >= 0 ? tp_rank * part.numel() : 0));
-      if (p.tensor_dim >= 0) {
-        tensor_group->all_gather(flat.data(), flat.size());
-        std::vector<char> bytes(reinterpret_cast<const char*>(flat.data()),
-                                reinterpret_cast<const char*>(flat.data() + n));
-        bytes = runner.whole_from_tensor_parts(p, bytes, sizeof(float));
-        std::copy_n(bytes.data(), bytes.size(), reinterpret_cast<char*>(flat.data()));
-      }
-    } else {
-      part_to_host(part, 0, part.numel(), flat.data() + p.shard_begin);
-      runner.sharding().comm->all_gather(flat.data(), flat.size());
+    float* mine = flat.data() + (split ? tp_rank * local : 0);  // this tensor rank's part
+    part_to_host(part, 0, part.numel(), mine + p.shard_begin);
+    if (fsdp) runner.sharding().comm->all_gather(mine, static_cast<size_t>(local));
+    if (split) {  // the tensor ranks' parts, in rank order, then laid out whole
+      tensor_group->all_gather(flat.data(), flat.size());
+      std::vector<char> bytes(reinterpret_cast<const char*>(flat.data()),
+                              reinterpret_cast<const char*>(flat.data() + n));
+      bytes = runner.whole_from_tensor_parts(p, bytes, sizeof(float));
+      std::copy_n(bytes.data(), bytes.size(), reinterpret_cast<char*>(flat.data()));
     }
     if (!lead) return Tensor();
     Tensor t = host_for_moments->empty(p.spec.shape, part.dtype());
@@ -726,8 +724,9 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
         "; parameters divided among {1} (ici_fsdp_parallelism x dcn_fsdp_parallelism = "
         "{0}){2}: {3} of weights, gradients and moments on each rank instead of {4}",
         mesh.fsdp,
-        mesh.data > 1 ? fmt::format("the {} ranks of each of {} groups", mesh.fsdp, mesh.data)
-                      : fmt::format("all {} ranks", ranks),
+        mesh.data > 1 || tp > 1
+            ? fmt::format("the {} ranks of each of {} groups", mesh.fsdp, ranks / mesh.fsdp)
+            : fmt::format("all {} ranks", ranks),
         mesh.data > 1 ? ", each group holding a copy (HSDP)" : "", human_bytes(mine),
         human_bytes(whole));
   }

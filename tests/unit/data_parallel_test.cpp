@@ -380,7 +380,8 @@ TEST(DataParallel, TensorParallelCheckpointsResumeOnAnyMesh) {
 }
 
 // Heads the tensor axis does not divide (llama-test has 2 key/value heads), and tensor
-// parallelism beside FSDP: one clear error on rank 0, exit 2, before any work.
+// parallelism beside shard_optimizer_over_data: one clear error on rank 0, exit 2, before any
+// work.
 TEST(DataParallel, ATensorAxisThatCannotSplitIsOneError) {
   MT_NEED_MPIRUN();
   Dir d;
@@ -396,13 +397,53 @@ TEST(DataParallel, ATensorAxisThatCannotSplitIsOneError) {
             1u)
       << r.out;
   EXPECT_FALSE(fs::exists(d.root / "tp" / "metrics.jsonl"));
-  r = mpirun(4,
+  r = mpirun(2,
              train_args(d.root, "both", 1,
-                        "dataset_type=synthetic ici_tensor_parallelism=2 ici_fsdp_parallelism=2 "
-                        "ici_data_parallelism=1"),
+                        "dataset_type=synthetic ici_tensor_parallelism=2 ici_data_parallelism=1 "
+                        "shard_optimizer_over_data=true"),
              30);
   EXPECT_EQ(r.code, 2) << r.out;
-  EXPECT_EQ(count(r.out, "together with FSDP"), 1u) << r.out;
+  EXPECT_EQ(count(r.out, "shard_optimizer_over_data with tensor parallelism is not implemented"),
+            1u)
+      << r.out;
+}
+
+// 2-D and 3-D meshes: 2 fsdp x 2 tensor ranks (each tensor part divided again by FSDP) train as
+// one rank with their batch, and so do 2 data x 2 fsdp x 2 tensor ranks under remat (8 ranks
+// on 2 cores, 2 batches), within compare_runs' tolerances for the losses; the 2-D run's
+// checkpoint resumes on one rank and continues as the straight run.
+TEST(DataParallel, FsdpTimesTensorParallelTrainsAsOneRank) {
+  MT_NEED_MPIRUN();
+  Dir d;
+  const std::string common = "dataset_type=synthetic learning_rate_schedule_steps=20 ";
+  test::MtResult r = test::run_mt(train_args(d.root, "one", 2, common), 120);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string mesh2 =
+      "ici_fsdp_parallelism=2 ici_tensor_parallelism=2 ici_data_parallelism=1 ";
+  r = mpirun(4, train_args(d.root, "fsdp_tp", 1, common + mesh2), 120);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("parameters divided among the 2 ranks of each of 2 groups"),
+            std::string::npos)
+      << r.out;
+  EXPECT_LE(max_loss_err(d.root / "fsdp_tp", d.root / "one"), 1e-6);
+  EXPECT_LE(max_param_err(d.root / "fsdp_tp", d.root / "one"), 3e-5);
+  r = test::run_mt(train_args(d.root, "one4", 4, common + "remat_policy=full"), 120);
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = mpirun(8,
+             train_args(d.root, "cube", 1,
+                        common + "remat_policy=full ici_fsdp_parallelism=2 "
+                                 "ici_tensor_parallelism=2 ici_data_parallelism=2"),
+             180);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_LE(max_loss_err(d.root / "cube", d.root / "one4"), 1e-6);
+  // Saved by the 2-D mesh at step 10, resumed by one rank.
+  r = mpirun(4, train_args(d.root, "resumed", 1, common + mesh2 + "steps=10 checkpoint_period=10"),
+             120);
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = test::run_mt(train_args(d.root, "resumed", 2, common + "checkpoint_period=10"), 120);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("resumed from step 10"), std::string::npos) << r.out;
+  EXPECT_LE(max_loss_err(d.root / "resumed", d.root / "one"), 1e-6);
 }
 
 // FSDP (ici_fsdp_parallelism): each rank keeps 1/N of every parameter, its gradient and its
