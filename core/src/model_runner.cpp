@@ -301,7 +301,16 @@ void ModelRunner::split_for_tensor_parallelism(const Config& cfg) {
                  "must be a list of \"logical:tensor\" pairs (e.g. \"heads:tensor\"), each "
                  "putting a logical axis of the parameters on the tensor mesh axis; \"" +
                      rule + "\" is not one.");
-    on_tensor.push_back(rule.substr(0, colon));
+    // The blocks compute on parts of these axes only; a vocab-split embedding or LM head, or
+    // a split model dimension, would need kernels of their own (and would be wrong without).
+    const std::string logical = rule.substr(0, colon);
+    if (logical != "heads" && logical != "kv_heads" && logical != "mlp")
+      cfg.reject("logical_axis_rules",
+                 "puts '" + logical +
+                     "' on the tensor axis; only heads, kv_heads and mlp can be divided among "
+                     "the tensor ranks (the attention and MLP blocks compute on their parts; a "
+                     "vocabulary-parallel embedding or head is not implemented).");
+    on_tensor.push_back(logical);
   }
   const ModelDims dims = model_->dims();
   const int t = tensor_.ranks;

@@ -406,6 +406,15 @@ TEST(DataParallel, ATensorAxisThatCannotSplitIsOneError) {
   EXPECT_EQ(count(r.out, "shard_optimizer_over_data with tensor parallelism is not implemented"),
             1u)
       << r.out;
+  // A logical axis the blocks cannot compute on in parts (the vocabulary of the embedding).
+  r = mpirun(2,
+             train_args(d.root, "vocab", 1,
+                        "dataset_type=synthetic ici_tensor_parallelism=2 ici_data_parallelism=1 "
+                        "logical_axis_rules=[heads:tensor,vocab:tensor]"),
+             30);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_EQ(count(r.out, "only heads, kv_heads and mlp can be divided among the tensor ranks"), 1u)
+      << r.out;
 }
 
 // 2-D and 3-D meshes: 2 fsdp x 2 tensor ranks (each tensor part divided again by FSDP) train as
