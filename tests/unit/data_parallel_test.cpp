@@ -156,6 +156,50 @@ void compare_runs(const fs::path& root, int ranks, int batch, int accum, const s
   EXPECT_LE(params, 3e-5);
 }
 
+// One launch of the training run: `ranks` processes (1: without mpirun), each with
+// per_device_batch_size `batch`, and more words.
+struct Launch {
+  int ranks = 1, batch = 1;
+  std::string words;
+};
+test::MtResult launch(const fs::path& root, const std::string& name, const Launch& l,
+                      const std::string& common) {
+  const std::string args = train_args(root, name, l.batch, common + " " + l.words);
+  return l.ranks == 1 ? test::run_mt(args, 120) : mpirun(l.ranks, args, 120);
+}
+
+// A checkpoint saved at step 10 by `saver` resumes under each of `resumers` (the same global
+// batch), and each continues as `straight`, which ran the 20 steps at once: every loss within
+// 1e-6. Returns the runs' names (straight first) for further checks. Every run reads the same
+// tokens file and decays the learning rate over 20 steps.
+std::vector<std::string> check_resumes(const fs::path& root, const Launch& straight,
+                                       const Launch& saver, const std::vector<Launch>& resumers) {
+  const std::string common =
+      "dataset_type=tokens vocab_size=8192 dataset_path=" + test::source_dir() +
+      "/data/corpus.train.tokens learning_rate_schedule_steps=20";
+  std::vector<std::string> names{"straight"};
+  test::MtResult r = launch(root, "straight", straight, common);
+  EXPECT_EQ(r.code, 0) << r.out;
+  r = launch(root, "saved", saver, common + " checkpoint_period=10 steps=10");
+  EXPECT_EQ(r.code, 0) << r.out;
+  for (size_t k = 0; k < resumers.size(); ++k) {
+    names.push_back("resumed" + std::to_string(k));
+    fs::copy(root / "saved", root / names.back(), fs::copy_options::recursive);
+    r = launch(root, names.back(), resumers[k], common + " checkpoint_period=10");
+    EXPECT_EQ(r.code, 0) << r.out;
+    EXPECT_NE(r.out.find("resumed from step 10"), std::string::npos) << r.out;
+  }
+  const std::vector<double> want = losses(root / "straight");
+  EXPECT_EQ(want.size(), 20u);
+  for (size_t k = 1; k < names.size(); ++k) {
+    const std::vector<double> got = losses(root / names[k]);
+    EXPECT_EQ(got.size(), want.size()) << names[k];
+    for (size_t i = 0; i < got.size() && i < want.size(); ++i)
+      EXPECT_NEAR(got[i], want[i], 1e-6 * std::fabs(want[i])) << names[k] << " step " << i + 1;
+  }
+  return names;
+}
+
 TEST(DataParallel, TwoRanksTrainAsOneRankWithTheGlobalBatch) {
   MT_NEED_MPIRUN();
   Dir d;
@@ -262,29 +306,8 @@ TEST(DataParallel, ShardedOptimizerStateTrainsAsPlainDataParallelism) {
 TEST(DataParallel, ShardedCheckpointsResumeOnAnyNumberOfRanks) {
   MT_NEED_MPIRUN();
   Dir d;
-  const std::string common =
-      "dataset_type=tokens vocab_size=8192 dataset_path=" + test::source_dir() +
-      "/data/corpus.train.tokens learning_rate_schedule_steps=20 ";
-  const std::string sharded = "shard_optimizer_over_data=true ";
-  ASSERT_EQ(mpirun(2, train_args(d.root, "straight", 2, common + sharded), 120).code, 0);
-  test::MtResult r = mpirun(
-      2, train_args(d.root, "one", 2, common + sharded + "checkpoint_period=10 steps=10"), 120);
-  ASSERT_EQ(r.code, 0) << r.out;
-  fs::copy(d.root / "one", d.root / "four", fs::copy_options::recursive);
-  r = test::run_mt(train_args(d.root, "one", 4, common + "checkpoint_period=10"), 120);
-  ASSERT_EQ(r.code, 0) << r.out;
-  EXPECT_NE(r.out.find("resumed from step 10"), std::string::npos) << r.out;
-  r = mpirun(4, train_args(d.root, "four", 1, common + sharded + "checkpoint_period=10"), 120);
-  ASSERT_EQ(r.code, 0) << r.out;
-  EXPECT_NE(r.out.find("resumed from step 10"), std::string::npos) << r.out;
-  const std::vector<double> want = losses(d.root / "straight");
-  ASSERT_EQ(want.size(), 20u);
-  for (const char* run : {"one", "four"}) {
-    const std::vector<double> got = losses(d.root / run);
-    ASSERT_EQ(got.size(), 20u) << run;
-    for (size_t i = 0; i < 20; ++i)
-      EXPECT_NEAR(got[i], want[i], 1e-6 * std::fabs(want[i])) << run << " step " << i + 1;
-  }
+  const std::string sharded = "shard_optimizer_over_data=true";
+  check_resumes(d.root, {2, 2, sharded}, {2, 2, sharded}, {{1, 4, ""}, {4, 1, sharded}});
 }
 
 TEST(DataParallel, AMeshThatDoesNotFitTheRanksIsOneErrorOnRankZero) {
@@ -354,29 +377,8 @@ TEST(DataParallel, DataTimesTensorParallelTrainsAsOneRank) {
 TEST(DataParallel, TensorParallelCheckpointsResumeOnAnyMesh) {
   MT_NEED_MPIRUN();
   Dir d;
-  const std::string common =
-      "dataset_type=tokens vocab_size=8192 dataset_path=" + test::source_dir() +
-      "/data/corpus.train.tokens learning_rate_schedule_steps=20 ";
-  const std::string tp = "ici_tensor_parallelism=2 ici_data_parallelism=1 ";
-  ASSERT_EQ(test::run_mt(train_args(d.root, "straight", 2, common), 120).code, 0);
-  test::MtResult r =
-      mpirun(2, train_args(d.root, "one", 2, common + tp + "checkpoint_period=10 steps=10"), 120);
-  ASSERT_EQ(r.code, 0) << r.out;
-  fs::copy(d.root / "one", d.root / "two", fs::copy_options::recursive);
-  r = test::run_mt(train_args(d.root, "one", 2, common + "checkpoint_period=10"), 120);
-  ASSERT_EQ(r.code, 0) << r.out;
-  EXPECT_NE(r.out.find("resumed from step 10"), std::string::npos) << r.out;
-  r = mpirun(2, train_args(d.root, "two", 2, common + tp + "checkpoint_period=10"), 120);
-  ASSERT_EQ(r.code, 0) << r.out;
-  EXPECT_NE(r.out.find("resumed from step 10"), std::string::npos) << r.out;
-  const std::vector<double> want = losses(d.root / "straight");
-  ASSERT_EQ(want.size(), 20u);
-  for (const char* run : {"one", "two"}) {
-    const std::vector<double> got = losses(d.root / run);
-    ASSERT_EQ(got.size(), 20u) << run;
-    for (size_t i = 0; i < 20; ++i)
-      EXPECT_NEAR(got[i], want[i], 1e-6 * std::fabs(want[i])) << run << " step " << i + 1;
-  }
+  const std::string tp = "ici_tensor_parallelism=2 ici_data_parallelism=1";
+  check_resumes(d.root, {1, 2, ""}, {2, 2, tp}, {{1, 2, ""}, {2, 2, tp}});
 }
 
 // Heads the tensor axis does not divide (llama-test has 2 key/value heads), and tensor
@@ -544,32 +546,12 @@ TEST(DataParallel, FsdpRanksTrainAsOneRankWithTheGlobalBatch) {
 TEST(DataParallel, FsdpCheckpointsResumeOnAnyNumberOfRanks) {
   MT_NEED_MPIRUN();
   Dir d;
-  const std::string common =
-      "dataset_type=tokens vocab_size=8192 dataset_path=" + test::source_dir() +
-      "/data/corpus.train.tokens learning_rate_schedule_steps=20 ";
   const std::string fsdp = "ici_data_parallelism=1 ici_fsdp_parallelism=";
-  ASSERT_EQ(mpirun(4, train_args(d.root, "straight", 1, common + fsdp + "4"), 120).code, 0);
-  test::MtResult r = mpirun(
-      4, train_args(d.root, "one", 1, common + fsdp + "4 checkpoint_period=10 steps=10"), 120);
-  ASSERT_EQ(r.code, 0) << r.out;
-  fs::copy(d.root / "one", d.root / "two", fs::copy_options::recursive);
-  r = test::run_mt(train_args(d.root, "one", 4, common + "checkpoint_period=10"), 120);
-  ASSERT_EQ(r.code, 0) << r.out;
-  EXPECT_NE(r.out.find("resumed from step 10"), std::string::npos) << r.out;
-  r = mpirun(2, train_args(d.root, "two", 2, common + fsdp + "2 checkpoint_period=10"), 120);
-  ASSERT_EQ(r.code, 0) << r.out;
-  EXPECT_NE(r.out.find("resumed from step 10"), std::string::npos) << r.out;
-  const std::vector<double> want = losses(d.root / "straight");
-  ASSERT_EQ(want.size(), 20u);
-  for (const char* run : {"one", "two"}) {
-    const std::vector<double> got = losses(d.root / run);
-    ASSERT_EQ(got.size(), 20u) << run;
-    for (size_t i = 0; i < 20; ++i)
-      EXPECT_NEAR(got[i], want[i], 1e-6 * std::fabs(want[i])) << run << " step " << i + 1;
-  }
+  const std::vector<std::string> runs = check_resumes(
+      d.root, {4, 1, fsdp + "4"}, {4, 1, fsdp + "4"}, {{1, 4, ""}, {2, 2, fsdp + "2"}});
   // The final parameters of the three agree (FSDP's norm adds the ranks' parts: f32 rounding).
-  EXPECT_LE(max_param_err(d.root / "one", d.root / "straight"), 1e-5);
-  EXPECT_LE(max_param_err(d.root / "two", d.root / "straight"), 1e-5);
+  for (size_t k = 1; k < runs.size(); ++k)
+    EXPECT_LE(max_param_err(d.root / runs[k], d.root / "straight"), 1e-5) << runs[k];
 }
 
 TEST(DataParallel, RanksStartedWithDifferentConfigsAreRefused) {
