@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "mt/comm.h"
 #include "mt/error.h"
 #include "mt/graph.h"
 
@@ -461,10 +462,12 @@ Tensor scalar(Backend& be, float v) {
 
 // An expert weight [E, in, out]: each expert's matrix initialised as a dense [in, out] one; a
 // token uses top_k of the E.
-ParamSpec expert_param(const MoeSpec& s, const std::string& name, int64_t in, int64_t out) {
+ParamSpec expert_param(const MoeSpec& s, const std::string& name, int64_t in, int64_t out,
+                       std::vector<std::string> axes) {
   ParamSpec ps = dense_param(name, in, out);
   ps.shape = {s.num_experts, in, out};
   ps.active = static_cast<float>(s.top_k) / static_cast<float>(s.num_experts);
+  ps.axes = std::move(axes);  // experts first: logical_axis_rules may divide them
   return ps;
 }
 
@@ -473,9 +476,11 @@ ParamSpec expert_param(const MoeSpec& s, const std::string& name, int64_t in, in
 std::vector<ParamSpec> moe_params(const MoeSpec& s, const std::string& prefix) {
   check_moe(s, "moe_params");
   std::vector<ParamSpec> r = {dense_param(prefix + "router", s.d_model, s.num_experts)};
-  if (s.gated) r.push_back(expert_param(s, prefix + "w_gate", s.d_model, s.hidden));
-  r.push_back(expert_param(s, prefix + "w_up", s.d_model, s.hidden));
-  r.push_back(expert_param(s, prefix + "w_down", s.hidden, s.d_model));
+  if (s.gated)
+    r.push_back(
+        expert_param(s, prefix + "w_gate", s.d_model, s.hidden, {"experts", "embed", "mlp"}));
+  r.push_back(expert_param(s, prefix + "w_up", s.d_model, s.hidden, {"experts", "embed", "mlp"}));
+  r.push_back(expert_param(s, prefix + "w_down", s.hidden, s.d_model, {"experts", "mlp", "embed"}));
   return r;
 }
 
@@ -509,22 +514,61 @@ LayerOutput moe(Graph& g, const Params& p, const MoeSpec& s, const Tensor& x,
                                        ? g.sort_by_expert(r.indices, E, capacity, T)
                                        : g.sort_by_expert(r.indices, E);
   const int64_t m = order.slots.numel();  // the kept slots
+  // Expert parallelism over the tensor ranks (logical_axis_rules puts experts on the tensor
+  // axis): every rank routes all tokens alike, computes the slots of its own experts (its
+  // weights' first dimension: experts [e0, e0 + local)) and the outputs are summed over the
+  // ranks. The expert path's input and routing weights go through tensor_parallel_input, so
+  // their gradients (each rank's from its slots) are summed too, while the router's losses,
+  // the same on every rank, are not.
+  // Or tensor parallelism within the experts (mlp on the tensor axis, experts not): every rank
+  // computes every slot with its hidden columns, and the parts are summed the same way.
+  const int64_t local = p[prefix + "w_up"].dim(0);
+  const bool by_hidden = p[prefix + "w_up"].dim(-1) != s.hidden;
+  const bool split = local != E || by_hidden;  // else each rank computes it all: nothing to sum
+  const Communicator* group = g.tensor_group();
+  // (No group: the memory plan's trace, which plans tensor rank 0.)
+  MT_CHECK(!group || by_hidden || local * group->size() == E,
+           "moe block: " + std::to_string(local) + " of " + std::to_string(E) +
+               " experts' weights here, but the tensor group does not divide them so");
+  const int64_t e0 = local != E && group ? static_cast<int64_t>(group->rank()) * local : 0;
+  auto in = [&](const Tensor& t) { return split ? g.tensor_parallel_input(t) : t; };
+  auto sum = [&](const Tensor& t) { return split ? g.tensor_parallel_sum(t) : t; };
+  int64_t r0 = 0, r1 = 0;  // the local experts' rows of the sorted order
+  for (int64_t e = 0; e < e0 + local; ++e)
+    (e < e0 ? r0 : r1) += order.counts[static_cast<size_t>(e)];
+  r1 += r0;
   LayerOutput out;
   if (m == 0) {
     out.x = g.scale(x, 0.f);  // every slot dropped (still on the tape: a backward reaches x)
+  } else if (r1 == r0) {      // none of this rank's experts was chosen: its part of the sum is 0
+    out.x = sum(g.scale(in(x), 0.f));
   } else {
-    const Tensor xs = g.gather_rows(x2, order.tokens);  // [m, d], expert by expert
+    Tensor tokens = order.tokens, slot_ids = order.slots, offsets = order.offsets;
+    if (local != E) {
+      tokens = order.tokens.slice0(r0, r1);
+      slot_ids = order.slots.slice0(r0, r1);
+      std::vector<int32_t> off(static_cast<size_t>(local + 1), 0);
+      for (int64_t e = 0; e < local; ++e)
+        off[static_cast<size_t>(e + 1)] =
+            off[static_cast<size_t>(e)] +
+            static_cast<int32_t>(order.counts[static_cast<size_t>(e0 + e)]);
+      offsets = be.empty({local + 1}, DType::i32);
+      be.copy_from_host(offsets, off.data());
+    }
+    const int64_t ml = r1 - r0;
+    const Tensor xs = g.gather_rows(in(x2), tokens);  // [ml, d]
     Tensor h;
     if (s.gated) {
-      h = g.gated(s.act, g.grouped_matmul(xs, p[prefix + "w_gate"], order.offsets),
-                  g.grouped_matmul(xs, p[prefix + "w_up"], order.offsets));
+      h = g.gated(s.act, g.grouped_matmul(xs, p[prefix + "w_gate"], offsets),
+                  g.grouped_matmul(xs, p[prefix + "w_up"], offsets));
     } else {
-      h = g.activation(s.act, g.grouped_matmul(xs, p[prefix + "w_up"], order.offsets));
+      h = g.activation(s.act, g.grouped_matmul(xs, p[prefix + "w_up"], offsets));
     }
-    const Tensor ys = g.grouped_matmul(h, p[prefix + "w_down"], order.offsets);  // [m, d]
+    const Tensor ys = g.grouped_matmul(h, p[prefix + "w_down"], offsets);  // [ml, d]
     // Each copy's routing weight, in the sorted order, then back to its token weighted.
-    const Tensor ws = g.reshape(g.gather_rows(g.reshape(r.weights, {slots, 1}), order.slots), {m});
-    out.x = g.reshape(g.scatter_add_rows(ys, order.tokens, ws, n), x.shape());
+    const Tensor ws =
+        g.reshape(g.gather_rows(g.reshape(in(r.weights), {slots, 1}), slot_ids), {ml});
+    out.x = sum(g.reshape(g.scatter_add_rows(ys, tokens, ws, n), x.shape()));
   }
 
   // Load balancing, MaxText's: E / B * sum over sequences b and experts e of f_be P_be, with

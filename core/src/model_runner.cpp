@@ -304,12 +304,12 @@ void ModelRunner::split_for_tensor_parallelism(const Config& cfg) {
     // The blocks compute on parts of these axes only; a vocab-split embedding or LM head, or
     // a split model dimension, would need kernels of their own (and would be wrong without).
     const std::string logical = rule.substr(0, colon);
-    if (logical != "heads" && logical != "kv_heads" && logical != "mlp")
+    if (logical != "heads" && logical != "kv_heads" && logical != "mlp" && logical != "experts")
       cfg.reject("logical_axis_rules",
                  "puts '" + logical +
-                     "' on the tensor axis; only heads, kv_heads and mlp can be divided among "
-                     "the tensor ranks (the attention and MLP blocks compute on their parts; a "
-                     "vocabulary-parallel embedding or head is not implemented).");
+                     "' on the tensor axis; only heads, kv_heads, mlp and experts can be divided "
+                     "among the tensor ranks (the attention, MLP and MoE blocks compute on their "
+                     "parts; a vocabulary-parallel embedding or head is not implemented).");
     on_tensor.push_back(logical);
   }
   const ModelDims dims = model_->dims();
@@ -318,13 +318,9 @@ void ModelRunner::split_for_tensor_parallelism(const Config& cfg) {
     for (size_t d = 0; d < p.spec.axes.size() && d < p.spec.shape.size(); ++d) {
       const std::string& axis = p.spec.axes[d];
       if (std::find(on_tensor.begin(), on_tensor.end(), axis) == on_tensor.end()) continue;
-      if (p.tensor_dim >= 0)
-        throw UsageError("logical_axis_rules put two dimensions of parameter " + p.name +
-                         " on the tensor axis; a parameter may be split along one only.");
-      if (d != 0 && d + 1 != p.spec.shape.size())
-        throw UsageError("logical_axis_rules put dimension " + std::to_string(d) +
-                         " of parameter " + p.name +
-                         " on the tensor axis; only a first or last dimension can be split.");
+      // The first such dimension is split and later ones stay whole (an expert weight
+      // [experts, embed, mlp] divides its experts when both are on the tensor axis).
+      if (p.tensor_dim >= 0) break;
       // Whole heads on each rank: the attention block counts its heads from the columns.
       const int64_t units = axis == "heads"      ? dims.num_query_heads
                             : axis == "kv_heads" ? dims.num_kv_heads
@@ -345,41 +341,46 @@ void ModelRunner::split_for_tensor_parallelism(const Config& cfg) {
   }
 }
 
+namespace {
+
+// A split along dimension d, seen as a matrix [rows, cols] with cols = the product of the
+// dimensions from d on: each part is the columns [t w, (t + 1) w), w = cols / parts (dimension
+// 0: rows = 1, one contiguous range; the last: each row's slice).
+std::pair<int64_t, int64_t> split_matrix(const Shape& shape, int d) {
+  int64_t cols = 1;
+  for (size_t i = static_cast<size_t>(d); i < shape.size(); ++i) cols *= shape[i];
+  return {shape_numel(shape) / cols, cols};
+}
+
+}  // namespace
+
 Tensor ModelRunner::tensor_part(const Param& p, const Tensor& whole) {
   if (!tensor_.on() || p.tensor_dim < 0) return whole;
-  const int64_t cols = whole.dim(-1), n = whole.numel();
+  const auto [rows, cols] = split_matrix(whole.shape(), p.tensor_dim);
   const auto t = static_cast<int64_t>(tensor_.rank), parts = static_cast<int64_t>(tensor_.ranks);
-  if (p.tensor_dim == 0) {  // rows (or a vector's elements): one contiguous range
-    Tensor out = backend().empty({n / parts}, whole.dtype());
-    backend().cast(flat_part(whole, t * n / parts, (t + 1) * n / parts), out);
-    Shape s = whole.shape();
-    s[0] /= parts;
-    return out.view(s);
-  }
   const int64_t width = cols / parts;
   Shape s = whole.shape();
-  s.back() = width;
+  s[static_cast<size_t>(p.tensor_dim)] /= parts;
   Tensor out = backend().empty(s, whole.dtype());
-  Tensor dst = out.view({n / cols, width});
-  backend().copy_columns(whole.view({n / cols, cols}), t * width, dst, 0, width, false);
+  if (rows == 1) {  // one contiguous range
+    backend().cast(flat_part(whole, t * width, (t + 1) * width), out);
+    return out;
+  }
+  Tensor dst = out.view({rows, width});
+  backend().copy_columns(whole.view({rows, cols}), t * width, dst, 0, width, false);
   return out;
 }
 
 std::vector<char> ModelRunner::local_part(const Param& p, const void* whole, size_t elem) const {
   const auto* src = static_cast<const char*>(whole);
-  const int64_t n = shape_numel(p.spec.shape);
   std::vector<char> local;  // the tensor-parallel part, when split
   if (tensor_.on() && p.tensor_dim >= 0) {
-    const int64_t parts = tensor_.ranks, t = tensor_.rank;
-    if (p.tensor_dim == 0) {
-      local.assign(src + t * (n / parts) * elem, src + (t + 1) * (n / parts) * elem);
-    } else {
-      const int64_t cols = p.spec.shape.back(), width = cols / parts, rows = n / cols;
-      local.resize(static_cast<size_t>(rows * width) * elem);
-      for (int64_t r = 0; r < rows; ++r)
-        std::copy_n(src + (r * cols + t * width) * elem, width * elem,
-                    local.data() + r * width * elem);
-    }
+    const auto [rows, cols] = split_matrix(p.spec.shape, p.tensor_dim);
+    const int64_t width = cols / tensor_.ranks, t = tensor_.rank;
+    local.resize(static_cast<size_t>(rows * width) * elem);
+    for (int64_t r = 0; r < rows; ++r)
+      std::copy_n(src + (r * cols + t * width) * elem, width * elem,
+                  local.data() + r * width * elem);
     src = local.data();
   }
   return std::vector<char>(src + p.shard_begin * elem, src + p.shard_end * elem);
@@ -388,17 +389,14 @@ std::vector<char> ModelRunner::local_part(const Param& p, const void* whole, siz
 std::vector<char> ModelRunner::whole_from_tensor_parts(const Param& p,
                                                        const std::vector<char>& parts,
                                                        size_t elem) const {
-  if (p.tensor_dim != 0 && p.tensor_dim + 1 == static_cast<int>(p.spec.shape.size())) {
-    const int64_t n = shape_numel(p.spec.shape), count = tensor_.ranks;
-    const int64_t cols = p.spec.shape.back(), width = cols / count, rows = n / cols;
-    std::vector<char> out(static_cast<size_t>(n) * elem);
-    for (int64_t t = 0; t < count; ++t)
-      for (int64_t r = 0; r < rows; ++r)
-        std::copy_n(parts.data() + (t * rows * width + r * width) * elem, width * elem,
-                    out.data() + (r * cols + t * width) * elem);
-    return out;
-  }
-  return parts;  // rows: the parts in order are the whole
+  const auto [rows, cols] = split_matrix(p.spec.shape, p.tensor_dim);
+  const int64_t count = tensor_.ranks, width = cols / count;
+  std::vector<char> out(static_cast<size_t>(rows * cols) * elem);
+  for (int64_t t = 0; t < count; ++t)
+    for (int64_t r = 0; r < rows; ++r)
+      std::copy_n(parts.data() + (t * rows * width + r * width) * elem, width * elem,
+                  out.data() + (r * cols + t * width) * elem);
+  return out;
 }
 
 Tensor ModelRunner::whole_value(size_t i) {

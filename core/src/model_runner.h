@@ -29,8 +29,8 @@ struct Param {
   // The elements [shard_begin, shard_end) of the flattened parameter `value` holds: all of
   // them unless the runner's parameters are sharded (FSDP), where shard_range splits them.
   int64_t shard_begin = 0, shard_end = 0;
-  // Tensor parallelism: the dimension (0 or the last) split among the tensor ranks, this
-  // rank holding the t-th of its equal parts; -1: whole on every rank (replicated).
+  // Tensor parallelism: the dimension split among the tensor ranks, this rank holding the
+  // t-th of its equal parts; -1: whole on every rank (replicated).
   int tensor_dim = -1;
   // The shape of this rank's tensor-parallel part (spec.shape unless split): what FSDP divides
   // and gathers.

@@ -325,16 +325,22 @@ TEST(DataParallel, AMeshThatDoesNotFitTheRanksIsOneErrorOnRankZero) {
 // Tensor parallelism (Megatron): 2 ranks divide the attention heads and MLP columns and sum
 // each block's output over the pair. llama-test, gpt3-52k (biases, layer norms, learned
 // positions), qwen3-test (per-head q/k norms, whose replicated weights get their gradient
-// summed over the ranks) and deepseek3-test (latent attention and experts whole on each rank,
-// its dense MLP split) each train as one rank with the same batch: losses within 1e-6, and
+// summed over the ranks), deepseek3-test (latent attention and its own experts whole on each
+// rank, its dense MLP split), mixtral-test (the experts divided among the ranks: expert
+// parallelism) and qwen3-moe-test with experts off the tensor axis (each expert's hidden
+// columns divided) each train as one rank with the same batch: losses within 1e-6, and
 // llama-test's final parameters within 3e-5 of each tensor's scale (sums of parts: f32
 // rounding that AdamW magnifies).
 TEST(DataParallel, TensorParallelRanksTrainAsOneRank) {
   MT_NEED_MPIRUN();
   Dir d;
-  for (const std::string model : {"llama-test", "gpt3-52k", "qwen3-test", "deepseek3-test"}) {
+  for (std::string model :
+       {"llama-test", "gpt3-52k", "qwen3-test", "deepseek3-test", "mixtral-test",
+        "qwen3-moe-test logical_axis_rules=[heads:tensor,"
+        "kv_heads:tensor,mlp:tensor]"}) {
     SCOPED_TRACE(model);
     const std::string common = "dataset_type=synthetic --model=" + model;
+    model = model.substr(0, model.find(' '));
     test::MtResult r = test::run_mt(train_args(d.root, "one" + model, 2, common), 120);
     ASSERT_EQ(r.code, 0) << r.out;
     r = mpirun(2,
@@ -415,8 +421,7 @@ TEST(DataParallel, ATensorAxisThatCannotSplitIsOneError) {
                         "logical_axis_rules=[heads:tensor,vocab:tensor]"),
              30);
   EXPECT_EQ(r.code, 2) << r.out;
-  EXPECT_EQ(count(r.out, "only heads, kv_heads and mlp can be divided among the tensor ranks"), 1u)
-      << r.out;
+  EXPECT_EQ(count(r.out, "only heads, kv_heads, mlp and experts can be divided"), 1u) << r.out;
 }
 
 // 2-D and 3-D meshes: 2 fsdp x 2 tensor ranks (each tensor part divided again by FSDP) train as
