@@ -154,7 +154,7 @@ int bench_train(Args args) {
       "\"attention\": \"%s\", "
       "\"remat_policy\": \"%s\", \"tokens_per_sec\": %.2f, \"model_tflops_per_sec\": %.5f, "
       "\"mfu\": %.5f, \"step_time_ms\": %.1f, \"communication_ms\": %.2f, "
-      "\"communication_share\": %.4f, \"final_loss\": %.4f}\n",
+      "\"communication_share\": %.4f, \"communication_bytes\": %.0f, \"final_loss\": %.4f}\n",
       cfg.get_string("model_name").c_str(), cfg.get_string("backend").c_str(), comm->size(),
       static_cast<long>(cfg.get_int("num_threads")),
       static_cast<long>(cfg.get_int("per_device_batch_size")),
@@ -162,7 +162,8 @@ int bench_train(Args args) {
       cfg.get_string("dtype").c_str(), cfg.get_string("attention").c_str(),
       cfg.get_string("remat_policy").c_str(), s.tokens_per_sec, s.tflops_per_device, s.mfu,
       s.step_time_ms, s.communication_ms,
-      s.step_time_ms > 0 ? s.communication_ms / s.step_time_ms : 0.0, s.final_loss);
+      s.step_time_ms > 0 ? s.communication_ms / s.step_time_ms : 0.0, s.communication_bytes,
+      s.final_loss);
   return 0;
 }
 

@@ -399,9 +399,17 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
   plan.device = device;
   plan.assumed_mfu = cfg.get_float("plan_assumed_mfu");
   ModelDims dims;
+  double top_share = 0;  // of the parameters outside the layers (embedding, head): FSDP's gathers
   {
     auto runner = meta_runner(cfg, plugins, device);
     dims = runner->model().dims();
+    double top = 0, all = 0;
+    for (const auto& p : runner->params()) {
+      all += static_cast<double>(shape_numel(p.spec.shape));
+      if (p.name.rfind("layers.", 0) != 0 && p.name.rfind("mtp.", 0) != 0)
+        top += static_cast<double>(shape_numel(p.spec.shape));
+    }
+    top_share = all > 0 ? top / all : 0;
     plan.counts = count_parameters(runner->model());
     plan.compute = runner->compute_dtype();
     plan.weights = runner->weight_dtype();
@@ -430,7 +438,12 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
       c.micro_batches = cfg.get_int("gradient_accumulation_steps");
       // A ring's all-reduce moves 2 (n - 1) / n of the buffer through each rank's link in each
       // direction; an all-gather or a reduce-scatter half of that.
-      const double rounds = c.fsdp ? static_cast<double>(c.micro_batches * (c.gathers + 1)) : 2.0;
+      // FSDP: per micro-batch, the layers' weights gathered `gathers` times and the top ones
+      // (outside remat) once, and every gradient reduce-scattered once.
+      const double rounds =
+          c.fsdp ? static_cast<double>(c.micro_batches) *
+                       (static_cast<double>(c.gathers + 1) - (c.gathers - 1) * top_share)
+                 : 2.0;
       const auto g = static_cast<double>(c.gradient_bytes);
       auto ring = [](double r, int64_t n) {
         return r * static_cast<double>(n - 1) / static_cast<double>(n);

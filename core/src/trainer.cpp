@@ -788,7 +788,14 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
 
   TrainSummary sum;
   sum.run_dir = run_dir.string();
-  std::vector<double> tps_hist, step_ms_hist, comm_ms_hist;
+  std::vector<double> tps_hist, step_ms_hist, comm_ms_hist, comm_bytes_hist;
+  // Bytes this rank received in collectives, over every communicator it uses.
+  auto bytes_received = [&] {
+    double b = comm.bytes_received();
+    for (const auto* c : {&tensor_group, &data_group, &fsdp_group, &replica_group})
+      if (*c) b += (*c)->bytes_received();
+    return b;
+  };
   const auto run_start = Clock::now();
   double last_loss = 0;
   if (first_step > steps && !quiet)
@@ -806,6 +813,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   for (int64_t step = first_step; step <= steps; ++step) {
     if (step == profile_from) runner.reset_profile();
     const auto t0 = Clock::now();
+    const double bytes_before = bytes_received();
     double data_wait = 0;
     std::vector<DeviceBatch> micro;
     for (int64_t a = 0; a < accum; ++a) {
@@ -834,6 +842,8 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     adam.grad_scale = clip > 0 && grad_norm > clip ? static_cast<float>(clip / grad_norm) : 1.f;
     const double comm_s =
         sg.communication_s + apply_update(runner, opt, adam, weight_decay, sg.layer_stats, &dp);
+    // The step's collectives' bytes (not the checkpoint's or the evaluation's, which follow).
+    const double comm_bytes = bytes_received() - bytes_before;
     double ckpt_s = 0;
     if (checkpointing && (step % ckpt_period == 0 || step == steps)) {
       save(step);
@@ -851,6 +861,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
       tps_hist.push_back(tps);
       step_ms_hist.push_back(step_s * 1e3);
       comm_ms_hist.push_back(comm_s * 1e3);
+      comm_bytes_hist.push_back(comm_bytes);
       // The run's length on this machine, from its first timed step, when it is a minute or
       // more (a terminal's progress line carries a live ETA instead).
       const double left = step_s * static_cast<double>(steps - step);
@@ -877,7 +888,9 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
           "\"peak_memory_mb\": {:.1f}, \"system_allocs\": {}{}{}{}}}\n",
           step, loss, lr, grad_norm, tps, tflops, mfu, step_s * 1e3, data_wait * 1e3, ckpt_s * 1e3,
           static_cast<double>(ms.peak_bytes_in_use) / 1e6, ms.num_system_allocs,
-          ranks > 1 ? fmt::format(", \"communication_ms\": {:.3f}", comm_s * 1e3) : "",
+          ranks > 1 ? fmt::format(", \"communication_ms\": {:.3f}, \"communication_bytes\": {:.0f}",
+                                  comm_s * 1e3, comm_bytes)
+                    : "",
           aux_fields(aux), ev >= 0 ? fmt::format(", \"eval_loss\": {:.6f}", ev) : "");
     // Each record reaches the file at once: a killed run keeps the lines of the steps it
     // checkpointed, so a resumed run leaves no gap.
@@ -927,6 +940,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   sum.tokens_per_sec = median(tps_hist);
   sum.step_time_ms = median(step_ms_hist);
   sum.communication_ms = median(comm_ms_hist);
+  sum.communication_bytes = median(comm_bytes_hist);
   sum.tflops_per_device = sum.tokens_per_sec * flops_per_token / ranks / 1e12;
   sum.mfu = sum.tokens_per_sec * flops_per_token / (ranks * peak);
   return sum;

@@ -34,6 +34,9 @@ struct TrainSummary {
   double step_time_ms = 0;
   // Median time per step in collectives (several ranks), exposed: not overlapped with compute.
   double communication_ms = 0;
+  // Median bytes a rank received per step in those collectives (what the plan's "a ring
+  // moves, per rank and direction" predicts); 0 for one rank or an uncounting communicator.
+  double communication_bytes = 0;
   int64_t timed_steps = 0;
   double checkpoint_seconds = 0;  // training time blocked by checkpoint saves
   int64_t failed_checkpoints = 0;  // saves that failed with checkpoint_error_policy=continue

@@ -9,7 +9,9 @@
 #include <filesystem>
 
 #include "config_impl.h"
+#include "config_loader.h"
 #include "mt/error.h"
+#include "mt/model.h"
 
 namespace mt::test {
 
@@ -145,6 +147,19 @@ double scaled_err(const std::vector<float>& a, const std::vector<float>& b) {
     den = std::max(den, std::fabs(double(b[i])));
   }
   return den > 0 ? num / den : num;
+}
+
+Config model_config(const std::string& model, const std::vector<std::string>& overrides) {
+  ConfigRequest req;
+  req.configs_dir = source_dir() + "/configs";
+  req.model = model;
+  req.overrides = overrides;
+  req.schemas_for = [](const Config& layers) {
+    const std::string fam = layers.get_string("decoder_block");
+    return std::vector<SchemaText>{
+        {"model family '" + fam + "'", plugins().make_model_family(fam)->config_schema()}};
+  };
+  return load_config(req);
 }
 
 }  // namespace mt::test

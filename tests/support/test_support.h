@@ -76,4 +76,8 @@ struct MtResult {
 };
 MtResult run_mt(const std::string& args, int seconds = 0, const std::string& env = "");
 
+// The resolved config of configs/models/<model>.yml with `overrides` ("key=value"), as mt run
+// loads it (the family's own keys included).
+Config model_config(const std::string& model, const std::vector<std::string>& overrides);
+
 }  // namespace mt::test

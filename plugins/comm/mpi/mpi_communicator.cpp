@@ -112,6 +112,7 @@ class MpiCommunicator final : public mt::Communicator {
       check(MPI_Alltoallv(direct ? data : send.data(), counts.data(), displs.data(), MPI_FLOAT,
                           got.data(), rcounts.data(), rdispls.data(), MPI_FLOAT, comm_),
             "MPI_Alltoallv");
+      received_ += static_cast<double>(mine * (N - 1) * sizeof(float));
       add_in_rank_order(got.data(), mine, data + lo);
     }
   }
@@ -119,6 +120,10 @@ class MpiCommunicator final : public mt::Communicator {
   void all_gather(float* data, size_t n) override {
     if (size_ == 1 || n == 0) return;
     const auto N = static_cast<size_t>(size_);
+    {
+      const auto [lo, hi] = mt::shard_range(n, rank_, size_);
+      received_ += static_cast<double>((n - (hi - lo)) * sizeof(float));
+    }
     std::vector<int> counts(N), displs(N);
     if (rounds(n) == 1 && n <= kIntMax) {  // in place, no packing
       layout(n, 0, true, counts, displs);
@@ -144,12 +149,14 @@ class MpiCommunicator final : public mt::Communicator {
     while (bytes > 0) {  // MPI counts are int
       const size_t part = std::min<size_t>(bytes, 1u << 30);
       check(MPI_Bcast(p, static_cast<int>(part), MPI_BYTE, root, comm_), "MPI_Bcast");
+      if (rank_ != root) received_ += static_cast<double>(part);
       p += part;
       bytes -= part;
     }
   }
 
   void barrier() override { check(MPI_Barrier(comm_), "MPI_Barrier"); }
+  double bytes_received() const override { return received_; }
 
   [[noreturn]] void abort(int code) override {
     std::fflush(stdout);
@@ -188,6 +195,7 @@ class MpiCommunicator final : public mt::Communicator {
       check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, counts.data(), displs.data(),
                            mpi_type<T>(), comm_),
             "MPI_Allgatherv");
+      received_ += static_cast<double>((mine * (N - 1) + (len - mine)) * sizeof(T));
     }
   }
 
@@ -252,6 +260,7 @@ class MpiCommunicator final : public mt::Communicator {
   int rank_ = 0, size_ = 1;
   size_t round_override_ = 0;
   bool owns_ = false, split_ = false;
+  double received_ = 0;
   std::vector<char> recv_;
 };
 

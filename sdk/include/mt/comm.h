@@ -58,6 +58,11 @@ class MT_API Communicator {
   // mt::Error for more.
   virtual std::unique_ptr<Communicator> split(int color, int key);
 
+  // The bytes this rank has received from the others in its collectives so far (what a ring
+  // moves through one rank's link, per direction), for the metrics and for checking the memory
+  // plan's traffic; 0 where the communicator does not count them.
+  virtual double bytes_received() const { return 0; }
+
   // Ends the whole job with `code` from this rank (a rank that failed calls it, so no other
   // rank waits forever in a collective). Never returns.
   [[noreturn]] virtual void abort(int code) = 0;
