@@ -829,11 +829,22 @@ std::string describe_call(const Tensor& a, const Tensor& b, const Tensor& c, boo
 }  // namespace
 
 // bf16 x bf16 GEMMs on AVX512_BF16's dot products: where the CPU has them (and no AMX) and they
-// measured faster than f32 FMAs (twice on the Zen 4 EPYC of 2026-11-26, half on the Xeon this
-// file was first measured on, where the SGEMM stays).
+// outrun f32 FMAs, which is AMD's (twice on the Zen 4 EPYC of 2026-11-26; AMD has the
+// instruction from Zen 4 on) and not Intel's (half on the Xeon this file was first measured
+// on, where the SGEMM stays). Decided by the CPU, not by the start-up measurement: the path
+// changes the bits of bf16 results, and a timing taken under load must not (two runs of one
+// config on one machine gave different losses when it did). MT_CPU_BF16DOT=1 takes the path
+// on any CPU that has the instruction, =0 on none.
 namespace {
 bool dot_gemm_pays() {
-  return dot_bf16_usable() && dot_core_peak_flops() > core_peak();
+  static const bool kPays = [] {
+    if (!dot_bf16_usable()) return false;
+    const char* env = std::getenv("MT_CPU_BF16DOT");
+    if (env && std::string(env) == "1") return true;
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") != 0;
+  }();
+  return kPays;
 }
 }  // namespace
 
