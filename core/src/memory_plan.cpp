@@ -58,31 +58,24 @@ size_t in_use(ModelRunner& r) {
   return r.backend().memory_stats().bytes_in_use;
 }
 
-// The ranks the batch is split among in the mesh the config sets (the data and fsdp axes; an
-// axis of -1 counts 1: the plan knows only the sizes set).
-int64_t data_ranks(const Config& cfg) {
-  return resolve_mesh(cfg, static_cast<int>(mesh_devices_set(cfg))).batch_ranks();
-}
-
-// The ranks FSDP divides the parameters among (the fsdp axis; with a data axis too, each
-// group of them holds a copy: HSDP).
-int64_t fsdp_ranks(const Config& cfg) {
-  return resolve_mesh(cfg, static_cast<int>(mesh_devices_set(cfg))).fsdp;
+// The mesh the config sets, as the plan sees it: an axis of -1 counts 1 (the plan knows only
+// the sizes set).
+Mesh planned_mesh(const Config& cfg) {
+  return resolve_mesh(cfg, static_cast<int>(mesh_devices_set(cfg)));
 }
 
 // One training step exactly as train() runs it (trainer.h's pieces), on a MetaBackend.
 TrainingPlan trace_training(const Config& cfg, PluginManager& plugins,
                             const DeviceProfile& device) {
-  // Rank 0 of FSDP's ranks: its parts of every tensor (shard_range gives later ranks one
-  // element more at most), and each layer's whole weights while the layer runs.
-  const int64_t fsdp = fsdp_ranks(cfg);
-  // Tensor rank 0 of its group: its part of the split weights (equal parts).
-  const auto tensor =
-      static_cast<int>(resolve_mesh(cfg, static_cast<int>(mesh_devices_set(cfg))).tensor);
-  auto runner =
-      meta_runner(cfg, plugins, device,
-                  fsdp > 1 ? ParamSharding{nullptr, 0, static_cast<int>(fsdp)} : ParamSharding{},
-                  TensorSharding{nullptr, 0, tensor});
+  const Mesh mesh = planned_mesh(cfg);
+  // Rank 0 of FSDP's ranks (the fsdp axis; with a data axis too, each group of them holds a
+  // copy: HSDP): its parts of every tensor (shard_range gives later ranks one element more at
+  // most), and each layer's whole weights while the layer runs. Tensor rank 0 of its group:
+  // its part of the split weights (equal parts).
+  const auto fsdp = static_cast<int>(mesh.fsdp), tensor = static_cast<int>(mesh.tensor);
+  auto runner = meta_runner(cfg, plugins, device,
+                            fsdp > 1 ? ParamSharding{nullptr, 0, fsdp} : ParamSharding{},
+                            TensorSharding{nullptr, 0, tensor});
   Backend& be = runner->backend();
   TrainingPlan t;
   t.weights = in_use(*runner);
@@ -95,7 +88,7 @@ TrainingPlan trace_training(const Config& cfg, PluginManager& plugins,
   // only when the total does not divide; a rounding the plan leaves out).
   OptimizerState opt = make_optimizer_state(
       *runner, cfg, offload ? std::make_unique<MetaBackend>(DeviceProfile{}) : nullptr, 0,
-      static_cast<int>(data_ranks(cfg)));
+      static_cast<int>(mesh.batch_ranks()));
   t.optimizer = in_use(*runner) - t.weights - t.gradients;
   if (opt.host) t.host_optimizer = opt.host->memory_stats().bytes_in_use;
   const int64_t batch = cfg.get_int("per_device_batch_size");
@@ -186,7 +179,7 @@ std::vector<std::vector<std::string>> training_changes(const Config& cfg,
   if (remat == "none") c.push_back({"remat_policy=minimal"});
   if (remat != "full") c.push_back({"remat_policy=full"});
   // The moments divided among the data-parallel ranks: the same traffic, the same losses.
-  if (data_ranks(cfg) > 1 && fsdp_ranks(cfg) == 1) {
+  if (const Mesh mesh = planned_mesh(cfg); mesh.batch_ranks() > 1 && mesh.fsdp == 1) {
     if (!cfg.get_bool("shard_optimizer_over_data"))
       c.insert(c.begin(), {"shard_optimizer_over_data=true"});
     // FSDP over the same ranks: the weights and gradients divided too, for two more gathers
@@ -421,7 +414,7 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
   // The mesh's data-parallel ranks (an axis of -1, the rest of the ranks, counts 1 here: the
   // plan knows only the sizes set); the trainer's own checks refuse what it cannot run.
   if (plan.train) {
-    const Mesh mesh = resolve_mesh(cfg, static_cast<int>(mesh_devices_set(cfg)));
+    const Mesh mesh = planned_mesh(cfg);
     if (mesh.batch_ranks() > 1 || mesh.tensor > 1) {
       CollectivePlan c;
       c.ici = std::max<int64_t>(1, cfg.get_int("ici_data_parallelism")) *

@@ -396,35 +396,27 @@ TEST(DataParallel, TensorParallelCheckpointsResumeOnAnyMesh) {
 TEST(DataParallel, ATensorAxisThatCannotSplitIsOneError) {
   MT_NEED_MPIRUN();
   Dir d;
-  test::MtResult r = mpirun(4,
-                            train_args(d.root, "tp", 1,
-                                       "dataset_type=synthetic ici_tensor_parallelism=4 "
-                                       "ici_data_parallelism=1"),
-                            30);
-  EXPECT_EQ(r.code, 2) << r.out;
-  EXPECT_EQ(count(r.out,
-                  "Tensor parallelism over 4 ranks divides the 'kv_heads' axis, but llama-test "
-                  "has 2 key/value heads (base_num_kv_heads), which 4 does not divide"),
-            1u)
-      << r.out;
-  EXPECT_FALSE(fs::exists(d.root / "tp" / "metrics.jsonl"));
-  r = mpirun(2,
-             train_args(d.root, "both", 1,
-                        "dataset_type=synthetic ici_tensor_parallelism=2 ici_data_parallelism=1 "
-                        "shard_optimizer_over_data=true"),
-             30);
-  EXPECT_EQ(r.code, 2) << r.out;
-  EXPECT_EQ(count(r.out, "shard_optimizer_over_data with tensor parallelism is not implemented"),
-            1u)
-      << r.out;
-  // A logical axis the blocks cannot compute on in parts (the vocabulary of the embedding).
-  r = mpirun(2,
-             train_args(d.root, "vocab", 1,
-                        "dataset_type=synthetic ici_tensor_parallelism=2 ici_data_parallelism=1 "
-                        "logical_axis_rules=[heads:tensor,vocab:tensor]"),
-             30);
-  EXPECT_EQ(r.code, 2) << r.out;
-  EXPECT_EQ(count(r.out, "only heads, kv_heads, mlp and experts can be divided"), 1u) << r.out;
+  struct Refused {
+    int ranks;
+    const char* name;
+    std::string words, message;
+  };
+  const std::string tp2 = "dataset_type=synthetic ici_tensor_parallelism=2 ici_data_parallelism=1 ";
+  for (const Refused& c : std::vector<Refused>{
+           {4, "tp", "dataset_type=synthetic ici_tensor_parallelism=4 ici_data_parallelism=1",
+            "Tensor parallelism over 4 ranks divides the 'kv_heads' axis, but llama-test has 2 "
+            "key/value heads (base_num_kv_heads), which 4 does not divide"},
+           {2, "both", tp2 + "shard_optimizer_over_data=true",
+            "shard_optimizer_over_data with tensor parallelism is not implemented"},
+           // A logical axis the blocks cannot compute on in parts (the embedding's vocabulary).
+           {2, "vocab", tp2 + "logical_axis_rules=[heads:tensor,vocab:tensor]",
+            "only heads, kv_heads, mlp and experts can be divided"}}) {
+    SCOPED_TRACE(c.name);
+    const test::MtResult r = mpirun(c.ranks, train_args(d.root, c.name, 1, c.words), 30);
+    EXPECT_EQ(r.code, 2) << r.out;
+    EXPECT_EQ(count(r.out, c.message), 1u) << r.out;
+    EXPECT_FALSE(fs::exists(d.root / c.name / "metrics.jsonl"));
+  }
 }
 
 // 2-D and 3-D meshes: 2 fsdp x 2 tensor ranks (each tensor part divided again by FSDP) train as
