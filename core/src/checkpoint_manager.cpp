@@ -13,9 +13,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <set>
 #include <string_view>
 #include <system_error>
+#include <tuple>
 
 #if defined(__x86_64__)
 #include <nmmintrin.h>
@@ -23,6 +25,7 @@
 
 #include "file_util.h"
 #include "json.h"
+#include "mt/comm.h"
 #include "mt/error.h"
 #include "mt/version.h"
 #include "progress.h"
@@ -34,11 +37,16 @@ namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
 constexpr const char* kFormat = "mt-checkpoint";
-constexpr int64_t kFormatVersion = 1;
+// Version 1: whole tensors, one file per group. Version 2: sharded (the ranks' parts).
+constexpr int64_t kFormatVersion = 2;
 constexpr const char* kMetadataName = "metadata.json";
 // Index i of TrainState's maps (params, opt_m, opt_v) is stored in file kFileNames[i].
 constexpr const char* kFileNames[3] = {"params.safetensors", "opt_m.safetensors",
                                        "opt_v.safetensors"};
+// Version 2: group i of rank r of N is in "<kGroupNames[i]>.<r>-of-<N>.safetensors".
+constexpr const char* kGroupNames[3] = {"params", "opt_m", "opt_v"};
+// More ranks than any job has; bounds what a hostile metadata file can make a reader allocate.
+constexpr int64_t kMaxShards = int64_t{1} << 24;
 // Metadata holds a config and two small state strings; anything bigger is not ours.
 constexpr uintmax_t kMaxMetadataBytes = uintmax_t{256} << 20;
 // The metadata nests three levels; the bound only protects the parser's stack from hostile input.
@@ -195,6 +203,110 @@ void write_file_durable(const fs::path& p, std::string_view text) {
   }
 }
 
+// ---- sharded layout -------------------------------------------------------------------------
+// Version 2: the elements [begin, end) of a tensor's part `part` (flattened), in the file of
+// rank `rank`.
+struct Piece {
+  int rank = 0, part = 0;
+  int64_t begin = 0, end = 0;
+};
+
+// A tensor as a checkpoint holds it: its whole shape and dtype, its tensor-parallel split
+// (TensorPart's geometry) and the pieces that tile its parts.
+struct StoredTensor {
+  Shape shape;
+  std::string dtype;  // safetensors string
+  int dim = -1, parts = 1;
+  std::vector<Piece> pieces;
+};
+
+using Layout = std::map<std::string, StoredTensor>;
+
+std::string shard_file_name(int group, int64_t rank, int64_t shards) {
+  return std::string(kGroupNames[group]) + "." + std::to_string(rank) + "-of-" +
+         std::to_string(shards) + ".safetensors";
+}
+
+// A tensor's part geometry: `cols` the product of the dimensions from `dim` on (all of them when
+// not split), each part `width` = cols / parts of them.
+struct Split {
+  int64_t cols = 0, width = 0;
+};
+
+Split split_of(const Shape& shape, int dim, int parts) {
+  const int64_t n = shape_numel(shape);
+  if (parts <= 1 || dim < 0) return {n, n};
+  int64_t cols = 1;
+  for (size_t i = static_cast<size_t>(dim); i < shape.size(); ++i) cols *= shape[i];
+  return {cols, cols / parts};
+}
+
+// f(element of the whole tensor, element of the part, count) over the contiguous runs of the
+// elements [b, e) of part `part`.
+template <class F>
+void for_each_run(const Split& s, int part, int64_t b, int64_t e, F&& f) {
+  for (int64_t j = b; j < e;) {
+    const int64_t r = j / s.width, c = j % s.width, n = std::min(s.width - c, e - j);
+    f(r * s.cols + part * s.width + c, j, n);
+    j += n;
+  }
+}
+
+// "" when `t`'s geometry is sound and its pieces (in files of ranks below `shards`) tile each
+// of its parts exactly once; else what is wrong.
+std::string tiling_problem(const StoredTensor& t, int64_t shards) {
+  int64_t n = 1;
+  for (int64_t d : t.shape) {
+    if (d < 0) return "a negative dimension";
+    if (d > 0 && n > (int64_t{1} << 53) / d) return "more elements than any tensor has";
+    n *= d;
+  }
+  if (t.parts < 1) return "parts below 1";
+  if (t.parts > 1) {
+    if (t.dim < 0 || static_cast<size_t>(t.dim) >= t.shape.size())
+      return "split along dimension " + std::to_string(t.dim) + " of a " +
+             std::to_string(t.shape.size()) + "-D tensor";
+    if (t.shape[static_cast<size_t>(t.dim)] % t.parts != 0)
+      return "dimension " + std::to_string(t.dim) + " not divisible into " +
+             std::to_string(t.parts) + " parts";
+  }
+  const int64_t part_numel = n / t.parts;
+  std::vector<Piece> ps = t.pieces;
+  std::sort(ps.begin(), ps.end(), [](const Piece& a, const Piece& b) {
+    return a.part != b.part ? a.part < b.part : a.begin < b.begin;
+  });
+  int part = 0;
+  int64_t next = 0;  // the first element of `part` no piece has covered yet
+  for (const Piece& p : ps) {
+    if (p.rank < 0 || p.rank >= shards)
+      return "a piece in the file of rank " + std::to_string(p.rank);
+    if (p.part < 0 || p.part >= t.parts) return "a piece of part " + std::to_string(p.part);
+    if (p.begin >= p.end || p.end > part_numel) return "a piece outside its part";
+    while (part < p.part) {
+      if (next != part_numel) return "part " + std::to_string(part) + " not covered";
+      ++part;
+      next = 0;
+    }
+    if (p.begin != next)
+      return "part " + std::to_string(part) + (p.begin < next ? " covered twice" : " has a gap");
+    next = p.end;
+  }
+  for (; part < t.parts; ++part, next = 0)
+    if (next != part_numel && part_numel > 0)
+      return "part " + std::to_string(part) + " not covered";
+  return {};
+}
+
+// "123" -> 123; anything else (".tmp-" names, other files, overflow) -> nullopt.
+std::optional<int64_t> parse_step(std::string_view name) {
+  if (name.empty() || name.size() > 18) return std::nullopt;
+  int64_t v = 0;
+  auto r = std::from_chars(name.data(), name.data() + name.size(), v);
+  if (r.ec != std::errc() || r.ptr != name.data() + name.size() || v < 0) return std::nullopt;
+  if (std::to_string(v) != name) return std::nullopt;  // "007" is not ours
+  return v;
+}
+
 // ---- metadata -------------------------------------------------------------------------------
 struct FileRecord {
   std::string name;
@@ -208,6 +320,10 @@ struct Metadata {
   bool complete = false;
   std::vector<FileRecord> files;
   std::string data_state, rng_state, config_yaml;
+  // Version 2: the ranks that wrote, and each group's tensors (has[i]: group i is present).
+  int64_t shards = 0;
+  Layout tensors[3];
+  bool has[3] = {};
 
   const FileRecord* file(std::string_view name) const {
     for (const auto& f : files)
@@ -234,7 +350,36 @@ std::string metadata_json(const Metadata& md) {
     o += ": {\"size\": " + std::to_string(md.files[i].size) + ", \"crc32c\": \"" +
          crc_hex(md.files[i].crc) + "\"}";
   }
-  o += "\n  },\n  \"data_state\": " + json::quote(md.data_state);
+  o += "\n  }";
+  if (md.shards > 0) {
+    o += ",\n  \"shards\": " + std::to_string(md.shards) + ",\n  \"tensors\": {";
+    bool first_group = true;
+    for (int g = 0; g < 3; ++g) {
+      if (!md.has[g]) continue;
+      o += first_group ? "\n    " : ",\n    ";
+      first_group = false;
+      o += json::quote(kGroupNames[g]) + ": {";
+      bool first = true;
+      for (const auto& [name, t] : md.tensors[g]) {
+        o += first ? "\n      " : ",\n      ";
+        first = false;
+        o += json::quote(name) + ": {\"shape\": [";
+        for (size_t d = 0; d < t.shape.size(); ++d)
+          o += (d ? ", " : "") + std::to_string(t.shape[d]);
+        o += "], \"dtype\": " + json::quote(t.dtype) + ", \"dim\": " + std::to_string(t.dim) +
+             ", \"parts\": " + std::to_string(t.parts) + ", \"pieces\": [";
+        for (size_t i = 0; i < t.pieces.size(); ++i) {
+          const Piece& p = t.pieces[i];
+          o += (i ? ", [" : "[") + std::to_string(p.rank) + ", " + std::to_string(p.part) + ", " +
+               std::to_string(p.begin) + ", " + std::to_string(p.end) + "]";
+        }
+        o += "]}";
+      }
+      o += "\n    }";
+    }
+    o += "\n  }";
+  }
+  o += ",\n  \"data_state\": " + json::quote(md.data_state);
   o += ",\n  \"rng_state\": " + json::quote(md.rng_state);
   o += ",\n  \"config_yaml\": " + json::quote(md.config_yaml);
   // Last, so a reader that somehow sees a partial file sees no "complete".
@@ -296,6 +441,11 @@ Metadata read_metadata(const fs::path& step_dir) {
   md.step = integer(j.find("step"), "step");
   std::string checksum = str("checksum", true);
   if (checksum != "crc32c") throw bad("unknown checksum \"" + checksum + "\"");
+  if (const json::Value* shards = j.find("shards")) {
+    md.shards = integer(shards, "shards");
+    if (md.shards < 1 || md.shards > kMaxShards)
+      throw bad("\"shards\" is " + std::to_string(md.shards));
+  }
   const json::Value* files = j.find("files");
   if (!files || !files->is_object()) throw bad("missing \"files\" object");
   for (const auto& member : files->members) {
@@ -303,9 +453,19 @@ Metadata read_metadata(const fs::path& step_dir) {
     const std::string& name = member.first;
     const json::Value& rec = member.second;
     // Only our own file names: a path from the metadata must never leave the step directory.
-    if (std::find_if(std::begin(kFileNames), std::end(kFileNames),
-                     [&](const char* k) { return name == k; }) == std::end(kFileNames))
-      throw bad("unexpected file name \"" + name + "\"");
+    bool ours = false;
+    if (md.shards == 0) {
+      ours = std::find_if(std::begin(kFileNames), std::end(kFileNames),
+                          [&](const char* k) { return name == k; }) != std::end(kFileNames);
+    } else {  // "<group>.<r>-of-<N>.safetensors", r < N = shards
+      const size_t dot = name.find('.'), of = name.find("-of-");
+      if (dot != std::string::npos && of != std::string::npos && of > dot) {
+        const auto r = parse_step(std::string_view(name).substr(dot + 1, of - dot - 1));
+        for (int g = 0; g < 3 && r && !ours; ++g)
+          ours = *r < md.shards && name == shard_file_name(g, *r, md.shards);
+      }
+    }
+    if (!ours) throw bad("unexpected file name \"" + name + "\"");
     FileRecord fr;
     fr.name = name;
     int64_t sz = integer(rec.find("size"), name + ".size");
@@ -319,9 +479,66 @@ Metadata read_metadata(const fs::path& step_dir) {
       throw bad("malformed crc32c for " + name);
     md.files.push_back(std::move(fr));
   }
-  if (!md.file(kFileNames[0])) throw bad("no params.safetensors recorded");
-  if ((md.file(kFileNames[1]) != nullptr) != (md.file(kFileNames[2]) != nullptr))
-    throw bad("only one of opt_m and opt_v is recorded");
+  if (md.shards == 0) {
+    if (!md.file(kFileNames[0])) throw bad("no params.safetensors recorded");
+    if ((md.file(kFileNames[1]) != nullptr) != (md.file(kFileNames[2]) != nullptr))
+      throw bad("only one of opt_m and opt_v is recorded");
+  } else {
+    const json::Value* tensors = j.find("tensors");
+    if (!tensors || !tensors->is_object()) throw bad("missing \"tensors\" object");
+    for (const auto& group : tensors->members) {
+      const auto* g = std::find_if(std::begin(kGroupNames), std::end(kGroupNames),
+                                   [&](const char* k) { return group.first == k; });
+      if (g == std::end(kGroupNames)) throw bad("unexpected group \"" + group.first + "\"");
+      const auto gi = static_cast<int>(g - std::begin(kGroupNames));
+      if (!group.second.is_object()) throw bad("\"" + group.first + "\" is not an object");
+      md.has[gi] = true;
+      for (const auto& member : group.second.members) {
+        const std::string& name = member.first;
+        const json::Value& v = member.second;
+        const std::string where = group.first + "." + name;
+        StoredTensor t;
+        const json::Value* shape = v.find("shape");
+        if (!shape || !shape->is_array()) throw bad("missing shape for " + where);
+        for (const auto& d : shape->items) t.shape.push_back(integer(&d, where + ".shape"));
+        const json::Value* dt = v.find("dtype");
+        if (!dt || !dt->is_string() || !dtype_from_safetensors(dt->str) ||
+            !is_float(*dtype_from_safetensors(dt->str)))
+          throw bad("missing or non-floating dtype for " + where);
+        t.dtype = dt->str;
+        const int64_t dim = integer(v.find("dim"), where + ".dim"),
+                      parts = integer(v.find("parts"), where + ".parts");
+        if (dim < -1 || dim > 64 || parts < 1 || parts > kMaxShards)
+          throw bad("implausible split of " + where);
+        t.dim = static_cast<int>(dim);
+        t.parts = static_cast<int>(parts);
+        const json::Value* pieces = v.find("pieces");
+        if (!pieces || !pieces->is_array()) throw bad("missing pieces for " + where);
+        for (const auto& pv : pieces->items) {
+          if (!pv.is_array() || pv.items.size() != 4) throw bad("malformed piece of " + where);
+          Piece p;
+          const int64_t r = integer(&pv.items[0], where + ".pieces"),
+                        part = integer(&pv.items[1], where + ".pieces");
+          if (r < 0 || r >= md.shards || part < 0 || part >= t.parts)
+            throw bad("a piece of " + where + " names rank " + std::to_string(r) + " part " +
+                      std::to_string(part));
+          p.rank = static_cast<int>(r);
+          p.part = static_cast<int>(part);
+          p.begin = integer(&pv.items[2], where + ".pieces");
+          p.end = integer(&pv.items[3], where + ".pieces");
+          if (!md.file(shard_file_name(gi, r, md.shards)))
+            throw bad("a piece of " + where + " is in " + shard_file_name(gi, r, md.shards) +
+                      ", which \"files\" does not list");
+          t.pieces.push_back(p);
+        }
+        const std::string problem = tiling_problem(t, md.shards);
+        if (!problem.empty()) throw bad("the pieces of " + where + ": " + problem);
+        md.tensors[gi].emplace(name, std::move(t));
+      }
+    }
+    if (!md.has[0]) throw bad("no params recorded in \"tensors\"");
+    if (md.has[1] != md.has[2]) throw bad("only one of opt_m and opt_v is recorded");
+  }
   md.data_state = str("data_state", false);
   md.rng_state = str("rng_state", false);
   md.config_yaml = str("config_yaml", false);
@@ -331,16 +548,6 @@ Metadata read_metadata(const fs::path& step_dir) {
 }
 
 // ---- directory listing ----------------------------------------------------------------------
-// "123" -> 123; anything else (".tmp-" names, other files, overflow) -> nullopt.
-std::optional<int64_t> parse_step(std::string_view name) {
-  if (name.empty() || name.size() > 18) return std::nullopt;
-  int64_t v = 0;
-  auto r = std::from_chars(name.data(), name.data() + name.size(), v);
-  if (r.ec != std::errc() || r.ptr != name.data() + name.size() || v < 0) return std::nullopt;
-  if (std::to_string(v) != name) return std::nullopt;  // "007" is not ours
-  return v;
-}
-
 // "" when complete, with every recorded file present at the recorded size; else why not. No
 // checksums (fast).
 std::string why_incomplete(const fs::path& step_dir, int64_t step) {
@@ -507,29 +714,257 @@ std::string previous_hint(const fs::path& step_dir, int64_t step) {
          "); move or delete the corrupt one to resume from it.";
 }
 
+// Where a restore reads its tensors: the files of a step directory whose metadata `md` says
+// where each piece is (version 2) or which holds whole tensors (version 1), or a bare
+// .safetensors file (`md` null: no checksums). Files are opened at their first use, after
+// their size and checksum are verified.
+class PartSource {
+ public:
+  using Corrupt = std::function<Error(const std::string&)>;
+  PartSource(fs::path dir, const Metadata* md, std::string bare, Corrupt corrupt)
+      : dir_(std::move(dir)), md_(md), bare_(std::move(bare)), corrupt_(std::move(corrupt)) {}
+
+  bool sharded() const { return md_ && md_->shards > 0; }
+  bool has(int g) const {
+    if (!md_) return g == 0;
+    return sharded() ? md_->has[g] : md_->file(kFileNames[g]) != nullptr;
+  }
+  // Group g's tensors; version 1 and bare files: each whole, from the file's header.
+  const Layout& layout(int g) {
+    if (sharded()) return md_->tensors[g];
+    Layout& l = whole_[g];
+    if (l.empty())
+      for (const auto& name : file(whole_file(g)).names()) {
+        const SafeTensorInfo& info = file(whole_file(g)).info(name);
+        StoredTensor t{info.shape, info.dtype, -1, 1, {}};
+        if (info.numel() > 0) t.pieces.push_back({0, 0, 0, info.numel()});
+        l.emplace(name, std::move(t));
+      }
+    return l;
+  }
+  std::string file_name(int g, const Piece& p) const {
+    return sharded() ? shard_file_name(g, p.rank, md_->shards) : whole_file(g);
+  }
+  std::string file_path(int g) const { return (dir_ / whole_file(g)).string(); }
+  const SafeTensorsFile& file(const std::string& name) {
+    if (auto it = open_.find(name); it != open_.end()) return it->second;
+    const fs::path p = dir_ / name;
+    if (md_) {
+      const FileRecord* rec = md_->file(name);
+      std::error_code ec;
+      const uintmax_t size = fs::file_size(p, ec);
+      if (ec) throw corrupt_(quoted(p) + " cannot be read: " + ec.message());
+      if (size != rec->size)
+        throw corrupt_(quoted(p) + " is " + std::to_string(size) +
+                       " bytes but the metadata records " + std::to_string(rec->size) +
+                       " (truncated or overwritten)");
+      const uint32_t crc = crc32c_file(p);
+      if (crc != rec->crc)
+        throw corrupt_(quoted(p) + " has CRC-32C " + crc_hex(crc) + " but the metadata records " +
+                       crc_hex(rec->crc) + " (the file's bytes changed after it was written)");
+    }
+    return open_.emplace(name, SafeTensorsFile(p)).first->second;
+  }
+  Error corrupt(const std::string& what) const { return corrupt_(what); }
+
+ private:
+  std::string whole_file(int g) const { return md_ ? kFileNames[g] : bare_; }
+
+  fs::path dir_;
+  const Metadata* md_;
+  std::string bare_;
+  Corrupt corrupt_;
+  Layout whole_[3];
+  std::map<std::string, SafeTensorsFile> open_;
+};
+
+// Fills the parts in `targets[g]` (null: group g is not read) from `src`. Every name, shape,
+// file and piece is checked before the first tensor is written, so a checkpoint that does not
+// fit leaves the targets as they were. A part whose tensor-parallel split is the stored one
+// reads only the pieces that overlap it; another split assembles the whole tensor on the host
+// (one tensor at a time) and cuts the part from it.
+void read_parts(PartSource& src, const fs::path& where,
+                std::map<std::string, TensorPart>* const targets[3]) {
+  struct Read {
+    TensorPart* want;
+    const StoredTensor* stored;
+    bool direct;  // the same split: the overlapping pieces straight into the part
+    std::vector<std::pair<const Piece*, const SafeTensorInfo*>> pieces;
+  };
+  std::vector<Read> reads;
+  for (int g = 0; g < 3; ++g) {
+    if (!targets[g]) continue;
+    if (!src.has(g))
+      throw Error("Checkpoint " + quoted(where) +
+                  " is parameter-only: it holds no optimizer moments (" + kGroupNames[g] +
+                  "), but the train state asks for them. Load it with load_parameters_path "
+                  "instead to start a fresh optimizer.");
+    const Layout& layout = src.layout(g);
+    std::vector<std::string> missing, extra, problems;
+    for (auto& [name, want] : *targets[g]) {
+      const auto it = layout.find(name);
+      if (it == layout.end()) {
+        missing.push_back(name);
+        continue;
+      }
+      const StoredTensor& t = it->second;
+      if (t.shape != want.shape) {
+        problems.push_back("tensor '" + name + "' has shape " + shape_str(t.shape) +
+                           " in the checkpoint but " + shape_str(want.shape) + " in the model");
+        continue;
+      }
+      const auto dt = dtype_from_safetensors(t.dtype);
+      if (!dt || !is_float(*dt) || !is_float(want.data.dtype())) {
+        problems.push_back("tensor '" + name + "' is stored as " + t.dtype +
+                           ", which cannot be converted to " + dtype_name(want.data.dtype()));
+        continue;
+      }
+      MT_CHECK(want.end - want.begin == want.data.numel() && want.begin >= 0 &&
+                   want.end * want.parts <= shape_numel(want.shape),
+               "the part of '" + name + "' to restore is not a part of it");
+      Read r{&want, &t, t.parts == want.parts && (t.parts == 1 || t.dim == want.dim), {}};
+      for (const Piece& p : t.pieces) {
+        if (r.direct && (p.part != want.part || p.end <= want.begin || p.begin >= want.end))
+          continue;
+        const std::string file = src.file_name(g, p);
+        const SafeTensorsFile& f = src.file(file);
+        if (!f.contains(name))
+          throw src.corrupt(quoted(f.path()) + " lacks tensor '" + name +
+                            "', which the metadata places there");
+        const SafeTensorInfo& info = f.info(name);
+        if (info.dtype != t.dtype || info.numel() != p.end - p.begin)
+          throw src.corrupt(quoted(f.path()) + " holds tensor '" + name + "' as " + info.dtype +
+                            " " + shape_str(info.shape) + ", not the " +
+                            std::to_string(p.end - p.begin) + " " + t.dtype +
+                            " elements the metadata records");
+        r.pieces.emplace_back(&p, &info);
+      }
+      reads.push_back(std::move(r));
+    }
+    for (const auto& [name, t] : layout)
+      if (!targets[g]->count(name)) extra.push_back(name);
+    std::string msg;
+    auto add = [&](const std::string& s) { msg += (msg.empty() ? "" : "; ") + s; };
+    if (!missing.empty())
+      add("missing tensors (the model has them, the checkpoint does not): " + name_list(missing));
+    if (!extra.empty())
+      add("unexpected tensors (the checkpoint has them, the model does not): " + name_list(extra));
+    for (const auto& p : problems) add(p);
+    if (!msg.empty())
+      throw UsageError("Checkpoint " + quoted(where) + " (" + kGroupNames[g] +
+                       ") does not match the model: " + msg +
+                       ". Was it written with a different model config?");
+  }
+
+  for (const Read& r : reads) {
+    const TensorPart& want = *r.want;
+    const StoredTensor& t = *r.stored;
+    const size_t elem = safetensors_dtype_size(t.dtype);
+    const int64_t n = want.end - want.begin;
+    if (n == 0) continue;
+    std::vector<std::byte> buf(static_cast<size_t>(n) * elem);
+    if (r.direct) {
+      for (const auto& [p, info] : r.pieces) {
+        const int64_t lo = std::max(p->begin, want.begin), hi = std::min(p->end, want.end);
+        std::memcpy(buf.data() + (lo - want.begin) * elem, info->data + (lo - p->begin) * elem,
+                    static_cast<size_t>(hi - lo) * elem);
+      }
+    } else {
+      std::vector<std::byte> whole(static_cast<size_t>(shape_numel(t.shape)) * elem);
+      const Split from = split_of(t.shape, t.dim, t.parts);
+      for (const auto& [p, info] : r.pieces)
+        for_each_run(from, p->part, p->begin, p->end, [&](int64_t w, int64_t j, int64_t k) {
+          std::memcpy(whole.data() + w * elem, info->data + (j - p->begin) * elem,
+                      static_cast<size_t>(k) * elem);
+        });
+      const Split to = split_of(want.shape, want.dim, want.parts);
+      for_each_run(to, want.part, want.begin, want.end, [&](int64_t w, int64_t j, int64_t k) {
+        std::memcpy(buf.data() + (j - want.begin) * elem, whole.data() + w * elem,
+                    static_cast<size_t>(k) * elem);
+      });
+    }
+    Tensor dst = want.data;
+    if (*dtype_from_safetensors(t.dtype) == dst.dtype()) {
+      dst.backend()->copy_from_host(dst, buf.data());
+    } else {
+      std::vector<std::byte> converted(dst.nbytes());
+      convert_float_elements(t.dtype, buf.data(), dst.dtype(), converted.data(),
+                             static_cast<size_t>(n));
+      dst.backend()->copy_from_host(dst, converted.data());
+    }
+  }
+}
+
+// The metadata of a step directory, checked to be complete and of its step; errors name the
+// directory as corrupt and the previous complete step.
+struct StepDir {
+  fs::path dir;
+  int64_t step = -1;
+  Metadata md;
+  Error corrupt(const std::string& what) const {
+    return Error("Checkpoint " + quoted(dir) + " (step " + std::to_string(step) +
+                 ") is corrupt: " + what + "." + previous_hint(dir, step));
+  }
+};
+
+StepDir open_step(fs::path step_dir) {
+  if (step_dir.filename().empty()) step_dir = step_dir.parent_path();  // ".../5/"
+  StepDir sd;
+  sd.dir = step_dir;
+  auto step = parse_step(step_dir.filename().string());
+  sd.step = step ? *step : -1;
+  try {
+    sd.md = read_metadata(step_dir);
+  } catch (const Error& e) {
+    throw sd.corrupt(e.what());
+  }
+  if (!step) sd.step = sd.md.step;
+  if (!sd.md.complete)
+    throw sd.corrupt(quoted(step_dir / kMetadataName) +
+                     " does not say \"complete\": true (an interrupted save?)");
+  if (step && sd.md.step != *step)
+    throw sd.corrupt(quoted(step_dir / kMetadataName) + " records step " +
+                     std::to_string(sd.md.step));
+  return sd;
+}
+
+// A step directory's tensors into the parts of `targets` (any version).
+Metadata load_step_parts(const fs::path& step_dir,
+                         std::map<std::string, TensorPart>* const targets[3]) {
+  StepDir sd = open_step(step_dir);
+  PartSource src(sd.dir, &sd.md, {}, [&](const std::string& w) { return sd.corrupt(w); });
+  read_parts(src, sd.dir, targets);
+  return std::move(sd.md);
+}
+
+// Whole tensors as parts of themselves.
+std::map<std::string, TensorPart> whole_parts(const std::map<std::string, Tensor>& tensors) {
+  std::map<std::string, TensorPart> parts;
+  for (const auto& [name, t] : tensors)
+    parts[name] = TensorPart{t.shape(), -1, 1, 0, 0, t.numel(), t};
+  return parts;
+}
+
 // Verifies and loads the files of one step directory into `targets[i]` (null: not read).
 // Everything is checked before any tensor is written, so a bad checkpoint leaves the targets as
 // they were.
 Metadata load_step(fs::path step_dir, std::map<std::string, Tensor>* const targets[3]) {
-  if (step_dir.filename().empty()) step_dir = step_dir.parent_path();  // ".../5/"
-  auto step = parse_step(step_dir.filename().string());
-  int64_t step_num = step ? *step : -1;
-  auto corrupt = [&](const std::string& what) {
-    return Error("Checkpoint " + quoted(step_dir) + " (step " + std::to_string(step_num) +
-                 ") is corrupt: " + what + "." + previous_hint(step_dir, step_num));
-  };
-  Metadata md;
-  try {
-    md = read_metadata(step_dir);
-  } catch (const Error& e) {
-    throw corrupt(e.what());
+  StepDir sd = open_step(std::move(step_dir));
+  step_dir = sd.dir;
+  const Metadata& md = sd.md;
+  auto corrupt = [&](const std::string& what) { return sd.corrupt(what); };
+  if (md.shards > 0) {  // the ranks' pieces, assembled whole
+    std::map<std::string, TensorPart> parts[3];
+    std::map<std::string, TensorPart>* part_targets[3] = {};
+    for (int i = 0; i < 3; ++i)
+      if (targets[i]) {
+        parts[i] = whole_parts(*targets[i]);
+        part_targets[i] = &parts[i];
+      }
+    PartSource src(sd.dir, &sd.md, {}, corrupt);
+    read_parts(src, sd.dir, part_targets);
+    return std::move(sd.md);
   }
-  if (!step) step_num = md.step;
-  if (!md.complete)
-    throw corrupt(quoted(step_dir / kMetadataName) +
-                  " does not say \"complete\": true (an interrupted save?)");
-  if (step && md.step != *step)
-    throw corrupt(quoted(step_dir / kMetadataName) + " records step " + std::to_string(md.step));
 
   std::vector<std::pair<SafeTensorsFile, int>> open;
   for (int i = 0; i < 3; ++i) {
@@ -596,6 +1031,27 @@ fs::path resolve_step_dir(const fs::path& path, const char* key) {
   return ckpts / std::to_string(steps.back());
 }
 
+// max_num_checkpoints_to_keep: deletes the oldest complete steps beyond `max_to_keep` (0: keeps
+// all); the step just written always stays, even when an older run left higher steps around.
+void apply_retention(const fs::path& dir, int max_to_keep, int64_t step) {
+  if (max_to_keep <= 0) return;
+  std::vector<int64_t> steps = list_complete_steps(dir);
+  steps.erase(std::remove(steps.begin(), steps.end(), step), steps.end());
+  size_t keep_others = static_cast<size_t>(max_to_keep - 1);
+  try {
+    for (size_t i = 0; i + keep_others < steps.size(); ++i) delete_checkpoint(dir, steps[i]);
+    fsync_path(dir, true);
+  } catch (const std::exception& e) {
+    throw Error("Checkpoint step " + std::to_string(step) + " was saved to " +
+                quoted(dir / std::to_string(step)) +
+                ", but deleting older checkpoints (max_num_checkpoints_to_keep=" +
+                std::to_string(max_to_keep) + ") failed: " + e.what());
+  }
+}
+
+// A step directory's state into a rank's parts (restore_parts, load_full_state_parts).
+void restore_parts_from(const fs::path& step_dir, ShardedTrainState& state);
+
 }  // namespace
 
 // ---- public ---------------------------------------------------------------------------------
@@ -634,12 +1090,33 @@ uint32_t crc32c_file(const fs::path& path) {
   return crc;
 }
 
+// A sharded save between its files and its publication: what rank 0 puts in the metadata, and
+// this rank's files.
+struct CheckpointManager::PendingShards {
+  int64_t step = 0;
+  int rank = 0, shards = 1;
+  fs::path tmp, final_dir, old;
+  Layout layout[3];
+  bool has[3] = {};
+  std::string data_state, rng_state, config_yaml;
+  // The pieces this rank writes (no lower rank holds them): live tensors (sync) or host copies.
+  std::vector<std::pair<std::string, Tensor>> live[3];
+  std::vector<SafeTensorsEntry> host[3];
+  bool from_host = false;
+  // Written by write_shards: each file's size and checksum.
+  bool wrote[3] = {};
+  uint64_t size[3] = {};
+  uint32_t crc[3] = {};
+  Clock::time_point t0;
+};
+
 CheckpointManager::CheckpointManager(fs::path checkpoint_dir, bool async, int max_to_keep,
-                                     Backend& backend)
+                                     Backend& backend, Communicator* comm)
     : dir_(std::move(checkpoint_dir)),
       async_(async),
       max_to_keep_(std::max(0, max_to_keep)),
-      backend_(backend) {}
+      backend_(backend),
+      comm_(comm) {}
 
 CheckpointManager::~CheckpointManager() {
   join_worker();
@@ -661,6 +1138,10 @@ void CheckpointManager::rethrow_pending() {
 }
 
 void CheckpointManager::wait() {
+  if (shards_) {
+    commit_shards();
+    return;
+  }
   join_worker();
   rethrow_pending();
 }
@@ -831,20 +1312,7 @@ void CheckpointManager::write(const Snapshot& snap, bool live) {
                 " failed: " + cause + ". Existing checkpoints were not modified.");
   }
 
-  if (max_to_keep_ > 0) {
-    std::vector<int64_t> steps = list_complete_steps(dir_);
-    // The step just written always stays, even when an older run left higher steps around.
-    steps.erase(std::remove(steps.begin(), steps.end(), snap.step), steps.end());
-    size_t keep_others = static_cast<size_t>(max_to_keep_ - 1);
-    try {
-      for (size_t i = 0; i + keep_others < steps.size(); ++i) delete_checkpoint(dir_, steps[i]);
-      fsync_path(dir_, true);
-    } catch (const std::exception& e) {
-      throw Error("Checkpoint step " + step_name + " was saved to " + quoted(final_dir) +
-                  ", but deleting older checkpoints (max_num_checkpoints_to_keep=" +
-                  std::to_string(max_to_keep_) + ") failed: " + e.what());
-    }
-  }
+  apply_retention(dir_, max_to_keep_, snap.step);
   last_write_s_ = seconds_since(t0);
 }
 
@@ -857,6 +1325,334 @@ void CheckpointManager::restore(int64_t step, TrainState& state) {
     throw Error("There is no checkpoint for step " + std::to_string(step) + " in " + quoted(dir_) +
                 ".");
   restore_into(step_dir, state);
+}
+
+void CheckpointManager::save_parts(const ShardedTrainState& state) {
+  const Clock::time_point t0 = Clock::now();
+  wait();
+  MT_CHECK(comm_ != nullptr, "CheckpointManager::save_parts needs the job's communicator");
+  if (state.step < 0)
+    throw Error("cannot save a checkpoint for negative step " + std::to_string(state.step));
+  if (state.tensors[1].size() != state.tensors[2].size())
+    throw Error("cannot save a checkpoint with only one of the Adam moments");
+  const int me = comm_->rank(), ranks = comm_->size();
+  size_t count = 0;
+  for (const auto& group : state.tensors)
+    for (const auto& [name, t] : group) {
+      if (!t.data.defined() || t.data.numel() != t.end - t.begin || t.begin < 0 || t.parts < 1)
+        throw Error("cannot save a checkpoint: the part of tensor '" + name +
+                    "' is undefined or not the size its range says");
+      ++count;
+    }
+  // Every rank's (part, begin, end) of every tensor, to find who writes what (the lowest rank
+  // holding a piece) and for rank 0's metadata.
+  std::vector<double> table(static_cast<size_t>(ranks) * count * 3, 0.0);
+  {
+    size_t k = static_cast<size_t>(me) * count * 3;
+    for (const auto& group : state.tensors)
+      for (const auto& [name, t] : group) {
+        table[k++] = t.part;
+        table[k++] = static_cast<double>(t.begin);
+        table[k++] = static_cast<double>(t.end);
+      }
+  }
+  comm_->all_reduce_sum(table.data(), table.size());
+
+  auto pending = std::make_unique<PendingShards>();
+  PendingShards& p = *pending;
+  p.t0 = t0;
+  p.step = state.step;
+  p.rank = me;
+  p.shards = ranks;
+  p.data_state = state.data_state;
+  p.rng_state = state.rng_state;
+  p.config_yaml = state.config_yaml;
+  size_t k = 0;
+  for (int g = 0; g < 3; ++g) {
+    p.has[g] = g == 0 || !state.tensors[g].empty();
+    for (const auto& [name, t] : state.tensors[g]) {
+      StoredTensor st{
+          t.shape, safetensors_dtype_name(t.data.dtype()), t.parts > 1 ? t.dim : -1, t.parts, {}};
+      std::map<std::tuple<int64_t, int64_t, int64_t>, int> first;  // a piece's lowest rank
+      for (int r = 0; r < ranks; ++r) {
+        const double* row = table.data() + (static_cast<size_t>(r) * count + k) * 3;
+        const auto part = static_cast<int64_t>(row[0]), b = static_cast<int64_t>(row[1]),
+                   e = static_cast<int64_t>(row[2]);
+        if (b < e) first.emplace(std::tuple{part, b, e}, r);
+      }
+      for (const auto& [piece, r] : first)
+        st.pieces.push_back(
+            {r, static_cast<int>(std::get<0>(piece)), std::get<1>(piece), std::get<2>(piece)});
+      const std::string problem = tiling_problem(st, ranks);
+      if (!problem.empty())
+        throw Error("cannot save a checkpoint: the ranks' parts of tensor '" + name +
+                    "' do not make it whole (" + problem + ")");
+      if (t.begin < t.end && first.at(std::tuple{int64_t{t.part}, t.begin, t.end}) == me)
+        p.live[g].emplace_back(name, t.data.view({t.end - t.begin}));
+      p.layout[g].emplace(name, std::move(st));
+      ++k;
+    }
+  }
+
+  // Rank 0 makes the directory every rank writes into, named after its pid.
+  const std::string step_name = std::to_string(state.step);
+  double made[2] = {0, 0};  // made, rank 0's pid
+  std::string why;
+  if (me == 0) {
+    try {
+      std::error_code ec;
+      fs::create_directories(dir_, ec);
+      if (ec)
+        throw Error("cannot create the checkpoint directory " + quoted(dir_) + ": " + ec.message());
+      remove_stale(dir_);
+      const fs::path tmp = dir_ / (step_name + ".tmp-" + std::to_string(::getpid()));
+      if (::mkdir(tmp.c_str(), 0755) != 0) errno_error("cannot create", tmp);
+      made[0] = 1;
+      made[1] = ::getpid();
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+  }
+  comm_->broadcast(made, sizeof made, 0);
+  p.final_dir = dir_ / step_name;
+  if (made[0] == 0)
+    throw Error("Saving checkpoint step " + step_name + " to " + quoted(p.final_dir) +
+                " failed: " + (me == 0 ? why : "rank 0 could not create its directory") +
+                ". Existing checkpoints were not modified.");
+  const std::string pid0 = std::to_string(static_cast<int64_t>(made[1]));
+  p.tmp = dir_ / (step_name + ".tmp-" + pid0);
+  p.old = dir_ / (step_name + ".old-" + pid0);
+
+  // Kernels may still be writing the tensors on an asynchronous device.
+  backend_.synchronize();
+  worker_done_ = false;
+  if (!async_) {
+    shards_ = std::move(pending);
+    try {
+      write_shards(*shards_);
+    } catch (const std::exception& e) {
+      pending_error_ = e.what();
+    }
+    worker_done_ = true;
+    last_blocking_s_ = seconds_since(t0);
+    total_blocking_s_ += last_blocking_s_;
+    commit_shards();
+    return;
+  }
+  size_t b = 0;
+  for (int g = 0; g < 3; ++g) {
+    for (auto& [name, t] : p.live[g]) {
+      const size_t n = t.nbytes();
+      if (b == buffers_.size()) buffers_.emplace_back();
+      HostBuffer& buf = buffers_[b++];
+      if (buf.size != n || !buf.data) {
+        buf.data = std::make_unique_for_overwrite<std::byte[]>(std::max<size_t>(n, 1));
+        buf.size = n;
+      }
+      if (n > 0) t.backend()->copy_to_host(t, buf.data.get());
+      p.host[g].emplace_back(name, t.dtype(), t.shape(), buf.data.get());
+    }
+    p.live[g].clear();
+  }
+  buffers_.resize(b);
+  p.from_host = true;
+  shards_ = std::move(pending);
+  auto work = [this] {
+    try {
+      write_shards(*shards_);
+    } catch (const std::exception& e) {
+      pending_error_ = e.what();
+    }
+    worker_done_ = true;
+  };
+  try {
+    worker_ = std::thread(work);
+  } catch (const std::system_error&) {
+    work();  // no thread to be had: write in the caller instead of losing the checkpoint
+  }
+  last_blocking_s_ = seconds_since(t0);
+  total_blocking_s_ += last_blocking_s_;
+}
+
+void CheckpointManager::write_shards(PendingShards& p) {
+  for (int g = 0; g < 3; ++g) {
+    if (p.live[g].empty() && p.host[g].empty()) continue;
+    const fs::path path = p.tmp / shard_file_name(g, p.rank, p.shards);
+    try {
+      if (p.from_host)
+        write_safetensors(path, p.host[g]);
+      else
+        save_tensors(path, p.live[g]);
+      p.size[g] = fs::file_size(path);
+      p.crc[g] = crc32c_file(path);  // read back: the bytes the file system holds
+      p.wrote[g] = true;
+    } catch (const std::exception& e) {
+      throw Error("rank " + std::to_string(p.rank) + " could not write " + quoted(path) + ": " +
+                  e.what());
+    }
+    if (g == 0) crash_point("after_params");
+  }
+}
+
+void CheckpointManager::commit_shards() {
+  if (worker_.joinable()) worker_.join();
+  PendingShards& p = *shards_;
+  const int ranks = p.shards, me = p.rank;
+  // Per rank: failed, then each group's (written, size, checksum).
+  constexpr size_t kRow = 10;
+  std::vector<double> rows(static_cast<size_t>(ranks) * kRow, 0.0);
+  double* mine = rows.data() + static_cast<size_t>(me) * kRow;
+  mine[0] = pending_error_ ? 1 : 0;
+  for (int g = 0; g < 3; ++g) {
+    mine[1 + 3 * g] = p.wrote[g] ? 1 : 0;
+    mine[2 + 3 * g] = static_cast<double>(p.size[g]);
+    mine[3 + 3 * g] = p.crc[g];
+  }
+  comm_->all_reduce_sum(rows.data(), rows.size());
+  const std::string step_name = std::to_string(p.step);
+  std::string error;
+  if (me == 0) {
+    std::vector<std::string> failed;
+    for (int r = 1; r < ranks; ++r)
+      if (rows[static_cast<size_t>(r) * kRow] != 0) failed.push_back(std::to_string(r));
+    bool published = false;
+    try {
+      if (pending_error_) throw Error(*pending_error_);
+      if (!failed.empty()) {
+        std::string list;
+        for (size_t i = 0; i < failed.size(); ++i)
+          list += (i == 0 ? "" : i + 1 == failed.size() ? " and " : ", ") + failed[i];
+        throw Error("rank" + std::string(failed.size() > 1 ? "s " : " ") + list +
+                    " could not write " + (failed.size() > 1 ? "their" : "its") +
+                    " files (each printed why)");
+      }
+      Metadata md;
+      md.version = 2;
+      md.step = p.step;
+      md.shards = ranks;
+      md.data_state = p.data_state;
+      md.rng_state = p.rng_state;
+      md.config_yaml = p.config_yaml;
+      size_t bytes = 0;
+      for (int g = 0; g < 3; ++g) {
+        md.has[g] = p.has[g];
+        md.tensors[g] = p.layout[g];
+        for (int r = 0; r < ranks; ++r) {
+          const double* row = rows.data() + static_cast<size_t>(r) * kRow;
+          if (row[1 + 3 * g] == 0) continue;
+          FileRecord rec;
+          rec.name = shard_file_name(g, r, ranks);
+          rec.size = static_cast<uint64_t>(row[2 + 3 * g]);
+          rec.crc = static_cast<uint32_t>(row[3 + 3 * g]);
+          bytes += rec.size;
+          md.files.push_back(std::move(rec));
+        }
+      }
+      md.complete = true;
+      write_file_durable(p.tmp / kMetadataName, metadata_json(md));
+      fsync_path(p.tmp, true);
+      crash_point("before_rename");
+      publish(p.tmp, p.final_dir, p.old);
+      published = true;
+      fsync_path(dir_, true);
+      last_write_bytes_ = bytes;
+      apply_retention(dir_, max_to_keep_, p.step);
+    } catch (const std::exception& e) {
+      std::string cause = e.what();
+      if (!cause.empty() && cause.back() == '.') cause.pop_back();
+      error = published ? cause + "."
+                        : "Saving checkpoint step " + step_name + " to " + quoted(p.final_dir) +
+                              " failed: " + cause + ". Existing checkpoints were not modified.";
+    }
+    std::error_code ec;
+    if (!published) fs::remove_all(p.tmp, ec);
+  } else if (pending_error_) {
+    std::fprintf(stderr, "mt: rank %d: %s\n", me, pending_error_->c_str());
+  }
+  double ok = error.empty() ? 1 : 0;
+  comm_->broadcast(&ok, sizeof ok, 0);
+  last_write_s_ = seconds_since(p.t0);
+  shards_.reset();
+  pending_error_.reset();
+  if (ok != 0) return;
+  if (me == 0) throw Error(error);
+  throw Error("Saving checkpoint step " + step_name +
+              " failed; rank 0 names the cause. Existing checkpoints were not modified.");
+}
+
+void CheckpointManager::poll() {
+  if (!shards_) return;
+  double done = worker_done_ ? 1 : 0;
+  comm_->all_reduce_sum(&done, 1);
+  if (done == comm_->size()) commit_shards();
+}
+
+void CheckpointManager::restore_parts(int64_t step, ShardedTrainState& state) {
+  join_worker();
+  fs::path step_dir = dir_ / std::to_string(step);
+  std::error_code ec;
+  if (!fs::is_directory(step_dir, ec))
+    throw Error("There is no checkpoint for step " + std::to_string(step) + " in " + quoted(dir_) +
+                ".");
+  restore_parts_from(step_dir, state);
+}
+
+void load_full_state_parts(const fs::path& path, ShardedTrainState& state) {
+  restore_parts_from(resolve_step_dir(path, "load_full_state_path"), state);
+}
+
+namespace {
+
+void restore_parts_from(const fs::path& step_dir, ShardedTrainState& state) {
+  std::map<std::string, TensorPart>* targets[3] = {&state.tensors[0], nullptr, nullptr};
+  if (!state.tensors[1].empty() || !state.tensors[2].empty()) {
+    targets[1] = &state.tensors[1];
+    targets[2] = &state.tensors[2];
+  }
+  Metadata md = load_step_parts(step_dir, targets);
+  state.step = md.step;
+  state.data_state = std::move(md.data_state);
+  state.rng_state = std::move(md.rng_state);
+  state.config_yaml = std::move(md.config_yaml);
+}
+
+}  // namespace
+
+std::map<std::string, Tensor> load_checkpoint_tensors(const fs::path& path,
+                                                      const std::string& group, Backend& backend) {
+  const auto* it = std::find(std::begin(kGroupNames), std::end(kGroupNames), group);
+  MT_CHECK(it != std::end(kGroupNames), "no checkpoint group '" + group + "'");
+  const auto g = static_cast<int>(it - std::begin(kGroupNames));
+  StepDir sd = open_step(resolve_step_dir(path, "checkpoint"));
+  PartSource src(sd.dir, &sd.md, {}, [&](const std::string& w) { return sd.corrupt(w); });
+  if (!src.has(g)) throw Error("Checkpoint " + quoted(sd.dir) + " holds no " + group + ".");
+  std::map<std::string, TensorPart> parts;
+  std::map<std::string, Tensor> out;
+  for (const auto& [name, t] : src.layout(g)) {
+    Tensor x = backend.empty(t.shape, *dtype_from_safetensors(t.dtype));
+    parts[name] = TensorPart{t.shape, -1, 1, 0, 0, x.numel(), x};
+    out[name] = x;
+  }
+  std::map<std::string, TensorPart>* targets[3] = {};
+  targets[g] = &parts;
+  read_parts(src, sd.dir, targets);
+  return out;
+}
+
+void load_parameter_parts(const fs::path& path, ShardedTrainState& state) {
+  std::map<std::string, TensorPart>* targets[3] = {&state.tensors[0], nullptr, nullptr};
+  std::error_code ec;
+  if (fs::is_regular_file(path, ec)) {
+    if (path.extension() != ".safetensors")
+      throw Error("load_parameters_path " + quoted(path) +
+                  " is a file but not a .safetensors file; give a checkpoint step directory, a "
+                  "checkpoints directory or a .safetensors file.");
+    PartSource src(path.parent_path(), nullptr, path.filename().string(),
+                   [&](const std::string& w) { return Error(quoted(path) + ": " + w); });
+    read_parts(src, path, targets);
+    return;
+  }
+  load_step_parts(resolve_step_dir(path, "load_parameters_path"), targets);
 }
 
 void load_full_state(const fs::path& path, TrainState& state) {

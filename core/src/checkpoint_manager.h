@@ -39,6 +39,27 @@
 //
 // Step numbers: TrainState::step is the number of optimizer steps completed when the state was
 // taken; a resumed run continues at step + 1.
+//
+// Sharded checkpoints (format version 2; FSDP, tensor parallelism, ZeRO-1 over several ranks):
+// every rank writes the parts of the state it holds, so no rank ever holds the whole state:
+//
+//   <dir>/<step>/params.<r>-of-<N>.safetensors   rank r's parts of the parameters (1-D tensors
+//   <dir>/<step>/opt_m.<r>-of-<N>.safetensors    named as the parameters), one file per rank
+//   <dir>/<step>/opt_v.<r>-of-<N>.safetensors    that holds a part no lower rank holds
+//   <dir>/<step>/metadata.json                   as above, plus "shards": N and "tensors": each
+//                                                tensor's whole shape, dtype, tensor-parallel
+//                                                split and which file holds which elements
+//
+// A part no lower rank holds is written once (a replicated parameter by rank 0 only). Rank 0
+// creates <step>.tmp-<its pid>/, every rank writes its files into it (in the background when
+// async) and records their sizes and checksums; when all ranks are done (poll(), the next
+// save, wait()) rank 0 writes the metadata and publishes the step exactly as above: a step is
+// complete only when every rank's files are. The directory must be one file system all ranks
+// see (as Orbax and PyTorch DCP require). Restoring reads, for each tensor, the elements this
+// rank holds, on any mesh (another number of ranks, FSDP or tensor parallelism or neither):
+// the files of the parts that overlap, or the whole tensor assembled on the host, one tensor at
+// a time, when the tensor-parallel split differs. Version 1 checkpoints (one file per group)
+// restore onto parts the same way, and restore() and load_parameters() read version 2 whole.
 #pragma once
 
 #include <atomic>
@@ -60,6 +81,29 @@
 
 namespace mt {
 
+class Communicator;
+
+// A rank's part of one tensor of a sharded train state. The whole tensor of `shape` is divided
+// into `parts` equal parts along dimension `dim` (tensor parallelism: the tensor seen as a
+// matrix [rows, cols], cols the product of the dimensions from `dim` on, part t is the columns
+// [t w, (t + 1) w), w = cols / parts; parts = 1: the whole tensor), and this rank holds the
+// elements [begin, end) of part `part` flattened (FSDP's or ZeRO-1's range; all of it when
+// unsharded) in `data` (end - begin elements, any shape).
+struct TensorPart {
+  Shape shape;
+  int dim = -1, parts = 1, part = 0;
+  int64_t begin = 0, end = 0;
+  Tensor data;
+};
+
+// The train state as a rank holds it: [0] parameters, [1] first and [2] second moments (both
+// empty: parameter-only), by name, and the state strings (rank 0's are saved).
+struct ShardedTrainState {
+  int64_t step = 0;
+  std::map<std::string, TensorPart> tensors[3];
+  std::string data_state, rng_state, config_yaml;
+};
+
 // CRC-32C of `n` bytes, continuing from `crc` (0 to start). crc32c(crc32c(0, a), b) = crc32c(ab).
 uint32_t crc32c(uint32_t crc, const void* data, size_t n);
 // The table-driven implementation crc32c() falls back to without SSE4.2; exposed for the tests.
@@ -70,9 +114,10 @@ uint32_t crc32c_file(const std::filesystem::path& path);
 class CheckpointManager final : public Checkpointer {
  public:
   // `checkpoint_dir` is created on the first save. `max_to_keep` = 0 keeps every checkpoint.
-  // `backend` is synchronised before the host copies of a save.
+  // `backend` is synchronised before the host copies of a save. `comm`: the job's ranks, for
+  // save_parts (every rank calls save_parts, poll and wait alike); null: one rank.
   CheckpointManager(std::filesystem::path checkpoint_dir, bool async, int max_to_keep,
-                    Backend& backend);
+                    Backend& backend, Communicator* comm = nullptr);
   // Waits for an in-flight write; an error nobody collected is printed to stderr.
   ~CheckpointManager() override;
   CheckpointManager(const CheckpointManager&) = delete;
@@ -83,7 +128,22 @@ class CheckpointManager final : public Checkpointer {
   // state.opt_m and state.opt_v may both be empty: a parameter-only checkpoint.
   void save(const TrainState& state) override;
   // Blocks until every save started so far is durable; throws mt::Error if one failed (once).
+  // After save_parts, a collective: every rank calls it.
   void wait() override;
+  // Sharded saves (version 2), a collective: every rank passes its parts (the same names and
+  // geometry on every rank but for part, begin and end). Waits for the previous save, then
+  // writes this rank's files (in the background when async); the step is published by the
+  // poll() or wait() that finds every rank's files written (sync: before returning). A failure
+  // on any rank throws mt::Error on every rank, at the call that publishes, and removes what
+  // the save wrote; existing checkpoints are never touched.
+  void save_parts(const ShardedTrainState& state);
+  // A collective while a sharded async save is in flight (every rank calls it once a step):
+  // publishes the step when every rank's files are written; else returns at once.
+  void poll();
+  // Fills every tensor part in `state` from step `step` (version 1 or 2, written on any mesh),
+  // converting dtypes; names and whole shapes must match. Moments are read only when
+  // state.tensors[1] and [2] are not empty. Checks as restore(); touches no other rank.
+  void restore_parts(int64_t step, ShardedTrainState& state);
   // Highest step whose metadata says complete and whose files exist with the recorded sizes, or
   // -1. Checksums are verified by restore(), not here, so listing stays fast at start-up.
   int64_t latest_step() const override;
@@ -126,8 +186,15 @@ class CheckpointManager final : public Checkpointer {
     std::string data_state, rng_state, config_yaml;
   };
 
+  // A sharded save between its files and its publication.
+  struct PendingShards;
+
   void join_worker() noexcept;
   void rethrow_pending();
+  // Writes this rank's files of a sharded save; worker thread when async.
+  void write_shards(PendingShards& pending);
+  // Publishes the pending sharded save (rank 0) once every rank has written; a collective.
+  void commit_shards();
   // Writes `snap` durably and applies retention; throws mt::Error naming the path and cause.
   // Runs on the worker thread when async.
   void write(const Snapshot& snap, bool live);
@@ -136,6 +203,7 @@ class CheckpointManager final : public Checkpointer {
   bool async_;
   int max_to_keep_;
   Backend& backend_;
+  Communicator* comm_;
 
   // Host copies of the last async save, reused by the next one so that a steady state pays no
   // page faults; only touched by the worker while a write is in flight (save() joins first).
@@ -143,6 +211,8 @@ class CheckpointManager final : public Checkpointer {
   std::unique_ptr<Snapshot> snapshot_;  // the in-flight async save
   std::thread worker_;
   std::optional<std::string> pending_error_;  // set by the worker, read after join
+  std::unique_ptr<PendingShards> shards_;     // the sharded save not yet published
+  std::atomic<bool> worker_done_{false};      // the worker has finished (poll reads it)
 
   double last_blocking_s_ = 0, total_blocking_s_ = 0;
   // Written by the worker; atomic so the accessors may be polled while a write is in flight.
@@ -160,5 +230,15 @@ void load_parameters(const std::filesystem::path& path, std::map<std::string, Te
 // Restores a full train state for load_full_state_path: `path` as for load_parameters (but not a
 // bare file); the same checks and semantics as CheckpointManager::restore.
 void load_full_state(const std::filesystem::path& path, TrainState& state);
+
+// The same for a rank's parts (as restore_parts): load_full_state_path, and load_parameters_path
+// (state.tensors[0] only, a bare .safetensors file too) for sharded runs.
+void load_full_state_parts(const std::filesystem::path& path, ShardedTrainState& state);
+// Every tensor of one group ("params", "opt_m" or "opt_v") of the checkpoint at `path` (as for
+// load_full_state), whole, in its stored dtype, on `backend`: a checkpoint of any version read
+// as one rank sees it (tests, tools).
+std::map<std::string, Tensor> load_checkpoint_tensors(const std::filesystem::path& path,
+                                                      const std::string& group, Backend& backend);
+void load_parameter_parts(const std::filesystem::path& path, ShardedTrainState& state);
 
 }  // namespace mt

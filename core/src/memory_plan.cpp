@@ -111,12 +111,11 @@ TrainingPlan trace_training(const Config& cfg, PluginManager& plugins,
   t.peak = be.memory_stats().peak_bytes_in_use;
   t.activations = t.peak - (t.weights + t.gradients + t.optimizer + t.batches);
   if (cfg.get_bool("enable_checkpointing") && cfg.get_bool("async_checkpointing")) {
-    // Rank 0's snapshot: the weights and the whole moments (gathered when sharded).
+    // Rank 0's snapshot: what it holds of the weights and the moments (sharded runs save each
+    // rank's parts, and rank 0, the lowest, writes every part it holds).
     size_t i = 0;
     for (const auto& p : runner->params()) {
-      t.checkpoint += static_cast<size_t>(shape_numel(p.spec.shape)) *
-                      (dtype_size(p.value.dtype()) + dtype_size(opt.m[i].dtype()) +
-                       dtype_size(opt.v[i].dtype()));
+      t.checkpoint += p.value.nbytes() + opt.m[i].nbytes() + opt.v[i].nbytes();
       ++i;
     }
   }

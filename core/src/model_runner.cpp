@@ -386,19 +386,6 @@ std::vector<char> ModelRunner::local_part(const Param& p, const void* whole, siz
   return std::vector<char>(src + p.shard_begin * elem, src + p.shard_end * elem);
 }
 
-std::vector<char> ModelRunner::whole_from_tensor_parts(const Param& p,
-                                                       const std::vector<char>& parts,
-                                                       size_t elem) const {
-  const auto [rows, cols] = split_matrix(p.spec.shape, p.tensor_dim);
-  const int64_t count = tensor_.ranks, width = cols / count;
-  std::vector<char> out(static_cast<size_t>(rows * cols) * elem);
-  for (int64_t t = 0; t < count; ++t)
-    for (int64_t r = 0; r < rows; ++r)
-      std::copy_n(parts.data() + (t * rows * width + r * width) * elem, width * elem,
-                  out.data() + (r * cols + t * width) * elem);
-  return out;
-}
-
 Tensor ModelRunner::whole_value(size_t i) {
   if (!sharding_.on()) return params_[i].value;
   Graph g(backend(), /*record=*/false);

@@ -114,10 +114,6 @@ class ModelRunner {
   // bytes in p's whole shape), in p.value's layout: FSDP's flat range, tensor parallelism's rows
   // or columns, or all of it.
   std::vector<char> local_part(const Param& p, const void* whole, size_t elem) const;
-  // The inverse, for a save: the whole tensor's bytes from `parts`, the tensor ranks' local
-  // parts of p one after another in rank order.
-  std::vector<char> whole_from_tensor_parts(const Param& p, const std::vector<char>& parts,
-                                            size_t elem) const;
   // FSDP's gathers and reduce-scatters and tensor parallelism's sums: the seconds spent in them
   // since the last call (with the host copies around them, after a synchronize so no compute
   // is counted), then reset.

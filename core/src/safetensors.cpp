@@ -685,6 +685,14 @@ std::vector<float> read_f32(const SafeTensorsFile& file, std::string_view name) 
   return out;
 }
 
+void convert_float_elements(const std::string& st_dtype, const void* in, DType want, void* out,
+                            size_t n) {
+  if (!find_st_type(st_dtype) || find_st_type(st_dtype)->cls != StType::Cls::flt || !is_float(want))
+    throw Error("cannot convert " + st_dtype + " elements to " + dtype_name(want));
+  convert_floats(st_dtype, static_cast<const std::byte*>(in), want, static_cast<std::byte*>(out),
+                 n);
+}
+
 void load_into(const SafeTensorsFile& file, std::string_view name, Tensor& dst) {
   const SafeTensorInfo& info = file.info(name);
   if (info.shape != dst.shape())

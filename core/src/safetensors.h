@@ -94,6 +94,10 @@ Tensor load_tensor(const SafeTensorsFile& file, std::string_view name, Backend& 
                    const Shape& expect);
 // Loads tensor `name` into an existing tensor: shapes must match; converts to dst's dtype.
 void load_into(const SafeTensorsFile& file, std::string_view name, Tensor& dst);
+// `n` floating elements stored as `st_dtype` ("F32", "BF16", "F16", "F64") to `want` (a
+// floating dtype), on the host, rounding to nearest even; throws mt::Error for other types.
+void convert_float_elements(const std::string& st_dtype, const void* in, DType want, void* out,
+                            size_t n);
 // Floating tensor `name` as f32 on the host, converted in parallel (throws for other types).
 std::vector<float> read_f32(const SafeTensorsFile& file, std::string_view name);
 

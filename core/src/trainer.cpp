@@ -14,6 +14,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -448,159 +449,50 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
 
   // Checkpoints: resume from this run's latest complete step, else start from another run's
   // full state or parameters when asked (MaxText's load_full_state_path / load_parameters_path).
-  // Sharded moments are not in `state`: a checkpoint holds them whole (any number of ranks,
-  // sharded or not, resumes from it), gathered for a save and cut to this rank's parts after a
-  // restore, through full-size tensors in host memory that live only as long as that.
-  // FSDP: neither are the parameters, which a save gathers whole (per parameter) and a restore
-  // cuts to this rank's parts the same way.
-  // Tensor parallelism likewise: a save gathers each split tensor from the tensor ranks.
+  // One rank, or plain data parallelism: the whole state, saved by rank 0 (format version 1).
+  // FSDP, tensor parallelism or sharded moments: every rank saves the parts it holds (version
+  // 2; a replicated part by the lowest rank holding it) and restores its parts from a
+  // checkpoint of any mesh; no rank ever holds the whole state.
   const bool fsdp = runner.sharding().on();
-  const bool parts = fsdp || tp > 1;
+  const bool parts = fsdp || tp > 1 || opt.sharded();
   TrainState state;
-  if (!parts) {
+  ShardedTrainState part_state;
+  {
     size_t i = 0;
     for (auto& p : runner.params()) {
-      state.params[p.name] = p.value;
-      if (!opt.sharded()) {
+      if (!parts) {
+        state.params[p.name] = p.value;
         state.opt_m[p.name] = opt.m[i];
         state.opt_v[p.name] = opt.v[i];
+        ++i;
+        continue;
       }
+      const bool split = tp > 1 && p.tensor_dim >= 0;
+      TensorPart part{p.spec.shape,   split ? p.tensor_dim : -1,
+                      split ? tp : 1, split ? tp_rank : 0,
+                      p.shard_begin,  p.shard_end,
+                      p.value};
+      part_state.tensors[0][p.name] = part;
+      if (opt.sharded()) std::tie(part.begin, part.end) = opt.shard[i];  // ZeRO-1's range
+      part.data = opt.m[i];
+      part_state.tensors[1][p.name] = part;
+      part.data = opt.v[i];
+      part_state.tensors[2][p.name] = part;
       ++i;
     }
   }
-  std::unique_ptr<Backend> host_for_moments;  // a CPU backend, made at the first need
-  // FSDP and tensor parallelism: parameter i's whole tensor from every rank's `part` of it (its
-  // value or a moment), a host tensor on rank 0 (undefined on the others, which only join the
-  // gathers): FSDP's parts make the tensor-parallel part, the tensor ranks' parts the whole.
-  auto whole_on_host = [&](const Tensor& part, size_t i) -> Tensor {
-    if (!host_for_moments) host_for_moments = plugins.make_backend("cpu", cfg);
-    const Param& p = runner.params()[i];
-    const int64_t n = shape_numel(p.spec.shape), local = shape_numel(p.local_shape);
-    const bool split = tp > 1 && p.tensor_dim >= 0;
-    std::vector<float> flat(static_cast<size_t>(n));
-    float* mine = flat.data() + (split ? tp_rank * local : 0);  // this tensor rank's part
-    part_to_host(part, 0, part.numel(), mine + p.shard_begin);
-    if (fsdp) runner.sharding().comm->all_gather(mine, static_cast<size_t>(local));
-    if (split) {  // the tensor ranks' parts, in rank order, then laid out whole
-      tensor_group->all_gather(flat.data(), flat.size());
-      std::vector<char> bytes(reinterpret_cast<const char*>(flat.data()),
-                              reinterpret_cast<const char*>(flat.data() + n));
-      bytes = runner.whole_from_tensor_parts(p, bytes, sizeof(float));
-      std::copy_n(bytes.data(), bytes.size(), reinterpret_cast<char*>(flat.data()));
-    }
-    if (!lead) return Tensor();
-    Tensor t = host_for_moments->empty(p.spec.shape, part.dtype());
-    part_from_host(t, 0, n, flat.data());
-    return t;
-  };
-  // FSDP: whole host tensors for a restore to read into (zeros; the moments only with `moments`).
-  auto whole_state = [&](bool moments) {
-    if (!host_for_moments) host_for_moments = plugins.make_backend("cpu", cfg);
-    TrainState full;
-    size_t i = 0;
-    for (auto& p : runner.params()) {
-      full.params[p.name] = host_for_moments->zeros(p.spec.shape, p.value.dtype());
-      if (moments) {
-        full.opt_m[p.name] = host_for_moments->zeros(p.spec.shape, opt.m[i].dtype());
-        full.opt_v[p.name] = host_for_moments->zeros(p.spec.shape, opt.v[i].dtype());
-      }
-      ++i;
-    }
-    return full;
-  };
-  // FSDP: this rank's parts of a whole state's tensors into the parameters (and the moments).
-  auto keep_parts = [&](TrainState& full) {
-    size_t i = 0;
-    for (auto& p : runner.params()) {
-      auto cut = [&](const std::map<std::string, Tensor>& from, Tensor& mine) {
-        const auto it = from.find(p.name);
-        if (it == from.end() || p.shard_end == p.shard_begin) return;
-        const Tensor& whole = it->second;
-        MT_CHECK(whole.dtype() == mine.dtype(), "restored " + p.name + " in another dtype");
-        const std::vector<char> bytes =
-            runner.local_part(p, whole.data(), dtype_size(whole.dtype()));
-        mine.backend()->copy_from_host(mine, bytes.data());
-      };
-      cut(full.params, p.value);
-      cut(full.opt_m, opt.m[i]);
-      cut(full.opt_v, opt.v[i]);
-      ++i;
-    }
-    full.params.clear();
-    full.opt_m.clear();
-    full.opt_v.clear();
-  };
-  auto full_moments = [&](TrainState& into, bool keep, bool gather) {
-    if (!host_for_moments) host_for_moments = plugins.make_backend("cpu", cfg);
-    Backend& h = *host_for_moments;
-    int64_t total = 0;
-    for (auto& p : runner.params()) total += p.value.numel();
-    for (auto* moments : {&opt.m, &opt.v}) {
-      std::vector<float> flat;
-      if (gather) {  // this rank's parts, then every rank's
-        flat.resize(static_cast<size_t>(total));
-        int64_t at = 0;
-        size_t i = 0;
-        for (auto& p : runner.params()) {
-          const auto [b, e] = opt.shard[i];
-          part_to_host((*moments)[i], 0, e - b, flat.data() + at + b);
-          at += p.value.numel();
-          ++i;
-        }
-        comm.all_gather(flat.data(), flat.size());
-      }
-      if (!keep) continue;
-      auto& map = moments == &opt.m ? into.opt_m : into.opt_v;
-      int64_t at = 0;
-      size_t i = 0;
-      for (auto& p : runner.params()) {
-        Tensor t = gather ? h.empty(p.spec.shape, (*moments)[i].dtype())
-                          : h.zeros(p.spec.shape, (*moments)[i].dtype());
-        if (gather) part_from_host(t, 0, t.numel(), flat.data() + at);
-        map[p.name] = t;
-        at += p.value.numel();
-        ++i;
-      }
-    }
-  };
-  // Reads a full state into `state` through `read`; sharded, into full-size host moments first,
-  // of which this rank keeps its parts.
-  auto read_state = [&](const std::function<void(TrainState&)>& read) {
-    if (parts) {
-      TrainState full = whole_state(/*moments=*/true);
-      read(full);
-      keep_parts(full);
-      state = std::move(full);
-      return;
-    }
-    if (!opt.sharded()) {
-      read(state);
-      return;
-    }
-    TrainState full;
-    full.params = state.params;
-    full_moments(full, /*keep=*/true, /*gather=*/false);
-    read(full);
-    size_t i = 0;
-    for (auto& p : runner.params()) {
-      const auto [b, e] = opt.shard[i];
-      for (auto [from, to] : {std::pair{&full.opt_m, &opt.m}, std::pair{&full.opt_v, &opt.v}}) {
-        Tensor& mine = (*to)[i];
-        if (b == e) continue;
-        const Tensor& whole = from->at(p.name);
-        mine.backend()->copy_from_host(
-            mine, static_cast<const char*>(whole.data()) + b * dtype_size(whole.dtype()));
-      }
-      ++i;
-    }
-    full.opt_m.clear();
-    full.opt_v.clear();
-    state = std::move(full);
+  // The state strings a restore brings, for either kind of state.
+  auto adopt = [&](const ShardedTrainState& from) {
+    state.step = from.step;
+    state.data_state = from.data_state;
+    state.rng_state = from.rng_state;
+    state.config_yaml = from.config_yaml;
   };
   const bool checkpointing = cfg.get_bool("enable_checkpointing");
   const int64_t ckpt_period = cfg.get_int("checkpoint_period");
   CheckpointManager ckpt(run_dir / "checkpoints", cfg.get_bool("async_checkpointing"),
-                         static_cast<int>(cfg.get_int("max_num_checkpoints_to_keep")), be);
+                         static_cast<int>(cfg.get_int("max_num_checkpoints_to_keep")), be,
+                         parts ? &comm : nullptr);
   int64_t first_step = 1;
   std::string resumed_from;
   // A newer step that is not complete is passed over, but never silently.
@@ -611,31 +503,38 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   int64_t latest = checkpointing && lead ? ckpt.latest_step() : -1;
   comm.broadcast(&latest, sizeof latest, 0);
   if (latest >= 0) {
-    read_state([&](TrainState& st) { ckpt.restore(latest, st); });
+    if (parts) {
+      ckpt.restore_parts(latest, part_state);
+      adopt(part_state);
+    } else {
+      ckpt.restore(latest, state);
+    }
     data->restore(state.data_state);
     first_step = state.step + 1;
     resumed_from = fmt::format("resumed from step {} in {}", latest, ckpt.directory().string());
   } else if (!cfg.get_string("load_full_state_path").empty()) {
-    read_state(
-        [&](TrainState& st) { load_full_state(cfg.get_string("load_full_state_path"), st); });
+    if (parts) {
+      load_full_state_parts(cfg.get_string("load_full_state_path"), part_state);
+      adopt(part_state);
+    } else {
+      load_full_state(cfg.get_string("load_full_state_path"), state);
+    }
     data->restore(state.data_state);
     first_step = state.step + 1;
     resumed_from = "full state from " + cfg.get_string("load_full_state_path");
   } else if (!cfg.get_string("load_parameters_path").empty()) {
-    if (parts) {
-      TrainState full = whole_state(/*moments=*/false);
-      load_parameters(cfg.get_string("load_parameters_path"), full.params);
-      keep_parts(full);
-    } else {
+    if (parts)
+      load_parameter_parts(cfg.get_string("load_parameters_path"), part_state);
+    else
       load_parameters(cfg.get_string("load_parameters_path"), state.params);
-    }
     resumed_from = "parameters from " + cfg.get_string("load_parameters_path");
   } else if (!cfg.get_string("hf_path").empty()) {
     load_hf_weights(cfg.get_string("hf_path"), runner);
     resumed_from = "Hugging Face weights from " + cfg.get_string("hf_path");
   }
   // A failed save never touches earlier checkpoints; checkpoint_error_policy says whether the
-  // run stops (the default) or warns and keeps training.
+  // run stops (the default) or warns and keeps training. Sharded saves fail on every rank
+  // alike (rank 0 names the cause), so every rank stops or goes on.
   const bool stop_on_ckpt_error = cfg.get_string("checkpoint_error_policy") == "stop";
   int64_t failed_saves = 0;
   auto guarded = [&](const std::function<void()>& f) {
@@ -647,43 +546,30 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
             std::string(e.what()) +
             " The run stops (checkpoint_error_policy=stop); earlier checkpoints are intact.");
       ++failed_saves;
-      std::fprintf(stderr,
-                   "\nmt run: warning: a checkpoint save failed and training continues "
-                   "(checkpoint_error_policy=continue): %s\n",
-                   e.what());
+      if (lead)
+        std::fprintf(stderr,
+                     "\nmt run: warning: a checkpoint save failed and training continues "
+                     "(checkpoint_error_policy=continue): %s\n",
+                     e.what());
     }
   };
   auto save = [&](int64_t step) {
-    // Sharded moments: every rank joins the gathers, rank 0 keeps the whole moments for the
-    // save (the snapshot copies them; they are freed when it returns).
-    TrainState with_moments;
-    if (opt.sharded()) full_moments(with_moments, /*keep=*/lead, /*gather=*/true);
-    if (parts) {  // every tensor gathered whole, parameter by parameter
-      size_t i = 0;
-      for (auto& p : runner.params()) {
-        with_moments.params[p.name] = whole_on_host(p.value, i);
-        with_moments.opt_m[p.name] = whole_on_host(opt.m[i], i);
-        with_moments.opt_v[p.name] = whole_on_host(opt.v[i], i);
-        ++i;
-      }
+    // The previous (async) save's failure first, on its own: save() would rethrow it and start
+    // nothing, so each failure cost the next checkpoint too and only the first was named.
+    guarded([&] { ckpt.wait(); });
+    if (parts) {
+      part_state.step = step;
+      part_state.data_state = data->state();
+      part_state.rng_state = state.rng_state;
+      part_state.config_yaml = cfg.to_yaml(true);
+      guarded([&] { ckpt.save_parts(part_state); });
+      return;
     }
     if (!lead) return;
     state.step = step;
     state.data_state = data->state();
     state.config_yaml = cfg.to_yaml(true);
-    const TrainState* saved = &state;
-    if (opt.sharded() || parts) {
-      if (!parts) with_moments.params = state.params;
-      with_moments.step = state.step;
-      with_moments.data_state = state.data_state;
-      with_moments.rng_state = state.rng_state;
-      with_moments.config_yaml = state.config_yaml;
-      saved = &with_moments;
-    }
-    // The previous (async) save's failure first, on its own: save() would rethrow it and start
-    // nothing, so each failure cost the next checkpoint too and only the first was named.
-    guarded([&] { ckpt.wait(); });
-    guarded([&] { ckpt.save(*saved); });
+    guarded([&] { ckpt.save(state); });
   };
 
   // TensorBoard events where MaxText writes them (<run>/tensorboard/<run_name>). The START at the
@@ -848,6 +734,8 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     if (checkpointing && (step % ckpt_period == 0 || step == steps)) {
       save(step);
       ckpt_s = ckpt.last_blocking_seconds();
+    } else if (checkpointing) {
+      guarded([&] { ckpt.poll(); });  // a sharded save in the background published when done
     }
     be.synchronize();
     const double step_s = seconds_since(t0);

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <barrier>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -14,8 +15,10 @@
 #include <map>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "mt/comm.h"
 #include "mt/error.h"
 #include "safetensors.h"
 #include "test_support.h"
@@ -599,6 +602,347 @@ TEST_F(Checkpoint, CrashMidSaveKeepsPreviousAndIsCleanedUp) {
   TrainState r = blank_like(s);
   ckpt.restore(3, r);
   expect_same(s, r);
+}
+
+// ---- sharded checkpoints (format version 2) -------------------------------------------------
+
+// Ranks as threads of one process, their collectives through shared memory: the sharded saves'
+// protocol without mpirun (the mpirun tests run it across processes).
+struct ThreadWorld {
+  explicit ThreadWorld(int n) : ranks(n), sync(n), slots(static_cast<size_t>(n)) {}
+  int ranks;
+  std::barrier<> sync;
+  std::vector<void*> slots;
+};
+
+class ThreadComm final : public Communicator {
+ public:
+  ThreadComm(ThreadWorld& w, int rank) : w_(w), rank_(rank) {}
+  std::string name() const override { return "threads"; }
+  int rank() const override { return rank_; }
+  int size() const override { return w_.ranks; }
+  void all_reduce_sum(float* data, size_t n) override { sum(data, n); }
+  void all_reduce_sum(double* data, size_t n) override { sum(data, n); }
+  void broadcast(void* data, size_t bytes, int root) override {
+    w_.slots[static_cast<size_t>(rank_)] = data;
+    w_.sync.arrive_and_wait();
+    if (rank_ != root) std::memcpy(data, w_.slots[static_cast<size_t>(root)], bytes);
+    w_.sync.arrive_and_wait();
+  }
+  void barrier() override { w_.sync.arrive_and_wait(); }
+  [[noreturn]] void abort(int) override { std::abort(); }
+
+ private:
+  template <class T>
+  void sum(T* data, size_t n) {
+    w_.slots[static_cast<size_t>(rank_)] = data;
+    w_.sync.arrive_and_wait();
+    std::vector<T> total(n, T(0));
+    for (int r = 0; r < w_.ranks; ++r)
+      for (size_t i = 0; i < n; ++i)
+        total[i] += static_cast<T*>(w_.slots[static_cast<size_t>(r)])[i];
+    w_.sync.arrive_and_wait();
+    std::copy(total.begin(), total.end(), data);
+    w_.sync.arrive_and_wait();
+  }
+  ThreadWorld& w_;
+  int rank_;
+};
+
+// Runs f(comm) on `n` threads, one rank each; rethrows the first rank's failure.
+void on_ranks(int n, const std::function<void(Communicator&)>& f) {
+  ThreadWorld world(n);
+  std::vector<std::string> errors(static_cast<size_t>(n));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      ThreadComm comm(world, r);
+      try {
+        f(comm);
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(r)] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < n; ++r)
+    if (!errors[static_cast<size_t>(r)].empty())
+      FAIL() << "rank " << r << ": " << errors[static_cast<size_t>(r)];
+}
+
+// The elements [b, e) of part `part` of a whole tensor split into `parts` along `dim`, by the
+// definition (every element of the whole visited, its part and place within it computed).
+std::vector<float> cut(const std::vector<float>& whole, const Shape& shape, int dim, int parts,
+                       int part, int64_t b, int64_t e) {
+  std::vector<float> local;
+  if (parts == 1) {
+    local = whole;
+  } else {
+    int64_t inner = 1;  // elements of one index of `dim`
+    for (size_t i = static_cast<size_t>(dim) + 1; i < shape.size(); ++i) inner *= shape[i];
+    const int64_t size = shape[static_cast<size_t>(dim)], mine = size / parts;
+    for (int64_t i = 0; i < static_cast<int64_t>(whole.size()); ++i)
+      if ((i / inner) % size / mine == part) local.push_back(whole[static_cast<size_t>(i)]);
+  }
+  return std::vector<float>(local.begin() + b, local.begin() + e);
+}
+
+// A model's tensors whole: "w" split by tensor parallelism along dimension 1 ([embed, heads]),
+// "b" replicated; the moments alike.
+struct WholeState {
+  std::map<std::string, Shape> shapes{{"w", {4, 6}}, {"b", {6}}};
+  std::map<std::string, int> dims{{"w", 1}, {"b", -1}};
+  std::map<std::string, std::vector<float>> values[3];
+  explicit WholeState(std::mt19937_64& rng) {
+    for (auto& group : values)
+      for (const auto& [name, shape] : shapes) {
+        group[name] = test::randn(static_cast<size_t>(shape_numel(shape)), rng);
+        // Through bf16, so a part saved as bf16 round-trips exactly.
+        for (float& v : group[name]) v = bf16_to_f32(f32_to_bf16(v));
+      }
+  }
+  // A rank's parts on a mesh of `tp` tensor ranks x `fsdp` ranks (tensor rank r % tp, fsdp
+  // rank r / tp), `bf16` parameters.
+  ShardedTrainState parts(int rank, int tp, int fsdp, bool bf16 = false) const {
+    ShardedTrainState st;
+    for (int g = 0; g < 3; ++g)
+      for (const auto& [name, shape] : shapes) {
+        TensorPart p;
+        p.shape = shape;
+        const bool split = tp > 1 && dims.at(name) >= 0;
+        p.dim = split ? dims.at(name) : -1;
+        p.parts = split ? tp : 1;
+        p.part = split ? rank % tp : 0;
+        const auto [b, e] =
+            shard_range(static_cast<size_t>(shape_numel(shape) / p.parts), rank / tp, fsdp);
+        p.begin = static_cast<int64_t>(b);
+        p.end = static_cast<int64_t>(e);
+        const std::vector<float> mine =
+            cut(values[g].at(name), shape, p.dim, p.parts, p.part, p.begin, p.end);
+        p.data = test::from_vector(cpu(), {p.end - p.begin}, mine,
+                                   g == 0 && bf16 ? DType::bf16 : DType::f32);
+        st.tensors[g][name] = p;
+      }
+    return st;
+  }
+  // Zeroed parts of the same geometry, to restore into.
+  ShardedTrainState blank(int rank, int tp, int fsdp) const {
+    ShardedTrainState st = parts(rank, tp, fsdp);
+    for (auto& group : st.tensors)
+      for (auto& [name, p] : group) p.data = cpu().zeros(p.data.shape(), DType::f32);
+    return st;
+  }
+  // Every part of `st` holds what the whole tensors say it does.
+  void expect_parts(const ShardedTrainState& st, const std::string& where) const {
+    for (int g = 0; g < 3; ++g)
+      for (const auto& [name, p] : st.tensors[g])
+        EXPECT_EQ(test::to_vector(p.data),
+                  cut(values[g].at(name), p.shape, p.dim, p.parts, p.part, p.begin, p.end))
+            << where << ": group " << g << " tensor " << name << " part " << p.part << " ["
+            << p.begin << ", " << p.end << ")";
+  }
+};
+
+// 4 ranks (2 tensor x 2 fsdp) save their parts, each its own files; the checkpoint restores on
+// other meshes: whole on one rank, 3 fsdp ranks, 2 tensor x 3 fsdp ranks (the stored split:
+// each part read from the pieces that overlap it), 3 tensor ranks (another split: assembled
+// whole, then cut). Every element lands where the definition puts it.
+TEST_F(Checkpoint, ShardedSaveRestoresOnAnyMesh) {
+  const WholeState whole(rng_);
+  for (const bool async : {false, true}) {
+    SCOPED_TRACE(async ? "async" : "sync");
+    fs::remove_all(dir_);
+    on_ranks(4, [&](Communicator& comm) {
+      CheckpointManager ckpt(dir_, async, 0, cpu(), &comm);
+      ShardedTrainState st = whole.parts(comm.rank(), 2, 2, /*bf16=*/true);
+      st.step = 7;
+      st.data_state = "data";
+      st.config_yaml = "yaml";
+      ckpt.save_parts(st);
+      ckpt.poll();  // every rank once: publishes when all are done, else returns
+      ckpt.wait();
+    });
+    CheckpointManager reader(dir_, false, 0, cpu());
+    ASSERT_EQ(reader.latest_step(), 7);
+    // Each rank wrote the pieces no lower rank holds: rank 1 its part of w (b is rank 0's).
+    const fs::path step = dir_ / "7";
+    for (int r = 0; r < 4; ++r)
+      EXPECT_TRUE(fs::exists(step / ("params." + std::to_string(r) + "-of-4.safetensors"))) << r;
+    EXPECT_EQ(SafeTensorsFile(step / "params.1-of-4.safetensors").names(),
+              std::vector<std::string>{"w"});
+    EXPECT_EQ(SafeTensorsFile(step / "params.0-of-4.safetensors").info("w").dtype, "BF16");
+    EXPECT_FALSE(fs::exists(step / "params.safetensors"));
+
+    // Whole, as one rank sees it (restore() and the tools).
+    TrainState r;
+    for (const auto& [name, shape] : whole.shapes) {
+      r.params[name] = cpu().zeros(shape, DType::f32);
+      r.opt_m[name] = cpu().zeros(shape, DType::f32);
+      r.opt_v[name] = cpu().zeros(shape, DType::f32);
+    }
+    reader.restore(7, r);
+    EXPECT_EQ(r.step, 7);
+    EXPECT_EQ(r.data_state, "data");
+    for (const auto& [name, shape] : whole.shapes) {
+      EXPECT_EQ(test::to_vector(r.params[name]), whole.values[0].at(name)) << name;
+      EXPECT_EQ(test::to_vector(r.opt_v[name]), whole.values[2].at(name)) << name;
+    }
+    EXPECT_EQ(test::to_vector(load_checkpoint_tensors(step, "opt_m", cpu()).at("w")),
+              whole.values[1].at("w"));
+    // Other meshes.
+    for (const auto& [tp, fsdp] :
+         std::vector<std::pair<int, int>>{{1, 1}, {1, 3}, {2, 3}, {3, 1}, {3, 2}})
+      for (int rank = 0; rank < tp * fsdp; ++rank) {
+        ShardedTrainState st = whole.blank(rank, tp, fsdp);
+        reader.restore_parts(7, st);
+        EXPECT_EQ(st.step, 7);
+        whole.expect_parts(st, "tp " + std::to_string(tp) + " fsdp " + std::to_string(fsdp) +
+                                   " rank " + std::to_string(rank));
+      }
+  }
+}
+
+// A version 1 checkpoint (one rank, whole tensors) restores onto parts too.
+TEST_F(Checkpoint, WholeCheckpointRestoresOntoParts) {
+  const WholeState whole(rng_);
+  TrainState s;
+  s.step = 3;
+  for (const auto& [name, shape] : whole.shapes) {
+    s.params[name] = test::from_vector(cpu(), shape, whole.values[0].at(name));
+    s.opt_m[name] = test::from_vector(cpu(), shape, whole.values[1].at(name));
+    s.opt_v[name] = test::from_vector(cpu(), shape, whole.values[2].at(name));
+  }
+  CheckpointManager ckpt(dir_, false, 0, cpu());
+  ckpt.save(s);
+  for (int rank = 0; rank < 4; ++rank) {
+    ShardedTrainState st = whole.blank(rank, 2, 2);
+    ckpt.restore_parts(3, st);
+    whole.expect_parts(st, "rank " + std::to_string(rank));
+  }
+  // load_parameters_path's bare file, as parts.
+  write_safetensors(root_ / "p.safetensors",
+                    {{"w", DType::f32, {4, 6}, whole.values[0].at("w").data()},
+                     {"b", DType::f32, {6}, whole.values[0].at("b").data()}});
+  ShardedTrainState st = whole.blank(1, 3, 1);
+  st.tensors[1].clear();
+  st.tensors[2].clear();
+  load_parameter_parts(root_ / "p.safetensors", st);
+  whole.expect_parts(st, "bare file");
+}
+
+// What a sharded checkpoint's reader refuses: a shard whose bytes changed (its checksum), a
+// missing shard (the step is incomplete and skipped), pieces that cannot be (hostile
+// metadata), and a model that does not match.
+TEST_F(Checkpoint, ShardedCheckpointDamageIsDetected) {
+  const WholeState whole(rng_);
+  auto save = [&](int64_t step) {
+    on_ranks(2, [&](Communicator& comm) {
+      CheckpointManager ckpt(dir_, false, 0, cpu(), &comm);
+      ShardedTrainState st = whole.parts(comm.rank(), 1, 2);
+      st.step = step;
+      ckpt.save_parts(st);
+    });
+  };
+  save(1);
+  save(2);
+  CheckpointManager reader(dir_, false, 0, cpu());
+  ASSERT_EQ(reader.complete_steps(), (std::vector<int64_t>{1, 2}));
+  // A flipped byte in rank 1's moments.
+  const fs::path shard = dir_ / "2" / "opt_v.1-of-2.safetensors";
+  std::string bytes = read_all(shard);
+  bytes[bytes.size() - 3] ^= 0x20;
+  write_all(shard, bytes);
+  ShardedTrainState st = whole.blank(0, 1, 1);
+  try {
+    reader.restore_parts(2, st);
+    ADD_FAILURE() << "a changed shard was read";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("opt_v.1-of-2.safetensors' has CRC-32C"),
+              std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("previous complete checkpoint is step 1"),
+              std::string::npos)
+        << e.what();
+  }
+  // A missing shard: step 2 is incomplete, skipped with the reason.
+  fs::remove(shard);
+  EXPECT_EQ(reader.latest_step(), 1);
+  ASSERT_EQ(reader.skipped_newer_steps().size(), 1u);
+  EXPECT_NE(reader.skipped_newer_steps()[0].find("opt_v.1-of-2.safetensors"), std::string::npos);
+  // Hostile metadata: a split the shape does not divide.
+  const fs::path md = dir_ / "1" / "metadata.json";
+  const std::string good = read_all(md);
+  std::string bad = good;
+  const size_t at = bad.find("\"parts\": 1");
+  ASSERT_NE(at, std::string::npos);
+  bad.replace(at, 10, "\"parts\": 5");
+  write_all(md, bad);
+  EXPECT_EQ(reader.latest_step(), -1);
+  try {
+    reader.restore_parts(1, st);
+    ADD_FAILURE() << "hostile metadata was read";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("is corrupt"), std::string::npos) << e.what();
+  }
+  // A model with another shape: refused, nothing written.
+  write_all(md, good);
+  ShardedTrainState other = whole.blank(0, 1, 1);
+  other.tensors[0]["w"].shape = {6, 4};
+  try {
+    reader.restore_parts(1, other);
+    ADD_FAILURE() << "a mismatched model was read";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find(
+                  "tensor 'w' has shape [4, 6] in the checkpoint but [6, 4] in the model"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(test::to_vector(other.tensors[0]["b"].data), std::vector<float>(6, 0.f));
+}
+
+// One rank that cannot write (its file past the size limit: EFBIG) fails the save on every
+// rank: rank 0 names it, nothing is published, and the earlier checkpoint stays.
+TEST_F(Checkpoint, AShardThatCannotBeWrittenFailsTheSaveEverywhere) {
+  const WholeState whole(rng_);
+  EXPECT_EXIT(
+      {
+        ::signal(SIGXFSZ, SIG_IGN);
+        std::vector<std::string> errors(2);
+        auto save = [&](int64_t step, int64_t big) {
+          on_ranks(2, [&](Communicator& comm) {
+            CheckpointManager ckpt(dir_, true, 0, cpu(), &comm);
+            ShardedTrainState st = whole.parts(comm.rank(), 1, 2);
+            st.step = step;
+            // Rank 1 alone holds "big" (rank 0 an empty part of it).
+            TensorPart p{{big}, -1, 1, 0, 0, comm.rank() == 1 ? big : 0, {}};
+            p.data = cpu().zeros({p.end}, DType::f32);
+            st.tensors[0]["big"] = p;
+            try {
+              ckpt.save_parts(st);
+              ckpt.wait();
+            } catch (const Error& e) {
+              errors[static_cast<size_t>(comm.rank())] = e.what();
+            }
+          });
+        };
+        save(1, 1000);
+        rlimit lim;
+        lim.rlim_cur = lim.rlim_max = 1 << 20;
+        ::setrlimit(RLIMIT_FSIZE, &lim);
+        save(2, 1 << 20);  // 4 MiB on rank 1
+        std::vector<std::string> names;
+        for (const auto& e : fs::directory_iterator(dir_))
+          names.push_back(e.path().filename().string());
+        const bool named =
+            errors[0].find("rank 1 could not write its files") != std::string::npos &&
+            errors[1].find("rank 0 names the cause") != std::string::npos;
+        const bool clean = names == std::vector<std::string>{"1"};
+        std::fprintf(stderr, "named=%d clean=%d [%s] [%s]\n", named, clean, errors[0].c_str(),
+                     errors[1].c_str());
+        fs::remove_all(root_);
+        std::_Exit(named && clean ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0),
+      "rank 1: rank 1 could not write(.|\n)*File too large(.|\n)*named=1 clean=1");
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint_manager.h"
 #include "config_impl.h"
 #include "memory_plan.h"
 #include "mt/backend.h"
@@ -93,12 +94,32 @@ std::string train_args(const fs::path& root, const std::string& name, int batch,
          " " + extra;
 }
 
+// A group of a run's checkpoint of step 20 ("params", "opt_m", "opt_v"), whole, whichever
+// ranks wrote it (one file, or the ranks' parts of a sharded checkpoint).
+std::map<std::string, Tensor> saved(const fs::path& run, const std::string& group = "params") {
+  return load_checkpoint_tensors(run / "checkpoints" / "20", group, test::cpu());
+}
+
+// Each tensor's bytes, for bit-exact comparisons.
+std::map<std::string, std::vector<char>> saved_bytes(const fs::path& run,
+                                                     const std::string& group) {
+  std::map<std::string, std::vector<char>> out;
+  for (const auto& [name, t] : saved(run, group)) {
+    std::vector<char> b(t.nbytes());
+    t.backend()->copy_to_host(t, b.data());
+    out[name] = std::move(b);
+  }
+  return out;
+}
+
 double max_param_err(const fs::path& a_run, const fs::path& b_run) {
-  const SafeTensorsFile a(a_run / "checkpoints" / "20" / "params.safetensors");
-  const SafeTensorsFile b(b_run / "checkpoints" / "20" / "params.safetensors");
-  EXPECT_EQ(a.names(), b.names());
+  const std::map<std::string, Tensor> a = saved(a_run), b = saved(b_run);
+  EXPECT_EQ(a.size(), b.size());
   double e = 0;
-  for (const auto& n : b.names()) e = std::max(e, test::scaled_err(read_f32(a, n), read_f32(b, n)));
+  for (const auto& [n, t] : b) {
+    EXPECT_TRUE(a.count(n)) << n;
+    if (a.count(n)) e = std::max(e, test::scaled_err(test::to_vector(a.at(n)), test::to_vector(t)));
+  }
   return e;
 }
 
@@ -282,23 +303,25 @@ TEST(DataParallel, ShardedOptimizerStateTrainsAsPlainDataParallelism) {
     }
     EXPECT_EQ(timed, 20) << run;
   }
+  // The sharded run saves its parts (each rank its moments); read whole, they are plain data
+  // parallelism's to the bit.
+  EXPECT_TRUE(fs::exists(d.root / "sharded" / "checkpoints" / "20" / "opt_m.1-of-2.safetensors"));
   size_t moment_bytes = 0;
-  for (const char* f : {"params.safetensors", "opt_m.safetensors", "opt_v.safetensors"}) {
-    const std::string a = file_bytes(d.root / "plain" / "checkpoints" / "20" / f);
-    const std::string b = file_bytes(d.root / "sharded" / "checkpoints" / "20" / f);
-    ASSERT_FALSE(a.empty()) << f;
-    EXPECT_TRUE(a == b) << f << " differs from plain data parallelism's";
-    if (std::string(f) != "params.safetensors") moment_bytes += a.size();
+  for (const char* g : {"params", "opt_m", "opt_v"}) {
+    const auto a = saved_bytes(d.root / "plain", g), b = saved_bytes(d.root / "sharded", g);
+    ASSERT_FALSE(a.empty()) << g;
+    EXPECT_TRUE(a == b) << g << " differs from plain data parallelism's";
+    if (std::string(g) != "params")
+      for (const auto& [n, bytes] : a) moment_bytes += bytes.size();
   }
   // The same in rounds of 1000 elements per rank (a large model's parts take several rounds).
   r = mpirun(
       2, train_args(d.root, "rounds", 2, "dataset_type=synthetic shard_optimizer_over_data=true"),
       120, "env MT_MPI_ROUND_ELEMENTS=1000");
   ASSERT_EQ(r.code, 0) << r.out;
-  for (const char* f : {"params.safetensors", "opt_m.safetensors", "opt_v.safetensors"})
-    EXPECT_TRUE(file_bytes(d.root / "plain" / "checkpoints" / "20" / f) ==
-                file_bytes(d.root / "rounds" / "checkpoints" / "20" / f))
-        << f << " differs in rounds of 1000";
+  for (const char* g : {"params", "opt_m", "opt_v"})
+    EXPECT_TRUE(saved_bytes(d.root / "plain", g) == saved_bytes(d.root / "rounds", g))
+        << g << " differs in rounds of 1000";
   // Half the moments (less the files' headers) fewer on each rank; metrics round to 0.1 MB.
   const double saved = last_peak_mb(d.root / "plain") - last_peak_mb(d.root / "sharded");
   EXPECT_GE(saved, 0.5 * static_cast<double>(moment_bytes) / 1e6 * 0.9 - 0.1) << saved;
@@ -381,13 +404,23 @@ TEST(DataParallel, DataTimesTensorParallelTrainsAsOneRank) {
   EXPECT_LE(max_param_err(d.root / "mesh", d.root / "one"), 3e-5);
 }
 
-// A checkpoint of tensor ranks holds every tensor whole: saved by 2 tensor ranks, it resumes
-// under 1 rank and under 2 tensor ranks, and both continue as the straight run.
+// Each tensor rank saves its parts: saved by 2 tensor ranks, the checkpoint resumes under 1
+// rank, 2 tensor ranks, 2 FSDP ranks (the split parts assembled, then divided anew) and 2 tensor
+// x 2 FSDP ranks (each part's FSDP range read from the tensor rank's piece), and each continues
+// as the straight run.
 TEST(DataParallel, TensorParallelCheckpointsResumeOnAnyMesh) {
   MT_NEED_MPIRUN();
   Dir d;
   const std::string tp = "ici_tensor_parallelism=2 ici_data_parallelism=1";
-  check_resumes(d.root, {1, 2, ""}, {2, 2, tp}, {{1, 2, ""}, {2, 2, tp}});
+  check_resumes(d.root, {1, 2, ""}, {2, 2, tp},
+                {{1, 2, ""},
+                 {2, 2, tp},
+                 {2, 1, "ici_fsdp_parallelism=2 ici_data_parallelism=1"},
+                 {4, 1, tp + " ici_fsdp_parallelism=2"}});
+  const fs::path step = d.root / "saved" / "checkpoints" / "10";
+  for (const char* f : {"params.0-of-2.safetensors", "params.1-of-2.safetensors"})
+    EXPECT_TRUE(fs::exists(step / f)) << f;
+  EXPECT_FALSE(fs::exists(step / "params.safetensors"));
 }
 
 // Heads the tensor axis does not divide (llama-test has 2 key/value heads), and tensor
@@ -547,8 +580,18 @@ TEST(DataParallel, FsdpCheckpointsResumeOnAnyNumberOfRanks) {
   MT_NEED_MPIRUN();
   Dir d;
   const std::string fsdp = "ici_data_parallelism=1 ici_fsdp_parallelism=";
+  // The saver checkpoints in the background every 3 steps (each published by a later step's
+  // poll once all 4 ranks have written), then step 10, which the resumed runs start from.
   const std::vector<std::string> runs = check_resumes(
-      d.root, {4, 1, fsdp + "4"}, {4, 1, fsdp + "4"}, {{1, 4, ""}, {2, 2, fsdp + "2"}});
+      d.root, {4, 1, fsdp + "4"}, {4, 1, fsdp + "4 async_checkpointing=true checkpoint_period=3"},
+      {{1, 4, ""}, {2, 2, fsdp + "2"}});
+  // Every rank wrote its own part of every tensor; none holds the state whole.
+  const fs::path ckpts = d.root / "saved" / "checkpoints";
+  for (const char* step : {"3", "6", "9", "10"})
+    for (int r = 0; r < 4; ++r)
+      for (const char* g : {"params.", "opt_m.", "opt_v."})
+        EXPECT_TRUE(fs::exists(ckpts / step / (g + std::to_string(r) + "-of-4.safetensors")))
+            << step << " " << g << r;
   // The final parameters of the three agree (FSDP's norm adds the ranks' parts: f32 rounding).
   for (size_t k = 1; k < runs.size(); ++k)
     EXPECT_LE(max_param_err(d.root / runs[k], d.root / "straight"), 1e-5) << runs[k];
@@ -648,39 +691,48 @@ std::map<int64_t, double> losses_by_step(const fs::path& run) {
 // of the job resumes from it and continues exactly as a run that was never killed.
 TEST(DataParallel, AKilledRankEndsTheJobAndTheRestartResumes) {
   MT_NEED_MPIRUN();
-  Dir d;
-  const std::string common =
-      "dataset_type=tokens vocab_size=8192 dataset_path=" + test::source_dir() +
-      "/data/corpus.train.tokens checkpoint_period=2 eval_interval=-1 "
-      "learning_rate_schedule_steps=1000";
-  // Rank 1 kills itself with SIGKILL once rank 0 has logged 6 steps (exec keeps its PID).
-  const std::string killer =
-      "bash -c 'if [ \"$OMPI_COMM_WORLD_RANK\" = 1 ]; then (while [ $(cat " +
-      (d.root / "killed" / "metrics.jsonl").string() +
-      " 2>/dev/null | wc -l) -lt 6 ]; do sleep 0.05; done; kill -9 $$) & fi; exec \"$0\" "
-      "\"$@\"'";
-  const auto t0 = std::chrono::steady_clock::now();
-  test::MtResult r =
-      mpirun(2, train_args(d.root, "killed", 2, common + " steps=100000"), 60, killer);
-  EXPECT_NE(r.code, 0) << r.out;
-  EXPECT_NE(r.code, 124) << "the job hung: " << r.out;
-  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 45);
-  // The newest complete checkpoint, then the same job restarted to 4 steps past it.
-  int64_t last = -1;
-  for (const auto& e : fs::directory_iterator(d.root / "killed" / "checkpoints"))
-    if (fs::exists(e.path() / "params.safetensors") && fs::exists(e.path() / "metadata.json"))
-      last = std::max<int64_t>(last, std::stoll(e.path().filename().string()));
-  ASSERT_GE(last, 2) << r.out;
-  const std::string until = " steps=" + std::to_string(last + 4);
-  r = mpirun(2, train_args(d.root, "killed", 2, common + until), 60);
-  ASSERT_EQ(r.code, 0) << r.out;
-  EXPECT_NE(r.out.find("resumed from step"), std::string::npos) << r.out;
-  r = mpirun(2, train_args(d.root, "straight", 2, common + until), 60);
-  ASSERT_EQ(r.code, 0) << r.out;
-  const std::map<int64_t, double> killed = losses_by_step(d.root / "killed"),
-                                  straight = losses_by_step(d.root / "straight");
-  EXPECT_EQ(straight.size(), static_cast<size_t>(last + 4));
-  EXPECT_EQ(killed, straight);
+  // Plain data parallelism (rank 0 saves) and FSDP in the background (each rank its parts: a
+  // kill mid-save leaves a temporary directory no reader takes, which a later save removes
+  // once its writer is gone).
+  for (const std::string mesh :
+       {"", "ici_fsdp_parallelism=2 ici_data_parallelism=1 async_checkpointing=true"}) {
+    SCOPED_TRACE(mesh);
+    Dir d;
+    const std::string common =
+        "dataset_type=tokens vocab_size=8192 dataset_path=" + test::source_dir() +
+        "/data/corpus.train.tokens checkpoint_period=2 eval_interval=-1 "
+        "learning_rate_schedule_steps=1000 " +
+        mesh;
+    // Rank 1 kills itself with SIGKILL once rank 0 has logged 6 steps (exec keeps its PID).
+    const std::string killer =
+        "bash -c 'if [ \"$OMPI_COMM_WORLD_RANK\" = 1 ]; then (while [ $(cat " +
+        (d.root / "killed" / "metrics.jsonl").string() +
+        " 2>/dev/null | wc -l) -lt 6 ]; do sleep 0.05; done; kill -9 $$) & fi; exec \"$0\" "
+        "\"$@\"'";
+    const auto t0 = std::chrono::steady_clock::now();
+    test::MtResult r =
+        mpirun(2, train_args(d.root, "killed", 2, common + " steps=100000"), 60, killer);
+    EXPECT_NE(r.code, 0) << r.out;
+    EXPECT_NE(r.code, 124) << "the job hung: " << r.out;
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 45);
+    // The newest complete checkpoint, then the same job restarted to 4 steps past it.
+    const int64_t last =
+        CheckpointManager(d.root / "killed" / "checkpoints", false, 0, test::cpu()).latest_step();
+    ASSERT_GE(last, 2) << r.out;
+    const std::string until = " steps=" + std::to_string(last + 4);
+    r = mpirun(2, train_args(d.root, "killed", 2, common + until), 60);
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_NE(r.out.find("resumed from step"), std::string::npos) << r.out;
+    EXPECT_EQ(
+        CheckpointManager(d.root / "killed" / "checkpoints", false, 0, test::cpu()).latest_step(),
+        last + 4);
+    r = mpirun(2, train_args(d.root, "straight", 2, common + until), 60);
+    ASSERT_EQ(r.code, 0) << r.out;
+    const std::map<int64_t, double> killed = losses_by_step(d.root / "killed"),
+                                    straight = losses_by_step(d.root / "straight");
+    EXPECT_EQ(straight.size(), static_cast<size_t>(last + 4));
+    EXPECT_EQ(killed, straight);
+  }
 }
 
 // Without mpirun: one rank, and a mesh of more devices is refused before any work.

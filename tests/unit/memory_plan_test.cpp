@@ -318,15 +318,20 @@ TEST(MemoryPlan, DataParallelCollectivesArePlanned) {
 // ranks.
 TEST(MemoryPlan, FsdpIsPlannedPerRank) {
   const DeviceProfile h100 = *named_device("h100-80gb", false);
-  const Plan whole = make_plan(config_for("llama2-7b", {"remat_policy=full"}), test::plugins(),
-                               h100, PlanFor::train, false);
-  const Config cfg = config_for(
-      "llama2-7b", {"remat_policy=full", "ici_data_parallelism=1", "ici_fsdp_parallelism=8"});
+  const Plan whole =
+      make_plan(config_for("llama2-7b", {"remat_policy=full", "enable_checkpointing=true"}),
+                test::plugins(), h100, PlanFor::train, false);
+  const Config cfg =
+      config_for("llama2-7b", {"remat_policy=full", "ici_data_parallelism=1",
+                               "ici_fsdp_parallelism=8", "enable_checkpointing=true"});
   const Plan fsdp = make_plan(cfg, test::plugins(), h100, PlanFor::train, false);
   ASSERT_TRUE(whole.train && fsdp.train);
+  // The host copy an async checkpoint keeps is the rank's parts too (each rank saves its own).
+  ASSERT_GT(whole.train->checkpoint, 0u);
   for (auto [part, all] : {std::pair{fsdp.train->weights, whole.train->weights},
                            std::pair{fsdp.train->gradients, whole.train->gradients},
-                           std::pair{fsdp.train->optimizer, whole.train->optimizer}})
+                           std::pair{fsdp.train->optimizer, whole.train->optimizer},
+                           std::pair{fsdp.train->checkpoint, whole.train->checkpoint}})
     EXPECT_NEAR(static_cast<double>(part), static_cast<double>(all) / 8, 0.1 * all / 8);
   // A layer's f32 weights and gradients (about 200M parameters x 8 bytes) above the
   // unsharded run's activations, and far below the 7/8 of the state that went.
