@@ -613,6 +613,17 @@ void remove_stale(const fs::path& dir) {
   }
 }
 
+// Creates the checkpoint directory `dir` if needed, removes dead processes' leftovers from it and
+// makes a save's temporary directory `tmp` in it.
+void make_tmp_dir(const fs::path& dir, const fs::path& tmp) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec)
+    throw Error("cannot create the checkpoint directory " + quoted(dir) + ": " + ec.message());
+  remove_stale(dir);
+  if (::mkdir(tmp.c_str(), 0755) != 0) errno_error("cannot create", tmp);
+}
+
 // Moves the finished `tmp` directory to `final`, atomically replacing an existing one.
 void publish(const fs::path& tmp, const fs::path& final_dir, const fs::path& old) {
   if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_NOREPLACE) == 0)
@@ -672,6 +683,22 @@ std::string name_list(const std::vector<std::string>& names) {
   return s;
 }
 
+// The tensors the model has and `holder` (the file, the checkpoint) lacks, those it has and the
+// model lacks, and the other problems, in one sentence; "" when there is none.
+std::string mismatch_sentence(const std::vector<std::string>& missing,
+                              const std::vector<std::string>& extra,
+                              const std::vector<std::string>& problems, const std::string& holder) {
+  std::string msg;
+  auto add = [&](const std::string& s) { msg += (msg.empty() ? "" : "; ") + s; };
+  if (!missing.empty())
+    add("missing tensors (the model has them, the " + holder + " does not): " + name_list(missing));
+  if (!extra.empty())
+    add("unexpected tensors (the " + holder +
+        " has them, the model does not): " + name_list(extra));
+  for (const auto& p : problems) add(p);
+  return msg;
+}
+
 // Every problem between `file` and the tensors expected of it, or "" when they match.
 std::string match_problems(const SafeTensorsFile& file, const std::map<std::string, Tensor>& want) {
   std::vector<std::string> missing, extra, problems;
@@ -691,14 +718,7 @@ std::string match_problems(const SafeTensorsFile& file, const std::map<std::stri
   }
   for (const auto& name : file.names())
     if (!want.count(name)) extra.push_back(name);
-  std::string msg;
-  auto add = [&](const std::string& s) { msg += (msg.empty() ? "" : "; ") + s; };
-  if (!missing.empty())
-    add("missing tensors (the model has them, the file does not): " + name_list(missing));
-  if (!extra.empty())
-    add("unexpected tensors (the file has them, the model does not): " + name_list(extra));
-  for (const auto& p : problems) add(p);
-  return msg;
+  return mismatch_sentence(missing, extra, problems, "file");
 }
 
 // " The previous complete checkpoint is step N ..." for the checkpoint directory above
@@ -843,13 +863,7 @@ void read_parts(PartSource& src, const fs::path& where,
     }
     for (const auto& [name, t] : layout)
       if (!targets[g]->count(name)) extra.push_back(name);
-    std::string msg;
-    auto add = [&](const std::string& s) { msg += (msg.empty() ? "" : "; ") + s; };
-    if (!missing.empty())
-      add("missing tensors (the model has them, the checkpoint does not): " + name_list(missing));
-    if (!extra.empty())
-      add("unexpected tensors (the checkpoint has them, the model does not): " + name_list(extra));
-    for (const auto& p : problems) add(p);
+    const std::string msg = mismatch_sentence(missing, extra, problems, "checkpoint");
     if (!msg.empty())
       throw UsageError("Checkpoint " + quoted(where) + " (" + kGroupNames[g] +
                        ") does not match the model: " + msg +
@@ -953,6 +967,7 @@ Metadata load_step(fs::path step_dir, std::map<std::string, Tensor>* const targe
   step_dir = sd.dir;
   const Metadata& md = sd.md;
   auto corrupt = [&](const std::string& what) { return sd.corrupt(what); };
+  PartSource src(sd.dir, &sd.md, {}, corrupt);  // verifies each file's size and checksum
   if (md.shards > 0) {  // the ranks' pieces, assembled whole
     std::map<std::string, TensorPart> parts[3];
     std::map<std::string, TensorPart>* part_targets[3] = {};
@@ -961,12 +976,10 @@ Metadata load_step(fs::path step_dir, std::map<std::string, Tensor>* const targe
         parts[i] = whole_parts(*targets[i]);
         part_targets[i] = &parts[i];
       }
-    PartSource src(sd.dir, &sd.md, {}, corrupt);
     read_parts(src, sd.dir, part_targets);
     return std::move(sd.md);
   }
-
-  std::vector<std::pair<SafeTensorsFile, int>> open;
+  std::vector<std::pair<const SafeTensorsFile*, int>> open;
   for (int i = 0; i < 3; ++i) {
     if (!targets[i]) continue;
     const FileRecord* rec = md.file(kFileNames[i]);
@@ -976,27 +989,16 @@ Metadata load_step(fs::path step_dir, std::map<std::string, Tensor>* const targe
                   "), but the train state asks for them. Load it with load_parameters_path "
                   "instead to start a fresh optimizer.");
     }
-    fs::path p = step_dir / rec->name;
-    std::error_code ec;
-    uintmax_t size = fs::file_size(p, ec);
-    if (ec) throw corrupt(quoted(p) + " cannot be read: " + ec.message());
-    if (size != rec->size)
-      throw corrupt(quoted(p) + " is " + std::to_string(size) + " bytes but the metadata records " +
-                    std::to_string(rec->size) + " (truncated or overwritten)");
-    uint32_t crc = crc32c_file(p);
-    if (crc != rec->crc)
-      throw corrupt(quoted(p) + " has CRC-32C " + crc_hex(crc) + " but the metadata records " +
-                    crc_hex(rec->crc) + " (the file's bytes changed after it was written)");
-    open.emplace_back(SafeTensorsFile(p), i);
+    open.emplace_back(&src.file(rec->name), i);
   }
   for (const auto& [file, i] : open) {
-    std::string problems = match_problems(file, *targets[i]);
+    std::string problems = match_problems(*file, *targets[i]);
     if (!problems.empty())
-      throw UsageError("Checkpoint file " + quoted(file.path()) + " does not match the model: " +
+      throw UsageError("Checkpoint file " + quoted(file->path()) + " does not match the model: " +
                        problems + ". Was it written with a different model config?");
   }
   for (const auto& [file, i] : open)
-    for (auto& [name, t] : *targets[i]) load_into(file, name, t);
+    for (auto& [name, t] : *targets[i]) load_into(*file, name, t);
   return md;
 }
 
@@ -1096,9 +1098,7 @@ struct CheckpointManager::PendingShards {
   int64_t step = 0;
   int rank = 0, shards = 1;
   fs::path tmp, final_dir, old;
-  Layout layout[3];
-  bool has[3] = {};
-  std::string data_state, rng_state, config_yaml;
+  Metadata md;  // rank 0 adds the files' records at the commit
   // The pieces this rank writes (no lower rank holds them): live tensors (sync) or host copies.
   std::vector<std::pair<std::string, Tensor>> live[3];
   std::vector<SafeTensorsEntry> host[3];
@@ -1174,6 +1174,18 @@ int64_t CheckpointManager::latest_step() const {
   return steps.empty() ? -1 : steps.back();
 }
 
+const std::byte* CheckpointManager::host_copy(size_t k, const Tensor& t) {
+  const size_t n = t.nbytes();
+  if (k == buffers_.size()) buffers_.emplace_back();
+  HostBuffer& b = buffers_[k];
+  if (b.size != n || !b.data) {
+    b.data = std::make_unique_for_overwrite<std::byte[]>(std::max<size_t>(n, 1));
+    b.size = n;
+  }
+  if (n > 0) t.backend()->copy_to_host(t, b.data.get());
+  return b.data.get();
+}
+
 void CheckpointManager::save(const TrainState& state) {
   Clock::time_point t0 = Clock::now();
   wait();
@@ -1216,16 +1228,8 @@ void CheckpointManager::save(const TrainState& state) {
     size_t k = 0;
     for (int i = 0; i < 3; ++i) {
       for (const auto& [name, t] : *maps[i]) {
-        size_t n = t.nbytes();
-        shown.add(static_cast<double>(n));
-        if (k == buffers_.size()) buffers_.emplace_back();
-        HostBuffer& b = buffers_[k++];
-        if (b.size != n || !b.data) {
-          b.data = std::make_unique_for_overwrite<std::byte[]>(std::max<size_t>(n, 1));
-          b.size = n;
-        }
-        if (n > 0) t.backend()->copy_to_host(t, b.data.get());
-        snap->host[i].emplace_back(name, t.dtype(), t.shape(), b.data.get());
+        shown.add(static_cast<double>(t.nbytes()));
+        snap->host[i].emplace_back(name, t.dtype(), t.shape(), host_copy(k++, t));
       }
     }
     buffers_.resize(k);  // a smaller state than last time: release the rest
@@ -1257,12 +1261,7 @@ void CheckpointManager::write(const Snapshot& snap, bool live) {
   const fs::path final_dir = dir_ / step_name;
   const fs::path tmp = dir_ / (step_name + ".tmp-" + pid);
   try {
-    std::error_code ec;
-    fs::create_directories(dir_, ec);
-    if (ec)
-      throw Error("cannot create the checkpoint directory " + quoted(dir_) + ": " + ec.message());
-    remove_stale(dir_);
-    if (::mkdir(tmp.c_str(), 0755) != 0) errno_error("cannot create", tmp);
+    make_tmp_dir(dir_, tmp);
     // From here on a failure removes everything this save wrote, and only that.
     struct TmpGuard {
       const fs::path& p;
@@ -1316,7 +1315,7 @@ void CheckpointManager::write(const Snapshot& snap, bool live) {
   last_write_s_ = seconds_since(t0);
 }
 
-void CheckpointManager::restore(int64_t step, TrainState& state) {
+fs::path CheckpointManager::step_to_read(int64_t step) {
   // A write in flight may be the step asked for; its error, if any, stays for wait().
   join_worker();
   fs::path step_dir = dir_ / std::to_string(step);
@@ -1324,7 +1323,11 @@ void CheckpointManager::restore(int64_t step, TrainState& state) {
   if (!fs::is_directory(step_dir, ec))
     throw Error("There is no checkpoint for step " + std::to_string(step) + " in " + quoted(dir_) +
                 ".");
-  restore_into(step_dir, state);
+  return step_dir;
+}
+
+void CheckpointManager::restore(int64_t step, TrainState& state) {
+  restore_into(step_to_read(step), state);
 }
 
 void CheckpointManager::save_parts(const ShardedTrainState& state) {
@@ -1364,12 +1367,15 @@ void CheckpointManager::save_parts(const ShardedTrainState& state) {
   p.step = state.step;
   p.rank = me;
   p.shards = ranks;
-  p.data_state = state.data_state;
-  p.rng_state = state.rng_state;
-  p.config_yaml = state.config_yaml;
+  p.md.version = 2;
+  p.md.step = state.step;
+  p.md.shards = ranks;
+  p.md.data_state = state.data_state;
+  p.md.rng_state = state.rng_state;
+  p.md.config_yaml = state.config_yaml;
   size_t k = 0;
   for (int g = 0; g < 3; ++g) {
-    p.has[g] = g == 0 || !state.tensors[g].empty();
+    p.md.has[g] = g == 0 || !state.tensors[g].empty();
     for (const auto& [name, t] : state.tensors[g]) {
       StoredTensor st{
           t.shape, safetensors_dtype_name(t.data.dtype()), t.parts > 1 ? t.dim : -1, t.parts, {}};
@@ -1389,7 +1395,7 @@ void CheckpointManager::save_parts(const ShardedTrainState& state) {
                     "' do not make it whole (" + problem + ")");
       if (t.begin < t.end && first.at(std::tuple{int64_t{t.part}, t.begin, t.end}) == me)
         p.live[g].emplace_back(name, t.data.view({t.end - t.begin}));
-      p.layout[g].emplace(name, std::move(st));
+      p.md.tensors[g].emplace(name, std::move(st));
       ++k;
     }
   }
@@ -1400,13 +1406,7 @@ void CheckpointManager::save_parts(const ShardedTrainState& state) {
   std::string why;
   if (me == 0) {
     try {
-      std::error_code ec;
-      fs::create_directories(dir_, ec);
-      if (ec)
-        throw Error("cannot create the checkpoint directory " + quoted(dir_) + ": " + ec.message());
-      remove_stale(dir_);
-      const fs::path tmp = dir_ / (step_name + ".tmp-" + std::to_string(::getpid()));
-      if (::mkdir(tmp.c_str(), 0755) != 0) errno_error("cannot create", tmp);
+      make_tmp_dir(dir_, dir_ / (step_name + ".tmp-" + std::to_string(::getpid())));
       made[0] = 1;
       made[1] = ::getpid();
     } catch (const std::exception& e) {
@@ -1441,17 +1441,8 @@ void CheckpointManager::save_parts(const ShardedTrainState& state) {
   }
   size_t b = 0;
   for (int g = 0; g < 3; ++g) {
-    for (auto& [name, t] : p.live[g]) {
-      const size_t n = t.nbytes();
-      if (b == buffers_.size()) buffers_.emplace_back();
-      HostBuffer& buf = buffers_[b++];
-      if (buf.size != n || !buf.data) {
-        buf.data = std::make_unique_for_overwrite<std::byte[]>(std::max<size_t>(n, 1));
-        buf.size = n;
-      }
-      if (n > 0) t.backend()->copy_to_host(t, buf.data.get());
-      p.host[g].emplace_back(name, t.dtype(), t.shape(), buf.data.get());
-    }
+    for (auto& [name, t] : p.live[g])
+      p.host[g].emplace_back(name, t.dtype(), t.shape(), host_copy(b++, t));
     p.live[g].clear();
   }
   buffers_.resize(b);
@@ -1526,17 +1517,9 @@ void CheckpointManager::commit_shards() {
                     " could not write " + (failed.size() > 1 ? "their" : "its") +
                     " files (each printed why)");
       }
-      Metadata md;
-      md.version = 2;
-      md.step = p.step;
-      md.shards = ranks;
-      md.data_state = p.data_state;
-      md.rng_state = p.rng_state;
-      md.config_yaml = p.config_yaml;
+      Metadata& md = p.md;
       size_t bytes = 0;
       for (int g = 0; g < 3; ++g) {
-        md.has[g] = p.has[g];
-        md.tensors[g] = p.layout[g];
         for (int r = 0; r < ranks; ++r) {
           const double* row = rows.data() + static_cast<size_t>(r) * kRow;
           if (row[1 + 3 * g] == 0) continue;
@@ -1588,13 +1571,7 @@ void CheckpointManager::poll() {
 }
 
 void CheckpointManager::restore_parts(int64_t step, ShardedTrainState& state) {
-  join_worker();
-  fs::path step_dir = dir_ / std::to_string(step);
-  std::error_code ec;
-  if (!fs::is_directory(step_dir, ec))
-    throw Error("There is no checkpoint for step " + std::to_string(step) + " in " + quoted(dir_) +
-                ".");
-  restore_parts_from(step_dir, state);
+  restore_parts_from(step_to_read(step), state);
 }
 
 void load_full_state_parts(const fs::path& path, ShardedTrainState& state) {
@@ -1660,22 +1637,9 @@ void load_full_state(const fs::path& path, TrainState& state) {
 }
 
 void load_parameters(const fs::path& path, std::map<std::string, Tensor>& params) {
-  std::error_code ec;
-  if (fs::is_regular_file(path, ec)) {
-    if (path.extension() != ".safetensors")
-      throw Error("load_parameters_path " + quoted(path) +
-                  " is a file but not a .safetensors file; give a checkpoint step directory, a "
-                  "checkpoints directory or a .safetensors file.");
-    SafeTensorsFile file(path);
-    std::string problems = match_problems(file, params);
-    if (!problems.empty())
-      throw UsageError("Parameter file " + quoted(path) + " does not match the model: " + problems +
-                       ". Was it written with a different model config?");
-    for (auto& [name, t] : params) load_into(file, name, t);
-    return;
-  }
-  std::map<std::string, Tensor>* targets[3] = {&params, nullptr, nullptr};
-  load_step(resolve_step_dir(path, "load_parameters_path"), targets);
+  ShardedTrainState whole;
+  whole.tensors[0] = whole_parts(params);
+  load_parameter_parts(path, whole);
 }
 
 }  // namespace mt

@@ -191,6 +191,10 @@ class CheckpointManager final : public Checkpointer {
 
   void join_worker() noexcept;
   void rethrow_pending();
+  // `t`'s bytes in host buffer k of buffers_ (made or resized as needed).
+  const std::byte* host_copy(size_t k, const Tensor& t);
+  // Step `step`'s directory, after any write in flight; throws mt::Error when there is none.
+  std::filesystem::path step_to_read(int64_t step);
   // Writes this rank's files of a sharded save; worker thread when async.
   void write_shards(PendingShards& pending);
   // Publishes the pending sharded save (rank 0) once every rank has written; a collective.
