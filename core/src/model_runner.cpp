@@ -476,12 +476,31 @@ Tensor ModelRunner::run_layer(Graph& g, const DecoderLayer& layer, const std::ve
     // (remat's re-run comes after this call returns: the lambda keeps what it needs by value.)
     const bool gather = sharding_.on();
     const Params lp = gather ? Params() : block_params(g, ps, slot);
+    Tensor input = x;
+    if (layer_ready_ && g.recording() && graph_detail::tracked(x) &&
+        slot < static_cast<size_t>(model_->num_layers())) {
+      // The layer's input through an identity whose backward, after every op of the layer's
+      // (recorded after it, so run before it), says the layer's gradients are final.
+      input = x.view(x.shape());
+      Backend* be = &backend();
+      const std::function<void(size_t)> ready = layer_ready_;
+      graph_detail::record(true, g.internals().tape, input, {&x},
+                           [be, ready, slot](const Tensor& dout, const graph_detail::Grads& d) {
+                             if (!d.adopt(0, dout)) {
+                               if (d.overwrite(0))
+                                 be->cast(dout, *d.raw(0));
+                               else
+                                 be->axpy(1.f, dout, *d[0]);
+                             }
+                             ready(slot);
+                           });
+    }
     out = g.remat_layer(
         remat_,
         [this, &layer, lp, gather, slot, in](Graph& gg, const Tensor& h) {
           return layer.forward(gg, gather ? block_params(gg, {}, slot) : lp, h, in);
         },
-        x);
+        input);
   }
   if (aux)
     for (auto& a : out.aux) aux->push_back(std::move(a));

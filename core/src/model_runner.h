@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -106,6 +107,15 @@ class ModelRunner {
   std::vector<Param>& params() { return params_; }
   Param* find(const std::string& name);
   const ParamSharding& sharding() const { return sharding_; }
+  // Data parallelism's overlap: during the backward of a graph recorded while it is set,
+  // `ready(i)` is called (on the calling thread) as soon as decoder layer i's parameter
+  // gradients are final for that pass: a marker recorded at the layer's input runs after every
+  // op of the layer in the backward. Empty: no markers.
+  void set_layer_gradients_ready(std::function<void(size_t layer)> ready) {
+    layer_ready_ = std::move(ready);
+  }
+  // The parameters of decoder layer i: params()[first, second).
+  std::pair<size_t, size_t> layer_params(size_t i) const { return {block_begin(i), block_end(i)}; }
   const TensorSharding& tensor_sharding() const { return tensor_; }
   // Tensor parallelism: this rank's part of a whole tensor of parameter `p` (a new tensor on
   // the backend), or the tensor itself when `p` is replicated.
@@ -215,6 +225,7 @@ class ModelRunner {
   std::unique_ptr<ModelFamily> family_;
   std::unique_ptr<Model> model_;
   std::vector<Param> params_;
+  std::function<void(size_t)> layer_ready_;
   size_t num_top_ = 0;                  // params_[0, num_top_) are the model's top parameters
   std::vector<size_t> layer_begin_;     // params_ index of each layer's first parameter
   std::vector<std::string> top_names_;  // the names Params hands the model (relative to a layer)

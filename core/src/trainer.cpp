@@ -6,14 +6,20 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
+#include <deque>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -133,6 +139,93 @@ OptimizerState make_optimizer_state(ModelRunner& runner, const Config& cfg,
   return opt;
 }
 
+namespace {
+
+// Data parallelism's gradient sums overlapped with the backward: each decoder layer's gradients,
+// once final, go to a thread that sums them over the ranks (the communicator's one-bucket
+// collective, so every element is the same rank-ordered sum as without overlap) while the
+// training thread runs the backward of the layers below. The training thread calls no
+// collective between the first submit() and wait(), so one thread at a time uses the
+// communicator (what Communicator::serialized_threads promises to allow).
+class OverlappedSums {
+ public:
+  OverlappedSums(Communicator& comm, Backend& be) : comm_(comm), be_(be) {}
+  ~OverlappedSums() {
+    {
+      std::lock_guard lock(m_);
+      stop_ = true;
+    }
+    work_.notify_all();
+    if (worker_.joinable()) worker_.join();
+  }
+  OverlappedSums(const OverlappedSums&) = delete;
+  OverlappedSums& operator=(const OverlappedSums&) = delete;
+
+  void submit(std::vector<Tensor*> grads) {
+    if (!worker_.joinable()) worker_ = std::thread([this] { run(); });
+    {
+      std::lock_guard lock(m_);
+      jobs_.push_back(std::move(grads));
+    }
+    work_.notify_one();
+  }
+  // Blocks until every submitted bucket is summed; rethrows a collective's failure.
+  void wait() {
+    std::unique_lock lock(m_);
+    done_.wait(lock, [this] { return jobs_.empty() && !busy_; });
+    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+  }
+
+ private:
+  void run() {
+    std::unique_lock lock(m_);
+    while (true) {
+      work_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;  // stopping
+      std::vector<Tensor*> grads = std::move(jobs_.front());
+      jobs_.pop_front();
+      busy_ = true;
+      const bool failed = error_ != nullptr;
+      lock.unlock();
+      std::exception_ptr error;
+      if (!failed) {
+        try {
+          comm_.all_reduce_sum(be_, grads);
+        } catch (...) {
+          error = std::current_exception();
+        }
+      }
+      lock.lock();
+      if (error) error_ = error;
+      busy_ = false;
+      done_.notify_all();
+    }
+  }
+
+  Communicator& comm_;
+  Backend& be_;
+  std::mutex m_;
+  std::condition_variable work_, done_;
+  std::deque<std::vector<Tensor*>> jobs_;
+  bool busy_ = false, stop_ = false;
+  std::exception_ptr error_;
+  std::thread worker_;
+};
+
+// Whether plain data parallelism overlaps its gradient sums with the backward: host tensors
+// (the CPU backend, not profiled), a communicator a second thread may call, and not turned off
+// with MT_OVERLAP_GRADIENTS=0 (for comparisons).
+bool overlap_gradient_sums(ModelRunner& runner, const Communicator& comm,
+                           const OptimizerState* opt) {
+  const char* env = std::getenv("MT_OVERLAP_GRADIENTS");
+  if (env && std::string(env) == "0") return false;
+  return !runner.sharding().on() && !(opt && opt->sharded()) &&
+         runner.tensor_sharding().ranks == 1 && comm.serialized_threads() &&
+         runner.backend().name() == "cpu" && runner.profiler() == nullptr;
+}
+
+}  // namespace
+
 StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& micro, float z_loss,
                                Communicator* comm, const OptimizerState* opt) {
   Backend& be = runner.backend();
@@ -147,7 +240,31 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
     valid = std::llround(v);
     r.communication_s += seconds_since(t0);
   }
-  for (auto& mb : micro) {
+  // Plain data parallelism: the last micro-batch's backward hands each layer's final gradients
+  // to the summing thread; `sent` marks them, the rest are summed after the backward.
+  std::optional<OverlappedSums> sums;
+  std::vector<bool> sent(runner.params().size(), false);
+  struct ClearHook {
+    ModelRunner& r;
+    ~ClearHook() { r.set_layer_gradients_ready({}); }
+  } clear_hook{runner};
+  for (size_t m = 0; m < micro.size(); ++m) {
+    DeviceBatch& mb = micro[m];
+    if (ranks && m + 1 == micro.size() && overlap_gradient_sums(runner, *comm, opt)) {
+      sums.emplace(*comm, be);
+      runner.set_layer_gradients_ready([&](size_t layer) {
+        const auto [b, e] = runner.layer_params(layer);
+        std::vector<Tensor*> grads;
+        for (size_t j = b; j < e; ++j) {
+          Param& p = runner.params()[j];
+          if (!p.grad.defined()) continue;
+          Graph::finish_fresh(be, p.value);  // a parameter the pass did not use: zeros
+          grads.push_back(&p.grad);
+          sent[j] = true;
+        }
+        if (!grads.empty()) sums->submit(std::move(grads));
+      });
+    }
     Graph g(be);
     const double share =
         valid ? static_cast<double>(mb.valid_targets) / static_cast<double>(valid) : 0;
@@ -157,6 +274,7 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
     r.loss += lv;
     g.backward(l);
   }
+  runner.set_layer_gradients_ready({});
   runner.finish_gradients();
   r.communication_s += runner.take_communication_seconds();
   if (ranks) {
@@ -193,8 +311,13 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
         at += p.grad.numel();
       }
     } else {
+      // The layers' buckets the backward overlapped (only the wait for the last is exposed),
+      // then what remains (the top parameters) in one more.
+      if (sums) sums->wait();
       std::vector<Tensor*> grads;
-      for (auto& p : runner.params()) grads.push_back(&p.grad);
+      size_t j = 0;
+      for (auto& p : runner.params())
+        if (!sent[j++]) grads.push_back(&p.grad);
       comm->all_reduce_sum(be, grads);
     }
     std::vector<double> scalars{r.loss};
@@ -644,6 +767,8 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
           tp, human_count(static_cast<double>(split)), human_count(static_cast<double>(whole)),
           shard_note);
     }
+    if (ranks > 1 && overlap_gradient_sums(runner, dp, &opt))
+      shard_note += "; each layer's gradient sum overlaps the backward of the layers below it";
     if (ranks > 1)
       std::printf("mt run: %s over %d rank%s (communicator %s): global batch %ld sequences%s\n",
                   fsdp ? "FSDP" : "data parallelism", static_cast<int>(mesh.batch_ranks()),

@@ -277,6 +277,32 @@ double last_peak_mb(const fs::path& run) {
 // all-reduce does, AdamW is elementwise and the all-gather copies, so the run is plain data
 // parallelism's to the bit (losses, parameters and the moments the checkpoint gathers), with
 // half the moments on each of 2 ranks: the device peak drops by that much.
+// Plain data parallelism sums each layer's gradients on a second thread while the backward goes
+// on to the layers below (the top parameters after it): the same rank-ordered sums, so the run
+// equals one that sums everything after the backward (MT_OVERLAP_GRADIENTS=0) to the bit, with
+// gradient accumulation (only the last micro-batch's backward overlaps) and with remat.
+TEST(DataParallel, OverlappedGradientSumsChangeNoBits) {
+  MT_NEED_MPIRUN();
+  Dir d;
+  for (const std::string extra : {"gradient_accumulation_steps=2", "remat_policy=full"}) {
+    SCOPED_TRACE(extra);
+    const std::string args = "dataset_type=synthetic " + extra;
+    test::MtResult r = mpirun(2, train_args(d.root, "overlap", 2, args), 120);
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_NE(r.out.find("each layer's gradient sum overlaps the backward"), std::string::npos)
+        << r.out;
+    r = mpirun(2, train_args(d.root, "after", 2, args), 120, "env MT_OVERLAP_GRADIENTS=0");
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_EQ(r.out.find("overlaps the backward"), std::string::npos) << r.out;
+    EXPECT_EQ(losses(d.root / "overlap"), losses(d.root / "after"));
+    EXPECT_EQ(losses(d.root / "overlap").size(), 20u);
+    for (const char* g : {"params", "opt_m", "opt_v"})
+      EXPECT_TRUE(saved_bytes(d.root / "overlap", g) == saved_bytes(d.root / "after", g)) << g;
+    fs::remove_all(d.root / "overlap");
+    fs::remove_all(d.root / "after");
+  }
+}
+
 TEST(DataParallel, ShardedOptimizerStateTrainsAsPlainDataParallelism) {
   MT_NEED_MPIRUN();
   Dir d;

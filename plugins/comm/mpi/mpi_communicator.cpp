@@ -51,18 +51,25 @@ class MpiCommunicator final : public mt::Communicator {
   MpiCommunicator() {
     int initialised = 0;
     MPI_Initialized(&initialised);
+    int provided = MPI_THREAD_SINGLE;
     if (!initialised) {
-      int provided = 0;
-      // Only the training thread calls MPI (oneTBB workers and the checkpoint writer do not).
-      check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided), "MPI_Init_thread");
+      // One thread at a time calls MPI: the training thread, or the thread that sums data
+      // parallelism's gradients during the backward (oneTBB workers and the checkpoint writer
+      // never do).
+      check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided), "MPI_Init_thread");
       owns_ = true;
+    } else {
+      MPI_Query_thread(&provided);
     }
+    serialized_ = provided >= MPI_THREAD_SERIALIZED;
     // Errors come back as codes, which check() turns into mt::Error with MPI's sentence.
     MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
     attach(MPI_COMM_WORLD);
   }
   // A group of the world's ranks (split); the world's communicator outlives it.
-  explicit MpiCommunicator(MPI_Comm group) : split_(true) { attach(group); }
+  MpiCommunicator(MPI_Comm group, bool serialized) : split_(true), serialized_(serialized) {
+    attach(group);
+  }
   ~MpiCommunicator() override {
     // Not while an exception unwinds: MPI_Finalize waits for the other ranks, which may be
     // blocked in a collective this rank will never join (the caller aborts the job instead).
@@ -75,7 +82,7 @@ class MpiCommunicator final : public mt::Communicator {
     MPI_Comm group = MPI_COMM_NULL;
     check(MPI_Comm_split(comm_, color, key, &group), "MPI_Comm_split");
     MPI_Comm_set_errhandler(group, MPI_ERRORS_RETURN);
-    return std::make_unique<MpiCommunicator>(group);
+    return std::make_unique<MpiCommunicator>(group, serialized_);
   }
 
   std::string name() const override { return "mpi"; }
@@ -156,6 +163,7 @@ class MpiCommunicator final : public mt::Communicator {
   }
 
   void barrier() override { check(MPI_Barrier(comm_), "MPI_Barrier"); }
+  bool serialized_threads() const override { return serialized_; }
   double bytes_received() const override { return received_; }
 
   [[noreturn]] void abort(int code) override {
@@ -259,7 +267,7 @@ class MpiCommunicator final : public mt::Communicator {
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
   size_t round_override_ = 0;
-  bool owns_ = false, split_ = false;
+  bool owns_ = false, split_ = false, serialized_ = false;
   double received_ = 0;
   std::vector<char> recv_;
 };

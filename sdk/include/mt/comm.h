@@ -63,6 +63,11 @@ class MT_API Communicator {
   // plan's traffic; 0 where the communicator does not count them.
   virtual double bytes_received() const { return 0; }
 
+  // Whether the collectives may be called from a thread other than the one that made the
+  // communicator, one thread at a time (MPI_THREAD_SERIALIZED): what overlapping data
+  // parallelism's gradient sums with the backward needs. false: only the making thread calls.
+  virtual bool serialized_threads() const { return false; }
+
   // Ends the whole job with `code` from this rank (a rank that failed calls it, so no other
   // rank waits forever in a collective). Never returns.
   [[noreturn]] virtual void abort(int code) = 0;

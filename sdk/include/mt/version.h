@@ -23,5 +23,6 @@
 // mtp_combine), and the Communicator plugin kind (mt/comm.h, Registry::add_communicator); 9:
 // KVCache::derived (tensors a layer derives from its weights once per decoder) and
 // blocks::MlaSpec::naive_cache; 10: Communicator::reduce_scatter_sum and all_gather in place
-// over shard_range's parts (sharded optimizer state).
-#define MT_ABI_VERSION 11u
+// over shard_range's parts (sharded optimizer state); 11: Communicator::split and bytes_received,
+// ParamSpec::axes, Graph's tensor-group ops; 12: Communicator::serialized_threads.
+#define MT_ABI_VERSION 12u
