@@ -5,7 +5,9 @@
 # each alike. Prints every run's JSON line, then one summary line: the median tokens/s (every
 # rank's tokens) of each and the efficiency N-rank tokens/s / (N x 1-rank tokens/s), which is
 # 1.0 when the ranks add nothing but their gradient all-reduce to a step, and the median share
-# of an N-rank step spent in collectives (exposed: mt does not overlap them). Also runs 1 rank
+# of an N-rank step spent waiting for collectives (exposed: each layer's gradient sum overlaps
+# the backward of the layers below; the "serial" run, MT_OVERLAP_GRADIENTS=0, sums them all
+# after the backward, for comparison). Also runs 1 rank
 # with N x THREADS_PER_RANK threads (the same cores as the N ranks, used by one process) for
 # comparison, the N ranks again with shard_optimizer_over_data=true (ZeRO-1: the same
 # traffic, 1/N of the moments per rank) and with ici_fsdp_parallelism=N (FSDP: 1/N of the
@@ -35,10 +37,11 @@ fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-run() {  # label ranks threads [more words]
+run() {  # label ranks threads [more words] [data axis] [overlap 1/0]
   local line
   # shellcheck disable=SC2086
-  line=$(mpirun --oversubscribe --allow-run-as-root -np "$2" "$mt" bench train --model="$model" \
+  line=$(mpirun --oversubscribe --allow-run-as-root -np "$2" env MT_OVERLAP_GRADIENTS="${6:-1}" \
+    "$mt" bench train --model="$model" \
     num_threads="$3" steps="$steps" ici_data_parallelism="${5:-$2}" \
     base_output_directory="$work/out-$1" ${EXTRA:-} ${4:-} 2>/dev/null | tail -n 1)
   echo "$line"
@@ -47,6 +50,7 @@ run() {  # label ranks threads [more words]
 for ((i = 0; i < reps; ++i)); do
   run one 1 "$tpr"
   run many "$ranks" "$tpr"
+  run serial "$ranks" "$tpr" "" "$ranks" 0
   run wide 1 $((ranks * tpr))
   run sharded "$ranks" "$tpr" shard_optimizer_over_data=true
   run fsdp "$ranks" "$tpr" ici_fsdp_parallelism="$ranks" 1
@@ -63,12 +67,16 @@ sharded_comm=$(awk '$1 == "sharded" {print $3}' "$work/rows" | median)
 fsdp=$(awk '$1 == "fsdp" {print $2}' "$work/rows" | median)
 fsdp_comm=$(awk '$1 == "fsdp" {print $3}' "$work/rows" | median)
 tensor=$(awk '$1 == "tensor" {print $2}' "$work/rows" | median)
-awk -v m="$model" -v n="$ranks" -v t="$tpr" -v r="$reps" -v one="$one" -v many="$many" -v wide="$wide" -v sh="$sharded" -v mc="$many_comm" -v sc="$sharded_comm" -v fs="$fsdp" -v fc="$fsdp_comm" -v tp="$tensor" 'BEGIN {
+serial=$(awk '$1 == "serial" {print $2}' "$work/rows" | median)
+serial_comm=$(awk '$1 == "serial" {print $3}' "$work/rows" | median)
+awk -v m="$model" -v n="$ranks" -v t="$tpr" -v r="$reps" -v one="$one" -v many="$many" -v wide="$wide" -v sh="$sharded" -v mc="$many_comm" -v sc="$sharded_comm" -v fs="$fsdp" -v fc="$fsdp_comm" -v tp="$tensor" -v se="$serial" -v sec="$serial_comm" 'BEGIN {
   printf "{\"summary\": \"%s data parallelism, medians of %d\", \"threads_per_rank\": %d, ", m, r, t
   printf "\"one_rank_tokens_per_sec\": %s, \"ranks\": %d, \"ranks_tokens_per_sec\": %s, ", one, n, many
   printf "\"efficiency\": %.3f, \"one_rank_with_all_threads_tokens_per_sec\": %s, ", (one > 0) ? many / (n * one) : 0, wide
   printf "\"ranks_over_one_rank_with_all_threads\": %.3f, ", (wide > 0) ? many / wide : 0
   printf "\"ranks_communication_share\": %s, \"sharded_communication_share\": %s, ", mc, sc
+  printf "\"serial_sums_tokens_per_sec\": %s, \"serial_sums_communication_share\": %s, ", se, sec
+  printf "\"overlap_over_serial_sums\": %.3f, ", (se > 0) ? many / se : 0
   printf "\"sharded_optimizer_tokens_per_sec\": %s, \"sharded_over_plain\": %.3f, ", sh, (many > 0) ? sh / many : 0
   printf "\"fsdp_tokens_per_sec\": %s, \"fsdp_over_plain\": %.3f, \"fsdp_communication_share\": %s, ", fs, (many > 0) ? fs / many : 0, fc
   printf "\"tensor_parallel_tokens_per_sec\": %s, \"tensor_parallel_over_one_rank\": %.3f}\n", tp, (one > 0) ? tp / one : 0

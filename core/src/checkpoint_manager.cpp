@@ -865,9 +865,11 @@ void read_parts(PartSource& src, const fs::path& where,
       if (!targets[g]->count(name)) extra.push_back(name);
     const std::string msg = mismatch_sentence(missing, extra, problems, "checkpoint");
     if (!msg.empty())
-      throw UsageError("Checkpoint " + quoted(where) + " (" + kGroupNames[g] +
-                       ") does not match the model: " + msg +
-                       ". Was it written with a different model config?");
+      throw UsageError("Checkpoint " + quoted(where) + " does not match the model's " +
+                       (g == 0   ? "parameters"
+                        : g == 1 ? "first moments"
+                                 : "second moments") +
+                       ": " + msg + ". Was it written with a different model config?");
   }
 
   for (const Read& r : reads) {

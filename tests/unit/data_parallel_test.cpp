@@ -610,7 +610,7 @@ TEST(DataParallel, FsdpCheckpointsResumeOnAnyNumberOfRanks) {
   // poll once all 4 ranks have written), then step 10, which the resumed runs start from.
   const std::vector<std::string> runs = check_resumes(
       d.root, {4, 1, fsdp + "4"}, {4, 1, fsdp + "4 async_checkpointing=true checkpoint_period=3"},
-      {{1, 4, ""}, {2, 2, fsdp + "2"}});
+      {{1, 4, ""}, {2, 2, fsdp + "2"}, {4, 1, "ici_data_parallelism=2 ici_fsdp_parallelism=2"}});
   // Every rank wrote its own part of every tensor; none holds the state whole.
   const fs::path ckpts = d.root / "saved" / "checkpoints";
   for (const char* step : {"3", "6", "9", "10"})
@@ -618,7 +618,8 @@ TEST(DataParallel, FsdpCheckpointsResumeOnAnyNumberOfRanks) {
       for (const char* g : {"params.", "opt_m.", "opt_v."})
         EXPECT_TRUE(fs::exists(ckpts / step / (g + std::to_string(r) + "-of-4.safetensors")))
             << step << " " << g << r;
-  // The final parameters of the three agree (FSDP's norm adds the ranks' parts: f32 rounding).
+  // (The last resumes as HSDP: 2 groups of 2 FSDP ranks, each group reading its copy.)
+  // The final parameters of the four agree (FSDP's norm adds the ranks' parts: f32 rounding).
   for (size_t k = 1; k < runs.size(); ++k)
     EXPECT_LE(max_param_err(d.root / runs[k], d.root / "straight"), 1e-5) << runs[k];
 }

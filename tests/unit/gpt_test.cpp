@@ -279,7 +279,7 @@ TEST(GptBadInput, IsRefusedWithOneClearError) {
             (s.root / "a" / "checkpoints" / "2").string() + common,
         60);
     EXPECT_EQ(r.code, 2) << r.out;
-    EXPECT_NE(r.out.find("tensor 'position_embedding' has shape [2048, 16] in the file but "
+    EXPECT_NE(r.out.find("tensor 'position_embedding' has shape [2048, 16] in the checkpoint but "
                          "[2048, 32] in the model"),
               std::string::npos)
         << r.out;
