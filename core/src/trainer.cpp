@@ -18,6 +18,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -142,73 +143,100 @@ OptimizerState make_optimizer_state(ModelRunner& runner, const Config& cfg,
 namespace {
 
 // Data parallelism's gradient sums overlapped with the backward: each decoder layer's gradients,
-// once final, go to a thread that sums them over the ranks (the communicator's one-bucket
-// collective, so every element is the same rank-ordered sum as without overlap) while the
+// once final, go to a thread that sums them over the ranks (one host buffer per layer through
+// the communicator's all_reduce_sum, as the one bucket without overlap goes: every element the
+// same rank-ordered sum) while the
 // training thread runs the backward of the layers below. The training thread calls no
 // collective between the first submit() and wait(), so one thread at a time uses the
 // communicator (what Communicator::serialized_threads promises to allow).
 class OverlappedSums {
  public:
-  OverlappedSums(Communicator& comm, Backend& be) : comm_(comm), be_(be) {}
+  OverlappedSums(Communicator& comm, Backend& be) : s_(std::make_shared<State>(comm, be)) {}
+  // Normally every bucket is summed (wait() returned) and the thread ends at once. While an
+  // exception unwinds (this rank failed mid-backward) the thread may be in a collective the
+  // other ranks never join: it is left behind, the tensors no longer touched (the job is about
+  // to be aborted).
   ~OverlappedSums() {
     {
-      std::lock_guard lock(m_);
-      stop_ = true;
+      std::lock_guard lock(s_->m);
+      s_->stop = true;
     }
-    work_.notify_all();
-    if (worker_.joinable()) worker_.join();
+    s_->work.notify_all();
+    if (!worker_.joinable()) return;
+    if (std::uncaught_exceptions() > 0)
+      worker_.detach();
+    else
+      worker_.join();
   }
   OverlappedSums(const OverlappedSums&) = delete;
   OverlappedSums& operator=(const OverlappedSums&) = delete;
 
   void submit(std::vector<Tensor*> grads) {
-    if (!worker_.joinable()) worker_ = std::thread([this] { run(); });
+    if (!worker_.joinable()) worker_ = std::thread([s = s_] { run(*s); });
     {
-      std::lock_guard lock(m_);
-      jobs_.push_back(std::move(grads));
+      std::lock_guard lock(s_->m);
+      s_->jobs.push_back(std::move(grads));
     }
-    work_.notify_one();
+    s_->work.notify_one();
   }
   // Blocks until every submitted bucket is summed; rethrows a collective's failure.
   void wait() {
-    std::unique_lock lock(m_);
-    done_.wait(lock, [this] { return jobs_.empty() && !busy_; });
-    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+    std::unique_lock lock(s_->m);
+    s_->done.wait(lock, [this] { return s_->jobs.empty() && !s_->busy; });
+    if (s_->error) std::rethrow_exception(std::exchange(s_->error, nullptr));
   }
 
  private:
-  void run() {
-    std::unique_lock lock(m_);
+  struct State {
+    State(Communicator& c, Backend& b) : comm(c), be(b) {}
+    Communicator& comm;
+    Backend& be;
+    std::mutex m;  // guards the rest, and every touch of the tensors (stop: no more touches)
+    std::condition_variable work, done;
+    std::deque<std::vector<Tensor*>> jobs;
+    bool busy = false, stop = false;
+    std::exception_ptr error;
+  };
+
+  // Each bucket: its f32 gradients into one host buffer, the collective (unlocked), back.
+  static void run(State& s) {
+    std::unique_lock lock(s.m);
+    std::vector<float> host;
     while (true) {
-      work_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
-      if (jobs_.empty()) return;  // stopping
-      std::vector<Tensor*> grads = std::move(jobs_.front());
-      jobs_.pop_front();
-      busy_ = true;
-      const bool failed = error_ != nullptr;
-      lock.unlock();
-      std::exception_ptr error;
-      if (!failed) {
-        try {
-          comm_.all_reduce_sum(be_, grads);
-        } catch (...) {
-          error = std::current_exception();
+      s.work.wait(lock, [&] { return s.stop || !s.jobs.empty(); });
+      if (s.stop) return;
+      std::vector<Tensor*> grads = std::move(s.jobs.front());
+      s.jobs.pop_front();
+      s.busy = true;
+      try {
+        if (s.error) throw std::runtime_error("an earlier bucket failed");
+        size_t n = 0;
+        for (const Tensor* t : grads) n += static_cast<size_t>(t->numel());
+        host.resize(n);
+        size_t at = 0;
+        for (const Tensor* t : grads) {
+          s.be.copy_to_host(*t, host.data() + at);
+          at += static_cast<size_t>(t->numel());
         }
+        lock.unlock();
+        s.comm.all_reduce_sum(host.data(), host.size());
+        lock.lock();
+        if (s.stop) return;
+        at = 0;
+        for (Tensor* t : grads) {
+          s.be.copy_from_host(*t, host.data() + at);
+          at += static_cast<size_t>(t->numel());
+        }
+      } catch (...) {
+        if (!lock.owns_lock()) lock.lock();
+        if (!s.error) s.error = std::current_exception();
       }
-      lock.lock();
-      if (error) error_ = error;
-      busy_ = false;
-      done_.notify_all();
+      s.busy = false;
+      s.done.notify_all();
     }
   }
 
-  Communicator& comm_;
-  Backend& be_;
-  std::mutex m_;
-  std::condition_variable work_, done_;
-  std::deque<std::vector<Tensor*>> jobs_;
-  bool busy_ = false, stop_ = false;
-  std::exception_ptr error_;
+  std::shared_ptr<State> s_;
   std::thread worker_;
 };
 
@@ -258,6 +286,7 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
         for (size_t j = b; j < e; ++j) {
           Param& p = runner.params()[j];
           if (!p.grad.defined()) continue;
+          MT_CHECK(p.grad.dtype() == DType::f32, "gradients are f32");
           Graph::finish_fresh(be, p.value);  // a parameter the pass did not use: zeros
           grads.push_back(&p.grad);
           sent[j] = true;
