@@ -6,7 +6,7 @@
 # rank's tokens) of each and the efficiency N-rank tokens/s / (N x 1-rank tokens/s), which is
 # 1.0 when the ranks add nothing but their gradient all-reduce to a step, and the median share
 # of an N-rank step spent waiting for collectives (exposed: each layer's gradient sum overlaps
-# the backward of the layers below; the "serial" run, MT_OVERLAP_GRADIENTS=0, sums them all
+# the backward of the layers below; the "serial" run, MT_OVERLAP_COMMUNICATION=0, sums them all
 # after the backward, for comparison). Also runs 1 rank
 # with N x THREADS_PER_RANK threads (the same cores as the N ranks, used by one process) for
 # comparison, the N ranks again with shard_optimizer_over_data=true (ZeRO-1: the same
@@ -40,7 +40,7 @@ trap 'rm -rf "$work"' EXIT
 run() {  # label ranks threads [more words] [data axis] [overlap 1/0]
   local line
   # shellcheck disable=SC2086
-  line=$(mpirun --oversubscribe --allow-run-as-root -np "$2" env MT_OVERLAP_GRADIENTS="${6:-1}" \
+  line=$(mpirun --oversubscribe --allow-run-as-root -np "$2" env MT_OVERLAP_COMMUNICATION="${6:-1}" \
     "$mt" bench train --model="$model" \
     num_threads="$3" steps="$steps" ici_data_parallelism="${5:-$2}" \
     base_output_directory="$work/out-$1" ${EXTRA:-} ${4:-} 2>/dev/null | tail -n 1)

@@ -6,7 +6,9 @@
 #include <chrono>
 #include <cmath>
 #include <random>
+#include <utility>
 
+#include "collective_queue.h"
 #include "communicator.h"
 #include "fnv1a.h"
 #include "graph_internal.h"
@@ -128,6 +130,61 @@ ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins,
 
 ModelRunner::~ModelRunner() = default;
 
+double ModelRunner::take_communication_seconds() {
+  double s = std::exchange(comm_seconds_, 0.0);
+  if (queue_) s += queue_->take_wait_seconds();
+  return s;
+}
+
+bool ModelRunner::overlaps_communication(const Communicator& comm) const {
+  const char* env = std::getenv("MT_OVERLAP_COMMUNICATION");
+  if (env && std::string(env) == "0") return false;
+  return comm.size() > 1 && comm.serialized_threads() && !tensor_.on() && !profiler_ &&
+         backend_->name() == "cpu";
+}
+
+bool ModelRunner::fsdp_overlaps() const {
+  const char* env = std::getenv("MT_OVERLAP_COMMUNICATION");
+  return env && std::string(env) == "1" && sharding_.comm &&
+         overlaps_communication(*sharding_.comm);
+}
+
+CollectiveQueue* ModelRunner::fsdp_queue() {
+  if (!queue_ && fsdp_overlaps()) queue_ = std::make_unique<CollectiveQueue>();
+  return queue_.get();
+}
+
+void ModelRunner::start_gather(size_t i) {
+  const Param& p = params_[i];
+  auto host = std::make_shared<std::vector<float>>(static_cast<size_t>(shape_numel(p.local_shape)));
+  Communicator* comm = sharding_.comm;
+  const Tensor value = p.value;  // this rank's part, unchanged until the optimizer step
+  const int64_t b = p.shard_begin;
+  const uint64_t t =
+      queue_->submit({[host, value, b] { part_to_host(value, 0, value.numel(), host->data() + b); },
+                      [host, comm] { comm->all_gather(host->data(), host->size()); },
+                      {}});
+  prefetched_[i] = {host, t};
+}
+
+void ModelRunner::prefetch_after(size_t block) {
+  // The pass's direction: the blocks come in rising order in the forward, in falling order in
+  // a remat backward's re-runs.
+  const bool down = last_block_ != SIZE_MAX && block < last_block_;
+  last_block_ = block;
+  if (down ? block == 0 : block + 1 >= layer_begin_.size()) return;
+  const size_t next = down ? block - 1 : block + 1;
+  for (size_t j = block_begin(next); j < block_end(next); ++j)
+    if (!prefetched_.count(j)) start_gather(j);
+}
+
+void ModelRunner::settle_fsdp_queue() {
+  if (!queue_) return;
+  queue_->drain();
+  prefetched_.clear();
+  last_block_ = SIZE_MAX;
+}
+
 Param* ModelRunner::find(const std::string& name) {
   for (auto& p : params_)
     if (p.name == name) return &p;
@@ -198,6 +255,7 @@ void ModelRunner::zero_gradients() {
 }
 
 void ModelRunner::finish_gradients() {
+  settle_fsdp_queue();  // the backward's reduce-scatters write the parts' gradients
   for (auto& p : params_)
     if (p.grad.defined()) Graph::finish_fresh(backend(), p.value);
 }
@@ -261,6 +319,7 @@ Tensor ModelRunner::forward(Graph& g, const DeviceBatch& batch) {
   LayerInputs in;
   in.positions = batch.positions;
   in.segment_ids = batch.segment_ids;
+  settle_fsdp_queue();  // no gather started before this pass (of older weights) is used
   const std::vector<Tensor> ps = compute_params(g);
   return model_->head(g, top_params(ps), run_layers(g, ps, batch.inputs, in, nullptr, nullptr));
 }
@@ -272,6 +331,7 @@ Tensor ModelRunner::forward_cached(Graph& g, const Tensor& tokens, const Tensor&
                std::to_string(model_->num_layers()) + " layers");
   LayerInputs in;
   in.positions = positions;
+  settle_fsdp_queue();  // no gather started before this pass (of older weights) is used
   const std::vector<Tensor> ps = compute_params(g);
   return model_->head(g, top_params(ps), run_layers(g, ps, tokens, in, &caches, nullptr));
 }
@@ -400,7 +460,14 @@ Tensor ModelRunner::gather(Graph& g, size_t i) {
   Communicator* comm = sharding_.comm;
   const int64_t b = p.shard_begin, e = p.shard_end;
   double* seconds = &comm_seconds_;
-  if (comm) {
+  CollectiveQueue* queue = comm ? fsdp_queue() : nullptr;
+  if (queue) {  // prefetched, or started now; the wait is what counts as exposed
+    if (!prefetched_.count(i)) start_gather(i);
+    const Prefetch got = prefetched_.at(i);
+    prefetched_.erase(i);
+    queue->wait(got.ticket);
+    part_from_host(whole, 0, whole.numel(), got.host->data());
+  } else if (comm) {
     be.synchronize();
     const auto t0 = std::chrono::steady_clock::now();
     std::vector<float> host(n);
@@ -418,7 +485,32 @@ Tensor ModelRunner::gather(Graph& g, size_t i) {
   auto node = std::make_shared<GradNode*>(nullptr);
   graph_detail::record(
       true, g.internals().tape, whole, {&p.value},
-      [comm, n, b, e, node, seconds, &be](const Tensor& dout, const graph_detail::Grads& d) {
+      [comm, n, b, e, node, seconds, &be, queue](const Tensor& dout, const graph_detail::Grads& d) {
+        if (queue) {
+          // On the queue's thread while the backward goes on: the part's gradient buffer and
+          // whether to overwrite it are decided here, in the backward's order.
+          const bool overwrite = d.overwrite(0);
+          Tensor dst = overwrite ? *d.raw(0) : d[0] ? *d[0] : Tensor();
+          auto host = std::make_shared<std::vector<float>>(n);
+          const Tensor grad = dout;
+          queue->submit({[host, grad] { part_to_host(grad, 0, grad.numel(), host->data()); },
+                         [host, comm] { comm->reduce_scatter_sum(host->data(), host->size()); },
+                         [host, dst, overwrite, b, e] {
+                           if (!dst.defined()) return;
+                           Tensor part = dst;
+                           if (overwrite) {
+                             part_from_host(part, 0, e - b, host->data() + b);
+                             return;
+                           }
+                           std::vector<float> sum(static_cast<size_t>(e - b));
+                           part_to_host(part, 0, e - b, sum.data());
+                           for (size_t k = 0; k < sum.size(); ++k)
+                             sum[k] += (*host)[static_cast<size_t>(b) + k];
+                           part_from_host(part, 0, e - b, sum.data());
+                         }});
+          (*node)->grad = Tensor();
+          return;
+        }
         be.synchronize();
         const auto t0 = std::chrono::steady_clock::now();
         // (No communicator: the memory plan's trace, which allocates as this does.)
@@ -447,6 +539,7 @@ Params ModelRunner::block_params(Graph& g, const std::vector<Tensor>& ps, size_t
   std::vector<Tensor> values;
   for (size_t j = block_begin(block); j < block_end(block); ++j)
     values.push_back(sharding_.on() ? compute_param(g, j) : ps[j]);
+  if (sharding_.on() && fsdp_queue()) prefetch_after(block);
   return Params(layer_names_[block], std::move(values));
 }
 
@@ -541,6 +634,7 @@ Tensor ModelRunner::loss(Graph& g, const DeviceBatch& batch, float z_loss, doubl
   in.positions = batch.positions;
   in.segment_ids = batch.segment_ids;
   std::vector<AuxLoss> aux;
+  settle_fsdp_queue();  // no gather started before this pass (of older weights) is used
   const std::vector<Tensor> ps = compute_params(g);
   const Params top = top_params(ps);
   const Tensor hidden =

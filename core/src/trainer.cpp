@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "checkpoint_manager.h"
+#include "collective_queue.h"
 #include "communicator.h"
 #include "file_util.h"
 #include "fnv1a.h"
@@ -142,114 +143,14 @@ OptimizerState make_optimizer_state(ModelRunner& runner, const Config& cfg,
 
 namespace {
 
-// Data parallelism's gradient sums overlapped with the backward: each decoder layer's gradients,
-// once final, go to a thread that sums them over the ranks (one host buffer per layer through
-// the communicator's all_reduce_sum, as the one bucket without overlap goes: every element the
-// same rank-ordered sum) while the
-// training thread runs the backward of the layers below. The training thread calls no
-// collective between the first submit() and wait(), so one thread at a time uses the
-// communicator (what Communicator::serialized_threads promises to allow).
-class OverlappedSums {
- public:
-  OverlappedSums(Communicator& comm, Backend& be) : s_(std::make_shared<State>(comm, be)) {}
-  // Normally every bucket is summed (wait() returned) and the thread ends at once. While an
-  // exception unwinds (this rank failed mid-backward) the thread may be in a collective the
-  // other ranks never join: it is left behind, the tensors no longer touched (the job is about
-  // to be aborted).
-  ~OverlappedSums() {
-    {
-      std::lock_guard lock(s_->m);
-      s_->stop = true;
-    }
-    s_->work.notify_all();
-    if (!worker_.joinable()) return;
-    if (std::uncaught_exceptions() > 0)
-      worker_.detach();
-    else
-      worker_.join();
-  }
-  OverlappedSums(const OverlappedSums&) = delete;
-  OverlappedSums& operator=(const OverlappedSums&) = delete;
-
-  void submit(std::vector<Tensor*> grads) {
-    if (!worker_.joinable()) worker_ = std::thread([s = s_] { run(*s); });
-    {
-      std::lock_guard lock(s_->m);
-      s_->jobs.push_back(std::move(grads));
-    }
-    s_->work.notify_one();
-  }
-  // Blocks until every submitted bucket is summed; rethrows a collective's failure.
-  void wait() {
-    std::unique_lock lock(s_->m);
-    s_->done.wait(lock, [this] { return s_->jobs.empty() && !s_->busy; });
-    if (s_->error) std::rethrow_exception(std::exchange(s_->error, nullptr));
-  }
-
- private:
-  struct State {
-    State(Communicator& c, Backend& b) : comm(c), be(b) {}
-    Communicator& comm;
-    Backend& be;
-    std::mutex m;  // guards the rest, and every touch of the tensors (stop: no more touches)
-    std::condition_variable work, done;
-    std::deque<std::vector<Tensor*>> jobs;
-    bool busy = false, stop = false;
-    std::exception_ptr error;
-  };
-
-  // Each bucket: its f32 gradients into one host buffer, the collective (unlocked), back.
-  static void run(State& s) {
-    std::unique_lock lock(s.m);
-    std::vector<float> host;
-    while (true) {
-      s.work.wait(lock, [&] { return s.stop || !s.jobs.empty(); });
-      if (s.stop) return;
-      std::vector<Tensor*> grads = std::move(s.jobs.front());
-      s.jobs.pop_front();
-      s.busy = true;
-      try {
-        if (s.error) throw std::runtime_error("an earlier bucket failed");
-        size_t n = 0;
-        for (const Tensor* t : grads) n += static_cast<size_t>(t->numel());
-        host.resize(n);
-        size_t at = 0;
-        for (const Tensor* t : grads) {
-          s.be.copy_to_host(*t, host.data() + at);
-          at += static_cast<size_t>(t->numel());
-        }
-        lock.unlock();
-        s.comm.all_reduce_sum(host.data(), host.size());
-        lock.lock();
-        if (s.stop) return;
-        at = 0;
-        for (Tensor* t : grads) {
-          s.be.copy_from_host(*t, host.data() + at);
-          at += static_cast<size_t>(t->numel());
-        }
-      } catch (...) {
-        if (!lock.owns_lock()) lock.lock();
-        if (!s.error) s.error = std::current_exception();
-      }
-      s.busy = false;
-      s.done.notify_all();
-    }
-  }
-
-  std::shared_ptr<State> s_;
-  std::thread worker_;
-};
-
-// Whether plain data parallelism overlaps its gradient sums with the backward: host tensors
-// (the CPU backend, not profiled), a communicator a second thread may call, and not turned off
-// with MT_OVERLAP_GRADIENTS=0 (for comparisons).
+// Whether plain data parallelism overlaps its gradient sums with the backward (each decoder
+// layer's final gradients summed on a CollectiveQueue's thread, one host buffer a layer through
+// all_reduce_sum as the one bucket without overlap goes: every element the same rank-ordered
+// sum, while the training thread runs the backward of the layers below): see
+// ModelRunner::overlaps_communication for what it needs.
 bool overlap_gradient_sums(ModelRunner& runner, const Communicator& comm,
                            const OptimizerState* opt) {
-  const char* env = std::getenv("MT_OVERLAP_GRADIENTS");
-  if (env && std::string(env) == "0") return false;
-  return !runner.sharding().on() && !(opt && opt->sharded()) &&
-         runner.tensor_sharding().ranks == 1 && comm.serialized_threads() &&
-         runner.backend().name() == "cpu" && runner.profiler() == nullptr;
+  return !runner.sharding().on() && !(opt && opt->sharded()) && runner.overlaps_communication(comm);
 }
 
 }  // namespace
@@ -270,7 +171,7 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
   }
   // Plain data parallelism: the last micro-batch's backward hands each layer's final gradients
   // to the summing thread; `sent` marks them, the rest are summed after the backward.
-  std::optional<OverlappedSums> sums;
+  std::optional<CollectiveQueue> sums;
   std::vector<bool> sent(runner.params().size(), false);
   struct ClearHook {
     ModelRunner& r;
@@ -279,7 +180,7 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
   for (size_t m = 0; m < micro.size(); ++m) {
     DeviceBatch& mb = micro[m];
     if (ranks && m + 1 == micro.size() && overlap_gradient_sums(runner, *comm, opt)) {
-      sums.emplace(*comm, be);
+      sums.emplace();
       runner.set_layer_gradients_ready([&](size_t layer) {
         const auto [b, e] = runner.layer_params(layer);
         std::vector<Tensor*> grads;
@@ -291,7 +192,26 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
           grads.push_back(&p.grad);
           sent[j] = true;
         }
-        if (!grads.empty()) sums->submit(std::move(grads));
+        if (grads.empty()) return;
+        auto host = std::make_shared<std::vector<float>>();
+        sums->submit({[host, grads, &be] {
+                        size_t n = 0;
+                        for (const Tensor* t : grads) n += static_cast<size_t>(t->numel());
+                        host->resize(n);
+                        size_t at = 0;
+                        for (const Tensor* t : grads) {
+                          be.copy_to_host(*t, host->data() + at);
+                          at += static_cast<size_t>(t->numel());
+                        }
+                      },
+                      [host, comm] { comm->all_reduce_sum(host->data(), host->size()); },
+                      [host, grads, &be] {
+                        size_t at = 0;
+                        for (Tensor* t : grads) {
+                          be.copy_from_host(*t, host->data() + at);
+                          at += static_cast<size_t>(t->numel());
+                        }
+                      }});
       });
     }
     Graph g(be);
@@ -342,7 +262,7 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
     } else {
       // The layers' buckets the backward overlapped (only the wait for the last is exposed),
       // then what remains (the top parameters) in one more.
-      if (sums) sums->wait();
+      if (sums) sums->drain();
       std::vector<Tensor*> grads;
       size_t j = 0;
       for (auto& p : runner.params())
@@ -798,6 +718,9 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     }
     if (ranks > 1 && overlap_gradient_sums(runner, dp, &opt))
       shard_note += "; each layer's gradient sum overlaps the backward of the layers below it";
+    if (fsdp && runner.fsdp_overlaps())
+      shard_note +=
+          "; each layer's gathers overlap the layer before it, its reduce-scatters the backward";
     if (ranks > 1)
       std::printf("mt run: %s over %d rank%s (communicator %s): global batch %ld sequences%s\n",
                   fsdp ? "FSDP" : "data parallelism", static_cast<int>(mesh.batch_ranks()),

@@ -279,21 +279,38 @@ double last_peak_mb(const fs::path& run) {
 // half the moments on each of 2 ranks: the device peak drops by that much.
 // Plain data parallelism sums each layer's gradients on a second thread while the backward goes
 // on to the layers below (the top parameters after it): the same rank-ordered sums, so the run
-// equals one that sums everything after the backward (MT_OVERLAP_GRADIENTS=0) to the bit, with
-// gradient accumulation (only the last micro-batch's backward overlaps) and with remat.
-TEST(DataParallel, OverlappedGradientSumsChangeNoBits) {
+// equals one that sums everything after the backward (MT_OVERLAP_COMMUNICATION=0) to the bit,
+// with gradient accumulation (only the last micro-batch's backward overlaps) and with remat.
+// FSDP's overlap (MT_OVERLAP_COMMUNICATION=1: the next layer's gathers started early, the
+// reduce-scatters queued during the backward; its re-runs' gathers under remat full) too, and
+// HSDP's.
+TEST(DataParallel, OverlappedCommunicationChangesNoBits) {
   MT_NEED_MPIRUN();
   Dir d;
-  for (const std::string extra : {"gradient_accumulation_steps=2", "remat_policy=full"}) {
-    SCOPED_TRACE(extra);
-    const std::string args = "dataset_type=synthetic " + extra;
-    test::MtResult r = mpirun(2, train_args(d.root, "overlap", 2, args), 120);
+  struct Case {
+    int ranks;
+    std::string words, said;
+  };
+  const std::string fsdp = " ici_fsdp_parallelism=2 ici_data_parallelism=";
+  for (const Case& c :
+       {Case{2, "gradient_accumulation_steps=2", "each layer's gradient sum overlaps the backward"},
+        Case{2, "remat_policy=full", "each layer's gradient sum overlaps the backward"},
+        Case{2, "gradient_accumulation_steps=2 eval_interval=5" + fsdp + "1",
+             "each layer's gathers overlap the layer before it"},
+        Case{2, "remat_policy=full" + fsdp + "1",
+             "each layer's gathers overlap the layer before it"},
+        Case{4, "remat_policy=full" + fsdp + "2",
+             "each layer's gathers overlap the layer before it"}}) {
+    SCOPED_TRACE(c.words);
+    const std::string args = "dataset_type=synthetic " + c.words;
+    test::MtResult r = mpirun(c.ranks, train_args(d.root, "overlap", 2, args), 120,
+                              "env MT_OVERLAP_COMMUNICATION=1");
     ASSERT_EQ(r.code, 0) << r.out;
-    EXPECT_NE(r.out.find("each layer's gradient sum overlaps the backward"), std::string::npos)
-        << r.out;
-    r = mpirun(2, train_args(d.root, "after", 2, args), 120, "env MT_OVERLAP_GRADIENTS=0");
+    EXPECT_NE(r.out.find(c.said), std::string::npos) << r.out;
+    r = mpirun(c.ranks, train_args(d.root, "after", 2, args), 120,
+               "env MT_OVERLAP_COMMUNICATION=0");
     ASSERT_EQ(r.code, 0) << r.out;
-    EXPECT_EQ(r.out.find("overlaps the backward"), std::string::npos) << r.out;
+    EXPECT_EQ(r.out.find("overlap"), std::string::npos) << r.out;
     EXPECT_EQ(losses(d.root / "overlap"), losses(d.root / "after"));
     EXPECT_EQ(losses(d.root / "overlap").size(), 20u);
     for (const char* g : {"params", "opt_m", "opt_v"})
