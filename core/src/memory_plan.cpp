@@ -620,8 +620,9 @@ std::string format_plan(const Plan& p, const Config& cfg) {
                                   : "each holding the whole model",
             what, link(c.ici_bytes, p.device.ici_bytes_per_s, "within the node"),
             link(c.dcn_bytes, p.device.dcn_bytes_per_s, "across nodes"),
-            t > 0 ? fmt::format("; not yet overlapped with the backward: about {:.3g} s a step "
-                                "beyond the compute",
+            t > 0 ? fmt::format("; about {:.3g} s a step, beyond the compute where nothing "
+                                "overlaps it (data parallelism on the CPU sums each layer "
+                                "during the backward)",
                                 t)
                   : std::string());
       }
