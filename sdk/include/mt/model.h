@@ -145,6 +145,10 @@ class MT_API DecoderLayer {
   // the layer may overwrite in place (be.copy_from_host / be.cast into p's tensors), and
   // `stats` the step's LayerOutput::stats summed over its micro-batches. For updates outside
   // the gradient (DeepSeek-V3's router_bias nudge toward balanced load). Default: nothing.
+  // Under tensor parallelism `p` holds this rank's parts. Under FSDP it holds tensors gathered
+  // for the call (whole, or the rank's tensor-parallel part), of which each rank keeps its part
+  // after, and only layers that reported statistics that step are called (so that no step
+  // gathers for nothing): an update must come from `stats`. Every rank must make the same one.
   virtual void after_step(Backend& be, const Params& p, const LayerStats& stats) const {
     (void)be;
     (void)p;
