@@ -29,6 +29,7 @@
 #include "mt/error.h"
 #include "mt/version.h"
 #include "progress.h"
+#include "tensor_split.h"
 
 namespace mt {
 namespace {
@@ -225,31 +226,6 @@ using Layout = std::map<std::string, StoredTensor>;
 std::string shard_file_name(int group, int64_t rank, int64_t shards) {
   return std::string(kGroupNames[group]) + "." + std::to_string(rank) + "-of-" +
          std::to_string(shards) + ".safetensors";
-}
-
-// A tensor's part geometry: `cols` the product of the dimensions from `dim` on (all of them when
-// not split), each part `width` = cols / parts of them.
-struct Split {
-  int64_t cols = 0, width = 0;
-};
-
-Split split_of(const Shape& shape, int dim, int parts) {
-  const int64_t n = shape_numel(shape);
-  if (parts <= 1 || dim < 0) return {n, n};
-  int64_t cols = 1;
-  for (size_t i = static_cast<size_t>(dim); i < shape.size(); ++i) cols *= shape[i];
-  return {cols, cols / parts};
-}
-
-// f(element of the whole tensor, element of the part, count) over the contiguous runs of the
-// elements [b, e) of part `part`.
-template <class F>
-void for_each_run(const Split& s, int part, int64_t b, int64_t e, F&& f) {
-  for (int64_t j = b; j < e;) {
-    const int64_t r = j / s.width, c = j % s.width, n = std::min(s.width - c, e - j);
-    f(r * s.cols + part * s.width + c, j, n);
-    j += n;
-  }
 }
 
 // "" when `t`'s geometry is sound and its pieces (in files of ranks below `shards`) tile each
@@ -683,44 +659,6 @@ std::string name_list(const std::vector<std::string>& names) {
   return s;
 }
 
-// The tensors the model has and `holder` (the file, the checkpoint) lacks, those it has and the
-// model lacks, and the other problems, in one sentence; "" when there is none.
-std::string mismatch_sentence(const std::vector<std::string>& missing,
-                              const std::vector<std::string>& extra,
-                              const std::vector<std::string>& problems, const std::string& holder) {
-  std::string msg;
-  auto add = [&](const std::string& s) { msg += (msg.empty() ? "" : "; ") + s; };
-  if (!missing.empty())
-    add("missing tensors (the model has them, the " + holder + " does not): " + name_list(missing));
-  if (!extra.empty())
-    add("unexpected tensors (the " + holder +
-        " has them, the model does not): " + name_list(extra));
-  for (const auto& p : problems) add(p);
-  return msg;
-}
-
-// Every problem between `file` and the tensors expected of it, or "" when they match.
-std::string match_problems(const SafeTensorsFile& file, const std::map<std::string, Tensor>& want) {
-  std::vector<std::string> missing, extra, problems;
-  for (const auto& [name, t] : want) {
-    if (!file.contains(name)) {
-      missing.push_back(name);
-      continue;
-    }
-    const SafeTensorInfo& info = file.info(name);
-    if (info.shape != t.shape())
-      problems.push_back("tensor '" + name + "' has shape " + shape_str(info.shape) +
-                         " in the file but " + shape_str(t.shape()) + " in the model");
-    auto dt = dtype_from_safetensors(info.dtype);
-    if (!dt || is_float(*dt) != is_float(t.dtype()))
-      problems.push_back("tensor '" + name + "' is stored as " + info.dtype +
-                         ", which cannot be converted to " + dtype_name(t.dtype()));
-  }
-  for (const auto& name : file.names())
-    if (!want.count(name)) extra.push_back(name);
-  return mismatch_sentence(missing, extra, problems, "file");
-}
-
 // " The previous complete checkpoint is step N ..." for the checkpoint directory above
 // `step_dir`, or "" when there is none.
 std::string previous_hint(const fs::path& step_dir, int64_t step) {
@@ -863,9 +801,17 @@ void read_parts(PartSource& src, const fs::path& where,
     }
     for (const auto& [name, t] : layout)
       if (!targets[g]->count(name)) extra.push_back(name);
-    const std::string msg = mismatch_sentence(missing, extra, problems, "checkpoint");
+    std::string msg;
+    auto add = [&](const std::string& s) { msg += (msg.empty() ? "" : "; ") + s; };
+    if (!missing.empty())
+      add("missing tensors (the model has them, the checkpoint does not): " + name_list(missing));
+    if (!extra.empty())
+      add("unexpected tensors (the checkpoint has them, the model does not): " + name_list(extra));
+    for (const auto& p : problems) add(p);
+    // One file a group (version 1, a bare file): that file is named.
     if (!msg.empty())
-      throw UsageError("Checkpoint " + quoted(where) + " does not match the model's " +
+      throw UsageError("Checkpoint " + quoted(src.sharded() ? where : fs::path(src.file_path(g))) +
+                       " does not match the model's " +
                        (g == 0   ? "parameters"
                         : g == 1 ? "first moments"
                                  : "second moments") +
@@ -878,6 +824,13 @@ void read_parts(PartSource& src, const fs::path& where,
     const size_t elem = safetensors_dtype_size(t.dtype);
     const int64_t n = want.end - want.begin;
     if (n == 0) continue;
+    Tensor dst = want.data;
+    const bool same_dtype = *dtype_from_safetensors(t.dtype) == dst.dtype();
+    if (r.direct && same_dtype && r.pieces.size() == 1 && r.pieces[0].first->begin == want.begin &&
+        r.pieces[0].first->end == want.end) {  // one piece is the part: straight from the file
+      dst.backend()->copy_from_host(dst, r.pieces[0].second->data);
+      continue;
+    }
     std::vector<std::byte> buf(static_cast<size_t>(n) * elem);
     if (r.direct) {
       for (const auto& [p, info] : r.pieces) {
@@ -899,8 +852,7 @@ void read_parts(PartSource& src, const fs::path& where,
                     static_cast<size_t>(k) * elem);
       });
     }
-    Tensor dst = want.data;
-    if (*dtype_from_safetensors(t.dtype) == dst.dtype()) {
+    if (same_dtype) {
       dst.backend()->copy_from_host(dst, buf.data());
     } else {
       std::vector<std::byte> converted(dst.nbytes());
@@ -961,47 +913,18 @@ std::map<std::string, TensorPart> whole_parts(const std::map<std::string, Tensor
   return parts;
 }
 
-// Verifies and loads the files of one step directory into `targets[i]` (null: not read).
-// Everything is checked before any tensor is written, so a bad checkpoint leaves the targets as
-// they were.
-Metadata load_step(fs::path step_dir, std::map<std::string, Tensor>* const targets[3]) {
-  StepDir sd = open_step(std::move(step_dir));
-  step_dir = sd.dir;
-  const Metadata& md = sd.md;
-  auto corrupt = [&](const std::string& what) { return sd.corrupt(what); };
-  PartSource src(sd.dir, &sd.md, {}, corrupt);  // verifies each file's size and checksum
-  if (md.shards > 0) {  // the ranks' pieces, assembled whole
-    std::map<std::string, TensorPart> parts[3];
-    std::map<std::string, TensorPart>* part_targets[3] = {};
-    for (int i = 0; i < 3; ++i)
-      if (targets[i]) {
-        parts[i] = whole_parts(*targets[i]);
-        part_targets[i] = &parts[i];
-      }
-    read_parts(src, sd.dir, part_targets);
-    return std::move(sd.md);
-  }
-  std::vector<std::pair<const SafeTensorsFile*, int>> open;
-  for (int i = 0; i < 3; ++i) {
-    if (!targets[i]) continue;
-    const FileRecord* rec = md.file(kFileNames[i]);
-    if (!rec) {
-      throw Error("Checkpoint " + quoted(step_dir) +
-                  " is parameter-only: it holds no optimizer moments (" + kFileNames[i] +
-                  "), but the train state asks for them. Load it with load_parameters_path "
-                  "instead to start a fresh optimizer.");
+// Verifies and loads the files of one step directory (either version) into the whole tensors
+// of `targets[i]` (null: not read). Everything is checked before any tensor is written, so a
+// bad checkpoint leaves the targets as they were.
+Metadata load_step(const fs::path& step_dir, std::map<std::string, Tensor>* const targets[3]) {
+  std::map<std::string, TensorPart> parts[3];
+  std::map<std::string, TensorPart>* part_targets[3] = {};
+  for (int i = 0; i < 3; ++i)
+    if (targets[i]) {
+      parts[i] = whole_parts(*targets[i]);
+      part_targets[i] = &parts[i];
     }
-    open.emplace_back(&src.file(rec->name), i);
-  }
-  for (const auto& [file, i] : open) {
-    std::string problems = match_problems(*file, *targets[i]);
-    if (!problems.empty())
-      throw UsageError("Checkpoint file " + quoted(file->path()) + " does not match the model: " +
-                       problems + ". Was it written with a different model config?");
-  }
-  for (const auto& [file, i] : open)
-    for (auto& [name, t] : *targets[i]) load_into(*file, name, t);
-  return md;
+  return load_step_parts(step_dir, part_targets);
 }
 
 // restore()'s targets: the moments only when the state holds them.

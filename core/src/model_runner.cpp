@@ -17,6 +17,7 @@
 #include "mt/error.h"
 #include "plugin_manager.h"
 #include "progress.h"
+#include "tensor_split.h"
 
 namespace mt {
 
@@ -401,24 +402,10 @@ void ModelRunner::split_for_tensor_parallelism(const Config& cfg) {
   }
 }
 
-namespace {
-
-// A split along dimension d, seen as a matrix [rows, cols] with cols = the product of the
-// dimensions from d on: each part is the columns [t w, (t + 1) w), w = cols / parts (dimension
-// 0: rows = 1, one contiguous range; the last: each row's slice).
-std::pair<int64_t, int64_t> split_matrix(const Shape& shape, int d) {
-  int64_t cols = 1;
-  for (size_t i = static_cast<size_t>(d); i < shape.size(); ++i) cols *= shape[i];
-  return {shape_numel(shape) / cols, cols};
-}
-
-}  // namespace
-
 Tensor ModelRunner::tensor_part(const Param& p, const Tensor& whole) {
   if (!tensor_.on() || p.tensor_dim < 0) return whole;
-  const auto [rows, cols] = split_matrix(whole.shape(), p.tensor_dim);
+  const auto [rows, cols, width] = split_of(whole.shape(), p.tensor_dim, tensor_.ranks);
   const auto t = static_cast<int64_t>(tensor_.rank), parts = static_cast<int64_t>(tensor_.ranks);
-  const int64_t width = cols / parts;
   Shape s = whole.shape();
   s[static_cast<size_t>(p.tensor_dim)] /= parts;
   Tensor out = backend().empty(s, whole.dtype());
@@ -432,18 +419,17 @@ Tensor ModelRunner::tensor_part(const Param& p, const Tensor& whole) {
 }
 
 std::vector<char> ModelRunner::local_part(const Param& p, const void* whole, size_t elem) const {
+  // The tensor-parallel part (all of the tensor when not split), FSDP's range of it.
+  const bool split = tensor_.on() && p.tensor_dim >= 0;
+  const Split s = split_of(p.spec.shape, split ? p.tensor_dim : -1, split ? tensor_.ranks : 1);
   const auto* src = static_cast<const char*>(whole);
-  std::vector<char> local;  // the tensor-parallel part, when split
-  if (tensor_.on() && p.tensor_dim >= 0) {
-    const auto [rows, cols] = split_matrix(p.spec.shape, p.tensor_dim);
-    const int64_t width = cols / tensor_.ranks, t = tensor_.rank;
-    local.resize(static_cast<size_t>(rows * width) * elem);
-    for (int64_t r = 0; r < rows; ++r)
-      std::copy_n(src + (r * cols + t * width) * elem, width * elem,
-                  local.data() + r * width * elem);
-    src = local.data();
-  }
-  return std::vector<char>(src + p.shard_begin * elem, src + p.shard_end * elem);
+  std::vector<char> out(static_cast<size_t>(p.shard_end - p.shard_begin) * elem);
+  for_each_run(s, split ? tensor_.rank : 0, p.shard_begin, p.shard_end,
+               [&](int64_t w, int64_t j, int64_t n) {
+                 std::copy_n(src + w * static_cast<int64_t>(elem), n * static_cast<int64_t>(elem),
+                             out.data() + (j - p.shard_begin) * static_cast<int64_t>(elem));
+               });
+  return out;
 }
 
 Tensor ModelRunner::whole_value(size_t i) {
