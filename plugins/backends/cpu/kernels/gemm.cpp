@@ -368,13 +368,17 @@ inline float combine(float acc, float alpha, float beta, float old) {
 }
 
 template <class W>
-void gemv_rows_portable(const float* x, const W* w, int64_t k, int64_t ldw, int64_t j0, int64_t j1,
-                        float alpha, float beta, float* y) {
+void gemv_rows_portable(int64_t rows_m, const float* x, int64_t ldx, const W* w, int64_t k,
+                        int64_t ldw, int64_t j0, int64_t j1, float alpha, float beta, float* y,
+                        int64_t ldy) {
   for (int64_t j = j0; j < j1; ++j) {
     const W* row = w + j * ldw;
-    float s = 0.f;
-    for (int64_t p = 0; p < k; ++p) s += x[p] * load_scalar(row + p);
-    y[j] = combine(s, alpha, beta, y[j]);
+    for (int64_t r = 0; r < rows_m; ++r) {
+      const float* xr = x + r * ldx;
+      float s = 0.f;
+      for (int64_t p = 0; p < k; ++p) s += xr[p] * load_scalar(row + p);
+      y[r * ldy + j] = combine(s, alpha, beta, y[r * ldy + j]);
+    }
   }
 }
 
@@ -431,45 +435,54 @@ MT_AVX512 inline __mmask16 tail_mask(int64_t left) {
   return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1u);
 }
 
-template <class W>
-MT_AVX512 void gemv_rows_avx512(const float* x, const W* w, int64_t k, int64_t ldw, int64_t j0,
-                                int64_t j1, float alpha, float beta, float* y) {
-  const int64_t kfull = k / 16 * 16;
-  const __mmask16 kt = tail_mask(k - kfull);
-  int64_t j = j0;
-  // Four rows at a time: each x vector is loaded once for four weight streams.
-  for (; j + 4 <= j1; j += 4) {
-    const W* r0 = w + j * ldw;
-    const W* r1 = r0 + ldw;
-    const W* r2 = r1 + ldw;
-    const W* r3 = r2 + ldw;
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t p = 0; p < kfull; p += 16) {
-      const __m512 xv = _mm512_loadu_ps(x + p);
-      a0 = _mm512_fmadd_ps(xv, load16(r0 + p, 0xffff), a0);
-      a1 = _mm512_fmadd_ps(xv, load16(r1 + p, 0xffff), a1);
-      a2 = _mm512_fmadd_ps(xv, load16(r2 + p, 0xffff), a2);
-      a3 = _mm512_fmadd_ps(xv, load16(r3 + p, 0xffff), a3);
+// The "rows" kernels: dot products of M rows of x (x + r ldx) with rows [j0, j1) of W [N, K],
+// one weight row at a time. A task's rows are contiguous, so it reads one sequential stream,
+// which the hardware prefetchers follow at the memory's full rate (several rows interleaved
+// read at about half of it on the Zen 4 this was measured on); the M rows of x pass over the
+// weight row while it is in L1, two at a time so each weight vector is widened once per pair.
+// Every output is summed in one order whatever M: four accumulators over alternating vectors,
+// then (a0 + a1) + (a2 + a3), then the lanes in a fixed order.
+template <class W, bool Two>
+MT_AVX512 void dot_rows_avx512(const float* x0, const float* x1, const W* row, int64_t k,
+                               float& out0, float& out1) {
+  const int64_t k64 = k / 64 * 64;
+  __m512 a[4], c[4];
+  for (int u = 0; u < 4; ++u) a[u] = c[u] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < k64; p += 64)
+    for (int u = 0; u < 4; ++u) {
+      const __m512 wv = load16(row + p + 16 * u, 0xffff);
+      a[u] = _mm512_fmadd_ps(_mm512_loadu_ps(x0 + p + 16 * u), wv, a[u]);
+      if constexpr (Two) c[u] = _mm512_fmadd_ps(_mm512_loadu_ps(x1 + p + 16 * u), wv, c[u]);
     }
-    if (kt) {
-      const __m512 xv = _mm512_maskz_loadu_ps(kt, x + kfull);
-      a0 = _mm512_fmadd_ps(xv, load16(r0 + kfull, kt), a0);
-      a1 = _mm512_fmadd_ps(xv, load16(r1 + kfull, kt), a1);
-      a2 = _mm512_fmadd_ps(xv, load16(r2 + kfull, kt), a2);
-      a3 = _mm512_fmadd_ps(xv, load16(r3 + kfull, kt), a3);
-    }
-    y[j] = combine(hsum(a0), alpha, beta, y[j]);
-    y[j + 1] = combine(hsum(a1), alpha, beta, y[j + 1]);
-    y[j + 2] = combine(hsum(a2), alpha, beta, y[j + 2]);
-    y[j + 3] = combine(hsum(a3), alpha, beta, y[j + 3]);
+  for (int64_t p = k64, u = 0; p < k; p += 16, ++u) {
+    const __mmask16 m = tail_mask(k - p);
+    const __m512 wv = load16(row + p, m);
+    a[u] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x0 + p), wv, a[u]);
+    if constexpr (Two) c[u] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x1 + p), wv, c[u]);
   }
-  for (; j < j1; ++j) {
-    const W* r0 = w + j * ldw;
-    __m512 a0 = _mm512_setzero_ps();
-    for (int64_t p = 0; p < kfull; p += 16)
-      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + p), load16(r0 + p, 0xffff), a0);
-    if (kt) a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(kt, x + kfull), load16(r0 + kfull, kt), a0);
-    y[j] = combine(hsum(a0), alpha, beta, y[j]);
+  out0 = hsum(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
+  if constexpr (Two)
+    out1 = hsum(_mm512_add_ps(_mm512_add_ps(c[0], c[1]), _mm512_add_ps(c[2], c[3])));
+}
+
+template <class W>
+MT_AVX512 void gemv_rows_avx512(int64_t rows_m, const float* x, int64_t ldx, const W* w, int64_t k,
+                                int64_t ldw, int64_t j0, int64_t j1, float alpha, float beta,
+                                float* y, int64_t ldy) {
+  for (int64_t j = j0; j < j1; ++j) {
+    const W* row = w + j * ldw;
+    int64_t r = 0;
+    for (; r + 2 <= rows_m; r += 2) {
+      float s0 = 0.f, s1 = 0.f;
+      dot_rows_avx512<W, true>(x + r * ldx, x + (r + 1) * ldx, row, k, s0, s1);
+      y[r * ldy + j] = combine(s0, alpha, beta, y[r * ldy + j]);
+      y[(r + 1) * ldy + j] = combine(s1, alpha, beta, y[(r + 1) * ldy + j]);
+    }
+    if (r < rows_m) {
+      float s0 = 0.f, s1 = 0.f;
+      dot_rows_avx512<W, false>(x + r * ldx, nullptr, row, k, s0, s1);
+      y[r * ldy + j] = combine(s0, alpha, beta, y[r * ldy + j]);
+    }
   }
 }
 
@@ -545,57 +558,54 @@ MT_AVX2 inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));
 }
 
-// AVX2 + FMA (x86-64-v3 CPUs without AVX-512): the AVX-512 kernels' loops at 8 lanes, two
-// accumulators per weight row in the dot products (FMA latency), the last k % 8 terms added
+// AVX2 + FMA (x86-64-v3 CPUs without AVX-512): the AVX-512 kernels' loops at 8 lanes (the
+// rows kernels' four accumulators over alternating 8-lane vectors), the last k % 8 terms added
 // in scalar after the vector sum.
-template <class W>
-MT_AVX2 void gemv_rows_avx2(const float* x, const W* w, int64_t k, int64_t ldw, int64_t j0,
-                            int64_t j1, float alpha, float beta, float* y) {
-  const int64_t k16 = k / 16 * 16, k8 = k / 8 * 8;
-  auto tail = [&](const W* r) {
-    float t = 0.f;
-    for (int64_t p = k8; p < k; ++p) t += x[p] * load_scalar(r + p);
-    return t;
-  };
-  int64_t j = j0;
-  // Four rows at a time: each x vector is loaded once for four weight streams.
-  for (; j + 4 <= j1; j += 4) {
-    const W* r0 = w + j * ldw;
-    const W* r1 = r0 + ldw;
-    const W* r2 = r1 + ldw;
-    const W* r3 = r2 + ldw;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-    int64_t p = 0;
-    for (; p < k16; p += 16) {
-      const __m256 xa = _mm256_loadu_ps(x + p), xb = _mm256_loadu_ps(x + p + 8);
-      a0 = _mm256_fmadd_ps(xa, load8(r0 + p), a0);
-      b0 = _mm256_fmadd_ps(xb, load8(r0 + p + 8), b0);
-      a1 = _mm256_fmadd_ps(xa, load8(r1 + p), a1);
-      b1 = _mm256_fmadd_ps(xb, load8(r1 + p + 8), b1);
-      a2 = _mm256_fmadd_ps(xa, load8(r2 + p), a2);
-      b2 = _mm256_fmadd_ps(xb, load8(r2 + p + 8), b2);
-      a3 = _mm256_fmadd_ps(xa, load8(r3 + p), a3);
-      b3 = _mm256_fmadd_ps(xb, load8(r3 + p + 8), b3);
+template <class W, bool Two>
+MT_AVX2 void dot_rows_avx2(const float* x0, const float* x1, const W* row, int64_t k, float& out0,
+                           float& out1) {
+  const int64_t k32 = k / 32 * 32, k8 = k / 8 * 8;
+  __m256 a[4], c[4];
+  for (int u = 0; u < 4; ++u) a[u] = c[u] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < k32; p += 32)
+    for (int u = 0; u < 4; ++u) {
+      const __m256 wv = load8(row + p + 8 * u);
+      a[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + p + 8 * u), wv, a[u]);
+      if constexpr (Two) c[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x1 + p + 8 * u), wv, c[u]);
     }
-    if (p < k8) {
-      const __m256 xa = _mm256_loadu_ps(x + p);
-      a0 = _mm256_fmadd_ps(xa, load8(r0 + p), a0);
-      a1 = _mm256_fmadd_ps(xa, load8(r1 + p), a1);
-      a2 = _mm256_fmadd_ps(xa, load8(r2 + p), a2);
-      a3 = _mm256_fmadd_ps(xa, load8(r3 + p), a3);
-    }
-    y[j] = combine(hsum8(_mm256_add_ps(a0, b0)) + tail(r0), alpha, beta, y[j]);
-    y[j + 1] = combine(hsum8(_mm256_add_ps(a1, b1)) + tail(r1), alpha, beta, y[j + 1]);
-    y[j + 2] = combine(hsum8(_mm256_add_ps(a2, b2)) + tail(r2), alpha, beta, y[j + 2]);
-    y[j + 3] = combine(hsum8(_mm256_add_ps(a3, b3)) + tail(r3), alpha, beta, y[j + 3]);
+  for (int64_t p = k32, u = 0; p < k8; p += 8, ++u) {
+    const __m256 wv = load8(row + p);
+    a[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + p), wv, a[u]);
+    if constexpr (Two) c[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x1 + p), wv, c[u]);
   }
-  for (; j < j1; ++j) {
-    const W* r0 = w + j * ldw;
-    __m256 a0 = _mm256_setzero_ps();
-    for (int64_t p = 0; p < k8; p += 8)
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + p), load8(r0 + p), a0);
-    y[j] = combine(hsum8(a0) + tail(r0), alpha, beta, y[j]);
+  float t0 = 0.f, t1 = 0.f;
+  for (int64_t p = k8; p < k; ++p) {
+    t0 += x0[p] * load_scalar(row + p);
+    if constexpr (Two) t1 += x1[p] * load_scalar(row + p);
+  }
+  out0 = hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]))) + t0;
+  if constexpr (Two)
+    out1 = hsum8(_mm256_add_ps(_mm256_add_ps(c[0], c[1]), _mm256_add_ps(c[2], c[3]))) + t1;
+}
+
+template <class W>
+MT_AVX2 void gemv_rows_avx2(int64_t rows_m, const float* x, int64_t ldx, const W* w, int64_t k,
+                            int64_t ldw, int64_t j0, int64_t j1, float alpha, float beta, float* y,
+                            int64_t ldy) {
+  for (int64_t j = j0; j < j1; ++j) {
+    const W* row = w + j * ldw;
+    int64_t r = 0;
+    for (; r + 2 <= rows_m; r += 2) {
+      float s0 = 0.f, s1 = 0.f;
+      dot_rows_avx2<W, true>(x + r * ldx, x + (r + 1) * ldx, row, k, s0, s1);
+      y[r * ldy + j] = combine(s0, alpha, beta, y[r * ldy + j]);
+      y[(r + 1) * ldy + j] = combine(s1, alpha, beta, y[(r + 1) * ldy + j]);
+    }
+    if (r < rows_m) {
+      float s0 = 0.f, s1 = 0.f;
+      dot_rows_avx2<W, false>(x + r * ldx, nullptr, row, k, s0, s1);
+      y[r * ldy + j] = combine(s0, alpha, beta, y[r * ldy + j]);
+    }
   }
 }
 
@@ -687,8 +697,7 @@ const char* matvec_set_name() {
 }
 
 // M rows of x and y (M <= kFewRows) against W: the "cols" kernels take them all at once; the
-// "rows" kernels run each row over a block of 4 weight rows at a time, which stays in L1/L2
-// while the M rows pass over it (one read from memory).
+// "rows" kernels pass them over each weight row while it is in L1 (one read from memory).
 template <class W>
 void gemv(bool rows, int64_t rows_m, const float* x, int64_t ldx, const W* w, int64_t k,
           int64_t ldw, int64_t j0, int64_t j1, float alpha, float beta, float* y, int64_t ldy) {
@@ -702,20 +711,12 @@ void gemv(bool rows, int64_t rows_m, const float* x, int64_t ldx, const W* w, in
       gemv_cols_portable(rows_m, x, ldx, w, k, ldw, j0, j1, alpha, beta, y, ldy);
     return;
   }
-  const int64_t block = rows_m == 1 ? j1 - j0 : 4;
-  for (int64_t b0 = j0; b0 < j1; b0 += block) {
-    const int64_t b1 = std::min(j1, b0 + block);
-    for (int64_t r = 0; r < rows_m; ++r) {
-      const float* xr = x + r * ldx;
-      float* yr = y + r * ldy;
-      if (set == MatvecSet::avx512)
-        gemv_rows_avx512(xr, w, k, ldw, b0, b1, alpha, beta, yr);
-      else if (set == MatvecSet::avx2)
-        gemv_rows_avx2(xr, w, k, ldw, b0, b1, alpha, beta, yr);
-      else
-        gemv_rows_portable(xr, w, k, ldw, b0, b1, alpha, beta, yr);
-    }
-  }
+  if (set == MatvecSet::avx512)
+    gemv_rows_avx512(rows_m, x, ldx, w, k, ldw, j0, j1, alpha, beta, y, ldy);
+  else if (set == MatvecSet::avx2)
+    gemv_rows_avx2(rows_m, x, ldx, w, k, ldw, j0, j1, alpha, beta, y, ldy);
+  else
+    gemv_rows_portable(rows_m, x, ldx, w, k, ldw, j0, j1, alpha, beta, y, ldy);
 }
 
 // ---- drivers --------------------------------------------------------------------------------
@@ -732,11 +733,14 @@ struct Problem {
 template <class W>
 void matvec(const Problem& p, const float* a, const W* b, float* c) {
   const bool rows = p.tb;  // trans_b: b is [n, k]
-  // Chunks: for dot products enough rows that a task streams >= ~64 KiB of weights; for the
-  // "cols" kernel at most kColsChunk outputs, in a number of chunks that is a multiple of the
-  // threads (the 2-core decode case has only 3 to 6 chunks of that size).
+  // Chunks: for dot products enough rows that a task streams >= ~64 KiB of weights, and for
+  // one shared weight matrix (a decode step's projections) one contiguous range per thread, a
+  // single sequential stream; for the "cols" kernel at most kColsChunk outputs, in a number of
+  // chunks that is a multiple of the threads (the 2-core decode case has only 3 to 6 chunks of
+  // that size).
   const int64_t threads = std::max(1, tbb::this_task_arena::max_concurrency());
   int64_t chunk = std::max<int64_t>(16, (int64_t{16384} / std::max<int64_t>(p.k, 1) + 3) / 4 * 4);
+  if (rows && p.batch == 1) chunk = std::max(chunk, (p.n + threads - 1) / threads);
   if (!rows) {
     const int64_t most = cols_chunk<W>();
     const int64_t rounds = (p.n + most * threads - 1) / (most * threads);
