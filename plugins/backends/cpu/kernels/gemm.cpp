@@ -435,54 +435,121 @@ MT_AVX512 inline __mmask16 tail_mask(int64_t left) {
   return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1u);
 }
 
-// The "rows" kernels: dot products of M rows of x (x + r ldx) with rows [j0, j1) of W [N, K],
-// one weight row at a time. A task's rows are contiguous, so it reads one sequential stream,
-// which the hardware prefetchers follow at the memory's full rate (several rows interleaved
-// read at about half of it on the Zen 4 this was measured on); the M rows of x pass over the
-// weight row while it is in L1, two at a time so each weight vector is widened once per pair.
-// Every output is summed in one order whatever M: four accumulators over alternating vectors,
-// then (a0 + a1) + (a2 + a3), then the lanes in a fixed order.
-template <class W, bool Two>
-MT_AVX512 void dot_rows_avx512(const float* x0, const float* x1, const W* row, int64_t k,
-                               float& out0, float& out1) {
-  const int64_t k64 = k / 64 * 64;
-  __m512 a[4], c[4];
-  for (int u = 0; u < 4; ++u) a[u] = c[u] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < k64; p += 64)
-    for (int u = 0; u < 4; ++u) {
-      const __m512 wv = load16(row + p + 16 * u, 0xffff);
-      a[u] = _mm512_fmadd_ps(_mm512_loadu_ps(x0 + p + 16 * u), wv, a[u]);
-      if constexpr (Two) c[u] = _mm512_fmadd_ps(_mm512_loadu_ps(x1 + p + 16 * u), wv, c[u]);
-    }
-  for (int64_t p = k64, u = 0; p < k; p += 16, ++u) {
-    const __mmask16 m = tail_mask(k - p);
-    const __m512 wv = load16(row + p, m);
-    a[u] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x0 + p), wv, a[u]);
-    if constexpr (Two) c[u] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x1 + p), wv, c[u]);
+// The "rows" kernels: dot products of M rows of x (x + r ldx) with rows [j0, j1) of W [N, K].
+// With one or two rows of x, one weight row at a time: a task's rows are contiguous, so it reads
+// one sequential stream, which the hardware prefetchers follow at the memory's full rate
+// (several rows interleaved read at about half of it on the Zen 4 this was measured on). The
+// rows of x pass over each weight vector four at a time (AVX2: two, its 16 registers), so it is
+// widened once per group. Every output is summed in one order whatever M and the blocking:
+// four accumulators over alternating vectors, then (a0 + a1) + (a2 + a3), then the lanes in a
+// fixed order.
+// Row i's four accumulators acc[i][0..3] (loaded first, stored after) gain the steps of 64 terms
+// [p0, p1) (p1 <= k / 64 * 64) and, with `tail`, one more step with masked loads for the last
+// k % 64 terms (a vector past k adds zeros): the same operations in the same order however a
+// row's steps are split among calls. (Four arrays of X in registers, not one of X x 4, and the
+// loops over i unrolled: otherwise GCC 12 keeps them in memory, storing each at every step.)
+template <class W, int X>
+MT_AVX512 void dot_steps_avx512(const float* const* xs, const W* row, int64_t k, int64_t p0,
+                                int64_t p1, bool tail, __m512 (*acc)[4]) {
+  __m512 a0[X], a1[X], a2[X], a3[X];
+  const float* x[X];
+#pragma GCC unroll 8
+  for (int i = 0; i < X; ++i) {
+    a0[i] = acc[i][0];
+    a1[i] = acc[i][1];
+    a2[i] = acc[i][2];
+    a3[i] = acc[i][3];
+    x[i] = xs[i];
   }
-  out0 = hsum(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
-  if constexpr (Two)
-    out1 = hsum(_mm512_add_ps(_mm512_add_ps(c[0], c[1]), _mm512_add_ps(c[2], c[3])));
+  for (int64_t p = p0; p < p1; p += 64) {
+    const __m512 w0 = load16(row + p, 0xffff), w1 = load16(row + p + 16, 0xffff);
+    const __m512 w2 = load16(row + p + 32, 0xffff), w3 = load16(row + p + 48, 0xffff);
+#pragma GCC unroll 8
+    for (int i = 0; i < X; ++i) {
+      a0[i] = _mm512_fmadd_ps(_mm512_loadu_ps(x[i] + p), w0, a0[i]);
+      a1[i] = _mm512_fmadd_ps(_mm512_loadu_ps(x[i] + p + 16), w1, a1[i]);
+      a2[i] = _mm512_fmadd_ps(_mm512_loadu_ps(x[i] + p + 32), w2, a2[i]);
+      a3[i] = _mm512_fmadd_ps(_mm512_loadu_ps(x[i] + p + 48), w3, a3[i]);
+    }
+  }
+  if (tail) {
+    const int64_t p = k / 64 * 64;
+    auto mask = [&](int64_t q) { return q < k ? tail_mask(k - q) : __mmask16(0); };
+    const __mmask16 m0 = mask(p), m1 = mask(p + 16), m2 = mask(p + 32), m3 = mask(p + 48);
+    const __m512 w0 = load16(row + p, m0), w1 = load16(row + p + 16, m1);
+    const __m512 w2 = load16(row + p + 32, m2), w3 = load16(row + p + 48, m3);
+#pragma GCC unroll 8
+    for (int i = 0; i < X; ++i) {
+      a0[i] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m0, x[i] + p), w0, a0[i]);
+      a1[i] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m1, x[i] + p + 16), w1, a1[i]);
+      a2[i] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m2, x[i] + p + 32), w2, a2[i]);
+      a3[i] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m3, x[i] + p + 48), w3, a3[i]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < X; ++i) {
+    acc[i][0] = a0[i];
+    acc[i][1] = a1[i];
+    acc[i][2] = a2[i];
+    acc[i][3] = a3[i];
+  }
+}
+
+// Weight rows in groups of kRowsGroup; with more than two rows of x, K in blocks of x that fit
+// in L1 beside the group's partial sums (each row of x would otherwise come from L2 for every
+// weight row: 8 rows of 2048 are 64 KiB), which wait in `acc` between blocks. With one or two
+// rows of x a block is the whole of K, so each weight row is still read in one pass.
+constexpr int64_t kRowsGroup = 8;
+inline int64_t rows_k_block(int64_t rows_m, int64_t k, int64_t step) {
+  const int64_t whole = k / step * step;
+  return rows_m <= 2 ? whole : std::max(step, int64_t{4096} / rows_m / step * step);
 }
 
 template <class W>
 MT_AVX512 void gemv_rows_avx512(int64_t rows_m, const float* x, int64_t ldx, const W* w, int64_t k,
                                 int64_t ldw, int64_t j0, int64_t j1, float alpha, float beta,
                                 float* y, int64_t ldy) {
-  for (int64_t j = j0; j < j1; ++j) {
-    const W* row = w + j * ldw;
-    int64_t r = 0;
-    for (; r + 2 <= rows_m; r += 2) {
-      float s0 = 0.f, s1 = 0.f;
-      dot_rows_avx512<W, true>(x + r * ldx, x + (r + 1) * ldx, row, k, s0, s1);
-      y[r * ldy + j] = combine(s0, alpha, beta, y[r * ldy + j]);
-      y[(r + 1) * ldy + j] = combine(s1, alpha, beta, y[(r + 1) * ldy + j]);
+  const int64_t k64 = k / 64 * 64, kb = rows_k_block(rows_m, k, 64);
+  const bool tail = k64 < k;
+  alignas(64) __m512 acc[kRowsGroup * kFewRows][4];
+  for (int64_t jb = j0; jb < j1; jb += kRowsGroup) {
+    const int64_t je = std::min(j1, jb + kRowsGroup);
+    for (int64_t e = 0; e < (je - jb) * rows_m; ++e)
+      for (int u = 0; u < 4; ++u) acc[e][u] = _mm512_setzero_ps();
+    for (int64_t p0 = 0;; p0 += kb) {
+      const int64_t p1 = std::min(k64, p0 + kb);
+      const bool last = p1 == k64;
+      for (int64_t j = jb; j < je; ++j)
+        for (int64_t r = 0; r < rows_m; r += 4) {
+          const float* xs[4];
+          const int64_t nx = std::min<int64_t>(4, rows_m - r);
+          for (int64_t i = 0; i < nx; ++i) xs[i] = x + (r + i) * ldx;
+          __m512(*a)[4] = acc + (j - jb) * rows_m + r;
+          const W* row = w + j * ldw;
+          const bool t = last && tail;
+          switch (nx) {
+            case 4:
+              dot_steps_avx512<W, 4>(xs, row, k, p0, p1, t, a);
+              break;
+            case 3:
+              dot_steps_avx512<W, 3>(xs, row, k, p0, p1, t, a);
+              break;
+            case 2:
+              dot_steps_avx512<W, 2>(xs, row, k, p0, p1, t, a);
+              break;
+            default:
+              dot_steps_avx512<W, 1>(xs, row, k, p0, p1, t, a);
+              break;
+          }
+        }
+      if (last) break;
     }
-    if (r < rows_m) {
-      float s0 = 0.f, s1 = 0.f;
-      dot_rows_avx512<W, false>(x + r * ldx, nullptr, row, k, s0, s1);
-      y[r * ldy + j] = combine(s0, alpha, beta, y[r * ldy + j]);
-    }
+    for (int64_t j = jb; j < je; ++j)
+      for (int64_t r = 0; r < rows_m; ++r) {
+        const __m512* a = acc[(j - jb) * rows_m + r];
+        const float s = hsum(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
+        y[r * ldy + j] = combine(s, alpha, beta, y[r * ldy + j]);
+      }
   }
 }
 
@@ -561,50 +628,78 @@ MT_AVX2 inline float hsum8(__m256 v) {
 // AVX2 + FMA (x86-64-v3 CPUs without AVX-512): the AVX-512 kernels' loops at 8 lanes (the
 // rows kernels' four accumulators over alternating 8-lane vectors), the last k % 8 terms added
 // in scalar after the vector sum.
-template <class W, bool Two>
-MT_AVX2 void dot_rows_avx2(const float* x0, const float* x1, const W* row, int64_t k, float& out0,
-                           float& out1) {
-  const int64_t k32 = k / 32 * 32, k8 = k / 8 * 8;
-  __m256 a[4], c[4];
-  for (int u = 0; u < 4; ++u) a[u] = c[u] = _mm256_setzero_ps();
-  for (int64_t p = 0; p < k32; p += 32)
-    for (int u = 0; u < 4; ++u) {
-      const __m256 wv = load8(row + p + 8 * u);
-      a[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + p + 8 * u), wv, a[u]);
-      if constexpr (Two) c[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x1 + p + 8 * u), wv, c[u]);
+template <class W, int X>
+MT_AVX2 void dot_steps_avx2(const float* const* xs, const W* row, int64_t p0, int64_t p1,
+                            __m256 (*acc)[4]) {
+  __m256 a0[X], a1[X], a2[X], a3[X];
+  const float* x[X];
+#pragma GCC unroll 4
+  for (int i = 0; i < X; ++i) {
+    a0[i] = acc[i][0];
+    a1[i] = acc[i][1];
+    a2[i] = acc[i][2];
+    a3[i] = acc[i][3];
+    x[i] = xs[i];
+  }
+  for (int64_t p = p0; p < p1; p += 32) {
+    const __m256 w0 = load8(row + p), w1 = load8(row + p + 8);
+    const __m256 w2 = load8(row + p + 16), w3 = load8(row + p + 24);
+#pragma GCC unroll 4
+    for (int i = 0; i < X; ++i) {
+      a0[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x[i] + p), w0, a0[i]);
+      a1[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x[i] + p + 8), w1, a1[i]);
+      a2[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x[i] + p + 16), w2, a2[i]);
+      a3[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x[i] + p + 24), w3, a3[i]);
     }
-  for (int64_t p = k32, u = 0; p < k8; p += 8, ++u) {
-    const __m256 wv = load8(row + p);
-    a[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + p), wv, a[u]);
-    if constexpr (Two) c[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x1 + p), wv, c[u]);
   }
-  float t0 = 0.f, t1 = 0.f;
-  for (int64_t p = k8; p < k; ++p) {
-    t0 += x0[p] * load_scalar(row + p);
-    if constexpr (Two) t1 += x1[p] * load_scalar(row + p);
+#pragma GCC unroll 4
+  for (int i = 0; i < X; ++i) {
+    acc[i][0] = a0[i];
+    acc[i][1] = a1[i];
+    acc[i][2] = a2[i];
+    acc[i][3] = a3[i];
   }
-  out0 = hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]))) + t0;
-  if constexpr (Two)
-    out1 = hsum8(_mm256_add_ps(_mm256_add_ps(c[0], c[1]), _mm256_add_ps(c[2], c[3]))) + t1;
 }
 
+// The AVX-512 driver's blocking at 8 lanes, rows of x two at a time (16 registers); the last
+// k % 32 terms go vector by vector into the accumulator their position gives (k % 8 in scalar
+// after the vector sum).
 template <class W>
 MT_AVX2 void gemv_rows_avx2(int64_t rows_m, const float* x, int64_t ldx, const W* w, int64_t k,
                             int64_t ldw, int64_t j0, int64_t j1, float alpha, float beta, float* y,
                             int64_t ldy) {
-  for (int64_t j = j0; j < j1; ++j) {
-    const W* row = w + j * ldw;
-    int64_t r = 0;
-    for (; r + 2 <= rows_m; r += 2) {
-      float s0 = 0.f, s1 = 0.f;
-      dot_rows_avx2<W, true>(x + r * ldx, x + (r + 1) * ldx, row, k, s0, s1);
-      y[r * ldy + j] = combine(s0, alpha, beta, y[r * ldy + j]);
-      y[(r + 1) * ldy + j] = combine(s1, alpha, beta, y[(r + 1) * ldy + j]);
+  const int64_t k32 = k / 32 * 32, k8 = k / 8 * 8, kb = rows_k_block(rows_m, k, 32);
+  alignas(32) __m256 acc[kRowsGroup * kFewRows][4];
+  for (int64_t jb = j0; jb < j1; jb += kRowsGroup) {
+    const int64_t je = std::min(j1, jb + kRowsGroup);
+    for (int64_t e = 0; e < (je - jb) * rows_m; ++e)
+      for (int u = 0; u < 4; ++u) acc[e][u] = _mm256_setzero_ps();
+    for (int64_t p0 = 0;; p0 += kb) {
+      const int64_t p1 = std::min(k32, p0 + kb);
+      for (int64_t j = jb; j < je; ++j)
+        for (int64_t r = 0; r < rows_m; r += 2) {
+          const float* xs[2] = {x + r * ldx, x + (r + 1) * ldx};
+          __m256(*a)[4] = acc + (j - jb) * rows_m + r;
+          if (r + 1 < rows_m)
+            dot_steps_avx2<W, 2>(xs, w + j * ldw, p0, p1, a);
+          else
+            dot_steps_avx2<W, 1>(xs, w + j * ldw, p0, p1, a);
+        }
+      if (p1 == k32) break;
     }
-    if (r < rows_m) {
-      float s0 = 0.f, s1 = 0.f;
-      dot_rows_avx2<W, false>(x + r * ldx, nullptr, row, k, s0, s1);
-      y[r * ldy + j] = combine(s0, alpha, beta, y[r * ldy + j]);
+    for (int64_t j = jb; j < je; ++j) {
+      const W* row = w + j * ldw;
+      for (int64_t r = 0; r < rows_m; ++r) {
+        __m256* a = acc[(j - jb) * rows_m + r];
+        const float* xr = x + r * ldx;
+        for (int64_t p = k32, u = 0; p < k8; p += 8, ++u)
+          a[u] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + p), load8(row + p), a[u]);
+        float t = 0.f;
+        for (int64_t p = k8; p < k; ++p) t += xr[p] * load_scalar(row + p);
+        const float s =
+            hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]))) + t;
+        y[r * ldy + j] = combine(s, alpha, beta, y[r * ldy + j]);
+      }
     }
   }
 }
@@ -747,9 +842,23 @@ void matvec(const Problem& p, const float* a, const W* b, float* c) {
     chunk = std::min(most, ((p.n + threads * rounds - 1) / (threads * rounds) + 15) / 16 * 16);
   }
   const int64_t chunks = (p.n + chunk - 1) / chunk;
+  // The "rows" kernels read all the rows of x at the same offsets: at a stride of a multiple of
+  // 4 KiB (K = 1024, 2048, 4096, ...) those fall in one L1 set and evict each other (batch 8
+  // ran at a third of the speed), so more than two rows are copied to a padded stride.
+  std::vector<float> padded;
+  int64_t ldx = p.k, stride_x = p.stride_a;
+  if (rows && p.m > 2 && (p.k * int64_t{sizeof(float)}) % 4096 < 256) {
+    ldx = p.k + 16;
+    stride_x = p.m * ldx;
+    padded.resize(static_cast<size_t>(p.batch * stride_x));
+    for (int64_t bi = 0; bi < p.batch; ++bi)
+      for (int64_t r = 0; r < p.m; ++r)
+        std::copy_n(a + bi * p.stride_a + r * p.k, p.k, padded.data() + bi * stride_x + r * ldx);
+    a = padded.data();
+  }
   auto body = [&](int64_t t) {
     const int64_t bi = t / chunks, j0 = (t % chunks) * chunk, j1 = std::min(p.n, j0 + chunk);
-    gemv(rows, p.m, a + bi * p.stride_a, p.k, b + bi * p.stride_b, p.k, rows ? p.k : p.n, j0, j1,
+    gemv(rows, p.m, a + bi * stride_x, ldx, b + bi * p.stride_b, p.k, rows ? p.k : p.n, j0, j1,
          p.alpha, p.beta, c + bi * p.stride_c, p.n);
   };
   const int64_t tasks = p.batch * chunks;
