@@ -27,7 +27,7 @@ Tensor add_bias(Graph& g, const Tensor& x, const Tensor& b) {
 
 Tensor linear(Graph& g, const Params& p, const std::string& w, const std::string& b,
               const Tensor& x, bool bias) {
-  Tensor y = g.matmul(x, p[w]);
+  Tensor y = g.project(x, p, w);
   return bias ? add_bias(g, y, p[b]) : y;
 }
 
@@ -36,7 +36,7 @@ Tensor linear(Graph& g, const Params& p, const std::string& w, const std::string
 // over the ranks before the (replicated) bias.
 Tensor row_linear(Graph& g, const Params& p, const std::string& w, const std::string& b,
                   const Tensor& x, bool bias) {
-  Tensor y = g.tensor_parallel_sum(g.matmul(x, p[w]));
+  Tensor y = g.tensor_parallel_sum(g.project(x, p, w));
   return bias ? add_bias(g, y, p[b]) : y;
 }
 
@@ -58,6 +58,13 @@ ParamSpec dense_param(const std::string& name, int64_t in, int64_t out) {
           static_cast<float>(1.0 / std::sqrt(static_cast<double>(in))),
           true,
           true};
+}
+
+// A dense weight read only through Graph::project (ParamSpec::projection).
+ParamSpec projection_param(const std::string& name, int64_t in, int64_t out) {
+  ParamSpec s = dense_param(name, in, out);
+  s.projection = true;
+  return s;
 }
 
 ParamSpec bias_param(const std::string& name, int64_t out) {
@@ -117,10 +124,10 @@ std::vector<ParamSpec> attention_params(const AttentionBlockSpec& s, const std::
   // Megatron's split: the heads' columns of wq, wk, wv (and their biases) and the heads' rows
   // of wo, when logical_axis_rules put heads and kv_heads on the tensor axis.
   std::vector<ParamSpec> r = {
-      with_axes(dense_param(prefix + "wq", s.d_model, q), {"embed", "heads"}),
-      with_axes(dense_param(prefix + "wk", s.d_model, k), {"embed", "kv_heads"}),
-      with_axes(dense_param(prefix + "wv", s.d_model, v), {"embed", "kv_heads"}),
-      with_axes(dense_param(prefix + "wo", o, s.d_model), {"heads", "embed"})};
+      with_axes(projection_param(prefix + "wq", s.d_model, q), {"embed", "heads"}),
+      with_axes(projection_param(prefix + "wk", s.d_model, k), {"embed", "kv_heads"}),
+      with_axes(projection_param(prefix + "wv", s.d_model, v), {"embed", "kv_heads"}),
+      with_axes(projection_param(prefix + "wo", o, s.d_model), {"heads", "embed"})};
   if (s.qkv_bias) {
     r.push_back(with_axes(bias_param(prefix + "bq", q), {"heads"}));
     r.push_back(with_axes(bias_param(prefix + "bk", k), {"kv_heads"}));
@@ -151,8 +158,8 @@ Tensor attention(Graph& g, const Params& p, const AttentionBlockSpec& s, const T
   MT_CHECK(in.attention != nullptr, "attention block: no attention kernel given to the layer");
   const int64_t b = x.dim(0), t = x.dim(1), dv = v_dim(s);
   // This rank's heads: all of them, or its part under tensor parallelism (the weights' columns).
-  const int64_t heads = p[prefix + "wq"].dim(-1) / s.head_dim;
-  const int64_t kv_heads = p[prefix + "wk"].dim(-1) / s.head_dim;
+  const int64_t heads = p.shape(prefix + "wq").back() / s.head_dim;
+  const int64_t kv_heads = p.shape(prefix + "wk").back() / s.head_dim;
   const Tensor xin = g.tensor_parallel_input(x);
   Tensor q = g.reshape(linear(g, p, prefix + "wq", prefix + "bq", xin, s.qkv_bias),
                        {b, t, heads, s.head_dim});
@@ -222,17 +229,17 @@ std::vector<ParamSpec> mla_params(const MlaSpec& s, const std::string& prefix) {
   const int64_t qk = s.qk_nope_head_dim + s.qk_rope_head_dim;
   std::vector<ParamSpec> r;
   if (s.q_lora_rank > 0) {
-    r.push_back(dense_param(prefix + "wq_a", s.d_model, s.q_lora_rank));
+    r.push_back(projection_param(prefix + "wq_a", s.d_model, s.q_lora_rank));
     for (auto& ps : norm_params(prefix + "q_norm", s.q_lora_rank, s.norm)) r.push_back(ps);
-    r.push_back(dense_param(prefix + "wq_b", s.q_lora_rank, s.heads * qk));
+    r.push_back(projection_param(prefix + "wq_b", s.q_lora_rank, s.heads * qk));
   } else {
-    r.push_back(dense_param(prefix + "wq", s.d_model, s.heads * qk));
+    r.push_back(projection_param(prefix + "wq", s.d_model, s.heads * qk));
   }
-  r.push_back(dense_param(prefix + "wkv_a", s.d_model, s.kv_lora_rank + s.qk_rope_head_dim));
+  r.push_back(projection_param(prefix + "wkv_a", s.d_model, s.kv_lora_rank + s.qk_rope_head_dim));
   for (auto& ps : norm_params(prefix + "kv_norm", s.kv_lora_rank, s.norm)) r.push_back(ps);
   r.push_back(
       dense_param(prefix + "wkv_b", s.kv_lora_rank, s.heads * (s.qk_nope_head_dim + s.v_head_dim)));
-  r.push_back(dense_param(prefix + "wo", s.heads * s.v_head_dim, s.d_model));
+  r.push_back(projection_param(prefix + "wo", s.heads * s.v_head_dim, s.d_model));
   return r;
 }
 
@@ -278,10 +285,11 @@ Tensor mla(Graph& g, const Params& p, const MlaSpec& s, const Tensor& x, const L
   rs.rotary_dim = static_cast<int>(rope);
 
   // Queries [B, T, H, nope + rope]: the rotary part is the last `rope` features of each head.
-  Tensor q = s.q_lora_rank > 0
-                 ? g.matmul(norm(g, p, prefix + "q_norm", g.matmul(x, p[prefix + "wq_a"]), s.norm),
-                            p[prefix + "wq_b"])
-                 : g.matmul(x, p[prefix + "wq"]);
+  Tensor q =
+      s.q_lora_rank > 0
+          ? g.project(norm(g, p, prefix + "q_norm", g.project(x, p, prefix + "wq_a"), s.norm), p,
+                      prefix + "wq_b")
+          : g.project(x, p, prefix + "wq");
   q = g.reshape(q, {b, t, h, qk});
   std::vector<Tensor> qs = g.split(q, {nope, rope});
   const Tensor q_rot = g.rope(qs[1], in.positions, rs);
@@ -289,7 +297,7 @@ Tensor mla(Graph& g, const Params& p, const MlaSpec& s, const Tensor& x, const L
   // The latent: c [B, T, kv_lora_rank] (normalised) and one rotary key [B, T, 1, rope] for all
   // heads.
   std::vector<Tensor> kv_a =
-      g.split(g.matmul(x, p[prefix + "wkv_a"]), {s.kv_lora_rank, rope});  // [B, T, ...]
+      g.split(g.project(x, p, prefix + "wkv_a"), {s.kv_lora_rank, rope});  // [B, T, ...]
   const Tensor c = norm(g, p, prefix + "kv_norm", kv_a[0], s.norm);
   const Tensor k_rot = g.rope(g.reshape(kv_a[1], {b, t, 1, rope}), in.positions, rs);
   AttentionSpec spec = s.attn;
@@ -334,7 +342,7 @@ Tensor mla(Graph& g, const Params& p, const MlaSpec& s, const Tensor& x, const L
           g.split(g.attention_decode(*in.attention, g.concat({q_lat, q_rot}), both, spec),
                   {lat, rope})[0];                                           // [B, T, H, L]
       const Tensor o = swap01(g, g.matmul(swap01(g, a, m, h), w[1]), h, m);  // [M, H, dv]
-      return g.matmul(g.reshape(o, {b, t, h * dv}), p[prefix + "wo"]);
+      return g.project(g.reshape(o, {b, t, h * dv}), p, prefix + "wo");
     }
   }
 
@@ -372,7 +380,7 @@ Tensor mla(Graph& g, const Params& p, const MlaSpec& s, const Tensor& x, const L
       : in.cache                ? g.attention(*in.attention, qf, kf, v, Tensor(), Tensor(), spec)
                  : g.attention(*in.attention, qf, kf, v, in.segment_ids, in.segment_ids, spec);
   if (dv != dp) a = g.split(a, {dv, dp - dv})[0];
-  return g.matmul(g.reshape(a, {b, t, h * dv}), p[prefix + "wo"]);
+  return g.project(g.reshape(a, {b, t, h * dv}), p, prefix + "wo");
 }
 
 std::vector<ParamSpec> mlp_params(const MlpSpec& s, const std::string& prefix) {
@@ -381,17 +389,17 @@ std::vector<ParamSpec> mlp_params(const MlpSpec& s, const std::string& prefix) {
   // when logical_axis_rules put mlp on the tensor axis.
   const std::vector<std::string> in_axes{"embed", "mlp"}, out_axes{"mlp", "embed"};
   if (s.gated) {
-    r = {with_axes(dense_param(prefix + "w_gate", s.d_model, s.hidden), in_axes),
-         with_axes(dense_param(prefix + "w_up", s.d_model, s.hidden), in_axes),
-         with_axes(dense_param(prefix + "w_down", s.hidden, s.d_model), out_axes)};
+    r = {with_axes(projection_param(prefix + "w_gate", s.d_model, s.hidden), in_axes),
+         with_axes(projection_param(prefix + "w_up", s.d_model, s.hidden), in_axes),
+         with_axes(projection_param(prefix + "w_down", s.hidden, s.d_model), out_axes)};
     if (s.bias) {
       r.push_back(with_axes(bias_param(prefix + "b_gate", s.hidden), {"mlp"}));
       r.push_back(with_axes(bias_param(prefix + "b_up", s.hidden), {"mlp"}));
       r.push_back(with_axes(bias_param(prefix + "b_down", s.d_model), {"embed"}));
     }
   } else {
-    r = {with_axes(dense_param(prefix + "w_in", s.d_model, s.hidden), in_axes),
-         with_axes(dense_param(prefix + "w_out", s.hidden, s.d_model), out_axes)};
+    r = {with_axes(projection_param(prefix + "w_in", s.d_model, s.hidden), in_axes),
+         with_axes(projection_param(prefix + "w_out", s.hidden, s.d_model), out_axes)};
     if (s.bias) {
       r.push_back(with_axes(bias_param(prefix + "b_in", s.hidden), {"mlp"}));
       r.push_back(with_axes(bias_param(prefix + "b_out", s.d_model), {"embed"}));
@@ -421,7 +429,7 @@ ParamSpec embedding_param(const std::string& name, int64_t vocab, int64_t d, flo
 Tensor lm_head(Graph& g, const Params& p, const Tensor& h, bool tied, const std::string& embedding,
                const std::string& head) {
   // Tied: logits = h @ embedding^T, the table shared with the input lookup.
-  return tied ? g.matmul(h, p[embedding], false, true) : g.matmul(h, p[head]);
+  return tied ? g.matmul(h, p[embedding], false, true) : g.project(h, p, head);
 }
 
 std::vector<ParamSpec> decoder_top_params(int64_t vocab, int64_t d, const NormSpec& norm, bool tied,
@@ -429,7 +437,7 @@ std::vector<ParamSpec> decoder_top_params(int64_t vocab, int64_t d, const NormSp
   if (embedding_stddev == 0.f) embedding_stddev = tied ? 1.f / std::sqrt(float(d)) : 1.f;
   std::vector<ParamSpec> r = {embedding_param("embedding", vocab, d, embedding_stddev, tied)};
   for (auto& p : norm_params("final_norm", d, norm)) r.push_back(p);
-  if (!tied) r.push_back(dense_param("lm_head", d, vocab));
+  if (!tied) r.push_back(projection_param("lm_head", d, vocab));
   return r;
 }
 

@@ -52,6 +52,10 @@ void Graph::finish_fresh(Backend& backend, const Tensor& param) {
   }
 }
 
+Tensor Graph::project(const Tensor& x, const Params& p, std::string_view w) {
+  return p.transposed(w) ? matmul(x, p.stored(w), false, true) : matmul(x, p[w]);
+}
+
 Tensor Graph::matmul(const Tensor& a, const Tensor& b, bool ta, bool tb) {
   const bool shared_b = b.ndim() == 2 && a.ndim() > 2;
   MT_CHECK(!(shared_b && ta), "matmul with a shared 2-D right operand needs trans_a == false");

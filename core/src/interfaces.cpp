@@ -47,18 +47,54 @@ Tensor Model::mtp_combine(Graph&, const Params&, const Tensor&, const Tensor&, i
               std::to_string(depth) + ".");
 }
 
-Params::Params(const std::vector<std::string>& names, std::vector<Tensor> values)
-    : names_(&names), values_(std::move(values)) {
+Params::Params(const std::vector<std::string>& names, std::vector<Tensor> values,
+               std::vector<char> transposed)
+    : names_(&names), values_(std::move(values)), transposed_(std::move(transposed)) {
   MT_CHECK(names.size() == values_.size(), "Params: " + std::to_string(names.size()) +
                                                " names for " + std::to_string(values_.size()) +
                                                " tensors");
+  MT_CHECK(transposed_.empty() || transposed_.size() == values_.size(),
+           "Params: transposed flags for " + std::to_string(transposed_.size()) + " of " +
+               std::to_string(values_.size()) + " tensors");
+}
+
+const Tensor* Params::lookup(std::string_view name, size_t* index) const {
+  if (!names_) return nullptr;
+  for (size_t i = 0; i < values_.size(); ++i)
+    if ((*names_)[i] == name) {
+      *index = i;
+      return &values_[i];
+    }
+  return nullptr;
+}
+
+bool Params::transposed(std::string_view name) const {
+  size_t i = 0;
+  return lookup(name, &i) && !transposed_.empty() && transposed_[i];
 }
 
 const Tensor* Params::find(std::string_view name) const {
-  if (!names_) return nullptr;
-  for (size_t i = 0; i < values_.size(); ++i)
-    if ((*names_)[i] == name) return &values_[i];
-  return nullptr;
+  size_t i = 0;
+  const Tensor* t = lookup(name, &i);
+  if (t && !transposed_.empty() && transposed_[i])
+    throw Error("The model read the parameter '" + std::string(name) +
+                "' directly, but it is stored transposed for inference ([N, K], as its "
+                "ParamSpec::projection allows): a projection weight is read only through "
+                "Graph::project. The family's parameters() and forward() disagree.");
+  return t;
+}
+
+const Tensor& Params::stored(std::string_view name) const {
+  size_t i = 0;
+  if (const Tensor* t = lookup(name, &i)) return *t;
+  return (*this)[name];  // absent: operator[]'s message
+}
+
+Shape Params::shape(std::string_view name) const {
+  const Tensor& t = stored(name);
+  Shape s = t.shape();
+  if (transposed(name)) std::swap(s[0], s[1]);
+  return s;
 }
 
 const Tensor& Params::operator[](std::string_view name) const {

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <random>
 #include <utility>
 
@@ -241,6 +243,47 @@ bool ModelRunner::store_weights_in_compute_dtype() {
   }
   weight_dtype_ = compute_dtype_;
   return true;
+}
+
+namespace {
+
+// dst [cols, rows] = src [rows, cols]^T for elements of `size` bytes, in 64 x 64 tiles.
+void transpose_host(const char* src, char* dst, int64_t rows, int64_t cols, size_t size) {
+  constexpr int64_t kTile = 64;
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile)
+    for (int64_t c0 = 0; c0 < cols; c0 += kTile)
+      for (int64_t r = r0; r < std::min(rows, r0 + kTile); ++r)
+        for (int64_t c = c0; c < std::min(cols, c0 + kTile); ++c)
+          std::memcpy(dst + static_cast<size_t>(c * rows + r) * size,
+                      src + static_cast<size_t>(r * cols + c) * size, size);
+}
+
+}  // namespace
+
+size_t ModelRunner::transpose_projections() {
+  if (!backend().extension("mt.matvec_rows_layout")) return 0;
+  if (const char* env = std::getenv("MT_TRANSPOSE_PROJECTIONS"); env && std::string(env) == "0")
+    return 0;
+  if (sharding_.on()) return 0;
+  size_t count = 0;
+  std::vector<char> host, out;
+  for (auto& p : params_) {
+    if (!p.spec.projection || p.transposed || p.value.ndim() != 2 || p.tensor_dim >= 0) continue;
+    MT_CHECK(!p.grad.defined(), "transpose_projections: " + p.name +
+                                    " has a gradient buffer; it is for inference only");
+    const int64_t rows = p.value.dim(0), cols = p.value.dim(1);
+    host.resize(p.value.nbytes());
+    out.resize(p.value.nbytes());
+    backend().copy_to_host(p.value, host.data());
+    transpose_host(host.data(), out.data(), rows, cols, dtype_size(p.value.dtype()));
+    Tensor t = backend().empty({cols, rows}, p.value.dtype());
+    backend().copy_from_host(t, out.data());
+    p.value = std::move(t);
+    p.transposed = true;
+    ++count;
+  }
+  any_transposed_ = any_transposed_ || count > 0;
+  return count;
 }
 
 void ModelRunner::enable_gradients() {
@@ -526,12 +569,21 @@ Params ModelRunner::block_params(Graph& g, const std::vector<Tensor>& ps, size_t
   for (size_t j = block_begin(block); j < block_end(block); ++j)
     values.push_back(sharding_.on() ? compute_param(g, j) : ps[j]);
   if (sharding_.on() && fsdp_queue()) prefetch_after(block);
-  return Params(layer_names_[block], std::move(values));
+  return Params(layer_names_[block], std::move(values),
+                transposed_flags(block_begin(block), block_end(block)));
 }
 
 Params ModelRunner::top_params(const std::vector<Tensor>& ps) const {
   return Params(top_names_,
-                std::vector<Tensor>(ps.begin(), ps.begin() + static_cast<ptrdiff_t>(num_top_)));
+                std::vector<Tensor>(ps.begin(), ps.begin() + static_cast<ptrdiff_t>(num_top_)),
+                transposed_flags(0, num_top_));
+}
+
+std::vector<char> ModelRunner::transposed_flags(size_t begin, size_t end) const {
+  std::vector<char> flags;
+  if (!any_transposed_) return flags;
+  for (size_t j = begin; j < end; ++j) flags.push_back(params_[j].transposed ? 1 : 0);
+  return flags;
 }
 
 const DecoderLayer& ModelRunner::block_layer(size_t i) const {

@@ -37,6 +37,9 @@ struct Param {
   // The shape of this rank's tensor-parallel part (spec.shape unless split): what FSDP divides
   // and gathers.
   Shape local_shape = {};
+  // Inference (ModelRunner::transpose_projections): `value` holds the projection weight
+  // transposed, [N, K] for spec.shape [K, N]; layers read it through Graph::project.
+  bool transposed = false;
 };
 
 // FSDP (ZeRO-3, MaxText's fsdp axis): every parameter's flattened elements are split among
@@ -162,6 +165,13 @@ class ModelRunner {
   // rounding of the per-forward cast, so a decode step reads 2 bytes per weight instead of
   // converting the 4-byte masters again (8 bytes moved). Returns whether anything changed.
   bool store_weights_in_compute_dtype();
+  // Inference only: on a backend whose matrix-vector products stream W [N, K] faster than
+  // [K, N] (it answers Backend::extension("mt.matvec_rows_layout"): the CPU's, one sequential
+  // read per thread), stores each projection weight (ParamSpec::projection) transposed, which
+  // the layers read through Graph::project, so a decode step reads its weights at close to the
+  // memory's rate. MT_TRANSPOSE_PROJECTIONS=0 keeps [K, N] (to compare). Not for sharded or
+  // tensor-parallel parameters. Returns how many it transposed.
+  size_t transpose_projections();
   // Allocates zeroed gradient buffers and makes the parameters tracked leaves.
   void enable_gradients();
   // Starts a step's gradients: the first backward overwrites instead of accumulating.
@@ -210,6 +220,8 @@ class ModelRunner {
   // (Param::tensor_dim), refusing what the tensor ranks do not divide.
   void split_for_tensor_parallelism(const Config& cfg);
   Params top_params(const std::vector<Tensor>& ps) const;
+  // Params' transposed flags for params_[begin, end) (empty when none is transposed).
+  std::vector<char> transposed_flags(size_t begin, size_t end) const;
   // The decoder: tokens -> the last layer's output [B, T, D], before the head.
   Tensor run_layers(Graph& g, const std::vector<Tensor>& ps, const Tensor& tokens, LayerInputs in,
                     std::vector<KVCache>* caches, std::vector<AuxLoss>* aux,
@@ -246,6 +258,7 @@ class ModelRunner {
   bool tied_ = false;
   RematPolicy remat_ = RematPolicy::none;
   ParamSharding sharding_;
+  bool any_transposed_ = false;  // transpose_projections stored some parameter transposed
   TensorSharding tensor_;
   double comm_seconds_ = 0;
   // FSDP with overlap (overlaps_communication): the gathers and reduce-scatters run in order on

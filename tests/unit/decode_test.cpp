@@ -2,6 +2,7 @@
 // sampling strategies and determinism.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -11,6 +12,7 @@
 #include "model_runner.h"
 #include "mt/data.h"
 #include "mt/error.h"
+#include "mt/graph.h"
 #include "safetensors.h"
 #include "test_support.h"
 
@@ -115,6 +117,113 @@ TEST(Decode, WeightsStoredInTheComputeDtypeGiveTheSameLogits) {
   training->enable_gradients();
   EXPECT_THROW(training->store_weights_in_compute_dtype(), Error);
   EXPECT_EQ(training->params()[0].value.dtype(), DType::f32);  // untouched
+}
+
+// Inference stores the projection weights transposed ([N, K]) where the backend's
+// matrix-vector products stream them faster (mt decode of one or two sequences): the logits of
+// the prefill and of each step are those of the [K, N] weights within f32 rounding of the other
+// summation order, greedy picks the same tokens, and each layer kind with projections is
+// covered (GQA + MLP, biases, a window with a tied head, MLA, MoE with a dense first layer).
+TEST(Decode, TransposedProjectionsGiveTheSameLogits) {
+  for (const char* model :
+       {"llama-test", "qwen2-test", "gemma2-test", "deepseek3-test", "qwen3-moe-test"}) {
+    SCOPED_TRACE(model);
+    ConfigRequest req;
+    req.configs_dir = test::source_dir() + "/configs";
+    req.model = model;
+    req.overrides = {"dtype=float32", "weight_dtype=float32"};
+    req.schemas_for = [](const Config& layers) {
+      const std::string fam = layers.get_string("decoder_block");
+      return std::vector<SchemaText>{
+          {"model family '" + fam + "'", test::plugins().make_model_family(fam)->config_schema()}};
+    };
+    ModelRunner r(load_config(req), test::plugins());
+    r.init_parameters(11);
+    const int64_t V = r.model().dims().vocab_size;
+    std::mt19937_64 rng(test::seed());
+    std::vector<int32_t> prompt(6);
+    for (auto& t : prompt) t = static_cast<int32_t>(rng() % static_cast<uint64_t>(V));
+    auto run = [&](std::vector<float>& logits) {
+      Decoder dec(r, 1, 16);
+      logits = dec.prefill(0, prompt);
+      int32_t next = static_cast<int32_t>(std::max_element(logits.end() - V, logits.end()) -
+                                          (logits.end() - V));
+      std::vector<int32_t> ids;
+      for (int s = 0; s < 5; ++s) {
+        const std::vector<float> step = dec.step({next}, {true});
+        logits.insert(logits.end(), step.begin(), step.end());
+        next = static_cast<int32_t>(std::max_element(step.begin(), step.end()) - step.begin());
+        ids.push_back(next);
+      }
+      return ids;
+    };
+    std::vector<float> stored, transposed;
+    const std::vector<int32_t> want = run(stored);
+    std::vector<Shape> shapes;
+    for (const auto& p : r.params()) shapes.push_back(p.value.shape());
+    const size_t n = r.transpose_projections();
+    EXPECT_GT(n, 0u);
+    size_t seen = 0;
+    for (size_t i = 0; i < r.params().size(); ++i) {
+      const auto& p = r.params()[i];
+      if (!p.transposed) {
+        EXPECT_EQ(p.value.shape(), shapes[i]) << p.name;
+        continue;
+      }
+      ++seen;
+      EXPECT_TRUE(p.spec.projection) << p.name;
+      EXPECT_EQ(p.value.shape(), (Shape{shapes[i][1], shapes[i][0]})) << p.name;
+    }
+    EXPECT_EQ(seen, n);
+    EXPECT_EQ(r.transpose_projections(), 0u);  // nothing left to transpose
+    EXPECT_EQ(run(transposed), want);
+    EXPECT_LT(test::scaled_err(transposed, stored), 1e-5);
+  }
+}
+
+// A layer that reads a transposed projection weight other than through Graph::project is
+// refused by name (it would read [N, K] as [K, N]); through project both layouts give x @ w.
+TEST(Decode, ATransposedWeightIsReadOnlyThroughProject) {
+  Backend& be = test::cpu();
+  std::mt19937_64 rng(test::seed());
+  const std::vector<float> w = test::randn(12, rng), x = test::randn(8, rng);
+  std::vector<float> wt(12);
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < 3; ++c)
+      wt[static_cast<size_t>(c * 4 + r)] = w[static_cast<size_t>(r * 3 + c)];
+  const std::vector<std::string> names = {"w", "b"};
+  const Tensor b = test::from_vector(be, {3}, {1.f, 2.f, 3.f});
+  const Params plain(names, {test::from_vector(be, {4, 3}, w), b});
+  const Params stored(names, {test::from_vector(be, {3, 4}, wt), b}, {1, 0});
+  EXPECT_FALSE(plain.transposed("w"));
+  EXPECT_TRUE(stored.transposed("w"));
+  EXPECT_FALSE(stored.transposed("b"));
+  EXPECT_EQ(stored.shape("w"), (Shape{4, 3}));
+  EXPECT_EQ(stored.stored("w").shape(), (Shape{3, 4}));
+  EXPECT_EQ(stored["b"].shape(), (Shape{3}));
+  try {
+    (void)stored["w"];
+    ADD_FAILURE() << "read a transposed weight";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'w' directly, but it is stored transposed"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW((void)stored.find("w"), Error);
+  EXPECT_EQ(stored.find("nothing"), nullptr);
+  Graph g(be, false);
+  const Tensor xs = test::from_vector(be, {2, 4}, x);
+  const std::vector<float> a = test::to_vector(g.project(xs, plain, "w"));
+  const std::vector<float> t = test::to_vector(g.project(xs, stored, "w"));
+  ASSERT_EQ(a.size(), 6u);
+  for (int r = 0; r < 2; ++r)
+    for (int c = 0; c < 3; ++c) {
+      double want = 0;
+      for (int k = 0; k < 4; ++k)
+        want += double(x[static_cast<size_t>(r * 4 + k)]) * w[static_cast<size_t>(k * 3 + c)];
+      EXPECT_NEAR(a[static_cast<size_t>(r * 3 + c)], want, 1e-5);
+      EXPECT_NEAR(t[static_cast<size_t>(r * 3 + c)], want, 1e-5);
+    }
 }
 
 TEST(Decode, CachedDecodeEqualsFullForwardBf16) {

@@ -15,6 +15,10 @@ namespace mt::cpu {
 CpuBackend::CpuBackend(int num_threads) : num_threads_(num_threads), arena_(num_threads) {}
 CpuBackend::~CpuBackend() = default;
 
+void* CpuBackend::extension(const char* name) {
+  return std::string_view(name) == "mt.matvec_rows_layout" ? this : nullptr;
+}
+
 std::string CpuBackend::describe() const {
   return fmt::format("cpu: {} threads (oneTBB), GEMM: {}", num_threads_, gemm_describe());
 }

@@ -28,6 +28,10 @@ class CpuBackend final : public Backend {
   std::string name() const override { return "cpu"; }
   std::string describe() const override;
   double peak_flops(DType dtype) const override;
+  // "mt.matvec_rows_layout": non-null, as the matrix-vector kernels stream a weight stored
+  // [N, K] (trans_b) at about the memory's rate and one stored [K, N] at 0.5-0.8 of it, so
+  // inference stores projection weights transposed (ModelRunner::transpose_projections).
+  void* extension(const char* name) override;
 
   Tensor empty(const Shape& shape, DType dtype) override;
   void release(void* data, size_t bytes) override;

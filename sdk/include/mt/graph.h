@@ -11,6 +11,7 @@
 
 #include <functional>
 #include <memory>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -82,6 +83,9 @@ class MT_API Graph {
   // a [..., M, K] (or [..., K, M] with trans_a), b [K, N] (shared) or [..., K, N] batched
   // (transposed with trans_b). A shared 2-D b requires trans_a == false.
   Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans_b = false);
+  // x @ w for the projection weight `w` of p ([K, N]), in whichever layout it is stored
+  // (Params::transposed: [N, K] for inference, as ParamSpec::projection allows).
+  Tensor project(const Tensor& x, const Params& p, std::string_view w);
   Tensor add(const Tensor& a, const Tensor& b);
   Tensor mul(const Tensor& a, const Tensor& b);
   Tensor scale(const Tensor& x, float s);

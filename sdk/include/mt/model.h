@@ -41,6 +41,11 @@ struct ParamSpec {
   // dimension on the tensor axis is split among the tensor-parallel ranks (Megatron), and the
   // layer's forward must then work on its part (blocks::attention and blocks::mlp do).
   std::vector<std::string> axes = {};
+  // Read only as the right operand of x @ w, through Graph::project (blocks' projections do):
+  // inference may then store it transposed ([N, K] for a [K, N] weight), the layout the CPU's
+  // matrix-vector products stream fastest (ModelRunner::transpose_projections). A layer that
+  // reads it any other way must leave this false: Params refuses such a read.
+  bool projection = false;
 };
 
 // A layer's parameters (or the model's top parameters) by name, in the compute dtype: what
@@ -50,17 +55,30 @@ class MT_API Params {
   Params() = default;
   // names[i] is the name of values[i]; `names` must outlive this object (the core keeps them
   // for the model's lifetime).
-  Params(const std::vector<std::string>& names, std::vector<Tensor> values);
-  // The tensor called `name`; throws mt::Error naming it and the names there are.
+  // transposed[i]: values[i] is a projection weight stored transposed (ParamSpec::projection;
+  // empty: none is).
+  Params(const std::vector<std::string>& names, std::vector<Tensor> values,
+         std::vector<char> transposed = {});
+  // The tensor called `name`; throws mt::Error naming it and the names there are, or when it
+  // is stored transposed (read those with Graph::project).
   const Tensor& operator[](std::string_view name) const;
-  // Null when there is no such parameter (optional ones: biases, q/k norms).
+  // Null when there is no such parameter (optional ones: biases, q/k norms); throws as above
+  // for a transposed one.
   const Tensor* find(std::string_view name) const;
+  // Whether `name` is stored transposed: stored(name) is then [N, K] for a [K, N] weight.
+  bool transposed(std::string_view name) const;
+  // The tensor called `name` as stored, either layout (throws as operator[] when absent).
+  const Tensor& stored(std::string_view name) const;
+  // The logical shape of `name` ([K, N] for a projection weight stored [N, K]).
+  Shape shape(std::string_view name) const;
   size_t size() const { return values_.size(); }
   const std::vector<Tensor>& values() const { return values_; }
 
  private:
+  const Tensor* lookup(std::string_view name, size_t* index) const;
   const std::vector<std::string>* names_ = nullptr;
   std::vector<Tensor> values_;
+  std::vector<char> transposed_;
 };
 
 // What a layer keeps per token when decoding; the core's decoder allocates it per layer:

@@ -24,5 +24,6 @@
 // KVCache::derived (tensors a layer derives from its weights once per decoder) and
 // blocks::MlaSpec::naive_cache; 10: Communicator::reduce_scatter_sum and all_gather in place
 // over shard_range's parts (sharded optimizer state); 11: Communicator::split and bytes_received,
-// ParamSpec::axes, Graph's tensor-group ops; 12: Communicator::serialized_threads.
-#define MT_ABI_VERSION 12u
+// ParamSpec::axes, Graph's tensor-group ops; 12: Communicator::serialized_threads; 13:
+// ParamSpec::projection, Params' transposed projection weights and Graph::project.
+#define MT_ABI_VERSION 13u
