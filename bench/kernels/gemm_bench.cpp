@@ -393,6 +393,44 @@ void BM_MatVecStream(benchmark::State& state) {
   state.counters["GB/s"] = bytes / seconds * 1e-9;
   state.counters["us_per_call"] = seconds / double(count * state.iterations()) * 1e6;
 }
+// As BM_MatVecStream, with `gap_us` of single-threaded work on the calling thread after each
+// product (a decode step's norms, rope and attention between its projections): what waking the
+// other threads for each product costs once they have gone idle.
+void BM_MatVecStreamWithGaps(benchmark::State& state) {
+  const int64_t k = state.range(0), n = state.range(1);
+  const auto gap = std::chrono::microseconds(state.range(2));
+  mt::Backend& be = backend();
+  const int64_t one = k * n * 2;
+  const int64_t count = std::max<int64_t>(2, (int64_t{512} << 20) / one);
+  std::vector<mt::Tensor> ws;
+  for (int64_t i = 0; i < count; ++i) ws.push_back(random_tensor({n, k}, mt::DType::bf16));
+  mt::Tensor x = random_tensor({1, k}, mt::DType::f32);
+  mt::Tensor y = be.empty({1, n}, mt::DType::f32);
+  for (const auto& w : ws) be.matmul(x, w, y, false, true);
+  double seconds = 0;
+  for (auto _ : state) {
+    double s = 0;
+    for (const auto& w : ws) {
+      const auto t0 = std::chrono::steady_clock::now();
+      be.matmul(x, w, y, false, true);
+      const auto t1 = std::chrono::steady_clock::now();
+      s += std::chrono::duration<double>(t1 - t0).count();
+      while (std::chrono::steady_clock::now() - t1 < gap) {
+      }
+    }
+    state.SetIterationTime(s);
+    seconds += s;
+  }
+  state.counters["GB/s"] =
+      double(one) * double(count) * double(state.iterations()) / seconds * 1e-9;
+  state.counters["us_per_call"] = seconds / double(count * state.iterations()) * 1e6;
+}
+BENCHMARK(BM_MatVecStreamWithGaps)
+    ->ArgNames({"K", "N", "gap_us"})
+    ->ArgsProduct({{768}, {768, 2048}, {0, 5, 20, 100}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+
 BENCHMARK(BM_MatVecStream)
     ->ArgNames({"K", "N", "tb", "bf16_w"})
     ->ArgsProduct({{768}, {768, 2048}, {0, 1}, {0, 1}})
