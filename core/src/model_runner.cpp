@@ -247,15 +247,28 @@ bool ModelRunner::store_weights_in_compute_dtype() {
 
 namespace {
 
-// dst [cols, rows] = src [rows, cols]^T for elements of `size` bytes, in 64 x 64 tiles.
-void transpose_host(const char* src, char* dst, int64_t rows, int64_t cols, size_t size) {
+// dst [cols, rows] = src [rows, cols]^T, in 64 x 64 tiles.
+template <class T>
+void transpose_tiles(const T* src, T* dst, int64_t rows, int64_t cols) {
   constexpr int64_t kTile = 64;
   for (int64_t r0 = 0; r0 < rows; r0 += kTile)
     for (int64_t c0 = 0; c0 < cols; c0 += kTile)
       for (int64_t r = r0; r < std::min(rows, r0 + kTile); ++r)
         for (int64_t c = c0; c < std::min(cols, c0 + kTile); ++c)
-          std::memcpy(dst + static_cast<size_t>(c * rows + r) * size,
-                      src + static_cast<size_t>(r * cols + c) * size, size);
+          dst[c * rows + r] = src[r * cols + c];
+}
+
+// v [rows, cols] (elements of T's size) transposed into a new tensor [cols, rows], through two
+// host buffers.
+template <class T>
+Tensor transposed_copy(Backend& be, const Tensor& v) {
+  const int64_t rows = v.dim(0), cols = v.dim(1);
+  std::vector<T> a(static_cast<size_t>(rows * cols)), b(a.size());
+  be.copy_to_host(v, a.data());
+  transpose_tiles(a.data(), b.data(), rows, cols);
+  Tensor t = be.empty({cols, rows}, v.dtype());
+  be.copy_from_host(t, b.data());
+  return t;
 }
 
 }  // namespace
@@ -266,19 +279,14 @@ size_t ModelRunner::transpose_projections() {
     return 0;
   if (sharding_.on()) return 0;
   size_t count = 0;
-  std::vector<char> host, out;
   for (auto& p : params_) {
     if (!p.spec.projection || p.transposed || p.value.ndim() != 2 || p.tensor_dim >= 0) continue;
     MT_CHECK(!p.grad.defined(), "transpose_projections: " + p.name +
                                     " has a gradient buffer; it is for inference only");
-    const int64_t rows = p.value.dim(0), cols = p.value.dim(1);
-    host.resize(p.value.nbytes());
-    out.resize(p.value.nbytes());
-    backend().copy_to_host(p.value, host.data());
-    transpose_host(host.data(), out.data(), rows, cols, dtype_size(p.value.dtype()));
-    Tensor t = backend().empty({cols, rows}, p.value.dtype());
-    backend().copy_from_host(t, out.data());
-    p.value = std::move(t);
+    const size_t size = dtype_size(p.value.dtype());
+    MT_CHECK(size == 2 || size == 4, "transpose_projections: " + p.value.str());
+    p.value = size == 2 ? transposed_copy<uint16_t>(backend(), p.value)
+                        : transposed_copy<uint32_t>(backend(), p.value);
     p.transposed = true;
     ++count;
   }
