@@ -180,6 +180,7 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
   PluginManager pm(dirs);
   ModelRunner r(cfg, pm);
   r.init_parameters(static_cast<uint64_t>(cfg.get_int("init_weights_seed")));
+  r.apply_quantization(cfg);  // as mt decode stores them
   const ModelDims d = r.model().dims();
   std::mt19937_64 rng(5);
   auto prompt = [&](int64_t n) {
@@ -270,11 +271,12 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
     std::fprintf(stderr, "mt bench decode: %s %s, batch 1, time per op:\n%s", model.c_str(),
                  dtype.c_str(), r.profiler()->report().c_str());
   return fmt::format(
-      "{{\"model\": \"{}\", \"dtype\": \"{}\", \"weight_bytes\": {}, "
+      "{{\"model\": \"{}\", \"dtype\": \"{}\", \"quantization\": \"{}\", \"weight_bytes\": {}, "
       "\"prefill_512_tokens_per_sec\": {:.1f}, \"decode_batch1_tokens_per_sec\": {:.2f}, "
       "\"decode_batch1_bytes_per_sec\": {:.4g}, \"decode_batch8_tokens_per_sec\": {:.2f}, "
       "\"kv_cache_bytes_per_token\": {:.0f}, \"decode_weight_bytes_per_token\": {:.4g}}}",
-      model, dtype, weight_bytes, prefill_tps, b1, bw, b8, cache_bytes_per_token, step_bytes);
+      model, dtype, cfg.get_string("quantization"), weight_bytes, prefill_tps, b1, bw, b8,
+      cache_bytes_per_token, step_bytes);
 }
 
 // STREAM-like triad a = b + s * c over arrays far larger than the caches, on all cores: the

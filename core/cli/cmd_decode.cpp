@@ -111,6 +111,7 @@ Inference load_inference(const Args& args, const char* command, bool need_tokeni
   // Inference never updates the weights: f32 masters with bf16 compute are converted once here
   // (the same bits every forward's cast would give), not at every step.
   in.runner->store_weights_in_compute_dtype();
+  in.runner->apply_quantization(cfg);
   // Only when text must be tokenized (score with token ids needs none).
   const std::string tok = cfg.get_string("tokenizer_path");
   if (need_tokenizer && !tok.empty())

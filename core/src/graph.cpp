@@ -53,7 +53,23 @@ void Graph::finish_fresh(Backend& backend, const Tensor& param) {
 }
 
 Tensor Graph::project(const Tensor& x, const Params& p, std::string_view w) {
-  return p.transposed(w) ? matmul(x, p.stored(w), false, true) : matmul(x, p[w]);
+  switch (p.layout(w)) {
+    case WeightLayout::transposed:
+      return matmul(x, p.stored(w), false, true);
+    case WeightLayout::q8: {
+      // Inference only: int8 weights have no gradient.
+      const Tensor& q = p.stored(w);
+      MT_CHECK(!recording() || !x.grad_node(),
+               "project: the int8 weight '" + std::string(w) + "' in a recorded graph");
+      Shape ys = x.shape();
+      ys.back() = q.dim(0);
+      Tensor y = backend().empty(ys, x.dtype());
+      backend().matmul_q8(x, q, y);
+      return y;
+    }
+    default:
+      return matmul(x, p[w]);
+  }
 }
 
 Tensor Graph::matmul(const Tensor& a, const Tensor& b, bool ta, bool tb) {

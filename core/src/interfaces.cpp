@@ -48,13 +48,13 @@ Tensor Model::mtp_combine(Graph&, const Params&, const Tensor&, const Tensor&, i
 }
 
 Params::Params(const std::vector<std::string>& names, std::vector<Tensor> values,
-               std::vector<char> transposed)
-    : names_(&names), values_(std::move(values)), transposed_(std::move(transposed)) {
+               std::vector<WeightLayout> layouts)
+    : names_(&names), values_(std::move(values)), layouts_(std::move(layouts)) {
   MT_CHECK(names.size() == values_.size(), "Params: " + std::to_string(names.size()) +
                                                " names for " + std::to_string(values_.size()) +
                                                " tensors");
-  MT_CHECK(transposed_.empty() || transposed_.size() == values_.size(),
-           "Params: transposed flags for " + std::to_string(transposed_.size()) + " of " +
+  MT_CHECK(layouts_.empty() || layouts_.size() == values_.size(),
+           "Params: layouts for " + std::to_string(layouts_.size()) + " of " +
                std::to_string(values_.size()) + " tensors");
 }
 
@@ -68,19 +68,21 @@ const Tensor* Params::lookup(std::string_view name, size_t* index) const {
   return nullptr;
 }
 
-bool Params::transposed(std::string_view name) const {
+WeightLayout Params::layout(std::string_view name) const {
   size_t i = 0;
-  return lookup(name, &i) && !transposed_.empty() && transposed_[i];
+  return lookup(name, &i) && !layouts_.empty() ? layouts_[i] : WeightLayout::dense;
 }
 
 const Tensor* Params::find(std::string_view name) const {
   size_t i = 0;
   const Tensor* t = lookup(name, &i);
-  if (t && !transposed_.empty() && transposed_[i])
-    throw Error("The model read the parameter '" + std::string(name) +
-                "' directly, but it is stored transposed for inference ([N, K], as its "
-                "ParamSpec::projection allows): a projection weight is read only through "
-                "Graph::project. The family's parameters() and forward() disagree.");
+  if (t && !layouts_.empty() && layouts_[i] != WeightLayout::dense)
+    throw Error("The model read the parameter '" + std::string(name) + "' directly, but it is " +
+                (layouts_[i] == WeightLayout::q8 ? "stored as int8 rows (quantization=int8)"
+                                                 : "stored transposed ([N, K])") +
+                " for inference, as its ParamSpec::projection allows: a projection weight is "
+                "read only through Graph::project. The family's parameters() and forward() "
+                "disagree.");
   return t;
 }
 
@@ -93,7 +95,16 @@ const Tensor& Params::stored(std::string_view name) const {
 Shape Params::shape(std::string_view name) const {
   const Tensor& t = stored(name);
   Shape s = t.shape();
-  if (transposed(name)) std::swap(s[0], s[1]);
+  switch (layout(name)) {
+    case WeightLayout::transposed:
+      std::swap(s[0], s[1]);
+      break;
+    case WeightLayout::q8:  // [N, K + K / 8] -> [K, N]
+      s = {s[1] / 9 * 8, s[0]};
+      break;
+    default:
+      break;
+  }
   return s;
 }
 

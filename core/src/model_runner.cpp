@@ -17,6 +17,7 @@
 #include "model_info.h"
 #include "mt/data.h"
 #include "mt/error.h"
+#include "mt/q8.h"
 #include "plugin_manager.h"
 #include "progress.h"
 #include "tensor_split.h"
@@ -280,17 +281,67 @@ size_t ModelRunner::transpose_projections() {
   if (sharding_.on()) return 0;
   size_t count = 0;
   for (auto& p : params_) {
-    if (!p.spec.projection || p.transposed || p.value.ndim() != 2 || p.tensor_dim >= 0) continue;
+    if (!p.spec.projection || p.layout != WeightLayout::dense || p.value.ndim() != 2 ||
+        p.tensor_dim >= 0)
+      continue;
     MT_CHECK(!p.grad.defined(), "transpose_projections: " + p.name +
                                     " has a gradient buffer; it is for inference only");
     const size_t size = dtype_size(p.value.dtype());
     MT_CHECK(size == 2 || size == 4, "transpose_projections: " + p.value.str());
     p.value = size == 2 ? transposed_copy<uint16_t>(backend(), p.value)
                         : transposed_copy<uint32_t>(backend(), p.value);
-    p.transposed = true;
+    p.layout = WeightLayout::transposed;
     ++count;
   }
-  any_transposed_ = any_transposed_ || count > 0;
+  any_layout_ = any_layout_ || count > 0;
+  return count;
+}
+
+size_t ModelRunner::apply_quantization(const Config& cfg) {
+  const std::string q = cfg.get_string("quantization");
+  if (q.empty()) return 0;
+  if (q != "int8")
+    cfg.reject("quantization",
+               "must be \"\" (none) or \"int8\"; MaxText's other modes (fp8, "
+               "int8w, int4w, intmp, ...) are not implemented.");
+  return quantize_projections();
+}
+
+size_t ModelRunner::quantize_projections() {
+  if (sharding_.on())
+    throw UsageError(
+        "quantization=int8 is for inference on one rank; this run shards its parameters.");
+  size_t count = 0;
+  for (auto& p : params_) {
+    if (!p.spec.projection || p.layout == WeightLayout::q8 || p.value.ndim() != 2) continue;
+    MT_CHECK(!p.grad.defined(), "quantize_projections: " + p.name +
+                                    " has a gradient buffer; it is for inference only");
+    MT_CHECK(p.tensor_dim < 0, "quantize_projections: " + p.name + " is split");
+    // Rows of W [N, K]: K the input dimension.
+    const bool t = p.layout == WeightLayout::transposed;
+    const int64_t k = t ? p.value.dim(1) : p.value.dim(0), n = t ? p.value.dim(0) : p.value.dim(1);
+    if (k % kQ8Block != 0) continue;  // stays in the compute dtype
+    std::vector<float> host(static_cast<size_t>(k * n));
+    if (p.value.dtype() == DType::f32) {
+      backend().copy_to_host(p.value, host.data());
+    } else {
+      MT_CHECK(p.value.dtype() == DType::bf16, "quantize_projections: " + p.value.str());
+      std::vector<uint16_t> b(host.size());
+      backend().copy_to_host(p.value, b.data());
+      for (size_t i = 0; i < b.size(); ++i) host[i] = bf16_to_f32(b[i]);
+    }
+    std::vector<float> rows = t ? std::move(host) : std::vector<float>(host.size());
+    if (!t) transpose_tiles(host.data(), rows.data(), k, n);
+    const int64_t rb = q8_row_bytes(k);
+    std::vector<int8_t> q(static_cast<size_t>(n * rb));
+    for (int64_t r = 0; r < n; ++r) quantize_q8_row(rows.data() + r * k, k, q.data() + r * rb);
+    Tensor v = backend().empty({n, rb}, DType::i8);
+    backend().copy_from_host(v, q.data());
+    p.value = std::move(v);
+    p.layout = WeightLayout::q8;
+    ++count;
+  }
+  any_layout_ = any_layout_ || count > 0;
   return count;
 }
 
@@ -398,7 +449,9 @@ std::vector<Tensor> ModelRunner::compute_params(Graph& g) {
 
 Tensor ModelRunner::compute_param(Graph& g, size_t i) {
   const Tensor v = sharding_.on() ? gather(g, i) : params_[i].value;
-  return v.dtype() == compute_dtype_ ? v : g.cast(v, compute_dtype_);
+  // int8 rows are read as they are (Backend::matmul_q8).
+  if (v.dtype() == compute_dtype_ || params_[i].layout == WeightLayout::q8) return v;
+  return g.cast(v, compute_dtype_);
 }
 
 void ModelRunner::split_for_tensor_parallelism(const Config& cfg) {
@@ -578,20 +631,20 @@ Params ModelRunner::block_params(Graph& g, const std::vector<Tensor>& ps, size_t
     values.push_back(sharding_.on() ? compute_param(g, j) : ps[j]);
   if (sharding_.on() && fsdp_queue()) prefetch_after(block);
   return Params(layer_names_[block], std::move(values),
-                transposed_flags(block_begin(block), block_end(block)));
+                layouts(block_begin(block), block_end(block)));
 }
 
 Params ModelRunner::top_params(const std::vector<Tensor>& ps) const {
   return Params(top_names_,
                 std::vector<Tensor>(ps.begin(), ps.begin() + static_cast<ptrdiff_t>(num_top_)),
-                transposed_flags(0, num_top_));
+                layouts(0, num_top_));
 }
 
-std::vector<char> ModelRunner::transposed_flags(size_t begin, size_t end) const {
-  std::vector<char> flags;
-  if (!any_transposed_) return flags;
-  for (size_t j = begin; j < end; ++j) flags.push_back(params_[j].transposed ? 1 : 0);
-  return flags;
+std::vector<WeightLayout> ModelRunner::layouts(size_t begin, size_t end) const {
+  std::vector<WeightLayout> r;
+  if (!any_layout_) return r;
+  for (size_t j = begin; j < end; ++j) r.push_back(params_[j].layout);
+  return r;
 }
 
 const DecoderLayer& ModelRunner::block_layer(size_t i) const {

@@ -37,9 +37,9 @@ struct Param {
   // The shape of this rank's tensor-parallel part (spec.shape unless split): what FSDP divides
   // and gathers.
   Shape local_shape = {};
-  // Inference (ModelRunner::transpose_projections): `value` holds the projection weight
-  // transposed, [N, K] for spec.shape [K, N]; layers read it through Graph::project.
-  bool transposed = false;
+  // Inference (transpose_projections, quantize_projections): how `value` holds the projection
+  // weight (WeightLayout); layers read it through Graph::project.
+  WeightLayout layout = WeightLayout::dense;
 };
 
 // FSDP (ZeRO-3, MaxText's fsdp axis): every parameter's flattened elements are split among
@@ -172,6 +172,14 @@ class ModelRunner {
   // memory's rate. MT_TRANSPOSE_PROJECTIONS=0 keeps [K, N] (to compare). Not for sharded or
   // tensor-parallel parameters. Returns how many it transposed.
   size_t transpose_projections();
+  // Inference only, quantization=int8: stores each projection weight (ParamSpec::projection)
+  // whose rows are a multiple of 32 long as int8 rows with an f32 scale per 32 values (mt/q8.h,
+  // as llama.cpp's q8_0), about a quarter of f32's bytes and half of bf16's, which a decode step
+  // reads through Backend::matmul_q8. Other parameters keep the compute dtype. Not for sharded
+  // or tensor-parallel parameters (refused). Returns how many it quantized.
+  size_t quantize_projections();
+  // The config's quantization: "" nothing, "int8" quantize_projections; anything else refused.
+  size_t apply_quantization(const Config& cfg);
   // Allocates zeroed gradient buffers and makes the parameters tracked leaves.
   void enable_gradients();
   // Starts a step's gradients: the first backward overwrites instead of accumulating.
@@ -220,8 +228,8 @@ class ModelRunner {
   // (Param::tensor_dim), refusing what the tensor ranks do not divide.
   void split_for_tensor_parallelism(const Config& cfg);
   Params top_params(const std::vector<Tensor>& ps) const;
-  // Params' transposed flags for params_[begin, end) (empty when none is transposed).
-  std::vector<char> transposed_flags(size_t begin, size_t end) const;
+  // Params' layouts for params_[begin, end) (empty when every one is as declared).
+  std::vector<WeightLayout> layouts(size_t begin, size_t end) const;
   // The decoder: tokens -> the last layer's output [B, T, D], before the head.
   Tensor run_layers(Graph& g, const std::vector<Tensor>& ps, const Tensor& tokens, LayerInputs in,
                     std::vector<KVCache>* caches, std::vector<AuxLoss>* aux,
@@ -258,7 +266,7 @@ class ModelRunner {
   bool tied_ = false;
   RematPolicy remat_ = RematPolicy::none;
   ParamSharding sharding_;
-  bool any_transposed_ = false;  // transpose_projections stored some parameter transposed
+  bool any_layout_ = false;  // some parameter is not stored as declared (Param::layout)
   TensorSharding tensor_;
   double comm_seconds_ = 0;
   // FSDP with overlap (overlaps_communication): the gathers and reduce-scatters run in order on

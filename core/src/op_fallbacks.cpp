@@ -2,6 +2,7 @@
 // one of them runs. Each is built from required ops only (or goes through the host), so it runs
 // on any backend; the backends shipped with mt override them all with kernels of their own, and
 // tests/unit/backend_ops_test.cpp runs every composition against those kernels.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -10,6 +11,7 @@
 #include "mt/backend.h"
 #include "mt/error.h"
 #include "mt/ops.h"
+#include "mt/q8.h"
 #include "mt/random_fill.h"
 
 namespace mt {
@@ -205,6 +207,32 @@ void Backend::scatter_rows(const Tensor& src, const Tensor& idx, Tensor& out) {
   fill(minus, -1.f);
   scatter_add_rows(old, idx, minus, rows);
   scatter_add_rows(src.view({M, D}), idx, Tensor(), rows);
+}
+
+void Backend::matmul_q8(const Tensor& x, const Tensor& w, Tensor& y) {
+  auto fb = [](const Tensor& t) {
+    return t.defined() && t.ndim() >= 1 && (t.dtype() == DType::f32 || t.dtype() == DType::bf16);
+  };
+  const int64_t k = fb(x) ? x.dim(-1) : 0;
+  MT_CHECK(fb(x) && fb(y) && w.defined() && w.dtype() == DType::i8 && w.ndim() == 2 &&
+               k % kQ8Block == 0 && w.dim(1) == q8_row_bytes(k) && y.dim(-1) == w.dim(0) &&
+               x.numel() / std::max<int64_t>(k, 1) * w.dim(0) == y.numel(),
+           "matmul_q8: x " + (x.defined() ? x.str() : std::string("none")) + ", w " +
+               (w.defined() ? w.str() : std::string("none")) + ", y " +
+               (y.defined() ? y.str() : std::string("none")) +
+               " (want x [..., K] with K a multiple of 32, w i8 [N, K + K / 8], y [..., N])");
+  // The fall-back path: the rows dequantized through the host, then an ordinary matmul.
+  const int64_t n = w.dim(0);
+  std::vector<int8_t> q(static_cast<size_t>(w.numel()));
+  copy_to_host(w, q.data());
+  std::vector<float> f(static_cast<size_t>(n * k));
+  for (int64_t r = 0; r < n; ++r)
+    dequantize_q8_row(q.data() + r * q8_row_bytes(k), k, f.data() + r * k);
+  Tensor wf = empty({n, k}, DType::f32);
+  copy_from_host(wf, f.data());
+  const int64_t m = k ? x.numel() / k : 0;
+  Tensor y2 = y.view({m, n});
+  matmul(x.view({m, k}), wf, y2, false, true);
 }
 
 void Backend::copy_columns(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col,

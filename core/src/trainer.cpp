@@ -422,6 +422,10 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   Communicator& dp = data_group ? *data_group : comm;
   // Outputs: the resolved config beside the metrics, in a directory this run alone writes:
   // locked before anything else is done, so a second run is refused at once.
+  if (!cfg.get_string("quantization").empty())
+    cfg.reject("quantization",
+               "is for inference (mt decode, mt score, mt bench decode): training with int8 "
+               "weights (MaxText's AQT) is not implemented. Unset it for mt run.");
   const std::string run_name = cfg.get_string("run_name");
   if (run_name.empty() || run_name == "." || run_name == ".." ||
       run_name.find('/') != std::string::npos)

@@ -26,6 +26,7 @@
 #include "mt/backend.h"
 #include "mt/error.h"
 #include "mt/ops.h"
+#include "mt/q8.h"
 #include "profiling_backend.h"
 #include "test_support.h"
 
@@ -179,6 +180,21 @@ std::vector<OpCase> cases() {
     Tensor wt = r.in({33, 64}), o2 = r.out({1, 33});
     r.b.matmul(v, wt, o2, false, true);
     r.keep("matrix-vector, transposed", o2);
+  });
+  // int8 rows (mt/q8.h): decode's few rows and a prefill's many.
+  add(Op::matmul_q8, "matmul_q8", [](OpRun& r) {
+    const int64_t k = 64, n = 9, rb = q8_row_bytes(k);
+    const std::vector<float> wf = test::randn(static_cast<size_t>(n * k), r.rng);
+    std::vector<int8_t> q(static_cast<size_t>(n * rb));
+    for (int64_t j = 0; j < n; ++j) quantize_q8_row(wf.data() + j * k, k, q.data() + j * rb);
+    Tensor w = r.b.empty({n, rb}, DType::i8);
+    r.b.copy_from_host(w, q.data());
+    Tensor x1 = r.in({1, k}), y1 = r.out({1, n});
+    r.b.matmul_q8(x1, w, y1);
+    r.keep("one row", y1);
+    Tensor x2 = r.in({3, 4, k}), y2 = r.out({3, 4, n});
+    r.b.matmul_q8(x2, w, y2);
+    r.keep("twelve rows", y2);
   });
   // ---- embedding
   add(Op::embedding_forward, "embedding_forward", [](OpRun& r) {

@@ -97,6 +97,21 @@ TEST(Cli, BenchPrintsOneJsonObject) {
   r = mt_cmd("bench decode --model=llama-test dtypes=f16 2>&1");
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_NE(r.out.find("dtypes=f16 names 'f16'"), std::string::npos) << r.out;
+  // quantization=int8: the same runs on int8 projection weights, a quarter of f32's bytes and
+  // said in the line; MaxText's other modes and training with it are refused.
+  r = mt_cmd(
+      "bench decode --model=llama-test steps=2 dtypes=float32 quantization=int8 2>/dev/null");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("\"quantization\": \"int8\""), std::string::npos) << r.out;
+  r = mt_cmd("bench decode --model=llama-test steps=2 quantization=int4w 2>&1");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("must be \"\" (none) or \"int8\""), std::string::npos) << r.out;
+  r = mt_cmd(
+      "run --model=llama-test dataset_type=synthetic steps=2 quantization=int8 "
+      "base_output_directory=/nonexistent-mt-dir 2>&1");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("quantization"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("training with int8 weights"), std::string::npos) << r.out;
   // The MoE layer against dense GEMMs of its FLOPs.
   r = mt_cmd("bench moe --model=mixtral-test tokens=16 2>/dev/null");
   EXPECT_EQ(r.code, 0) << r.out;

@@ -29,6 +29,7 @@
 #include "mt/config.h"
 #include "mt/dtype.h"
 #include "mt/error.h"
+#include "mt/q8.h"
 #include "test_support.h"
 
 namespace mt {
@@ -315,6 +316,73 @@ TEST_F(Gemm, FewRowsEqualEachRowAlone) {
       }
 }
 
+// int8 weights (mt/q8.h): the quantization round-trips within half a step of each block's scale,
+// and matmul_q8 computes x @ W^T with the dequantized W to f32 rounding, for decode's few rows
+// (one row's outputs whatever rows are beside it) and a prefill's many, f32 and bf16 x and y.
+TEST_F(Gemm, Int8RowsMatchTheDequantizedMatmul) {
+  MT_SEED_TRACE();
+  Backend& be = test::cpu();
+  for (int64_t k : {32, 96, 2048}) {
+    const int64_t n = odd(17, 301), rb = q8_row_bytes(k);
+    SCOPED_TRACE("k=" + std::to_string(k) + " n=" + std::to_string(n));
+    std::vector<float> w = test::randn(static_cast<size_t>(n * k), rng_);
+    for (int64_t i = 0; i < k; ++i) w[static_cast<size_t>(i)] = 0.f;  // a row of zeros: scale 0
+    std::vector<int8_t> q(static_cast<size_t>(n * rb));
+    std::vector<float> dq(w.size());
+    for (int64_t j = 0; j < n; ++j) {
+      quantize_q8_row(w.data() + j * k, k, q.data() + j * rb);
+      dequantize_q8_row(q.data() + j * rb, k, dq.data() + j * k);
+      for (int64_t b = 0; b < k / kQ8Block; ++b) {
+        float amax = 0.f;
+        for (int64_t i = 0; i < kQ8Block; ++i)
+          amax = std::max(amax, std::fabs(w[static_cast<size_t>(j * k + b * kQ8Block + i)]));
+        for (int64_t i = 0; i < kQ8Block; ++i) {
+          const auto at = static_cast<size_t>(j * k + b * kQ8Block + i);
+          ASSERT_LE(std::fabs(dq[at] - w[at]), amax / 127.f * 0.5001f) << "row " << j;
+        }
+      }
+    }
+    Tensor wq = be.empty({n, rb}, DType::i8);
+    be.copy_from_host(wq, q.data());
+    for (DType dt : {DType::f32, DType::bf16})
+      for (int64_t m : {1, 2, 3, 5, 8, 13}) {
+        SCOPED_TRACE("m=" + std::to_string(m) + " " + dtype_name(dt));
+        std::vector<float> x = test::randn(static_cast<size_t>(m * k), rng_);
+        const Tensor xt = make(be, {m, k}, x, dt);
+        Tensor y = be.zeros({m, n}, dt);
+        be.matmul_q8(xt, wq, y);
+        const std::vector<float> got = read(y);
+        std::vector<float> want(got.size());
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t j = 0; j < n; ++j) {
+            double s = 0;
+            for (int64_t i = 0; i < k; ++i)
+              s += double(x[static_cast<size_t>(r * k + i)]) * dq[static_cast<size_t>(j * k + i)];
+            want[static_cast<size_t>(r * n + j)] = static_cast<float>(s);
+          }
+        EXPECT_LT(test::scaled_err(got, want), dt == DType::f32 ? 1e-5 : 1e-2);
+        if (m > 1 && m <= 8 && dt == DType::f32) {  // decode's rows: each as it alone would get
+          for (int64_t r = 0; r < m; ++r) {
+            std::vector<float> row(x.begin() + r * k, x.begin() + (r + 1) * k);
+            Tensor y1 = be.zeros({1, n}, DType::f32);
+            be.matmul_q8(make(be, {1, k}, row, DType::f32), wq, y1);
+            const std::vector<float> one = read(y1);
+            for (int64_t j = 0; j < n; ++j)
+              ASSERT_EQ(got[static_cast<size_t>(r * n + j)], one[static_cast<size_t>(j)])
+                  << "row " << r << " column " << j;
+          }
+        }
+      }
+  }
+  // What it refuses: K not a multiple of 32, rows of another size, a weight not i8.
+  Tensor x = be.zeros({1, 48}, DType::f32), y = be.zeros({1, 3}, DType::f32);
+  EXPECT_THROW(be.matmul_q8(x, be.zeros({3, q8_row_bytes(48)}, DType::i8), y), Error);
+  Tensor x64 = be.zeros({1, 64}, DType::f32);
+  EXPECT_THROW(be.matmul_q8(x64, be.zeros({3, 64}, DType::i8), y), Error);
+  EXPECT_THROW(be.matmul_q8(x64, be.zeros({3, q8_row_bytes(64)}, DType::f32), y), Error);
+  EXPECT_THROW(be.matmul_q8(x64, be.zeros({4, q8_row_bytes(64)}, DType::i8), y), Error);
+}
+
 TEST_F(Gemm, Bf16Operands) {
   MT_SEED_TRACE();
   const DType f = DType::f32, h = DType::bf16;
@@ -558,10 +626,10 @@ TEST(GemmPath, EveryMatvecKernelSetMatches) {
     const int rc = test::run_command(
         std::string(kChildMarker) + "=1 MT_CPU_MATVEC=" + set + " " + exe +
             " --gtest_filter=Gemm.MatrixVector:Gemm.Deterministic:Gemm.FewRowsEqualEachRowAlone:"
-            "GemmPath.DescribesPathAndPeak",
+            "Gemm.Int8RowsMatchTheDequantizedMatmul:GemmPath.DescribesPathAndPeak",
         out);
     EXPECT_EQ(rc, 0) << out;
-    EXPECT_NE(out.find("[  PASSED  ] 4 tests"), std::string::npos) << out;
+    EXPECT_NE(out.find("[  PASSED  ] 5 tests"), std::string::npos) << out;
   }
   std::string out;
   EXPECT_NE(test::run_command(std::string(kChildMarker) + "=1 MT_CPU_MATVEC=sse9 " + exe +

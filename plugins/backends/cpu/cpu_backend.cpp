@@ -194,6 +194,10 @@ void CpuBackend::topk_route_backward(const Tensor& dweights, const Tensor& weigh
   run([&] { cpu::topk_route_backward(dweights, weights, indices, probs, sigmoid, normalize, dlogits); });
 }
 
+void CpuBackend::matmul_q8(const Tensor& x, const Tensor& w, Tensor& y) {
+  run([&] { cpu::matmul_q8(x, w, y); });
+}
+
 void CpuBackend::copy_columns(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col,
                               int64_t width, bool accumulate) {
   run([&] { cpu::copy_columns(src, src_col, dst, dst_col, width, accumulate); });

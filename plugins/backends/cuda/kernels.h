@@ -134,6 +134,8 @@ void fill_random(const Ctx& c, Tensor& out, const RandomFill& spec);
 // matmul (cuBLASLt through c.gemm, f32 accumulation; gemm.cu)
 void matmul(const Ctx& c, const Tensor& a, const Tensor& b, Tensor& out, bool trans_a, bool trans_b,
             float alpha, float beta);
+// int8 rows (mt/q8.h) dequantized on the device, then matmul (rows.cu)
+void matmul_q8(const Ctx& c, const Tensor& x, const Tensor& w, Tensor& y);
 
 // embedding
 void embedding_forward(const Ctx& c, const Tensor& table, const Tensor& ids, Tensor& out);

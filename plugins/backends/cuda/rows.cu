@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "common.cuh"
+#include "mt/q8.h"
 
 namespace mt::cuda {
 
@@ -253,6 +254,47 @@ void copy_columns(const Ctx& c, const Tensor& src, int64_t src_col, Tensor& dst,
            "cuda copy_columns: " + shapes() + " (want the same rows and columns inside both)");
   launch_map(c, N * width, ColumnsF{in(src), ds, src_col, out(dst), dd, dst_col, width, accumulate},
              "copy_columns", shapes);
+}
+
+}  // namespace mt::cuda
+
+// ---- int8 weights (mt/q8.h) ---------------------------------------------------------------------
+namespace mt::cuda {
+namespace {
+// Element i of the f32 matrix [N, K] that q8 rows hold: q * the block's scale (f32 products, as
+// the CPU's dequantization).
+struct DequantQ8F {
+  const int8_t* q;
+  int64_t k, rb;
+  float* o;
+  __device__ void operator()(int64_t i) const {
+    const int64_t r = i / k, j = i - r * k;
+    const int8_t* row = q + r * rb;
+    float scale;
+    memcpy(&scale, row + k + j / kQ8Block * 4, 4);
+    o[i] = __fmul_rn(static_cast<float>(row[j]), scale);
+  }
+};
+}  // namespace
+
+// The rows dequantized into a device temporary, then a cuBLASLt matmul against it: correct, not
+// yet fast (a decode step dequantizes every weight).
+void matmul_q8(const Ctx& c, const Tensor& x, const Tensor& w, Tensor& y) {
+  auto shapes = [&] { return "x " + str(x) + ", w " + str(w) + ", y " + str(y); };
+  const int64_t k = is_fb(x) && x.ndim() >= 1 ? last_dim(x) : 0;
+  MT_CHECK(is_fb(x) && is_fb(y) && x.ndim() >= 1 && y.ndim() >= 1 && w.defined() &&
+               w.dtype() == DType::i8 && w.ndim() == 2 && k % kQ8Block == 0 &&
+               w.dim(1) == q8_row_bytes(k) && last_dim(y) == w.dim(0) &&
+               x.numel() / std::max<int64_t>(k, 1) * w.dim(0) == y.numel(),
+           "cuda matmul_q8: " + shapes() +
+               " (want x [..., K] with K a multiple of 32, w i8 [N, K + K / 8], y [..., N])");
+  const int64_t n = w.dim(0), m = k ? x.numel() / k : 0;
+  if (m == 0 || n == 0) return;
+  Tensor wf = c.scratch({n, k}, DType::f32);
+  launch_map(c, n * k, DequantQ8F{w.ptr<const int8_t>(), k, w.dim(1), wf.ptr<float>()}, "matmul_q8",
+             shapes);
+  Tensor y2 = y.view({m, n});
+  matmul(c, x.view({m, k}), wf, y2, false, true, 1.f, 0.f);
 }
 
 }  // namespace mt::cuda

@@ -23,8 +23,8 @@
 #include "mt/export.h"
 #include "mt/tensor.h"
 
-// 3: ops as data (mt/ops.def), Activation::tanh; 4: fill_random (see version.h)
-#define MT_OPSET_VERSION 4
+// 3: ops as data (mt/ops.def), Activation::tanh; 4: fill_random (see version.h); 5: matmul_q8
+#define MT_OPSET_VERSION 5
 
 namespace mt {
 

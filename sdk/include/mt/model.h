@@ -48,6 +48,11 @@ struct ParamSpec {
   bool projection = false;
 };
 
+// How the core stored a projection weight (ParamSpec::projection) for inference: as declared
+// ([K, N]), transposed ([N, K]), or as int8 rows with a scale per 32 values (mt/q8.h: an i8
+// tensor [N, K + K / 8], quantization=int8). Graph::project reads all three.
+enum class WeightLayout : uint8_t { dense, transposed, q8 };
+
 // A layer's parameters (or the model's top parameters) by name, in the compute dtype: what
 // DecoderLayer::forward, Model::embed and Model::head read their tensors from.
 class MT_API Params {
@@ -55,21 +60,21 @@ class MT_API Params {
   Params() = default;
   // names[i] is the name of values[i]; `names` must outlive this object (the core keeps them
   // for the model's lifetime).
-  // transposed[i]: values[i] is a projection weight stored transposed (ParamSpec::projection;
-  // empty: none is).
+  // layouts[i]: how values[i] is stored (empty: every one as declared).
   Params(const std::vector<std::string>& names, std::vector<Tensor> values,
-         std::vector<char> transposed = {});
+         std::vector<WeightLayout> layouts = {});
   // The tensor called `name`; throws mt::Error naming it and the names there are, or when it
-  // is stored transposed (read those with Graph::project).
+  // is not stored as declared (read those with Graph::project).
   const Tensor& operator[](std::string_view name) const;
   // Null when there is no such parameter (optional ones: biases, q/k norms); throws as above
-  // for a transposed one.
+  // for one not stored as declared.
   const Tensor* find(std::string_view name) const;
-  // Whether `name` is stored transposed: stored(name) is then [N, K] for a [K, N] weight.
-  bool transposed(std::string_view name) const;
-  // The tensor called `name` as stored, either layout (throws as operator[] when absent).
+  // How `name` is stored (dense for an absent name).
+  WeightLayout layout(std::string_view name) const;
+  bool transposed(std::string_view name) const { return layout(name) == WeightLayout::transposed; }
+  // The tensor called `name` as stored, any layout (throws as operator[] when absent).
   const Tensor& stored(std::string_view name) const;
-  // The logical shape of `name` ([K, N] for a projection weight stored [N, K]).
+  // The logical shape of `name` ([K, N] for a projection weight stored otherwise).
   Shape shape(std::string_view name) const;
   size_t size() const { return values_.size(); }
   const std::vector<Tensor>& values() const { return values_; }
@@ -78,7 +83,7 @@ class MT_API Params {
   const Tensor* lookup(std::string_view name, size_t* index) const;
   const std::vector<std::string>* names_ = nullptr;
   std::vector<Tensor> values_;
-  std::vector<char> transposed_;
+  std::vector<WeightLayout> layouts_;
 };
 
 // What a layer keeps per token when decoding; the core's decoder allocates it per layer:

@@ -25,5 +25,6 @@
 // blocks::MlaSpec::naive_cache; 10: Communicator::reduce_scatter_sum and all_gather in place
 // over shard_range's parts (sharded optimizer state); 11: Communicator::split and bytes_received,
 // ParamSpec::axes, Graph's tensor-group ops; 12: Communicator::serialized_threads; 13:
-// ParamSpec::projection, Params' transposed projection weights and Graph::project.
+// ParamSpec::projection, Params' transposed and int8 projection weights, Graph::project and
+// Backend::matmul_q8 (op set 5).
 #define MT_ABI_VERSION 13u

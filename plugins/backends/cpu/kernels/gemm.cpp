@@ -50,6 +50,7 @@
 #include "kernels/kernels.h"
 #include "kernels/simd.h"
 #include "mt/error.h"
+#include "mt/q8.h"
 
 namespace mt::cpu {
 namespace {
@@ -1070,6 +1071,205 @@ void matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool tran
     gemm_f32(p, a32.ptr<const float>(), b32.ptr<const float>(), c32.ptr<float>());
   }
   if (c.dtype() != DType::f32) store_bf16(c32, c);
+}
+
+// ---- int8 weights (mt/q8.h) -------------------------------------------------------------------
+
+namespace {
+
+// Dot products of X rows of x with one q8 row (mt/q8.h): per block of 32, the products of the
+// widened int8 values and x summed in a vector, times the block's scale into one of two
+// accumulators (even and odd blocks, for the FMA latency); then (t0 + t1) and the lanes in a
+// fixed order. The same order whatever X.
+// Block b of a q8 row into t[i] for the X rows of x (lambdas do not take the function's target).
+template <int X>
+MT_AVX512 inline void q8_block_avx512(const int8_t* row, int64_t k, int64_t b,
+                                      const float* const* x, __m512* t) {
+  const int8_t* q = row + b * kQ8Block;
+  // maskz forms: the unmasked ones start from _mm512_undefined (see load16).
+  const __m512 w0 = _mm512_maskz_cvtepi32_ps(
+      0xffff,
+      _mm512_maskz_cvtepi8_epi32(0xffff, _mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+  const __m512 w1 = _mm512_maskz_cvtepi32_ps(
+      0xffff, _mm512_maskz_cvtepi8_epi32(
+                  0xffff, _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+  float scale;
+  std::memcpy(&scale, row + k + b * 4, 4);
+  const __m512 sv = _mm512_set1_ps(scale);
+#pragma GCC unroll 8
+  for (int i = 0; i < X; ++i) {
+    const float* xb = x[i] + b * kQ8Block;
+    const __m512 p =
+        _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), w1, _mm512_mul_ps(_mm512_loadu_ps(xb), w0));
+    t[i] = _mm512_fmadd_ps(sv, p, t[i]);
+  }
+}
+
+// Dot products of X rows of x with one q8 row (mt/q8.h): per block of 32, the products of the
+// widened int8 values and x summed in a vector, times the block's scale into one of two
+// accumulators (even and odd blocks, for the FMA latency); then (t0 + t1) and the lanes in a
+// fixed order. The same order whatever X.
+template <int X>
+MT_AVX512 void dot_q8_avx512(const float* const* xs, const int8_t* row, int64_t k, float* out) {
+  __m512 t0[X], t1[X];
+  const float* x[X];
+#pragma GCC unroll 8
+  for (int i = 0; i < X; ++i) {
+    t0[i] = t1[i] = _mm512_setzero_ps();
+    x[i] = xs[i];
+  }
+  const int64_t blocks = k / kQ8Block;
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
+    q8_block_avx512<X>(row, k, b, x, t0);
+    q8_block_avx512<X>(row, k, b + 1, x, t1);
+  }
+  if (b < blocks) q8_block_avx512<X>(row, k, b, x, t0);
+#pragma GCC unroll 8
+  for (int i = 0; i < X; ++i) out[i] = hsum(_mm512_add_ps(t0[i], t1[i]));
+}
+
+MT_AVX2 inline __m256 widen_q8x8(const int8_t* q) {
+  return _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+}
+
+template <int X>
+MT_AVX2 inline void q8_block_avx2(const int8_t* row, int64_t k, int64_t b, const float* const* x,
+                                  __m256* t) {
+  const int8_t* q = row + b * kQ8Block;
+  const __m256 w0 = widen_q8x8(q), w1 = widen_q8x8(q + 8), w2 = widen_q8x8(q + 16),
+               w3 = widen_q8x8(q + 24);
+  float scale;
+  std::memcpy(&scale, row + k + b * 4, 4);
+  const __m256 sv = _mm256_set1_ps(scale);
+#pragma GCC unroll 4
+  for (int i = 0; i < X; ++i) {
+    const float* xb = x[i] + b * kQ8Block;
+    __m256 p = _mm256_mul_ps(_mm256_loadu_ps(xb), w0);
+    p = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), w1, p);
+    p = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), w2, p);
+    p = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), w3, p);
+    t[i] = _mm256_fmadd_ps(sv, p, t[i]);
+  }
+}
+
+// The AVX2 form at 8 lanes (four vectors a block), rows of x two at a time.
+template <int X>
+MT_AVX2 void dot_q8_avx2(const float* const* xs, const int8_t* row, int64_t k, float* out) {
+  __m256 t0[X], t1[X];
+  const float* x[X];
+#pragma GCC unroll 4
+  for (int i = 0; i < X; ++i) {
+    t0[i] = t1[i] = _mm256_setzero_ps();
+    x[i] = xs[i];
+  }
+  const int64_t blocks = k / kQ8Block;
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
+    q8_block_avx2<X>(row, k, b, x, t0);
+    q8_block_avx2<X>(row, k, b + 1, x, t1);
+  }
+  if (b < blocks) q8_block_avx2<X>(row, k, b, x, t0);
+#pragma GCC unroll 4
+  for (int i = 0; i < X; ++i) out[i] = hsum8(_mm256_add_ps(t0[i], t1[i]));
+}
+
+float dot_q8_portable(const float* x, const int8_t* row, int64_t k) {
+  float t = 0.f;
+  for (int64_t b = 0; b < k / kQ8Block; ++b) {
+    float p = 0.f;
+    for (int64_t i = 0; i < kQ8Block; ++i)
+      p += x[b * kQ8Block + i] * static_cast<float>(row[b * kQ8Block + i]);
+    float scale;
+    std::memcpy(&scale, row + k + b * 4, 4);
+    t += scale * p;
+  }
+  return t;
+}
+
+// y [m, n] rows [j0, j1) = x [m, k] (ldx) against q8 rows of w (row stride rb).
+void gemv_q8(int64_t m, const float* x, int64_t ldx, const int8_t* w, int64_t rb, int64_t k,
+             int64_t j0, int64_t j1, float* y, int64_t ldy) {
+  const MatvecSet set = matvec_set();
+  const int64_t group = set == MatvecSet::avx512 ? 4 : set == MatvecSet::avx2 ? 2 : 1;
+  for (int64_t j = j0; j < j1; ++j) {
+    const int8_t* row = w + j * rb;
+    for (int64_t r = 0; r < m; r += group) {
+      const int64_t nx = std::min(group, m - r);
+      const float* xs[4] = {};
+      float s[4] = {};
+      for (int64_t i = 0; i < nx; ++i) xs[i] = x + (r + i) * ldx;
+      if (set == MatvecSet::avx512) {
+        switch (nx) {
+          case 4:
+            dot_q8_avx512<4>(xs, row, k, s);
+            break;
+          case 3:
+            dot_q8_avx512<3>(xs, row, k, s);
+            break;
+          case 2:
+            dot_q8_avx512<2>(xs, row, k, s);
+            break;
+          default:
+            dot_q8_avx512<1>(xs, row, k, s);
+            break;
+        }
+      } else if (set == MatvecSet::avx2) {
+        if (nx == 2)
+          dot_q8_avx2<2>(xs, row, k, s);
+        else
+          dot_q8_avx2<1>(xs, row, k, s);
+      } else {
+        s[0] = dot_q8_portable(xs[0], row, k);
+      }
+      for (int64_t i = 0; i < nx; ++i) y[(r + i) * ldy + j] = s[i];
+    }
+  }
+}
+
+}  // namespace
+
+void matmul_q8(const Tensor& x, const Tensor& w, Tensor& y) {
+  auto fb = [](const Tensor& t) {
+    return t.defined() && t.ndim() >= 1 && (t.dtype() == DType::f32 || t.dtype() == DType::bf16);
+  };
+  const int64_t k = fb(x) ? x.dim(-1) : 0;
+  if (!(fb(x) && fb(y) && w.defined() && w.dtype() == DType::i8 && w.ndim() == 2 &&
+        k % kQ8Block == 0 && w.dim(1) == q8_row_bytes(k) && y.dim(-1) == w.dim(0) &&
+        x.numel() / std::max<int64_t>(k, 1) * w.dim(0) == y.numel()))
+    fail("matmul_q8: x " + (x.defined() ? x.str() : std::string("none")) + ", w " +
+         (w.defined() ? w.str() : std::string("none")) + ", y " +
+         (y.defined() ? y.str() : std::string("none")) +
+         " (want x [..., K] with K a multiple of 32, w i8 [N, K + K / 8], y [..., N])");
+  const int64_t n = w.dim(0), m = k ? x.numel() / k : 0, rb = w.dim(1);
+  if (m == 0 || n == 0) return;
+  const auto* q = w.ptr<const int8_t>();
+  const int64_t threads = std::max(1, tbb::this_task_arena::max_concurrency());
+  if (m > kFewRows) {
+    // A prefill: the rows dequantized to f32 once per call, then a GEMM against them.
+    Tensor wf = w.backend()->empty({n, k}, DType::f32);
+    tbb::parallel_for(int64_t{0}, n, [&](int64_t r) {
+      dequantize_q8_row(q + r * rb, k, wf.ptr<float>() + r * k);
+    });
+    Tensor y2 = y.view({m, n});
+    matmul(x.view({m, k}), wf, y2, false, true, 1.f, 0.f);
+    return;
+  }
+  const Tensor x32 = as_f32(x);
+  Tensor y32 = y.dtype() == DType::f32 ? y : y.backend()->empty(y.shape(), DType::f32);
+  // One contiguous range of rows per thread: one sequential stream, as the "rows" kernels.
+  const int64_t chunk = std::max<int64_t>(16, (n + threads - 1) / threads);
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  tbb::parallel_for(
+      tbb::blocked_range<int64_t>(0, chunks, 1),
+      [&](const tbb::blocked_range<int64_t>& r) {
+        for (int64_t c = r.begin(); c < r.end(); ++c)
+          gemv_q8(m, x32.ptr<const float>(), k, q, rb, k, c * chunk, std::min(n, (c + 1) * chunk),
+                  y32.ptr<float>(), n);
+      },
+      tbb::simple_partitioner());
+  if (y.dtype() != DType::f32) store_bf16(y32, y);
 }
 
 }  // namespace mt::cpu

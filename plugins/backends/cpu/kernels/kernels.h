@@ -34,6 +34,9 @@ std::string gemm_describe();  // "OpenBLAS 0.3.21 (SkylakeX kernels), AVX512_BF1
 double cpu_peak_flops(DType dtype, int num_threads);
 void matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool trans_b, float alpha,
             float beta);
+// y = x @ W^T for int8 rows (mt/q8.h): decode's few rows read each row once, dequantizing in
+// registers; more rows dequantize W to f32 for a GEMM.
+void matmul_q8(const Tensor& x, const Tensor& w, Tensor& y);
 // One single-threaded f32 GEMM on raw row-major pointers (OpenBLAS, else the portable loop):
 // c = alpha * op(a) op(b) + beta * c, m, n, k >= 1. For kernels that tile work over oneTBB
 // themselves (the MoE grouped matmul); the result depends only on the operands and shapes.
