@@ -141,6 +141,15 @@ std::unique_ptr<ModelRunner> family_runner(const std::string& model) {
   return r;
 }
 
+// Six random token ids of r's vocabulary (the test seed's).
+std::vector<int32_t> random_prompt(ModelRunner& r) {
+  std::mt19937_64 rng(test::seed());
+  std::vector<int32_t> prompt(6);
+  for (auto& t : prompt)
+    t = static_cast<int32_t>(rng() % static_cast<uint64_t>(r.model().dims().vocab_size));
+  return prompt;
+}
+
 // Prefill of `prompt` and 5 greedy steps: every position's logits, and the tokens chosen.
 std::vector<int32_t> greedy_logits(ModelRunner& r, const std::vector<int32_t>& prompt,
                                    std::vector<float>& logits) {
@@ -169,10 +178,7 @@ TEST(Decode, TransposedProjectionsGiveTheSameLogits) {
     SCOPED_TRACE(model);
     std::unique_ptr<ModelRunner> owner = family_runner(model);
     ModelRunner& r = *owner;
-    const int64_t V = r.model().dims().vocab_size;
-    std::mt19937_64 rng(test::seed());
-    std::vector<int32_t> prompt(6);
-    for (auto& t : prompt) t = static_cast<int32_t>(rng() % static_cast<uint64_t>(V));
+    const std::vector<int32_t> prompt = random_prompt(r);
     std::vector<float> stored, transposed;
     const std::vector<int32_t> want = greedy_logits(r, prompt, stored);
     std::vector<Shape> shapes;
@@ -209,9 +215,7 @@ TEST(Decode, Int8WeightsStayCloseToTheModel) {
       std::unique_ptr<ModelRunner> owner = family_runner(model);
       ModelRunner& r = *owner;
       const int64_t V = r.model().dims().vocab_size;
-      std::mt19937_64 rng(test::seed());
-      std::vector<int32_t> prompt(6);
-      for (auto& t : prompt) t = static_cast<int32_t>(rng() % static_cast<uint64_t>(V));
+      const std::vector<int32_t> prompt = random_prompt(r);
       std::vector<float> full, q8;
       greedy_logits(r, prompt, full);
       size_t bytes_before = 0, bytes_after = 0;
