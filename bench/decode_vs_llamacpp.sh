@@ -32,8 +32,10 @@
 #   REPS        interleaved repetitions (default 3); each llama-bench call times one run
 #               (-r 1) after its own warm-up, as mt times one prefill after one
 #   STEPS       decode steps timed (default 16: mt's steps=, llama-bench's -n)
-#   DTYPES      which of "float32 bfloat16" to run (default both; one alone is passed to mt as
-#               its bench decode's dtypes=)
+#   DTYPES      which of "float32 bfloat16 int8" to run (default "float32 bfloat16"; one of the
+#               first two alone is passed to mt as its bench decode's dtypes=). int8: mt's
+#               quantization=int8 (bfloat16 compute) against llama.cpp's q8_0 GGUF of the same
+#               weights
 #   WORK        where llama.cpp's build, the weights and results.jsonl go (default
 #               /tmp/mt-vs-llamacpp)
 set -euo pipefail
@@ -95,7 +97,7 @@ make_gguf() {
   local dir=$1 log=$1/make.log
   local -a words
   mapfile -t words < <(mt_words "$2")
-  if [ -f "$dir/done" ] && [ -z "$(find "$mt_build/bin" "$mt_build/lib" "$mt_build/share" -newer "$dir/done" -print -quit 2> /dev/null)" ]; then
+  if [ -f "$dir/done" ] && [ -f "$dir/q8_0.gguf" ] && [ -z "$(find "$mt_build/bin" "$mt_build/lib" "$mt_build/share" -newer "$dir/done" -print -quit 2> /dev/null)" ]; then
     return 0
   fi
   rm -rf "$dir" && mkdir -p "$dir"
@@ -104,7 +106,7 @@ make_gguf() {
   "$mt" convert --to=hf "${words[@]}" max_target_length=1024 num_threads="$threads" \
     --output="$dir/hf" > "$log" 2>&1 || return 1
   local t
-  for t in f32 bf16; do
+  for t in f32 bf16 q8_0; do
     "$py" "$root/bench/peers/llamacpp_gguf.py" --llama-cpp "$lcpp" --input "$dir/hf" \
       --outtype "$t" --outfile "$dir/$t.gguf" >> "$log" 2>&1 || return 1
   done
@@ -135,6 +137,8 @@ for line in sys.stdin:
     j = json.loads(line)
     if peer == "mt":
         for r in j["results"]:
+            if r.get("quantization") == "int8":
+                r["dtype"] = "int8"
             print(json.dumps({"peer": "mt", "model": model, "rep": rep, **{k: v for k, v in r.items() if k != "model"},
                               "memory_bandwidth_triad_bytes_per_sec": j["memory_bandwidth_triad_bytes_per_sec"]}))
     else:
@@ -147,17 +151,29 @@ for line in sys.stdin:
 ' "$@"
 }
 
-mt_dtypes=()
-if [ ${#dtypes[@]} -eq 1 ]; then mt_dtypes=("dtypes=${dtypes[0]}"); fi
+# mt's runs: its float dtypes in one call, int8 in one of its own.
+mt_float=() mt_int8=0
+for dt in "${dtypes[@]}"; do
+  if [ "$dt" = int8 ]; then mt_int8=1; else mt_float+=("$dt"); fi
+done
+mt_runs=()
+if [ ${#mt_float[@]} -gt 0 ]; then
+  mt_runs+=("dtypes=$(IFS=,; echo "${mt_float[*]}")")
+fi
+[ "$mt_int8" = 1 ] && mt_runs+=("dtypes=bfloat16 quantization=int8")
 for rep in $(seq "$reps"); do
   for m in "${models[@]}"; do
     mapfile -t words < <(mt_words "$m")
-    "$mt" bench decode "${words[@]}" "${mt_dtypes[@]}" num_threads="$threads" steps="$steps" \
-      2>> "$work/mt.log" | tag mt "$m" "$rep" | tee -a "$results" ||
-      say "{\"peer\": \"mt\", \"model\": \"$m\", \"failed\": \"see $work/mt.log\"}"
+    for run in "${mt_runs[@]}"; do
+      read -r -a extra <<< "$run"
+      "$mt" bench decode "${words[@]}" "${extra[@]}" num_threads="$threads" steps="$steps" \
+        2>> "$work/mt.log" | tag mt "$m" "$rep" | tee -a "$results" ||
+        say "{\"peer\": \"mt\", \"model\": \"$m\", \"failed\": \"see $work/mt.log\"}"
+    done
     [ -n "${gguf_dir[$m]:-}" ] || continue
     for dt in "${dtypes[@]}"; do
-      gguf=${gguf_dir[$m]}/$([ "$dt" = float32 ] && echo f32 || echo bf16).gguf
+      case $dt in float32) g=f32 ;; bfloat16) g=bf16 ;; *) g=q8_0 ;; esac
+      gguf=${gguf_dir[$m]}/$g.gguf
       { "$llama_bench" -m "$gguf" -p 512 -n 0 -t "$threads" -r 1 -o jsonl &&
         "$llama_bench" -m "$gguf" -p 0 -n "$steps" -d 128 -t "$threads" -r 1 -o jsonl; } \
         2>> "$work/llama-bench.log" | tag llama.cpp "$m" "$rep" "$dt" | tee -a "$results" ||
@@ -187,7 +203,7 @@ for r in runs:
 for (model, dtype), d in by.items():
     med = {k: statistics.median(v) for k, v in d.items() if isinstance(v, list)}
     out = {"summary": "decode tokens/s, medians", "model": model, "dtype": dtype}
-    if "mt_weight_bytes" in d:
+    if "mt_weight_bytes" in d and dtype != "int8":  # int8 mixes int8 rows and bf16 tensors
         out["mt_params"] = d["mt_weight_bytes"] // (4 if dtype == "float32" else 2)
     if "llamacpp_params" in d:
         out["llamacpp_params"] = d["llamacpp_params"]

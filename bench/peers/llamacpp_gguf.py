@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes a GGUF file for llama.cpp from a Hugging Face directory exported by mt (random weights).
 
-    llamacpp_gguf.py --llama-cpp DIR --input HF_DIR --outtype f32|bf16 --outfile OUT.gguf
+    llamacpp_gguf.py --llama-cpp DIR --input HF_DIR --outtype f32|bf16|q8_0 --outfile OUT.gguf
 
 The tensors go through the llama.cpp checkout's own converter (its conversion package, as
 convert_hf_to_gguf.py uses it), so every name, split and permutation (for example DeepSeek-V2's
@@ -44,7 +44,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--llama-cpp", required=True, type=Path, help="llama.cpp source checkout")
     ap.add_argument("--input", required=True, type=Path, help="Hugging Face directory (mt convert --to=hf)")
-    ap.add_argument("--outtype", required=True, choices=["f32", "bf16"])
+    ap.add_argument("--outtype", required=True, choices=["f32", "bf16", "q8_0"])
     ap.add_argument("--outfile", required=True, type=Path)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -79,7 +79,8 @@ def main() -> int:
                 # router always is); without it llama.cpp falls back to V2's softmax.
                 self.gguf_writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
 
-    ftype = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16}[args.outtype]
+    ftype = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+             "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[args.outtype]
     args.outfile.parent.mkdir(parents=True, exist_ok=True)
     with torch.inference_mode():
         model = WithSyntheticVocab(args.input, ftype, args.outfile, model_name=args.input.name)
