@@ -1247,10 +1247,20 @@ void matmul_q8(const Tensor& x, const Tensor& w, Tensor& y) {
   const auto* q = w.ptr<const int8_t>();
   const int64_t threads = std::max(1, tbb::this_task_arena::max_concurrency());
   if (m > kFewRows) {
-    // A prefill: the rows dequantized to f32 once per call, then a GEMM against them.
-    Tensor wf = w.backend()->empty({n, k}, DType::f32);
+    // A prefill: the rows dequantized once per call, then a GEMM against them; in bf16 when x
+    // is (rounded once more, as a bf16 model's weights are), so that the bf16 x bf16 GEMM
+    // (AMX or AVX512_BF16 dot products) runs instead of the f32 one.
+    const bool bf = x.dtype() == DType::bf16;
+    Tensor wf = w.backend()->empty({n, k}, bf ? DType::bf16 : DType::f32);
     tbb::parallel_for(int64_t{0}, n, [&](int64_t r) {
-      dequantize_q8_row(q + r * rb, k, wf.ptr<float>() + r * k);
+      if (!bf) {
+        dequantize_q8_row(q + r * rb, k, wf.ptr<float>() + r * k);
+        return;
+      }
+      std::vector<float> row(static_cast<size_t>(k));
+      dequantize_q8_row(q + r * rb, k, row.data());
+      uint16_t* out = wf.ptr<uint16_t>() + r * k;
+      for (int64_t i = 0; i < k; ++i) out[i] = f32_to_bf16(row[static_cast<size_t>(i)]);
     });
     Tensor y2 = y.view({m, n});
     matmul(x.view({m, k}), wf, y2, false, true, 1.f, 0.f);
