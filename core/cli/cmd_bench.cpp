@@ -197,12 +197,12 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
   double prefill_tps = 0;
   {
     Decoder dec(r, 1, 1024);
-    dec.prefill(0, prompt(512));
+    dec.prefill(0, prompt(512), /*last_only=*/true);
     std::vector<double> tps;
     for (int rep = 0; rep < 3; ++rep) {
       dec.reset();
       const auto t0 = Clock::now();
-      dec.prefill(0, prompt(512));
+      dec.prefill(0, prompt(512), /*last_only=*/true);
       tps.push_back(512 / secs(t0));
     }
     std::sort(tps.begin(), tps.end());
@@ -240,12 +240,22 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
     }
     return bytes;
   };
+  // Whether decode steps replay a recording (CUDA graphs; Decoder::step_recording), per batch.
+  std::string recording[2];
   auto decode = [&](int64_t batch, double* bytes_per_s) {
     Decoder dec(r, batch, 1024);
     std::vector<int32_t> next(static_cast<size_t>(batch));
-    for (int64_t b = 0; b < batch; ++b) dec.prefill(b, prompt(128));
+    for (int64_t b = 0; b < batch; ++b) dec.prefill(b, prompt(128), /*last_only=*/true);
     std::vector<bool> active(static_cast<size_t>(batch), true);
-    dec.step(next, active);  // warm-up
+    // Warm-up: the first step runs as it comes, the second is recorded where the backend can.
+    dec.step(next, active);
+    dec.step(next, active);
+    const std::string& rec = dec.step_recording();
+    if (!rec.empty() && rec != "recorded" &&
+        rec.find("backend runs each op as it comes") == std::string::npos)
+      std::fprintf(stderr, "mt bench decode: batch %lld: %s\n", static_cast<long long>(batch),
+                   rec.c_str());
+    recording[batch == 1 ? 0 : 1] = rec == "recorded" ? "recorded" : "each op";
     const auto t0 = Clock::now();
     double kv_bytes = 0;
     for (int64_t s = 0; s < steps; ++s) {
@@ -274,9 +284,10 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
       "{{\"model\": \"{}\", \"dtype\": \"{}\", \"quantization\": \"{}\", \"weight_bytes\": {}, "
       "\"prefill_512_tokens_per_sec\": {:.1f}, \"decode_batch1_tokens_per_sec\": {:.2f}, "
       "\"decode_batch1_bytes_per_sec\": {:.4g}, \"decode_batch8_tokens_per_sec\": {:.2f}, "
-      "\"kv_cache_bytes_per_token\": {:.0f}, \"decode_weight_bytes_per_token\": {:.4g}}}",
+      "\"kv_cache_bytes_per_token\": {:.0f}, \"decode_weight_bytes_per_token\": {:.4g}, "
+      "\"decode_steps\": \"batch 1 {}, batch 8 {}\"}}",
       model, dtype, cfg.get_string("quantization"), weight_bytes, prefill_tps, b1, bw, b8,
-      cache_bytes_per_token, step_bytes);
+      cache_bytes_per_token, step_bytes, recording[0], recording[1]);
 }
 
 // STREAM-like triad a = b + s * c over arrays far larger than the caches, on all cores: the

@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <numeric>
+#include <string>
 
 #include "mt/error.h"
 #include "mt/graph.h"
@@ -106,7 +108,25 @@ Decoder::Decoder(ModelRunner& runner, int64_t batch, int64_t max_len)
     caches_.push_back(std::move(c));
   }
   lengths_.assign(static_cast<size_t>(batch), 0);
+  step_tokens_ = be.empty({batch, 1}, DType::i32);
+  step_positions_ = be.empty({batch, 1}, DType::i32);
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    step_rows_.push_back(be.empty({batch}, DType::i32));
+    step_lengths_.push_back(be.empty({batch}, DType::i32));
+  }
+  for (size_t i = 0; i < caches_.size(); ++i) {
+    caches_[i].lengths = step_lengths_[layer_group_[i]];
+    caches_[i].write_rows = step_rows_[layer_group_[i]];
+    caches_[i].fresh = false;
+  }
+  if (const char* e = std::getenv("MT_DECODE_RECORDING"); e && std::string(e) == "0")
+    record_ = false;
   reset();
+}
+
+// The recording goes first: it holds device memory of the backend's (and reads the caches).
+Decoder::~Decoder() {
+  recorded_.reset();
 }
 
 void Decoder::reset() {
@@ -115,7 +135,7 @@ void Decoder::reset() {
   std::fill(lengths_.begin(), lengths_.end(), 0);
 }
 
-std::vector<float> Decoder::prefill(int64_t b, const std::vector<int32_t>& prompt) {
+std::vector<float> Decoder::prefill(int64_t b, const std::vector<int32_t>& prompt, bool last_only) {
   Backend& be = runner_.backend();
   const auto t = static_cast<int64_t>(prompt.size());
   MT_CHECK(b >= 0 && b < batch_,
@@ -168,9 +188,9 @@ std::vector<float> Decoder::prefill(int64_t b, const std::vector<int32_t>& promp
     views.push_back(std::move(v));
   }
   Graph g(be, /*record=*/false);
-  Tensor logits = runner_.forward_cached(g, tokens, positions, views);
+  Tensor logits = runner_.forward_cached(g, tokens, positions, views, last_only);
   lengths_[static_cast<size_t>(b)] = start + t;
-  std::vector<float> out(static_cast<size_t>(t * vocab_));
+  std::vector<float> out(static_cast<size_t>(logits.numel()));
   Tensor f = logits;
   if (f.dtype() != DType::f32) {
     f = be.empty(logits.shape(), DType::f32);
@@ -191,11 +211,10 @@ std::vector<float> Decoder::step(const std::vector<int32_t>& tokens,
     if (toks[ub] < 0 || toks[ub] >= vocab_) toks[ub] = 0;
     pos[ub] = static_cast<int32_t>(go ? lengths_[ub] : std::max<int64_t>(0, lengths_[ub] - 1));
   }
-  Tensor t = be.empty({batch_, 1}, DType::i32), p = be.empty({batch_, 1}, DType::i32);
-  be.copy_from_host(t, toks.data());
-  be.copy_from_host(p, pos.data());
-  std::vector<Tensor> write_rows, lengths;
-  for (const Group& grp : groups_) {
+  be.copy_from_host(step_tokens_, toks.data());
+  be.copy_from_host(step_positions_, pos.data());
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    const Group& grp = groups_[gi];
     std::vector<int32_t> rows(static_cast<size_t>(batch_)), lens(static_cast<size_t>(batch_));
     const int64_t stride = grp.rows + 1;
     for (int64_t b = 0; b < batch_; ++b) {
@@ -208,29 +227,63 @@ std::vector<float> Decoder::step(const std::vector<int32_t>& tokens,
       lens[ub] = static_cast<int32_t>(std::min(lengths_[ub] + (go ? 1 : 0), grp.rows));
       if (lens[ub] == 0) lens[ub] = 1;  // an empty sequence attends to its (sink-free) first row
     }
-    Tensor wr = be.empty({batch_}, DType::i32), l = be.empty({batch_}, DType::i32);
-    be.copy_from_host(wr, rows.data());
-    be.copy_from_host(l, lens.data());
-    write_rows.push_back(wr);
-    lengths.push_back(l);
+    be.copy_from_host(step_rows_[gi], rows.data());
+    be.copy_from_host(step_lengths_[gi], lens.data());
   }
-  for (size_t i = 0; i < caches_.size(); ++i) {
-    caches_[i].lengths = lengths[layer_group_[i]];
-    caches_[i].write_rows = write_rows[layer_group_[i]];
-    caches_[i].fresh = false;
+  // The first step runs as it comes (it also makes what later steps reuse: GEMM plans, rope
+  // tables, derived weights); the second is recorded when the backend can.
+  if (!recorded_ && steps_ == 1 && record_ && recording_status_.empty()) try_recording();
+  ++steps_;
+  Tensor f;
+  if (recorded_) {
+    recorded_->replay();
+    f = recorded_logits_;
+  } else {
+    f = run_step();
   }
-  Graph g(be, /*record=*/false);
-  Tensor logits = runner_.forward_cached(g, t, p, caches_);
   for (int64_t b = 0; b < batch_; ++b)
     if (active[static_cast<size_t>(b)] && !full(b)) ++lengths_[static_cast<size_t>(b)];
   std::vector<float> out(static_cast<size_t>(batch_ * vocab_));
-  Tensor f = logits;
-  if (f.dtype() != DType::f32) {
-    f = be.empty(logits.shape(), DType::f32);
-    be.cast(logits, f);
-  }
   be.copy_to_host(f, out.data());
   return out;
+}
+
+Tensor Decoder::run_step() {
+  Backend& be = runner_.backend();
+  Graph g(be, /*record=*/false);
+  Tensor logits = runner_.forward_cached(g, step_tokens_, step_positions_, caches_);
+  if (logits.dtype() == DType::f32) return logits;
+  Tensor f = be.empty(logits.shape(), DType::f32);
+  be.cast(logits, f);
+  return f;
+}
+
+void Decoder::try_recording() {
+  if (runner_.profiler()) {  // it times each op, waiting for the device after each
+    recording_status_ = "not recorded: profile=true times each op";
+    return;
+  }
+  auto* capture = static_cast<WorkCapture*>(runner_.backend().extension(kWorkCapture));
+  if (!capture) {
+    recording_status_ = "not recorded: the " + runner_.backend().name() +
+                        " backend runs each op as it comes (no mt.work_capture)";
+    return;
+  }
+  try {
+    capture->begin();
+    Tensor logits = run_step();
+    recorded_ = capture->end();
+    recorded_logits_ = logits;
+    recording_status_ = "recorded";
+  } catch (const Error& e) {
+    // Nothing ran while recording: this step and the later ones run as they come.
+    capture->abandon();
+    recorded_.reset();
+    recording_status_ = std::string("not recorded: ") + e.what();
+  } catch (...) {
+    capture->abandon();
+    throw;
+  }
 }
 
 GenerateResult generate(ModelRunner& runner, const std::vector<std::vector<int32_t>>& prompts,
@@ -260,10 +313,9 @@ GenerateResult generate(ModelRunner& runner, const std::vector<std::vector<int32
   auto t0 = Clock::now();
   for (int64_t b = 0; b < batch; ++b) {
     const auto ub = static_cast<size_t>(b);
-    std::vector<float> logits = dec.prefill(b, prompts[ub]);
+    std::vector<float> logits = dec.prefill(b, prompts[ub], /*last_only=*/true);
     r.prefill_tokens += static_cast<int64_t>(prompts[ub].size());
-    next[ub] =
-        sample_token(logits.data() + (prompts[ub].size() - 1) * vocab, vocab, sampling, rngs[ub]);
+    next[ub] = sample_token(logits.data(), vocab, sampling, rngs[ub]);
     r.tokens[ub].push_back(next[ub]);
     if (on_token) on_token(b, next[ub]);
     // A sequence holds at most max_len tokens: its cached ones plus the one just chosen.

@@ -4,10 +4,13 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "model_runner.h"
+#include "mt/capture.h"
 #include "mt/config.h"
 
 namespace mt {
@@ -28,10 +31,22 @@ SamplingParams sampling_from_config(const Config& cfg);
 int32_t sample_token(const float* logits, int64_t vocab, const SamplingParams& p,
                      std::mt19937_64& rng);
 
+// A decode step is many small ops (about a dozen per layer) on a batch of one token per
+// sequence: on a GPU, launching them costs more than running them. Where the backend can record
+// its work (Backend::extension(kWorkCapture): CUDA graphs), the decoder runs its first step as it
+// comes, records the second (every step has the same shapes, and its inputs live in tensors the
+// decoder keeps and refills), and replays that recording for every step after. A model whose
+// step cannot be recorded (one that reads device data on the host: MoE routing) runs every step
+// as it comes; step_recording() says which and why. MT_DECODE_RECORDING=0 turns it off.
+// The recording reads the runner's parameters where they were when it was made: the parameters
+// must not be replaced (transpose_projections, quantize_projections) while a Decoder lives.
 class Decoder {
  public:
   // Caches for `batch` sequences of up to `max_len` tokens each.
   Decoder(ModelRunner& runner, int64_t batch, int64_t max_len);
+  ~Decoder();
+  Decoder(const Decoder&) = delete;
+  Decoder& operator=(const Decoder&) = delete;
 
   int64_t batch() const { return batch_; }
   int64_t max_len() const { return max_len_; }
@@ -46,11 +61,18 @@ class Decoder {
   // Empties every cache.
   void reset();
   // Runs sequence b's prompt through the model, filling its caches; returns the logits of every
-  // prompt position [T * V] (host, f32).
-  std::vector<float> prefill(int64_t b, const std::vector<int32_t>& prompt);
+  // prompt position [T * V] (host, f32), or with `last_only` those of the last position [V]
+  // (what sampling needs: the LM head then runs on one position instead of T).
+  std::vector<float> prefill(int64_t b, const std::vector<int32_t>& prompt, bool last_only = false);
   // One token for every sequence (tokens[b]); sequences marked done in `active` (or full) are
   // not advanced. Returns logits [B * V] (host, f32).
   std::vector<float> step(const std::vector<int32_t>& tokens, const std::vector<bool>& active);
+
+  // Whether steps are recorded and replayed (see above): false turns it off for this decoder
+  // (before its second step; tests compare both ways).
+  void set_recording(bool on) { record_ = on; }
+  // "" before the second step; "recorded" when steps replay a recording; else why not.
+  const std::string& step_recording() const { return recording_status_; }
 
  private:
   // Layers whose caches have the same number of rows share the bookkeeping of a call (which row
@@ -63,12 +85,27 @@ class Decoder {
     int64_t row_of(int64_t pos) const { return ring ? pos % rows : pos; }
   };
 
+  // One step's forward on the inputs below: logits [B, 1, V] f32 on the backend.
+  Tensor run_step();
+  // Records run_step (the step's work) when the backend can; sets recording_status_.
+  void try_recording();
+
   ModelRunner& runner_;
   int64_t batch_, max_len_, vocab_;
   std::vector<Group> groups_;
   std::vector<size_t> layer_group_;
   std::vector<KVCache> caches_;
   std::vector<int64_t> lengths_;
+  // A step's inputs, refilled in place each step (a recording reads them where they are):
+  // tokens and positions [B, 1], and per group the cache row each token goes to and the valid
+  // rows [B].
+  Tensor step_tokens_, step_positions_;
+  std::vector<Tensor> step_rows_, step_lengths_;
+  bool record_ = true;
+  int64_t steps_ = 0;
+  std::string recording_status_;
+  Tensor recorded_logits_;  // what the recording writes
+  std::unique_ptr<CapturedWork> recorded_;
 };
 
 struct GenerateResult {

@@ -139,7 +139,7 @@ DecodePlan trace_decode(const Config& cfg, PluginManager& plugins, const DeviceP
   d.kv_cache = in_use(*runner) - d.weights;
   be.reset_peak_memory();
   if (d.prefill > 0) {
-    dec.prefill(0, std::vector<int32_t>(static_cast<size_t>(d.prefill), 0));
+    dec.prefill(0, std::vector<int32_t>(static_cast<size_t>(d.prefill), 0), /*last_only=*/true);
     dec.step(std::vector<int32_t>(static_cast<size_t>(batch), 0),
              std::vector<bool>(static_cast<size_t>(batch), true));
   }

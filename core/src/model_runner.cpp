@@ -428,7 +428,7 @@ Tensor ModelRunner::forward(Graph& g, const DeviceBatch& batch) {
 }
 
 Tensor ModelRunner::forward_cached(Graph& g, const Tensor& tokens, const Tensor& positions,
-                                   std::vector<KVCache>& caches) {
+                                   std::vector<KVCache>& caches, bool last_only) {
   MT_CHECK(static_cast<int>(caches.size()) == model_->num_layers(),
            "forward_cached: " + std::to_string(caches.size()) + " caches for " +
                std::to_string(model_->num_layers()) + " layers");
@@ -436,7 +436,14 @@ Tensor ModelRunner::forward_cached(Graph& g, const Tensor& tokens, const Tensor&
   in.positions = positions;
   settle_fsdp_queue();  // no gather started before this pass (of older weights) is used
   const std::vector<Tensor> ps = compute_params(g);
-  return model_->head(g, top_params(ps), run_layers(g, ps, tokens, in, &caches, nullptr));
+  Tensor h = run_layers(g, ps, tokens, in, &caches, nullptr);
+  if (last_only && h.ndim() == 3 && h.dim(1) > 1) {
+    MT_CHECK(h.dim(0) == 1, "forward_cached: last_only takes a batch of one sequence, not " +
+                                std::to_string(h.dim(0)));
+    const int64_t t = h.dim(1), d = h.dim(2);
+    h = g.reshape(g.reshape(h, {t, d}).slice0(t - 1, t), {1, 1, d});
+  }
+  return model_->head(g, top_params(ps), h);
 }
 
 std::vector<Tensor> ModelRunner::compute_params(Graph& g) {

@@ -189,9 +189,11 @@ class ModelRunner {
 
   // tokens [B, T] -> logits [B, T, V] in the compute dtype, recorded on g when it records.
   Tensor forward(Graph& g, const DeviceBatch& batch);
-  // Decode: tokens [B, T] at `positions` [B, T], appending to one KVCache per layer.
+  // Decode: tokens [B, T] at `positions` [B, T], appending to one KVCache per layer. Logits
+  // [B, T, V], or with `last_only` (B = 1) [1, 1, V] of the last position: the LM head runs on
+  // that position only.
   Tensor forward_cached(Graph& g, const Tensor& tokens, const Tensor& positions,
-                        std::vector<KVCache>& caches);
+                        std::vector<KVCache>& caches, bool last_only = false);
   // Mean cross-entropy over the batch's valid targets times `weight_scale`; scalar [1] f32.
   // With `aux` (training), the layers' auxiliary losses join the objective (each weight x value
   // x weight_scale) and their values, averaged over the layers reporting each name and times

@@ -14,6 +14,8 @@
 #include "mt/error.h"
 #include "mt/graph.h"
 #include "mt/q8.h"
+#include "plugin_manager.h"
+#include "recording_backend.h"
 #include "safetensors.h"
 #include "test_support.h"
 
@@ -125,8 +127,10 @@ TEST(Decode, WeightsStoredInTheComputeDtypeGiveTheSameLogits) {
 const char* const kProjectionModels[] = {"llama-test", "qwen2-test", "gemma2-test",
                                          "deepseek3-test", "qwen3-moe-test"};
 
-// A named model (its family's keys too) in f32, initialised.
-std::unique_ptr<ModelRunner> family_runner(const std::string& model) {
+// A named model (its family's keys too) in f32, initialised; on a RecordingBackend over the CPU
+// when `recording` is given (set to it).
+std::unique_ptr<ModelRunner> family_runner(const std::string& model,
+                                           test::RecordingBackend** recording = nullptr) {
   ConfigRequest req;
   req.configs_dir = test::source_dir() + "/configs";
   req.model = model;
@@ -136,7 +140,17 @@ std::unique_ptr<ModelRunner> family_runner(const std::string& model) {
     return std::vector<SchemaText>{
         {"model family '" + fam + "'", test::plugins().make_model_family(fam)->config_schema()}};
   };
-  auto r = std::make_unique<ModelRunner>(load_config(req), test::plugins());
+  const Config cfg = load_config(req);
+  std::unique_ptr<ModelRunner> r;
+  if (recording) {
+    auto rec = std::make_unique<test::RecordingBackend>(test::plugins().make_backend("cpu", cfg));
+    *recording = rec.get();
+    auto attention = std::make_unique<test::RecordingAttention>(
+        test::plugins().make_attention("cpu", cfg.get_string("attention"), rec->inner()), *rec);
+    r = std::make_unique<ModelRunner>(cfg, test::plugins(), std::move(rec), std::move(attention));
+  } else {
+    r = std::make_unique<ModelRunner>(cfg, test::plugins());
+  }
   r->init_parameters(11);
   return r;
 }
@@ -200,6 +214,83 @@ TEST(Decode, TransposedProjectionsGiveTheSameLogits) {
     EXPECT_EQ(r.transpose_projections(), 0u);  // nothing left to transpose
     EXPECT_EQ(greedy_logits(r, prompt, transposed), want);
     EXPECT_LT(test::scaled_err(transposed, stored), 1e-5);
+  }
+}
+
+// Decode steps recorded once and replayed (CUDA graphs; here the same contract on the CPU
+// through test::RecordingBackend): two sequences of different lengths, one stopping early, give
+// the logits of steps run as they come, bit for bit, at every step. The decoder refills its
+// step inputs in place (tokens, positions, cache rows and lengths: a replay reads them there)
+// and reads the logits the recording writes. A model whose step reads device data on the host
+// (MoE routing) is not recorded and says why; its steps run as they come.
+TEST(Decode, RecordedStepsGiveTheLogitsOfStepsRunAsTheyCome) {
+  for (const char* model : kProjectionModels) {
+    SCOPED_TRACE(model);
+    const bool moe = std::string(model).find("moe") != std::string::npos ||
+                     std::string(model).find("deepseek") != std::string::npos;
+    test::RecordingBackend* rec = nullptr;
+    std::unique_ptr<ModelRunner> recorded_runner = family_runner(model, &rec);
+    std::unique_ptr<ModelRunner> plain_runner = family_runner(model);
+    const std::vector<int32_t> prompt = random_prompt(*plain_runner);
+    const std::vector<int32_t> shorter(prompt.begin(), prompt.begin() + 2);
+    Decoder a(*plain_runner, 2, 16), b(*recorded_runner, 2, 16);
+    a.set_recording(false);
+    EXPECT_EQ(a.prefill(0, prompt), b.prefill(0, prompt));
+    EXPECT_EQ(a.prefill(1, shorter), b.prefill(1, shorter));
+    const int64_t V = plain_runner->model().dims().vocab_size;
+    std::vector<int32_t> next = {3, 5};
+    std::vector<bool> active = {true, true};
+    for (int s = 0; s < 7; ++s) {
+      SCOPED_TRACE("step " + std::to_string(s));
+      if (s == 4) active[1] = false;  // sequence 1 stops: its token goes to the sink row
+      const std::vector<float> want = a.step(next, active), got = b.step(next, active);
+      ASSERT_EQ(got, want);
+      for (size_t i = 0; i < 2; ++i) {
+        const float* l = want.data() + static_cast<int64_t>(i) * V;
+        next[i] = static_cast<int32_t>(std::max_element(l, l + V) - l);
+      }
+    }
+    EXPECT_EQ(a.step_recording(), "");  // turned off: never tried
+    if (moe) {
+      EXPECT_EQ(b.step_recording().rfind("not recorded: ", 0), 0u) << b.step_recording();
+      EXPECT_EQ(rec->recordings, 0);
+      EXPECT_EQ(rec->replays, 0);
+    } else {
+      EXPECT_EQ(b.step_recording(), "recorded");
+      EXPECT_EQ(rec->recordings, 1);
+      EXPECT_EQ(rec->replays, 6);  // every step after the first
+      EXPECT_GT(rec->recorded_ops, 10u);
+    }
+  }
+}
+
+// On a backend that cannot record (the CPU's), steps run as they come and the decoder says why.
+TEST(Decode, StepsRunAsTheyComeWhereTheBackendCannotRecord) {
+  auto r = runner({});
+  Decoder dec(*r, 1, 8);
+  dec.prefill(0, {1, 2});
+  dec.step({3}, {true});
+  EXPECT_EQ(dec.step_recording(), "");
+  dec.step({4}, {true});
+  EXPECT_NE(dec.step_recording().find("not recorded: the cpu backend"), std::string::npos)
+      << dec.step_recording();
+}
+
+// prefill's last_only (what generation samples from): the logits of the last position, those of
+// the whole prompt's last row, and the caches filled the same (the next step agrees).
+TEST(Decode, PrefillOfTheLastPositionOnly) {
+  for (const char* model : {"llama-test", "gemma2-test"}) {
+    SCOPED_TRACE(model);
+    std::unique_ptr<ModelRunner> r = family_runner(model);
+    const std::vector<int32_t> prompt = random_prompt(*r);
+    const int64_t V = r->model().dims().vocab_size;
+    Decoder all(*r, 1, 16), last(*r, 1, 16);
+    const std::vector<float> every = all.prefill(0, prompt);
+    const std::vector<float> one = last.prefill(0, prompt, /*last_only=*/true);
+    ASSERT_EQ(static_cast<int64_t>(one.size()), V);
+    EXPECT_LT(test::scaled_err(one, std::vector<float>(every.end() - V, every.end())), 1e-6);
+    EXPECT_EQ(last.length(0), all.length(0));
+    EXPECT_EQ(last.step({7}, {true}), all.step({7}, {true}));
   }
 }
 

@@ -78,7 +78,7 @@ size_t measured_decode_peak(const Config& cfg, int64_t batch) {
   const int64_t prefill = std::min(cfg.get_int("max_prefill_predict_length"), max_len - 1);
   std::vector<int32_t> prompt(static_cast<size_t>(prefill));
   for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(i % 50 + 1);
-  dec.prefill(0, prompt);
+  dec.prefill(0, prompt, /*last_only=*/true);
   dec.step(std::vector<int32_t>(static_cast<size_t>(batch), 3),
            std::vector<bool>(static_cast<size_t>(batch), true));
   return runner.backend().memory_stats().peak_bytes_in_use;
