@@ -21,6 +21,7 @@
 #include <iterator>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -28,6 +29,7 @@
 #include "config_impl.h"
 #include "mt/attention.h"
 #include "mt/backend.h"
+#include "mt/capture.h"
 #include "mt/dtype.h"
 #include "mt/error.h"
 #include "test_support.h"
@@ -1278,6 +1280,82 @@ TEST_F(GpuOps, AllocatorReusesBlocks) {
   b.synchronize();
   EXPECT_EQ(b.memory_stats().num_system_allocs, before) << "steady state must not cudaMalloc";
   EXPECT_GT(b.memory_stats().bytes_cached, size_t{0});
+}
+
+// Recorded work (CUDA graphs, mt/capture.h): a replay runs the recorded kernels on the inputs'
+// current contents; bad inputs found during a replay are reported at the next synchronisation;
+// what cannot be recorded is refused and the backend works on after abandon(); blocks the
+// recording allocated are not handed out again while the work lives, even once freed.
+TEST_F(GpuOps, RecordedWorkReplaysOnNewInputsAndReportsBadOnes) {
+  Backend& b = gpu();
+  auto* cap = static_cast<WorkCapture*>(b.extension(kWorkCapture));
+  if (!cap) GTEST_SKIP() << "this backend cannot record work (emulated, or MT_CUDA_GRAPHS=0)";
+  MT_SEEDED_RNG(rng);
+  const std::vector<float> table_v = rand_nz(10 * 4, rng);
+  Tensor table = test::from_vector(b, {10, 4}, table_v, DType::f32);
+  Tensor ids = test::from_ints(b, {3}, {1, 2, 3});
+  b.synchronize();
+  cap->begin();
+  // A copy, a synchronisation and a host reduction cannot be recorded; after abandon() the
+  // backend runs ops as before.
+  EXPECT_THROW(b.copy_from_host(ids, std::vector<int32_t>{0, 0, 0}.data()), Error);
+  cap->abandon();
+  EXPECT_NO_THROW(b.synchronize());
+  cap->begin();
+  EXPECT_THROW(b.synchronize(), Error);
+  cap->abandon();
+  cap->begin();
+  EXPECT_THROW(static_cast<void>(b.sum(table)), Error);
+  cap->abandon();
+  EXPECT_NEAR(b.sum(table), std::accumulate(table_v.begin(), table_v.end(), 0.0), 1e-4);
+
+  cap->begin();
+  void* freed_inside = nullptr;
+  Tensor out;
+  {
+    Tensor rows = b.empty({3, 4}, DType::f32);
+    freed_inside = rows.data();
+    b.embedding_forward(table, ids, rows);
+    out = b.empty({3, 4}, DType::f32);
+    b.scale(rows, 2.f, out);
+  }
+  std::unique_ptr<CapturedWork> work = cap->end();
+  // The block freed during the recording stays the recording's.
+  std::vector<Tensor> later;
+  for (int i = 0; i < 4; ++i) {
+    later.push_back(b.empty({3, 4}, DType::f32));
+    EXPECT_NE(later.back().data(), freed_inside);
+    EXPECT_NE(later.back().data(), out.data());
+    b.fill(later.back(), 7.f);
+  }
+  for (const std::vector<int32_t>& v : {std::vector<int32_t>{1, 2, 3}, {9, 0, 4}}) {
+    b.copy_from_host(ids, v.data());
+    b.fill(out, kNaN);
+    work->replay();
+    const std::vector<float> got = test::to_vector(out);
+    for (size_t r = 0; r < 3; ++r)
+      for (size_t c = 0; c < 4; ++c)
+        EXPECT_EQ(got[r * 4 + c], 2.f * table_v[static_cast<size_t>(v[r]) * 4 + c]);
+  }
+  const std::vector<int32_t> bad = {1, 12, 2};
+  b.copy_from_host(ids, bad.data());
+  work->replay();
+  try {
+    b.synchronize();
+    ADD_FAILURE() << "the bad id of the replay was not reported";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("token id 12 at position 1"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_NO_THROW(b.synchronize()) << "reported once only";
+  b.copy_from_host(ids, std::vector<int32_t>{3, 3, 3}.data());
+  work->replay();
+  EXPECT_NO_THROW(b.synchronize()) << "the slots are clear again";
+  EXPECT_EQ(test::to_vector(out)[0], 2.f * table_v[12]);
+  for (const Tensor& t : later) EXPECT_EQ(test::to_vector(t)[0], 7.f) << "untouched by replays";
+  work.reset();
+  out = Tensor();
+  EXPECT_NO_THROW(b.synchronize());
 }
 
 }  // namespace

@@ -31,6 +31,8 @@
 #ifdef MT_CUDA_EMULATED_OPS
 #include "emulated_cuda.h"
 #endif
+#include "decoder.h"
+#include "model_runner.h"
 #include "trainer.h"
 
 namespace fs = std::filesystem;
@@ -152,6 +154,61 @@ TEST_F(GpuTrain, Bfloat16MatchesCpu) {
 // head_dim 64 in bf16 puts the cuda flash kernel on its tensor-core path.
 TEST_F(GpuTrain, Bfloat16FlashTensorCoresMatchCpu) {
   compare({"dtype=bfloat16", "weight_dtype=float32", "attention=flash", "head_dim=64"}, 0.0, 0.03);
+}
+
+// Decode steps recorded as a CUDA graph and replayed (Decoder, mt/capture.h) give the logits of
+// steps run as they come, bit for bit, for two sequences of different lengths, one stopping
+// early; the logits are the CPU backend's within the dtype's tolerance. The emulated backend cannot
+// record (no CUDA graphs): there both decoders run each op as it comes.
+TEST_F(GpuTrain, RecordedDecodeStepsGiveTheLogitsOfStepsRunAsTheyCome) {
+  for (const char* dtype : {"float32", "bfloat16"}) {
+    SCOPED_TRACE(dtype);
+    auto make = [&](const std::string& backend) {
+      ConfigRequest req;
+      req.configs_dir = test::source_dir() + "/configs";
+      req.model = "llama-test";
+      req.overrides = {"backend=" + backend, std::string("dtype=") + dtype,
+                       std::string("weight_dtype=") + dtype, "attention=flash",
+                       "matmul_precision=highest"};
+      auto r = std::make_unique<ModelRunner>(load_config(req), test::plugins());
+      r->init_parameters(7);
+      return r;
+    };
+    std::unique_ptr<ModelRunner> gpu = make("cuda"), cpu = make("cpu");
+    const int64_t V = gpu->model().dims().vocab_size;
+    Decoder plain(*gpu, 2, 32), recorded(*gpu, 2, 32), host(*cpu, 2, 32);
+    plain.set_recording(false);
+    const std::vector<int32_t> p0 = {5, 9, 2, 7, 1, 3}, p1 = {4, 4};
+    for (Decoder* d : {&plain, &recorded, &host}) {
+      d->prefill(0, p0, /*last_only=*/true);
+      d->prefill(1, p1, /*last_only=*/true);
+    }
+    std::vector<int32_t> next = {3, 5};
+    std::vector<bool> active = {true, true};
+    const double tol = std::string(dtype) == "float32" ? 1e-4 : 5e-2;
+    for (int s = 0; s < 12; ++s) {
+      SCOPED_TRACE("step " + std::to_string(s));
+      if (s == 6) active[1] = false;
+      const std::vector<float> want = plain.step(next, active), got = recorded.step(next, active);
+      const std::vector<float> on_cpu = host.step(next, active);
+      ASSERT_EQ(got, want);
+      double diff = 0, ref = 0;
+      for (size_t i = 0; i < got.size(); ++i) {
+        diff = std::max(diff, std::fabs(double(got[i]) - double(on_cpu[i])));
+        ref = std::max(ref, std::fabs(double(on_cpu[i])));
+      }
+      EXPECT_LE(diff, tol * ref) << "the cuda backend's logits against the cpu's";
+      for (size_t i = 0; i < 2; ++i) {
+        const float* l = want.data() + static_cast<int64_t>(i) * V;
+        next[i] = static_cast<int32_t>(std::max_element(l, l + V) - l);
+      }
+    }
+#ifdef MT_CUDA_EMULATED_OPS
+    EXPECT_NE(recorded.step_recording(), "recorded");
+#else
+    EXPECT_EQ(recorded.step_recording(), "recorded");
+#endif
+  }
 }
 
 }  // namespace

@@ -20,6 +20,45 @@ std::string gib(size_t bytes) {
 
 }  // namespace
 
+struct DeviceAllocator::Pool {
+  DeviceAllocator* allocator = nullptr;
+  std::map<size_t, std::vector<void*>> free;  // the pool's blocks not in use
+  // The pool's blocks return to the cache when the graph holding it goes.
+  ~Pool() {
+    std::lock_guard<std::mutex> lock(allocator->mu_);
+    allocator->drop_pool_locked(*this);
+  }
+};
+
+// Both count the block as cached already (release did).
+void DeviceAllocator::drop_pool_locked(Pool& pool) {
+  for (auto& [size, blocks] : pool.free)
+    for (void* p : blocks) {
+      owner_.erase(p);
+      free_[size].push_back(p);
+    }
+  pool.free.clear();
+}
+
+void DeviceAllocator::begin_pool() {
+  std::lock_guard<std::mutex> lock(mu_);
+  MT_CHECK(!open_, "cuda allocator: a recording is already under way");
+  open_ = std::make_shared<Pool>();
+  open_->allocator = this;
+}
+
+std::shared_ptr<DeviceAllocator::Pool> DeviceAllocator::end_pool() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [p, size] : quarantine_) free_[size].push_back(p);
+  quarantine_.clear();
+  return std::move(open_);
+}
+
+bool DeviceAllocator::pooling() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return open_ != nullptr;
+}
+
 size_t DeviceAllocator::round_size(size_t bytes) {
   if (bytes == 0) bytes = 1;
   // Small blocks: multiples of 512 bytes (cudaMalloc's own granularity is coarser anyway).
@@ -56,6 +95,18 @@ void* DeviceAllocator::allocate(size_t bytes) {
   const size_t size = round_size(bytes);
   std::lock_guard<std::mutex> lock(mu_);
   void* p = nullptr;
+  if (open_) {  // a recording: its own freed blocks first
+    auto pit = open_->free.find(size);
+    if (pit != open_->free.end() && !pit->second.empty()) {
+      p = pit->second.back();
+      pit->second.pop_back();
+      stats_.bytes_cached -= size;
+      stats_.bytes_in_use += size;
+      if (stats_.bytes_in_use > stats_.peak_bytes_in_use)
+        stats_.peak_bytes_in_use = stats_.bytes_in_use;
+      return p;
+    }
+  }
   auto it = free_.find(size);
   if (it != free_.end() && !it->second.empty()) {
     p = it->second.back();
@@ -85,6 +136,7 @@ void* DeviceAllocator::allocate(size_t bytes) {
     }
     ++stats_.num_system_allocs;
   }
+  if (open_) owner_[p] = open_;
   stats_.bytes_in_use += size;
   if (stats_.bytes_in_use > stats_.peak_bytes_in_use)
     stats_.peak_bytes_in_use = stats_.bytes_in_use;
@@ -94,8 +146,21 @@ void* DeviceAllocator::allocate(size_t bytes) {
 void DeviceAllocator::release(void* p, size_t bytes) {
   const size_t size = round_size(bytes);
   std::lock_guard<std::mutex> lock(mu_);
-  free_[size].push_back(p);
   stats_.bytes_in_use -= size;
+  if (auto it = owner_.find(p); it != owner_.end()) {
+    if (std::shared_ptr<Pool> pool = it->second.lock()) {
+      pool->free[size].push_back(p);  // still the graph's
+      stats_.bytes_cached += size;
+      return;
+    }
+    owner_.erase(it);  // its graph is gone
+  } else if (open_) {
+    // A block from before the recording: kernels recorded earlier may read it at each replay.
+    quarantine_.emplace_back(p, size);
+    stats_.bytes_cached += size;
+    return;
+  }
+  free_[size].push_back(p);
   stats_.bytes_cached += size;
 }
 

@@ -6,6 +6,7 @@
 #include <dlfcn.h>
 
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <utility>
 
@@ -17,6 +18,7 @@
 
 #include "mt/attention.h"
 #include "mt/backend.h"
+#include "mt/capture.h"
 #include "mt/config.h"
 #include "mt/error.h"
 #include "mt/plugin.h"
@@ -31,6 +33,40 @@ using mt::Tensor;
 std::string cuda_message(cudaError_t e) {
   return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e);
 }
+
+// One recorded sequence of the backend's work: a CUDA graph, replayed on the backend's stream,
+// with the memory pool it was recorded on and the device-check slots of its launches.
+class CudaWork final : public mt::CapturedWork {
+ public:
+  CudaWork(cudaGraphExec_t exec, cudaStream_t stream,
+           std::shared_ptr<mt::cuda::DeviceAllocator::Pool> pool,
+           std::shared_ptr<mt::cuda::DeviceChecks::Recorded> recorded,
+           std::shared_ptr<mt::cuda::DeviceChecks> checks)
+      : pool_(std::move(pool)),
+        recorded_(std::move(recorded)),
+        checks_(std::move(checks)),
+        exec_(exec),
+        stream_(stream) {}
+  ~CudaWork() override { static_cast<void>(cudaGraphExecDestroy(exec_)); }
+  CudaWork(const CudaWork&) = delete;
+  CudaWork& operator=(const CudaWork&) = delete;
+  void replay() override {
+    const cudaError_t e = cudaGraphLaunch(exec_, stream_);
+    if (e != cudaSuccess) {
+      static_cast<void>(cudaGetLastError());
+      throw mt::Error("cuda: replaying recorded work (cudaGraphLaunch) failed: " + cuda_message(e));
+    }
+    checks_->replayed(recorded_);
+  }
+
+ private:
+  // The pool goes after the graph (members are destroyed in reverse order).
+  std::shared_ptr<mt::cuda::DeviceAllocator::Pool> pool_;
+  std::shared_ptr<mt::cuda::DeviceChecks::Recorded> recorded_;
+  std::shared_ptr<mt::cuda::DeviceChecks> checks_;
+  cudaGraphExec_t exec_;
+  cudaStream_t stream_;
+};
 
 class CudaBackend final : public mt::cuda::CudaOps {
  public:
@@ -90,18 +126,29 @@ class CudaBackend final : public mt::cuda::CudaOps {
   }
   void release(void* data, size_t bytes) override { alloc_.release(data, bytes); }
   void copy_from_host(mt::Tensor& dst, const void* src) override {
+    not_recording("copy_from_host " + dst.str());
     // Returns once `src` is read (staged in pinned memory); the transfer is ordered on the
     // stream before every later kernel.
     copier_->to_device(dst.data(), src, dst.nbytes(), "copy_from_host " + dst.str());
   }
   // Both wait for the stream, then report what the kernels' input checks found.
   void copy_to_host(const mt::Tensor& src, void* dst) override {
+    not_recording("copy_to_host " + src.str());
     copier_->to_host(dst, src.data(), src.nbytes(), "copy_to_host " + src.str());
     report_checks();
   }
   void synchronize() override {
+    not_recording("synchronize");
     check(cudaStreamSynchronize(stream_), "synchronize");
     report_checks();
+  }
+  // mt::kWorkCapture: CUDA graphs of the backend's stream (mt/capture.h). MT_CUDA_GRAPHS=0
+  // answers null, so callers run every op as it comes (to compare).
+  void* extension(const char* name) override {
+    if (std::string(name) != mt::kWorkCapture) return nullptr;
+    const char* e = std::getenv("MT_CUDA_GRAPHS");
+    if (e && std::string(e) == "0") return nullptr;
+    return static_cast<mt::WorkCapture*>(&capture_);
   }
   mt::MemoryStats memory_stats() const override {
     mt::MemoryStats s = alloc_.stats();
@@ -111,8 +158,74 @@ class CudaBackend final : public mt::cuda::CudaOps {
   void reset_peak_memory() override { alloc_.reset_peak(); }
 
  private:
+  // The stream's work recorded as a CUDA graph (relaxed mode: the allocator may call cudaMalloc
+  // while recording; anything that waits for the stream fails the recording, and the host
+  // copies are refused before they could record a staging buffer's contents as a constant).
+  class Capture final : public mt::WorkCapture {
+   public:
+    explicit Capture(CudaBackend& b) : b_(b) {}
+    void begin() override {
+      MT_CHECK(!b_.recording_, "cuda: a recording is already under way");
+      b_.synchronize();  // earlier work's input checks reported before the slots change
+      b_.ctx_.checks->begin_recording(
+          b_.empty({static_cast<int64_t>(mt::cuda::DeviceChecks::kSlots * 8)}, mt::DType::u8));
+      b_.alloc_.begin_pool();
+      const cudaError_t e = cudaStreamBeginCapture(b_.stream_, cudaStreamCaptureModeRelaxed);
+      if (e != cudaSuccess) {
+        static_cast<void>(cudaGetLastError());
+        static_cast<void>(b_.alloc_.end_pool());
+        static_cast<void>(b_.ctx_.checks->end_recording());
+        throw mt::Error("cuda: cannot record work (cudaStreamBeginCapture): " + cuda_message(e));
+      }
+      b_.recording_ = true;
+    }
+    std::unique_ptr<mt::CapturedWork> end() override {
+      MT_CHECK(b_.recording_, "cuda: no recording is under way");
+      b_.recording_ = false;
+      cudaGraph_t g = nullptr;
+      cudaError_t e = cudaStreamEndCapture(b_.stream_, &g);
+      auto pool = b_.alloc_.end_pool();
+      auto recorded = b_.ctx_.checks->end_recording();
+      if (e != cudaSuccess || !g) {
+        static_cast<void>(cudaGetLastError());
+        if (g) static_cast<void>(cudaGraphDestroy(g));
+        throw mt::Error("cuda: recording the work as a CUDA graph failed (cudaStreamEndCapture): " +
+                        cuda_message(e));
+      }
+      cudaGraphExec_t exec = nullptr;
+      e = cudaGraphInstantiate(&exec, g, 0);
+      static_cast<void>(cudaGraphDestroy(g));
+      if (e != cudaSuccess) {
+        static_cast<void>(cudaGetLastError());
+        throw mt::Error("cuda: instantiating the recorded CUDA graph failed: " + cuda_message(e));
+      }
+      return std::make_unique<CudaWork>(exec, b_.stream_, std::move(pool), std::move(recorded),
+                                        b_.ctx_.checks);
+    }
+    void abandon() noexcept override {
+      if (!b_.recording_) return;
+      b_.recording_ = false;
+      cudaGraph_t g = nullptr;
+      static_cast<void>(cudaStreamEndCapture(b_.stream_, &g));
+      if (g) static_cast<void>(cudaGraphDestroy(g));
+      static_cast<void>(cudaGetLastError());
+      static_cast<void>(b_.alloc_.end_pool());
+      static_cast<void>(b_.ctx_.checks->end_recording());
+    }
+
+   private:
+    CudaBackend& b_;
+  };
+
+  void not_recording(const std::string& what) const {
+    if (recording_)
+      throw mt::Error("cuda: " + what +
+                      " cannot be recorded into a CUDA graph (it waits for the device or reads "
+                      "host memory once); the caller runs this work without recording");
+  }
   void teardown() {
     // Errors cannot be reported from here; the process is usually ending.
+    capture_.abandon();
     if (stream_) static_cast<void>(cudaStreamSynchronize(stream_));
     ctx_ = {};        // the GEMM workspace and plans, before the allocator and the stream go
     copier_.reset();  // its events were recorded on the stream
@@ -130,6 +243,8 @@ class CudaBackend final : public mt::cuda::CudaOps {
   // ctx_ (in CudaOps) outlives these members: the destructor empties it first, so the GEMM
   // workspace goes back to the allocator while the allocator still exists.
   mt::cuda::DeviceAllocator alloc_;
+  Capture capture_{*this};
+  bool recording_ = false;
 };
 
 // Runs before registration: declines with a sentence on a machine without a driver or device.

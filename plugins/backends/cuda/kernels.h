@@ -56,13 +56,27 @@ class DeviceChecks {
   // reported first.
   unsigned long long* slot(Message message);
   // With the stream synchronised: throws the first failure in launch order; every slot is free
-  // again either way.
+  // again either way. The slots of recorded work replayed since the last report are read too.
   void report();
+
+  // Recorded work (WorkCapture, a CUDA graph) keeps the slots its launches were recorded with:
+  // from begin_recording() (before the stream starts recording) to end_recording(), slots come
+  // from `words` (kSlots * 8 bytes, cleared here); a recording needing more throws.
+  struct Recorded {
+    Tensor words;
+    std::vector<Message> messages;
+  };
+  void begin_recording(Tensor words);
+  std::shared_ptr<Recorded> end_recording();
+  // After each replay of recorded work: its slots are read at the next report(), then cleared.
+  void replayed(const std::shared_ptr<Recorded>& r);
 
  private:
   Tensor words_;
   cudaStream_t stream_;
   std::vector<Message> pending_;
+  std::shared_ptr<Recorded> recording_;  // while recording: the eager slots wait in pending_
+  std::vector<std::shared_ptr<Recorded>> replays_;
 };
 
 struct Ctx {
