@@ -230,9 +230,21 @@ void flash_decode(const Ctx& c, const Tensor& q, const Tensor& k_cache, const Te
                " batch x kv heads is more than this kernel's grid");
   const bool vec = a.D % 8 == 0 && aligned16({k_cache.data(), v_cache.data()});
   Tensor partial = c.scratch({rows, splits, a.D + 2}, DType::f32);
-  MT_LAUNCH(decode_kernel, dim3(static_cast<unsigned>(B * a.Hkv), static_cast<unsigned>(splits)),
-            kWarps * 32, 0, c.stream)
-  (in(q), in(k_cache), in(v_cache), f, vec, partial.ptr<float>(), bad);
+  const dim3 grid(static_cast<unsigned>(B * a.Hkv), static_cast<unsigned>(splits));
+  const int64_t group_rows = f.group * a.T;
+  const auto launch = [&](auto kernel) {
+    MT_LAUNCH(kernel, grid, kWarps * 32, 0, c.stream)
+    (in(q), in(k_cache), in(v_cache), f, vec, partial.ptr<float>(), bad);
+  };
+  if (group_rows <= 1) {
+    launch(decode_kernel<1>);
+  } else if (group_rows <= 2) {
+    launch(decode_kernel<2>);
+  } else if (group_rows <= 4) {
+    launch(decode_kernel<4>);
+  } else {
+    launch(decode_kernel<kDecodeRows>);
+  }
   launched(op, shapes);
   MT_LAUNCH(combine_kernel, warp_blocks(rows), kWarps * 32, 0, c.stream)
   (partial.ptr<const float>(), splits, f, out(o));
