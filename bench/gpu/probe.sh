@@ -109,7 +109,8 @@ fi
 
 if want tests; then
   run tests 150 "$build/tests/gpu_ops_test" --gtest_brief=1
-  run tests 120 "$build/tests/gpu_train_test" --gtest_brief=1
+  run tests 120 "$build/tests/gpu_train_test" --gtest_brief=1 \
+    "--gtest_filter=${MT_PROBE_TRAIN_FILTER:-*}"
   grep -E '^\[  FAILED|Failure|error' "$res/tests.log" | head -20 >>"$summary"
 fi
 if want nccl; then
@@ -198,8 +199,17 @@ fi
 if want decode; then
   # mt's decode on the device (issue 22: the whole bench within 60 s): llama-bench-1b, f32 and
   # bf16 weights, prefill 512 and batch 1 and 8.
+  # Decode steps recorded as CUDA graphs (the default) against each op as it comes
+  # (MT_DECODE_RECORDING=0), then the Hugging Face peer (eager generate, dynamic and static cache).
+  echo "== recorded" >>"$res/decode.log"
   run decode 120 "$mt" bench decode backend=cuda --model=llama-bench-1b
-  grep -o '"dtype": "[a-z0-9]*"\|"[a-z0-9_]*tokens_per_sec": [0-9.]*' "$res/decode.log" | paste - - - - >>"$summary"
+  echo "== each op (MT_DECODE_RECORDING=0)" >>"$res/decode.log"
+  run decode 120 env MT_DECODE_RECORDING=0 "$mt" bench decode backend=cuda --model=llama-bench-1b
+  echo "== transformers" >>"$res/decode.log"
+  run decode 120 env PYTHONUNBUFFERED=1 python3 bench/peers/hf_decode_gpu.py --model llama-bench-1b
+  run decode 120 env PYTHONUNBUFFERED=1 python3 bench/peers/hf_decode_gpu.py --model llama-bench-1b --static
+  grep -E '^==|"dtype": "[a-z0-9]*"|tokens_per_sec' "$res/decode.log" | grep -o '^==.*\|"dtype": "[a-z0-9]*"\|"cache": "[a-z]*"\|"decode_steps": "[^"]*"\|"[a-z0-9_]*tokens_per_sec": [0-9.]*' | tr '\n' ' ' | sed 's/==/\n==/g' >>"$summary"
+  echo >>"$summary"
 fi
 if want 7b; then
   # Issue 21's acceptance: `mt run --model=llama2-7b --backend=cuda` on this device as the user
