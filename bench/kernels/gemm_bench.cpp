@@ -31,6 +31,7 @@
 #include "config_impl.h"
 #include "mt/backend.h"
 #include "mt/dtype.h"
+#include "mt/q8.h"
 #include "plugin_manager.h"
 
 namespace {
@@ -428,6 +429,48 @@ void BM_MatVecStreamWithGaps(benchmark::State& state) {
 BENCHMARK(BM_MatVecStreamWithGaps)
     ->ArgNames({"K", "N", "gap_us"})
     ->ArgsProduct({{768}, {768, 2048}, {0, 5, 20, 100}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+
+// matmul_q8 (quantization=int8's decode) on int8 rows (mt/q8.h) streamed from memory as
+// BM_MatVecStream's: M rows of x, GB/s of the int8 rows (values and scales) read.
+void BM_MatVecQ8Stream(benchmark::State& state) {
+  const int64_t k = state.range(0), n = state.range(1), m = state.range(2);
+  mt::Backend& be = backend();
+  const int64_t rb = mt::q8_row_bytes(k), one = n * rb;
+  const int64_t count = std::max<int64_t>(2, (int64_t{512} << 20) / one);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd;
+  std::vector<float> wf(static_cast<size_t>(k));
+  std::vector<int8_t> q(static_cast<size_t>(one));
+  for (int64_t j = 0; j < n; ++j) {
+    for (float& v : wf) v = nd(rng);
+    mt::quantize_q8_row(wf.data(), k, q.data() + j * rb);
+  }
+  std::vector<mt::Tensor> ws;
+  for (int64_t i = 0; i < count; ++i) {
+    ws.push_back(be.empty({n, rb}, mt::DType::i8));
+    be.copy_from_host(ws.back(), q.data());
+  }
+  mt::Tensor x = random_tensor({m, k}, mt::DType::f32);
+  mt::Tensor y = be.empty({m, n}, mt::DType::f32);
+  for (const auto& w : ws) be.matmul_q8(x, w, y);
+  double seconds = 0;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (const auto& w : ws) be.matmul_q8(x, w, y);
+    be.synchronize();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    state.SetIterationTime(s);
+    seconds += s;
+  }
+  state.counters["GB/s"] =
+      double(one) * double(count) * double(state.iterations()) / seconds * 1e-9;
+  state.counters["us_per_call"] = seconds / double(count * state.iterations()) * 1e6;
+}
+BENCHMARK(BM_MatVecQ8Stream)
+    ->ArgNames({"K", "N", "M"})
+    ->ArgsProduct({{768, 2048}, {768, 2048, 5632}, {1, 8}})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 
