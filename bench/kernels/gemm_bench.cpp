@@ -364,6 +364,25 @@ BENCHMARK(BM_MatVec)
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 
+// Times `call(i)` for i in [0, count) (products over distinct weights of `one` bytes each, after
+// one untimed pass), synchronised, per iteration; reports GB/s of weights and us per call.
+void stream_calls(benchmark::State& state, mt::Backend& be, int64_t count, int64_t one,
+                  const std::function<void(int64_t)>& call) {
+  for (int64_t i = 0; i < count; ++i) call(i);
+  double seconds = 0;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int64_t i = 0; i < count; ++i) call(i);
+    be.synchronize();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    state.SetIterationTime(s);
+    seconds += s;
+  }
+  state.counters["GB/s"] =
+      double(one) * double(count) * double(state.iterations()) / seconds * 1e-9;
+  state.counters["us_per_call"] = seconds / double(count * state.iterations()) * 1e6;
+}
+
 // Decode's access pattern: one matrix-vector product after another over distinct weight
 // matrices whose total (>= 512 MiB) no cache holds, so every call streams its weights from
 // memory as a decode step does. Args: K, N, trans_b, bf16 weights (0/1). GB/s here against
@@ -380,19 +399,8 @@ void BM_MatVecStream(benchmark::State& state) {
     ws.push_back(random_tensor(tb ? mt::Shape{n, k} : mt::Shape{k, n}, dw));
   mt::Tensor x = random_tensor({1, k}, mt::DType::f32);
   mt::Tensor y = be.empty({1, n}, mt::DType::f32);
-  for (const auto& w : ws) be.matmul(x, w, y, false, tb);
-  double seconds = 0;
-  for (auto _ : state) {
-    const auto t0 = std::chrono::steady_clock::now();
-    for (const auto& w : ws) be.matmul(x, w, y, false, tb);
-    be.synchronize();
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    state.SetIterationTime(s);
-    seconds += s;
-  }
-  const double bytes = double(one) * double(count) * double(state.iterations());
-  state.counters["GB/s"] = bytes / seconds * 1e-9;
-  state.counters["us_per_call"] = seconds / double(count * state.iterations()) * 1e6;
+  stream_calls(state, be, count, one,
+               [&](int64_t i) { be.matmul(x, ws[size_t(i)], y, false, tb); });
 }
 // As BM_MatVecStream, with `gap_us` of single-threaded work on the calling thread after each
 // product (a decode step's norms, rope and attention between its projections): what waking the
@@ -454,19 +462,7 @@ void BM_MatVecQ8Stream(benchmark::State& state) {
   }
   mt::Tensor x = random_tensor({m, k}, mt::DType::f32);
   mt::Tensor y = be.empty({m, n}, mt::DType::f32);
-  for (const auto& w : ws) be.matmul_q8(x, w, y);
-  double seconds = 0;
-  for (auto _ : state) {
-    const auto t0 = std::chrono::steady_clock::now();
-    for (const auto& w : ws) be.matmul_q8(x, w, y);
-    be.synchronize();
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    state.SetIterationTime(s);
-    seconds += s;
-  }
-  state.counters["GB/s"] =
-      double(one) * double(count) * double(state.iterations()) / seconds * 1e-9;
-  state.counters["us_per_call"] = seconds / double(count * state.iterations()) * 1e6;
+  stream_calls(state, be, count, one, [&](int64_t i) { be.matmul_q8(x, ws[size_t(i)], y); });
 }
 BENCHMARK(BM_MatVecQ8Stream)
     ->ArgNames({"K", "N", "M"})
