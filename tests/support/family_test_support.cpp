@@ -288,11 +288,7 @@ std::unique_ptr<Model> build_named(const std::string& model) {
   ConfigRequest req;
   req.configs_dir = source_dir() + "/configs";
   req.model = model;
-  req.schemas_for = [](const Config& layers) {
-    const std::string fam = layers.get_string("decoder_block");
-    return std::vector<SchemaText>{
-        {"model family '" + fam + "'", plugins().make_model_family(fam)->config_schema()}};
-  };
+  req.schemas_for = family_schemas;
   const Config cfg = load_config(req);
   return plugins().make_model_family(cfg.get_string("decoder_block"))->build(cfg);
 }

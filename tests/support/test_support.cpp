@@ -154,12 +154,13 @@ Config model_config(const std::string& model, const std::vector<std::string>& ov
   req.configs_dir = source_dir() + "/configs";
   req.model = model;
   req.overrides = overrides;
-  req.schemas_for = [](const Config& layers) {
-    const std::string fam = layers.get_string("decoder_block");
-    return std::vector<SchemaText>{
-        {"model family '" + fam + "'", plugins().make_model_family(fam)->config_schema()}};
-  };
+  req.schemas_for = family_schemas;
   return load_config(req);
+}
+
+std::vector<SchemaText> family_schemas(const Config& layers) {
+  const std::string fam = layers.get_string("decoder_block");
+  return {{"model family '" + fam + "'", plugins().make_model_family(fam)->config_schema()}};
 }
 
 }  // namespace mt::test

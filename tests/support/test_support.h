@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "config_loader.h"
 #include "mt/attention.h"
 #include "mt/backend.h"
 #include "plugin_manager.h"
@@ -79,5 +80,8 @@ MtResult run_mt(const std::string& args, int seconds = 0, const std::string& env
 // The resolved config of configs/models/<model>.yml with `overrides` ("key=value"), as mt run
 // loads it (the family's own keys included).
 Config model_config(const std::string& model, const std::vector<std::string>& overrides);
+// ConfigRequest::schemas_for of a config naming any model family: the schema of the family its
+// decoder_block names (from plugins()), so that family's own keys are known.
+std::vector<SchemaText> family_schemas(const Config& layers);
 
 }  // namespace mt::test

@@ -678,11 +678,7 @@ TEST(ConfigModels, EveryRealModelsFamilyUsesTheKeysItsFileSets) {
   for (const auto& m : list_models(real_configs(), {})) {
     SCOPED_TRACE(m.name);
     ConfigRequest req = real_request({}, m.name);
-    req.schemas_for = [](const Config& layers) {
-      const std::string fam = layers.get_string("decoder_block");
-      return std::vector<SchemaText>{
-          {"model family '" + fam + "'", test::plugins().make_model_family(fam)->config_schema()}};
-    };
+    req.schemas_for = test::family_schemas;
     const Config c = load_config(req);
     auto family = test::plugins().make_model_family(c.get_string("decoder_block"));
     reset_config_reads(c);
@@ -708,11 +704,7 @@ TEST(ConfigModels, EveryRealModelLoadsAndSatisfiesTheSchema) {
     // With its family's own keys, which a named config may set (gemma2's
     // query_pre_attn_scalar), as mt resolves it.
     ConfigRequest req = real_request({}, m.name);
-    req.schemas_for = [](const Config& layers) {
-      const std::string fam = layers.get_string("decoder_block");
-      return std::vector<SchemaText>{
-          {"model family '" + fam + "'", test::plugins().make_model_family(fam)->config_schema()}};
-    };
+    req.schemas_for = test::family_schemas;
     const Config c = load_config(req);
     EXPECT_EQ(c.get_string("decoder_block"), m.family);
     EXPECT_EQ(c.get_int("base_num_query_heads") % c.get_int("base_num_kv_heads"), 0);

@@ -135,11 +135,7 @@ std::unique_ptr<ModelRunner> family_runner(const std::string& model,
   req.configs_dir = test::source_dir() + "/configs";
   req.model = model;
   req.overrides = {"dtype=float32", "weight_dtype=float32"};
-  req.schemas_for = [](const Config& layers) {
-    const std::string fam = layers.get_string("decoder_block");
-    return std::vector<SchemaText>{
-        {"model family '" + fam + "'", test::plugins().make_model_family(fam)->config_schema()}};
-  };
+  req.schemas_for = test::family_schemas;
   const Config cfg = load_config(req);
   std::unique_ptr<ModelRunner> r;
   if (recording) {

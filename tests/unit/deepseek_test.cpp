@@ -161,11 +161,7 @@ TEST(DeepseekGolden, LossAndGradientsMatchTransformers) {
     req.model = "";
     req.overrides = imp.overrides;
     req.overrides.push_back("max_target_length=100");
-    req.schemas_for = [](const Config& layers) {
-      const std::string fam = layers.get_string("decoder_block");
-      return std::vector<SchemaText>{
-          {"model family '" + fam + "'", test::plugins().make_model_family(fam)->config_schema()}};
-    };
+    req.schemas_for = test::family_schemas;
     ModelRunner runner(load_config(req), test::plugins());
     load_hf_weights(kGolden / d, runner);
     const Reference ref(kGolden / d);
@@ -349,11 +345,7 @@ std::unique_ptr<ModelRunner> golden_runner(const char* dir, const std::string& a
     req.overrides.emplace_back(o);
   req.overrides.push_back("attention=" + attention);
   for (const auto& o : extra) req.overrides.push_back(o);
-  req.schemas_for = [](const Config& layers) {
-    const std::string fam = layers.get_string("decoder_block");
-    return std::vector<SchemaText>{
-        {"model family '" + fam + "'", test::plugins().make_model_family(fam)->config_schema()}};
-  };
+  req.schemas_for = test::family_schemas;
   auto r = std::make_unique<ModelRunner>(load_config(req), test::plugins());
   load_hf_weights(kGolden / dir, *r);
   return r;
@@ -471,11 +463,7 @@ std::unique_ptr<ModelRunner> named_training_runner(const std::vector<std::string
   req.model = "deepseek3-test";
   req.overrides = {"dtype=float32", "weight_dtype=float32"};
   for (const auto& o : overrides) req.overrides.push_back(o);
-  req.schemas_for = [](const Config& layers) {
-    const std::string fam = layers.get_string("decoder_block");
-    return std::vector<SchemaText>{
-        {"model family '" + fam + "'", test::plugins().make_model_family(fam)->config_schema()}};
-  };
+  req.schemas_for = test::family_schemas;
   auto r = std::make_unique<ModelRunner>(load_config(req), test::plugins());
   r->init_parameters(7);
   r->enable_gradients();
@@ -645,11 +633,7 @@ std::unique_ptr<ModelRunner> golden_mtp_runner(const std::vector<std::string>& o
                         "load_balance_loss_weight=0"})
     req.overrides.emplace_back(o);
   for (const auto& o : overrides) req.overrides.push_back(o);
-  req.schemas_for = [](const Config& layers) {
-    const std::string fam = layers.get_string("decoder_block");
-    return std::vector<SchemaText>{
-        {"model family '" + fam + "'", test::plugins().make_model_family(fam)->config_schema()}};
-  };
+  req.schemas_for = test::family_schemas;
   auto r = std::make_unique<ModelRunner>(load_config(req), test::plugins());
   r->init_parameters(3);
   load_hf_weights(kGolden / "deepseek_v3", *r);
