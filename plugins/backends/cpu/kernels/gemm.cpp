@@ -1257,10 +1257,15 @@ void matmul_q8(const Tensor& x, const Tensor& w, Tensor& y) {
         dequantize_q8_row(q + r * rb, k, wf.ptr<float>() + r * k);
         return;
       }
-      std::vector<float> row(static_cast<size_t>(k));
-      dequantize_q8_row(q + r * rb, k, row.data());
+      // dequantize_q8_row's products, each rounded to bf16 as it is made.
+      const int8_t* row = q + r * rb;
       uint16_t* out = wf.ptr<uint16_t>() + r * k;
-      for (int64_t i = 0; i < k; ++i) out[i] = f32_to_bf16(row[static_cast<size_t>(i)]);
+      for (int64_t b = 0; b < k / kQ8Block; ++b) {
+        float scale;
+        std::memcpy(&scale, row + k + b * 4, 4);
+        for (int64_t i = b * kQ8Block; i < (b + 1) * kQ8Block; ++i)
+          out[i] = f32_to_bf16(static_cast<float>(row[i]) * scale);
+      }
     });
     Tensor y2 = y.view({m, n});
     matmul(x.view({m, k}), wf, y2, false, true, 1.f, 0.f);
