@@ -54,11 +54,6 @@ std::shared_ptr<DeviceAllocator::Pool> DeviceAllocator::end_pool() {
   return std::move(open_);
 }
 
-bool DeviceAllocator::pooling() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return open_ != nullptr;
-}
-
 size_t DeviceAllocator::round_size(size_t bytes) {
   if (bytes == 0) bytes = 1;
   // Small blocks: multiples of 512 bytes (cudaMalloc's own granularity is coarser anyway).

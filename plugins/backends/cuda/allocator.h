@@ -46,7 +46,6 @@ class DeviceAllocator {
   // Ends the recording's allocations (also after a failed one); the pool lives as long as the
   // returned handle (held by the recorded graph).
   std::shared_ptr<Pool> end_pool();
-  bool pooling() const;
 
  private:
   void free_cache_locked();  // gives every cached block back to the driver
