@@ -80,6 +80,37 @@ TEST(GpuNccl, EveryCollectiveRunsOnOneGpu) {
   comm->barrier();
 }
 
+// split (ncclCommSplit beside MPI_Comm_split): the group of one rank is a communicator of its
+// own whose collectives run, and the world's still run after the group is gone.
+TEST(GpuNccl, ASplitGroupRunsItsOwnCollectives) {
+  MT_NEED_NCCL();
+  const Config cfg = config_from_pairs({});
+  std::unique_ptr<Communicator> comm = test::plugins().make_communicator("nccl", cfg);
+  const std::vector<float> v = {0.5f, -4.f, 9.f};
+  {
+    std::unique_ptr<Communicator> group = comm->split(/*color=*/0, /*key=*/0);
+    ASSERT_TRUE(group);
+    EXPECT_EQ(group->name(), "nccl");
+    EXPECT_EQ(group->size(), 1);
+    EXPECT_EQ(group->rank(), 0);
+    std::vector<float> f = v;
+    group->all_reduce_sum(f.data(), f.size());
+    EXPECT_EQ(f, v);
+    group->reduce_scatter_sum(f.data(), f.size());
+    group->all_gather(f.data(), f.size());
+    EXPECT_EQ(f, v);
+    std::unique_ptr<Backend> be = test::plugins().make_backend("cuda", cfg);
+    Tensor a = test::from_vector(*be, {3}, v);
+    std::vector<Tensor*> ts = {&a};
+    group->all_reduce_sum(*be, ts);
+    EXPECT_EQ(test::to_vector(a), v);
+    group->barrier();
+  }
+  std::vector<float> f = v;
+  comm->all_reduce_sum(f.data(), f.size());
+  EXPECT_EQ(f, v);
+}
+
 // mt run with communicator=nccl trains as communicator=local (one rank: the same steps).
 TEST(GpuNccl, TrainingThroughNcclEqualsLocal) {
   MT_NEED_NCCL();

@@ -14,8 +14,13 @@
 // are summed by NCCL in bf16 (rounded at every hop); the default path's f32 host sum is
 // communicator=mpi's.
 //
-// Status: built and loaded here; run on a GPU by gpu_nccl_test (world size 1). Multi-GPU
-// numerics are those of the MPI tests until a machine with several GPUs runs them.
+// split() makes a group's communicator (ncclCommSplit beside MPI_Comm_split), so tensor and
+// expert parallelism and HSDP, whose groups are sub-communicators, run over NCCL too (their
+// activations' sums through the host buffers' path).
+//
+// Status: built and loaded here; run on a GPU by gpu_nccl_test (world size 1; split added
+// since, and not yet run on a GPU). Multi-GPU numerics are those of the MPI tests until a
+// machine with several GPUs runs them.
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 #include <mpi.h>
@@ -92,6 +97,12 @@ class NcclCommunicator final : public mt::Communicator {
     check_nccl(ncclCommInitRank(&comm_, size_, id, rank_), "ncclCommInitRank");
     check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
   }
+  // A group of `parent`'s ranks (split): its own MPI and NCCL communicators and stream.
+  NcclCommunicator(MPI_Comm mpi, ncclComm_t comm) : mpi_(mpi), comm_(comm) {
+    MPI_Comm_rank(mpi_, &rank_);
+    MPI_Comm_size(mpi_, &size_);
+    check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+  }
   ~NcclCommunicator() override {
     if (scratch_) cudaFree(scratch_);
     if (stream_) cudaStreamDestroy(stream_);
@@ -99,8 +110,20 @@ class NcclCommunicator final : public mt::Communicator {
     // caller aborts the job instead).
     if (std::uncaught_exceptions() == 0) {
       if (comm_) ncclCommDestroy(comm_);
+      if (mpi_ != MPI_COMM_WORLD) MPI_Comm_free(&mpi_);
       if (owns_mpi_) MPI_Finalize();
     }
+  }
+
+  // ncclCommSplit (NCCL 2.18+) orders a group's ranks by key, then by the parent's rank, as
+  // MPI_Comm_split does, so both communicators agree on every rank's number.
+  std::unique_ptr<mt::Communicator> split(int color, int key) override {
+    MPI_Comm sub = MPI_COMM_NULL;
+    check_mpi(MPI_Comm_split(mpi_, color, key, &sub), "MPI_Comm_split");
+    MPI_Comm_set_errhandler(sub, MPI_ERRORS_RETURN);
+    ncclComm_t nccl = nullptr;
+    check_nccl(ncclCommSplit(comm_, color, key, &nccl, nullptr), "ncclCommSplit");
+    return std::unique_ptr<mt::Communicator>(new NcclCommunicator(sub, nccl));
   }
 
   std::string name() const override { return "nccl"; }
@@ -122,7 +145,7 @@ class NcclCommunicator final : public mt::Communicator {
       check_nccl(ncclBroadcast(d, d, bytes, ncclUint8, root, comm_, stream_), "ncclBroadcast");
     });
   }
-  void barrier() override { check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier"); }
+  void barrier() override { check_mpi(MPI_Barrier(mpi_), "MPI_Barrier"); }
 
   // The parts of shard_range differ by one element where the ranks do not divide n, and NCCL's
   // reduce-scatter and all-gather take equal parts: the sum is a whole all-reduce (every part
@@ -200,6 +223,7 @@ class NcclCommunicator final : public mt::Communicator {
     check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
   }
 
+  MPI_Comm mpi_ = MPI_COMM_WORLD;  // the same ranks, for barrier
   int rank_ = 0, size_ = 1;
   bool owns_mpi_ = false;
   ncclComm_t comm_ = nullptr;
