@@ -514,13 +514,26 @@ LayerOutput moe(Graph& g, const Params& p, const MoeSpec& s, const Tensor& x,
   const Tensor x2 = g.reshape(x, {n, d});
   const Tensor logits = g.matmul(x2, p[prefix + "router"]);  // [n, E]
   const Graph::Routing r = g.route(logits, static_cast<int>(k), s.sigmoid_scores, s.normalize_topk);
-  // The n k token copies sorted by expert (on the host for now: the indices are read back, one
+  // Expert parallelism (the expert mesh axis, Graph::expert_group): each rank routes its own
+  // tokens (so the router's losses are its batch's, as under data parallelism), then the
+  // group's tokens, routing weights and choices are gathered (rank order: the sequences stay
+  // whole), every rank runs its own experts on all of them, and the outputs are summed back to
+  // the ranks the tokens came from.
+  const int ep = g.expert_ranks();
+  Tensor xa = x2, wa = r.weights, ia = r.indices;
+  if (ep > 1) {
+    const std::vector<Tensor> gathered = g.expert_gather({x2, r.weights});
+    xa = gathered[0];
+    wa = gathered[1];
+    ia = g.expert_gather(r.indices);
+  }
+  const int64_t na = n * ep, slots_a = na * k;
+  // The na k token copies sorted by expert (on the host for now: the indices are read back, one
   // synchronisation per layer), those past an expert's capacity left out, then one grouped
   // matmul per projection.
   const int64_t capacity = moe_capacity(s, T);
-  const Graph::ExpertOrder order = s.capacity_factor > 0.f
-                                       ? g.sort_by_expert(r.indices, E, capacity, T)
-                                       : g.sort_by_expert(r.indices, E);
+  const Graph::ExpertOrder order =
+      s.capacity_factor > 0.f ? g.sort_by_expert(ia, E, capacity, T) : g.sort_by_expert(ia, E);
   const int64_t m = order.slots.numel();  // the kept slots
   // Expert parallelism over the tensor ranks (logical_axis_rules puts experts on the tensor
   // axis): every rank routes all tokens alike, computes the slots of its own experts (its
@@ -532,15 +545,26 @@ LayerOutput moe(Graph& g, const Params& p, const MoeSpec& s, const Tensor& x,
   // computes every slot with its hidden columns, and the parts are summed the same way.
   const int64_t local = p[prefix + "w_up"].dim(0);
   const bool by_hidden = p[prefix + "w_up"].dim(-1) != s.hidden;
-  const bool split = local != E || by_hidden;  // else each rank computes it all: nothing to sum
+  const bool split = ep == 1 && (local != E || by_hidden);  // tensor ranks' parts to sum
   const Communicator* group = g.tensor_group();
   // (No group: the memory plan's trace, which plans tensor rank 0.)
-  MT_CHECK(!group || by_hidden || local * group->size() == E,
+  MT_CHECK(ep > 1 || !group || by_hidden || local * group->size() == E,
            "moe block: " + std::to_string(local) + " of " + std::to_string(E) +
                " experts' weights here, but the tensor group does not divide them so");
-  const int64_t e0 = local != E && group ? static_cast<int64_t>(group->rank()) * local : 0;
+  MT_CHECK(ep == 1 || (local * ep == E && !by_hidden),
+           "moe block: " + std::to_string(local) + " of " + std::to_string(E) +
+               " experts' weights here, but the expert axis has " + std::to_string(ep) + " ranks");
+  const int64_t e0 = ep > 1                ? static_cast<int64_t>(g.expert_rank()) * local
+                     : local != E && group ? static_cast<int64_t>(group->rank()) * local
+                                           : 0;
   auto in = [&](const Tensor& t) { return split ? g.tensor_parallel_input(t) : t; };
-  auto sum = [&](const Tensor& t) { return split ? g.tensor_parallel_sum(t) : t; };
+  // The local experts' outputs [na, d] back to x's shape: summed over the expert ranks (each
+  // keeping its tokens' rows) or over the tensor ranks.
+  auto sum = [&](const Tensor& t) {
+    if (ep > 1) return g.reshape(g.expert_scatter_sum(t), x.shape());
+    const Tensor y = g.reshape(t, x.shape());
+    return split ? g.tensor_parallel_sum(y) : y;
+  };
   int64_t r0 = 0, r1 = 0;  // the local experts' rows of the sorted order
   for (int64_t e = 0; e < e0 + local; ++e)
     (e < e0 ? r0 : r1) += order.counts[static_cast<size_t>(e)];
@@ -549,7 +573,7 @@ LayerOutput moe(Graph& g, const Params& p, const MoeSpec& s, const Tensor& x,
   if (m == 0) {
     out.x = g.scale(x, 0.f);  // every slot dropped (still on the tape: a backward reaches x)
   } else if (r1 == r0) {      // none of this rank's experts was chosen: its part of the sum is 0
-    out.x = sum(g.scale(in(x), 0.f));
+    out.x = sum(g.scale(in(xa), 0.f));
   } else {
     Tensor tokens = order.tokens, slot_ids = order.slots, offsets = order.offsets;
     if (local != E) {
@@ -564,7 +588,7 @@ LayerOutput moe(Graph& g, const Params& p, const MoeSpec& s, const Tensor& x,
       be.copy_from_host(offsets, off.data());
     }
     const int64_t ml = r1 - r0;
-    const Tensor xs = g.gather_rows(in(x2), tokens);  // [ml, d]
+    const Tensor xs = g.gather_rows(in(xa), tokens);  // [ml, d]
     Tensor h;
     if (s.gated) {
       h = g.gated(s.act, g.grouped_matmul(xs, p[prefix + "w_gate"], offsets),
@@ -574,9 +598,8 @@ LayerOutput moe(Graph& g, const Params& p, const MoeSpec& s, const Tensor& x,
     }
     const Tensor ys = g.grouped_matmul(h, p[prefix + "w_down"], offsets);  // [ml, d]
     // Each copy's routing weight, in the sorted order, then back to its token weighted.
-    const Tensor ws =
-        g.reshape(g.gather_rows(g.reshape(in(r.weights), {slots, 1}), slot_ids), {ml});
-    out.x = sum(g.reshape(g.scatter_add_rows(ys, tokens, ws, n), x.shape()));
+    const Tensor ws = g.reshape(g.gather_rows(g.reshape(in(wa), {slots_a, 1}), slot_ids), {ml});
+    out.x = sum(g.scatter_add_rows(ys, tokens, ws, na));
   }
 
   // Load balancing, MaxText's: E / B * sum over sequences b and experts e of f_be P_be, with
@@ -616,15 +639,16 @@ LayerOutput moe(Graph& g, const Params& p, const MoeSpec& s, const Tensor& x,
   out.aux.push_back({"moe_z_loss", g.add(with_z, g.scale(without, -1.f)), s.z_loss_weight});
 
   // Metrics (weight 0: logged in metrics.jsonl, not trained): the expert load and the drops.
+  // (Under expert parallelism: the group's tokens.)
   const auto [lo, hi] = std::minmax_element(order.routed.begin(), order.routed.end());
-  const float share = slots ? 1.f / static_cast<float>(slots) : 0.f;
+  const float share = slots_a ? 1.f / static_cast<float>(slots_a) : 0.f;
   std::string tag;
   if (s.layer >= 0) tag.append("/").append(std::to_string(s.layer));
   out.aux.push_back({"moe_load_min" + tag, scalar(be, static_cast<float>(*lo) * share), 0.f});
   out.aux.push_back({"moe_load_max" + tag, scalar(be, static_cast<float>(*hi) * share), 0.f});
   if (s.capacity_factor > 0.f)
     out.aux.push_back(
-        {"moe_dropped_fraction", scalar(be, static_cast<float>(slots - m) * share), 0.f});
+        {"moe_dropped_fraction", scalar(be, static_cast<float>(slots_a - m) * share), 0.f});
   return out;
 }
 

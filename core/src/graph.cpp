@@ -438,11 +438,11 @@ Tensor sum_over(Backend& be, Communicator& group, const Tensor& x, double* secon
 }  // namespace
 
 Tensor Graph::tensor_parallel_input(const Tensor& x) {
-  if (!tensor_group_ || tensor_group_->size() == 1) return x;
+  if (!groups_.tensor || groups_.tensor->size() == 1) return x;
   Tensor out = x.view(x.shape());  // the same values, a node of its own
   Backend* be = backend_;
-  Communicator* group = tensor_group_;
-  double* seconds = tensor_seconds_;
+  Communicator* group = groups_.tensor;
+  double* seconds = groups_.seconds;
   record(record_, impl_->tape, out, {&x}, [be, group, seconds](const Tensor& dout, const Grads& d) {
     const Tensor sum = sum_over(*be, *group, dout, seconds);
     if (d.overwrite(0))
@@ -454,8 +454,8 @@ Tensor Graph::tensor_parallel_input(const Tensor& x) {
 }
 
 Tensor Graph::tensor_parallel_sum(const Tensor& x) {
-  if (!tensor_group_ || tensor_group_->size() == 1) return x;
-  Tensor out = sum_over(*backend_, *tensor_group_, x, tensor_seconds_);
+  if (!groups_.tensor || groups_.tensor->size() == 1) return x;
+  Tensor out = sum_over(*backend_, *groups_.tensor, x, groups_.seconds);
   Backend* be = backend_;
   record(record_, impl_->tape, out, {&x}, [be](const Tensor& dout, const Grads& d) {
     if (d.adopt(0, dout)) return;
@@ -464,6 +464,174 @@ Tensor Graph::tensor_parallel_sum(const Tensor& x) {
     else
       be->axpy(1.f, dout, *d[0]);
   });
+  return out;
+}
+
+namespace {
+
+// Expert parallelism's collectives, through an f32 host buffer as sum_over. `group` null: the
+// memory plan's trace, which only needs the shapes.
+// Every rank's x concatenated along the first dimension in rank order.
+Tensor gather_over(Backend& be, Communicator* group, int rank, int ranks, const Tensor& x,
+                   double* seconds) {
+  Shape s = x.shape();
+  s[0] *= ranks;
+  Tensor out = be.empty(s, x.dtype());
+  if (!group) return out;
+  be.synchronize();
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t part = x.numel();
+  std::vector<float> host(static_cast<size_t>(part * ranks));
+  part_to_host(x, 0, part, host.data() + rank * part);
+  group->all_gather(host.data(), host.size());
+  part_from_host(out, 0, out.numel(), host.data());
+  if (seconds)
+    *seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return out;
+}
+
+// This rank's rows of the rank-ordered sum of every rank's x ([ranks x rows, ...]).
+Tensor scatter_sum_over(Backend& be, Communicator* group, int rank, int ranks, const Tensor& x,
+                        double* seconds) {
+  MT_CHECK(x.ndim() >= 1 && x.dim(0) % ranks == 0, "expert_scatter_sum: " + x.str() + " is not " +
+                                                       std::to_string(ranks) +
+                                                       " equal parts along its first dimension");
+  Shape s = x.shape();
+  s[0] /= ranks;
+  Tensor out = be.empty(s, x.dtype());
+  if (!group) return out;
+  be.synchronize();
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<float> host(static_cast<size_t>(x.numel()));
+  part_to_host(x, 0, x.numel(), host.data());
+  group->reduce_scatter_sum(host.data(), host.size());
+  part_from_host(out, 0, out.numel(), host.data() + rank * out.numel());
+  if (seconds)
+    *seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return out;
+}
+
+// Adds (or writes, where the gradient is fresh) g into input i's gradient, if it has one.
+void accumulate(Backend& be, const Tensor& g, const Grads& d, size_t i) {
+  if (d.overwrite(i))
+    be.cast(g, *d.raw(i));
+  else if (Tensor* t = d[i])
+    be.axpy(1.f, g, *t);
+}
+
+}  // namespace
+
+Tensor Graph::expert_gather(const Tensor& x) {
+  const int ranks = groups_.expert_ranks, rank = groups_.expert_rank;
+  if (ranks <= 1) return x;
+  MT_CHECK(x.ndim() >= 1, "expert_gather: " + x.str() + " has no rows");
+  if (x.dtype() != DType::i32) return expert_gather(std::vector<Tensor>{x})[0];
+  // Expert indices: exact in f32 (below 2^24), no gradient.
+  Backend& be = *backend_;
+  Shape s = x.shape();
+  s[0] *= ranks;
+  Tensor out = be.empty(s, DType::i32);
+  Communicator* group = groups_.expert;
+  if (!group) return out;
+  const auto part = static_cast<size_t>(x.numel());
+  std::vector<int32_t> ids(part * static_cast<size_t>(ranks));
+  if (part) be.copy_to_host(x, ids.data() + part * static_cast<size_t>(rank));
+  std::vector<float> host(ids.begin(), ids.end());
+  group->all_gather(host.data(), host.size());
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(host[i]);
+  if (!ids.empty()) be.copy_from_host(out, ids.data());
+  return out;
+}
+
+std::vector<Tensor> Graph::expert_gather(const std::vector<Tensor>& xs) {
+  const int ranks = groups_.expert_ranks, rank = groups_.expert_rank;
+  if (ranks <= 1) return xs;
+  Backend& be = *backend_;
+  Communicator* group = groups_.expert;
+  double* seconds = groups_.seconds;
+  // One collective for all of them: rank r's slot of the host buffer holds its parts of each.
+  std::vector<int64_t> size, at;
+  int64_t slot = 0;
+  std::vector<Tensor> outs;
+  for (const Tensor& x : xs) {
+    MT_CHECK(x.ndim() >= 1 && (x.dtype() == DType::f32 || x.dtype() == DType::bf16),
+             "expert_gather: " + x.str() + " (want f32 or bf16 rows)");
+    size.push_back(x.numel());
+    at.push_back(slot);
+    slot += x.numel();
+    Shape s = x.shape();
+    s[0] *= ranks;
+    outs.push_back(be.empty(s, x.dtype()));
+  }
+  if (group) {
+    be.synchronize();
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<float> host(static_cast<size_t>(slot * ranks));
+    for (size_t i = 0; i < xs.size(); ++i)
+      part_to_host(xs[i], 0, size[i], host.data() + rank * slot + at[i]);
+    group->all_gather(host.data(), host.size());
+    for (size_t i = 0; i < xs.size(); ++i)
+      for (int r = 0; r < ranks; ++r)
+        part_from_host(outs[i], r * size[i], (r + 1) * size[i], host.data() + r * slot + at[i]);
+    if (seconds)
+      *seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  bool any = false;
+  for (const Tensor& x : xs) any = any || tracked(x);
+  if (!record_ || !any) return outs;
+  // One entry with every gathered tensor as an output, so that its backward (one reduce-scatter)
+  // runs on every rank as soon as any of them has a gradient, the others counting as zeros: the
+  // ranks must make the same collectives, and one whose experts no token chose uses only some.
+  Entry e;
+  std::vector<std::shared_ptr<GradNode>> nodes;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    e.inputs.push_back(tracked(xs[i]) ? xs[i].grad_node() : nullptr);
+    auto n = std::make_shared<GradNode>();
+    n->shape = outs[i].shape();
+    n->dtype = outs[i].dtype();
+    outs[i].set_grad_node(n);
+    nodes.push_back(n);
+    (i == 0 ? e.output : e.more_outputs.emplace_back()) = n;
+  }
+  std::vector<Shape> shapes;
+  for (const Tensor& x : xs) shapes.push_back(x.shape());
+  e.backward = [&be, group, rank, ranks, seconds, nodes, size, at, slot, shapes](const Tensor& dout,
+                                                                                 const Grads& d) {
+    std::vector<float> host(static_cast<size_t>(slot * ranks), 0.f);
+    if (group) {
+      be.synchronize();
+      const auto t0 = std::chrono::steady_clock::now();
+      for (size_t i = 0; i < nodes.size(); ++i) {
+        const Tensor g = i == 0 ? dout : nodes[i]->grad;
+        if (!g.defined()) continue;
+        for (int r = 0; r < ranks; ++r)
+          part_to_host(g, r * size[i], (r + 1) * size[i], host.data() + r * slot + at[i]);
+      }
+      group->reduce_scatter_sum(host.data(), host.size());
+      if (seconds)
+        *seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    for (size_t i = 0; i < nodes.size(); ++i) {
+      Tensor g = be.empty(shapes[i], DType::f32);
+      if (group) part_from_host(g, 0, size[i], host.data() + rank * slot + at[i]);
+      accumulate(be, g, d, i);
+    }
+  };
+  impl_->tape.push_back(std::move(e));
+  return outs;
+}
+
+Tensor Graph::expert_scatter_sum(const Tensor& x) {
+  const int ranks = groups_.expert_ranks, rank = groups_.expert_rank;
+  if (ranks <= 1) return x;
+  Communicator* group = groups_.expert;
+  double* seconds = groups_.seconds;
+  Tensor out = scatter_sum_over(*backend_, group, rank, ranks, x, seconds);
+  Backend* bp = backend_;
+  record(record_, impl_->tape, out, {&x},
+         [bp, group, rank, ranks, seconds](const Tensor& dout, const Grads& d) {
+           accumulate(*bp, gather_over(*bp, group, rank, ranks, dout, seconds), d, 0);
+         });
   return out;
 }
 
@@ -482,8 +650,7 @@ LayerOutput Graph::remat_layer(RematPolicy policy,
   LayerOutput out;
   {
     Graph fwd(*backend_, /*record=*/false);
-    fwd.tensor_group_ = tensor_group_;
-    fwd.tensor_seconds_ = tensor_seconds_;
+    fwd.groups_ = groups_;
     if (policy == RematPolicy::minimal) fwd.impl_->matmul_save = saved.get();
     out = f(fwd, x);
   }
@@ -491,8 +658,7 @@ LayerOutput Graph::remat_layer(RematPolicy policy,
   // the parameters inside f are tracked leaves, so the re-run's own backward accumulates
   // straight into their gradient buffers.
   Backend* be = backend_;
-  Communicator* group = tensor_group_;
-  double* group_seconds = tensor_seconds_;
+  const Groups groups = groups_;
   const Tensor xs = x;
   auto fn = f;
   const bool minimal = policy == RematPolicy::minimal;
@@ -508,11 +674,9 @@ LayerOutput Graph::remat_layer(RematPolicy policy,
   e.output = node(out.x);
   for (auto& a : out.aux) e.more_outputs.push_back(node(a.value));
   std::vector<std::shared_ptr<GradNode>> aux_nodes = e.more_outputs;
-  e.backward = [be, group, group_seconds, xs, fn, saved, minimal, aux_nodes](const Tensor& dy,
-                                                                             const Grads& d) {
+  e.backward = [be, groups, xs, fn, saved, minimal, aux_nodes](const Tensor& dy, const Grads& d) {
     Graph re(*be, /*record=*/true);
-    re.tensor_group_ = group;
-    re.tensor_seconds_ = group_seconds;
+    re.groups_ = groups;
     if (minimal) re.impl_->matmul_replay = saved.get();
     Tensor xr = detach(xs);
     const bool fresh = d.overwrite(0);

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <map>
 #include <memory>
+#include <set>
 
 #include "config_impl.h"
 #include "decoder.h"
@@ -46,12 +47,12 @@ Config with_words(const Config& base, const std::vector<std::string>& words) {
 
 std::unique_ptr<ModelRunner> meta_runner(const Config& cfg, PluginManager& plugins,
                                          const DeviceProfile& device, ParamSharding sharding = {},
-                                         TensorSharding tensor = {}) {
+                                         TensorSharding tensor = {}, ExpertSharding expert = {}) {
   auto backend = std::make_unique<MetaBackend>(device);
   auto attention = std::make_unique<MetaAttention>(cfg.get_string("attention"), *backend,
                                                    device.f32_working_copies);
   return std::make_unique<ModelRunner>(cfg, plugins, std::move(backend), std::move(attention),
-                                       sharding, tensor);
+                                       sharding, tensor, expert);
 }
 
 size_t in_use(ModelRunner& r) {
@@ -71,11 +72,13 @@ TrainingPlan trace_training(const Config& cfg, PluginManager& plugins,
   // Rank 0 of FSDP's ranks (the fsdp axis; with a data axis too, each group of them holds a
   // copy: HSDP): its parts of every tensor (shard_range gives later ranks one element more at
   // most), and each layer's whole weights while the layer runs. Tensor rank 0 of its group:
-  // its part of the split weights (equal parts).
+  // its part of the split weights (equal parts). Expert rank 0: its experts, and the MoE
+  // layers' tokens gathered from the expert group.
   const auto fsdp = static_cast<int>(mesh.fsdp), tensor = static_cast<int>(mesh.tensor);
   auto runner = meta_runner(cfg, plugins, device,
                             fsdp > 1 ? ParamSharding{nullptr, 0, fsdp} : ParamSharding{},
-                            TensorSharding{nullptr, 0, tensor});
+                            TensorSharding{nullptr, 0, tensor},
+                            ExpertSharding{nullptr, 0, static_cast<int>(mesh.expert)});
   Backend& be = runner->backend();
   TrainingPlan t;
   t.weights = in_use(*runner);
@@ -178,7 +181,9 @@ std::vector<std::vector<std::string>> training_changes(const Config& cfg,
   if (remat == "none") c.push_back({"remat_policy=minimal"});
   if (remat != "full") c.push_back({"remat_policy=full"});
   // The moments divided among the data-parallel ranks: the same traffic, the same losses.
-  if (const Mesh mesh = planned_mesh(cfg); mesh.batch_ranks() > 1 && mesh.fsdp == 1) {
+  // (Not with expert parallelism, which combines with neither yet.)
+  if (const Mesh mesh = planned_mesh(cfg);
+      mesh.batch_ranks() > 1 && mesh.fsdp == 1 && mesh.expert == 1) {
     if (!cfg.get_bool("shard_optimizer_over_data"))
       c.insert(c.begin(), {"shard_optimizer_over_data=true"});
     // FSDP over the same ranks: the weights and gradients divided too, for two more gathers
@@ -392,12 +397,18 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
   plan.assumed_mfu = cfg.get_float("plan_assumed_mfu");
   ModelDims dims;
   double top_share = 0;  // of the parameters outside the layers (embedding, head): FSDP's gathers
+  double expert_elements = 0;  // of blocks::moe's expert weights (the expert axis divides them)
+  std::set<std::string> moe_layers;
   {
     auto runner = meta_runner(cfg, plugins, device);
     dims = runner->model().dims();
     double top = 0, all = 0;
     for (const auto& p : runner->params()) {
       all += static_cast<double>(shape_numel(p.spec.shape));
+      if (!p.spec.axes.empty() && p.spec.axes[0] == "experts") {
+        expert_elements += static_cast<double>(shape_numel(p.spec.shape));
+        moe_layers.insert(p.name.substr(0, p.name.rfind('.')));
+      }
       if (p.name.rfind("layers.", 0) != 0 && p.name.rfind("mtp.", 0) != 0)
         top += static_cast<double>(shape_numel(p.spec.shape));
     }
@@ -417,11 +428,16 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
     if (mesh.batch_ranks() > 1 || mesh.tensor > 1) {
       CollectivePlan c;
       c.ici = std::max<int64_t>(1, cfg.get_int("ici_data_parallelism")) *
-              std::max<int64_t>(1, cfg.get_int("ici_fsdp_parallelism"));
+              std::max<int64_t>(1, cfg.get_int("ici_fsdp_parallelism")) *
+              std::max<int64_t>(1, cfg.get_int("ici_expert_parallelism"));
       c.dcn = mesh.batch_ranks() / c.ici;
       // A tensor rank's gradients are its parts (as allocated; FSDP divides those again).
+      // Expert parallelism: the experts' apart.
+      c.expert = mesh.expert;
+      const double dense_elements =
+          static_cast<double>(plan.counts.total) - (c.expert > 1 ? expert_elements : 0.0);
       c.gradient_bytes = mesh.tensor > 1 ? plan.train->gradients * static_cast<size_t>(mesh.fsdp)
-                                         : static_cast<size_t>(plan.counts.total) * 4;
+                                         : static_cast<size_t>(dense_elements) * 4;
       c.fsdp = mesh.fsdp > 1;
       c.fsdp_ranks = mesh.fsdp;
       c.copies = c.fsdp ? mesh.data : 1;
@@ -453,6 +469,25 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
       } else {
         c.ici_bytes = ring(rounds, c.ici) * g;
         c.dcn_bytes = ring(rounds, c.dcn) * g / static_cast<double>(c.ici);
+      }
+      if (c.expert > 1) {
+        // Each rank's experts' gradients over the data axis's ranks holding the same experts.
+        c.moe_layers = static_cast<int64_t>(moe_layers.size());
+        c.expert_gradient_bytes =
+            static_cast<size_t>(expert_elements / static_cast<double>(c.expert)) * 4;
+        const double sums = ring(2.0, mesh.data) * static_cast<double>(c.expert_gradient_bytes);
+        (cfg.get_int("dcn_data_parallelism") == 1 ? c.ici_bytes : c.dcn_bytes) += sums;
+        // Per MoE layer and micro-batch, n tokens of d values with k weights and k choices:
+        // forward gathers (n (d + k) + n k) and reduce-scatters n d per other rank, the
+        // backward reduce-scatters n (d + k) and gathers n d.
+        const auto n = static_cast<double>(cfg.get_int("per_device_batch_size") *
+                                           cfg.get_int("max_target_length"));
+        const auto d = static_cast<double>(dims.d_model);
+        const auto k = static_cast<double>(cfg.get_int("num_experts_per_tok"));
+        const double forward = n * (d + k) + n * k + n * d, backward = n * (d + k) + n * d;
+        c.expert_bytes = static_cast<double>(c.expert - 1) * 4.0 *
+                         static_cast<double>(c.moe_layers * c.micro_batches) *
+                         (static_cast<double>(c.gathers) * forward + backward);
       }
       // Tensor parallelism: per layer and micro-batch, the attention and MLP outputs summed
       // over the group in the forward and their inputs' gradients in the backward (and the
@@ -581,6 +616,22 @@ std::string format_plan(const Plan& p, const Config& cfg) {
       };
       const double t = (p.device.ici_bytes_per_s > 0 ? c.ici_bytes / p.device.ici_bytes_per_s : 0) +
                        (p.device.dcn_bytes_per_s > 0 ? c.dcn_bytes / p.device.dcn_bytes_per_s : 0);
+      if (c.expert > 1)
+        s += fmt::format(
+            "  collectives: expert parallelism over {} ranks, each holding 1/{} of the experts "
+            "of {} MoE layers: every step gathers their tokens to each rank's experts and sums "
+            "the outputs back (per layer and micro-batch, 3 collectives in the forward{} and 2 in "
+            "the backward); a ring moves, per rank and direction, {}; the experts' {} of "
+            "gradients (a rank's) {}, the other parameters' over every rank (below)\n",
+            c.expert, c.expert, c.moe_layers, c.gathers == 1 ? "" : " and 3 in remat's re-run",
+            link(c.expert_bytes,
+                 cfg.get_int("dcn_expert_parallelism") == 1 ? p.device.ici_bytes_per_s
+                                                            : p.device.dcn_bytes_per_s,
+                 cfg.get_int("dcn_expert_parallelism") == 1 ? "within the node" : "across nodes"),
+            human_bytes(static_cast<double>(c.expert_gradient_bytes)),
+            c.ici * c.dcn == c.expert ? std::string("need no sum (one data-parallel copy)")
+                                      : fmt::format("are summed over the data axis's {} ranks",
+                                                    c.ici * c.dcn / c.expert));
       if (c.tensor > 1)
         s += fmt::format(
             "  collectives: tensor parallelism over {} ranks per batch (logical_axis_rules), "
@@ -617,6 +668,7 @@ std::string format_plan(const Plan& p, const Config& cfg) {
                                    : std::string("each holding 1/N of the weights, gradients "
                                                  "and moments"))
             : c.sharded_optimizer ? "each holding the whole weights and 1/N of the moments"
+            : c.expert > 1        ? "each holding the parameters outside the experts whole"
                                   : "each holding the whole model",
             what, link(c.ici_bytes, p.device.ici_bytes_per_s, "within the node"),
             link(c.dcn_bytes, p.device.dcn_bytes_per_s, "across nodes"),

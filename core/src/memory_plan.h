@@ -63,6 +63,15 @@ struct CollectivePlan {
   int64_t tensor_sums = 0;
   size_t tensor_sum_bytes = 0;
   double tensor_bytes = 0;
+  // Expert parallelism: `expert` ranks divide the experts of `moe_layers` layers. Their
+  // gradients (expert_gradient_bytes, a rank's part) are summed over the data axis only (the
+  // rest over every batch rank, as gradient_bytes says); per layer and micro-batch the group's
+  // tokens, routing weights and choices are all-gathered and the outputs reduce-scattered in
+  // each forward (two when remat re-runs the layer), the reverse in the backward: expert_bytes
+  // through one rank's link per direction, all of it in f32.
+  int64_t expert = 1, moe_layers = 0;
+  size_t expert_gradient_bytes = 0;
+  double expert_bytes = 0;
 };
 
 struct PlanFix {

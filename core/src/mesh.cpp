@@ -15,11 +15,12 @@ struct Axis {
   int64_t value;
 };
 
-// MaxText's six axes as configured (ici_data_parallelism defaults to -1, the others to 1).
+// MaxText's eight axes as configured (ici_data_parallelism defaults to -1, the others to 1).
 std::vector<Axis> mesh_axes(const Config& cfg) {
   std::vector<Axis> axes;
   for (const char* k : {"ici_data_parallelism", "ici_fsdp_parallelism", "ici_tensor_parallelism",
-                        "dcn_data_parallelism", "dcn_fsdp_parallelism", "dcn_tensor_parallelism"})
+                        "ici_expert_parallelism", "dcn_data_parallelism", "dcn_fsdp_parallelism",
+                        "dcn_tensor_parallelism", "dcn_expert_parallelism"})
     axes.push_back({k, cfg.has(k) ? cfg.get_int(k) : (k[4] == 'd' && k[0] == 'i' ? -1 : 1)});
   return axes;
 }
@@ -72,9 +73,35 @@ Mesh resolve_mesh(const Config& cfg, int ranks) {
                      "dcn_*_parallelism axes must equal the number of ranks.");
   }
   Mesh m;
-  m.data = axes[0].value * axes[3].value;
-  m.fsdp = axes[1].value * axes[4].value;
-  m.tensor = axes[2].value * axes[5].value;
+  m.data = axes[0].value * axes[4].value;
+  m.fsdp = axes[1].value * axes[5].value;
+  m.tensor = axes[2].value * axes[6].value;
+  m.expert = axes[3].value * axes[7].value;
+  if (m.expert > 1) {
+    const std::string ep =
+        "Expert parallelism (ici_expert_parallelism x dcn_expert_parallelism = " +
+        std::to_string(m.expert) + ")";
+    if (m.fsdp > 1 || m.tensor > 1 || cfg.get_bool("shard_optimizer_over_data"))
+      throw UsageError(ep + " with " +
+                       (m.fsdp > 1     ? "the fsdp axis"
+                        : m.tensor > 1 ? "the tensor axis"
+                                       : "shard_optimizer_over_data") +
+                       " is not implemented yet: combine it with the data axis only, or divide "
+                       "the experts over the tensor axis instead (ici_tensor_parallelism with "
+                       "experts:tensor in logical_axis_rules).");
+    const int64_t experts = cfg.get_int("num_experts");
+    if (experts <= 1 || experts % m.expert != 0)
+      throw UsageError(ep +
+                       " divides the experts of the mixture-of-experts layers among its "
+                       "ranks, but " +
+                       cfg.get_string("model_name") + " has " +
+                       (experts <= 1
+                            ? std::string("none (num_experts ") + std::to_string(experts) + ")"
+                            : std::to_string(experts) + " experts (num_experts), which " +
+                                  std::to_string(m.expert) + " does not divide") +
+                       ". Choose an expert axis dividing num_experts, or use "
+                       "ici_data_parallelism for a dense model.");
+  }
   if (m.tensor > 1 && cfg.get_bool("shard_optimizer_over_data"))
     throw UsageError(
         "shard_optimizer_over_data with tensor parallelism is not implemented yet: set it to "

@@ -1,7 +1,8 @@
-// The device mesh from MaxText's keys: ici_{data,fsdp,tensor}_parallelism within a node and
-// their dcn_ twins across nodes; -1 on one axis = whatever the others leave of the ranks. Their
-// product must be the number of ranks. Tensor parallelism's ranks are the innermost: rank r is
-// tensor rank r % tensor of batch group r / tensor.
+// The device mesh from MaxText's keys: ici_{data,fsdp,tensor,expert}_parallelism within a node
+// and their dcn_ twins across nodes; -1 on one axis = whatever the others leave of the ranks.
+// Their product must be the number of ranks. From the innermost: tensor, expert, fsdp, data;
+// rank r is tensor rank r % tensor of batch group r / tensor, and expert rank
+// (r / tensor) % expert.
 #pragma once
 
 #include <cstdint>
@@ -11,16 +12,18 @@ namespace mt {
 class Config;
 
 struct Mesh {
-  int64_t data = 1, fsdp = 1, tensor = 1;  // ici x dcn of each axis
-  // The ranks the global batch is split among: the data and fsdp axes (as MaxText shards the
-  // batch over both).
-  int64_t batch_ranks() const { return data * fsdp; }
+  int64_t data = 1, fsdp = 1, tensor = 1, expert = 1;  // ici x dcn of each axis
+  // The ranks the global batch is split among: the data, fsdp and expert axes (as MaxText
+  // shards the batch over them; the expert axis divides the experts of the MoE layers and
+  // is data parallelism for the rest).
+  int64_t batch_ranks() const { return data * fsdp * expert; }
 };
 
 // Throws UsageError (one sentence naming the keys) when the axes do not multiply to `ranks`,
-// more than one axis is -1, or tensor parallelism meets shard_optimizer_over_data (not
-// implemented together yet). A pure function of the config and the rank count, so every rank
-// of a job decides the same.
+// more than one axis is -1, tensor parallelism meets shard_optimizer_over_data, or the expert
+// axis meets the fsdp or tensor axis or shard_optimizer_over_data (not implemented together
+// yet), or divides a model without num_experts divisible by it. A pure function of the config and
+// the rank count, so every rank of a job decides the same.
 Mesh resolve_mesh(const Config& cfg, int ranks);
 
 // The devices the mesh's sizes name (the product of the axes set above 1; -1, the rest of the

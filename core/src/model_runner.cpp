@@ -41,8 +41,8 @@ ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins)
 ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins,
                          std::unique_ptr<Backend> given_backend,
                          std::unique_ptr<AttentionKernel> given_attention, ParamSharding sharding,
-                         TensorSharding tensor)
-    : sharding_(sharding), tensor_(tensor) {
+                         TensorSharding tensor, ExpertSharding expert)
+    : sharding_(sharding), tensor_(tensor), expert_(expert) {
   reset_config_reads(cfg);
   compute_dtype_ = dtype_key(cfg, "dtype");
   weight_dtype_ = dtype_key(cfg, "weight_dtype");
@@ -113,12 +113,12 @@ ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins,
     for (const auto& s : model_->mtp_parameters(k)) declare(s, prefix + s.name, names);
     for (const auto& s : model_->mtp_layer(k).parameters()) declare(s, prefix + s.name, names);
   }
+  if (expert_.on()) split_for_expert_parallelism(cfg);
   if (tensor_.on()) split_for_tensor_parallelism(cfg);
-  // Tensor parallelism's part first, then FSDP's part of that.
+  // Tensor (or expert) parallelism's part first, then FSDP's part of that.
   for (auto& p : params_) {
     p.local_shape = p.spec.shape;
-    if (tensor_.on() && p.tensor_dim >= 0)
-      p.local_shape[static_cast<size_t>(p.tensor_dim)] /= tensor_.ranks;
+    if (p.tensor_dim >= 0) p.local_shape[static_cast<size_t>(p.tensor_dim)] /= p.split_parts;
     const int64_t n = shape_numel(p.local_shape);
     if (sharding_.on()) {
       const auto [b, e] = shard_range(static_cast<size_t>(n), sharding_.rank, sharding_.ranks);
@@ -143,8 +143,9 @@ double ModelRunner::take_communication_seconds() {
 bool ModelRunner::overlaps_communication(const Communicator& comm) const {
   const char* env = std::getenv("MT_OVERLAP_COMMUNICATION");
   if (env && std::string(env) == "0") return false;
-  return comm.size() > 1 && comm.serialized_threads() && !tensor_.on() && !profiler_ &&
-         backend_->name() == "cpu";
+  // (Tensor and expert parallelism communicate from the training thread during the backward.)
+  return comm.size() > 1 && comm.serialized_threads() && !tensor_.on() && !expert_.on() &&
+         !profiler_ && backend_->name() == "cpu";
 }
 
 bool ModelRunner::fsdp_overlaps() const {
@@ -217,7 +218,7 @@ void ModelRunner::init_parameters(uint64_t seed, Progress* progress) {
                                 ? RandomFill::Distribution::normal
                                 : RandomFill::Distribution::truncated_normal;
         spec.stddev = p.spec.stddev;
-        if (sharding_.on() || (tensor_.on() && p.tensor_dim >= 0)) {
+        if (sharding_.on() || p.tensor_dim >= 0) {
           Tensor whole = backend().empty(p.spec.shape, p.value.dtype());
           backend().fill_random(whole, spec);
           const Tensor local = tensor_part(p, whole);
@@ -487,6 +488,7 @@ void ModelRunner::split_for_tensor_parallelism(const Config& cfg) {
   const ModelDims dims = model_->dims();
   const int t = tensor_.ranks;
   for (auto& p : params_) {
+    if (p.by_expert) continue;  // the expert axis holds its experts
     for (size_t d = 0; d < p.spec.axes.size() && d < p.spec.shape.size(); ++d) {
       const std::string& axis = p.spec.axes[d];
       if (std::find(on_tensor.begin(), on_tensor.end(), axis) == on_tensor.end()) continue;
@@ -509,14 +511,42 @@ void ModelRunner::split_for_tensor_parallelism(const Config& cfg) {
             " does not divide. Choose ici_tensor_parallelism x dcn_tensor_parallelism dividing "
             "it, or leave that axis out of logical_axis_rules.");
       p.tensor_dim = static_cast<int>(d);
+      p.split_parts = t;
+      p.split_part = tensor_.rank;
     }
   }
 }
 
+void ModelRunner::split_for_expert_parallelism(const Config& cfg) {
+  const int x = expert_.ranks;
+  bool any = false;
+  for (auto& p : params_) {
+    if (p.spec.axes.empty() || p.spec.axes[0] != "experts" || p.spec.shape.empty()) continue;
+    if (p.spec.shape[0] % x != 0)  // resolve_mesh checked num_experts; a family's own stack
+      throw UsageError("Expert parallelism over " + std::to_string(x) + " ranks divides the " +
+                       "experts of " + p.name + ", but " + cfg.get_string("model_name") +
+                       " gives it " + std::to_string(p.spec.shape[0]) + ", which " +
+                       std::to_string(x) + " does not divide.");
+    p.tensor_dim = 0;
+    p.split_parts = x;
+    p.split_part = expert_.rank;
+    p.by_expert = true;
+    any = true;
+  }
+  if (!any)
+    throw UsageError(
+        "Expert parallelism over " + std::to_string(x) +
+        " ranks divides the experts of the "
+        "mixture-of-experts layers that the core's MoE block computes, but " +
+        cfg.get_string("model_name") + " (" + cfg.get_string("decoder_block") +
+        " family) has none: its family computes its own experts. Use ici_data_parallelism "
+        "instead of ici_expert_parallelism for it.");
+}
+
 Tensor ModelRunner::tensor_part(const Param& p, const Tensor& whole) {
-  if (!tensor_.on() || p.tensor_dim < 0) return whole;
-  const auto [rows, cols, width] = split_of(whole.shape(), p.tensor_dim, tensor_.ranks);
-  const auto t = static_cast<int64_t>(tensor_.rank), parts = static_cast<int64_t>(tensor_.ranks);
+  if (p.tensor_dim < 0) return whole;
+  const auto [rows, cols, width] = split_of(whole.shape(), p.tensor_dim, p.split_parts);
+  const auto t = static_cast<int64_t>(p.split_part), parts = static_cast<int64_t>(p.split_parts);
   Shape s = whole.shape();
   s[static_cast<size_t>(p.tensor_dim)] /= parts;
   Tensor out = backend().empty(s, whole.dtype());
@@ -531,15 +561,14 @@ Tensor ModelRunner::tensor_part(const Param& p, const Tensor& whole) {
 
 std::vector<char> ModelRunner::local_part(const Param& p, const void* whole, size_t elem) const {
   // The tensor-parallel part (all of the tensor when not split), FSDP's range of it.
-  const bool split = tensor_.on() && p.tensor_dim >= 0;
-  const Split s = split_of(p.spec.shape, split ? p.tensor_dim : -1, split ? tensor_.ranks : 1);
+  const bool split = p.tensor_dim >= 0;
+  const Split s = split_of(p.spec.shape, split ? p.tensor_dim : -1, p.split_parts);
   const auto* src = static_cast<const char*>(whole);
   std::vector<char> out(static_cast<size_t>(p.shard_end - p.shard_begin) * elem);
-  for_each_run(s, split ? tensor_.rank : 0, p.shard_begin, p.shard_end,
-               [&](int64_t w, int64_t j, int64_t n) {
-                 std::copy_n(src + w * static_cast<int64_t>(elem), n * static_cast<int64_t>(elem),
-                             out.data() + (j - p.shard_begin) * static_cast<int64_t>(elem));
-               });
+  for_each_run(s, p.split_part, p.shard_begin, p.shard_end, [&](int64_t w, int64_t j, int64_t n) {
+    std::copy_n(src + w * static_cast<int64_t>(elem), n * static_cast<int64_t>(elem),
+                out.data() + (j - p.shard_begin) * static_cast<int64_t>(elem));
+  });
   return out;
 }
 
@@ -724,6 +753,8 @@ Tensor ModelRunner::run_layers(Graph& g, const std::vector<Tensor>& ps, const Te
   in.attention = &attention();
   // Tensor parallelism: the blocks sum their row-parallel projections over the group.
   if (tensor_.on()) g.set_tensor_group(tensor_.group, &comm_seconds_);
+  // Expert parallelism: the MoE blocks gather the group's tokens for their experts.
+  if (expert_.on()) g.set_expert_group(expert_.group, expert_.ranks, expert_.rank);
   Tensor x = model_->embed_at(g, top_params(ps), tokens, in.positions);
   for (int i = 0; i < model_->num_layers(); ++i) {
     const auto ui = static_cast<size_t>(i);
@@ -734,8 +765,9 @@ Tensor ModelRunner::run_layers(Graph& g, const std::vector<Tensor>& ps, const Te
 }
 
 Tensor ModelRunner::loss(Graph& g, const DeviceBatch& batch, float z_loss, double weight_scale,
-                         std::map<std::string, double>* aux_values,
-                         std::vector<LayerStats>* stats) {
+                         std::map<std::string, double>* aux_values, std::vector<LayerStats>* stats,
+                         double aux_scale) {
+  if (aux_scale < 0) aux_scale = weight_scale;
   LayerInputs in;
   in.positions = batch.positions;
   in.segment_ids = batch.segment_ids;
@@ -789,9 +821,9 @@ Tensor ModelRunner::loss(Graph& g, const DeviceBatch& batch, float z_loss, doubl
                  (a.value.defined() ? a.value.str() : std::string("nothing")));
     float host = 0;
     backend().copy_to_host(a.value, &host);
-    (*aux_values)[a.name] += weight_scale * static_cast<double>(host) / per_name[a.name];
+    (*aux_values)[a.name] += aux_scale * static_cast<double>(host) / per_name[a.name];
     if (a.weight != 0.f)
-      total = g.add(total, g.scale(a.value, static_cast<float>(a.weight * weight_scale)));
+      total = g.add(total, g.scale(a.value, static_cast<float>(a.weight * aux_scale)));
   }
   return total;
 }

@@ -31,9 +31,13 @@ struct Param {
   // The elements [shard_begin, shard_end) of the flattened parameter `value` holds: all of
   // them unless the runner's parameters are sharded (FSDP), where shard_range splits them.
   int64_t shard_begin = 0, shard_end = 0;
-  // Tensor parallelism: the dimension split among the tensor ranks, this rank holding the
-  // t-th of its equal parts; -1: whole on every rank (replicated).
+  // Tensor or expert parallelism: the dimension split among the ranks of one mesh axis, this
+  // rank holding the split_part-th of its split_parts equal parts; -1: whole on every rank
+  // (replicated). `by_expert`: the expert axis divides it (blocks::moe's expert weights),
+  // else the tensor axis.
   int tensor_dim = -1;
+  int split_parts = 1, split_part = 0;
+  bool by_expert = false;
   // The shape of this rank's tensor-parallel part (spec.shape unless split): what FSDP divides
   // and gathers.
   Shape local_shape = {};
@@ -69,6 +73,19 @@ struct TensorSharding {
   bool on() const { return ranks > 1; }
 };
 
+// Expert parallelism (MaxText's expert axis): the experts of blocks::moe's weights (their
+// first dimension, logical axis "experts") are divided among the `ranks` of `group` (this one
+// the `rank`-th), whose batches differ: each MoE layer gathers the group's tokens, runs its own
+// experts on them and sums the outputs back (Graph::expert_group). `group` null with ranks > 1:
+// the memory plan's trace. `replicas`: the ranks holding the same experts in the other groups
+// (data parallelism), over which the trainer sums their gradients; null when one group.
+struct ExpertSharding {
+  Communicator* group = nullptr;
+  int rank = 0, ranks = 1;
+  Communicator* replicas = nullptr;
+  bool on() const { return ranks > 1; }
+};
+
 // Multi-token prediction's inputs at depth k (Model::mtp_depths): the batch shifted left by k
 // on the host. inputs/positions: those of position i + k (0 past the end); targets: the target
 // of position i + k, or -1 where i + k is past the end or in another packed document.
@@ -91,11 +108,11 @@ class ModelRunner {
   // The same on a backend (and attention kernel) made by the caller: a MetaBackend for
   // `mt plan`, or the backend a memory check already made. A null attention is made from the
   // plugins for the backend's name.
-  // `sharding`: the parameters' FSDP split, `tensor` their tensor-parallel one (none by
-  // default).
+  // `sharding`: the parameters' FSDP split, `tensor` their tensor-parallel one, `expert` the
+  // experts' (none by default).
   ModelRunner(const Config& cfg, PluginManager& plugins, std::unique_ptr<Backend> backend,
               std::unique_ptr<AttentionKernel> attention = nullptr, ParamSharding sharding = {},
-              TensorSharding tensor = {});
+              TensorSharding tensor = {}, ExpertSharding expert = {});
   ~ModelRunner();
 
   // The backend ops run on (the profiling wrapper when profile=true).
@@ -121,6 +138,7 @@ class ModelRunner {
   // The parameters of decoder layer i: params()[first, second).
   std::pair<size_t, size_t> layer_params(size_t i) const { return {block_begin(i), block_end(i)}; }
   const TensorSharding& tensor_sharding() const { return tensor_; }
+  const ExpertSharding& expert_sharding() const { return expert_; }
   // Tensor parallelism: this rank's part of a whole tensor of parameter `p` (a new tensor on
   // the backend), or the tensor itself when `p` is replicated.
   Tensor tensor_part(const Param& p, const Tensor& whole);
@@ -196,8 +214,12 @@ class ModelRunner {
                         std::vector<KVCache>& caches, bool last_only = false);
   // Mean cross-entropy over the batch's valid targets times `weight_scale`; scalar [1] f32.
   // With `aux` (training), the layers' auxiliary losses join the objective (each weight x value
-  // x weight_scale) and their values, averaged over the layers reporting each name and times
-  // weight_scale, are added to (*aux)[name]. Without it (evaluation, scoring) they do not.
+  // x aux_scale) and their values, averaged over the layers reporting each name and times
+  // aux_scale, are added to (*aux)[name]. Without it (evaluation, scoring) they do not.
+  // aux_scale < 0: weight_scale. The layers' losses are means over the batch's sequences or
+  // tokens (MoE load balancing, router z-loss), so a step of several micro-batches or ranks
+  // gives each its share of the sequences, where the cross-entropy's share is of the valid
+  // targets: then the step's objective is one batch's whatever the split.
   // With `stats` (training), each layer's LayerOutput::stats are summed elementwise into
   // (*stats)[layer][name] (resized to the layers, then the MTP layers), from the forward only
   // (not remat's re-run).
@@ -206,7 +228,7 @@ class ModelRunner {
   // cross-entropies) and "mtp_loss/<k>" (depth k's mean cross-entropy), times weight_scale.
   Tensor loss(Graph& g, const DeviceBatch& batch, float z_loss, double weight_scale = 1.0,
               std::map<std::string, double>* aux = nullptr,
-              std::vector<LayerStats>* stats = nullptr);
+              std::vector<LayerStats>* stats = nullptr, double aux_scale = -1.0);
   // After the optimizer step: each layer's (and MTP layer's) DecoderLayer::after_step with its
   // master parameters and its step statistics (`stats` as loss() summed them; empty for a layer
   // with none).
@@ -229,6 +251,8 @@ class ModelRunner {
   // Marks each parameter's dimension that logical_axis_rules put on the tensor axis
   // (Param::tensor_dim), refusing what the tensor ranks do not divide.
   void split_for_tensor_parallelism(const Config& cfg);
+  // Marks the experts dimension of each expert weight as divided among the expert ranks.
+  void split_for_expert_parallelism(const Config& cfg);
   Params top_params(const std::vector<Tensor>& ps) const;
   // Params' layouts for params_[begin, end) (empty when every one is as declared).
   std::vector<WeightLayout> layouts(size_t begin, size_t end) const;
@@ -270,6 +294,7 @@ class ModelRunner {
   ParamSharding sharding_;
   bool any_layout_ = false;  // some parameter is not stored as declared (Param::layout)
   TensorSharding tensor_;
+  ExpertSharding expert_;
   double comm_seconds_ = 0;
   // FSDP with overlap (overlaps_communication): the gathers and reduce-scatters run in order on
   // queue_'s thread. A block's gathers start when the block before it (in the pass's direction:

@@ -153,13 +153,17 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
   Backend& be = runner.backend();
   const bool ranks = comm && comm->size() > 1;
   StepGradients r;
-  int64_t valid = 0;
-  for (const auto& mb : micro) valid += mb.valid_targets;
-  if (ranks) {  // the weights are shares of the global batch's targets
+  int64_t valid = 0, sequences = 0;
+  for (const auto& mb : micro) {
+    valid += mb.valid_targets;
+    sequences += mb.inputs.dim(0);
+  }
+  if (ranks) {  // the weights are shares of the global batch's targets and sequences
     const auto t0 = Clock::now();
-    double v = static_cast<double>(valid);
-    comm->all_reduce_sum(&v, 1);
-    valid = std::llround(v);
+    double v[2] = {static_cast<double>(valid), static_cast<double>(sequences)};
+    comm->all_reduce_sum(v, 2);
+    valid = std::llround(v[0]);
+    sequences = std::llround(v[1]);
     r.communication_s += seconds_since(t0);
   }
   // Plain data parallelism: the last micro-batch's backward hands each layer's final gradients
@@ -210,7 +214,10 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
     Graph g(be);
     const double share =
         valid ? static_cast<double>(mb.valid_targets) / static_cast<double>(valid) : 0;
-    Tensor l = runner.loss(g, mb, z_loss, share, &r.aux, &r.layer_stats);
+    // The layers' own losses (means over sequences or tokens): the share of the sequences.
+    const double aux_share =
+        sequences ? static_cast<double>(mb.inputs.dim(0)) / static_cast<double>(sequences) : 0;
+    Tensor l = runner.loss(g, mb, z_loss, share, &r.aux, &r.layer_stats, aux_share);
     float lv = 0;
     be.copy_to_host(l, &lv);
     r.loss += lv;
@@ -256,11 +263,16 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
       // The layers' buckets the backward overlapped (only the wait for the last is exposed),
       // then what remains (the top parameters) in one more.
       if (sums) sums->drain();
-      std::vector<Tensor*> grads;
+      // Expert parallelism: an expert's gradient over the ranks holding that expert (none to
+      // sum with when the expert axis is the whole job), the rest over all.
+      const ExpertSharding& experts = runner.expert_sharding();
+      std::vector<Tensor*> grads, expert_grads;
       size_t j = 0;
       for (auto& p : runner.params())
-        if (!sent[j++]) grads.push_back(&p.grad);
+        if (!sent[j++]) (experts.on() && p.by_expert ? expert_grads : grads).push_back(&p.grad);
       comm->all_reduce_sum(be, grads);
+      if (experts.replicas && !expert_grads.empty())
+        experts.replicas->all_reduce_sum(be, expert_grads);
     }
     std::vector<double> scalars{r.loss};
     for (const auto& [name, v] : r.aux) scalars.push_back(v);
@@ -283,12 +295,14 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
   const bool parts = ranks && opt && opt->sharded() && !fsdp;
   // Tensor parallelism: the split gradients' parts on every tensor rank, the replicated ones
   // (the same on each) on the first only, then summed over the group.
+  // Expert parallelism the same way over the expert group.
   const TensorSharding& tensor = runner.tensor_sharding();
+  const ExpertSharding& experts = runner.expert_sharding();
   std::vector<Tensor> views;
   size_t i = 0;
   for (auto& p : runner.params()) {
     const auto [b, e] = parts ? opt->shard[i] : std::pair<int64_t, int64_t>{0, p.grad.numel()};
-    const bool counted = !tensor.on() || p.tensor_dim >= 0 || tensor.rank == 0;
+    const bool counted = p.tensor_dim >= 0 || (tensor.rank == 0 && experts.rank == 0);
     if (b < e && counted) views.push_back(parts ? flat_part(p.grad, b, e) : p.grad);
     ++i;
   }
@@ -304,9 +318,11 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
     (fsdp && runner.sharding().comm ? runner.sharding().comm : comm)->all_reduce_sum(&total, 1);
     r.communication_s += seconds_since(t0);
   }
-  if (tensor.on() && tensor.group) {
+  for (Communicator* group :
+       {tensor.on() ? tensor.group : nullptr, experts.on() ? experts.group : nullptr}) {
+    if (!group) continue;
     const auto t0 = Clock::now();
-    tensor.group->all_reduce_sum(&total, 1);
+    group->all_reduce_sum(&total, 1);
     r.communication_s += seconds_since(t0);
   }
   r.grad_norm = std::sqrt(total);
@@ -420,6 +436,17 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     data_group = comm.split(tp_rank, batch_index);
   }
   Communicator& dp = data_group ? *data_group : comm;
+  // Expert parallelism (with the data axis only, as resolve_mesh allows): rank r is expert
+  // rank r % X of data index r / X; the experts are divided within each group of X
+  // consecutive ranks, and each expert's gradient is summed over the ranks holding it (one per
+  // data index). The batch is split over both axes (dp is the whole world).
+  const int xp = static_cast<int>(mesh.expert);
+  const int xp_rank = comm.rank() % xp, data_of_expert = comm.rank() / xp;
+  std::unique_ptr<Communicator> expert_group, expert_replicas;
+  if (xp > 1) {
+    expert_group = comm.split(data_of_expert, xp_rank);
+    if (mesh.data > 1) expert_replicas = comm.split(xp_rank, data_of_expert);
+  }
   // Outputs: the resolved config beside the metrics, in a directory this run alone writes:
   // locked before anything else is done, so a second run is refused at once.
   if (!cfg.get_string("quantization").empty())
@@ -453,7 +480,8 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     sharding = {fsdp_group ? fsdp_group.get() : &comm, fsdp_rank, f, replica_group.get()};
   }
   ModelRunner runner(cfg, plugins, std::move(device), nullptr, sharding,
-                     TensorSharding{tensor_group.get(), tp_rank, tp});
+                     TensorSharding{tensor_group.get(), tp_rank, tp},
+                     ExpertSharding{expert_group.get(), xp_rank, xp, expert_replicas.get()});
   Backend& be = runner.backend();
   const int64_t steps = cfg.get_int("steps");
   const int64_t accum = cfg.get_int("gradient_accumulation_steps");
@@ -523,7 +551,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   // 2; a replicated part by the lowest rank holding it) and restores its parts from a
   // checkpoint of any mesh; no rank ever holds the whole state.
   const bool fsdp = runner.sharding().on();
-  const bool parts = fsdp || tp > 1 || opt.sharded();
+  const bool parts = fsdp || tp > 1 || xp > 1 || opt.sharded();
   TrainState state;
   ShardedTrainState part_state;
   {
@@ -536,11 +564,8 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
         ++i;
         continue;
       }
-      const bool split = tp > 1 && p.tensor_dim >= 0;
-      TensorPart part{p.spec.shape,   split ? p.tensor_dim : -1,
-                      split ? tp : 1, split ? tp_rank : 0,
-                      p.shard_begin,  p.shard_end,
-                      p.value};
+      TensorPart part{p.spec.shape,  p.tensor_dim, p.split_parts, p.split_part,
+                      p.shard_begin, p.shard_end,  p.value};
       part_state.tensors[0][p.name] = part;
       if (opt.sharded()) std::tie(part.begin, part.end) = opt.shard[i];  // ZeRO-1's range
       part.data = opt.m[i];
@@ -713,6 +738,15 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
           tp, human_count(static_cast<double>(split)), human_count(static_cast<double>(whole)),
           shard_note);
     }
+    if (xp > 1) {
+      int64_t split = 0;
+      for (auto& p : runner.params())
+        if (p.by_expert) split += shape_numel(p.spec.shape);
+      shard_note = fmt::format(
+          "; expert parallelism over {} ranks (ici_expert_parallelism x dcn_expert_parallelism): "
+          "{} expert parameters divided among them, each MoE layer gathering their tokens{}",
+          xp, human_count(static_cast<double>(split)), shard_note);
+    }
     if (ranks > 1 && overlap_gradient_sums(runner, dp, &opt))
       shard_note += "; each layer's gradient sum overlaps the backward of the layers below it";
     if (fsdp && runner.fsdp_overlaps())
@@ -731,13 +765,23 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     Progress shown("mt run: evaluating", static_cast<double>(eval_steps), "batches", tty);
     for (int64_t i = 0; i < eval_steps; ++i, shown.add(1)) {
       HostBatch hb;
-      if (!data->next(hb, /*eval=*/true)) break;
+      const bool more = data->next(hb, /*eval=*/true);
+      if (expert_group) {
+        // The MoE layers gather over the expert group: its ranks evaluate together, while every
+        // one of them has a batch, and a batch without targets runs too.
+        double have = more ? 1 : 0;
+        expert_group->all_reduce_sum(&have, 1);
+        if (have < xp) break;
+      } else if (!more) {
+        break;
+      }
       DeviceBatch db = runner.upload(hb);
-      if (db.valid_targets == 0) continue;
+      if (db.valid_targets == 0 && !expert_group) continue;
       Graph g(be, /*record=*/false);
       Tensor l = runner.loss(g, db, 0.f);
       float lv = 0;
       be.copy_to_host(l, &lv);
+      if (db.valid_targets == 0) continue;
       total += lv * static_cast<double>(db.valid_targets);
       count += static_cast<double>(db.valid_targets);
     }
@@ -752,7 +796,8 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   // Bytes this rank received in collectives, over every communicator it uses.
   auto bytes_received = [&] {
     double b = comm.bytes_received();
-    for (const auto* c : {&tensor_group, &data_group, &fsdp_group, &replica_group})
+    for (const auto* c :
+         {&tensor_group, &data_group, &fsdp_group, &replica_group, &expert_group, &expert_replicas})
       if (*c) b += (*c)->bytes_received();
     return b;
   };

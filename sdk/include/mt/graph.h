@@ -63,16 +63,40 @@ class MT_API Graph {
   // it); null or one rank: both ops below are the identity and cost nothing. `seconds`, when
   // given, accumulates the time the sums take (with their host copies).
   void set_tensor_group(Communicator* group, double* seconds = nullptr) {
-    tensor_group_ = group;
-    tensor_seconds_ = seconds;
+    groups_.tensor = group;
+    groups_.seconds = seconds;
   }
-  Communicator* tensor_group() const { return tensor_group_; }
+  Communicator* tensor_group() const { return groups_.tensor; }
   // Before a column-parallel projection (wq, w_gate, ...): x itself; the backward sums x's
   // gradient over the group (each rank's part of the projection contributes its share).
   Tensor tensor_parallel_input(const Tensor& x);
   // After a row-parallel projection (wo, w_down, ...): the sum of every rank's x, in rank order
   // (the same bits on each); the backward passes the gradient through.
   Tensor tensor_parallel_sum(const Tensor& x);
+
+  // ---- expert parallelism (MaxText's expert axis) ----------------------------------------------
+  // The `ranks` ranks (this one the `rank`-th) among which blocks::moe's experts are divided,
+  // each with a batch of its own (set by the core; remat's graphs inherit it). `group` null with
+  // ranks > 1: the memory plan's trace (the ops below make tensors of the right shapes and
+  // communicate nothing). One rank: both ops are the identity.
+  void set_expert_group(Communicator* group, int ranks, int rank) {
+    groups_.expert = group;
+    groups_.expert_ranks = ranks;
+    groups_.expert_rank = rank;
+  }
+  Communicator* expert_group() const { return groups_.expert; }
+  int expert_ranks() const { return groups_.expert_ranks; }
+  int expert_rank() const { return groups_.expert_rank; }
+  // Every rank's x (f32 or bf16 rows, the same shape on each), concatenated along the first
+  // dimension in rank order; the backward sums the gradient over the ranks (rank order) and
+  // keeps this rank's rows. i32 x (expert indices) is gathered with no gradient.
+  Tensor expert_gather(const Tensor& x);
+  // Several f32/bf16 tensors in one collective, as above; the backward runs when any of them has
+  // a gradient (the others count as zeros), so every rank makes the same collectives.
+  std::vector<Tensor> expert_gather(const std::vector<Tensor>& xs);
+  // The inverse: this rank's rows of the rank-ordered sum over the ranks of x, whose first
+  // dimension is `ranks` equal parts; the backward gathers the gradient.
+  Tensor expert_scatter_sum(const Tensor& x);
 
   // Marks `param` as a leaf whose gradient accumulates (+=) into `grad` (same shape).
   static void track(Tensor& param, Tensor grad);
@@ -192,8 +216,13 @@ class MT_API Graph {
   Backend* backend_;
   bool record_;
   std::unique_ptr<Impl> impl_;
-  Communicator* tensor_group_ = nullptr;
-  double* tensor_seconds_ = nullptr;
+  // The ranks this graph's collectives run over, passed on to remat's graphs.
+  struct Groups {
+    Communicator* tensor = nullptr;
+    double* seconds = nullptr;  // the collectives' time, tensor and expert alike
+    Communicator* expert = nullptr;
+    int expert_ranks = 1, expert_rank = 0;
+  } groups_;
 };
 
 }  // namespace mt

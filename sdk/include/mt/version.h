@@ -26,5 +26,6 @@
 // over shard_range's parts (sharded optimizer state); 11: Communicator::split and bytes_received,
 // ParamSpec::axes, Graph's tensor-group ops; 12: Communicator::serialized_threads; 13:
 // ParamSpec::projection, Params' transposed and int8 projection weights, Graph::project and
-// Backend::matmul_q8 (op set 5).
-#define MT_ABI_VERSION 13u
+// Backend::matmul_q8 (op set 5); 14: Graph's expert-group ops (expert_gather,
+// expert_scatter_sum; Graph's groups in one member).
+#define MT_ABI_VERSION 14u
