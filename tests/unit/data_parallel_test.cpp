@@ -499,32 +499,39 @@ TEST(DataParallel, ExpertParallelCheckpointsResumeOnAnyMesh) {
     EXPECT_TRUE(fs::exists(step / f)) << f;
 }
 
+// A launch refused before any work: `ranks` processes with `words`, one error on rank 0
+// containing `message`, exit 2, no metrics written.
+struct Refused {
+  int ranks;
+  const char* name;
+  std::string words, message;
+};
+void expect_refused(const fs::path& root, const std::vector<Refused>& cases) {
+  for (const Refused& c : cases) {
+    SCOPED_TRACE(c.name);
+    const test::MtResult r = mpirun(c.ranks, train_args(root, c.name, 1, c.words), 30);
+    EXPECT_EQ(r.code, 2) << r.out;
+    EXPECT_EQ(count(r.out, c.message), 1u) << r.out;
+    EXPECT_FALSE(fs::exists(root / c.name / "metrics.jsonl"));
+  }
+}
+
 // What the expert axis cannot divide, or cannot yet be combined with: one clear error on rank
 // 0, exit 2, before any work.
 TEST(DataParallel, AnExpertAxisThatCannotSplitIsOneError) {
   MT_NEED_MPIRUN();
   Dir d;
-  struct Refused {
-    int ranks;
-    const char* name;
-    std::string words, message;
-  };
   const std::string ep2 = "dataset_type=synthetic ici_expert_parallelism=2 ";
-  for (const Refused& c : std::vector<Refused>{
-           {2, "dense", ep2 + "ici_data_parallelism=1", "but llama-test has none (num_experts 1)"},
-           {3, "eight", "dataset_type=synthetic --model=mixtral-test ici_expert_parallelism=3",
-            "but mixtral-test has 8 experts (num_experts), which 3 does not divide"},
-           {2, "own", ep2 + "--model=deepseek3-test ici_data_parallelism=1",
-            "but deepseek3-test (deepseek_v3 family) has none: its family computes its own "
-            "experts"},
-           {4, "fsdp", ep2 + "--model=mixtral-test ici_fsdp_parallelism=2",
-            "with the fsdp axis is not implemented yet"}}) {
-    SCOPED_TRACE(c.name);
-    const test::MtResult r = mpirun(c.ranks, train_args(d.root, c.name, 1, c.words), 30);
-    EXPECT_EQ(r.code, 2) << r.out;
-    EXPECT_EQ(count(r.out, c.message), 1u) << r.out;
-    EXPECT_FALSE(fs::exists(d.root / c.name / "metrics.jsonl"));
-  }
+  expect_refused(
+      d.root,
+      {{2, "dense", ep2 + "ici_data_parallelism=1", "but llama-test has none (num_experts 1)"},
+       {3, "eight", "dataset_type=synthetic --model=mixtral-test ici_expert_parallelism=3",
+        "but mixtral-test has 8 experts (num_experts), which 3 does not divide"},
+       {2, "own", ep2 + "--model=deepseek3-test ici_data_parallelism=1",
+        "but deepseek3-test (deepseek_v3 family) has none: its family computes its own "
+        "experts"},
+       {4, "fsdp", ep2 + "--model=mixtral-test ici_fsdp_parallelism=2",
+        "with the fsdp axis is not implemented yet"}});
 }
 
 // Each tensor rank saves its parts: saved by 2 tensor ranks, the checkpoint resumes under 1
@@ -552,27 +559,16 @@ TEST(DataParallel, TensorParallelCheckpointsResumeOnAnyMesh) {
 TEST(DataParallel, ATensorAxisThatCannotSplitIsOneError) {
   MT_NEED_MPIRUN();
   Dir d;
-  struct Refused {
-    int ranks;
-    const char* name;
-    std::string words, message;
-  };
   const std::string tp2 = "dataset_type=synthetic ici_tensor_parallelism=2 ici_data_parallelism=1 ";
-  for (const Refused& c : std::vector<Refused>{
-           {4, "tp", "dataset_type=synthetic ici_tensor_parallelism=4 ici_data_parallelism=1",
-            "Tensor parallelism over 4 ranks divides the 'kv_heads' axis, but llama-test has 2 "
-            "key/value heads (base_num_kv_heads), which 4 does not divide"},
-           {2, "both", tp2 + "shard_optimizer_over_data=true",
-            "shard_optimizer_over_data with tensor parallelism is not implemented"},
-           // A logical axis the blocks cannot compute on in parts (the embedding's vocabulary).
-           {2, "vocab", tp2 + "logical_axis_rules=[heads:tensor,vocab:tensor]",
-            "only heads, kv_heads, mlp and experts can be divided"}}) {
-    SCOPED_TRACE(c.name);
-    const test::MtResult r = mpirun(c.ranks, train_args(d.root, c.name, 1, c.words), 30);
-    EXPECT_EQ(r.code, 2) << r.out;
-    EXPECT_EQ(count(r.out, c.message), 1u) << r.out;
-    EXPECT_FALSE(fs::exists(d.root / c.name / "metrics.jsonl"));
-  }
+  expect_refused(
+      d.root, {{4, "tp", "dataset_type=synthetic ici_tensor_parallelism=4 ici_data_parallelism=1",
+                "Tensor parallelism over 4 ranks divides the 'kv_heads' axis, but llama-test has 2 "
+                "key/value heads (base_num_kv_heads), which 4 does not divide"},
+               {2, "both", tp2 + "shard_optimizer_over_data=true",
+                "shard_optimizer_over_data with tensor parallelism is not implemented"},
+               // A logical axis the blocks cannot compute on in parts (the embedding's vocabulary).
+               {2, "vocab", tp2 + "logical_axis_rules=[heads:tensor,vocab:tensor]",
+                "only heads, kv_heads, mlp and experts can be divided"}});
 }
 
 // 2-D and 3-D meshes: 2 fsdp x 2 tensor ranks (each tensor part divided again by FSDP) train as
