@@ -396,13 +396,12 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
   plan.device = device;
   plan.assumed_mfu = cfg.get_float("plan_assumed_mfu");
   ModelDims dims;
-  double top_share = 0;  // of the parameters outside the layers (embedding, head): FSDP's gathers
+  double top = 0, all = 0;     // the parameters outside the layers (embedding, head), and all
   double expert_elements = 0;  // of blocks::moe's expert weights (the expert axis divides them)
   std::set<std::string> moe_layers;
   {
     auto runner = meta_runner(cfg, plugins, device);
     dims = runner->model().dims();
-    double top = 0, all = 0;
     for (const auto& p : runner->params()) {
       all += static_cast<double>(shape_numel(p.spec.shape));
       if (!p.spec.axes.empty() && p.spec.axes[0] == "experts") {
@@ -412,7 +411,6 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
       if (p.name.rfind("layers.", 0) != 0 && p.name.rfind("mtp.", 0) != 0)
         top += static_cast<double>(shape_numel(p.spec.shape));
     }
-    top_share = all > 0 ? top / all : 0;
     plan.counts = count_parameters(runner->model());
     plan.compute = runner->compute_dtype();
     plan.weights = runner->weight_dtype();
@@ -432,15 +430,21 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
               std::max<int64_t>(1, cfg.get_int("ici_expert_parallelism"));
       c.dcn = mesh.batch_ranks() / c.ici;
       // A tensor rank's gradients are its parts (as allocated; FSDP divides those again).
-      // Expert parallelism: the experts' apart.
+      // Expert parallelism: a rank holds 1/X of the experts (FSDP gathers those and the rest;
+      // data parallelism all-reduces the rest over every rank, the experts apart).
       c.expert = mesh.expert;
+      c.fsdp = mesh.fsdp > 1;
+      const double expert_local =
+          c.expert > 1 ? expert_elements / static_cast<double>(c.expert) : 0.0;
       const double dense_elements =
           static_cast<double>(plan.counts.total) - (c.expert > 1 ? expert_elements : 0.0);
-      c.gradient_bytes = mesh.tensor > 1 ? plan.train->gradients * static_cast<size_t>(mesh.fsdp)
-                                         : static_cast<size_t>(dense_elements) * 4;
-      c.fsdp = mesh.fsdp > 1;
+      c.gradient_bytes =
+          mesh.tensor > 1 ? plan.train->gradients * static_cast<size_t>(mesh.fsdp)
+                          : static_cast<size_t>(dense_elements + (c.fsdp ? expert_local : 0.0)) * 4;
+      const double held = all - expert_elements + expert_local;
+      const double top_share = held > 0 ? top / held : 0;
       c.fsdp_ranks = mesh.fsdp;
-      c.copies = c.fsdp ? mesh.data : 1;
+      c.copies = c.fsdp ? mesh.data * mesh.expert : 1;  // (the experts: mesh.data)
       c.sharded_optimizer = !c.fsdp && cfg.get_bool("shard_optimizer_over_data");
       c.gathers = cfg.get_string("remat_policy") == "none" ? 1 : 2;
       c.micro_batches = cfg.get_int("gradient_accumulation_steps");
@@ -456,13 +460,15 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
       auto ring = [](double r, int64_t n) {
         return r * static_cast<double>(n - 1) / static_cast<double>(n);
       };
-      if (c.fsdp && mesh.data > 1) {
+      if (c.fsdp && (mesh.data > 1 || c.expert > 1)) {
         // HSDP: the gathers and reduce-scatters among the fsdp ranks (within the node when
         // ici_fsdp_parallelism holds them all), then each part's gradient all-reduced over the
-        // data axis's copies.
+        // data axis's copies (and the expert axis's, but for the experts).
         const bool fsdp_in_node = cfg.get_int("dcn_fsdp_parallelism") == 1;
         const double fsdp_bytes = ring(rounds, mesh.fsdp) * g;
-        const double copies = ring(2.0, mesh.data) * g / static_cast<double>(mesh.fsdp);
+        const double copies = (ring(2.0, mesh.data * c.expert) * dense_elements +
+                               ring(2.0, mesh.data) * expert_local) *
+                              4.0 / static_cast<double>(mesh.fsdp);
         const bool data_in_node = cfg.get_int("dcn_data_parallelism") == 1;
         c.ici_bytes = (fsdp_in_node ? fsdp_bytes : 0) + (data_in_node ? copies : 0);
         c.dcn_bytes = (fsdp_in_node ? 0 : fsdp_bytes) + (data_in_node ? 0 : copies);
@@ -473,9 +479,10 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
       if (c.expert > 1) {
         // Each rank's experts' gradients over the data axis's ranks holding the same experts.
         c.moe_layers = static_cast<int64_t>(moe_layers.size());
-        c.expert_gradient_bytes =
-            static_cast<size_t>(expert_elements / static_cast<double>(c.expert)) * 4;
-        const double sums = ring(2.0, mesh.data) * static_cast<double>(c.expert_gradient_bytes);
+        c.expert_gradient_bytes = static_cast<size_t>(expert_local) * 4;
+        // (FSDP: counted with the copies above.)
+        const double sums =
+            c.fsdp ? 0.0 : ring(2.0, mesh.data) * static_cast<double>(c.expert_gradient_bytes);
         (cfg.get_int("dcn_data_parallelism") == 1 ? c.ici_bytes : c.dcn_bytes) += sums;
         // Per MoE layer and micro-batch, n tokens of d values with k weights and k choices:
         // forward gathers (n (d + k) + n k) and reduce-scatters n d per other rank, the

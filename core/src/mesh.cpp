@@ -81,14 +81,13 @@ Mesh resolve_mesh(const Config& cfg, int ranks) {
     const std::string ep =
         "Expert parallelism (ici_expert_parallelism x dcn_expert_parallelism = " +
         std::to_string(m.expert) + ")";
-    if (m.fsdp > 1 || m.tensor > 1 || cfg.get_bool("shard_optimizer_over_data"))
+    if (m.tensor > 1 || cfg.get_bool("shard_optimizer_over_data"))
       throw UsageError(ep + " with " +
-                       (m.fsdp > 1     ? "the fsdp axis"
-                        : m.tensor > 1 ? "the tensor axis"
-                                       : "shard_optimizer_over_data") +
-                       " is not implemented yet: combine it with the data axis only, or divide "
-                       "the experts over the tensor axis instead (ici_tensor_parallelism with "
-                       "experts:tensor in logical_axis_rules).");
+                       (m.tensor > 1 ? "the tensor axis" : "shard_optimizer_over_data") +
+                       " is not implemented yet: combine it with the data and fsdp axes (FSDP "
+                       "divides the moments too), or divide the experts over the tensor axis "
+                       "instead (ici_tensor_parallelism with experts:tensor in "
+                       "logical_axis_rules).");
     const int64_t experts = cfg.get_int("num_experts");
     if (experts <= 1 || experts % m.expert != 0)
       throw UsageError(ep +

@@ -234,12 +234,16 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
     // flattened in the same order on every rank.
     if (runner.sharding().on()) {
       // FSDP: the backward reduce-scattered every gradient into this rank's part already; HSDP
-      // adds the parts of the other groups' ranks holding the same part.
-      if (Communicator* replicas = runner.sharding().replicas) {
-        std::vector<Tensor*> grads;
-        for (auto& p : runner.params()) grads.push_back(&p.grad);
+      // adds the parts of the other groups' ranks holding the same part (an expert's: the
+      // ranks holding that expert).
+      const ExpertSharding& experts = runner.expert_sharding();
+      std::vector<Tensor*> grads, expert_grads;
+      for (auto& p : runner.params())
+        (experts.on() && p.by_expert ? expert_grads : grads).push_back(&p.grad);
+      if (Communicator* replicas = runner.sharding().replicas; replicas && !grads.empty())
         replicas->all_reduce_sum(be, grads);
-      }
+      if (experts.replicas && !expert_grads.empty())
+        experts.replicas->all_reduce_sum(be, expert_grads);
     } else if (opt && opt->sharded()) {
       // Every gradient flattened into one host buffer (one collective), reduce-scattered, and
       // this rank's part of each gradient copied back.
@@ -436,16 +440,20 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     data_group = comm.split(tp_rank, batch_index);
   }
   Communicator& dp = data_group ? *data_group : comm;
-  // Expert parallelism (with the data axis only, as resolve_mesh allows): rank r is expert
-  // rank r % X of data index r / X; the experts are divided within each group of X
-  // consecutive ranks, and each expert's gradient is summed over the ranks holding it (one per
-  // data index). The batch is split over both axes (dp is the whole world).
-  const int xp = static_cast<int>(mesh.expert);
-  const int xp_rank = comm.rank() % xp, data_of_expert = comm.rank() / xp;
+  // The mesh from the innermost: rank r is tensor rank t = r % T, expert rank x = (r / T) % X,
+  // fsdp rank f = (r / (T X)) % F and data index d = r / (T X F).
+  const int xp = static_cast<int>(mesh.expert), fp = static_cast<int>(mesh.fsdp);
+  const int xp_rank = (comm.rank() / tp) % xp, fsdp_rank = (comm.rank() / (tp * xp)) % fp;
+  const int data_index = comm.rank() / (tp * xp * fp);
+  // Expert parallelism (resolve_mesh allows it beside the data and fsdp axes): the experts are
+  // divided within each group of the X ranks that differ in x only, and each rank's experts'
+  // gradient (FSDP: its parts) is summed over the ranks holding the same (those differing in d
+  // only). For everything else the expert axis is data parallelism: the batch is split over
+  // it, and the other parameters' gradients are summed over it too.
   std::unique_ptr<Communicator> expert_group, expert_replicas;
   if (xp > 1) {
-    expert_group = comm.split(data_of_expert, xp_rank);
-    if (mesh.data > 1) expert_replicas = comm.split(xp_rank, data_of_expert);
+    expert_group = comm.split(tp_rank + tp * (fsdp_rank + fp * data_index), xp_rank);
+    if (mesh.data > 1) expert_replicas = comm.split(comm.rank() % (tp * xp * fp), data_index);
   }
   // Outputs: the resolved config beside the metrics, in a directory this run alone writes:
   // locked before anything else is done, so a second run is refused at once.
@@ -466,18 +474,17 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   check_fits(cfg, plugins, *device, PlanFor::train, "run", ranks);
   std::optional<RunLock> lock;
   if (lead) lock.emplace(run_dir);
-  // FSDP: the parameters divided among the mesh.fsdp ranks of each group (the innermost), and
-  // with data parallelism too (HSDP) each part's gradient summed over the groups; the batch is
-  // split over both axes.
-  // Rank r is tensor rank r % T, fsdp rank (r / T) % F, data index r / (T F).
+  // FSDP: the parameters divided among the mesh.fsdp ranks of each group (those differing in f
+  // only), and with data (or expert) parallelism too (HSDP) each part's gradient summed over
+  // the groups holding copies (those differing in d and x); the batch is split over all three.
   ParamSharding sharding;
   std::unique_ptr<Communicator> fsdp_group, replica_group;
-  if (mesh.fsdp > 1) {
-    const int f = static_cast<int>(mesh.fsdp), r = comm.rank();
-    const int fsdp_rank = (r / tp) % f, data_index = r / (tp * f);
-    if (mesh.data > 1 || tp > 1) fsdp_group = comm.split(data_index * tp + tp_rank, fsdp_rank);
-    if (mesh.data > 1) replica_group = comm.split(fsdp_rank * tp + tp_rank, data_index);
-    sharding = {fsdp_group ? fsdp_group.get() : &comm, fsdp_rank, f, replica_group.get()};
+  if (fp > 1) {
+    if (mesh.data > 1 || tp > 1 || xp > 1)
+      fsdp_group = comm.split(tp_rank + tp * (xp_rank + xp * data_index), fsdp_rank);
+    if (mesh.data > 1 || xp > 1)
+      replica_group = comm.split(tp_rank + tp * fsdp_rank, xp_rank + xp * data_index);
+    sharding = {fsdp_group ? fsdp_group.get() : &comm, fsdp_rank, fp, replica_group.get()};
   }
   ModelRunner runner(cfg, plugins, std::move(device), nullptr, sharding,
                      TensorSharding{tensor_group.get(), tp_rank, tp},
@@ -704,10 +711,10 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
         "; parameters divided among {1} (ici_fsdp_parallelism x dcn_fsdp_parallelism = "
         "{0}){2}: {3} of weights, gradients and moments on each rank instead of {4}",
         mesh.fsdp,
-        mesh.data > 1 || tp > 1
+        mesh.data > 1 || tp > 1 || xp > 1
             ? fmt::format("the {} ranks of each of {} groups", mesh.fsdp, ranks / mesh.fsdp)
             : fmt::format("all {} ranks", ranks),
-        mesh.data > 1 ? ", each group holding a copy (HSDP)" : "", human_bytes(mine),
+        mesh.data > 1 || xp > 1 ? ", each group holding a copy (HSDP)" : "", human_bytes(mine),
         human_bytes(whole));
   }
   if (!quiet) {

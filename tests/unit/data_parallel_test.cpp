@@ -449,9 +449,11 @@ TEST(DataParallel, DataTimesTensorParallelTrainsAsOneRank) {
 
 // Expert parallelism (ici_expert_parallelism): the ranks divide every MoE layer's experts and
 // have batches of their own; each layer gathers the group's tokens, runs its experts on them and
-// sums the outputs back. mixtral-test on 2 expert ranks, and qwen3-moe-test with token dropping
-// under remat on 2 data x 2 expert ranks, each train as one rank given the global batch: losses
-// within 1e-6, and mixtral-test's final parameters within 3e-5 of each tensor's scale.
+// sums the outputs back. mixtral-test on 2 expert ranks and on 2 fsdp x 2 expert ranks (FSDP
+// dividing each rank's experts and the rest again), and qwen3-moe-test with token dropping under
+// remat on 2 data x 2 expert ranks and on 2 data x 2 fsdp x 2 expert ranks (8 ranks on 2
+// cores), each train as one rank given the global batch: losses within 1e-6, and mixtral-test's
+// final parameters within 3e-5 of each tensor's scale.
 TEST(DataParallel, ExpertParallelRanksTrainAsOneRank) {
   MT_NEED_MPIRUN();
   Dir d;
@@ -459,23 +461,30 @@ TEST(DataParallel, ExpertParallelRanksTrainAsOneRank) {
     std::string name, words;
     int ranks;
     std::string mesh;
+    int global = 4;  // sequences a step
   };
   for (const Case& c : std::vector<Case>{
            {"mixtral", "--model=mixtral-test", 2,
             "ici_expert_parallelism=2 ici_data_parallelism=1"},
+           {"fsdp", "--model=mixtral-test", 4,
+            "ici_expert_parallelism=2 ici_fsdp_parallelism=2 ici_data_parallelism=1"},
            {"qwen3moe", "--model=qwen3-moe-test capacity_factor=1.0 remat_policy=full", 4,
-            "ici_expert_parallelism=2 ici_data_parallelism=2"}}) {
+            "ici_expert_parallelism=2 ici_data_parallelism=2"},
+           {"cube", "--model=qwen3-moe-test remat_policy=full", 8,
+            "ici_expert_parallelism=2 ici_fsdp_parallelism=2 ici_data_parallelism=2", 8}}) {
     SCOPED_TRACE(c.name);
     const std::string common = "dataset_type=synthetic " + c.words;
-    test::MtResult r = test::run_mt(train_args(d.root, "one" + c.name, 4, common), 120);
+    test::MtResult r = test::run_mt(train_args(d.root, "one" + c.name, c.global, common), 120);
     ASSERT_EQ(r.code, 0) << r.out;
-    r = mpirun(c.ranks, train_args(d.root, "ep" + c.name, 4 / c.ranks, common + " " + c.mesh), 120);
+    r = mpirun(c.ranks,
+               train_args(d.root, "ep" + c.name, c.global / c.ranks, common + " " + c.mesh), 180);
     ASSERT_EQ(r.code, 0) << r.out;
-    EXPECT_NE(r.out.find("global batch 4 sequences; expert parallelism over 2 ranks"),
+    EXPECT_NE(r.out.find("global batch " + std::to_string(c.global) +
+                         " sequences; expert parallelism over 2 ranks"),
               std::string::npos)
         << r.out;
     EXPECT_LE(max_loss_err(d.root / ("ep" + c.name), d.root / ("one" + c.name)), 1e-6);
-    if (c.name == "mixtral") {
+    if (c.name == "mixtral" || c.name == "fsdp") {
       EXPECT_NE(r.out.find("98.3K expert parameters divided among them"), std::string::npos)
           << r.out;
       EXPECT_LE(max_param_err(d.root / ("ep" + c.name), d.root / ("one" + c.name)), 3e-5);
@@ -484,16 +493,19 @@ TEST(DataParallel, ExpertParallelRanksTrainAsOneRank) {
 }
 
 // Each expert rank saves its experts: saved by 2 expert ranks, the checkpoint resumes under 1
-// rank, 2 expert ranks, and 2 tensor ranks that divide the experts (experts:tensor), and each
-// continues as the straight run. Only the experts are split; the rest is written once.
+// rank, 2 expert ranks, 2 tensor ranks that divide the experts (experts:tensor) and 2 fsdp x 2
+// expert ranks, and each continues as the straight run (on packed documents: the router's
+// losses weighted by sequences). Only the experts are split; the rest is written once.
 TEST(DataParallel, ExpertParallelCheckpointsResumeOnAnyMesh) {
   MT_NEED_MPIRUN();
   Dir d;
-  const std::string ep = "--model=mixtral-test ici_expert_parallelism=2 ici_data_parallelism=1";
-  check_resumes(d.root, {1, 2, "--model=mixtral-test"}, {2, 1, ep},
-                {{1, 2, "--model=mixtral-test"},
-                 {2, 1, ep},
-                 {2, 2, "--model=mixtral-test ici_tensor_parallelism=2 ici_data_parallelism=1"}});
+  const std::string model = "--model=mixtral-test ";
+  const std::string ep = model + "ici_expert_parallelism=2 ici_data_parallelism=1";
+  check_resumes(d.root, {1, 4, model}, {2, 2, ep},
+                {{1, 4, model},
+                 {2, 2, ep},
+                 {2, 4, model + "ici_tensor_parallelism=2 ici_data_parallelism=1"},
+                 {4, 1, ep + " ici_fsdp_parallelism=2"}});
   const fs::path step = d.root / "saved" / "checkpoints" / "10";
   for (const char* f : {"params.0-of-2.safetensors", "params.1-of-2.safetensors"})
     EXPECT_TRUE(fs::exists(step / f)) << f;
@@ -530,8 +542,8 @@ TEST(DataParallel, AnExpertAxisThatCannotSplitIsOneError) {
        {2, "own", ep2 + "--model=deepseek3-test ici_data_parallelism=1",
         "but deepseek3-test (deepseek_v3 family) has none: its family computes its own "
         "experts"},
-       {4, "fsdp", ep2 + "--model=mixtral-test ici_fsdp_parallelism=2",
-        "with the fsdp axis is not implemented yet"}});
+       {4, "tensor", ep2 + "--model=mixtral-test ici_tensor_parallelism=2",
+        "with the tensor axis is not implemented yet"}});
 }
 
 // Each tensor rank saves its parts: saved by 2 tensor ranks, the checkpoint resumes under 1
@@ -720,8 +732,9 @@ TEST(DataParallel, FsdpCheckpointsResumeOnAnyNumberOfRanks) {
 // The memory plan's traffic (what a ring moves per rank and direction, summed over its
 // collectives) is what the ranks' collectives measure (communication_bytes: the bytes a
 // rank received in a step, median over the timed steps): within 1% for data parallelism,
-// ZeRO-1, FSDP with and without remat, tensor parallelism, HSDP and data x tensor, on 2 and 4
-// ranks. What is left over is the step's scalars (losses, counts, the norm).
+// ZeRO-1, FSDP with and without remat, tensor parallelism, HSDP, data x tensor, and expert
+// parallelism alone, beside FSDP and beside data parallelism under remat (mixtral-test), on 2
+// and 4 ranks. What is left over is the step's scalars (losses, counts, the norm).
 TEST(DataParallel, PlannedTrafficIsMeasured) {
   MT_NEED_MPIRUN();
   Dir d;
@@ -736,6 +749,9 @@ TEST(DataParallel, PlannedTrafficIsMeasured) {
       {4, "ici_data_parallelism=2 ici_fsdp_parallelism=2"},
       {4, "ici_data_parallelism=2 ici_tensor_parallelism=2"},
       {2, "--model=mixtral-test ici_data_parallelism=1 ici_expert_parallelism=2"},
+      {4,
+       "--model=mixtral-test ici_data_parallelism=1 ici_expert_parallelism=2 "
+       "ici_fsdp_parallelism=2"},
       {4,
        "--model=mixtral-test ici_data_parallelism=2 ici_expert_parallelism=2 "
        "remat_policy=full"}};
