@@ -226,17 +226,21 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
   const size_t elt = dtype_size(r.compute_dtype());
   // What each layer's cache holds per token (its CacheSpec: k and v, or a latent), and the
   // bytes a step reads at a given length (a windowed layer reads its window at most).
+  // (quantize_kvcache: a byte a value and an f32 scale per head or per token.)
   const std::vector<CacheSpec> specs = r.cache_specs();
+  const KvCacheQuant& kq = r.kv_cache_quant();
+  auto entry_bytes = [&](const Shape& e) {
+    if (!kq.on) return static_cast<double>(shape_numel(e) * static_cast<int64_t>(elt));
+    return static_cast<double>(shape_numel(e) + 4 * (kq.per_head && e.size() >= 2 ? e[0] : 1));
+  };
   double cache_bytes_per_token = 0;
   for (const CacheSpec& c : specs)
-    for (const Shape& e : c.entries)
-      cache_bytes_per_token += static_cast<double>(shape_numel(e) * static_cast<int64_t>(elt));
+    for (const Shape& e : c.entries) cache_bytes_per_token += entry_bytes(e);
   auto cache_bytes_read = [&](int64_t length) {
     double bytes = 0;
     for (const CacheSpec& c : specs) {
       const int64_t rows = c.window > 0 ? std::min(length, c.window) : length;
-      for (const Shape& e : c.entries)
-        bytes += static_cast<double>(rows * shape_numel(e) * static_cast<int64_t>(elt));
+      for (const Shape& e : c.entries) bytes += static_cast<double>(rows) * entry_bytes(e);
     }
     return bytes;
   };
@@ -284,10 +288,11 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
       "{{\"model\": \"{}\", \"dtype\": \"{}\", \"quantization\": \"{}\", \"weight_bytes\": {}, "
       "\"prefill_512_tokens_per_sec\": {:.1f}, \"decode_batch1_tokens_per_sec\": {:.2f}, "
       "\"decode_batch1_bytes_per_sec\": {:.4g}, \"decode_batch8_tokens_per_sec\": {:.2f}, "
-      "\"kv_cache_bytes_per_token\": {:.0f}, \"decode_weight_bytes_per_token\": {:.4g}, "
-      "\"decode_steps\": \"batch 1 {}, batch 8 {}\"}}",
+      "\"kv_cache\": \"{}\", \"kv_cache_bytes_per_token\": {:.0f}, "
+      "\"decode_weight_bytes_per_token\": {:.4g}, \"decode_steps\": \"batch 1 {}, batch 8 {}\"}}",
       model, dtype, cfg.get_string("quantization"), weight_bytes, prefill_tps, b1, bw, b8,
-      cache_bytes_per_token, step_bytes, recording[0], recording[1]);
+      kq.on ? (kq.per_head ? "int8 (dkv)" : "int8 (heads_and_dkv)") : dtype, cache_bytes_per_token,
+      step_bytes, recording[0], recording[1]);
 }
 
 // STREAM-like triad a = b + s * c over arrays far larger than the caches, on all cores: the

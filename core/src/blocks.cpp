@@ -336,8 +336,10 @@ Tensor mla(Graph& g, const Params& p, const MlaSpec& s, const Tensor& x, const L
                                                  h, m),
                                           {b, t, h, lat})
                               : g.backend().zeros({b, t, h, lat}, q_rot.dtype());
-      KVCache both = *in.cache;  // the latent rows serve as keys and as values
-      both.tensors = {in.cache->tensors.at(0), in.cache->tensors.at(0)};
+      KVCache both = *in.cache;  // the latent rows serve as keys and as values (widened once
+      const Tensor latent = g.cache_values(*in.cache, 0, q_rot.dtype());  // if int8)
+      both.tensors = {latent, latent};
+      both.scales.clear();
       const Tensor a =
           g.split(g.attention_decode(*in.attention, g.concat({q_lat, q_rot}), both, spec),
                   {lat, rope})[0];                                           // [B, T, H, L]

@@ -100,10 +100,19 @@ Decoder::Decoder(ModelRunner& runner, int64_t batch, int64_t max_len)
     KVCache c;
     c.window = spec.window;
     c.derived = std::make_shared<std::map<std::string, Tensor>>();
+    const KvCacheQuant& kq = runner.kv_cache_quant();
     for (const Shape& entry : spec.entries) {
       Shape shape{batch, grp.rows + 1};
       shape.insert(shape.end(), entry.begin(), entry.end());
-      c.tensors.push_back(be.empty(shape, runner.compute_dtype()));
+      if (!kq.on) {
+        c.tensors.push_back(be.empty(shape, runner.compute_dtype()));
+        continue;
+      }
+      // quantize_kvcache: int8 rows, and a scale per head (kv_quant_axis=dkv, an entry of
+      // [heads, features]) or per token (heads_and_dkv).
+      c.tensors.push_back(be.empty(shape, DType::i8));
+      const int64_t groups = kq.per_head && entry.size() >= 2 ? entry[0] : 1;
+      c.scales.push_back(be.empty({batch, grp.rows + 1, groups}, DType::f32));
     }
     caches_.push_back(std::move(c));
   }
@@ -131,7 +140,7 @@ Decoder::~Decoder() {
 
 void Decoder::reset() {
   for (auto& c : caches_)
-    for (auto& t : c.tensors) runner_.backend().fill(t, 0.f);
+    for (auto& t : c.scales.empty() ? c.tensors : c.scales) runner_.backend().fill(t, 0.f);
   std::fill(lengths_.begin(), lengths_.end(), 0);
 }
 
@@ -180,6 +189,7 @@ std::vector<float> Decoder::prefill(int64_t b, const std::vector<int32_t>& promp
   for (size_t i = 0; i < caches_.size(); ++i) {
     KVCache v;
     for (const auto& tensor : caches_[i].tensors) v.tensors.push_back(tensor.slice0(b, b + 1));
+    for (const auto& tensor : caches_[i].scales) v.scales.push_back(tensor.slice0(b, b + 1));
     v.window = caches_[i].window;
     v.derived = caches_[i].derived;
     v.lengths = lengths[layer_group_[i]];
@@ -213,6 +223,10 @@ std::vector<float> Decoder::step(const std::vector<int32_t>& tokens,
   }
   be.copy_from_host(step_tokens_, toks.data());
   be.copy_from_host(step_positions_, pos.data());
+  // A step that is recorded, or replays a recording, reads every cache row (its shapes are
+  // fixed); others read up to the longest sequence's rows (an int8 cache widens only those).
+  const bool recording_next = !recorded_ && steps_ == 1 && record_ && recording_status_.empty();
+  const bool every_row = recorded_ || recording_next;
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     const Group& grp = groups_[gi];
     std::vector<int32_t> rows(static_cast<size_t>(batch_)), lens(static_cast<size_t>(batch_));
@@ -229,6 +243,9 @@ std::vector<float> Decoder::step(const std::vector<int32_t>& tokens,
     }
     be.copy_from_host(step_rows_[gi], rows.data());
     be.copy_from_host(step_lengths_[gi], lens.data());
+    const int64_t longest = lens.empty() ? 0 : *std::max_element(lens.begin(), lens.end());
+    for (size_t i = 0; i < caches_.size(); ++i)
+      if (layer_group_[i] == gi) caches_[i].read_rows = every_row ? 0 : longest;
   }
   // The first step runs as it comes (it also makes what later steps reuse: GEMM plans, rope
   // tables, derived weights); the second is recorded when the backend can.

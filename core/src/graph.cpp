@@ -362,7 +362,40 @@ void Graph::write_cache(KVCache& cache, size_t entry, const Tensor& x) {
   // sink row, never read, where tokens a ring buffer would overwrite within the call go.
   const int64_t w = n ? x.numel() / n : 0;
   Tensor rows = dst.view({w ? dst.numel() / w : 0, w});
+  if (entry < cache.scales.size() && cache.scales[entry].defined()) {  // int8 rows and scales
+    Tensor& s = cache.scales[entry];
+    Tensor srows = s.view({rows.dim(0), s.dim(-1)});
+    backend_->scatter_rows_q8(x.view({n, w}), cache.write_rows, rows, srows);
+    return;
+  }
   backend_->scatter_rows(x.view({n, w}), cache.write_rows, rows);
+}
+
+Tensor Graph::cache_values(const KVCache& cache, size_t entry, DType dtype) {
+  const Tensor& t = cache.tensors.at(entry);
+  if (entry >= cache.scales.size() || !cache.scales[entry].defined()) return t;
+  const Tensor& s = cache.scales[entry];
+  MT_CHECK(t.ndim() >= 2 && s.ndim() == 3 && s.dim(0) == t.dim(0) && s.dim(1) == t.dim(1),
+           "cache_values: int8 rows " + t.str() + " with scales " + s.str() +
+               " (want [B, rows, ...] and [B, rows, G])");
+  const int64_t B = t.dim(0), rows = t.dim(1), G = s.dim(2);
+  const int64_t c = rows ? t.numel() / (B * rows) : 0;
+  // Each sequence's first `read` rows (all of them when read_rows is 0), as [B, read, ...].
+  const int64_t read = cache.read_rows > 0 ? std::min(cache.read_rows, rows) : rows;
+  Shape shape = t.shape();
+  shape[1] = read;
+  Tensor out = backend_->empty(shape, dtype);
+  if (read == rows) {
+    Tensor dst = out.view({B * rows, c});
+    backend_->dequantize_rows_q8(t.view({B * rows, c}), s.view({B * rows, G}), dst);
+    return out;
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    Tensor dst = out.slice0(b, b + 1).view({read, c});
+    backend_->dequantize_rows_q8(t.slice0(b, b + 1).view({rows, c}).slice0(0, read),
+                                 s.slice0(b, b + 1).view({rows, G}).slice0(0, read), dst);
+  }
+  return out;
 }
 
 void Graph::write_kv_cache(KVCache& cache, const Tensor& k, const Tensor& v) {
@@ -388,7 +421,10 @@ Tensor Graph::cached_attention(AttentionKernel& kernel, const Tensor& q, const T
 Tensor Graph::attention_decode(AttentionKernel& kernel, const Tensor& q, const KVCache& cache,
                                const AttentionSpec& spec) {
   Tensor out = backend_->empty(q.shape(), q.dtype());
-  kernel.decode(q, cache.k(), cache.v(), cache.lengths, spec, out);
+  // An int8 cache is widened to q's dtype first (every row of it: the kernels read the compute
+  // dtype).
+  kernel.decode(q, cache_values(cache, 0, q.dtype()), cache_values(cache, 1, q.dtype()),
+                cache.lengths, spec, out);
   return out;
 }
 

@@ -66,6 +66,19 @@ ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins,
                      ", or choose a decoder_block (model) that implements " +
                      (unread.size() == 1 ? "it." : "them."));
   }
+  // The decode cache: int8 or the compute dtype.
+  if (cfg.has("quantize_kvcache") && cfg.get_bool("quantize_kvcache")) {
+    if (const std::string t = cfg.get_string("kv_quant_dtype"); t != "int8")
+      cfg.reject("kv_quant_dtype",
+                 t == "int4" ? "int4 KV caches are not implemented; int8 is."
+                             : "must be int8 (the one KV cache quantization implemented).");
+    const std::string axis = cfg.get_string("kv_quant_axis");
+    if (axis != "dkv" && axis != "heads_and_dkv")
+      cfg.reject("kv_quant_axis",
+                 "must be dkv (a scale per token and key/value head) or heads_and_dkv (a scale "
+                 "per token over all heads).");
+    kv_quant_ = {true, axis == "dkv"};
+  }
   // Sizes that overflow are refused here, before any allocation (an allocator asked for 2^63
   // bytes must never be reached from a config value).
   check_model_sizes(*model_, cfg.get_int("per_device_batch_size"),

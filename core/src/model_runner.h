@@ -86,6 +86,13 @@ struct ExpertSharding {
   bool on() const { return ranks > 1; }
 };
 
+// The decode cache's storage (MaxText's quantize_kvcache, kv_quant_dtype, kv_quant_axis): int8
+// rows with f32 scales per head (dkv) or per token (heads_and_dkv), or the compute dtype.
+struct KvCacheQuant {
+  bool on = false;
+  bool per_head = true;
+};
+
 // Multi-token prediction's inputs at depth k (Model::mtp_depths): the batch shifted left by k
 // on the host. inputs/positions: those of position i + k (0 past the end); targets: the target
 // of position i + k, or -1 where i + k is past the end or in another packed document.
@@ -167,6 +174,8 @@ class ModelRunner {
   // ranks' parts (every rank calls it for the same i).
   Tensor whole_value(size_t i);
   DType compute_dtype() const { return compute_dtype_; }
+  // How Decoders made on this runner store their caches (from the config).
+  const KvCacheQuant& kv_cache_quant() const { return kv_quant_; }
   DType weight_dtype() const { return weight_dtype_; }
   bool tied_embedding() const { return tied_; }
   RematPolicy remat_policy() const { return remat_; }
@@ -295,6 +304,7 @@ class ModelRunner {
   bool any_layout_ = false;  // some parameter is not stored as declared (Param::layout)
   TensorSharding tensor_;
   ExpertSharding expert_;
+  KvCacheQuant kv_quant_;
   double comm_seconds_ = 0;
   // FSDP with overlap (overlaps_communication): the gathers and reduce-scatters run in order on
   // queue_'s thread. A block's gathers start when the block before it (in the pass's direction:

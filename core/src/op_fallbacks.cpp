@@ -209,6 +209,84 @@ void Backend::scatter_rows(const Tensor& src, const Tensor& idx, Tensor& out) {
   scatter_add_rows(src.view({M, D}), idx, Tensor(), rows);
 }
 
+namespace {
+
+// The int8 KV cache's shapes: rows [N, C] i8 with scales [N, G] (C a multiple of G); returns
+// C / G, the values per scale.
+int64_t q8_rows_group(const char* op, const Tensor& q, const Tensor& scales) {
+  MT_CHECK(q.defined() && scales.defined() && q.dtype() == DType::i8 &&
+               scales.dtype() == DType::f32 && q.ndim() >= 1 && scales.ndim() >= 1 &&
+               scales.dim(-1) > 0 && q.dim(-1) % scales.dim(-1) == 0 &&
+               q.numel() / std::max<int64_t>(q.dim(-1), 1) == scales.numel() / scales.dim(-1),
+           std::string(op) + ": rows " + (q.defined() ? q.str() : std::string("none")) +
+               " and scales " + (scales.defined() ? scales.str() : std::string("none")) +
+               " (want i8 [N, G * W] and f32 [N, G])");
+  return q.dim(-1) / scales.dim(-1);
+}
+
+}  // namespace
+
+void Backend::scatter_rows_q8(const Tensor& src, const Tensor& idx, Tensor& out, Tensor& scales) {
+  const int64_t w = q8_rows_group("scatter_rows_q8", out, scales);
+  const int64_t c = out.dim(-1), g = scales.dim(-1);
+  const int64_t n = out.numel() / std::max<int64_t>(c, 1), m = idx.defined() ? idx.numel() : 0;
+  MT_CHECK(idx.defined() && idx.dtype() == DType::i32 &&
+               (src.dtype() == DType::f32 || src.dtype() == DType::bf16) && src.numel() == m * c,
+           "scatter_rows_q8: src " + src.str() + ", idx " + (idx.defined() ? idx.str() : "none") +
+               " for rows " + out.str() + " (want src [M, " + std::to_string(c) +
+               "] f32 or bf16, idx [M] i32)");
+  // Through the host: the whole cache and its scales read, the rows replaced, written back.
+  std::vector<float> x(static_cast<size_t>(m * c));
+  Tensor xf = src;
+  if (src.dtype() != DType::f32) {
+    xf = empty(src.shape(), DType::f32);
+    cast(src, xf);
+  }
+  if (m) copy_to_host(xf, x.data());
+  std::vector<int32_t> rows(static_cast<size_t>(m));
+  if (m) copy_to_host(idx, rows.data());
+  std::vector<int8_t> q(static_cast<size_t>(n * c));
+  std::vector<float> s(static_cast<size_t>(n * g));
+  if (n) {
+    copy_to_host(out, q.data());
+    copy_to_host(scales, s.data());
+  }
+  for (int64_t i = 0; i < m; ++i) {
+    const int32_t r = rows[static_cast<size_t>(i)];
+    MT_CHECK(r >= 0 && r < n, "scatter_rows_q8: idx[" + std::to_string(i) + "] = " +
+                                  std::to_string(r) + " is outside [0, " + std::to_string(n) + ")");
+    for (int64_t j = 0; j < g; ++j)
+      s[static_cast<size_t>(r * g + j)] =
+          quantize_q8_group(x.data() + i * c + j * w, w, q.data() + r * c + j * w);
+  }
+  if (n) {
+    copy_from_host(out, q.data());
+    copy_from_host(scales, s.data());
+  }
+}
+
+void Backend::dequantize_rows_q8(const Tensor& q, const Tensor& scales, Tensor& out) {
+  const int64_t w = q8_rows_group("dequantize_rows_q8", q, scales);
+  MT_CHECK(out.defined() && (out.dtype() == DType::f32 || out.dtype() == DType::bf16) &&
+               out.numel() == q.numel(),
+           "dequantize_rows_q8: out " + (out.defined() ? out.str() : std::string("none")) +
+               " for rows " + q.str() + " (want f32 or bf16 with as many elements)");
+  std::vector<int8_t> h(static_cast<size_t>(q.numel()));
+  std::vector<float> s(static_cast<size_t>(scales.numel())), f(h.size());
+  if (h.empty()) return;
+  copy_to_host(q, h.data());
+  copy_to_host(scales, s.data());
+  for (size_t i = 0; i < f.size(); ++i)
+    f[i] = static_cast<float>(h[i]) * s[i / static_cast<size_t>(w)];
+  if (out.dtype() == DType::f32) {
+    copy_from_host(out, f.data());
+  } else {
+    Tensor tmp = empty(out.shape(), DType::f32);
+    copy_from_host(tmp, f.data());
+    cast(tmp, out);
+  }
+}
+
 void Backend::matmul_q8(const Tensor& x, const Tensor& w, Tensor& y) {
   auto fb = [](const Tensor& t) {
     return t.defined() && t.ndim() >= 1 && (t.dtype() == DType::f32 || t.dtype() == DType::bf16);

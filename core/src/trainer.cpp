@@ -461,6 +461,10 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     cfg.reject("quantization",
                "is for inference (mt decode, mt score, mt bench decode): training with int8 "
                "weights (MaxText's AQT) is not implemented. Unset it for mt run.");
+  if (cfg.get_bool("quantize_kvcache"))
+    cfg.reject("quantize_kvcache",
+               "is for inference (mt decode, mt bench decode): training keeps no KV cache. Unset "
+               "it for mt run.");
   const std::string run_name = cfg.get_string("run_name");
   if (run_name.empty() || run_name == "." || run_name == ".." ||
       run_name.find('/') != std::string::npos)

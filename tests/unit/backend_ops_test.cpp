@@ -391,6 +391,28 @@ std::vector<OpCase> cases() {
     r.b.scatter_rows(src, idx, o);
     r.keep("out", o);
   });
+  // The int8 KV cache: every row quantized, then five rewritten (4 values a scale), read back.
+  auto q8_rows = [](OpRun& r) {
+    Tensor all = r.in({9, 12}), every = r.given_ints({9}, {0, 1, 2, 3, 4, 5, 6, 7, 8});
+    Tensor q = r.b.empty({9, 12}, DType::i8), s = r.out_as({9, 3}, DType::f32);
+    r.b.scatter_rows_q8(all, every, q, s);
+    Tensor src = r.in({5, 12}), idx = r.given_ints({5}, {8, 0, 3, 6, 1});
+    r.b.scatter_rows_q8(src, idx, q, s);
+    return std::pair{q, s};
+  };
+  add(Op::scatter_rows_q8, "scatter_rows_q8", [q8_rows](OpRun& r) {
+    auto [q, s] = q8_rows(r);
+    r.keep("scales", s);
+    Tensor o = r.out_as({9, 12}, DType::f32);
+    r.b.dequantize_rows_q8(q, s, o);
+    r.keep("rows", o);
+  });
+  add(Op::dequantize_rows_q8, "dequantize_rows_q8", [q8_rows](OpRun& r) {
+    auto [q, s] = q8_rows(r);
+    Tensor o = r.out({3, 3, 12});  // any shape of as many elements, in the run's dtype
+    r.b.dequantize_rows_q8(q, s, o);
+    r.keep("out", o);
+  });
   for (bool trans : {false, true}) {
     const std::string n = trans ? " (transposed weights)" : "";
     add(Op::grouped_matmul, "grouped_matmul" + n, [trans](OpRun& r) {

@@ -217,6 +217,12 @@ void CpuBackend::scatter_add_rows(const Tensor& src, const Tensor& idx, const Te
 void CpuBackend::scatter_rows(const Tensor& src, const Tensor& idx, Tensor& out) {
   run([&] { cpu::scatter_rows(src, idx, out); });
 }
+void CpuBackend::scatter_rows_q8(const Tensor& src, const Tensor& idx, Tensor& q, Tensor& scales) {
+  run([&] { cpu::scatter_rows_q8(src, idx, q, scales); });
+}
+void CpuBackend::dequantize_rows_q8(const Tensor& q, const Tensor& scales, Tensor& out) {
+  run([&] { cpu::dequantize_rows_q8(q, scales, out); });
+}
 
 void CpuBackend::grouped_matmul(const Tensor& x, const Tensor& w, const Tensor& offsets, bool trans_w, Tensor& out) {
   run([&] { cpu::grouped_matmul(x, w, offsets, trans_w, out); });

@@ -165,6 +165,9 @@ void gather_rows(const Ctx& c, const Tensor& x, const Tensor& idx, Tensor& out);
 void scatter_add_rows(const Ctx& c, const Tensor& src, const Tensor& idx, const Tensor& w,
                       Tensor& out);
 void scatter_rows(const Ctx& c, const Tensor& src, const Tensor& idx, Tensor& out);
+// The int8 KV cache (rows.cu): quantized rows written by index, and rows widened back.
+void scatter_rows_q8(const Ctx& c, const Tensor& src, const Tensor& idx, Tensor& q, Tensor& s);
+void dequantize_rows_q8(const Ctx& c, const Tensor& q, const Tensor& s, Tensor& out);
 
 void grouped_matmul(const Ctx& c, const Tensor& x, const Tensor& w, const Tensor& offsets,
                     bool trans_w, Tensor& out);

@@ -219,6 +219,80 @@ void scatter_add_rows(const Ctx& c, const Tensor& src, const Tensor& idx, const 
               shapes);
 }
 
+// ---- the int8 KV cache ----------------------------------------------------------------------
+
+namespace {
+// One thread per (source row m, group j) of W values: its scale (max |x| / 127) and its W int8
+// values into row id[m] of q and s, by quantize_q8_group's rule (round half away from zero).
+struct Q8ScatterF {
+  In x;
+  const int32_t* id;
+  int64_t C, G, W, n;
+  int8_t* q;
+  float* s;
+  unsigned long long* bad;
+  __device__ void operator()(int64_t i) const {
+    const int64_t m = i / G, j = i - m * G, r = id[m];
+    if (r < 0 || r >= n) {
+      if (j == 0) record_bad(bad, m, r);
+      return;
+    }
+    const int64_t src = m * C + j * W, dst = r * C + j * W;
+    float amax = 0.f;
+    for (int64_t t = 0; t < W; ++t) amax = fmaxf(amax, fabsf(x[src + t]));
+    const float scale = amax / 127.f;
+    const float inv = scale > 0.f ? 1.f / scale : 0.f;
+    for (int64_t t = 0; t < W; ++t)
+      q[dst + t] = static_cast<int8_t>(roundf(fminf(127.f, fmaxf(-127.f, x[src + t] * inv))));
+    s[r * G + j] = scale;
+  }
+};
+// out[i] = q[i] x s[i / W].
+struct Q8DequantF {
+  const int8_t* q;
+  const float* s;
+  int64_t W;
+  Out o;
+  __device__ void operator()(int64_t i) const { o.set(i, static_cast<float>(q[i]) * s[i / W]); }
+};
+
+// C / G for rows q [N, C] i8 and scales [N, G] f32.
+int64_t q8_group(const char* op, const Tensor& q, const Tensor& s) {
+  MT_CHECK(q.defined() && s.defined() && q.dtype() == DType::i8 && s.dtype() == DType::f32 &&
+               q.ndim() >= 1 && s.ndim() >= 1 && last_dim(s) > 0 &&
+               last_dim(q) % last_dim(s) == 0 && lead_rows(q) == lead_rows(s),
+           std::string("cuda ") + op + ": rows " + str(q) + ", scales " + str(s) +
+               " (want i8 [N, G * W] and f32 [N, G])");
+  return last_dim(q) / last_dim(s);
+}
+}  // namespace
+
+void scatter_rows_q8(const Ctx& c, const Tensor& src, const Tensor& idx, Tensor& q, Tensor& s) {
+  auto shapes = [&] {
+    return "src " + str(src) + ", idx " + str(idx) + ", rows " + str(q) + ", scales " + str(s);
+  };
+  const int64_t W = q8_group("scatter_rows_q8", q, s);
+  MT_CHECK(is_fb(src) && idx.defined() && idx.dtype() == DType::i32 &&
+               last_dim(src) == last_dim(q) && lead_rows(src) == idx.numel(),
+           "cuda scatter_rows_q8: " + shapes() + " (want src [M, C], idx [M] i32)");
+  const int64_t N = lead_rows(q), G = last_dim(s);
+  unsigned long long* bad = c.checks->slot(
+      [N](int64_t m, int64_t id) { return bad_row_index("scatter_rows_q8", m, id, N); });
+  launch_map(c, idx.numel() * G,
+             Q8ScatterF{in(src), idx.ptr<const int32_t>(), last_dim(q), G, W, N, q.ptr<int8_t>(),
+                        s.ptr<float>(), bad},
+             "scatter_rows_q8", shapes);
+}
+
+void dequantize_rows_q8(const Ctx& c, const Tensor& q, const Tensor& s, Tensor& o) {
+  auto shapes = [&] { return "rows " + str(q) + ", scales " + str(s) + ", out " + str(o); };
+  const int64_t W = q8_group("dequantize_rows_q8", q, s);
+  MT_CHECK(is_fb(o) && o.numel() == q.numel(),
+           "cuda dequantize_rows_q8: " + shapes() + " (want out f32 or bf16, as many elements)");
+  launch_map(c, o.numel(), Q8DequantF{q.ptr<const int8_t>(), s.ptr<const float>(), W, out(o)},
+             "dequantize_rows_q8", shapes);
+}
+
 // ---- columns: split and concat on the last dimension -----------------------------------------
 
 namespace {

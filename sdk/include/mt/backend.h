@@ -23,8 +23,9 @@
 #include "mt/export.h"
 #include "mt/tensor.h"
 
-// 3: ops as data (mt/ops.def), Activation::tanh; 4: fill_random (see version.h); 5: matmul_q8
-#define MT_OPSET_VERSION 5
+// 3: ops as data (mt/ops.def), Activation::tanh; 4: fill_random (see version.h); 5: matmul_q8;
+// 6: scatter_rows_q8 and dequantize_rows_q8 (the int8 KV cache)
+#define MT_OPSET_VERSION 6
 
 namespace mt {
 

@@ -131,8 +131,11 @@ class MT_API Graph {
   // into any one of the cache's tensors the same way. cached_attention is what an attention layer
   // calls: for a fresh cache the tokens attend among themselves (spec's causal/window masks) and
   // are stored; otherwise they are stored and q [B, T, Hq, D] attends to the cache's valid rows.
+  // An int8 cache (KVCache::scales) is quantized as it is written, and widened to the compute
+  // dtype when read: cache_values gives entry i's tensor in `dtype` (itself when not int8).
   void write_cache(KVCache& cache, size_t entry, const Tensor& x);
   void write_kv_cache(KVCache& cache, const Tensor& k, const Tensor& v);
+  Tensor cache_values(const KVCache& cache, size_t entry, DType dtype);
   Tensor attention_decode(AttentionKernel& kernel, const Tensor& q, const KVCache& cache,
                           const AttentionSpec& spec);
   Tensor cached_attention(AttentionKernel& kernel, const Tensor& q, const Tensor& k,

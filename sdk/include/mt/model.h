@@ -102,7 +102,15 @@ struct CacheSpec {
 // over a latent cache).
 struct KVCache {
   std::vector<Tensor> tensors;  // one per CacheSpec entry: [B, rows + 1, entry...]
-  int64_t window = 0;           // the CacheSpec's window
+  // An int8 cache (quantize_kvcache): tensors are i8 and scales[i] holds f32 [B, rows + 1, G],
+  // each row of entry i in G groups of equal size with one scale each (Backend::scatter_rows_q8).
+  // Empty: the tensors hold the compute dtype. Graph::write_cache and attention_decode read both;
+  // a layer reading cache tensors itself must dequantize them (Backend::dequantize_rows_q8).
+  std::vector<Tensor> scales;
+  // The rows of each sequence this call's attention may read (every `lengths` is at most it),
+  // so an int8 cache widens only those; 0: all of them (a recorded step keeps its shapes).
+  int64_t read_rows = 0;
+  int64_t window = 0;  // the CacheSpec's window
   Tensor lengths;     // [B] i32: valid rows once this call's T tokens are written
   Tensor write_rows;  // [B * T] i32: row of tensors[i] viewed as [B * (rows + 1), entry] per token
   // The call's tokens start an empty cache (prefill): they attend among themselves with the

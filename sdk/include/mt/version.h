@@ -27,5 +27,6 @@
 // ParamSpec::axes, Graph's tensor-group ops; 12: Communicator::serialized_threads; 13:
 // ParamSpec::projection, Params' transposed and int8 projection weights, Graph::project and
 // Backend::matmul_q8 (op set 5); 14: Graph's expert-group ops (expert_gather,
-// expert_scatter_sum; Graph's groups in one member).
+// expert_scatter_sum; Graph's groups in one member), KVCache::scales and
+// Backend::scatter_rows_q8 / dequantize_rows_q8 (op set 6: the int8 KV cache).
 #define MT_ABI_VERSION 14u

@@ -89,6 +89,8 @@ void topk_route_backward(const Tensor& dweights, const Tensor& weights, const Te
 void gather_rows(const Tensor& x, const Tensor& idx, Tensor& out);
 void scatter_add_rows(const Tensor& src, const Tensor& idx, const Tensor& w, Tensor& out);
 void scatter_rows(const Tensor& src, const Tensor& idx, Tensor& out);
+void scatter_rows_q8(const Tensor& src, const Tensor& idx, Tensor& q, Tensor& scales);
+void dequantize_rows_q8(const Tensor& q, const Tensor& scales, Tensor& out);
 void grouped_matmul(const Tensor& x, const Tensor& w, const Tensor& offsets, bool trans_w,
                     Tensor& out);
 void grouped_matmul_weight_grad(const Tensor& x, const Tensor& dout, const Tensor& offsets,

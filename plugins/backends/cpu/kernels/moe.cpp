@@ -17,6 +17,7 @@
 #include "kernels/kernels.h"
 #include "kernels/simd.h"
 #include "mt/error.h"
+#include "mt/q8.h"
 
 namespace mt::cpu {
 namespace {
@@ -322,6 +323,75 @@ void scatter_rows(const Tensor& src, const Tensor& idx, Tensor& out) {
   }
   tbb::parallel_for(tbb::blocked_range<int64_t>(0, D, kColumnGrain),
                     [&](const auto& r) { columns(r.begin(), r.end()); });
+}
+
+namespace {
+// C / G for an int8 KV cache's rows q [N, C] i8 and scales [N, G] f32.
+int64_t q8_group(const char* op, const Tensor& q, const Tensor& s) {
+  if (!q.defined() || !s.defined() || q.dtype() != DType::i8 || s.dtype() != DType::f32 ||
+      q.ndim() < 1 || s.ndim() < 1 || last_dim(s) <= 0 || last_dim(q) % last_dim(s) != 0 ||
+      lead_rows(q) != lead_rows(s))
+    fail(fmt::format("{}: rows {} and scales {} (want i8 [N, G * W] and f32 [N, G])", op,
+                     q.defined() ? q.str() : "none", s.defined() ? s.str() : "none"));
+  return last_dim(q) / last_dim(s);
+}
+}  // namespace
+
+void scatter_rows_q8(const Tensor& src, const Tensor& idx, Tensor& q, Tensor& scales) {
+  constexpr const char* op = "scatter_rows_q8";
+  const int64_t W = q8_group(op, q, scales);
+  check_float(src, op, "src");
+  check_dtype(idx, DType::i32, op, "idx");
+  const int64_t C = last_dim(q), G = last_dim(scales), N = lead_rows(q), M = idx.numel();
+  if (last_dim(src) != C || lead_rows(src) != M)
+    fail(fmt::format("{}: idx {} and rows {} need src [{}, {}], got {}", op, idx.str(), q.str(), M,
+                     C, src.str()));
+  check_indices(idx, N, op, "idx");
+  const int32_t* id = idx.ptr<const int32_t>();
+  int8_t* qp = q.ptr<int8_t>();
+  float* sp = scales.ptr<float>();
+  // Rows in order on one thread: a decode step writes a row per sequence, a prefill a few
+  // hundred (well under a millisecond), and a row named twice (the sink row) must not be written
+  // by two threads at once.
+  std::vector<float> buf(static_cast<size_t>(C));
+  for (int64_t m = 0; m < M; ++m) {
+    load(src, m * C, C, buf.data());
+    const int64_t r = id[m];
+    for (int64_t j = 0; j < G; ++j)
+      sp[r * G + j] = quantize_q8_group(buf.data() + j * W, W, qp + r * C + j * W);
+  }
+}
+
+void dequantize_rows_q8(const Tensor& q, const Tensor& scales, Tensor& out) {
+  constexpr const char* op = "dequantize_rows_q8";
+  const int64_t W = q8_group(op, q, scales);
+  check_float(out, op, "out");
+  if (out.numel() != q.numel())
+    fail(fmt::format("{}: out {} for rows {} (want as many elements)", op, out.str(), q.str()));
+  const int64_t C = last_dim(q), N = lead_rows(q), G = C / W;
+  const int8_t* qp = q.ptr<const int8_t>();
+  const float* sp = scales.ptr<const float>();
+  const bool f32 = out.dtype() == DType::f32;
+  auto rows = [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t j = 0; j < G; ++j) {
+        const int8_t* x = qp + r * C + j * W;
+        const float scale = sp[r * G + j];
+        if (f32) {
+          float* o = out.ptr<float>() + r * C + j * W;
+          for (int64_t t = 0; t < W; ++t) o[t] = static_cast<float>(x[t]) * scale;
+        } else {
+          uint16_t* o = out.ptr<uint16_t>() + r * C + j * W;
+          for (int64_t t = 0; t < W; ++t) o[t] = f32_to_bf16(static_cast<float>(x[t]) * scale);
+        }
+      }
+  };
+  if (N * C <= kSerialElems) {
+    rows(0, N);
+    return;
+  }
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, N, kRowGrain),
+                    [&](const auto& r) { rows(r.begin(), r.end()); });
 }
 
 void scatter_add_rows(const Tensor& src, const Tensor& idx, const Tensor& w, Tensor& out) {
