@@ -283,37 +283,75 @@ TEST_F(Gemm, MatrixVector) {
       for (int64_t m : {3, 5, 8})
         check({.batch = 0, .m = m, .n = odd(17, 301), .k = odd(33, 301), .tb = tb, .db = db}, rng_);
     }
+  // bf16 rows against bf16 [n, k] weights (decode's transposed projections in bf16: the
+  // dot-product kernel where the CPU takes it), K across its 32-element steps, its 128-element
+  // blocks and their tails; with alpha and beta, a few rows, and a batched b.
+  for (int64_t k :
+       {int64_t{1}, int64_t{31}, int64_t{32}, int64_t{128}, int64_t{161}, odd(257, 601)})
+    check({.batch = 0,
+           .m = 1,
+           .n = odd(17, 301),
+           .k = k,
+           .tb = true,
+           .da = DType::bf16,
+           .db = DType::bf16},
+          rng_);
+  for (int64_t m : {1, 3, 8})
+    check({.batch = 0,
+           .m = m,
+           .n = 77,
+           .k = 300,
+           .tb = true,
+           .alpha = 0.5f,
+           .beta = 1.f,
+           .da = DType::bf16,
+           .db = DType::bf16,
+           .dc = DType::bf16},
+          rng_);
+  check({.batch = 3,
+         .m = 1,
+         .n = 40,
+         .k = 200,
+         .tb = true,
+         .shared_b = false,
+         .da = DType::bf16,
+         .db = DType::bf16},
+        rng_);
   // Batched decode: one row per batch item with batched b and with a transposed a.
   check({.batch = 3, .m = 1, .n = 40, .k = 33, .ta = true, .tb = true, .shared_b = false}, rng_);
   check({.batch = 3, .m = 1, .n = 40, .k = 33, .ta = true}, rng_);
 }
 
 // Batched decode: each row of a few-row product (shared weights, up to 8 rows) is bit for bit
-// what that row alone gives, so a sequence's tokens do not depend on the batch beside it.
+// what that row alone gives, so a sequence's tokens do not depend on the batch beside it; with
+// bf16 rows and [n, k] bf16 weights too (the dot-product kernel where the CPU takes it).
 TEST_F(Gemm, FewRowsEqualEachRowAlone) {
   MT_SEED_TRACE();
   Backend& be = test::cpu();
   for (bool tb : {false, true})
     for (DType db : {DType::f32, DType::bf16})
-      for (int64_t m : {2, 7, 8}) {
-        const int64_t n = odd(17, 2601), k = odd(17, 301);
-        SCOPED_TRACE("m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" +
-                     std::to_string(k) + " tb=" + std::to_string(tb) + " " + dtype_name(db));
-        std::vector<float> va = test::randn(size_t(m * k), rng_);
-        std::vector<float> vb = test::randn(size_t(k * n), rng_);
-        const Tensor b = make(be, tb ? Shape{n, k} : Shape{k, n}, vb, db);
-        Tensor c = be.zeros({m, n}, DType::f32);
-        be.matmul(make(be, {m, k}, va, DType::f32), b, c, false, tb, 1.f, 0.f);
-        const std::vector<float> all = read(c);
-        for (int64_t r = 0; r < m; ++r) {
-          std::vector<float> row(va.begin() + r * k, va.begin() + (r + 1) * k);
-          Tensor c1 = be.zeros({1, n}, DType::f32);
-          be.matmul(make(be, {1, k}, row, DType::f32), b, c1, false, tb, 1.f, 0.f);
-          const std::vector<float> one = read(c1);
-          for (int64_t j = 0; j < n; ++j)
-            ASSERT_EQ(all[size_t(r * n + j)], one[size_t(j)]) << "row " << r << " column " << j;
+      for (DType da : {DType::f32, DType::bf16})
+        for (int64_t m : {2, 7, 8}) {
+          if (da == DType::bf16 && db != DType::bf16) continue;
+          const int64_t n = odd(17, 2601), k = odd(17, 301);
+          SCOPED_TRACE("m=" + std::to_string(m) + " n=" + std::to_string(n) +
+                       " k=" + std::to_string(k) + " tb=" + std::to_string(tb) + " " +
+                       dtype_name(db) + " x " + dtype_name(da));
+          std::vector<float> va = test::randn(size_t(m * k), rng_);
+          std::vector<float> vb = test::randn(size_t(k * n), rng_);
+          const Tensor b = make(be, tb ? Shape{n, k} : Shape{k, n}, vb, db);
+          Tensor c = be.zeros({m, n}, DType::f32);
+          be.matmul(make(be, {m, k}, va, da), b, c, false, tb, 1.f, 0.f);
+          const std::vector<float> all = read(c);
+          for (int64_t r = 0; r < m; ++r) {
+            std::vector<float> row(va.begin() + r * k, va.begin() + (r + 1) * k);
+            Tensor c1 = be.zeros({1, n}, DType::f32);
+            be.matmul(make(be, {1, k}, row, da), b, c1, false, tb, 1.f, 0.f);
+            const std::vector<float> one = read(c1);
+            for (int64_t j = 0; j < n; ++j)
+              ASSERT_EQ(all[size_t(r * n + j)], one[size_t(j)]) << "row " << r << " column " << j;
+          }
         }
-      }
 }
 
 // int8 weights (mt/q8.h): the quantization round-trips within half a step of each block's scale,

@@ -875,6 +875,31 @@ void matvec(const Problem& p, const float* a, const W* b, float* c) {
       tbb::simple_partitioner());
 }
 
+// bf16 rows of a against bf16 weights [n, k] (trans_b) on vdpbf16ps, chunked as matvec's
+// "rows" kernels are (one contiguous range of weight rows per thread for a shared matrix).
+void matvec_bf16dot(const Problem& p, const uint16_t* a, const uint16_t* b, float* c) {
+  const int64_t threads = std::max(1, tbb::this_task_arena::max_concurrency());
+  int64_t chunk = std::max<int64_t>(16, (int64_t{16384} / std::max<int64_t>(p.k, 1) + 3) / 4 * 4);
+  if (p.batch == 1) chunk = std::max(chunk, (p.n + threads - 1) / threads);
+  const int64_t chunks = (p.n + chunk - 1) / chunk;
+  auto body = [&](int64_t t) {
+    const int64_t bi = t / chunks, j0 = (t % chunks) * chunk, j1 = std::min(p.n, j0 + chunk);
+    gemv_rows_bf16dot(p.m, a + bi * p.stride_a, p.k, b + bi * p.stride_b, p.k, p.k, j0, j1, p.alpha,
+                      p.beta, c + bi * p.stride_c, p.n);
+  };
+  const int64_t tasks = p.batch * chunks;
+  if (tasks == 1) {
+    body(0);
+    return;
+  }
+  tbb::parallel_for(
+      tbb::blocked_range<int64_t>(0, tasks, 1),
+      [&](const tbb::blocked_range<int64_t>& r) {
+        for (int64_t t = r.begin(); t < r.end(); ++t) body(t);
+      },
+      tbb::simple_partitioner());
+}
+
 // c = alpha op(a) op(b) + beta c over the batch, as single-threaded tiles run by oneTBB.
 void gemm_f32(const Problem& p, const float* a, const float* b, float* c) {
   const int64_t threads = std::max(1, tbb::this_task_arena::max_concurrency());
@@ -960,6 +985,17 @@ bool dot_gemm_pays() {
   }();
   return kPays;
 }
+// The bf16 dot-product "rows" kernel for few rows (decode): where the GEMMs take the dot products
+// (the same rule, so one CPU gives one set of bits), with the AVX-512 matrix-vector set;
+// MT_CPU_MATVEC_BF16DOT=0 keeps the widening kernels.
+bool matvec_bf16dot_on() {
+  static const bool kOn = [] {
+    const char* env = std::getenv("MT_CPU_MATVEC_BF16DOT");
+    if (env && std::string(env) == "0") return false;
+    return dot_gemm_pays() && matvec_set() == MatvecSet::avx512;
+  }();
+  return kOn;
+}
 }  // namespace
 
 void gemm_setup(int num_threads) {
@@ -978,7 +1014,9 @@ std::string gemm_describe() {
       amx_bf16_usable() ? "bf16 x bf16 on AMX tiles (mt), other bf16 widened to f32"
       : dot_gemm_pays() ? "bf16 x bf16 on AVX512_BF16 dot products (mt), other bf16 widened to f32"
                         : "bf16 widened to f32";
-  const std::string matvec = matvec_set_name();
+  const std::string matvec =
+      std::string(matvec_set_name()) +
+      (matvec_bf16dot_on() ? " (bf16 x bf16 weight rows on AVX512_BF16 dot products)" : "");
   if (!ob.sgemm)
     return fmt::format("portable mt GEMM, slow (OpenBLAS not usable: {}); {}; M=1: {}; CPU: {}",
                        ob.error, bf16, matvec, isa().str());
@@ -1052,6 +1090,11 @@ void matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool tran
                                                       : c.backend()->empty(c.shape(), DType::f32);
   if (k == 0) {
     scale_only(beta, c32.ptr<float>(), c32.numel());
+  } else if (few && p.tb && a.dtype() == DType::bf16 && b.dtype() == DType::bf16 &&
+             matvec_bf16dot_on()) {
+    // bf16 rows against [n, k] bf16 weights (decode's transposed projections): vdpbf16ps reads
+    // both as they are, with no widening of either.
+    matvec_bf16dot(p, a.ptr<const uint16_t>(), b.ptr<const uint16_t>(), c32.ptr<float>());
   } else if (few) {
     const Tensor a32 = as_f32(a);  // a few rows per batch item: cheap to widen
     if (b.dtype() == DType::bf16)

@@ -428,4 +428,38 @@ void gemm_bf16_packed(bool amx, Backend& be, bool ta, bool tb, int64_t m, int64_
 }
 }  // namespace
 
+MT_BF16DOT void gemv_rows_bf16dot(int64_t rows_m, const uint16_t* x, int64_t ldx, const uint16_t* w,
+                                  int64_t k, int64_t ldw, int64_t j0, int64_t j1, float alpha,
+                                  float beta, float* y, int64_t ldy) {
+  const int64_t k128 = k / 128 * 128;
+  for (int64_t j = j0; j < j1; ++j) {
+    const uint16_t* row = w + j * ldw;
+    for (int64_t r = 0; r < rows_m; ++r) {
+      const uint16_t* xr = x + r * ldx;
+      __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                     _mm512_setzero_ps()};
+      for (int64_t p = 0; p < k128; p += 128) {
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u)
+          a[u] = _mm512_dpbf16_ps(a[u],
+                                  reinterpret_cast<__m512bh>(_mm512_loadu_si512(xr + p + 32 * u)),
+                                  reinterpret_cast<__m512bh>(_mm512_loadu_si512(row + p + 32 * u)));
+      }
+      for (int64_t p = k128, u = 0; p < k; p += 32, ++u) {
+        const int64_t left = k - p;
+        const __mmask32 m = left >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << left) - 1u);
+        a[u] =
+            _mm512_dpbf16_ps(a[u], reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(m, xr + p)),
+                             reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(m, row + p)));
+      }
+      alignas(64) float lanes[16];
+      _mm512_store_ps(lanes, _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
+      float s = 0.f;
+      for (int l = 0; l < 16; ++l) s += lanes[l];
+      float& out = y[r * ldy + j];
+      out = beta == 0.f ? alpha * s : alpha * s + beta * out;
+    }
+  }
+}
+
 }  // namespace mt::cpu

@@ -37,4 +37,13 @@ void dot_gemm_bf16(Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t 
                    const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta,
                    float* c, int64_t ldc);
 
+// Dot products of rows_m rows of bf16 x (x + r ldx) with rows [j0, j1) of bf16 W [N, K] (w + j
+// ldw) on vdpbf16ps, one weight row at a time (one sequential stream per task, as the f32
+// "rows" kernels): y[r ldy + j] = alpha dot + beta y (beta 0: y not read). Each output sums in
+// one order whatever rows_m: four accumulators over consecutive 32-element steps, masked tail,
+// then (a0 + a1) + (a2 + a3) and the lanes. Callers check dot_bf16_usable().
+void gemv_rows_bf16dot(int64_t rows_m, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k,
+                       int64_t ldw, int64_t j0, int64_t j1, float alpha, float beta, float* y,
+                       int64_t ldy);
+
 }  // namespace mt::cpu
