@@ -824,25 +824,51 @@ struct Problem {
   int64_t stride_a, stride_b, stride_c;  // elements between batch items; stride_b 0 = shared b
 };
 
-// Every output of c [batch, m, n], m <= kFewRows (a untransposed): tasks over (batch item,
-// chunk of outputs), each for all m rows.
-template <class W>
-void matvec(const Problem& p, const float* a, const W* b, float* c) {
-  const bool rows = p.tb;  // trans_b: b is [n, k]
-  // Chunks: for dot products enough rows that a task streams >= ~64 KiB of weights, and for
-  // one shared weight matrix (a decode step's projections) one contiguous range per thread, a
-  // single sequential stream; for the "cols" kernel at most kColsChunk outputs, in a number of
-  // chunks that is a multiple of the threads (the 2-core decode case has only 3 to 6 chunks of
-  // that size).
+// Tasks 0..tasks-1, each one body(t) call: in the calling thread when `serial`, else one oneTBB
+// task each (simple_partitioner: no task is split or merged).
+template <class Body>
+void run_tasks(int64_t tasks, bool serial, const Body& body) {
+  if (serial) {
+    for (int64_t t = 0; t < tasks; ++t) body(t);
+    return;
+  }
+  tbb::parallel_for(
+      tbb::blocked_range<int64_t>(0, tasks, 1),
+      [&](const tbb::blocked_range<int64_t>& r) {
+        for (int64_t t = r.begin(); t < r.end(); ++t) body(t);
+      },
+      tbb::simple_partitioner());
+}
+
+// The few-row products' tasks: (batch item, chunk of outputs), each for all m rows, `gemv(bi,
+// j0, j1)` computing outputs [j0, j1) of batch item bi. Chunks: for dot products ("rows", b
+// [n, k]) enough rows that a task streams >= ~64 KiB of weights, and for one shared weight
+// matrix (a decode step's projections) one contiguous range per thread, a single sequential
+// stream; for the "cols" kernel at most `cols_most` outputs, in a number of chunks that is a
+// multiple of the threads (the 2-core decode case has only 3 to 6 chunks of that size).
+template <class Gemv>
+void over_output_chunks(const Problem& p, int64_t cols_most, const Gemv& gemv) {
+  const bool rows = p.tb;
   const int64_t threads = std::max(1, tbb::this_task_arena::max_concurrency());
   int64_t chunk = std::max<int64_t>(16, (int64_t{16384} / std::max<int64_t>(p.k, 1) + 3) / 4 * 4);
   if (rows && p.batch == 1) chunk = std::max(chunk, (p.n + threads - 1) / threads);
   if (!rows) {
-    const int64_t most = cols_chunk<W>();
-    const int64_t rounds = (p.n + most * threads - 1) / (most * threads);
-    chunk = std::min(most, ((p.n + threads * rounds - 1) / (threads * rounds) + 15) / 16 * 16);
+    const int64_t rounds = (p.n + cols_most * threads - 1) / (cols_most * threads);
+    chunk = std::min(cols_most, ((p.n + threads * rounds - 1) / (threads * rounds) + 15) / 16 * 16);
   }
   const int64_t chunks = (p.n + chunk - 1) / chunk;
+  auto body = [&](int64_t t) {
+    const int64_t bi = t / chunks, j0 = (t % chunks) * chunk;
+    gemv(bi, j0, std::min(p.n, j0 + chunk));
+  };
+  const int64_t tasks = p.batch * chunks;
+  run_tasks(tasks, tasks == 1, body);
+}
+
+// Every output of c [batch, m, n], m <= kFewRows (a untransposed).
+template <class W>
+void matvec(const Problem& p, const float* a, const W* b, float* c) {
+  const bool rows = p.tb;  // trans_b: b is [n, k]
   // The "rows" kernels read all the rows of x at the same offsets: at a stride of a multiple of
   // 4 KiB (K = 1024, 2048, 4096, ...) those fall in one L1 set and evict each other (batch 8
   // ran at a third of the speed), so more than two rows are copied to a padded stride.
@@ -857,47 +883,18 @@ void matvec(const Problem& p, const float* a, const W* b, float* c) {
         std::copy_n(a + bi * p.stride_a + r * p.k, p.k, padded.data() + bi * stride_x + r * ldx);
     a = padded.data();
   }
-  auto body = [&](int64_t t) {
-    const int64_t bi = t / chunks, j0 = (t % chunks) * chunk, j1 = std::min(p.n, j0 + chunk);
+  over_output_chunks(p, cols_chunk<W>(), [&](int64_t bi, int64_t j0, int64_t j1) {
     gemv(rows, p.m, a + bi * stride_x, ldx, b + bi * p.stride_b, p.k, rows ? p.k : p.n, j0, j1,
          p.alpha, p.beta, c + bi * p.stride_c, p.n);
-  };
-  const int64_t tasks = p.batch * chunks;
-  if (tasks == 1) {
-    body(0);
-    return;
-  }
-  tbb::parallel_for(
-      tbb::blocked_range<int64_t>(0, tasks, 1),
-      [&](const tbb::blocked_range<int64_t>& r) {
-        for (int64_t t = r.begin(); t < r.end(); ++t) body(t);
-      },
-      tbb::simple_partitioner());
+  });
 }
 
-// bf16 rows of a against bf16 weights [n, k] (trans_b) on vdpbf16ps, chunked as matvec's
-// "rows" kernels are (one contiguous range of weight rows per thread for a shared matrix).
+// bf16 rows of a against bf16 weights [n, k] (trans_b) on vdpbf16ps, in matvec's "rows" tasks.
 void matvec_bf16dot(const Problem& p, const uint16_t* a, const uint16_t* b, float* c) {
-  const int64_t threads = std::max(1, tbb::this_task_arena::max_concurrency());
-  int64_t chunk = std::max<int64_t>(16, (int64_t{16384} / std::max<int64_t>(p.k, 1) + 3) / 4 * 4);
-  if (p.batch == 1) chunk = std::max(chunk, (p.n + threads - 1) / threads);
-  const int64_t chunks = (p.n + chunk - 1) / chunk;
-  auto body = [&](int64_t t) {
-    const int64_t bi = t / chunks, j0 = (t % chunks) * chunk, j1 = std::min(p.n, j0 + chunk);
+  over_output_chunks(p, 0, [&](int64_t bi, int64_t j0, int64_t j1) {
     gemv_rows_bf16dot(p.m, a + bi * p.stride_a, p.k, b + bi * p.stride_b, p.k, p.k, j0, j1, p.alpha,
                       p.beta, c + bi * p.stride_c, p.n);
-  };
-  const int64_t tasks = p.batch * chunks;
-  if (tasks == 1) {
-    body(0);
-    return;
-  }
-  tbb::parallel_for(
-      tbb::blocked_range<int64_t>(0, tasks, 1),
-      [&](const tbb::blocked_range<int64_t>& r) {
-        for (int64_t t = r.begin(); t < r.end(); ++t) body(t);
-      },
-      tbb::simple_partitioner());
+  });
 }
 
 // c = alpha op(a) op(b) + beta c over the batch, as single-threaded tiles run by oneTBB.
@@ -939,16 +936,7 @@ void gemm_f32(const Problem& p, const float* a, const float* b, float* c) {
     run_tile(tile);
   };
   const int64_t tasks = p.batch * parts;
-  if (tasks == 1 || threads == 1) {
-    for (int64_t t = 0; t < tasks; ++t) body(t);
-    return;
-  }
-  tbb::parallel_for(
-      tbb::blocked_range<int64_t>(0, tasks, 1),
-      [&](const tbb::blocked_range<int64_t>& r) {
-        for (int64_t t = r.begin(); t < r.end(); ++t) body(t);
-      },
-      tbb::simple_partitioner());
+  run_tasks(tasks, tasks == 1 || threads == 1, body);
 }
 
 // c = beta * c (K = 0: the product is empty). beta = 0 writes zeros even over NaN.
