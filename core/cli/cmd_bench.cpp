@@ -270,14 +270,16 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
     if (bytes_per_s) *bytes_per_s = (step_bytes * static_cast<double>(steps) + kv_bytes) / t;
     return static_cast<double>(batch * steps) / t;
   };
-  // As mt decode stores the weights: [K, N] for 8 sequences (and the prefill above), the
-  // projections transposed for one (ModelRunner::transpose_projections).
+  // As mt decode stores the weights: [K, N] for 8 sequences (and the prefill above) unless
+  // transposing pays for them too, the projections transposed for one
+  // (ModelRunner::rows_layout_pays, transpose_projections).
+  if (r.rows_layout_pays(8)) r.transpose_projections();
   if (r.profiler()) const_cast<ProfilingBackend*>(r.profiler())->reset();
   const double b8 = decode(8, nullptr);
   if (r.profiler())
     std::fprintf(stderr, "mt bench decode: %s %s, batch 8, time per op:\n%s", model.c_str(),
                  dtype.c_str(), r.profiler()->report().c_str());
-  r.transpose_projections();
+  if (r.rows_layout_pays(1)) r.transpose_projections();
   double bw = 0;
   if (r.profiler()) const_cast<ProfilingBackend*>(r.profiler())->reset();
   const double b1 = decode(1, &bw);

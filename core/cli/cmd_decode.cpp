@@ -232,8 +232,9 @@ int cmd_decode(const Args& args) {
   };
   // One or two sequences: each step is a read of every weight, which the CPU streams faster with
   // the projection weights transposed ([N, K]). More rows per step are bound by arithmetic,
-  // which the [K, N] kernels do faster (llama-bench-m, 8 rows: 1.4-1.7x), as is the prefill.
-  if (prompts.size() <= 2) in.runner->transpose_projections();
+  // which the [K, N] kernels do faster (llama-bench-m, 8 rows: 1.4-1.7x), as is the prefill,
+  // unless bf16 rows run on dot products (ModelRunner::rows_layout_pays).
+  if (in.runner->rows_layout_pays(prompts.size())) in.runner->transpose_projections();
   const GenerateResult r = generate(*in.runner, prompts, max_len, sp, in.stop_ids, on_token);
   if (ids_given) {
     std::string line;

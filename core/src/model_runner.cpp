@@ -288,6 +288,13 @@ Tensor transposed_copy(Backend& be, const Tensor& v) {
 
 }  // namespace
 
+bool ModelRunner::rows_layout_pays(size_t sequences) {
+  if (!backend().extension("mt.matvec_rows_layout")) return false;
+  if (sequences <= 2) return true;
+  return sequences <= 8 && compute_dtype_ == DType::bf16 && weight_dtype_ == DType::bf16 &&
+         backend().extension("mt.matvec_rows_bf16dot") != nullptr;
+}
+
 size_t ModelRunner::transpose_projections() {
   if (!backend().extension("mt.matvec_rows_layout")) return 0;
   if (const char* env = std::getenv("MT_TRANSPOSE_PROJECTIONS"); env && std::string(env) == "0")

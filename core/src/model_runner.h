@@ -199,6 +199,12 @@ class ModelRunner {
   // memory's rate. MT_TRANSPOSE_PROJECTIONS=0 keeps [K, N] (to compare). Not for sharded or
   // tensor-parallel parameters. Returns how many it transposed.
   size_t transpose_projections();
+  // Whether decoding `sequences` at once streams the weights faster transposed: one or two
+  // (each step a read of every weight) where the backend reads [N, K] faster, and up to 8 where
+  // it also computes bf16 rows against bf16 [N, K] weights on dot products
+  // (extension("mt.matvec_rows_bf16dot"), the compute and weight dtypes bf16); with more rows
+  // the [K, N] kernels do the arithmetic faster.
+  bool rows_layout_pays(size_t sequences);
   // Inference only, quantization=int8: stores each projection weight (ParamSpec::projection)
   // whose rows are a multiple of 32 long as int8 rows with an f32 scale per 32 values (mt/q8.h,
   // as llama.cpp's q8_0), about a quarter of f32's bytes and half of bf16's, which a decode step

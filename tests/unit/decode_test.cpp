@@ -434,6 +434,25 @@ TEST(Decode, Int8WeightsStayCloseToTheModel) {
   }
 }
 
+// When mt decode transposes the projections: for one or two sequences on the CPU, and for up
+// to 8 in bf16 where the CPU computes bf16 rows on dot products (the backend says so); never for
+// more than 8, nor in f32 beyond two.
+TEST(Decode, TransposingPaysForFewSequences) {
+  auto f32 = runner({"dtype=float32", "weight_dtype=float32"});
+  EXPECT_TRUE(f32->rows_layout_pays(1));
+  EXPECT_TRUE(f32->rows_layout_pays(2));
+  EXPECT_FALSE(f32->rows_layout_pays(3));
+  auto bf16 = runner({"dtype=bfloat16", "weight_dtype=bfloat16"});
+  const bool dot = bf16->backend().extension("mt.matvec_rows_bf16dot") != nullptr;
+  EXPECT_EQ(dot, test::cpu().describe().find("bf16 x bf16 weight rows on AVX512_BF16 dot "
+                                             "products") != std::string::npos);
+  EXPECT_TRUE(bf16->rows_layout_pays(2));
+  EXPECT_EQ(bf16->rows_layout_pays(8), dot);
+  EXPECT_FALSE(bf16->rows_layout_pays(9));
+  auto mixed = runner({"dtype=bfloat16", "weight_dtype=float32"});
+  EXPECT_FALSE(mixed->rows_layout_pays(8));
+}
+
 // A layer that reads a transposed projection weight other than through Graph::project is
 // refused by name (it would read [N, K] as [K, N]); through project both layouts give x @ w.
 TEST(Decode, ATransposedWeightIsReadOnlyThroughProject) {

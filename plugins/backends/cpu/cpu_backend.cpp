@@ -16,7 +16,12 @@ CpuBackend::CpuBackend(int num_threads) : num_threads_(num_threads), arena_(num_
 CpuBackend::~CpuBackend() = default;
 
 void* CpuBackend::extension(const char* name) {
-  return std::string_view(name) == "mt.matvec_rows_layout" ? this : nullptr;
+  const std::string_view n(name);
+  if (n == "mt.matvec_rows_layout") return this;
+  // bf16 rows against bf16 [N, K] weights on dot products: the [N, K] layout pays for up to 8
+  // rows too (ModelRunner::rows_layout_pays).
+  if (n == "mt.matvec_rows_bf16dot") return few_rows_bf16dot() ? this : nullptr;
+  return nullptr;
 }
 
 std::string CpuBackend::describe() const {

@@ -996,6 +996,10 @@ void gemm_setup(int num_threads) {
   (void)dot_core_peak_flops();
 }
 
+bool few_rows_bf16dot() {
+  return matvec_bf16dot_on();
+}
+
 std::string gemm_describe() {
   const OpenBlas& ob = openblas();
   const std::string bf16 =

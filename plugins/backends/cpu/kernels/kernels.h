@@ -30,7 +30,9 @@ void copy_columns(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_c
 // Chooses the GEMM path for this machine. Must run before OpenBLAS initialises its threads
 // (called from the plugin's registration, before any GEMM).
 void gemm_setup(int num_threads);
-std::string gemm_describe();  // "OpenBLAS 0.3.21 (SkylakeX kernels), AVX512_BF16"
+std::string gemm_describe();
+// Whether bf16 rows against bf16 [N, K] weights run on the dot-product "rows" kernel (few rows).
+bool few_rows_bf16dot();  // "OpenBLAS 0.3.21 (SkylakeX kernels), AVX512_BF16"
 double cpu_peak_flops(DType dtype, int num_threads);
 void matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool trans_b, float alpha,
             float beta);
