@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -505,46 +506,79 @@ Tensor Graph::tensor_parallel_sum(const Tensor& x) {
 
 namespace {
 
-// Expert parallelism's collectives, through an f32 host buffer as sum_over. `group` null: the
-// memory plan's trace, which only needs the shapes.
-// Every rank's x concatenated along the first dimension in rank order.
-Tensor gather_over(Backend& be, Communicator* group, int rank, int ranks, const Tensor& x,
-                   double* seconds) {
-  Shape s = x.shape();
-  s[0] *= ranks;
-  Tensor out = be.empty(s, x.dtype());
-  if (!group) return out;
+// Expert parallelism's collectives, through one f32 host buffer as sum_over: rank r's slot holds
+// its part of each tensor in turn (`Slots`). `group` null: the memory plan's trace, which only
+// needs the shapes.
+struct Slots {
+  std::vector<int64_t> size, at;  // each tensor's part and where in a slot it starts
+  int64_t slot = 0;
+  explicit Slots(const std::vector<Shape>& parts) {
+    for (const Shape& s : parts) {
+      at.push_back(slot);
+      size.push_back(shape_numel(s));
+      slot += size.back();
+    }
+  }
+};
+
+// Every rank's xs[i] (each the same shape on every rank) concatenated along the first
+// dimension in rank order, one all-gather for all of them.
+std::vector<Tensor> gather_over(Backend& be, Communicator* group, int rank, int ranks,
+                                const std::vector<Tensor>& xs, double* seconds) {
+  std::vector<Shape> parts;
+  std::vector<Tensor> outs;
+  for (const Tensor& x : xs) {
+    parts.push_back(x.shape());
+    Shape s = x.shape();
+    s[0] *= ranks;
+    outs.push_back(be.empty(s, x.dtype()));
+  }
+  if (!group) return outs;
+  const Slots sl(parts);
   be.synchronize();
   const auto t0 = std::chrono::steady_clock::now();
-  const int64_t part = x.numel();
-  std::vector<float> host(static_cast<size_t>(part * ranks));
-  part_to_host(x, 0, part, host.data() + rank * part);
+  std::vector<float> host(static_cast<size_t>(sl.slot * ranks));
+  for (size_t i = 0; i < xs.size(); ++i)
+    part_to_host(xs[i], 0, sl.size[i], host.data() + rank * sl.slot + sl.at[i]);
   group->all_gather(host.data(), host.size());
-  part_from_host(out, 0, out.numel(), host.data());
+  for (size_t i = 0; i < xs.size(); ++i)
+    for (int r = 0; r < ranks; ++r)
+      part_from_host(outs[i], r * sl.size[i], (r + 1) * sl.size[i],
+                     host.data() + r * sl.slot + sl.at[i]);
   if (seconds)
     *seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return out;
+  return outs;
 }
 
-// This rank's rows of the rank-ordered sum of every rank's x ([ranks x rows, ...]).
-Tensor scatter_sum_over(Backend& be, Communicator* group, int rank, int ranks, const Tensor& x,
-                        double* seconds) {
-  MT_CHECK(x.ndim() >= 1 && x.dim(0) % ranks == 0, "expert_scatter_sum: " + x.str() + " is not " +
-                                                       std::to_string(ranks) +
-                                                       " equal parts along its first dimension");
-  Shape s = x.shape();
-  s[0] /= ranks;
-  Tensor out = be.empty(s, x.dtype());
-  if (!group) return out;
+// The inverse: this rank's part (shape parts[i]) of the rank-ordered sum over the ranks of
+// xs[i] ([ranks x part rows, ...]; undefined: zeros), one reduce-scatter for all of them, in
+// `dtype` (undefined: each x's own).
+std::vector<Tensor> scatter_sum_over(Backend& be, Communicator* group, int rank, int ranks,
+                                     const std::vector<Tensor>& xs, const std::vector<Shape>& parts,
+                                     double* seconds, std::optional<DType> dtype = std::nullopt) {
+  const Slots sl(parts);
+  std::vector<Tensor> outs;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    MT_CHECK(!xs[i].defined() || xs[i].numel() == sl.size[i] * ranks,
+             "expert_scatter_sum: " + xs[i].str() + " is not " + std::to_string(ranks) +
+                 " equal parts along its first dimension");
+    outs.push_back(be.empty(parts[i], dtype ? *dtype : xs[i].dtype()));
+  }
+  if (!group) return outs;
   be.synchronize();
   const auto t0 = std::chrono::steady_clock::now();
-  std::vector<float> host(static_cast<size_t>(x.numel()));
-  part_to_host(x, 0, x.numel(), host.data());
+  std::vector<float> host(static_cast<size_t>(sl.slot * ranks), 0.f);
+  for (size_t i = 0; i < xs.size(); ++i)
+    if (xs[i].defined())
+      for (int r = 0; r < ranks; ++r)
+        part_to_host(xs[i], r * sl.size[i], (r + 1) * sl.size[i],
+                     host.data() + r * sl.slot + sl.at[i]);
   group->reduce_scatter_sum(host.data(), host.size());
-  part_from_host(out, 0, out.numel(), host.data() + rank * out.numel());
+  for (size_t i = 0; i < xs.size(); ++i)
+    part_from_host(outs[i], 0, sl.size[i], host.data() + rank * sl.slot + sl.at[i]);
   if (seconds)
     *seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return out;
+  return outs;
 }
 
 // Adds (or writes, where the gradient is fresh) g into input i's gradient, if it has one.
@@ -582,36 +616,13 @@ Tensor Graph::expert_gather(const Tensor& x) {
 std::vector<Tensor> Graph::expert_gather(const std::vector<Tensor>& xs) {
   const int ranks = groups_.expert_ranks, rank = groups_.expert_rank;
   if (ranks <= 1) return xs;
+  for (const Tensor& x : xs)
+    MT_CHECK(x.ndim() >= 1 && (x.dtype() == DType::f32 || x.dtype() == DType::bf16),
+             "expert_gather: " + x.str() + " (want f32 or bf16 rows)");
   Backend& be = *backend_;
   Communicator* group = groups_.expert;
   double* seconds = groups_.seconds;
-  // One collective for all of them: rank r's slot of the host buffer holds its parts of each.
-  std::vector<int64_t> size, at;
-  int64_t slot = 0;
-  std::vector<Tensor> outs;
-  for (const Tensor& x : xs) {
-    MT_CHECK(x.ndim() >= 1 && (x.dtype() == DType::f32 || x.dtype() == DType::bf16),
-             "expert_gather: " + x.str() + " (want f32 or bf16 rows)");
-    size.push_back(x.numel());
-    at.push_back(slot);
-    slot += x.numel();
-    Shape s = x.shape();
-    s[0] *= ranks;
-    outs.push_back(be.empty(s, x.dtype()));
-  }
-  if (group) {
-    be.synchronize();
-    const auto t0 = std::chrono::steady_clock::now();
-    std::vector<float> host(static_cast<size_t>(slot * ranks));
-    for (size_t i = 0; i < xs.size(); ++i)
-      part_to_host(xs[i], 0, size[i], host.data() + rank * slot + at[i]);
-    group->all_gather(host.data(), host.size());
-    for (size_t i = 0; i < xs.size(); ++i)
-      for (int r = 0; r < ranks; ++r)
-        part_from_host(outs[i], r * size[i], (r + 1) * size[i], host.data() + r * slot + at[i]);
-    if (seconds)
-      *seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  }
+  std::vector<Tensor> outs = gather_over(be, group, rank, ranks, xs, seconds);
   bool any = false;
   for (const Tensor& x : xs) any = any || tracked(x);
   if (!record_ || !any) return outs;
@@ -629,29 +640,15 @@ std::vector<Tensor> Graph::expert_gather(const std::vector<Tensor>& xs) {
     nodes.push_back(n);
     (i == 0 ? e.output : e.more_outputs.emplace_back()) = n;
   }
-  std::vector<Shape> shapes;
-  for (const Tensor& x : xs) shapes.push_back(x.shape());
-  e.backward = [&be, group, rank, ranks, seconds, nodes, size, at, slot, shapes](const Tensor& dout,
-                                                                                 const Grads& d) {
-    std::vector<float> host(static_cast<size_t>(slot * ranks), 0.f);
-    if (group) {
-      be.synchronize();
-      const auto t0 = std::chrono::steady_clock::now();
-      for (size_t i = 0; i < nodes.size(); ++i) {
-        const Tensor g = i == 0 ? dout : nodes[i]->grad;
-        if (!g.defined()) continue;
-        for (int r = 0; r < ranks; ++r)
-          part_to_host(g, r * size[i], (r + 1) * size[i], host.data() + r * slot + at[i]);
-      }
-      group->reduce_scatter_sum(host.data(), host.size());
-      if (seconds)
-        *seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    }
-    for (size_t i = 0; i < nodes.size(); ++i) {
-      Tensor g = be.empty(shapes[i], DType::f32);
-      if (group) part_from_host(g, 0, size[i], host.data() + rank * slot + at[i]);
-      accumulate(be, g, d, i);
-    }
+  std::vector<Shape> parts;
+  for (const Tensor& x : xs) parts.push_back(x.shape());
+  e.backward = [&be, group, rank, ranks, seconds, nodes, parts](const Tensor& dout,
+                                                                const Grads& d) {
+    std::vector<Tensor> grads;
+    for (size_t i = 0; i < nodes.size(); ++i) grads.push_back(i == 0 ? dout : nodes[i]->grad);
+    const std::vector<Tensor> mine =
+        scatter_sum_over(be, group, rank, ranks, grads, parts, seconds, DType::f32);
+    for (size_t i = 0; i < mine.size(); ++i) accumulate(be, mine[i], d, i);
   };
   impl_->tape.push_back(std::move(e));
   return outs;
@@ -660,13 +657,18 @@ std::vector<Tensor> Graph::expert_gather(const std::vector<Tensor>& xs) {
 Tensor Graph::expert_scatter_sum(const Tensor& x) {
   const int ranks = groups_.expert_ranks, rank = groups_.expert_rank;
   if (ranks <= 1) return x;
+  MT_CHECK(x.ndim() >= 1 && x.dim(0) % ranks == 0, "expert_scatter_sum: " + x.str() + " is not " +
+                                                       std::to_string(ranks) +
+                                                       " equal parts along its first dimension");
   Communicator* group = groups_.expert;
   double* seconds = groups_.seconds;
-  Tensor out = scatter_sum_over(*backend_, group, rank, ranks, x, seconds);
+  Shape part = x.shape();
+  part[0] /= ranks;
+  Tensor out = scatter_sum_over(*backend_, group, rank, ranks, {x}, {part}, seconds)[0];
   Backend* bp = backend_;
   record(record_, impl_->tape, out, {&x},
          [bp, group, rank, ranks, seconds](const Tensor& dout, const Grads& d) {
-           accumulate(*bp, gather_over(*bp, group, rank, ranks, dout, seconds), d, 0);
+           accumulate(*bp, gather_over(*bp, group, rank, ranks, {dout}, seconds)[0], d, 0);
          });
   return out;
 }

@@ -146,6 +146,20 @@ bool overlap_gradient_sums(ModelRunner& runner, const Communicator& comm,
   return !runner.sharding().on() && !(opt && opt->sharded()) && runner.overlaps_communication(comm);
 }
 
+// The gradients not marked `skip`, summed in one bucket over `others` (null: no sum), except
+// the experts' under expert parallelism, summed over the ranks holding the same experts
+// (ExpertSharding::replicas; null: none to sum with).
+void sum_gradients(ModelRunner& runner, const std::vector<bool>& skip, Communicator* others) {
+  Backend& be = runner.backend();
+  const ExpertSharding& experts = runner.expert_sharding();
+  std::vector<Tensor*> grads, expert_grads;
+  size_t j = 0;
+  for (auto& p : runner.params())
+    if (!skip[j++]) (experts.on() && p.by_expert ? expert_grads : grads).push_back(&p.grad);
+  if (others && !grads.empty()) others->all_reduce_sum(be, grads);
+  if (experts.replicas && !expert_grads.empty()) experts.replicas->all_reduce_sum(be, expert_grads);
+}
+
 }  // namespace
 
 StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& micro, float z_loss,
@@ -236,14 +250,8 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
       // FSDP: the backward reduce-scattered every gradient into this rank's part already; HSDP
       // adds the parts of the other groups' ranks holding the same part (an expert's: the
       // ranks holding that expert).
-      const ExpertSharding& experts = runner.expert_sharding();
-      std::vector<Tensor*> grads, expert_grads;
-      for (auto& p : runner.params())
-        (experts.on() && p.by_expert ? expert_grads : grads).push_back(&p.grad);
-      if (Communicator* replicas = runner.sharding().replicas; replicas && !grads.empty())
-        replicas->all_reduce_sum(be, grads);
-      if (experts.replicas && !expert_grads.empty())
-        experts.replicas->all_reduce_sum(be, expert_grads);
+      sum_gradients(runner, std::vector<bool>(runner.params().size(), false),
+                    runner.sharding().replicas);
     } else if (opt && opt->sharded()) {
       // Every gradient flattened into one host buffer (one collective), reduce-scattered, and
       // this rank's part of each gradient copied back.
@@ -269,14 +277,7 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
       if (sums) sums->drain();
       // Expert parallelism: an expert's gradient over the ranks holding that expert (none to
       // sum with when the expert axis is the whole job), the rest over all.
-      const ExpertSharding& experts = runner.expert_sharding();
-      std::vector<Tensor*> grads, expert_grads;
-      size_t j = 0;
-      for (auto& p : runner.params())
-        if (!sent[j++]) (experts.on() && p.by_expert ? expert_grads : grads).push_back(&p.grad);
-      comm->all_reduce_sum(be, grads);
-      if (experts.replicas && !expert_grads.empty())
-        experts.replicas->all_reduce_sum(be, expert_grads);
+      sum_gradients(runner, sent, comm);
     }
     std::vector<double> scalars{r.loss};
     for (const auto& [name, v] : r.aux) scalars.push_back(v);
