@@ -181,7 +181,8 @@ std::vector<std::vector<std::string>> training_changes(const Config& cfg,
   if (remat == "none") c.push_back({"remat_policy=minimal"});
   if (remat != "full") c.push_back({"remat_policy=full"});
   // The moments divided among the data-parallel ranks: the same traffic, the same losses.
-  // (Not with expert parallelism, which combines with neither yet.)
+  // (Not under expert parallelism: ZeRO-1 does not combine with it yet, and FSDP over its
+  // ranks is a change of mesh the plan leaves to the user.)
   if (const Mesh mesh = planned_mesh(cfg);
       mesh.batch_ranks() > 1 && mesh.fsdp == 1 && mesh.expert == 1) {
     if (!cfg.get_bool("shard_optimizer_over_data"))
@@ -636,9 +637,10 @@ std::string format_plan(const Plan& p, const Config& cfg) {
                                                             : p.device.dcn_bytes_per_s,
                  cfg.get_int("dcn_expert_parallelism") == 1 ? "within the node" : "across nodes"),
             human_bytes(static_cast<double>(c.expert_gradient_bytes)),
-            c.ici * c.dcn == c.expert ? std::string("need no sum (one data-parallel copy)")
-                                      : fmt::format("are summed over the data axis's {} ranks",
-                                                    c.ici * c.dcn / c.expert));
+            c.ici * c.dcn == c.expert * c.fsdp_ranks
+                ? std::string("need no sum (one data-parallel copy)")
+                : fmt::format("are summed over the data axis's {} ranks",
+                              c.ici * c.dcn / (c.expert * c.fsdp_ranks)));
       if (c.tensor > 1)
         s += fmt::format(
             "  collectives: tensor parallelism over {} ranks per batch (logical_axis_rules), "
