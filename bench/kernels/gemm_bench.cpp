@@ -385,7 +385,9 @@ void stream_calls(benchmark::State& state, mt::Backend& be, int64_t count, int64
 
 // Decode's access pattern: one matrix-vector product after another over distinct weight
 // matrices whose total (>= 512 MiB) no cache holds, so every call streams its weights from
-// memory as a decode step does. Args: K, N, trans_b, bf16 weights (0/1). GB/s here against
+// memory as a decode step does. Args: K, N, trans_b, bf16 weights (0: f32 weights; 1: bf16
+// weights, f32 x; 2: bf16 weights and x, a bf16 model's decode: the dot-product rows kernel
+// where the CPU has AVX512_BF16). GB/s here against
 // BM_MatVec's on one large matrix shows what each call's start and end cost.
 void BM_MatVecStream(benchmark::State& state) {
   const int64_t k = state.range(0), n = state.range(1);
@@ -397,7 +399,7 @@ void BM_MatVecStream(benchmark::State& state) {
   std::vector<mt::Tensor> ws;
   for (int64_t i = 0; i < count; ++i)
     ws.push_back(random_tensor(tb ? mt::Shape{n, k} : mt::Shape{k, n}, dw));
-  mt::Tensor x = random_tensor({1, k}, mt::DType::f32);
+  mt::Tensor x = random_tensor({1, k}, state.range(3) == 2 ? mt::DType::bf16 : mt::DType::f32);
   mt::Tensor y = be.empty({1, n}, mt::DType::f32);
   stream_calls(state, be, count, one,
                [&](int64_t i) { be.matmul(x, ws[size_t(i)], y, false, tb); });
@@ -475,6 +477,7 @@ BENCHMARK(BM_MatVecStream)
     ->ArgsProduct({{768}, {768, 2048}, {0, 1}, {0, 1}})
     ->ArgsProduct({{2048}, {768}, {0, 1}, {0, 1}})
     ->ArgsProduct({{2048}, {5632}, {0, 1}, {0, 1}})
+    ->ArgsProduct({{768, 2048}, {768, 2048, 5632}, {1}, {2}})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 

@@ -383,7 +383,8 @@ TEST(Decode, PrefillOfTheLastPositionOnly) {
 // quantization=int8: every projection weight whose rows are a multiple of 32 long becomes int8
 // rows (mt/q8.h), the rest keep the compute dtype, the model shrinks, and decode's next-token
 // distributions stay close to the f32 model's: the mean KL(p_f32 || p_int8) over the prefill
-// prompt below 1e-3 (measured 4e-5 to 1.5e-4 on these random-weight models; MoE: see below),
+// prompt below 1e-3 (measured 7e-5 to 4.3e-4 on these random-weight models, the CPU quantizing
+// the activations of decode's rows too; 4e-5 to 1.5e-4 before it did; MoE: see below),
 // whether the remaining weights are transposed or not.
 TEST(Decode, Int8WeightsStayCloseToTheModel) {
   for (const char* model : kProjectionModels) {
@@ -521,12 +522,17 @@ TEST(Decode, ATransposedWeightIsReadOnlyThroughProject) {
   const std::vector<float> y =
       test::to_vector(g.project(test::from_vector(be, {1, K}, x2), int8, "w"));
   ASSERT_EQ(y.size(), 3u);
+  // The CPU quantizes decode's row of x as well (q8_0 activations): within its rounding, while
+  // the layout read as [K, N] would be off by the whole product.
+  double most = 0;
+  std::vector<double> want(3, 0.0);
   for (int64_t j = 0; j < 3; ++j) {
-    double want = 0;
     for (int64_t k = 0; k < K; ++k)
-      want += double(x2[static_cast<size_t>(k)]) * dq[static_cast<size_t>(j * K + k)];
-    EXPECT_NEAR(y[static_cast<size_t>(j)], want, 1e-5 * (1 + std::fabs(want)));
+      want[size_t(j)] += double(x2[static_cast<size_t>(k)]) * dq[static_cast<size_t>(j * K + k)];
+    most = std::max(most, std::fabs(want[size_t(j)]));
   }
+  for (int64_t j = 0; j < 3; ++j)
+    EXPECT_NEAR(y[static_cast<size_t>(j)], want[size_t(j)], 1e-2 * most);
 }
 
 TEST(Decode, CachedDecodeEqualsFullForwardBf16) {

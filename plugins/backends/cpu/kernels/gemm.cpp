@@ -62,6 +62,7 @@ struct Isa {
   bool avx512 = false;  // F + BW + DQ + VL: what OpenBLAS's SkylakeX kernels and ours use
   bool avx512_bf16 = false;
   bool amx_bf16 = false;
+  bool avx512_vnni = false;  // int8 dot products (vpdpbusd) at 256 bits (with VL)
 
   static Isa detect() {
     __builtin_cpu_init();
@@ -71,6 +72,7 @@ struct Isa {
                  __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
     isa.avx512_bf16 = isa.avx512 && __builtin_cpu_supports("avx512bf16");
     isa.amx_bf16 = __builtin_cpu_supports("amx-bf16");
+    isa.avx512_vnni = isa.avx512 && __builtin_cpu_supports("avx512vnni");
     return isa;
   }
 
@@ -444,6 +446,16 @@ MT_AVX512 inline __mmask16 tail_mask(int64_t left) {
 // widened once per group. Every output is summed in one order whatever M and the blocking:
 // four accumulators over alternating vectors, then (a0 + a1) + (a2 + a3), then the lanes in a
 // fixed order.
+// With bf16 weights each step also prefetches the lines kRowsPrefetch bytes ahead in the weight
+// row (past its end: the next row, a task's rows being contiguous). With a few cycles of
+// arithmetic per line, one core's demand misses and the hardware prefetchers alone left the
+// memory's latency exposed: on the Zen 4 here (two threads, gemm_bench's BM_MatVecStream) bf16
+// rows widened to f32 read 31-39 GB/s without it and 39-51 with it, int8 rows 17 -> 34-37. f32
+// rows, less arithmetic per byte, do without: there the prefetches cost (llama-bench-1b f32
+// batch-1 decode 9.2-10.8 tokens/s with them, 9.5-13.7 without, interleaved), as they did not
+// help the bf16 dot-product rows kernel (gemm_amx.cpp) within this machine's noise.
+constexpr int64_t kRowsPrefetch = 2048;
+
 // Row i's four accumulators acc[i][0..3] (loaded first, stored after) gain the steps of 64 terms
 // [p0, p1) (p1 <= k / 64 * 64) and, with `tail`, one more step with masked loads for the last
 // k % 64 terms (a vector past k adds zeros): the same operations in the same order however a
@@ -462,7 +474,12 @@ MT_AVX512 void dot_steps_avx512(const float* const* xs, const W* row, int64_t k,
     a3[i] = acc[i][3];
     x[i] = xs[i];
   }
+  const char* ahead = reinterpret_cast<const char*>(row) + kRowsPrefetch;
   for (int64_t p = p0; p < p1; p += 64) {
+    if constexpr (!std::is_same_v<W, float>) {
+      _mm_prefetch(ahead + 2 * p, _MM_HINT_T0);
+      _mm_prefetch(ahead + 2 * p + 64, _MM_HINT_T0);
+    }
     const __m512 w0 = load16(row + p, 0xffff), w1 = load16(row + p + 16, 0xffff);
     const __m512 w2 = load16(row + p + 32, 0xffff), w3 = load16(row + p + 48, 0xffff);
 #pragma GCC unroll 8
@@ -642,7 +659,9 @@ MT_AVX2 void dot_steps_avx2(const float* const* xs, const W* row, int64_t p0, in
     a3[i] = acc[i][3];
     x[i] = xs[i];
   }
+  const char* ahead = reinterpret_cast<const char*>(row) + kRowsPrefetch;
   for (int64_t p = p0; p < p1; p += 32) {
+    if constexpr (!std::is_same_v<W, float>) _mm_prefetch(ahead + 2 * p, _MM_HINT_T0);
     const __m256 w0 = load8(row + p), w1 = load8(row + p + 8);
     const __m256 w2 = load8(row + p + 16), w3 = load8(row + p + 24);
 #pragma GCC unroll 4
@@ -1112,105 +1131,111 @@ void matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool tran
 
 namespace {
 
-// Dot products of X rows of x with one q8 row (mt/q8.h): per block of 32, the products of the
-// widened int8 values and x summed in a vector, times the block's scale into one of two
-// accumulators (even and odd blocks, for the FMA latency); then (t0 + t1) and the lanes in a
-// fixed order. The same order whatever X.
-// Block b of a q8 row into t[i] for the X rows of x (lambdas do not take the function's target).
-template <int X>
-MT_AVX512 inline void q8_block_avx512(const int8_t* row, int64_t k, int64_t b,
-                                      const float* const* x, __m512* t) {
-  const int8_t* q = row + b * kQ8Block;
-  // maskz forms: the unmasked ones start from _mm512_undefined (see load16).
-  const __m512 w0 = _mm512_maskz_cvtepi32_ps(
-      0xffff,
-      _mm512_maskz_cvtepi8_epi32(0xffff, _mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
-  const __m512 w1 = _mm512_maskz_cvtepi32_ps(
-      0xffff, _mm512_maskz_cvtepi8_epi32(
-                  0xffff, _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
-  float scale;
-  std::memcpy(&scale, row + k + b * 4, 4);
-  const __m512 sv = _mm512_set1_ps(scale);
-#pragma GCC unroll 8
-  for (int i = 0; i < X; ++i) {
-    const float* xb = x[i] + b * kQ8Block;
-    const __m512 p =
-        _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), w1, _mm512_mul_ps(_mm512_loadu_ps(xb), w0));
-    t[i] = _mm512_fmadd_ps(sv, p, t[i]);
+// Decode's int8 products (M <= kFewRows rows of x): each row of x is quantized as the weights
+// are, in blocks of 32 with an f32 scale (q8_0 activations, as llama.cpp's q8_0 x q8_0 dot
+// products and MaxText's int8, which quantizes both operands), except that its values round
+// half to even (the vector conversion's rounding). A block's 32 products are then summed exactly
+// in int32, four consecutive ones to each of 8 lanes (AVX512-VNNI's vpdpbusd, or AVX2's
+// maddubs + madd, on |w| and x * sign(w): the same lanes, the same integers), and each block's
+// lanes enter one of two f32 accumulators (even and odd blocks) as
+// fma(scale_w * scale_x, float(lanes), acc); then (acc0 + acc1) and the lanes in hsum8's order.
+// Every kernel set (portable, AVX2, AVX-512) computes those operations in that order, so they
+// give the same bits, and a row's outputs do not depend on the rows beside it. A row of x with a
+// NaN or an infinity is not quantized: its outputs are f32 dot products with the widened
+// weights (dot_q8_f32), so the NaN or infinity comes through.
+//
+// The weights are one sequential stream per task (rows [j0, j1), contiguous), prefetched
+// kRowsPrefetch bytes ahead as the "rows" kernels'.
+constexpr int64_t kQ8BlockBytes = kQ8Block + 4;
+
+// x's row [k] -> out [q8_row_bytes(k)] by the rule above; false (out unwritten) when the row
+// holds a NaN or an infinity.
+bool quantize_x_q8(const float* x, int64_t k, int8_t* out) {
+  for (int64_t b = 0; b < k / kQ8Block; ++b) {
+    const float* v = x + b * kQ8Block;
+    float amax = 0.f;
+    for (int64_t i = 0; i < kQ8Block; ++i) {
+      if (!std::isfinite(v[i])) return false;
+      amax = std::max(amax, std::fabs(v[i]));
+    }
+    const float scale = amax / 127.f;
+    const float inv = scale > 0.f ? 1.f / scale : 0.f;
+    for (int64_t i = 0; i < kQ8Block; ++i)
+      out[b * kQ8Block + i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+    std::memcpy(out + k + b * 4, &scale, 4);
+  }
+  return true;
+}
+
+MT_AVX2 inline float hmax8(__m256 v) {
+  __m128 q = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  q = _mm_max_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_max_ss(q, _mm_shuffle_ps(q, q, 1)));
+}
+
+MT_AVX2 bool quantize_x_q8_avx2(const float* x, int64_t k, int8_t* out) {
+  const __m256 sign = _mm256_set1_ps(-0.f), inf = _mm256_set1_ps(INFINITY);
+  for (int64_t b = 0; b < k / kQ8Block; ++b) {
+    const float* v = x + b * kQ8Block;
+    __m256 xs[4], m = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    for (int u = 0; u < 4; ++u) {
+      xs[u] = _mm256_loadu_ps(v + 8 * u);
+      const __m256 a = _mm256_andnot_ps(sign, xs[u]);
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));  // NaN or infinity
+      m = _mm256_max_ps(m, a);
+    }
+    if (!_mm256_testz_ps(bad, bad)) return false;
+    const float amax = hmax8(m);
+    const float scale = amax / 127.f;
+    const __m256 inv = _mm256_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
+    // Round half to even (MXCSR's default), then int32 -> int8 (|q| <= 127: no saturation).
+    const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(xs[0], inv));
+    const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(xs[1], inv));
+    const __m256i q2 = _mm256_cvtps_epi32(_mm256_mul_ps(xs[2], inv));
+    const __m256i q3 = _mm256_cvtps_epi32(_mm256_mul_ps(xs[3], inv));
+    // packs work within 128-bit lanes: the permute puts the 32 bytes back in order.
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * kQ8Block),
+                        _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    std::memcpy(out + k + b * 4, &scale, 4);
+  }
+  return true;
+}
+
+// One block's 8 int32 lanes of x . w (portable): lane l sums products 4 l .. 4 l + 3.
+inline void q8_block_lanes(const int8_t* w, const int8_t* x, int32_t* lanes) {
+  for (int l = 0; l < 8; ++l) {
+    int32_t s = 0;
+    for (int i = 4 * l; i < 4 * l + 4; ++i) s += int32_t(w[i]) * int32_t(x[i]);
+    lanes[l] = s;
   }
 }
 
-// Dot products of X rows of x with one q8 row (mt/q8.h): per block of 32, the products of the
-// widened int8 values and x summed in a vector, times the block's scale into one of two
-// accumulators (even and odd blocks, for the FMA latency); then (t0 + t1) and the lanes in a
-// fixed order. The same order whatever X.
-template <int X>
-MT_AVX512 void dot_q8_avx512(const float* const* xs, const int8_t* row, int64_t k, float* out) {
-  __m512 t0[X], t1[X];
-  const float* x[X];
-#pragma GCC unroll 8
-  for (int i = 0; i < X; ++i) {
-    t0[i] = t1[i] = _mm512_setzero_ps();
-    x[i] = xs[i];
-  }
-  const int64_t blocks = k / kQ8Block;
-  int64_t b = 0;
-  for (; b + 2 <= blocks; b += 2) {
-    q8_block_avx512<X>(row, k, b, x, t0);
-    q8_block_avx512<X>(row, k, b + 1, x, t1);
-  }
-  if (b < blocks) q8_block_avx512<X>(row, k, b, x, t0);
-#pragma GCC unroll 8
-  for (int i = 0; i < X; ++i) out[i] = hsum(_mm512_add_ps(t0[i], t1[i]));
+// hsum8's order on eight floats.
+inline float hsum8_portable(const float* v) {
+  const float q[4] = {v[0] + v[4], v[1] + v[5], v[2] + v[6], v[3] + v[7]};
+  return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
-MT_AVX2 inline __m256 widen_q8x8(const int8_t* q) {
-  return _mm256_cvtepi32_ps(
-      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+float dot_q8q8_portable(const int8_t* xq, const int8_t* row, int64_t k) {
+  float acc[2][8] = {};
+  int32_t lanes[8];
+  for (int64_t b = 0; b < k / kQ8Block; ++b) {
+    float sw, sx;
+    std::memcpy(&sw, row + k + b * 4, 4);
+    std::memcpy(&sx, xq + k + b * 4, 4);
+    const float s = sw * sx;
+    q8_block_lanes(row + b * kQ8Block, xq + b * kQ8Block, lanes);
+    for (int l = 0; l < 8; ++l) acc[b & 1][l] = std::fma(s, float(lanes[l]), acc[b & 1][l]);
+  }
+  float v[8];
+  for (int l = 0; l < 8; ++l) v[l] = acc[0][l] + acc[1][l];
+  return hsum8_portable(v);
 }
 
-template <int X>
-MT_AVX2 inline void q8_block_avx2(const int8_t* row, int64_t k, int64_t b, const float* const* x,
-                                  __m256* t) {
-  const int8_t* q = row + b * kQ8Block;
-  const __m256 w0 = widen_q8x8(q), w1 = widen_q8x8(q + 8), w2 = widen_q8x8(q + 16),
-               w3 = widen_q8x8(q + 24);
-  float scale;
-  std::memcpy(&scale, row + k + b * 4, 4);
-  const __m256 sv = _mm256_set1_ps(scale);
-#pragma GCC unroll 4
-  for (int i = 0; i < X; ++i) {
-    const float* xb = x[i] + b * kQ8Block;
-    __m256 p = _mm256_mul_ps(_mm256_loadu_ps(xb), w0);
-    p = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), w1, p);
-    p = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), w2, p);
-    p = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), w3, p);
-    t[i] = _mm256_fmadd_ps(sv, p, t[i]);
-  }
-}
-
-// The AVX2 form at 8 lanes (four vectors a block), rows of x two at a time.
-template <int X>
-MT_AVX2 void dot_q8_avx2(const float* const* xs, const int8_t* row, int64_t k, float* out) {
-  __m256 t0[X], t1[X];
-  const float* x[X];
-#pragma GCC unroll 4
-  for (int i = 0; i < X; ++i) {
-    t0[i] = t1[i] = _mm256_setzero_ps();
-    x[i] = xs[i];
-  }
-  const int64_t blocks = k / kQ8Block;
-  int64_t b = 0;
-  for (; b + 2 <= blocks; b += 2) {
-    q8_block_avx2<X>(row, k, b, x, t0);
-    q8_block_avx2<X>(row, k, b + 1, x, t1);
-  }
-  if (b < blocks) q8_block_avx2<X>(row, k, b, x, t0);
-#pragma GCC unroll 4
-  for (int i = 0; i < X; ++i) out[i] = hsum8(_mm256_add_ps(t0[i], t1[i]));
-}
-
-float dot_q8_portable(const float* x, const int8_t* row, int64_t k) {
+// A row of x that could not be quantized (NaN or infinity): f32 products with the widened
+// weights, so that they reach the outputs.
+float dot_q8_f32(const float* x, const int8_t* row, int64_t k) {
   float t = 0.f;
   for (int64_t b = 0; b < k / kQ8Block; ++b) {
     float p = 0.f;
@@ -1223,43 +1248,122 @@ float dot_q8_portable(const float* x, const int8_t* row, int64_t k) {
   return t;
 }
 
-// y [m, n] rows [j0, j1) = x [m, k] (ldx) against q8 rows of w (row stride rb).
-void gemv_q8(int64_t m, const float* x, int64_t ldx, const int8_t* w, int64_t rb, int64_t k,
-             int64_t j0, int64_t j1, float* y, int64_t ldy) {
-  const MatvecSet set = matvec_set();
-  const int64_t group = set == MatvecSet::avx512 ? 4 : set == MatvecSet::avx2 ? 2 : 1;
+#define MT_AVX2_VNNI __attribute__((target("avx2,fma,avx512f,avx512vl,avx512vnni")))
+
+// A block's 8 lanes from |w| and x * sign(w): AVX2's maddubs (pairs, at most 2 * 128 * 127 in
+// int16) then madd with ones (pairs of pairs), or one AVX512-VNNI vpdpbusd: the same sums.
+MT_AVX2 inline __m256i q8_lanes_avx2(__m256i aw, __m256i sx) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1));
+}
+MT_AVX2_VNNI inline __m256i q8_lanes_vnni(__m256i aw, __m256i sx) {
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx);
+}
+
+// X quantized rows of x against one q8 row, into out[0, X): per block |w| once, then per row of
+// x its values times sign(w), the lanes, and the fma into the block parity's accumulator. Written
+// once for both targets by macros (a function without the target cannot hold their intrinsics,
+// a lambda does not take its caller's, and the AVX2 one must not be compiled with AVX-512).
+#define MT_Q8Q8_BLOCK(LANES, B, T)                                                              \
+  {                                                                                             \
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (B)*kQ8Block)); \
+    const __m256i aw = _mm256_sign_epi8(w, w);                                                  \
+    float sw;                                                                                   \
+    std::memcpy(&sw, row + k + (B)*4, 4);                                                       \
+    _Pragma("GCC unroll 4") for (int i = 0; i < X; ++i) {                                       \
+      const __m256i xv =                                                                        \
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[i] + (B)*kQ8Block));           \
+      float sx;                                                                                 \
+      std::memcpy(&sx, xq[i] + k + (B)*4, 4);                                                   \
+      T[i] = _mm256_fmadd_ps(_mm256_set1_ps(sw * sx),                                           \
+                             _mm256_cvtepi32_ps(LANES(aw, _mm256_sign_epi8(xv, w))), T[i]);     \
+    }                                                                                           \
+  }
+
+#define MT_DEFINE_DOT_Q8Q8(NAME, TARGET, LANES)                                              \
+  template <int X>                                                                           \
+  TARGET void NAME(const int8_t* const* xq, const int8_t* row, int64_t k, float* out) {      \
+    __m256 t0[X], t1[X];                                                                     \
+    _Pragma("GCC unroll 4") for (int i = 0; i < X; ++i) t0[i] = t1[i] = _mm256_setzero_ps(); \
+    /* The stream's lines ahead: a block and its scale are 36 bytes, two blocks 72. */       \
+    const char* ahead = reinterpret_cast<const char*>(row) + kRowsPrefetch;                  \
+    const int64_t blocks = k / kQ8Block;                                                     \
+    int64_t b = 0;                                                                           \
+    for (; b + 2 <= blocks; b += 2) {                                                        \
+      _mm_prefetch(ahead + b * kQ8BlockBytes, _MM_HINT_T0);                                  \
+      _mm_prefetch(ahead + b * kQ8BlockBytes + 64, _MM_HINT_T0);                             \
+      MT_Q8Q8_BLOCK(LANES, b, t0)                                                            \
+      MT_Q8Q8_BLOCK(LANES, b + 1, t1)                                                        \
+    }                                                                                        \
+    if (b < blocks) MT_Q8Q8_BLOCK(LANES, b, t0)                                              \
+    _Pragma("GCC unroll 4") for (int i = 0; i < X; ++i) out[i] =                             \
+        hsum8(_mm256_add_ps(t0[i], t1[i]));                                                  \
+  }
+
+MT_DEFINE_DOT_Q8Q8(dot_q8q8_avx2, MT_AVX2, q8_lanes_avx2)
+MT_DEFINE_DOT_Q8Q8(dot_q8q8_vnni, MT_AVX2_VNNI, q8_lanes_vnni)
+#undef MT_DEFINE_DOT_Q8Q8
+#undef MT_Q8Q8_BLOCK
+
+enum class Q8Kernels { portable, avx2, vnni };
+
+Q8Kernels q8_kernels() {
+  switch (matvec_set()) {
+    case MatvecSet::avx512:
+      return isa().avx512_vnni ? Q8Kernels::vnni : Q8Kernels::avx2;
+    case MatvecSet::avx2:
+      return Q8Kernels::avx2;
+    default:
+      return Q8Kernels::portable;
+  }
+}
+
+template <int X>
+void dot_q8q8(Q8Kernels set, const int8_t* const* xq, const int8_t* row, int64_t k, float* out) {
+  if (set == Q8Kernels::vnni)
+    dot_q8q8_vnni<X>(xq, row, k, out);
+  else
+    dot_q8q8_avx2<X>(xq, row, k, out);
+}
+
+// y [m, n] rows [j0, j1) = x [m, k] against q8 rows of w (row stride rb): xq holds x's rows
+// quantized (stride rx), ok[r] whether row r is; x32 the f32 rows for those that are not.
+void gemv_q8(int64_t m, const int8_t* xq, int64_t rx, const bool* ok, const float* x32,
+             const int8_t* w, int64_t rb, int64_t k, int64_t j0, int64_t j1, float* y,
+             int64_t ldy) {
+  const Q8Kernels set = q8_kernels();
+  // The quantized rows, in groups of up to 4 that share each weight block's loads.
+  int64_t idx[kFewRows], nq = 0;
+  for (int64_t r = 0; r < m; ++r)
+    if (ok[r]) idx[nq++] = r;
   for (int64_t j = j0; j < j1; ++j) {
     const int8_t* row = w + j * rb;
-    for (int64_t r = 0; r < m; r += group) {
-      const int64_t nx = std::min(group, m - r);
-      const float* xs[4] = {};
+    for (int64_t g = 0; g < nq; g += 4) {
+      const int64_t nx = std::min<int64_t>(4, nq - g);
+      const int8_t* xs[4] = {};
       float s[4] = {};
-      for (int64_t i = 0; i < nx; ++i) xs[i] = x + (r + i) * ldx;
-      if (set == MatvecSet::avx512) {
+      for (int64_t i = 0; i < nx; ++i) xs[i] = xq + idx[g + i] * rx;
+      if (set == Q8Kernels::portable) {
+        for (int64_t i = 0; i < nx; ++i) s[i] = dot_q8q8_portable(xs[i], row, k);
+      } else {
         switch (nx) {
           case 4:
-            dot_q8_avx512<4>(xs, row, k, s);
+            dot_q8q8<4>(set, xs, row, k, s);
             break;
           case 3:
-            dot_q8_avx512<3>(xs, row, k, s);
+            dot_q8q8<3>(set, xs, row, k, s);
             break;
           case 2:
-            dot_q8_avx512<2>(xs, row, k, s);
+            dot_q8q8<2>(set, xs, row, k, s);
             break;
           default:
-            dot_q8_avx512<1>(xs, row, k, s);
+            dot_q8q8<1>(set, xs, row, k, s);
             break;
         }
-      } else if (set == MatvecSet::avx2) {
-        if (nx == 2)
-          dot_q8_avx2<2>(xs, row, k, s);
-        else
-          dot_q8_avx2<1>(xs, row, k, s);
-      } else {
-        s[0] = dot_q8_portable(xs[0], row, k);
       }
-      for (int64_t i = 0; i < nx; ++i) y[(r + i) * ldy + j] = s[i];
+      for (int64_t i = 0; i < nx; ++i) y[idx[g + i] * ldy + j] = s[i];
     }
+    for (int64_t r = 0; r < m; ++r)
+      if (!ok[r]) y[r * ldy + j] = dot_q8_f32(x32 + r * k, row, k);
   }
 }
 
@@ -1308,6 +1412,16 @@ void matmul_q8(const Tensor& x, const Tensor& w, Tensor& y) {
   }
   const Tensor x32 = as_f32(x);
   Tensor y32 = y.dtype() == DType::f32 ? y : y.backend()->empty(y.shape(), DType::f32);
+  // x's rows quantized once for every task (decode: m * k values against n * k weights).
+  const int64_t rx = q8_row_bytes(k);
+  std::vector<int8_t> xq(static_cast<size_t>(m * rx));
+  bool ok[kFewRows];
+  const bool avx2 = q8_kernels() != Q8Kernels::portable;
+  for (int64_t r = 0; r < m; ++r) {
+    const float* xr = x32.ptr<const float>() + r * k;
+    int8_t* out = xq.data() + r * rx;
+    ok[r] = avx2 ? quantize_x_q8_avx2(xr, k, out) : quantize_x_q8(xr, k, out);
+  }
   // One contiguous range of rows per thread: one sequential stream, as the "rows" kernels.
   const int64_t chunk = std::max<int64_t>(16, (n + threads - 1) / threads);
   const int64_t chunks = (n + chunk - 1) / chunk;
@@ -1315,8 +1429,8 @@ void matmul_q8(const Tensor& x, const Tensor& w, Tensor& y) {
       tbb::blocked_range<int64_t>(0, chunks, 1),
       [&](const tbb::blocked_range<int64_t>& r) {
         for (int64_t c = r.begin(); c < r.end(); ++c)
-          gemv_q8(m, x32.ptr<const float>(), k, q, rb, k, c * chunk, std::min(n, (c + 1) * chunk),
-                  y32.ptr<float>(), n);
+          gemv_q8(m, xq.data(), rx, ok, x32.ptr<const float>(), q, rb, k, c * chunk,
+                  std::min(n, (c + 1) * chunk), y32.ptr<float>(), n);
       },
       tbb::simple_partitioner());
   if (y.dtype() != DType::f32) store_bf16(y32, y);
