@@ -182,7 +182,8 @@ std::vector<OpCase> cases() {
     r.keep("matrix-vector, transposed", o2);
   });
   // int8 rows (mt/q8.h): decode's few rows and a prefill's many. The CPU quantizes decode's rows
-  // of x too (ops.def), the composed and CUDA ones do not: x's rounding, ~3e-3 here.
+  // of x too (ops.def), the composed and CUDA ones do not: x's rounding, a scaled error of
+  // 3e-3 typically and up to 1.2e-2 over 100 random seeds.
   add(Op::matmul_q8, "matmul_q8", [](OpRun& r) {
     const int64_t k = 64, n = 9, rb = q8_row_bytes(k);
     const std::vector<float> wf = test::randn(static_cast<size_t>(n * k), r.rng);
@@ -196,7 +197,8 @@ std::vector<OpCase> cases() {
     Tensor x2 = r.in({3, 4, k}), y2 = r.out({3, 4, n});
     r.b.matmul_q8(x2, w, y2);
     r.keep("twelve rows", y2);
-  })->tol_f32 = 1e-2;
+  })->tol_f32 = 4e-2;
+  c.back().tol_bf16 = 4e-2;
   // ---- embedding
   add(Op::embedding_forward, "embedding_forward", [](OpRun& r) {
     Tensor table = r.in({11, 9}), ids = r.ints({2, 3}, 0, 11), o = r.out({2, 3, 9});
