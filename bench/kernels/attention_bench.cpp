@@ -93,9 +93,11 @@ BENCHMARK_CAPTURE(BM_Attention, dot_product, std::string("dot_product"))
     ->MeasureProcessCPUTime();
 
 // Decode: one new token per sequence against a KV cache of `length` rows, B = 8, Hq = 12,
-// Hkv = 4 (GQA), D = 64. Memory-bound: bytes/s counts the cache rows read.
+// Hkv = 4 (GQA), D = 64, the cache f32 or (bf16:1) bf16. Memory-bound: bytes/s counts the cache
+// rows read.
 void BM_Decode(benchmark::State& state, const std::string& kernel) {
   const int64_t B = 8, Hq = 12, Hkv = 4, D = 64, length = state.range(0);
+  const bool bf16 = state.range(1) != 0;
   Env& e = env();
   mt::Backend& b = *e.backend;
   auto att = e.pm.make_attention("cpu", kernel, b);
@@ -103,6 +105,14 @@ void BM_Decode(benchmark::State& state, const std::string& kernel) {
   mt::Tensor q = tensor(b, {B, 1, Hq, D}, rng, 1.f);
   mt::Tensor kc = tensor(b, {B, length, Hkv, D}, rng, 1.f),
              vc = tensor(b, {B, length, Hkv, D}, rng, 1.f);
+  if (bf16) {
+    mt::Tensor k16 = b.empty(kc.shape(), mt::DType::bf16),
+               v16 = b.empty(vc.shape(), mt::DType::bf16);
+    b.cast(kc, k16);
+    b.cast(vc, v16);
+    kc = k16;
+    vc = v16;
+  }
   mt::Tensor lengths = b.empty({B}, mt::DType::i32);
   const std::vector<int32_t> len(B, static_cast<int32_t>(length));
   b.copy_from_host(lengths, len.data());
@@ -113,17 +123,20 @@ void BM_Decode(benchmark::State& state, const std::string& kernel) {
     b.synchronize();
     benchmark::DoNotOptimize(out.data());
   }
-  state.SetBytesProcessed(state.iterations() * 2 * B * length * Hkv * D * 4);
+  state.SetBytesProcessed(state.iterations() * 2 * B * length * Hkv * D * (bf16 ? 2 : 4));
   state.SetLabel(kernel);
 }
 
 BENCHMARK_CAPTURE(BM_Decode, flash, std::string("flash"))
-    ->Arg(2048)
+    ->ArgNames({"length", "bf16"})
+    ->Args({2048, 0})
+    ->Args({2048, 1})
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime()
     ->MeasureProcessCPUTime();
 BENCHMARK_CAPTURE(BM_Decode, dot_product, std::string("dot_product"))
-    ->Arg(2048)
+    ->ArgNames({"length", "bf16"})
+    ->Args({2048, 0})
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime()
     ->MeasureProcessCPUTime();

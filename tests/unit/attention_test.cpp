@@ -463,6 +463,53 @@ TEST(Attention, DecodeMatchesForward) {
         }
 }
 
+// A bf16 cache is read in place, a key block at a time: the outputs are those of an f32 cache
+// holding the same values, bit for bit (the same arithmetic on the same numbers), for every path
+// (grouped and per-head, the direct and tiled score kernels, a length spanning several key
+// blocks). Rows past each length hold NaN: reading one would show in the output.
+TEST(Attention, DecodeReadsABf16CacheInPlace) {
+  const uint64_t seed = test::seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  Backend& be = test::cpu();
+  const int64_t B = 2, Smax = 150, D = 32;
+  auto att = test::attention("flash", be);
+  for (auto [Hq, Hkv] : {std::pair<int64_t, int64_t>{4, 4}, {8, 2}, {16, 1}})
+    for (int64_t T : {1, 2})
+      for (int c = 0; c < 2; ++c) {
+        AttentionSpec spec;
+        spec.causal = true;
+        spec.window = c ? 70 : 0;
+        spec.softcap = c ? 30.f : 0.f;
+        const std::vector<int32_t> lengths = {static_cast<int32_t>(Smax) - 1, 3 + c};
+        std::vector<float> kc = test::randn(B * Smax * Hkv * D, rng),
+                           vc = test::randn(B * Smax * Hkv * D, rng);
+        for (std::vector<float>* cache : {&kc, &vc}) {
+          for (float& x : *cache) x = bf16_to_f32(f32_to_bf16(x));
+          for (int64_t b = 0; b < B; ++b)
+            std::fill(cache->begin() + (b * Smax + lengths[b]) * Hkv * D,
+                      cache->begin() + (b + 1) * Smax * Hkv * D,
+                      std::numeric_limits<float>::quiet_NaN());
+        }
+        const Tensor q = test::from_vector(be, {B, T, Hq, D}, test::randn(B * T * Hq * D, rng));
+        const Tensor len = test::from_ints(be, {B}, lengths);
+        Tensor from_f32 = be.empty({B, T, Hq, D}, DType::f32);
+        Tensor from_bf16 = be.empty({B, T, Hq, D}, DType::f32);
+        att->decode(q, make(be, {B, Smax, Hkv, D}, kc, DType::f32),
+                    make(be, {B, Smax, Hkv, D}, vc, DType::f32), len, spec, from_f32);
+        att->decode(q, make(be, {B, Smax, Hkv, D}, kc, DType::bf16),
+                    make(be, {B, Smax, Hkv, D}, vc, DType::bf16), len, spec, from_bf16);
+        const std::vector<float> want = test::to_vector(from_f32), got = test::to_vector(from_bf16);
+        for (float x : want) ASSERT_TRUE(std::isfinite(x)) << "Hq " << Hq << " T " << T;
+        ASSERT_EQ(got, want) << "Hq " << Hq << " Hkv " << Hkv << " T " << T << " case " << c;
+        // One bf16 tensor and one f32: each is read as its own dtype.
+        Tensor mixed = be.empty({B, T, Hq, D}, DType::f32);
+        att->decode(q, make(be, {B, Smax, Hkv, D}, kc, DType::bf16),
+                    make(be, {B, Smax, Hkv, D}, vc, DType::f32), len, spec, mixed);
+        ASSERT_EQ(test::to_vector(mixed), want) << "Hq " << Hq << " T " << T << " case " << c;
+      }
+}
+
 // ---- (5) bf16 inputs ----------------------------------------------------------------------
 
 TEST(Attention, Bf16CloseToF32) {

@@ -614,26 +614,6 @@ F32 as_f32(CpuBackend& be, const Tensor& t) {
   return v;
 }
 
-// A KV cache [B, S, ...] as f32, converting only each sequence's valid rows [0, len[b]): the
-// rest is never read, and a bf16 cache preallocated for max_target_length would otherwise cost
-// a full conversion on every decode step.
-F32 cache_as_f32(CpuBackend& be, const Tensor& t, const int32_t* len) {
-  if (t.dtype() == DType::f32) return {t.ptr<float>(), Tensor()};
-  F32 v{nullptr, be.empty(t.shape(), DType::f32)};
-  v.p = v.copy.ptr<float>();
-  const int64_t B = t.dim(0), S = t.dim(1), row = S ? t.numel() / (B * S) : 0;
-  const uint16_t* src = t.ptr<uint16_t>();
-  float* dst = v.p;
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t begin = b * S * row, end = begin + static_cast<int64_t>(len[b]) * row;
-    tbb::parallel_for(tbb::blocked_range<int64_t>(begin, end, 1 << 14),
-                      [&](const tbb::blocked_range<int64_t>& r) {
-                        for (int64_t i = r.begin(); i < r.end(); ++i) dst[i] = bf16_to_f32(src[i]);
-                      });
-  }
-  return v;
-}
-
 // Writes an f32 view back into its bf16 tensor (no-op for f32 tensors, already written).
 void write_back(const F32& v, Tensor& t) {
   if (!v.copy.defined()) return;
@@ -664,6 +644,11 @@ struct HeadFwd {
   // Row r of a block starting at i0 is query i0 + r * step: 1 for the rows of one head, 0 when
   // the rows are the q heads of one kv head at a single position (grouped decode).
   int64_t step = 1;
+  // A bf16 KV cache read in place (decode), k and v then null: each key block's rows are
+  // widened into the task's tiles as it comes, so a step reads the cache's valid rows once, as
+  // bf16, and writes no f32 copy of it.
+  const uint16_t* k16 = nullptr;
+  const uint16_t* v16 = nullptr;
 };
 
 struct Params {
@@ -694,16 +679,27 @@ void min_max(const int32_t* s, int64_t n, int32_t& lo, int32_t& hi) {
 
 // Tiles of one forward task, carved from the calling thread's scratch slot.
 struct FwdScratch {
-  float *qs, *kt, *s, *acc, *m, *l;
-  static int64_t floats(int64_t D) { return 2 * kBQ * D + D * kBK + kBQ * kBK + 2 * kBQ; }
+  float *qs, *kt, *s, *acc, *m, *l, *kw, *vw;
+  // kw and vw [kBK, D]: a key block of a bf16 cache widened (HeadFwd::k16 and v16).
+  static int64_t floats(int64_t D) {
+    return 2 * kBQ * D + D * kBK + kBQ * kBK + 2 * kBQ + 2 * kBK * D;
+  }
   FwdScratch(float* p, int64_t D)
       : qs(p),
         kt(qs + kBQ * D),
         s(kt + D * kBK),
         acc(s + kBQ * kBK),
         m(acc + kBQ * D),
-        l(m + kBQ) {}
+        l(m + kBQ),
+        kw(l + kBQ),
+        vw(kw + kBK * D) {}
 };
+
+// dst [n, D] (contiguous) = the bf16 rows src + c * ld, c < n, widened.
+MT_CLONES void widen_rows(const uint16_t* src, int64_t ld, int64_t n, int64_t D, float* dst) {
+  for (int64_t c = 0; c < n; ++c)
+    for (int64_t d = 0; d < D; ++d) dst[c * D + d] = bf16_to_f32(src[c * ld + d]);
+}
 
 // Rows r < nr of a block (row r: q at h.q + (i0 + r) * ldq, query i0 + r * step): out and lse.
 MT_CLONES void forward_block(const Kernels& kn, const Params& p, const HeadFwd& h, int64_t i0,
@@ -730,10 +726,13 @@ MT_CLONES void forward_block(const Kernels& kn, const Params& p, const HeadFwd& 
       if (ks_hi < qs_lo || ks_lo > qs_hi) continue;  // no shared document
       full = full && qs_lo == qs_hi && ks_lo == ks_hi && qs_lo == ks_lo;
     }
+    const float* kb = h.k16 ? w.kw : h.k + j0 * h.ldkv;
+    const int64_t ldk = h.k16 ? D : h.ldkv;
+    if (h.k16) widen_rows(h.k16 + j0 * h.ldkv, h.ldkv, nk, D, w.kw);
     if (nr < kDirectRows) {
-      kn.abt_direct(w.qs, D, nr, h.k + j0 * h.ldkv, h.ldkv, nk, D, w.s);
+      kn.abt_direct(w.qs, D, nr, kb, ldk, nk, D, w.s);
     } else {
-      transpose_tile(h.k + j0 * h.ldkv, h.ldkv, nk, D, w.kt);
+      transpose_tile(kb, ldk, nk, D, w.kt);
       kn.abt(w.qs, D, nr, w.kt, D, w.s);
     }
     for (int64_t r = 0; r < nr; ++r) {
@@ -763,7 +762,12 @@ MT_CLONES void forward_block(const Kernels& kn, const Params& p, const HeadFwd& 
       }
       w.l[r] += sum;
     }
-    kn.acc(w.acc, D, nr, w.s, kBK, 1, h.v + j0 * h.ldkv, h.ldkv, nk, D);
+    if (h.v16) {
+      widen_rows(h.v16 + j0 * h.ldkv, h.ldkv, nk, D, w.vw);
+      kn.acc(w.acc, D, nr, w.s, kBK, 1, w.vw, D, nk, D);
+    } else {
+      kn.acc(w.acc, D, nr, w.s, kBK, 1, h.v + j0 * h.ldkv, h.ldkv, nk, D);
+    }
   }
   for (int64_t r = 0; r < nr; ++r) {
     float* o = h.out + (i0 + r) * h.ldo;
@@ -920,8 +924,21 @@ class FlashAttention final : public AttentionKernel {
     const Params p = params(spec, n.D);
     Tensor scratch = slots(FwdScratch::floats(n.D));
     backend_.run([&] {
-      const F32 qf = as_f32(backend_, q), kf = cache_as_f32(backend_, k_cache, len),
-                vf = cache_as_f32(backend_, v_cache, len);
+      // A bf16 cache is read in place, a key block at a time (HeadFwd::k16 and v16).
+      const F32 qf = as_f32(backend_, q);
+      const bool k16 = k_cache.dtype() == DType::bf16, v16 = v_cache.dtype() == DType::bf16;
+      const float* kc = k16 ? nullptr : k_cache.ptr<float>();
+      const float* vc = v16 ? nullptr : v_cache.ptr<float>();
+      const uint16_t* kh = k16 ? k_cache.ptr<uint16_t>() : nullptr;
+      const uint16_t* vh = v16 ? v_cache.ptr<uint16_t>() : nullptr;
+      // The element offset of kv head g's row 0 in sequence b (either dtype).
+      auto at = [&](int64_t b, int64_t g) { return (b * n.S * n.Hkv + g) * n.D; };
+      auto cache = [&](HeadFwd& hf, int64_t b, int64_t g) {
+        hf.k = kc ? kc + at(b, g) : nullptr;
+        hf.v = vc ? vc + at(b, g) : nullptr;
+        hf.k16 = kh ? kh + at(b, g) : nullptr;
+        hf.v16 = vh ? vh + at(b, g) : nullptr;
+      };
       F32 of = out.dtype() == DType::f32 ? F32{out.ptr<float>(), Tensor()}
                                          : F32{nullptr, backend_.empty(out.shape(), DType::f32)};
       if (!of.p) of.p = of.copy.ptr<float>();
@@ -936,8 +953,8 @@ class FlashAttention final : public AttentionKernel {
           const int64_t b = bg / n.Hkv, g = bg % n.Hkv, h0 = g * group + blk * kBQ;
           HeadFwd hf{qf.p + (b * n.Hq + h0) * n.D,
                      n.D,
-                     kf.p + (b * n.S * n.Hkv + g) * n.D,
-                     vf.p + (b * n.S * n.Hkv + g) * n.D,
+                     nullptr,
+                     nullptr,
                      n.Hkv * n.D,
                      len[b],
                      of.p + (b * n.Hq + h0) * n.D,
@@ -947,6 +964,7 @@ class FlashAttention final : public AttentionKernel {
                      nullptr,
                      nullptr,
                      0};
+          cache(hf, b, g);
           FwdScratch w(slot(scratch), n.D);
           forward_block(kn, p, hf, 0, std::min(kBQ, group - blk * kBQ), w);
         });
@@ -957,8 +975,8 @@ class FlashAttention final : public AttentionKernel {
           const int64_t b = bh / n.Hq, h = bh % n.Hq, g = h / group;
           HeadFwd hf{qf.p + (b * n.T * n.Hq + h) * n.D,
                      n.Hq * n.D,
-                     kf.p + (b * n.S * n.Hkv + g) * n.D,
-                     vf.p + (b * n.S * n.Hkv + g) * n.D,
+                     nullptr,
+                     nullptr,
                      n.Hkv * n.D,
                      len[b],
                      of.p + (b * n.T * n.Hq + h) * n.D,
@@ -967,6 +985,7 @@ class FlashAttention final : public AttentionKernel {
                      len[b] - n.T,
                      nullptr,
                      nullptr};
+          cache(hf, b, g);
           FwdScratch w(slot(scratch), n.D);
           const int64_t i0 = blk * kBQ;
           forward_block(kn, p, hf, i0, std::min(kBQ, n.T - i0), w);
