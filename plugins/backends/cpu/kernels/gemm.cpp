@@ -445,16 +445,7 @@ MT_AVX512 inline __mmask16 tail_mask(int64_t left) {
 // rows of x pass over each weight vector four at a time (AVX2: two, its 16 registers), so it is
 // widened once per group. Every output is summed in one order whatever M and the blocking:
 // four accumulators over alternating vectors, then (a0 + a1) + (a2 + a3), then the lanes in a
-// fixed order.
-// With bf16 weights each step also prefetches the lines kRowsPrefetch bytes ahead in the weight
-// row (past its end: the next row, a task's rows being contiguous). With a few cycles of
-// arithmetic per line, one core's demand misses and the hardware prefetchers alone left the
-// memory's latency exposed: on the Zen 4 here (two threads, gemm_bench's BM_MatVecStream) bf16
-// rows widened to f32 read 31-39 GB/s without it and 39-51 with it, int8 rows 17 -> 34-37. f32
-// rows, less arithmetic per byte, do without: there the prefetches cost (llama-bench-1b f32
-// batch-1 decode 9.2-10.8 tokens/s with them, 9.5-13.7 without, interleaved), as they did not
-// help the bf16 dot-product rows kernel (gemm_amx.cpp) within this machine's noise.
-constexpr int64_t kRowsPrefetch = 2048;
+// fixed order. No software prefetch: it slowed these kernels (see kQ8Prefetch).
 
 // Row i's four accumulators acc[i][0..3] (loaded first, stored after) gain the steps of 64 terms
 // [p0, p1) (p1 <= k / 64 * 64) and, with `tail`, one more step with masked loads for the last
@@ -474,12 +465,7 @@ MT_AVX512 void dot_steps_avx512(const float* const* xs, const W* row, int64_t k,
     a3[i] = acc[i][3];
     x[i] = xs[i];
   }
-  const char* ahead = reinterpret_cast<const char*>(row) + kRowsPrefetch;
   for (int64_t p = p0; p < p1; p += 64) {
-    if constexpr (!std::is_same_v<W, float>) {
-      _mm_prefetch(ahead + 2 * p, _MM_HINT_T0);
-      _mm_prefetch(ahead + 2 * p + 64, _MM_HINT_T0);
-    }
     const __m512 w0 = load16(row + p, 0xffff), w1 = load16(row + p + 16, 0xffff);
     const __m512 w2 = load16(row + p + 32, 0xffff), w3 = load16(row + p + 48, 0xffff);
 #pragma GCC unroll 8
@@ -659,9 +645,7 @@ MT_AVX2 void dot_steps_avx2(const float* const* xs, const W* row, int64_t p0, in
     a3[i] = acc[i][3];
     x[i] = xs[i];
   }
-  const char* ahead = reinterpret_cast<const char*>(row) + kRowsPrefetch;
   for (int64_t p = p0; p < p1; p += 32) {
-    if constexpr (!std::is_same_v<W, float>) _mm_prefetch(ahead + 2 * p, _MM_HINT_T0);
     const __m256 w0 = load8(row + p), w1 = load8(row + p + 8);
     const __m256 w2 = load8(row + p + 16), w3 = load8(row + p + 24);
 #pragma GCC unroll 4
@@ -1145,7 +1129,14 @@ namespace {
 // weights (dot_q8_f32), so the NaN or infinity comes through.
 //
 // The weights are one sequential stream per task (rows [j0, j1), contiguous), prefetched
-// kRowsPrefetch bytes ahead as the "rows" kernels'.
+// kQ8Prefetch bytes ahead (past a row's end: the next row). With a few cycles of integer
+// arithmetic per 64-byte line, one core's demand misses and the hardware prefetchers alone left
+// the memory's latency exposed: on the Zen 4 here (two threads, gemm_bench's BM_MatVecQ8Stream
+// K=2048 N=5632, 1 row, interleaved with and without) 29-34 GB/s without it, 35-44 with it.
+// The f32 and bf16 "rows" kernels do without: with them the same A/B read the same or less
+// (bf16 widened on AVX2 28-30 GB/s with a prefetch against 33-49 without; on AVX-512 30-32
+// against 31-39), and f32 decode of llama-bench-1b was no faster.
+constexpr int64_t kQ8Prefetch = 2048;
 constexpr int64_t kQ8BlockBytes = kQ8Block + 4;
 
 // x's row [k] -> out [q8_row_bytes(k)] by the rule above; false (out unwritten) when the row
@@ -1285,7 +1276,7 @@ MT_AVX2_VNNI inline __m256i q8_lanes_vnni(__m256i aw, __m256i sx) {
     __m256 t0[X], t1[X];                                                                     \
     _Pragma("GCC unroll 4") for (int i = 0; i < X; ++i) t0[i] = t1[i] = _mm256_setzero_ps(); \
     /* The stream's lines ahead: a block and its scale are 36 bytes, two blocks 72. */       \
-    const char* ahead = reinterpret_cast<const char*>(row) + kRowsPrefetch;                  \
+    const char* ahead = reinterpret_cast<const char*>(row) + kQ8Prefetch;                    \
     const int64_t blocks = k / kQ8Block;                                                     \
     int64_t b = 0;                                                                           \
     for (; b + 2 <= blocks; b += 2) {                                                        \
