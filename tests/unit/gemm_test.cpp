@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <cmath>
 #include <cstdint>
@@ -589,6 +590,25 @@ TEST_F(Gemm, Bf16LargeShapes) {
            .da = h,
            .db = h},
           rng_);
+  }
+}
+
+// bf16 x bf16 against [N, K] weights (trans_b, as decode keeps its projections) packs the same
+// tiles as against [K, N] ones, so the products are the same bits: ragged panels (n % 32), a k
+// tail and an odd k, one and several row blocks.
+TEST_F(Gemm, Bf16TransposedWeightsGiveTheSameBits) {
+  MT_SEED_TRACE();
+  Backend& be = test::cpu();
+  for (auto [m, n, k] : {std::array<int64_t, 3>{150, 97, 131}, {301, 64, 523}, {40, 45, 32}}) {
+    std::vector<float> va = test::randn(size_t(m * k), rng_), vb = test::randn(size_t(k * n), rng_);
+    std::vector<float> vbt(vb.size());
+    for (int64_t p = 0; p < k; ++p)
+      for (int64_t j = 0; j < n; ++j) vbt[size_t(j * k + p)] = vb[size_t(p * n + j)];
+    const Tensor a = make(be, {m, k}, va, DType::bf16);
+    Tensor c = be.empty({m, n}, DType::f32), ct = be.empty({m, n}, DType::f32);
+    be.matmul(a, make(be, {k, n}, vb, DType::bf16), c, false, false);
+    be.matmul(a, make(be, {n, k}, vbt, DType::bf16), ct, false, true);
+    ASSERT_EQ(test::to_vector(ct), test::to_vector(c)) << "m " << m << " n " << n << " k " << k;
   }
 }
 
