@@ -1132,10 +1132,11 @@ namespace {
 // kQ8Prefetch bytes ahead (past a row's end: the next row). With a few cycles of integer
 // arithmetic per 64-byte line, one core's demand misses and the hardware prefetchers alone left
 // the memory's latency exposed: on the Zen 4 here (two threads, gemm_bench's BM_MatVecQ8Stream
-// K=2048 N=5632, 1 row, interleaved with and without) 29-34 GB/s without it, 35-44 with it.
-// The f32 and bf16 "rows" kernels do without: with them the same A/B read the same or less
-// (bf16 widened on AVX2 28-30 GB/s with a prefetch against 33-49 without; on AVX-512 30-32
-// against 31-39), and f32 decode of llama-bench-1b was no faster.
+// K=2048 N=5632, 1 row, ten pairs interleaved with and without) 26-34 GB/s without it, 32-44
+// with it (ahead in nine pairs, level in one). The f32 and bf16 "rows" kernels do without: in
+// the same A/B bf16 widened on AVX2 read 26-31 GB/s with a prefetch against 30-49 without
+// (without ahead in nine pairs, 1% behind in one), on AVX-512 29-41 against 31-46 (without
+// ahead in all ten), and f32 decode of llama-bench-1b was no faster with one.
 constexpr int64_t kQ8Prefetch = 2048;
 constexpr int64_t kQ8BlockBytes = kQ8Block + 4;
 
