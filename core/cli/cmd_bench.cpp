@@ -195,7 +195,6 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
   // Prefill: the median of three 512-token prompts (after one warm-up): one timed prompt moved
   // by half between runs on a shared machine. Run after batch 8's decode, on the weights as mt
   // decode lays them out for a single prompt (transposed where its decode pays for it).
-  double prefill_tps = 0;
   auto measure_prefill = [&] {
     Decoder dec(r, 1, 1024);
     dec.prefill(0, prompt(512), /*last_only=*/true);
@@ -207,7 +206,7 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
       tps.push_back(512 / secs(t0));
     }
     std::sort(tps.begin(), tps.end());
-    prefill_tps = tps[1];
+    return tps[1];
   };
   // Bytes of weights: all of them, and what a batch-1 decode step reads: a routed expert
   // stack's active share (ParamSpec::active, k of E experts), one row of an embedding table
@@ -281,7 +280,7 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
     std::fprintf(stderr, "mt bench decode: %s %s, batch 8, time per op:\n%s", model.c_str(),
                  dtype.c_str(), r.profiler()->report().c_str());
   if (r.rows_layout_pays(1)) r.transpose_projections();
-  measure_prefill();
+  const double prefill_tps = measure_prefill();
   double bw = 0;
   if (r.profiler()) const_cast<ProfilingBackend*>(r.profiler())->reset();
   const double b1 = decode(1, &bw);
