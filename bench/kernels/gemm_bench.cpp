@@ -242,10 +242,12 @@ void transformer_shapes(benchmark::internal::Benchmark* bm) {
     bm->Args({t, din, dout, 0, 1, 2});
     bm->Args({din, dout, t, 1, 0, 2});
   }
-  // A 512-token prefill's projections (llama-bench-1b's MLP) in bf16, against [K, N] weights and
-  // against the transposed [N, K] ones that mt decode keeps for its matrix-vector kernels.
+  // A 512-token prefill's projections (llama-bench-1b's MLP) in f32 and bf16, against [K, N]
+  // weights and against the transposed [N, K] ones that mt decode keeps for its matrix-vector
+  // kernels.
   for (const auto& s : {std::array<int64_t, 2>{2048, 5632}, {5632, 2048}})
-    for (int64_t tb : {0, 1}) bm->Args({512, s[1], s[0], 0, tb, 2});
+    for (int64_t tb : {0, 1})
+      for (int64_t h : {0, 2}) bm->Args({512, s[1], s[0], 0, tb, h});
 }
 BENCHMARK(BM_Matmul)
     ->ArgNames({"M", "N", "K", "ta", "tb", "bf16"})

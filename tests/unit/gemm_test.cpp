@@ -457,6 +457,47 @@ TEST_F(Gemm, Int8RowsMatchTheDequantizedMatmul) {
   EXPECT_THROW(be.matmul_q8(x64, be.zeros({4, q8_row_bytes(64)}, DType::i8), y), Error);
 }
 
+// A prefill against int8 weights (more rows than decode's few) with bf16 x equals the bf16
+// product with the dequantized weights rounded to bf16 ([N, K], as they are stored), bit for
+// bit: the bf16 GEMM dequantizes the blocks as it packs them. One row has a NaN scale (its
+// column is NaN), one a scale of zero. Several row blocks, ragged panels, one block and many.
+TEST_F(Gemm, Int8PrefillEqualsTheRoundedDequantizedProduct) {
+  MT_SEED_TRACE();
+  Backend& be = test::cpu();
+  for (auto [m, n, k] : {std::array<int64_t, 3>{13, 45, 32}, {150, 97, 96}, {301, 64, 2048}}) {
+    SCOPED_TRACE("m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k));
+    const int64_t rb = q8_row_bytes(k);
+    std::vector<float> w = test::randn(static_cast<size_t>(n * k), rng_);
+    for (int64_t i = 0; i < k; ++i) w[static_cast<size_t>(k + i)] = 0.f;  // row 1: scale 0
+    std::vector<int8_t> q(static_cast<size_t>(n * rb));
+    for (int64_t j = 0; j < n; ++j) quantize_q8_row(w.data() + j * k, k, q.data() + j * rb);
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    std::memcpy(q.data() + 2 * rb + k, &nan, sizeof nan);  // row 2, block 0: a NaN scale
+    std::vector<float> dq(w.size());
+    for (int64_t j = 0; j < n; ++j) dequantize_q8_row(q.data() + j * rb, k, dq.data() + j * k);
+    Tensor wq = be.empty({n, rb}, DType::i8);
+    be.copy_from_host(wq, q.data());
+    const Tensor wb = make(be, {n, k}, dq, DType::bf16);  // dq now holds the rounded values
+    std::vector<float> x = test::randn(static_cast<size_t>(m * k), rng_);
+    const Tensor xt = make(be, {m, k}, x, DType::bf16);
+    for (DType dy : {DType::f32, DType::bf16}) {
+      Tensor got = be.zeros({m, n}, dy), want = be.zeros({m, n}, dy);
+      be.matmul_q8(xt, wq, got);
+      be.matmul(xt, wb, want, false, true);
+      const std::vector<float> g = read(got), r = read(want);
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < n; ++j) {
+          const size_t at = static_cast<size_t>(i * n + j);
+          if (j == 2) {
+            ASSERT_TRUE(std::isnan(g[at]) && std::isnan(r[at])) << "row " << i;
+          } else {
+            ASSERT_EQ(g[at], r[at]) << "row " << i << " column " << j << " " << dtype_name(dy);
+          }
+        }
+    }
+  }
+}
+
 // A row of x holding a NaN or an infinity is not quantized (it would become a finite number):
 // its outputs carry the NaN or infinity, and the rows beside it keep their bits.
 TEST_F(Gemm, Int8DecodeKeepsNanAndInfinity) {

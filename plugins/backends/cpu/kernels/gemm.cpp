@@ -1378,26 +1378,33 @@ void matmul_q8(const Tensor& x, const Tensor& w, Tensor& y) {
   const auto* q = w.ptr<const int8_t>();
   const int64_t threads = std::max(1, tbb::this_task_arena::max_concurrency());
   if (m > kFewRows) {
-    // A prefill: the rows dequantized once per call, then a GEMM against them; in bf16 when x
-    // is (rounded once more, as a bf16 model's weights are), so that the bf16 x bf16 GEMM
-    // (AMX or AVX512_BF16 dot products) runs instead of the f32 one.
+    // A prefill: a GEMM against the dequantized rows, in bf16 when x is (rounded once more, as
+    // a bf16 model's weights are). Where the bf16 x bf16 GEMM runs (AMX or AVX512_BF16 dot
+    // products) it dequantizes the blocks as it packs them; else the rows are dequantized once
+    // per call into a tensor for the f32 GEMM.
     const bool bf = x.dtype() == DType::bf16;
-    Tensor wf = w.backend()->empty({n, k}, bf ? DType::bf16 : DType::f32);
-    tbb::parallel_for(int64_t{0}, n, [&](int64_t r) {
-      if (!bf) {
-        dequantize_q8_row(q + r * rb, k, wf.ptr<float>() + r * k);
-        return;
-      }
-      // dequantize_q8_row's products, each rounded to bf16 as it is made.
-      const int8_t* row = q + r * rb;
-      uint16_t* out = wf.ptr<uint16_t>() + r * k;
-      for (int64_t b = 0; b < k / kQ8Block; ++b) {
-        float scale;
-        std::memcpy(&scale, row + k + b * 4, 4);
-        for (int64_t i = b * kQ8Block; i < (b + 1) * kQ8Block; ++i)
-          out[i] = f32_to_bf16(static_cast<float>(row[i]) * scale);
-      }
-    });
+    if (bf && (amx_bf16_usable() || dot_gemm_pays())) {
+      Tensor y32 =
+          y.dtype() == DType::f32 ? y.view({m, n}) : y.backend()->empty({m, n}, DType::f32);
+      gemm_bf16_q8(*y.backend(), m, n, k, x.ptr<const uint16_t>(), k, q, rb, y32.ptr<float>(), n);
+      if (y.dtype() != DType::f32) store_bf16(y32, y);
+      return;
+    }
+    // f32 either way: the f32 GEMM would widen bf16 weights anyway. With bf16 x each product is
+    // rounded to bf16 as it is made (then widened back, exactly), the values a bf16 GEMM gets.
+    Tensor wf = w.backend()->empty({n, k}, DType::f32);
+    tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 16),
+                      [&](const tbb::blocked_range<int64_t>& rs) {
+                        std::vector<uint16_t> rounded(bf ? static_cast<size_t>(k) : 0);
+                        for (int64_t r = rs.begin(); r < rs.end(); ++r) {
+                          float* out = wf.ptr<float>() + r * k;
+                          dequantize_q8_row(q + r * rb, k, out);
+                          if (bf) {
+                            f32_to_bf16_n(out, rounded.data(), k);
+                            bf16_to_f32_n(rounded.data(), out, k);
+                          }
+                        }
+                      });
     Tensor y2 = y.view({m, n});
     matmul(x.view({m, k}), wf, y2, false, true, 1.f, 0.f);
     return;

@@ -304,10 +304,38 @@ MT_AMX inline void transpose_16x16_epi32(__m512i* r) {
   }
 }
 
+// The 32 weights of an int8 block (mt/q8.h: 32 int8 values, one f32 scale) as 32 bf16: each
+// product value * scale rounded to bf16 as mt::f32_to_bf16 rounds (to nearest even; a NaN, from
+// a NaN scale, stays a quiet NaN), so exactly the bits of dequantize-then-round.
+MT_AMX inline __m512i q8_block_bf16(const int8_t* values, float scale) {
+  const __m256i v8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values));
+  const __m512 s = _mm512_set1_ps(scale);
+  const __m512i mag = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+  __m512i half[2];  // bf16 bits in the low 16 of each 32-bit lane
+  for (int h = 0; h < 2; ++h) {
+    const __m128i v = h ? _mm256_extracti128_si256(v8, 1) : _mm256_castsi256_si128(v8);
+    const __m512 f =
+        _mm512_mul_ps(_mm512_maskz_cvtepi32_ps(0xffff, _mm512_maskz_cvtepi8_epi32(0xffff, v)), s);
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i high = _mm512_maskz_srli_epi32(0xffff, u, 16);
+    const __m512i odd = _mm512_and_si512(high, _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_maskz_srli_epi32(
+        0xffff, _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, mag), inf);
+    half[h] = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
+  }
+  // Word i of the result: the low word of lane i of half[0] (i < 16), else of half[1].
+  alignas(64) static constexpr uint16_t kLow[32] = {0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20,
+                                                    22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42,
+                                                    44, 46, 48, 50, 52, 54, 56, 58, 60, 62};
+  return _mm512_permutex2var_epi16(half[0], _mm512_load_si512(kLow), half[1]);
+}
+
 // Packs columns [32 q, 32 q + 32) of op(b) (zero past n and k): [k step][tile of 16 columns]
-// [16 k-pairs][16 columns][2].
-MT_AMX void pack_b_panel(bool tb, const uint16_t* b, int64_t ldb, int64_t n, int64_t k, int64_t q,
-                         int64_t kb, uint16_t* out) {
+// [16 k-pairs][16 columns][2]. With `q8` (and tb): b is int8 rows [n, q8_rb] (mt/q8.h; k a
+// multiple of 32, so a k step is one block), dequantized and rounded to bf16 as they are loaded.
+MT_AMX void pack_b_panel(bool tb, const uint16_t* b, int64_t ldb, const int8_t* q8, int64_t q8_rb,
+                         int64_t n, int64_t k, int64_t q, int64_t kb, uint16_t* out) {
   const int64_t n0 = q * kBlock, cols = std::min(kBlock, n - n0);
   if (!tb) {
     // b is [k, n]: a packed row is 16 columns of rows p and p + 1 interleaved, i.e. the two rows
@@ -345,8 +373,16 @@ MT_AMX void pack_b_panel(bool tb, const uint16_t* b, int64_t ldb, int64_t n, int
       __m512i r[16];
       for (int64_t c = 0; c < 16; ++c) {
         const int64_t j = 16 * t + c;
-        r[c] = j < cols ? _mm512_maskz_loadu_epi16(km, b + (n0 + j) * ldb + s * kTileK)
-                        : _mm512_setzero_si512();
+        if (j >= cols) {
+          r[c] = _mm512_setzero_si512();
+        } else if (q8) {
+          const int8_t* row = q8 + (n0 + j) * q8_rb;
+          float scale;
+          std::memcpy(&scale, row + k + s * 4, sizeof scale);
+          r[c] = q8_block_bf16(row + s * kTileK, scale);
+        } else {
+          r[c] = _mm512_maskz_loadu_epi16(km, b + (n0 + j) * ldb + s * kTileK);
+        }
       }
       transpose_16x16_epi32(r);
       uint16_t* dst = out + (s * 2 + t) * kTileElems;
@@ -405,26 +441,32 @@ double dot_core_peak_flops() {
 namespace {
 void gemm_bf16_packed(bool amx, Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t k,
                       float alpha, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb,
-                      float beta, float* c, int64_t ldc);
+                      const int8_t* q8, int64_t q8_rb, float beta, float* c, int64_t ldc);
 }  // namespace
 
 void amx_gemm_bf16(Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
                    const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta,
                    float* c, int64_t ldc) {
-  gemm_bf16_packed(true, be, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  gemm_bf16_packed(true, be, ta, tb, m, n, k, alpha, a, lda, b, ldb, nullptr, 0, beta, c, ldc);
 }
 
 void dot_gemm_bf16(Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
                    const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta,
                    float* c, int64_t ldc) {
-  gemm_bf16_packed(false, be, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  gemm_bf16_packed(false, be, ta, tb, m, n, k, alpha, a, lda, b, ldb, nullptr, 0, beta, c, ldc);
+}
+
+void gemm_bf16_q8(Backend& be, int64_t m, int64_t n, int64_t k, const uint16_t* x, int64_t ldx,
+                  const int8_t* w, int64_t rb, float* y, int64_t ldy) {
+  gemm_bf16_packed(amx_bf16_usable(), be, false, true, m, n, k, 1.f, x, ldx, nullptr, 0, w, rb, 0.f,
+                   y, ldy);
 }
 
 namespace {
 // The loops of both: amx picks the tile micro-kernel (and the tile state), else vdpbf16ps.
 void gemm_bf16_packed(bool amx, Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t k,
                       float alpha, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb,
-                      float beta, float* c, int64_t ldc) {
+                      const int8_t* q8, int64_t q8_rb, float beta, float* c, int64_t ldc) {
   const int64_t kb = (k + kTileK - 1) / kTileK;
   const int64_t panels = (n + kBlock - 1) / kBlock;
   const int64_t panel_elems = kb * 2 * kTileElems;
@@ -436,7 +478,7 @@ void gemm_bf16_packed(bool amx, Backend& be, bool ta, bool tb, int64_t m, int64_
   uint16_t* pa_all = pb + panels * panel_elems;
 
   tbb::parallel_for(int64_t{0}, panels, [&](int64_t q) {
-    pack_b_panel(tb, b, ldb, n, k, q, kb, pb + q * panel_elems);
+    pack_b_panel(tb, b, ldb, q8, q8_rb, n, k, q, kb, pb + q * panel_elems);
   });
 
   // Tasks: row blocks, each cut into column ranges when there are too few blocks for the threads.

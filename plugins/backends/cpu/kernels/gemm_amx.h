@@ -37,6 +37,13 @@ void dot_gemm_bf16(Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t 
                    const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta,
                    float* c, int64_t ldc);
 
+// y [m, n] (f32, leading dimension ldy) = x [m, k] (bf16, ldx) . W^T for int8 weights W as
+// mt/q8.h stores them (rows [n, rb], k a multiple of 32): the bf16 GEMM above (AMX where usable,
+// else vdpbf16ps: callers check that one is), W's blocks dequantized and rounded to bf16 as they
+// are packed, so the same bits as multiplying by the rounded dequantized weights, without them.
+void gemm_bf16_q8(Backend& be, int64_t m, int64_t n, int64_t k, const uint16_t* x, int64_t ldx,
+                  const int8_t* w, int64_t rb, float* y, int64_t ldy);
+
 // Dot products of rows_m rows of bf16 x (x + r ldx) with rows [j0, j1) of bf16 W [N, K] (w + j
 // ldw) on vdpbf16ps, one weight row at a time (one sequential stream per task, as the f32
 // "rows" kernels): y[r ldy + j] = alpha dot + beta y (beta 0: y not read). Each output sums in
