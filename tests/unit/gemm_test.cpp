@@ -634,6 +634,37 @@ TEST_F(Gemm, Bf16LargeShapes) {
   }
 }
 
+// A bf16 c with beta 0 is written by the bf16 GEMM itself: each element the f32 result (the same
+// product into an f32 c) rounded to nearest even, bit for bit. Every transpose, alpha != 1,
+// ragged blocks, a batch with its own b per item.
+TEST_F(Gemm, Bf16OutputIsTheRoundedF32Output) {
+  MT_SEED_TRACE();
+  Backend& be = test::cpu();
+  for (int t = 0; t < 4; ++t) {
+    const bool ta = t & 1, tb = t & 2;
+    for (auto [batch, m, n, k] :
+         {std::array<int64_t, 4>{1, 150, 97, 131}, {1, 301, 40, 523}, {3, 67, 64, 32}}) {
+      SCOPED_TRACE("ta=" + std::to_string(ta) + " tb=" + std::to_string(tb) +
+                   " m=" + std::to_string(m));
+      std::vector<float> va = test::randn(size_t(batch * m * k), rng_),
+                         vb = test::randn(size_t(batch * k * n), rng_);
+      const Tensor a =
+          make(be, batch > 1 ? Shape{batch, ta ? k : m, ta ? m : k} : Shape{ta ? k : m, ta ? m : k},
+               va, DType::bf16);
+      const Tensor b =
+          make(be, batch > 1 ? Shape{batch, tb ? n : k, tb ? k : n} : Shape{tb ? n : k, tb ? k : n},
+               vb, DType::bf16);
+      const Shape sc = batch > 1 ? Shape{batch, m, n} : Shape{m, n};
+      Tensor c16 = be.empty(sc, DType::bf16), c32 = be.empty(sc, DType::f32);
+      be.matmul(a, b, c16, ta, tb, 0.75f, 0.f);
+      be.matmul(a, b, c32, ta, tb, 0.75f, 0.f);
+      const std::vector<float> g = read(c16), f = read(c32);
+      for (size_t i = 0; i < g.size(); ++i)
+        ASSERT_EQ(g[i], bf16_to_f32(f32_to_bf16(f[i]))) << "element " << i;
+    }
+  }
+}
+
 // bf16 x bf16 against [N, K] weights (trans_b, as decode keeps its projections) packs the same
 // tiles as against [K, N] ones, so the products are the same bits: ragged panels (n % 32), a k
 // tail and an odd k, one and several row blocks.

@@ -1080,6 +1080,17 @@ void matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool tran
   // With b shared and a untransposed the batch is already folded into M.
   const bool few = p.m == 1 || (shared_b && !trans_a && p.m <= kFewRows);
 
+  const bool packed_bf16 = k > 0 && !few && a.dtype() == DType::bf16 && b.dtype() == DType::bf16 &&
+                           (amx_bf16_usable() || dot_gemm_pays());
+  if (packed_bf16 && c.dtype() == DType::bf16 && beta == 0.f) {
+    // bf16 c written by the GEMM itself, rounded as store_bf16 would round the f32 results.
+    for (int64_t bi = 0; bi < p.batch; ++bi)
+      gemm_bf16_to_bf16(*c.backend(), p.ta, p.tb, p.m, p.n, p.k, alpha,
+                        a.ptr<const uint16_t>() + bi * p.stride_a, p.ta ? p.m : p.k,
+                        b.ptr<const uint16_t>() + bi * p.stride_b, p.tb ? p.k : p.n,
+                        c.ptr<uint16_t>() + bi * p.stride_c, p.n);
+    return;
+  }
   // bf16 c: computed in an f32 scratch (holding c's old values when beta needs them).
   Tensor c32 = c.dtype() == DType::f32 || beta != 0.f ? as_f32(c)
                                                       : c.backend()->empty(c.shape(), DType::f32);
@@ -1096,8 +1107,7 @@ void matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool tran
       matvec(p, a32.ptr<const float>(), b.ptr<const uint16_t>(), c32.ptr<float>());
     else
       matvec(p, a32.ptr<const float>(), b.ptr<const float>(), c32.ptr<float>());
-  } else if (a.dtype() == DType::bf16 && b.dtype() == DType::bf16 &&
-             (amx_bf16_usable() || dot_gemm_pays())) {
+  } else if (packed_bf16) {
     const auto gemm = amx_bf16_usable() ? &amx_gemm_bf16 : &dot_gemm_bf16;
     for (int64_t bi = 0; bi < p.batch; ++bi)
       gemm(*c.backend(), p.ta, p.tb, p.m, p.n, p.k, alpha,
@@ -1384,10 +1394,9 @@ void matmul_q8(const Tensor& x, const Tensor& w, Tensor& y) {
     // per call into a tensor for the f32 GEMM.
     const bool bf = x.dtype() == DType::bf16;
     if (bf && (amx_bf16_usable() || dot_gemm_pays())) {
-      Tensor y32 =
-          y.dtype() == DType::f32 ? y.view({m, n}) : y.backend()->empty({m, n}, DType::f32);
-      gemm_bf16_q8(*y.backend(), m, n, k, x.ptr<const uint16_t>(), k, q, rb, y32.ptr<float>(), n);
-      if (y.dtype() != DType::f32) store_bf16(y32, y);
+      const bool f32 = y.dtype() == DType::f32;
+      gemm_bf16_q8(*y.backend(), m, n, k, x.ptr<const uint16_t>(), k, q, rb,
+                   f32 ? y.ptr<float>() : nullptr, f32 ? nullptr : y.ptr<uint16_t>(), n);
       return;
     }
     // f32 either way: the f32 GEMM would widen bf16 weights anyway. With bf16 x each product is

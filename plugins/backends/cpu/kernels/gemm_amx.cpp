@@ -221,6 +221,35 @@ double measure_dot_peak() {
   return best_on_every_thread(one_core);
 }
 
+// Sixteen f32 values rounded to bf16 as mt::f32_to_bf16 rounds them (to nearest even; a NaN
+// keeps its sign and top payload bits and is made quiet), the bits in the low 16 of each lane.
+MT_AMX inline __m512i bf16_bits(__m512 f) {
+  const __m512i u = _mm512_castps_si512(f);
+  const __m512i high = _mm512_maskz_srli_epi32(0xffff, u, 16);
+  const __m512i odd = _mm512_and_si512(high, _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_maskz_srli_epi32(
+      0xffff, _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  return _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
+}
+
+// c block [rows, cols] (<= 32 x 32) of a bf16 c = alpha * acc, rounded as above: the bits
+// write_block and a conversion of its f32 block would give.
+MT_AMX void write_block16(const float* acc, float alpha, uint16_t* c, int64_t ldc, int64_t rows,
+                          int64_t cols) {
+  const __m512 va = _mm512_set1_ps(alpha);
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t h = 0; h < 2; ++h) {
+      const int64_t left = cols - 16 * h;
+      if (left <= 0) break;
+      const __mmask16 m = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1u);
+      const __m512i bits = bf16_bits(_mm512_mul_ps(va, _mm512_load_ps(acc + i * kBlock + 16 * h)));
+      _mm256_mask_storeu_epi16(c + i * ldc + 16 * h, m, _mm512_maskz_cvtepi32_epi16(0xffff, bits));
+    }
+  }
+}
+
 // c block [rows, cols] (<= 32 x 32) = alpha * acc + beta * c.
 MT_AMX void write_block(const float* acc, float alpha, float beta, float* c, int64_t ldc,
                         int64_t rows, int64_t cols) {
@@ -310,19 +339,11 @@ MT_AMX inline void transpose_16x16_epi32(__m512i* r) {
 MT_AMX inline __m512i q8_block_bf16(const int8_t* values, float scale) {
   const __m256i v8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values));
   const __m512 s = _mm512_set1_ps(scale);
-  const __m512i mag = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
   __m512i half[2];  // bf16 bits in the low 16 of each 32-bit lane
   for (int h = 0; h < 2; ++h) {
     const __m128i v = h ? _mm256_extracti128_si256(v8, 1) : _mm256_castsi256_si128(v8);
-    const __m512 f =
-        _mm512_mul_ps(_mm512_maskz_cvtepi32_ps(0xffff, _mm512_maskz_cvtepi8_epi32(0xffff, v)), s);
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i high = _mm512_maskz_srli_epi32(0xffff, u, 16);
-    const __m512i odd = _mm512_and_si512(high, _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_maskz_srli_epi32(
-        0xffff, _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, mag), inf);
-    half[h] = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
+    half[h] = bf16_bits(
+        _mm512_mul_ps(_mm512_maskz_cvtepi32_ps(0xffff, _mm512_maskz_cvtepi8_epi32(0xffff, v)), s));
   }
   // Word i of the result: the low word of lane i of half[0] (i < 16), else of half[1].
   alignas(64) static constexpr uint16_t kLow[32] = {0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20,
@@ -441,32 +462,43 @@ double dot_core_peak_flops() {
 namespace {
 void gemm_bf16_packed(bool amx, Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t k,
                       float alpha, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb,
-                      const int8_t* q8, int64_t q8_rb, float beta, float* c, int64_t ldc);
+                      const int8_t* q8, int64_t q8_rb, float beta, float* c, uint16_t* c16,
+                      int64_t ldc);
 }  // namespace
 
 void amx_gemm_bf16(Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
                    const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta,
                    float* c, int64_t ldc) {
-  gemm_bf16_packed(true, be, ta, tb, m, n, k, alpha, a, lda, b, ldb, nullptr, 0, beta, c, ldc);
+  gemm_bf16_packed(true, be, ta, tb, m, n, k, alpha, a, lda, b, ldb, nullptr, 0, beta, c, nullptr,
+                   ldc);
 }
 
 void dot_gemm_bf16(Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
                    const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta,
                    float* c, int64_t ldc) {
-  gemm_bf16_packed(false, be, ta, tb, m, n, k, alpha, a, lda, b, ldb, nullptr, 0, beta, c, ldc);
+  gemm_bf16_packed(false, be, ta, tb, m, n, k, alpha, a, lda, b, ldb, nullptr, 0, beta, c, nullptr,
+                   ldc);
 }
 
 void gemm_bf16_q8(Backend& be, int64_t m, int64_t n, int64_t k, const uint16_t* x, int64_t ldx,
-                  const int8_t* w, int64_t rb, float* y, int64_t ldy) {
+                  const int8_t* w, int64_t rb, float* y, uint16_t* y16, int64_t ldy) {
   gemm_bf16_packed(amx_bf16_usable(), be, false, true, m, n, k, 1.f, x, ldx, nullptr, 0, w, rb, 0.f,
-                   y, ldy);
+                   y, y16, ldy);
+}
+
+void gemm_bf16_to_bf16(Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
+                       const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, uint16_t* c,
+                       int64_t ldc) {
+  gemm_bf16_packed(amx_bf16_usable(), be, ta, tb, m, n, k, alpha, a, lda, b, ldb, nullptr, 0, 0.f,
+                   nullptr, c, ldc);
 }
 
 namespace {
 // The loops of both: amx picks the tile micro-kernel (and the tile state), else vdpbf16ps.
 void gemm_bf16_packed(bool amx, Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t k,
                       float alpha, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb,
-                      const int8_t* q8, int64_t q8_rb, float beta, float* c, int64_t ldc) {
+                      const int8_t* q8, int64_t q8_rb, float beta, float* c, uint16_t* c16,
+                      int64_t ldc) {
   const int64_t kb = (k + kTileK - 1) / kTileK;
   const int64_t panels = (n + kBlock - 1) / kBlock;
   const int64_t panel_elems = kb * 2 * kTileElems;
@@ -527,8 +559,13 @@ void gemm_bf16_packed(bool amx, Backend& be, bool ta, bool tb, int64_t m, int64_
             const int64_t n0 = q * kBlock;
             for (int64_t g = 0; g < groups; ++g) {
               const int64_t i0 = m0 + g * kBlock;
-              write_block(acc + g * kBlock * kBlock, alpha, beta, c + i0 * ldc + n0, ldc,
-                          std::min(kBlock, m - i0), std::min(kBlock, n - n0));
+              const int64_t rows = std::min(kBlock, m - i0), cols = std::min(kBlock, n - n0);
+              if (c16)
+                write_block16(acc + g * kBlock * kBlock, alpha, c16 + i0 * ldc + n0, ldc, rows,
+                              cols);
+              else
+                write_block(acc + g * kBlock * kBlock, alpha, beta, c + i0 * ldc + n0, ldc, rows,
+                            cols);
             }
           }
         }

@@ -37,12 +37,19 @@ void dot_gemm_bf16(Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t 
                    const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta,
                    float* c, int64_t ldc);
 
-// y [m, n] (f32, leading dimension ldy) = x [m, k] (bf16, ldx) . W^T for int8 weights W as
-// mt/q8.h stores them (rows [n, rb], k a multiple of 32): the bf16 GEMM above (AMX where usable,
-// else vdpbf16ps: callers check that one is), W's blocks dequantized and rounded to bf16 as they
-// are packed, so the same bits as multiplying by the rounded dequantized weights, without them.
+// The bf16 GEMM above (AMX where usable, else vdpbf16ps: callers check that one is) with beta 0
+// and a bf16 c, each f32 result rounded as mt::f32_to_bf16 rounds it: the bits of the f32 GEMM
+// and a conversion, without the f32 c.
+void gemm_bf16_to_bf16(Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
+                       const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, uint16_t* c,
+                       int64_t ldc);
+
+// y [m, n] (leading dimension ldy; f32 in y, or bf16 in y16 when y is null, rounded as above) =
+// x [m, k] (bf16, ldx) . W^T for int8 weights W as mt/q8.h stores them (rows [n, rb], k a
+// multiple of 32): the bf16 GEMM above, W's blocks dequantized and rounded to bf16 as they are
+// packed, so the same bits as multiplying by the rounded dequantized weights, without them.
 void gemm_bf16_q8(Backend& be, int64_t m, int64_t n, int64_t k, const uint16_t* x, int64_t ldx,
-                  const int8_t* w, int64_t rb, float* y, int64_t ldy);
+                  const int8_t* w, int64_t rb, float* y, uint16_t* y16, int64_t ldy);
 
 // Dot products of rows_m rows of bf16 x (x + r ldx) with rows [j0, j1) of bf16 W [N, K] (w + j
 // ldw) on vdpbf16ps, one weight row at a time (one sequential stream per task, as the f32
