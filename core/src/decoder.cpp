@@ -210,6 +210,12 @@ std::vector<float> Decoder::prefill(int64_t b, const std::vector<int32_t>& promp
   return out;
 }
 
+void Decoder::assume_length(int64_t length) {
+  MT_CHECK(length >= 0 && length < max_len_, "assume_length: " + std::to_string(length) +
+                                                 " outside [0, " + std::to_string(max_len_) + ")");
+  std::fill(lengths_.begin(), lengths_.end(), length);
+}
+
 std::vector<float> Decoder::step(const std::vector<int32_t>& tokens,
                                  const std::vector<bool>& active) {
   Backend& be = runner_.backend();

@@ -52,6 +52,11 @@ class Decoder {
   int64_t max_len() const { return max_len_; }
   int64_t length(int64_t b) const { return lengths_[static_cast<size_t>(b)]; }
   bool full(int64_t b) const { return length(b) >= max_len_; }
+  // For a memory plan's trace on the meta backend: every sequence as if `length` (< max_len)
+  // tokens were cached, so that the next step is the one at that length (the rows hold whatever
+  // the cache holds). A step's memory can grow with the cached length (an int8 cache's
+  // dequantized rows, tables made up to the longest position).
+  void assume_length(int64_t length);
   // Cache rows per sequence of layer i (its window for a sliding-window ring buffer, else
   // max_len).
   int64_t cache_rows(int layer) const {

@@ -119,6 +119,23 @@ void MetaBackend::matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans
   if (b.dtype() != DType::f32 && !matvec) held.push_back(empty(b.shape(), DType::f32));
 }
 
+void MetaBackend::matmul_q8(const Tensor& x, const Tensor& w, Tensor& y) {
+  if (!device_.f32_working_copies || x.ndim() < 1 || w.ndim() != 2) return;
+  // As the CPU's int8 products: a prefill (more than 8 rows) multiplies the rows dequantized to
+  // f32 (CPUs with AMX or AVX512_BF16 pack them as bf16 within the GEMM instead: half that) by
+  // x as matmul does; decode's few rows are widened to f32 and the results made in f32.
+  const int64_t k = x.dim(-1), rows = k ? x.numel() / k : 0;
+  std::vector<Tensor> held;
+  if (rows > 8) {
+    const Tensor wf = empty({w.dim(0), k}, DType::f32);
+    Tensor y2 = y.view({rows, w.dim(0)});
+    matmul(x.view({rows, k}), wf, y2, false, true);
+    return;
+  }
+  if (x.dtype() != DType::f32) held.push_back(empty(x.shape(), DType::f32));
+  if (y.dtype() != DType::f32) held.push_back(empty(y.shape(), DType::f32));
+}
+
 std::vector<Tensor> MetaAttention::copies(std::initializer_list<const Tensor*> ts) {
   std::vector<Tensor> r;
   if (!f32_copies_) return r;
@@ -142,9 +159,11 @@ void MetaAttention::backward(const Tensor& dout, const Tensor& q, const Tensor& 
   }
 }
 
-void MetaAttention::decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
-                           const Tensor&, const AttentionSpec&, Tensor& out) {
-  const auto held = copies({&q, &k_cache, &v_cache, &out});
+void MetaAttention::decode(const Tensor& q, const Tensor&, const Tensor&, const Tensor&,
+                           const AttentionSpec&, Tensor& out) {
+  // The CPU's kernels read a bf16 cache in place (flash a key block at a time, dot_product a
+  // sequence's rows into host vectors); flash works on f32 copies of q and its output.
+  if (name_ == "flash") const auto held = copies({&q, &out});
 }
 
 }  // namespace mt

@@ -92,6 +92,7 @@ class MetaBackend final : public MetaOps {
   // with bf16 operands.
   void matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool trans_b,
               float alpha = 1.f, float beta = 0.f) override;
+  void matmul_q8(const Tensor& x, const Tensor& w, Tensor& y) override;
 
  private:
   DeviceProfile device_;

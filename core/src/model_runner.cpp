@@ -356,6 +356,13 @@ size_t ModelRunner::quantize_projections() {
     const bool t = p.layout == WeightLayout::transposed;
     const int64_t k = t ? p.value.dim(1) : p.value.dim(0), n = t ? p.value.dim(0) : p.value.dim(1);
     if (k % kQ8Block != 0) continue;  // stays in the compute dtype
+    const int64_t rb = q8_row_bytes(k);
+    if (backend().name() == "meta") {  // a memory plan's trace: the sizes, no values to convert
+      p.value = backend().empty({n, rb}, DType::i8);
+      p.layout = WeightLayout::q8;
+      ++count;
+      continue;
+    }
     std::vector<float> host(static_cast<size_t>(k * n));
     if (p.value.dtype() == DType::f32) {
       backend().copy_to_host(p.value, host.data());
@@ -367,7 +374,6 @@ size_t ModelRunner::quantize_projections() {
     }
     std::vector<float> rows = t ? std::move(host) : std::vector<float>(host.size());
     if (!t) transpose_tiles(host.data(), rows.data(), k, n);
-    const int64_t rb = q8_row_bytes(k);
     std::vector<int8_t> q(static_cast<size_t>(n * rb));
     tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 64),
                       [&](const tbb::blocked_range<int64_t>& rs) {

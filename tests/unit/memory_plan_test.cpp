@@ -68,10 +68,14 @@ size_t measured_training_peak(const Config& cfg) {
   return runner.backend().memory_stats().peak_bytes_in_use;
 }
 
+// As mt decode runs: weights in the compute dtype (quantized with quantization=int8), a prompt,
+// then steps of every sequence until the longest fills the cache (an int8 cache's step needs
+// more the longer its sequences).
 size_t measured_decode_peak(const Config& cfg, int64_t batch) {
   ModelRunner runner(cfg, test::plugins());
   runner.init_parameters(1);
   runner.store_weights_in_compute_dtype();
+  runner.apply_quantization(cfg);
   runner.backend().reset_peak_memory();
   const int64_t max_len = cfg.get_int("max_target_length");
   Decoder dec(runner, batch, max_len);
@@ -79,8 +83,9 @@ size_t measured_decode_peak(const Config& cfg, int64_t batch) {
   std::vector<int32_t> prompt(static_cast<size_t>(prefill));
   for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(i % 50 + 1);
   dec.prefill(0, prompt, /*last_only=*/true);
-  dec.step(std::vector<int32_t>(static_cast<size_t>(batch), 3),
-           std::vector<bool>(static_cast<size_t>(batch), true));
+  while (dec.length(0) < max_len)
+    dec.step(std::vector<int32_t>(static_cast<size_t>(batch), 3),
+             std::vector<bool>(static_cast<size_t>(batch), true));
   return runner.backend().memory_stats().peak_bytes_in_use;
 }
 
@@ -142,6 +147,14 @@ TEST(MemoryPlan, DecodePeakMatchesTheMeasuredPeak) {
       {"llama-test", {"dtype=bfloat16", "max_target_length=256", "max_prefill_predict_length=64"}},
       {"gemma2-test", {"max_target_length=128"}},
       {"deepseek3-test", {"max_target_length=128"}},
+      // An int8 cache's dequantized temporaries grow with the cached length (the prompt is a
+      // quarter of the cache); int8 weights; a windowed layer's ring buffer.
+      {"llama-test",
+       {"max_target_length=256", "max_prefill_predict_length=64", "quantize_kvcache=true"}},
+      {"llama-test",
+       {"dtype=bfloat16", "max_target_length=256", "max_prefill_predict_length=64",
+        "quantize_kvcache=true", "quantization=int8"}},
+      {"gemma2-test", {"max_target_length=128", "quantize_kvcache=true"}},
   };
   for (const Case& c : cases)
     for (int64_t batch : {1, 3}) {
