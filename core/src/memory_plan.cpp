@@ -143,7 +143,7 @@ DecodePlan trace_decode(const Config& cfg, PluginManager& plugins, const DeviceP
   d.max_len = cfg.get_int("max_target_length");
   d.prefill = std::min(cfg.get_int("max_prefill_predict_length"), d.max_len - 1);
   runner->store_weights_in_compute_dtype();
-  runner->apply_quantization(cfg);
+  d.int8_projections = runner->apply_quantization(cfg) > 0;
   d.weights = in_use(*runner);
   Decoder dec(*runner, batch, d.max_len);
   d.kv_cache = in_use(*runner) - d.weights;
@@ -706,7 +706,10 @@ std::string format_plan(const Plan& p, const Config& cfg) {
     s += fmt::format("decode ({} sequence{} of up to {} tokens, prefill of {}, dtype={}):\n",
                      d.batch, d.batch == 1 ? "" : "s", d.max_len, d.prefill,
                      cfg.get_string("dtype"));
-    row("weights", d.weights, fmt::format("stored in {}", dtype_name(p.compute)));
+    row("weights", d.weights,
+        d.int8_projections ? fmt::format("projections in int8 (quantization=int8), the rest in {}",
+                                         dtype_name(p.compute))
+                           : fmt::format("stored in {}", dtype_name(p.compute)));
     row("KV cache", d.kv_cache,
         fmt::format("{} per token",
                     human_bytes(static_cast<double>(d.kv_cache) /

@@ -40,6 +40,7 @@ struct TrainingPlan {
 // and a decode step.
 struct DecodePlan {
   int64_t batch = 1, max_len = 0, prefill = 0;
+  bool int8_projections = false;  // quantization=int8: the projections stored as int8 rows
   size_t weights = 0, kv_cache = 0, activations = 0, peak = 0;
 };
 
