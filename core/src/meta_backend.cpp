@@ -163,7 +163,8 @@ void MetaAttention::decode(const Tensor& q, const Tensor&, const Tensor&, const 
                            const AttentionSpec&, Tensor& out) {
   // The CPU's kernels read a bf16 cache in place (flash a key block at a time, dot_product a
   // sequence's rows into host vectors); flash works on f32 copies of q and its output.
-  if (name_ == "flash") const auto held = copies({&q, &out});
+  if (name_ != "flash") return;
+  const auto held = copies({&q, &out});
 }
 
 }  // namespace mt

@@ -987,6 +987,10 @@ bool matvec_bf16dot_on() {
   }();
   return kOn;
 }
+// bf16 x bf16 products on mt's packed GEMM (gemm_bf16: AMX tiles or vdpbf16ps).
+bool packed_bf16_gemm_on() {
+  return amx_bf16_usable() || dot_gemm_pays();
+}
 }  // namespace
 
 void gemm_setup(int num_threads) {
@@ -1081,14 +1085,14 @@ void matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool tran
   const bool few = p.m == 1 || (shared_b && !trans_a && p.m <= kFewRows);
 
   const bool packed_bf16 = k > 0 && !few && a.dtype() == DType::bf16 && b.dtype() == DType::bf16 &&
-                           (amx_bf16_usable() || dot_gemm_pays());
+                           packed_bf16_gemm_on();
   if (packed_bf16 && c.dtype() == DType::bf16 && beta == 0.f) {
     // bf16 c written by the GEMM itself, rounded as store_bf16 would round the f32 results.
     for (int64_t bi = 0; bi < p.batch; ++bi)
-      gemm_bf16_to_bf16(*c.backend(), p.ta, p.tb, p.m, p.n, p.k, alpha,
-                        a.ptr<const uint16_t>() + bi * p.stride_a, p.ta ? p.m : p.k,
-                        b.ptr<const uint16_t>() + bi * p.stride_b, p.tb ? p.k : p.n,
-                        c.ptr<uint16_t>() + bi * p.stride_c, p.n);
+      gemm_bf16(*c.backend(), p.ta, p.tb, p.m, p.n, p.k, alpha,
+                a.ptr<const uint16_t>() + bi * p.stride_a, p.ta ? p.m : p.k,
+                b.ptr<const uint16_t>() + bi * p.stride_b, p.tb ? p.k : p.n, 0.f, nullptr,
+                c.ptr<uint16_t>() + bi * p.stride_c, p.n);
     return;
   }
   // bf16 c: computed in an f32 scratch (holding c's old values when beta needs them).
@@ -1108,12 +1112,11 @@ void matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool tran
     else
       matvec(p, a32.ptr<const float>(), b.ptr<const float>(), c32.ptr<float>());
   } else if (packed_bf16) {
-    const auto gemm = amx_bf16_usable() ? &amx_gemm_bf16 : &dot_gemm_bf16;
     for (int64_t bi = 0; bi < p.batch; ++bi)
-      gemm(*c.backend(), p.ta, p.tb, p.m, p.n, p.k, alpha,
-           a.ptr<const uint16_t>() + bi * p.stride_a, p.ta ? p.m : p.k,
-           b.ptr<const uint16_t>() + bi * p.stride_b, p.tb ? p.k : p.n, beta,
-           c32.ptr<float>() + bi * p.stride_c, p.n);
+      gemm_bf16(*c.backend(), p.ta, p.tb, p.m, p.n, p.k, alpha,
+                a.ptr<const uint16_t>() + bi * p.stride_a, p.ta ? p.m : p.k,
+                b.ptr<const uint16_t>() + bi * p.stride_b, p.tb ? p.k : p.n, beta,
+                c32.ptr<float>() + bi * p.stride_c, nullptr, p.n);
   } else {
     const Tensor a32 = as_f32(a), b32 = as_f32(b);
     gemm_f32(p, a32.ptr<const float>(), b32.ptr<const float>(), c32.ptr<float>());
@@ -1393,7 +1396,7 @@ void matmul_q8(const Tensor& x, const Tensor& w, Tensor& y) {
     // products) it dequantizes the blocks as it packs them; else the rows are dequantized once
     // per call into a tensor for the f32 GEMM.
     const bool bf = x.dtype() == DType::bf16;
-    if (bf && (amx_bf16_usable() || dot_gemm_pays())) {
+    if (bf && packed_bf16_gemm_on()) {
       const bool f32 = y.dtype() == DType::f32;
       gemm_bf16_q8(*y.backend(), m, n, k, x.ptr<const uint16_t>(), k, q, rb,
                    f32 ? y.ptr<float>() : nullptr, f32 ? nullptr : y.ptr<uint16_t>(), n);

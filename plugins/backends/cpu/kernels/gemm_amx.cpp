@@ -466,31 +466,17 @@ void gemm_bf16_packed(bool amx, Backend& be, bool ta, bool tb, int64_t m, int64_
                       int64_t ldc);
 }  // namespace
 
-void amx_gemm_bf16(Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
-                   const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta,
-                   float* c, int64_t ldc) {
-  gemm_bf16_packed(true, be, ta, tb, m, n, k, alpha, a, lda, b, ldb, nullptr, 0, beta, c, nullptr,
-                   ldc);
-}
-
-void dot_gemm_bf16(Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
-                   const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta,
-                   float* c, int64_t ldc) {
-  gemm_bf16_packed(false, be, ta, tb, m, n, k, alpha, a, lda, b, ldb, nullptr, 0, beta, c, nullptr,
-                   ldc);
+void gemm_bf16(Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
+               const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta, float* c,
+               uint16_t* c16, int64_t ldc) {
+  gemm_bf16_packed(amx_bf16_usable(), be, ta, tb, m, n, k, alpha, a, lda, b, ldb, nullptr, 0, beta,
+                   c, c16, ldc);
 }
 
 void gemm_bf16_q8(Backend& be, int64_t m, int64_t n, int64_t k, const uint16_t* x, int64_t ldx,
                   const int8_t* w, int64_t rb, float* y, uint16_t* y16, int64_t ldy) {
   gemm_bf16_packed(amx_bf16_usable(), be, false, true, m, n, k, 1.f, x, ldx, nullptr, 0, w, rb, 0.f,
                    y, y16, ldy);
-}
-
-void gemm_bf16_to_bf16(Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
-                       const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, uint16_t* c,
-                       int64_t ldc) {
-  gemm_bf16_packed(amx_bf16_usable(), be, ta, tb, m, n, k, alpha, a, lda, b, ldb, nullptr, 0, 0.f,
-                   nullptr, c, ldc);
 }
 
 namespace {

@@ -17,32 +17,25 @@ bool amx_bf16_usable();
 // Measured tile-multiply FLOP/s of one core (0 without AMX), for the bf16 peak.
 double amx_core_peak_flops();
 
-// c = alpha * op(a) op(b) + beta * c for one row-major matrix: a [m, k] ([k, m] if ta), b [k, n]
-// ([n, k] if tb), bf16 (raw bits); c f32 with leading dimension ldc. m, n, k >= 1. Runs on the
-// current oneTBB arena; scratch comes from `be`'s caching allocator.
-void amx_gemm_bf16(Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
-                   const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta,
-                   float* c, int64_t ldc);
-
-// The same on AVX512_BF16's vdpbf16ps, for CPUs without AMX (AMD Zen 4, Intel Cooper Lake):
-// exact bf16 products, f32 sums, at about twice the f32 FMA rate on Zen 4. Usable when the CPU
-// has it, AMX is not usable and MT_CPU_BF16DOT is not 0 (checked once).
+// AVX512_BF16's vdpbf16ps, for CPUs without AMX (AMD Zen 4, Intel Cooper Lake): exact bf16
+// products, f32 sums, at about twice the f32 FMA rate on Zen 4. Usable when the CPU has it, AMX
+// is not usable and MT_CPU_BF16DOT is not 0 (checked once).
 bool dot_bf16_usable();
 // The largest of `one_core`'s results with it running on every hardware thread at once: a
 // core's peak at the clock all cores sustain together (the f32 FMA peak and the dot product's).
 double best_on_every_thread(const std::function<double()>& one_core);
 // Measured vdpbf16ps FLOP/s of one core at the all-core clock (0 when not usable).
 double dot_core_peak_flops();
-void dot_gemm_bf16(Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
-                   const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta,
-                   float* c, int64_t ldc);
 
-// The bf16 GEMM above (AMX where usable, else vdpbf16ps: callers check that one is) with beta 0
-// and a bf16 c, each f32 result rounded as mt::f32_to_bf16 rounds it: the bits of the f32 GEMM
-// and a conversion, without the f32 c.
-void gemm_bf16_to_bf16(Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
-                       const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, uint16_t* c,
-                       int64_t ldc);
+// c = alpha * op(a) op(b) + beta * c for one row-major matrix: a [m, k] ([k, m] if ta), b [k, n]
+// ([n, k] if tb), bf16 (raw bits), on AMX tiles where usable, else on vdpbf16ps (callers check
+// that one is). c f32 in `c`, or, with c null and beta 0, bf16 in `c16`: each f32 result
+// rounded as mt::f32_to_bf16 rounds it, the bits of the f32 c and a conversion. Leading
+// dimension ldc; m, n, k >= 1. Runs on the current oneTBB arena; scratch comes from `be`'s
+// caching allocator.
+void gemm_bf16(Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
+               const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta, float* c,
+               uint16_t* c16, int64_t ldc);
 
 // y [m, n] (leading dimension ldy; f32 in y, or bf16 in y16 when y is null, rounded as above) =
 // x [m, k] (bf16, ldx) . W^T for int8 weights W as mt/q8.h stores them (rows [n, rb], k a
