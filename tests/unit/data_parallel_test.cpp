@@ -23,6 +23,7 @@
 #include "mt/data.h"
 #include "mt/plugin.h"
 #include "mt/tokenizer.h"
+#include "plugin_manager.h"
 #include "safetensors.h"
 #include "test_support.h"
 
@@ -389,6 +390,26 @@ TEST(DataParallel, AMeshThatDoesNotFitTheRanksIsOneErrorOnRankZero) {
   EXPECT_EQ(count(r.out, "has 3 devices but 2 ranks run"), 1u) << r.out;
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 20);
   EXPECT_FALSE(fs::exists(d.root / "bad" / "metrics.jsonl"));
+}
+
+// MPI starts once a process, and the mpi communicator that started it finalizes it when
+// destroyed: a second communicator made after that is refused with a sentence naming the cause,
+// not an MPI abort (in a child process, which may start MPI as a singleton).
+TEST(DataParallel, ACommunicatorAfterMpiWasFinalizedIsRefusedWithASentence) {
+  MT_NEED_MPIRUN();
+  EXPECT_EXIT(
+      {
+        const Config cfg = config_from_pairs({});
+        test::plugins().make_communicator("mpi", cfg).reset();
+        try {
+          test::plugins().make_communicator("mpi", cfg);
+        } catch (const std::exception& e) {
+          std::fprintf(stderr, "%s\n", e.what());
+          std::_Exit(3);
+        }
+        std::_Exit(0);
+      },
+      ::testing::ExitedWithCode(3), "MPI was already finalized in this process");
 }
 
 // Tensor parallelism (Megatron): 2 ranks divide the attention heads and MLP columns and sum

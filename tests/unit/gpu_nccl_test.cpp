@@ -43,9 +43,12 @@ const NcclPlugin& nccl_plugin() {
   if (!nccl_plugin().error.empty()) FAIL() << "the nccl plugin failed: " << nccl_plugin().error; \
   if (!nccl_plugin().skip.empty()) GTEST_SKIP() << nccl_plugin().skip
 
-// One communicator per process (MPI is initialised once): every collective of world size 1 on
-// device tensors and host buffers leaves the values as they were.
-TEST(GpuNccl, EveryCollectiveRunsOnOneGpu) {
+void expect_a_split_group_runs(Communicator& comm);
+
+// One communicator per process (MPI starts once: the communicator that started it finalizes it,
+// and a second one would find it finalized): every collective of world size 1 on device tensors
+// and host buffers leaves the values as they were, and a split group's run too.
+TEST(GpuNccl, EveryCollectiveAndASplitGroupRunOnOneGpu) {
   MT_NEED_NCCL();
   const Config cfg = config_from_pairs({});
   std::unique_ptr<Communicator> comm = test::plugins().make_communicator("nccl", cfg);
@@ -78,17 +81,18 @@ TEST(GpuNccl, EveryCollectiveRunsOnOneGpu) {
   comm->broadcast(&step, sizeof step, 0);
   EXPECT_EQ(step, 42);
   comm->barrier();
+  expect_a_split_group_runs(*comm);
 }
 
-// split (ncclCommSplit beside MPI_Comm_split): the group of one rank is a communicator of its
-// own whose collectives run, and the world's still run after the group is gone.
-TEST(GpuNccl, ASplitGroupRunsItsOwnCollectives) {
-  MT_NEED_NCCL();
+// split (ncclCommSplit beside MPI_Comm_split), on the one communicator of this process: the group
+// of one rank is a communicator of its own whose collectives run, and the world's still run after
+// the group is gone.
+void expect_a_split_group_runs(Communicator& comm) {
+  SCOPED_TRACE("split");
   const Config cfg = config_from_pairs({});
-  std::unique_ptr<Communicator> comm = test::plugins().make_communicator("nccl", cfg);
   const std::vector<float> v = {0.5f, -4.f, 9.f};
   {
-    std::unique_ptr<Communicator> group = comm->split(/*color=*/0, /*key=*/0);
+    std::unique_ptr<Communicator> group = comm.split(/*color=*/0, /*key=*/0);
     ASSERT_TRUE(group);
     EXPECT_EQ(group->name(), "nccl");
     EXPECT_EQ(group->size(), 1);
@@ -107,7 +111,7 @@ TEST(GpuNccl, ASplitGroupRunsItsOwnCollectives) {
     group->barrier();
   }
   std::vector<float> f = v;
-  comm->all_reduce_sum(f.data(), f.size());
+  comm.all_reduce_sum(f.data(), f.size());
   EXPECT_EQ(f, v);
 }
 

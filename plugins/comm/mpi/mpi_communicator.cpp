@@ -51,6 +51,13 @@ class MpiCommunicator final : public mt::Communicator {
   MpiCommunicator() {
     int initialised = 0;
     MPI_Initialized(&initialised);
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized)
+      throw mt::Error(
+          "mpi communicator: MPI was already finalized in this process (by the communicator that "
+          "started it, when it was destroyed), and MPI cannot start twice in one process: make "
+          "one communicator per process and keep it for the run.");
     int provided = MPI_THREAD_SINGLE;
     if (!initialised) {
       // One thread at a time calls MPI: the training thread, or the thread that sums data

@@ -78,6 +78,13 @@ class NcclCommunicator final : public mt::Communicator {
   NcclCommunicator() {
     int initialised = 0;
     MPI_Initialized(&initialised);
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized)
+      throw mt::Error(
+          "nccl communicator: MPI was already finalized in this process (by the communicator that "
+          "started it, when it was destroyed), and MPI cannot start twice in one process: make "
+          "one communicator per process and keep it for the run.");
     if (!initialised) {
       int provided = 0;
       check_mpi(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided),
