@@ -5,7 +5,8 @@
 # communicator (world size 1). bench/gpu/run.sh is the full run (builds, every benchmark, the
 # table); this one reuses a build made elsewhere when it runs here, and builds only when not.
 #   bash bench/gpu/probe.sh [STEP ...]     steps: tests attention ncu 7b nccl train profile
-#                                          sanitize decode (default: tests attention ncu 7b nccl)
+#                                          sanitize decode int8 (default: tests attention ncu 7b
+#                                          nccl)
 # MT_OLD_CUDA_PLUGIN=path/libmt_backend_cuda.so: another build of the cuda plugin (the version
 # before a change) run beside this one, interleaved, in the attention and train steps ("old").
 #
@@ -157,6 +158,21 @@ for line in open(sys.argv[1]):
         print(f"{section:24} {shape:14} causal={r.get('causal')} fwd {r.get('fwd_tflops')} "
               f"fwd+bwd {r.get('fwd_bwd_tflops')} TFLOP/s")
 EOF
+fi
+if want int8; then
+  # Issue 23's int8 decode on the device (never run on one before 2026-11-27): the backend op
+  # tests on "cuda" (dequantize_rows_q8, matmul_q8, the cache writes), then mt bench decode with
+  # an int8 KV cache and with int8 weights.
+  bo=${MT_BACKEND_OPS_TEST:-$build/tests/backend_ops_test}
+  run int8 120 "$bo" --gtest_brief=1 --gtest_filter='*/cuda'
+  grep -E '^\[  FAILED|Failure' "$res/int8.log" | head -10 >>"$summary"
+  for words in "" "quantize_kvcache=true" "quantize_kvcache=true kv_quant_axis=dkv" "quantization=int8"; do
+    echo "== decode $words" >>"$res/int8.log"
+    # shellcheck disable=SC2086
+    run int8 120 "$mt" bench decode backend=cuda --model=llama-bench-1b $words
+  done
+  grep -E '^==|tokens_per_sec' "$res/int8.log" | grep -o '^==.*\|"dtype": "[a-z0-9]*"\|"[a-z0-9_]*tokens_per_sec": [0-9.]*' | tr '\n' ' ' | sed 's/==/\n==/g' >>"$summary"
+  echo >>"$summary"
 fi
 if want ncu && command -v ncu >/dev/null; then
   # One launch of each tensor-core flash kernel at B=2 T=4096 H=32 D=128 (after the warm-up).

@@ -222,39 +222,52 @@ void scatter_add_rows(const Ctx& c, const Tensor& src, const Tensor& idx, const 
 // ---- the int8 KV cache ----------------------------------------------------------------------
 
 namespace {
-// One thread per (source row m, group j) of W values: its scale (max |x| / 127) and its W int8
-// values into row id[m] of q and s, by quantize_q8_group's rule (round half away from zero).
-struct Q8ScatterF {
-  In x;
-  const int32_t* id;
-  int64_t C, G, W, n;
-  int8_t* q;
-  float* s;
-  unsigned long long* bad;
-  __device__ void operator()(int64_t i) const {
-    const int64_t m = i / G, j = i - m * G, r = id[m];
-    if (r < 0 || r >= n) {
-      if (j == 0) record_bad(bad, m, r);
-      return;
-    }
-    const int64_t src = m * C + j * W, dst = r * C + j * W;
-    float amax = 0.f;
-    for (int64_t t = 0; t < W; ++t) amax = fmaxf(amax, fabsf(x[src + t]));
-    const float scale = amax / 127.f;
-    const float inv = scale > 0.f ? 1.f / scale : 0.f;
-    for (int64_t t = 0; t < W; ++t)
-      q[dst + t] = static_cast<int8_t>(roundf(fminf(127.f, fmaxf(-127.f, x[src + t] * inv))));
-    s[r * G + j] = scale;
+constexpr int kQ8Warps = 4;  // warps per block of q8_scatter_kernel
+
+// A warp per (source row m, group j) of W values: its scale (max |x| / 127, the lanes' maxima
+// combined by shuffles: a maximum, so the bits of one thread's loop) and its W int8 values into
+// row id[m] of q and s, by quantize_q8_group's rule (round half away from zero). The lanes take
+// every 32nd value, so a warp's loads and stores coalesce (one thread a group took a whole row
+// alone: 2 x 2,048 dependent loads a decode step's cache write at Hkv D = 2,048).
+__global__ void __launch_bounds__(kQ8Warps * 32)
+    q8_scatter_kernel(In x, const int32_t* id, int64_t M, int64_t C, int64_t G, int64_t W,
+                      int64_t n, int8_t* q, float* s, unsigned long long* bad) {
+  const int lane = threadIdx.x & 31;
+  const int64_t wi = static_cast<int64_t>(blockIdx.x) * kQ8Warps + (threadIdx.x >> 5);
+  if (wi >= M * G) return;  // whole warps return together
+  const int64_t m = wi / G, j = wi - m * G, r = id[m];
+  if (r < 0 || r >= n) {
+    if (j == 0 && lane == 0) record_bad(bad, m, r);
+    return;
   }
-};
-// out[i] = q[i] x s[i / W].
-struct Q8DequantF {
-  const int8_t* q;
-  const float* s;
-  int64_t W;
-  Out o;
-  __device__ void operator()(int64_t i) const { o.set(i, static_cast<float>(q[i]) * s[i / W]); }
-};
+  const int64_t src = m * C + j * W, dst = r * C + j * W;
+  float amax = 0.f;
+  for (int64_t t = lane; t < W; t += 32) amax = fmaxf(amax, fabsf(x[src + t]));
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float scale = amax / 127.f;
+  const float inv = scale > 0.f ? 1.f / scale : 0.f;
+  for (int64_t t = lane; t < W; t += 32)
+    q[dst + t] = static_cast<int8_t>(roundf(fminf(127.f, fmaxf(-127.f, x[src + t] * inv))));
+  if (lane == 0) s[r * G + j] = scale;
+}
+// out[r, c] = q[r, c] x s[r, c / W]: block (row r, columns 256 y ..): 32-bit column arithmetic
+// (a 64-bit division per element, as a flat index needs, cost more than the bytes).
+constexpr int kQ8Cols = 256;
+__global__ void __launch_bounds__(kQ8Cols)
+    q8_dequant_kernel(const int8_t* q, const float* s, int64_t C, int G, int W, Out o) {
+  const int c = static_cast<int>(blockIdx.y) * kQ8Cols + static_cast<int>(threadIdx.x);
+  if (c >= C) return;
+  const int64_t r = blockIdx.x, i = r * C + c;
+  o.set(i, static_cast<float>(q[i]) * s[r * G + c / W]);
+}
+// Rows and column blocks of a [N, C] launch (grid.y holds at most 65535 blocks).
+dim3 q8_grid(const std::string& op, int64_t N, int64_t C) {
+  const int64_t cols = (C + kQ8Cols - 1) / kQ8Cols;
+  MT_CHECK(N <= INT_MAX && cols <= 65535,
+           "cuda " + op + ": " + std::to_string(N) + " rows of " + std::to_string(C) +
+               " columns are more than one launch takes (2^31 - 1 rows, 16,776,960 columns)");
+  return dim3(static_cast<unsigned>(N), static_cast<unsigned>(cols));
+}
 
 // C / G for rows q [N, C] i8 and scales [N, G] f32.
 int64_t q8_group(const char* op, const Tensor& q, const Tensor& s) {
@@ -278,10 +291,13 @@ void scatter_rows_q8(const Ctx& c, const Tensor& src, const Tensor& idx, Tensor&
   const int64_t N = lead_rows(q), G = last_dim(s);
   unsigned long long* bad = c.checks->slot(
       [N](int64_t m, int64_t id) { return bad_row_index("scatter_rows_q8", m, id, N); });
-  launch_map(c, idx.numel() * G,
-             Q8ScatterF{in(src), idx.ptr<const int32_t>(), last_dim(q), G, W, N, q.ptr<int8_t>(),
-                        s.ptr<float>(), bad},
-             "scatter_rows_q8", shapes);
+  const int64_t M = idx.numel(), warps = M * G;
+  if (warps == 0) return;
+  MT_LAUNCH(q8_scatter_kernel, static_cast<unsigned>((warps + kQ8Warps - 1) / kQ8Warps),
+            kQ8Warps * 32, 0, c.stream)
+  (in(src), idx.ptr<const int32_t>(), M, last_dim(q), G, W, N, q.ptr<int8_t>(), s.ptr<float>(),
+   bad);
+  launched("scatter_rows_q8", shapes);
 }
 
 void dequantize_rows_q8(const Ctx& c, const Tensor& q, const Tensor& s, Tensor& o) {
@@ -289,8 +305,12 @@ void dequantize_rows_q8(const Ctx& c, const Tensor& q, const Tensor& s, Tensor& 
   const int64_t W = q8_group("dequantize_rows_q8", q, s);
   MT_CHECK(is_fb(o) && o.numel() == q.numel(),
            "cuda dequantize_rows_q8: " + shapes() + " (want out f32 or bf16, as many elements)");
-  launch_map(c, o.numel(), Q8DequantF{q.ptr<const int8_t>(), s.ptr<const float>(), W, out(o)},
-             "dequantize_rows_q8", shapes);
+  const int64_t N = lead_rows(q), C = last_dim(q);
+  if (N == 0 || C == 0) return;
+  MT_LAUNCH(q8_dequant_kernel, q8_grid("dequantize_rows_q8", N, C), kQ8Cols, 0, c.stream)
+  (q.ptr<const int8_t>(), s.ptr<const float>(), C, static_cast<int>(last_dim(s)),
+   static_cast<int>(W), out(o));
+  launched("dequantize_rows_q8", shapes);
 }
 
 // ---- columns: split and concat on the last dimension -----------------------------------------
@@ -335,24 +355,23 @@ void copy_columns(const Ctx& c, const Tensor& src, int64_t src_col, Tensor& dst,
 // ---- int8 weights (mt/q8.h) ---------------------------------------------------------------------
 namespace mt::cuda {
 namespace {
-// Element i of the f32 matrix [N, K] that q8 rows hold: q * the block's scale (f32 products, as
-// the CPU's dequantization).
-struct DequantQ8F {
-  const int8_t* q;
-  int64_t k, rb;
-  float* o;
-  __device__ void operator()(int64_t i) const {
-    const int64_t r = i / k, j = i - r * k;
-    const int8_t* row = q + r * rb;
-    float scale;
-    memcpy(&scale, row + k + j / kQ8Block * 4, 4);
-    o[i] = __fmul_rn(static_cast<float>(row[j]), scale);
-  }
-};
+// Row r of the matrix [N, K] that q8 rows hold: q x the block's scale (f32 products, as the
+// CPU's dequantization), stored as f32 or rounded to bf16; block (r, columns 256 y ..).
+__global__ void __launch_bounds__(kQ8Cols)
+    q8_weight_kernel(const int8_t* q, int64_t k, int64_t rb, Out o) {
+  const int j = static_cast<int>(blockIdx.y) * kQ8Cols + static_cast<int>(threadIdx.x);
+  if (j >= k) return;
+  const int64_t r = blockIdx.x;
+  const int8_t* row = q + r * rb;
+  float scale;
+  memcpy(&scale, row + k + j / kQ8Block * 4, 4);
+  o.set(r * k + j, __fmul_rn(static_cast<float>(row[j]), scale));
+}
 }  // namespace
 
-// The rows dequantized into a device temporary, then a cuBLASLt matmul against it: correct, not
-// yet fast (a decode step dequantizes every weight).
+// The rows dequantized into a device temporary in x's dtype (bf16 x: the weights rounded to bf16,
+// as the CPU's int8 products do, and a bf16 cuBLASLt matmul), then the matmul against it: correct,
+// not yet fast (a decode step dequantizes every weight: 5 bytes moved per weight against bf16's 2).
 void matmul_q8(const Ctx& c, const Tensor& x, const Tensor& w, Tensor& y) {
   auto shapes = [&] { return "x " + str(x) + ", w " + str(w) + ", y " + str(y); };
   const int64_t k = is_fb(x) && x.ndim() >= 1 ? last_dim(x) : 0;
@@ -364,9 +383,10 @@ void matmul_q8(const Ctx& c, const Tensor& x, const Tensor& w, Tensor& y) {
                " (want x [..., K] with K a multiple of 32, w i8 [N, K + K / 8], y [..., N])");
   const int64_t n = w.dim(0), m = k ? x.numel() / k : 0;
   if (m == 0 || n == 0) return;
-  Tensor wf = c.scratch({n, k}, DType::f32);
-  launch_map(c, n * k, DequantQ8F{w.ptr<const int8_t>(), k, w.dim(1), wf.ptr<float>()}, "matmul_q8",
-             shapes);
+  Tensor wf = c.scratch({n, k}, x.dtype());
+  MT_LAUNCH(q8_weight_kernel, q8_grid("matmul_q8", n, k), kQ8Cols, 0, c.stream)
+  (w.ptr<const int8_t>(), k, w.dim(1), out(wf));
+  launched("matmul_q8", shapes);
   Tensor y2 = y.view({m, n});
   matmul(c, x.view({m, k}), wf, y2, false, true, 1.f, 0.f);
 }
