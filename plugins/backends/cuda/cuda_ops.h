@@ -50,6 +50,15 @@ class CudaOps : public Backend {
                                       "flash attention's tensor-core dk/dv kernel runs 4 or 8 "
                                       "warps a block (16 key rows each)",
                                       "4");
+    if (const char* e = std::getenv("MT_CUDA_Q8_GEMV"); e && *e) {
+      const std::string v = e;
+      MT_CHECK(v == "0" || v == "1",
+               "MT_CUDA_Q8_GEMV=" + v +
+                   ": matmul_q8 takes decode's one or two rows of x straight from the int8 rows "
+                   "(1) or dequantizes the weights for cuBLASLt (0); set 0 or 1, or unset it for "
+                   "the default (1)");
+      ctx_.q8_dequant_always = v == "0";
+    }
     ctx_.stream = stream;
     ctx_.scratch = [this](const Shape& s, DType d) { return empty(s, d); };
     ctx_.rope = std::make_shared<RopeTables>();

@@ -367,6 +367,73 @@ __global__ void __launch_bounds__(kQ8Cols)
   memcpy(&scale, row + k + j / kQ8Block * 4, 4);
   o.set(r * k + j, __fmul_rn(static_cast<float>(row[j]), scale));
 }
+// Decode's matrix-vector products on int8 rows: y[m, n] = sum_k x[m, k] q[n, k] scale[n, k / 32]
+// for MR (1 or 2) rows of x (f32, or bf16 when XBf16). A warp per weight row n (8 a block): each
+// lane takes 16 consecutive int8 values (one 16-byte load when rows are 16-byte aligned, Vec16;
+// else four 4-byte loads), every 512th from its own, so the warp reads its row once, coalesced,
+// and the matching 16 values of x in 16-byte loads (x, a few KB read by every warp, comes
+// through the L1 cache). A lane sums its 16 products, times their block's scale, into f32; the
+// warp's partial sums are combined by shuffles. Reads 1 byte a weight against bf16's 2.
+constexpr int kGemvWarps = 8;
+template <int MR, bool Vec16, bool XBf16>
+__global__ void __launch_bounds__(kGemvWarps * 32)
+    q8_gemv_kernel(const void* xp, const int8_t* q, int64_t N, int64_t K, int64_t rb, Out y) {
+  const int lane = threadIdx.x & 31;
+  const int64_t n = static_cast<int64_t>(blockIdx.x) * kGemvWarps + (threadIdx.x >> 5);
+  if (n >= N) return;  // whole warps return together
+  const int8_t* row = q + n * rb;
+  const float* scales = reinterpret_cast<const float*>(row + K);  // rb and q: 4-byte aligned
+  float acc[MR] = {};
+#pragma unroll 4
+  for (int64_t k0 = lane * 16; k0 < K; k0 += 512) {
+    uint32_t raw[4];
+    if constexpr (Vec16) {
+      const uint4 v = *reinterpret_cast<const uint4*>(row + k0);
+      raw[0] = v.x, raw[1] = v.y, raw[2] = v.z, raw[3] = v.w;
+    } else {
+#pragma unroll
+      for (int t = 0; t < 4; ++t) raw[t] = *reinterpret_cast<const uint32_t*>(row + k0 + 4 * t);
+    }
+    const float scale = scales[k0 / kQ8Block];
+#pragma unroll
+    for (int m = 0; m < MR; ++m) {
+      float xv[16];
+      if constexpr (XBf16) {
+        const uint4* xs =
+            reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(xp) + m * K + k0);
+        const uint4 lo = xs[0], hi = xs[1];
+        const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+          xv[2 * t] = __uint_as_float(w[t] << 16);
+          xv[2 * t + 1] = __uint_as_float(w[t] & 0xffff0000u);
+        }
+      } else {
+        const uint4* xs =
+            reinterpret_cast<const uint4*>(static_cast<const float*>(xp) + m * K + k0);
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          const uint4 f = xs[t];
+          xv[4 * t] = __uint_as_float(f.x), xv[4 * t + 1] = __uint_as_float(f.y);
+          xv[4 * t + 2] = __uint_as_float(f.z), xv[4 * t + 3] = __uint_as_float(f.w);
+        }
+      }
+      float part = 0.f;
+#pragma unroll
+      for (int t = 0; t < 16; ++t) {
+        const auto w8 = static_cast<int8_t>(raw[t / 4] >> (8 * (t % 4)));
+        part = fmaf(static_cast<float>(w8), xv[t], part);
+      }
+      acc[m] = fmaf(part, scale, acc[m]);
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < MR; ++m) {
+    float v = acc[m];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) y.set(m * N + n, v);
+  }
+}
 }  // namespace
 
 // The rows dequantized into a device temporary in x's dtype (bf16 x: the weights rounded to bf16,
@@ -383,9 +450,32 @@ void matmul_q8(const Ctx& c, const Tensor& x, const Tensor& w, Tensor& y) {
                " (want x [..., K] with K a multiple of 32, w i8 [N, K + K / 8], y [..., N])");
   const int64_t n = w.dim(0), m = k ? x.numel() / k : 0;
   if (m == 0 || n == 0) return;
+  const auto* wp = w.ptr<const int8_t>();
+  const auto addr = [](const void* p) { return reinterpret_cast<uintptr_t>(p); };
+  if (m <= 2 && !c.q8_dequant_always && addr(x.data()) % 16 == 0 && addr(wp) % 4 == 0) {
+    // decode: the int8 rows read once, in place
+    const int64_t rb = w.dim(1);
+    const bool vec = rb % 16 == 0 && addr(wp) % 16 == 0, xbf = x.dtype() == DType::bf16;
+    const auto grid = static_cast<unsigned>((n + kGemvWarps - 1) / kGemvWarps);
+    const auto run = [&](auto kernel) {
+      MT_LAUNCH(kernel, grid, kGemvWarps * 32, 0, c.stream)(x.data(), wp, n, k, rb, out(y));
+    };
+    const auto with_x = [&](auto rows, auto v16) {
+      constexpr int R = decltype(rows)::value;
+      constexpr bool V = decltype(v16)::value;
+      xbf ? run(q8_gemv_kernel<R, V, true>) : run(q8_gemv_kernel<R, V, false>);
+    };
+    const auto with_vec = [&](auto rows) {
+      vec ? with_x(rows, std::true_type{}) : with_x(rows, std::false_type{});
+    };
+    m == 1 ? with_vec(std::integral_constant<int, 1>{})
+           : with_vec(std::integral_constant<int, 2>{});
+    launched("matmul_q8", shapes);
+    return;
+  }
   Tensor wf = c.scratch({n, k}, x.dtype());
   MT_LAUNCH(q8_weight_kernel, q8_grid("matmul_q8", n, k), kQ8Cols, 0, c.stream)
-  (w.ptr<const int8_t>(), k, w.dim(1), out(wf));
+  (wp, k, w.dim(1), out(wf));
   launched("matmul_q8", shapes);
   Tensor y2 = y.view({m, n});
   matmul(c, x.view({m, k}), wf, y2, false, true, 1.f, 0.f);
