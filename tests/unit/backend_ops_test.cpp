@@ -207,17 +207,18 @@ std::vector<OpCase> cases() {
     r.b.matmul_q8(x2, w, y2);
     r.keep("twelve rows", y2);
     // K = 640: rows of 720 bytes, 16-byte aligned (the CUDA matrix-vector kernel's wide loads),
-    // K / 16 = 40 lane chunks (a warp's lanes take one or two); one and two rows of x.
+    // K / 16 = 40 lane chunks (a warp's lanes take one or two); 1, 2, 3 and 8 rows of x (its
+    // instances for 1, 2, 4 and 8 rows, one of them partly filled).
     const int64_t kw = 640, rbw = q8_row_bytes(kw);
     const std::vector<float> wf2 = test::randn(static_cast<size_t>(n * kw), r.rng);
     std::vector<int8_t> q2(static_cast<size_t>(n * rbw));
     for (int64_t j = 0; j < n; ++j) quantize_q8_row(wf2.data() + j * kw, kw, q2.data() + j * rbw);
     Tensor w2 = r.b.empty({n, rbw}, DType::i8);
     r.b.copy_from_host(w2, q2.data());
-    for (int64_t rows : {1, 2}) {
+    for (int64_t rows : {1, 2, 3, 8}) {
       Tensor xw = exact_rows({rows, kw}), yw = r.out({rows, n});
       r.b.matmul_q8(xw, w2, yw);
-      r.keep(rows == 1 ? "one row, aligned" : "two rows, aligned", yw);
+      r.keep(std::to_string(rows) + " rows, aligned", yw);
     }
   });
   // ---- embedding

@@ -54,7 +54,7 @@ class CudaOps : public Backend {
       const std::string v = e;
       MT_CHECK(v == "0" || v == "1",
                "MT_CUDA_Q8_GEMV=" + v +
-                   ": matmul_q8 takes decode's one or two rows of x straight from the int8 rows "
+                   ": matmul_q8 takes decode's up to 8 rows of x straight from the int8 rows "
                    "(1) or dequantizes the weights for cuBLASLt (0); set 0 or 1, or unset it for "
                    "the default (1)");
       ctx_.q8_dequant_always = v == "0";

@@ -101,9 +101,9 @@ struct Ctx {
   // The same for the dk/dv kernel (16 key rows a warp): 4 or 8, 0 = the default (4). From
   // MT_CUDA_FLASH_DKV_WARPS.
   int flash_dkv_warps = 0;
-  // matmul_q8 dequantizes the weights and calls cuBLASLt for every x, including decode's one or
-  // two rows that q8_gemv_kernel takes otherwise. From MT_CUDA_Q8_GEMV=0, for measuring one
-  // against the other.
+  // matmul_q8 dequantizes the weights and calls cuBLASLt for every x, including decode's up to 8
+  // rows that q8_gemv_kernel takes otherwise. From MT_CUDA_Q8_GEMV=0, for measuring one against
+  // the other.
   bool q8_dequant_always = false;
 };
 

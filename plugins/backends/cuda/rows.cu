@@ -368,35 +368,55 @@ __global__ void __launch_bounds__(kQ8Cols)
   o.set(r * k + j, __fmul_rn(static_cast<float>(row[j]), scale));
 }
 // Decode's matrix-vector products on int8 rows: y[m, n] = sum_k x[m, k] q[n, k] scale[n, k / 32]
-// for MR (1 or 2) rows of x (f32, or bf16 when XBf16). A warp per weight row n (8 a block): each
-// lane takes 16 consecutive int8 values (one 16-byte load when rows are 16-byte aligned, Vec16;
-// else four 4-byte loads), every 512th from its own, so the warp reads its row once, coalesced,
-// and the matching 16 values of x in 16-byte loads (x, a few KB read by every warp, comes
-// through the L1 cache). A lane sums its 16 products, times their block's scale, into f32; the
-// warp's partial sums are combined by shuffles. Reads 1 byte a weight against bf16's 2.
-constexpr int kGemvWarps = 8;
+// for the `rows` (at most MR: 1, 2, 4 or 8) rows of x (f32, or bf16 when XBf16). A warp per NR
+// weight rows (W warps a block): each lane takes 16 consecutive int8 values of each (one 16-byte
+// load when rows are 16-byte aligned, Vec16; else four 4-byte loads), every 512th from its own,
+// so the warp reads its rows once, coalesced, and the matching 16 values of each row of x in
+// 16-byte loads (x, a few KB read by every warp, comes through the L1 cache: NR > 1 shares each
+// load among NR weight rows, since at 8 rows of x the L1 cache's bandwidth bounds the kernel). A
+// lane sums its 16 products, times their block's scale, into f32; the warp's partial sums are
+// combined by shuffles. Reads 1 byte a weight against bf16's 2. NR = 4 pays for an f32 x only
+// (H100, llama-bench-1b batch-8 decode: f32 2,333 against 1,569 tokens/s with NR = 1; bf16
+// 2,440 against 2,932, where the fewer warps cost more than the L1 traffic saved).
+template <int MR, bool XBf16>
+struct GemvShape {
+  static constexpr int NR = MR >= 4 && !XBf16 ? 4 : 1;  // weight rows a warp
+  static constexpr int W = NR == 4 ? 4 : 8;             // warps a block
+};
 template <int MR, bool Vec16, bool XBf16>
-__global__ void __launch_bounds__(kGemvWarps * 32)
-    q8_gemv_kernel(const void* xp, const int8_t* q, int64_t N, int64_t K, int64_t rb, Out y) {
+__global__ void __launch_bounds__((GemvShape<MR, XBf16>::W * 32))
+    q8_gemv_kernel(const void* xp, int rows, const int8_t* q, int64_t N, int64_t K, int64_t rb,
+                   Out y) {
+  constexpr int NR = GemvShape<MR, XBf16>::NR, W = GemvShape<MR, XBf16>::W;
   const int lane = threadIdx.x & 31;
-  const int64_t n = static_cast<int64_t>(blockIdx.x) * kGemvWarps + (threadIdx.x >> 5);
-  if (n >= N) return;  // whole warps return together
-  const int8_t* row = q + n * rb;
-  const float* scales = reinterpret_cast<const float*>(row + K);  // rb and q: 4-byte aligned
-  float acc[MR] = {};
-#pragma unroll 4
-  for (int64_t k0 = lane * 16; k0 < K; k0 += 512) {
-    uint32_t raw[4];
-    if constexpr (Vec16) {
-      const uint4 v = *reinterpret_cast<const uint4*>(row + k0);
-      raw[0] = v.x, raw[1] = v.y, raw[2] = v.z, raw[3] = v.w;
-    } else {
+  const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * W + (threadIdx.x >> 5)) * NR;
+  if (n0 >= N) return;  // whole warps return together
+  const int8_t* row[NR];
 #pragma unroll
-      for (int t = 0; t < 4; ++t) raw[t] = *reinterpret_cast<const uint32_t*>(row + k0 + 4 * t);
+  for (int r = 0; r < NR; ++r) row[r] = q + (n0 + r < N ? n0 + r : n0) * rb;  // past N: reread n0
+  float acc[NR][MR] = {};
+  [[maybe_unused]] constexpr int kUnroll =
+      NR == 1 ? 4 : 2;  // loads in flight a lane: 4 x NR 16-byte chunks
+#pragma unroll kUnroll
+  for (int64_t k0 = lane * 16; k0 < K; k0 += 512) {
+    uint32_t raw[NR][4];
+    float scale[NR];
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      if constexpr (Vec16) {
+        const uint4 v = *reinterpret_cast<const uint4*>(row[r] + k0);
+        raw[r][0] = v.x, raw[r][1] = v.y, raw[r][2] = v.z, raw[r][3] = v.w;
+      } else {
+#pragma unroll
+        for (int t = 0; t < 4; ++t)
+          raw[r][t] = *reinterpret_cast<const uint32_t*>(row[r] + k0 + 4 * t);
+      }
+      // rb and q are 4-byte aligned, so are the scales after each row's K values
+      scale[r] = reinterpret_cast<const float*>(row[r] + K)[k0 / kQ8Block];
     }
-    const float scale = scales[k0 / kQ8Block];
 #pragma unroll
     for (int m = 0; m < MR; ++m) {
+      if (m >= rows) break;  // the same for every lane
       float xv[16];
       if constexpr (XBf16) {
         const uint4* xs =
@@ -418,28 +438,35 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
           xv[4 * t + 2] = __uint_as_float(f.z), xv[4 * t + 3] = __uint_as_float(f.w);
         }
       }
-      float part = 0.f;
 #pragma unroll
-      for (int t = 0; t < 16; ++t) {
-        const auto w8 = static_cast<int8_t>(raw[t / 4] >> (8 * (t % 4)));
-        part = fmaf(static_cast<float>(w8), xv[t], part);
+      for (int r = 0; r < NR; ++r) {
+        float part = 0.f;
+#pragma unroll
+        for (int t = 0; t < 16; ++t) {
+          const auto w8 = static_cast<int8_t>(raw[r][t / 4] >> (8 * (t % 4)));
+          part = fmaf(static_cast<float>(w8), xv[t], part);
+        }
+        acc[r][m] = fmaf(part, scale[r], acc[r][m]);
       }
-      acc[m] = fmaf(part, scale, acc[m]);
     }
   }
 #pragma unroll
-  for (int m = 0; m < MR; ++m) {
-    float v = acc[m];
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (lane == 0) y.set(m * N + n, v);
+  for (int r = 0; r < NR; ++r) {
+#pragma unroll
+    for (int m = 0; m < MR; ++m) {
+      if (m >= rows) break;
+      float v = acc[r][m];
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (lane == 0 && n0 + r < N) y.set(m * N + n0 + r, v);
+    }
   }
 }
 }  // namespace
 
-// One or two rows of x (decode, batch 1 or 2): q8_gemv_kernel on the int8 rows in place. More:
+// Up to 8 rows of x (decode's batches): q8_gemv_kernel on the int8 rows in place. More:
 // the rows dequantized into a device temporary in x's dtype (bf16 x: the weights rounded to bf16,
-// as the CPU's int8 products do), then a cuBLASLt matmul against it: 5 bytes moved per weight
-// against bf16's 2, so a batch-8 decode step with int8 weights runs below bf16's.
+// as the CPU's int8 products do), then a cuBLASLt matmul against it (5 bytes moved per weight
+// against bf16's 2, which a prefill's product amortises).
 void matmul_q8(const Ctx& c, const Tensor& x, const Tensor& w, Tensor& y) {
   auto shapes = [&] { return "x " + str(x) + ", w " + str(w) + ", y " + str(y); };
   const int64_t k = is_fb(x) && x.ndim() >= 1 ? last_dim(x) : 0;
@@ -453,24 +480,34 @@ void matmul_q8(const Ctx& c, const Tensor& x, const Tensor& w, Tensor& y) {
   if (m == 0 || n == 0) return;
   const auto* wp = w.ptr<const int8_t>();
   const auto addr = [](const void* p) { return reinterpret_cast<uintptr_t>(p); };
-  if (m <= 2 && !c.q8_dequant_always && addr(x.data()) % 16 == 0 && addr(wp) % 4 == 0) {
+  if (m <= 8 && !c.q8_dequant_always && addr(x.data()) % 16 == 0 && addr(wp) % 4 == 0) {
     // decode: the int8 rows read once, in place
     const int64_t rb = w.dim(1);
     const bool vec = rb % 16 == 0 && addr(wp) % 16 == 0, xbf = x.dtype() == DType::bf16;
-    const auto grid = static_cast<unsigned>((n + kGemvWarps - 1) / kGemvWarps);
-    const auto run = [&](auto kernel) {
-      MT_LAUNCH(kernel, grid, kGemvWarps * 32, 0, c.stream)(x.data(), wp, n, k, rb, out(y));
+    const auto run = [&](auto kernel, auto rows, auto x_bf16) {
+      using G = GemvShape<decltype(rows)::value, decltype(x_bf16)::value>;
+      const int64_t per_block = static_cast<int64_t>(G::W) * G::NR;
+      const auto grid = static_cast<unsigned>((n + per_block - 1) / per_block);
+      MT_LAUNCH(kernel, grid, G::W * 32, 0, c.stream)
+      (x.data(), static_cast<int>(m), wp, n, k, rb, out(y));
     };
     const auto with_x = [&](auto rows, auto v16) {
       constexpr int R = decltype(rows)::value;
       constexpr bool V = decltype(v16)::value;
-      xbf ? run(q8_gemv_kernel<R, V, true>) : run(q8_gemv_kernel<R, V, false>);
+      xbf ? run(q8_gemv_kernel<R, V, true>, rows, std::true_type{})
+          : run(q8_gemv_kernel<R, V, false>, rows, std::false_type{});
     };
     const auto with_vec = [&](auto rows) {
       vec ? with_x(rows, std::true_type{}) : with_x(rows, std::false_type{});
     };
-    m == 1 ? with_vec(std::integral_constant<int, 1>{})
-           : with_vec(std::integral_constant<int, 2>{});
+    if (m == 1)
+      with_vec(std::integral_constant<int, 1>{});
+    else if (m == 2)
+      with_vec(std::integral_constant<int, 2>{});
+    else if (m <= 4)
+      with_vec(std::integral_constant<int, 4>{});
+    else
+      with_vec(std::integral_constant<int, 8>{});
     launched("matmul_q8", shapes);
     return;
   }
