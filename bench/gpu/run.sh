@@ -330,9 +330,12 @@ train_case() {
 # amortises over a larger batch or accumulation; both sides run the same shapes.
 train_case llama2-7b-4L 150 llama2-7b 4 4096 2
 train_case llama-bench-1b 120 llama-bench-1b "" 2048 4
-# Decode (mt only: prefill 512 tokens, then batch 1 and 8), the ~1B model in f32 and bf16 weights.
+# Decode (mt only: prefill 512 tokens, then batch 1 and 8), the ~1B model in f32 and bf16 weights,
+# then with int8 weights and an int8 KV cache (quantization=int8 quantize_kvcache=true).
 if ((built)); then
   bench mt decode 60 "${mtc[@]}" bench decode backend=cuda --model=llama-bench-1b
+  bench mt decode-int8 60 "${mtc[@]}" bench decode backend=cuda --model=llama-bench-1b \
+    quantization=int8 quantize_kvcache=true
 fi
 # Where a step's time goes: the 4-layer 7b again with profile=true (a synchronisation after every
 # op, so slower than the timed run above), 3 steps; the per-op table of steps 2..3 goes to

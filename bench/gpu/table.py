@@ -182,7 +182,10 @@ def main():
             note = (f"batch 1 reads {fmt(bw / 1e9 if bw else None, 0)} GB/s of weights; "
                     f"batch 8 {fmt(d.get('decode_batch8_tokens_per_sec'), 1)} tok/s; "
                     f"prefill 512: {fmt(d.get('prefill_512_tokens_per_sec'), 0)} tok/s")
-            rows.append(("decode batch 1 tokens/s", f"{d.get('model')} {d.get('dtype')}",
+            quant = " int8 weights" if d.get("quantization") == "int8" else ""
+            if d.get("kv_cache", "").startswith("int8"):
+                quant += ", int8 cache"
+            rows.append(("decode batch 1 tokens/s", f"{d.get('model')} {d.get('dtype')}{quant}",
                          fmt(d.get("decode_batch1_tokens_per_sec"), 1), "", "", "-", "", note))
 
     out = ["## mt vs PyTorch on the GPU (bench/gpu/run.sh)", ""]
