@@ -120,7 +120,16 @@ void MetaBackend::matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans
 }
 
 void MetaBackend::matmul_q8(const Tensor& x, const Tensor& w, Tensor& y) {
-  if (!device_.f32_working_copies || x.ndim() < 1 || w.ndim() != 2) return;
+  if (x.ndim() < 1 || w.ndim() != 2) return;
+  if (!device_.f32_working_copies) {
+    // As the CUDA backend's: up to 8 rows of x read the int8 rows in place; more (a prefill)
+    // multiply the weights dequantized into a temporary [N, K] of x's dtype.
+    const int64_t k = x.dim(-1), rows = k ? x.numel() / k : 0;
+    if (rows > 8) {
+      const Tensor wx = empty({w.dim(0), k}, x.dtype());  // held for the call
+    }
+    return;
+  }
   // As the CPU's int8 products: a prefill (more than 8 rows) multiplies the rows dequantized to
   // f32 (CPUs with AMX or AVX512_BF16 pack them as bf16 within the GEMM instead: half that) by
   // x as matmul does; decode's few rows are widened to f32 and the results made in f32.

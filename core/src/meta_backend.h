@@ -89,7 +89,7 @@ class MetaBackend final : public MetaOps {
   void reset_peak_memory() override { stats_.peak_bytes_in_use = stats_.bytes_in_use; }
 
   // With DeviceProfile::f32_working_copies, the f32 scratch the CPU's GEMM holds during a call
-  // with bf16 operands.
+  // with bf16 operands; matmul_q8 also the temporaries of the GPU's int8 products.
   void matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool trans_b,
               float alpha = 1.f, float beta = 0.f) override;
   void matmul_q8(const Tensor& x, const Tensor& w, Tensor& y) override;

@@ -14,9 +14,11 @@
 #include "config_loader.h"
 #include "decoder.h"
 #include "memory_plan.h"
+#include "meta_backend.h"
 #include "model_runner.h"
 #include "mt/data.h"
 #include "mt/error.h"
+#include "mt/q8.h"
 #include "test_support.h"
 #include "trainer.h"
 
@@ -176,6 +178,30 @@ TEST(MemoryPlan, DecodePeakMatchesTheMeasuredPeak) {
 
 // The parts follow their definitions: f32 weights are 4 bytes a parameter, gradients f32 too,
 // and mu_dtype=bfloat16 makes AdamW's state 6 bytes a parameter instead of 8.
+// The GPU's int8 products as the plan's meta backend traces them: up to 8 rows of x (decode)
+// read the int8 rows in place, more (a prefill) hold the weights dequantized into x's dtype for
+// the call, as the CUDA backend's matmul_q8 does (a 7b's LM head: 262 MB in bf16).
+TEST(MemoryPlan, GpuInt8ProductsHoldTheirDequantizedWeights) {
+  const DeviceProfile h100 = *named_device("h100-80gb", false);
+  MetaBackend meta(h100);
+  const int64_t n = 1000, k = 512;
+  const Tensor w = meta.empty({n, q8_row_bytes(k)}, DType::i8);
+  for (DType dt : {DType::bf16, DType::f32})
+    for (int64_t rows : {1, 8, 9, 512}) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + " rows " + std::to_string(rows));
+      const Tensor x = meta.empty({rows, k}, dt);
+      Tensor y = meta.empty({rows, n}, dt);
+      const size_t before = meta.memory_stats().bytes_in_use;
+      meta.reset_peak_memory();
+      meta.matmul_q8(x, w, y);
+      const size_t held = meta.memory_stats().peak_bytes_in_use - before;
+      EXPECT_EQ(held, rows > 8
+                          ? planned_block_size(h100, static_cast<size_t>(n * k) * dtype_size(dt))
+                          : 0u);
+      EXPECT_EQ(meta.memory_stats().bytes_in_use, before);
+    }
+}
+
 TEST(MemoryPlan, PartsFollowTheDtypes) {
   const Config f32 = config_for("llama-test", {});
   const Config lean = config_for("llama-test", {"mu_dtype=bfloat16"});
