@@ -121,26 +121,27 @@ void MetaBackend::matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans
 
 void MetaBackend::matmul_q8(const Tensor& x, const Tensor& w, Tensor& y) {
   if (x.ndim() < 1 || w.ndim() != 2) return;
+  const int64_t k = x.dim(-1), rows = k ? x.numel() / k : 0;
+  // Both backends take up to 8 rows of x (decode) from the int8 rows in place.
+  const bool prefill = rows > 8;
   if (!device_.f32_working_copies) {
-    // As the CUDA backend's: up to 8 rows of x read the int8 rows in place; more (a prefill)
-    // multiply the weights dequantized into a temporary [N, K] of x's dtype.
-    const int64_t k = x.dim(-1), rows = k ? x.numel() / k : 0;
-    if (rows > 8) {
+    // As the CUDA backend's: a prefill multiplies the weights dequantized into a temporary
+    // [N, K] of x's dtype.
+    if (prefill) {
       const Tensor wx = empty({w.dim(0), k}, x.dtype());  // held for the call
     }
     return;
   }
-  // As the CPU's int8 products: a prefill (more than 8 rows) multiplies the rows dequantized to
-  // f32 (CPUs with AMX or AVX512_BF16 pack them as bf16 within the GEMM instead: half that) by
-  // x as matmul does; decode's few rows are widened to f32 and the results made in f32.
-  const int64_t k = x.dim(-1), rows = k ? x.numel() / k : 0;
-  std::vector<Tensor> held;
-  if (rows > 8) {
+  // As the CPU's int8 products: a prefill multiplies the rows dequantized to f32 (CPUs with AMX
+  // or AVX512_BF16 pack them as bf16 within the GEMM instead: half that) by x as matmul does;
+  // decode's few rows are widened to f32 and the results made in f32.
+  if (prefill) {
     const Tensor wf = empty({w.dim(0), k}, DType::f32);
     Tensor y2 = y.view({rows, w.dim(0)});
     matmul(x.view({rows, k}), wf, y2, false, true);
     return;
   }
+  std::vector<Tensor> held;
   if (x.dtype() != DType::f32) held.push_back(empty(x.shape(), DType::f32));
   if (y.dtype() != DType::f32) held.push_back(empty(y.shape(), DType::f32));
 }

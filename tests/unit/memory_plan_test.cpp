@@ -176,8 +176,6 @@ TEST(MemoryPlan, DecodePeakMatchesTheMeasuredPeak) {
     }
 }
 
-// The parts follow their definitions: f32 weights are 4 bytes a parameter, gradients f32 too,
-// and mu_dtype=bfloat16 makes AdamW's state 6 bytes a parameter instead of 8.
 // The GPU's int8 products as the plan's meta backend traces them: up to 8 rows of x (decode)
 // read the int8 rows in place, more (a prefill) hold the weights dequantized into x's dtype for
 // the call, as the CUDA backend's matmul_q8 does (a 7b's LM head: 262 MB in bf16).
@@ -202,6 +200,8 @@ TEST(MemoryPlan, GpuInt8ProductsHoldTheirDequantizedWeights) {
     }
 }
 
+// The parts follow their definitions: f32 weights are 4 bytes a parameter, gradients f32 too,
+// and mu_dtype=bfloat16 makes AdamW's state 6 bytes a parameter instead of 8.
 TEST(MemoryPlan, PartsFollowTheDtypes) {
   const Config f32 = config_for("llama-test", {});
   const Config lean = config_for("llama-test", {"mu_dtype=bfloat16"});
