@@ -92,6 +92,37 @@ BENCHMARK_CAPTURE(BM_Attention, dot_product, std::string("dot_product"))
     ->UseRealTime()
     ->MeasureProcessCPUTime();
 
+// Forward only (a prefill's attention): flash, causal, B = 1, H = 12, D = 64 or 128, T = 512
+// (mt bench decode's prompt) or 2048. GFLOP/s counts QK^T and PV of an exact causal kernel.
+void BM_Forward(benchmark::State& state) {
+  const int64_t B = 1, H = 12, T = state.range(0), D = state.range(1);
+  Env& e = env();
+  mt::Backend& b = *e.backend;
+  auto att = e.pm.make_attention("cpu", "flash", b);
+  std::mt19937_64 rng(4321);
+  const mt::Shape shape{B, T, H, D};
+  mt::Tensor q = tensor(b, shape, rng, 1.f), k = tensor(b, shape, rng, 1.f),
+             v = tensor(b, shape, rng, 1.f);
+  mt::Tensor out = b.empty(shape, mt::DType::f32), lse = b.empty({B, H, T}, mt::DType::f32);
+  mt::AttentionSpec spec;
+  spec.causal = true;
+  for (auto _ : state) {
+    att->forward(q, k, v, {}, {}, spec, out, lse);
+    b.synchronize();
+    benchmark::DoNotOptimize(out.data());
+  }
+  const double flops = 2.0 * 2.0 * double(T) * double(T) * double(D) * double(H) / 2.0 * double(B);
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(BM_Forward)
+    ->Args({512, 64})
+    ->Args({512, 128})
+    ->Args({2048, 64})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime()
+    ->MeasureProcessCPUTime();
+
 // Decode: one new token per sequence against a KV cache of `length` rows, B = 8, Hq = 12,
 // Hkv = 4 (GQA), D = 64, the cache f32 or (bf16:1) bf16. Memory-bound: bytes/s counts the cache
 // rows read.

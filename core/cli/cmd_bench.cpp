@@ -280,7 +280,12 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
     std::fprintf(stderr, "mt bench decode: %s %s, batch 8, time per op:\n%s", model.c_str(),
                  dtype.c_str(), r.profiler()->report().c_str());
   if (r.rows_layout_pays(1)) r.transpose_projections();
+  if (r.profiler()) const_cast<ProfilingBackend*>(r.profiler())->reset();
   const double prefill_tps = measure_prefill();
+  if (r.profiler())
+    std::fprintf(stderr,
+                 "mt bench decode: %s %s, prefill of 512 tokens (4 prompts), time per op:\n%s",
+                 model.c_str(), dtype.c_str(), r.profiler()->report().c_str());
   double bw = 0;
   if (r.profiler()) const_cast<ProfilingBackend*>(r.profiler())->reset();
   const double b1 = decode(1, &bw);
