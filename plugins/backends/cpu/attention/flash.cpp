@@ -149,6 +149,30 @@ void abt_direct_generic(const float* a, int64_t lda, int64_t nr, const float* ro
     }
 }
 
+// bt[d * kBK + c] = rows[c * ld + d] for rows [c0, c1) and columns [d0, d1): the part of a
+// transpose that the vector kernels leave (ragged edges), and the whole of the generic one.
+// Rows are read in order (a key tile's rows lie ld floats apart, often a multiple of 4 KiB,
+// so reading down a column would map every row onto the same few L1 sets).
+void transpose_part(const float* rows, int64_t ld, int64_t c0, int64_t c1, int64_t d0, int64_t d1,
+                    float* bt) {
+  for (int64_t c = c0; c < c1; ++c) {
+    const float* src = rows + c * ld;
+    for (int64_t d = d0; d < d1; ++d) bt[d * kBK + c] = src[d];
+  }
+}
+
+// Columns n..kBK of bt [D, kBK] zero (a key block shorter than kBK).
+void zero_tail(float* bt, int64_t n, int64_t D) {
+  if (n < kBK)
+    for (int64_t d = 0; d < D; ++d) std::fill(bt + d * kBK + n, bt + (d + 1) * kBK, 0.f);
+}
+
+// bt [D, kBK] = rows [n, D] (row stride ld) transposed, columns n..kBK zero.
+void transpose_generic(const float* rows, int64_t ld, int64_t n, int64_t D, float* bt) {
+  transpose_part(rows, ld, 0, n, 0, D, bt);
+  zero_tail(bt, n, D);
+}
+
 #if MT_FLASH_X86
 // ---- AVX-512 microkernels (same contracts as the generic ones above) ----------------------
 
@@ -180,6 +204,47 @@ MT_AVX512 void abt_avx512(const float* a, int64_t lda, int64_t nr, const float* 
   int64_t r = 0;
   for (; r + 4 <= nr; r += 4) abt_rows_avx512<4>(a + r * lda, lda, bt, D, out + r * kBK);
   for (; r < nr; ++r) abt_rows_avx512<1>(a + r * lda, lda, bt, D, out + r * kBK);
+}
+
+// transpose_generic's contract, 16 x 16 blocks transposed in registers (unpack, then two rounds
+// of 128-bit lane shuffles); the ragged edges go through transpose_part. The unpacks take the
+// masked forms with all lanes set (GCC bug 105593, as the kernels below).
+MT_AVX512 void transpose_avx512(const float* rows, int64_t ld, int64_t n, int64_t D, float* bt) {
+  const int64_t n16 = n & ~int64_t{15}, d16 = D & ~int64_t{15};
+  for (int64_t c0 = 0; c0 < n16; c0 += 16)
+    for (int64_t d0 = 0; d0 < d16; d0 += 16) {
+      __m512 r[16], t[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(rows + (c0 + i) * ld + d0);
+      // t[2i], t[2i + 1]: rows 2i and 2i + 1 interleaved (columns 0, 1 | 2, 3 of each lane).
+      for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_mask_unpacklo_ps(r[2 * i], 0xFFFF, r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_mask_unpackhi_ps(r[2 * i], 0xFFFF, r[2 * i], r[2 * i + 1]);
+      }
+      // r[4q + j]: rows 4q..4q+3 of columns j, 4 + j, 8 + j, 12 + j (one a 128-bit lane).
+      for (int q = 0; q < 4; ++q) {
+        const __m512d a = _mm512_castps_pd(t[4 * q]), b = _mm512_castps_pd(t[4 * q + 1]),
+                      c = _mm512_castps_pd(t[4 * q + 2]), d = _mm512_castps_pd(t[4 * q + 3]);
+        r[4 * q + 0] = _mm512_castpd_ps(_mm512_mask_unpacklo_pd(a, 0xFF, a, c));
+        r[4 * q + 1] = _mm512_castpd_ps(_mm512_mask_unpackhi_pd(a, 0xFF, a, c));
+        r[4 * q + 2] = _mm512_castpd_ps(_mm512_mask_unpacklo_pd(b, 0xFF, b, d));
+        r[4 * q + 3] = _mm512_castpd_ps(_mm512_mask_unpackhi_pd(b, 0xFF, b, d));
+      }
+      for (int j = 0; j < 4; ++j) {
+        // Lanes 0 and 2 (columns j, 8 + j), then 1 and 3 (4 + j, 12 + j), of rows 0-7 and 8-15.
+        const __m512 lo02 = _mm512_mask_shuffle_f32x4(r[j], 0xFFFF, r[j], r[4 + j], 0x88),
+                     lo13 = _mm512_mask_shuffle_f32x4(r[j], 0xFFFF, r[j], r[4 + j], 0xdd),
+                     hi02 = _mm512_mask_shuffle_f32x4(r[8 + j], 0xFFFF, r[8 + j], r[12 + j], 0x88),
+                     hi13 = _mm512_mask_shuffle_f32x4(r[8 + j], 0xFFFF, r[8 + j], r[12 + j], 0xdd);
+        float* col = bt + (d0 + j) * kBK + c0;
+        _mm512_storeu_ps(col, _mm512_mask_shuffle_f32x4(lo02, 0xFFFF, lo02, hi02, 0x88));
+        _mm512_storeu_ps(col + 8 * kBK, _mm512_mask_shuffle_f32x4(lo02, 0xFFFF, lo02, hi02, 0xdd));
+        _mm512_storeu_ps(col + 4 * kBK, _mm512_mask_shuffle_f32x4(lo13, 0xFFFF, lo13, hi13, 0x88));
+        _mm512_storeu_ps(col + 12 * kBK, _mm512_mask_shuffle_f32x4(lo13, 0xFFFF, lo13, hi13, 0xdd));
+      }
+    }
+  transpose_part(rows, ld, 0, n16, d16, D, bt);
+  transpose_part(rows, ld, n16, n, 0, D, bt);
+  zero_tail(bt, n, D);
 }
 
 // The exp and max kernels below use the masked forms of max, min, roundscale, cvtps and slli with
@@ -264,11 +329,8 @@ MT_AVX512 MT_ALWAYS_INLINE __m512 exp_avx512(__m512 v) {
   y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
   y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
   y = _mm512_fmadd_ps(_mm512_mul_ps(y, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  const __m512i zero = _mm512_setzero_si512();
-  const __m512i e = _mm512_mask_slli_epi32(
-      zero, kAll, _mm512_add_epi32(_mm512_mask_cvtps_epi32(zero, kAll, fn), _mm512_set1_epi32(127)),
-      23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+  // y * 2^fn: exact, as the scalar form's product with 2^n (the result is normal for v >= -87).
+  return _mm512_mask_scalef_ps(y, kAll, y, fn);
 }
 
 MT_AVX512 float exp_sub_avx512(float* x, int64_t n, float sub) {
@@ -397,6 +459,35 @@ template <int NR>
 MT_AVX2 MT_ALWAYS_INLINE void abt_rows_avx2(const float* a, int64_t lda, const float* bt, int64_t D,
                                             float* out) {
   for (int64_t c0 = 0; c0 < kBK; c0 += 16) abt_strip_avx2<NR>(a, lda, bt, D, out, c0);
+}
+
+// transpose_generic's contract, 8 x 8 blocks transposed in registers.
+MT_AVX2 void transpose_avx2(const float* rows, int64_t ld, int64_t n, int64_t D, float* bt) {
+  const int64_t n8 = n & ~int64_t{7}, d8 = D & ~int64_t{7};
+  for (int64_t c0 = 0; c0 < n8; c0 += 8)
+    for (int64_t d0 = 0; d0 < d8; d0 += 8) {
+      __m256 r[8], t[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows + (c0 + i) * ld + d0);
+      for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+      }
+      // r[4h + j]: rows 4h..4h+3 of columns j (low lane) and 4 + j (high lane).
+      for (int h = 0; h < 2; ++h) {
+        r[4 * h + 0] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], _MM_SHUFFLE(3, 2, 3, 2));
+      }
+      for (int j = 0; j < 4; ++j) {
+        float* col = bt + (d0 + j) * kBK + c0;
+        _mm256_storeu_ps(col, _mm256_permute2f128_ps(r[j], r[4 + j], 0x20));
+        _mm256_storeu_ps(col + 4 * kBK, _mm256_permute2f128_ps(r[j], r[4 + j], 0x31));
+      }
+    }
+  transpose_part(rows, ld, 0, n8, d8, D, bt);
+  transpose_part(rows, ld, n8, n, 0, D, bt);
+  zero_tail(bt, n, D);
 }
 
 MT_AVX2 void abt_avx2(const float* a, int64_t lda, int64_t nr, const float* bt, int64_t D,
@@ -544,20 +635,21 @@ struct Kernels {
   float (*exp_sub)(float*, int64_t, float);
   float (*max)(const float*, int64_t);
   void (*softcap)(float*, int64_t, float, float*);
+  void (*transpose)(const float*, int64_t, int64_t, int64_t, float*);
 };
 
 // The best set this CPU runs: AVX-512, else AVX2 + FMA, else the portable loops.
 // MT_FLASH_KERNELS=generic|avx2|avx512 forces one (the tests run every set the CPU has); a set
 // the CPU lacks, or another value, is refused.
 const Kernels& kernels() {
-  static const Kernels generic{abt_generic,     abt_direct_generic, acc_generic,
-                               exp_sub_generic, max_generic,        softcap_generic};
+  static const Kernels generic{abt_generic, abt_direct_generic, acc_generic,      exp_sub_generic,
+                               max_generic, softcap_generic,    transpose_generic};
 #if MT_FLASH_X86
-  static const Kernels avx512{abt_avx512,     abt_direct_avx512, acc_avx512,
-                              exp_sub_avx512, max_avx512,        softcap_avx512};
+  static const Kernels avx512{abt_avx512, abt_direct_avx512, acc_avx512,      exp_sub_avx512,
+                              max_avx512, softcap_avx512,    transpose_avx512};
   // softcap keeps the portable loop (std::tanh); only Gemma-style models use it.
-  static const Kernels avx2{abt_avx2,     abt_direct_avx2, acc_avx2,
-                            exp_sub_avx2, max_avx2,        softcap_generic};
+  static const Kernels avx2{abt_avx2, abt_direct_avx2, acc_avx2,      exp_sub_avx2,
+                            max_avx2, softcap_generic, transpose_avx2};
   static const bool has_avx512 = __builtin_cpu_supports("avx512f");
   static const bool has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #else
@@ -581,15 +673,6 @@ const Kernels& kernels() {
          ": want generic, avx2 or avx512, one this CPU supports (AVX-512: " +
          (has_avx512 ? "yes" : "no") + ", AVX2+FMA: " + (has_avx2 ? "yes" : "no") + ")");
   return *chosen;
-}
-
-// bt [D, kBK] = rows [n, D] (row stride ld) transposed, columns n..kBK zero.
-void transpose_tile(const float* rows, int64_t ld, int64_t n, int64_t D, float* bt) {
-  for (int64_t d = 0; d < D; ++d) {
-    float* dst = bt + d * kBK;
-    for (int64_t c = 0; c < n; ++c) dst[c] = rows[c * ld + d];
-    std::fill(dst + n, dst + kBK, 0.f);
-  }
 }
 
 // ---- f32 views of f32 or bf16 tensors -----------------------------------------------------
@@ -732,14 +815,17 @@ MT_CLONES void forward_block(const Kernels& kn, const Params& p, const HeadFwd& 
     if (nr < kDirectRows) {
       kn.abt_direct(w.qs, D, nr, kb, ldk, nk, D, w.s);
     } else {
-      transpose_tile(kb, ldk, nk, D, w.kt);
+      kn.transpose(kb, ldk, nk, D, w.kt);
       kn.abt(w.qs, D, nr, w.kt, D, w.s);
     }
     for (int64_t r = 0; r < nr; ++r) {
       float* row = w.s + r * kBK;
       const int64_t i = i0 + r * h.step, pos = i + h.offset;
       if (p.cap > 0.f) kn.softcap(row, nk, p.cap, nullptr);
-      if (!full) {
+      if (!full && p.window == 0 && !h.q_seg) {
+        // Causal only: the keys after the query's position, a tail of the row.
+        std::fill(row + std::clamp<int64_t>(pos - j0 + 1, 0, nk), row + nk, kNegInf);
+      } else if (!full) {
         for (int64_t c = 0; c < nk; ++c) {
           const int64_t j = j0 + c;
           if ((p.causal && j > pos) || (p.window > 0 && pos - j >= p.window) ||
@@ -1038,8 +1124,8 @@ class FlashAttention final : public AttentionKernel {
       if (ilo >= ihi) continue;
       int32_t ks_lo = 0, ks_hi = 0;
       if (q_seg) min_max(kv_seg + j0, nk, ks_lo, ks_hi);
-      transpose_tile(kh + j0 * ldkv, ldkv, nk, D, w.kt);
-      transpose_tile(vh + j0 * ldkv, ldkv, nk, D, w.vt);
+      kn.transpose(kh + j0 * ldkv, ldkv, nk, D, w.kt);
+      kn.transpose(vh + j0 * ldkv, ldkv, nk, D, w.vt);
       std::fill(w.dk, w.dk + kBK * D, 0.f);
       std::fill(w.dv, w.dv + kBK * D, 0.f);
       bool any = false;
