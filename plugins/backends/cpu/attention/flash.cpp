@@ -577,16 +577,29 @@ MT_AVX2 MT_ALWAYS_INLINE float hsum_avx2(__m256 v) {
   return _mm_cvtss_f32(x);
 }
 
+// exp of v's lanes that `keep` passes (v clamped to [-87, 88] first), else 0.
+MT_AVX2 MT_ALWAYS_INLINE __m256 exp_kept_avx2(__m256 v, __m256 keep) {
+  const __m256 lo = _mm256_set1_ps(-87.f), hi = _mm256_set1_ps(88.f);
+  // Lanes below -87 (exp(-inf) included) give exactly 0.
+  keep = _mm256_and_ps(_mm256_cmp_ps(v, lo, _CMP_GE_OQ), keep);
+  return _mm256_and_ps(exp_avx2(_mm256_min_ps(_mm256_max_ps(v, lo), hi)), keep);
+}
+
+// Whole vectors by plain loads and stores (vmaskmovps stores are slow on AMD's cores); the
+// tail of n by masks.
 MT_AVX2 float exp_sub_avx2(float* x, int64_t n, float sub) {
-  const __m256 vsub = _mm256_set1_ps(sub), lo = _mm256_set1_ps(-87.f), hi = _mm256_set1_ps(88.f);
+  const __m256 vsub = _mm256_set1_ps(sub), all = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
   __m256 sum = _mm256_setzero_ps();
-  for (int64_t c = 0; c < n; c += 8) {
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {
+    const __m256 res = exp_kept_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + c), vsub), all);
+    _mm256_storeu_ps(x + c, res);
+    sum = _mm256_add_ps(sum, res);
+  }
+  if (c < n) {
     const __m256i m = tail_mask8(n - c);
-    __m256 v = _mm256_sub_ps(_mm256_maskload_ps(x + c, m), vsub);
-    // Lanes below -87 (exp(-inf) included) and lanes past n give exactly 0.
-    const __m256 keep = _mm256_and_ps(_mm256_cmp_ps(v, lo, _CMP_GE_OQ), _mm256_castsi256_ps(m));
-    v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
-    const __m256 res = _mm256_and_ps(exp_avx2(v), keep);
+    const __m256 res =
+        exp_kept_avx2(_mm256_sub_ps(_mm256_maskload_ps(x + c, m), vsub), _mm256_castsi256_ps(m));
     _mm256_maskstore_ps(x + c, m, res);
     sum = _mm256_add_ps(sum, res);
   }
@@ -596,7 +609,9 @@ MT_AVX2 float exp_sub_avx2(float* x, int64_t n, float sub) {
 MT_AVX2 float max_avx2(const float* x, int64_t n) {
   const __m256 ninf = _mm256_set1_ps(kNegInf);
   __m256 m = ninf;
-  for (int64_t c = 0; c < n; c += 8) {
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + c));
+  if (c < n) {
     const __m256i k = tail_mask8(n - c);
     m = _mm256_max_ps(m,
                       _mm256_blendv_ps(ninf, _mm256_maskload_ps(x + c, k), _mm256_castsi256_ps(k)));
