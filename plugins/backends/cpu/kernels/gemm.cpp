@@ -2,9 +2,8 @@
 //
 // Paths (measured on the 2-core AVX-512 Xeon this project targets; numbers in the report that
 // came with this file):
-// - f32: OpenBLAS's SGEMM with its SkylakeX kernels (Haswell's on AMD Zen 3/4, where they are
-//   faster: load_openblas), called single-threaded from oneTBB tasks that tile each GEMM (and
-//   the batch) over the backend's threads. oneDNN's f32 GEMMs measured slower
+// - f32: OpenBLAS's SGEMM with its SkylakeX kernels, called single-threaded from oneTBB tasks that
+//   tile each GEMM (and the batch) over the backend's threads. oneDNN's f32 GEMMs measured slower
 //   than OpenBLAS's SkylakeX kernels here, and would bring an OpenMP pool beside oneTBB.
 // - OpenBLAS is not linked: the plugin dlopen()s libopenblas.so.0 in gemm_setup. OpenBLAS reads
 //   OPENBLAS_CORETYPE in its library constructor, so loading it ourselves is the only way to pick
@@ -27,7 +26,6 @@
 // Determinism: the tiling depends only on the shapes and the arena's thread count, and each output
 // element is produced by one single-threaded call, so results are bitwise reproducible.
 #include <cblas.h>
-#include <cpuid.h>
 #include <dlfcn.h>
 #include <fmt/format.h>
 #include <immintrin.h>
@@ -65,19 +63,10 @@ struct Isa {
   bool avx512_bf16 = false;
   bool amx_bf16 = false;
   bool avx512_vnni = false;  // int8 dot products (vpdpbusd) at 256 bits (with VL)
-  // AMD family 19h (Zen 3 and Zen 4): 256-bit FMA pipes, a 512-bit operation issued as two
-  // halves, so AVX-512 brings no more FLOPs a cycle than AVX2.
-  bool amd_family_19h = false;
 
   static Isa detect() {
     __builtin_cpu_init();
     Isa isa;
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (__builtin_cpu_is("amd") && __get_cpuid(1, &eax, &ebx, &ecx, &edx)) {
-      const unsigned base = (eax >> 8) & 0xF;
-      const unsigned family = base == 0xF ? base + ((eax >> 20) & 0xFF) : base;
-      isa.amd_family_19h = family == 0x19;
-    }
     isa.avx2_fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     isa.avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                  __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
@@ -153,13 +142,8 @@ OpenBlas load_openblas() {
     if ((handle = dlopen(name, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD))) break;
   const char* user_coretype = std::getenv("OPENBLAS_CORETYPE");
   // Kernel family for this CPU when OpenBLAS's own detection is not trusted: SkylakeX needs
-  // AVX-512 F/BW/DQ/VL, Haswell AVX2+FMA. Only set before OpenBLAS's constructor runs. On AMD's
-  // Zen 4 (family 19h, 512-bit operations in two 256-bit halves) the Haswell kernels ran 3-6%
-  // faster than the SkylakeX ones at every f32 shape of llama-bench-m's prefill and training
-  // (2026-11-27, 2-core EPYC, mt bench gemm, three interleaved rounds), so they are taken there.
-  const char* ours = isa().avx512 && !isa().amd_family_19h ? "SkylakeX"
-                     : isa().avx2_fma                      ? "Haswell"
-                                                           : nullptr;
+  // AVX-512 F/BW/DQ/VL, Haswell AVX2+FMA. Only set before OpenBLAS's constructor runs.
+  const char* ours = isa().avx512 ? "SkylakeX" : isa().avx2_fma ? "Haswell" : nullptr;
   if (!handle) {
     // setenv is not thread-safe against concurrent getenv; this runs once, from the backend
     // factory, before any kernel thread exists.
