@@ -431,15 +431,22 @@ ParamSpec embedding_param(const std::string& name, int64_t vocab, int64_t d, flo
 Tensor lm_head(Graph& g, const Params& p, const Tensor& h, bool tied, const std::string& embedding,
                const std::string& head) {
   // Tied: logits = h @ embedding^T, the table shared with the input lookup.
-  return tied ? g.matmul(h, p[embedding], false, true) : g.project(h, p, head);
+  // Vocabulary-parallel (Graph::set_vocab_part): this rank's columns of the logits, from its
+  // rows of the table (or columns of the head); each rank's part of h's gradient is summed.
+  const Tensor x = g.vocab_parallel() ? g.tensor_parallel_input(h) : h;
+  return tied ? g.matmul(x, p[embedding], false, true) : g.project(x, p, head);
 }
 
 std::vector<ParamSpec> decoder_top_params(int64_t vocab, int64_t d, const NormSpec& norm, bool tied,
                                           float embedding_stddev) {
   if (embedding_stddev == 0.f) embedding_stddev = tied ? 1.f / std::sqrt(float(d)) : 1.f;
   std::vector<ParamSpec> r = {embedding_param("embedding", vocab, d, embedding_stddev, tied)};
+  r.back().axes = {"vocab", "embed"};
   for (auto& p : norm_params("final_norm", d, norm)) r.push_back(p);
-  if (!tied) r.push_back(projection_param("lm_head", d, vocab));
+  if (!tied) {
+    r.push_back(projection_param("lm_head", d, vocab));
+    r.back().axes = {"embed", "vocab"};
+  }
   return r;
 }
 

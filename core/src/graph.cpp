@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <limits>
 #include <optional>
 #include <string>
 #include <utility>
@@ -218,8 +220,75 @@ Tensor Graph::cast(const Tensor& x, DType dtype) {
   return out;
 }
 
+void Graph::set_vocab_part(const Tensor& table, int64_t first, int64_t vocab) {
+  MT_CHECK(table.defined() && table.ndim() == 2 && first >= 0 && first + table.dim(0) <= vocab,
+           "set_vocab_part: rows [" + std::to_string(first) + ", +" +
+               (table.defined() ? table.str() : std::string("nothing")) + ") of a vocabulary of " +
+               std::to_string(vocab));
+  impl_->vocab_table = table;
+  impl_->vocab_first = first;
+  impl_->vocab_total = vocab;
+}
+
+bool Graph::vocab_parallel() const {
+  return impl_->vocab_table.defined();
+}
+
+namespace {
+
+// i32 values on the backend (undefined when there are none).
+Tensor upload_i32(Backend& be, const std::vector<int32_t>& v) {
+  if (v.empty()) return Tensor();
+  Tensor t = be.empty({static_cast<int64_t>(v.size())}, DType::i32);
+  be.copy_from_host(t, v.data());
+  return t;
+}
+
+}  // namespace
+
 Tensor Graph::embedding(const Tensor& table, const Tensor& ids) {
   MT_CHECK(table.ndim() == 2, "embedding table must be [V, D], got " + table.str());
+  if (impl_->vocab_table.defined() && table.same_as(impl_->vocab_table)) {
+    // This rank's rows of the vocabulary: the tokens whose id it holds get their rows, the others
+    // zeros, and the group's sum is the whole lookup (x + 0 is exact).
+    const int64_t n = ids.numel(), rows = table.dim(0), d = table.dim(1);
+    std::vector<int32_t> at, local;  // those tokens, and their ids' rows here
+    if (groups_.tensor) {
+      std::vector<int32_t> host(static_cast<size_t>(n));
+      backend_->copy_to_host(ids.view({n}), host.data());
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t r = static_cast<int64_t>(host[static_cast<size_t>(i)]) - impl_->vocab_first;
+        if (r >= 0 && r < rows) {
+          at.push_back(static_cast<int32_t>(i));
+          local.push_back(static_cast<int32_t>(r));
+        }
+      }
+    } else {  // the memory plan's trace: the shapes of a rank holding every token's id
+      at.assign(static_cast<size_t>(n), 0);
+      local.assign(static_cast<size_t>(n), 0);
+    }
+    Shape s = ids.shape();
+    s.push_back(d);
+    Tensor part = backend_->zeros(s, table.dtype());
+    const Tensor at_t = upload_i32(*backend_, at), local_t = upload_i32(*backend_, local);
+    const auto m = static_cast<int64_t>(at.size());
+    if (m > 0) {
+      Tensor found = backend_->empty({m, d}, table.dtype());
+      backend_->embedding_forward(table, local_t, found);
+      Tensor rows2 = part.view({n, d});
+      backend_->scatter_rows(found, at_t, rows2);
+    }
+    Backend* be = backend_;
+    record(record_, impl_->tape, part, {&table},
+           [be, at_t, local_t, m, d](const Tensor& dout, const Grads& g) {
+             Tensor* dtable = g[0];  // (zeroed when fresh, even if no token is this rank's)
+             if (!dtable || m == 0) return;
+             Tensor rows = be->empty({m, d}, dout.dtype());
+             be->gather_rows(rows2d(dout), at_t, rows);
+             be->embedding_backward(rows, local_t, *dtable);
+           });
+    return tensor_parallel_sum(part);
+  }
   Shape s = ids.shape();
   s.push_back(table.dim(1));
   Tensor out = backend_->empty(s, table.dtype());
@@ -434,6 +503,7 @@ Tensor Graph::cross_entropy(const Tensor& logits, const Tensor& targets, float z
   MT_CHECK(logits.ndim() == 2 && targets.numel() == logits.dim(0),
            "cross_entropy needs logits [N, V] and targets [N]; got " + logits.str() + ", " +
                targets.str());
+  if (impl_->vocab_table.defined()) return vocab_cross_entropy(logits, targets, z_loss, weight);
   const int64_t n = logits.dim(0);
   Tensor loss = backend_->empty({n}, DType::f32);
   Tensor lse = backend_->empty({n}, DType::f32);
@@ -450,6 +520,96 @@ Tensor Graph::cross_entropy(const Tensor& logits, const Tensor& targets, float z
            Tensor dloss = be->empty({n}, DType::f32);
            be->fill(dloss, g * weight);
            be->cross_entropy_backward(dloss, logits, tg, lse, z_loss, *d[0]);
+         });
+  return total;
+}
+
+Tensor Graph::vocab_cross_entropy(const Tensor& logits, const Tensor& targets, float z_loss,
+                                  float weight) {
+  const int64_t n = logits.dim(0), cols = logits.dim(1), first = impl_->vocab_first;
+  MT_CHECK(cols == impl_->vocab_table.dim(0),
+           "cross_entropy of a vocabulary-parallel model takes this rank's " +
+               std::to_string(impl_->vocab_table.dim(0)) + " columns of the logits; got " +
+               logits.str());
+  Communicator* group = groups_.tensor;
+  MT_CHECK(!group || first == static_cast<int64_t>(group->rank()) * cols,
+           "cross_entropy: tensor rank " + std::to_string(group ? group->rank() : 0) +
+               " holds vocabulary rows from " + std::to_string(first) + ", not from rank x " +
+               std::to_string(cols));
+  // Targets as this rank sees them: its own column for a target it holds; for the forward -1
+  // otherwise (no loss here), for the backward `cols` (a column past the logits, set to a large
+  // negative number, whose gradient is dropped) when another rank holds the target: that row's
+  // gradient here is its softmax part alone, computed as one rank computes it.
+  std::vector<int32_t> host(static_cast<size_t>(n), -1), fwd(host.size()), bwd(host.size());
+  const Tensor tg = targets.view({n});
+  if (group) backend_->copy_to_host(tg, host.data());
+  for (size_t i = 0; i < host.size(); ++i) {
+    const int64_t r = static_cast<int64_t>(host[i]) - first;
+    const bool own = host[i] >= 0 && r >= 0 && r < cols;
+    fwd[i] = own ? static_cast<int32_t>(r) : -1;
+    bwd[i] = own ? static_cast<int32_t>(r) : host[i] >= 0 ? static_cast<int32_t>(cols) : -1;
+  }
+  const Tensor fwd_t = upload_i32(*backend_, fwd), bwd_t = upload_i32(*backend_, bwd);
+  Tensor loss = backend_->empty({n}, DType::f32), lse_part = backend_->empty({n}, DType::f32);
+  backend_->cross_entropy_forward(logits, fwd_t, 0.f, loss, lse_part);
+  // Every rank's log-sum-exp and loss of each row (one all-gather); then each row's
+  // log-sum-exp over the whole vocabulary (the ranks' combined in rank order, the same bits on
+  // each) and its loss from the rank holding its target.
+  Tensor lse = backend_->empty({n}, DType::f32);
+  double sum = 0;
+  if (group && n > 0) {
+    backend_->synchronize();
+    const auto t0 = std::chrono::steady_clock::now();
+    const int ranks = group->size(), rank = group->rank();
+    const auto slot = static_cast<size_t>(2 * n);
+    std::vector<float> all(slot * static_cast<size_t>(ranks));
+    part_to_host(lse_part, 0, n, all.data() + static_cast<size_t>(rank) * slot);
+    part_to_host(loss, 0, n,
+                 all.data() + static_cast<size_t>(rank) * slot + static_cast<size_t>(n));
+    group->all_gather(all.data(), all.size());
+    std::vector<float> whole(static_cast<size_t>(n));
+    for (size_t i = 0; i < whole.size(); ++i) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int r = 0; r < ranks; ++r) m = std::max(m, all[static_cast<size_t>(r) * slot + i]);
+      double e = 0;
+      for (int r = 0; r < ranks; ++r)
+        e += std::exp(static_cast<double>(all[static_cast<size_t>(r) * slot + i]) - m);
+      const float l = m + static_cast<float>(std::log(e));
+      whole[i] = l;
+      if (host[i] < 0) continue;
+      // The holder's loss is lse_part - x[target]; the row's, l - x[target] + z l^2.
+      const auto o = static_cast<size_t>(host[i] / cols);
+      MT_CHECK(o < static_cast<size_t>(ranks),
+               "cross_entropy: target " + std::to_string(host[i]) + " is outside the " +
+                   std::to_string(cols * ranks) + "-token vocabulary of the tensor group");
+      const float part = all[o * slot + i], part_loss = all[o * slot + static_cast<size_t>(n) + i];
+      sum += static_cast<double>((l - part) + part_loss + z_loss * l * l);
+    }
+    part_from_host(lse, 0, n, whole.data());
+    if (groups_.seconds)
+      *groups_.seconds +=
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  Tensor total = backend_->empty({1}, DType::f32);
+  backend_->fill(total, static_cast<float>(weight * sum));
+  Backend* be = backend_;
+  record(record_, impl_->tape, total, {&logits},
+         [be, logits, bwd_t, lse, z_loss, weight, n, cols](const Tensor& dout, const Grads& d) {
+           float g = 0.f;
+           be->copy_to_host(dout, &g);
+           Tensor* dlogits = d[0];
+           if (!dlogits || n == 0) return;
+           Tensor dloss = be->empty({n}, DType::f32);
+           be->fill(dloss, g * weight);
+           // The logits with one more column, far below any logit (exp gives 0 there).
+           Tensor wide = be->empty({n, cols + 1}, logits.dtype());
+           Tensor low = be->empty({n, 1}, logits.dtype());
+           be->fill(low, -1e30f);
+           be->copy_columns(logits, 0, wide, 0, cols, false);
+           be->copy_columns(low, 0, wide, cols, 1, false);
+           Tensor dwide = be->zeros({n, cols + 1}, dlogits->dtype());
+           be->cross_entropy_backward(dloss, wide, bwd_t, lse, z_loss, dwide);
+           be->copy_columns(dwide, 0, *dlogits, 0, cols, true);
          });
   return total;
 }

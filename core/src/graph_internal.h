@@ -156,6 +156,9 @@ struct Graph::Impl {
   std::vector<Tensor>* matmul_save = nullptr;
   const std::vector<Tensor>* matmul_replay = nullptr;
   size_t replay_pos = 0;
+  // Graph::set_vocab_part: this rank's rows of the embedding and where they start.
+  Tensor vocab_table;
+  int64_t vocab_first = 0, vocab_total = 0;
 };
 
 }  // namespace mt

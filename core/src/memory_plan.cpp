@@ -412,9 +412,11 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
   double top = 0, all = 0;     // the parameters outside the layers (embedding, head), and all
   double expert_elements = 0;  // of blocks::moe's expert weights (the expert axis divides them)
   std::set<std::string> moe_layers;
+  int64_t mtp_depths = 0;
   {
     auto runner = meta_runner(cfg, plugins, device);
     dims = runner->model().dims();
+    mtp_depths = runner->model().mtp_depths();
     for (const auto& p : runner->params()) {
       all += static_cast<double>(shape_numel(p.spec.shape));
       if (!p.spec.axes.empty() && p.spec.axes[0] == "experts") {
@@ -515,12 +517,21 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
       c.tensor = mesh.tensor;
       if (c.tensor > 1) {
         c.tensor_sums = dims.num_layers * c.micro_batches * (c.gathers == 1 ? 4 : 6);
-        c.tensor_sum_bytes =
-            static_cast<size_t>(cfg.get_int("per_device_batch_size") *
-                                cfg.get_int("max_target_length") * dims.d_model * 4);
+        // vocab:tensor (Graph::set_vocab_part): the lookup's sum in the forward and the LM
+        // head's input gradient in the backward, per micro-batch and prediction depth, and an
+        // all-gather of 2 floats a token.
+        const auto rules = cfg.get_string_list("logical_axis_rules");
+        if (std::find(rules.begin(), rules.end(), "vocab:tensor") != rules.end()) {
+          c.vocab_heads = c.micro_batches * (1 + mtp_depths);
+          c.tensor_sums += 2 * c.vocab_heads;
+        }
+        const int64_t tokens =
+            cfg.get_int("per_device_batch_size") * cfg.get_int("max_target_length");
+        c.tensor_sum_bytes = static_cast<size_t>(tokens * dims.d_model * 4);
         c.tensor_bytes = 2.0 * static_cast<double>(c.tensor - 1) / static_cast<double>(c.tensor) *
-                         static_cast<double>(c.tensor_sums) *
-                         static_cast<double>(c.tensor_sum_bytes);
+                             static_cast<double>(c.tensor_sums) *
+                             static_cast<double>(c.tensor_sum_bytes) +
+                         static_cast<double>((c.tensor - 1) * c.vocab_heads * tokens * 8);
       }
       plan.collectives = c;
     }
@@ -657,9 +668,13 @@ std::string format_plan(const Plan& p, const Config& cfg) {
         s += fmt::format(
             "  collectives: tensor parallelism over {} ranks per batch (logical_axis_rules), "
             "each holding 1/{} of the split weights: every step sums {} activations of {} over "
-            "the group (2 per layer each way{}); a ring moves, per rank and direction, {}\n",
+            "the group (2 per layer each way{}{}); a ring moves, per rank and direction, {}\n",
             c.tensor, c.tensor, c.tensor_sums, human_bytes(static_cast<double>(c.tensor_sum_bytes)),
             c.gathers == 1 ? "" : ", and 2 more when remat re-runs it",
+            c.vocab_heads ? fmt::format("; the split vocabulary's lookup and LM head 2 per "
+                                        "micro-batch and prediction depth, and an all-gather of "
+                                        "8 bytes a token for the loss")
+                          : std::string(),
             link(c.tensor_bytes, p.device.ici_bytes_per_s, "within the node"));
       if (c.ici * c.dcn > 1) {
         const std::string what =

@@ -64,6 +64,10 @@ struct CollectivePlan {
   int64_t tensor_sums = 0;
   size_t tensor_sum_bytes = 0;
   double tensor_bytes = 0;
+  // vocab:tensor in logical_axis_rules: per micro-batch and prediction depth (`vocab_heads` of
+  // them a step) the embedding's lookup and the LM head's input gradient are among the sums
+  // above, and each token's log-sum-exp and loss (8 bytes) are all-gathered (in tensor_bytes).
+  int64_t vocab_heads = 0;
   // Expert parallelism: `expert` ranks divide the experts of `moe_layers` layers. Their
   // gradients (expert_gradient_bytes, a rank's part) are summed over the data axis only (the
   // rest over every batch rank, as gradient_bytes says); per layer and micro-batch the group's

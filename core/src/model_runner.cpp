@@ -467,9 +467,25 @@ Tensor ModelRunner::forward(Graph& g, const DeviceBatch& batch) {
   LayerInputs in;
   in.positions = batch.positions;
   in.segment_ids = batch.segment_ids;
+  refuse_vocab_parts("forward");
   settle_fsdp_queue();  // no gather started before this pass (of older weights) is used
   const std::vector<Tensor> ps = compute_params(g);
   return model_->head(g, top_params(ps), run_layers(g, ps, batch.inputs, in, nullptr, nullptr));
+}
+
+void ModelRunner::refuse_vocab_parts(const char* what) const {
+  if (vocab_param_ >= 0)
+    throw Error(std::string("ModelRunner::") + what +
+                ": the model's vocabulary is divided among the tensor ranks (vocab:tensor in "
+                "logical_axis_rules), so each rank holds only its columns of the logits; "
+                "training's loss combines them, but logits are made for a model that holds its "
+                "whole vocabulary (leave vocab out of logical_axis_rules).");
+}
+
+void ModelRunner::mark_vocab_part(Graph& g, const std::vector<Tensor>& ps) const {
+  if (vocab_param_ < 0) return;
+  const Tensor& t = ps[static_cast<size_t>(vocab_param_)];
+  g.set_vocab_part(t, static_cast<int64_t>(tensor_.rank) * t.dim(0), model_->dims().vocab_size);
 }
 
 Tensor ModelRunner::forward_cached(Graph& g, const Tensor& tokens, const Tensor& positions,
@@ -477,6 +493,7 @@ Tensor ModelRunner::forward_cached(Graph& g, const Tensor& tokens, const Tensor&
   MT_CHECK(static_cast<int>(caches.size()) == model_->num_layers(),
            "forward_cached: " + std::to_string(caches.size()) + " caches for " +
                std::to_string(model_->num_layers()) + " layers");
+  refuse_vocab_parts("forward_cached");
   LayerInputs in;
   in.positions = positions;
   settle_fsdp_queue();  // no gather started before this pass (of older weights) is used
@@ -518,15 +535,17 @@ void ModelRunner::split_for_tensor_parallelism(const Config& cfg) {
                  "must be a list of \"logical:tensor\" pairs (e.g. \"heads:tensor\"), each "
                  "putting a logical axis of the parameters on the tensor mesh axis; \"" +
                      rule + "\" is not one.");
-    // The blocks compute on parts of these axes only; a vocab-split embedding or LM head, or
-    // a split model dimension, would need kernels of their own (and would be wrong without).
+    // The blocks compute on parts of these axes only (vocab: the embedding's lookup, the LM
+    // head and the cross-entropy, Graph::set_vocab_part); a split model dimension would need
+    // kernels of its own (and would be wrong without).
     const std::string logical = rule.substr(0, colon);
-    if (logical != "heads" && logical != "kv_heads" && logical != "mlp" && logical != "experts")
+    if (logical != "heads" && logical != "kv_heads" && logical != "mlp" && logical != "experts" &&
+        logical != "vocab")
       cfg.reject("logical_axis_rules",
                  "puts '" + logical +
-                     "' on the tensor axis; only heads, kv_heads, mlp and experts can be divided "
-                     "among the tensor ranks (the attention, MLP and MoE blocks compute on their "
-                     "parts; a vocabulary-parallel embedding or head is not implemented).");
+                     "' on the tensor axis; only heads, kv_heads, mlp, experts and vocab can be "
+                     "divided among the tensor ranks (the attention, MLP and MoE blocks, the "
+                     "embedding and the LM head compute on their parts).");
     on_tensor.push_back(logical);
   }
   const ModelDims dims = model_->dims();
@@ -559,6 +578,29 @@ void ModelRunner::split_for_tensor_parallelism(const Config& cfg) {
       p.split_part = tensor_.rank;
     }
   }
+  // A vocabulary split: the embedding ("embedding" [vocab, embed], blocks::decoder_top_params)
+  // holds this rank's rows, which the graph's lookup, LM head and loss work on
+  // (Graph::set_vocab_part); anything else split along the vocabulary needs it.
+  std::string other;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Param& p = params_[i];
+    if (p.tensor_dim < 0 || p.spec.axes[static_cast<size_t>(p.tensor_dim)] != "vocab") continue;
+    if (i < num_top_ && p.name == "embedding" && p.tensor_dim == 0 && p.spec.shape.size() == 2)
+      vocab_param_ = static_cast<int64_t>(i);
+    else if (p.name != "lm_head")
+      other = p.name;
+  }
+  if (!other.empty() ||
+      (vocab_param_ < 0 && std::any_of(params_.begin(), params_.end(), [](const Param& p) {
+         return p.tensor_dim >= 0 && p.spec.axes[static_cast<size_t>(p.tensor_dim)] == "vocab";
+       })))
+    throw UsageError(
+        "logical_axis_rules puts 'vocab' on the tensor axis, but " + cfg.get_string("model_name") +
+        " (" + cfg.get_string("decoder_block") + " family) splits " +
+        (other.empty() ? std::string("an LM head without an embedding table named 'embedding'")
+                       : "the parameter '" + other + "'") +
+        " along its vocabulary: only the embedding and LM head of blocks::decoder_top_params "
+        "can be divided so. Leave vocab out of logical_axis_rules for this model.");
 }
 
 void ModelRunner::split_for_expert_parallelism(const Config& cfg) {
@@ -818,6 +860,7 @@ Tensor ModelRunner::loss(Graph& g, const DeviceBatch& batch, float z_loss, doubl
   std::vector<AuxLoss> aux;
   settle_fsdp_queue();  // no gather started before this pass (of older weights) is used
   const std::vector<Tensor> ps = compute_params(g);
+  mark_vocab_part(g, ps);
   const Params top = top_params(ps);
   const Tensor hidden =
       run_layers(g, ps, batch.inputs, in, nullptr, aux_values ? &aux : nullptr, stats);

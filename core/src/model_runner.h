@@ -256,6 +256,11 @@ class ModelRunner {
   // it). FSDP: the top parameters gathered; the layers' are undefined, block_params gathers
   // each layer's when it runs.
   std::vector<Tensor> compute_params(Graph& g);
+  // Vocabulary parallelism: gives the graph this rank's rows of the embedding (ps: the
+  // computed parameters); forward and forward_cached refuse such a model (their logits would
+  // be this rank's columns only).
+  void mark_vocab_part(Graph& g, const std::vector<Tensor>& ps) const;
+  void refuse_vocab_parts(const char* what) const;
   // Parameter i in the compute dtype on g: its master (FSDP: gathered, a recorded op whose
   // backward reduce-scatters the whole gradient into the rank's part) cast when narrower.
   Tensor compute_param(Graph& g, size_t i);
@@ -298,6 +303,9 @@ class ModelRunner {
   std::vector<Param> params_;
   std::function<void(size_t)> layer_ready_;
   size_t num_top_ = 0;                  // params_[0, num_top_) are the model's top parameters
+  // logical_axis_rules' vocab:tensor: the index of the embedding holding this rank's rows of the
+  // vocabulary (Graph::set_vocab_part), else -1.
+  int64_t vocab_param_ = -1;
   std::vector<size_t> layer_begin_;     // params_ index of each layer's first parameter
   std::vector<std::string> top_names_;  // the names Params hands the model (relative to a layer)
   std::vector<std::vector<std::string>> layer_names_;  // then one entry per MTP depth

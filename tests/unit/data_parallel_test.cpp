@@ -449,6 +449,87 @@ TEST(DataParallel, TensorParallelRanksTrainAsOneRank) {
   }
 }
 
+// logical_axis_rules with vocab:tensor (Graph::set_vocab_part): each tensor rank holds its rows
+// of the embedding and columns of the LM head, looks up the tokens whose ids it holds and sums
+// the group's rows, makes its columns of the logits, and the loss combines the ranks'
+// log-sum-exps. llama-test (an LM head of its own), gemma2-test (tied to the embedding, a final
+// soft-cap), gpt3-52k (tied; its position embedding stays whole), deepseek3-test with a
+// multi-token prediction depth (a second lookup, head and loss), and 2 fsdp x 2 tensor ranks of
+// llama-test train as one rank with their batch. adam_eps=1 with learning_rate=1 makes AdamW a
+// momentum SGD, whose parameters keep a gradient's rounding at the rounding's size (AdamW's
+// normalisation turns the rounding of a near-zero gradient into a whole step): the losses agree
+// within 1e-6 and every final parameter within 1e-5 of its tensor's scale, or within twice what
+// the same mesh without the vocabulary split gets (gpt3-52k's key bias, whose gradient is
+// rounding noise alone, starts at zero: 0.5 of its scale either way).
+constexpr const char* kVocabRules =
+    " logical_axis_rules=[heads:tensor,kv_heads:tensor,mlp:tensor,vocab:tensor]";
+
+// Each tensor's largest difference from `b_run`'s relative to its largest magnitude.
+std::map<std::string, double> param_errs(const fs::path& a_run, const fs::path& b_run) {
+  const std::map<std::string, Tensor> a = saved(a_run), b = saved(b_run);
+  std::map<std::string, double> e;
+  for (const auto& [n, t] : b)
+    if (a.count(n)) e[n] = test::scaled_err(test::to_vector(a.at(n)), test::to_vector(t));
+  EXPECT_EQ(e.size(), b.size());
+  return e;
+}
+
+TEST(DataParallel, VocabParallelRanksTrainAsOneRank) {
+  MT_NEED_MPIRUN();
+  Dir d;
+  struct Case {
+    int ranks, batch;
+    std::string model, mesh;
+  };
+  const std::string tp = " ici_tensor_parallelism=2 ici_data_parallelism=1";
+  for (const Case& c : std::vector<Case>{{2, 2, "llama-test", tp},
+                                         {2, 2, "gemma2-test", tp},
+                                         {2, 2, "gpt3-52k", tp},
+                                         {2, 2, "deepseek3-test mtp_num_layers=1", tp},
+                                         {4, 1, "llama-test", tp + " ici_fsdp_parallelism=2"}}) {
+    const std::string name = c.model.substr(0, c.model.find(' ')) + std::to_string(c.ranks);
+    SCOPED_TRACE(name);
+    const std::string common =
+        "dataset_type=synthetic adam_eps=1 learning_rate=1 --model=" + c.model;
+    test::MtResult r = test::run_mt(train_args(d.root, "one" + name, 2, common), 120);
+    ASSERT_EQ(r.code, 0) << r.out;
+    r = mpirun(c.ranks, train_args(d.root, "tp" + name, c.batch, common + c.mesh), 120);
+    ASSERT_EQ(r.code, 0) << r.out;
+    r = mpirun(c.ranks, train_args(d.root, "vp" + name, c.batch, common + c.mesh + kVocabRules),
+               120);
+    ASSERT_EQ(r.code, 0) << r.out;
+    if (name == "llama-test2") {  // the embedding and the LM head are divided too now
+      EXPECT_NE(r.out.find("tensor parallelism over 2 ranks per batch (logical_axis_rules): "
+                           "106.5K parameters divided among them, 320 whole on each"),
+                std::string::npos)
+          << r.out;
+    }
+    const fs::path one = d.root / ("one" + name), vp = d.root / ("vp" + name);
+    const double loss = max_loss_err(vp, one);
+    const std::map<std::string, double> vp_errs = param_errs(vp, one),
+                                        tp_errs = param_errs(d.root / ("tp" + name), one);
+    double worst = 0;
+    for (const auto& [n, e] : vp_errs) {
+      worst = std::max(worst, e);
+      EXPECT_LE(e, std::max(1e-5, 2 * tp_errs.at(n)))
+          << n << " (without the vocabulary split " << tp_errs.at(n) << ")";
+    }
+    std::printf("  %s: losses %.3g, parameters %.3g\n", name.c_str(), loss, worst);
+    EXPECT_LE(loss, 1e-6);
+  }
+}
+
+// A checkpoint of 2 vocabulary-parallel tensor ranks (the embedding's rows in two parts)
+// resumes on one rank, on 2 tensor ranks holding the whole vocabulary each, and on 2 like it,
+// and each continues as the straight run.
+TEST(DataParallel, VocabParallelCheckpointsResumeOnAnyMesh) {
+  MT_NEED_MPIRUN();
+  Dir d;
+  const std::string tp = "ici_tensor_parallelism=2 ici_data_parallelism=1";
+  const std::string vocab = tp + kVocabRules;
+  check_resumes(d.root, {1, 2, ""}, {2, 2, vocab}, {{1, 2, ""}, {2, 2, tp}, {2, 2, vocab}});
+}
+
 // 2 data-parallel groups of 2 tensor ranks train as one rank given both groups' batches.
 TEST(DataParallel, DataTimesTensorParallelTrainsAsOneRank) {
   MT_NEED_MPIRUN();
@@ -599,9 +680,13 @@ TEST(DataParallel, ATensorAxisThatCannotSplitIsOneError) {
                 "key/value heads (base_num_kv_heads), which 4 does not divide"},
                {2, "both", tp2 + "shard_optimizer_over_data=true",
                 "shard_optimizer_over_data with tensor parallelism is not implemented"},
-               // A logical axis the blocks cannot compute on in parts (the embedding's vocabulary).
-               {2, "vocab", tp2 + "logical_axis_rules=[heads:tensor,vocab:tensor]",
-                "only heads, kv_heads, mlp and experts can be divided"}});
+               // A vocabulary the tensor ranks do not divide.
+               {2, "vocab", tp2 + "vocab_size=255 logical_axis_rules=[heads:tensor,vocab:tensor]",
+                "Tensor parallelism over 2 ranks divides the 'vocab' axis, but llama-test has 255 "
+                "elements there (parameter embedding)"},
+               // A logical axis the blocks cannot compute on in parts (the model dimension).
+               {2, "embed", tp2 + "logical_axis_rules=[heads:tensor,embed:tensor]",
+                "only heads, kv_heads, mlp, experts and vocab can be divided"}});
 }
 
 // 2-D and 3-D meshes: 2 fsdp x 2 tensor ranks (each tensor part divided again by FSDP) train as
@@ -769,6 +854,8 @@ TEST(DataParallel, PlannedTrafficIsMeasured) {
       {4, "ici_data_parallelism=1 ici_fsdp_parallelism=4 gradient_accumulation_steps=2"},
       {4, "ici_data_parallelism=2 ici_fsdp_parallelism=2"},
       {4, "ici_data_parallelism=2 ici_tensor_parallelism=2"},
+      {2, std::string("ici_data_parallelism=1 ici_tensor_parallelism=2") + kVocabRules},
+
       {2, "--model=mixtral-test ici_data_parallelism=1 ici_expert_parallelism=2"},
       {4,
        "--model=mixtral-test ici_data_parallelism=1 ici_expert_parallelism=2 "

@@ -141,14 +141,15 @@ MT_API Tensor mlp(Graph& g, const Params& p, const MlpSpec& s, const Tensor& x,
 // embedding [V, d], normal with stddev `stddev`; matmul = tied (it is the LM head too).
 MT_API ParamSpec embedding_param(const std::string& name, int64_t vocab, int64_t d, float stddev,
                                  bool tied);
-// logits [B, T, V] = h @ embedding^T (tied) or h @ lm_head [d, V].
+// logits [B, T, V] = h @ embedding^T (tied) or h @ lm_head [d, V]; on a vocabulary-parallel
+// graph (Graph::set_vocab_part) this rank's columns of them.
 MT_API Tensor lm_head(Graph& g, const Params& p, const Tensor& h, bool tied,
                       const std::string& embedding = "embedding",
                       const std::string& head = "lm_head");
 
 // The top of a decoder as most families have it: "embedding" [V, d] (normal with stddev
-// `embedding_stddev`; 0 = 1/sqrt(d) when tied to the LM head, else 1), "final_norm" and
-// "lm_head" [d, V] unless tied.
+// `embedding_stddev`; 0 = 1/sqrt(d) when tied to the LM head, else 1; logical axes vocab,
+// embed), "final_norm" and "lm_head" [d, V] (embed, vocab) unless tied.
 MT_API std::vector<ParamSpec> decoder_top_params(int64_t vocab, int64_t d, const NormSpec& norm,
                                                  bool tied, float embedding_stddev = 0.f);
 // hidden [B, T, d] -> logits [B, T, V]: final_norm, the LM head, and the final logits' soft-cap

@@ -74,6 +74,18 @@ class MT_API Graph {
   // (the same bits on each); the backward passes the gradient through.
   Tensor tensor_parallel_sum(const Tensor& x);
 
+  // ---- vocabulary parallelism (logical_axis_rules "vocab:tensor") -----------------------------
+  // `table` holds rows [first, first + table.dim(0)) of the embedding of a `vocab`-token
+  // vocabulary: this rank's part, the tensor group's ranks holding the others in rank order.
+  // Then embedding(table, ids) looks up the ids this rank holds (zeros for the others) and sums
+  // the group's rows, which is the whole table's lookup exactly (each row comes from one rank);
+  // blocks::lm_head gives this rank's columns of the logits; and cross_entropy over such logits
+  // combines the ranks' log-sum-exps (one all-gather of two values a row), the whole
+  // vocabulary's loss. Set by the core with the tensor group (none: the memory plan's trace,
+  // which makes the shapes and communicates nothing).
+  void set_vocab_part(const Tensor& table, int64_t first, int64_t vocab);
+  bool vocab_parallel() const;
+
   // ---- expert parallelism (MaxText's expert axis) ----------------------------------------------
   // The `ranks` ranks (this one the `rank`-th) among which blocks::moe's experts are divided,
   // each with a batch of its own (set by the core; remat's graphs inherit it). `group` null with
@@ -219,6 +231,9 @@ class MT_API Graph {
   Backend* backend_;
   bool record_;
   std::unique_ptr<Impl> impl_;
+  // cross_entropy over this rank's columns of a vocabulary-parallel model's logits.
+  Tensor vocab_cross_entropy(const Tensor& logits, const Tensor& targets, float z_loss,
+                             float weight);
   // The ranks this graph's collectives run over, passed on to remat's graphs.
   struct Groups {
     Communicator* tensor = nullptr;
