@@ -123,11 +123,11 @@ BENCHMARK(BM_Forward)
     ->UseRealTime()
     ->MeasureProcessCPUTime();
 
-// Decode: one new token per sequence against a KV cache of `length` rows, B = 8, Hq = 12,
-// Hkv = 4 (GQA), D = 64, the cache f32 or (bf16:1) bf16. Memory-bound: bytes/s counts the cache
-// rows read.
+// Decode: one new token per sequence against a KV cache of `length` rows, B sequences, Hq = 12,
+// Hkv kv heads (4: GQA), D = 64, the cache f32 or (bf16:1) bf16. Memory-bound: bytes/s counts the
+// cache rows read.
 void BM_Decode(benchmark::State& state, const std::string& kernel) {
-  const int64_t B = 8, Hq = 12, Hkv = 4, D = 64, length = state.range(0);
+  const int64_t B = state.range(2), Hq = 12, Hkv = state.range(3), D = 64, length = state.range(0);
   const bool bf16 = state.range(1) != 0;
   Env& e = env();
   mt::Backend& b = *e.backend;
@@ -159,15 +159,17 @@ void BM_Decode(benchmark::State& state, const std::string& kernel) {
 }
 
 BENCHMARK_CAPTURE(BM_Decode, flash, std::string("flash"))
-    ->ArgNames({"length", "bf16"})
-    ->Args({2048, 0})
-    ->Args({2048, 1})
+    ->ArgNames({"length", "bf16", "B", "Hkv"})
+    ->Args({2048, 0, 8, 4})
+    ->Args({2048, 1, 8, 4})
+    ->Args({160, 0, 1, 12})  // llama-bench-m's batch-1 decode step (mt bench decode)
+    ->Args({160, 1, 1, 12})
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime()
     ->MeasureProcessCPUTime();
 BENCHMARK_CAPTURE(BM_Decode, dot_product, std::string("dot_product"))
-    ->ArgNames({"length", "bf16"})
-    ->Args({2048, 0})
+    ->ArgNames({"length", "bf16", "B", "Hkv"})
+    ->Args({2048, 0, 8, 4})
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime()
     ->MeasureProcessCPUTime();
