@@ -48,7 +48,9 @@
 #               AVX2 machine's memory system.
 # The summary gives each side's median and best run: on a shared machine whose memory bandwidth
 # moves between runs (seen here: 34 or 53 GB/s read, for minutes at a time), the best run is the
-# code's own rate, the median the one a user sees; compare ratios of like with like.
+# code's own rate, the median the one a user sees; compare ratios of like with like. It also
+# gives the median of each repetition's own ratio (paired_*: mt against the llama.cpp run made
+# beside it), which a change of bandwidth between repetitions moves least.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 models=("$@")
@@ -215,15 +217,20 @@ for r in runs:
     if "dtype" not in r or ("failed" in r) or ("skipped" in r):
         continue
     d = by.setdefault((r["model"], r["dtype"]), {})
+    rep = d.setdefault("by_rep", {}).setdefault(r.get("rep"), {})
     if r["peer"] == "mt":
         d.setdefault("mt_prefill", []).append(r["prefill_512_tokens_per_sec"])
         d.setdefault("mt_decode", []).append(r["decode_batch1_tokens_per_sec"])
+        rep["mt_prefill"] = r["prefill_512_tokens_per_sec"]
+        rep["mt_decode"] = r["decode_batch1_tokens_per_sec"]
         d["mt_weight_bytes"] = r["weight_bytes"]
     elif r["test"] == "pp512":
         d.setdefault("lc_prefill", []).append(r["tokens_per_sec"])
+        rep["lc_prefill"] = r["tokens_per_sec"]
         d["llamacpp_params"] = r["model_n_params"]
     elif r["test"] == tg:
         d.setdefault("lc_decode", []).append(r["tokens_per_sec"])
+        rep["lc_decode"] = r["tokens_per_sec"]
 for (model, dtype), d in by.items():
     med = {k: statistics.median(v) for k, v in d.items() if isinstance(v, list)}
     best = {k: max(v) for k, v in d.items() if isinstance(v, list)}
@@ -243,6 +250,12 @@ for (model, dtype), d in by.items():
         if f"mt_{what}" in med and f"lc_{what}" in med:
             out[f"mt_over_llamacpp_{name}"] = round(med[f"mt_{what}"] / med[f"lc_{what}"], 3)
             out[f"best_mt_over_best_llamacpp_{name}"] = round(best[f"mt_{what}"] / best[f"lc_{what}"], 3)
+            # Each repetition's mt run against the llama.cpp run beside it (the same minute's
+            # memory bandwidth), the median of those ratios.
+            pairs = [x[f"mt_{what}"] / x[f"lc_{what}"] for x in d["by_rep"].values()
+                     if f"mt_{what}" in x and f"lc_{what}" in x]
+            if pairs:
+                out[f"paired_mt_over_llamacpp_{name}"] = round(statistics.median(pairs), 3)
     out["runs"] = {k: len(v) for k, v in d.items() if isinstance(v, list)}
     print(json.dumps(out))
 PY
