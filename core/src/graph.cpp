@@ -222,9 +222,9 @@ Tensor Graph::cast(const Tensor& x, DType dtype) {
 
 void Graph::set_vocab_part(const Tensor& table, int64_t first, int64_t vocab) {
   MT_CHECK(table.defined() && table.ndim() == 2 && first >= 0 && first + table.dim(0) <= vocab,
-           "set_vocab_part: rows [" + std::to_string(first) + ", +" +
-               (table.defined() ? table.str() : std::string("nothing")) + ") of a vocabulary of " +
-               std::to_string(vocab));
+           "set_vocab_part: a table " + (table.defined() ? table.str() : std::string("(none)")) +
+               " from row " + std::to_string(first) + " does not fit a vocabulary of " +
+               std::to_string(vocab) + " tokens");
   impl_->vocab_table = table;
   impl_->vocab_first = first;
   impl_->vocab_total = vocab;
