@@ -234,6 +234,11 @@ bool Graph::vocab_parallel() const {
   return impl_->vocab_table.defined();
 }
 
+void Graph::count_tensor_collectives(double* sum_bytes, double* gather_bytes) {
+  impl_->planned_sum_bytes = sum_bytes;
+  impl_->planned_gather_bytes = gather_bytes;
+}
+
 namespace {
 
 // i32 values on the backend (undefined when there are none).
@@ -589,6 +594,8 @@ Tensor Graph::vocab_cross_entropy(const Tensor& logits, const Tensor& targets, f
     if (groups_.seconds)
       *groups_.seconds +=
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  } else if (!group && impl_->planned_gather_bytes) {
+    *impl_->planned_gather_bytes += 8.0 * static_cast<double>(n);  // a log-sum-exp and a loss
   }
   Tensor total = backend_->empty({1}, DType::f32);
   backend_->fill(total, static_cast<float>(weight * sum));
@@ -635,6 +642,22 @@ Tensor sum_over(Backend& be, Communicator& group, const Tensor& x, double* secon
 }  // namespace
 
 Tensor Graph::tensor_parallel_input(const Tensor& x) {
+  if (!groups_.tensor && impl_->planned_sum_bytes) {
+    // The memory plan's trace: the same values, and the sum the backward would make counted.
+    Tensor out = x.view(x.shape());
+    Backend* be = backend_;
+    double* bytes = impl_->planned_sum_bytes;
+    const double n = static_cast<double>(x.numel());
+    record(record_, impl_->tape, out, {&x}, [be, bytes, n](const Tensor& dout, const Grads& d) {
+      *bytes += 4.0 * n;
+      if (d.adopt(0, dout)) return;
+      if (d.overwrite(0))
+        be->cast(dout, *d.raw(0));
+      else
+        be->axpy(1.f, dout, *d[0]);
+    });
+    return out;
+  }
   if (!groups_.tensor || groups_.tensor->size() == 1) return x;
   Tensor out = x.view(x.shape());  // the same values, a node of its own
   Backend* be = backend_;
@@ -651,6 +674,7 @@ Tensor Graph::tensor_parallel_input(const Tensor& x) {
 }
 
 Tensor Graph::tensor_parallel_sum(const Tensor& x) {
+  if (!groups_.tensor && impl_->planned_sum_bytes) *impl_->planned_sum_bytes += 4.0 * x.numel();
   if (!groups_.tensor || groups_.tensor->size() == 1) return x;
   Tensor out = sum_over(*backend_, *groups_.tensor, x, groups_.seconds);
   Backend* be = backend_;
@@ -849,6 +873,7 @@ LayerOutput Graph::remat_layer(RematPolicy policy,
   {
     Graph fwd(*backend_, /*record=*/false);
     fwd.groups_ = groups_;
+    fwd.count_tensor_collectives(impl_->planned_sum_bytes, impl_->planned_gather_bytes);
     if (policy == RematPolicy::minimal) fwd.impl_->matmul_save = saved.get();
     out = f(fwd, x);
   }
@@ -857,6 +882,8 @@ LayerOutput Graph::remat_layer(RematPolicy policy,
   // straight into their gradient buffers.
   Backend* be = backend_;
   const Groups groups = groups_;
+  double* const sum_bytes = impl_->planned_sum_bytes;
+  double* const gather_bytes = impl_->planned_gather_bytes;
   const Tensor xs = x;
   auto fn = f;
   const bool minimal = policy == RematPolicy::minimal;
@@ -872,9 +899,11 @@ LayerOutput Graph::remat_layer(RematPolicy policy,
   e.output = node(out.x);
   for (auto& a : out.aux) e.more_outputs.push_back(node(a.value));
   std::vector<std::shared_ptr<GradNode>> aux_nodes = e.more_outputs;
-  e.backward = [be, groups, xs, fn, saved, minimal, aux_nodes](const Tensor& dy, const Grads& d) {
+  e.backward = [be, groups, sum_bytes, gather_bytes, xs, fn, saved, minimal, aux_nodes](
+                   const Tensor& dy, const Grads& d) {
     Graph re(*be, /*record=*/true);
     re.groups_ = groups;
+    re.count_tensor_collectives(sum_bytes, gather_bytes);
     if (minimal) re.impl_->matmul_replay = saved.get();
     Tensor xr = detach(xs);
     const bool fresh = d.overwrite(0);

@@ -108,6 +108,8 @@ TrainingPlan trace_training(const Config& cfg, PluginManager& plugins,
   t.batches = in_use(*runner) - before;
   be.reset_peak_memory();
   StepGradients sg = forward_backward(*runner, micro, 0.f);
+  t.tensor_sum_bytes = runner->planned_tensor_sum_bytes();
+  t.tensor_gather_bytes = runner->planned_tensor_gather_bytes();
   AdamWParams adam;
   adam.lr = 1e-4f;
   apply_update(*runner, opt, adam, 0.f, sg.layer_stats);
@@ -412,11 +414,9 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
   double top = 0, all = 0;     // the parameters outside the layers (embedding, head), and all
   double expert_elements = 0;  // of blocks::moe's expert weights (the expert axis divides them)
   std::set<std::string> moe_layers;
-  int64_t mtp_depths = 0;
   {
     auto runner = meta_runner(cfg, plugins, device);
     dims = runner->model().dims();
-    mtp_depths = runner->model().mtp_depths();
     for (const auto& p : runner->params()) {
       all += static_cast<double>(shape_numel(p.spec.shape));
       if (!p.spec.axes.empty() && p.spec.axes[0] == "experts") {
@@ -516,22 +516,22 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
       // forward's two again when remat re-runs the layer), [B, T, d] in f32 each.
       c.tensor = mesh.tensor;
       if (c.tensor > 1) {
-        c.tensor_sums = dims.num_layers * c.micro_batches * (c.gathers == 1 ? 4 : 6);
-        // vocab:tensor (Graph::set_vocab_part): the lookup's sum in the forward and the LM
-        // head's input gradient in the backward, per micro-batch and prediction depth, and an
-        // all-gather of 2 floats a token.
+        // As the trace made them: each block's split projections summed forward (again when
+        // remat re-runs it) and their input's gradient backward, and with vocab:tensor the
+        // embedding's lookup, the LM head's input gradient and the loss's all-gather.
         const auto rules = cfg.get_string_list("logical_axis_rules");
-        if (std::find(rules.begin(), rules.end(), "vocab:tensor") != rules.end()) {
-          c.vocab_heads = c.micro_batches * (1 + mtp_depths);
-          c.tensor_sums += 2 * c.vocab_heads;
-        }
-        const int64_t tokens =
-            cfg.get_int("per_device_batch_size") * cfg.get_int("max_target_length");
-        c.tensor_sum_bytes = static_cast<size_t>(tokens * dims.d_model * 4);
-        c.tensor_bytes = 2.0 * static_cast<double>(c.tensor - 1) / static_cast<double>(c.tensor) *
-                             static_cast<double>(c.tensor_sums) *
-                             static_cast<double>(c.tensor_sum_bytes) +
-                         static_cast<double>((c.tensor - 1) * c.vocab_heads * tokens * 8);
+        c.vocab = std::find(rules.begin(), rules.end(), "vocab:tensor") != rules.end();
+        c.tensor_sum_bytes =
+            static_cast<size_t>(cfg.get_int("per_device_batch_size") *
+                                cfg.get_int("max_target_length") * dims.d_model * 4);
+        c.tensor_sums =
+            c.tensor_sum_bytes
+                ? static_cast<int64_t>(std::llround(plan.train->tensor_sum_bytes /
+                                                    static_cast<double>(c.tensor_sum_bytes)))
+                : 0;
+        const auto t = static_cast<double>(c.tensor);
+        c.tensor_bytes = 2.0 * (t - 1) / t * plan.train->tensor_sum_bytes +
+                         (t - 1) * plan.train->tensor_gather_bytes;
       }
       plan.collectives = c;
     }
@@ -668,13 +668,13 @@ std::string format_plan(const Plan& p, const Config& cfg) {
         s += fmt::format(
             "  collectives: tensor parallelism over {} ranks per batch (logical_axis_rules), "
             "each holding 1/{} of the split weights: every step sums {} activations of {} over "
-            "the group (2 per layer each way{}{}); a ring moves, per rank and direction, {}\n",
+            "the group (each split block's output in the forward{}, and its input's gradient "
+            "in the backward{}); a ring moves, per rank and direction, {}\n",
             c.tensor, c.tensor, c.tensor_sums, human_bytes(static_cast<double>(c.tensor_sum_bytes)),
-            c.gathers == 1 ? "" : ", and 2 more when remat re-runs it",
-            c.vocab_heads ? fmt::format("; the split vocabulary's lookup and LM head 2 per "
-                                        "micro-batch and prediction depth, and an all-gather of "
-                                        "8 bytes a token for the loss")
-                          : std::string(),
+            c.gathers == 1 ? "" : " and again when remat re-runs it",
+            c.vocab ? "; the split vocabulary's lookup and LM head too, and the loss all-gathers "
+                      "8 bytes a token"
+                    : "",
             link(c.tensor_bytes, p.device.ici_bytes_per_s, "within the node"));
       if (c.ici * c.dcn > 1) {
         const std::string what =

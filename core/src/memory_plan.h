@@ -33,6 +33,9 @@ struct TrainingPlan {
   size_t weights = 0, gradients = 0, optimizer = 0, batches = 0, activations = 0, peak = 0;
   size_t host_optimizer = 0;  // AdamW's moments in host memory (optimizer_memory_host_offload)
   size_t checkpoint = 0;      // host memory of async_checkpointing's snapshot
+  // Tensor parallelism: the f32 bytes the step's tensor-parallel sums all-reduce and each
+  // rank's bytes of its all-gathers, as the trace made them (Graph::count_tensor_collectives).
+  double tensor_sum_bytes = 0, tensor_gather_bytes = 0;
 };
 
 // Bytes of inference: weights (in the compute dtype once loaded), the KV caches of `batch`
@@ -59,15 +62,16 @@ struct CollectivePlan {
   int gathers = 0;
   int64_t micro_batches = 1;
   // Tensor parallelism: `tensor` ranks per batch sum `tensor_sums` activations of
-  // `tensor_sum_bytes` each (f32) a step; tensor_bytes through one rank's link per direction.
+  // `tensor_sum_bytes` each (f32) a step, as the trace counts them (TrainingPlan); tensor_bytes
+  // through one rank's link per direction.
   int64_t tensor = 1;
   int64_t tensor_sums = 0;
   size_t tensor_sum_bytes = 0;
   double tensor_bytes = 0;
-  // vocab:tensor in logical_axis_rules: per micro-batch and prediction depth (`vocab_heads` of
-  // them a step) the embedding's lookup and the LM head's input gradient are among the sums
-  // above, and each token's log-sum-exp and loss (8 bytes) are all-gathered (in tensor_bytes).
-  int64_t vocab_heads = 0;
+  // vocab:tensor in logical_axis_rules: the embedding's lookup and the LM head's input gradient
+  // are among the sums above, and each token's log-sum-exp and loss are all-gathered (in
+  // tensor_bytes).
+  bool vocab = false;
   // Expert parallelism: `expert` ranks divide the experts of `moe_layers` layers. Their
   // gradients (expert_gradient_bytes, a rank's part) are summed over the data axis only (the
   // rest over every batch rank, as gradient_bytes says); per layer and micro-batch the group's

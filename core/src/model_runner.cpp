@@ -839,6 +839,8 @@ Tensor ModelRunner::run_layers(Graph& g, const std::vector<Tensor>& ps, const Te
   in.attention = &attention();
   // Tensor parallelism: the blocks sum their row-parallel projections over the group.
   if (tensor_.on()) g.set_tensor_group(tensor_.group, &comm_seconds_);
+  if (tensor_.on() && !tensor_.group)
+    g.count_tensor_collectives(&planned_sum_bytes_, &planned_gather_bytes_);
   // Expert parallelism: the MoE blocks gather the group's tokens for their experts.
   if (expert_.on()) g.set_expert_group(expert_.group, expert_.ranks, expert_.rank);
   Tensor x = model_->embed_at(g, top_params(ps), tokens, in.positions);

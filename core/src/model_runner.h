@@ -145,6 +145,10 @@ class ModelRunner {
   // The parameters of decoder layer i: params()[first, second).
   std::pair<size_t, size_t> layer_params(size_t i) const { return {block_begin(i), block_end(i)}; }
   const TensorSharding& tensor_sharding() const { return tensor_; }
+  // A memory plan's trace: the f32 bytes the tensor-parallel sums would all-reduce, and each
+  // rank's bytes of the all-gathers, over the passes run so far (Graph::count_tensor_collectives).
+  double planned_tensor_sum_bytes() const { return planned_sum_bytes_; }
+  double planned_tensor_gather_bytes() const { return planned_gather_bytes_; }
   const ExpertSharding& expert_sharding() const { return expert_; }
   // Tensor parallelism: this rank's part of a whole tensor of parameter `p` (a new tensor on
   // the backend), or the tensor itself when `p` is replicated.
@@ -320,6 +324,9 @@ class ModelRunner {
   ExpertSharding expert_;
   KvCacheQuant kv_quant_;
   double comm_seconds_ = 0;
+  // The memory plan's trace (tensor ranks with no group): the tensor-parallel collectives'
+  // bytes the graphs counted (Graph::count_tensor_collectives).
+  double planned_sum_bytes_ = 0, planned_gather_bytes_ = 0;
   // FSDP with overlap (overlaps_communication): the gathers and reduce-scatters run in order on
   // queue_'s thread. A block's gathers start when the block before it (in the pass's direction:
   // forward, or a remat re-run in the backward) has its weights; `prefetched_` holds each

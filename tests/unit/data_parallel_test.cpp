@@ -855,6 +855,12 @@ TEST(DataParallel, PlannedTrafficIsMeasured) {
       {4, "ici_data_parallelism=2 ici_fsdp_parallelism=2"},
       {4, "ici_data_parallelism=2 ici_tensor_parallelism=2"},
       {2, std::string("ici_data_parallelism=1 ici_tensor_parallelism=2") + kVocabRules},
+      {2, "ici_data_parallelism=1 ici_tensor_parallelism=2 remat_policy=full"},
+      // Latent attention is not split (only the MLPs sum), and a prediction depth's layer and
+      // head run too.
+      {2, std::string("--model=deepseek3-test mtp_num_layers=1 ici_data_parallelism=1 "
+                      "ici_tensor_parallelism=2") +
+              kVocabRules},
 
       {2, "--model=mixtral-test ici_data_parallelism=1 ici_expert_parallelism=2"},
       {4,

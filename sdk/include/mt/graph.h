@@ -85,6 +85,10 @@ class MT_API Graph {
   // which makes the shapes and communicates nothing).
   void set_vocab_part(const Tensor& table, int64_t first, int64_t vocab);
   bool vocab_parallel() const;
+  // The memory plan's trace (no tensor group): the f32 bytes every tensor-parallel sum above
+  // would all-reduce, forward and backward, are added to *sum_bytes, and each rank's bytes of
+  // the all-gathers to *gather_bytes (remat's graphs count theirs too). Set by the core.
+  void count_tensor_collectives(double* sum_bytes, double* gather_bytes);
 
   // ---- expert parallelism (MaxText's expert axis) ----------------------------------------------
   // The `ranks` ranks (this one the `rank`-th) among which blocks::moe's experts are divided,
