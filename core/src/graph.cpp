@@ -641,6 +641,19 @@ Tensor sum_over(Backend& be, Communicator& group, const Tensor& x, double* secon
 
 }  // namespace
 
+namespace {
+
+// An identity's backward: dout becomes input 0's gradient (adopted, written or added).
+void pass_gradient(Backend& be, const Tensor& dout, const Grads& d) {
+  if (d.adopt(0, dout)) return;
+  if (d.overwrite(0))
+    be.cast(dout, *d.raw(0));
+  else
+    be.axpy(1.f, dout, *d[0]);
+}
+
+}  // namespace
+
 Tensor Graph::tensor_parallel_input(const Tensor& x) {
   if (!groups_.tensor && impl_->planned_sum_bytes) {
     // The memory plan's trace: the same values, and the sum the backward would make counted.
@@ -650,11 +663,7 @@ Tensor Graph::tensor_parallel_input(const Tensor& x) {
     const double n = static_cast<double>(x.numel());
     record(record_, impl_->tape, out, {&x}, [be, bytes, n](const Tensor& dout, const Grads& d) {
       *bytes += 4.0 * n;
-      if (d.adopt(0, dout)) return;
-      if (d.overwrite(0))
-        be->cast(dout, *d.raw(0));
-      else
-        be->axpy(1.f, dout, *d[0]);
+      pass_gradient(*be, dout, d);
     });
     return out;
   }
@@ -678,13 +687,8 @@ Tensor Graph::tensor_parallel_sum(const Tensor& x) {
   if (!groups_.tensor || groups_.tensor->size() == 1) return x;
   Tensor out = sum_over(*backend_, *groups_.tensor, x, groups_.seconds);
   Backend* be = backend_;
-  record(record_, impl_->tape, out, {&x}, [be](const Tensor& dout, const Grads& d) {
-    if (d.adopt(0, dout)) return;
-    if (d.overwrite(0))
-      be->cast(dout, *d.raw(0));
-    else
-      be->axpy(1.f, dout, *d[0]);
-  });
+  record(record_, impl_->tape, out, {&x},
+         [be](const Tensor& dout, const Grads& d) { pass_gradient(*be, dout, d); });
   return out;
 }
 
