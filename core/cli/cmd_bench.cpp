@@ -274,24 +274,20 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
   // transposing pays for them too, the projections transposed for one
   // (ModelRunner::rows_layout_pays, transpose_projections).
   if (r.rows_layout_pays(8)) r.transpose_projections();
-  if (r.profiler()) const_cast<ProfilingBackend*>(r.profiler())->reset();
-  const double b8 = decode(8, nullptr);
-  if (r.profiler())
-    std::fprintf(stderr, "mt bench decode: %s %s, batch 8, time per op:\n%s", model.c_str(),
-                 dtype.c_str(), r.profiler()->report().c_str());
+  // profile=true: each part's time per op (the profiler reset before it).
+  auto profiled = [&](const char* part, auto&& run) {
+    if (r.profiler()) const_cast<ProfilingBackend*>(r.profiler())->reset();
+    const double v = run();
+    if (r.profiler())
+      std::fprintf(stderr, "mt bench decode: %s %s, %s, time per op:\n%s", model.c_str(),
+                   dtype.c_str(), part, r.profiler()->report().c_str());
+    return v;
+  };
+  const double b8 = profiled("batch 8", [&] { return decode(8, nullptr); });
   if (r.rows_layout_pays(1)) r.transpose_projections();
-  if (r.profiler()) const_cast<ProfilingBackend*>(r.profiler())->reset();
-  const double prefill_tps = measure_prefill();
-  if (r.profiler())
-    std::fprintf(stderr,
-                 "mt bench decode: %s %s, prefill of 512 tokens (4 prompts), time per op:\n%s",
-                 model.c_str(), dtype.c_str(), r.profiler()->report().c_str());
+  const double prefill_tps = profiled("prefill of 512 tokens (4 prompts)", measure_prefill);
   double bw = 0;
-  if (r.profiler()) const_cast<ProfilingBackend*>(r.profiler())->reset();
-  const double b1 = decode(1, &bw);
-  if (r.profiler())
-    std::fprintf(stderr, "mt bench decode: %s %s, batch 1, time per op:\n%s", model.c_str(),
-                 dtype.c_str(), r.profiler()->report().c_str());
+  const double b1 = profiled("batch 1", [&] { return decode(1, &bw); });
   return fmt::format(
       "{{\"model\": \"{}\", \"dtype\": \"{}\", \"quantization\": \"{}\", \"weight_bytes\": {}, "
       "\"prefill_512_tokens_per_sec\": {:.1f}, \"decode_batch1_tokens_per_sec\": {:.2f}, "

@@ -227,7 +227,6 @@ void Graph::set_vocab_part(const Tensor& table, int64_t first, int64_t vocab) {
                std::to_string(vocab) + " tokens");
   impl_->vocab_table = table;
   impl_->vocab_first = first;
-  impl_->vocab_total = vocab;
 }
 
 bool Graph::vocab_parallel() const {

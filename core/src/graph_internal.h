@@ -158,7 +158,7 @@ struct Graph::Impl {
   size_t replay_pos = 0;
   // Graph::set_vocab_part: this rank's rows of the embedding and where they start.
   Tensor vocab_table;
-  int64_t vocab_first = 0, vocab_total = 0;
+  int64_t vocab_first = 0;
   // Graph::count_tensor_collectives (the memory plan's trace), passed on to remat's graphs.
   double* planned_sum_bytes = nullptr;
   double* planned_gather_bytes = nullptr;

@@ -511,16 +511,14 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
                          static_cast<double>(c.moe_layers * c.micro_batches) *
                          (static_cast<double>(c.gathers) * forward + backward);
       }
-      // Tensor parallelism: per layer and micro-batch, the attention and MLP outputs summed
-      // over the group in the forward and their inputs' gradients in the backward (and the
-      // forward's two again when remat re-runs the layer), [B, T, d] in f32 each.
+      // Tensor parallelism: the sums and all-gathers the trace made (TrainingPlan), each
+      // activation [B, T, d] in f32.
       c.tensor = mesh.tensor;
       if (c.tensor > 1) {
-        // As the trace made them: each block's split projections summed forward (again when
-        // remat re-runs it) and their input's gradient backward, and with vocab:tensor the
-        // embedding's lookup, the LM head's input gradient and the loss's all-gather.
-        const auto rules = cfg.get_string_list("logical_axis_rules");
-        c.vocab = std::find(rules.begin(), rules.end(), "vocab:tensor") != rules.end();
+        // Each block's split projections summed forward (again when remat re-runs it) and
+        // their input's gradient backward; with vocab:tensor also the embedding's lookup, the
+        // LM head's input gradient and the loss's all-gather (the only all-gather).
+        c.vocab = plan.train->tensor_gather_bytes > 0;
         c.tensor_sum_bytes =
             static_cast<size_t>(cfg.get_int("per_device_batch_size") *
                                 cfg.get_int("max_target_length") * dims.d_model * 4);

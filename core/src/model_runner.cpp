@@ -582,18 +582,17 @@ void ModelRunner::split_for_tensor_parallelism(const Config& cfg) {
   // holds this rank's rows, which the graph's lookup, LM head and loss work on
   // (Graph::set_vocab_part); anything else split along the vocabulary needs it.
   std::string other;
+  bool any = false;
   for (size_t i = 0; i < params_.size(); ++i) {
     const Param& p = params_[i];
     if (p.tensor_dim < 0 || p.spec.axes[static_cast<size_t>(p.tensor_dim)] != "vocab") continue;
+    any = true;
     if (i < num_top_ && p.name == "embedding" && p.tensor_dim == 0 && p.spec.shape.size() == 2)
       vocab_param_ = static_cast<int64_t>(i);
     else if (p.name != "lm_head")
       other = p.name;
   }
-  if (!other.empty() ||
-      (vocab_param_ < 0 && std::any_of(params_.begin(), params_.end(), [](const Param& p) {
-         return p.tensor_dim >= 0 && p.spec.axes[static_cast<size_t>(p.tensor_dim)] == "vocab";
-       })))
+  if (!other.empty() || (any && vocab_param_ < 0))
     throw UsageError(
         "logical_axis_rules puts 'vocab' on the tensor axis, but " + cfg.get_string("model_name") +
         " (" + cfg.get_string("decoder_block") + " family) splits " +
@@ -841,6 +840,7 @@ Tensor ModelRunner::run_layers(Graph& g, const std::vector<Tensor>& ps, const Te
   if (tensor_.on()) g.set_tensor_group(tensor_.group, &comm_seconds_);
   if (tensor_.on() && !tensor_.group)
     g.count_tensor_collectives(&planned_sum_bytes_, &planned_gather_bytes_);
+  mark_vocab_part(g, ps);  // vocab:tensor: the graph's lookup, LM head and loss work on parts
   // Expert parallelism: the MoE blocks gather the group's tokens for their experts.
   if (expert_.on()) g.set_expert_group(expert_.group, expert_.ranks, expert_.rank);
   Tensor x = model_->embed_at(g, top_params(ps), tokens, in.positions);
@@ -862,7 +862,6 @@ Tensor ModelRunner::loss(Graph& g, const DeviceBatch& batch, float z_loss, doubl
   std::vector<AuxLoss> aux;
   settle_fsdp_queue();  // no gather started before this pass (of older weights) is used
   const std::vector<Tensor> ps = compute_params(g);
-  mark_vocab_part(g, ps);
   const Params top = top_params(ps);
   const Tensor hidden =
       run_layers(g, ps, batch.inputs, in, nullptr, aux_values ? &aux : nullptr, stats);

@@ -793,13 +793,16 @@ struct FwdScratch {
         vw(kw + kBK * D) {}
 };
 
-// dst [n, D] (contiguous) = the bf16 rows src + c * ld, c < n, widened.
-MT_CLONES void widen_rows(const uint16_t* src, int64_t ld, int64_t n, int64_t D, float* dst) {
-  constexpr int64_t kAhead = 8;  // rows prefetched ahead (decode reads the cache from memory)
+// dst [n, D] (contiguous) = the bf16 rows src + c * ld, c < n, widened. Rows up to `rows` (>= n:
+// the valid rows from src on, the next blocks' too) are prefetched 8 ahead, as decode reads the
+// cache from memory.
+MT_CLONES void widen_rows(const uint16_t* src, int64_t ld, int64_t n, int64_t rows, int64_t D,
+                          float* dst) {
+  constexpr int64_t kAhead = 8;
   for (int64_t c = 0; c < n; ++c) {
-    const uint16_t* ahead = src + (c + kAhead) * ld;
-    for (int64_t b = 0; b < D * 2; b += 64)
-      __builtin_prefetch(reinterpret_cast<const char*>(ahead) + b);
+    if (c + kAhead < rows)
+      for (int64_t b = 0; b < D * 2; b += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(src + (c + kAhead) * ld) + b);
     for (int64_t d = 0; d < D; ++d) dst[c * D + d] = bf16_to_f32(src[c * ld + d]);
   }
 }
@@ -831,7 +834,7 @@ MT_CLONES void forward_block(const Kernels& kn, const Params& p, const HeadFwd& 
     }
     const float* kb = h.k16 ? w.kw : h.k + j0 * h.ldkv;
     const int64_t ldk = h.k16 ? D : h.ldkv;
-    if (h.k16) widen_rows(h.k16 + j0 * h.ldkv, h.ldkv, nk, D, w.kw);
+    if (h.k16) widen_rows(h.k16 + j0 * h.ldkv, h.ldkv, nk, hi - j0, D, w.kw);
     if (nr < kDirectRows) {
       kn.abt_direct(w.qs, D, nr, kb, ldk, nk, D, w.s);
     } else {
@@ -869,7 +872,7 @@ MT_CLONES void forward_block(const Kernels& kn, const Params& p, const HeadFwd& 
       w.l[r] += sum;
     }
     if (h.v16) {
-      widen_rows(h.v16 + j0 * h.ldkv, h.ldkv, nk, D, w.vw);
+      widen_rows(h.v16 + j0 * h.ldkv, h.ldkv, nk, hi - j0, D, w.vw);
       kn.acc(w.acc, D, nr, w.s, kBK, 1, w.vw, D, nk, D);
     } else {
       kn.acc(w.acc, D, nr, w.s, kBK, 1, h.v + j0 * h.ldkv, h.ldkv, nk, D);
