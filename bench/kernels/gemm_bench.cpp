@@ -485,6 +485,8 @@ BENCHMARK(BM_MatVecStream)
     ->ArgsProduct({{2048}, {768}, {0, 1}, {0, 1}})
     ->ArgsProduct({{2048}, {5632}, {0, 1}, {0, 1}})
     ->ArgsProduct({{768, 2048}, {768, 2048, 5632}, {1}, {2}})
+    ->ArgsProduct({{2048}, {2048, 32000}, {1}, {0, 1}})  // llama-bench-1b's q/k/v/o and LM head
+    ->ArgsProduct({{5632}, {2048}, {1}, {0, 1}})         // and its down projection
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 

@@ -2,7 +2,9 @@
 //   mt bench train [--model=NAME] [key=value ...]   (default: configuration M, llama-bench-m)
 //     one JSON object: tokens/s, model TFLOP/s and MFU of a short synthetic training run.
 //   mt bench decode [--model=NAME] [steps=N] [dtypes=float32,bfloat16]
-//                                                   prefill and decode throughput (M and ~1B).
+//   [parts=batch8,prefill,batch1]
+//                                                   prefill and decode throughput (M and ~1B);
+//     parts= runs only those (the others print null), e.g. parts=batch1 for a quick decode.
 //   mt bench gemm [--model=NAME] [shapes=MxKxN,...] [key=value ...]
 //     one JSON line per product c[M, N] = a[M, K] @ b[K, N] through Backend::matmul: median ms
 //     and TFLOP/s. Default shapes: a transformer's projections (attention, MLP up and down, LM
@@ -169,8 +171,12 @@ int bench_train(Args args) {
 
 // One model and dtype: prefill of 512-token prompts, decode at batch 1 and 8 (random weights:
 // throughput does not depend on their values).
+struct DecodeParts {
+  bool batch8 = true, prefill = true, batch1 = true;
+};
+
 std::string bench_decode_one(Args args, const std::string& model, const std::string& dtype,
-                             int64_t steps) {
+                             int64_t steps, DecodeParts parts) {
   args.model = model;
   args.overrides.insert(args.overrides.begin(),
                         {"dtype=" + dtype, "weight_dtype=" + dtype, "max_target_length=1024"});
@@ -245,7 +251,7 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
     return bytes;
   };
   // Whether decode steps replay a recording (CUDA graphs; Decoder::step_recording), per batch.
-  std::string recording[2];
+  std::string recording[2] = {"not run", "not run"};
   auto decode = [&](int64_t batch, double* bytes_per_s) {
     Decoder dec(r, batch, 1024);
     std::vector<int32_t> next(static_cast<size_t>(batch));
@@ -283,18 +289,25 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
                    dtype.c_str(), part, r.profiler()->report().c_str());
     return v;
   };
-  const double b8 = profiled("batch 8", [&] { return decode(8, nullptr); });
+  // A part left out of parts= prints null.
+  auto figure = [](bool ran, double v, int digits) {
+    return ran ? fmt::format("{:.{}f}", v, digits) : std::string("null");
+  };
+  const double b8 = parts.batch8 ? profiled("batch 8", [&] { return decode(8, nullptr); }) : 0;
   if (r.rows_layout_pays(1)) r.transpose_projections();
-  const double prefill_tps = profiled("prefill of 512 tokens (4 prompts)", measure_prefill);
+  const double prefill_tps =
+      parts.prefill ? profiled("prefill of 512 tokens (4 prompts)", measure_prefill) : 0;
   double bw = 0;
-  const double b1 = profiled("batch 1", [&] { return decode(1, &bw); });
+  const double b1 = parts.batch1 ? profiled("batch 1", [&] { return decode(1, &bw); }) : 0;
   return fmt::format(
       "{{\"model\": \"{}\", \"dtype\": \"{}\", \"quantization\": \"{}\", \"weight_bytes\": {}, "
-      "\"prefill_512_tokens_per_sec\": {:.1f}, \"decode_batch1_tokens_per_sec\": {:.2f}, "
-      "\"decode_batch1_bytes_per_sec\": {:.4g}, \"decode_batch8_tokens_per_sec\": {:.2f}, "
+      "\"prefill_512_tokens_per_sec\": {}, \"decode_batch1_tokens_per_sec\": {}, "
+      "\"decode_batch1_bytes_per_sec\": {}, \"decode_batch8_tokens_per_sec\": {}, "
       "\"kv_cache\": \"{}\", \"kv_cache_bytes_per_token\": {:.0f}, "
       "\"decode_weight_bytes_per_token\": {:.4g}, \"decode_steps\": \"batch 1 {}, batch 8 {}\"}}",
-      model, dtype, cfg.get_string("quantization"), weight_bytes, prefill_tps, b1, bw, b8,
+      model, dtype, cfg.get_string("quantization"), weight_bytes,
+      figure(parts.prefill, prefill_tps, 1), figure(parts.batch1, b1, 2),
+      parts.batch1 ? fmt::format("{:.4g}", bw) : std::string("null"), figure(parts.batch8, b8, 2),
       kq.on ? (kq.per_head ? "int8 (dkv)" : "int8 (heads_and_dkv)") : dtype, cache_bytes_per_token,
       step_bytes, recording[0], recording[1]);
 }
@@ -340,6 +353,20 @@ int bench_decode(const Args& args) {
         throw UsageError("mt bench decode: dtypes=" + *v + " names '" + d +
                          "'; it takes float32, bfloat16 or both, comma-separated.");
   }
+  DecodeParts parts;
+  if (const auto v = take_key(rest.overrides, "parts")) {
+    parts = DecodeParts{false, false, false};
+    for (const auto& part : split(*v, ','))
+      if (part == "batch8")
+        parts.batch8 = true;
+      else if (part == "prefill")
+        parts.prefill = true;
+      else if (part == "batch1")
+        parts.batch1 = true;
+      else
+        throw UsageError("mt bench decode: parts=" + *v + " names '" + part +
+                         "'; it takes batch8, prefill and batch1, comma-separated.");
+  }
   const double triad = triad_bytes_per_sec();
   double peak = 0;
   {
@@ -357,7 +384,7 @@ int bench_decode(const Args& args) {
   for (const auto& m : models)
     for (const auto& dt : dtypes) {
       std::fprintf(stderr, "mt bench decode: %s %s...\n", m.c_str(), dt.c_str());
-      out += std::string(first ? "" : ", ") + bench_decode_one(rest, m, dt, steps);
+      out += std::string(first ? "" : ", ") + bench_decode_one(rest, m, dt, steps, parts);
       first = false;
     }
   std::printf("%s]}\n", out.c_str());

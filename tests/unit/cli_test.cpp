@@ -97,6 +97,15 @@ TEST(Cli, BenchPrintsOneJsonObject) {
   r = mt_cmd("bench decode --model=llama-test dtypes=f16 2>&1");
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_NE(r.out.find("dtypes=f16 names 'f16'"), std::string::npos) << r.out;
+  // parts= runs only the parts named; the others print null.
+  r = mt_cmd("bench decode --model=llama-test steps=2 dtypes=float32 parts=batch1 2>/dev/null");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("\"prefill_512_tokens_per_sec\": null"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\"decode_batch8_tokens_per_sec\": null"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("\"decode_batch1_tokens_per_sec\": null"), std::string::npos) << r.out;
+  r = mt_cmd("bench decode --model=llama-test parts=batch2 2>&1");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("parts=batch2 names 'batch2'"), std::string::npos) << r.out;
   // quantization=int8: the same runs on int8 projection weights, a quarter of f32's bytes and
   // said in the line; MaxText's other modes and training with it are refused.
   r = mt_cmd(
