@@ -29,7 +29,8 @@
 #   MT_BUILD    mt's build directory (default build)
 #   PYTHON      the Python for the converter (default .venv-tf5 if it imports torch, else python3)
 #   THREADS     threads of both (default 2)
-#   REPS        interleaved repetitions (default 3); each llama-bench call times one run
+#   REPS        interleaved repetitions (default 3: each dtype's mt run beside its llama.cpp
+#               run, mt first in odd repetitions); each llama-bench call times one run
 #               (-r 1) after its own warm-up, as mt times one prefill after one
 #   STEPS       decode steps timed (default 16: mt's steps=, llama-bench's -n)
 #   DTYPES      which of "float32 bfloat16 int8" to run (default "float32 bfloat16"; one of the
@@ -176,33 +177,37 @@ for line in sys.stdin:
 ' "$@"
 }
 
-# mt's runs: its float dtypes in one call, int8 in one of its own.
-mt_float=() mt_int8=0
-for dt in "${dtypes[@]}"; do
-  if [ "$dt" = int8 ]; then mt_int8=1; else mt_float+=("$dt"); fi
-done
-mt_runs=()
-if [ ${#mt_float[@]} -gt 0 ]; then
-  mt_runs+=("dtypes=$(IFS=,; echo "${mt_float[*]}")")
-fi
-[ "$mt_int8" = 1 ] && mt_runs+=("dtypes=bfloat16 quantization=int8")
+# One dtype at a time, each peer's run right beside the other's (the machine's bandwidth moves
+# between minutes: mt's three dtypes in one go, then llama.cpp's, put the two runs of a dtype
+# minutes apart), and the order alternates between repetitions so a drift favours neither.
+mt_run() {  # model words..., then the dtype
+  local dt=${*: -1} extra
+  case $dt in int8) extra=(dtypes=bfloat16 quantization=int8) ;; *) extra=(dtypes="$dt") ;; esac
+  env "${mt_env[@]}" "$mt" bench decode "${@:1:$#-1}" "${extra[@]}" num_threads="$threads" \
+    steps="$steps" 2>> "$work/mt.log" | tag mt "$m" "$rep" "$isa" | tee -a "$results" ||
+    say "{\"peer\": \"mt\", \"model\": \"$m\", \"dtype\": \"$dt\", \"failed\": \"see $work/mt.log\"}"
+}
+lc_run() {  # the dtype
+  local dt=$1 g gguf
+  [ -n "${gguf_dir[$m]:-}" ] || return 0
+  case $dt in float32) g=f32 ;; bfloat16) g=bf16 ;; *) g=q8_0 ;; esac
+  gguf=${gguf_dir[$m]}/$g.gguf
+  { "$llama_bench" -m "$gguf" -p 512 -n 0 -t "$threads" -r 1 -o jsonl &&
+    "$llama_bench" -m "$gguf" -p 0 -n "$steps" -d 128 -t "$threads" -r 1 -o jsonl; } \
+    2>> "$work/llama-bench.log" | tag llama.cpp "$m" "$rep" "$isa" "$dt" | tee -a "$results" ||
+    say "{\"peer\": \"llama.cpp\", \"model\": \"$m\", \"dtype\": \"$dt\", \"failed\": \"see $work/llama-bench.log\"}"
+}
 for rep in $(seq "$reps"); do
   for m in "${models[@]}"; do
     mapfile -t words < <(mt_words "$m")
-    for run in "${mt_runs[@]}"; do
-      read -r -a extra <<< "$run"
-      env "${mt_env[@]}" "$mt" bench decode "${words[@]}" "${extra[@]}" num_threads="$threads" steps="$steps" \
-        2>> "$work/mt.log" | tag mt "$m" "$rep" "$isa" | tee -a "$results" ||
-        say "{\"peer\": \"mt\", \"model\": \"$m\", \"failed\": \"see $work/mt.log\"}"
-    done
-    [ -n "${gguf_dir[$m]:-}" ] || continue
     for dt in "${dtypes[@]}"; do
-      case $dt in float32) g=f32 ;; bfloat16) g=bf16 ;; *) g=q8_0 ;; esac
-      gguf=${gguf_dir[$m]}/$g.gguf
-      { "$llama_bench" -m "$gguf" -p 512 -n 0 -t "$threads" -r 1 -o jsonl &&
-        "$llama_bench" -m "$gguf" -p 0 -n "$steps" -d 128 -t "$threads" -r 1 -o jsonl; } \
-        2>> "$work/llama-bench.log" | tag llama.cpp "$m" "$rep" "$isa" "$dt" | tee -a "$results" ||
-        say "{\"peer\": \"llama.cpp\", \"model\": \"$m\", \"dtype\": \"$dt\", \"failed\": \"see $work/llama-bench.log\"}"
+      if [ $((rep % 2)) = 1 ]; then
+        mt_run "${words[@]}" "$dt"
+        lc_run "$dt"
+      else
+        lc_run "$dt"
+        mt_run "${words[@]}" "$dt"
+      fi
     done
   done
 done
