@@ -33,8 +33,8 @@
 #               run, mt first in odd repetitions); each llama-bench call times one run
 #               (-r 1) after its own warm-up, as mt times one prefill after one
 #   STEPS       decode steps timed (default 16: mt's steps=, llama-bench's -n)
-#   DTYPES      which of "float32 bfloat16 int8" to run (default "float32 bfloat16"; one of the
-#               first two alone is passed to mt as its bench decode's dtypes=). int8: mt's
+#   DTYPES      which of "float32 bfloat16 int8" to run (default "float32 bfloat16"; each is
+#               one mt bench decode run of its own, dtypes=<it>). int8: mt's
 #               quantization=int8 (bfloat16 compute) against llama.cpp's q8_0 GGUF of the same
 #               weights
 #   WORK        where llama.cpp's build, the weights and results.jsonl go (default
@@ -180,14 +180,15 @@ for line in sys.stdin:
 # One dtype at a time, each peer's run right beside the other's (the machine's bandwidth moves
 # between minutes: mt's three dtypes in one go, then llama.cpp's, put the two runs of a dtype
 # minutes apart), and the order alternates between repetitions so a drift favours neither.
-mt_run() {  # model words..., then the dtype
-  local dt=${*: -1} extra
+# Both read the loop's model ($m, its words) and repetition ($rep); they take the dtype.
+mt_run() {
+  local dt=$1 extra
   case $dt in int8) extra=(dtypes=bfloat16 quantization=int8) ;; *) extra=(dtypes="$dt") ;; esac
-  env "${mt_env[@]}" "$mt" bench decode "${@:1:$#-1}" "${extra[@]}" num_threads="$threads" \
+  env "${mt_env[@]}" "$mt" bench decode "${words[@]}" "${extra[@]}" num_threads="$threads" \
     steps="$steps" 2>> "$work/mt.log" | tag mt "$m" "$rep" "$isa" | tee -a "$results" ||
     say "{\"peer\": \"mt\", \"model\": \"$m\", \"dtype\": \"$dt\", \"failed\": \"see $work/mt.log\"}"
 }
-lc_run() {  # the dtype
+lc_run() {
   local dt=$1 g gguf
   [ -n "${gguf_dir[$m]:-}" ] || return 0
   case $dt in float32) g=f32 ;; bfloat16) g=bf16 ;; *) g=q8_0 ;; esac
@@ -202,11 +203,11 @@ for rep in $(seq "$reps"); do
     mapfile -t words < <(mt_words "$m")
     for dt in "${dtypes[@]}"; do
       if [ $((rep % 2)) = 1 ]; then
-        mt_run "${words[@]}" "$dt"
+        mt_run "$dt"
         lc_run "$dt"
       else
         lc_run "$dt"
-        mt_run "${words[@]}" "$dt"
+        mt_run "$dt"
       fi
     done
   done
@@ -222,23 +223,23 @@ for r in runs:
     if "dtype" not in r or ("failed" in r) or ("skipped" in r):
         continue
     d = by.setdefault((r["model"], r["dtype"]), {})
-    rep = d.setdefault("by_rep", {}).setdefault(r.get("rep"), {})
+    rep = d.setdefault("by_rep", {}).setdefault(r.get("rep"), {})  # one run of each a rep
     if r["peer"] == "mt":
-        d.setdefault("mt_prefill", []).append(r["prefill_512_tokens_per_sec"])
-        d.setdefault("mt_decode", []).append(r["decode_batch1_tokens_per_sec"])
         rep["mt_prefill"] = r["prefill_512_tokens_per_sec"]
         rep["mt_decode"] = r["decode_batch1_tokens_per_sec"]
         d["mt_weight_bytes"] = r["weight_bytes"]
     elif r["test"] == "pp512":
-        d.setdefault("lc_prefill", []).append(r["tokens_per_sec"])
         rep["lc_prefill"] = r["tokens_per_sec"]
         d["llamacpp_params"] = r["model_n_params"]
     elif r["test"] == tg:
-        d.setdefault("lc_decode", []).append(r["tokens_per_sec"])
         rep["lc_decode"] = r["tokens_per_sec"]
 for (model, dtype), d in by.items():
-    med = {k: statistics.median(v) for k, v in d.items() if isinstance(v, list)}
-    best = {k: max(v) for k, v in d.items() if isinstance(v, list)}
+    series = {}  # each figure's runs, from the reps
+    for x in d["by_rep"].values():
+        for k, v in x.items():
+            series.setdefault(k, []).append(v)
+    med = {k: statistics.median(v) for k, v in series.items()}
+    best = {k: max(v) for k, v in series.items()}
     out = {"summary": "decode tokens/s, medians and best runs", "model": model, "dtype": dtype,
            "isa": isa}
     if "mt_weight_bytes" in d and dtype != "int8":  # int8 mixes int8 rows and bf16 tensors
@@ -261,6 +262,6 @@ for (model, dtype), d in by.items():
                      if f"mt_{what}" in x and f"lc_{what}" in x]
             if pairs:
                 out[f"paired_mt_over_llamacpp_{name}"] = round(statistics.median(pairs), 3)
-    out["runs"] = {k: len(v) for k, v in d.items() if isinstance(v, list)}
+    out["runs"] = {k: len(v) for k, v in series.items()}
     print(json.dumps(out))
 PY

@@ -169,12 +169,13 @@ int bench_train(Args args) {
   return 0;
 }
 
-// One model and dtype: prefill of 512-token prompts, decode at batch 1 and 8 (random weights:
-// throughput does not depend on their values).
+// Which parts `mt bench decode` runs (parts=; all by default).
 struct DecodeParts {
   bool batch8 = true, prefill = true, batch1 = true;
 };
 
+// One model and dtype: prefill of 512-token prompts, decode at batch 1 and 8 (random weights:
+// throughput does not depend on their values).
 std::string bench_decode_one(Args args, const std::string& model, const std::string& dtype,
                              int64_t steps, DecodeParts parts) {
   args.model = model;
@@ -290,9 +291,7 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
     return v;
   };
   // A part left out of parts= prints null.
-  auto figure = [](bool ran, double v, int digits) {
-    return ran ? fmt::format("{:.{}f}", v, digits) : std::string("null");
-  };
+  auto figure = [](bool ran, std::string text) { return ran ? text : std::string("null"); };
   const double b8 = parts.batch8 ? profiled("batch 8", [&] { return decode(8, nullptr); }) : 0;
   if (r.rows_layout_pays(1)) r.transpose_projections();
   const double prefill_tps =
@@ -306,8 +305,10 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
       "\"kv_cache\": \"{}\", \"kv_cache_bytes_per_token\": {:.0f}, "
       "\"decode_weight_bytes_per_token\": {:.4g}, \"decode_steps\": \"batch 1 {}, batch 8 {}\"}}",
       model, dtype, cfg.get_string("quantization"), weight_bytes,
-      figure(parts.prefill, prefill_tps, 1), figure(parts.batch1, b1, 2),
-      parts.batch1 ? fmt::format("{:.4g}", bw) : std::string("null"), figure(parts.batch8, b8, 2),
+      figure(parts.prefill, fmt::format("{:.1f}", prefill_tps)),
+      figure(parts.batch1, fmt::format("{:.2f}", b1)),
+      figure(parts.batch1, fmt::format("{:.4g}", bw)),
+      figure(parts.batch8, fmt::format("{:.2f}", b8)),
       kq.on ? (kq.per_head ? "int8 (dkv)" : "int8 (heads_and_dkv)") : dtype, cache_bytes_per_token,
       step_bytes, recording[0], recording[1]);
 }

@@ -156,8 +156,8 @@ Tensor T(const Shape& s, const std::vector<float>& v, DType dt = DType::f32) {
 
 // Blocks of 2 MiB or more start on a huge-page boundary and are advised for transparent huge
 // pages (a decode step streams its weights; 4 KiB pages cost it ~20% of its read bandwidth):
-// the kernel's own view of the block (/proc/self/smaps) says it may get them. Smaller blocks
-// are left alone. Where the kernel has THP off, only the alignment is checked.
+// the kernel's own view of the block (/proc/self/smaps) says it may get them. Where the kernel
+// has THP off, only the alignment is checked.
 TEST(Memory, LargeBlocksAreAdvisedForHugePages) {
   Tensor big = B().empty({3 << 20}, DType::f32);  // 12 MiB
   B().fill(big, 1.f);
