@@ -64,6 +64,27 @@ std::vector<Tensor> Graph::split(const Tensor& x, const std::vector<int64_t>& si
   MT_CHECK(ok && total == x.dim(-1), "split: sizes [" + list + "] of x " + x.str() +
                                          " (want sizes >= 0 summing to its last dimension)");
   std::vector<Tensor> pieces;
+  // One row not differentiated (a decode step of one sequence, its fused projection's output):
+  // the pieces are views of x where each starts 16-byte aligned (the kernels' wide loads), no
+  // copies.
+  if (x.numel() == x.dim(-1) && !(record_ && tracked(x))) {
+    const size_t elt = dtype_size(x.dtype());
+    bool aligned = true;
+    int64_t at = 0;
+    for (int64_t s : sizes) {
+      aligned = aligned && (static_cast<size_t>(at) * elt) % 16 == 0;
+      at += s;
+    }
+    if (aligned) {
+      const Tensor flat = x.view({x.numel()});
+      at = 0;
+      for (int64_t s : sizes) {
+        pieces.push_back(flat.slice0(at, at + s).view(with_last(x.shape(), s)));
+        at += s;
+      }
+      return pieces;
+    }
+  }
   std::vector<int64_t> cols;
   int64_t col = 0;
   for (int64_t s : sizes) {

@@ -100,6 +100,40 @@ std::vector<float> rand_vec(int64_t n, std::mt19937_64& rng, float stddev = 1.f)
 
 // ---- split and concat ---------------------------------------------------------------------------
 
+// One row not differentiated (a decode step of one sequence): the pieces are views of x where
+// each starts 16-byte aligned, else copies; a tracked row is copied and differentiated.
+TEST(GraphOps, SplitOfOneRowIsViewsWhereAligned) {
+  MT_SEEDED_RNG(rng);
+  Backend& be = test::cpu();
+  const std::vector<float> xv = rand_vec(16, rng);
+  Graph plain(be, false);
+  const Tensor x = test::from_vector(be, {1, 1, 16}, xv);
+  const auto base = static_cast<const char*>(x.data());
+  for (const std::vector<int64_t>& sizes :
+       std::vector<std::vector<int64_t>>{{8, 4, 4}, {4, 0, 12}, {3, 13}, {4, 3, 9}}) {
+    const bool aligned = sizes[0] % 4 == 0 && (sizes[0] + sizes[1]) % 4 == 0;
+    const std::vector<Tensor> p = plain.split(x, sizes);
+    int64_t at = 0;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      EXPECT_EQ(p[i].shape(), (Shape{1, 1, sizes[i]}));
+      if (sizes[i] > 0) {
+        if (aligned)
+          EXPECT_EQ(static_cast<const char*>(p[i].data()), base + at * 4) << i;
+        else
+          EXPECT_NE(static_cast<const char*>(p[i].data()), base + at * 4) << i;
+      }
+      EXPECT_EQ(test::to_vector(p[i]),
+                std::vector<float>(xv.begin() + at, xv.begin() + at + sizes[i]));
+      at += sizes[i];
+    }
+  }
+  check_gradients(
+      [](Graph& g, const std::vector<Tensor>& in) {
+        return g.split(in[0], {8, 8});
+      },
+      {{1, 1, 16}}, {xv}, rng);
+}
+
 TEST(GraphOps, SplitForwardAndGradients) {
   MT_SEEDED_RNG(rng);
   Backend& be = test::cpu();
