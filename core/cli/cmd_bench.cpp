@@ -280,7 +280,9 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
   // As mt decode stores the weights: [K, N] for 8 sequences (and the prefill above) unless
   // transposing pays for them too, the projections transposed for one
   // (ModelRunner::rows_layout_pays, transpose_projections).
+  // q/k/v and gate/up as one product each where they are rows (ModelRunner::fuse_projections).
   if (r.rows_layout_pays(8)) r.transpose_projections();
+  r.fuse_projections();
   // profile=true: each part's time per op (the profiler reset before it).
   auto profiled = [&](const char* part, auto&& run) {
     if (r.profiler()) const_cast<ProfilingBackend*>(r.profiler())->reset();
@@ -293,7 +295,10 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
   // A part left out of parts= prints null.
   auto figure = [](bool ran, std::string text) { return ran ? text : std::string("null"); };
   const double b8 = parts.batch8 ? profiled("batch 8", [&] { return decode(8, nullptr); }) : 0;
-  if (r.rows_layout_pays(1)) r.transpose_projections();
+  if (r.rows_layout_pays(1)) {
+    r.transpose_projections();
+    r.fuse_projections();
+  }
   const double prefill_tps =
       parts.prefill ? profiled("prefill of 512 tokens (4 prompts)", measure_prefill) : 0;
   double bw = 0;

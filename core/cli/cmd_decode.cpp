@@ -234,7 +234,9 @@ int cmd_decode(const Args& args) {
   // the projection weights transposed ([N, K]). More rows per step are bound by arithmetic,
   // which the [K, N] kernels do faster (llama-bench-m, 8 rows: 1.4-1.7x), as is the prefill,
   // unless bf16 rows run on dot products (ModelRunner::rows_layout_pays).
+  // Then q/k/v and gate/up as one product each where they are rows (transposed or int8).
   if (in.runner->rows_layout_pays(prompts.size())) in.runner->transpose_projections();
+  in.runner->fuse_projections();
   const GenerateResult r = generate(*in.runner, prompts, max_len, sp, in.stop_ids, on_token);
   if (ids_given) {
     std::string line;

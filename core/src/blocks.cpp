@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "fused_projections.h"
 #include "mt/comm.h"
 #include "mt/error.h"
 #include "mt/graph.h"
@@ -29,6 +30,35 @@ Tensor linear(Graph& g, const Params& p, const std::string& w, const std::string
               const Tensor& x, bool bias) {
   Tensor y = g.project(x, p, w);
   return bias ? add_bias(g, y, p[b]) : y;
+}
+
+// x @ w + b for each projection weight w of `ws` (and bias b of `bs` when `bias`), which read
+// the same x: for up to 8 rows of x (decode steps), one product where inference stored them as
+// one tensor of rows, which p holds under their joined name (ModelRunner::fuse_projections), its
+// columns split into the outputs; otherwise one product each. (On an H200, llama-bench-1b bf16:
+// fused, decode at batch 1 gained 11% and at batch 8 3%, but a 512-token prefill lost 15%.)
+// `whole` (optional): set to the fused product before its split (undefined when not fused).
+std::vector<Tensor> linear_each(Graph& g, const Params& p, const std::string& prefix,
+                                const std::vector<std::string_view>& ws,
+                                const std::vector<std::string_view>& bs, const Tensor& x, bool bias,
+                                Tensor* whole = nullptr) {
+  constexpr int64_t kFusedRows = 8;
+  std::vector<Tensor> ys;
+  const std::string fused = fused_projection_name(prefix, ws);
+  // The fused tensor is held only where fused (transposed or int8 rows).
+  if (x.numel() <= kFusedRows * x.dim(-1) && p.layout(fused) != WeightLayout::dense) {
+    std::vector<int64_t> sizes;
+    for (auto w : ws) sizes.push_back(p.shape(prefix + std::string(w)).back());
+    const Tensor y = g.project(x, p, fused);
+    ys = g.split(y, sizes);
+    if (whole) *whole = y;
+  } else {
+    for (auto w : ws) ys.push_back(g.project(x, p, prefix + std::string(w)));
+  }
+  if (bias)
+    for (size_t i = 0; i < ys.size(); ++i)
+      ys[i] = add_bias(g, ys[i], p[prefix + std::string(bs[i])]);
+  return ys;
 }
 
 // A row-parallel projection (wo, w_down): under tensor parallelism each rank holds some rows of
@@ -161,17 +191,28 @@ Tensor attention(Graph& g, const Params& p, const AttentionBlockSpec& s, const T
   const int64_t heads = p.shape(prefix + "wq").back() / s.head_dim;
   const int64_t kv_heads = p.shape(prefix + "wk").back() / s.head_dim;
   const Tensor xin = g.tensor_parallel_input(x);
-  Tensor q = g.reshape(linear(g, p, prefix + "wq", prefix + "bq", xin, s.qkv_bias),
-                       {b, t, heads, s.head_dim});
-  Tensor k = g.reshape(linear(g, p, prefix + "wk", prefix + "bk", xin, s.qkv_bias),
-                       {b, t, kv_heads, s.head_dim});
-  Tensor v =
-      g.reshape(linear(g, p, prefix + "wv", prefix + "bv", xin, s.qkv_bias), {b, t, kv_heads, dv});
+  Tensor whole;
+  const std::vector<Tensor> qkv =
+      linear_each(g, p, prefix, {"wq", "wk", "wv"}, {"bq", "bk", "bv"}, xin, s.qkv_bias, &whole);
+  Tensor q = g.reshape(qkv[0], {b, t, heads, s.head_dim});
+  Tensor k = g.reshape(qkv[1], {b, t, kv_heads, s.head_dim});
+  Tensor v = g.reshape(qkv[2], {b, t, kv_heads, dv});
   if (s.qk_norm) {
     q = head_norm(g, p, prefix + "q_norm", q, s.qk_norm_spec);
     k = head_norm(g, p, prefix + "k_norm", k, s.qk_norm_spec);
   }
-  if (s.use_rope) {
+  if (s.use_rope && whole.defined() && b * t == 1 && !s.qk_norm && !s.qkv_bias) {
+    // One token's fused q/k/v: q and k lie side by side in its row, so one rope over their
+    // heads together rotates both (split as views of one row: no copies), one launch instead of
+    // two in a decode step.
+    const int64_t nq = heads * s.head_dim, nk = kv_heads * s.head_dim;
+    const Tensor qk = g.split(whole, {nq + nk, whole.dim(-1) - nq - nk})[0];
+    const Tensor r =
+        g.rope(g.reshape(qk, {b, t, heads + kv_heads, s.head_dim}), in.positions, s.rope);
+    const std::vector<Tensor> rq = g.split(g.reshape(r, {b, t, nq + nk}), {nq, nk});
+    q = g.reshape(rq[0], {b, t, heads, s.head_dim});
+    k = g.reshape(rq[1], {b, t, kv_heads, s.head_dim});
+  } else if (s.use_rope) {
     q = g.rope(q, in.positions, s.rope);
     k = g.rope(k, in.positions, s.rope);
   }
@@ -415,9 +456,10 @@ Tensor mlp(Graph& g, const Params& p, const MlpSpec& s, const Tensor& x,
   // Under tensor parallelism this rank computes its hidden columns and its part of the output.
   const Tensor xin = g.tensor_parallel_input(x);
   if (s.gated) {
-    Tensor gate = linear(g, p, prefix + "w_gate", prefix + "b_gate", xin, s.bias);
-    Tensor up = linear(g, p, prefix + "w_up", prefix + "b_up", xin, s.bias);
-    return row_linear(g, p, prefix + "w_down", prefix + "b_down", g.gated(s.act, gate, up), s.bias);
+    const std::vector<Tensor> gate_up =
+        linear_each(g, p, prefix, {"w_gate", "w_up"}, {"b_gate", "b_up"}, xin, s.bias);
+    return row_linear(g, p, prefix + "w_down", prefix + "b_down",
+                      g.gated(s.act, gate_up[0], gate_up[1]), s.bias);
   }
   Tensor h = g.activation(s.act, linear(g, p, prefix + "w_in", prefix + "b_in", xin, s.bias));
   return row_linear(g, p, prefix + "w_out", prefix + "b_out", h, s.bias);

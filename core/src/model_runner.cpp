@@ -16,6 +16,7 @@
 #include "collective_queue.h"
 #include "communicator.h"
 #include "fnv1a.h"
+#include "fused_projections.h"
 #include "graph_internal.h"
 #include "model_info.h"
 #include "mt/data.h"
@@ -333,12 +334,76 @@ size_t ModelRunner::transpose_projections() {
                                     " has a gradient buffer; it is for inference only");
     const size_t size = dtype_size(p.value.dtype());
     MT_CHECK(size == 2 || size == 4, "transpose_projections: " + p.value.str());
+    fused_.clear();  // a fused group's tensor would no longer hold its weights
     p.value = size == 2 ? transposed_copy(backend(), p.value, a16, b16)
                         : transposed_copy(backend(), p.value, a32, b32);
     p.layout = WeightLayout::transposed;
     ++count;
   }
   any_layout_ = any_layout_ || count > 0;
+  return count;
+}
+
+size_t ModelRunner::fuse_projections() {
+  if (const char* env = std::getenv("MT_FUSE_PROJECTIONS"); env && std::string(env) == "0")
+    return 0;
+  if (sharding_.on() || backend().name() == "meta") return 0;
+  fused_.resize(layer_begin_.size());
+  size_t count = 0;
+  for (size_t block = 0; block < layer_begin_.size(); ++block) {
+    const size_t begin = block_begin(block), end = block_end(block);
+    const std::vector<std::string>& names = layer_names_[block];
+    Fused& fused = fused_[block];
+    auto index = [&](const std::string& name) -> int64_t {
+      for (size_t j = begin; j < end; ++j)
+        if (names[j - begin] == name) return static_cast<int64_t>(j);
+      return -1;
+    };
+    for (const auto& group : fused_projection_groups()) {
+      // Every prefix the block declares the group's first weight under (an MoE layer's shared
+      // experts' beside its own, say).
+      for (size_t j = begin; j < end; ++j) {
+        const std::string& first = names[j - begin];
+        if (!first.ends_with(group[0])) continue;
+        const std::string prefix = first.substr(0, first.size() - group[0].size());
+        const std::string name = fused_projection_name(prefix, group);
+        if (std::find(fused.names.begin(), fused.names.end(), name) != fused.names.end())
+          continue;  // fused already
+        std::vector<Param*> ps;
+        for (auto w : group) {
+          const int64_t at = index(prefix + std::string(w));
+          if (at < 0) break;
+          ps.push_back(&params_[static_cast<size_t>(at)]);
+        }
+        if (ps.size() != group.size()) continue;
+        const Param& p0 = *ps[0];
+        bool ok = p0.layout == WeightLayout::transposed || p0.layout == WeightLayout::q8;
+        int64_t rows = 0;
+        for (const Param* p : ps) {
+          ok = ok && p->spec.projection && p->layout == p0.layout && p->tensor_dim < 0 &&
+               !p->grad.defined() && p->value.ndim() == 2 && p->value.dtype() == p0.value.dtype() &&
+               p->value.dim(1) == p0.value.dim(1);
+          if (!ok) break;
+          rows += p->value.dim(0);
+        }
+        if (!ok) continue;
+        Tensor whole = backend().empty({rows, p0.value.dim(1)}, p0.value.dtype());
+        int64_t at = 0;
+        for (Param* p : ps) {
+          Tensor dst = whole.slice0(at, at + p->value.dim(0));
+          backend().cast(p->value, dst);  // same dtype: a copy
+          at += p->value.dim(0);
+          p->value = std::move(dst);  // a view of its rows: the same bytes as before
+        }
+        if (fused.names.empty())
+          fused.names.assign(names.begin(), names.end());  // the block's own names first
+        fused.names.push_back(name);
+        fused.values.push_back(std::move(whole));
+        fused.layouts.push_back(p0.layout);
+        ++count;
+      }
+    }
+  }
   return count;
 }
 
@@ -367,6 +432,7 @@ size_t ModelRunner::quantize_projections() {
     const int64_t k = t ? p.value.dim(1) : p.value.dim(0), n = t ? p.value.dim(0) : p.value.dim(1);
     if (k % kQ8Block != 0) continue;  // stays in the compute dtype
     const int64_t rb = q8_row_bytes(k);
+    fused_.clear();                    // a fused group's tensor would no longer hold its weights
     if (backend().name() == "meta") {  // a memory plan's trace: the sizes, no values to convert
       p.value = backend().empty({n, rb}, DType::i8);
       p.layout = WeightLayout::q8;
@@ -761,6 +827,13 @@ Params ModelRunner::block_params(Graph& g, const std::vector<Tensor>& ps, size_t
   for (size_t j = block_begin(block); j < block_end(block); ++j)
     values.push_back(sharding_.on() ? compute_param(g, j) : ps[j]);
   if (sharding_.on() && fsdp_queue()) prefetch_after(block);
+  if (block < fused_.size() && !fused_[block].values.empty()) {
+    const Fused& f = fused_[block];
+    std::vector<WeightLayout> ls = layouts(block_begin(block), block_end(block));
+    values.insert(values.end(), f.values.begin(), f.values.end());
+    ls.insert(ls.end(), f.layouts.begin(), f.layouts.end());
+    return Params(f.names, std::move(values), std::move(ls));
+  }
   return Params(layer_names_[block], std::move(values),
                 layouts(block_begin(block), block_end(block)));
 }

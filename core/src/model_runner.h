@@ -215,6 +215,16 @@ class ModelRunner {
   // reads through Backend::matmul_q8. Other parameters keep the compute dtype. Not for sharded
   // or tensor-parallel parameters (refused). Returns how many it quantized.
   size_t quantize_projections();
+  // Inference only, after transpose_projections and quantize_projections (each undoes it):
+  // stores each group of projection weights a block reads from the same input (wq, wk, wv;
+  // w_gate, w_up: fused_projection_groups) back to back in one tensor, where all of the group
+  // are rows of one width (transposed, or int8 rows); each weight becomes a view of its rows
+  // (the same bytes, no copy kept), and the block's Params also hold the whole under the
+  // group's joined name ("wq+wk+wv"), from which blocks::attention and blocks::mlp make one
+  // product instead of three or two (a decode step's fixed cost per product, one read of the
+  // input). MT_FUSE_PROJECTIONS=0 leaves them apart (to compare). Returns how many groups it
+  // fused (those fused already are not counted).
+  size_t fuse_projections();
   // The config's quantization: "" nothing, "int8" quantize_projections; anything else refused.
   size_t apply_quantization(const Config& cfg);
   // Allocates zeroed gradient buffers and makes the parameters tracked leaves.
@@ -320,6 +330,14 @@ class ModelRunner {
   RematPolicy remat_ = RematPolicy::none;
   ParamSharding sharding_;
   bool any_layout_ = false;  // some parameter is not stored as declared (Param::layout)
+  // fuse_projections' groups, per block (none: empty): the names the block's Params hold (its
+  // own, then each group's joined name) and each group's tensor and layout.
+  struct Fused {
+    std::vector<std::string> names;
+    std::vector<Tensor> values;
+    std::vector<WeightLayout> layouts;
+  };
+  std::vector<Fused> fused_;
   TensorSharding tensor_;
   ExpertSharding expert_;
   KvCacheQuant kv_quant_;

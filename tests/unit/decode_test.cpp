@@ -215,6 +215,66 @@ TEST(Decode, TransposedProjectionsGiveTheSameLogits) {
   }
 }
 
+// Inference fuses each block's q/k/v and gate/up weights into one tensor of rows once they are
+// rows (transposed, int8): each weight becomes a view of its rows of the group's tensor (the
+// same bytes: the model does not grow), and the logits of the prefill and of every step are
+// those of the weights apart within f32 rounding, greedy picks the same tokens, for each layer
+// kind (GQA + MLP, biases, a window with a tied head, MLA without a q/k/v group, MoE with shared
+// experts). A layout step after it undoes it, fuse_projections again redoes it.
+TEST(Decode, FusedProjectionsGiveTheSameLogits) {
+  for (const char* model : kProjectionModels) {
+    for (bool int8 : {false, true}) {
+      SCOPED_TRACE(std::string(model) + (int8 ? ", int8" : ""));
+      std::unique_ptr<ModelRunner> owner = family_runner(model);
+      ModelRunner& r = *owner;
+      const std::vector<int32_t> prompt = random_prompt(r);
+      EXPECT_EQ(r.fuse_projections(), 0u);  // [K, N] weights: nothing to fuse
+      if (int8)
+        r.quantize_projections();
+      else
+        r.transpose_projections();
+      std::vector<float> apart, fused;
+      const std::vector<int32_t> want = greedy_logits(r, prompt, apart);
+      size_t bytes = 0;
+      for (const auto& p : r.params()) bytes += p.value.nbytes();
+      const size_t n = r.fuse_projections();
+      EXPECT_GT(n, 0u);
+      EXPECT_EQ(r.fuse_projections(), 0u);  // fused already
+      size_t after = 0;
+      for (const auto& p : r.params()) after += p.value.nbytes();
+      EXPECT_EQ(after, bytes);
+      // Each group's weights lie back to back, in the declared order.
+      size_t groups = 0;
+      for (size_t i = 0; i + 1 < r.params().size(); ++i) {
+        const auto& p = r.params()[i];
+        for (const char* first : {"wq", "w_gate"}) {
+          if (!p.name.ends_with(first) || !p.spec.projection) continue;  // not an expert stack
+          const std::string prefix = p.name.substr(0, p.name.size() - std::strlen(first));
+          const auto& next = r.params()[i + 1];
+          if (next.name != prefix + (std::string(first) == "wq" ? "wk" : "w_up")) continue;
+          ++groups;
+          EXPECT_EQ(static_cast<const char*>(next.value.data()),
+                    static_cast<const char*>(p.value.data()) + p.value.nbytes())
+              << p.name;
+        }
+      }
+      EXPECT_EQ(groups, n);
+      EXPECT_EQ(greedy_logits(r, prompt, fused), want);
+      EXPECT_LT(test::scaled_err(fused, apart), 1e-5);
+      // A layout step replaces weights: the groups are undone (still the same logits), and fused
+      // again on asking.
+      if (!int8) {
+        EXPECT_GT(r.quantize_projections(), 0u);
+        std::vector<float> q8_apart, q8_fused;
+        greedy_logits(r, prompt, q8_apart);
+        EXPECT_EQ(r.fuse_projections(), n);
+        greedy_logits(r, prompt, q8_fused);
+        EXPECT_LT(test::scaled_err(q8_fused, q8_apart), 1e-5);
+      }
+    }
+  }
+}
+
 // Decode steps recorded once and replayed (CUDA graphs; here the same contract on the CPU
 // through test::RecordingBackend): two sequences of different lengths, one stopping early, give
 // the logits of steps run as they come, bit for bit, at every step. The decoder refills its

@@ -144,7 +144,9 @@ class CudaBackend final : public mt::cuda::CudaOps {
   }
   // mt::kWorkCapture: CUDA graphs of the backend's stream (mt/capture.h). MT_CUDA_GRAPHS=0
   // answers null, so callers run every op as it comes (to compare).
+  // (and CudaOps' answers)
   void* extension(const char* name) override {
+    if (void* e = CudaOps::extension(name)) return e;
     if (std::string(name) != mt::kWorkCapture) return nullptr;
     const char* e = std::getenv("MT_CUDA_GRAPHS");
     if (e && std::string(e) == "0") return nullptr;

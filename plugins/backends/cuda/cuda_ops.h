@@ -23,6 +23,15 @@ class CudaOps : public Backend {
 
   // Every op of mt/ops.def, forwarded to the launcher of its name (kernels.h, gemm.h).
   bool supports(Op) const override { return true; }
+  // "mt.matvec_rows_layout", "mt.matvec_rows_bf16dot": decode stores the projections as
+  // [N, K] rows for up to 8 sequences (ModelRunner::rows_layout_pays), the layout of PyTorch's
+  // nn.Linear, which cuBLASLt reads as fast as [K, N], and which lets each block's q/k/v and
+  // gate/up weights be one tensor (ModelRunner::fuse_projections). MT_TRANSPOSE_PROJECTIONS=0
+  // keeps [K, N] (to compare).
+  void* extension(const char* name) override {
+    const std::string n(name);
+    return n == "mt.matvec_rows_layout" || n == "mt.matvec_rows_bf16dot" ? this : nullptr;
+  }
 #define MT_OP(kind, ret, name, params, args)    \
   ret name params override {                    \
     return cuda::name(ctx_, MT_CUDA_ARGS args); \
