@@ -5,8 +5,8 @@
 # communicator (world size 1). bench/gpu/run.sh is the full run (builds, every benchmark, the
 # table); this one reuses a build made elsewhere when it runs here, and builds only when not.
 #   bash bench/gpu/probe.sh [STEP ...]     steps: tests attention ncu 7b nccl train profile
-#                                          sanitize decode int8 (default: tests attention ncu 7b
-#                                          nccl)
+#                                          sanitize decode int8 layouts (default: tests attention
+#                                          ncu 7b nccl)
 # MT_OLD_CUDA_PLUGIN=path/libmt_backend_cuda.so: another build of the cuda plugin (the version
 # before a change) run beside this one, interleaved, in the attention and train steps ("old").
 #
@@ -103,7 +103,8 @@ if [ -n "${MT_OLD_CUDA_PLUGIN:-}" ] && [ -f "$MT_OLD_CUDA_PLUGIN" ]; then
   rm -rf "$od" && mkdir -p "$od/lib/mt/plugins"
   cp -a "$build"/lib/libmt_core.so* "$od/lib/"
   for pl in "$build"/lib/mt/plugins/*.so; do ln -s "$root/$pl" "$od/lib/mt/plugins/"; done
-  rm "$od/lib/mt/plugins/libmt_backend_cuda.so" && cp "$MT_OLD_CUDA_PLUGIN" "$od/lib/mt/plugins/"
+  rm "$od/lib/mt/plugins/libmt_backend_cuda.so" &&
+    cp "$MT_OLD_CUDA_PLUGIN" "$od/lib/mt/plugins/libmt_backend_cuda.so"
   ln -s "$root/$build/share" "$od/share"
   old=(env "LD_LIBRARY_PATH=$od/lib:$LD_LIBRARY_PATH")
 fi
@@ -226,6 +227,81 @@ if want decode; then
   run decode 120 env PYTHONUNBUFFERED=1 python3 bench/peers/hf_decode_gpu.py --model llama-bench-1b --static
   grep -E '^==|"dtype": "[a-z0-9]*"|tokens_per_sec' "$res/decode.log" | grep -o '^==.*\|"dtype": "[a-z0-9]*"\|"cache": "[a-z]*"\|"decode_steps": "[^"]*"\|"[a-z0-9_]*tokens_per_sec": [0-9.]*' | tr '\n' ' ' | sed 's/==/\n==/g' >>"$summary"
   echo >>"$summary"
+fi
+if want layouts; then
+  # Decode with the projections as [N, K] rows and q/k/v, gate/up fused (the default since
+  # 2026-11-27), against rows apart (MT_FUSE_PROJECTIONS=0) and [K, N] as declared
+  # (MT_TRANSPOSE_PROJECTIONS=0), interleaved, two rounds; then int8 weights fused and apart.
+  for round in 1 2; do
+    for env in MT_FUSE_PROJECTIONS=1 MT_FUSE_PROJECTIONS=0 MT_TRANSPOSE_PROJECTIONS=0; do
+      echo "== bf16 $env round $round" >>"$res/layouts.log"
+      run layouts 90 env $env "$mt" bench decode backend=cuda --model=llama-bench-1b dtypes=bfloat16
+    done
+  done
+  # The cuda plugin before a change (MT_OLD_CUDA_PLUGIN), interleaved with this one.
+  if ((${#old[@]})); then
+    for round in 1 2 3; do
+      echo "== bf16 this plugin round $round" >>"$res/layouts.log"
+      run layouts 90 "$mt" bench decode backend=cuda --model=llama-bench-1b dtypes=bfloat16
+      echo "== bf16 old plugin round $round" >>"$res/layouts.log"
+      run layouts 90 "${old[@]}" "$mt" bench decode backend=cuda --model=llama-bench-1b \
+        dtypes=bfloat16
+    done
+  fi
+  for env in MT_FUSE_PROJECTIONS=1 MT_TRANSPOSE_PROJECTIONS=0; do
+    echo "== f32 $env" >>"$res/layouts.log"
+    run layouts 90 env $env "$mt" bench decode backend=cuda --model=llama-bench-1b dtypes=float32
+  done
+  for env in MT_FUSE_PROJECTIONS=1 MT_FUSE_PROJECTIONS=0; do
+    echo "== int8 $env" >>"$res/layouts.log"
+    run layouts 90 env $env "$mt" bench decode backend=cuda --model=llama-bench-1b \
+      dtypes=bfloat16 quantization=int8
+  done
+  command -v compute-sanitizer >/dev/null && run layouts 120 compute-sanitizer --tool memcheck \
+    --error-exitcode 9 "$build/tests/gpu_train_test" --gtest_filter='*FusedRows*' --gtest_brief=1
+  command -v compute-sanitizer >/dev/null && run layouts 120 compute-sanitizer --tool racecheck \
+    --error-exitcode 9 "$build/tests/gpu_ops_test" --gtest_filter='GpuAttention.FlashDecode*' \
+    --gtest_brief=1
+  grep -E 'ERROR SUMMARY|Invalid|Race|hazard' "$res/layouts.log" | head -6 >>"$summary"
+  grep -E '^==|tokens_per_sec' "$res/layouts.log" | grep -o '^==.*\|"[a-z0-9_]*tokens_per_sec": [0-9.]*' | tr '\n' ' ' | sed 's/==/\n==/g' >>"$summary"
+  echo >>"$summary"
+fi
+if want decodeprof && command -v ncu >/dev/null; then
+  # Each kernel of a batch-1 bf16 decode on llama-bench-1b as it runs in place (no cache flush,
+  # no clock control; steps run as they come, MT_DECODE_RECORDING=0, the same kernels a recorded
+  # step replays): the last step's kernels by name (count, total and mean time) and in order.
+  run decodeprof 240 env MT_DECODE_RECORDING=0 ncu --clock-control none --cache-control none \
+    --metrics gpu__time_duration.sum --csv --page raw --log-file "$res/decodeprof.csv" \
+    "$mt" bench decode backend=cuda --model=llama-bench-1b dtypes=bfloat16 parts=batch1 steps=2
+  python3 - "$res/decodeprof.csv" >"$res/decodeprof.txt" 2>&1 <<'PY'
+import collections, csv, sys
+rows = list(csv.reader(open(sys.argv[1])))
+head = next(i for i, r in enumerate(rows) if "Kernel Name" in r)
+h = rows[head]
+name, dur = h.index("Kernel Name"), h.index("gpu__time_duration.sum")
+ks = []  # (name, microseconds); ncu writes nanoseconds with thousands separators
+for r in rows[head + 2:]:
+    try:
+        ks.append((r[name], float(r[dur].replace(",", "")) / 1e3))
+    except (ValueError, IndexError):
+        pass
+# The last step: after the second-to-last occurrence of the run's last kernel (a step's last).
+last = ks[-1][0]
+ends = [i for i, k in enumerate(ks) if k[0] == last]
+step = ks[ends[-2] + 1:] if len(ends) > 1 else ks[-400:]
+print(f"last step: {len(step)} kernels, total {sum(d for _, d in step):.1f} us")
+agg = collections.OrderedDict()
+for n, d in step:
+    a = agg.setdefault(n[:90], [0, 0.0])
+    a[0] += 1
+    a[1] += d
+for n, (c, t) in sorted(agg.items(), key=lambda kv: -kv[1][1]):
+    print(f"{c:5d} {t:10.1f} {t / c:9.2f}  {n}")
+print("the step's first 40 kernels:")
+for n, d in step[:40]:
+    print(f"{d:9.2f}  {n[:100]}")
+PY
+  head -30 "$res/decodeprof.txt" >>"$summary"
 fi
 if want 7b; then
   # Issue 21's acceptance: `mt run --model=llama2-7b --backend=cuda` on this device as the user
