@@ -232,7 +232,10 @@ if want layouts; then
   # Decode with the projections as [N, K] rows and q/k/v, gate/up fused (the default since
   # 2026-11-27), against rows apart (MT_FUSE_PROJECTIONS=0) and [K, N] as declared
   # (MT_TRANSPOSE_PROJECTIONS=0), interleaved, two rounds; then int8 weights fused and apart.
+  # MT_PROBE_AB_ONLY=1: only the A/B against MT_OLD_CUDA_PLUGIN and the sanitizers.
+  ab_only=${MT_PROBE_AB_ONLY:-0}
   for round in 1 2; do
+    [ "$ab_only" = 1 ] && break
     for env in MT_FUSE_PROJECTIONS=1 MT_FUSE_PROJECTIONS=0 MT_TRANSPOSE_PROJECTIONS=0; do
       echo "== bf16 $env round $round" >>"$res/layouts.log"
       run layouts 90 env $env "$mt" bench decode backend=cuda --model=llama-bench-1b dtypes=bfloat16
@@ -249,10 +252,12 @@ if want layouts; then
     done
   fi
   for env in MT_FUSE_PROJECTIONS=1 MT_TRANSPOSE_PROJECTIONS=0; do
+    [ "$ab_only" = 1 ] && break
     echo "== f32 $env" >>"$res/layouts.log"
     run layouts 90 env $env "$mt" bench decode backend=cuda --model=llama-bench-1b dtypes=float32
   done
   for env in MT_FUSE_PROJECTIONS=1 MT_FUSE_PROJECTIONS=0; do
+    [ "$ab_only" = 1 ] && break
     echo "== int8 $env" >>"$res/layouts.log"
     run layouts 90 env $env "$mt" bench decode backend=cuda --model=llama-bench-1b \
       dtypes=bfloat16 quantization=int8
@@ -267,14 +272,17 @@ if want layouts; then
   echo >>"$summary"
 fi
 if want decodeprof && command -v ncu >/dev/null; then
-  # Each kernel of a batch-1 bf16 decode on llama-bench-1b as it runs in place (no cache flush,
-  # no clock control; steps run as they come, MT_DECODE_RECORDING=0, the same kernels a recorded
-  # step replays): the last step's kernels by name (count, total and mean time) and in order.
-  run decodeprof 240 env MT_DECODE_RECORDING=0 ncu --clock-control none --cache-control none \
-    --metrics gpu__time_duration.sum --csv --page raw --log-file "$res/decodeprof.csv" \
-    "$mt" bench decode backend=cuda --model=llama-bench-1b dtypes=bfloat16 parts=batch1 steps=2
-  python3 - "$res/decodeprof.csv" >"$res/decodeprof.txt" 2>&1 <<'PY'
-import collections, csv, sys
+  # Each kernel of a bf16 decode step on llama-bench-1b, batch 1 and batch 8, as it runs in
+  # place (no cache flush, no clock control; steps run as they come, MT_DECODE_RECORDING=0, the
+  # same kernels a recorded step replays): the last step's kernels by name (count, total and
+  # mean time) and in order, in decodeprof_batchN.txt.
+  for part in batch1 batch8; do
+    csv=/tmp/mt-probe-decodeprof-$part.csv
+    run decodeprof 240 env MT_DECODE_RECORDING=0 ncu --clock-control none --cache-control none \
+      --metrics gpu__time_duration.sum --csv --page raw --log-file "$csv" \
+      "$mt" bench decode backend=cuda --model=llama-bench-1b dtypes=bfloat16 parts=$part steps=2
+    python3 - "$csv" >"$res/decodeprof_$part.txt" 2>&1 <<'PY'
+import csv, sys
 rows = list(csv.reader(open(sys.argv[1])))
 head = next(i for i, r in enumerate(rows) if "Kernel Name" in r)
 h = rows[head]
@@ -290,7 +298,7 @@ last = ks[-1][0]
 ends = [i for i, k in enumerate(ks) if k[0] == last]
 step = ks[ends[-2] + 1:] if len(ends) > 1 else ks[-400:]
 print(f"last step: {len(step)} kernels, total {sum(d for _, d in step):.1f} us")
-agg = collections.OrderedDict()
+agg = {}
 for n, d in step:
     a = agg.setdefault(n[:90], [0, 0.0])
     a[0] += 1
@@ -301,7 +309,9 @@ print("the step's first 40 kernels:")
 for n, d in step[:40]:
     print(f"{d:9.2f}  {n[:100]}")
 PY
-  head -30 "$res/decodeprof.txt" >>"$summary"
+    echo "== decodeprof $part" >>"$summary"
+    head -16 "$res/decodeprof_$part.txt" >>"$summary"
+  done
 fi
 if want 7b; then
   # Issue 21's acceptance: `mt run --model=llama2-7b --backend=cuda` on this device as the user
