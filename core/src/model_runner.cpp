@@ -377,7 +377,10 @@ size_t ModelRunner::fuse_projections() {
         }
         if (ps.size() != group.size()) continue;
         const Param& p0 = *ps[0];
-        bool ok = p0.layout == WeightLayout::transposed || p0.layout == WeightLayout::q8;
+        // Rows of one width, read as stored (int8, or the compute dtype: a weight that
+        // compute_param casts per forward cannot be fused).
+        bool ok = p0.layout == WeightLayout::q8 ||
+                  (p0.layout == WeightLayout::transposed && p0.value.dtype() == compute_dtype_);
         int64_t rows = 0;
         for (const Param* p : ps) {
           ok = ok && p->spec.projection && p->layout == p0.layout && p->tensor_dim < 0 &&

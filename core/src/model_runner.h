@@ -222,8 +222,11 @@ class ModelRunner {
   // (the same bytes, no copy kept), and the block's Params also hold the whole under the
   // group's joined name ("wq+wk+wv"), from which blocks::attention and blocks::mlp make one
   // product instead of three or two (a decode step's fixed cost per product, one read of the
-  // input). MT_FUSE_PROJECTIONS=0 leaves them apart (to compare). Returns how many groups it
-  // fused (those fused already are not counted).
+  // input). Only weights read as stored are fused (int8 rows, or rows in the compute dtype:
+  // store_weights_in_compute_dtype first where the masters are wider). Like the layout steps,
+  // not while a Decoder lives (a recorded step reads the weights where they were).
+  // MT_FUSE_PROJECTIONS=0 leaves them apart (to compare). Returns how many groups it fused
+  // (those fused already are not counted).
   size_t fuse_projections();
   // The config's quantization: "" nothing, "int8" quantize_projections; anything else refused.
   size_t apply_quantization(const Config& cfg);

@@ -275,6 +275,23 @@ TEST(Decode, FusedProjectionsGiveTheSameLogits) {
   }
 }
 
+// Weights a forward casts (f32 masters, bf16 compute) are not fused: the group's tensor would be
+// read in the stored dtype. Stored in the compute dtype first, they are, and the logits stay
+// those of the weights apart.
+TEST(Decode, FusedProjectionsNeedWeightsInTheComputeDtype) {
+  std::unique_ptr<ModelRunner> owner = family_runner("llama-test", nullptr, {"dtype=bfloat16"});
+  ModelRunner& r = *owner;
+  const std::vector<int32_t> prompt = random_prompt(r);
+  ASSERT_GT(r.transpose_projections(), 0u);
+  EXPECT_EQ(r.fuse_projections(), 0u);
+  std::vector<float> apart, fused;
+  ASSERT_TRUE(r.store_weights_in_compute_dtype());
+  const std::vector<int32_t> want = greedy_logits(r, prompt, apart);
+  EXPECT_EQ(r.fuse_projections(), 2u * static_cast<size_t>(r.model().num_layers()));
+  EXPECT_EQ(greedy_logits(r, prompt, fused), want);
+  EXPECT_LT(test::scaled_err(fused, apart), 1e-2);
+}
+
 // Decode steps recorded once and replayed (CUDA graphs; here the same contract on the CPU
 // through test::RecordingBackend): two sequences of different lengths, one stopping early, give
 // the logits of steps run as they come, bit for bit, at every step. The decoder refills its
