@@ -52,12 +52,13 @@ std::vector<Tensor> linear_each(Graph& g, const Params& p, const std::string& pr
     const Tensor y = g.project(x, p, fused);
     ys = g.split(y, sizes);
     if (whole) *whole = y;
-  } else {
-    for (auto w : ws) ys.push_back(g.project(x, p, prefix + std::string(w)));
+    if (bias)
+      for (size_t i = 0; i < ys.size(); ++i)
+        ys[i] = add_bias(g, ys[i], p[prefix + std::string(bs[i])]);
+    return ys;
   }
-  if (bias)
-    for (size_t i = 0; i < ys.size(); ++i)
-      ys[i] = add_bias(g, ys[i], p[prefix + std::string(bs[i])]);
+  for (size_t i = 0; i < ws.size(); ++i)
+    ys.push_back(linear(g, p, prefix + std::string(ws[i]), prefix + std::string(bs[i]), x, bias));
   return ys;
 }
 
