@@ -531,6 +531,161 @@ ParamSpec expert_param(const MoeSpec& s, const std::string& name, int64_t in, in
   return ps;
 }
 
+// The experts' MLP on rows sorted by expert (offsets [local + 1]).
+Tensor expert_mlp(Graph& g, const Params& p, const MoeSpec& s, const std::string& prefix,
+                  const Tensor& xs, const Tensor& offsets) {
+  Tensor h;
+  if (s.gated) {
+    h = g.gated(s.act, g.grouped_matmul(xs, p[prefix + "w_gate"], offsets),
+                g.grouped_matmul(xs, p[prefix + "w_up"], offsets));
+  } else {
+    h = g.activation(s.act, g.grouped_matmul(xs, p[prefix + "w_up"], offsets));
+  }
+  return g.grouped_matmul(h, p[prefix + "w_down"], offsets);
+}
+
+// One rank's MoE (or the tensor ranks' parts of it): the sorted slots of its own experts
+// through one grouped matmul per projection, weighted back onto their tokens.
+Tensor moe_experts(Graph& g, const Params& p, const MoeSpec& s, const std::string& prefix,
+                   const Tensor& x, const Tensor& x2, const Tensor& weights,
+                   const Graph::ExpertOrder& order) {
+  Backend& be = g.backend();
+  const int64_t E = s.num_experts, n = x2.dim(0), slots = n * s.top_k;
+  const int64_t m = order.slots.numel();  // the kept slots
+  // Expert parallelism over the tensor ranks (logical_axis_rules puts experts on the tensor
+  // axis): every rank routes all tokens alike, computes the slots of its own experts (its
+  // weights' first dimension: experts [e0, e0 + local)) and the outputs are summed over the
+  // ranks. The expert path's input and routing weights go through tensor_parallel_input, so
+  // their gradients (each rank's from its slots) are summed too, while the router's losses,
+  // the same on every rank, are not.
+  // Or tensor parallelism within the experts (mlp on the tensor axis, experts not): every rank
+  // computes every slot with its hidden columns, and the parts are summed the same way.
+  const int64_t local = p[prefix + "w_up"].dim(0);
+  const bool by_hidden = p[prefix + "w_up"].dim(-1) != s.hidden;
+  const bool split = local != E || by_hidden;  // tensor ranks' parts to sum
+  const Communicator* group = g.tensor_group();
+  // (No group: the memory plan's trace, which plans tensor rank 0.)
+  MT_CHECK(!group || by_hidden || local * group->size() == E,
+           "moe block: " + std::to_string(local) + " of " + std::to_string(E) +
+               " experts' weights here, but the tensor group does not divide them so");
+  const int64_t e0 = local != E && group ? static_cast<int64_t>(group->rank()) * local : 0;
+  auto in = [&](const Tensor& t) { return split ? g.tensor_parallel_input(t) : t; };
+  // The local experts' outputs [n, d] back to x's shape, summed over the tensor ranks.
+  auto sum = [&](const Tensor& t) {
+    const Tensor y = g.reshape(t, x.shape());
+    return split ? g.tensor_parallel_sum(y) : y;
+  };
+  int64_t r0 = 0, r1 = 0;  // the local experts' rows of the sorted order
+  for (int64_t e = 0; e < e0 + local; ++e)
+    (e < e0 ? r0 : r1) += order.counts[static_cast<size_t>(e)];
+  r1 += r0;
+  // Every slot dropped (still on the tape: a backward reaches x), or none of this rank's
+  // experts chosen (its part of the sum is 0).
+  if (m == 0) return g.scale(x, 0.f);
+  if (r1 == r0) return sum(g.scale(in(x2), 0.f));
+  Tensor tokens = order.tokens, slot_ids = order.slots, offsets = order.offsets;
+  if (local != E) {
+    tokens = order.tokens.slice0(r0, r1);
+    slot_ids = order.slots.slice0(r0, r1);
+    std::vector<int32_t> off(static_cast<size_t>(local + 1), 0);
+    for (int64_t e = 0; e < local; ++e)
+      off[static_cast<size_t>(e + 1)] =
+          off[static_cast<size_t>(e)] +
+          static_cast<int32_t>(order.counts[static_cast<size_t>(e0 + e)]);
+    offsets = be.empty({local + 1}, DType::i32);
+    be.copy_from_host(offsets, off.data());
+  }
+  const int64_t ml = r1 - r0;
+  const Tensor xs = g.gather_rows(in(x2), tokens);  // [ml, d]
+  const Tensor ys = expert_mlp(g, p, s, prefix, xs, offsets);
+  // Each copy's routing weight, in the sorted order, then back to its token weighted.
+  const Tensor ws = g.reshape(g.gather_rows(g.reshape(in(weights), {slots, 1}), slot_ids), {ml});
+  return sum(g.scatter_add_rows(ys, tokens, ws, n));
+}
+
+// Expert parallelism (the expert mesh axis, Graph::expert_group): each rank routes and sorts its
+// own tokens (capacity per sequence, as one rank does: a sequence stays on one rank), sends each
+// kept token copy only to the rank that holds its expert (an all-to-all), each rank runs its
+// experts on the rows it receives, in the order one rank would sort the group's slots (by
+// expert, then by source rank), sends the outputs back (a second all-to-all), and each rank
+// adds its tokens' outputs weighted by their routing weights. `routed` and `kept_slots` become
+// the group's routed slots per expert and kept slots (the load and drop metrics). The backward
+// sends the gradients back along the same paths. About k (X - 1) / X of the tokens leave a rank
+// each way, where gathering the group's tokens to every rank would move X - 1 times them.
+Tensor moe_expert_parallel(Graph& g, const Params& p, const MoeSpec& s, const std::string& prefix,
+                           const Tensor& x2, const Tensor& weights, const Graph::ExpertOrder& order,
+                           std::vector<int64_t>& routed, int64_t& kept_slots) {
+  Backend& be = g.backend();
+  const int ep = g.expert_ranks(), me = g.expert_rank();
+  const int64_t E = s.num_experts, d = s.d_model, n = x2.dim(0), k = s.top_k;
+  const int64_t local = p[prefix + "w_up"].dim(0);
+  MT_CHECK(local * ep == E && p[prefix + "w_up"].dim(-1) == s.hidden,
+           "moe block: " + std::to_string(local) + " of " + std::to_string(E) +
+               " experts' weights here, but the expert axis has " + std::to_string(ep) + " ranks");
+  // Every rank's kept slots and routed slots per expert.
+  std::vector<int64_t> mine = order.counts;
+  mine.insert(mine.end(), order.routed.begin(), order.routed.end());
+  const std::vector<int64_t> all = g.expert_gather_counts(mine);
+  auto kept = [&](int src, int64_t e) { return all[static_cast<size_t>(src * 2 * E + e)]; };
+  routed.assign(static_cast<size_t>(E), 0);
+  kept_slots = 0;
+  std::vector<int64_t> send(static_cast<size_t>(ep), 0), recv(static_cast<size_t>(ep), 0);
+  for (int src = 0; src < ep; ++src)
+    for (int64_t e = 0; e < E; ++e) {
+      routed[static_cast<size_t>(e)] += all[static_cast<size_t>(src * 2 * E + E + e)];
+      kept_slots += kept(src, e);
+      if (e / local == me) recv[static_cast<size_t>(src)] += kept(src, e);
+    }
+  for (int64_t e = 0; e < E; ++e)
+    send[static_cast<size_t>(e / local)] += order.counts[static_cast<size_t>(e)];
+  const int64_t m = order.tokens.numel();  // this rank's kept slots, sorted by expert
+  const Tensor rows = m ? g.gather_rows(x2, order.tokens) : be.empty({0, d}, x2.dtype());
+  const Tensor got = g.expert_exchange(rows, send, recv);  // by source rank, then expert
+  const int64_t R = got.dim(0);
+  Tensor ys = be.empty({0, d}, got.dtype());  // the experts' outputs, in got's order
+  if (R > 0) {
+    // got's rows by expert, then source rank: grouped_matmul's order.
+    const int64_t e0 = static_cast<int64_t>(me) * local;
+    std::vector<int64_t> src_at(static_cast<size_t>(ep), 0);
+    for (int src = 1; src < ep; ++src)
+      src_at[static_cast<size_t>(src)] =
+          src_at[static_cast<size_t>(src - 1)] + recv[static_cast<size_t>(src - 1)];
+    std::vector<int32_t> perm, off(static_cast<size_t>(local + 1), 0);
+    perm.reserve(static_cast<size_t>(R));
+    for (int64_t e = 0; e < local; ++e) {
+      for (int src = 0; src < ep; ++src) {
+        int64_t at = src_at[static_cast<size_t>(src)];
+        for (int64_t f = e0; f < e0 + e; ++f) at += kept(src, f);
+        for (int64_t i = 0; i < kept(src, e0 + e); ++i)
+          perm.push_back(static_cast<int32_t>(at + i));
+      }
+      off[static_cast<size_t>(e + 1)] = static_cast<int32_t>(perm.size());
+    }
+    bool identity = true;
+    for (size_t i = 0; i < perm.size() && identity; ++i)
+      identity = perm[i] == static_cast<int32_t>(i);
+    Tensor offsets = be.empty({local + 1}, DType::i32);
+    be.copy_from_host(offsets, off.data());
+    Tensor by_expert, back;
+    if (!identity) {
+      std::vector<int32_t> inverse(perm.size());
+      for (size_t i = 0; i < perm.size(); ++i)
+        inverse[static_cast<size_t>(perm[i])] = static_cast<int32_t>(i);
+      by_expert = be.empty({R}, DType::i32);
+      back = be.empty({R}, DType::i32);
+      be.copy_from_host(by_expert, perm.data());
+      be.copy_from_host(back, inverse.data());
+    }
+    const Tensor xs = identity ? got : g.gather_rows(got, by_expert);
+    const Tensor y = expert_mlp(g, p, s, prefix, xs, offsets);
+    ys = identity ? y : g.gather_rows(y, back);
+  }
+  const Tensor outs = g.expert_exchange(ys, recv, send);  // [m, d], in this rank's sorted order
+  if (m == 0) return g.scale(x2, 0.f);                    // every slot dropped (still on the tape)
+  const Tensor ws = g.reshape(g.gather_rows(g.reshape(weights, {n * k, 1}), order.slots), {m});
+  return g.scatter_add_rows(outs, order.tokens, ws, n);
+}
+
 }  // namespace
 
 std::vector<ParamSpec> moe_params(const MoeSpec& s, const std::string& prefix) {
@@ -566,92 +721,23 @@ LayerOutput moe(Graph& g, const Params& p, const MoeSpec& s, const Tensor& x,
   const Tensor x2 = g.reshape(x, {n, d});
   const Tensor logits = g.matmul(x2, p[prefix + "router"]);  // [n, E]
   const Graph::Routing r = g.route(logits, static_cast<int>(k), s.sigmoid_scores, s.normalize_topk);
-  // Expert parallelism (the expert mesh axis, Graph::expert_group): each rank routes its own
-  // tokens (so the router's losses are its batch's, as under data parallelism), then the
-  // group's tokens, routing weights and choices are gathered (rank order: the sequences stay
-  // whole), every rank runs its own experts on all of them, and the outputs are summed back to
-  // the ranks the tokens came from.
-  const int ep = g.expert_ranks();
-  Tensor xa = x2, wa = r.weights, ia = r.indices;
-  if (ep > 1) {
-    const std::vector<Tensor> gathered = g.expert_gather({x2, r.weights});
-    xa = gathered[0];
-    wa = gathered[1];
-    ia = g.expert_gather(r.indices);
-  }
-  const int64_t na = n * ep, slots_a = na * k;
-  // The na k token copies sorted by expert (on the host for now: the indices are read back, one
-  // synchronisation per layer), those past an expert's capacity left out, then one grouped
-  // matmul per projection.
+  // The n k token copies sorted by expert (on the host for now: the indices are read back, one
+  // synchronisation per layer), those past an expert's capacity in their sequence left out, then
+  // one grouped matmul per projection.
   const int64_t capacity = moe_capacity(s, T);
-  const Graph::ExpertOrder order =
-      s.capacity_factor > 0.f ? g.sort_by_expert(ia, E, capacity, T) : g.sort_by_expert(ia, E);
-  const int64_t m = order.slots.numel();  // the kept slots
-  // Expert parallelism over the tensor ranks (logical_axis_rules puts experts on the tensor
-  // axis): every rank routes all tokens alike, computes the slots of its own experts (its
-  // weights' first dimension: experts [e0, e0 + local)) and the outputs are summed over the
-  // ranks. The expert path's input and routing weights go through tensor_parallel_input, so
-  // their gradients (each rank's from its slots) are summed too, while the router's losses,
-  // the same on every rank, are not.
-  // Or tensor parallelism within the experts (mlp on the tensor axis, experts not): every rank
-  // computes every slot with its hidden columns, and the parts are summed the same way.
-  const int64_t local = p[prefix + "w_up"].dim(0);
-  const bool by_hidden = p[prefix + "w_up"].dim(-1) != s.hidden;
-  const bool split = ep == 1 && (local != E || by_hidden);  // tensor ranks' parts to sum
-  const Communicator* group = g.tensor_group();
-  // (No group: the memory plan's trace, which plans tensor rank 0.)
-  MT_CHECK(ep > 1 || !group || by_hidden || local * group->size() == E,
-           "moe block: " + std::to_string(local) + " of " + std::to_string(E) +
-               " experts' weights here, but the tensor group does not divide them so");
-  MT_CHECK(ep == 1 || (local * ep == E && !by_hidden),
-           "moe block: " + std::to_string(local) + " of " + std::to_string(E) +
-               " experts' weights here, but the expert axis has " + std::to_string(ep) + " ranks");
-  const int64_t e0 = ep > 1                ? static_cast<int64_t>(g.expert_rank()) * local
-                     : local != E && group ? static_cast<int64_t>(group->rank()) * local
-                                           : 0;
-  auto in = [&](const Tensor& t) { return split ? g.tensor_parallel_input(t) : t; };
-  // The local experts' outputs [na, d] back to x's shape: summed over the expert ranks (each
-  // keeping its tokens' rows) or over the tensor ranks.
-  auto sum = [&](const Tensor& t) {
-    if (ep > 1) return g.reshape(g.expert_scatter_sum(t), x.shape());
-    const Tensor y = g.reshape(t, x.shape());
-    return split ? g.tensor_parallel_sum(y) : y;
-  };
-  int64_t r0 = 0, r1 = 0;  // the local experts' rows of the sorted order
-  for (int64_t e = 0; e < e0 + local; ++e)
-    (e < e0 ? r0 : r1) += order.counts[static_cast<size_t>(e)];
-  r1 += r0;
+  const Graph::ExpertOrder order = s.capacity_factor > 0.f
+                                       ? g.sort_by_expert(r.indices, E, capacity, T)
+                                       : g.sort_by_expert(r.indices, E);
+  const int ep = g.expert_ranks();
+  // The metrics' load per expert and kept slots (under expert parallelism: the group's).
+  std::vector<int64_t> routed = order.routed;
+  int64_t kept_slots = order.slots.numel();
   LayerOutput out;
-  if (m == 0) {
-    out.x = g.scale(x, 0.f);  // every slot dropped (still on the tape: a backward reaches x)
-  } else if (r1 == r0) {      // none of this rank's experts was chosen: its part of the sum is 0
-    out.x = sum(g.scale(in(xa), 0.f));
+  if (ep > 1) {
+    out.x = g.reshape(
+        moe_expert_parallel(g, p, s, prefix, x2, r.weights, order, routed, kept_slots), x.shape());
   } else {
-    Tensor tokens = order.tokens, slot_ids = order.slots, offsets = order.offsets;
-    if (local != E) {
-      tokens = order.tokens.slice0(r0, r1);
-      slot_ids = order.slots.slice0(r0, r1);
-      std::vector<int32_t> off(static_cast<size_t>(local + 1), 0);
-      for (int64_t e = 0; e < local; ++e)
-        off[static_cast<size_t>(e + 1)] =
-            off[static_cast<size_t>(e)] +
-            static_cast<int32_t>(order.counts[static_cast<size_t>(e0 + e)]);
-      offsets = be.empty({local + 1}, DType::i32);
-      be.copy_from_host(offsets, off.data());
-    }
-    const int64_t ml = r1 - r0;
-    const Tensor xs = g.gather_rows(in(xa), tokens);  // [ml, d]
-    Tensor h;
-    if (s.gated) {
-      h = g.gated(s.act, g.grouped_matmul(xs, p[prefix + "w_gate"], offsets),
-                  g.grouped_matmul(xs, p[prefix + "w_up"], offsets));
-    } else {
-      h = g.activation(s.act, g.grouped_matmul(xs, p[prefix + "w_up"], offsets));
-    }
-    const Tensor ys = g.grouped_matmul(h, p[prefix + "w_down"], offsets);  // [ml, d]
-    // Each copy's routing weight, in the sorted order, then back to its token weighted.
-    const Tensor ws = g.reshape(g.gather_rows(g.reshape(in(wa), {slots_a, 1}), slot_ids), {ml});
-    out.x = sum(g.scatter_add_rows(ys, tokens, ws, na));
+    out.x = moe_experts(g, p, s, prefix, x, x2, r.weights, order);
   }
 
   // Load balancing, MaxText's: E / B * sum over sequences b and experts e of f_be P_be, with
@@ -692,15 +778,16 @@ LayerOutput moe(Graph& g, const Params& p, const MoeSpec& s, const Tensor& x,
 
   // Metrics (weight 0: logged in metrics.jsonl, not trained): the expert load and the drops.
   // (Under expert parallelism: the group's tokens.)
-  const auto [lo, hi] = std::minmax_element(order.routed.begin(), order.routed.end());
+  const auto [lo, hi] = std::minmax_element(routed.begin(), routed.end());
+  const int64_t slots_a = slots * ep;
   const float share = slots_a ? 1.f / static_cast<float>(slots_a) : 0.f;
   std::string tag;
   if (s.layer >= 0) tag.append("/").append(std::to_string(s.layer));
   out.aux.push_back({"moe_load_min" + tag, scalar(be, static_cast<float>(*lo) * share), 0.f});
   out.aux.push_back({"moe_load_max" + tag, scalar(be, static_cast<float>(*hi) * share), 0.f});
   if (s.capacity_factor > 0.f)
-    out.aux.push_back(
-        {"moe_dropped_fraction", scalar(be, static_cast<float>(slots_a - m) * share), 0.f});
+    out.aux.push_back({"moe_dropped_fraction",
+                       scalar(be, static_cast<float>(slots_a - kept_slots) * share), 0.f});
   return out;
 }
 

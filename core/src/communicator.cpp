@@ -2,6 +2,7 @@
 // communicator for a run (`communicator=auto|local|mpi`).
 #include "communicator.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -64,6 +65,15 @@ void Communicator::reduce_scatter_sum(float*, size_t) {
 }
 void Communicator::all_gather(float*, size_t) {
   if (size() > 1) throw Error("The " + name() + " communicator has no all_gather (sharded state).");
+}
+
+void Communicator::all_to_all(const float* send, const std::vector<size_t>& send_rows, float* recv,
+                              const std::vector<size_t>& recv_rows, size_t row) {
+  if (size() > 1)
+    throw Error("The " + name() + " communicator has no all_to_all (expert parallelism).");
+  MT_CHECK(send_rows.size() == 1 && recv_rows.size() == 1 && send_rows[0] == recv_rows[0],
+           "all_to_all: one rank sends itself what it receives");
+  if (send_rows[0] && row) std::copy_n(send, send_rows[0] * row, recv);
 }
 
 std::unique_ptr<Communicator> Communicator::split(int, int) {

@@ -693,79 +693,31 @@ Tensor Graph::tensor_parallel_sum(const Tensor& x) {
 
 namespace {
 
-// Expert parallelism's collectives, through one f32 host buffer as sum_over: rank r's slot holds
-// its part of each tensor in turn (`Slots`). `group` null: the memory plan's trace, which only
-// needs the shapes.
-struct Slots {
-  std::vector<int64_t> size, at;  // each tensor's part and where in a slot it starts
-  int64_t slot = 0;
-  explicit Slots(const std::vector<Shape>& parts) {
-    for (const Shape& s : parts) {
-      at.push_back(slot);
-      size.push_back(shape_numel(s));
-      slot += size.back();
-    }
-  }
-};
-
-// Every rank's xs[i] (each the same shape on every rank) concatenated along the first
-// dimension in rank order, one all-gather for all of them.
-std::vector<Tensor> gather_over(Backend& be, Communicator* group, int rank, int ranks,
-                                const std::vector<Tensor>& xs, double* seconds) {
-  std::vector<Shape> parts;
-  std::vector<Tensor> outs;
-  for (const Tensor& x : xs) {
-    parts.push_back(x.shape());
-    Shape s = x.shape();
-    s[0] *= ranks;
-    outs.push_back(be.empty(s, x.dtype()));
-  }
-  if (!group) return outs;
-  const Slots sl(parts);
+// x's rows (undefined: zeros) to the ranks, send[r] of them to rank r, and the rows from them,
+// recv[r] from rank r, as a [sum recv, row...] tensor of `dtype`: one all-to-all through f32
+// host buffers. No group: the right shape, nothing moved.
+Tensor exchange_rows(Backend& be, Communicator* group, const Tensor& x, const Shape& row,
+                     DType dtype, const std::vector<int64_t>& send,
+                     const std::vector<int64_t>& recv, double* seconds) {
+  int64_t sent = 0, got = 0;
+  for (const int64_t r : send) sent += r;
+  for (const int64_t r : recv) got += r;
+  const int64_t width = shape_numel(row);
+  Shape s = row;
+  s.insert(s.begin(), got);
+  Tensor out = be.empty(s, dtype);
+  if (!group) return out;
   be.synchronize();
   const auto t0 = std::chrono::steady_clock::now();
-  std::vector<float> host(static_cast<size_t>(sl.slot * ranks));
-  for (size_t i = 0; i < xs.size(); ++i)
-    part_to_host(xs[i], 0, sl.size[i], host.data() + rank * sl.slot + sl.at[i]);
-  group->all_gather(host.data(), host.size());
-  for (size_t i = 0; i < xs.size(); ++i)
-    for (int r = 0; r < ranks; ++r)
-      part_from_host(outs[i], r * sl.size[i], (r + 1) * sl.size[i],
-                     host.data() + r * sl.slot + sl.at[i]);
+  std::vector<float> in(static_cast<size_t>(sent * width), 0.f),
+      host(static_cast<size_t>(got * width));
+  if (x.defined()) part_to_host(x, 0, sent * width, in.data());
+  const std::vector<size_t> sr(send.begin(), send.end()), rr(recv.begin(), recv.end());
+  group->all_to_all(in.data(), sr, host.data(), rr, static_cast<size_t>(width));
+  part_from_host(out, 0, got * width, host.data());
   if (seconds)
     *seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return outs;
-}
-
-// The inverse: this rank's part (shape parts[i]) of the rank-ordered sum over the ranks of
-// xs[i] ([ranks x part rows, ...]; undefined: zeros), one reduce-scatter for all of them, in
-// `dtype` (undefined: each x's own).
-std::vector<Tensor> scatter_sum_over(Backend& be, Communicator* group, int rank, int ranks,
-                                     const std::vector<Tensor>& xs, const std::vector<Shape>& parts,
-                                     double* seconds, std::optional<DType> dtype = std::nullopt) {
-  const Slots sl(parts);
-  std::vector<Tensor> outs;
-  for (size_t i = 0; i < xs.size(); ++i) {
-    MT_CHECK(!xs[i].defined() || xs[i].numel() == sl.size[i] * ranks,
-             "expert_scatter_sum: " + xs[i].str() + " is not " + std::to_string(ranks) +
-                 " equal parts along its first dimension");
-    outs.push_back(be.empty(parts[i], dtype ? *dtype : xs[i].dtype()));
-  }
-  if (!group) return outs;
-  be.synchronize();
-  const auto t0 = std::chrono::steady_clock::now();
-  std::vector<float> host(static_cast<size_t>(sl.slot * ranks), 0.f);
-  for (size_t i = 0; i < xs.size(); ++i)
-    if (xs[i].defined())
-      for (int r = 0; r < ranks; ++r)
-        part_to_host(xs[i], r * sl.size[i], (r + 1) * sl.size[i],
-                     host.data() + r * sl.slot + sl.at[i]);
-  group->reduce_scatter_sum(host.data(), host.size());
-  for (size_t i = 0; i < xs.size(); ++i)
-    part_from_host(outs[i], 0, sl.size[i], host.data() + rank * sl.slot + sl.at[i]);
-  if (seconds)
-    *seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return outs;
+  return out;
 }
 
 // Adds (or writes, where the gradient is fresh) g into input i's gradient, if it has one.
@@ -778,86 +730,74 @@ void accumulate(Backend& be, const Tensor& g, const Grads& d, size_t i) {
 
 }  // namespace
 
-Tensor Graph::expert_gather(const Tensor& x) {
-  const int ranks = groups_.expert_ranks, rank = groups_.expert_rank;
-  if (ranks <= 1) return x;
-  MT_CHECK(x.ndim() >= 1, "expert_gather: " + x.str() + " has no rows");
-  if (x.dtype() != DType::i32) return expert_gather(std::vector<Tensor>{x})[0];
-  // Expert indices: exact in f32 (below 2^24), no gradient.
-  Backend& be = *backend_;
-  Shape s = x.shape();
-  s[0] *= ranks;
-  Tensor out = be.empty(s, DType::i32);
-  Communicator* group = groups_.expert;
-  if (!group) return out;
-  const auto part = static_cast<size_t>(x.numel());
-  std::vector<int32_t> ids(part * static_cast<size_t>(ranks));
-  if (part) be.copy_to_host(x, ids.data() + part * static_cast<size_t>(rank));
-  std::vector<float> host(ids.begin(), ids.end());
-  group->all_gather(host.data(), host.size());
-  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(host[i]);
-  if (!ids.empty()) be.copy_from_host(out, ids.data());
-  return out;
-}
-
-std::vector<Tensor> Graph::expert_gather(const std::vector<Tensor>& xs) {
-  const int ranks = groups_.expert_ranks, rank = groups_.expert_rank;
-  if (ranks <= 1) return xs;
-  for (const Tensor& x : xs)
-    MT_CHECK(x.ndim() >= 1 && (x.dtype() == DType::f32 || x.dtype() == DType::bf16),
-             "expert_gather: " + x.str() + " (want f32 or bf16 rows)");
+Tensor Graph::expert_exchange(const Tensor& x, const std::vector<int64_t>& send_rows,
+                              const std::vector<int64_t>& recv_rows) {
+  const int ranks = groups_.expert_ranks;
+  MT_CHECK(x.defined() && x.ndim() >= 1 && (x.dtype() == DType::f32 || x.dtype() == DType::bf16),
+           "expert_exchange: " + (x.defined() ? x.str() : std::string("undefined")) +
+               " (want f32 or bf16 rows)");
+  int64_t sent = 0;
+  bool counts_ok = send_rows.size() == static_cast<size_t>(ranks) &&
+                   recv_rows.size() == static_cast<size_t>(ranks);
+  for (size_t r = 0; counts_ok && r < send_rows.size(); ++r) {
+    counts_ok = send_rows[r] >= 0 && recv_rows[r] >= 0;
+    sent += send_rows[r];
+  }
+  MT_CHECK(counts_ok && sent == x.dim(0),
+           "expert_exchange: " + x.str() + " sent as " + std::to_string(send_rows.size()) +
+               " counts of rows summing to " + std::to_string(sent) + " (want one count per " +
+               "expert rank, " + std::to_string(ranks) + ", summing to its rows)");
+  if (ranks <= 1) {
+    MT_CHECK(recv_rows[0] == sent, "expert_exchange: one rank receives what it sends");
+    return x;
+  }
   Backend& be = *backend_;
   Communicator* group = groups_.expert;
   double* seconds = groups_.seconds;
-  std::vector<Tensor> outs = gather_over(be, group, rank, ranks, xs, seconds);
-  bool any = false;
-  for (const Tensor& x : xs) any = any || tracked(x);
-  if (!record_ || !any) return outs;
-  // One entry with every gathered tensor as an output, so that its backward (one reduce-scatter)
-  // runs on every rank as soon as any of them has a gradient, the others counting as zeros: the
-  // ranks must make the same collectives, and one whose experts no token chose uses only some.
+  const Shape row(x.shape().begin() + 1, x.shape().end());
+  Tensor out = exchange_rows(be, group, x, row, x.dtype(), send_rows, recv_rows, seconds);
+  if (!record_) return out;
   Entry e;
-  std::vector<std::shared_ptr<GradNode>> nodes;
-  for (size_t i = 0; i < outs.size(); ++i) {
-    e.inputs.push_back(tracked(xs[i]) ? xs[i].grad_node() : nullptr);
-    auto n = std::make_shared<GradNode>();
-    n->shape = outs[i].shape();
-    n->dtype = outs[i].dtype();
-    outs[i].set_grad_node(n);
-    nodes.push_back(n);
-    (i == 0 ? e.output : e.more_outputs.emplace_back()) = n;
-  }
-  std::vector<Shape> parts;
-  for (const Tensor& x : xs) parts.push_back(x.shape());
-  e.backward = [&be, group, rank, ranks, seconds, nodes, parts](const Tensor& dout,
+  e.inputs.push_back(tracked(x) ? x.grad_node() : nullptr);
+  auto node = std::make_shared<GradNode>();
+  node->shape = out.shape();
+  node->dtype = out.dtype();
+  out.set_grad_node(node);
+  e.output = node;
+  e.collective = true;
+  e.backward = [&be, group, seconds, row, send_rows, recv_rows](const Tensor& dout,
                                                                 const Grads& d) {
-    std::vector<Tensor> grads;
-    for (size_t i = 0; i < nodes.size(); ++i) grads.push_back(i == 0 ? dout : nodes[i]->grad);
-    const std::vector<Tensor> mine =
-        scatter_sum_over(be, group, rank, ranks, grads, parts, seconds, DType::f32);
-    for (size_t i = 0; i < mine.size(); ++i) accumulate(be, mine[i], d, i);
+    // The gradient's rows go back where they came from.
+    const Tensor back =
+        exchange_rows(be, group, dout, row, DType::f32, recv_rows, send_rows, seconds);
+    if (back.numel()) accumulate(be, back, d, 0);
   };
   impl_->tape.push_back(std::move(e));
-  return outs;
+  return out;
 }
 
-Tensor Graph::expert_scatter_sum(const Tensor& x) {
+std::vector<int64_t> Graph::expert_gather_counts(const std::vector<int64_t>& mine) {
   const int ranks = groups_.expert_ranks, rank = groups_.expert_rank;
-  if (ranks <= 1) return x;
-  MT_CHECK(x.ndim() >= 1 && x.dim(0) % ranks == 0, "expert_scatter_sum: " + x.str() + " is not " +
-                                                       std::to_string(ranks) +
-                                                       " equal parts along its first dimension");
+  if (ranks <= 1) return mine;
+  const size_t n = mine.size();
+  std::vector<int64_t> all(n * static_cast<size_t>(ranks));
   Communicator* group = groups_.expert;
-  double* seconds = groups_.seconds;
-  Shape part = x.shape();
-  part[0] /= ranks;
-  Tensor out = scatter_sum_over(*backend_, group, rank, ranks, {x}, {part}, seconds)[0];
-  Backend* bp = backend_;
-  record(record_, impl_->tape, out, {&x},
-         [bp, group, rank, ranks, seconds](const Tensor& dout, const Grads& d) {
-           accumulate(*bp, gather_over(*bp, group, rank, ranks, {dout}, seconds)[0], d, 0);
-         });
-  return out;
+  if (!group) {
+    for (int r = 0; r < ranks; ++r)
+      std::copy(mine.begin(), mine.end(), all.begin() + static_cast<std::ptrdiff_t>(n * r));
+    return all;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  // A sum of one rank's row and zeros: exact in f64 for any count.
+  std::vector<double> buf(all.size(), 0.0);
+  for (size_t i = 0; i < n; ++i)
+    buf[n * static_cast<size_t>(rank) + i] = static_cast<double>(mine[i]);
+  group->all_reduce_sum(buf.data(), buf.size());
+  for (size_t i = 0; i < all.size(); ++i) all[i] = std::llround(buf[i]);
+  if (groups_.seconds)
+    *groups_.seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return all;
 }
 
 Tensor Graph::remat(RematPolicy policy, const std::function<Tensor(Graph&, const Tensor&)>& f,
@@ -979,7 +919,7 @@ void Graph::backward(const std::vector<std::pair<Tensor, Tensor>>& roots) {
   };
   for (size_t i = tape.size(); i-- > 0;) {
     Entry& e = tape[i];
-    if (has_grad(e)) {
+    if (has_grad(e) || (e.collective && e.backward)) {
       std::vector<GradNode*> nodes(e.inputs.size(), nullptr);
       for (size_t j = 0; j < e.inputs.size(); ++j) {
         GradNode* n = e.inputs[j].get();

@@ -95,6 +95,9 @@ struct Entry {
   // only further outputs have one.
   std::vector<std::shared_ptr<GradNode>> more_outputs;
   std::function<void(const Tensor& dout, const Grads& dins)> backward;
+  // A collective every rank must make: the backward runs even when no output has a gradient
+  // (dout undefined: zeros).
+  bool collective = false;
 };
 
 inline bool tracked(const Tensor& t) {

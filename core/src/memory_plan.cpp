@@ -499,17 +499,20 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
         const double sums =
             c.fsdp ? 0.0 : ring(2.0, mesh.data) * static_cast<double>(c.expert_gradient_bytes);
         (cfg.get_int("dcn_data_parallelism") == 1 ? c.ici_bytes : c.dcn_bytes) += sums;
-        // Per MoE layer and micro-batch, n tokens of d values with k weights and k choices:
-        // forward gathers (n (d + k) + n k) and reduce-scatters n d per other rank, the
-        // backward reduce-scatters n (d + k) and gathers n d.
+        // Per MoE layer and micro-batch, n tokens of d values, k copies each, spread evenly:
+        // each all-to-all brings n k (X - 1) / X rows of d from the other ranks; the forward
+        // sums the X x 2E table of counts (f64, a ring's 2 (X - 1) / X of it) and makes two
+        // all-to-alls, the backward two.
         const auto n = static_cast<double>(cfg.get_int("per_device_batch_size") *
                                            cfg.get_int("max_target_length"));
         const auto d = static_cast<double>(dims.d_model);
         const auto k = static_cast<double>(cfg.get_int("num_experts_per_tok"));
-        const double forward = n * (d + k) + n * k + n * d, backward = n * (d + k) + n * d;
-        c.expert_bytes = static_cast<double>(c.expert - 1) * 4.0 *
-                         static_cast<double>(c.moe_layers * c.micro_batches) *
-                         (static_cast<double>(c.gathers) * forward + backward);
+        const auto E = static_cast<double>(cfg.get_int("num_experts"));
+        const auto X = static_cast<double>(c.expert);
+        const double rows = 4.0 * d * n * k * (X - 1) / X;
+        const double counts = 8.0 * 2.0 * (X - 1) * 2.0 * E;
+        c.expert_bytes = static_cast<double>(c.moe_layers * c.micro_batches) *
+                         (static_cast<double>(c.gathers) * (counts + 2 * rows) + 2 * rows);
       }
       // Tensor parallelism: the sums and all-gathers the trace made (TrainingPlan), each
       // activation [B, T, d] in f32.
@@ -648,11 +651,12 @@ std::string format_plan(const Plan& p, const Config& cfg) {
       if (c.expert > 1)
         s += fmt::format(
             "  collectives: expert parallelism over {} ranks, each holding 1/{} of the experts "
-            "of {} MoE layers: every step gathers their tokens to each rank's experts and sums "
-            "the outputs back (per layer and micro-batch, 3 collectives in the forward{} and 2 in "
-            "the backward); a ring moves, per rank and direction, {}; the experts' {} of "
+            "of {} MoE layers: every step sends each token copy to its expert's rank and the "
+            "output back (per layer and micro-batch, a sum of the expert counts and 2 "
+            "all-to-alls in the forward{} and 2 in the backward); with routing spread evenly, "
+            "each rank receives {}; the experts' {} of "
             "gradients (a rank's) {}, the other parameters' over every rank (below)\n",
-            c.expert, c.expert, c.moe_layers, c.gathers == 1 ? "" : " and 3 in remat's re-run",
+            c.expert, c.expert, c.moe_layers, c.gathers == 1 ? "" : ", again in remat's re-run",
             link(c.expert_bytes,
                  cfg.get_int("dcn_expert_parallelism") == 1 ? p.device.ici_bytes_per_s
                                                             : p.device.dcn_bytes_per_s,

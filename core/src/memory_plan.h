@@ -74,10 +74,12 @@ struct CollectivePlan {
   bool vocab = false;
   // Expert parallelism: `expert` ranks divide the experts of `moe_layers` layers. Their
   // gradients (expert_gradient_bytes, a rank's part) are summed over the data axis only (the
-  // rest over every batch rank, as gradient_bytes says); per layer and micro-batch the group's
-  // tokens, routing weights and choices are all-gathered and the outputs reduce-scattered in
-  // each forward (two when remat re-runs the layer), the reverse in the backward: expert_bytes
-  // through one rank's link per direction, all of it in f32.
+  // rest over every batch rank, as gradient_bytes says); per layer and micro-batch each
+  // forward (two when remat re-runs the layer) sums a table of the ranks' expert counts and
+  // sends each kept token copy to its expert's rank and the output back (two all-to-alls), the
+  // backward the reverse of both: expert_bytes through one rank's link per direction, in f32,
+  // for routing that spreads the copies evenly over the ranks (a rank keeps 1 / expert of its
+  // copies); skewed routing moves more or less.
   int64_t expert = 1, moe_layers = 0;
   size_t expert_gradient_bytes = 0;
   double expert_bytes = 0;

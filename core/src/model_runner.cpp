@@ -781,9 +781,11 @@ Tensor ModelRunner::gather(Graph& g, size_t i) {
           // whether to overwrite it are decided here, in the backward's order.
           const bool overwrite = d.overwrite(0);
           Tensor dst = overwrite ? *d.raw(0) : d[0] ? *d[0] : Tensor();
-          auto host = std::make_shared<std::vector<float>>(n);
+          auto host = std::make_shared<std::vector<float>>(n, 0.f);
           const Tensor grad = dout;
-          queue->submit({[host, grad] { part_to_host(grad, 0, grad.numel(), host->data()); },
+          queue->submit({[host, grad] {
+                           if (grad.defined()) part_to_host(grad, 0, grad.numel(), host->data());
+                         },
                          [host, comm] { comm->reduce_scatter_sum(host->data(), host->size()); },
                          [host, dst, overwrite, b, e] {
                            if (!dst.defined()) return;
@@ -804,9 +806,9 @@ Tensor ModelRunner::gather(Graph& g, size_t i) {
         be.synchronize();
         const auto t0 = std::chrono::steady_clock::now();
         // (No communicator: the memory plan's trace, which allocates as this does.)
-        std::vector<float> host(comm ? n : 0);
+        std::vector<float> host(comm ? n : 0, 0.f);
         if (comm) {
-          part_to_host(dout, 0, static_cast<int64_t>(n), host.data());
+          if (dout.defined()) part_to_host(dout, 0, static_cast<int64_t>(n), host.data());
           comm->reduce_scatter_sum(host.data(), n);
         }
         if (d.overwrite(0)) {
@@ -819,6 +821,9 @@ Tensor ModelRunner::gather(Graph& g, size_t i) {
         (*node)->grad = Tensor();
         *seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       });
+  // Every rank of the group joins the reduce-scatter, also where its forward left this weight
+  // unused (an expert rank whose experts no token chose): zeros then, the others' sum kept.
+  g.internals().tape.back().collective = true;
   *node = whole.grad_node().get();
   (*node)->leaf = true;
   (*node)->dtype = DType::f32;  // as a master's gradient, whatever the weight dtype

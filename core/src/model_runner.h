@@ -75,8 +75,8 @@ struct TensorSharding {
 
 // Expert parallelism (MaxText's expert axis): the experts of blocks::moe's weights (their
 // first dimension, logical axis "experts") are divided among the `ranks` of `group` (this one
-// the `rank`-th), whose batches differ: each MoE layer gathers the group's tokens, runs its own
-// experts on them and sums the outputs back (Graph::expert_group). `group` null with ranks > 1:
+// the `rank`-th), whose batches differ: each MoE layer sends each token copy to its expert's
+// rank and the output back (Graph::expert_group, expert_exchange). `group` null with ranks > 1:
 // the memory plan's trace. `replicas`: the ranks holding the same experts in the other groups
 // (data parallelism), over which the trainer sums their gradients; null when one group.
 struct ExpertSharding {

@@ -756,7 +756,8 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
         if (p.by_expert) split += shape_numel(p.spec.shape);
       shard_note = fmt::format(
           "; expert parallelism over {} ranks (ici_expert_parallelism x dcn_expert_parallelism): "
-          "{} expert parameters divided among them, each MoE layer gathering their tokens{}",
+          "{} expert parameters divided among them, each MoE layer sending each token to its "
+          "experts' ranks{}",
           xp, human_count(static_cast<double>(split)), shard_note);
     }
     if (ranks > 1 && overlap_gradient_sums(runner, dp, &opt))
@@ -779,7 +780,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
       HostBatch hb;
       const bool more = data->next(hb, /*eval=*/true);
       if (expert_group) {
-        // The MoE layers gather over the expert group: its ranks evaluate together, while every
+        // The MoE layers exchange over the expert group: its ranks evaluate together, while every
         // one of them has a batch, and a batch without targets runs too.
         double have = more ? 1 : 0;
         expert_group->all_reduce_sum(&have, 1);

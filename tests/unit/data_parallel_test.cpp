@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -21,6 +22,7 @@
 #include "memory_plan.h"
 #include "mt/backend.h"
 #include "mt/data.h"
+#include "mt/graph.h"
 #include "mt/plugin.h"
 #include "mt/tokenizer.h"
 #include "plugin_manager.h"
@@ -548,10 +550,10 @@ TEST(DataParallel, DataTimesTensorParallelTrainsAsOneRank) {
 }
 
 // Expert parallelism (ici_expert_parallelism): the ranks divide every MoE layer's experts and
-// have batches of their own; each layer gathers the group's tokens, runs its experts on them and
-// sums the outputs back. mixtral-test on 2 expert ranks and on 2 fsdp x 2 expert ranks (FSDP
-// dividing each rank's experts and the rest again), and qwen3-moe-test with token dropping under
-// remat on 2 data x 2 expert ranks and on 2 data x 2 fsdp x 2 expert ranks (8 ranks on 2
+// have batches of their own; each layer sends each token copy to its expert's rank and the
+// output back (all-to-all). mixtral-test on 2 and 4 expert ranks and on 2 fsdp x 2 expert ranks
+// (FSDP dividing each rank's experts and the rest again), and qwen3-moe-test with token dropping
+// under remat on 2 data x 2 expert ranks and on 2 data x 2 fsdp x 2 expert ranks (8 ranks on 2
 // cores), each train as one rank given the global batch: losses within 1e-6, and mixtral-test's
 // final parameters within 3e-5 of each tensor's scale.
 TEST(DataParallel, ExpertParallelRanksTrainAsOneRank) {
@@ -568,6 +570,7 @@ TEST(DataParallel, ExpertParallelRanksTrainAsOneRank) {
             "ici_expert_parallelism=2 ici_data_parallelism=1"},
            {"fsdp", "--model=mixtral-test", 4,
             "ici_expert_parallelism=2 ici_fsdp_parallelism=2 ici_data_parallelism=1"},
+           {"four", "--model=mixtral-test", 4, "ici_expert_parallelism=4 ici_data_parallelism=1"},
            {"qwen3moe", "--model=qwen3-moe-test capacity_factor=1.0 remat_policy=full", 4,
             "ici_expert_parallelism=2 ici_data_parallelism=2"},
            {"cube", "--model=qwen3-moe-test remat_policy=full", 8,
@@ -580,15 +583,94 @@ TEST(DataParallel, ExpertParallelRanksTrainAsOneRank) {
                train_args(d.root, "ep" + c.name, c.global / c.ranks, common + " " + c.mesh), 180);
     ASSERT_EQ(r.code, 0) << r.out;
     EXPECT_NE(r.out.find("global batch " + std::to_string(c.global) +
-                         " sequences; expert parallelism over 2 ranks"),
+                         " sequences; expert parallelism over " + (c.name == "four" ? "4" : "2") +
+                         " ranks"),
               std::string::npos)
         << r.out;
     EXPECT_LE(max_loss_err(d.root / ("ep" + c.name), d.root / ("one" + c.name)), 1e-6);
-    if (c.name == "mixtral" || c.name == "fsdp") {
+    if (c.name == "mixtral" || c.name == "fsdp" || c.name == "four") {
       EXPECT_NE(r.out.find("98.3K expert parameters divided among them"), std::string::npos)
           << r.out;
       EXPECT_LE(max_param_err(d.root / ("ep" + c.name), d.root / ("one" + c.name)), 3e-5);
     }
+  }
+}
+
+// Graph::expert_exchange and expert_gather_counts on 3 ranks of one job (this test binary
+// under mpirun, running ExpertExchangeRank below on each rank): rows go where the counts say,
+// a rank may send nothing (rank 1) or receive nothing (rank 2), the backward sends each row's
+// gradient back to the rank it came from, and it runs on a rank no gradient reached (rank 2's
+// root does not use the exchange): without that the other ranks would wait for it and the
+// job time out.
+TEST(DataParallel, ExpertExchangeMovesRowsAndGradientsBetweenRanks) {
+  MT_NEED_MPIRUN();
+  std::string out;
+  const int code = test::run_command(
+      "MT_PLUGIN_PATH= MT_EXCHANGE_RANK_TEST=1 timeout 60 mpirun --oversubscribe "
+      "--allow-run-as-root -np 3 " +
+          test::build_dir() +
+          "/tests/data_parallel_test --gtest_color=no --gtest_filter=ExpertExchangeRank.*",
+      out);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_EQ(count(out, "[       OK ] ExpertExchangeRank.RowsAndGradients"), 3u) << out;
+}
+
+TEST(ExpertExchangeRank, RowsAndGradients) {
+  if (!std::getenv("MT_EXCHANGE_RANK_TEST")) {
+    GTEST_SKIP() << "one rank of DataParallel.ExpertExchangeMovesRowsAndGradientsBetweenRanks";
+  }
+  const std::unique_ptr<Communicator> comm =
+      test::plugins().make_communicator("mpi", config_from_pairs({}));
+  ASSERT_EQ(comm->size(), 3);
+  const int me = comm->rank();
+  Backend& be = test::cpu();
+  // send[src][dst] rows of 2 values; row i of rank src holds (100 src + i, -(100 src + i)).
+  const int64_t send[3][3] = {{1, 2, 0}, {0, 0, 0}, {3, 1, 0}};
+  std::vector<int64_t> sends, recvs;
+  for (int r = 0; r < 3; ++r) {
+    sends.push_back(send[me][r]);
+    recvs.push_back(send[r][me]);
+  }
+  auto row = [](int src, int64_t i) { return static_cast<float>(100 * src + i); };
+  const int64_t n = send[me][0] + send[me][1] + send[me][2];
+  std::vector<float> xv;
+  for (int64_t i = 0; i < n; ++i) xv.insert(xv.end(), {row(me, i), -row(me, i)});
+  Tensor x = n ? test::from_vector(be, {n, 2}, xv) : be.empty({0, 2}, DType::f32);
+  Tensor dx = be.empty({n, 2}, DType::f32);
+  be.fill(dx, 0.f);
+  Graph::track(x, dx);
+  Tensor other = test::from_vector(be, {1}, {1.f}), dother = be.empty({1}, DType::f32);
+  Graph::track(other, dother);
+  Graph g(be);
+  g.set_expert_group(comm.get(), 3, me);
+  EXPECT_EQ(g.expert_gather_counts({me, 10 * me}), (std::vector<int64_t>{0, 0, 1, 10, 2, 20}));
+  const Tensor y = g.expert_exchange(x, sends, recvs);
+  // The rows from each rank in rank order, each rank's in its order: rows [at, at + count) of
+  // its sends to this rank.
+  std::vector<float> want;
+  for (int src = 0; src < 3; ++src) {
+    int64_t at = 0;
+    for (int dst = 0; dst < me; ++dst) at += send[src][dst];
+    for (int64_t i = at; i < at + send[src][me]; ++i)
+      want.insert(want.end(), {row(src, i), -row(src, i)});
+  }
+  ASSERT_EQ(y.dim(0), static_cast<int64_t>(want.size() / 2));
+  if (y.numel()) {
+    EXPECT_EQ(test::to_vector(y), want);
+  }
+  if (me != 2) {
+    // dy = 3 y: each sent row's gradient comes back as 3 x.
+    std::vector<float> dy(want.begin(), want.end());
+    for (float& v : dy) v *= 3.f;
+    g.backward(y, y.numel() ? test::from_vector(be, y.shape(), dy) : be.empty({0, 2}, DType::f32));
+  } else {
+    g.backward(g.scale(other, 2.f));  // the exchange's output gets no gradient here
+    EXPECT_EQ(test::to_vector(dother), std::vector<float>{2.f});
+  }
+  std::vector<float> dx_want(xv);
+  for (float& v : dx_want) v *= 3.f;
+  if (n) {
+    EXPECT_EQ(test::to_vector(dx), dx_want);
   }
 }
 
@@ -836,9 +918,10 @@ TEST(DataParallel, FsdpCheckpointsResumeOnAnyNumberOfRanks) {
 // The memory plan's traffic (what a ring moves per rank and direction, summed over its
 // collectives) is what the ranks' collectives measure (communication_bytes: the bytes a
 // rank received in a step, median over the timed steps): within 1% for data parallelism,
-// ZeRO-1, FSDP with and without remat, tensor parallelism, HSDP, data x tensor, and expert
-// parallelism alone, beside FSDP and beside data parallelism under remat (mixtral-test), on 2
-// and 4 ranks. What is left over is the step's scalars (losses, counts, the norm).
+// ZeRO-1, FSDP with and without remat, tensor parallelism, HSDP and data x tensor, on 2 and 4
+// ranks (what is left over is the step's scalars: losses, counts, the norm); within 3% for
+// expert parallelism on 2 and 4 expert ranks, alone, beside FSDP and beside data parallelism
+// under remat (mixtral-test), where the plan takes the routing as even.
 TEST(DataParallel, PlannedTrafficIsMeasured) {
   MT_NEED_MPIRUN();
   Dir d;
@@ -865,7 +948,8 @@ TEST(DataParallel, PlannedTrafficIsMeasured) {
        "ici_fsdp_parallelism=2"},
       {4,
        "--model=mixtral-test ici_data_parallelism=2 ici_expert_parallelism=2 "
-       "remat_policy=full"}};
+       "remat_policy=full"},
+      {4, "--model=mixtral-test ici_data_parallelism=1 ici_expert_parallelism=4"}};
   for (const auto& [ranks, mesh] : meshes) {
     SCOPED_TRACE(mesh);
     const std::string words = "--model=llama-test per_device_batch_size=1 " + mesh;
@@ -897,7 +981,11 @@ TEST(DataParallel, PlannedTrafficIsMeasured) {
     std::printf("  %d ranks, %s: planned %.0f bytes a step, measured %.0f\n", ranks, mesh.c_str(),
                 planned, measured);
     EXPECT_GT(planned, 0);
-    EXPECT_NEAR(measured, planned, 0.01 * planned);
+    // Expert parallelism's all-to-alls move what the routing sends off the rank, which the plan
+    // takes as spread evenly (on these runs 0.3-1.1% off); the rest is exact but for the
+    // scalars' sums.
+    const double tolerance = mesh.find("expert") != std::string::npos ? 0.03 : 0.01;
+    EXPECT_NEAR(measured, planned, tolerance * planned);
   }
 }
 

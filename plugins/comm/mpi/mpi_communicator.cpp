@@ -158,6 +158,43 @@ class MpiCommunicator final : public mt::Communicator {
     }
   }
 
+  // Counts and displacements are in rows (one contiguous MPI type of `row` floats), so a
+  // rank's rows fit MPI's int counts for any row a model has.
+  void all_to_all(const float* send, const std::vector<size_t>& send_rows, float* recv,
+                  const std::vector<size_t>& recv_rows, size_t row) override {
+    const auto N = static_cast<size_t>(size_);
+    if (send_rows.size() != N || recv_rows.size() != N)
+      throw mt::Error("mpi: all_to_all takes one count per rank (" + std::to_string(N) + "), got " +
+                      std::to_string(send_rows.size()) + " and " +
+                      std::to_string(recv_rows.size()));
+    if (row == 0) return;
+    if (row > kIntMax)
+      throw mt::Error("mpi: all_to_all rows of " + std::to_string(row) + " floats");
+    std::vector<int> sc(N), sd(N), rc(N), rd(N);
+    size_t s_at = 0, r_at = 0;
+    for (size_t r = 0; r < N; ++r) {
+      if (s_at + send_rows[r] > kIntMax || r_at + recv_rows[r] > kIntMax)
+        throw mt::Error("mpi: all_to_all of more than 2^31 rows");
+      sc[r] = static_cast<int>(send_rows[r]);
+      sd[r] = static_cast<int>(s_at);
+      rc[r] = static_cast<int>(recv_rows[r]);
+      rd[r] = static_cast<int>(r_at);
+      s_at += send_rows[r];
+      r_at += recv_rows[r];
+      if (r != static_cast<size_t>(rank_))
+        received_ += static_cast<double>(recv_rows[r] * row * sizeof(float));
+    }
+    MPI_Datatype t = MPI_DATATYPE_NULL;
+    check(MPI_Type_contiguous(static_cast<int>(row), MPI_FLOAT, &t), "MPI_Type_contiguous");
+    check(MPI_Type_commit(&t), "MPI_Type_commit");
+    // (MPI wants valid buffers even for empty parts.)
+    float no_send = 0.f, no_recv = 0.f;
+    const int rc_ = MPI_Alltoallv(s_at ? send : &no_send, sc.data(), sd.data(), t,
+                                  r_at ? recv : &no_recv, rc.data(), rd.data(), t, comm_);
+    MPI_Type_free(&t);
+    check(rc_, "MPI_Alltoallv");
+  }
+
   void broadcast(void* data, size_t bytes, int root) override {
     auto* p = static_cast<char*>(data);
     while (bytes > 0) {  // MPI counts are int

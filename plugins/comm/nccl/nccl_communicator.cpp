@@ -181,6 +181,47 @@ class NcclCommunicator final : public mt::Communicator {
     }
   }
 
+  // NCCL has no all-to-all of its own: one group of sends and receives, as its documentation
+  // builds it, through the device scratch (the sends' rows, then the receives').
+  void all_to_all(const float* send, const std::vector<size_t>& send_rows, float* recv,
+                  const std::vector<size_t>& recv_rows, size_t row) override {
+    const auto N = static_cast<size_t>(size_);
+    if (send_rows.size() != N || recv_rows.size() != N)
+      throw mt::Error("nccl communicator: all_to_all takes one count per rank (" +
+                      std::to_string(N) + ")");
+    size_t sent = 0, got = 0;
+    for (size_t r = 0; r < N; ++r) {
+      sent += send_rows[r] * row;
+      got += recv_rows[r] * row;
+    }
+    const size_t bytes = (sent + got) * sizeof(float);
+    if (bytes == 0) return;
+    reserve(bytes);
+    auto* base = static_cast<float*>(scratch_);
+    if (sent)
+      check_cuda(cudaMemcpyAsync(base, send, sent * sizeof(float), cudaMemcpyHostToDevice, stream_),
+                 "cudaMemcpyAsync");
+    check_nccl(ncclGroupStart(), "ncclGroupStart");
+    size_t s_at = 0, r_at = sent;
+    for (size_t r = 0; r < N; ++r) {
+      const int peer = static_cast<int>(r);
+      if (send_rows[r])
+        check_nccl(ncclSend(base + s_at, send_rows[r] * row, ncclFloat32, peer, comm_, stream_),
+                   "ncclSend");
+      if (recv_rows[r])
+        check_nccl(ncclRecv(base + r_at, recv_rows[r] * row, ncclFloat32, peer, comm_, stream_),
+                   "ncclRecv");
+      s_at += send_rows[r] * row;
+      r_at += recv_rows[r] * row;
+    }
+    check_nccl(ncclGroupEnd(), "ncclGroupEnd");
+    if (got)
+      check_cuda(
+          cudaMemcpyAsync(recv, base + sent, got * sizeof(float), cudaMemcpyDeviceToHost, stream_),
+          "cudaMemcpyAsync");
+    check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+  }
+
   void all_reduce_sum(mt::Backend& backend, const std::vector<mt::Tensor*>& tensors) override {
     if (backend.name() != "cuda") {  // host tensors: the default path through our host sums
       Communicator::all_reduce_sum(backend, tensors);
@@ -212,16 +253,20 @@ class NcclCommunicator final : public mt::Communicator {
   }
 
  private:
+  // The device scratch, at least `bytes` long.
+  void reserve(size_t bytes) {
+    if (bytes <= scratch_bytes_) return;
+    if (scratch_) check_cuda(cudaFree(scratch_), "cudaFree");
+    scratch_ = nullptr;
+    scratch_bytes_ = 0;
+    check_cuda(cudaMalloc(&scratch_, bytes), "cudaMalloc (collective scratch)");
+    scratch_bytes_ = bytes;
+  }
   // Host bytes through the device scratch: copied in, `op` on the device copy, copied back.
   template <class Op>
   void on_device(void* host, size_t bytes, Op op) {
     if (bytes == 0) return;
-    if (bytes > scratch_bytes_) {
-      if (scratch_) check_cuda(cudaFree(scratch_), "cudaFree");
-      scratch_ = nullptr;
-      check_cuda(cudaMalloc(&scratch_, bytes), "cudaMalloc (collective scratch)");
-      scratch_bytes_ = bytes;
-    }
+    reserve(bytes);
     check_cuda(cudaMemcpyAsync(scratch_, host, bytes, cudaMemcpyHostToDevice, stream_),
                "cudaMemcpyAsync");
     op(scratch_);

@@ -52,6 +52,15 @@ class MT_API Communicator {
   virtual void reduce_scatter_sum(float* data, size_t n);
   virtual void all_gather(float* data, size_t n);
 
+  // Rows of `row` floats in host memory, from every rank to every rank (MPI_Alltoallv):
+  // send_rows[r] rows to rank r, taken from `send` one rank's rows after another (rank order),
+  // and recv_rows[r] rows from rank r into `recv`, in rank order. recv_rows[r] must equal rank
+  // r's send_rows[this rank]; both vectors have size() entries. Expert parallelism's dispatch:
+  // each token goes only to the ranks of its experts. The default serves one rank (a copy) and
+  // throws mt::Error for more.
+  virtual void all_to_all(const float* send, const std::vector<size_t>& send_rows, float* recv,
+                          const std::vector<size_t>& recv_rows, size_t row);
+
   // The ranks that pass the same `color`, as a communicator of their own, ranked by `key`
   // (then by this rank): the groups of a mesh axis (tensor parallelism's ranks, data
   // parallelism's across them). Every rank calls it. The default serves one rank and throws

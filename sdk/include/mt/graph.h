@@ -103,16 +103,18 @@ class MT_API Graph {
   Communicator* expert_group() const { return groups_.expert; }
   int expert_ranks() const { return groups_.expert_ranks; }
   int expert_rank() const { return groups_.expert_rank; }
-  // Every rank's x (f32 or bf16 rows, the same shape on each), concatenated along the first
-  // dimension in rank order; the backward sums the gradient over the ranks (rank order) and
-  // keeps this rank's rows. i32 x (expert indices) is gathered with no gradient.
-  Tensor expert_gather(const Tensor& x);
-  // Several f32/bf16 tensors in one collective, as above; the backward runs when any of them has
-  // a gradient (the others count as zeros), so every rank makes the same collectives.
-  std::vector<Tensor> expert_gather(const std::vector<Tensor>& xs);
-  // The inverse: this rank's rows of the rank-ordered sum over the ranks of x, whose first
-  // dimension is `ranks` equal parts; the backward gathers the gradient.
-  Tensor expert_scatter_sum(const Tensor& x);
+  // All-to-all (blocks::moe's dispatch and combine): x's rows (f32 or bf16 [rows, ...], rows =
+  // the sum of send_rows; may be 0) go send_rows[r] to expert rank r, one rank's after another;
+  // the result holds recv_rows[r] rows from rank r, in rank order (recv_rows[r] must be what
+  // rank r sends here: expert_gather_counts tells it). The backward sends the gradient back the
+  // same way. Recorded on every rank whenever the graph records, and its backward runs whether
+  // or not a gradient reached it (zeros then), so every rank makes the same collectives even
+  // where it sends or receives nothing. No group (the plan's trace): rows of the right count.
+  Tensor expert_exchange(const Tensor& x, const std::vector<int64_t>& send_rows,
+                         const std::vector<int64_t>& recv_rows);
+  // Every expert rank's `mine` (the same length on each), one after another in rank order (no
+  // gradient); no group: `mine` repeated, as if every rank had the same.
+  std::vector<int64_t> expert_gather_counts(const std::vector<int64_t>& mine);
 
   // Marks `param` as a leaf whose gradient accumulates (+=) into `grad` (same shape).
   static void track(Tensor& param, Tensor grad);

@@ -28,5 +28,7 @@
 // ParamSpec::projection, Params' transposed and int8 projection weights, Graph::project and
 // Backend::matmul_q8 (op set 5); 14: Graph's expert-group ops (expert_gather,
 // expert_scatter_sum; Graph's groups in one member), KVCache::scales and
-// Backend::scatter_rows_q8 / dequantize_rows_q8 (op set 6: the int8 KV cache).
-#define MT_ABI_VERSION 14u
+// Backend::scatter_rows_q8 / dequantize_rows_q8 (op set 6: the int8 KV cache); 15:
+// Communicator::all_to_all and Graph's expert_exchange / expert_gather_counts in place of
+// expert_gather / expert_scatter_sum (expert parallelism's all-to-all dispatch).
+#define MT_ABI_VERSION 15u
