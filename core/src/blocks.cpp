@@ -612,16 +612,47 @@ Tensor moe_experts(Graph& g, const Params& p, const MoeSpec& s, const std::strin
 // the group's routed slots per expert and kept slots (the load and drop metrics). The backward
 // sends the gradients back along the same paths. About k (X - 1) / X of the tokens leave a rank
 // each way, where gathering the group's tokens to every rank would move X - 1 times them.
+// With the tensor axis (Graph::expert_tensor_ranks T > 1) the group is the X T ranks of X
+// batches: the T tensor ranks of a batch hold the same tokens, so each takes a share of its
+// sequences (its input and routing weights through tensor_parallel_input, whose backward sums
+// the shares' gradients), and the shares' outputs are summed over the tensor group.
 Tensor moe_expert_parallel(Graph& g, const Params& p, const MoeSpec& s, const std::string& prefix,
-                           const Tensor& x2, const Tensor& weights, const Graph::ExpertOrder& order,
-                           std::vector<int64_t>& routed, int64_t& kept_slots) {
+                           const Tensor& x2, const Tensor& weights, const Tensor& indices,
+                           int64_t seq, std::vector<int64_t>& routed, int64_t& kept_slots) {
   Backend& be = g.backend();
   const int ep = g.expert_ranks(), me = g.expert_rank();
   const int64_t E = s.num_experts, d = s.d_model, n = x2.dim(0), k = s.top_k;
   const int64_t local = p[prefix + "w_up"].dim(0);
   MT_CHECK(local * ep == E && p[prefix + "w_up"].dim(-1) == s.hidden,
            "moe block: " + std::to_string(local) + " of " + std::to_string(E) +
-               " experts' weights here, but the expert axis has " + std::to_string(ep) + " ranks");
+               " experts' weights here, but the expert group has " + std::to_string(ep) + " ranks");
+  // This rank's share of the batch: sequences [B t / T, B (t + 1) / T) (no tensor group, the
+  // plan's trace: all of them, with the tensor group's sums counted).
+  const int ts = g.expert_tensor_ranks(), t = me % ts;
+  const bool shares = ts > 1;
+  const bool part = shares && g.tensor_group() != nullptr;
+  const int64_t B = seq ? n / seq : 0;
+  const int64_t a = part ? seq * (B * t / ts) : 0, b = part ? seq * (B * (t + 1) / ts) : n;
+  const Tensor mine_idx = part ? indices.slice0(a, b) : indices;
+  const Graph::ExpertOrder order = s.capacity_factor > 0.f
+                                       ? g.sort_by_expert(mine_idx, E, moe_capacity(s, seq), seq)
+                                       : g.sort_by_expert(mine_idx, E);
+  Tensor tokens = order.tokens, slot_ids = order.slots;
+  if (a > 0 && order.tokens.numel()) {  // the share's numbers, in the batch's
+    std::vector<int32_t> tk(static_cast<size_t>(order.tokens.numel())), sl(tk.size());
+    be.copy_to_host(order.tokens, tk.data());
+    be.copy_to_host(order.slots, sl.data());
+    for (size_t i = 0; i < tk.size(); ++i) {
+      tk[i] += static_cast<int32_t>(a);
+      sl[i] += static_cast<int32_t>(a * k);
+    }
+    tokens = be.empty(order.tokens.shape(), DType::i32);
+    slot_ids = be.empty(order.slots.shape(), DType::i32);
+    be.copy_from_host(tokens, tk.data());
+    be.copy_from_host(slot_ids, sl.data());
+  }
+  const Tensor xin = shares ? g.tensor_parallel_input(x2) : x2;
+  const Tensor win = shares ? g.tensor_parallel_input(weights) : weights;
   // Every rank's kept slots and routed slots per expert.
   std::vector<int64_t> mine = order.counts;
   mine.insert(mine.end(), order.routed.begin(), order.routed.end());
@@ -639,7 +670,7 @@ Tensor moe_expert_parallel(Graph& g, const Params& p, const MoeSpec& s, const st
   for (int64_t e = 0; e < E; ++e)
     send[static_cast<size_t>(e / local)] += order.counts[static_cast<size_t>(e)];
   const int64_t m = order.tokens.numel();  // this rank's kept slots, sorted by expert
-  const Tensor rows = m ? g.gather_rows(x2, order.tokens) : be.empty({0, d}, x2.dtype());
+  const Tensor rows = m ? g.gather_rows(xin, tokens) : be.empty({0, d}, x2.dtype());
   const Tensor got = g.expert_exchange(rows, send, recv);  // by source rank, then expert
   const int64_t R = got.dim(0);
   Tensor ys = be.empty({0, d}, got.dtype());  // the experts' outputs, in got's order
@@ -681,9 +712,14 @@ Tensor moe_expert_parallel(Graph& g, const Params& p, const MoeSpec& s, const st
     ys = identity ? y : g.gather_rows(y, back);
   }
   const Tensor outs = g.expert_exchange(ys, recv, send);  // [m, d], in this rank's sorted order
-  if (m == 0) return g.scale(x2, 0.f);                    // every slot dropped (still on the tape)
-  const Tensor ws = g.reshape(g.gather_rows(g.reshape(weights, {n * k, 1}), order.slots), {m});
-  return g.scatter_add_rows(outs, order.tokens, ws, n);
+  Tensor y;
+  if (m == 0) {
+    y = g.scale(xin, 0.f);  // every slot dropped, or no share (still on the tape)
+  } else {
+    const Tensor ws = g.reshape(g.gather_rows(g.reshape(win, {n * k, 1}), slot_ids), {m});
+    y = g.scatter_add_rows(outs, tokens, ws, n);
+  }
+  return shares ? g.tensor_parallel_sum(y) : y;
 }
 
 }  // namespace
@@ -724,19 +760,22 @@ LayerOutput moe(Graph& g, const Params& p, const MoeSpec& s, const Tensor& x,
   // The n k token copies sorted by expert (on the host for now: the indices are read back, one
   // synchronisation per layer), those past an expert's capacity in their sequence left out, then
   // one grouped matmul per projection.
-  const int64_t capacity = moe_capacity(s, T);
-  const Graph::ExpertOrder order = s.capacity_factor > 0.f
-                                       ? g.sort_by_expert(r.indices, E, capacity, T)
-                                       : g.sort_by_expert(r.indices, E);
+  // (Under expert parallelism, moe_expert_parallel sorts the rank's share.)
   const int ep = g.expert_ranks();
   // The metrics' load per expert and kept slots (under expert parallelism: the group's).
-  std::vector<int64_t> routed = order.routed;
-  int64_t kept_slots = order.slots.numel();
+  std::vector<int64_t> routed;
+  int64_t kept_slots = 0;
   LayerOutput out;
   if (ep > 1) {
     out.x = g.reshape(
-        moe_expert_parallel(g, p, s, prefix, x2, r.weights, order, routed, kept_slots), x.shape());
+        moe_expert_parallel(g, p, s, prefix, x2, r.weights, r.indices, T, routed, kept_slots),
+        x.shape());
   } else {
+    const Graph::ExpertOrder order = s.capacity_factor > 0.f
+                                         ? g.sort_by_expert(r.indices, E, moe_capacity(s, T), T)
+                                         : g.sort_by_expert(r.indices, E);
+    routed = order.routed;
+    kept_slots = order.slots.numel();
     out.x = moe_experts(g, p, s, prefix, x, x2, r.weights, order);
   }
 
@@ -779,7 +818,7 @@ LayerOutput moe(Graph& g, const Params& p, const MoeSpec& s, const Tensor& x,
   // Metrics (weight 0: logged in metrics.jsonl, not trained): the expert load and the drops.
   // (Under expert parallelism: the group's tokens.)
   const auto [lo, hi] = std::minmax_element(routed.begin(), routed.end());
-  const int64_t slots_a = slots * ep;
+  const int64_t slots_a = slots * (ep / g.expert_tensor_ranks());  // the group's batches
   const float share = slots_a ? 1.f / static_cast<float>(slots_a) : 0.f;
   std::string tag;
   if (s.layer >= 0) tag.append("/").append(std::to_string(s.layer));

@@ -671,13 +671,23 @@ Tensor Graph::tensor_parallel_input(const Tensor& x) {
   Backend* be = backend_;
   Communicator* group = groups_.tensor;
   double* seconds = groups_.seconds;
-  record(record_, impl_->tape, out, {&x}, [be, group, seconds](const Tensor& dout, const Grads& d) {
-    const Tensor sum = sum_over(*be, *group, dout, seconds);
-    if (d.overwrite(0))
-      be->cast(sum, *d.raw(0));
-    else
-      be->axpy(1.f, sum, *d[0]);
-  });
+  const size_t before = impl_->tape.size();
+  const Shape shape = x.shape();
+  record(record_, impl_->tape, out, {&x},
+         [be, group, seconds, shape](const Tensor& dout, const Grads& d) {
+           Tensor grad = dout;
+           if (!grad.defined()) {  // unused on this rank (a share with no tokens): zeros
+             grad = be->empty(shape, DType::f32);
+             be->fill(grad, 0.f);
+           }
+           const Tensor sum = sum_over(*be, *group, grad, seconds);
+           if (d.overwrite(0))
+             be->cast(sum, *d.raw(0));
+           else
+             be->axpy(1.f, sum, *d[0]);
+         });
+  // Every rank of the group joins the backward's sum, also where nothing used `out`.
+  if (impl_->tape.size() > before) impl_->tape.back().collective = true;
   return out;
 }
 

@@ -72,13 +72,15 @@ TrainingPlan trace_training(const Config& cfg, PluginManager& plugins,
   // Rank 0 of FSDP's ranks (the fsdp axis; with a data axis too, each group of them holds a
   // copy: HSDP): its parts of every tensor (shard_range gives later ranks one element more at
   // most), and each layer's whole weights while the layer runs. Tensor rank 0 of its group:
-  // its part of the split weights (equal parts). Expert rank 0: its experts, and the MoE
-  // layers' tokens gathered from the expert group.
+  // its part of the split weights (equal parts). Expert rank 0: its experts (with the tensor
+  // axis, 1 / (expert x tensor) of them), and the rows the MoE layers' routing sends it.
   const auto fsdp = static_cast<int>(mesh.fsdp), tensor = static_cast<int>(mesh.tensor);
+  const int expert_tensor = mesh.expert > 1 ? tensor : 1;
+  ExpertSharding experts{nullptr, 0, static_cast<int>(mesh.expert) * expert_tensor};
+  experts.tensor_ranks = expert_tensor;
   auto runner = meta_runner(cfg, plugins, device,
                             fsdp > 1 ? ParamSharding{nullptr, 0, fsdp} : ParamSharding{},
-                            TensorSharding{nullptr, 0, tensor},
-                            ExpertSharding{nullptr, 0, static_cast<int>(mesh.expert)});
+                            TensorSharding{nullptr, 0, tensor}, experts);
   Backend& be = runner->backend();
   TrainingPlan t;
   t.weights = in_use(*runner);
@@ -447,15 +449,20 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
       // A tensor rank's gradients are its parts (as allocated; FSDP divides those again).
       // Expert parallelism: a rank holds 1/X of the experts (FSDP gathers those and the rest;
       // data parallelism all-reduces the rest over every rank, the experts apart).
+      // With the tensor axis too, the experts are divided among the expert x tensor ranks.
       c.expert = mesh.expert;
       c.fsdp = mesh.fsdp > 1;
+      const int64_t expert_group = c.expert > 1 ? c.expert * mesh.tensor : 1;
       const double expert_local =
-          c.expert > 1 ? expert_elements / static_cast<double>(c.expert) : 0.0;
+          c.expert > 1 ? expert_elements / static_cast<double>(expert_group) : 0.0;
       const double dense_elements =
           static_cast<double>(plan.counts.total) - (c.expert > 1 ? expert_elements : 0.0);
-      c.gradient_bytes =
-          mesh.tensor > 1 ? plan.train->gradients * static_cast<size_t>(mesh.fsdp)
-                          : static_cast<size_t>(dense_elements + (c.fsdp ? expert_local : 0.0)) * 4;
+      // What a tensor rank holds of the rest (the tensor parts and the replicated tensors).
+      const double dense_local =
+          mesh.tensor > 1
+              ? static_cast<double>(plan.train->gradients * mesh.fsdp) / 4.0 - expert_local
+              : dense_elements;
+      c.gradient_bytes = static_cast<size_t>(dense_local + (c.fsdp ? expert_local : 0.0)) * 4;
       const double held = all - expert_elements + expert_local;
       const double top_share = held > 0 ? top / held : 0;
       c.fsdp_ranks = mesh.fsdp;
@@ -481,9 +488,9 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
         // data axis's copies (and the expert axis's, but for the experts).
         const bool fsdp_in_node = cfg.get_int("dcn_fsdp_parallelism") == 1;
         const double fsdp_bytes = ring(rounds, mesh.fsdp) * g;
-        const double copies = (ring(2.0, mesh.data * c.expert) * dense_elements +
-                               ring(2.0, mesh.data) * expert_local) *
-                              4.0 / static_cast<double>(mesh.fsdp);
+        const double copies =
+            (ring(2.0, mesh.data * c.expert) * dense_local + ring(2.0, mesh.data) * expert_local) *
+            4.0 / static_cast<double>(mesh.fsdp);
         const bool data_in_node = cfg.get_int("dcn_data_parallelism") == 1;
         c.ici_bytes = (fsdp_in_node ? fsdp_bytes : 0) + (data_in_node ? copies : 0);
         c.dcn_bytes = (fsdp_in_node ? 0 : fsdp_bytes) + (data_in_node ? 0 : copies);
@@ -499,16 +506,19 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
         const double sums =
             c.fsdp ? 0.0 : ring(2.0, mesh.data) * static_cast<double>(c.expert_gradient_bytes);
         (cfg.get_int("dcn_data_parallelism") == 1 ? c.ici_bytes : c.dcn_bytes) += sums;
-        // Per MoE layer and micro-batch, n tokens of d values, k copies each, spread evenly:
-        // each all-to-all brings n k (X - 1) / X rows of d from the other ranks; the forward
-        // sums the X x 2E table of counts (f64, a ring's 2 (X - 1) / X of it) and makes two
-        // all-to-alls, the backward two.
+        // Per MoE layer and micro-batch, n tokens of d values, k copies each, spread evenly
+        // over the G ranks of the group (X, or X T with the tensor axis, each tensor rank
+        // sending n / T of its batch's tokens): each all-to-all brings n k (G - 1) / G rows of
+        // d from the other ranks; the forward sums the G x 2E table of counts (f64, a ring's
+        // 2 (G - 1) / G of it) and makes two all-to-alls, the backward two. (The tensor
+        // group's sums of the shares are in the trace's tensor traffic.)
         const auto n = static_cast<double>(cfg.get_int("per_device_batch_size") *
-                                           cfg.get_int("max_target_length"));
+                                           cfg.get_int("max_target_length")) /
+                       static_cast<double>(expert_group / c.expert);
         const auto d = static_cast<double>(dims.d_model);
         const auto k = static_cast<double>(cfg.get_int("num_experts_per_tok"));
         const auto E = static_cast<double>(cfg.get_int("num_experts"));
-        const auto X = static_cast<double>(c.expert);
+        const auto X = static_cast<double>(expert_group);
         const double rows = 4.0 * d * n * k * (X - 1) / X;
         const double counts = 8.0 * 2.0 * (X - 1) * 2.0 * E;
         c.expert_bytes = static_cast<double>(c.moe_layers * c.micro_batches) *
@@ -650,13 +660,18 @@ std::string format_plan(const Plan& p, const Config& cfg) {
                        (p.device.dcn_bytes_per_s > 0 ? c.dcn_bytes / p.device.dcn_bytes_per_s : 0);
       if (c.expert > 1)
         s += fmt::format(
-            "  collectives: expert parallelism over {} ranks, each holding 1/{} of the experts "
+            "  collectives: expert parallelism over {} ranks{}, each holding 1/{} of the experts "
             "of {} MoE layers: every step sends each token copy to its expert's rank and the "
             "output back (per layer and micro-batch, a sum of the expert counts and 2 "
             "all-to-alls in the forward{} and 2 in the backward); with routing spread evenly, "
             "each rank receives {}; the experts' {} of "
             "gradients (a rank's) {}, the other parameters' over every rank (below)\n",
-            c.expert, c.expert, c.moe_layers, c.gathers == 1 ? "" : ", again in remat's re-run",
+            c.expert,
+            c.tensor > 1 ? fmt::format(" and the {} tensor ranks of each (each sending a share of "
+                                       "its batch)",
+                                       c.tensor)
+                         : std::string(),
+            c.expert * c.tensor, c.moe_layers, c.gathers == 1 ? "" : ", again in remat's re-run",
             link(c.expert_bytes,
                  cfg.get_int("dcn_expert_parallelism") == 1 ? p.device.ici_bytes_per_s
                                                             : p.device.dcn_bytes_per_s,

@@ -81,14 +81,21 @@ Mesh resolve_mesh(const Config& cfg, int ranks) {
     const std::string ep =
         "Expert parallelism (ici_expert_parallelism x dcn_expert_parallelism = " +
         std::to_string(m.expert) + ")";
-    if (m.tensor > 1 || cfg.get_bool("shard_optimizer_over_data"))
-      throw UsageError(ep + " with " +
-                       (m.tensor > 1 ? "the tensor axis" : "shard_optimizer_over_data") +
-                       " is not implemented yet: combine it with the data and fsdp axes (FSDP "
-                       "divides the moments too), or divide the experts over the tensor axis "
-                       "instead (ici_tensor_parallelism with experts:tensor in "
-                       "logical_axis_rules).");
+    if (cfg.get_bool("shard_optimizer_over_data"))
+      throw UsageError(ep +
+                       " with shard_optimizer_over_data is not implemented yet: combine it with "
+                       "the data and fsdp axes (FSDP divides the moments too).");
+    // With the tensor axis, the experts are divided among the expert x tensor ranks.
     const int64_t experts = cfg.get_int("num_experts");
+    const int64_t parts = m.expert * m.tensor;
+    if (experts > 1 && experts % parts != 0 && experts % m.expert == 0)
+      throw UsageError(ep + " with the tensor axis (" + std::to_string(m.tensor) +
+                       " ranks) divides the experts of the mixture-of-experts layers among " +
+                       std::to_string(parts) + " ranks, but " + cfg.get_string("model_name") +
+                       " has " + std::to_string(experts) + " experts (num_experts), which " +
+                       std::to_string(parts) +
+                       " does not divide. Choose expert and tensor axes whose product divides "
+                       "num_experts.");
     if (experts <= 1 || experts % m.expert != 0)
       throw UsageError(ep +
                        " divides the experts of the mixture-of-experts layers among its "

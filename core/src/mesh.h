@@ -20,10 +20,10 @@ struct Mesh {
 };
 
 // Throws UsageError (one sentence naming the keys) when the axes do not multiply to `ranks`,
-// more than one axis is -1, tensor parallelism meets shard_optimizer_over_data, or the expert
-// axis meets the fsdp or tensor axis or shard_optimizer_over_data (not implemented together
-// yet), or divides a model without num_experts divisible by it. A pure function of the config and
-// the rank count, so every rank of a job decides the same.
+// more than one axis is -1, tensor parallelism or the expert axis meets
+// shard_optimizer_over_data (not implemented together yet), or the expert axis divides a model
+// without num_experts divisible by it (with the tensor axis: by the product of the two). A pure
+// function of the config and the rank count, so every rank of a job decides the same.
 Mesh resolve_mesh(const Config& cfg, int ranks);
 
 // The devices the mesh's sizes name (the product of the axes set above 1; -1, the rest of the

@@ -932,8 +932,9 @@ Tensor ModelRunner::run_layers(Graph& g, const std::vector<Tensor>& ps, const Te
   if (tensor_.on() && !tensor_.group)
     g.count_tensor_collectives(&planned_sum_bytes_, &planned_gather_bytes_);
   mark_vocab_part(g, ps);  // vocab:tensor: the graph's lookup, LM head and loss work on parts
-  // Expert parallelism: the MoE blocks gather the group's tokens for their experts.
-  if (expert_.on()) g.set_expert_group(expert_.group, expert_.ranks, expert_.rank);
+  // Expert parallelism: the MoE blocks send the tokens to their experts' ranks.
+  if (expert_.on())
+    g.set_expert_group(expert_.group, expert_.ranks, expert_.rank, expert_.tensor_ranks);
   Tensor x = model_->embed_at(g, top_params(ps), tokens, in.positions);
   for (int i = 0; i < model_->num_layers(); ++i) {
     const auto ui = static_cast<size_t>(i);

@@ -83,6 +83,9 @@ struct ExpertSharding {
   Communicator* group = nullptr;
   int rank = 0, ranks = 1;
   Communicator* replicas = nullptr;
+  // With tensor parallelism: the group spans the tensor ranks too (ranks = X T, rank = x T + t),
+  // the experts divided among all of them, each tensor rank dispatching a share of the batch.
+  int tensor_ranks = 1;
   bool on() const { return ranks > 1; }
 };
 

@@ -300,14 +300,19 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
   const bool parts = ranks && opt && opt->sharded() && !fsdp;
   // Tensor parallelism: the split gradients' parts on every tensor rank, the replicated ones
   // (the same on each) on the first only, then summed over the group.
-  // Expert parallelism the same way over the expert group.
+  // Expert parallelism the same way over the expert group. With both, the expert group holds
+  // the tensor group: the experts' parts on every rank of it, the tensor-split ones on expert
+  // rank 0's tensor ranks, the replicated ones on its tensor rank 0, summed over it once.
   const TensorSharding& tensor = runner.tensor_sharding();
   const ExpertSharding& experts = runner.expert_sharding();
+  const bool spanning = experts.on() && experts.tensor_ranks > 1;
+  const int expert_rank = experts.rank / experts.tensor_ranks;
   std::vector<Tensor> views;
   size_t i = 0;
   for (auto& p : runner.params()) {
     const auto [b, e] = parts ? opt->shard[i] : std::pair<int64_t, int64_t>{0, p.grad.numel()};
-    const bool counted = p.tensor_dim >= 0 || (tensor.rank == 0 && experts.rank == 0);
+    const bool counted =
+        p.by_expert || (expert_rank == 0 && (p.tensor_dim >= 0 || tensor.rank == 0));
     if (b < e && counted) views.push_back(parts ? flat_part(p.grad, b, e) : p.grad);
     ++i;
   }
@@ -323,8 +328,8 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
     (fsdp && runner.sharding().comm ? runner.sharding().comm : comm)->all_reduce_sum(&total, 1);
     r.communication_s += seconds_since(t0);
   }
-  for (Communicator* group :
-       {tensor.on() ? tensor.group : nullptr, experts.on() ? experts.group : nullptr}) {
+  for (Communicator* group : {tensor.on() && !spanning ? tensor.group : nullptr,
+                              experts.on() ? experts.group : nullptr}) {
     if (!group) continue;
     const auto t0 = Clock::now();
     group->all_reduce_sum(&total, 1);
@@ -451,9 +456,12 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   // gradient (FSDP: its parts) is summed over the ranks holding the same (those differing in d
   // only). For everything else the expert axis is data parallelism: the batch is split over
   // it, and the other parameters' gradients are summed over it too.
+  // With the tensor axis (resolve_mesh allows it without fsdp) the group is the X T ranks that
+  // differ in x and t (rank x T + t), among which the experts are divided: the tensor ranks of
+  // a batch hold the same tokens, and each sends its share of them.
   std::unique_ptr<Communicator> expert_group, expert_replicas;
   if (xp > 1) {
-    expert_group = comm.split(tp_rank + tp * (fsdp_rank + fp * data_index), xp_rank);
+    expert_group = comm.split(fsdp_rank + fp * data_index, xp_rank * tp + tp_rank);
     if (mesh.data > 1) expert_replicas = comm.split(comm.rank() % (tp * xp * fp), data_index);
   }
   // Outputs: the resolved config beside the metrics, in a directory this run alone writes:
@@ -491,9 +499,12 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
       replica_group = comm.split(tp_rank + tp * fsdp_rank, xp_rank + xp * data_index);
     sharding = {fsdp_group ? fsdp_group.get() : &comm, fsdp_rank, fp, replica_group.get()};
   }
+  ExpertSharding experts{expert_group.get(), xp_rank * tp + tp_rank, xp * tp,
+                         expert_replicas.get()};
+  experts.tensor_ranks = tp;
+  if (xp == 1) experts = ExpertSharding{};
   ModelRunner runner(cfg, plugins, std::move(device), nullptr, sharding,
-                     TensorSharding{tensor_group.get(), tp_rank, tp},
-                     ExpertSharding{expert_group.get(), xp_rank, xp, expert_replicas.get()});
+                     TensorSharding{tensor_group.get(), tp_rank, tp}, experts);
   Backend& be = runner.backend();
   const int64_t steps = cfg.get_int("steps");
   const int64_t accum = cfg.get_int("gradient_accumulation_steps");
@@ -742,8 +753,8 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     if (!resumed_from.empty()) std::printf("mt run: %s\n", resumed_from.c_str());
     if (tp > 1) {
       int64_t split = 0, whole = 0;
-      for (auto& p : runner.params())
-        (p.tensor_dim >= 0 ? split : whole) += shape_numel(p.spec.shape);
+      for (auto& p : runner.params())  // (the experts under expert parallelism: below)
+        if (!p.by_expert) (p.tensor_dim >= 0 ? split : whole) += shape_numel(p.spec.shape);
       shard_note = fmt::format(
           "; tensor parallelism over {} ranks per batch (logical_axis_rules): {} parameters "
           "divided among them, {} whole on each{}",
@@ -756,9 +767,12 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
         if (p.by_expert) split += shape_numel(p.spec.shape);
       shard_note = fmt::format(
           "; expert parallelism over {} ranks (ici_expert_parallelism x dcn_expert_parallelism): "
-          "{} expert parameters divided among them, each MoE layer sending each token to its "
-          "experts' ranks{}",
-          xp, human_count(static_cast<double>(split)), shard_note);
+          "{} expert parameters divided among {}, each MoE layer sending each token to its "
+          "experts' ranks{}{}",
+          xp, human_count(static_cast<double>(split)),
+          tp > 1 ? fmt::format("them and the {} tensor ranks of each ({} ranks)", tp, xp * tp)
+                 : std::string("them"),
+          tp > 1 ? " (each tensor rank a share of its batch)" : "", shard_note);
     }
     if (ranks > 1 && overlap_gradient_sums(runner, dp, &opt))
       shard_note += "; each layer's gradient sum overlaps the backward of the layers below it";
@@ -784,7 +798,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
         // one of them has a batch, and a batch without targets runs too.
         double have = more ? 1 : 0;
         expert_group->all_reduce_sum(&have, 1);
-        if (have < xp) break;
+        if (have < expert_group->size()) break;
       } else if (!more) {
         break;
       }

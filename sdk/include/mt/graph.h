@@ -95,14 +95,19 @@ class MT_API Graph {
   // each with a batch of its own (set by the core; remat's graphs inherit it). `group` null with
   // ranks > 1: the memory plan's trace (the ops below make tensors of the right shapes and
   // communicate nothing). One rank: both ops are the identity.
-  void set_expert_group(Communicator* group, int ranks, int rank) {
+  // `tensor_ranks` > 1: the group spans that many tensor ranks of each batch (rank x
+  // tensor_ranks + t, the tensor ranks innermost), which hold the same tokens: each dispatches
+  // its share of them and the tensor group sums the shares' outputs.
+  void set_expert_group(Communicator* group, int ranks, int rank, int tensor_ranks = 1) {
     groups_.expert = group;
     groups_.expert_ranks = ranks;
     groups_.expert_rank = rank;
+    groups_.expert_tensor_ranks = tensor_ranks;
   }
   Communicator* expert_group() const { return groups_.expert; }
   int expert_ranks() const { return groups_.expert_ranks; }
   int expert_rank() const { return groups_.expert_rank; }
+  int expert_tensor_ranks() const { return groups_.expert_tensor_ranks; }
   // All-to-all (blocks::moe's dispatch and combine): x's rows (f32 or bf16 [rows, ...], rows =
   // the sum of send_rows; may be 0) go send_rows[r] to expert rank r, one rank's after another;
   // the result holds recv_rows[r] rows from rank r, in rank order (recv_rows[r] must be what
@@ -245,7 +250,7 @@ class MT_API Graph {
     Communicator* tensor = nullptr;
     double* seconds = nullptr;  // the collectives' time, tensor and expert alike
     Communicator* expert = nullptr;
-    int expert_ranks = 1, expert_rank = 0;
+    int expert_ranks = 1, expert_rank = 0, expert_tensor_ranks = 1;
   } groups_;
 };
 
