@@ -451,14 +451,14 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   const int xp = static_cast<int>(mesh.expert), fp = static_cast<int>(mesh.fsdp);
   const int xp_rank = (comm.rank() / tp) % xp, fsdp_rank = (comm.rank() / (tp * xp)) % fp;
   const int data_index = comm.rank() / (tp * xp * fp);
-  // Expert parallelism (resolve_mesh allows it beside the data and fsdp axes): the experts are
-  // divided within each group of the X ranks that differ in x only, and each rank's experts'
+  // Expert parallelism (beside any of the other axes): the experts are divided within each
+  // group of the X ranks that differ in x only, and each rank's experts'
   // gradient (FSDP: its parts) is summed over the ranks holding the same (those differing in d
   // only). For everything else the expert axis is data parallelism: the batch is split over
   // it, and the other parameters' gradients are summed over it too.
-  // With the tensor axis (resolve_mesh allows it without fsdp) the group is the X T ranks that
-  // differ in x and t (rank x T + t), among which the experts are divided: the tensor ranks of
-  // a batch hold the same tokens, and each sends its share of them.
+  // With the tensor axis the group is the X T ranks that differ in x and t (rank x T + t),
+  // among which the experts are divided: the tensor ranks of a batch hold the same tokens, and
+  // each sends its share of them.
   std::unique_ptr<Communicator> expert_group, expert_replicas;
   if (xp > 1) {
     expert_group = comm.split(fsdp_rank + fp * data_index, xp_rank * tp + tp_rank);
