@@ -613,9 +613,9 @@ Tensor moe_experts(Graph& g, const Params& p, const MoeSpec& s, const std::strin
 // sends the gradients back along the same paths. About k (X - 1) / X of the tokens leave a rank
 // each way, where gathering the group's tokens to every rank would move X - 1 times them.
 // With the tensor axis (Graph::expert_tensor_ranks T > 1) the group is the X T ranks of X
-// batches: the T tensor ranks of a batch hold the same tokens, so each takes a share of its
-// sequences (its input and routing weights through tensor_parallel_input, whose backward sums
-// the shares' gradients), and the shares' outputs are summed over the tensor group.
+// batches: the T tensor ranks of a batch hold the same tokens, so each takes a share of them
+// (its input and routing weights through tensor_parallel_input, whose backward sums the
+// shares' gradients), and the shares' outputs are summed over the tensor group.
 Tensor moe_expert_parallel(Graph& g, const Params& p, const MoeSpec& s, const std::string& prefix,
                            const Tensor& x2, const Tensor& weights, const Tensor& indices,
                            int64_t seq, std::vector<int64_t>& routed, int64_t& kept_slots) {
@@ -626,13 +626,15 @@ Tensor moe_expert_parallel(Graph& g, const Params& p, const MoeSpec& s, const st
   MT_CHECK(local * ep == E && p[prefix + "w_up"].dim(-1) == s.hidden,
            "moe block: " + std::to_string(local) + " of " + std::to_string(E) +
                " experts' weights here, but the expert group has " + std::to_string(ep) + " ranks");
-  // This rank's share of the batch: sequences [B t / T, B (t + 1) / T) (no tensor group, the
-  // plan's trace: all of them, with the tensor group's sums counted).
+  // This rank's share of the batch: tokens [n t / T, n (t + 1) / T), or with token dropping,
+  // whose capacity counts within a sequence, sequences [B t / T, B (t + 1) / T) (no tensor
+  // group, the plan's trace: all of them, with the tensor group's sums counted).
   const int ts = g.expert_tensor_ranks(), t = me % ts;
   const bool shares = ts > 1;
   const bool part = shares && g.tensor_group() != nullptr;
-  const int64_t B = seq ? n / seq : 0;
-  const int64_t a = part ? seq * (B * t / ts) : 0, b = part ? seq * (B * (t + 1) / ts) : n;
+  const int64_t unit = s.capacity_factor > 0.f ? seq : 1, units = unit ? n / unit : 0;
+  const int64_t a = part ? unit * (units * t / ts) : 0;
+  const int64_t b = part ? unit * (units * (t + 1) / ts) : n;
   const Tensor mine_idx = part ? indices.slice0(a, b) : indices;
   const Graph::ExpertOrder order = s.capacity_factor > 0.f
                                        ? g.sort_by_expert(mine_idx, E, moe_capacity(s, seq), seq)

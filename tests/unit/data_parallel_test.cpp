@@ -580,6 +580,9 @@ TEST(DataParallel, ExpertParallelRanksTrainAsOneRank) {
            {"tensor", "--model=mixtral-test", 4,
             "ici_expert_parallelism=2 ici_tensor_parallelism=2 ici_data_parallelism=1", 4, 2,
             "98.3K expert parameters divided among them and the 2 tensor ranks of each (4 ranks)"},
+           // One sequence a batch: the tensor ranks share its tokens (dropless).
+           {"tensorone", "--model=mixtral-test", 4,
+            "ici_expert_parallelism=2 ici_tensor_parallelism=2 ici_data_parallelism=1", 2, 2},
            {"tensordrop", "--model=qwen3-moe-test capacity_factor=1.0 remat_policy=full", 8,
             "ici_expert_parallelism=2 ici_tensor_parallelism=2 ici_data_parallelism=2", 8, 2},
            {"tensorfsdp", "--model=mixtral-test", 8,
@@ -976,11 +979,9 @@ TEST(DataParallel, PlannedTrafficIsMeasured) {
        "--model=mixtral-test ici_data_parallelism=2 ici_expert_parallelism=2 "
        "remat_policy=full"},
       {4, "--model=mixtral-test ici_data_parallelism=1 ici_expert_parallelism=4"},
-      // (Two sequences a batch, so each tensor rank has a share to send: the plan takes the
-      // shares as even.)
       {4,
        "--model=mixtral-test ici_data_parallelism=1 ici_expert_parallelism=2 "
-       "ici_tensor_parallelism=2 per_device_batch_size=2"},
+       "ici_tensor_parallelism=2"},
       {8,
        "--model=mixtral-test ici_data_parallelism=1 ici_expert_parallelism=2 "
        "ici_tensor_parallelism=2 ici_fsdp_parallelism=2 per_device_batch_size=2"}};
