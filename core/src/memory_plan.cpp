@@ -75,9 +75,8 @@ TrainingPlan trace_training(const Config& cfg, PluginManager& plugins,
   // its part of the split weights (equal parts). Expert rank 0: its experts (with the tensor
   // axis, 1 / (expert x tensor) of them), and the rows the MoE layers' routing sends it.
   const auto fsdp = static_cast<int>(mesh.fsdp), tensor = static_cast<int>(mesh.tensor);
-  const int expert_tensor = mesh.expert > 1 ? tensor : 1;
-  ExpertSharding experts{nullptr, 0, static_cast<int>(mesh.expert) * expert_tensor};
-  experts.tensor_ranks = expert_tensor;
+  ExpertSharding experts{nullptr, 0, static_cast<int>(mesh.expert_group_ranks())};
+  if (mesh.expert > 1) experts.tensor_ranks = tensor;
   auto runner = meta_runner(cfg, plugins, device,
                             fsdp > 1 ? ParamSharding{nullptr, 0, fsdp} : ParamSharding{},
                             TensorSharding{nullptr, 0, tensor}, experts);
@@ -452,7 +451,7 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
       // With the tensor axis too, the experts are divided among the expert x tensor ranks.
       c.expert = mesh.expert;
       c.fsdp = mesh.fsdp > 1;
-      const int64_t expert_group = c.expert > 1 ? c.expert * mesh.tensor : 1;
+      const int64_t expert_group = mesh.expert_group_ranks();
       const double expert_local =
           c.expert > 1 ? expert_elements / static_cast<double>(expert_group) : 0.0;
       const double dense_elements =

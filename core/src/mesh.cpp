@@ -87,7 +87,7 @@ Mesh resolve_mesh(const Config& cfg, int ranks) {
                        "the data and fsdp axes (FSDP divides the moments too).");
     // With the tensor axis, the experts are divided among the expert x tensor ranks.
     const int64_t experts = cfg.get_int("num_experts");
-    const int64_t parts = m.expert * m.tensor;
+    const int64_t parts = m.expert_group_ranks();
     if (experts > 1 && experts % parts != 0 && experts % m.expert == 0)
       throw UsageError(ep + " with the tensor axis (" + std::to_string(m.tensor) +
                        " ranks) divides the experts of the mixture-of-experts layers among " +

@@ -17,6 +17,9 @@ struct Mesh {
   // shards the batch over them; the expert axis divides the experts of the MoE layers and
   // is data parallelism for the rest).
   int64_t batch_ranks() const { return data * fsdp * expert; }
+  // The ranks among which the experts are divided: the expert axis's, and with it the tensor
+  // axis's (each tensor rank of a batch holds its own experts); 1 without an expert axis.
+  int64_t expert_group_ranks() const { return expert > 1 ? expert * tensor : 1; }
 };
 
 // Throws UsageError (one sentence naming the keys) when the axes do not multiply to `ranks`,

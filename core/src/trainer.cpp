@@ -499,10 +499,12 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
       replica_group = comm.split(tp_rank + tp * fsdp_rank, xp_rank + xp * data_index);
     sharding = {fsdp_group ? fsdp_group.get() : &comm, fsdp_rank, fp, replica_group.get()};
   }
-  ExpertSharding experts{expert_group.get(), xp_rank * tp + tp_rank, xp * tp,
-                         expert_replicas.get()};
-  experts.tensor_ranks = tp;
-  if (xp == 1) experts = ExpertSharding{};
+  ExpertSharding experts;
+  if (xp > 1) {
+    experts = {expert_group.get(), xp_rank * tp + tp_rank,
+               static_cast<int>(mesh.expert_group_ranks()), expert_replicas.get()};
+    experts.tensor_ranks = tp;
+  }
   ModelRunner runner(cfg, plugins, std::move(device), nullptr, sharding,
                      TensorSharding{tensor_group.get(), tp_rank, tp}, experts);
   Backend& be = runner.backend();
@@ -770,7 +772,8 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
           "{} expert parameters divided among {}, each MoE layer sending each token to its "
           "experts' ranks{}{}",
           xp, human_count(static_cast<double>(split)),
-          tp > 1 ? fmt::format("them and the {} tensor ranks of each ({} ranks)", tp, xp * tp)
+          tp > 1 ? fmt::format("them and the {} tensor ranks of each ({} ranks)", tp,
+                               mesh.expert_group_ranks())
                  : std::string("them"),
           tp > 1 ? " (each tensor rank a share of its batch)" : "", shard_note);
     }
