@@ -521,27 +521,27 @@ Tensor scalar(Backend& be, float v) {
 }
 
 // An expert weight [E, in, out]: each expert's matrix initialised as a dense [in, out] one; a
-// token uses top_k of the E.
+// token uses top_k of the E. Read only through Graph::grouped_project (or, under expert
+// parallelism, which inference's layouts never meet, grouped_matmul).
 ParamSpec expert_param(const MoeSpec& s, const std::string& name, int64_t in, int64_t out,
                        std::vector<std::string> axes) {
-  ParamSpec ps = dense_param(name, in, out);
+  ParamSpec ps = projection_param(name, in, out);
   ps.shape = {s.num_experts, in, out};
   ps.active = static_cast<float>(s.top_k) / static_cast<float>(s.num_experts);
   ps.axes = std::move(axes);  // experts first: logical_axis_rules may divide them
   return ps;
 }
 
-// The experts' MLP on rows sorted by expert (offsets [local + 1]).
+// The experts' MLP on rows sorted by expert (offsets [local + 1], counts [local] on the host),
+// the weights in whichever layout inference stored them (Graph::grouped_project).
 Tensor expert_mlp(Graph& g, const Params& p, const MoeSpec& s, const std::string& prefix,
-                  const Tensor& xs, const Tensor& offsets) {
-  Tensor h;
-  if (s.gated) {
-    h = g.gated(s.act, g.grouped_matmul(xs, p[prefix + "w_gate"], offsets),
-                g.grouped_matmul(xs, p[prefix + "w_up"], offsets));
-  } else {
-    h = g.activation(s.act, g.grouped_matmul(xs, p[prefix + "w_up"], offsets));
-  }
-  return g.grouped_matmul(h, p[prefix + "w_down"], offsets);
+                  const Tensor& xs, const Tensor& offsets, const std::vector<int64_t>& counts) {
+  auto proj = [&](const Tensor& x, const char* w) {
+    return g.grouped_project(x, p, prefix + w, offsets, counts);
+  };
+  const Tensor h = s.gated ? g.gated(s.act, proj(xs, "w_gate"), proj(xs, "w_up"))
+                           : g.activation(s.act, proj(xs, "w_up"));
+  return proj(h, "w_down");
 }
 
 // One rank's MoE (or the tensor ranks' parts of it): the sorted slots of its own experts
@@ -560,8 +560,9 @@ Tensor moe_experts(Graph& g, const Params& p, const MoeSpec& s, const std::strin
   // the same on every rank, are not.
   // Or tensor parallelism within the experts (mlp on the tensor axis, experts not): every rank
   // computes every slot with its hidden columns, and the parts are summed the same way.
-  const int64_t local = p[prefix + "w_up"].dim(0);
-  const bool by_hidden = p[prefix + "w_up"].dim(-1) != s.hidden;
+  const Shape up = p.shape(prefix + "w_up");  // [local, d, hidden part], any layout
+  const int64_t local = up[0];
+  const bool by_hidden = up.back() != s.hidden;
   const bool split = local != E || by_hidden;  // tensor ranks' parts to sum
   const Communicator* group = g.tensor_group();
   // (No group: the memory plan's trace, which plans tensor rank 0.)
@@ -596,8 +597,9 @@ Tensor moe_experts(Graph& g, const Params& p, const MoeSpec& s, const std::strin
     be.copy_from_host(offsets, off.data());
   }
   const int64_t ml = r1 - r0;
+  const std::vector<int64_t> counts(order.counts.begin() + e0, order.counts.begin() + e0 + local);
   const Tensor xs = g.gather_rows(in(x2), tokens);  // [ml, d]
-  const Tensor ys = expert_mlp(g, p, s, prefix, xs, offsets);
+  const Tensor ys = expert_mlp(g, p, s, prefix, xs, offsets, counts);
   // Each copy's routing weight, in the sorted order, then back to its token weighted.
   const Tensor ws = g.reshape(g.gather_rows(g.reshape(in(weights), {slots, 1}), slot_ids), {ml});
   return sum(g.scatter_add_rows(ys, tokens, ws, n));
@@ -622,8 +624,9 @@ Tensor moe_expert_parallel(Graph& g, const Params& p, const MoeSpec& s, const st
   Backend& be = g.backend();
   const int ep = g.expert_ranks(), me = g.expert_rank();
   const int64_t E = s.num_experts, d = s.d_model, n = x2.dim(0), k = s.top_k;
-  const int64_t local = p[prefix + "w_up"].dim(0);
-  MT_CHECK(local * ep == E && p[prefix + "w_up"].dim(-1) == s.hidden,
+  const Shape up = p.shape(prefix + "w_up");  // [local, d, hidden], any layout
+  const int64_t local = up[0];
+  MT_CHECK(local * ep == E && up.back() == s.hidden,
            "moe block: " + std::to_string(local) + " of " + std::to_string(E) +
                " experts' weights here, but the expert group has " + std::to_string(ep) + " ranks");
   // This rank's share of the batch: tokens [n t / T, n (t + 1) / T), or with token dropping,
@@ -709,8 +712,10 @@ Tensor moe_expert_parallel(Graph& g, const Params& p, const MoeSpec& s, const st
       be.copy_from_host(by_expert, perm.data());
       be.copy_from_host(back, inverse.data());
     }
+    std::vector<int64_t> counts(static_cast<size_t>(local));
+    for (size_t e = 0; e < counts.size(); ++e) counts[e] = off[e + 1] - off[e];
     const Tensor xs = identity ? got : g.gather_rows(got, by_expert);
-    const Tensor y = expert_mlp(g, p, s, prefix, xs, offsets);
+    const Tensor y = expert_mlp(g, p, s, prefix, xs, offsets, counts);
     ys = identity ? y : g.gather_rows(y, back);
   }
   const Tensor outs = g.expert_exchange(ys, recv, send);  // [m, d], in this rank's sorted order

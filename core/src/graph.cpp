@@ -75,6 +75,41 @@ Tensor Graph::project(const Tensor& x, const Params& p, std::string_view w) {
   }
 }
 
+Tensor Graph::grouped_project(const Tensor& x, const Params& p, std::string_view w,
+                              const Tensor& offsets, const std::vector<int64_t>& counts) {
+  switch (p.layout(w)) {
+    case WeightLayout::transposed:
+      return grouped_matmul(x, p.stored(w), offsets, true);
+    case WeightLayout::q8: {
+      // Inference only, as project's: each expert's rows of x against its int8 rows [N, K + K /
+      // 8], one matmul_q8 per expert that has rows (the counts are on the host already).
+      const Tensor& q = p.stored(w);
+      MT_CHECK(!recording() || !x.grad_node(),
+               "grouped_project: the int8 weight '" + std::string(w) + "' in a recorded graph");
+      MT_CHECK(q.ndim() == 3 && x.ndim() == 2 && counts.size() == static_cast<size_t>(q.dim(0)),
+               "grouped_project: int8 experts " + q.str() + ", x " + x.str() + " and " +
+                   std::to_string(counts.size()) + " counts");
+      const int64_t n = q.dim(1), rb = q.dim(2);
+      Tensor y = backend().empty({x.dim(0), n}, x.dtype());
+      int64_t r = 0;
+      for (size_t e = 0; e < counts.size(); ++e) {
+        const int64_t c = counts[e];
+        if (c == 0) continue;
+        MT_CHECK(c > 0 && r + c <= x.dim(0), "grouped_project: the counts exceed x's rows");
+        Tensor ye = y.slice0(r, r + c);
+        const auto ei = static_cast<int64_t>(e);
+        backend().matmul_q8(x.slice0(r, r + c), q.slice0(ei, ei + 1).view({n, rb}), ye);
+        r += c;
+      }
+      MT_CHECK(r == x.dim(0), "grouped_project: the counts sum to " + std::to_string(r) +
+                                  ", not x's " + std::to_string(x.dim(0)) + " rows");
+      return y;
+    }
+    default:
+      return grouped_matmul(x, p[w], offsets);
+  }
+}
+
 Tensor Graph::matmul(const Tensor& a, const Tensor& b, bool ta, bool tb) {
   const bool shared_b = b.ndim() == 2 && a.ndim() > 2;
   MT_CHECK(!(shared_b && ta), "matmul with a shared 2-D right operand needs trans_a == false");

@@ -95,13 +95,17 @@ const Tensor& Params::stored(std::string_view name) const {
 Shape Params::shape(std::string_view name) const {
   const Tensor& t = stored(name);
   Shape s = t.shape();
+  const size_t r = s.size();  // 2, or 3 for experts' weights (the last two as a projection's)
   switch (layout(name)) {
     case WeightLayout::transposed:
-      std::swap(s[0], s[1]);
+      std::swap(s[r - 2], s[r - 1]);
       break;
-    case WeightLayout::q8:  // [N, K + K / 8] -> [K, N]
-      s = {s[1] / 9 * 8, s[0]};
+    case WeightLayout::q8: {  // [N, K + K / 8] -> [K, N]
+      const int64_t n = s[r - 2];
+      s[r - 2] = s[r - 1] / 9 * 8;
+      s[r - 1] = n;
       break;
+    }
     default:
       break;
   }

@@ -292,19 +292,23 @@ void transpose_tiles(const T* src, T* dst, int64_t rows, int64_t cols) {
       });
 }
 
-// v [rows, cols] (elements of T's size) transposed into a new tensor [cols, rows], through two
-// host buffers the caller keeps for the next weight (each grows to the largest weight once: a
-// fresh pair for every weight made transposing llama-bench-1b's f32 projections take ~9 s, most
-// of it the kernel zeroing new pages).
+// v [rows, cols] (elements of T's size) transposed into a new tensor [cols, rows], or each
+// matrix of experts' weights [E, rows, cols] into [E, cols, rows], through two host buffers the
+// caller keeps for the next weight (each grows to the largest weight once: a fresh pair for
+// every weight made transposing llama-bench-1b's f32 projections take ~9 s, most of it the
+// kernel zeroing new pages).
 template <class T>
 Tensor transposed_copy(Backend& be, const Tensor& v, std::vector<T>& a, std::vector<T>& b) {
-  const int64_t rows = v.dim(0), cols = v.dim(1);
-  const size_t n = static_cast<size_t>(rows * cols);
+  const int64_t mats = v.ndim() == 3 ? v.dim(0) : 1, rows = v.dim(-2), cols = v.dim(-1);
+  const size_t n = static_cast<size_t>(mats * rows * cols);
   if (a.size() < n) a.resize(n);
   if (b.size() < n) b.resize(n);
   be.copy_to_host(v, a.data());
-  transpose_tiles(a.data(), b.data(), rows, cols);
-  Tensor t = be.empty({cols, rows}, v.dtype());
+  for (int64_t e = 0; e < mats; ++e)
+    transpose_tiles(a.data() + e * rows * cols, b.data() + e * rows * cols, rows, cols);
+  Shape ts = v.shape();
+  std::swap(ts[ts.size() - 2], ts[ts.size() - 1]);
+  Tensor t = be.empty(ts, v.dtype());
   be.copy_from_host(t, b.data());
   return t;
 }
@@ -323,12 +327,15 @@ size_t ModelRunner::transpose_projections() {
   if (const char* env = std::getenv("MT_TRANSPOSE_PROJECTIONS"); env && std::string(env) == "0")
     return 0;
   if (sharding_.on()) return 0;
+  const bool experts = backend().extension("mt.grouped_rows_layout") != nullptr;
   size_t count = 0;
   std::vector<uint16_t> a16, b16;
   std::vector<uint32_t> a32, b32;
   for (auto& p : params_) {
-    if (!p.spec.projection || p.layout != WeightLayout::dense || p.value.ndim() != 2 ||
-        p.tensor_dim >= 0)
+    // A projection [K, N], or experts' [E, K, N] where the backend's grouped products stream
+    // [E, N, K] faster too (Graph::grouped_project reads them).
+    if (!p.spec.projection || p.layout != WeightLayout::dense || p.tensor_dim >= 0 ||
+        !(p.value.ndim() == 2 || (p.value.ndim() == 3 && experts)))
       continue;
     MT_CHECK(!p.grad.defined(), "transpose_projections: " + p.name +
                                     " has a gradient buffer; it is for inference only");
@@ -426,23 +433,28 @@ size_t ModelRunner::quantize_projections() {
         "quantization=int8 is for inference on one rank; this run shards its parameters.");
   size_t count = 0;
   for (auto& p : params_) {
-    if (!p.spec.projection || p.layout == WeightLayout::q8 || p.value.ndim() != 2) continue;
+    // A projection [K, N], or experts' [E, K, N]: each expert's rows quantized alike.
+    const int64_t nd = p.value.ndim();
+    if (!p.spec.projection || p.layout == WeightLayout::q8 || (nd != 2 && nd != 3)) continue;
     MT_CHECK(!p.grad.defined(), "quantize_projections: " + p.name +
                                     " has a gradient buffer; it is for inference only");
     MT_CHECK(p.tensor_dim < 0, "quantize_projections: " + p.name + " is split");
     // Rows of W [N, K]: K the input dimension.
     const bool t = p.layout == WeightLayout::transposed;
-    const int64_t k = t ? p.value.dim(1) : p.value.dim(0), n = t ? p.value.dim(0) : p.value.dim(1);
+    const int64_t mats = nd == 3 ? p.value.dim(0) : 1;
+    const int64_t k = t ? p.value.dim(-1) : p.value.dim(-2),
+                  n = t ? p.value.dim(-2) : p.value.dim(-1);
     if (k % kQ8Block != 0) continue;  // stays in the compute dtype
     const int64_t rb = q8_row_bytes(k);
+    const Shape qs = nd == 3 ? Shape{mats, n, rb} : Shape{n, rb};
     fused_.clear();                    // a fused group's tensor would no longer hold its weights
     if (backend().name() == "meta") {  // a memory plan's trace: the sizes, no values to convert
-      p.value = backend().empty({n, rb}, DType::i8);
+      p.value = backend().empty(qs, DType::i8);
       p.layout = WeightLayout::q8;
       ++count;
       continue;
     }
-    std::vector<float> host(static_cast<size_t>(k * n));
+    std::vector<float> host(static_cast<size_t>(mats * k * n));
     if (p.value.dtype() == DType::f32) {
       backend().copy_to_host(p.value, host.data());
     } else {
@@ -452,14 +464,16 @@ size_t ModelRunner::quantize_projections() {
       for (size_t i = 0; i < b.size(); ++i) host[i] = bf16_to_f32(b[i]);
     }
     std::vector<float> rows = t ? std::move(host) : std::vector<float>(host.size());
-    if (!t) transpose_tiles(host.data(), rows.data(), k, n);
-    std::vector<int8_t> q(static_cast<size_t>(n * rb));
-    tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 64),
+    if (!t)
+      for (int64_t e = 0; e < mats; ++e)
+        transpose_tiles(host.data() + e * k * n, rows.data() + e * k * n, k, n);
+    std::vector<int8_t> q(static_cast<size_t>(mats * n * rb));
+    tbb::parallel_for(tbb::blocked_range<int64_t>(0, mats * n, 64),
                       [&](const tbb::blocked_range<int64_t>& rs) {
                         for (int64_t r = rs.begin(); r < rs.end(); ++r)
                           quantize_q8_row(rows.data() + r * k, k, q.data() + r * rb);
                       });
-    Tensor v = backend().empty({n, rb}, DType::i8);
+    Tensor v = backend().empty(qs, DType::i8);
     backend().copy_from_host(v, q.data());
     p.value = std::move(v);
     p.layout = WeightLayout::q8;

@@ -203,8 +203,10 @@ class ModelRunner {
   // [K, N] (it answers Backend::extension("mt.matvec_rows_layout"): the CPU's, one sequential
   // read per thread), stores each projection weight (ParamSpec::projection) transposed, which
   // the layers read through Graph::project, so a decode step reads its weights at close to the
-  // memory's rate. MT_TRANSPOSE_PROJECTIONS=0 keeps [K, N] (to compare). Not for sharded or
-  // tensor-parallel parameters. Returns how many it transposed.
+  // memory's rate. Experts' weights [E, K, N] become [E, N, K] (read through
+  // Graph::grouped_project) where the backend's grouped products also take that layout
+  // (extension("mt.grouped_rows_layout")). MT_TRANSPOSE_PROJECTIONS=0 keeps [K, N] (to
+  // compare). Not for sharded or tensor-parallel parameters. Returns how many it transposed.
   size_t transpose_projections();
   // Whether decoding `sequences` at once streams the weights faster transposed: one or two
   // (each step a read of every weight) where the backend reads [N, K] faster, and up to 8 where
@@ -215,8 +217,10 @@ class ModelRunner {
   // Inference only, quantization=int8: stores each projection weight (ParamSpec::projection)
   // whose rows are a multiple of 32 long as int8 rows with an f32 scale per 32 values (mt/q8.h,
   // as llama.cpp's q8_0), about a quarter of f32's bytes and half of bf16's, which a decode step
-  // reads through Backend::matmul_q8. Other parameters keep the compute dtype. Not for sharded
-  // or tensor-parallel parameters (refused). Returns how many it quantized.
+  // reads through Backend::matmul_q8; experts' weights [E, K, N] alike, as [E, N, K + K / 8]
+  // (Graph::grouped_project, one matmul_q8 per expert with rows). Other parameters keep the
+  // compute dtype. Not for sharded or tensor-parallel parameters (refused). Returns how many
+  // it quantized.
   size_t quantize_projections();
   // Inference only, after transpose_projections and quantize_projections (each undoes it):
   // stores each group of projection weights a block reads from the same input (wq, wk, wv;

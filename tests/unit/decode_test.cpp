@@ -181,10 +181,11 @@ std::vector<int32_t> greedy_logits(ModelRunner& r, const std::vector<int32_t>& p
 }
 
 // Inference stores the projection weights transposed ([N, K]) where the backend's
-// matrix-vector products stream them faster (mt decode of one or two sequences): the logits of
-// the prefill and of each step are those of the [K, N] weights within f32 rounding of the other
-// summation order, greedy picks the same tokens, and each layer kind with projections is
-// covered (GQA + MLP, biases, a window with a tied head, MLA, MoE with a dense first layer).
+// matrix-vector products stream them faster (mt decode of one or two sequences), experts'
+// weights too ([E, N, K]): the logits of the prefill and of each step are those of the [K, N]
+// weights within f32 rounding of the other summation order, greedy picks the same tokens, and
+// each layer kind with projections is covered (GQA + MLP, biases, a window with a tied head,
+// MLA, MoE with a dense first layer).
 TEST(Decode, TransposedProjectionsGiveTheSameLogits) {
   for (const char* model : kProjectionModels) {
     SCOPED_TRACE(model);
@@ -197,7 +198,7 @@ TEST(Decode, TransposedProjectionsGiveTheSameLogits) {
     for (const auto& p : r.params()) shapes.push_back(p.value.shape());
     const size_t n = r.transpose_projections();
     EXPECT_GT(n, 0u);
-    size_t seen = 0;
+    size_t seen = 0, experts = 0;
     for (size_t i = 0; i < r.params().size(); ++i) {
       const auto& p = r.params()[i];
       if (p.layout != WeightLayout::transposed) {
@@ -206,9 +207,16 @@ TEST(Decode, TransposedProjectionsGiveTheSameLogits) {
       }
       ++seen;
       EXPECT_TRUE(p.spec.projection) << p.name;
-      EXPECT_EQ(p.value.shape(), (Shape{shapes[i][1], shapes[i][0]})) << p.name;
+      Shape want = shapes[i];  // [K, N] -> [N, K]; experts' [E, K, N] -> [E, N, K]
+      std::swap(want[want.size() - 2], want[want.size() - 1]);
+      EXPECT_EQ(p.value.shape(), want) << p.name;
+      experts += p.value.ndim() == 3;
     }
     EXPECT_EQ(seen, n);
+    // The MoE models' experts too (the CPU's grouped products take [E, N, K]).
+    const bool moe = std::string(model).find("moe") != std::string::npos ||
+                     std::string(model).starts_with("deepseek");
+    EXPECT_EQ(experts > 0, moe);
     EXPECT_EQ(r.transpose_projections(), 0u);  // nothing left to transpose
     EXPECT_EQ(greedy_logits(r, prompt, transposed), want);
     EXPECT_LT(test::scaled_err(transposed, stored), 1e-5);
@@ -248,7 +256,7 @@ TEST(Decode, FusedProjectionsGiveTheSameLogits) {
       for (size_t i = 0; i + 1 < r.params().size(); ++i) {
         const auto& p = r.params()[i];
         for (const char* first : {"wq", "w_gate"}) {
-          if (!p.name.ends_with(first) || !p.spec.projection) continue;  // not an expert stack
+          if (!p.name.ends_with(first) || p.spec.shape.size() != 2) continue;  // not experts'
           const std::string prefix = p.name.substr(0, p.name.size() - std::strlen(first));
           const auto& next = r.params()[i + 1];
           if (next.name != prefix + (std::string(first) == "wq" ? "wk" : "w_up")) continue;
@@ -478,18 +486,25 @@ TEST(Decode, Int8WeightsStayCloseToTheModel) {
       if (transpose_first) r.transpose_projections();
       const size_t n = r.quantize_projections();
       EXPECT_GT(n, 0u);
-      size_t seen = 0;
+      const bool routed = std::any_of(r.params().begin(), r.params().end(),
+                                      [](const Param& p) { return p.spec.active < 1.f; });
+      size_t seen = 0, experts = 0;
       for (const auto& p : r.params()) {
         bytes_after += p.value.nbytes();
         if (p.layout != WeightLayout::q8) continue;
         ++seen;
         EXPECT_TRUE(p.spec.projection) << p.name;
         EXPECT_EQ(p.value.dtype(), DType::i8) << p.name;
-        EXPECT_EQ(p.value.shape(), (Shape{p.spec.shape[1], q8_row_bytes(p.spec.shape[0])}))
-            << p.name;
+        const Shape& s = p.spec.shape;  // [K, N], or experts' [E, K, N] -> [E, N, K + K / 8]
+        const size_t d = s.size();
+        Shape want = {s[d - 1], q8_row_bytes(s[d - 2])};
+        if (d == 3) want.insert(want.begin(), s[0]);
+        EXPECT_EQ(p.value.shape(), want) << p.name;
+        experts += d == 3;
       }
       EXPECT_EQ(seen, n);
-      // The int8 weights: K + K / 8 bytes a row against 4 K (f32); the experts keep f32.
+      EXPECT_EQ(experts > 0, routed);  // experts' weights are int8 too
+      // The int8 weights: K + K / 8 bytes a row against 4 K (f32).
       EXPECT_LT(bytes_after, bytes_before);
       EXPECT_EQ(r.quantize_projections(), 0u);  // nothing left to quantize
       // The same prompt again: logits of the int8 model (the greedy path may differ).
@@ -502,8 +517,6 @@ TEST(Decode, Int8WeightsStayCloseToTheModel) {
       // another expert after the attention's small change, and that token's distribution moves
       // more (deepseek3-test: up to 0.05 over 15 seeds; a weight read in the wrong layout gives
       // several).
-      const bool routed = std::any_of(r.params().begin(), r.params().end(),
-                                      [](const Param& p) { return p.spec.active < 1.f; });
       EXPECT_LT(kl, routed ? 0.25 : 1e-3);
       EXPECT_GT(kl, 0.0);  // the weights did change
       std::printf("%s%s: mean KL %.3g over %ld positions, %zu int8 weights\n", model,

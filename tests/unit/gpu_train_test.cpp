@@ -216,75 +216,83 @@ TEST_F(GpuTrain, RecordedDecodeStepsGiveTheLogitsOfStepsRunAsTheyCome) {
 // tensor each, fuse_projections; int8 rows with quantization=int8): the logits of batch 1 (the
 // fused products' outputs split as views) and batch 2 (split as copies) are those of the weights
 // as declared on the same device, and the CPU backend's with the same layout, within the dtype's
-// tolerance. (int8: against int8 rows apart.)
+// tolerance. (int8: against int8 rows apart.) mixtral-test: its experts' weights are int8 rows
+// too (Graph::grouped_project, one matmul_q8 per expert), and [N, K] on the CPU only (the
+// backend's grouped products take that layout there). Its int8 steps are not compared across
+// backends: the CPU quantizes decode's rows of x as well (q8_0 x q8_0) and the device does not,
+// and in the emulation that moved a router's near tie to another expert at batch 2 (0.70 off
+// against 0.14 allowed), which no tolerance short of the logits' range would cover.
 TEST_F(GpuTrain, DecodeWithFusedRowsMatchesDeclaredWeightsAndCpu) {
-  for (const char* mode : {"float32", "bfloat16", "int8"}) {
-    SCOPED_TRACE(mode);
-    const bool int8 = std::string(mode) == "int8";
-    const std::string dtype = int8 ? "bfloat16" : mode;
-    // rows: as decode lays them out; fuse: then fused (int8 weights are rows either way).
-    auto make = [&](const std::string& backend, bool rows, bool fuse) {
-      ConfigRequest req;
-      req.configs_dir = test::source_dir() + "/configs";
-      req.model = "llama-test";
-      req.overrides = {"backend=" + backend, "dtype=" + dtype, "weight_dtype=" + dtype,
-                       "attention=flash", "matmul_precision=highest"};
-      auto r = std::make_unique<ModelRunner>(load_config(req), test::plugins());
-      r->init_parameters(7);
-      if (rows) {
-        if (int8) {
-          EXPECT_GT(r->quantize_projections(), 0u);
-        } else {
-          EXPECT_TRUE(r->rows_layout_pays(2)) << backend;
-          EXPECT_GT(r->transpose_projections(), 0u) << backend;
+  for (const char* model : {"llama-test", "mixtral-test"})
+    for (const char* mode : {"float32", "bfloat16", "int8"}) {
+      SCOPED_TRACE(std::string(model) + ", " + mode);
+      const bool moe = std::string(model) == "mixtral-test";
+      const bool int8 = std::string(mode) == "int8";
+      const std::string dtype = int8 ? "bfloat16" : mode;
+      // rows: as decode lays them out; fuse: then fused (int8 weights are rows either way).
+      auto make = [&](const std::string& backend, bool rows, bool fuse) {
+        ConfigRequest req;
+        req.configs_dir = test::source_dir() + "/configs";
+        req.model = model;
+        req.overrides = {"backend=" + backend, "dtype=" + dtype, "weight_dtype=" + dtype,
+                         "attention=flash", "matmul_precision=highest"};
+        auto r = std::make_unique<ModelRunner>(load_config(req), test::plugins());
+        r->init_parameters(7);
+        if (rows) {
+          if (int8) {
+            EXPECT_GT(r->quantize_projections(), 0u);
+          } else {
+            EXPECT_TRUE(r->rows_layout_pays(2)) << backend;
+            EXPECT_GT(r->transpose_projections(), 0u) << backend;
+          }
+          if (fuse) {  // q/k/v, and gate/up of a dense MLP
+            EXPECT_EQ(r->fuse_projections(),
+                      (moe ? 1u : 2u) * static_cast<size_t>(r->model().num_layers()))
+                << backend;
+          }
         }
-        if (fuse) {
-          EXPECT_EQ(r->fuse_projections(), 2u * static_cast<size_t>(r->model().num_layers()))
-              << backend;
+        return r;
+      };
+      std::unique_ptr<ModelRunner> fused = make("cuda", true, true),
+                                   declared = make("cuda", int8, false),
+                                   cpu = make("cpu", true, true);
+      const double tol = dtype == "float32" ? 1e-4 : 5e-2;
+      auto close = [&](const std::vector<float>& got, const std::vector<float>& want,
+                       const char* what) {
+        ASSERT_EQ(got.size(), want.size());
+        double diff = 0, ref = 0;
+        for (size_t i = 0; i < got.size(); ++i) {
+          diff = std::max(diff, std::fabs(double(got[i]) - double(want[i])));
+          ref = std::max(ref, std::fabs(double(want[i])));
         }
-      }
-      return r;
-    };
-    std::unique_ptr<ModelRunner> fused = make("cuda", true, true),
-                                 declared = make("cuda", int8, false),
-                                 cpu = make("cpu", true, true);
-    const double tol = dtype == "float32" ? 1e-4 : 5e-2;
-    auto close = [&](const std::vector<float>& got, const std::vector<float>& want,
-                     const char* what) {
-      ASSERT_EQ(got.size(), want.size());
-      double diff = 0, ref = 0;
-      for (size_t i = 0; i < got.size(); ++i) {
-        diff = std::max(diff, std::fabs(double(got[i]) - double(want[i])));
-        ref = std::max(ref, std::fabs(double(want[i])));
-      }
-      EXPECT_LE(diff, tol * ref) << what;
-    };
-    for (int64_t batch : {1, 2}) {
-      SCOPED_TRACE("batch " + std::to_string(batch));
-      Decoder a(*fused, batch, 32), b(*declared, batch, 32), c(*cpu, batch, 32);
-      const std::vector<std::vector<int32_t>> prompts = {{5, 9, 2, 7, 1, 3}, {4, 4}};
-      for (int64_t i = 0; i < batch; ++i) {
-        const auto& p = prompts[static_cast<size_t>(i)];
-        const std::vector<float> la = a.prefill(i, p, true), lb = b.prefill(i, p, true),
-                                 lc = c.prefill(i, p, true);
-        close(la, lb, "prefill: fused rows against the declared weights");
-        close(la, lc, "prefill: cuda against cpu");
-      }
-      std::vector<int32_t> next(static_cast<size_t>(batch), 3);
-      const std::vector<bool> active(static_cast<size_t>(batch), true);
-      for (int s = 0; s < 6; ++s) {
-        const std::vector<float> la = a.step(next, active), lb = b.step(next, active),
-                                 lc = c.step(next, active);
-        close(la, lb, "step: fused rows against the declared weights");
-        close(la, lc, "step: cuda against cpu");
-        const int64_t V = fused->model().dims().vocab_size;
+        EXPECT_LE(diff, tol * ref) << what;
+      };
+      for (int64_t batch : {1, 2}) {
+        SCOPED_TRACE("batch " + std::to_string(batch));
+        Decoder a(*fused, batch, 32), b(*declared, batch, 32), c(*cpu, batch, 32);
+        const std::vector<std::vector<int32_t>> prompts = {{5, 9, 2, 7, 1, 3}, {4, 4}};
         for (int64_t i = 0; i < batch; ++i) {
-          const float* l = lc.data() + i * V;
-          next[static_cast<size_t>(i)] = static_cast<int32_t>(std::max_element(l, l + V) - l);
+          const auto& p = prompts[static_cast<size_t>(i)];
+          const std::vector<float> la = a.prefill(i, p, true), lb = b.prefill(i, p, true),
+                                   lc = c.prefill(i, p, true);
+          close(la, lb, "prefill: fused rows against the declared weights");
+          close(la, lc, "prefill: cuda against cpu");
+        }
+        std::vector<int32_t> next(static_cast<size_t>(batch), 3);
+        const std::vector<bool> active(static_cast<size_t>(batch), true);
+        for (int s = 0; s < 6; ++s) {
+          const std::vector<float> la = a.step(next, active), lb = b.step(next, active),
+                                   lc = c.step(next, active);
+          close(la, lb, "step: fused rows against the declared weights");
+          if (!(moe && int8)) close(la, lc, "step: cuda against cpu");
+          const int64_t V = fused->model().dims().vocab_size;
+          for (int64_t i = 0; i < batch; ++i) {
+            const float* l = lc.data() + i * V;
+            next[static_cast<size_t>(i)] = static_cast<int32_t>(std::max_element(l, l + V) - l);
+          }
         }
       }
     }
-  }
 }
 
 }  // namespace

@@ -458,6 +458,45 @@ TEST(GraphOps, GroupedMatmulTiledMatchesPerExpert) {
   }
 }
 
+// Decode's few rows an expert (1 to 8: a batch of sequences routed to a few experts each) run
+// the experts' matrix-vector products concurrently: each expert's rows are bit for bit what
+// one backend matmul of that expert gives, in f32 (one-row experts; more rows take the tiled
+// GEMM above) and with bf16 weights (f32 or bf16 rows), stored [E, K, N] or [E, N, K].
+TEST(GraphOps, GroupedMatmulFewRowsAreEachExpertsProduct) {
+  MT_SEEDED_RNG(rng);
+  Backend& be = test::cpu();
+  const int64_t K = 96, N = 200, E = 6;
+  for (const DType wt : {DType::f32, DType::bf16})
+    for (const DType xt : {DType::f32, DType::bf16})
+      for (bool trans : {false, true}) {
+        if (wt == DType::f32 && xt == DType::bf16) continue;  // the CPU's matmul mixes only so
+        SCOPED_TRACE(std::string(dtype_name(wt)) + " weights, " + dtype_name(xt) + " rows" +
+                     (trans ? ", trans_w" : ""));
+        const std::vector<int32_t> off = wt == DType::f32
+                                             ? std::vector<int32_t>{0, 1, 2, 2, 3, 4, 5}
+                                             : std::vector<int32_t>{0, 1, 2, 2, 5, 13, 14};
+        const int64_t M = off[E];
+        const Tensor offsets = test::from_ints(be, {E + 1}, off);
+        const Shape ws = trans ? Shape{E, N, K} : Shape{E, K, N};
+        Tensor x = be.empty({M, K}, xt), w = be.empty(ws, wt);
+        be.cast(test::from_vector(be, {M, K}, rand_vec(M * K, rng)), x);
+        be.cast(test::from_vector(be, ws, rand_vec(E * K * N, rng)), w);
+        Tensor o = be.empty({M, N}, xt);
+        be.grouped_matmul(x, w, offsets, trans, o);
+        Tensor o_ref = be.zeros({M, N}, xt);
+        for (int64_t e = 0; e < E; ++e) {
+          if (off[e] == off[e + 1]) continue;
+          Tensor oe = o_ref.slice0(off[e], off[e + 1]);
+          be.matmul(x.slice0(off[e], off[e + 1]), w.slice0(e, e + 1).view({ws[1], ws[2]}), oe,
+                    false, trans);
+        }
+        Tensor o32 = be.empty({M, N}, DType::f32), r32 = be.empty({M, N}, DType::f32);
+        be.cast(o, o32);
+        be.cast(o_ref, r32);
+        EXPECT_EQ(test::to_vector(o32), test::to_vector(r32));
+      }
+}
+
 TEST(GraphOps, SortByExpert) {
   Backend& be = test::cpu();
   Graph g(be, false);

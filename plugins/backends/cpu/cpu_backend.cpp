@@ -18,6 +18,9 @@ CpuBackend::~CpuBackend() = default;
 void* CpuBackend::extension(const char* name) {
   const std::string_view n(name);
   if (n == "mt.matvec_rows_layout") return this;
+  // grouped_matmul's few rows an expert take the same kernels, so experts' weights stream
+  // faster stored [E, N, K] (trans_w) as well.
+  if (n == "mt.grouped_rows_layout") return this;
   // bf16 rows against bf16 [N, K] weights on dot products: the [N, K] layout pays for up to 8
   // rows too (ModelRunner::rows_layout_pays).
   if (n == "mt.matvec_rows_bf16dot") return few_rows_bf16dot() ? this : nullptr;

@@ -31,6 +31,8 @@ class CpuBackend final : public Backend {
   // "mt.matvec_rows_layout": non-null, as the matrix-vector kernels stream a weight stored
   // [N, K] (trans_b) at about the memory's rate and one stored [K, N] at 0.5-0.8 of it, so
   // inference stores projection weights transposed (ModelRunner::transpose_projections).
+  // "mt.grouped_rows_layout": non-null, as grouped_matmul's experts of few rows take the same
+  // kernels, so experts' weights are stored [E, N, K] too.
   void* extension(const char* name) override;
 
   Tensor empty(const Shape& shape, DType dtype) override;

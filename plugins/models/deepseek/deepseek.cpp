@@ -286,9 +286,11 @@ mt::LayerOutput deepseek_moe(mt::Graph& g, const mt::Params& p, const DsConfig& 
   const mt::Graph::ExpertOrder order = g.sort_by_expert(indices, E);
   const int64_t m = order.slots.numel();
   const Tensor xs = g.gather_rows(x2, order.tokens);
-  const Tensor h = g.gated(Activation::silu, g.grouped_matmul(xs, p["w_gate"], order.offsets),
-                           g.grouped_matmul(xs, p["w_up"], order.offsets));
-  const Tensor ys = g.grouped_matmul(h, p["w_down"], order.offsets);
+  auto proj = [&](const Tensor& in, const char* w) {
+    return g.grouped_project(in, p, w, order.offsets, order.counts);
+  };
+  const Tensor h = g.gated(Activation::silu, proj(xs, "w_gate"), proj(xs, "w_up"));
+  const Tensor ys = proj(h, "w_down");
   const Tensor ws = g.reshape(g.gather_rows(g.reshape(weights, {slots, 1}), order.slots), {m});
   mt::LayerOutput out;
   out.x = g.reshape(g.scatter_add_rows(ys, order.tokens, ws, n), x.shape());
@@ -332,9 +334,11 @@ mt::LayerOutput deepseek_moe(mt::Graph& g, const mt::Params& p, const DsConfig& 
 }
 
 // Expert weights [E, in, out]: each expert's matrix initialised as a dense one; a token uses
-// top_k of the E.
+// top_k of the E. Read only through Graph::grouped_project (ParamSpec::projection), so
+// inference may store them transposed or as int8 rows.
 ParamSpec expert_param(const DsConfig& c, const std::string& name, int64_t in, int64_t out) {
   ParamSpec ps = mt::blocks::dense_param(name, in, out);
+  ps.projection = true;
   ps.shape = {c.experts, in, out};
   ps.active = static_cast<float>(c.top_k) / static_cast<float>(c.experts);
   return ps;

@@ -133,6 +133,12 @@ class MT_API Graph {
   // x @ w for the projection weight `w` of p ([K, N]), in whichever layout it is stored
   // (Params::transposed: [N, K] for inference, as ParamSpec::projection allows).
   Tensor project(const Tensor& x, const Params& p, std::string_view w);
+  // grouped_matmul(x, w, offsets) for the expert projection weight `w` of p ([E, K, N]), in
+  // whichever layout inference stored it ([E, N, K] transposed, or each expert's int8 rows:
+  // Params::layout); `counts` (the rows of each expert, on the host: ExpertOrder::counts) must
+  // agree with `offsets`. Int8 weights have no gradient: inference only.
+  Tensor grouped_project(const Tensor& x, const Params& p, std::string_view w,
+                         const Tensor& offsets, const std::vector<int64_t>& counts);
   Tensor add(const Tensor& a, const Tensor& b);
   Tensor mul(const Tensor& a, const Tensor& b);
   Tensor scale(const Tensor& x, float s);

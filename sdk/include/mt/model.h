@@ -41,16 +41,19 @@ struct ParamSpec {
   // dimension on the tensor axis is split among the tensor-parallel ranks (Megatron), and the
   // layer's forward must then work on its part (blocks::attention and blocks::mlp do).
   std::vector<std::string> axes = {};
-  // Read only as the right operand of x @ w, through Graph::project (blocks' projections do):
-  // inference may then store it transposed ([N, K] for a [K, N] weight), the layout the CPU's
-  // matrix-vector products stream fastest (ModelRunner::transpose_projections). A layer that
-  // reads it any other way must leave this false: Params refuses such a read.
+  // Read only as the right operand of x @ w, through Graph::project (blocks' projections do),
+  // or for experts' weights [E, K, N] through Graph::grouped_project: inference may then store
+  // it transposed ([N, K] for a [K, N] weight, [E, N, K] for experts'), the layout the CPU's
+  // matrix-vector products stream fastest (ModelRunner::transpose_projections), or as int8 rows
+  // (quantization=int8). A layer that reads it any other way must leave this false: Params
+  // refuses such a read.
   bool projection = false;
 };
 
 // How the core stored a projection weight (ParamSpec::projection) for inference: as declared
 // ([K, N]), transposed ([N, K]), or as int8 rows with a scale per 32 values (mt/q8.h: an i8
-// tensor [N, K + K / 8], quantization=int8). Graph::project reads all three.
+// tensor [N, K + K / 8], quantization=int8). Experts' weights [E, K, N] likewise per expert
+// ([E, N, K], [E, N, K + K / 8]). Graph::project and Graph::grouped_project read all three.
 enum class WeightLayout : uint8_t { dense, transposed, q8 };
 
 // A layer's parameters (or the model's top parameters) by name, in the compute dtype: what
@@ -74,7 +77,8 @@ class MT_API Params {
   bool transposed(std::string_view name) const { return layout(name) == WeightLayout::transposed; }
   // The tensor called `name` as stored, any layout (throws as operator[] when absent).
   const Tensor& stored(std::string_view name) const;
-  // The logical shape of `name` ([K, N] for a projection weight stored otherwise).
+  // The logical shape of `name` ([K, N], or experts' [E, K, N], for a projection weight stored
+  // otherwise).
   Shape shape(std::string_view name) const;
   size_t size() const { return values_.size(); }
   const std::vector<Tensor>& values() const { return values_; }

@@ -30,5 +30,7 @@
 // expert_scatter_sum; Graph's groups in one member), KVCache::scales and
 // Backend::scatter_rows_q8 / dequantize_rows_q8 (op set 6: the int8 KV cache); 15:
 // Communicator::all_to_all and Graph's expert_exchange / expert_gather_counts in place of
-// expert_gather / expert_scatter_sum (expert parallelism's all-to-all dispatch).
-#define MT_ABI_VERSION 15u
+// expert_gather / expert_scatter_sum (expert parallelism's all-to-all dispatch); 16:
+// Graph::grouped_project (expert weights [E, K, N] stored transposed or as int8 rows for
+// inference, as ParamSpec::projection allows).
+#define MT_ABI_VERSION 16u

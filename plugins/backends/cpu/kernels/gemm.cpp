@@ -388,8 +388,7 @@ void gemv_rows_portable(int64_t rows_m, const float* x, int64_t ldx, const W* w,
 // The "cols" kernels take M rows of x (x + r ldx) and of y (y + r ldy), M <= kFewRows, against
 // the same W: each weight segment is read from memory once for all of them (batched decode),
 // and every output is summed in the same order as with M = 1, so a row's result does not depend
-// on the rows beside it.
-constexpr int64_t kFewRows = 8;
+// on the rows beside it. (kFewRows: kernels.h.)
 
 template <class W>
 void gemv_cols_portable(int64_t rows_m, const float* x, int64_t ldx, const W* w, int64_t k,

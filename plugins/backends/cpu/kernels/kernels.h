@@ -34,6 +34,11 @@ std::string gemm_describe();
 // Whether bf16 rows against bf16 [N, K] weights run on the dot-product "rows" kernel (few rows).
 bool few_rows_bf16dot();  // "OpenBLAS 0.3.21 (SkylakeX kernels), AVX512_BF16"
 double cpu_peak_flops(DType dtype, int num_threads);
+// Up to this many rows of a against a shared 2-D b (trans_a false), matmul takes the
+// matrix-vector kernels (decode's few rows), which read each weight once for all the rows and
+// use no shared scratch: calls of that size may run concurrently (the MoE grouped matmul's
+// experts do).
+constexpr int64_t kFewRows = 8;
 void matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool trans_b, float alpha,
             float beta);
 // y = x @ W^T for int8 rows (mt/q8.h): decode's few rows read each row once, dequantizing in

@@ -548,9 +548,33 @@ void grouped_matmul(const Tensor& x, const Tensor& w, const Tensor& offsets, boo
     matmul(x2.slice0(r0, r1), w.slice0(e, e + 1).view({w.dim(1), w.dim(2)}), out_e, false, trans_w,
            1.f, 0.f);
   };
+  // The experts whose rows satisfy `take`, one matmul each: at once where every one is a
+  // few-row product (decode: matmul's matrix-vector kernels, which may run concurrently), so the
+  // threads stream several experts' weights in one fork instead of forking per expert (each
+  // joins its own split too, so 3 experts on 2 threads still balance); else one by one, each
+  // GEMM splitting itself.
+  auto each_expert = [&](auto take) {
+    std::vector<int64_t> es;
+    bool few = true;
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t rows = off[e + 1] - off[e];
+      if (rows == 0 || !take(rows)) continue;
+      es.push_back(e);
+      few = few && rows <= kFewRows;
+    }
+    if (few && es.size() > 1 && tbb::this_task_arena::max_concurrency() > 1) {
+      tbb::parallel_for(
+          tbb::blocked_range<size_t>(0, es.size(), 1),
+          [&](const tbb::blocked_range<size_t>& r) {
+            for (size_t i = r.begin(); i < r.end(); ++i) per_expert(es[i]);
+          },
+          tbb::simple_partitioner());
+    } else {
+      for (int64_t e : es) per_expert(e);
+    }
+  };
   if (!all_f32(x, w, out) || N == 0) {
-    for (int64_t e = 0; e < E; ++e)
-      if (off[e] != off[e + 1]) per_expert(e);
+    each_expert([](int64_t) { return true; });
     return;
   }
   if (K == 0) {
@@ -575,8 +599,7 @@ void grouped_matmul(const Tensor& x, const Tensor& w, const Tensor& offsets, boo
     sgemm_serial(false, trans_w, t.r1 - t.r0, t.c1 - t.c0, K, 1.f, xp + r * K, K,
                  trans_w ? we + t.c0 * K : we + t.c0, trans_w ? K : N, 0.f, op_ + r * N + t.c0, N);
   });
-  for (int64_t e = 0; e < E; ++e)
-    if (off[e + 1] - off[e] == 1) per_expert(e);
+  each_expert([](int64_t rows) { return rows == 1; });
 }
 
 void grouped_matmul_weight_grad(const Tensor& x, const Tensor& dout, const Tensor& offsets,
