@@ -6,7 +6,9 @@
 # work slows each alike. Prints every run's JSON line, then one summary line per model and dtype
 # with the medians of each side, the ratios mt / llama.cpp, and both parameter counts (they must
 # agree: the same tensors).
-#   bench/decode_vs_llamacpp.sh [model ...]       (default: llama-bench-m llama-bench-1b)
+#   bench/decode_vs_llamacpp.sh [model ...]
+#   (default: llama-bench-m llama-bench-1b mixtral-bench-100m, the last a mixture of experts:
+#   llama.cpp's converter writes Mixtral's experts as its merged expert tensors)
 # A model is a name of configs/models, optionally with mt config overrides after a colon, e.g.
 #   bench/decode_vs_llamacpp.sh llama-bench-m deepseek3-test:kv_lora_rank=16,vocab_size=512
 # The weights: `mt convert --to=hf` without --input exports the initial weights that `mt bench
@@ -55,7 +57,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 models=("$@")
-[ ${#models[@]} -gt 0 ] || models=(llama-bench-m llama-bench-1b)
+[ ${#models[@]} -gt 0 ] || models=(llama-bench-m llama-bench-1b mixtral-bench-100m)
 threads=${THREADS:-2}
 isa=${ISA:-native}
 mt_env=()
