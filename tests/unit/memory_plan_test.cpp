@@ -157,6 +157,10 @@ TEST(MemoryPlan, DecodePeakMatchesTheMeasuredPeak) {
        {"dtype=bfloat16", "max_target_length=256", "max_prefill_predict_length=64",
         "quantize_kvcache=true", "quantization=int8"}},
       {"gemma2-test", {"max_target_length=128", "quantize_kvcache=true"}},
+      // A mixture of experts. (Its plans run short, not yet explained: mixtral-test with int8
+      // experts 0.90 of the measured peak; qwen3-moe-test 128 KiB short in bf16, 0.80-0.86 with
+      // or without int8 weights, and 0.89-0.92 in f32.)
+      {"mixtral-test", {"max_target_length=128"}},
   };
   for (const Case& c : cases)
     for (int64_t batch : {1, 3}) {
