@@ -9,6 +9,9 @@
 #include <map>
 #include <memory>
 #include <set>
+#include <thread>
+
+#include <sched.h>
 
 #include "config_impl.h"
 #include "decoder.h"
@@ -50,7 +53,7 @@ std::unique_ptr<ModelRunner> meta_runner(const Config& cfg, PluginManager& plugi
                                          TensorSharding tensor = {}, ExpertSharding expert = {}) {
   auto backend = std::make_unique<MetaBackend>(device);
   auto attention = std::make_unique<MetaAttention>(cfg.get_string("attention"), *backend,
-                                                   device.f32_working_copies);
+                                                   device.f32_working_copies, device.host_threads);
   return std::make_unique<ModelRunner>(cfg, plugins, std::move(backend), std::move(attention),
                                        sharding, tensor, expert);
 }
@@ -378,6 +381,24 @@ std::string human_bytes(double b) {
   return fmt::format("{:.2f} GiB", b / kGiB);
 }
 
+namespace {
+
+// The CPU backend's thread count for this config, as its plugin decides it: num_threads, or
+// the cores this process may run on.
+int cpu_threads(const Config& cfg) {
+  int n = cfg.has("num_threads") ? static_cast<int>(cfg.get_int("num_threads")) : 0;
+  if (n <= 0) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    n = sched_getaffinity(0, sizeof set, &set) == 0
+            ? CPU_COUNT(&set)
+            : static_cast<int>(std::thread::hardware_concurrency());
+  }
+  return std::max(n, 1);
+}
+
+}  // namespace
+
 DeviceProfile plan_target(const Config& cfg, const Backend* real, bool use_plan_device) {
   const std::string name = use_plan_device ? cfg.get_string("plan_device") : std::string();
   if (!name.empty()) {
@@ -385,7 +406,10 @@ DeviceProfile plan_target(const Config& cfg, const Backend* real, bool use_plan_
     if (!p)
       cfg.reject("plan_device", "is not a device mt knows. Known: " + named_devices() +
                                     " (e.g. cpu-24gb for a host with 24 GiB).");
-    if (name.rfind("cpu-", 0) == 0) p->f32_working_copies = p->is_host = true;
+    if (name.rfind("cpu-", 0) == 0) {
+      p->f32_working_copies = p->is_host = true;
+      p->host_threads = cpu_threads(cfg);
+    }
     if (p->peak_bf16 == 0 && real && real->name() == "cpu") {
       p->peak_bf16 = real->peak_flops(DType::bf16);
       p->peak_f32 = real->peak_flops(DType::f32);
@@ -399,6 +423,7 @@ DeviceProfile plan_target(const Config& cfg, const Backend* real, bool use_plan_
   p.peak_bf16 = real->peak_flops(DType::bf16);
   p.peak_f32 = real->peak_flops(DType::f32);
   p.f32_working_copies = p.is_host = real->name() == "cpu";
+  if (p.is_host) p.host_threads = cpu_threads(cfg);
   if (real->name() == "cuda") {
     p.small_granule = 512;
     p.small_limit = size_t{1} << 20;

@@ -154,14 +154,36 @@ std::vector<Tensor> MetaAttention::copies(std::initializer_list<const Tensor*> t
   return r;
 }
 
+// The CPU flash kernels' tiles (plugins/backends/cpu/attention/flash.cpp: kBQ = kBK = 64
+// query and key rows, FwdScratch::floats and BwdScratch::floats), one block per thread of the
+// backend, taken for each call.
+namespace {
+constexpr int64_t kFlashRows = 64;
+int64_t flash_forward_floats(int64_t d) {
+  const int64_t b = kFlashRows;
+  return 2 * b * d + d * b + b * b + 2 * b + 2 * b * d;
+}
+int64_t flash_backward_floats(int64_t d) {
+  const int64_t b = kFlashRows;
+  return 4 * b * d + b * d + 3 * b * b;
+}
+}  // namespace
+
+Tensor MetaAttention::thread_scratch(int64_t floats) {
+  if (name_ != "flash" || host_threads_ <= 0) return Tensor();
+  return be_.empty({host_threads_, floats}, DType::f32);
+}
+
 void MetaAttention::forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&,
                             const Tensor&, const AttentionSpec&, Tensor& out, Tensor&) {
+  const Tensor scratch = thread_scratch(flash_forward_floats(q.dim(-1)));
   const auto held = copies({&q, &k, &v, &out});
 }
 
 void MetaAttention::backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                              const Tensor&, const Tensor&, const Tensor& out, const Tensor& lse,
                              const AttentionSpec&, Tensor& dq, Tensor& dk, Tensor& dv) {
+  const Tensor scratch = thread_scratch(flash_backward_floats(q.dim(-1)));
   auto held = copies({&q, &k, &v, &dout, &dq, &dk, &dv});
   if (f32_copies_) {
     held.push_back(be_.empty(lse.shape(), DType::f32));  // dO . O per query row
@@ -174,6 +196,7 @@ void MetaAttention::decode(const Tensor& q, const Tensor&, const Tensor&, const 
   // The CPU's kernels read a bf16 cache in place (flash a key block at a time, dot_product a
   // sequence's rows into host vectors); flash works on f32 copies of q and its output.
   if (name_ != "flash") return;
+  const Tensor scratch = thread_scratch(flash_forward_floats(q.dim(-1)));
   const auto held = copies({&q, &out});
 }
 

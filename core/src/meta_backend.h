@@ -32,6 +32,9 @@ struct DeviceProfile {
   // CPU's GEMM and attention kernels).
   bool f32_working_copies = false;
   bool is_host = false;  // the device's memory is the host's (the CPU backend)
+  // The CPU backend's threads: its flash attention takes a scratch block per thread for each
+  // call (0: none, a device's kernels keep theirs in shared memory).
+  int host_threads = 0;
   // Bandwidth of one device's links, bytes/s per direction, for the plan's collectives: to the
   // devices of its node (NVLink; the `ici_` axes) and across nodes (the network; `dcn_`). 0: not
   // known (the CPU).
@@ -105,8 +108,11 @@ class MetaBackend final : public MetaOps {
 // decode, the whole KV cache once per step.
 class MetaAttention final : public AttentionKernel {
  public:
-  MetaAttention(std::string name, Backend& backend, bool f32_copies)
-      : name_(std::move(name)), be_(backend), f32_copies_(f32_copies) {}
+  MetaAttention(std::string name, Backend& backend, bool f32_copies, int host_threads = 0)
+      : name_(std::move(name)),
+        be_(backend),
+        f32_copies_(f32_copies),
+        host_threads_(host_threads) {}
   std::string name() const override { return name_; }
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&, const Tensor&,
                const AttentionSpec&, Tensor& out, Tensor&) override;
@@ -119,10 +125,13 @@ class MetaAttention final : public AttentionKernel {
  private:
   // f32 copies of the non-f32 tensors, alive until the result is dropped.
   std::vector<Tensor> copies(std::initializer_list<const Tensor*> ts);
+  // The CPU flash kernels' scratch: `floats` per thread, for the call (undefined elsewhere).
+  Tensor thread_scratch(int64_t floats);
 
   std::string name_;
   Backend& be_;
   bool f32_copies_;
+  int host_threads_;
 };
 
 }  // namespace mt

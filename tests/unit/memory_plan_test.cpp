@@ -143,6 +143,10 @@ TEST(MemoryPlan, TrainingPeakMatchesTheMeasuredPeak) {
   }
 }
 
+// Measured on this project's 2-core AVX-512 machine: every decode case planned to the byte
+// (ratio 1.0000) once the plan held the CPU flash kernels' per-thread tiles (before, 0.80-0.99:
+// qwen3-moe-test's two 57 KiB blocks were a fifth of its step); the 3% allows for kernels that
+// take other paths on other CPUs.
 TEST(MemoryPlan, DecodePeakMatchesTheMeasuredPeak) {
   const std::vector<Case> cases = {
       {"llama-test", {"max_target_length=128", "max_prefill_predict_length=32"}},
@@ -157,10 +161,12 @@ TEST(MemoryPlan, DecodePeakMatchesTheMeasuredPeak) {
        {"dtype=bfloat16", "max_target_length=256", "max_prefill_predict_length=64",
         "quantize_kvcache=true", "quantization=int8"}},
       {"gemma2-test", {"max_target_length=128", "quantize_kvcache=true"}},
-      // A mixture of experts. (Its plans run short, not yet explained: mixtral-test with int8
-      // experts 0.90 of the measured peak; qwen3-moe-test 128 KiB short in bf16, 0.80-0.86 with
-      // or without int8 weights, and 0.89-0.92 in f32.)
+      // Mixtures of experts, their experts' weights in int8 too (one matmul_q8 per expert with
+      // rows).
       {"mixtral-test", {"max_target_length=128"}},
+      {"mixtral-test", {"max_target_length=128", "quantization=int8"}},
+      {"qwen3-moe-test", {"max_target_length=128", "dtype=bfloat16"}},
+      {"qwen3-moe-test", {"max_target_length=128", "dtype=bfloat16", "quantization=int8"}},
   };
   for (const Case& c : cases)
     for (int64_t batch : {1, 3}) {
@@ -171,7 +177,7 @@ TEST(MemoryPlan, DecodePeakMatchesTheMeasuredPeak) {
       ASSERT_TRUE(plan.decode);
       const double predicted = static_cast<double>(plan.decode->peak);
       const double measured = static_cast<double>(measured_decode_peak(cfg, batch));
-      EXPECT_NEAR(predicted / measured, 1.0, 0.10)
+      EXPECT_NEAR(predicted / measured, 1.0, 0.03)
           << "predicted " << human_bytes(predicted) << ", measured " << human_bytes(measured);
       if (std::getenv("MT_PLAN_VERBOSE"))
         std::printf("%-90s predicted %10.0f measured %10.0f ratio %.4f\n",
