@@ -132,7 +132,8 @@ TEST(MemoryPlan, TrainingPeakMatchesTheMeasuredPeak) {
     // The allocator's share: offloaded moments are in another (host) allocator.
     const double predicted = static_cast<double>(plan.train->peak - plan.train->host_optimizer);
     const double measured = static_cast<double>(measured_training_peak(cfg));
-    EXPECT_NEAR(predicted / measured, 1.0, 0.10)
+    // Measured here: 1.0000 but llama-test in bf16 without remat, 1.0035; 3% as for decode.
+    EXPECT_NEAR(predicted / measured, 1.0, 0.03)
         << "predicted " << human_bytes(predicted) << ", measured " << human_bytes(measured);
     if (std::getenv("MT_PLAN_VERBOSE"))
       std::printf("%-90s predicted %10.0f measured %10.0f ratio %.4f\n", name_of(c).c_str(),
