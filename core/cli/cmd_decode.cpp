@@ -81,7 +81,9 @@ void special_tokens(Inference& in) {
 // Loads the model and its weights (load_parameters_path) and the tokenizer (tokenizer_path).
 Inference load_inference(const Args& args, const char* command, bool need_tokenizer) {
   Inference in;
-  in.cfg = resolve_config(args);
+  // Inference never updates the weights: f32 masters with bf16 compute are held in bf16 from
+  // the start (loaded with the rounding every forward's cast would give).
+  in.cfg = inference_config(resolve_config(args));
   const Config& cfg = in.cfg;
   const std::string ckpt = cfg.get_string("load_parameters_path");
   const std::string hf = cfg.get_string("hf_path");
@@ -108,9 +110,6 @@ Inference load_inference(const Args& args, const char* command, bool need_tokeni
   } else {
     load_hf_weights(hf, *in.runner);
   }
-  // Inference never updates the weights: f32 masters with bf16 compute are converted once here
-  // (the same bits every forward's cast would give), not at every step.
-  in.runner->store_weights_in_compute_dtype();
   in.runner->apply_quantization(cfg);
   // Only when text must be tokenized (score with token ids needs none).
   const std::string tok = cfg.get_string("tokenizer_path");

@@ -140,8 +140,9 @@ TrainingPlan trace_training(const Config& cfg, PluginManager& plugins,
 // every row, so a step's memory grows with the cached length (llama-test with
 // quantize_kvcache at 256 tokens, 3 sequences: 0.83 of the measured peak when only the step
 // after the prompt was traced).
-DecodePlan trace_decode(const Config& cfg, PluginManager& plugins, const DeviceProfile& device,
+DecodePlan trace_decode(const Config& cfg_in, PluginManager& plugins, const DeviceProfile& device,
                         int64_t batch) {
+  const Config cfg = inference_config(cfg_in);  // as mt decode loads the weights
   auto runner = meta_runner(cfg, plugins, device);
   Backend& be = runner->backend();
   DecodePlan d;

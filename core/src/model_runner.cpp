@@ -250,6 +250,17 @@ void ModelRunner::init_parameters(uint64_t seed, Progress* progress) {
   }
 }
 
+Config inference_config(const Config& cfg) {
+  if (!(dtype_key(cfg, "weight_dtype") == DType::f32 && dtype_key(cfg, "dtype") == DType::bf16))
+    return cfg;
+  Config c = cfg;
+  ConfigValue v = c.impl().at("weight_dtype");
+  v.s = "bfloat16";
+  v.origin = "inference: the weights stored in dtype=bfloat16 from the start (" + v.origin + ")";
+  c.impl().set("weight_dtype", std::move(v));
+  return c;
+}
+
 bool ModelRunner::store_weights_in_compute_dtype() {
   if (!(weight_dtype_ == DType::f32 && compute_dtype_ == DType::bf16)) return false;
   for (auto& p : params_)

@@ -5,10 +5,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <map>
 #include <random>
 
+#include "checkpoint_manager.h"
 #include "config_loader.h"
 #include "decoder.h"
+#include "hf_interop.h"
 #include "model_runner.h"
 #include "mt/data.h"
 #include "mt/error.h"
@@ -21,6 +25,8 @@
 
 namespace mt {
 namespace {
+
+namespace fs = std::filesystem;
 
 std::unique_ptr<ModelRunner> runner(std::vector<std::string> overrides) {
   ConfigRequest req;
@@ -220,6 +226,67 @@ TEST(Decode, TransposedProjectionsGiveTheSameLogits) {
     EXPECT_EQ(r.transpose_projections(), 0u);  // nothing left to transpose
     EXPECT_EQ(greedy_logits(r, prompt, transposed), want);
     EXPECT_LT(test::scaled_err(transposed, stored), 1e-5);
+  }
+}
+
+// mt decode builds its runner from inference_config: f32 masters with bf16 compute are
+// allocated and loaded in bf16 (half the memory while loading), and hold the bits that loading
+// the f32 masters and narrowing them (store_weights_in_compute_dtype, what decode did before)
+// gives, from a checkpoint's .safetensors file and from Hugging Face files alike, for a dense
+// and a MoE model. Other dtype pairs are left as they are.
+TEST(Decode, InferenceLoadsBf16WeightsAsTheNarrowedMasters) {
+  for (const char* model : {"llama-test", "mixtral-test"}) {
+    SCOPED_TRACE(model);
+    ConfigRequest req;
+    req.configs_dir = test::source_dir() + "/configs";
+    req.model = model;
+    req.overrides = {"dtype=bfloat16", "weight_dtype=float32"};
+    req.schemas_for = test::family_schemas;
+    const Config cfg = load_config(req);
+    const Config icfg = inference_config(cfg);
+    EXPECT_EQ(icfg.get_string("weight_dtype"), "bfloat16");
+    ModelRunner masters(cfg, test::plugins());
+    masters.init_parameters(5);
+    const fs::path dir = fs::path(::testing::TempDir()) / (std::string("inference_") + model);
+    fs::remove_all(dir);
+    fs::create_directories(dir / "hf");
+    std::vector<std::pair<std::string, Tensor>> named;
+    for (const auto& p : masters.params()) named.emplace_back(p.name, p.value);
+    save_tensors(dir / "params.safetensors", named);
+    write_hf_tensors(dir / "hf" / "model.safetensors", masters);
+    ASSERT_TRUE(masters.store_weights_in_compute_dtype());
+    for (const bool hf : {false, true}) {
+      SCOPED_TRACE(hf ? "Hugging Face" : "checkpoint");
+      ModelRunner r(icfg, test::plugins());
+      for (const auto& p : r.params()) ASSERT_EQ(p.value.dtype(), DType::bf16) << p.name;
+      if (hf) {
+        load_hf_weights(dir / "hf", r);
+      } else {
+        std::map<std::string, Tensor> params;
+        for (auto& p : r.params()) params[p.name] = p.value;
+        load_parameters(dir / "params.safetensors", params);
+      }
+      EXPECT_FALSE(r.store_weights_in_compute_dtype());  // nothing left to narrow
+      for (const auto& p : masters.params()) {
+        const Tensor& got = r.find(p.name)->value;
+        ASSERT_EQ(got.dtype(), DType::bf16) << p.name;
+        std::vector<uint16_t> a(static_cast<size_t>(got.numel())), b(a.size());
+        r.backend().copy_to_host(got, a.data());
+        masters.backend().copy_to_host(p.value, b.data());
+        EXPECT_EQ(a, b) << p.name;
+      }
+    }
+  }
+  for (const auto& pair :
+       std::vector<std::vector<std::string>>{{"dtype=float32", "weight_dtype=float32"},
+                                             {"dtype=float32", "weight_dtype=bfloat16"},
+                                             {"dtype=bfloat16", "weight_dtype=bfloat16"}}) {
+    ConfigRequest req;
+    req.configs_dir = test::source_dir() + "/configs";
+    req.model = "llama-test";
+    req.overrides = pair;
+    const Config cfg = load_config(req);
+    EXPECT_EQ(inference_config(cfg).get_string("weight_dtype"), cfg.get_string("weight_dtype"));
   }
 }
 
