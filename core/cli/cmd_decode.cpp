@@ -101,15 +101,16 @@ Inference load_inference(const Args& args, const char* command, bool need_tokeni
     std::unique_ptr<Backend> device = in.pm->make_backend(cfg.get_string("backend"), cfg);
     if (std::string(command) == "decode")
       check_fits(cfg, *in.pm, *device, PlanFor::decode, command);
-    in.runner = std::make_unique<ModelRunner>(cfg, *in.pm, std::move(device));
+    // quantization=int8: the projections held as int8 rows from the start, each quantized as
+    // it is read, so the weights are never all held in the compute dtype.
+    in.runner = std::make_unique<ModelRunner>(cfg, *in.pm, std::move(device), nullptr,
+                                              ParamSharding{}, TensorSharding{}, ExpertSharding{},
+                                              cfg.get_string("quantization") == "int8");
   }
-  if (!ckpt.empty()) {
-    std::map<std::string, Tensor> params;
-    for (auto& p : in.runner->params()) params[p.name] = p.value;
-    load_parameters(ckpt, params);
-  } else {
+  if (!ckpt.empty())
+    load_checkpoint_weights(ckpt, *in.runner);
+  else
     load_hf_weights(hf, *in.runner);
-  }
   in.runner->apply_quantization(cfg);
   // Only when text must be tokenized (score with token ids needs none).
   const std::string tok = cfg.get_string("tokenizer_path");

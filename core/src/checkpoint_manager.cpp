@@ -740,9 +740,11 @@ class PartSource {
 // file and piece is checked before the first tensor is written, so a checkpoint that does not
 // fit leaves the targets as they were. A part whose tensor-parallel split is the stored one
 // reads only the pieces that overlap it; another split assembles the whole tensor on the host
-// (one tensor at a time) and cuts the part from it.
+// (one tensor at a time) and cuts the part from it. Names in `elsewhere` are the caller's to
+// read by other calls: present in the checkpoint, they are not unexpected.
 void read_parts(PartSource& src, const fs::path& where,
-                std::map<std::string, TensorPart>* const targets[3]) {
+                std::map<std::string, TensorPart>* const targets[3],
+                const std::set<std::string>* elsewhere = nullptr) {
   struct Read {
     TensorPart* want;
     const StoredTensor* stored;
@@ -800,7 +802,7 @@ void read_parts(PartSource& src, const fs::path& where,
       reads.push_back(std::move(r));
     }
     for (const auto& [name, t] : layout)
-      if (!targets[g]->count(name)) extra.push_back(name);
+      if (!targets[g]->count(name) && !(elsewhere && elsewhere->count(name))) extra.push_back(name);
     std::string msg;
     auto add = [&](const std::string& s) { msg += (msg.empty() ? "" : "; ") + s; };
     if (!missing.empty())
@@ -898,10 +900,11 @@ StepDir open_step(fs::path step_dir) {
 
 // A step directory's tensors into the parts of `targets` (any version).
 Metadata load_step_parts(const fs::path& step_dir,
-                         std::map<std::string, TensorPart>* const targets[3]) {
+                         std::map<std::string, TensorPart>* const targets[3],
+                         const std::set<std::string>* elsewhere = nullptr) {
   StepDir sd = open_step(step_dir);
   PartSource src(sd.dir, &sd.md, {}, [&](const std::string& w) { return sd.corrupt(w); });
-  read_parts(src, sd.dir, targets);
+  read_parts(src, sd.dir, targets, elsewhere);
   return std::move(sd.md);
 }
 
@@ -1541,7 +1544,8 @@ std::map<std::string, Tensor> load_checkpoint_tensors(const fs::path& path,
   return out;
 }
 
-void load_parameter_parts(const fs::path& path, ShardedTrainState& state) {
+void load_parameter_parts(const fs::path& path, ShardedTrainState& state,
+                          const std::set<std::string>& elsewhere) {
   std::map<std::string, TensorPart>* targets[3] = {&state.tensors[0], nullptr, nullptr};
   std::error_code ec;
   if (fs::is_regular_file(path, ec)) {
@@ -1551,20 +1555,21 @@ void load_parameter_parts(const fs::path& path, ShardedTrainState& state) {
                   "checkpoints directory or a .safetensors file.");
     PartSource src(path.parent_path(), nullptr, path.filename().string(),
                    [&](const std::string& w) { return Error(quoted(path) + ": " + w); });
-    read_parts(src, path, targets);
+    read_parts(src, path, targets, &elsewhere);
     return;
   }
-  load_step_parts(resolve_step_dir(path, "load_parameters_path"), targets);
+  load_step_parts(resolve_step_dir(path, "load_parameters_path"), targets, &elsewhere);
 }
 
 void load_full_state(const fs::path& path, TrainState& state) {
   restore_into(resolve_step_dir(path, "load_full_state_path"), state);
 }
 
-void load_parameters(const fs::path& path, std::map<std::string, Tensor>& params) {
+void load_parameters(const fs::path& path, std::map<std::string, Tensor>& params,
+                     const std::set<std::string>& elsewhere) {
   ShardedTrainState whole;
   whole.tensors[0] = whole_parts(params);
-  load_parameter_parts(path, whole);
+  load_parameter_parts(path, whole, elsewhere);
 }
 
 }  // namespace mt

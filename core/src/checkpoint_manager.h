@@ -69,6 +69,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <utility>
@@ -228,8 +229,11 @@ class CheckpointManager final : public Checkpointer {
 // a checkpoints directory or a run directory holding checkpoints/ (its latest complete step is
 // used), or a bare .safetensors file (no checksum to verify). Fills the tensors already in
 // `params` by name with the same checks and conversions as restore(); throws mt::Error naming
-// the file on any problem.
-void load_parameters(const std::filesystem::path& path, std::map<std::string, Tensor>& params);
+// the file on any problem. Tensors named in `elsewhere` are loaded by other calls: the
+// checkpoint may hold them beside `params` (one call per int8 weight, each read into a
+// temporary, keeps the weights from being held whole in the compute dtype).
+void load_parameters(const std::filesystem::path& path, std::map<std::string, Tensor>& params,
+                     const std::set<std::string>& elsewhere = {});
 
 // Restores a full train state for load_full_state_path: `path` as for load_parameters (but not a
 // bare file); the same checks and semantics as CheckpointManager::restore.
@@ -243,6 +247,7 @@ void load_full_state_parts(const std::filesystem::path& path, ShardedTrainState&
 // as one rank sees it (tests, tools).
 std::map<std::string, Tensor> load_checkpoint_tensors(const std::filesystem::path& path,
                                                       const std::string& group, Backend& backend);
-void load_parameter_parts(const std::filesystem::path& path, ShardedTrainState& state);
+void load_parameter_parts(const std::filesystem::path& path, ShardedTrainState& state,
+                          const std::set<std::string>& elsewhere = {});
 
 }  // namespace mt

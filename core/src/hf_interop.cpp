@@ -270,6 +270,7 @@ void load_hf_weights(const fs::path& dir, ModelRunner& runner) {
         throw Error("mt parameter " + p.name + " of shape " + shape_str(s) + " is mapped to " +
                     std::to_string(hf.stack.size()) + " stacked Hugging Face tensors.");
       const Shape part(s.begin() + 1, s.end());
+      host.reserve(static_cast<size_t>(shape_numel(s)));  // no regrowth: one copy of it at a time
       for (const auto& n : hf.stack) {
         std::vector<float> one = read_hf(w, n, hf.transposed, dir, p.name, got, &part, used);
         host.insert(host.end(), one.begin(), one.end());
@@ -300,7 +301,9 @@ void load_hf_weights(const fs::path& dir, ModelRunner& runner) {
       host.assign(reinterpret_cast<const float*>(mine.data()),
                   reinterpret_cast<const float*>(mine.data() + mine.size()));
     }
-    if (p.value.dtype() == DType::f32) {
+    if (p.layout == WeightLayout::q8) {  // int8 from the start: quantized as it is read
+      runner.set_q8_from_declared(p, std::move(host));
+    } else if (p.value.dtype() == DType::f32) {
       be.copy_from_host(p.value, host.data());
     } else {  // the backend's rounding, as every other cast to the weight dtype
       Tensor t = be.empty(p.value.shape(), DType::f32);

@@ -50,12 +50,13 @@ Config with_words(const Config& base, const std::vector<std::string>& words) {
 
 std::unique_ptr<ModelRunner> meta_runner(const Config& cfg, PluginManager& plugins,
                                          const DeviceProfile& device, ParamSharding sharding = {},
-                                         TensorSharding tensor = {}, ExpertSharding expert = {}) {
+                                         TensorSharding tensor = {}, ExpertSharding expert = {},
+                                         bool int8_from_start = false) {
   auto backend = std::make_unique<MetaBackend>(device);
   auto attention = std::make_unique<MetaAttention>(cfg.get_string("attention"), *backend,
                                                    device.f32_working_copies, device.host_threads);
   return std::make_unique<ModelRunner>(cfg, plugins, std::move(backend), std::move(attention),
-                                       sharding, tensor, expert);
+                                       sharding, tensor, expert, int8_from_start);
 }
 
 size_t in_use(ModelRunner& r) {
@@ -143,15 +144,30 @@ TrainingPlan trace_training(const Config& cfg, PluginManager& plugins,
 DecodePlan trace_decode(const Config& cfg_in, PluginManager& plugins, const DeviceProfile& device,
                         int64_t batch) {
   const Config cfg = inference_config(cfg_in);  // as mt decode loads the weights
-  auto runner = meta_runner(cfg, plugins, device);
+  auto runner =
+      meta_runner(cfg, plugins, device, {}, {}, {}, cfg.get_string("quantization") == "int8");
   Backend& be = runner->backend();
   DecodePlan d;
   d.batch = batch;
   d.max_len = cfg.get_int("max_target_length");
   d.prefill = std::min(cfg.get_int("max_prefill_predict_length"), d.max_len - 1);
   runner->store_weights_in_compute_dtype();
-  d.int8_projections = runner->apply_quantization(cfg) > 0;
+  runner->apply_quantization(cfg);
   d.weights = in_use(*runner);
+  // Loading (load_hf_weights, load_checkpoint_weights): every weight is allocated from the
+  // start, in its final layout, and one parameter at a time passes through temporaries: on the
+  // device an f32 copy of one held narrower or as int8 rows; on the host, which is the CPU's
+  // memory too, at most two f32 copies of it (the values read and their rows being quantized,
+  // or a checkpoint's stored bytes and their conversion), the device's copy included.
+  const size_t w_size = dtype_size(runner->weight_dtype());
+  size_t transient = 0;
+  for (const auto& p : runner->params()) {
+    const auto n = static_cast<size_t>(shape_numel(p.spec.shape));
+    d.int8_projections = d.int8_projections || p.layout == WeightLayout::q8;
+    const size_t dev = p.layout == WeightLayout::q8 || w_size < 4 ? n * 4 : 0;
+    transient = std::max(transient, device.is_host ? 8 * n : planned_block_size(device, dev));
+  }
+  d.loading = d.weights + transient;
   Decoder dec(*runner, batch, d.max_len);
   d.kv_cache = in_use(*runner) - d.weights;
   be.reset_peak_memory();
@@ -167,6 +183,7 @@ DecodePlan trace_decode(const Config& cfg_in, PluginManager& plugins, const Devi
   }
   d.peak = std::max(be.memory_stats().peak_bytes_in_use, d.weights + d.kv_cache);
   d.activations = d.peak - d.weights - d.kv_cache;
+  d.peak = std::max(d.peak, d.loading);
   return d;
 }
 
@@ -772,6 +789,10 @@ std::string format_plan(const Plan& p, const Config& cfg) {
                     human_bytes(static_cast<double>(d.kv_cache) /
                                 static_cast<double>(std::max<int64_t>(1, d.batch * d.max_len)))));
     row("activations", d.activations, "peak of the prefill and a decode step above those");
+    row("loading", d.loading,
+        std::string("the weights and one parameter's temporaries while they load") +
+            (p.device.is_host ? " (its host copies too)" : "") +
+            (d.loading > d.weights + d.kv_cache + d.activations ? ": the peak" : ""));
     row("peak", d.peak, verdict(d.peak));
   }
   if (!p.fixes.empty()) {

@@ -45,6 +45,9 @@ struct DecodePlan {
   int64_t batch = 1, max_len = 0, prefill = 0;
   bool int8_projections = false;  // quantization=int8: the projections stored as int8 rows
   size_t weights = 0, kv_cache = 0, activations = 0, peak = 0;
+  // While loading: the weights and one parameter's temporaries (on the CPU, the host copies
+  // the loaders make of it too); the peak is the larger of this and running's.
+  size_t loading = 0;
 };
 
 // Data parallelism's collectives per training step: every rank's gradients summed (all-reduce),

@@ -10,9 +10,13 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <optional>
 #include <random>
+#include <set>
 #include <utility>
 
+#include "checkpoint_manager.h"
 #include "collective_queue.h"
 #include "communicator.h"
 #include "fnv1a.h"
@@ -30,6 +34,19 @@ namespace mt {
 
 namespace {
 
+// The int8 rows a projection weight becomes under quantization=int8 ([N, K + K / 8], or
+// experts' [E, N, K + K / 8]), or nothing where it stays in the compute dtype (not a
+// projection, split among ranks, or rows not a multiple of 32 long).
+std::optional<Shape> q8_shape(const Param& p) {
+  const Shape& s = p.spec.shape;
+  if (!p.spec.projection || p.tensor_dim >= 0 || (s.size() != 2 && s.size() != 3)) return {};
+  const int64_t k = s[s.size() - 2], n = s.back();
+  if (k % kQ8Block != 0) return {};
+  Shape q = {n, q8_row_bytes(k)};
+  if (s.size() == 3) q.insert(q.begin(), s[0]);
+  return q;
+}
+
 DType dtype_key(const Config& cfg, const std::string& key) {
   DType t;
   if (!parse_dtype(cfg.get_string(key), t) || !(t == DType::f32 || t == DType::bf16))
@@ -45,7 +62,7 @@ ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins)
 ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins,
                          std::unique_ptr<Backend> given_backend,
                          std::unique_ptr<AttentionKernel> given_attention, ParamSharding sharding,
-                         TensorSharding tensor, ExpertSharding expert)
+                         TensorSharding tensor, ExpertSharding expert, bool int8_from_start)
     : sharding_(sharding), tensor_(tensor), expert_(expert) {
   reset_config_reads(cfg);
   compute_dtype_ = dtype_key(cfg, "dtype");
@@ -144,7 +161,13 @@ ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins,
       p.value = backend().empty({p.shard_end - p.shard_begin}, weight_dtype_);
     } else {
       p.shard_end = n;
-      p.value = backend().empty(p.local_shape, weight_dtype_);
+      if (int8_from_start && q8_shape(p)) {
+        p.value = backend().empty(*q8_shape(p), DType::i8);
+        p.layout = WeightLayout::q8;
+        any_layout_ = true;
+      } else {
+        p.value = backend().empty(p.local_shape, weight_dtype_);
+      }
     }
   }
 }
@@ -220,6 +243,10 @@ void ModelRunner::init_parameters(uint64_t seed, Progress* progress) {
   // FSDP: a normal draw is a function of the element's index in the whole tensor, so a rank
   // draws the whole parameter and keeps its part (one parameter at a time).
   for (auto& p : params_) {
+    MT_CHECK(p.layout == WeightLayout::dense,
+             "init_parameters: " + p.name +
+                 " is held in an inference layout (int8 rows or transposed); it draws the "
+                 "declared layout only");
     switch (p.spec.init) {
       case Init::zeros:
         backend().fill(p.value, 0.f);
@@ -259,6 +286,33 @@ Config inference_config(const Config& cfg) {
   v.origin = "inference: the weights stored in dtype=bfloat16 from the start (" + v.origin + ")";
   c.impl().set("weight_dtype", std::move(v));
   return c;
+}
+
+void load_checkpoint_weights(const std::filesystem::path& path, ModelRunner& runner) {
+  std::map<std::string, Tensor> whole;
+  std::set<std::string> int8;
+  for (auto& p : runner.params()) {
+    if (p.layout == WeightLayout::q8)
+      int8.insert(p.name);
+    else
+      whole[p.name] = p.value;
+  }
+  load_parameters(path, whole, int8);
+  std::set<std::string> others;
+  for (auto& p : runner.params()) others.insert(p.name);
+  Backend& be = runner.backend();
+  for (auto& p : runner.params()) {
+    if (p.layout != WeightLayout::q8) continue;
+    others.erase(p.name);
+    // Read in f32 (set_q8_from_declared rounds to the weight dtype as the loader would have).
+    std::map<std::string, Tensor> one = {{p.name, be.empty(p.spec.shape, DType::f32)}};
+    load_parameters(path, one, others);
+    others.insert(p.name);
+    std::vector<float> host(static_cast<size_t>(shape_numel(p.spec.shape)));
+    be.copy_to_host(one.begin()->second, host.data());
+    one.clear();
+    runner.set_q8_from_declared(p, std::move(host));
+  }
 }
 
 bool ModelRunner::store_weights_in_compute_dtype() {
@@ -474,24 +528,44 @@ size_t ModelRunner::quantize_projections() {
       backend().copy_to_host(p.value, b.data());
       for (size_t i = 0; i < b.size(); ++i) host[i] = bf16_to_f32(b[i]);
     }
-    std::vector<float> rows = t ? std::move(host) : std::vector<float>(host.size());
-    if (!t)
-      for (int64_t e = 0; e < mats; ++e)
-        transpose_tiles(host.data() + e * k * n, rows.data() + e * k * n, k, n);
-    std::vector<int8_t> q(static_cast<size_t>(mats * n * rb));
-    tbb::parallel_for(tbb::blocked_range<int64_t>(0, mats * n, 64),
-                      [&](const tbb::blocked_range<int64_t>& rs) {
-                        for (int64_t r = rs.begin(); r < rs.end(); ++r)
-                          quantize_q8_row(rows.data() + r * k, k, q.data() + r * rb);
-                      });
-    Tensor v = backend().empty(qs, DType::i8);
-    backend().copy_from_host(v, q.data());
-    p.value = std::move(v);
+    p.value = backend().empty(qs, DType::i8);
     p.layout = WeightLayout::q8;
+    store_q8_rows(p, host, t);
     ++count;
   }
   any_layout_ = any_layout_ || count > 0;
   return count;
+}
+
+void ModelRunner::store_q8_rows(Param& p, std::vector<float>& host, bool rows_already) {
+  const Shape& s = p.spec.shape;  // [K, N] or [E, K, N]
+  const int64_t mats = s.size() == 3 ? s[0] : 1, k = s[s.size() - 2], n = s.back();
+  const int64_t rb = q8_row_bytes(k);
+  std::vector<float> rows = rows_already ? std::move(host) : std::vector<float>(host.size());
+  if (!rows_already) {
+    for (int64_t e = 0; e < mats; ++e)
+      transpose_tiles(host.data() + e * k * n, rows.data() + e * k * n, k, n);
+    std::vector<float>().swap(host);  // one f32 copy at a time beside the int8 rows
+  }
+  std::vector<int8_t> q(static_cast<size_t>(mats * n * rb));
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, mats * n, 64),
+                    [&](const tbb::blocked_range<int64_t>& rs) {
+                      for (int64_t r = rs.begin(); r < rs.end(); ++r)
+                        quantize_q8_row(rows.data() + r * k, k, q.data() + r * rb);
+                    });
+  backend().copy_from_host(p.value, q.data());
+}
+
+void ModelRunner::set_q8_from_declared(Param& p, std::vector<float>&& declared) {
+  MT_CHECK(p.layout == WeightLayout::q8 && q8_shape(p) && p.value.shape() == *q8_shape(p),
+           "set_q8_from_declared: " + p.name + " is not held as int8 rows");
+  MT_CHECK(declared.size() == static_cast<size_t>(shape_numel(p.spec.shape)),
+           "set_q8_from_declared: " + p.name + " needs " +
+               std::to_string(shape_numel(p.spec.shape)) + " values");
+  std::vector<float> host = std::move(declared);
+  if (weight_dtype_ == DType::bf16)  // the weight's own values: rounded as the loaders round
+    for (float& v : host) v = bf16_to_f32(f32_to_bf16(v));
+  store_q8_rows(p, host, false);
 }
 
 void ModelRunner::enable_gradients() {

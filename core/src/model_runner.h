@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <memory>
@@ -120,9 +121,14 @@ class ModelRunner {
   // plugins for the backend's name.
   // `sharding`: the parameters' FSDP split, `tensor` their tensor-parallel one, `expert` the
   // experts' (none by default).
+  // `int8_from_start` (inference with quantization=int8, one rank): the projection weights
+  // quantize_projections would quantize are allocated as int8 rows from the start (values
+  // unset), for the loaders to quantize as they read each (load_hf_weights, load_weights), so
+  // the weights are never all held in the compute dtype at once (mixtral-8x7b: 49 GiB in int8
+  // against 87 GiB in bf16).
   ModelRunner(const Config& cfg, PluginManager& plugins, std::unique_ptr<Backend> backend,
               std::unique_ptr<AttentionKernel> attention = nullptr, ParamSharding sharding = {},
-              TensorSharding tensor = {}, ExpertSharding expert = {});
+              TensorSharding tensor = {}, ExpertSharding expert = {}, bool int8_from_start = false);
   ~ModelRunner();
 
   // The backend ops run on (the profiling wrapper when profile=true).
@@ -222,6 +228,11 @@ class ModelRunner {
   // compute dtype. Not for sharded or tensor-parallel parameters (refused). Returns how many
   // it quantized.
   size_t quantize_projections();
+  // Sets the int8 rows of `p` (layout q8) from its values in the declared layout ([K, N], or
+  // experts' [E, K, N]) as f32 on the host (consumed), rounded first to the weight dtype (the
+  // values the weight would have held there), so the bits are those quantize_projections gives.
+  // The host holds two f32 copies of p at most meanwhile (the values and their rows).
+  void set_q8_from_declared(Param& p, std::vector<float>&& declared);
   // Inference only, after transpose_projections and quantize_projections (each undoes it):
   // stores each group of projection weights a block reads from the same input (wq, wk, wv;
   // w_gate, w_up: fused_projection_groups) back to back in one tensor, where all of the group
@@ -340,6 +351,9 @@ class ModelRunner {
   RematPolicy remat_ = RematPolicy::none;
   ParamSharding sharding_;
   bool any_layout_ = false;  // some parameter is not stored as declared (Param::layout)
+  // p.value (allocated as int8 rows) from `host`, f32 values of p [K, N] / [E, K, N], or
+  // already its rows [N, K] / [E, N, K] (`rows_already`); `host` is consumed.
+  void store_q8_rows(Param& p, std::vector<float>& host, bool rows_already);
   // fuse_projections' groups, per block (none: empty): the names the block's Params hold (its
   // own, then each group's joined name) and each group's tensor and layout.
   struct Fused {
@@ -380,5 +394,10 @@ class ModelRunner {
 // loaders round as that cast does: the same bits) instead of first in f32 (llama2-7b: 12.6
 // GiB rather than 25.1 while loading). Otherwise `cfg` as it is.
 Config inference_config(const Config& cfg);
+
+// Loads every parameter of `runner` from a checkpoint (load_parameters_path: as
+// load_parameters reads it), each int8 one (int8_from_start) read alone into an f32 temporary
+// and quantized before the next.
+void load_checkpoint_weights(const std::filesystem::path& path, ModelRunner& runner);
 
 }  // namespace mt

@@ -290,6 +290,63 @@ TEST(Decode, InferenceLoadsBf16WeightsAsTheNarrowedMasters) {
   }
 }
 
+// mt decode with quantization=int8 holds the projections as int8 rows from the start and
+// quantizes each as it is read (from a checkpoint, or from Hugging Face files): the bits are
+// those of loading every weight and then quantizing (quantize_projections), while the
+// backend's peak stays below that way's, whose weights were all held in the weight dtype first.
+TEST(Decode, Int8FromTheStartIsTheQuantizedModel) {
+  for (const char* model : {"llama-test", "mixtral-test"})
+    for (const char* dtype : {"float32", "bfloat16"}) {
+      SCOPED_TRACE(std::string(model) + ", " + dtype);
+      ConfigRequest req;
+      req.configs_dir = test::source_dir() + "/configs";
+      req.model = model;
+      req.overrides = {std::string("dtype=") + dtype, "weight_dtype=float32", "quantization=int8"};
+      req.schemas_for = test::family_schemas;
+      const Config cfg = inference_config(load_config(req));
+      ModelRunner source(load_config(req), test::plugins());
+      source.init_parameters(9);
+      const fs::path dir =
+          fs::path(::testing::TempDir()) / (std::string("int8_start_") + model + "_" + dtype);
+      fs::remove_all(dir);
+      fs::create_directories(dir / "hf");
+      std::vector<std::pair<std::string, Tensor>> named;
+      for (const auto& p : source.params()) named.emplace_back(p.name, p.value);
+      save_tensors(dir / "params.safetensors", named);
+      write_hf_tensors(dir / "hf" / "model.safetensors", source);
+      // The way before: every weight loaded in the weight dtype, then quantized.
+      ModelRunner after(cfg, test::plugins());
+      {
+        std::map<std::string, Tensor> params;
+        for (auto& p : after.params()) params[p.name] = p.value;
+        load_parameters(dir / "params.safetensors", params);
+      }
+      ASSERT_GT(after.quantize_projections(), 0u);
+      const size_t after_peak = after.backend().memory_stats().peak_bytes_in_use;
+      for (const bool hf : {false, true}) {
+        SCOPED_TRACE(hf ? "Hugging Face" : "checkpoint");
+        ModelRunner r(cfg, test::plugins(), test::plugins().make_backend("cpu", cfg), nullptr, {},
+                      {}, {}, /*int8_from_start=*/true);
+        if (hf)
+          load_hf_weights(dir / "hf", r);
+        else
+          load_checkpoint_weights(dir / "params.safetensors", r);
+        EXPECT_EQ(r.quantize_projections(), 0u);  // all of them int8 already
+        EXPECT_LT(r.backend().memory_stats().peak_bytes_in_use, after_peak);
+        for (const auto& p : after.params()) {
+          const Param& got = *r.find(p.name);
+          ASSERT_EQ(got.layout, p.layout) << p.name;
+          ASSERT_EQ(got.value.dtype(), p.value.dtype()) << p.name;
+          ASSERT_EQ(got.value.shape(), p.value.shape()) << p.name;
+          std::vector<char> a(got.value.nbytes()), b(a.size());
+          r.backend().copy_to_host(got.value, a.data());
+          after.backend().copy_to_host(p.value, b.data());
+          EXPECT_EQ(a, b) << p.name;
+        }
+      }
+    }
+}
+
 // Inference fuses each block's q/k/v and gate/up weights into one tensor of rows once they are
 // rows (transposed, int8): each weight becomes a view of its rows of the group's tensor (the
 // same bytes: the model does not grow), and the logits of the prefill and of every step are

@@ -6,11 +6,13 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <random>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "checkpoint_manager.h"
 #include "config_loader.h"
 #include "decoder.h"
 #include "memory_plan.h"
@@ -19,11 +21,14 @@
 #include "mt/data.h"
 #include "mt/error.h"
 #include "mt/q8.h"
+#include "safetensors.h"
 #include "test_support.h"
 #include "trainer.h"
 
 namespace mt {
 namespace {
+
+namespace fs = std::filesystem;
 
 Config config_for(const std::string& model, const std::vector<std::string>& extra) {
   // No checkpoints unless a test asks: their host snapshot is not the allocator's to measure.
@@ -185,6 +190,51 @@ TEST(MemoryPlan, DecodePeakMatchesTheMeasuredPeak) {
                     (name_of(c) + " batch " + std::to_string(batch)).c_str(), predicted, measured,
                     predicted / measured);
     }
+}
+
+// Loading as mt decode loads (the weights in their final layout from the start, int8 ones
+// quantized as each is read): the plan's weights are those loaded, and its loading figure (the
+// weights and one parameter's temporaries, on the CPU its host copies as well) holds the
+// backend's peak while loading, which stays below the weights in the compute dtype that
+// loading everything before quantizing held.
+TEST(MemoryPlan, LoadingIsPlanned) {
+  const std::vector<Case> cases = {
+      {"llama-test", {"dtype=bfloat16"}},
+      {"llama-test", {"dtype=bfloat16", "quantization=int8"}},
+      {"mixtral-test", {"quantization=int8"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(name_of(c));
+    const Config cfg = config_for(c.model, c.keys);
+    const Plan plan = make_plan(cfg, test::plugins(), cpu_profile(cfg), PlanFor::decode, false, 1);
+    ASSERT_TRUE(plan.decode);
+    const fs::path file = fs::path(::testing::TempDir()) /
+                          ("plan_loading_" + std::to_string(&c - cases.data()) + ".safetensors");
+    {
+      ModelRunner source(cfg, test::plugins());
+      source.init_parameters(3);
+      std::vector<std::pair<std::string, Tensor>> named;
+      for (const auto& p : source.params()) named.emplace_back(p.name, p.value);
+      save_tensors(file, named);
+    }
+    const Config icfg = inference_config(cfg);
+    const bool int8 = cfg.get_string("quantization") == "int8";
+    ModelRunner r(icfg, test::plugins(), test::plugins().make_backend("cpu", icfg), nullptr, {}, {},
+                  {}, int8);
+    load_checkpoint_weights(file, r);
+    const MemoryStats m = r.backend().memory_stats();
+    EXPECT_EQ(m.bytes_in_use, plan.decode->weights);
+    EXPECT_LE(m.peak_bytes_in_use, plan.decode->loading);
+    EXPECT_GE(plan.decode->peak, plan.decode->loading);
+    EXPECT_EQ(plan.decode->int8_projections, int8);
+    if (int8) {
+      EXPECT_GT(m.peak_bytes_in_use, m.bytes_in_use);  // an int8 weight's f32 temporary
+      size_t compute = 0;  // every weight in the compute dtype, as before
+      for (const auto& p : r.params())
+        compute += static_cast<size_t>(shape_numel(p.spec.shape)) * dtype_size(r.weight_dtype());
+      EXPECT_LT(m.peak_bytes_in_use, compute);
+    }
+  }
 }
 
 // The GPU's int8 products as the plan's meta backend traces them: up to 8 rows of x (decode)
