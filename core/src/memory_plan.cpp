@@ -159,13 +159,18 @@ DecodePlan trace_decode(const Config& cfg_in, PluginManager& plugins, const Devi
   // device an f32 copy of one held narrower or as int8 rows; on the host, which is the CPU's
   // memory too, at most two f32 copies of it (the values read and their rows being quantized,
   // or a checkpoint's stored bytes and their conversion), the device's copy included.
+  // On the CPU, a decode of one or two sequences then stores the other projections transposed
+  // (transpose_projections): two host copies of one and its new tensor beside the old.
   const size_t w_size = dtype_size(runner->weight_dtype());
   size_t transient = 0;
   for (const auto& p : runner->params()) {
     const auto n = static_cast<size_t>(shape_numel(p.spec.shape));
-    d.int8_projections = d.int8_projections || p.layout == WeightLayout::q8;
-    const size_t dev = p.layout == WeightLayout::q8 || w_size < 4 ? n * 4 : 0;
-    transient = std::max(transient, device.is_host ? 8 * n : planned_block_size(device, dev));
+    const bool q8 = p.layout == WeightLayout::q8;
+    d.int8_projections = d.int8_projections || q8;
+    const size_t dev = q8 || w_size < 4 ? n * 4 : 0;
+    const size_t transposing = p.spec.projection && !q8 ? 3 * n * w_size : 0;
+    transient = std::max(
+        transient, device.is_host ? std::max(8 * n, transposing) : planned_block_size(device, dev));
   }
   d.loading = d.weights + transient;
   Decoder dec(*runner, batch, d.max_len);
@@ -791,7 +796,7 @@ std::string format_plan(const Plan& p, const Config& cfg) {
     row("activations", d.activations, "peak of the prefill and a decode step above those");
     row("loading", d.loading,
         std::string("the weights and one parameter's temporaries while they load") +
-            (p.device.is_host ? " (its host copies too)" : "") +
+            (p.device.is_host ? " and are laid out for decode (host copies included)" : "") +
             (d.loading > d.weights + d.kv_cache + d.activations ? ": the peak" : ""));
     row("peak", d.peak, verdict(d.peak));
   }
