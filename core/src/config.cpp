@@ -1,3 +1,4 @@
+#include <sched.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -5,6 +6,7 @@
 #include <cmath>
 #include <mutex>
 #include <set>
+#include <thread>
 
 #include "config_impl.h"
 #include "mt/error.h"
@@ -253,6 +255,19 @@ Config config_from_pairs(const std::vector<std::pair<std::string, std::string>>&
     c.impl().set(k, std::move(v));
   }
   return c;
+}
+
+int cpu_threads(const Config& cfg) {
+  int n = cfg.has("num_threads") ? static_cast<int>(cfg.get_int("num_threads")) : 0;
+  if (n <= 0) {
+    // hardware_concurrency counts the machine's cores, not those this process may use.
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    n = sched_getaffinity(0, sizeof set, &set) == 0
+            ? CPU_COUNT(&set)
+            : static_cast<int>(std::thread::hardware_concurrency());
+  }
+  return n > 0 ? n : 1;
 }
 
 }  // namespace mt

@@ -9,9 +9,6 @@
 #include <map>
 #include <memory>
 #include <set>
-#include <thread>
-
-#include <sched.h>
 
 #include "config_impl.h"
 #include "decoder.h"
@@ -403,24 +400,6 @@ std::string human_bytes(double b) {
   if (b < kGiB) return fmt::format("{:.1f} MiB", b / (1024.0 * 1024));
   return fmt::format("{:.2f} GiB", b / kGiB);
 }
-
-namespace {
-
-// The CPU backend's thread count for this config, as its plugin decides it: num_threads, or
-// the cores this process may run on.
-int cpu_threads(const Config& cfg) {
-  int n = cfg.has("num_threads") ? static_cast<int>(cfg.get_int("num_threads")) : 0;
-  if (n <= 0) {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    n = sched_getaffinity(0, sizeof set, &set) == 0
-            ? CPU_COUNT(&set)
-            : static_cast<int>(std::thread::hardware_concurrency());
-  }
-  return std::max(n, 1);
-}
-
-}  // namespace
 
 DeviceProfile plan_target(const Config& cfg, const Backend* real, bool use_plan_device) {
   const std::string name = use_plan_device ? cfg.get_string("plan_device") : std::string();

@@ -49,4 +49,9 @@ class MT_API Config {
   std::unique_ptr<Impl> impl_;
 };
 
+// The CPU threads a run computes on: num_threads, or where that is 0 (or absent) the cores
+// this process may run on (mpirun binds each rank to its own; taskset and cpusets restrict
+// them too). The CPU backend's count, and the memory plan's.
+MT_API int cpu_threads(const Config& cfg);
+
 }  // namespace mt
