@@ -741,7 +741,7 @@ class PartSource {
 // fit leaves the targets as they were. A part whose tensor-parallel split is the stored one
 // reads only the pieces that overlap it; another split assembles the whole tensor on the host
 // (one tensor at a time) and cuts the part from it. Names in `elsewhere` are the caller's to
-// read by other calls: present in the checkpoint, they are not unexpected.
+// read by other reads of the same source: present in the checkpoint, they are not unexpected.
 void read_parts(PartSource& src, const fs::path& where,
                 std::map<std::string, TensorPart>* const targets[3],
                 const std::set<std::string>* elsewhere = nullptr) {
@@ -900,11 +900,10 @@ StepDir open_step(fs::path step_dir) {
 
 // A step directory's tensors into the parts of `targets` (any version).
 Metadata load_step_parts(const fs::path& step_dir,
-                         std::map<std::string, TensorPart>* const targets[3],
-                         const std::set<std::string>* elsewhere = nullptr) {
+                         std::map<std::string, TensorPart>* const targets[3]) {
   StepDir sd = open_step(step_dir);
   PartSource src(sd.dir, &sd.md, {}, [&](const std::string& w) { return sd.corrupt(w); });
-  read_parts(src, sd.dir, targets, elsewhere);
+  read_parts(src, sd.dir, targets);
   return std::move(sd.md);
 }
 
@@ -1544,9 +1543,13 @@ std::map<std::string, Tensor> load_checkpoint_tensors(const fs::path& path,
   return out;
 }
 
-void load_parameter_parts(const fs::path& path, ShardedTrainState& state,
-                          const std::set<std::string>& elsewhere) {
-  std::map<std::string, TensorPart>* targets[3] = {&state.tensors[0], nullptr, nullptr};
+namespace {
+
+// The source of load_parameters_path (a bare .safetensors file, or a step directory's files)
+// for `read(src, where)`, which may read it several times: each file is opened, and a step's
+// checksum verified, once.
+template <class Read>
+void with_parameter_source(const fs::path& path, const Read& read) {
   std::error_code ec;
   if (fs::is_regular_file(path, ec)) {
     if (path.extension() != ".safetensors")
@@ -1555,21 +1558,52 @@ void load_parameter_parts(const fs::path& path, ShardedTrainState& state,
                   "checkpoints directory or a .safetensors file.");
     PartSource src(path.parent_path(), nullptr, path.filename().string(),
                    [&](const std::string& w) { return Error(quoted(path) + ": " + w); });
-    read_parts(src, path, targets, &elsewhere);
+    read(src, path);
     return;
   }
-  load_step_parts(resolve_step_dir(path, "load_parameters_path"), targets, &elsewhere);
+  StepDir sd = open_step(resolve_step_dir(path, "load_parameters_path"));
+  PartSource src(sd.dir, &sd.md, {}, [&](const std::string& w) { return sd.corrupt(w); });
+  read(src, sd.dir);
+}
+
+}  // namespace
+
+void load_parameter_parts(const fs::path& path, ShardedTrainState& state) {
+  std::map<std::string, TensorPart>* targets[3] = {&state.tensors[0], nullptr, nullptr};
+  with_parameter_source(
+      path, [&](PartSource& src, const fs::path& where) { read_parts(src, where, targets); });
 }
 
 void load_full_state(const fs::path& path, TrainState& state) {
   restore_into(resolve_step_dir(path, "load_full_state_path"), state);
 }
 
-void load_parameters(const fs::path& path, std::map<std::string, Tensor>& params,
-                     const std::set<std::string>& elsewhere) {
+void load_parameters(const fs::path& path, std::map<std::string, Tensor>& params) {
   ShardedTrainState whole;
   whole.tensors[0] = whole_parts(params);
-  load_parameter_parts(path, whole, elsewhere);
+  load_parameter_parts(path, whole);
+}
+
+void load_parameters(const fs::path& path, std::map<std::string, Tensor>& params,
+                     const std::map<std::string, Shape>& streamed, Backend& backend,
+                     const std::function<void(const std::string&, const Tensor&)>& take) {
+  std::map<std::string, TensorPart> whole = whole_parts(params);
+  std::set<std::string> others;  // beside the tensors of one read: the rest are not extra
+  for (const auto& [name, shape] : streamed) others.insert(name);
+  with_parameter_source(path, [&](PartSource& src, const fs::path& where) {
+    std::map<std::string, TensorPart>* targets[3] = {&whole, nullptr, nullptr};
+    read_parts(src, where, targets, &others);
+    for (const auto& [name, t] : params) others.insert(name);
+    for (const auto& [name, shape] : streamed) {
+      std::map<std::string, Tensor> one = {{name, backend.empty(shape, DType::f32)}};
+      std::map<std::string, TensorPart> part = whole_parts(one);
+      targets[0] = &part;
+      others.erase(name);
+      read_parts(src, where, targets, &others);
+      others.insert(name);
+      take(name, one.begin()->second);
+    }
+  });
 }
 
 }  // namespace mt

@@ -66,6 +66,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -229,11 +230,15 @@ class CheckpointManager final : public Checkpointer {
 // a checkpoints directory or a run directory holding checkpoints/ (its latest complete step is
 // used), or a bare .safetensors file (no checksum to verify). Fills the tensors already in
 // `params` by name with the same checks and conversions as restore(); throws mt::Error naming
-// the file on any problem. Tensors named in `elsewhere` are loaded by other calls: the
-// checkpoint may hold them beside `params` (one call per int8 weight, each read into a
-// temporary, keeps the weights from being held whole in the compute dtype).
+// the file on any problem.
+void load_parameters(const std::filesystem::path& path, std::map<std::string, Tensor>& params);
+// The same, and each tensor named in `streamed` (with its shape) read whole in f32 into a
+// temporary on `backend`, handed to `take` and dropped before the next, so those are never held
+// all at once (int8 weights quantized as they are read). The checkpoint must hold exactly
+// `params` and `streamed`; its files are opened and verified once.
 void load_parameters(const std::filesystem::path& path, std::map<std::string, Tensor>& params,
-                     const std::set<std::string>& elsewhere = {});
+                     const std::map<std::string, Shape>& streamed, Backend& backend,
+                     const std::function<void(const std::string&, const Tensor&)>& take);
 
 // Restores a full train state for load_full_state_path: `path` as for load_parameters (but not a
 // bare file); the same checks and semantics as CheckpointManager::restore.
@@ -247,7 +252,6 @@ void load_full_state_parts(const std::filesystem::path& path, ShardedTrainState&
 // as one rank sees it (tests, tools).
 std::map<std::string, Tensor> load_checkpoint_tensors(const std::filesystem::path& path,
                                                       const std::string& group, Backend& backend);
-void load_parameter_parts(const std::filesystem::path& path, ShardedTrainState& state,
-                          const std::set<std::string>& elsewhere = {});
+void load_parameter_parts(const std::filesystem::path& path, ShardedTrainState& state);
 
 }  // namespace mt

@@ -130,9 +130,9 @@ TrainingPlan trace_training(const Config& cfg, PluginManager& plugins,
   return t;
 }
 
-// Loading as mt decode does (weights stored in the compute dtype, projections quantized with
-// quantization=int8), then caches, a prefill of the longest prompt, one decode step of every
-// sequence after it, and a second step with every sequence at the longest length the cache
+// Loading as mt decode does (weights in the compute dtype and projections in int8 with
+// quantization=int8 from the start), then caches, a prefill of the longest prompt, one decode step
+// of every sequence after it, and a second step with every sequence at the longest length the cache
 // holds: an int8 cache's rows are dequantized into compute-dtype temporaries of the longest
 // sequence's rows (Graph::cache_values), and the second step (the one a backend records) reads
 // every row, so a step's memory grows with the cached length (llama-test with
@@ -148,7 +148,6 @@ DecodePlan trace_decode(const Config& cfg_in, PluginManager& plugins, const Devi
   d.batch = batch;
   d.max_len = cfg.get_int("max_target_length");
   d.prefill = std::min(cfg.get_int("max_prefill_predict_length"), d.max_len - 1);
-  runner->store_weights_in_compute_dtype();
   runner->apply_quantization(cfg);
   d.weights = in_use(*runner);
   // Loading (load_hf_weights, load_checkpoint_weights): every weight is allocated from the

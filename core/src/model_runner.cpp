@@ -13,7 +13,6 @@
 #include <map>
 #include <optional>
 #include <random>
-#include <set>
 #include <utility>
 
 #include "checkpoint_manager.h"
@@ -290,29 +289,19 @@ Config inference_config(const Config& cfg) {
 
 void load_checkpoint_weights(const std::filesystem::path& path, ModelRunner& runner) {
   std::map<std::string, Tensor> whole;
-  std::set<std::string> int8;
+  std::map<std::string, Shape> int8;  // read in f32 one at a time (set_q8_from_declared rounds)
   for (auto& p : runner.params()) {
     if (p.layout == WeightLayout::q8)
-      int8.insert(p.name);
+      int8[p.name] = p.spec.shape;
     else
       whole[p.name] = p.value;
   }
-  load_parameters(path, whole, int8);
-  std::set<std::string> others;
-  for (auto& p : runner.params()) others.insert(p.name);
   Backend& be = runner.backend();
-  for (auto& p : runner.params()) {
-    if (p.layout != WeightLayout::q8) continue;
-    others.erase(p.name);
-    // Read in f32 (set_q8_from_declared rounds to the weight dtype as the loader would have).
-    std::map<std::string, Tensor> one = {{p.name, be.empty(p.spec.shape, DType::f32)}};
-    load_parameters(path, one, others);
-    others.insert(p.name);
-    std::vector<float> host(static_cast<size_t>(shape_numel(p.spec.shape)));
-    be.copy_to_host(one.begin()->second, host.data());
-    one.clear();
-    runner.set_q8_from_declared(p, std::move(host));
-  }
+  load_parameters(path, whole, int8, be, [&](const std::string& name, const Tensor& f32) {
+    std::vector<float> host(static_cast<size_t>(f32.numel()));
+    be.copy_to_host(f32, host.data());
+    runner.set_q8_from_declared(*runner.find(name), std::move(host));
+  });
 }
 
 bool ModelRunner::store_weights_in_compute_dtype() {
