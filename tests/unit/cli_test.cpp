@@ -203,6 +203,11 @@ TEST(Cli, TrainThenDecodeAndScore) {
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("perplexity"), std::string::npos) << r.out;
   EXPECT_TRUE(fs::exists(dir / "s.safetensors"));
+  // int8 weights read from the run's step directory, each quantized as it streams through one
+  // read of the checkpoint (load_checkpoint_weights).
+  r = mt_cmd("score" + ckpt + " tokens=1,5,42,7 quantization=int8");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("perplexity"), std::string::npos) << r.out;
   r = mt_cmd("score" + ckpt + " tokens=1,5,99999");
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_NE(r.out.find("99999"), std::string::npos) << r.out;
