@@ -479,6 +479,53 @@ BENCHMARK(BM_MatVecQ8Stream)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 
+// Decode's int8 experts (quantization=int8, an MoE layer at batch 1): A experts of one row
+// each, [A, N, q8_row_bytes(K)] int8 rows streamed from memory as BM_MatVecQ8Stream's, bf16 x
+// and y (a bf16 model's), either one matmul_q8 per expert on its slices (grouped 0: what the
+// core ran before grouped_matmul_q8) or one grouped_matmul_q8 (1: every expert's products in
+// one fork). A = 4: Mixtral's top 2 with gate and up fused (2 E experts); K 512 N 640:
+// mixtral-bench-100m's experts, K 4096 N 14336: mixtral-8x7b's.
+void BM_GroupedQ8Stream(benchmark::State& state) {
+  const int64_t k = state.range(0), n = state.range(1), a = state.range(2);
+  const bool grouped = state.range(3);
+  mt::Backend& be = backend();
+  const int64_t rb = mt::q8_row_bytes(k), one = a * n * rb;
+  const int64_t count = std::max<int64_t>(2, (int64_t{512} << 20) / one);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd;
+  std::vector<float> wf(static_cast<size_t>(k));
+  std::vector<int8_t> q(static_cast<size_t>(one));
+  for (int64_t j = 0; j < a * n; ++j) {
+    for (float& v : wf) v = nd(rng);
+    mt::quantize_q8_row(wf.data(), k, q.data() + j * rb);
+  }
+  std::vector<mt::Tensor> ws;
+  for (int64_t i = 0; i < count; ++i) {
+    ws.push_back(be.empty({a, n, rb}, mt::DType::i8));
+    be.copy_from_host(ws.back(), q.data());
+  }
+  mt::Tensor x = random_tensor({a, k}, mt::DType::bf16);
+  mt::Tensor y = be.empty({a, n}, mt::DType::bf16);
+  const std::vector<int64_t> counts(static_cast<size_t>(a), 1);
+  stream_calls(state, be, count, one, [&](int64_t i) {
+    const mt::Tensor& w = ws[size_t(i)];
+    if (grouped) {
+      be.grouped_matmul_q8(x, w, counts, y);
+      return;
+    }
+    for (int64_t e = 0; e < a; ++e) {
+      mt::Tensor ye = y.slice0(e, e + 1);
+      be.matmul_q8(x.slice0(e, e + 1), w.slice0(e, e + 1).view({n, rb}), ye);
+    }
+  });
+}
+BENCHMARK(BM_GroupedQ8Stream)
+    ->ArgNames({"K", "N", "A", "grouped"})
+    ->ArgsProduct({{512}, {640}, {2, 4}, {0, 1}})
+    ->ArgsProduct({{4096}, {14336}, {2, 4}, {0, 1}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+
 BENCHMARK(BM_MatVecStream)
     ->ArgNames({"K", "N", "tb", "bf16_w"})
     ->ArgsProduct({{768}, {768, 2048}, {0, 1}, {0, 1}})

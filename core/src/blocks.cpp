@@ -32,6 +32,10 @@ Tensor linear(Graph& g, const Params& p, const std::string& w, const std::string
   return bias ? add_bias(g, y, p[b]) : y;
 }
 
+// Up to this many rows of x (an expert's, for the experts' weights) read a fused group of
+// projections (decode's steps); more read each weight on its own.
+constexpr int64_t kFusedRows = 8;
+
 // x @ w + b for each projection weight w of `ws` (and bias b of `bs` when `bias`), which read
 // the same x: for up to 8 rows of x (decode steps), one product where inference stored them as
 // one tensor of rows, which p holds under their joined name (ModelRunner::fuse_projections), its
@@ -42,7 +46,6 @@ std::vector<Tensor> linear_each(Graph& g, const Params& p, const std::string& pr
                                 const std::vector<std::string_view>& ws,
                                 const std::vector<std::string_view>& bs, const Tensor& x, bool bias,
                                 Tensor* whole = nullptr) {
-  constexpr int64_t kFusedRows = 8;
   std::vector<Tensor> ys;
   const std::string fused = fused_projection_name(prefix, ws);
   // The fused tensor is held only where fused (transposed or int8 rows).
@@ -532,17 +535,57 @@ ParamSpec expert_param(const MoeSpec& s, const std::string& name, int64_t in, in
   return ps;
 }
 
-// The experts' MLP on rows sorted by expert (offsets [local + 1], counts [local] on the host),
-// the weights in whichever layout inference stored them (Graph::grouped_project).
-Tensor expert_mlp(Graph& g, const Params& p, const MoeSpec& s, const std::string& prefix,
-                  const Tensor& xs, const Tensor& offsets, const std::vector<int64_t>& counts) {
+// The experts' gate and up products in one grouped product, where inference stored them as one
+// tensor of 2 E experts, the gates' then the ups' (ModelRunner::fuse_projections, under the
+// joined name): xs's rows twice ([xs; xs]) against it, so each expert's rows meet its gate and
+// then its up, and the first half of the rows is the gates' output, the second the ups'. For
+// decode's few rows an expert (the CPU runs the products of one call concurrently: one fork
+// instead of two); an undefined result where not so stored or not so few.
+Tensor fused_gate_up(Graph& g, const Params& p, const std::string& prefix, const Tensor& xs,
+                     const std::vector<int64_t>& counts) {
+  const std::string fused = fused_projection_name(prefix, {"w_gate", "w_up"});
+  if (g.recording() || p.layout(fused) == WeightLayout::dense || xs.ndim() != 2) return {};
+  const int64_t m = xs.dim(0), local = static_cast<int64_t>(counts.size());
+  if (m == 0 || p.shape(fused)[0] != 2 * local) return {};
+  for (const int64_t c : counts)
+    if (c > kFusedRows) return {};
+  Backend& be = g.backend();
+  Tensor twice = be.empty({2 * m, xs.dim(1)}, xs.dtype());
+  for (int64_t half = 0; half < 2; ++half) {
+    Tensor rows = twice.slice0(half * m, (half + 1) * m);
+    be.cast(xs, rows);  // same dtype: a copy
+  }
+  std::vector<int64_t> counts2(counts);
+  counts2.insert(counts2.end(), counts.begin(), counts.end());
+  std::vector<int32_t> off(counts2.size() + 1, 0);
+  for (size_t e = 0; e < counts2.size(); ++e)
+    off[e + 1] = off[e] + static_cast<int32_t>(counts2[e]);
+  Tensor offsets = be.empty({static_cast<int64_t>(off.size())}, DType::i32);
+  be.copy_from_host(offsets, off.data());
+  return g.grouped_project(twice, p, fused, offsets, counts2);  // [2 m, hidden]
+}
+
+}  // namespace
+
+Tensor moe_expert_mlp(Graph& g, const Params& p, const MoeSpec& s, const Tensor& xs,
+                      const Tensor& offsets, const std::vector<int64_t>& counts,
+                      const std::string& prefix) {
   auto proj = [&](const Tensor& x, const char* w) {
     return g.grouped_project(x, p, prefix + w, offsets, counts);
   };
-  const Tensor h = s.gated ? g.gated(s.act, proj(xs, "w_gate"), proj(xs, "w_up"))
-                           : g.activation(s.act, proj(xs, "w_up"));
+  Tensor h;
+  if (!s.gated) {
+    h = g.activation(s.act, proj(xs, "w_up"));
+  } else if (const Tensor both = fused_gate_up(g, p, prefix, xs, counts); both.defined()) {
+    const int64_t m = xs.dim(0);
+    h = g.gated(s.act, both.slice0(0, m), both.slice0(m, 2 * m));
+  } else {
+    h = g.gated(s.act, proj(xs, "w_gate"), proj(xs, "w_up"));
+  }
   return proj(h, "w_down");
 }
+
+namespace {
 
 // One rank's MoE (or the tensor ranks' parts of it): the sorted slots of its own experts
 // through one grouped matmul per projection, weighted back onto their tokens.
@@ -599,7 +642,7 @@ Tensor moe_experts(Graph& g, const Params& p, const MoeSpec& s, const std::strin
   const int64_t ml = r1 - r0;
   const std::vector<int64_t> counts(order.counts.begin() + e0, order.counts.begin() + e0 + local);
   const Tensor xs = g.gather_rows(in(x2), tokens);  // [ml, d]
-  const Tensor ys = expert_mlp(g, p, s, prefix, xs, offsets, counts);
+  const Tensor ys = moe_expert_mlp(g, p, s, xs, offsets, counts, prefix);
   // Each copy's routing weight, in the sorted order, then back to its token weighted.
   const Tensor ws = g.reshape(g.gather_rows(g.reshape(in(weights), {slots, 1}), slot_ids), {ml});
   return sum(g.scatter_add_rows(ys, tokens, ws, n));
@@ -715,7 +758,7 @@ Tensor moe_expert_parallel(Graph& g, const Params& p, const MoeSpec& s, const st
     std::vector<int64_t> counts(static_cast<size_t>(local));
     for (size_t e = 0; e < counts.size(); ++e) counts[e] = off[e + 1] - off[e];
     const Tensor xs = identity ? got : g.gather_rows(got, by_expert);
-    const Tensor y = expert_mlp(g, p, s, prefix, xs, offsets, counts);
+    const Tensor y = moe_expert_mlp(g, p, s, xs, offsets, counts, prefix);
     ys = identity ? y : g.gather_rows(y, back);
   }
   const Tensor outs = g.expert_exchange(ys, recv, send);  // [m, d], in this rank's sorted order
@@ -785,6 +828,7 @@ LayerOutput moe(Graph& g, const Params& p, const MoeSpec& s, const Tensor& x,
     kept_slots = order.slots.numel();
     out.x = moe_experts(g, p, s, prefix, x, x2, r.weights, order);
   }
+  if (!g.wants_aux()) return out;  // inference: no losses or metrics to read
 
   // Load balancing, MaxText's: E / B * sum over sequences b and experts e of f_be P_be, with
   // f_be = count_be / T a constant and P_be = (1/T) sum over b's tokens of the scores, i.e.

@@ -82,27 +82,14 @@ Tensor Graph::grouped_project(const Tensor& x, const Params& p, std::string_view
       return grouped_matmul(x, p.stored(w), offsets, true);
     case WeightLayout::q8: {
       // Inference only, as project's: each expert's rows of x against its int8 rows [N, K + K /
-      // 8], one matmul_q8 per expert that has rows (the counts are on the host already).
+      // 8] (the counts are on the host already).
       const Tensor& q = p.stored(w);
       MT_CHECK(!recording() || !x.grad_node(),
                "grouped_project: the int8 weight '" + std::string(w) + "' in a recorded graph");
-      MT_CHECK(q.ndim() == 3 && x.ndim() == 2 && counts.size() == static_cast<size_t>(q.dim(0)),
-               "grouped_project: int8 experts " + q.str() + ", x " + x.str() + " and " +
-                   std::to_string(counts.size()) + " counts");
-      const int64_t n = q.dim(1), rb = q.dim(2);
-      Tensor y = backend().empty({x.dim(0), n}, x.dtype());
-      int64_t r = 0;
-      for (size_t e = 0; e < counts.size(); ++e) {
-        const int64_t c = counts[e];
-        if (c == 0) continue;
-        MT_CHECK(c > 0 && r + c <= x.dim(0), "grouped_project: the counts exceed x's rows");
-        Tensor ye = y.slice0(r, r + c);
-        const auto ei = static_cast<int64_t>(e);
-        backend().matmul_q8(x.slice0(r, r + c), q.slice0(ei, ei + 1).view({n, rb}), ye);
-        r += c;
-      }
-      MT_CHECK(r == x.dim(0), "grouped_project: the counts sum to " + std::to_string(r) +
-                                  ", not x's " + std::to_string(x.dim(0)) + " rows");
+      MT_CHECK(q.ndim() == 3 && x.ndim() == 2,
+               "grouped_project: int8 experts " + q.str() + " and x " + x.str());
+      Tensor y = backend().empty({x.dim(0), q.dim(1)}, x.dtype());
+      backend().grouped_matmul_q8(x, q, counts, y);
       return y;
     }
     default:

@@ -146,6 +146,26 @@ void MetaBackend::matmul_q8(const Tensor& x, const Tensor& w, Tensor& y) {
   if (y.dtype() != DType::f32) held.push_back(empty(y.shape(), DType::f32));
 }
 
+void MetaBackend::grouped_matmul_q8(const Tensor& x, const Tensor& w,
+                                    const std::vector<int64_t>& counts, Tensor& y) {
+  if (x.ndim() != 2 || w.ndim() != 3 || counts.size() != static_cast<size_t>(w.dim(0))) return;
+  const bool few = std::all_of(counts.begin(), counts.end(), [](int64_t c) { return c <= 8; });
+  if (device_.f32_working_copies && few) {
+    std::vector<Tensor> held;
+    if (x.dtype() != DType::f32) held.push_back(empty(x.shape(), DType::f32));
+    if (y.dtype() != DType::f32) held.push_back(empty(y.shape(), DType::f32));
+    return;
+  }
+  int64_t r = 0;
+  for (size_t e = 0; e < counts.size(); ++e) {
+    if (counts[e] == 0) continue;
+    const auto ei = static_cast<int64_t>(e);
+    Tensor ye = y.slice0(r, r + counts[e]);
+    matmul_q8(x.slice0(r, r + counts[e]), w.slice0(ei, ei + 1).view({w.dim(1), w.dim(2)}), ye);
+    r += counts[e];
+  }
+}
+
 std::vector<Tensor> MetaAttention::copies(std::initializer_list<const Tensor*> ts) {
   std::vector<Tensor> r;
   if (!f32_copies_) return r;

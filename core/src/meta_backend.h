@@ -96,6 +96,10 @@ class MetaBackend final : public MetaOps {
   void matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool trans_b,
               float alpha = 1.f, float beta = 0.f) override;
   void matmul_q8(const Tensor& x, const Tensor& w, Tensor& y) override;
+  // As each backend's: one matmul_q8 per expert, except the CPU's decode (every expert at most 8
+  // rows), which widens all of x and makes all of y in f32 for the one call.
+  void grouped_matmul_q8(const Tensor& x, const Tensor& w, const std::vector<int64_t>& counts,
+                         Tensor& y) override;
 
  private:
   DeviceProfile device_;

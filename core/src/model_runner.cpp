@@ -442,16 +442,21 @@ size_t ModelRunner::fuse_projections() {
         // compute_param casts per forward cannot be fused).
         bool ok = p0.layout == WeightLayout::q8 ||
                   (p0.layout == WeightLayout::transposed && p0.value.dtype() == compute_dtype_);
+        // Experts' weights [E, ...] (w_gate and w_up of an MoE layer) join as 2 E experts.
+        const int64_t nd = p0.value.ndim();
         int64_t rows = 0;
         for (const Param* p : ps) {
           ok = ok && p->spec.projection && p->layout == p0.layout && p->tensor_dim < 0 &&
-               !p->grad.defined() && p->value.ndim() == 2 && p->value.dtype() == p0.value.dtype() &&
-               p->value.dim(1) == p0.value.dim(1);
+               !p->grad.defined() && (nd == 2 || nd == 3) && p->value.ndim() == nd &&
+               p->value.dtype() == p0.value.dtype();
+          for (int64_t i = 1; ok && i < nd; ++i) ok = p->value.dim(i) == p0.value.dim(i);
           if (!ok) break;
           rows += p->value.dim(0);
         }
         if (!ok) continue;
-        Tensor whole = backend().empty({rows, p0.value.dim(1)}, p0.value.dtype());
+        Shape joined = p0.value.shape();
+        joined[0] = rows;
+        Tensor whole = backend().empty(joined, p0.value.dtype());
         int64_t at = 0;
         for (Param* p : ps) {
           Tensor dst = whole.slice0(at, at + p->value.dim(0));
@@ -958,6 +963,7 @@ Tensor ModelRunner::run_layer(Graph& g, const DecoderLayer& layer, const std::ve
                               std::vector<AuxLoss>* aux, std::vector<LayerStats>* stats,
                               size_t slot) {
   LayerOutput out;
+  g.set_wants_aux(aux != nullptr || stats != nullptr);  // else dropped below: not computed
   if (cache) {
     LayerInputs li = in;
     li.cache = cache;

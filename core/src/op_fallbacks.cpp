@@ -313,6 +313,35 @@ void Backend::matmul_q8(const Tensor& x, const Tensor& w, Tensor& y) {
   matmul(x.view({m, k}), wf, y2, false, true);
 }
 
+void Backend::grouped_matmul_q8(const Tensor& x, const Tensor& w,
+                                const std::vector<int64_t>& counts, Tensor& out) {
+  auto fb = [](const Tensor& t) {
+    return t.defined() && t.ndim() == 2 && (t.dtype() == DType::f32 || t.dtype() == DType::bf16);
+  };
+  int64_t rows = 0;
+  bool ok = fb(x) && fb(out) && w.defined() && w.dtype() == DType::i8 && w.ndim() == 3 &&
+            counts.size() == static_cast<size_t>(w.dim(0));
+  for (const int64_t c : counts) {
+    ok = ok && c >= 0;
+    rows += c;
+  }
+  ok = ok && rows == x.dim(0) && out.dim(0) == rows && out.dim(1) == w.dim(1);
+  MT_CHECK(ok, "grouped_matmul_q8: x " + str(x) + ", w " + str(w) + ", out " + str(out) + " and " +
+                   std::to_string(counts.size()) +
+                   " counts (want x [M, K], w i8 [E, N, K + K / 8], out [M, N] and E counts "
+                   "of rows, at least 0, summing to M)");
+  const int64_t n = w.dim(1), rb = w.dim(2);
+  int64_t r = 0;
+  for (size_t e = 0; e < counts.size(); ++e) {
+    const int64_t c = counts[e];
+    if (c == 0) continue;
+    const auto ei = static_cast<int64_t>(e);
+    Tensor ye = out.slice0(r, r + c);
+    matmul_q8(x.slice0(r, r + c), w.slice0(ei, ei + 1).view({n, rb}), ye);
+    r += c;
+  }
+}
+
 void Backend::copy_columns(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col,
                            int64_t width, bool accumulate) {
   auto fb = [](const Tensor& t) {

@@ -221,6 +221,29 @@ std::vector<OpCase> cases() {
       r.keep(std::to_string(rows) + " rows, aligned", yw);
     }
   });
+  // Experts' int8 rows [E, N, K + K / 8]: an expert with no rows, decode's few rows an expert
+  // (the CPU's one fork over every expert), and an expert of 10 rows (each expert on its own, a
+  // prefill's GEMM); x's values exact in q8_0 as matmul_q8's case says.
+  add(Op::grouped_matmul_q8, "grouped_matmul_q8", [](OpRun& r) {
+    const int64_t e = 4, k = 64, n = 9, rb = q8_row_bytes(k);
+    const std::vector<float> wf = test::randn(static_cast<size_t>(e * n * k), r.rng);
+    std::vector<int8_t> q(static_cast<size_t>(e * n * rb));
+    for (int64_t j = 0; j < e * n; ++j) quantize_q8_row(wf.data() + j * k, k, q.data() + j * rb);
+    Tensor w = r.b.empty({e, n, rb}, DType::i8);
+    r.b.copy_from_host(w, q.data());
+    for (const std::vector<int64_t>& counts :
+         {std::vector<int64_t>{1, 0, 2, 1}, std::vector<int64_t>{3, 10, 0, 1}}) {
+      int64_t m = 0;
+      for (const int64_t c : counts) m += c;
+      std::vector<float> v(static_cast<size_t>(m * k));
+      std::uniform_int_distribution<int> qd(-127, 127);
+      for (size_t i = 0; i < v.size(); ++i)
+        v[i] = float(i % kQ8Block == 0 ? (qd(r.rng) < 0 ? -127 : 127) : qd(r.rng)) / 16.f;
+      Tensor x = test::from_vector(r.b, {m, k}, v, r.dt), y = r.out({m, n});
+      r.b.grouped_matmul_q8(x, w, counts, y);
+      r.keep(std::to_string(m) + " rows", y);
+    }
+  });
   // ---- embedding
   add(Op::embedding_forward, "embedding_forward", [](OpRun& r) {
     Tensor table = r.in({11, 9}), ids = r.ints({2, 3}, 0, 11), o = r.out({2, 3, 9});

@@ -103,6 +103,13 @@ TEST(Cli, BenchPrintsOneJsonObject) {
   EXPECT_NE(r.out.find("\"prefill_512_tokens_per_sec\": null"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("\"decode_batch8_tokens_per_sec\": null"), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("\"decode_batch1_tokens_per_sec\": null"), std::string::npos) << r.out;
+  // Decode runs no training-only work: an MoE model's per-op profile has the experts' products
+  // and no router z-loss (its cross-entropy) or load-balancing products (Graph::wants_aux).
+  r = mt_cmd(
+      "bench decode --model=mixtral-test steps=2 dtypes=float32 parts=batch1 profile=true 2>&1");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("grouped_matmul"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("cross_entropy_forward"), std::string::npos) << r.out;
   r = mt_cmd("bench decode --model=llama-test parts=batch2 2>&1");
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_NE(r.out.find("parts=batch2 names 'batch2'"), std::string::npos) << r.out;

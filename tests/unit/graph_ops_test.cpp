@@ -19,6 +19,7 @@
 #include "mt/blocks.h"
 #include "mt/error.h"
 #include "mt/graph.h"
+#include "mt/q8.h"
 #include "test_support.h"
 
 namespace mt {
@@ -495,6 +496,60 @@ TEST(GraphOps, GroupedMatmulFewRowsAreEachExpertsProduct) {
         be.cast(o_ref, r32);
         EXPECT_EQ(test::to_vector(o32), test::to_vector(r32));
       }
+}
+
+// The CPU's grouped_matmul_q8 (int8 experts) gives each expert's rows what matmul_q8 alone
+// gives them, bit for bit: at decode's few rows an expert (one fork over every expert), with an
+// expert beyond 8 rows (each expert's own product), f32 and bf16 rows, and a row holding a NaN
+// (not quantized: it reaches its outputs).
+TEST(GraphOps, GroupedMatmulQ8IsEachExpertsProduct) {
+  MT_SEEDED_RNG(rng);
+  Backend& be = test::cpu();
+  const int64_t K = 128, N = 200, E = 6, rb = q8_row_bytes(K);
+  std::vector<int8_t> q(static_cast<size_t>(E * N * rb));
+  const std::vector<float> wf = rand_vec(E * N * K, rng);
+  for (int64_t j = 0; j < E * N; ++j) quantize_q8_row(wf.data() + j * K, K, q.data() + j * rb);
+  Tensor w = be.empty({E, N, rb}, DType::i8);
+  be.copy_from_host(w, q.data());
+  for (const DType xt : {DType::f32, DType::bf16})
+    for (const std::vector<int64_t>& counts :
+         {std::vector<int64_t>{1, 1, 0, 3, 8, 1}, std::vector<int64_t>{2, 0, 12, 1, 0, 1}}) {
+      SCOPED_TRACE(std::string(dtype_name(xt)) + " rows, " + std::to_string(counts[2]) +
+                   " rows for expert 2");
+      int64_t M = 0;
+      for (const int64_t c : counts) M += c;
+      std::vector<float> xv = rand_vec(M * K, rng);
+      xv[static_cast<size_t>(K + 5)] = std::nanf("");  // row 1
+      Tensor x = be.empty({M, K}, xt);
+      be.cast(test::from_vector(be, {M, K}, xv), x);
+      Tensor o = be.empty({M, N}, xt), o_ref = be.zeros({M, N}, xt);
+      be.grouped_matmul_q8(x, w, counts, o);
+      int64_t r = 0;
+      for (int64_t e = 0; e < E; ++e) {
+        const int64_t c = counts[static_cast<size_t>(e)];
+        if (c == 0) continue;
+        Tensor oe = o_ref.slice0(r, r + c);
+        be.matmul_q8(x.slice0(r, r + c), w.slice0(e, e + 1).view({N, rb}), oe);
+        r += c;
+      }
+      Tensor o32 = be.empty({M, N}, DType::f32), r32 = be.empty({M, N}, DType::f32);
+      be.cast(o, o32);
+      be.cast(o_ref, r32);
+      const std::vector<float> got = test::to_vector(o32), want = test::to_vector(r32);
+      ASSERT_EQ(got.size(), want.size());
+      for (size_t i = 0; i < got.size(); ++i) {
+        if (std::isnan(want[i])) {
+          EXPECT_TRUE(std::isnan(got[i])) << i;
+          continue;
+        }
+        ASSERT_EQ(got[i], want[i]) << i;
+      }
+      EXPECT_TRUE(std::isnan(got[static_cast<size_t>(N)]));  // row 1 holds the NaN
+    }
+  // Counts that do not cover x's rows are refused.
+  Tensor x = be.empty({3, K}, DType::f32), o = be.empty({3, N}, DType::f32);
+  EXPECT_THROW(be.grouped_matmul_q8(x, w, {1, 1, 0, 0, 0, 0}, o), Error);
+  EXPECT_THROW(be.grouped_matmul_q8(x, w, {1, 2}, o), Error);
 }
 
 TEST(GraphOps, SortByExpert) {

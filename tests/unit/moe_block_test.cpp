@@ -314,6 +314,29 @@ TEST(MoeBlock, LoadMetricsAreLoggedNotTrained) {
   EXPECT_EQ(got.aux[3].name, "moe_load_max/3");
 }
 
+// Inference (Graph::wants_aux false, as the core sets it where it drops a layer's auxiliary
+// outputs): no losses or metrics, and the same output bits as the block that computes them.
+TEST(MoeBlock, InferenceLeavesOutTheRouterLosses) {
+  MT_SEEDED_RNG(rng);
+  for (const float cf : {-1.f, 1.f}) {
+    const Case c = make_case(4, 2, true, cf, rng);
+    Backend& be = test::cpu();
+    const int64_t d = c.s.d_model, h = c.s.hidden, E = c.s.num_experts;
+    const Tensor x = test::from_vector(be, {c.B, c.T, d}, c.x);
+    static const std::vector<std::string> names = {"router", "w_gate", "w_up", "w_down"};
+    const Params p(
+        names, {test::from_vector(be, {d, E}, c.router), test::from_vector(be, {E, d, h}, c.gate),
+                test::from_vector(be, {E, d, h}, c.up), test::from_vector(be, {E, h, d}, c.down)});
+    Graph with(be, /*record=*/false), without(be, /*record=*/false);
+    without.set_wants_aux(false);
+    EXPECT_TRUE(with.wants_aux());
+    const LayerOutput a = blocks::moe(with, p, c.s, x), b = blocks::moe(without, p, c.s, x);
+    EXPECT_EQ(a.aux.size(), cf > 0 ? 5u : 4u);
+    EXPECT_TRUE(b.aux.empty());
+    EXPECT_EQ(test::to_vector(b.x), test::to_vector(a.x)) << "capacity_factor " << cf;
+  }
+}
+
 }  // namespace
 }  // namespace mt
 

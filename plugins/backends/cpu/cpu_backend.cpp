@@ -236,6 +236,11 @@ void CpuBackend::grouped_matmul(const Tensor& x, const Tensor& w, const Tensor& 
   run([&] { cpu::grouped_matmul(x, w, offsets, trans_w, out); });
 }
 
+void CpuBackend::grouped_matmul_q8(const Tensor& x, const Tensor& w,
+                                   const std::vector<int64_t>& counts, Tensor& out) {
+  run([&] { cpu::grouped_matmul_q8(x, w, counts, out); });
+}
+
 void CpuBackend::grouped_matmul_weight_grad(const Tensor& x, const Tensor& dout, const Tensor& offsets, bool trans_w, Tensor& dw) {
   run([&] { cpu::grouped_matmul_weight_grad(x, dout, offsets, trans_w, dw); });
 }

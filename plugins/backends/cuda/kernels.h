@@ -154,6 +154,9 @@ void matmul(const Ctx& c, const Tensor& a, const Tensor& b, Tensor& out, bool tr
             float alpha, float beta);
 // int8 rows (mt/q8.h) dequantized on the device, then matmul (rows.cu)
 void matmul_q8(const Ctx& c, const Tensor& x, const Tensor& w, Tensor& y);
+// int8 experts: matmul_q8 per expert with rows, on slices (rows.cu)
+void grouped_matmul_q8(const Ctx& c, const Tensor& x, const Tensor& w,
+                       const std::vector<int64_t>& counts, Tensor& y);
 
 // embedding
 void embedding_forward(const Ctx& c, const Tensor& table, const Tensor& ids, Tensor& out);

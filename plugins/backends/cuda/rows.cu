@@ -519,4 +519,31 @@ void matmul_q8(const Ctx& c, const Tensor& x, const Tensor& w, Tensor& y) {
   matmul(c, x.view({m, k}), wf, y2, false, true, 1.f, 0.f);
 }
 
+// One matmul_q8 per expert with rows, on its slices of x and y (the launches the core made
+// before this op existed; no device read of the counts: they come on the host).
+void grouped_matmul_q8(const Ctx& c, const Tensor& x, const Tensor& w,
+                       const std::vector<int64_t>& counts, Tensor& y) {
+  int64_t rows = 0;
+  bool ok = is_fb(x) && is_fb(y) && x.ndim() == 2 && y.ndim() == 2 && w.defined() &&
+            w.dtype() == DType::i8 && w.ndim() == 3 && counts.size() == size_t(w.dim(0));
+  for (const int64_t n : counts) {
+    ok = ok && n >= 0;
+    rows += n;
+  }
+  MT_CHECK(ok && rows == x.dim(0) && y.dim(0) == rows && y.dim(1) == w.dim(1),
+           "cuda grouped_matmul_q8: x " + str(x) + ", w " + str(w) + ", y " + str(y) + " and " +
+               std::to_string(counts.size()) +
+               " counts (want x [M, K], w i8 [E, N, K + K / 8], y [M, N] and E counts of rows "
+               "summing to M)");
+  const int64_t n = w.dim(1), rb = w.dim(2);
+  int64_t r = 0;
+  for (size_t e = 0; e < counts.size(); ++e) {
+    if (counts[e] == 0) continue;
+    const auto ei = static_cast<int64_t>(e);
+    Tensor ye = y.slice0(r, r + counts[e]);
+    matmul_q8(c, x.slice0(r, r + counts[e]), w.slice0(ei, ei + 1).view({n, rb}), ye);
+    r += counts[e];
+  }
+}
+
 }  // namespace mt::cuda

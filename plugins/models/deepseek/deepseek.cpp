@@ -286,15 +286,17 @@ mt::LayerOutput deepseek_moe(mt::Graph& g, const mt::Params& p, const DsConfig& 
   const mt::Graph::ExpertOrder order = g.sort_by_expert(indices, E);
   const int64_t m = order.slots.numel();
   const Tensor xs = g.gather_rows(x2, order.tokens);
-  auto proj = [&](const Tensor& in, const char* w) {
-    return g.grouped_project(in, p, w, order.offsets, order.counts);
-  };
-  const Tensor h = g.gated(Activation::silu, proj(xs, "w_gate"), proj(xs, "w_up"));
-  const Tensor ys = proj(h, "w_down");
+  mt::blocks::MoeSpec spec;  // SwiGLU experts
+  spec.d_model = d;
+  spec.hidden = c.moe_hidden;
+  spec.num_experts = E;
+  spec.top_k = k;
+  const Tensor ys = mt::blocks::moe_expert_mlp(g, p, spec, xs, order.offsets, order.counts);
   const Tensor ws = g.reshape(g.gather_rows(g.reshape(weights, {slots, 1}), order.slots), {m});
   mt::LayerOutput out;
   out.x = g.reshape(g.scatter_add_rows(ys, order.tokens, ws, n), x.shape());
   if (c.shared.hidden > 0) out.x = g.add(out.x, mt::blocks::mlp(g, p, c.shared, x, "shared_"));
+  if (!g.wants_aux()) return out;  // inference: no losses, metrics or statistics to read
 
   // MaxText's load balancing per sequence, on the unbiased scores: E / B * sum over sequences
   // and experts of (slots of the expert / T) * (mean score of the expert).

@@ -24,8 +24,9 @@
 #include "mt/tensor.h"
 
 // 3: ops as data (mt/ops.def), Activation::tanh; 4: fill_random (see version.h); 5: matmul_q8;
-// 6: scatter_rows_q8 and dequantize_rows_q8 (the int8 KV cache)
-#define MT_OPSET_VERSION 6
+// 6: scatter_rows_q8 and dequantize_rows_q8 (the int8 KV cache); 7: grouped_matmul_q8 (int8
+// experts)
+#define MT_OPSET_VERSION 7
 
 namespace mt {
 

@@ -198,11 +198,21 @@ MT_API int64_t moe_capacity(const MoeSpec& s, int64_t seq_len);
 //     gives 1 / E), suffixed "/<layer>" when MoeSpec::layer >= 0;
 //   with token dropping only, "moe_dropped_fraction" (weight 0): the share of the N k token-slots
 //     dropped.
+// None of them where the graph says no one reads them (Graph::wants_aux false: inference).
 // Every token's k copies are sorted by expert (on the host, Graph::sort_by_expert), dropped ones
 // left out, and each projection is one grouped matmul; the experts' outputs are combined with
 // the routing weights by one weighted scatter-add.
 MT_API LayerOutput moe(Graph& g, const Params& p, const MoeSpec& s, const Tensor& x,
                        const std::string& prefix = "");
+// The experts' MLP that blocks::moe runs, for a family that routes its own way: xs [m, d], token
+// copies sorted by expert (Graph::sort_by_expert's offsets [E + 1] on the device and counts [E]
+// on the host) -> [m, d], each row through its expert's w_gate (gated only), w_up and w_down
+// (under `prefix`; s gives gated, act, d_model and hidden), in whichever layouts inference
+// stored them (Graph::grouped_project; at decode's few rows an expert, the gates and ups fused
+// into one grouped product where ModelRunner stored them so).
+MT_API Tensor moe_expert_mlp(Graph& g, const Params& p, const MoeSpec& s, const Tensor& xs,
+                             const Tensor& offsets, const std::vector<int64_t>& counts,
+                             const std::string& prefix = "");
 
 }  // namespace blocks
 }  // namespace mt

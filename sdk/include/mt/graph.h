@@ -74,6 +74,14 @@ class MT_API Graph {
   // (the same bits on each); the backward passes the gradient through.
   Tensor tensor_parallel_sum(const Tensor& x);
 
+  // ---- what the caller keeps of a layer's output ------------------------------------------------
+  // False where nothing will read the layers' auxiliary losses, metrics and statistics
+  // (LayerOutput::aux and ::stats): decode, scoring, evaluation. A layer may then leave them out
+  // (blocks::moe skips its router losses and load metrics, and the host copy of the routing they
+  // need). Set by the core for each layer it runs; true by default; remat's graphs inherit it.
+  void set_wants_aux(bool on) { groups_.wants_aux = on; }
+  bool wants_aux() const { return groups_.wants_aux; }
+
   // ---- vocabulary parallelism (logical_axis_rules "vocab:tensor") -----------------------------
   // `table` holds rows [first, first + table.dim(0)) of the embedding of a `vocab`-token
   // vocabulary: this rank's part, the tensor group's ranks holding the others in rank order.
@@ -251,12 +259,14 @@ class MT_API Graph {
   // cross_entropy over this rank's columns of a vocabulary-parallel model's logits.
   Tensor vocab_cross_entropy(const Tensor& logits, const Tensor& targets, float z_loss,
                              float weight);
-  // The ranks this graph's collectives run over, passed on to remat's graphs.
+  // The ranks this graph's collectives run over, and whether the layers' auxiliary outputs are
+  // wanted: passed on to remat's graphs.
   struct Groups {
     Communicator* tensor = nullptr;
     double* seconds = nullptr;  // the collectives' time, tensor and expert alike
     Communicator* expert = nullptr;
     int expert_ranks = 1, expert_rank = 0, expert_tensor_ranks = 1;
+    bool wants_aux = true;
   } groups_;
 };
 

@@ -32,5 +32,7 @@
 // Communicator::all_to_all and Graph's expert_exchange / expert_gather_counts in place of
 // expert_gather / expert_scatter_sum (expert parallelism's all-to-all dispatch); 16:
 // Graph::grouped_project (expert weights [E, K, N] stored transposed or as int8 rows for
-// inference, as ParamSpec::projection allows) and mt::cpu_threads (mt/config.h).
-#define MT_ABI_VERSION 16u
+// inference, as ParamSpec::projection allows) and mt::cpu_threads (mt/config.h); 17:
+// Graph::wants_aux (a layer may leave out auxiliary losses no one reads), Backend's
+// grouped_matmul_q8 (op set 7) and blocks::moe_expert_mlp.
+#define MT_ABI_VERSION 17u

@@ -41,6 +41,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -1441,6 +1442,81 @@ void matmul_q8(const Tensor& x, const Tensor& w, Tensor& y) {
         for (int64_t c = r.begin(); c < r.end(); ++c)
           gemv_q8(m, xq.data(), rx, ok, x32.ptr<const float>(), q, rb, k, c * chunk,
                   std::min(n, (c + 1) * chunk), y32.ptr<float>(), n);
+      },
+      tbb::simple_partitioner());
+  if (y.dtype() != DType::f32) store_bf16(y32, y);
+}
+
+void grouped_matmul_q8(const Tensor& x, const Tensor& w, const std::vector<int64_t>& counts,
+                       Tensor& y) {
+  auto fb = [](const Tensor& t) {
+    return t.defined() && t.ndim() == 2 && (t.dtype() == DType::f32 || t.dtype() == DType::bf16);
+  };
+  int64_t m = 0;
+  bool few = true, ok = fb(x) && fb(y) && w.defined() && w.dtype() == DType::i8 && w.ndim() == 3 &&
+                        counts.size() == static_cast<size_t>(w.dim(0));
+  for (const int64_t c : counts) {
+    ok = ok && c >= 0;
+    few = few && c <= kFewRows;
+    m += c;
+  }
+  const int64_t k = ok ? x.dim(1) : 0;
+  if (!(ok && k % kQ8Block == 0 && w.dim(2) == q8_row_bytes(k) && m == x.dim(0) && y.dim(0) == m &&
+        y.dim(1) == w.dim(1)))
+    fail("grouped_matmul_q8: x " + (x.defined() ? x.str() : std::string("none")) + ", w " +
+         (w.defined() ? w.str() : std::string("none")) + ", y " +
+         (y.defined() ? y.str() : std::string("none")) + " and " + std::to_string(counts.size()) +
+         " counts (want x [M, K] with K a multiple of 32, w i8 [E, N, K + K / 8], y [M, N] and E "
+         "counts of rows, at least 0, summing to M)");
+  const int64_t n = w.dim(1), rb = w.dim(2);
+  if (m == 0 || n == 0) return;
+  const auto* q = w.ptr<const int8_t>();
+  if (!few) {  // a prefill: each expert's GEMM splits itself
+    int64_t r = 0;
+    for (size_t e = 0; e < counts.size(); ++e) {
+      if (counts[e] == 0) continue;
+      const auto ei = static_cast<int64_t>(e);
+      Tensor ye = y.slice0(r, r + counts[e]);
+      matmul_q8(x.slice0(r, r + counts[e]), w.slice0(ei, ei + 1).view({n, rb}), ye);
+      r += counts[e];
+    }
+    return;
+  }
+  // Decode: matmul_q8's few-row products (each row of x quantized once, its outputs what
+  // matmul_q8 alone gives it), every expert's ranges of weight rows in one fork: the threads
+  // stream the experts' weights one after another instead of joining after each expert.
+  const Tensor x32 = as_f32(x);
+  Tensor y32 = y.dtype() == DType::f32 ? y : y.backend()->empty(y.shape(), DType::f32);
+  const int64_t rx = q8_row_bytes(k);
+  std::vector<int8_t> xq(static_cast<size_t>(m * rx));
+  const auto good = std::make_unique<bool[]>(static_cast<size_t>(m));
+  const bool avx2 = q8_kernels() != Q8Kernels::portable;
+  for (int64_t r = 0; r < m; ++r) {
+    const float* xr = x32.ptr<const float>() + r * k;
+    int8_t* out = xq.data() + r * rx;
+    good[r] = avx2 ? quantize_x_q8_avx2(xr, k, out) : quantize_x_q8(xr, k, out);
+  }
+  const int64_t threads = std::max(1, tbb::this_task_arena::max_concurrency());
+  const int64_t chunk = std::max<int64_t>(16, (n + threads - 1) / threads);
+  struct Task {
+    int64_t e, r0, rows, j0, j1;
+  };
+  std::vector<Task> tasks;
+  int64_t r0 = 0;
+  for (size_t e = 0; e < counts.size(); ++e) {
+    if (counts[e] > 0)
+      for (int64_t j = 0; j < n; j += chunk)
+        tasks.push_back({static_cast<int64_t>(e), r0, counts[e], j, std::min(n, j + chunk)});
+    r0 += counts[e];
+  }
+  auto body = [&](const Task& t) {
+    gemv_q8(t.rows, xq.data() + t.r0 * rx, rx, good.get() + t.r0, x32.ptr<const float>() + t.r0 * k,
+            q + t.e * n * rb, rb, k, t.j0, t.j1, y32.ptr<float>() + t.r0 * n, n);
+  };
+  tbb::parallel_for(
+      tbb::blocked_range<size_t>(0, tasks.size(), 1),
+      [&](const tbb::blocked_range<size_t>& r) {
+        for (size_t i = r.begin(); i < r.end(); ++i) body(tasks[i]);
       },
       tbb::simple_partitioner());
   if (y.dtype() != DType::f32) store_bf16(y32, y);

@@ -44,6 +44,10 @@ void matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool tran
 // y = x @ W^T for int8 rows (mt/q8.h): decode's few rows read each row once, dequantizing in
 // registers; more rows dequantize W to f32 for a GEMM.
 void matmul_q8(const Tensor& x, const Tensor& w, Tensor& y);
+// Experts' int8 rows w [E, N, K + K / 8], counts[e] rows of x [M, K] each: matmul_q8 per expert;
+// at decode's few rows an expert, every expert's products in one fork.
+void grouped_matmul_q8(const Tensor& x, const Tensor& w, const std::vector<int64_t>& counts,
+                       Tensor& y);
 // One single-threaded f32 GEMM on raw row-major pointers (OpenBLAS, else the portable loop):
 // c = alpha * op(a) op(b) + beta * c, m, n, k >= 1. For kernels that tile work over oneTBB
 // themselves (the MoE grouped matmul); the result depends only on the operands and shapes.
