@@ -54,6 +54,12 @@ def main() -> int:
     sys.path.insert(0, str(args.llama_cpp))
     import gguf
     import torch
+
+    # Debian's PyTorch (1.13, python3-torch) predates the float8 dtypes the converter's dtype
+    # tables name; mt's exports hold f32 and bf16 only, so a stand-in lets those tables build.
+    for name in ("float8_e4m3fn", "float8_e5m2"):
+        if not hasattr(torch, name):
+            setattr(torch, name, torch.uint8)
     from conversion import ModelBase, ModelType, get_model_architecture, get_model_class
 
     n_vocab = json.loads((args.input / "config.json").read_text())["vocab_size"]
