@@ -849,8 +849,7 @@ void run_tasks(int64_t tasks, bool serial, const Body& body) {
 // matrix (a decode step's projections) one contiguous range per thread, a single sequential
 // stream; for the "cols" kernel at most `cols_most` outputs, in a number of chunks that is a
 // multiple of the threads (the 2-core decode case has only 3 to 6 chunks of that size).
-template <class Gemv>
-void over_output_chunks(const Problem& p, int64_t cols_most, const Gemv& gemv) {
+int64_t output_chunk(const Problem& p, int64_t cols_most) {
   const bool rows = p.tb;
   const int64_t threads = std::max(1, tbb::this_task_arena::max_concurrency());
   int64_t chunk = std::max<int64_t>(16, (int64_t{16384} / std::max<int64_t>(p.k, 1) + 3) / 4 * 4);
@@ -859,6 +858,12 @@ void over_output_chunks(const Problem& p, int64_t cols_most, const Gemv& gemv) {
     const int64_t rounds = (p.n + cols_most * threads - 1) / (cols_most * threads);
     chunk = std::min(cols_most, ((p.n + threads * rounds - 1) / (threads * rounds) + 15) / 16 * 16);
   }
+  return chunk;
+}
+
+template <class Gemv>
+void over_output_chunks(const Problem& p, int64_t cols_most, const Gemv& gemv) {
+  const int64_t chunk = output_chunk(p, cols_most);
   const int64_t chunks = (p.n + chunk - 1) / chunk;
   auto body = [&](int64_t t) {
     const int64_t bi = t / chunks, j0 = (t % chunks) * chunk;
@@ -866,6 +871,12 @@ void over_output_chunks(const Problem& p, int64_t cols_most, const Gemv& gemv) {
   };
   const int64_t tasks = p.batch * chunks;
   run_tasks(tasks, tasks == 1, body);
+}
+
+// x's rows padded as matvec pads them (the "rows" kernels, more than two rows, K * 4 bytes
+// near a multiple of 4 KiB): the padded stride, or 0 where matvec keeps x as it is.
+int64_t padded_ldx(bool rows, int64_t m, int64_t k) {
+  return rows && m > 2 && (k * int64_t{sizeof(float)}) % 4096 < 256 ? k + 16 : 0;
 }
 
 // Every output of c [batch, m, n], m <= kFewRows (a untransposed).
@@ -877,8 +888,8 @@ void matvec(const Problem& p, const float* a, const W* b, float* c) {
   // ran at a third of the speed), so more than two rows are copied to a padded stride.
   std::vector<float> padded;
   int64_t ldx = p.k, stride_x = p.stride_a;
-  if (rows && p.m > 2 && (p.k * int64_t{sizeof(float)}) % 4096 < 256) {
-    ldx = p.k + 16;
+  if (padded_ldx(rows, p.m, p.k)) {
+    ldx = padded_ldx(rows, p.m, p.k);
     stride_x = p.m * ldx;
     padded.resize(static_cast<size_t>(p.batch * stride_x));
     for (int64_t bi = 0; bi < p.batch; ++bi)
@@ -1122,6 +1133,58 @@ void matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool tran
     gemm_f32(p, a32.ptr<const float>(), b32.ptr<const float>(), c32.ptr<float>());
   }
   if (c.dtype() != DType::f32) store_bf16(c32, c);
+}
+
+void grouped_matvec(const Tensor& x, const Tensor& w, const std::vector<int32_t>& off,
+                    const std::vector<int64_t>& experts, bool trans_w, Tensor& out) {
+  const int64_t m_all = x.dim(0), k = x.dim(1), n = out.dim(1);
+  const bool wbf = w.dtype() == DType::bf16;
+  Tensor out32 = out.dtype() == DType::f32 ? out : out.backend()->empty(out.shape(), DType::f32);
+  // The kernels matmul picks for one expert's few rows (bit for bit its products): bf16 dot
+  // products, or x widened to f32 (and padded as matvec pads it: a layout, not arithmetic).
+  const bool dot = trans_w && x.dtype() == DType::bf16 && wbf && matvec_bf16dot_on();
+  Tensor x32;
+  std::vector<float> padded;
+  const float* xf = nullptr;
+  int64_t ldx = k, most = 0;
+  for (const int64_t e : experts) most = std::max<int64_t>(most, off[e + 1] - off[e]);
+  if (!dot) {
+    x32 = as_f32(x);
+    xf = x32.ptr<const float>();
+    if (const int64_t ld = padded_ldx(trans_w, most, k)) {
+      ldx = ld;
+      padded.assign(static_cast<size_t>(m_all * ldx), 0.f);
+      for (int64_t r = 0; r < m_all; ++r) std::copy_n(xf + r * k, k, padded.data() + r * ldx);
+      xf = padded.data();
+    }
+  }
+  struct Task {
+    int64_t e, j0, j1;
+  };
+  std::vector<Task> tasks;
+  for (const int64_t e : experts) {
+    const int64_t rows = off[e + 1] - off[e];
+    const Problem p{1, rows, n, k, false, trans_w, 1.f, 0.f, 0, 0, 0};
+    const int64_t chunk =
+        output_chunk(p, dot ? 0 : (wbf ? cols_chunk<uint16_t>() : cols_chunk<float>()));
+    for (int64_t j = 0; j < n; j += chunk) tasks.push_back({e, j, std::min(n, j + chunk)});
+  }
+  const int64_t ldw = trans_w ? k : n;
+  run_tasks(static_cast<int64_t>(tasks.size()), tasks.size() == 1, [&](int64_t i) {
+    const Task& t = tasks[static_cast<size_t>(i)];
+    const int64_t r0 = off[t.e], rows = off[t.e + 1] - r0;
+    float* y = out32.ptr<float>() + r0 * n;
+    if (dot)
+      gemv_rows_bf16dot(rows, x.ptr<const uint16_t>() + r0 * k, k,
+                        w.ptr<const uint16_t>() + t.e * n * k, k, k, t.j0, t.j1, 1.f, 0.f, y, n);
+    else if (wbf)
+      gemv(trans_w, rows, xf + r0 * ldx, ldx, w.ptr<const uint16_t>() + t.e * n * k, k, ldw, t.j0,
+           t.j1, 1.f, 0.f, y, n);
+    else
+      gemv(trans_w, rows, xf + r0 * ldx, ldx, w.ptr<const float>() + t.e * n * k, k, ldw, t.j0,
+           t.j1, 1.f, 0.f, y, n);
+  });
+  if (out.dtype() != DType::f32) store_bf16(out32, out);
 }
 
 // ---- int8 weights (mt/q8.h) -------------------------------------------------------------------

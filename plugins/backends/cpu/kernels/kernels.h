@@ -41,6 +41,13 @@ double cpu_peak_flops(DType dtype, int num_threads);
 constexpr int64_t kFewRows = 8;
 void matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool trans_b, float alpha,
             float beta);
+// Experts' few-row products in one fork: x [M, K] and out [M, N] (f32 or bf16), w [E, K, N] ([E,
+// N, K] if trans_w; f32 or bf16), rows off[e]..off[e + 1] of x through w[e] for each e of
+// `experts` (each at most kFewRows rows, K > 0): every expert's output chunks as tasks of one
+// fork, each row's outputs what matmul gives the expert's rows alone (the same kernels and
+// chunks).
+void grouped_matvec(const Tensor& x, const Tensor& w, const std::vector<int32_t>& off,
+                    const std::vector<int64_t>& experts, bool trans_w, Tensor& out);
 // y = x @ W^T for int8 rows (mt/q8.h): decode's few rows read each row once, dequantizing in
 // registers; more rows dequantize W to f32 for a GEMM.
 void matmul_q8(const Tensor& x, const Tensor& w, Tensor& y);

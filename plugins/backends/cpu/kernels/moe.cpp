@@ -549,9 +549,9 @@ void grouped_matmul(const Tensor& x, const Tensor& w, const Tensor& offsets, boo
            1.f, 0.f);
   };
   // The experts whose rows satisfy `take`, one matmul each: at once where every one is a
-  // few-row product (decode: matmul's matrix-vector kernels, which may run concurrently), so the
-  // threads stream several experts' weights in one fork instead of forking per expert (each
-  // joins its own split too, so 3 experts on 2 threads still balance); else one by one, each
+  // few-row product (decode: matmul's matrix-vector kernels), every expert's output chunks as
+  // the tasks of one fork (grouped_matvec: each expert's products what matmul gives it), so the
+  // threads stream several experts' weights without joining after each; else one by one, each
   // GEMM splitting itself.
   auto each_expert = [&](auto take) {
     std::vector<int64_t> es;
@@ -562,13 +562,9 @@ void grouped_matmul(const Tensor& x, const Tensor& w, const Tensor& offsets, boo
       es.push_back(e);
       few = few && rows <= kFewRows;
     }
-    if (few && es.size() > 1 && tbb::this_task_arena::max_concurrency() > 1) {
-      tbb::parallel_for(
-          tbb::blocked_range<size_t>(0, es.size(), 1),
-          [&](const tbb::blocked_range<size_t>& r) {
-            for (size_t i = r.begin(); i < r.end(); ++i) per_expert(es[i]);
-          },
-          tbb::simple_partitioner());
+    if (few && es.size() > 1 && K > 0 && tbb::this_task_arena::max_concurrency() > 1) {
+      Tensor o2 = out2;
+      grouped_matvec(x2, w, off, es, trans_w, o2);
     } else {
       for (int64_t e : es) per_expert(e);
     }
