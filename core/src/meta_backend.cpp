@@ -156,14 +156,7 @@ void MetaBackend::grouped_matmul_q8(const Tensor& x, const Tensor& w,
     if (y.dtype() != DType::f32) held.push_back(empty(y.shape(), DType::f32));
     return;
   }
-  int64_t r = 0;
-  for (size_t e = 0; e < counts.size(); ++e) {
-    if (counts[e] == 0) continue;
-    const auto ei = static_cast<int64_t>(e);
-    Tensor ye = y.slice0(r, r + counts[e]);
-    matmul_q8(x.slice0(r, r + counts[e]), w.slice0(ei, ei + 1).view({w.dim(1), w.dim(2)}), ye);
-    r += counts[e];
-  }
+  Backend::grouped_matmul_q8(x, w, counts, y);  // the composition: matmul_q8 (above) per expert
 }
 
 std::vector<Tensor> MetaAttention::copies(std::initializer_list<const Tensor*> ts) {
