@@ -161,10 +161,24 @@ Result run_dense(const Case& c, int64_t capacity) {
   return res;
 }
 
+double max_abs(const Vec& v) {
+  double m = 0;
+  for (float x : v) m = std::max(m, double(std::fabs(x)));
+  return m;
+}
+
+// The router's gradient is scaled by its own largest value, or by 1e-2 of dx's where it is
+// nearly 0: with top 1 normalized the routing weight is p / p = 1 whatever the router gives,
+// and both gradients are rounding (4.5e-8 against dx's 3.7 for one seed, which two orders of
+// summing put 1.01 apart relative to themselves).
 void expect_same(const Result& got, const Result& want) {
   EXPECT_LT(test::scaled_err(got.y, want.y), 1e-5);
   EXPECT_LT(test::scaled_err(got.dx, want.dx), 1e-5);
-  EXPECT_LT(test::scaled_err(got.drouter, want.drouter), 1e-5);
+  const double router_scale = std::max(max_abs(want.drouter), 1e-2 * max_abs(want.dx));
+  double router_err = 0;
+  for (size_t i = 0; i < got.drouter.size() && i < want.drouter.size(); ++i)
+    router_err = std::max(router_err, std::fabs(double(got.drouter[i]) - want.drouter[i]));
+  EXPECT_LT(router_err / router_scale, 1e-5);
   EXPECT_LT(test::scaled_err(got.dgate, want.dgate), 1e-5);
   EXPECT_LT(test::scaled_err(got.dup, want.dup), 1e-5);
   EXPECT_LT(test::scaled_err(got.ddown, want.ddown), 1e-5);
@@ -176,7 +190,12 @@ TEST(MoeBlock, DroplessEqualsADenseReferenceThatRunsEveryExpert) {
     for (bool normalize : {false, true}) {
       SCOPED_TRACE("top " + std::to_string(k) + (normalize ? " normalized" : ""));
       const Case c = make_case(4, k, normalize, -1.f, rng);
-      expect_same(run_block(c), run_dense(c, -1));
+      const Result got = run_block(c);
+      expect_same(got, run_dense(c, -1));
+      // Top 1 normalized: the router has nothing to learn (its weight is 1 whatever it says).
+      if (k == 1 && normalize) {
+        EXPECT_LT(max_abs(got.drouter), 1e-6 * max_abs(got.dx));
+      }
     }
 }
 
