@@ -526,6 +526,42 @@ BENCHMARK(BM_GroupedQ8Stream)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 
+// Decode's bf16 experts (an MoE layer at batch 1 in bfloat16): A experts of one bf16 row each
+// against [A, N, K] bf16 weights (transposed, as the CPU keeps experts) streamed from memory as
+// BM_MatVecStream's, in one grouped_matmul (dense 0), or (dense 1) the same bytes as one
+// [A * N, K] matmul of one row: the rate the experts' products would stream at if their
+// splitting into experts cost nothing. K 512 N 640: mixtral-bench-100m's experts (A = 4: top 2
+// with gate and up fused; 2: the down projections' shape at K 640 N 512).
+void BM_GroupedStream(benchmark::State& state) {
+  const int64_t k = state.range(0), n = state.range(1), a = state.range(2);
+  const bool dense = state.range(3);
+  mt::Backend& be = backend();
+  const int64_t one = a * n * k * 2;
+  const int64_t count = std::max<int64_t>(2, (int64_t{512} << 20) / one);
+  std::vector<mt::Tensor> ws;
+  for (int64_t i = 0; i < count; ++i) ws.push_back(random_tensor({a, n, k}, mt::DType::bf16));
+  std::vector<int32_t> off(static_cast<size_t>(a + 1));
+  for (int64_t e = 0; e <= a; ++e) off[size_t(e)] = int32_t(e);
+  mt::Tensor offsets = be.empty({a + 1}, mt::DType::i32);
+  be.copy_from_host(offsets, off.data());
+  mt::Tensor x = random_tensor({dense ? 1 : a, k}, mt::DType::bf16);
+  mt::Tensor y = be.empty({dense ? 1 : a, dense ? a * n : n}, mt::DType::bf16);
+  stream_calls(state, be, count, one, [&](int64_t i) {
+    const mt::Tensor& w = ws[size_t(i)];
+    if (dense)
+      be.matmul(x, w.view({a * n, k}), y, false, true);
+    else
+      be.grouped_matmul(x, w, offsets, true, y);
+  });
+}
+BENCHMARK(BM_GroupedStream)
+    ->ArgNames({"K", "N", "A", "dense"})
+    ->ArgsProduct({{512}, {640}, {4}, {0, 1}})
+    ->ArgsProduct({{640}, {512}, {2}, {0, 1}})
+    ->ArgsProduct({{4096}, {14336}, {2}, {0, 1}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+
 BENCHMARK(BM_MatVecStream)
     ->ArgNames({"K", "N", "tb", "bf16_w"})
     ->ArgsProduct({{768}, {768, 2048}, {0, 1}, {0, 1}})

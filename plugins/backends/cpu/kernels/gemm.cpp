@@ -20,8 +20,10 @@
 //   instruction ran at half the FMA rate instead: MT_CPU_BF16DOT=0 turns it off). Any other bf16
 //   operand is widened to f32 in a scratch tensor from the backend's caching allocator and takes
 //   the SGEMM.
-// - M = 1 (decode) is memory-bound: own AVX-512 matrix-vector kernels read f32 or bf16 weights
-//   directly (bf16 widened in registers: half the bytes, f32 products).
+// - M = 1 (decode) is memory-bound: own AVX-512 and AVX2 matrix-vector kernels read f32 or bf16
+//   weights directly (bf16 widened in registers: half the bytes, f32 products). On AVX2 one row
+//   of x reads three weight rows of its range at once (and int8 rows four): several sequential
+//   streams per core, where one left memory idle (gemv_row_streams_avx2).
 //
 // Determinism: the tiling depends only on the shapes and the arena's thread count, and each output
 // element is produced by one single-threaded call, so results are bitwise reproducible.
@@ -708,6 +710,65 @@ MT_AVX2 void gemv_rows_avx2(int64_t rows_m, const float* x, int64_t ldx, const W
   }
 }
 
+// One row of x against weight rows [j0, j1) read as kRowStreams sequential streams at once:
+// rows j, j + h, j + 2h (h = ceil((j1 - j0) / 3)) side by side, L of them in row_dots_avx2. One
+// core following a single stream leaves memory idle between the misses its loads wait for: on a
+// 2-core AVX2 EPYC, one stream of bf16 rows per core read 15-16 GB/s, three 19-21 (f32 19-20 ->
+// 21), above what a plain read of one stream reached. Each row's sum is the one-stream kernel's to
+// the bit (dot_steps_avx2<W, 1> over K / 32 * 32 into four accumulators, the next K % 32 terms 8 at
+// a time into the first of them, the last K % 8 in scalar, the same horizontal sum).
+template <class W, int L>
+MT_AVX2 void row_dots_avx2(const float* x, const W* const* rows, int64_t k, float* sums) {
+  const int64_t k32 = k / 32 * 32, k8 = k / 8 * 8;
+  __m256 a[L][4];
+#pragma GCC unroll 4
+  for (int s = 0; s < L; ++s)
+    for (int u = 0; u < 4; ++u) a[s][u] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < k32; p += 32) {
+#pragma GCC unroll 4
+    for (int s = 0; s < L; ++s) {
+      a[s][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + p), load8(rows[s] + p), a[s][0]);
+      a[s][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + p + 8), load8(rows[s] + p + 8), a[s][1]);
+      a[s][2] = _mm256_fmadd_ps(_mm256_loadu_ps(x + p + 16), load8(rows[s] + p + 16), a[s][2]);
+      a[s][3] = _mm256_fmadd_ps(_mm256_loadu_ps(x + p + 24), load8(rows[s] + p + 24), a[s][3]);
+    }
+  }
+  for (int s = 0; s < L; ++s) {
+    for (int64_t p = k32, u = 0; p < k8; p += 8, ++u)
+      a[s][u] = _mm256_fmadd_ps(_mm256_loadu_ps(x + p), load8(rows[s] + p), a[s][u]);
+    float t = 0.f;
+    for (int64_t p = k8; p < k; ++p) t += x[p] * load_scalar(rows[s] + p);
+    sums[s] =
+        hsum8(_mm256_add_ps(_mm256_add_ps(a[s][0], a[s][1]), _mm256_add_ps(a[s][2], a[s][3]))) + t;
+  }
+}
+
+constexpr int kRowStreams = 3;  // 12 accumulators: what AVX2's 16 registers hold beside x's
+
+template <class W>
+MT_AVX2 void gemv_row_streams_avx2(const float* x, const W* w, int64_t k, int64_t ldw, int64_t j0,
+                                   int64_t j1, float alpha, float beta, float* y) {
+  const int64_t h = (j1 - j0 + kRowStreams - 1) / kRowStreams;
+  for (int64_t i = 0; i < h; ++i) {
+    const W* rows[kRowStreams];
+    int64_t js[kRowStreams];
+    int live = 0;
+    for (int s = 0; s < kRowStreams; ++s)
+      if (const int64_t j = j0 + s * h + i; j < j1) {
+        js[live] = j;
+        rows[live++] = w + j * ldw;
+      }
+    float sums[kRowStreams];
+    if (live == 3)
+      row_dots_avx2<W, 3>(x, rows, k, sums);
+    else if (live == 2)
+      row_dots_avx2<W, 2>(x, rows, k, sums);
+    else
+      row_dots_avx2<W, 1>(x, rows, k, sums);
+    for (int s = 0; s < live; ++s) y[js[s]] = combine(sums[s], alpha, beta, y[js[s]]);
+  }
+}
+
 template <class W>
 MT_AVX2 void gemv_cols_avx2(int64_t rows_m, const float* x, int64_t ldx, const W* w, int64_t k,
                             int64_t ldw, int64_t j0, int64_t j1, float alpha, float beta, float* y,
@@ -812,6 +873,8 @@ void gemv(bool rows, int64_t rows_m, const float* x, int64_t ldx, const W* w, in
   }
   if (set == MatvecSet::avx512)
     gemv_rows_avx512(rows_m, x, ldx, w, k, ldw, j0, j1, alpha, beta, y, ldy);
+  else if (set == MatvecSet::avx2 && rows_m == 1)
+    gemv_row_streams_avx2(x, w, k, ldw, j0, j1, alpha, beta, y);
   else if (set == MatvecSet::avx2)
     gemv_rows_avx2(rows_m, x, ldx, w, k, ldw, j0, j1, alpha, beta, y, ldy);
   else
@@ -1372,6 +1435,51 @@ MT_DEFINE_DOT_Q8Q8(dot_q8q8_vnni, MT_AVX2_VNNI, q8_lanes_vnni)
 #undef MT_DEFINE_DOT_Q8Q8
 #undef MT_Q8Q8_BLOCK
 
+// One quantized row of x against S q8 rows at once (S sequential streams, as the f32 and bf16
+// one-row kernels read them: gemv_row_streams_avx2), each row's sum the single-row kernel's
+// above to the bit: the same block steps, accumulators and horizontal sum.
+#define MT_Q8_STREAM_BLOCK(LANES, B, T)                                                         \
+  {                                                                                             \
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (B)*kQ8Block)); \
+    float sx;                                                                                   \
+    std::memcpy(&sx, xq + k + (B)*4, 4);                                                        \
+    _Pragma("GCC unroll 4") for (int s = 0; s < S; ++s) {                                       \
+      const __m256i w =                                                                         \
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[s] + (B)*kQ8Block));         \
+      float sw;                                                                                 \
+      std::memcpy(&sw, rows[s] + k + (B)*4, 4);                                                 \
+      T[s] = _mm256_fmadd_ps(                                                                   \
+          _mm256_set1_ps(sw * sx),                                                              \
+          _mm256_cvtepi32_ps(LANES(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w))), T[s]);    \
+    }                                                                                           \
+  }
+
+#define MT_DEFINE_DOT_Q8_STREAMS(NAME, TARGET, LANES)                                        \
+  template <int S>                                                                           \
+  TARGET void NAME(const int8_t* xq, const int8_t* const* rows, int64_t k, float* out) {     \
+    __m256 t0[S], t1[S];                                                                     \
+    _Pragma("GCC unroll 4") for (int s = 0; s < S; ++s) t0[s] = t1[s] = _mm256_setzero_ps(); \
+    const int64_t blocks = k / kQ8Block;                                                     \
+    int64_t b = 0;                                                                           \
+    for (; b + 2 <= blocks; b += 2) {                                                        \
+      _Pragma("GCC unroll 4") for (int s = 0; s < S; ++s) {                                  \
+        const char* ahead = reinterpret_cast<const char*>(rows[s]) + kQ8Prefetch;            \
+        _mm_prefetch(ahead + b * kQ8BlockBytes, _MM_HINT_T0);                                \
+        _mm_prefetch(ahead + b * kQ8BlockBytes + 64, _MM_HINT_T0);                           \
+      }                                                                                      \
+      MT_Q8_STREAM_BLOCK(LANES, b, t0)                                                       \
+      MT_Q8_STREAM_BLOCK(LANES, b + 1, t1)                                                   \
+    }                                                                                        \
+    if (b < blocks) MT_Q8_STREAM_BLOCK(LANES, b, t0)                                         \
+    _Pragma("GCC unroll 4") for (int s = 0; s < S; ++s) out[s] =                             \
+        hsum8(_mm256_add_ps(t0[s], t1[s]));                                                  \
+  }
+
+MT_DEFINE_DOT_Q8_STREAMS(dot_q8_streams_avx2, MT_AVX2, q8_lanes_avx2)
+MT_DEFINE_DOT_Q8_STREAMS(dot_q8_streams_vnni, MT_AVX2_VNNI, q8_lanes_vnni)
+#undef MT_DEFINE_DOT_Q8_STREAMS
+#undef MT_Q8_STREAM_BLOCK
+
 enum class Q8Kernels { portable, avx2, vnni };
 
 Q8Kernels q8_kernels() {
@@ -1393,12 +1501,60 @@ void dot_q8q8(Q8Kernels set, const int8_t* const* xq, const int8_t* row, int64_t
     dot_q8q8_avx2<X>(xq, row, k, out);
 }
 
+template <int S>
+void dot_q8_streams(Q8Kernels set, const int8_t* xq, const int8_t* const* rows, int64_t k,
+                    float* out) {
+  if (set == Q8Kernels::vnni)
+    dot_q8_streams_vnni<S>(xq, rows, k, out);
+  else
+    dot_q8_streams_avx2<S>(xq, rows, k, out);
+}
+
+constexpr int kQ8Streams = 4;
+
+// One quantized row of x against rows [j0, j1) of w, kQ8Streams streams at once (rows j, j + h,
+// ...: h = ceil((j1 - j0) / kQ8Streams)).
+void gemv_q8_streams(Q8Kernels set, const int8_t* xq, const int8_t* w, int64_t rb, int64_t k,
+                     int64_t j0, int64_t j1, float* y) {
+  const int64_t h = (j1 - j0 + kQ8Streams - 1) / kQ8Streams;
+  for (int64_t i = 0; i < h; ++i) {
+    const int8_t* rows[kQ8Streams];
+    int64_t js[kQ8Streams];
+    int live = 0;
+    for (int s = 0; s < kQ8Streams; ++s)
+      if (const int64_t j = j0 + s * h + i; j < j1) {
+        js[live] = j;
+        rows[live++] = w + j * rb;
+      }
+    float sums[kQ8Streams];
+    switch (live) {
+      case 4:
+        dot_q8_streams<4>(set, xq, rows, k, sums);
+        break;
+      case 3:
+        dot_q8_streams<3>(set, xq, rows, k, sums);
+        break;
+      case 2:
+        dot_q8_streams<2>(set, xq, rows, k, sums);
+        break;
+      default:
+        dot_q8_streams<1>(set, xq, rows, k, sums);
+        break;
+    }
+    for (int s = 0; s < live; ++s) y[js[s]] = sums[s];
+  }
+}
+
 // y [m, n] rows [j0, j1) = x [m, k] against q8 rows of w (row stride rb): xq holds x's rows
 // quantized (stride rx), ok[r] whether row r is; x32 the f32 rows for those that are not.
 void gemv_q8(int64_t m, const int8_t* xq, int64_t rx, const bool* ok, const float* x32,
              const int8_t* w, int64_t rb, int64_t k, int64_t j0, int64_t j1, float* y,
              int64_t ldy) {
   const Q8Kernels set = q8_kernels();
+  if (m == 1 && ok[0] && set != Q8Kernels::portable) {
+    gemv_q8_streams(set, xq, w, rb, k, j0, j1, y);
+    return;
+  }
   // The quantized rows, in groups of up to 4 that share each weight block's loads.
   int64_t idx[kFewRows], nq = 0;
   for (int64_t r = 0; r < m; ++r)
