@@ -411,6 +411,28 @@ void BM_MatVecStream(benchmark::State& state) {
   stream_calls(state, be, count, one,
                [&](int64_t i) { be.matmul(x, ws[size_t(i)], y, false, tb); });
 }
+// As BM_MatVecStream for M rows of x (f32) against [N, K] weights: decode of a few prompts on
+// the "rows" kernels (mt decode transposes the projections for one or two). Args: K, N, bf16
+// weights (0/1), M.
+void BM_MatVecStreamRows(benchmark::State& state) {
+  const int64_t k = state.range(0), n = state.range(1), m = state.range(3);
+  const mt::DType dw = state.range(2) ? mt::DType::bf16 : mt::DType::f32;
+  mt::Backend& be = backend();
+  const int64_t one = k * n * static_cast<int64_t>(mt::dtype_size(dw));
+  const int64_t count = std::max<int64_t>(2, (int64_t{512} << 20) / one);
+  std::vector<mt::Tensor> ws;
+  for (int64_t i = 0; i < count; ++i) ws.push_back(random_tensor({n, k}, dw));
+  mt::Tensor x = random_tensor({m, k}, mt::DType::f32);
+  mt::Tensor y = be.empty({m, n}, mt::DType::f32);
+  stream_calls(state, be, count, one,
+               [&](int64_t i) { be.matmul(x, ws[size_t(i)], y, false, true); });
+}
+BENCHMARK(BM_MatVecStreamRows)
+    ->ArgNames({"K", "N", "bf16_w", "M"})
+    ->ArgsProduct({{2048}, {5632}, {0, 1}, {1, 2}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+
 // As BM_MatVecStream, with `gap_us` of single-threaded work on the calling thread after each
 // product (a decode step's norms, rope and attention between its projections): what waking the
 // other threads for each product costs once they have gone idle.

@@ -22,8 +22,8 @@
 //   the SGEMM.
 // - M = 1 (decode) is memory-bound: own AVX-512 and AVX2 matrix-vector kernels read f32 or bf16
 //   weights directly (bf16 widened in registers: half the bytes, f32 products). On AVX2 one row
-//   of x reads three weight rows of its range at once (and int8 rows four): several sequential
-//   streams per core, where one left memory idle (gemv_row_streams_avx2).
+//   of x reads three weight rows of its range at once (two rows of x two; int8 rows four):
+//   several sequential streams per core, where one left memory idle (gemv_row_streams_avx2).
 //
 // Determinism: the tiling depends only on the shapes and the arena's thread count, and each output
 // element is produced by one single-threaded call, so results are bitwise reproducible.
@@ -710,62 +710,82 @@ MT_AVX2 void gemv_rows_avx2(int64_t rows_m, const float* x, int64_t ldx, const W
   }
 }
 
-// One row of x against weight rows [j0, j1) read as kRowStreams sequential streams at once:
-// rows j, j + h, j + 2h (h = ceil((j1 - j0) / 3)) side by side, L of them in row_dots_avx2. One
-// core following a single stream leaves memory idle between the misses its loads wait for: on a
+// X rows of x against L weight rows side by side (gemv_row_streams_avx2's streams). One core
+// following a single stream leaves memory idle between the misses its loads wait for: on a
 // 2-core AVX2 EPYC, one stream of bf16 rows per core read 15-16 GB/s, three 19-21 (f32 19-20 ->
-// 21), above what a plain read of one stream reached. Each row's sum is the one-stream kernel's to
-// the bit (dot_steps_avx2<W, 1> over K / 32 * 32 into four accumulators, the next K % 32 terms 8 at
-// a time into the first of them, the last K % 8 in scalar, the same horizontal sum).
-template <class W, int L>
-MT_AVX2 void row_dots_avx2(const float* x, const W* const* rows, int64_t k, float* sums) {
+// 21), above what a plain read of one stream reached. Each (row of x, weight row) sum is the
+// one-stream kernel's to the bit (dot_steps_avx2 over K / 32 * 32 into four accumulators, the
+// next K % 32 terms 8 at a time into the first of them, the last K % 8 in scalar, the same
+// horizontal sum).
+template <class W, int L, int X>
+MT_AVX2 void row_dots_avx2(const float* const* xs, const W* const* rows, int64_t k,
+                           float (*sums)[X]) {
   const int64_t k32 = k / 32 * 32, k8 = k / 8 * 8;
-  __m256 a[L][4];
+  __m256 a[L][X][4];
 #pragma GCC unroll 4
   for (int s = 0; s < L; ++s)
-    for (int u = 0; u < 4; ++u) a[s][u] = _mm256_setzero_ps();
+    for (int i = 0; i < X; ++i)
+      for (int u = 0; u < 4; ++u) a[s][i][u] = _mm256_setzero_ps();
   for (int64_t p = 0; p < k32; p += 32) {
 #pragma GCC unroll 4
     for (int s = 0; s < L; ++s) {
-      a[s][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + p), load8(rows[s] + p), a[s][0]);
-      a[s][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + p + 8), load8(rows[s] + p + 8), a[s][1]);
-      a[s][2] = _mm256_fmadd_ps(_mm256_loadu_ps(x + p + 16), load8(rows[s] + p + 16), a[s][2]);
-      a[s][3] = _mm256_fmadd_ps(_mm256_loadu_ps(x + p + 24), load8(rows[s] + p + 24), a[s][3]);
+      const __m256 w0 = load8(rows[s] + p), w1 = load8(rows[s] + p + 8);
+      const __m256 w2 = load8(rows[s] + p + 16), w3 = load8(rows[s] + p + 24);
+#pragma GCC unroll 2
+      for (int i = 0; i < X; ++i) {
+        a[s][i][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xs[i] + p), w0, a[s][i][0]);
+        a[s][i][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xs[i] + p + 8), w1, a[s][i][1]);
+        a[s][i][2] = _mm256_fmadd_ps(_mm256_loadu_ps(xs[i] + p + 16), w2, a[s][i][2]);
+        a[s][i][3] = _mm256_fmadd_ps(_mm256_loadu_ps(xs[i] + p + 24), w3, a[s][i][3]);
+      }
     }
   }
-  for (int s = 0; s < L; ++s) {
-    for (int64_t p = k32, u = 0; p < k8; p += 8, ++u)
-      a[s][u] = _mm256_fmadd_ps(_mm256_loadu_ps(x + p), load8(rows[s] + p), a[s][u]);
-    float t = 0.f;
-    for (int64_t p = k8; p < k; ++p) t += x[p] * load_scalar(rows[s] + p);
-    sums[s] =
-        hsum8(_mm256_add_ps(_mm256_add_ps(a[s][0], a[s][1]), _mm256_add_ps(a[s][2], a[s][3]))) + t;
-  }
+  for (int s = 0; s < L; ++s)
+    for (int i = 0; i < X; ++i) {
+      const float* x = xs[i];
+      __m256* acc = a[s][i];
+      for (int64_t p = k32, u = 0; p < k8; p += 8, ++u)
+        acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x + p), load8(rows[s] + p), acc[u]);
+      float t = 0.f;
+      for (int64_t p = k8; p < k; ++p) t += x[p] * load_scalar(rows[s] + p);
+      sums[s][i] =
+          hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]))) + t;
+    }
 }
 
 constexpr int kRowStreams = 3;  // 12 accumulators: what AVX2's 16 registers hold beside x's
 
-template <class W>
-MT_AVX2 void gemv_row_streams_avx2(const float* x, const W* w, int64_t k, int64_t ldw, int64_t j0,
-                                   int64_t j1, float alpha, float beta, float* y) {
-  const int64_t h = (j1 - j0 + kRowStreams - 1) / kRowStreams;
-  for (int64_t i = 0; i < h; ++i) {
-    const W* rows[kRowStreams];
-    int64_t js[kRowStreams];
+// One or two rows of x (X) against weight rows [j0, j1) as S sequential streams at once (rows
+// j, j + h, ...; h = ceil((j1 - j0) / S)): 3 for one row, 2 for two
+// (16 accumulators, a few spilled: gemm_bench's BM_MatVecStreamRows at M = 2, 2048 x 5632, f32
+// weights 15.7-15.9 -> 18.0-18.4 GB/s, bf16 14.2-14.9 -> 13.8-18.7).
+template <class W, int X>
+MT_AVX2 void gemv_row_streams_avx2(const float* x, int64_t ldx, const W* w, int64_t k, int64_t ldw,
+                                   int64_t j0, int64_t j1, float alpha, float beta, float* y,
+                                   int64_t ldy) {
+  constexpr int S = X == 1 ? kRowStreams : 2;
+  const float* xs[X];
+  for (int i = 0; i < X; ++i) xs[i] = x + i * ldx;
+  const int64_t h = (j1 - j0 + S - 1) / S;
+  for (int64_t r = 0; r < h; ++r) {
+    const W* rows[S] = {};
+    int64_t js[S] = {};
     int live = 0;
-    for (int s = 0; s < kRowStreams; ++s)
-      if (const int64_t j = j0 + s * h + i; j < j1) {
+    for (int s = 0; s < S; ++s)
+      if (const int64_t j = j0 + s * h + r; j < j1) {
         js[live] = j;
         rows[live++] = w + j * ldw;
       }
-    float sums[kRowStreams];
+    float sums[S][X];
     if (live == 3)
-      row_dots_avx2<W, 3>(x, rows, k, sums);
+      row_dots_avx2<W, std::min(S, 3), X>(xs, rows, k, sums);
     else if (live == 2)
-      row_dots_avx2<W, 2>(x, rows, k, sums);
+      row_dots_avx2<W, 2, X>(xs, rows, k, sums);
     else
-      row_dots_avx2<W, 1>(x, rows, k, sums);
-    for (int s = 0; s < live; ++s) y[js[s]] = combine(sums[s], alpha, beta, y[js[s]]);
+      row_dots_avx2<W, 1, X>(xs, rows, k, sums);
+    for (int s = 0; s < live; ++s)
+      for (int i = 0; i < X; ++i)
+        y[i * ldy + js[s]] = combine(sums[s][i], alpha, beta, y[i * ldy + js[s]]);
   }
 }
 
@@ -874,7 +894,9 @@ void gemv(bool rows, int64_t rows_m, const float* x, int64_t ldx, const W* w, in
   if (set == MatvecSet::avx512)
     gemv_rows_avx512(rows_m, x, ldx, w, k, ldw, j0, j1, alpha, beta, y, ldy);
   else if (set == MatvecSet::avx2 && rows_m == 1)
-    gemv_row_streams_avx2(x, w, k, ldw, j0, j1, alpha, beta, y);
+    gemv_row_streams_avx2<W, 1>(x, ldx, w, k, ldw, j0, j1, alpha, beta, y, ldy);
+  else if (set == MatvecSet::avx2 && rows_m == 2)
+    gemv_row_streams_avx2<W, 2>(x, ldx, w, k, ldw, j0, j1, alpha, beta, y, ldy);
   else if (set == MatvecSet::avx2)
     gemv_rows_avx2(rows_m, x, ldx, w, k, ldw, j0, j1, alpha, beta, y, ldy);
   else
