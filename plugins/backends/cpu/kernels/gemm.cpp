@@ -1412,95 +1412,63 @@ MT_AVX2_VNNI inline __m256i q8_lanes_vnni(__m256i aw, __m256i sx) {
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx);
 }
 
-// X quantized rows of x against one q8 row, into out[0, X): per block |w| once, then per row of
-// x its values times sign(w), the lanes, and the fma into the block parity's accumulator. Written
-// once for both targets by macros (a function without the target cannot hold their intrinsics,
-// a lambda does not take its caller's, and the AVX2 one must not be compiled with AVX-512).
-#define MT_Q8Q8_BLOCK(LANES, B, T)                                                              \
-  {                                                                                             \
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (B)*kQ8Block)); \
-    const __m256i aw = _mm256_sign_epi8(w, w);                                                  \
-    float sw;                                                                                   \
-    std::memcpy(&sw, row + k + (B)*4, 4);                                                       \
-    _Pragma("GCC unroll 4") for (int i = 0; i < X; ++i) {                                       \
-      const __m256i xv =                                                                        \
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[i] + (B)*kQ8Block));           \
-      float sx;                                                                                 \
-      std::memcpy(&sx, xq[i] + k + (B)*4, 4);                                                   \
-      T[i] = _mm256_fmadd_ps(_mm256_set1_ps(sw * sx),                                           \
-                             _mm256_cvtepi32_ps(LANES(aw, _mm256_sign_epi8(xv, w))), T[i]);     \
+// X quantized rows of x against S q8 rows, into out[s * X + i]: per block and weight row |w|
+// once, then per row of x its values times sign(w), the lanes, and the fma into the block
+// parity's accumulator. Decode's few rows take X up to 4 against one weight row; one row of x
+// takes S = 4 weight rows side by side (four sequential streams, as the f32 and bf16 one-row
+// kernels read them: gemv_row_streams_avx2). Each (row of x, weight row) sum is the same
+// operations in the same order whatever X and S. Written once for both targets by macros (a
+// function without the target cannot hold their intrinsics, a lambda does not take its
+// caller's, and the AVX2 one must not be compiled with AVX-512).
+#define MT_Q8_BLOCK(LANES, B, T)                                                              \
+  {                                                                                           \
+    _Pragma("GCC unroll 4") for (int s = 0; s < S; ++s) {                                     \
+      const __m256i w =                                                                       \
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[s] + (B)*kQ8Block));       \
+      const __m256i aw = _mm256_sign_epi8(w, w);                                              \
+      float sw;                                                                               \
+      std::memcpy(&sw, rows[s] + k + (B)*4, 4);                                               \
+      _Pragma("GCC unroll 4") for (int i = 0; i < X; ++i) {                                   \
+        const __m256i xv =                                                                    \
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[i] + (B)*kQ8Block));       \
+        float sx;                                                                             \
+        std::memcpy(&sx, xq[i] + k + (B)*4, 4);                                               \
+        T[s][i] =                                                                             \
+            _mm256_fmadd_ps(_mm256_set1_ps(sw * sx),                                          \
+                            _mm256_cvtepi32_ps(LANES(aw, _mm256_sign_epi8(xv, w))), T[s][i]); \
+      }                                                                                       \
+    }                                                                                         \
+  }
+
+#define MT_DEFINE_DOT_Q8(NAME, TARGET, LANES)                                                   \
+  template <int X, int S>                                                                       \
+  TARGET void NAME(const int8_t* const* xq, const int8_t* const* rows, int64_t k, float* out) { \
+    __m256 t0[S][X], t1[S][X];                                                                  \
+    _Pragma("GCC unroll 4") for (int s = 0; s < S; ++s)                                         \
+        _Pragma("GCC unroll 4") for (int i = 0; i < X; ++i) t0[s][i] = t1[s][i] =               \
+            _mm256_setzero_ps();                                                                \
+    const int64_t blocks = k / kQ8Block;                                                        \
+    int64_t b = 0;                                                                              \
+    for (; b + 2 <= blocks; b += 2) {                                                           \
+      /* Each stream's lines ahead: a block and its scale are 36 bytes, two blocks 72. */       \
+      _Pragma("GCC unroll 4") for (int s = 0; s < S; ++s) {                                     \
+        const char* ahead = reinterpret_cast<const char*>(rows[s]) + kQ8Prefetch;               \
+        _mm_prefetch(ahead + b * kQ8BlockBytes, _MM_HINT_T0);                                   \
+        _mm_prefetch(ahead + b * kQ8BlockBytes + 64, _MM_HINT_T0);                              \
+      }                                                                                         \
+      MT_Q8_BLOCK(LANES, b, t0)                                                                 \
+      MT_Q8_BLOCK(LANES, b + 1, t1)                                                             \
     }                                                                                           \
+    if (b < blocks) MT_Q8_BLOCK(LANES, b, t0)                                                   \
+    _Pragma("GCC unroll 4") for (int s = 0; s < S; ++s)                                         \
+        _Pragma("GCC unroll 4") for (int i = 0; i < X; ++i) out[s * X + i] =                    \
+            hsum8(_mm256_add_ps(t0[s][i], t1[s][i]));                                           \
   }
 
-#define MT_DEFINE_DOT_Q8Q8(NAME, TARGET, LANES)                                              \
-  template <int X>                                                                           \
-  TARGET void NAME(const int8_t* const* xq, const int8_t* row, int64_t k, float* out) {      \
-    __m256 t0[X], t1[X];                                                                     \
-    _Pragma("GCC unroll 4") for (int i = 0; i < X; ++i) t0[i] = t1[i] = _mm256_setzero_ps(); \
-    /* The stream's lines ahead: a block and its scale are 36 bytes, two blocks 72. */       \
-    const char* ahead = reinterpret_cast<const char*>(row) + kQ8Prefetch;                    \
-    const int64_t blocks = k / kQ8Block;                                                     \
-    int64_t b = 0;                                                                           \
-    for (; b + 2 <= blocks; b += 2) {                                                        \
-      _mm_prefetch(ahead + b * kQ8BlockBytes, _MM_HINT_T0);                                  \
-      _mm_prefetch(ahead + b * kQ8BlockBytes + 64, _MM_HINT_T0);                             \
-      MT_Q8Q8_BLOCK(LANES, b, t0)                                                            \
-      MT_Q8Q8_BLOCK(LANES, b + 1, t1)                                                        \
-    }                                                                                        \
-    if (b < blocks) MT_Q8Q8_BLOCK(LANES, b, t0)                                              \
-    _Pragma("GCC unroll 4") for (int i = 0; i < X; ++i) out[i] =                             \
-        hsum8(_mm256_add_ps(t0[i], t1[i]));                                                  \
-  }
-
-MT_DEFINE_DOT_Q8Q8(dot_q8q8_avx2, MT_AVX2, q8_lanes_avx2)
-MT_DEFINE_DOT_Q8Q8(dot_q8q8_vnni, MT_AVX2_VNNI, q8_lanes_vnni)
-#undef MT_DEFINE_DOT_Q8Q8
-#undef MT_Q8Q8_BLOCK
-
-// One quantized row of x against S q8 rows at once (S sequential streams, as the f32 and bf16
-// one-row kernels read them: gemv_row_streams_avx2), each row's sum the single-row kernel's
-// above to the bit: the same block steps, accumulators and horizontal sum.
-#define MT_Q8_STREAM_BLOCK(LANES, B, T)                                                         \
-  {                                                                                             \
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (B)*kQ8Block)); \
-    float sx;                                                                                   \
-    std::memcpy(&sx, xq + k + (B)*4, 4);                                                        \
-    _Pragma("GCC unroll 4") for (int s = 0; s < S; ++s) {                                       \
-      const __m256i w =                                                                         \
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[s] + (B)*kQ8Block));         \
-      float sw;                                                                                 \
-      std::memcpy(&sw, rows[s] + k + (B)*4, 4);                                                 \
-      T[s] = _mm256_fmadd_ps(                                                                   \
-          _mm256_set1_ps(sw * sx),                                                              \
-          _mm256_cvtepi32_ps(LANES(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w))), T[s]);    \
-    }                                                                                           \
-  }
-
-#define MT_DEFINE_DOT_Q8_STREAMS(NAME, TARGET, LANES)                                        \
-  template <int S>                                                                           \
-  TARGET void NAME(const int8_t* xq, const int8_t* const* rows, int64_t k, float* out) {     \
-    __m256 t0[S], t1[S];                                                                     \
-    _Pragma("GCC unroll 4") for (int s = 0; s < S; ++s) t0[s] = t1[s] = _mm256_setzero_ps(); \
-    const int64_t blocks = k / kQ8Block;                                                     \
-    int64_t b = 0;                                                                           \
-    for (; b + 2 <= blocks; b += 2) {                                                        \
-      _Pragma("GCC unroll 4") for (int s = 0; s < S; ++s) {                                  \
-        const char* ahead = reinterpret_cast<const char*>(rows[s]) + kQ8Prefetch;            \
-        _mm_prefetch(ahead + b * kQ8BlockBytes, _MM_HINT_T0);                                \
-        _mm_prefetch(ahead + b * kQ8BlockBytes + 64, _MM_HINT_T0);                           \
-      }                                                                                      \
-      MT_Q8_STREAM_BLOCK(LANES, b, t0)                                                       \
-      MT_Q8_STREAM_BLOCK(LANES, b + 1, t1)                                                   \
-    }                                                                                        \
-    if (b < blocks) MT_Q8_STREAM_BLOCK(LANES, b, t0)                                         \
-    _Pragma("GCC unroll 4") for (int s = 0; s < S; ++s) out[s] =                             \
-        hsum8(_mm256_add_ps(t0[s], t1[s]));                                                  \
-  }
-
-MT_DEFINE_DOT_Q8_STREAMS(dot_q8_streams_avx2, MT_AVX2, q8_lanes_avx2)
-MT_DEFINE_DOT_Q8_STREAMS(dot_q8_streams_vnni, MT_AVX2_VNNI, q8_lanes_vnni)
-#undef MT_DEFINE_DOT_Q8_STREAMS
-#undef MT_Q8_STREAM_BLOCK
+MT_DEFINE_DOT_Q8(dot_q8_avx2, MT_AVX2, q8_lanes_avx2)
+MT_DEFINE_DOT_Q8(dot_q8_vnni, MT_AVX2_VNNI, q8_lanes_vnni)
+#undef MT_DEFINE_DOT_Q8
+#undef MT_Q8_BLOCK
 
 enum class Q8Kernels { portable, avx2, vnni };
 
@@ -1515,21 +1483,28 @@ Q8Kernels q8_kernels() {
   }
 }
 
-template <int X>
-void dot_q8q8(Q8Kernels set, const int8_t* const* xq, const int8_t* row, int64_t k, float* out) {
+template <int X, int S>
+void dot_q8(Q8Kernels set, const int8_t* const* xq, const int8_t* const* rows, int64_t k,
+            float* out) {
   if (set == Q8Kernels::vnni)
-    dot_q8q8_vnni<X>(xq, row, k, out);
+    dot_q8_vnni<X, S>(xq, rows, k, out);
   else
-    dot_q8q8_avx2<X>(xq, row, k, out);
+    dot_q8_avx2<X, S>(xq, rows, k, out);
 }
 
-template <int S>
-void dot_q8_streams(Q8Kernels set, const int8_t* xq, const int8_t* const* rows, int64_t k,
-                    float* out) {
-  if (set == Q8Kernels::vnni)
-    dot_q8_streams_vnni<S>(xq, rows, k, out);
-  else
-    dot_q8_streams_avx2<S>(xq, rows, k, out);
+// f(std::integral_constant<int, n>) for n in [1, 4] (a kernel templated on its row count).
+template <class F>
+void with_count_1_to_4(int64_t n, const F& f) {
+  switch (n) {
+    case 4:
+      return f(std::integral_constant<int, 4>{});
+    case 3:
+      return f(std::integral_constant<int, 3>{});
+    case 2:
+      return f(std::integral_constant<int, 2>{});
+    default:
+      return f(std::integral_constant<int, 1>{});
+  }
 }
 
 constexpr int kQ8Streams = 4;
@@ -1549,20 +1524,7 @@ void gemv_q8_streams(Q8Kernels set, const int8_t* xq, const int8_t* w, int64_t r
         rows[live++] = w + j * rb;
       }
     float sums[kQ8Streams];
-    switch (live) {
-      case 4:
-        dot_q8_streams<4>(set, xq, rows, k, sums);
-        break;
-      case 3:
-        dot_q8_streams<3>(set, xq, rows, k, sums);
-        break;
-      case 2:
-        dot_q8_streams<2>(set, xq, rows, k, sums);
-        break;
-      default:
-        dot_q8_streams<1>(set, xq, rows, k, sums);
-        break;
-    }
+    with_count_1_to_4(live, [&](auto n) { dot_q8<1, n()>(set, &xq, rows, k, sums); });
     for (int s = 0; s < live; ++s) y[js[s]] = sums[s];
   }
 }
@@ -1591,20 +1553,7 @@ void gemv_q8(int64_t m, const int8_t* xq, int64_t rx, const bool* ok, const floa
       if (set == Q8Kernels::portable) {
         for (int64_t i = 0; i < nx; ++i) s[i] = dot_q8q8_portable(xs[i], row, k);
       } else {
-        switch (nx) {
-          case 4:
-            dot_q8q8<4>(set, xs, row, k, s);
-            break;
-          case 3:
-            dot_q8q8<3>(set, xs, row, k, s);
-            break;
-          case 2:
-            dot_q8q8<2>(set, xs, row, k, s);
-            break;
-          default:
-            dot_q8q8<1>(set, xs, row, k, s);
-            break;
-        }
+        with_count_1_to_4(nx, [&](auto c) { dot_q8<c(), 1>(set, xs, &row, k, s); });
       }
       for (int64_t i = 0; i < nx; ++i) y[idx[g + i] * ldy + j] = s[i];
     }
