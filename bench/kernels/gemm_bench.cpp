@@ -394,10 +394,11 @@ void stream_calls(benchmark::State& state, mt::Backend& be, int64_t count, int64
 // matrices whose total (>= 512 MiB) no cache holds, so every call streams its weights from
 // memory as a decode step does. Args: K, N, trans_b, bf16 weights (0: f32 weights; 1: bf16
 // weights, f32 x; 2: bf16 weights and x, a bf16 model's decode: the dot-product rows kernel
-// where the CPU has AVX512_BF16). GB/s here against
+// where the CPU has AVX512_BF16), M rows of x (decode of M prompts: mt decode transposes the
+// projections for one or two). GB/s here against
 // BM_MatVec's on one large matrix shows what each call's start and end cost.
 void BM_MatVecStream(benchmark::State& state) {
-  const int64_t k = state.range(0), n = state.range(1);
+  const int64_t k = state.range(0), n = state.range(1), m = state.range(4);
   const bool tb = state.range(2);
   const mt::DType dw = state.range(3) ? mt::DType::bf16 : mt::DType::f32;
   mt::Backend& be = backend();
@@ -406,33 +407,11 @@ void BM_MatVecStream(benchmark::State& state) {
   std::vector<mt::Tensor> ws;
   for (int64_t i = 0; i < count; ++i)
     ws.push_back(random_tensor(tb ? mt::Shape{n, k} : mt::Shape{k, n}, dw));
-  mt::Tensor x = random_tensor({1, k}, state.range(3) == 2 ? mt::DType::bf16 : mt::DType::f32);
-  mt::Tensor y = be.empty({1, n}, mt::DType::f32);
+  mt::Tensor x = random_tensor({m, k}, state.range(3) == 2 ? mt::DType::bf16 : mt::DType::f32);
+  mt::Tensor y = be.empty({m, n}, mt::DType::f32);
   stream_calls(state, be, count, one,
                [&](int64_t i) { be.matmul(x, ws[size_t(i)], y, false, tb); });
 }
-// As BM_MatVecStream for M rows of x (f32) against [N, K] weights: decode of a few prompts on
-// the "rows" kernels (mt decode transposes the projections for one or two). Args: K, N, bf16
-// weights (0/1), M.
-void BM_MatVecStreamRows(benchmark::State& state) {
-  const int64_t k = state.range(0), n = state.range(1), m = state.range(3);
-  const mt::DType dw = state.range(2) ? mt::DType::bf16 : mt::DType::f32;
-  mt::Backend& be = backend();
-  const int64_t one = k * n * static_cast<int64_t>(mt::dtype_size(dw));
-  const int64_t count = std::max<int64_t>(2, (int64_t{512} << 20) / one);
-  std::vector<mt::Tensor> ws;
-  for (int64_t i = 0; i < count; ++i) ws.push_back(random_tensor({n, k}, dw));
-  mt::Tensor x = random_tensor({m, k}, mt::DType::f32);
-  mt::Tensor y = be.empty({m, n}, mt::DType::f32);
-  stream_calls(state, be, count, one,
-               [&](int64_t i) { be.matmul(x, ws[size_t(i)], y, false, true); });
-}
-BENCHMARK(BM_MatVecStreamRows)
-    ->ArgNames({"K", "N", "bf16_w", "M"})
-    ->ArgsProduct({{2048}, {5632}, {0, 1}, {1, 2}})
-    ->UseManualTime()
-    ->Unit(benchmark::kMillisecond);
-
 // As BM_MatVecStream, with `gap_us` of single-threaded work on the calling thread after each
 // product (a decode step's norms, rope and attention between its projections): what waking the
 // other threads for each product costs once they have gone idle.
@@ -585,13 +564,14 @@ BENCHMARK(BM_GroupedStream)
     ->Unit(benchmark::kMillisecond);
 
 BENCHMARK(BM_MatVecStream)
-    ->ArgNames({"K", "N", "tb", "bf16_w"})
-    ->ArgsProduct({{768}, {768, 2048}, {0, 1}, {0, 1}})
-    ->ArgsProduct({{2048}, {768}, {0, 1}, {0, 1}})
-    ->ArgsProduct({{2048}, {5632}, {0, 1}, {0, 1}})
-    ->ArgsProduct({{768, 2048}, {768, 2048, 5632}, {1}, {2}})
-    ->ArgsProduct({{2048}, {2048, 32000}, {1}, {0, 1}})  // llama-bench-1b's q/k/v/o and LM head
-    ->ArgsProduct({{5632}, {2048}, {1}, {0, 1}})         // and its down projection
+    ->ArgNames({"K", "N", "tb", "bf16_w", "M"})
+    ->ArgsProduct({{768}, {768, 2048}, {0, 1}, {0, 1}, {1}})
+    ->ArgsProduct({{2048}, {768}, {0, 1}, {0, 1}, {1}})
+    ->ArgsProduct({{2048}, {5632}, {0, 1}, {0, 1}, {1}})
+    ->ArgsProduct({{2048}, {5632}, {1}, {0, 1}, {2}})  // two prompts on the "rows" kernels
+    ->ArgsProduct({{768, 2048}, {768, 2048, 5632}, {1}, {2}, {1}})
+    ->ArgsProduct({{2048}, {2048, 32000}, {1}, {0, 1}, {1}})  // llama-bench-1b's q/k/v/o, LM head
+    ->ArgsProduct({{5632}, {2048}, {1}, {0, 1}, {1}})         // and its down projection
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 

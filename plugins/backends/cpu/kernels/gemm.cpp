@@ -710,6 +710,15 @@ MT_AVX2 void gemv_rows_avx2(int64_t rows_m, const float* x, int64_t ldx, const W
   }
 }
 
+// The i-th step of reading rows [j0, j1) as `streams` sequential streams of h rows each (h =
+// ceil((j1 - j0) / streams)): rows j0 + s h + i that exist, into js; their count.
+inline int stream_rows(int64_t j0, int64_t j1, int64_t h, int64_t i, int streams, int64_t* js) {
+  int live = 0;
+  for (int s = 0; s < streams; ++s)
+    if (const int64_t j = j0 + s * h + i; j < j1) js[live++] = j;
+  return live;
+}
+
 // X rows of x against L weight rows side by side (gemv_row_streams_avx2's streams). One core
 // following a single stream leaves memory idle between the misses its loads wait for: on a
 // 2-core AVX2 EPYC, one stream of bf16 rows per core read 15-16 GB/s, three 19-21 (f32 19-20 ->
@@ -757,7 +766,7 @@ constexpr int kRowStreams = 3;  // 12 accumulators: what AVX2's 16 registers hol
 
 // One or two rows of x (X) against weight rows [j0, j1) as S sequential streams at once (rows
 // j, j + h, ...; h = ceil((j1 - j0) / S)): 3 for one row, 2 for two
-// (16 accumulators, a few spilled: gemm_bench's BM_MatVecStreamRows at M = 2, 2048 x 5632, f32
+// (16 accumulators, a few spilled: gemm_bench's BM_MatVecStream at M = 2, 2048 x 5632, f32
 // weights 15.7-15.9 -> 18.0-18.4 GB/s, bf16 14.2-14.9 -> 13.8-18.7).
 template <class W, int X>
 MT_AVX2 void gemv_row_streams_avx2(const float* x, int64_t ldx, const W* w, int64_t k, int64_t ldw,
@@ -768,14 +777,10 @@ MT_AVX2 void gemv_row_streams_avx2(const float* x, int64_t ldx, const W* w, int6
   for (int i = 0; i < X; ++i) xs[i] = x + i * ldx;
   const int64_t h = (j1 - j0 + S - 1) / S;
   for (int64_t r = 0; r < h; ++r) {
-    const W* rows[S] = {};
     int64_t js[S] = {};
-    int live = 0;
-    for (int s = 0; s < S; ++s)
-      if (const int64_t j = j0 + s * h + r; j < j1) {
-        js[live] = j;
-        rows[live++] = w + j * ldw;
-      }
+    const int live = stream_rows(j0, j1, h, r, S, js);
+    const W* rows[S] = {};
+    for (int s = 0; s < live; ++s) rows[s] = w + js[s] * ldw;
     float sums[S][X];
     if (live == 3)
       row_dots_avx2<W, std::min(S, 3), X>(xs, rows, k, sums);
@@ -1515,14 +1520,10 @@ void gemv_q8_streams(Q8Kernels set, const int8_t* xq, const int8_t* w, int64_t r
                      int64_t j0, int64_t j1, float* y) {
   const int64_t h = (j1 - j0 + kQ8Streams - 1) / kQ8Streams;
   for (int64_t i = 0; i < h; ++i) {
-    const int8_t* rows[kQ8Streams];
     int64_t js[kQ8Streams];
-    int live = 0;
-    for (int s = 0; s < kQ8Streams; ++s)
-      if (const int64_t j = j0 + s * h + i; j < j1) {
-        js[live] = j;
-        rows[live++] = w + j * rb;
-      }
+    const int live = stream_rows(j0, j1, h, i, kQ8Streams, js);
+    const int8_t* rows[kQ8Streams] = {};
+    for (int s = 0; s < live; ++s) rows[s] = w + js[s] * rb;
     float sums[kQ8Streams];
     with_count_1_to_4(live, [&](auto n) { dot_q8<1, n()>(set, &xq, rows, k, sums); });
     for (int s = 0; s < live; ++s) y[js[s]] = sums[s];
