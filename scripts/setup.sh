@@ -9,7 +9,7 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=${BUILD_DIR:-$root/build}
 packages=(cmake g++ make pkg-config ccache libboost-dev libyaml-cpp-dev libtbb-dev
   libopenblas-dev libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev libpcre2-dev
-  libsentencepiece-dev libutf8proc-dev libopenmpi-dev openmpi-bin)
+  libsentencepiece-dev libutf8proc-dev libopenmpi-dev openmpi-bin libsimde-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

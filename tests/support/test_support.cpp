@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <stdexcept>
 
 #include "config_impl.h"
 #include "config_loader.h"
@@ -20,9 +21,32 @@ PluginManager& plugins() {
   return pm;
 }
 
+const char* cpu_backend_name() {
+  const char* e = std::getenv("MT_TEST_CPU_BACKEND");
+  return e && *e ? e : "cpu";
+}
+
+bool cpu_supports(const std::string& feature) {
+  if (std::string(cpu_backend_name()) == "cpu_x86emu")  // kernels/x86_simd.h's emulated CPU
+    return feature != "amx-bf16" && feature != "amx-tile";
+  __builtin_cpu_init();
+  if (feature == "avx2") return __builtin_cpu_supports("avx2");
+  if (feature == "fma") return __builtin_cpu_supports("fma");
+  if (feature == "avx512f") return __builtin_cpu_supports("avx512f");
+  if (feature == "avx512bw") return __builtin_cpu_supports("avx512bw");
+  if (feature == "avx512dq") return __builtin_cpu_supports("avx512dq");
+  if (feature == "avx512vl") return __builtin_cpu_supports("avx512vl");
+  if (feature == "avx512bf16") return __builtin_cpu_supports("avx512bf16");
+  if (feature == "avx512vnni") return __builtin_cpu_supports("avx512vnni");
+  if (feature == "amx-bf16") return __builtin_cpu_supports("amx-bf16");
+  if (feature == "amx-tile") return __builtin_cpu_supports("amx-tile");
+  if (feature == "amd") return __builtin_cpu_is("amd");
+  throw std::invalid_argument("cpu_supports: no check for '" + feature + "'");
+}
+
 Backend& cpu(int threads) {
-  static std::unique_ptr<Backend> b =
-      plugins().make_backend("cpu", config_from_pairs({{"num_threads", std::to_string(threads)}}));
+  static std::unique_ptr<Backend> b = plugins().make_backend(
+      cpu_backend_name(), config_from_pairs({{"num_threads", std::to_string(threads)}}));
   return *b;
 }
 

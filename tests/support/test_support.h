@@ -22,7 +22,13 @@ namespace mt::test {
 // (MT_PLUGIN_PATH is cleared by CTest).
 PluginManager& plugins();
 // The CPU backend, made once per process with `threads` threads (0 = all cores).
+// The CPU backend the tests run on: "cpu", or the one MT_TEST_CPU_BACKEND names (cpu_x86emu: the
+// same kernels with emulated AVX-512, plugins/backends/cpu/kernels/x86_simd.h).
 Backend& cpu(int threads = 0);
+const char* cpu_backend_name();
+// Whether that backend's CPU has an x86 feature (GCC's names: "avx2", "avx512bf16", ...; "amd"
+// for the vendor): the real CPU's answer, or the emulated one's (everything but AMX, and AMD).
+bool cpu_supports(const std::string& feature);
 std::unique_ptr<AttentionKernel> attention(const std::string& name, Backend& b);
 
 // Whether the plugins a device test needs run here: each {kind, name} is required in turn. `skip`

@@ -332,8 +332,8 @@ TEST(Attention, FlashChunkedBackwardMatchesDotProduct) {
   const uint64_t seed = test::seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
-  std::unique_ptr<Backend> wide =
-      test::plugins().make_backend("cpu", config_from_pairs({{"num_threads", "7"}}));
+  std::unique_ptr<Backend> wide = test::plugins().make_backend(
+      test::cpu_backend_name(), config_from_pairs({{"num_threads", "7"}}));
   auto flash = test::attention("flash", *wide);
   auto ref = test::attention("dot_product", test::cpu());
   for (int64_t hkv : {1, 2, 3})
@@ -397,7 +397,7 @@ TEST(Attention, GenericKernelsMatch) {
 // The AVX2 + FMA microkernels (chosen where the CPU has them but not AVX-512).
 TEST(Attention, Avx2KernelsMatch) {
   if (std::getenv("MT_FLASH_KERNELS")) GTEST_SKIP() << "already the child run";
-  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma"))
+  if (!test::cpu_supports("avx2") || !test::cpu_supports("fma"))
     GTEST_SKIP() << "this CPU has no AVX2 + FMA";
   SCOPED_TRACE("seed " + std::to_string(test::seed()));
   std::string output;

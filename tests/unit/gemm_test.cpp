@@ -554,13 +554,13 @@ TEST_F(Gemm, Bf16Operands) {
 // results); the start-up line says which path they take, and the bf16 peak is above f32's
 // exactly when it is the dot products'.
 TEST_F(Gemm, Bf16PathIsNamed) {
-  if (__builtin_cpu_supports("amx-bf16")) GTEST_SKIP() << "this CPU has AMX: the AMX path is named";
+  if (test::cpu_supports("amx-bf16")) GTEST_SKIP() << "this CPU has AMX: the AMX path is named";
   const char* env = std::getenv("MT_CPU_BF16DOT");
-  const bool dot = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") &&
+  const bool dot = test::cpu_supports("avx512f") && test::cpu_supports("avx512bw") &&
+                   test::cpu_supports("avx512vl") && test::cpu_supports("avx512bf16") &&
                    !(env && std::string(env) == "0");
   // The path is the CPU's to decide (AMD's dot products outrun its FMAs), never a timing's.
-  const bool taken = dot && (__builtin_cpu_is("amd") || (env && std::string(env) == "1"));
+  const bool taken = dot && (test::cpu_supports("amd") || (env && std::string(env) == "1"));
   Backend& be = test::cpu();
   const bool faster = be.peak_flops(DType::bf16) > be.peak_flops(DType::f32);
   const std::string d = be.describe();
@@ -693,7 +693,7 @@ TEST_F(Gemm, OtherThreadCounts) {
   for (int threads : counts) {
     SCOPED_TRACE("threads=" + std::to_string(threads));
     std::unique_ptr<Backend> be = test::plugins().make_backend(
-        "cpu", config_from_pairs({{"num_threads", std::to_string(threads)}}));
+        test::cpu_backend_name(), config_from_pairs({{"num_threads", std::to_string(threads)}}));
     for (DType d : {DType::f32, DType::bf16}) {
       check({.batch = 2,
              .m = 211,
@@ -807,23 +807,27 @@ TEST(GemmPath, PortablePathWithoutOpenBlas) {
 // one the CPU lacks, is refused when the first product needs it.
 TEST(GemmPath, EveryMatvecKernelSetMatches) {
   if (in_child()) GTEST_SKIP() << "runs as the child of this test";
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  const bool avx2 = test::cpu_supports("avx2") && test::cpu_supports("fma");
+  const bool avx512 = test::cpu_supports("avx512f") && test::cpu_supports("avx512bw") &&
+                      test::cpu_supports("avx512dq") && test::cpu_supports("avx512vl");
   const std::string exe = "/proc/" + std::to_string(getpid()) + "/exe";
   for (const auto& [set, has] :
        {std::pair<const char*, bool>{"portable", true}, {"avx2", avx2}, {"avx512", avx512}}) {
-    SCOPED_TRACE(set);
     if (!has) continue;
-    std::string out;
-    const int rc = test::run_command(
-        std::string(kChildMarker) + "=1 MT_CPU_MATVEC=" + set + " " + exe +
-            " --gtest_filter=Gemm.MatrixVector:Gemm.Deterministic:Gemm.FewRowsEqualEachRowAlone:"
-            "Gemm.Int8RowsMatchTheDequantizedMatmul:Gemm.Int8DecodeKeepsNanAndInfinity:"
-            "GemmPath.DescribesPathAndPeak",
-        out);
-    EXPECT_EQ(rc, 0) << out;
-    EXPECT_NE(out.find("[  PASSED  ] 6 tests"), std::string::npos) << out;
+    // Each set with one weight stream per task and with several (MT_CPU_MATVEC_STREAMS).
+    for (const char* streams : {"0", "1"}) {
+      SCOPED_TRACE(std::string(set) + " MT_CPU_MATVEC_STREAMS=" + streams);
+      std::string out;
+      const int rc = test::run_command(
+          std::string(kChildMarker) + "=1 MT_CPU_MATVEC=" + set +
+              " MT_CPU_MATVEC_STREAMS=" + streams + " " + exe +
+              " --gtest_filter=Gemm.MatrixVector:Gemm.Deterministic:Gemm.FewRowsEqualEachRowAlone:"
+              "Gemm.Int8RowsMatchTheDequantizedMatmul:Gemm.Int8DecodeKeepsNanAndInfinity:"
+              "GemmPath.DescribesPathAndPeak",
+          out);
+      EXPECT_EQ(rc, 0) << out;
+      EXPECT_NE(out.find("[  PASSED  ] 6 tests"), std::string::npos) << out;
+    }
   }
   std::string out;
   EXPECT_NE(test::run_command(std::string(kChildMarker) + "=1 MT_CPU_MATVEC=sse9 " + exe +
@@ -831,6 +835,13 @@ TEST(GemmPath, EveryMatvecKernelSetMatches) {
                               out),
             0);
   EXPECT_NE(out.find("MT_CPU_MATVEC=sse9: unknown kernel set; use portable, avx2 or avx512"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(test::run_command(std::string(kChildMarker) + "=1 MT_CPU_MATVEC_STREAMS=4 " + exe +
+                                  " --gtest_filter=Gemm.MatrixVector",
+                              out),
+            0);
+  EXPECT_NE(out.find("MT_CPU_MATVEC_STREAMS=4: want 0 (one weight stream per core) or 1"),
             std::string::npos)
       << out;
 }

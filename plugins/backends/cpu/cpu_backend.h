@@ -11,6 +11,14 @@
 #include "mt/attention.h"
 #include "mt/backend.h"
 
+// The test build with emulated intrinsics (kernels/x86_simd.h) is a backend of its own name, so
+// it never stands in for the real one.
+#if defined(MT_EMULATE_X86)
+#define MT_CPU_BACKEND_NAME "cpu_x86emu"
+#else
+#define MT_CPU_BACKEND_NAME "cpu"
+#endif
+
 namespace mt::cpu {
 
 class CpuBackend final : public Backend {
@@ -25,7 +33,7 @@ class CpuBackend final : public Backend {
     arena_.execute(std::forward<F>(f));
   }
 
-  std::string name() const override { return "cpu"; }
+  std::string name() const override { return MT_CPU_BACKEND_NAME; }
   std::string describe() const override;
   double peak_flops(DType dtype) const override;
   // "mt.matvec_rows_layout": non-null, as the matrix-vector kernels stream a weight stored

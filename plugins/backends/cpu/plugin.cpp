@@ -9,16 +9,17 @@
 namespace {
 
 void register_cpu(mt::Registry& r) {
-  r.add_backend("cpu", [](const mt::Config& cfg) -> std::unique_ptr<mt::Backend> {
+  r.add_backend(MT_CPU_BACKEND_NAME, [](const mt::Config& cfg) -> std::unique_ptr<mt::Backend> {
     const int n = mt::cpu_threads(cfg);
     mt::cpu::gemm_setup(n);
     return std::make_unique<mt::cpu::CpuBackend>(n);
   });
-  r.add_attention("cpu", "dot_product",
+  r.add_attention(MT_CPU_BACKEND_NAME, "dot_product",
                   [](mt::Backend& b) { return mt::cpu::make_dot_product_attention(b); });
-  r.add_attention("cpu", "flash", [](mt::Backend& b) { return mt::cpu::make_flash_attention(b); });
+  r.add_attention(MT_CPU_BACKEND_NAME, "flash",
+                  [](mt::Backend& b) { return mt::cpu::make_flash_attention(b); });
 }
 
 }  // namespace
 
-MT_PLUGIN(mt::PluginKind::backend, "cpu", "0.1.0", register_cpu, nullptr)
+MT_PLUGIN(mt::PluginKind::backend, MT_CPU_BACKEND_NAME, "0.1.0", register_cpu, nullptr)

@@ -40,10 +40,10 @@
 
 #define MT_ALWAYS_INLINE __attribute__((always_inline)) inline
 #if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
+#include "kernels/x86_simd.h"
 #define MT_FLASH_X86 1
-#define MT_AVX512 __attribute__((target("avx512f")))
-#define MT_AVX2 __attribute__((target("avx2,fma")))
+#define MT_AVX512 MT_TARGET("avx512f")
+#define MT_AVX2 MT_TARGET("avx2,fma")
 #define MT_CLONES __attribute__((target_clones("avx512f", "default")))
 #else  // other architectures: the generic kernels only
 #define MT_FLASH_X86 0
@@ -665,8 +665,8 @@ const Kernels& kernels() {
   // softcap keeps the portable loop (std::tanh); only Gemma-style models use it.
   static const Kernels avx2{abt_avx2, abt_direct_avx2, acc_avx2,      exp_sub_avx2,
                             max_avx2, softcap_generic, transpose_avx2};
-  static const bool has_avx512 = __builtin_cpu_supports("avx512f");
-  static const bool has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool has_avx512 = mt_cpu_supports("avx512f");
+  static const bool has_avx2 = mt_cpu_supports("avx2") && mt_cpu_supports("fma");
 #else
   static const bool has_avx512 = false, has_avx2 = false;
 #endif

@@ -30,7 +30,6 @@
 #include <cblas.h>
 #include <dlfcn.h>
 #include <fmt/format.h>
-#include <immintrin.h>
 #include <oneapi/tbb/blocked_range.h>
 #include <oneapi/tbb/parallel_for.h>
 #include <oneapi/tbb/partitioner.h>
@@ -52,6 +51,7 @@
 #include "kernels/gemm_amx.h"
 #include "kernels/kernels.h"
 #include "kernels/simd.h"
+#include "kernels/x86_simd.h"
 #include "mt/error.h"
 #include "mt/q8.h"
 
@@ -70,12 +70,12 @@ struct Isa {
   static Isa detect() {
     __builtin_cpu_init();
     Isa isa;
-    isa.avx2_fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    isa.avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                 __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-    isa.avx512_bf16 = isa.avx512 && __builtin_cpu_supports("avx512bf16");
-    isa.amx_bf16 = __builtin_cpu_supports("amx-bf16");
-    isa.avx512_vnni = isa.avx512 && __builtin_cpu_supports("avx512vnni");
+    isa.avx2_fma = mt_cpu_supports("avx2") && mt_cpu_supports("fma");
+    isa.avx512 = mt_cpu_supports("avx512f") && mt_cpu_supports("avx512bw") &&
+                 mt_cpu_supports("avx512dq") && mt_cpu_supports("avx512vl");
+    isa.avx512_bf16 = isa.avx512 && mt_cpu_supports("avx512bf16");
+    isa.amx_bf16 = mt_cpu_supports("amx-bf16");
+    isa.avx512_vnni = isa.avx512 && mt_cpu_supports("avx512vnni");
     return isa;
   }
 
@@ -145,8 +145,13 @@ OpenBlas load_openblas() {
     if ((handle = dlopen(name, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD))) break;
   const char* user_coretype = std::getenv("OPENBLAS_CORETYPE");
   // Kernel family for this CPU when OpenBLAS's own detection is not trusted: SkylakeX needs
-  // AVX-512 F/BW/DQ/VL, Haswell AVX2+FMA. Only set before OpenBLAS's constructor runs.
-  const char* ours = isa().avx512 ? "SkylakeX" : isa().avx2_fma ? "Haswell" : nullptr;
+  // AVX-512 F/BW/DQ/VL, Haswell AVX2+FMA. Only set before OpenBLAS's constructor runs. The
+  // hardware's own answer, not isa()'s: OpenBLAS runs natively under MT_EMULATE_X86 too.
+  __builtin_cpu_init();
+  const bool hw_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  const bool hw_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const char* ours = hw_avx512 ? "SkylakeX" : hw_avx2 ? "Haswell" : nullptr;
   if (!handle) {
     // setenv is not thread-safe against concurrent getenv; this runs once, from the backend
     // factory, before any kernel thread exists.
@@ -211,7 +216,7 @@ const OpenBlas& openblas() {
 // inlined into a function of another target.
 constexpr int kChains512 = 16, kChains256 = 12;
 
-__attribute__((target("avx512f"))) double fma_loop_avx512(long iters) {
+MT_TARGET("avx512f") double fma_loop_avx512(long iters) {
   __m512 acc[kChains512];
   for (int i = 0; i < kChains512; ++i) acc[i] = _mm512_set1_ps(1.f + 0.01f * float(i));
   const __m512 m = _mm512_set1_ps(0.999f), add = _mm512_set1_ps(1e-3f);
@@ -225,7 +230,7 @@ __attribute__((target("avx512f"))) double fma_loop_avx512(long iters) {
   return out[0];
 }
 
-__attribute__((target("avx2,fma"))) double fma_loop_avx2(long iters) {
+MT_TARGET("avx2,fma") double fma_loop_avx2(long iters) {
   __m256 acc[kChains256];
   for (int i = 0; i < kChains256; ++i) acc[i] = _mm256_set1_ps(1.f + 0.01f * float(i));
   const __m256 m = _mm256_set1_ps(0.999f), add = _mm256_set1_ps(1e-3f);
@@ -247,6 +252,9 @@ __attribute__((target("avx2,fma"))) double fma_loop_avx2(long iters) {
 // Measured once: one ~15 ms run on one core read 177-207 GFLOP/s across runs on a 2-core AVX2
 // machine (MFU 0.80 where the share was 0.70).
 double measure_core_peak() {
+#if defined(MT_EMULATE_X86)
+  return 1e11;  // emulated instructions have no rate of their own: a nominal figure
+#endif
   const int lanes = isa().avx512 ? 16 : isa().avx2_fma ? 8 : 0;
   if (lanes == 0) return 4e9;  // SSE2 only: ~1 mul+add of 4 lanes per cycle at ~1 GHz, a guess
   const int chains = lanes == 16 ? kChains512 : kChains256;
@@ -411,7 +419,7 @@ void gemv_cols_portable(int64_t rows_m, const float* x, int64_t ldx, const W* w,
       y[r * ldy + j0 + j] = combine(acc_buf[size_t(r * n + j)], alpha, beta, y[r * ldy + j0 + j]);
 }
 
-#define MT_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+#define MT_AVX512 MT_TARGET("avx512f,avx512bw,avx512dq,avx512vl")
 
 // Sixteen f32 (masked) from W: bf16 is widened in registers by a 16-bit shift.
 template <class W>
@@ -559,6 +567,87 @@ MT_AVX512 void gemv_rows_avx512(int64_t rows_m, const float* x, int64_t ldx, con
   }
 }
 
+// X rows of x against L weight rows side by side (gemv_row_streams_avx512's streams, as
+// gemv_row_streams_avx2's on AVX2). Each (row of x, weight row) sum is gemv_rows_avx512's to the
+// bit at one or two rows of x: dot_steps_avx512's four accumulators over the whole of K in steps
+// of 64, the masked tail step, the same horizontal sum.
+template <class W, int L, int X>
+MT_AVX512 void row_dots_avx512(const float* const* xs, const W* const* rows, int64_t k,
+                               float (*sums)[X]) {
+  const int64_t k64 = k / 64 * 64;
+  __m512 a[L][X][4];
+#pragma GCC unroll 4
+  for (int s = 0; s < L; ++s)
+    for (int i = 0; i < X; ++i)
+      for (int u = 0; u < 4; ++u) a[s][i][u] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < k64; p += 64) {
+#pragma GCC unroll 4
+    for (int s = 0; s < L; ++s) {
+      const __m512 w0 = load16(rows[s] + p, 0xffff), w1 = load16(rows[s] + p + 16, 0xffff);
+      const __m512 w2 = load16(rows[s] + p + 32, 0xffff), w3 = load16(rows[s] + p + 48, 0xffff);
+#pragma GCC unroll 2
+      for (int i = 0; i < X; ++i) {
+        a[s][i][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xs[i] + p), w0, a[s][i][0]);
+        a[s][i][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xs[i] + p + 16), w1, a[s][i][1]);
+        a[s][i][2] = _mm512_fmadd_ps(_mm512_loadu_ps(xs[i] + p + 32), w2, a[s][i][2]);
+        a[s][i][3] = _mm512_fmadd_ps(_mm512_loadu_ps(xs[i] + p + 48), w3, a[s][i][3]);
+      }
+    }
+  }
+  if (k64 < k) {
+    auto mask = [&](int64_t q) { return q < k ? tail_mask(k - q) : __mmask16(0); };
+    const __mmask16 m0 = mask(k64), m1 = mask(k64 + 16), m2 = mask(k64 + 32), m3 = mask(k64 + 48);
+    for (int s = 0; s < L; ++s) {
+      const W* row = rows[s] + k64;
+      const __m512 w0 = load16(row, m0), w1 = load16(row + 16, m1);
+      const __m512 w2 = load16(row + 32, m2), w3 = load16(row + 48, m3);
+      for (int i = 0; i < X; ++i) {
+        const float* x = xs[i] + k64;
+        a[s][i][0] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m0, x), w0, a[s][i][0]);
+        a[s][i][1] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m1, x + 16), w1, a[s][i][1]);
+        a[s][i][2] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m2, x + 32), w2, a[s][i][2]);
+        a[s][i][3] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m3, x + 48), w3, a[s][i][3]);
+      }
+    }
+  }
+  for (int s = 0; s < L; ++s)
+    for (int i = 0; i < X; ++i)
+      sums[s][i] = hsum(_mm512_add_ps(_mm512_add_ps(a[s][i][0], a[s][i][1]),
+                                      _mm512_add_ps(a[s][i][2], a[s][i][3])));
+}
+
+// One or two rows of x (X) against weight rows [j0, j1) as S sequential streams at once (rows j,
+// j + h, ...; h = ceil((j1 - j0) / S)): 4 for one row (16 accumulators of AVX-512's 32
+// registers), 3 for two (24). gemv_row_streams_avx2's reading, for the AVX-512 set; taken only
+// with MT_CPU_MATVEC_STREAMS=1 until measured on an AVX-512 machine (see matvec_streams()).
+template <class W, int X>
+MT_AVX512 void gemv_row_streams_avx512(const float* x, int64_t ldx, const W* w, int64_t k,
+                                       int64_t ldw, int64_t j0, int64_t j1, float alpha, float beta,
+                                       float* y, int64_t ldy) {
+  constexpr int S = X == 1 ? 4 : 3;
+  const float* xs[X];
+  for (int i = 0; i < X; ++i) xs[i] = x + i * ldx;
+  const int64_t h = (j1 - j0 + S - 1) / S;
+  for (int64_t r = 0; r < h; ++r) {
+    int64_t js[S] = {};
+    const int live = stream_rows(j0, j1, h, r, S, js);
+    const W* rows[4] = {};
+    for (int s = 0; s < live; ++s) rows[s] = w + js[s] * ldw;
+    float sums[4][X];
+    if (live == 4)
+      row_dots_avx512<W, 4, X>(xs, rows, k, sums);
+    else if (live == 3)
+      row_dots_avx512<W, 3, X>(xs, rows, k, sums);
+    else if (live == 2)
+      row_dots_avx512<W, 2, X>(xs, rows, k, sums);
+    else
+      row_dots_avx512<W, 1, X>(xs, rows, k, sums);
+    for (int s = 0; s < live; ++s)
+      for (int i = 0; i < X; ++i)
+        y[i * ldy + js[s]] = combine(sums[s][i], alpha, beta, y[i * ldy + js[s]]);
+  }
+}
+
 template <class W>
 MT_AVX512 void gemv_cols_avx512(int64_t rows_m, const float* x, int64_t ldx, const W* w, int64_t k,
                                 int64_t ldw, int64_t j0, int64_t j1, float alpha, float beta,
@@ -611,7 +700,7 @@ MT_AVX512 void gemv_cols_avx512(int64_t rows_m, const float* x, int64_t ldx, con
     }
 }
 
-#define MT_AVX2 __attribute__((target("avx2,fma")))
+#define MT_AVX2 MT_TARGET("avx2,fma")
 
 // Eight f32 from W (bf16 widened in registers by a 16-bit shift).
 template <class W>
@@ -708,15 +797,6 @@ MT_AVX2 void gemv_rows_avx2(int64_t rows_m, const float* x, int64_t ldx, const W
       }
     }
   }
-}
-
-// The i-th step of reading rows [j0, j1) as `streams` sequential streams of h rows each (h =
-// ceil((j1 - j0) / streams)): rows j0 + s h + i that exist, into js; their count.
-inline int stream_rows(int64_t j0, int64_t j1, int64_t h, int64_t i, int streams, int64_t* js) {
-  int live = 0;
-  for (int s = 0; s < streams; ++s)
-    if (const int64_t j = j0 + s * h + i; j < j1) js[live++] = j;
-  return live;
 }
 
 // X rows of x against L weight rows side by side (gemv_row_streams_avx2's streams). One core
@@ -870,6 +950,23 @@ MatvecSet matvec_set() {
   return kSet;
 }
 
+// Whether one or two rows of x read their weight rows as several sequential streams per core
+// (gemv_row_streams_avx2 / _avx512, and the vdpbf16ps rows kernel) instead of one: on by default
+// for the AVX2 set (measured on a 2-core AVX2 EPYC, Zen 3: one stream per core left memory idle
+// between misses), off for AVX-512 (not yet measured on an AVX-512 machine: the kernels are
+// checked for bits here, on cpu_x86emu, and wait for a measurement before they become the
+// default). MT_CPU_MATVEC_STREAMS=0|1 forces either way.
+bool matvec_streams() {
+  static const bool kOn = [] {
+    const char* env = std::getenv("MT_CPU_MATVEC_STREAMS");
+    if (!env || !*env) return matvec_set() == MatvecSet::avx2;
+    const std::string v = env;
+    if (v == "0" || v == "1") return v == "1";
+    fail("MT_CPU_MATVEC_STREAMS=" + v + ": want 0 (one weight stream per core) or 1 (several)");
+  }();
+  return kOn;
+}
+
 const char* matvec_set_name() {
   switch (matvec_set()) {
     case MatvecSet::avx512:
@@ -896,11 +993,16 @@ void gemv(bool rows, int64_t rows_m, const float* x, int64_t ldx, const W* w, in
       gemv_cols_portable(rows_m, x, ldx, w, k, ldw, j0, j1, alpha, beta, y, ldy);
     return;
   }
-  if (set == MatvecSet::avx512)
+  const bool streams = rows_m <= 2 && matvec_streams();
+  if (set == MatvecSet::avx512 && streams && rows_m == 1)
+    gemv_row_streams_avx512<W, 1>(x, ldx, w, k, ldw, j0, j1, alpha, beta, y, ldy);
+  else if (set == MatvecSet::avx512 && streams)
+    gemv_row_streams_avx512<W, 2>(x, ldx, w, k, ldw, j0, j1, alpha, beta, y, ldy);
+  else if (set == MatvecSet::avx512)
     gemv_rows_avx512(rows_m, x, ldx, w, k, ldw, j0, j1, alpha, beta, y, ldy);
-  else if (set == MatvecSet::avx2 && rows_m == 1)
+  else if (set == MatvecSet::avx2 && streams && rows_m == 1)
     gemv_row_streams_avx2<W, 1>(x, ldx, w, k, ldw, j0, j1, alpha, beta, y, ldy);
-  else if (set == MatvecSet::avx2 && rows_m == 2)
+  else if (set == MatvecSet::avx2 && streams)
     gemv_row_streams_avx2<W, 2>(x, ldx, w, k, ldw, j0, j1, alpha, beta, y, ldy);
   else if (set == MatvecSet::avx2)
     gemv_rows_avx2(rows_m, x, ldx, w, k, ldw, j0, j1, alpha, beta, y, ldy);
@@ -997,7 +1099,7 @@ void matvec(const Problem& p, const float* a, const W* b, float* c) {
 void matvec_bf16dot(const Problem& p, const uint16_t* a, const uint16_t* b, float* c) {
   over_output_chunks(p, 0, [&](int64_t bi, int64_t j0, int64_t j1) {
     gemv_rows_bf16dot(p.m, a + bi * p.stride_a, p.k, b + bi * p.stride_b, p.k, p.k, j0, j1, p.alpha,
-                      p.beta, c + bi * p.stride_c, p.n);
+                      p.beta, c + bi * p.stride_c, p.n, matvec_streams());
   });
 }
 
@@ -1072,8 +1174,7 @@ bool dot_gemm_pays() {
     if (!dot_bf16_usable()) return false;
     const char* env = std::getenv("MT_CPU_BF16DOT");
     if (env && std::string(env) == "1") return true;
-    __builtin_cpu_init();
-    return __builtin_cpu_is("amd") != 0;
+    return mt_cpu_is_amd();
   }();
   return kPays;
 }
@@ -1116,7 +1217,9 @@ std::string gemm_describe() {
                         : "bf16 widened to f32";
   const std::string matvec =
       std::string(matvec_set_name()) +
-      (matvec_bf16dot_on() ? " (bf16 x bf16 weight rows on AVX512_BF16 dot products)" : "");
+      (matvec_bf16dot_on() ? " (bf16 x bf16 weight rows on AVX512_BF16 dot products)" : "") +
+      (matvec_set() != MatvecSet::portable && matvec_streams() ? ", several weight streams a core"
+                                                               : "");
   if (!ob.sgemm)
     return fmt::format("portable mt GEMM, slow (OpenBLAS not usable: {}); {}; M=1: {}; CPU: {}",
                        ob.error, bf16, matvec, isa().str());
@@ -1266,7 +1369,8 @@ void grouped_matvec(const Tensor& x, const Tensor& w, const std::vector<int32_t>
     float* y = out32.ptr<float>() + r0 * n;
     if (dot)
       gemv_rows_bf16dot(rows, x.ptr<const uint16_t>() + r0 * k, k,
-                        w.ptr<const uint16_t>() + t.e * n * k, k, k, t.j0, t.j1, 1.f, 0.f, y, n);
+                        w.ptr<const uint16_t>() + t.e * n * k, k, k, t.j0, t.j1, 1.f, 0.f, y, n,
+                        matvec_streams());
     else if (wbf)
       gemv(trans_w, rows, xf + r0 * ldx, ldx, w.ptr<const uint16_t>() + t.e * n * k, k, ldw, t.j0,
            t.j1, 1.f, 0.f, y, n);
@@ -1406,7 +1510,7 @@ float dot_q8_f32(const float* x, const int8_t* row, int64_t k) {
   return t;
 }
 
-#define MT_AVX2_VNNI __attribute__((target("avx2,fma,avx512f,avx512vl,avx512vnni")))
+#define MT_AVX2_VNNI MT_TARGET("avx2,fma,avx512f,avx512vl,avx512vnni")
 
 // A block's 8 lanes from |w| and x * sign(w): AVX2's maddubs (pairs, at most 2 * 128 * 127 in
 // int16) then madd with ones (pairs of pairs), or one AVX512-VNNI vpdpbusd: the same sums.
@@ -1536,7 +1640,7 @@ void gemv_q8(int64_t m, const int8_t* xq, int64_t rx, const bool* ok, const floa
              const int8_t* w, int64_t rb, int64_t k, int64_t j0, int64_t j1, float* y,
              int64_t ldy) {
   const Q8Kernels set = q8_kernels();
-  if (m == 1 && ok[0] && set != Q8Kernels::portable) {
+  if (m == 1 && ok[0] && set != Q8Kernels::portable && matvec_streams()) {
     gemv_q8_streams(set, xq, w, rb, k, j0, j1, y);
     return;
   }

@@ -23,7 +23,6 @@
 // Determinism: each c element is one accumulation in a fixed k order.
 #include "kernels/gemm_amx.h"
 
-#include <immintrin.h>
 #include <oneapi/tbb/blocked_range.h>
 #include <oneapi/tbb/parallel_for.h>
 #include <oneapi/tbb/partitioner.h>
@@ -39,6 +38,8 @@
 #include <thread>
 #include <vector>
 
+#include "kernels/x86_simd.h"
+
 namespace mt::cpu {
 namespace {
 
@@ -50,10 +51,14 @@ constexpr int64_t kStepsPerChunk = 8;        // k steps (of 32) per pass over a 
 
 // Linux keeps the AMX tile data state off until a process asks (arch_prctl, kernel >= 5.16).
 bool request_amx() {
+#if defined(MT_EMULATE_X86)
+  return false;  // SIMDe has no AMX
+#else
   if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("amx-tile")) return false;
   constexpr long kArchReqXcompPerm = 0x1023;
   constexpr long kXfeatureXtiledata = 18;
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#endif
 }
 
 struct alignas(64) TileConfig {
@@ -64,8 +69,9 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-#define MT_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl")))
+#define MT_AMX MT_TARGET("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl")
 
+#if !defined(MT_EMULATE_X86)
 // Sets up this thread's tiles: all eight are 16 rows x 64 bytes.
 MT_AMX void configure_tiles() {
   TileConfig cfg;
@@ -145,8 +151,18 @@ MT_AMX void micro_kernel(const uint16_t* pa, const uint16_t* pb, int64_t steps, 
   _tile_stored(2, acc + 16 * kBlock, kStride);
   _tile_stored(3, acc + 16 * kBlock + 16, kStride);
 }
+#else  // never called: request_amx() says no AMX under emulation
+void configure_tiles() {}
+void release_tiles() {}
+double measure_amx_peak() {
+  return 0;
+}
+void micro_kernel(const uint16_t*, const uint16_t*, int64_t, bool, float*) {
+  std::abort();
+}
+#endif
 
-#define MT_BF16DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define MT_BF16DOT MT_TARGET("avx512f,avx512bw,avx512vl,avx512bf16")
 
 // micro_kernel's contract on vdpbf16ps: acc (32 x 32 f32) += pa . pb over `steps` k steps of 32.
 // pb: the same packed B tiles ([2 tiles][16 k pairs][16 cols][2] per step). pa: the row group's
@@ -173,13 +189,12 @@ MT_BF16DOT void dot_micro_kernel(const uint16_t* pa, int64_t kb, int64_t s0, con
         for (int64_t l = 0; l < pf_lines; ++l) _mm_prefetch(line + l * 64, _MM_HINT_T0);
       }
       for (int64_t pr = 0; pr < kTileK / 2; ++pr) {
-        const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + pr * 32));
-        const __m512bh b1 =
-            reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + kTileElems + pr * 32));
+        const __m512bh b0 = MT_AS_BF16X32(_mm512_loadu_si512(b + pr * 32));
+        const __m512bh b1 = MT_AS_BF16X32(_mm512_loadu_si512(b + kTileElems + pr * 32));
         for (int r = 0; r < 8; ++r) {
           uint32_t pair;
           std::memcpy(&pair, a + r * kTileK + 2 * pr, sizeof pair);
-          const __m512bh av = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
+          const __m512bh av = MT_AS_BF16X32(_mm512_set1_epi32(static_cast<int>(pair)));
           c[r][0] = _mm512_dpbf16_ps(c[r][0], av, b0);
           c[r][1] = _mm512_dpbf16_ps(c[r][1], av, b1);
         }
@@ -195,8 +210,8 @@ MT_BF16DOT void dot_micro_kernel(const uint16_t* pa, int64_t kb, int64_t s0, con
 MT_BF16DOT double dot_loop(long iters) {
   __m512 acc[12];
   for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(0.001f * static_cast<float>(i));
-  const __m512bh x = reinterpret_cast<__m512bh>(_mm512_set1_epi32(0x3f803f80));
-  const __m512bh y = reinterpret_cast<__m512bh>(_mm512_set1_epi32(0x3f7f3f7f));
+  const __m512bh x = MT_AS_BF16X32(_mm512_set1_epi32(0x3f803f80));
+  const __m512bh y = MT_AS_BF16X32(_mm512_set1_epi32(0x3f7f3f7f));
   for (long n = 0; n < iters; ++n)
     for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], x, y);
   for (int i = 1; i < 12; ++i) acc[0] = _mm512_add_ps(acc[0], acc[i]);
@@ -206,6 +221,9 @@ MT_BF16DOT double dot_loop(long iters) {
 }
 
 double measure_dot_peak() {
+#if defined(MT_EMULATE_X86)
+  return 2e11;  // emulated instructions have no rate of their own: a nominal figure
+#endif
   constexpr long kIters = 200000;
   auto one_core = [] {
     double best = 0, sink = 0;
@@ -446,10 +464,8 @@ bool dot_bf16_usable() {
   static const bool kUsable = [] {
     const char* env = std::getenv("MT_CPU_BF16DOT");
     if (env && std::string(env) == "0") return false;
-    __builtin_cpu_init();
-    return !amx_bf16_usable() && __builtin_cpu_supports("avx512f") &&
-           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-           __builtin_cpu_supports("avx512bf16");
+    return !amx_bf16_usable() && mt_cpu_supports("avx512f") && mt_cpu_supports("avx512bw") &&
+           mt_cpu_supports("avx512vl") && mt_cpu_supports("avx512bf16");
   }();
   return kUsable;
 }
@@ -560,11 +576,72 @@ void gemm_bf16_packed(bool amx, Backend& be, bool ta, bool tb, int64_t m, int64_
       },
       tbb::simple_partitioner());
 }
+
+// One row of x against L weight rows (gemv_rows_bf16dot's streams): each row's sum as the one-row
+// loop below makes it.
+template <int L>
+MT_BF16DOT void row_dots_bf16dot(const uint16_t* x, const uint16_t* const* rows, int64_t k,
+                                 float* sums) {
+  const int64_t k128 = k / 128 * 128;
+  __m512 a[L][4];
+#pragma GCC unroll 4
+  for (int s = 0; s < L; ++s)
+    for (int u = 0; u < 4; ++u) a[s][u] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < k128; p += 128) {
+#pragma GCC unroll 4
+    for (int s = 0; s < L; ++s)
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u)
+        a[s][u] = _mm512_dpbf16_ps(a[s][u], MT_AS_BF16X32(_mm512_loadu_si512(x + p + 32 * u)),
+                                   MT_AS_BF16X32(_mm512_loadu_si512(rows[s] + p + 32 * u)));
+  }
+  for (int64_t p = k128, u = 0; p < k; p += 32, ++u) {
+    const int64_t left = k - p;
+    const __mmask32 m = left >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << left) - 1u);
+    const __m512bh xv = MT_AS_BF16X32(_mm512_maskz_loadu_epi16(m, x + p));
+    for (int s = 0; s < L; ++s)
+      a[s][u] =
+          _mm512_dpbf16_ps(a[s][u], xv, MT_AS_BF16X32(_mm512_maskz_loadu_epi16(m, rows[s] + p)));
+  }
+  for (int s = 0; s < L; ++s) {
+    alignas(64) float lanes[16];
+    _mm512_store_ps(
+        lanes, _mm512_add_ps(_mm512_add_ps(a[s][0], a[s][1]), _mm512_add_ps(a[s][2], a[s][3])));
+    float t = 0.f;
+    for (int l = 0; l < 16; ++l) t += lanes[l];
+    sums[s] = t;
+  }
+}
+
 }  // namespace
 
 MT_BF16DOT void gemv_rows_bf16dot(int64_t rows_m, const uint16_t* x, int64_t ldx, const uint16_t* w,
                                   int64_t k, int64_t ldw, int64_t j0, int64_t j1, float alpha,
-                                  float beta, float* y, int64_t ldy) {
+                                  float beta, float* y, int64_t ldy, bool streams) {
+  if (streams && rows_m == 1) {
+    constexpr int S = 4;
+    const int64_t h = (j1 - j0 + S - 1) / S;
+    for (int64_t i = 0; i < h; ++i) {
+      int64_t js[S] = {};
+      const int live = stream_rows(j0, j1, h, i, S, js);
+      const uint16_t* rows[S] = {};
+      for (int s = 0; s < live; ++s) rows[s] = w + js[s] * ldw;
+      float sums[S];
+      if (live == 4)
+        row_dots_bf16dot<4>(x, rows, k, sums);
+      else if (live == 3)
+        row_dots_bf16dot<3>(x, rows, k, sums);
+      else if (live == 2)
+        row_dots_bf16dot<2>(x, rows, k, sums);
+      else
+        row_dots_bf16dot<1>(x, rows, k, sums);
+      for (int s = 0; s < live; ++s) {
+        float& out = y[js[s]];
+        out = beta == 0.f ? alpha * sums[s] : alpha * sums[s] + beta * out;
+      }
+    }
+    return;
+  }
   const int64_t k128 = k / 128 * 128;
   for (int64_t j = j0; j < j1; ++j) {
     const uint16_t* row = w + j * ldw;
@@ -575,16 +652,14 @@ MT_BF16DOT void gemv_rows_bf16dot(int64_t rows_m, const uint16_t* x, int64_t ldx
       for (int64_t p = 0; p < k128; p += 128) {
 #pragma GCC unroll 4
         for (int u = 0; u < 4; ++u)
-          a[u] = _mm512_dpbf16_ps(a[u],
-                                  reinterpret_cast<__m512bh>(_mm512_loadu_si512(xr + p + 32 * u)),
-                                  reinterpret_cast<__m512bh>(_mm512_loadu_si512(row + p + 32 * u)));
+          a[u] = _mm512_dpbf16_ps(a[u], MT_AS_BF16X32(_mm512_loadu_si512(xr + p + 32 * u)),
+                                  MT_AS_BF16X32(_mm512_loadu_si512(row + p + 32 * u)));
       }
       for (int64_t p = k128, u = 0; p < k; p += 32, ++u) {
         const int64_t left = k - p;
         const __mmask32 m = left >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << left) - 1u);
-        a[u] =
-            _mm512_dpbf16_ps(a[u], reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(m, xr + p)),
-                             reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(m, row + p)));
+        a[u] = _mm512_dpbf16_ps(a[u], MT_AS_BF16X32(_mm512_maskz_loadu_epi16(m, xr + p)),
+                                MT_AS_BF16X32(_mm512_maskz_loadu_epi16(m, row + p)));
       }
       alignas(64) float lanes[16];
       _mm512_store_ps(lanes, _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));

@@ -44,13 +44,24 @@ void gemm_bf16(Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t k, f
 void gemm_bf16_q8(Backend& be, int64_t m, int64_t n, int64_t k, const uint16_t* x, int64_t ldx,
                   const int8_t* w, int64_t rb, float* y, uint16_t* y16, int64_t ldy);
 
+// The i-th step of reading rows [j0, j1) as `streams` sequential streams of h rows each (h =
+// ceil((j1 - j0) / streams)): rows j0 + s h + i that exist, into js; their count.
+inline int stream_rows(int64_t j0, int64_t j1, int64_t h, int64_t i, int streams, int64_t* js) {
+  int live = 0;
+  for (int s = 0; s < streams; ++s)
+    if (const int64_t j = j0 + s * h + i; j < j1) js[live++] = j;
+  return live;
+}
+
 // Dot products of rows_m rows of bf16 x (x + r ldx) with rows [j0, j1) of bf16 W [N, K] (w + j
 // ldw) on vdpbf16ps, one weight row at a time (one sequential stream per task, as the f32
 // "rows" kernels): y[r ldy + j] = alpha dot + beta y (beta 0: y not read). Each output sums in
 // one order whatever rows_m: four accumulators over consecutive 32-element steps, masked tail,
-// then (a0 + a1) + (a2 + a3) and the lanes. Callers check dot_bf16_usable().
+// then (a0 + a1) + (a2 + a3) and the lanes. Callers check dot_bf16_usable(). With `streams`
+// and one row of x, four weight rows far apart at once (four sequential streams per task, as
+// gemm.cpp's matvec_streams()), each row's sum in the same order.
 void gemv_rows_bf16dot(int64_t rows_m, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k,
                        int64_t ldw, int64_t j0, int64_t j1, float alpha, float beta, float* y,
-                       int64_t ldy);
+                       int64_t ldy, bool streams);
 
 }  // namespace mt::cpu

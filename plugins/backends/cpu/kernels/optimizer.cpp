@@ -7,7 +7,7 @@
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
-#include <immintrin.h>
+#include "kernels/x86_simd.h"
 #pragma GCC diagnostic pop
 
 #include <fmt/format.h>
@@ -72,7 +72,7 @@ void adamw_scalar(P* param, const G* grad, M* m, float* v, int64_t begin, int64_
 
 // AVX-512, 16 elements at a time. Written with intrinsics because the compiler will not vectorise
 // the scalar loop: std::sqrt may set errno, which keeps a branch in the loop.
-#define MT_AVX512 __attribute__((target("avx512f")))
+#define MT_AVX512 MT_TARGET("avx512f")
 
 MT_AVX512 inline __m512 load16(const float* p) {
   return _mm512_loadu_ps(p);
@@ -121,7 +121,7 @@ MT_AVX512 void adamw_avx512(P* param, const G* grad, M* m, float* v, int64_t beg
 }
 
 bool have_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f");
+  static const bool yes = mt_cpu_supports("avx512f");
   return yes;
 }
 
