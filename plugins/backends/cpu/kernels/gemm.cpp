@@ -634,14 +634,7 @@ MT_AVX512 void gemv_row_streams_avx512(const float* x, int64_t ldx, const W* w, 
     const W* rows[4] = {};
     for (int s = 0; s < live; ++s) rows[s] = w + js[s] * ldw;
     float sums[4][X];
-    if (live == 4)
-      row_dots_avx512<W, 4, X>(xs, rows, k, sums);
-    else if (live == 3)
-      row_dots_avx512<W, 3, X>(xs, rows, k, sums);
-    else if (live == 2)
-      row_dots_avx512<W, 2, X>(xs, rows, k, sums);
-    else
-      row_dots_avx512<W, 1, X>(xs, rows, k, sums);
+    with_count_1_to_4(live, [&](auto n) { row_dots_avx512<W, n(), X>(xs, rows, k, sums); });
     for (int s = 0; s < live; ++s)
       for (int i = 0; i < X; ++i)
         y[i * ldy + js[s]] = combine(sums[s][i], alpha, beta, y[i * ldy + js[s]]);
@@ -1599,21 +1592,6 @@ void dot_q8(Q8Kernels set, const int8_t* const* xq, const int8_t* const* rows, i
     dot_q8_vnni<X, S>(xq, rows, k, out);
   else
     dot_q8_avx2<X, S>(xq, rows, k, out);
-}
-
-// f(std::integral_constant<int, n>) for n in [1, 4] (a kernel templated on its row count).
-template <class F>
-void with_count_1_to_4(int64_t n, const F& f) {
-  switch (n) {
-    case 4:
-      return f(std::integral_constant<int, 4>{});
-    case 3:
-      return f(std::integral_constant<int, 3>{});
-    case 2:
-      return f(std::integral_constant<int, 2>{});
-    default:
-      return f(std::integral_constant<int, 1>{});
-  }
 }
 
 constexpr int kQ8Streams = 4;

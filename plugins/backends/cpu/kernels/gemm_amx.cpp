@@ -627,14 +627,7 @@ MT_BF16DOT void gemv_rows_bf16dot(int64_t rows_m, const uint16_t* x, int64_t ldx
       const uint16_t* rows[S] = {};
       for (int s = 0; s < live; ++s) rows[s] = w + js[s] * ldw;
       float sums[S];
-      if (live == 4)
-        row_dots_bf16dot<4>(x, rows, k, sums);
-      else if (live == 3)
-        row_dots_bf16dot<3>(x, rows, k, sums);
-      else if (live == 2)
-        row_dots_bf16dot<2>(x, rows, k, sums);
-      else
-        row_dots_bf16dot<1>(x, rows, k, sums);
+      with_count_1_to_4(live, [&](auto n) { row_dots_bf16dot<n()>(x, rows, k, sums); });
       for (int s = 0; s < live; ++s) {
         float& out = y[js[s]];
         out = beta == 0.f ? alpha * sums[s] : alpha * sums[s] + beta * out;

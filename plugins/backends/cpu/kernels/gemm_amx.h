@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <type_traits>
 
 #include "mt/backend.h"
 
@@ -51,6 +52,21 @@ inline int stream_rows(int64_t j0, int64_t j1, int64_t h, int64_t i, int streams
   for (int s = 0; s < streams; ++s)
     if (const int64_t j = j0 + s * h + i; j < j1) js[live++] = j;
   return live;
+}
+
+// f(std::integral_constant<int, n>) for n in [1, 4] (a kernel templated on its row count).
+template <class F>
+void with_count_1_to_4(int64_t n, const F& f) {
+  switch (n) {
+    case 4:
+      return f(std::integral_constant<int, 4>{});
+    case 3:
+      return f(std::integral_constant<int, 3>{});
+    case 2:
+      return f(std::integral_constant<int, 2>{});
+    default:
+      return f(std::integral_constant<int, 1>{});
+  }
 }
 
 // Dot products of rows_m rows of bf16 x (x + r ldx) with rows [j0, j1) of bf16 W [N, K] (w + j
