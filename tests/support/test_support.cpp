@@ -16,14 +16,21 @@
 
 namespace mt::test {
 
-PluginManager& plugins() {
-  static PluginManager pm;
-  return pm;
-}
-
 const char* cpu_backend_name() {
   const char* e = std::getenv("MT_TEST_CPU_BACKEND");
   return e && *e ? e : "cpu";
+}
+
+PluginManager& plugins() {
+  // cpu_x86emu is built beside the tests, never installed: its directory is added here, so the
+  // X86Emu.* tests need one environment variable (CTest's ENVIRONMENT property is a CMake list,
+  // and gtest_discover_tests splits a second entry off it unseen).
+  static PluginManager pm(
+      std::string(cpu_backend_name()) == "cpu_x86emu"
+          ? std::vector<std::filesystem::path>{std::filesystem::path(MT_BUILD_DIR) / "tests" /
+                                               "x86emu"}
+          : std::vector<std::filesystem::path>{});
+  return pm;
 }
 
 bool cpu_supports(const std::string& feature) {

@@ -18,13 +18,14 @@
 
 namespace mt::test {
 
-// The plugin manager of this test process; searches only the build tree's plugin directory
-// (MT_PLUGIN_PATH is cleared by CTest).
+// The plugin manager of this test process; searches the build tree's plugin directory
+// (MT_PLUGIN_PATH is cleared by CTest), and build/tests/x86emu where cpu_backend_name() is
+// cpu_x86emu.
 PluginManager& plugins();
 // The CPU backend, made once per process with `threads` threads (0 = all cores).
+Backend& cpu(int threads = 0);
 // The CPU backend the tests run on: "cpu", or the one MT_TEST_CPU_BACKEND names (cpu_x86emu: the
 // same kernels with emulated AVX-512, plugins/backends/cpu/kernels/x86_simd.h).
-Backend& cpu(int threads = 0);
 const char* cpu_backend_name();
 // Whether that backend's CPU has an x86 feature (GCC's names: "avx2", "avx512bf16", ...; "amd"
 // for the vendor): the real CPU's answer, or the emulated one's (everything but AMX, and AMD).

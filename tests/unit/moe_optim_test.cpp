@@ -800,6 +800,68 @@ TEST(AdamW, Bf16FirstMomentIsTheF32UpdateRounded) {
   EXPECT_EQ(test::to_vector(m16), round16(test::to_vector(m32)));
 }
 
+// The AVX-512 update performs the scalar one's f32 operations in its order (no FMA), so every
+// kernel set gives the same bits. Run on cpu_x86emu (kernels/x86_simd.h's emulated CPU, which
+// always takes the AVX-512 kernel) against the native cpu backend (the scalar kernel on a CPU
+// without AVX-512, the native AVX-512 one on a CPU with it), for every dtype mix, a vector body
+// with a tail, bf16 rounding midpoints and non-finite gradients.
+TEST(AdamW, EveryKernelSetGivesTheSameBits) {
+  if (std::string(test::cpu_backend_name()) == "cpu")
+    GTEST_SKIP() << "compares the emulated AVX-512 kernel with the native one: runs as "
+                    "X86Emu.AdamW.* (MT_TEST_CPU_BACKEND=cpu_x86emu)";
+  MT_SEED_TRACE();
+  Backend& emu = test::cpu();
+  const auto native =
+      test::plugins().make_backend("cpu", config_from_pairs({{"num_threads", "2"}}));
+  const int64_t n = 16 * 40 + 7;
+  Vec p0 = test::randn(static_cast<size_t>(n), rng);
+  Vec g0 = test::randn(static_cast<size_t>(n), rng, 3.f);
+  Vec m0 = test::randn(static_cast<size_t>(n), rng, 0.1f);
+  Vec v0 = test::randn(static_cast<size_t>(n), rng, 0.1f);
+  for (float& x : v0) x = x * x;
+  // f32 gradients on exact bf16 midpoints (low half 0x8000: step 1 stores them as a bf16 m), and
+  // non-finite gradients, in the vector body and the tail.
+  for (int64_t i : {int64_t{2}, int64_t{3}, int64_t{300}, n - 2}) {
+    uint32_t u;
+    std::memcpy(&u, &g0[static_cast<size_t>(i)], 4);
+    u = (u & 0xfffe0000u) | (i % 2 ? 0x18000u : 0x8000u);  // both parities of the kept bit
+    std::memcpy(&g0[static_cast<size_t>(i)], &u, 4);
+  }
+  g0[5] = g0[static_cast<size_t>(n - 1)] = NAN;
+  g0[17] = INFINITY;
+  for (DType pt : {DType::f32, DType::bf16})
+    for (DType gt : {DType::f32, DType::bf16})
+      for (DType mo : {DType::f32, DType::bf16}) {
+        SCOPED_TRACE(::testing::Message() << "param " << dtype_name(pt) << " grad "
+                                          << dtype_name(gt) << " m " << dtype_name(mo));
+        struct State {
+          Tensor p, m, v;
+        };
+        auto state = [&](Backend& b) {
+          return State{make(b, {n}, p0, pt), make(b, {n}, m0, mo), make(b, {n}, v0)};
+        };
+        State a = state(emu), r = state(*native);
+        AdamWParams hp;
+        hp.lr = 3e-2f;
+        hp.b2 = 0.95f;
+        hp.eps = 1e-8f;
+        hp.weight_decay = 0.1f;
+        for (int64_t step = 1; step <= 3; ++step) {
+          hp.step = step;
+          // Step 1 makes m the gradient itself (b1 = 0, no scale), so its bf16 store rounds g.
+          hp.b1 = step == 1 ? 0.f : 0.9f;
+          hp.grad_scale = step == 1 ? 1.f : 0.37f;
+          emu.adamw_update(a.p, make(emu, {n}, g0, gt), a.m, a.v, hp);
+          native->adamw_update(r.p, make(*native, {n}, g0, gt), r.m, r.v, hp);
+        }
+        for (auto [x, y] : {std::pair{&a.p, &r.p}, {&a.m, &r.m}, {&a.v, &r.v}}) {
+          const Vec got = read(*x), want = read(*y);
+          ASSERT_EQ(got.size(), want.size());
+          EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float)));
+        }
+      }
+}
+
 // ---- conventions shared by the kernels --------------------------------------------------------
 
 // "[N, D]" accepts any leading shape: the results are those of the flattened tensors.
