@@ -834,8 +834,9 @@ std::vector<int64_t> Graph::expert_gather_counts(const std::vector<int64_t>& min
 
 Tensor Graph::remat(RematPolicy policy, const std::function<Tensor(Graph&, const Tensor&)>& f,
                     const Tensor& x) {
+  // f by value: the backward's re-run calls it after this returns.
   return remat_layer(
-             policy, [&f](Graph& g, const Tensor& h) { return LayerOutput(f(g, h)); }, x)
+             policy, [f](Graph& g, const Tensor& h) { return LayerOutput(f(g, h)); }, x)
       .x;
 }
 

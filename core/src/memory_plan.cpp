@@ -214,6 +214,11 @@ std::vector<std::vector<std::string>> training_changes(const Config& cfg,
   const std::string mu = cfg.get_string("mu_dtype");
   const std::string weight = cfg.get_string("weight_dtype");
   if (mu != "bfloat16" && !(mu.empty() && weight == "bfloat16")) c.push_back({"mu_dtype=bfloat16"});
+  // The LM head and loss in runs of about 1,024 positions (num_vocab_tiling): one more head
+  // product a step, no change of result; only one run's logits at a time.
+  const int64_t positions = cfg.get_int("per_device_batch_size") * cfg.get_int("max_target_length");
+  if (cfg.get_int("num_vocab_tiling") == 1 && positions >= 2048)
+    c.push_back({fmt::format("num_vocab_tiling={}", std::min<int64_t>(positions / 1024, 64))});
   const std::string remat = cfg.get_string("remat_policy");
   if (remat == "none") c.push_back({"remat_policy=minimal"});
   if (remat != "full") c.push_back({"remat_policy=full"});

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <numeric>
 #include <optional>
 #include <random>
 #include <utility>
@@ -69,6 +70,13 @@ ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins,
   tied_ = cfg.get_bool("logits_via_embedding");
   if (!parse_remat_policy(cfg.get_string("remat_policy"), remat_))
     cfg.reject("remat_policy", "must be none, minimal or full.");
+  if (cfg.has("num_vocab_tiling")) {
+    vocab_tiles_ = cfg.get_int("num_vocab_tiling");
+    if (vocab_tiles_ < 1)
+      cfg.reject("num_vocab_tiling",
+                 "must be >= 1: the number of runs of positions the LM head and loss take in turn "
+                 "(1 = all at once).");
+  }
   family_ = plugins.make_model_family(cfg.get_string("decoder_block"));
   family_->validate(cfg);
   model_ = family_->build(cfg);
@@ -1051,11 +1059,8 @@ Tensor ModelRunner::loss(Graph& g, const DeviceBatch& batch, float z_loss, doubl
   const Params top = top_params(ps);
   const Tensor hidden =
       run_layers(g, ps, batch.inputs, in, nullptr, aux_values ? &aux : nullptr, stats);
-  Tensor logits = model_->head(g, top, hidden);
-  const int64_t v = logits.dim(-1);
-  Tensor flat = g.reshape(logits, {logits.numel() / v, v});
   const double w = batch.valid_targets ? weight_scale / static_cast<double>(batch.valid_targets) : 0.0;
-  Tensor total = g.cross_entropy(flat, batch.targets, z_loss, static_cast<float>(w));
+  Tensor total = head_loss(g, ps, hidden, batch.targets, z_loss, static_cast<float>(w));
   // Multi-token prediction, in training only: depth k combines h^{k-1} with the embeddings of
   // the tokens k ahead, runs its layer, and the shared head predicts the token k + 1 ahead.
   // Objective: scale / D x sum over depths of their mean cross-entropy (DeepSeek-V3's lambda /
@@ -1075,10 +1080,8 @@ Tensor ModelRunner::loss(Graph& g, const DeviceBatch& batch, float z_loss, doubl
       LayerInputs li = in;
       li.attention = &attention();
       h = run_layer(g, model_->mtp_layer(k), ps, x, li, nullptr, &aux, stats, slot);
-      const Tensor lk = model_->head(g, top, h);
       const double wk = mb.valid_targets ? 1.0 / static_cast<double>(mb.valid_targets) : 0.0;
-      const Tensor ce = g.cross_entropy(g.reshape(lk, {lk.numel() / v, v}), mb.targets, 0.f,
-                                        static_cast<float>(wk));
+      const Tensor ce = head_loss(g, ps, h, mb.targets, 0.f, static_cast<float>(wk));
       float host = 0;
       backend().copy_to_host(ce, &host);
       (*aux_values)["mtp_loss/" + std::to_string(k)] += weight_scale * static_cast<double>(host);
@@ -1098,6 +1101,47 @@ Tensor ModelRunner::loss(Graph& g, const DeviceBatch& batch, float z_loss, doubl
     (*aux_values)[a.name] += aux_scale * static_cast<double>(host) / per_name[a.name];
     if (a.weight != 0.f)
       total = g.add(total, g.scale(a.value, static_cast<float>(a.weight * aux_scale)));
+  }
+  return total;
+}
+
+Tensor ModelRunner::head_loss(Graph& g, const std::vector<Tensor>& ps, const Tensor& hidden,
+                              const Tensor& targets, float z_loss, float weight) {
+  const Params top = top_params(ps);
+  const int64_t d = hidden.dim(-1), n = hidden.numel() / d;
+  if (vocab_tiles_ <= 1 || n <= 1) {
+    const Tensor logits = model_->head(g, top, hidden);
+    const int64_t v = logits.dim(-1);
+    return g.cross_entropy(g.reshape(logits, {logits.numel() / v, v}), targets, z_loss, weight);
+  }
+  // num_vocab_tiling: the positions in `tiles` runs of rows, each through the head and the
+  // cross-entropy as one remat block (full): the forward keeps a run's hidden rows and its loss,
+  // never its logits, and the backward recomputes one run's logits at a time. Every row's loss
+  // and logit gradient are those of the whole; the sums over rows (the loss, the head's weight
+  // gradient) are taken run by run.
+  const int64_t tiles = std::min(vocab_tiles_, n);
+  const Tensor rows = g.reshape(hidden, {n, d});
+  const Tensor flat_targets = targets.view({n});
+  Tensor total;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t b = n * t / tiles, e = n * (t + 1) / tiles;
+    std::vector<int32_t> index(static_cast<size_t>(e - b));
+    std::iota(index.begin(), index.end(), static_cast<int32_t>(b));
+    Tensor idx = backend().empty({e - b}, DType::i32);
+    backend().copy_from_host(idx, index.data());
+    const Tensor tile_targets = flat_targets.slice0(b, e);
+    const Tensor ce = g.remat(
+        RematPolicy::full,
+        [this, ps, tile_targets, z_loss, weight](Graph& gg, const Tensor& h) {
+          mark_vocab_part(gg, ps);  // (a graph's vocabulary part is not passed to remat's)
+          const Tensor logits =
+              model_->head(gg, top_params(ps), gg.reshape(h, {1, h.dim(0), h.dim(1)}));
+          const int64_t v = logits.dim(-1);
+          return gg.cross_entropy(gg.reshape(logits, {logits.numel() / v, v}), tile_targets, z_loss,
+                                  weight);
+        },
+        g.gather_rows(rows, idx));
+    total = total.defined() ? g.add(total, ce) : ce;
   }
   return total;
 }

@@ -295,6 +295,10 @@ class ModelRunner {
   // computed parameters); forward and forward_cached refuse such a model (their logits would
   // be this rank's columns only).
   void mark_vocab_part(Graph& g, const std::vector<Tensor>& ps) const;
+  // The head's cross-entropy of `hidden` [B, T, D] against `targets` [B, T] (Graph::cross_entropy's
+  // z_loss and weight), in num_vocab_tiling runs of positions.
+  Tensor head_loss(Graph& g, const std::vector<Tensor>& ps, const Tensor& hidden,
+                   const Tensor& targets, float z_loss, float weight);
   void refuse_vocab_parts(const char* what) const;
   // Parameter i in the compute dtype on g: its master (FSDP: gathered, a recorded op whose
   // backward reduce-scatters the whole gradient into the rank's part) cast when narrower.
@@ -341,6 +345,7 @@ class ModelRunner {
   // logical_axis_rules' vocab:tensor: the index of the embedding holding this rank's rows of the
   // vocabulary (Graph::set_vocab_part), else -1.
   int64_t vocab_param_ = -1;
+  int64_t vocab_tiles_ = 1;             // num_vocab_tiling
   std::vector<size_t> layer_begin_;     // params_ index of each layer's first parameter
   std::vector<std::string> top_names_;  // the names Params hands the model (relative to a layer)
   std::vector<std::vector<std::string>> layer_names_;  // then one entry per MTP depth

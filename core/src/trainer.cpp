@@ -740,10 +740,12 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
                 cfg.get_string("model_name").c_str(), cfg.get_string("decoder_block").c_str(),
                 human_count(static_cast<double>(counts.total)).c_str(),
                 human_count(static_cast<double>(counts.matmul)).c_str(), be.describe().c_str());
+    const int64_t tiles = cfg.get_int("num_vocab_tiling");
     std::printf(
-        "mt run: attention=%s remat_policy=%s dtype=%s weight_dtype=%s data=%s "
+        "mt run: attention=%s remat_policy=%s%s dtype=%s weight_dtype=%s data=%s "
         "batch=%ldx%ld accumulation=%ld steps=%ld peak=%.1f TFLOP/s\n",
         runner.attention().name().c_str(), cfg.get_string("remat_policy").c_str(),
+        tiles > 1 ? fmt::format(" num_vocab_tiling={}", tiles).c_str() : "",
         dtype_name(runner.compute_dtype()), dtype_name(runner.weight_dtype()), dataset.c_str(),
         static_cast<long>(batch), static_cast<long>(seq), static_cast<long>(accum),
         static_cast<long>(steps), peak / 1e12);

@@ -532,6 +532,45 @@ TEST(DataParallel, VocabParallelRanksTrainAsOneRank) {
   }
 }
 
+// num_vocab_tiling on ranks: each run of positions is a remat block that re-makes its graph's
+// vocabulary part (gemma2-test: tied, soft-cap, z-loss; deepseek3-test: an MTP depth's head) and
+// its FSDP-gathered top parameters (llama-test on 2 fsdp ranks) in the backward; the runs train
+// as one rank without tiling (the same bounds as above).
+TEST(DataParallel, VocabTilingOnRanksTrainsAsOneRank) {
+  MT_NEED_MPIRUN();
+  Dir d;
+  struct Case {
+    int ranks, batch;
+    std::string model, mesh;
+  };
+  const std::string tp = " ici_tensor_parallelism=2 ici_data_parallelism=1";
+  for (const Case& c :
+       std::vector<Case>{{2, 2, "gemma2-test z_loss_multiplier=1e-3", tp + kVocabRules},
+                         {2, 2, "deepseek3-test mtp_num_layers=1", tp + kVocabRules},
+                         {2, 1, "llama-test", " ici_fsdp_parallelism=2 ici_data_parallelism=1"}}) {
+    const std::string name = c.model.substr(0, c.model.find(' '));
+    SCOPED_TRACE(name);
+    const std::string common =
+        "dataset_type=synthetic adam_eps=1 learning_rate=1 --model=" + c.model;
+    test::MtResult r = test::run_mt(train_args(d.root, "one" + name, 2, common), 120);
+    ASSERT_EQ(r.code, 0) << r.out;
+    r = mpirun(c.ranks,
+               train_args(d.root, "vt" + name, c.batch, common + c.mesh + " num_vocab_tiling=3"),
+               120);
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_NE(r.out.find("num_vocab_tiling=3"), std::string::npos) << r.out;
+    const fs::path one = d.root / ("one" + name), vt = d.root / ("vt" + name);
+    double worst = 0;
+    for (const auto& [n, e] : param_errs(vt, one)) {
+      worst = std::max(worst, e);
+      EXPECT_LE(e, 1e-5) << n;
+    }
+    const double loss = max_loss_err(vt, one);
+    std::printf("  %s: losses %.3g, parameters %.3g\n", name.c_str(), loss, worst);
+    EXPECT_LE(loss, 1e-6);
+  }
+}
+
 // A checkpoint of 2 vocabulary-parallel tensor ranks (the embedding's rows in two parts)
 // resumes on one rank, on 2 tensor ranks holding the whole vocabulary each, and on 2 like it,
 // and each continues as the straight run.

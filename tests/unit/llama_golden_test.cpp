@@ -156,6 +156,11 @@ TEST(LlamaGolden, RematFullMatches) {
 TEST(LlamaGolden, RematMinimalMatches) {
   check(kGqa, {"remat_policy=minimal"}, 1e-4, 1e-4, 1e-3);
 }
+// num_vocab_tiling: the LM head and loss in runs of positions (uneven: 3 runs), untied and tied.
+TEST(LlamaGolden, VocabTilingMatches) {
+  check(kGqa, {"num_vocab_tiling=3"}, 1e-4, 1e-4, 1e-3);
+  check(kLlama31, {"num_vocab_tiling=3"}, 1e-4, 1e-4, 1e-3);
+}
 // bf16 compute with f32 master weights: close, within bf16's precision.
 TEST(LlamaGolden, Bf16ComputeIsClose) {
   check(kGqa, {"dtype=bfloat16", "weight_dtype=float32"}, 5e-2, 1e-2, 1e-1);

@@ -125,6 +125,8 @@ TEST(MemoryPlan, TrainingPeakMatchesTheMeasuredPeak) {
       {"llama-test", {"gradient_accumulation_steps=3", "per_device_batch_size=2"}},
       {"llama-test", {"attention=dot_product", "max_target_length=96"}},
       {"llama-test", {"optimizer_memory_host_offload=true", "per_device_batch_size=4"}},
+      {"llama-test", {"num_vocab_tiling=4", "vocab_size=4096", "per_device_batch_size=2"}},
+      {"llama-test", {"num_vocab_tiling=3", "remat_policy=full", "dtype=bfloat16"}},
       {"mixtral-test", {"remat_policy=none", "per_device_batch_size=2"}},
       {"gemma2-test", {"remat_policy=minimal", "per_device_batch_size=2"}},
       {"deepseek3-test", {"remat_policy=none", "per_device_batch_size=2"}},
@@ -329,6 +331,34 @@ TEST(MemoryPlan, ProposedChangesFitWhenApplied) {
   EXPECT_TRUE(hopeless.fixes.empty());
   EXPECT_NE(hopeless.beyond_fixes.find("more memory than one device has"), std::string::npos)
       << hopeless.beyond_fixes;
+}
+
+// Where the logits are most of a step's activations (a large vocabulary, many positions), the
+// plan proposes num_vocab_tiling (about 1,024 positions a run), which fits alone once applied.
+TEST(MemoryPlan, LargeLogitsAreTiled) {
+  const std::vector<std::string> keys = {"vocab_size=16384", "per_device_batch_size=8",
+                                         "max_target_length=256", "remat_policy=full"};
+  const Config cfg = config_for("llama-test", keys);
+  DeviceProfile dev;
+  const Plan full = make_plan(cfg, test::plugins(), dev, PlanFor::train, false);
+  const TrainingPlan& t = *full.train;
+  dev.name = "test device";
+  // The logits and their gradient are ~256 of the 258 MiB of activations; two runs halve them.
+  dev.bytes = t.weights + t.gradients + t.optimizer + t.batches + t.activations * 6 / 10;
+  const Plan plan = make_plan(cfg, test::plugins(), dev, PlanFor::train, true);
+  EXPECT_FALSE(plan.fits());
+  bool tiled = false;
+  for (const PlanFix& f : plan.fixes)
+    if (f.words == std::vector<std::string>{"num_vocab_tiling=2"}) {
+      tiled = true;
+      std::vector<std::string> with = keys;
+      with.push_back("num_vocab_tiling=2");
+      const Plan again =
+          make_plan(config_for("llama-test", with), test::plugins(), dev, PlanFor::train, false);
+      EXPECT_TRUE(again.fits()) << format_plan(again, cfg);
+      EXPECT_EQ(again.train->peak, f.peak);
+    }
+  EXPECT_TRUE(tiled) << format_plan(plan, cfg);
 }
 
 // The user's command from the issue: llama2-7b on one 80 GB H100 does not fit in f32 with AdamW

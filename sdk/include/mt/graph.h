@@ -229,6 +229,8 @@ class MT_API Graph {
   // minimal: like full, but the forward keeps every matmul output and the re-run reuses them,
   // so only the cheap ops are recomputed. remat_layer also carries the layer's auxiliary
   // losses: each comes back as a tensor whose gradient reaches f's parameters through the re-run.
+  // f is copied (the backward calls it after these return): what it captures must outlive the
+  // backward, so capture by value.
   Tensor remat(RematPolicy policy, const std::function<Tensor(Graph&, const Tensor&)>& f,
                const Tensor& x);
   LayerOutput remat_layer(RematPolicy policy,

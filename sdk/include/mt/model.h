@@ -223,7 +223,8 @@ class MT_API Model {
     (void)positions;
     return embed(g, top, tokens);
   }
-  // hidden [B, T, D] -> logits [B, T, V] (final norm, LM head, soft-cap).
+  // hidden [B, T, D] -> logits [B, T, V] (final norm, LM head, soft-cap), each position on its
+  // own: num_vocab_tiling calls it on runs of positions ([1, rows, D]) in turn.
   virtual Tensor head(Graph& g, const Params& top, const Tensor& hidden) const = 0;
 
   // Multi-token prediction (DeepSeek-V3 section 2.2; MaxText's mtp_num_layers): D modules run
