@@ -487,19 +487,22 @@ TEST(DataParallel, TensorParallelRanksTrainAsOneRank) {
 constexpr const char* kVocabRules =
     " logical_axis_rules=[heads:tensor,kv_heads:tensor,mlp:tensor,vocab:tensor]";
 
+// A model on a mesh of `ranks` ranks, `batch` sequences each.
+struct MeshCase {
+  int ranks, batch;
+  std::string model, mesh;
+};
+
 TEST(DataParallel, VocabParallelRanksTrainAsOneRank) {
   MT_NEED_MPIRUN();
   Dir d;
-  struct Case {
-    int ranks, batch;
-    std::string model, mesh;
-  };
   const std::string tp = " ici_tensor_parallelism=2 ici_data_parallelism=1";
-  for (const Case& c : std::vector<Case>{{2, 2, "llama-test", tp},
-                                         {2, 2, "gemma2-test z_loss_multiplier=1e-3", tp},
-                                         {2, 2, "gpt3-52k", tp},
-                                         {2, 2, "deepseek3-test mtp_num_layers=1", tp},
-                                         {4, 1, "llama-test", tp + " ici_fsdp_parallelism=2"}}) {
+  for (const MeshCase& c :
+       std::vector<MeshCase>{{2, 2, "llama-test", tp},
+                             {2, 2, "gemma2-test z_loss_multiplier=1e-3", tp},
+                             {2, 2, "gpt3-52k", tp},
+                             {2, 2, "deepseek3-test mtp_num_layers=1", tp},
+                             {4, 1, "llama-test", tp + " ici_fsdp_parallelism=2"}}) {
     const std::string name = c.model.substr(0, c.model.find(' ')) + std::to_string(c.ranks);
     SCOPED_TRACE(name);
     const std::string common =
@@ -539,15 +542,11 @@ TEST(DataParallel, VocabParallelRanksTrainAsOneRank) {
 TEST(DataParallel, VocabTilingOnRanksTrainsAsOneRank) {
   MT_NEED_MPIRUN();
   Dir d;
-  struct Case {
-    int ranks, batch;
-    std::string model, mesh;
-  };
   const std::string tp = " ici_tensor_parallelism=2 ici_data_parallelism=1";
-  for (const Case& c :
-       std::vector<Case>{{2, 2, "gemma2-test z_loss_multiplier=1e-3", tp + kVocabRules},
-                         {2, 2, "deepseek3-test mtp_num_layers=1", tp + kVocabRules},
-                         {2, 1, "llama-test", " ici_fsdp_parallelism=2 ici_data_parallelism=1"}}) {
+  for (const MeshCase& c : std::vector<MeshCase>{
+           {2, 2, "gemma2-test z_loss_multiplier=1e-3", tp + kVocabRules},
+           {2, 2, "deepseek3-test mtp_num_layers=1", tp + kVocabRules},
+           {2, 1, "llama-test", " ici_fsdp_parallelism=2 ici_data_parallelism=1"}}) {
     const std::string name = c.model.substr(0, c.model.find(' '));
     SCOPED_TRACE(name);
     const std::string common =
