@@ -5,8 +5,8 @@
 # communicator (world size 1). bench/gpu/run.sh is the full run (builds, every benchmark, the
 # table); this one reuses a build made elsewhere when it runs here, and builds only when not.
 #   bash bench/gpu/probe.sh [STEP ...]     steps: tests attention ncu 7b nccl train profile
-#                                          sanitize decode int8 layouts (default: tests attention
-#                                          ncu 7b nccl)
+#                                          sanitize decode int8 layouts gemv decodeprof
+#                                          (default: tests attention ncu 7b nccl)
 # MT_OLD_CUDA_PLUGIN=path/libmt_backend_cuda.so: another build of the cuda plugin (the version
 # before a change) run beside this one, interleaved, in the attention and train steps ("old").
 #
@@ -269,6 +269,30 @@ if want layouts; then
     --gtest_brief=1
   grep -E 'ERROR SUMMARY|Invalid|Race|hazard' "$res/layouts.log" | head -6 >>"$summary"
   grep -E '^==|tokens_per_sec' "$res/layouts.log" | grep -o '^==.*\|"[a-z0-9_]*tokens_per_sec": [0-9.]*' | tr '\n' ' ' | sed 's/==/\n==/g' >>"$summary"
+  echo >>"$summary"
+fi
+if want gemv; then
+  # Decode's matrix-vector products in rows_gemv_kernel (MT_CUDA_ROWS_GEMV=1) against cuBLASLt
+  # (0), llama-bench-1b: its test and memcheck on the device, then bf16 three interleaved pairs
+  # and f32 one. `MT_CUDA_ROWS_GEMV=1 bash bench/gpu/probe.sh decodeprof` shows its kernels' times.
+  run gemv 120 env MT_CUDA_ROWS_GEMV=1 "$build/tests/gpu_ops_test" --gtest_filter='*Matmul*:*RowsGemv*' \
+    --gtest_brief=1
+  command -v compute-sanitizer >/dev/null && run gemv 120 compute-sanitizer --tool memcheck \
+    --error-exitcode 9 "$build/tests/gpu_ops_test" --gtest_filter='*RowsGemv*' --gtest_brief=1
+  for round in 1 2 3; do
+    for v in 1 0; do
+      echo "== bf16 MT_CUDA_ROWS_GEMV=$v round $round" >>"$res/gemv.log"
+      run gemv 90 env MT_CUDA_ROWS_GEMV=$v "$mt" bench decode backend=cuda --model=llama-bench-1b \
+        dtypes=bfloat16
+    done
+  done
+  for v in 1 0; do
+    echo "== f32 MT_CUDA_ROWS_GEMV=$v" >>"$res/gemv.log"
+    run gemv 90 env MT_CUDA_ROWS_GEMV=$v "$mt" bench decode backend=cuda --model=llama-bench-1b \
+      dtypes=float32
+  done
+  grep -E 'ERROR SUMMARY|Invalid|FAILED|PASSED' "$res/gemv.log" | head -8 >>"$summary"
+  grep -E '^==|tokens_per_sec' "$res/gemv.log" | grep -o '^==.*\|"[a-z0-9_]*tokens_per_sec": [0-9.]*' | tr '\n' ' ' | sed 's/==/\n==/g' >>"$summary"
   echo >>"$summary"
 fi
 if want decodeprof && command -v ncu >/dev/null; then

@@ -42,6 +42,8 @@ enum cublasLtMatmulPreferenceAttributes_t : int {
 };
 
 namespace emu_lt {
+// cublasLtMatmul calls that ran (tests check that a path did or did not take cuBLASLt).
+inline int64_t matmul_calls = 0;
 struct Handle {};
 struct Desc {
   cublasComputeType_t compute;
@@ -251,6 +253,7 @@ inline cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t d,
                                      const cublasLtMatmulAlgo_t* algo, void* workspace,
                                      size_t workspace_bytes, cudaStream_t) {
   if (!h || !d || !al || !bl || !cl || !dl || !algo) return CUBLAS_STATUS_INVALID_VALUE;
+  ++emu_lt::matmul_calls;
   emu_lt::Problem p{};
   if (const cublasStatus_t s = emu_lt::problem(*d, *al, *bl, *cl, *dl, p);
       s != CUBLAS_STATUS_SUCCESS)

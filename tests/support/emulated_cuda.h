@@ -15,6 +15,8 @@ namespace mt::test {
 std::unique_ptr<Backend> emulated_cuda();
 // How many warp-wide mma.sync the emulated kernels have executed so far (tensor-core paths).
 int64_t emulated_mma_calls();
+// How many cublasLtMatmul calls (emulated) the backend's matmuls have made so far.
+int64_t emulated_gemm_calls();
 // "dot_product" or "flash" of the cuda plugin on an emulated_cuda() backend.
 std::unique_ptr<AttentionKernel> emulated_cuda_attention(const std::string& name, Backend& b);
 

@@ -1241,6 +1241,92 @@ TEST_F(GpuOps, FlashDkvPartsRefusesOtherValues) {
   }
 }
 
+// matmul under MT_CUDA_ROWS_GEMV=1: decode's products (at most 8 rows of a against b's [N, K]
+// rows, beta 0) in rows_gemv_kernel, against the CPU backend's, for both dtypes and outputs, rows
+// that take 1, 2, 4 and 8 of the kernel's row slots, N odd (a warp's second weight row past N),
+// K with a partial last round of chunks, and a batch of a folded into rows. Each output row is
+// the same bits whatever rows the call holds beside it. What the kernel does not take (beta, K
+// not a multiple of 8, more rows) goes to cuBLASLt, still right; the emulation counts its calls.
+TEST_F(GpuOps, RowsGemvMatchesTheCpu) {
+  std::unique_ptr<Backend> own = gpu_with_env("MT_CUDA_ROWS_GEMV", "1");
+  Backend& g = *own;
+  MT_SEEDED_RNG(rng);
+  auto gemm_calls = [] {
+#ifdef MT_CUDA_EMULATED_OPS
+    return test::emulated_gemm_calls();
+#else
+    return int64_t{-1};  // cuBLASLt's calls are not counted on a device
+#endif
+  };
+  struct Case {
+    Shape lead;
+    int64_t m, k, n;
+    float alpha, beta;
+    bool gemv;  // rows_gemv_kernel takes it
+  };
+  const Case cases[] = {
+      {{}, 1, 8, 1, 1.f, 0.f, true},
+      {{}, 1, 264, 130, 1.f, 0.f, true},
+      {{}, 2, 520, 33, 0.5f, 0.f, true},
+      {{}, 3, 1032, 7, 1.f, 0.f, true},
+      {{}, 4, 2056, 45, 1.f, 0.f, true},
+      {{}, 5, 264, 9, 2.f, 0.f, true},
+      {{}, 8, 776, 66, 1.f, 0.f, true},
+      {{2, 3}, 1, 136, 31, 1.f, 0.f, true},  // a batch of a against one b: 6 rows
+      {{}, 2, 257, 40, 1.f, 0.f, false},     // K not a multiple of 8
+      {{}, 2, 264, 40, 1.f, 1.f, false},     // beta
+      {{}, 9, 264, 40, 1.f, 0.f, false},     // more rows than decode's
+  };
+  for (DType dt : kDtypes)
+    for (DType dc : kDtypes)
+      for (const Case& cs : cases) {
+        SCOPED_TRACE(std::string(dname(dt)) + " -> " + dname(dc) + " m=" + std::to_string(cs.m) +
+                     " k=" + std::to_string(cs.k) + " n=" + std::to_string(cs.n));
+        Shape sa = cs.lead, sc = cs.lead;
+        sa.push_back(cs.m);
+        sa.push_back(cs.k);
+        sc.push_back(cs.m);
+        sc.push_back(cs.n);
+        const std::vector<float> ha = rand_nz(shape_numel(sa), rng),
+                                 hb = rand_nz(static_cast<size_t>(cs.n * cs.k), rng),
+                                 hc = rand_nz(shape_numel(sc), rng);
+        Tensor ag = test::from_vector(g, sa, ha, dt), ac = test::from_vector(cpu(), sa, ha, dt);
+        Tensor bg = test::from_vector(g, {cs.n, cs.k}, hb, dt),
+               bc = test::from_vector(cpu(), {cs.n, cs.k}, hb, dt);
+        Tensor cg = test::from_vector(g, sc, hc, dc), cc = test::from_vector(cpu(), sc, hc, dc);
+        if (cs.beta == 0.f) g.fill(cg, kNaN);  // beta 0 must not read c
+        const int64_t before = gemm_calls();
+        g.matmul(ag, bg, cg, false, true, cs.alpha, cs.beta);
+        const int64_t calls = gemm_calls() - before;
+        cpu().matmul(ac, bc, cc, false, true, cs.alpha, cs.beta);
+        if (before >= 0) {
+          EXPECT_EQ(calls == 0, cs.gemv) << calls << " cuBLASLt calls";
+        }
+        const double limit = dt == DType::f32 && dc == DType::f32 ? 1e-5 : 1e-2;
+        EXPECT_TRUE(close({cg, cc}, limit, "matmul"));
+        // Row by row alone: the same bits as in the whole call.
+        if (!cs.gemv || !cs.lead.empty()) continue;
+        const std::vector<float> whole = test::to_vector(cg);
+        for (int64_t r = 0; r < cs.m; ++r) {
+          Tensor one = g.empty({1, cs.n}, dc);
+          g.matmul(ag.slice0(r, r + 1), bg, one, false, true, cs.alpha, 0.f);
+          const std::vector<float> got = test::to_vector(one);
+          EXPECT_TRUE(std::equal(got.begin(), got.end(), whole.begin() + r * cs.n))
+              << "row " << r << " alone differs from the row in the call";
+        }
+      }
+  for (const char* bad : {"2", "yes"}) {
+    try {
+      gpu_with_env("MT_CUDA_ROWS_GEMV", bad);
+      ADD_FAILURE() << "MT_CUDA_ROWS_GEMV=" << bad << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("MT_CUDA_ROWS_GEMV=" + std::string(bad)),
+                std::string::npos)
+          << e.what();
+    }
+  }
+}
+
 // More memory than any device has: a message that says what to change, and the backend goes on.
 TEST_F(GpuOps, OutOfMemorySaysWhatToChange) {
   Backend& b = gpu();

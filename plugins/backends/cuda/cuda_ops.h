@@ -70,6 +70,10 @@ class CudaOps : public Backend {
                    "the default (1)");
       ctx_.q8_dequant_always = v == "0";
     }
+    ctx_.rows_gemv = env_choice("MT_CUDA_ROWS_GEMV", "0", "1",
+                                "matmul takes decode's products of up to 8 rows against [N, K] "
+                                "weight rows with cuBLASLt (0) or rows_gemv_kernel (1)",
+                                "0") == 1;
     ctx_.stream = stream;
     ctx_.scratch = [this](const Shape& s, DType d) { return empty(s, d); };
     ctx_.rope = std::make_shared<RopeTables>();

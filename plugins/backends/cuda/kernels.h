@@ -105,6 +105,11 @@ struct Ctx {
   // rows that q8_gemv_kernel takes otherwise. From MT_CUDA_Q8_GEMV=0, for measuring one against
   // the other.
   bool q8_dequant_always = false;
+  // matmul hands decode's products (up to 8 rows of x against a weight's [N, K] rows, b
+  // transposed, beta 0) to rows_gemv_kernel (rows.cu) instead of cuBLASLt. From
+  // MT_CUDA_ROWS_GEMV=1; off until measured against cuBLASLt on a device (bench/gpu/probe.sh's
+  // gemv step).
+  bool rows_gemv = false;
 };
 
 // Throws "cuda <op>: <what> failed: <error> (<shapes>)" unless e is cudaSuccess.
@@ -152,6 +157,11 @@ void fill_random(const Ctx& c, Tensor& out, const RandomFill& spec);
 // matmul (cuBLASLt through c.gemm, f32 accumulation; gemm.cu)
 void matmul(const Ctx& c, const Tensor& a, const Tensor& b, Tensor& out, bool trans_a, bool trans_b,
             float alpha, float beta);
+// y [rows, N] = alpha x [rows, K] w^T for w [N, K] of x's dtype when c.rows_gemv is set and the
+// call suits rows_gemv_kernel (at most 8 rows, K a multiple of 8, 16-byte aligned operands);
+// false, with nothing done, otherwise (rows.cu)
+bool matmul_rows_gemv(const Ctx& c, const Tensor& x, int64_t rows, int64_t k, const Tensor& w,
+                      Tensor& y, float alpha);
 // int8 rows (mt/q8.h) dequantized on the device, then matmul (rows.cu)
 void matmul_q8(const Ctx& c, const Tensor& x, const Tensor& w, Tensor& y);
 // int8 experts: matmul_q8 per expert with rows, on slices (rows.cu)

@@ -519,6 +519,132 @@ void matmul_q8(const Ctx& c, const Tensor& x, const Tensor& w, Tensor& y) {
   matmul(c, x.view({m, k}), wf, y2, false, true, 1.f, 0.f);
 }
 
+namespace {
+// Decode's matrix-vector products on bf16 or f32 rows, the same shape of work as matmul_q8's:
+// y[m, n] = alpha sum_k x[m, k] w[n, k] for the `rows` (at most MR: 1, 2, 4 or 8) rows of x, w
+// [N, K] the projections' rows layout (ModelRunner::transpose_projections), x and w of one dtype
+// (Bf16: bf16, else f32), f32 products and sums. A warp per NR weight rows, W warps a block; a
+// lane takes 8 consecutive values of each row (one 16-byte load of bf16, two of f32), every
+// 256th from its own, and issues U such chunks of every row before it uses any (the loads a
+// lane keeps in flight: what streaming a matrix at the memory's speed needs), then multiplies
+// them by the matching values of each row of x (read through the L1 cache by every warp; NR = 2
+// at 4 and 8 rows of x halves that traffic). Each output is a fixed-order sum (a lane's chunks
+// in k order, then the warp's 32 partial sums by shuffles), the same whichever other rows of x
+// the call holds.
+template <int MR>
+struct RowsGemvShape {
+  static constexpr int NR = MR >= 4 ? 2 : 1;  // weight rows a warp
+  static constexpr int W = 8;                 // warps a block
+  // Chunks of each row in flight a lane: at one row of x, 8 (a 2,048-wide bf16 row whole),
+  // where llama-bench-1b's 2,048 to 6,144 weight rows give 16 to 47 warps an H200's SM.
+  static constexpr int U = MR == 1 ? 8 : NR == 1 ? 4 : 2;
+};
+// 8 values at p (16-byte aligned) as f32.
+template <bool Bf16>
+__device__ __forceinline__ void load8_as(float (&r)[8], const void* p) {
+  if constexpr (Bf16) {
+    const uint4 u = ld16(p);
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      r[2 * t] = __uint_as_float(w[t] << 16);
+      r[2 * t + 1] = __uint_as_float(w[t] & 0xffff0000u);
+    }
+  } else {
+    const uint4 u0 = ld16(p), u1 = ld16(static_cast<const float*>(p) + 4);
+    const uint32_t w[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
+#pragma unroll
+    for (int t = 0; t < 8; ++t) r[t] = __uint_as_float(w[t]);
+  }
+}
+template <int MR, bool Bf16>
+__global__ void __launch_bounds__(RowsGemvShape<MR>::W * 32)
+    rows_gemv_kernel(const void* xp, int rows, const void* wp, int64_t N, int64_t K, float alpha,
+                     Out y) {
+  using G = RowsGemvShape<MR>;
+  constexpr int NR = G::NR, U = G::U;
+  constexpr int64_t kElem = Bf16 ? 2 : 4;
+  const int lane = threadIdx.x & 31;
+  const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * G::W + (threadIdx.x >> 5)) * NR;
+  if (n0 >= N) return;  // whole warps return together
+  const auto* w = static_cast<const unsigned char*>(wp);
+  const auto* x = static_cast<const unsigned char*>(xp);
+  const unsigned char* row[NR];
+#pragma unroll
+  for (int r = 0; r < NR; ++r) row[r] = w + (n0 + r < N ? n0 + r : n0) * K * kElem;  // past N: n0
+  float acc[NR][MR] = {};
+  for (int64_t base = lane * 8; base < K; base += 256 * U) {
+    // Every load unconditional (no branch for the compiler to sink one below): chunks past K
+    // read the row's first and x's first and add nothing.
+    float wv[U][NR][8];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t k0 = base + 256 * u < K ? base + 256 * u : 0;
+#pragma unroll
+      for (int r = 0; r < NR; ++r) load8_as<Bf16>(wv[u][r], row[r] + k0 * kElem);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const bool used = base + 256 * u < K;
+      const int64_t k0 = used ? base + 256 * u : 0;
+#pragma unroll
+      for (int m = 0; m < MR; ++m) {
+        if (m > 0 && m >= rows) break;  // the same for every lane; rows >= 1
+        float xv[8];
+        load8_as<Bf16>(xv, x + (m * K + k0) * kElem);
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+          float part = 0.f;
+#pragma unroll
+          for (int t = 0; t < 8; ++t) part = fmaf(wv[u][r][t], xv[t], part);
+          if (used) acc[r][m] += part;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < NR; ++r) {
+#pragma unroll
+    for (int m = 0; m < MR; ++m) {
+      if (m >= rows) break;
+      float v = acc[r][m];
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (lane == 0 && n0 + r < N) y.set(m * N + n0 + r, v * alpha);
+    }
+  }
+}
+}  // namespace
+
+bool matmul_rows_gemv(const Ctx& c, const Tensor& x, int64_t rows, int64_t k, const Tensor& w,
+                      Tensor& y, float alpha) {
+  const int64_t n = w.dim(0);
+  if (!c.rows_gemv || rows < 1 || rows > 8 || k % 8 != 0 || x.dtype() != w.dtype() ||
+      !aligned16({x.data(), w.data()}))
+    return false;
+  const auto run = [&](auto mr) {
+    constexpr int MR = decltype(mr)::value;
+    using G = RowsGemvShape<MR>;
+    const int64_t per_block = static_cast<int64_t>(G::W) * G::NR;
+    const auto grid = static_cast<unsigned>((n + per_block - 1) / per_block);
+    const auto launch = [&](auto kernel) {
+      MT_LAUNCH(kernel, grid, G::W * 32, 0, c.stream)
+      (x.data(), static_cast<int>(rows), w.data(), n, k, alpha, out(y));
+    };
+    x.dtype() == DType::bf16 ? launch(rows_gemv_kernel<MR, true>)
+                             : launch(rows_gemv_kernel<MR, false>);
+  };
+  if (rows == 1)
+    run(std::integral_constant<int, 1>{});
+  else if (rows == 2)
+    run(std::integral_constant<int, 2>{});
+  else if (rows <= 4)
+    run(std::integral_constant<int, 4>{});
+  else
+    run(std::integral_constant<int, 8>{});
+  launched("matmul", [&] { return "x " + str(x) + ", w " + str(w) + "^T, y " + str(y); });
+  return true;
+}
+
 // One matmul_q8 per expert with rows, on its slices of x and y (the launches the core made
 // before this op existed; no device read of the counts: they come on the host).
 void grouped_matmul_q8(const Ctx& c, const Tensor& x, const Tensor& w,
