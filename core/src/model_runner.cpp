@@ -1122,13 +1122,15 @@ Tensor ModelRunner::head_loss(Graph& g, const std::vector<Tensor>& ps, const Ten
   const int64_t tiles = std::min(vocab_tiles_, n);
   const Tensor rows = g.reshape(hidden, {n, d});
   const Tensor flat_targets = targets.view({n});
+  // Row numbers 0 .. n - 1, uploaded once: each run gathers its rows through a slice of them.
+  std::vector<int32_t> index(static_cast<size_t>(n));
+  std::iota(index.begin(), index.end(), 0);
+  Tensor all_rows = backend().empty({n}, DType::i32);
+  backend().copy_from_host(all_rows, index.data());
   Tensor total;
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t b = n * t / tiles, e = n * (t + 1) / tiles;
-    std::vector<int32_t> index(static_cast<size_t>(e - b));
-    std::iota(index.begin(), index.end(), static_cast<int32_t>(b));
-    Tensor idx = backend().empty({e - b}, DType::i32);
-    backend().copy_from_host(idx, index.data());
+    const Tensor idx = all_rows.slice0(b, e);
     const Tensor tile_targets = flat_targets.slice0(b, e);
     const Tensor ce = g.remat(
         RematPolicy::full,

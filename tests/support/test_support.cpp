@@ -180,6 +180,12 @@ double scaled_err(const std::vector<float>& a, const std::vector<float>& b) {
   return den > 0 ? num / den : num;
 }
 
+double max_abs(const std::vector<float>& v) {
+  double m = 0;
+  for (float x : v) m = std::max(m, std::fabs(double(x)));
+  return m;
+}
+
 Config model_config(const std::string& model, const std::vector<std::string>& overrides) {
   ConfigRequest req;
   req.configs_dir = source_dir() + "/configs";

@@ -64,6 +64,9 @@ std::vector<float> randn(size_t n, std::mt19937_64& rng, float stddev = 1.f);
 // max_i |a - b| / max_i |b|: the error relative to the scale of the whole tensor.
 double scaled_err(const std::vector<float>& a, const std::vector<float>& b);
 
+// max_i |v|.
+double max_abs(const std::vector<float>& v);
+
 // Max over i of |a - b| / max(|b|, floor): relative error with a floor for values near zero.
 double max_rel_err(const std::vector<float>& a, const std::vector<float>& b, double floor = 1e-3);
 

@@ -161,12 +161,6 @@ Result run_dense(const Case& c, int64_t capacity) {
   return res;
 }
 
-double max_abs(const Vec& v) {
-  double m = 0;
-  for (float x : v) m = std::max(m, double(std::fabs(x)));
-  return m;
-}
-
 // The router's gradient is scaled by its own largest value, or by 1e-2 of dx's where it is
 // nearly 0: with top 1 normalized the routing weight is p / p = 1 whatever the router gives,
 // and both gradients are rounding (4.5e-8 against dx's 3.7 for one seed, which two orders of
@@ -174,7 +168,7 @@ double max_abs(const Vec& v) {
 void expect_same(const Result& got, const Result& want) {
   EXPECT_LT(test::scaled_err(got.y, want.y), 1e-5);
   EXPECT_LT(test::scaled_err(got.dx, want.dx), 1e-5);
-  const double router_scale = std::max(max_abs(want.drouter), 1e-2 * max_abs(want.dx));
+  const double router_scale = std::max(test::max_abs(want.drouter), 1e-2 * test::max_abs(want.dx));
   double router_err = 0;
   for (size_t i = 0; i < got.drouter.size() && i < want.drouter.size(); ++i)
     router_err = std::max(router_err, std::fabs(double(got.drouter[i]) - want.drouter[i]));
@@ -194,7 +188,7 @@ TEST(MoeBlock, DroplessEqualsADenseReferenceThatRunsEveryExpert) {
       expect_same(got, run_dense(c, -1));
       // Top 1 normalized: the router has nothing to learn (its weight is 1 whatever it says).
       if (k == 1 && normalize) {
-        EXPECT_LT(max_abs(got.drouter), 1e-6 * max_abs(got.dx));
+        EXPECT_LT(test::max_abs(got.drouter), 1e-6 * test::max_abs(got.dx));
       }
     }
 }

@@ -27,12 +27,6 @@ struct Pass {
   std::map<std::string, std::vector<float>> grads;
 };
 
-double max_abs(const std::vector<float>& v) {
-  double m = 0;
-  for (float x : v) m = std::max(m, static_cast<double>(std::fabs(x)));
-  return m;
-}
-
 HostBatch random_batch(int64_t batch, int64_t seq, int64_t vocab, uint64_t seed) {
   std::mt19937_64 rng(seed);
   HostBatch hb;
@@ -97,13 +91,13 @@ TEST(VocabTiling, EveryHeadGivesTheLossAndGradientsOfOnePass) {
         EXPECT_NEAR(tiled.aux.at(name), v, 1e-6 * std::max(1.0, std::fabs(v))) << name;
       ASSERT_EQ(tiled.grads.size(), one.grads.size());
       double largest = 0;
-      for (const auto& [name, want] : one.grads) largest = std::max(largest, max_abs(want));
+      for (const auto& [name, want] : one.grads) largest = std::max(largest, test::max_abs(want));
       for (const auto& [name, want] : one.grads) {
         const std::vector<float>& got = tiled.grads.at(name);
-        if (max_abs(want) < 1e-6 * largest) {
+        if (test::max_abs(want) < 1e-6 * largest) {
           // A gradient that is zero but for rounding (gpt3-52k's key bias: softmax ignores a
           // shift of every score of a query) stays as small.
-          EXPECT_LT(max_abs(got), 1e-6 * largest) << name;
+          EXPECT_LT(test::max_abs(got), 1e-6 * largest) << name;
           continue;
         }
         // Each row's logit gradient is the same; the head's weight gradient and the hidden
