@@ -3,6 +3,7 @@
 #include <climits>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "common.cuh"
@@ -378,6 +379,19 @@ __global__ void __launch_bounds__(kQ8Cols)
 // combined by shuffles. Reads 1 byte a weight against bf16's 2. NR = 4 pays for an f32 x only
 // (H100, llama-bench-1b batch-8 decode: f32 2,333 against 1,569 tokens/s with NR = 1; bf16
 // 2,440 against 2,932, where the fewer warps cost more than the L1 traffic saved).
+// f(std::integral_constant<int, R>) for the smallest R of 1, 2, 4 and 8 that holds m rows (the
+// GEMV kernels' row counts).
+template <class F>
+void with_row_slots(int64_t m, const F& f) {
+  if (m == 1)
+    f(std::integral_constant<int, 1>{});
+  else if (m == 2)
+    f(std::integral_constant<int, 2>{});
+  else if (m <= 4)
+    f(std::integral_constant<int, 4>{});
+  else
+    f(std::integral_constant<int, 8>{});
+}
 template <int MR, bool XBf16>
 struct GemvShape {
   static constexpr int NR = MR >= 4 && !XBf16 ? 4 : 1;  // weight rows a warp
@@ -500,14 +514,7 @@ void matmul_q8(const Ctx& c, const Tensor& x, const Tensor& w, Tensor& y) {
     const auto with_vec = [&](auto rows) {
       vec ? with_x(rows, std::true_type{}) : with_x(rows, std::false_type{});
     };
-    if (m == 1)
-      with_vec(std::integral_constant<int, 1>{});
-    else if (m == 2)
-      with_vec(std::integral_constant<int, 2>{});
-    else if (m <= 4)
-      with_vec(std::integral_constant<int, 4>{});
-    else
-      with_vec(std::integral_constant<int, 8>{});
+    with_row_slots(m, with_vec);
     launched("matmul_q8", shapes);
     return;
   }
@@ -633,14 +640,7 @@ bool matmul_rows_gemv(const Ctx& c, const Tensor& x, int64_t rows, int64_t k, co
     x.dtype() == DType::bf16 ? launch(rows_gemv_kernel<MR, true>)
                              : launch(rows_gemv_kernel<MR, false>);
   };
-  if (rows == 1)
-    run(std::integral_constant<int, 1>{});
-  else if (rows == 2)
-    run(std::integral_constant<int, 2>{});
-  else if (rows <= 4)
-    run(std::integral_constant<int, 4>{});
-  else
-    run(std::integral_constant<int, 8>{});
+  with_row_slots(rows, run);
   launched("matmul", [&] { return "x " + str(x) + ", w " + str(w) + "^T, y " + str(y); });
   return true;
 }
