@@ -392,6 +392,23 @@ void with_row_slots(int64_t m, const F& f) {
   else
     f(std::integral_constant<int, 8>{});
 }
+// The GEMV kernels' end: each lane's partial sums of weight rows n0 + r (r < NR) and rows m of x
+// (m < rows) added over the warp by shuffles (a fixed order), times alpha, stored by lane 0 at
+// y[m, n0 + r] where n0 + r < N.
+template <int NR, int MR>
+__device__ __forceinline__ void store_warp_sums(const float (&acc)[NR][MR], int rows, int lane,
+                                                int64_t n0, int64_t N, float alpha, Out y) {
+#pragma unroll
+  for (int r = 0; r < NR; ++r) {
+#pragma unroll
+    for (int m = 0; m < MR; ++m) {
+      if (m >= rows) break;
+      float v = acc[r][m];
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (lane == 0 && n0 + r < N) y.set(m * N + n0 + r, v * alpha);
+    }
+  }
+}
 template <int MR, bool XBf16>
 struct GemvShape {
   static constexpr int NR = MR >= 4 && !XBf16 ? 4 : 1;  // weight rows a warp
@@ -464,16 +481,7 @@ __global__ void __launch_bounds__((GemvShape<MR, XBf16>::W * 32))
       }
     }
   }
-#pragma unroll
-  for (int r = 0; r < NR; ++r) {
-#pragma unroll
-    for (int m = 0; m < MR; ++m) {
-      if (m >= rows) break;
-      float v = acc[r][m];
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (lane == 0 && n0 + r < N) y.set(m * N + n0 + r, v);
-    }
-  }
+  store_warp_sums<NR, MR>(acc, rows, lane, n0, N, 1.f, y);
 }
 }  // namespace
 
@@ -609,16 +617,7 @@ __global__ void __launch_bounds__(RowsGemvShape<MR>::W * 32)
       }
     }
   }
-#pragma unroll
-  for (int r = 0; r < NR; ++r) {
-#pragma unroll
-    for (int m = 0; m < MR; ++m) {
-      if (m >= rows) break;
-      float v = acc[r][m];
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (lane == 0 && n0 + r < N) y.set(m * N + n0 + r, v * alpha);
-    }
-  }
+  store_warp_sums<NR, MR>(acc, rows, lane, n0, N, alpha, y);
 }
 }  // namespace
 
