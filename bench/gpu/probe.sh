@@ -272,24 +272,29 @@ if want layouts; then
   echo >>"$summary"
 fi
 if want gemv; then
-  # Decode's matrix-vector products in rows_gemv_kernel (MT_CUDA_ROWS_GEMV=1) against cuBLASLt
-  # (0), llama-bench-1b: its test and memcheck on the device, then bf16 three interleaved pairs
-  # and f32 one. `MT_CUDA_ROWS_GEMV=1 bash bench/gpu/probe.sh decodeprof` shows its kernels' times.
-  run gemv 120 env MT_CUDA_ROWS_GEMV=1 "$build/tests/gpu_ops_test" --gtest_filter='*Matmul*:*RowsGemv*' \
-    --gtest_brief=1
+  # Two launch-side choices, off by default until measured here: decode's matrix-vector products
+  # in rows_gemv_kernel (MT_CUDA_ROWS_GEMV=1) instead of cuBLASLt, and programmatic dependent
+  # launch of every mt kernel (MT_CUDA_PDL=1). First the gpu tests with both on (PDL's waits are
+  # what keeps each kernel after the one before: a missing one shows as a wrong result here) and
+  # memcheck of the new kernel; then llama-bench-1b decode (batch 1 and 8), bf16, each of the four
+  # settings interleaved over three rounds, and f32 with both off and on.
+  # `MT_CUDA_ROWS_GEMV=1 MT_CUDA_PDL=1 bash bench/gpu/probe.sh decodeprof` shows the kernels' times.
+  run gemv 150 env MT_CUDA_ROWS_GEMV=1 MT_CUDA_PDL=1 "$build/tests/gpu_ops_test" --gtest_brief=1
+  run gemv 150 env MT_CUDA_ROWS_GEMV=1 MT_CUDA_PDL=1 "$build/tests/gpu_train_test" --gtest_brief=1
   command -v compute-sanitizer >/dev/null && run gemv 120 compute-sanitizer --tool memcheck \
     --error-exitcode 9 "$build/tests/gpu_ops_test" --gtest_filter='*RowsGemv*' --gtest_brief=1
   for round in 1 2 3; do
-    for v in 1 0; do
-      echo "== bf16 MT_CUDA_ROWS_GEMV=$v round $round" >>"$res/gemv.log"
-      run gemv 90 env MT_CUDA_ROWS_GEMV=$v "$mt" bench decode backend=cuda --model=llama-bench-1b \
-        dtypes=bfloat16
+    for v in "0 0" "1 0" "0 1" "1 1"; do
+      read -r gemv pdl <<<"$v"
+      echo "== bf16 MT_CUDA_ROWS_GEMV=$gemv MT_CUDA_PDL=$pdl round $round" >>"$res/gemv.log"
+      run gemv 90 env MT_CUDA_ROWS_GEMV=$gemv MT_CUDA_PDL=$pdl "$mt" bench decode backend=cuda \
+        --model=llama-bench-1b dtypes=bfloat16 parts=batch1,batch8
     done
   done
-  for v in 1 0; do
-    echo "== f32 MT_CUDA_ROWS_GEMV=$v" >>"$res/gemv.log"
-    run gemv 90 env MT_CUDA_ROWS_GEMV=$v "$mt" bench decode backend=cuda --model=llama-bench-1b \
-      dtypes=float32
+  for v in 0 1; do
+    echo "== f32 MT_CUDA_ROWS_GEMV=$v MT_CUDA_PDL=$v" >>"$res/gemv.log"
+    run gemv 90 env MT_CUDA_ROWS_GEMV=$v MT_CUDA_PDL=$v "$mt" bench decode backend=cuda \
+      --model=llama-bench-1b dtypes=float32 parts=batch1,batch8
   done
   grep -E 'ERROR SUMMARY|Invalid|FAILED|PASSED' "$res/gemv.log" | head -8 >>"$summary"
   grep -E '^==|tokens_per_sec' "$res/gemv.log" | grep -o '^==.*\|"[a-z0-9_]*tokens_per_sec": [0-9.]*' | tr '\n' ' ' | sed 's/==/\n==/g' >>"$summary"

@@ -1315,16 +1315,20 @@ TEST_F(GpuOps, RowsGemvMatchesTheCpu) {
               << "row " << r << " alone differs from the row in the call";
         }
       }
-  for (const char* bad : {"2", "yes"}) {
-    try {
-      gpu_with_env("MT_CUDA_ROWS_GEMV", bad);
-      ADD_FAILURE() << "MT_CUDA_ROWS_GEMV=" << bad << " was accepted";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("MT_CUDA_ROWS_GEMV=" + std::string(bad)),
-                std::string::npos)
-          << e.what();
+}
+
+// The 0/1 kernel choices refuse anything else, naming the variable and its value.
+TEST_F(GpuOps, KernelChoicesRefuseOtherValues) {
+  for (const char* var : {"MT_CUDA_ROWS_GEMV", "MT_CUDA_PDL", "MT_CUDA_Q8_GEMV"})
+    for (const char* bad : {"2", "yes"}) {
+      try {
+        gpu_with_env(var, bad);
+        ADD_FAILURE() << var << "=" << bad << " was accepted";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find(std::string(var) + "=" + bad), std::string::npos)
+            << e.what();
+      }
     }
-  }
 }
 
 // More memory than any device has: a message that says what to change, and the backend goes on.

@@ -22,6 +22,7 @@ namespace {
 __global__ void attn_fwd_kernel(In q, In k, In v, const int32_t* q_seg, const int32_t* kv_seg,
                                 const int32_t* lengths, AttnArgs a, float* sc, Out o, float* lse,
                                 unsigned long long* bad) {
+  MT_KERNEL_PROLOGUE();
   __shared__ float sh[kThreads];
   const int64_t r = blockIdx.x;
   const int64_t i = r % a.T, bh = r / a.T, h = bh % a.Hq, b = bh / a.Hq;
@@ -81,6 +82,7 @@ __global__ void attn_fwd_kernel(In q, In k, In v, const int32_t* q_seg, const in
 __global__ void attn_bwd_q_kernel(In q, In k, In v, In dout, const int32_t* q_seg,
                                   const int32_t* kv_seg, AttnArgs a, float* sc, float* pr,
                                   float* dp, Out dq) {
+  MT_KERNEL_PROLOGUE();
   __shared__ float sh[kThreads];
   const int64_t r = blockIdx.x;
   const int64_t i = r % a.T, bh = r / a.T, h = bh % a.Hq, b = bh / a.Hq;
@@ -155,6 +157,7 @@ __global__ void attn_bwd_q_kernel(In q, In k, In v, In dout, const int32_t* q_se
 // CPU's order, and no atomics.
 __global__ void attn_bwd_kv_kernel(In q, In dout, AttnArgs a, const float* ds, const float* pr,
                                    Out dk, Out dv) {
+  MT_KERNEL_PROLOGUE();
   const int64_t kr = blockIdx.x;  // (b S + j) Hkv + g
   const int64_t g = kr % a.Hkv, bj = kr / a.Hkv, j = bj % a.S, b = bj / a.S;
   const int64_t group = a.Hq / a.Hkv;
@@ -261,7 +264,7 @@ void attention_forward(const Ctx& c, const Tensor& q, const Tensor& k, const Ten
   check_attention_lse(op, lse, B, a);
   if (rows == 0) return;
   Tensor sc = c.scratch({rows, std::max<int64_t>(a.S, 1)}, DType::f32);
-  MT_LAUNCH(attn_fwd_kernel, static_cast<unsigned>(rows), kThreads, 0, c.stream)
+  MT_LAUNCH(attn_fwd_kernel, static_cast<unsigned>(rows), kThreads, 0, c)
   (in(q), in(k), in(v), q_segment.defined() ? q_segment.ptr<const int32_t>() : nullptr,
    kv_segment.defined() ? kv_segment.ptr<const int32_t>() : nullptr, nullptr, a, sc.ptr<float>(),
    out(o), lse.ptr<float>(), nullptr);
@@ -284,10 +287,10 @@ void attention_backward(const Ctx& c, const Tensor& dout, const Tensor& q, const
   float* dp = pr + rows * a.S;
   const int32_t* qs = q_segment.defined() ? q_segment.ptr<const int32_t>() : nullptr;
   const int32_t* ks = kv_segment.defined() ? kv_segment.ptr<const int32_t>() : nullptr;
-  MT_LAUNCH(attn_bwd_q_kernel, static_cast<unsigned>(rows), kThreads, 0, c.stream)
+  MT_LAUNCH(attn_bwd_q_kernel, static_cast<unsigned>(rows), kThreads, 0, c)
   (in(q), in(k), in(v), in(dout), qs, ks, a, sc, pr, dp, out(dq));
   launched(op, shapes);
-  MT_LAUNCH(attn_bwd_kv_kernel, static_cast<unsigned>(B * a.S * a.Hkv), kThreads, 0, c.stream)
+  MT_LAUNCH(attn_bwd_kv_kernel, static_cast<unsigned>(B * a.S * a.Hkv), kThreads, 0, c)
   (in(q), in(dout), a, sc, pr, out(dk), out(dv));
   launched(op, shapes);
 }
@@ -300,7 +303,7 @@ void attention_decode(const Ctx& c, const Tensor& q, const Tensor& k_cache, cons
   unsigned long long* bad = check_decode_lengths(c, op, lengths, B, a);
   if (rows == 0) return;
   Tensor sc = c.scratch({rows, std::max<int64_t>(a.S, 1)}, DType::f32);
-  MT_LAUNCH(attn_fwd_kernel, static_cast<unsigned>(rows), kThreads, 0, c.stream)
+  MT_LAUNCH(attn_fwd_kernel, static_cast<unsigned>(rows), kThreads, 0, c)
   (in(q), in(k_cache), in(v_cache), nullptr, nullptr, lengths.ptr<const int32_t>(), a,
    sc.ptr<float>(), out(o), nullptr, bad);
   launched(op, [&] { return "q " + str(q) + ", k_cache " + str(k_cache); });

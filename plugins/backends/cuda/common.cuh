@@ -39,6 +39,7 @@ unsigned grid_for(int64_t n) {
 // ---- flat maps: f(i) for i in [0, n) ------------------------------------------------------
 template <class F>
 __global__ void map_kernel(int64_t n, F f) {
+  MT_KERNEL_PROLOGUE();
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += stride)
     f(i);
@@ -47,7 +48,8 @@ __global__ void map_kernel(int64_t n, F f) {
 template <class F, class S>
 void launch_map(const Ctx& c, int64_t n, const F& f, const std::string& op, S&& shapes) {
   if (n <= 0) return;
-  MT_LAUNCH(map_kernel, grid_for(n), kThreads, 0, c.stream)(n, f);
+  auto* kernel = &map_kernel<F>;  // (a function, as MT_LAUNCH takes)
+  MT_LAUNCH(kernel, grid_for(n), kThreads, 0, c)(n, f);
   launched(op, shapes);
 }
 
@@ -69,6 +71,7 @@ struct Ew {
 
 template <int I, int O, class Math>
 __global__ void ew_kernel(int64_t n, Ew<I, O, Math> e, bool vec) {
+  MT_KERNEL_PROLOGUE();
   const int64_t chunks = (n + 7) / 8;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < chunks;
@@ -107,7 +110,7 @@ void launch_ew(const Ctx& c, int64_t n, const Ew<I, O, Math>& e, const std::stri
   for (const In& x : e.in) vec = vec && aligned16({x.p});
   for (const Out& y : e.out) vec = vec && aligned16({y.p});
   auto* kernel = &ew_kernel<I, O, Math>;  // (template arguments would split the macro's)
-  MT_LAUNCH(kernel, grid_for((n + 7) / 8), kThreads, 0, c.stream)(n, e, vec);
+  MT_LAUNCH(kernel, grid_for((n + 7) / 8), kThreads, 0, c)(n, e, vec);
   launched(op, shapes);
 }
 

@@ -84,6 +84,12 @@ class CudaOps : public Backend {
         cudaDeviceGetAttribute(&ctx_.sm_major, cudaDevAttrComputeCapabilityMajor, dev) !=
             cudaSuccess)
       ctx_.sm_major = 0;  // unknown: the SIMT kernels, which run anywhere
+    // (griddepcontrol, which MT_KERNEL_PROLOGUE uses, came with sm_90.)
+    ctx_.pdl = env_choice("MT_CUDA_PDL", "0", "1",
+                          "kernels launch one after another (0) or with programmatic dependent "
+                          "launch, each kernel's blocks starting while the one before finishes (1)",
+                          "0") == 1 &&
+               ctx_.sm_major >= 9;
   }
   // The environment variable `name`: unset or empty gives 0 (the default, which `deflt` names
   // for the message), `a` or `b` their number, anything else an error saying what it chooses.

@@ -14,10 +14,63 @@
 
 #include "mt/tensor.h"
 
-// A kernel launch, written MT_LAUNCH(kernel, grid, block, shared, stream)(args...): the triple
-// chevron on the device, the emulator's launcher under tests/support/cuda_emulation.h.
+// A kernel launch, written MT_LAUNCH(kernel, grid, block, shared, ctx)(args...) with ctx a Ctx
+// (kernels.h): on the device, on ctx.stream, through cudaLaunchKernelEx with programmatic
+// dependent launch where ctx.pdl is set (below); the emulator's launcher under
+// tests/support/cuda_emulation.h. `kernel` is a function (a template's instance named whole).
 #ifndef MT_LAUNCH
-#define MT_LAUNCH(kernel, grid, block, shared, stream) kernel<<<grid, block, shared, stream>>>
+#include <cuda_runtime.h>
+
+#include <utility>
+
+namespace mt::cuda {
+template <class... P>
+struct KernelLaunch {
+  void (*kernel)(P...);
+  dim3 grid, block;
+  size_t shared;
+  cudaStream_t stream;
+  bool pdl;
+  // Launch errors are read by the caller's launched() (cudaGetLastError).
+  template <class... A>
+  void operator()(A&&... args) const {
+    if (!pdl) {
+      kernel<<<grid, block, shared, stream>>>(std::forward<A>(args)...);
+      return;
+    }
+    cudaLaunchAttribute attr[1] = {};
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = shared;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    static_cast<void>(cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...));
+  }
+};
+template <class... P, class C>
+KernelLaunch<P...> kernel_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t shared,
+                                 const C& ctx) {
+  return {kernel, grid, block, shared, ctx.stream, ctx.pdl};
+}
+}  // namespace mt::cuda
+#define MT_LAUNCH(kernel, grid, block, shared, ctx) \
+  ::mt::cuda::kernel_launch(kernel, dim3(grid), dim3(block), static_cast<size_t>(shared), ctx)
+#endif
+// The first statement of every kernel: under programmatic dependent launch (Ctx::pdl) a kernel's
+// blocks may start while the kernel before it in the stream still runs, so each waits here for
+// that kernel to finish and its writes to be visible (griddepcontrol.wait) before touching
+// memory, then lets the next kernel's blocks start (griddepcontrol.launch_dependents), to wait
+// in turn. Both do nothing for a kernel launched without it, and before Hopper.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(MT_CUDA_EMULATION)
+#define MT_KERNEL_PROLOGUE()                         \
+  asm volatile("griddepcontrol.wait;" ::: "memory"); \
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define MT_KERNEL_PROLOGUE() static_cast<void>(0)
 #endif
 // The dynamic shared memory of a block (extern __shared__ on the device; the emulator's block
 // memory under tests/support/cuda_emulation.h).

@@ -129,6 +129,7 @@ namespace {
 // elements) diverge within a warp, briefly.
 __global__ void fill_random_kernel(Out o, int64_t n, uint64_t key, bool truncated, float scale,
                                    bool vec) {
+  MT_KERNEL_PROLOGUE();
   namespace rf = random_fill;
   const int64_t chunks = (n + 7) / 8;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -165,7 +166,7 @@ void fill_random(const Ctx& c, Tensor& t, const RandomFill& spec) {
   const int64_t n = t.numel();
   if (n == 0) return;
   const float scale = random_fill::value_scale(truncated, spec.stddev);
-  MT_LAUNCH(fill_random_kernel, grid_for((n + 7) / 8), kThreads, 0, c.stream)
+  MT_LAUNCH(fill_random_kernel, grid_for((n + 7) / 8), kThreads, 0, c)
   (out(t), n, spec.key, truncated, scale, aligned16({t.data()}));
   launched("fill_random", shapes);
 }
@@ -182,6 +183,7 @@ constexpr int kSumBlocks = 512;  // fixed grid of the two-pass sum: fixes its or
 // depends on n alone. (One 2- or 4-byte load per thread in flight would leave a Hopper's HBM
 // mostly idle on the gradient norm's pass over every parameter.)
 __global__ void sum_partial_kernel(In x, int64_t n, bool squares, bool vec, double* partial) {
+  MT_KERNEL_PROLOGUE();
   __shared__ double sh[kThreads];
   double acc = 0;
   const int64_t chunks = (n + 7) / 8;
@@ -201,6 +203,7 @@ __global__ void sum_partial_kernel(In x, int64_t n, bool squares, bool vec, doub
 }
 // partial [kSumBlocks] -> *result, one block
 __global__ void sum_final_kernel(const double* partial, double* result) {
+  MT_KERNEL_PROLOGUE();
   __shared__ double sh[kThreads];
   double acc = 0;
   for (int i = threadIdx.x; i < kSumBlocks; i += kThreads) acc += partial[i];
@@ -211,10 +214,10 @@ __global__ void sum_final_kernel(const double* partial, double* result) {
 // The sum (of squares) of x into *dst on the device: kSumBlocks partials, then their sum in order.
 void launch_sum(const Ctx& c, const Tensor& x, bool squares, double* partial, double* dst) {
   const char* op = squares ? "sum_squares" : "sum";
-  MT_LAUNCH(sum_partial_kernel, kSumBlocks, kThreads, 0, c.stream)
+  MT_LAUNCH(sum_partial_kernel, kSumBlocks, kThreads, 0, c)
   (in(x), x.numel(), squares, aligned16({x.data()}), partial);
   launched(op, [&] { return str(x); });
-  MT_LAUNCH(sum_final_kernel, 1, kThreads, 0, c.stream)(partial, dst);
+  MT_LAUNCH(sum_final_kernel, 1, kThreads, 0, c)(partial, dst);
   launched(op, [&] { return str(x); });
 }
 

@@ -58,7 +58,7 @@ void launch_tc(const Ctx& c, const std::string& op, K kernel, int warps, dim3 gr
   const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              static_cast<int>(smem));
   if (e != cudaSuccess) check(e, op, "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)", shapes());
-  MT_LAUNCH(kernel, grid, static_cast<unsigned>(warps * 32), smem, c.stream)(args...);
+  MT_LAUNCH(kernel, grid, static_cast<unsigned>(warps * 32), smem, c)(args...);
   launched(op, shapes);
 }
 
@@ -142,7 +142,7 @@ void flash_forward(const Ctx& c, const Tensor& q, const Tensor& k, const Tensor&
     });
     return;
   }
-  MT_LAUNCH(simt_fwd_kernel, warp_blocks(rows), kWarps * 32, 0, c.stream)
+  MT_LAUNCH(simt_fwd_kernel, warp_blocks(rows), kWarps * 32, 0, c)
   (in(q), in(k), in(v), f, out(o), lse.ptr<float>());
   launched(op, shapes);
 }
@@ -161,7 +161,7 @@ void flash_backward(const Ctx& c, const Tensor& dout, const Tensor& q, const Ten
   const bool tc = tensor_cores(c, {&q, &k, &v, &dout}, a.D, B * a.Hq);
   check_head_dim(op, a, tc);
   Tensor delta = c.scratch({B, a.Hq, a.T}, DType::f32);
-  MT_LAUNCH(delta_kernel, warp_blocks(rows), kWarps * 32, 0, c.stream)
+  MT_LAUNCH(delta_kernel, warp_blocks(rows), kWarps * 32, 0, c)
   (in(dout), in(o), f, delta.ptr<float>());
   launched(op, shapes);
   const float* ls = lse.ptr<const float>();
@@ -201,10 +201,10 @@ void flash_backward(const Ctx& c, const Tensor& dout, const Tensor& q, const Ten
     });
     return;
   }
-  MT_LAUNCH(simt_dq_kernel, warp_blocks(rows), kWarps * 32, 0, c.stream)
+  MT_LAUNCH(simt_dq_kernel, warp_blocks(rows), kWarps * 32, 0, c)
   (in(q), in(k), in(v), in(dout), f, ls, dl, out(dq));
   launched(op, shapes);
-  MT_LAUNCH(simt_dkv_kernel, warp_blocks(B * a.S * a.Hkv), kWarps * 32, 0, c.stream)
+  MT_LAUNCH(simt_dkv_kernel, warp_blocks(B * a.S * a.Hkv), kWarps * 32, 0, c)
   (in(q), in(k), in(v), in(dout), f, ls, dl, out(dk), out(dv));
   launched(op, shapes);
 }
@@ -233,7 +233,7 @@ void flash_decode(const Ctx& c, const Tensor& q, const Tensor& k_cache, const Te
   const dim3 grid(static_cast<unsigned>(B * a.Hkv), static_cast<unsigned>(splits));
   const int64_t group_rows = f.group * a.T;
   const auto launch = [&](auto kernel) {
-    MT_LAUNCH(kernel, grid, kWarps * 32, 0, c.stream)
+    MT_LAUNCH(kernel, grid, kWarps * 32, 0, c)
     (in(q), in(k_cache), in(v_cache), f, vec, partial.ptr<float>(), bad);
   };
   if (group_rows <= 1) {
@@ -246,7 +246,7 @@ void flash_decode(const Ctx& c, const Tensor& q, const Tensor& k_cache, const Te
     launch(decode_kernel<kDecodeRows>);
   }
   launched(op, shapes);
-  MT_LAUNCH(combine_kernel, warp_blocks(rows), kWarps * 32, 0, c.stream)
+  MT_LAUNCH(combine_kernel, warp_blocks(rows), kWarps * 32, 0, c)
   (partial.ptr<const float>(), splits, f, out(o));
   launched(op, shapes);
 }

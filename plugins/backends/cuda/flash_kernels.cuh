@@ -102,6 +102,7 @@ __device__ __forceinline__ float lanes_dot(const float (&x)[kLaneMax], const flo
 // out [B, T, Hq, D]; lse [B, Hq, T].
 __global__ void __launch_bounds__(kWarps * 32)
     simt_fwd_kernel(In q, In k, In v, Flash f, Out o, float* lse) {
+  MT_KERNEL_PROLOGUE();
   const AttnArgs& a = f.a;
   const int lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
@@ -166,6 +167,7 @@ __device__ __forceinline__ float warp_max(float v) {
 template <int R>
 __global__ void __launch_bounds__(kWarps * 32)
     decode_kernel(In q, In k, In v, Flash f, bool vec, float* partial, unsigned long long* bad) {
+  MT_KERNEL_PROLOGUE();
   const AttnArgs& a = f.a;
   __shared__ float qs[R][32 * kLaneMax];
   __shared__ float ps[R][kDecodeKeys];
@@ -266,6 +268,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 // split order: m = max m_s, out = sum_s e^(m_s - m) acc_s / sum_s e^(m_s - m) l_s.
 __global__ void __launch_bounds__(kWarps * 32)
     combine_kernel(const float* partial, int64_t splits, Flash f, Out o) {
+  MT_KERNEL_PROLOGUE();
   const AttnArgs& a = f.a;
   const int lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
@@ -305,6 +308,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 
 // delta [B, Hq, T]: sum_e dO_ie O_ie, one warp per query row.
 __global__ void __launch_bounds__(kWarps * 32) delta_kernel(In dout, In o, Flash f, float* delta) {
+  MT_KERNEL_PROLOGUE();
   const AttnArgs& a = f.a;
   const int lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
@@ -321,6 +325,7 @@ __global__ void __launch_bounds__(kWarps * 32) delta_kernel(In dout, In o, Flash
 __global__ void __launch_bounds__(kWarps * 32)
     simt_dq_kernel(In q, In k, In v, In dout, Flash f, const float* lse, const float* delta,
                    Out dq) {
+  MT_KERNEL_PROLOGUE();
   const AttnArgs& a = f.a;
   const int lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
@@ -359,6 +364,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 __global__ void __launch_bounds__(kWarps * 32)
     simt_dkv_kernel(In q, In k, In v, In dout, Flash f, const float* lse, const float* delta,
                     Out dk, Out dv) {
+  MT_KERNEL_PROLOGUE();
   const AttnArgs& a = f.a;
   const int lane = threadIdx.x & 31;
   const int64_t kr = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
@@ -800,6 +806,7 @@ struct KvStream {
 template <int D, int W, bool Cap>
 __global__ void __launch_bounds__(W * 32)
     tc_fwd_kernel(const bf16* q, const bf16* k, const bf16* v, Flash f, Out o, float* lse) {
+  MT_KERNEL_PROLOGUE();
   constexpr int P = D + 8, QT = 16 * W;
   MT_DYNAMIC_SHARED(smem);
   bf16* qs = reinterpret_cast<bf16*>(smem);
@@ -904,6 +911,7 @@ template <int D, int W, bool Cap>
 __global__ void __launch_bounds__(W * 32)
     tc_dq_kernel(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, Flash f,
                  const float* lse, const float* delta, Out dq) {
+  MT_KERNEL_PROLOGUE();
   constexpr int P = D + 8, QT = 16 * W;
   MT_DYNAMIC_SHARED(smem);
   bf16* qs = reinterpret_cast<bf16*>(smem);
@@ -1037,6 +1045,7 @@ template <int D, int W, int Parts, bool Cap>
 __global__ void __launch_bounds__(W * 32)
     tc_dkv_kernel(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, Flash f,
                   const float* lse, const float* delta, Out dk, Out dv) {
+  MT_KERNEL_PROLOGUE();
   constexpr int P = D + 8, KT = 16 * W;
   MT_DYNAMIC_SHARED(smem);
   bf16* ks = reinterpret_cast<bf16*>(smem);

@@ -110,6 +110,11 @@ struct Ctx {
   // MT_CUDA_ROWS_GEMV=1; off until measured against cuBLASLt on a device (bench/gpu/probe.sh's
   // gemv step).
   bool rows_gemv = false;
+  // Kernels launch with programmatic dependent launch (device_io.cuh's MT_LAUNCH and
+  // MT_KERNEL_PROLOGUE): each kernel's blocks may start while the one before it finishes, and
+  // wait for it before touching memory. From MT_CUDA_PDL=1 on a Hopper or later; off until
+  // measured (bench/gpu/probe.sh's gemv step).
+  bool pdl = false;
 };
 
 // Throws "cuda <op>: <what> failed: <error> (<shapes>)" unless e is cudaSuccess.

@@ -17,6 +17,7 @@ namespace {
 // indices [N, k]
 __global__ void topk_fwd_kernel(In logits, int64_t N, int64_t E, int k, bool sigmoid,
                                 bool normalize, float* weights, int32_t* indices, float* probs) {
+  MT_KERNEL_PROLOGUE();
   const int64_t n = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (n >= N) return;
   float* s = probs + n * E;
@@ -67,6 +68,7 @@ __global__ void topk_fwd_kernel(In logits, int64_t N, int64_t E, int k, bool sig
 // dlogits [N, E] += d(weights)/d(logits)^T dweights, per row (the CPU's formulas).
 __global__ void topk_bwd_kernel(In dweights, In probs, const int32_t* indices, int64_t N, int64_t E,
                                 int k, bool sigmoid, bool normalize, Out dlogits) {
+  MT_KERNEL_PROLOGUE();
   const int64_t n = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (n >= N) return;
   const int64_t ps = n * E, ds0 = n * k;
@@ -118,7 +120,7 @@ void topk_route_forward(const Ctx& c, const Tensor& logits, int k, bool sigmoid,
            "cuda topk_route_forward: " + shapes() + " (want k in [1, E], weights/indices [N, k], " +
                "probs [N, E])");
   if (N == 0) return;
-  MT_LAUNCH(topk_fwd_kernel, grid_for(N), kThreads, 0, c.stream)
+  MT_LAUNCH(topk_fwd_kernel, grid_for(N), kThreads, 0, c)
   (in(logits), N, E, k, sigmoid, normalize, weights.ptr<float>(), indices.ptr<int32_t>(),
    probs.ptr<float>());
   launched("topk_route_forward", shapes);
@@ -142,7 +144,7 @@ void topk_route_backward(const Ctx& c, const Tensor& dweights, const Tensor& wei
   check_indices("topk_route_backward", host_ints(c, indices, "topk_route_backward"), E,
                 bad_row_index);
   if (N == 0) return;
-  MT_LAUNCH(topk_bwd_kernel, grid_for(N), kThreads, 0, c.stream)
+  MT_LAUNCH(topk_bwd_kernel, grid_for(N), kThreads, 0, c)
   (in(dweights), in(probs), indices.ptr<const int32_t>(), N, E, static_cast<int>(k), sigmoid,
    normalize, out(dlogits));
   launched("topk_route_backward", shapes);

@@ -16,6 +16,7 @@ namespace {
 // time through 16-byte accesses (see Ew in common.cuh) instead of one.
 __global__ void rms_fwd_kernel(In x, In w, bool plus_one, float eps, int64_t D, bool vec, Out o,
                                float* rstd) {
+  MT_KERNEL_PROLOGUE();
   __shared__ float sh[kThreads];
   const int64_t base = blockIdx.x * D;
   float ss = 0;
@@ -55,6 +56,7 @@ __global__ void rms_fwd_kernel(In x, In w, bool plus_one, float eps, int64_t D, 
 // vec as for rms_fwd_kernel.
 __global__ void rms_bwd_dx_kernel(In g, In x, In w, bool plus_one, const float* rstd, int64_t D,
                                   bool vec, Out dx) {
+  MT_KERNEL_PROLOGUE();
   __shared__ float sh[kThreads];
   const int64_t base = blockIdx.x * D;
   const float inv = rstd[blockIdx.x];
@@ -101,6 +103,7 @@ __global__ void rms_bwd_dx_kernel(In g, In x, In w, bool plus_one, const float* 
 // 16-byte loads; grid (ceil(D / (8 kThreads)), nblocks). Each column's sum keeps its row order.
 __global__ void rms_bwd_dw_partial_kernel(In g, In x, const float* rstd, int64_t N, int64_t D,
                                           int64_t brows, bool vec, float* partial) {
+  MT_KERNEL_PROLOGUE();
   const int64_t n0 = blockIdx.y * brows, n1 = min(N, n0 + brows);
   if (vec) {
     const int64_t d0 = (blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x) * 8;
@@ -125,6 +128,7 @@ __global__ void rms_bwd_dw_partial_kernel(In g, In x, const float* rstd, int64_t
 }
 // dw [D] += partials in block order
 __global__ void add_partials_kernel(const float* partial, int64_t nblocks, int64_t D, Out dw) {
+  MT_KERNEL_PROLOGUE();
   const int64_t d = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
   if (d >= D) return;
   float acc = dw.get(d);
@@ -146,7 +150,7 @@ void rmsnorm_forward(const Ctx& c, const Tensor& x, const Tensor& w, float eps, 
   MT_CHECK(rstd.numel() == N, "cuda rmsnorm_forward: rstd must be f32 [N]: " + shapes());
   if (N == 0) return;
   const bool vec = D % 8 == 0 && aligned16({x.data(), w.data(), o.data()});
-  MT_LAUNCH(rms_fwd_kernel, static_cast<unsigned>(N), kThreads, 0, c.stream)
+  MT_LAUNCH(rms_fwd_kernel, static_cast<unsigned>(N), kThreads, 0, c)
   (in(x), in(w), plus_one, eps, D, vec, out(o), rstd.ptr<float>());
   launched("rmsnorm_forward", shapes);
 }
@@ -165,7 +169,7 @@ void rmsnorm_backward(const Ctx& c, const Tensor& dout, const Tensor& x, const T
   MT_CHECK(rstd.numel() == N, "cuda rmsnorm_backward: rstd must be f32 [N]: " + shapes());
   if (N == 0) return;
   const bool vec = D % 8 == 0 && aligned16({dout.data(), x.data(), w.data(), dx.data()});
-  MT_LAUNCH(rms_bwd_dx_kernel, static_cast<unsigned>(N), kThreads, 0, c.stream)
+  MT_LAUNCH(rms_bwd_dx_kernel, static_cast<unsigned>(N), kThreads, 0, c)
   (in(dout), in(x), in(w), plus_one, rstd.ptr<const float>(), D, vec, out(dx));
   launched("rmsnorm_backward", shapes);
   // dw: fixed row blocks (a function of N only, as on the CPU), each writing its own partial,
@@ -177,10 +181,10 @@ void rmsnorm_backward(const Ctx& c, const Tensor& dout, const Tensor& x, const T
   const bool vec_dw = D % 8 == 0 && aligned16({dout.data(), x.data()});
   const unsigned dw_cols = vec_dw ? static_cast<unsigned>((D / 8 + kThreads - 1) / kThreads) : cols;
   MT_LAUNCH(rms_bwd_dw_partial_kernel, dim3(dw_cols, static_cast<unsigned>(nblocks)), kThreads, 0,
-            c.stream)
+            c)
   (in(dout), in(x), rstd.ptr<const float>(), N, D, brows, vec_dw, partial.ptr<float>());
   launched("rmsnorm_backward", shapes);
-  MT_LAUNCH(add_partials_kernel, cols, kThreads, 0, c.stream)
+  MT_LAUNCH(add_partials_kernel, cols, kThreads, 0, c)
   (partial.ptr<const float>(), nblocks, D, out(dw));
   launched("rmsnorm_backward", shapes);
 }
@@ -192,6 +196,7 @@ namespace {
 // (mean, then squared deviations): no cancellation.
 __global__ void ln_fwd_kernel(In x, In w, In b, bool has_b, float eps, int64_t D, Out o,
                               float* mean, float* rstd) {
+  MT_KERNEL_PROLOGUE();
   __shared__ float sh[kThreads];
   const int64_t base = blockIdx.x * D;
   float s = 0;
@@ -213,6 +218,7 @@ __global__ void ln_fwd_kernel(In x, In w, In b, bool has_b, float eps, int64_t D
 // xhat = (x - m) inv; dx += inv (g w - s1 - xhat s2), s1 = mean(g w), s2 = inv mean(g w (x - m))
 __global__ void ln_bwd_dx_kernel(In g, In x, In w, const float* mean, const float* rstd, int64_t D,
                                  Out dx) {
+  MT_KERNEL_PROLOGUE();
   __shared__ float sh[kThreads];
   const int64_t base = blockIdx.x * D;
   const float m = mean[blockIdx.x], inv = rstd[blockIdx.x];
@@ -232,6 +238,7 @@ __global__ void ln_bwd_dx_kernel(In g, In x, In w, const float* mean, const floa
 // grid (ceil(D / kThreads), nblocks)
 __global__ void ln_bwd_partial_kernel(In g, In x, const float* mean, const float* rstd, int64_t N,
                                       int64_t D, int64_t brows, float* pw, float* pb) {
+  MT_KERNEL_PROLOGUE();
   const int64_t d = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
   if (d >= D) return;
   const int64_t n0 = blockIdx.y * brows, n1 = min(N, n0 + brows);
@@ -262,7 +269,7 @@ void layernorm_forward(const Ctx& c, const Tensor& x, const Tensor& w, const Ten
            "cuda layernorm_forward: mean and rstd must be f32 [N]: " + shapes());
   if (N == 0) return;
   const In bias = b.defined() ? in(b) : In{nullptr, false};
-  MT_LAUNCH(ln_fwd_kernel, static_cast<unsigned>(N), kThreads, 0, c.stream)
+  MT_LAUNCH(ln_fwd_kernel, static_cast<unsigned>(N), kThreads, 0, c)
   (in(x), in(w), bias, b.defined(), eps, D, out(o), mean.ptr<float>(), rstd.ptr<float>());
   launched("layernorm_forward", shapes);
 }
@@ -283,7 +290,7 @@ void layernorm_backward(const Ctx& c, const Tensor& dout, const Tensor& x, const
                rstd.dtype() == DType::f32 && rstd.numel() == N,
            "cuda layernorm_backward: mean and rstd must be f32 [N]: " + shapes());
   if (N == 0) return;
-  MT_LAUNCH(ln_bwd_dx_kernel, static_cast<unsigned>(N), kThreads, 0, c.stream)
+  MT_LAUNCH(ln_bwd_dx_kernel, static_cast<unsigned>(N), kThreads, 0, c)
   (in(dout), in(x), in(w), mean.ptr<const float>(), rstd.ptr<const float>(), D, out(dx));
   launched("layernorm_backward", shapes);
   // dw and db: fixed row blocks (a function of N only), partials added in block order.
@@ -293,14 +300,13 @@ void layernorm_backward(const Ctx& c, const Tensor& dout, const Tensor& x, const
   float* pw = partial.ptr<float>();
   float* pb = pw + nblocks * D;
   const unsigned cols = static_cast<unsigned>((D + kThreads - 1) / kThreads);
-  MT_LAUNCH(ln_bwd_partial_kernel, dim3(cols, static_cast<unsigned>(nblocks)), kThreads, 0,
-            c.stream)
+  MT_LAUNCH(ln_bwd_partial_kernel, dim3(cols, static_cast<unsigned>(nblocks)), kThreads, 0, c)
   (in(dout), in(x), mean.ptr<const float>(), rstd.ptr<const float>(), N, D, brows, pw, pb);
   launched("layernorm_backward", shapes);
-  MT_LAUNCH(add_partials_kernel, cols, kThreads, 0, c.stream)(pw, nblocks, D, out(dw));
+  MT_LAUNCH(add_partials_kernel, cols, kThreads, 0, c)(pw, nblocks, D, out(dw));
   launched("layernorm_backward", shapes);
   if (db.defined()) {
-    MT_LAUNCH(add_partials_kernel, cols, kThreads, 0, c.stream)(pb, nblocks, D, out(db));
+    MT_LAUNCH(add_partials_kernel, cols, kThreads, 0, c)(pb, nblocks, D, out(db));
     launched("layernorm_backward", shapes);
   }
 }

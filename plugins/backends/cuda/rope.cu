@@ -25,6 +25,7 @@ constexpr int64_t kMaxRotaryDim = 8192;  // rope: R floats of shared memory per 
 __global__ void rope_kernel(In x, const int32_t* positions, const float* inv_freq, int64_t H,
                             int64_t D, int64_t R, bool interleaved, float mscale, bool inverse,
                             bool vec, Out o) {
+  MT_KERNEL_PROLOGUE();
   MT_DYNAMIC_SHARED(smem);
   float* cos_s = reinterpret_cast<float*>(smem);
   float* sin_s = cos_s + R / 2;
@@ -150,7 +151,7 @@ void rope_apply(const Ctx& c, const char* op, const Tensor& x, const Tensor& pos
   const bool vec =
       D % 8 == 0 && (R / 2) % (spec.interleaved ? 4 : 8) == 0 && aligned16({x.data(), o.data()});
   MT_LAUNCH(rope_kernel, static_cast<unsigned>(rows), kThreads,
-            static_cast<size_t>(R) * sizeof(float), c.stream)
+            static_cast<size_t>(R) * sizeof(float), c)
   (in(x), positions.ptr<const int32_t>(), table.dev.ptr<const float>(), H, D, R, spec.interleaved,
    static_cast<float>(table.mscale), inverse, vec, out(o));
   launched(op, shapes);

@@ -46,6 +46,7 @@ struct RowCopyF {
 // start [runs + 1], run_id [runs] destination rows, out [N, D]
 __global__ void scatter_runs_kernel(In src, In w, bool has_w, const int32_t* order,
                                     const int32_t* start, const int32_t* run_id, int64_t D, Out o) {
+  MT_KERNEL_PROLOGUE();
   const int64_t d = blockIdx.y * static_cast<int64_t>(kThreads) + threadIdx.x;
   if (d >= D) return;
   const int64_t k = blockIdx.x;
@@ -66,6 +67,7 @@ __global__ void scatter_runs_kernel(In src, In w, bool has_w, const int32_t* ord
 constexpr int64_t kDeviceScatterRows = 1024;
 __global__ void scatter_first_kernel(In src, In w, bool has_w, const int32_t* id, int64_t M,
                                      int64_t N, int64_t D, Out o, unsigned long long* bad) {
+  MT_KERNEL_PROLOGUE();
   __shared__ int first;
   const int64_t m = blockIdx.x;
   const int64_t r = id[m];
@@ -122,7 +124,7 @@ void scatter_add_runs(const Ctx& c, const char* op, const Tensor& src,
   const dim3 grid(static_cast<unsigned>(runs),
                   static_cast<unsigned>((D + kThreads - 1) / kThreads));
   const In wv = w.defined() ? in(w) : In{nullptr, false};
-  MT_LAUNCH(scatter_runs_kernel, grid, kThreads, 0, c.stream)
+  MT_LAUNCH(scatter_runs_kernel, grid, kThreads, 0, c)
   (in(src), wv, w.defined(), d_order, d_order + M, d_order + M + runs + 1, D, out(o));
   launched(op, shapes);
 }
@@ -146,7 +148,7 @@ void scatter_add(const Ctx& c, const char* op, BadIndex bad_index, const Tensor&
   unsigned long long* bad = c.checks->slot(
       [name, N, bad_index](int64_t m, int64_t id) { return bad_index(name, m, id, N); });
   const In wv = w.defined() ? in(w) : In{nullptr, false};
-  MT_LAUNCH(scatter_first_kernel, static_cast<unsigned>(M), kThreads, 0, c.stream)
+  MT_LAUNCH(scatter_first_kernel, static_cast<unsigned>(M), kThreads, 0, c)
   (in(src), wv, w.defined(), idx.ptr<const int32_t>(), M, N, D, out(o), bad);
   launched(op, shapes);
 }
@@ -233,6 +235,7 @@ constexpr int kQ8Warps = 4;  // warps per block of q8_scatter_kernel
 __global__ void __launch_bounds__(kQ8Warps * 32)
     q8_scatter_kernel(In x, const int32_t* id, int64_t M, int64_t C, int64_t G, int64_t W,
                       int64_t n, int8_t* q, float* s, unsigned long long* bad) {
+  MT_KERNEL_PROLOGUE();
   const int lane = threadIdx.x & 31;
   const int64_t wi = static_cast<int64_t>(blockIdx.x) * kQ8Warps + (threadIdx.x >> 5);
   if (wi >= M * G) return;  // whole warps return together
@@ -256,6 +259,7 @@ __global__ void __launch_bounds__(kQ8Warps * 32)
 constexpr int kQ8Cols = 256;
 __global__ void __launch_bounds__(kQ8Cols)
     q8_dequant_kernel(const int8_t* q, const float* s, int64_t C, int G, int W, Out o) {
+  MT_KERNEL_PROLOGUE();
   const int c = static_cast<int>(blockIdx.y) * kQ8Cols + static_cast<int>(threadIdx.x);
   if (c >= C) return;
   const int64_t r = blockIdx.x, i = r * C + c;
@@ -295,7 +299,7 @@ void scatter_rows_q8(const Ctx& c, const Tensor& src, const Tensor& idx, Tensor&
   const int64_t M = idx.numel(), warps = M * G;
   if (warps == 0) return;
   MT_LAUNCH(q8_scatter_kernel, static_cast<unsigned>((warps + kQ8Warps - 1) / kQ8Warps),
-            kQ8Warps * 32, 0, c.stream)
+            kQ8Warps * 32, 0, c)
   (in(src), idx.ptr<const int32_t>(), M, last_dim(q), G, W, N, q.ptr<int8_t>(), s.ptr<float>(),
    bad);
   launched("scatter_rows_q8", shapes);
@@ -308,7 +312,7 @@ void dequantize_rows_q8(const Ctx& c, const Tensor& q, const Tensor& s, Tensor& 
            "cuda dequantize_rows_q8: " + shapes() + " (want out f32 or bf16, as many elements)");
   const int64_t N = lead_rows(q), C = last_dim(q);
   if (N == 0 || C == 0) return;
-  MT_LAUNCH(q8_dequant_kernel, q8_grid("dequantize_rows_q8", N, C), kQ8Cols, 0, c.stream)
+  MT_LAUNCH(q8_dequant_kernel, q8_grid("dequantize_rows_q8", N, C), kQ8Cols, 0, c)
   (q.ptr<const int8_t>(), s.ptr<const float>(), C, static_cast<int>(last_dim(s)),
    static_cast<int>(W), out(o));
   launched("dequantize_rows_q8", shapes);
@@ -360,6 +364,7 @@ namespace {
 // CPU's dequantization), stored as f32 or rounded to bf16; block (r, columns 256 y ..).
 __global__ void __launch_bounds__(kQ8Cols)
     q8_weight_kernel(const int8_t* q, int64_t k, int64_t rb, Out o) {
+  MT_KERNEL_PROLOGUE();
   const int j = static_cast<int>(blockIdx.y) * kQ8Cols + static_cast<int>(threadIdx.x);
   if (j >= k) return;
   const int64_t r = blockIdx.x;
@@ -418,6 +423,7 @@ template <int MR, bool Vec16, bool XBf16>
 __global__ void __launch_bounds__((GemvShape<MR, XBf16>::W * 32))
     q8_gemv_kernel(const void* xp, int rows, const int8_t* q, int64_t N, int64_t K, int64_t rb,
                    Out y) {
+  MT_KERNEL_PROLOGUE();
   constexpr int NR = GemvShape<MR, XBf16>::NR, W = GemvShape<MR, XBf16>::W;
   const int lane = threadIdx.x & 31;
   const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * W + (threadIdx.x >> 5)) * NR;
@@ -510,7 +516,7 @@ void matmul_q8(const Ctx& c, const Tensor& x, const Tensor& w, Tensor& y) {
       using G = GemvShape<decltype(rows)::value, decltype(x_bf16)::value>;
       const int64_t per_block = static_cast<int64_t>(G::W) * G::NR;
       const auto grid = static_cast<unsigned>((n + per_block - 1) / per_block);
-      MT_LAUNCH(kernel, grid, G::W * 32, 0, c.stream)
+      MT_LAUNCH(kernel, grid, G::W * 32, 0, c)
       (x.data(), static_cast<int>(m), wp, n, k, rb, out(y));
     };
     const auto with_x = [&](auto rows, auto v16) {
@@ -527,7 +533,7 @@ void matmul_q8(const Ctx& c, const Tensor& x, const Tensor& w, Tensor& y) {
     return;
   }
   Tensor wf = c.scratch({n, k}, x.dtype());
-  MT_LAUNCH(q8_weight_kernel, q8_grid("matmul_q8", n, k), kQ8Cols, 0, c.stream)
+  MT_LAUNCH(q8_weight_kernel, q8_grid("matmul_q8", n, k), kQ8Cols, 0, c)
   (wp, k, w.dim(1), out(wf));
   launched("matmul_q8", shapes);
   Tensor y2 = y.view({m, n});
@@ -576,6 +582,7 @@ template <int MR, bool Bf16>
 __global__ void __launch_bounds__(RowsGemvShape<MR>::W * 32)
     rows_gemv_kernel(const void* xp, int rows, const void* wp, int64_t N, int64_t K, float alpha,
                      Out y) {
+  MT_KERNEL_PROLOGUE();
   using G = RowsGemvShape<MR>;
   constexpr int NR = G::NR, U = G::U;
   constexpr int64_t kElem = Bf16 ? 2 : 4;
@@ -633,7 +640,7 @@ bool matmul_rows_gemv(const Ctx& c, const Tensor& x, int64_t rows, int64_t k, co
     const int64_t per_block = static_cast<int64_t>(G::W) * G::NR;
     const auto grid = static_cast<unsigned>((n + per_block - 1) / per_block);
     const auto launch = [&](auto kernel) {
-      MT_LAUNCH(kernel, grid, G::W * 32, 0, c.stream)
+      MT_LAUNCH(kernel, grid, G::W * 32, 0, c)
       (x.data(), static_cast<int>(rows), w.data(), n, k, alpha, out(y));
     };
     x.dtype() == DType::bf16 ? launch(rows_gemv_kernel<MR, true>)

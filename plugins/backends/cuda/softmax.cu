@@ -12,6 +12,7 @@ namespace {
 
 // x [N, C], out [N, C]
 __global__ void softmax_fwd_kernel(In x, int64_t C, Out o) {
+  MT_KERNEL_PROLOGUE();
   __shared__ float sh[kThreads];
   const int64_t base = blockIdx.x * C;
   float m = -INFINITY;
@@ -25,6 +26,7 @@ __global__ void softmax_fwd_kernel(In x, int64_t C, Out o) {
 }
 // dx += y (g - sum(g y))
 __global__ void softmax_bwd_kernel(In g, In y, int64_t C, Out dx) {
+  MT_KERNEL_PROLOGUE();
   __shared__ float sh[kThreads];
   const int64_t base = blockIdx.x * C;
   float s = 0;
@@ -42,7 +44,7 @@ void softmax_forward(const Ctx& c, const Tensor& x, Tensor& o) {
            "cuda softmax_forward: " + shapes());
   const int64_t C = x.dim(-1), N = C ? x.numel() / C : 0;
   if (N == 0) return;
-  MT_LAUNCH(softmax_fwd_kernel, static_cast<unsigned>(N), kThreads, 0, c.stream)(in(x), C, out(o));
+  MT_LAUNCH(softmax_fwd_kernel, static_cast<unsigned>(N), kThreads, 0, c)(in(x), C, out(o));
   launched("softmax_forward", shapes);
 }
 
@@ -53,7 +55,7 @@ void softmax_backward(const Ctx& c, const Tensor& dout, const Tensor& y, Tensor&
            "cuda softmax_backward: " + shapes());
   const int64_t C = y.dim(-1), N = C ? y.numel() / C : 0;
   if (N == 0) return;
-  MT_LAUNCH(softmax_bwd_kernel, static_cast<unsigned>(N), kThreads, 0, c.stream)
+  MT_LAUNCH(softmax_bwd_kernel, static_cast<unsigned>(N), kThreads, 0, c)
   (in(dout), in(y), C, out(dx));
   launched("softmax_backward", shapes);
 }
@@ -68,6 +70,7 @@ namespace {
 // 8 == 0, x 16-byte aligned): 8 logits per thread and step through 16-byte loads.
 __global__ void ce_fwd_kernel(In x, const int32_t* tg, float z_loss, int64_t V, bool vec,
                               float* loss, float* lse, unsigned long long* bad) {
+  MT_KERNEL_PROLOGUE();
   __shared__ float sh[kThreads];
   const int64_t n = blockIdx.x, base = n * V;
   if (tg[n] >= V) {  // uniform across the block
@@ -111,6 +114,7 @@ __global__ void ce_fwd_kernel(In x, const int32_t* tg, float z_loss, int64_t V, 
 // vec as for ce_fwd_kernel, dx 16-byte aligned too.
 __global__ void ce_bwd_kernel(In dloss, In x, const int32_t* tg, const float* lse, float z_loss,
                               int64_t V, bool vec, Out dx, unsigned long long* bad) {
+  MT_KERNEL_PROLOGUE();
   const int64_t n = blockIdx.x, base = n * V;
   const int32_t t = tg[n];
   if (t >= V && threadIdx.x == 0) record_bad(bad, n, t);
@@ -168,7 +172,7 @@ void cross_entropy_forward(const Ctx& c, const Tensor& logits, const Tensor& tar
   unsigned long long* bad = check_targets(c, "cross_entropy_forward", targets, N, V);
   if (N == 0) return;
   const bool vec = V % 8 == 0 && aligned16({logits.data()});
-  MT_LAUNCH(ce_fwd_kernel, static_cast<unsigned>(N), kThreads, 0, c.stream)
+  MT_LAUNCH(ce_fwd_kernel, static_cast<unsigned>(N), kThreads, 0, c)
   (in(logits), targets.ptr<const int32_t>(), z_loss, V, vec, loss.ptr<float>(), lse.ptr<float>(),
    bad);
   launched("cross_entropy_forward", shapes);
@@ -191,7 +195,7 @@ void cross_entropy_backward(const Ctx& c, const Tensor& dloss, const Tensor& log
   unsigned long long* bad = check_targets(c, "cross_entropy_backward", targets, N, V);
   if (N == 0) return;
   const bool vec = V % 8 == 0 && aligned16({logits.data(), dlogits.data()});
-  MT_LAUNCH(ce_bwd_kernel, static_cast<unsigned>(N), kThreads, 0, c.stream)
+  MT_LAUNCH(ce_bwd_kernel, static_cast<unsigned>(N), kThreads, 0, c)
   (in(dloss), in(logits), targets.ptr<const int32_t>(), lse.ptr<const float>(), z_loss, V, vec,
    out(dlogits), bad);
   launched("cross_entropy_backward", shapes);
