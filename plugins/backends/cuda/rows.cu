@@ -373,17 +373,6 @@ __global__ void __launch_bounds__(kQ8Cols)
   memcpy(&scale, row + k + j / kQ8Block * 4, 4);
   o.set(r * k + j, __fmul_rn(static_cast<float>(row[j]), scale));
 }
-// Decode's matrix-vector products on int8 rows: y[m, n] = sum_k x[m, k] q[n, k] scale[n, k / 32]
-// for the `rows` (at most MR: 1, 2, 4 or 8) rows of x (f32, or bf16 when XBf16). A warp per NR
-// weight rows (W warps a block): each lane takes 16 consecutive int8 values of each (one 16-byte
-// load when rows are 16-byte aligned, Vec16; else four 4-byte loads), every 512th from its own,
-// so the warp reads its rows once, coalesced, and the matching 16 values of each row of x in
-// 16-byte loads (x, a few KB read by every warp, comes through the L1 cache: NR > 1 shares each
-// load among NR weight rows, since at 8 rows of x the L1 cache's bandwidth bounds the kernel). A
-// lane sums its 16 products, times their block's scale, into f32; the warp's partial sums are
-// combined by shuffles. Reads 1 byte a weight against bf16's 2. NR = 4 pays for an f32 x only
-// (H100, llama-bench-1b batch-8 decode: f32 2,333 against 1,569 tokens/s with NR = 1; bf16
-// 2,440 against 2,932, where the fewer warps cost more than the L1 traffic saved).
 // f(std::integral_constant<int, R>) for the smallest R of 1, 2, 4 and 8 that holds m rows (the
 // GEMV kernels' row counts).
 template <class F>
@@ -414,6 +403,17 @@ __device__ __forceinline__ void store_warp_sums(const float (&acc)[NR][MR], int 
     }
   }
 }
+// Decode's matrix-vector products on int8 rows: y[m, n] = sum_k x[m, k] q[n, k] scale[n, k / 32]
+// for the `rows` (at most MR: 1, 2, 4 or 8) rows of x (f32, or bf16 when XBf16). A warp per NR
+// weight rows (W warps a block): each lane takes 16 consecutive int8 values of each (one 16-byte
+// load when rows are 16-byte aligned, Vec16; else four 4-byte loads), every 512th from its own,
+// so the warp reads its rows once, coalesced, and the matching 16 values of each row of x in
+// 16-byte loads (x, a few KB read by every warp, comes through the L1 cache: NR > 1 shares each
+// load among NR weight rows, since at 8 rows of x the L1 cache's bandwidth bounds the kernel). A
+// lane sums its 16 products, times their block's scale, into f32; the warp's partial sums are
+// combined by shuffles. Reads 1 byte a weight against bf16's 2. NR = 4 pays for an f32 x only
+// (H100, llama-bench-1b batch-8 decode: f32 2,333 against 1,569 tokens/s with NR = 1; bf16
+// 2,440 against 2,932, where the fewer warps cost more than the L1 traffic saved).
 template <int MR, bool XBf16>
 struct GemvShape {
   static constexpr int NR = MR >= 4 && !XBf16 ? 4 : 1;  // weight rows a warp
