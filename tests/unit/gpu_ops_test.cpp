@@ -1243,7 +1243,8 @@ TEST_F(GpuOps, FlashDkvPartsRefusesOtherValues) {
 // that take 1, 2, 4 and 8 of the kernel's row slots, N odd (a warp's second weight row past N),
 // K with a partial last round of chunks, and a batch of a folded into rows. Each output row is
 // the same bits whatever rows the call holds beside it. What the kernel does not take (beta, K
-// not a multiple of 8, more rows) goes to cuBLASLt, still right; the emulation counts its calls.
+// not a multiple of 8, more rows, a transposed, b untransposed or one b per batch entry) goes to
+// cuBLASLt, still right; the emulation counts its calls.
 TEST_F(GpuOps, RowsGemvMatchesTheCpu) {
   std::unique_ptr<Backend> own = gpu_with_env("MT_CUDA_ROWS_GEMV", "1");
   Backend& g = *own;
@@ -1260,6 +1261,8 @@ TEST_F(GpuOps, RowsGemvMatchesTheCpu) {
     int64_t m, k, n;
     float alpha, beta;
     bool gemv;  // rows_gemv_kernel takes it
+    bool ta = false, tb = true;
+    Shape b_lead = {};  // b's batch dimensions (b is 2-D without)
   };
   const Case cases[] = {
       {{}, 1, 8, 1, 1.f, 0.f, true},
@@ -1269,33 +1272,34 @@ TEST_F(GpuOps, RowsGemvMatchesTheCpu) {
       {{}, 4, 2056, 45, 1.f, 0.f, true},
       {{}, 5, 264, 9, 2.f, 0.f, true},
       {{}, 8, 776, 66, 1.f, 0.f, true},
-      {{2, 3}, 1, 136, 31, 1.f, 0.f, true},  // a batch of a against one b: 6 rows
-      {{}, 2, 257, 40, 1.f, 0.f, false},     // K not a multiple of 8
-      {{}, 2, 264, 40, 1.f, 1.f, false},     // beta
-      {{}, 9, 264, 40, 1.f, 0.f, false},     // more rows than decode's
+      {{2, 3}, 1, 136, 31, 1.f, 0.f, true},                  // a batch of a against one b: 6 rows
+      {{}, 2, 257, 40, 1.f, 0.f, false},                     // K not a multiple of 8
+      {{}, 2, 264, 40, 1.f, 1.f, false},                     // beta
+      {{}, 9, 264, 40, 1.f, 0.f, false},                     // more rows than decode's
+      {{}, 8, 8, 40, 1.f, 0.f, false, true, true},           // a transposed: its K = 8 rows of 8
+      {{}, 2, 264, 40, 1.f, 0.f, false, false, false},       // b not transposed
+      {{3}, 2, 264, 40, 1.f, 0.f, false, false, true, {3}},  // one b per batch entry
   };
   for (DType dt : kDtypes)
     for (DType dc : kDtypes)
       for (const Case& cs : cases) {
         SCOPED_TRACE(std::string(dname(dt)) + " -> " + dname(dc) + " m=" + std::to_string(cs.m) +
                      " k=" + std::to_string(cs.k) + " n=" + std::to_string(cs.n));
-        Shape sa = cs.lead, sc = cs.lead;
-        sa.push_back(cs.m);
-        sa.push_back(cs.k);
-        sc.push_back(cs.m);
-        sc.push_back(cs.n);
+        Shape sa = cs.lead, sb = cs.b_lead, sc = cs.lead;
+        sa.insert(sa.end(), {cs.ta ? cs.k : cs.m, cs.ta ? cs.m : cs.k});
+        sb.insert(sb.end(), {cs.tb ? cs.n : cs.k, cs.tb ? cs.k : cs.n});
+        sc.insert(sc.end(), {cs.m, cs.n});
         const std::vector<float> ha = rand_nz(shape_numel(sa), rng),
-                                 hb = rand_nz(static_cast<size_t>(cs.n * cs.k), rng),
+                                 hb = rand_nz(shape_numel(sb), rng),
                                  hc = rand_nz(shape_numel(sc), rng);
         Tensor ag = test::from_vector(g, sa, ha, dt), ac = test::from_vector(cpu(), sa, ha, dt);
-        Tensor bg = test::from_vector(g, {cs.n, cs.k}, hb, dt),
-               bc = test::from_vector(cpu(), {cs.n, cs.k}, hb, dt);
+        Tensor bg = test::from_vector(g, sb, hb, dt), bc = test::from_vector(cpu(), sb, hb, dt);
         Tensor cg = test::from_vector(g, sc, hc, dc), cc = test::from_vector(cpu(), sc, hc, dc);
         if (cs.beta == 0.f) g.fill(cg, kNaN);  // beta 0 must not read c
         const int64_t before = gemm_calls();
-        g.matmul(ag, bg, cg, false, true, cs.alpha, cs.beta);
+        g.matmul(ag, bg, cg, cs.ta, cs.tb, cs.alpha, cs.beta);
         const int64_t calls = gemm_calls() - before;
-        cpu().matmul(ac, bc, cc, false, true, cs.alpha, cs.beta);
+        cpu().matmul(ac, bc, cc, cs.ta, cs.tb, cs.alpha, cs.beta);
         if (before >= 0) {
           EXPECT_EQ(calls == 0, cs.gemv) << calls << " cuBLASLt calls";
         }

@@ -235,9 +235,7 @@ void matmul(const Ctx& c, const Tensor& a, const Tensor& b, Tensor& o, bool tran
   }
   // Decode's few rows against a weight's [N, K] rows: rows_gemv_kernel where it is chosen
   // (MT_CUDA_ROWS_GEMV=1) and suits the call.
-  if (shared_b && !trans_a && trans_b && beta == 0.f && m * batch <= 8 &&
-      matmul_rows_gemv(c, a, m * batch, k, b, o, alpha))
-    return;
+  if (matmul_rows_gemv(c, a, b, o, trans_a, trans_b, alpha, beta)) return;
   // A batch against one shared b with a untransposed is one tall GEMM.
   if (shared_b && !trans_a && batch > 1) {
     m *= batch;

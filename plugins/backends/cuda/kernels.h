@@ -162,11 +162,12 @@ void fill_random(const Ctx& c, Tensor& out, const RandomFill& spec);
 // matmul (cuBLASLt through c.gemm, f32 accumulation; gemm.cu)
 void matmul(const Ctx& c, const Tensor& a, const Tensor& b, Tensor& out, bool trans_a, bool trans_b,
             float alpha, float beta);
-// y [rows, N] = alpha x [rows, K] w^T for w [N, K] of x's dtype when c.rows_gemv is set and the
-// call suits rows_gemv_kernel (at most 8 rows, K a multiple of 8, 16-byte aligned operands);
-// false, with nothing done, otherwise (rows.cu)
-bool matmul_rows_gemv(const Ctx& c, const Tensor& x, int64_t rows, int64_t k, const Tensor& w,
-                      Tensor& y, float alpha);
+// matmul's call y = alpha x w^T (x [..., rows, K] untransposed, w [N, K] of x's dtype, beta 0)
+// through rows_gemv_kernel, when c.rows_gemv is set and the call suits it (at most 8 rows, K a
+// multiple of 8, 16-byte aligned operands); false, with nothing done, otherwise. matmul has
+// checked the shapes and that the product is not empty (rows.cu)
+bool matmul_rows_gemv(const Ctx& c, const Tensor& x, const Tensor& w, Tensor& y, bool trans_x,
+                      bool trans_w, float alpha, float beta);
 // int8 rows (mt/q8.h) dequantized on the device, then matmul (rows.cu)
 void matmul_q8(const Ctx& c, const Tensor& x, const Tensor& w, Tensor& y);
 // int8 experts: matmul_q8 per expert with rows, on slices (rows.cu)

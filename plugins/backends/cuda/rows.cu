@@ -560,24 +560,6 @@ struct RowsGemvShape {
   // where llama-bench-1b's 2,048 to 6,144 weight rows give 16 to 47 warps an H200's SM.
   static constexpr int U = MR == 1 ? 8 : NR == 1 ? 4 : 2;
 };
-// 8 values at p (16-byte aligned) as f32.
-template <bool Bf16>
-__device__ __forceinline__ void load8_as(float (&r)[8], const void* p) {
-  if constexpr (Bf16) {
-    const uint4 u = ld16(p);
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      r[2 * t] = __uint_as_float(w[t] << 16);
-      r[2 * t + 1] = __uint_as_float(w[t] & 0xffff0000u);
-    }
-  } else {
-    const uint4 u0 = ld16(p), u1 = ld16(static_cast<const float*>(p) + 4);
-    const uint32_t w[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
-#pragma unroll
-    for (int t = 0; t < 8; ++t) r[t] = __uint_as_float(w[t]);
-  }
-}
 template <int MR, bool Bf16>
 __global__ void __launch_bounds__(RowsGemvShape<MR>::W * 32)
     rows_gemv_kernel(const void* xp, int rows, const void* wp, int64_t N, int64_t K, float alpha,
@@ -585,15 +567,16 @@ __global__ void __launch_bounds__(RowsGemvShape<MR>::W * 32)
   MT_KERNEL_PROLOGUE();
   using G = RowsGemvShape<MR>;
   constexpr int NR = G::NR, U = G::U;
-  constexpr int64_t kElem = Bf16 ? 2 : 4;
   const int lane = threadIdx.x & 31;
   const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * G::W + (threadIdx.x >> 5)) * NR;
   if (n0 >= N) return;  // whole warps return together
-  const auto* w = static_cast<const unsigned char*>(wp);
-  const auto* x = static_cast<const unsigned char*>(xp);
-  const unsigned char* row[NR];
+  const In x{xp, Bf16};
+  In row[NR];
 #pragma unroll
-  for (int r = 0; r < NR; ++r) row[r] = w + (n0 + r < N ? n0 + r : n0) * K * kElem;  // past N: n0
+  for (int r = 0; r < NR; ++r) {
+    const int64_t n = n0 + r < N ? n0 + r : n0;  // past N: n0's
+    row[r] = {static_cast<const unsigned char*>(wp) + n * K * (Bf16 ? 2 : 4), Bf16};
+  }
   float acc[NR][MR] = {};
   for (int64_t base = lane * 8; base < K; base += 256 * U) {
     // Every load unconditional (no branch for the compiler to sink one below): chunks past K
@@ -603,7 +586,7 @@ __global__ void __launch_bounds__(RowsGemvShape<MR>::W * 32)
     for (int u = 0; u < U; ++u) {
       const int64_t k0 = base + 256 * u < K ? base + 256 * u : 0;
 #pragma unroll
-      for (int r = 0; r < NR; ++r) load8_as<Bf16>(wv[u][r], row[r] + k0 * kElem);
+      for (int r = 0; r < NR; ++r) load8(wv[u][r], row[r], k0, true);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -613,7 +596,7 @@ __global__ void __launch_bounds__(RowsGemvShape<MR>::W * 32)
       for (int m = 0; m < MR; ++m) {
         if (m > 0 && m >= rows) break;  // the same for every lane; rows >= 1
         float xv[8];
-        load8_as<Bf16>(xv, x + (m * K + k0) * kElem);
+        load8(xv, x, m * K + k0, true);
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
           float part = 0.f;
@@ -628,12 +611,16 @@ __global__ void __launch_bounds__(RowsGemvShape<MR>::W * 32)
 }
 }  // namespace
 
-bool matmul_rows_gemv(const Ctx& c, const Tensor& x, int64_t rows, int64_t k, const Tensor& w,
-                      Tensor& y, float alpha) {
-  const int64_t n = w.dim(0);
-  if (!c.rows_gemv || rows < 1 || rows > 8 || k % 8 != 0 || x.dtype() != w.dtype() ||
-      !aligned16({x.data(), w.data()}))
+bool matmul_rows_gemv(const Ctx& c, const Tensor& x, const Tensor& w, Tensor& y, bool trans_x,
+                      bool trans_w, float alpha, float beta) {
+  // x's rows against w's rows: x [..., rows, K] as it lies, w [N, K] (one weight, read
+  // transposed), y overwritten, one dtype for x and w, 16-byte chunks of both.
+  if (!c.rows_gemv || trans_x || !trans_w || beta != 0.f || w.ndim() != 2 ||
+      x.dtype() != w.dtype() || !aligned16({x.data(), w.data()}))
     return false;
+  const int64_t k = x.dim(-1), n = w.dim(0);
+  const int64_t rows = k > 0 ? x.numel() / k : 0;
+  if (rows < 1 || rows > 8 || k % 8 != 0) return false;
   const auto run = [&](auto mr) {
     constexpr int MR = decltype(mr)::value;
     using G = RowsGemvShape<MR>;
