@@ -61,19 +61,13 @@ class CudaOps : public Backend {
                                       "flash attention's tensor-core dk/dv kernel runs 4 or 8 "
                                       "warps a block (16 key rows each)",
                                       "4");
-    if (const char* e = std::getenv("MT_CUDA_Q8_GEMV"); e && *e) {
-      const std::string v = e;
-      MT_CHECK(v == "0" || v == "1",
-               "MT_CUDA_Q8_GEMV=" + v +
-                   ": matmul_q8 takes decode's up to 8 rows of x straight from the int8 rows "
-                   "(1) or dequantizes the weights for cuBLASLt (0); set 0 or 1, or unset it for "
-                   "the default (1)");
-      ctx_.q8_dequant_always = v == "0";
-    }
-    ctx_.rows_gemv = env_choice("MT_CUDA_ROWS_GEMV", "0", "1",
+    ctx_.q8_dequant_always = !env_switch("MT_CUDA_Q8_GEMV", true,
+                                         "matmul_q8 takes decode's up to 8 rows of x straight "
+                                         "from the int8 rows (1) or dequantizes the weights for "
+                                         "cuBLASLt (0)");
+    ctx_.rows_gemv = env_switch("MT_CUDA_ROWS_GEMV", false,
                                 "matmul takes decode's products of up to 8 rows against [N, K] "
-                                "weight rows with cuBLASLt (0) or rows_gemv_kernel (1)",
-                                "0") == 1;
+                                "weight rows with cuBLASLt (0) or rows_gemv_kernel (1)");
     ctx_.stream = stream;
     ctx_.scratch = [this](const Shape& s, DType d) { return empty(s, d); };
     ctx_.rope = std::make_shared<RopeTables>();
@@ -85,11 +79,11 @@ class CudaOps : public Backend {
             cudaSuccess)
       ctx_.sm_major = 0;  // unknown: the SIMT kernels, which run anywhere
     // (griddepcontrol, which MT_KERNEL_PROLOGUE uses, came with sm_90.)
-    ctx_.pdl = env_choice("MT_CUDA_PDL", "0", "1",
-                          "kernels launch one after another (0) or with programmatic dependent "
-                          "launch, each kernel's blocks starting while the one before finishes (1)",
-                          "0") == 1 &&
-               ctx_.sm_major >= 9;
+    ctx_.pdl =
+        env_switch("MT_CUDA_PDL", false,
+                   "kernels launch one after another (0) or with programmatic dependent "
+                   "launch, each kernel's blocks starting while the one before finishes (1)") &&
+        ctx_.sm_major >= 9;
   }
   // The environment variable `name`: unset or empty gives 0 (the default, which `deflt` names
   // for the message), `a` or `b` their number, anything else an error saying what it chooses.
@@ -101,6 +95,12 @@ class CudaOps : public Backend {
     MT_CHECK(v == a || v == b, std::string(name) + "=" + v + ": " + what + "; set " + a + " or " +
                                    b + ", or unset it for the default (" + deflt + ")");
     return std::stoi(v);
+  }
+  // A switch: `name` unset or empty gives deflt, 0 or 1 off or on, anything else an error.
+  static bool env_switch(const char* name, bool deflt, const char* what) {
+    const char* e = std::getenv(name);
+    if (!e || !*e) return deflt;
+    return env_choice(name, "0", "1", what, deflt ? "1" : "0") == 1;
   }
   // Throws the first bad input the kernels recorded since the last report (DeviceChecks); the
   // subclass calls it once its synchronize() or copy_to_host() has waited for the stream.
