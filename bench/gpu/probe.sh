@@ -277,18 +277,23 @@ if want gemv; then
   # launch of every mt kernel (MT_CUDA_PDL=1). First the gpu tests with both on (PDL's waits are
   # what keeps each kernel after the one before: a missing one shows as a wrong result here) and
   # memcheck of the new kernel; then llama-bench-1b decode (batch 1 and 8), bf16, each of the four
-  # settings interleaved over three rounds, and f32 with both off and on.
+  # settings interleaved over three rounds, and f32 with both off and on. A fifth bf16 setting,
+  # both on with MT_FUSE_PROJECTIONS=0, asks whether batch 8 should still fuse q/k/v and gate/up
+  # under the GEMV: fused, a step pays five column copies a layer (Graph::split of the fused
+  # output, views only at one row); apart, three more products, which a GEMV reads at the same
+  # bytes as the fused one.
   # `MT_CUDA_ROWS_GEMV=1 MT_CUDA_PDL=1 bash bench/gpu/probe.sh decodeprof` shows the kernels' times.
   run gemv 150 env MT_CUDA_ROWS_GEMV=1 MT_CUDA_PDL=1 "$build/tests/gpu_ops_test" --gtest_brief=1
   run gemv 150 env MT_CUDA_ROWS_GEMV=1 MT_CUDA_PDL=1 "$build/tests/gpu_train_test" --gtest_brief=1
   command -v compute-sanitizer >/dev/null && run gemv 120 compute-sanitizer --tool memcheck \
     --error-exitcode 9 "$build/tests/gpu_ops_test" --gtest_filter='*RowsGemv*' --gtest_brief=1
   for round in 1 2 3; do
-    for v in "0 0" "1 0" "0 1" "1 1"; do
-      read -r gemv pdl <<<"$v"
-      echo "== bf16 MT_CUDA_ROWS_GEMV=$gemv MT_CUDA_PDL=$pdl round $round" >>"$res/gemv.log"
-      run gemv 90 env MT_CUDA_ROWS_GEMV=$gemv MT_CUDA_PDL=$pdl "$mt" bench decode backend=cuda \
-        --model=llama-bench-1b dtypes=bfloat16 parts=batch1,batch8
+    for v in "0 0 1" "1 0 1" "0 1 1" "1 1 1" "1 1 0"; do
+      read -r gemv pdl fuse <<<"$v"
+      echo "== bf16 MT_CUDA_ROWS_GEMV=$gemv MT_CUDA_PDL=$pdl MT_FUSE_PROJECTIONS=$fuse round $round" \
+        >>"$res/gemv.log"
+      run gemv 90 env MT_CUDA_ROWS_GEMV=$gemv MT_CUDA_PDL=$pdl MT_FUSE_PROJECTIONS=$fuse "$mt" \
+        bench decode backend=cuda --model=llama-bench-1b dtypes=bfloat16 parts=batch1,batch8
     done
   done
   for v in 0 1; do
