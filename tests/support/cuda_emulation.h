@@ -49,6 +49,7 @@
       std::abort();                                       \
     }                                                     \
   } while (0)
+#define MT_KERNEL_PROLOGUE() emu::kernel_prologue()
 #define MT_LAUNCH(kernel, grid, block, shared, stream) \
   emu::Launcher(emu::as_dim3(grid), block, shared, [&](auto... args_) { kernel(args_...); })
 
@@ -195,6 +196,7 @@ struct Block {
     bool started = false;
     Wait wait = none;
     bool done = false;
+    bool prologue = false;  // has run MT_KERNEL_PROLOGUE()
   };
   Block(int threads, size_t shared, std::vector<char>& stacks)
       : threads(threads), fibers(static_cast<size_t>(threads)), smem(shared + 16) {
@@ -259,8 +261,24 @@ inline void warp_sync() {
   wait(Block::warp_barrier);
 }
 
+// MT_KERNEL_PROLOGUE (device_io.cuh), the first statement of every mt kernel: on the device,
+// under programmatic dependent launch, the wait for the kernel before. The emulator runs kernels
+// one after another, so it only marks the thread, and faults a kernel that returns, or makes a
+// 16-byte load or store, without it: such a kernel would race its predecessor under
+// MT_CUDA_PDL=1, which no emulated result could show.
+inline void kernel_prologue() {
+  state.block->fibers[static_cast<size_t>(state.block->current)].prologue = true;
+}
+inline void require_prologue() {
+  MT_EMU_REQUIRE(
+      !state.block || state.block->fibers[static_cast<size_t>(state.block->current)].prologue,
+      "a kernel touched memory before MT_KERNEL_PROLOGUE() (device_io.cuh), or has "
+      "none: under MT_CUDA_PDL=1 it would race the kernel before it");
+}
+
 [[noreturn]] inline void fiber_main() {
   (*state.kernel)();
+  require_prologue();
   Block& b = *state.block;
   b.fibers[static_cast<size_t>(b.current)].done = true;
   _longjmp(b.scheduler, 1);

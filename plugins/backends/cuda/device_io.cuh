@@ -65,7 +65,9 @@ KernelLaunch<P...> kernel_launch(void (*kernel)(P...), dim3 grid, dim3 block, si
 // that kernel to finish and its writes to be visible (griddepcontrol.wait) before touching
 // memory, then lets the next kernel's blocks start (griddepcontrol.launch_dependents), to wait
 // in turn. Both do nothing for a kernel launched without it, and before Hopper.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(MT_CUDA_EMULATION)
+// (The emulator's marks the thread, and faults a kernel that returns or loads without it.)
+#ifdef MT_KERNEL_PROLOGUE
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define MT_KERNEL_PROLOGUE()                         \
   asm volatile("griddepcontrol.wait;" ::: "memory"); \
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
@@ -112,12 +114,14 @@ struct Out {
 __device__ __forceinline__ uint4 ld16(const void* p) {
 #ifdef MT_CUDA_EMULATION
   MT_EMU_REQUIRE(reinterpret_cast<uintptr_t>(p) % 16 == 0, "16-byte load not 16-byte aligned");
+  emu::require_prologue();
 #endif
   return *static_cast<const uint4*>(p);
 }
 __device__ __forceinline__ void st16(void* p, uint4 v) {
 #ifdef MT_CUDA_EMULATION
   MT_EMU_REQUIRE(reinterpret_cast<uintptr_t>(p) % 16 == 0, "16-byte store not 16-byte aligned");
+  emu::require_prologue();
 #endif
   *static_cast<uint4*>(p) = v;
 }
