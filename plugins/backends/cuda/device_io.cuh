@@ -65,7 +65,8 @@ KernelLaunch<P...> kernel_launch(void (*kernel)(P...), dim3 grid, dim3 block, si
 // that kernel to finish and its writes to be visible (griddepcontrol.wait) before touching
 // memory, then lets the next kernel's blocks start (griddepcontrol.launch_dependents), to wait
 // in turn. Both do nothing for a kernel launched without it, and before Hopper.
-// (The emulator's marks the thread, and faults a kernel that returns or loads without it.)
+// (tests/support/cuda_emulation.h defines its own, which marks the thread, and faults a kernel
+// that loads, stores or returns without it.)
 #ifdef MT_KERNEL_PROLOGUE
 #elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define MT_KERNEL_PROLOGUE()                         \
