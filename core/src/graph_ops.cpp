@@ -88,12 +88,11 @@ std::vector<Tensor> Graph::split(const Tensor& x, const std::vector<int64_t>& si
   std::vector<int64_t> cols;
   int64_t col = 0;
   for (int64_t s : sizes) {
-    Tensor p = backend_->empty(with_last(x.shape(), s), x.dtype());
-    backend_->copy_columns(x, col, p, 0, s, /*accumulate=*/false);
-    pieces.push_back(std::move(p));
+    pieces.push_back(backend_->empty(with_last(x.shape(), s), x.dtype()));
     cols.push_back(col);
     col += s;
   }
+  backend_->split_columns(x, pieces);  // one launch on a device (decode's fused projections)
   if (!record_ || !tracked(x)) return pieces;
   // One entry with every piece as an output: the backward writes x's gradient once, copying
   // into a fresh buffer when every piece has a gradient (no zero fill), else accumulating.

@@ -392,6 +392,25 @@ void Backend::copy_columns(const Tensor& src, int64_t src_col, Tensor& dst, int6
   }
 }
 
+void Backend::split_columns(const Tensor& src, std::vector<Tensor>& pieces) {
+  std::string list;
+  int64_t total = 0;
+  bool ok = src.defined() && src.ndim() >= 1;
+  for (const Tensor& p : pieces) {
+    list += (list.empty() ? "" : ", ") + str(p);
+    ok = ok && p.defined() && p.ndim() >= 1 && lead_rows(p) == lead_rows(src);
+    if (ok) total += p.dim(-1);
+  }
+  MT_CHECK(ok && total == src.dim(-1),
+           "split_columns: src " + str(src) + " into pieces [" + list +
+               "] (want src [N, D] and pieces [N, w_i] of its rows, the widths summing to D)");
+  int64_t col = 0;
+  for (Tensor& p : pieces) {
+    copy_columns(src, col, p, 0, p.dim(-1), /*accumulate=*/false);
+    col += p.dim(-1);
+  }
+}
+
 void Backend::fill_random(Tensor& out, const RandomFill& spec) {
   const bool truncated = spec.distribution == RandomFill::Distribution::truncated_normal;
   MT_CHECK(out.defined() && (out.dtype() == DType::f32 || out.dtype() == DType::bf16),

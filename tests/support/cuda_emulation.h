@@ -237,6 +237,7 @@ struct ThreadState {
   dim3 thread, blk, grid_dim, block_dim;
   const std::function<void()>* kernel = nullptr;
   int64_t mma_warp_calls = 0;  // mma.sync executed, per warp (tests check a path took them)
+  int64_t launches = 0;        // kernels launched (tests check how many a call takes)
 };
 inline ThreadState state;  // one block runs at a time, on the calling thread
 
@@ -311,6 +312,7 @@ inline void require_prologue() {
 // threads with `shared` bytes of dynamic shared memory. A warp may return early only as a whole,
 // as mt's kernels do; a barrier that can never open (a kernel bug) aborts the test.
 inline void launch(dim3 grid, int threads, size_t shared, const std::function<void()>& kernel) {
+  ++state.launches;
   std::vector<char> stacks;
   state.kernel = &kernel;
   state.grid_dim = grid;

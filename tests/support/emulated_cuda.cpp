@@ -76,6 +76,10 @@ int64_t emulated_gemm_calls() {
   return emu_lt::matmul_calls;
 }
 
+int64_t emulated_kernel_launches() {
+  return emu::state.launches;
+}
+
 std::unique_ptr<AttentionKernel> emulated_cuda_attention(const std::string& name, Backend& b) {
   auto* ops = dynamic_cast<cuda::CudaOps*>(&b);
   MT_CHECK(ops != nullptr, "emulated_cuda_attention needs an emulated_cuda() backend");

@@ -17,6 +17,8 @@ std::unique_ptr<Backend> emulated_cuda();
 int64_t emulated_mma_calls();
 // How many cublasLtMatmul calls (emulated) the backend's matmuls have made so far.
 int64_t emulated_gemm_calls();
+// How many kernels the emulated backend has launched so far (cuBLASLt's emulated GEMMs aside).
+int64_t emulated_kernel_launches();
 // "dot_product" or "flash" of the cuda plugin on an emulated_cuda() backend.
 std::unique_ptr<AttentionKernel> emulated_cuda_attention(const std::string& name, Backend& b);
 

@@ -150,6 +150,14 @@ std::vector<OpCase> cases() {
     r.b.copy_columns(src, 0, dst, 5, 4, true);
     r.keep("accumulate", dst);
   });
+  // Pieces starting off 16-byte boundaries, an empty one, rows of two leading dimensions.
+  add(Op::split_columns, "split_columns", [](OpRun& r) {
+    Tensor src = r.in({3, 2, 13});
+    std::vector<Tensor> pieces{r.out({3, 2, 5}), r.out({3, 2, 0}), r.out({3, 2, 1}),
+                               r.out({3, 2, 7})};
+    r.b.split_columns(src, pieces);
+    for (const Tensor& p : pieces) r.keep("piece", p);
+  });
   // Parameter initialisation: every backend writes the same bits (mt/random_fill.h), so exactly.
   add(Op::fill_random, "fill_random", [](OpRun& r) {
     Tensor a = r.out({1031}), b = r.out({3, 5});

@@ -1320,8 +1320,68 @@ TEST_F(GpuOps, RowsGemvMatchesTheCpu) {
 
 // The 0/1 kernel choices refuse anything else, naming the variable and its value.
 TEST_F(GpuOps, KernelChoicesRefuseOtherValues) {
-  for (const char* var : {"MT_CUDA_ROWS_GEMV", "MT_CUDA_PDL", "MT_CUDA_Q8_GEMV"})
+  for (const char* var :
+       {"MT_CUDA_ROWS_GEMV", "MT_CUDA_PDL", "MT_CUDA_Q8_GEMV", "MT_CUDA_SPLIT_COLUMNS"})
     expect_each_refused(var, {"2", "yes"});
+}
+
+// split_columns under MT_CUDA_SPLIT_COLUMNS=1: every piece in one launch for up to 8 pieces (one
+// copy_columns launch each past 8, and without the switch), the same bits as the CPU's copies,
+// converting where a piece's dtype differs from src's; pieces of width 0, off 16-byte
+// boundaries, and rows of two leading dimensions. Bad shapes are refused.
+TEST_F(GpuOps, SplitColumnsInOneLaunch) {
+  std::unique_ptr<Backend> own = gpu_with_env("MT_CUDA_SPLIT_COLUMNS", "1");
+  MT_SEEDED_RNG(rng);
+  auto launches = [] {
+#ifdef MT_CUDA_EMULATED_OPS
+    return test::emulated_kernel_launches();
+#else
+    return int64_t{-1};  // not counted on a device
+#endif
+  };
+  for (bool once : {true, false})
+    for (DType st : kDtypes)
+      for (DType pt : kDtypes)
+        for (int n : {1, 2, 3, 5, 8, 9}) {
+          SCOPED_TRACE(std::string("src ") + dname(st) + " pieces " + dname(pt) + ", " +
+                       std::to_string(n) + " pieces" + (once ? "" : ", switch off"));
+          Backend& g = once ? *own : gpu();
+          const int64_t lead = pick(rng, 1, 9);
+          std::vector<int64_t> widths;
+          int64_t d = 0;
+          for (int i = 0; i < n; ++i) {
+            widths.push_back(i == 1 ? 0 : pick(rng, 1, 70));
+            d += widths.back();
+          }
+          const std::vector<float> h = rand_nz(2 * lead * d, rng);
+          Tensor sg = test::from_vector(g, {2, lead, d}, h, st);
+          Tensor sc = test::from_vector(cpu(), {2, lead, d}, h, st);
+          std::vector<Tensor> pg, pc;
+          for (int64_t w : widths) {
+            pg.push_back(g.empty({2, lead, w}, pt));
+            if (w) g.fill(pg.back(), kNaN);  // every element must be written
+            pc.push_back(cpu().empty({2, lead, w}, pt));
+          }
+          const int64_t before = launches();
+          g.split_columns(sg, pg);
+          const int64_t count = launches() - before;
+          cpu().split_columns(sc, pc);
+          if (before >= 0) {
+            int64_t apart = 0;
+            for (int64_t w : widths) apart += w > 0;
+            EXPECT_EQ(count, once && n <= 8 ? 1 : apart) << "kernel launches";
+          }
+          for (size_t i = 0; i < widths.size(); ++i)
+            EXPECT_EQ(test::to_vector(pg[i]), test::to_vector(pc[i])) << "piece " << i;
+        }
+  Backend& g = *own;
+  Tensor src = g.empty({4, 6}, DType::f32);
+  std::vector<Tensor> short_by_one{g.empty({4, 2}, DType::f32), g.empty({4, 3}, DType::f32)};
+  EXPECT_THROW(g.split_columns(src, short_by_one), Error);
+  std::vector<Tensor> other_rows{g.empty({4, 2}, DType::f32), g.empty({3, 4}, DType::f32)};
+  EXPECT_THROW(g.split_columns(src, other_rows), Error);
+  std::vector<Tensor> ints{g.empty({4, 6}, DType::i32)};
+  EXPECT_THROW(g.split_columns(src, ints), Error);
 }
 
 // More memory than any device has: a message that says what to change, and the backend goes on.

@@ -115,6 +115,11 @@ struct Ctx {
   // wait for it before touching memory. From MT_CUDA_PDL=1 on a Hopper or later; off until
   // measured (bench/gpu/probe.sh's gemv step).
   bool pdl = false;
+  // split_columns writes up to 8 pieces in one launch (SplitF, rows.cu) instead of
+  // one copy_columns launch each: a batch-8 decode step's fused q/k/v and gate/up outputs, five
+  // launches a layer, become two. From MT_CUDA_SPLIT_COLUMNS=1; off until measured
+  // (bench/gpu/probe.sh's gemv step).
+  bool split_once = false;
 };
 
 // Throws "cuda <op>: <what> failed: <error> (<shapes>)" unless e is cudaSuccess.
@@ -156,6 +161,9 @@ inline void sum_squares_each(const Ctx& c, const std::vector<const Tensor*>& xs,
 // split and concat on the last dimension
 void copy_columns(const Ctx& c, const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col,
                   int64_t width, bool accumulate);
+// every piece of src's columns (split's forward): one launch for up to 8 pieces when
+// c.split_once is set, else one copy_columns each (rows.cu)
+void split_columns(const Ctx& c, const Tensor& src, std::vector<Tensor>& pieces);
 // parameter initialisation: mt/random_fill.h's values, the same bits as the CPU's (elementwise.cu)
 void fill_random(const Ctx& c, Tensor& out, const RandomFill& spec);
 

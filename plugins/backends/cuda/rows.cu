@@ -355,6 +355,55 @@ void copy_columns(const Ctx& c, const Tensor& src, int64_t src_col, Tensor& dst,
              "copy_columns", shapes);
 }
 
+namespace {
+constexpr int kSplitPieces = 8;  // pieces one launch writes
+// pieces[p][r, j - start[p]] = src[r, j] for start[p] <= j < start[p + 1], i over [N, D]: one
+// thread per element of src, so the loads coalesce, and the stores within each piece.
+struct SplitF {
+  In s;
+  int64_t d;
+  int n;
+  int64_t start[kSplitPieces + 1];
+  Out o[kSplitPieces];
+  __device__ void operator()(int64_t i) const {
+    const int64_t r = i / d, j = i - r * d;
+    int p = 0;
+    while (p + 1 < n && j >= start[p + 1]) ++p;
+    o[p].set(r * (start[p + 1] - start[p]) + j - start[p], s[i]);
+  }
+};
+}  // namespace
+
+void split_columns(const Ctx& c, const Tensor& src, std::vector<Tensor>& pieces) {
+  auto shapes = [&] {
+    std::string list;
+    for (const Tensor& p : pieces) list += (list.empty() ? "" : ", ") + str(p);
+    return "src " + str(src) + " into pieces [" + list + "]";
+  };
+  int64_t total = 0;
+  bool ok = is_fb(src) && src.ndim() >= 1;
+  for (const Tensor& p : pieces) {
+    ok = ok && is_fb(p) && p.ndim() >= 1 && lead_rows(p) == lead_rows(src);
+    if (ok) total += last_dim(p);
+  }
+  MT_CHECK(ok && total == last_dim(src),
+           "cuda split_columns: " + shapes() +
+               " (want f32 or bf16 src [N, D] and pieces [N, w_i], the widths summing to D)");
+  if (!c.split_once || pieces.size() > static_cast<size_t>(kSplitPieces)) {
+    int64_t col = 0;
+    for (Tensor& p : pieces) {
+      copy_columns(c, src, col, p, 0, last_dim(p), /*accumulate=*/false);
+      col += last_dim(p);
+    }
+    return;
+  }
+  SplitF f{in(src), last_dim(src), static_cast<int>(pieces.size()), {}, {}};
+  for (size_t p = 0; p < pieces.size(); ++p) {
+    f.start[p + 1] = f.start[p] + last_dim(pieces[p]);
+    f.o[p] = out(pieces[p]);
+  }
+  launch_map(c, src.numel(), f, "split_columns", shapes);
+}
 }  // namespace mt::cuda
 
 // ---- int8 weights (mt/q8.h) ---------------------------------------------------------------------
