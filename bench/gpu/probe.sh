@@ -281,23 +281,25 @@ if want gemv; then
   # both on with MT_FUSE_PROJECTIONS=0, asks whether batch 8 should still fuse q/k/v and gate/up
   # under the GEMV: fused, a step pays five column copies a layer (Graph::split of the fused
   # output, views only at one row); apart, three more products, which a GEMV reads at the same
-  # bytes as the fused one. A sixth, all three on with MT_CUDA_SPLIT_COLUMNS=1, writes each
-  # split's pieces in one launch (five copy launches a layer become two at batch 8).
-  # `MT_CUDA_ROWS_GEMV=1 MT_CUDA_PDL=1 MT_CUDA_SPLIT_COLUMNS=1 bash bench/gpu/probe.sh decodeprof`
+  # bytes as the fused one. A sixth, all three on with MT_CUDA_JOINT_COPIES=1, writes each
+  # split's pieces in one launch (five copy launches a layer become two at batch 8) and a
+  # step's k and v cache rows in one.
+  # `MT_CUDA_ROWS_GEMV=1 MT_CUDA_PDL=1 MT_CUDA_JOINT_COPIES=1 bash bench/gpu/probe.sh decodeprof`
   # shows the kernels' times.
-  on="MT_CUDA_ROWS_GEMV=1 MT_CUDA_PDL=1 MT_CUDA_SPLIT_COLUMNS=1"
+  on="MT_CUDA_ROWS_GEMV=1 MT_CUDA_PDL=1 MT_CUDA_JOINT_COPIES=1"
   run gemv 150 env $on "$build/tests/gpu_ops_test" --gtest_brief=1
   run gemv 150 env $on "$build/tests/gpu_train_test" --gtest_brief=1
   command -v compute-sanitizer >/dev/null && run gemv 120 compute-sanitizer --tool memcheck \
-    --error-exitcode 9 "$build/tests/gpu_ops_test" --gtest_filter='*RowsGemv*:*SplitColumns*' \
+    --error-exitcode 9 "$build/tests/gpu_ops_test" \
+    --gtest_filter='*RowsGemv*:*SplitColumns*:*ScatterRowsEach*' \
     --gtest_brief=1
   for round in 1 2 3; do
     for v in "0 0 1 0" "1 0 1 0" "0 1 1 0" "1 1 1 0" "1 1 0 0" "1 1 1 1"; do
-      read -r gemv pdl fuse split <<<"$v"
+      read -r gemv pdl fuse joint <<<"$v"
       echo "== bf16 MT_CUDA_ROWS_GEMV=$gemv MT_CUDA_PDL=$pdl MT_FUSE_PROJECTIONS=$fuse" \
-        "MT_CUDA_SPLIT_COLUMNS=$split round $round" >>"$res/gemv.log"
+        "MT_CUDA_JOINT_COPIES=$joint round $round" >>"$res/gemv.log"
       run gemv 90 env MT_CUDA_ROWS_GEMV=$gemv MT_CUDA_PDL=$pdl MT_FUSE_PROJECTIONS=$fuse \
-        MT_CUDA_SPLIT_COLUMNS=$split "$mt" \
+        MT_CUDA_JOINT_COPIES=$joint "$mt" \
         bench decode backend=cuda --model=llama-bench-1b dtypes=bfloat16 parts=batch1,batch8
     done
   done

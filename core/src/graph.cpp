@@ -444,27 +444,38 @@ Tensor Graph::attention(AttentionKernel& kernel, const Tensor& q, const Tensor& 
   return out;
 }
 
-void Graph::write_cache(KVCache& cache, size_t entry, const Tensor& x) {
+namespace {
+// x [B, T, entry...] as the rows to write, [n, w], and cache entry `entry` as rows of w values.
+std::pair<Tensor, Tensor> cache_rows(const KVCache& cache, size_t entry, const Tensor& x) {
   MT_CHECK(entry < cache.tensors.size(), "write_cache: entry " + std::to_string(entry) + " of " +
                                              std::to_string(cache.tensors.size()));
-  Tensor& dst = cache.tensors[entry];
+  const Tensor& dst = cache.tensors[entry];
   const int64_t n = cache.write_rows.numel();
   MT_CHECK(dst.ndim() >= 2 && x.ndim() == dst.ndim() && x.dim(0) * x.dim(1) == n &&
                Shape(x.shape().begin() + 2, x.shape().end()) ==
                    Shape(dst.shape().begin() + 2, dst.shape().end()),
            "write_cache: new entries " + x.str() + " do not fit the cache " + dst.str() + " (" +
                std::to_string(n) + " rows to write)");
+  const int64_t w = n ? x.numel() / n : 0;
+  return {x.view({n, w}), dst.view({w ? dst.numel() / w : 0, w})};
+}
+
+bool int8_entry(const KVCache& cache, size_t entry) {
+  return entry < cache.scales.size() && cache.scales[entry].defined();
+}
+}  // namespace
+
+void Graph::write_cache(KVCache& cache, size_t entry, const Tensor& x) {
   // One scatter_rows per tensor. The caller never names a row twice in one call, except the
   // sink row, never read, where tokens a ring buffer would overwrite within the call go.
-  const int64_t w = n ? x.numel() / n : 0;
-  Tensor rows = dst.view({w ? dst.numel() / w : 0, w});
-  if (entry < cache.scales.size() && cache.scales[entry].defined()) {  // int8 rows and scales
+  auto [src, rows] = cache_rows(cache, entry, x);
+  if (int8_entry(cache, entry)) {  // int8 rows and scales
     Tensor& s = cache.scales[entry];
     Tensor srows = s.view({rows.dim(0), s.dim(-1)});
-    backend_->scatter_rows_q8(x.view({n, w}), cache.write_rows, rows, srows);
+    backend_->scatter_rows_q8(src, cache.write_rows, rows, srows);
     return;
   }
-  backend_->scatter_rows(x.view({n, w}), cache.write_rows, rows);
+  backend_->scatter_rows(src, cache.write_rows, rows);
 }
 
 Tensor Graph::cache_values(const KVCache& cache, size_t entry, DType dtype) {
@@ -498,8 +509,16 @@ void Graph::write_kv_cache(KVCache& cache, const Tensor& k, const Tensor& v) {
   MT_CHECK(cache.tensors.size() >= 2 && k.ndim() == 4 && v.ndim() == 4,
            "write_kv_cache: k " + k.str() + " and v " + v.str() + " for a cache of " +
                std::to_string(cache.tensors.size()) + " tensors (want k and v [B, T, Hkv, D])");
-  write_cache(cache, 0, k);
-  write_cache(cache, 1, v);
+  if (int8_entry(cache, 0) || int8_entry(cache, 1)) {
+    write_cache(cache, 0, k);
+    write_cache(cache, 1, v);
+    return;
+  }
+  // Both in one op: one launch on a device.
+  auto [ks, kr] = cache_rows(cache, 0, k);
+  auto [vs, vr] = cache_rows(cache, 1, v);
+  std::vector<Tensor> outs{kr, vr};
+  backend_->scatter_rows_each({ks, vs}, cache.write_rows, outs);
 }
 
 Tensor Graph::cached_attention(AttentionKernel& kernel, const Tensor& q, const Tensor& k,

@@ -209,6 +209,14 @@ void Backend::scatter_rows(const Tensor& src, const Tensor& idx, Tensor& out) {
   scatter_add_rows(src.view({M, D}), idx, Tensor(), rows);
 }
 
+void Backend::scatter_rows_each(const std::vector<Tensor>& srcs, const Tensor& idx,
+                                std::vector<Tensor>& outs) {
+  MT_CHECK(srcs.size() == outs.size(), "scatter_rows_each: " + std::to_string(srcs.size()) +
+                                           " sources for " + std::to_string(outs.size()) +
+                                           " outputs (want one output each)");
+  for (size_t i = 0; i < srcs.size(); ++i) scatter_rows(srcs[i], idx, outs[i]);
+}
+
 namespace {
 
 // The int8 KV cache's shapes: rows [N, C] i8 with scales [N, G] (C a multiple of G); returns

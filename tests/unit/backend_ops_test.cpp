@@ -447,6 +447,13 @@ std::vector<OpCase> cases() {
     r.b.scatter_rows(src, idx, o);
     r.keep("out", o);
   });
+  add(Op::scatter_rows_each, "scatter_rows_each", [](OpRun& r) {
+    Tensor idx = r.given_ints({4}, {8, 0, 6, 1});
+    std::vector<Tensor> srcs{r.in({4, 12}), r.in({4, 5})}, outs{r.in({9, 12}), r.in({9, 5})};
+    r.b.scatter_rows_each(srcs, idx, outs);
+    r.keep("k", outs[0]);
+    r.keep("v", outs[1]);
+  });
   // The int8 KV cache: every row quantized, then five rewritten (4 values a scale), read back.
   auto q8_rows = [](OpRun& r) {
     Tensor all = r.in({9, 12}), every = r.given_ints({9}, {0, 1, 2, 3, 4, 5, 6, 7, 8});

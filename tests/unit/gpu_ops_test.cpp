@@ -1321,16 +1321,16 @@ TEST_F(GpuOps, RowsGemvMatchesTheCpu) {
 // The 0/1 kernel choices refuse anything else, naming the variable and its value.
 TEST_F(GpuOps, KernelChoicesRefuseOtherValues) {
   for (const char* var :
-       {"MT_CUDA_ROWS_GEMV", "MT_CUDA_PDL", "MT_CUDA_Q8_GEMV", "MT_CUDA_SPLIT_COLUMNS"})
+       {"MT_CUDA_ROWS_GEMV", "MT_CUDA_PDL", "MT_CUDA_Q8_GEMV", "MT_CUDA_JOINT_COPIES"})
     expect_each_refused(var, {"2", "yes"});
 }
 
-// split_columns under MT_CUDA_SPLIT_COLUMNS=1: every piece in one launch for up to 8 pieces (one
+// split_columns under MT_CUDA_JOINT_COPIES=1: every piece in one launch for up to 8 pieces (one
 // copy_columns launch each past 8, and without the switch), the same bits as the CPU's copies,
 // converting where a piece's dtype differs from src's; pieces of width 0, off 16-byte
 // boundaries, and rows of two leading dimensions. Bad shapes are refused.
 TEST_F(GpuOps, SplitColumnsInOneLaunch) {
-  std::unique_ptr<Backend> own = gpu_with_env("MT_CUDA_SPLIT_COLUMNS", "1");
+  std::unique_ptr<Backend> own = gpu_with_env("MT_CUDA_JOINT_COPIES", "1");
   MT_SEEDED_RNG(rng);
   auto launches = [] {
 #ifdef MT_CUDA_EMULATED_OPS
@@ -1382,6 +1382,84 @@ TEST_F(GpuOps, SplitColumnsInOneLaunch) {
   EXPECT_THROW(g.split_columns(src, other_rows), Error);
   std::vector<Tensor> ints{g.empty({4, 6}, DType::i32)};
   EXPECT_THROW(g.split_columns(src, ints), Error);
+}
+
+// scatter_rows_each under MT_CUDA_JOINT_COPIES=1 (a decode step's k and v cache writes): one
+// launch for up to 4 pairs of one cache row count, else one scatter_rows each (5 pairs, caches of
+// other row counts, the switch off); pairs of other widths and dtypes, the same bits as the
+// CPU's, other rows untouched. A bad index is reported once at the next synchronisation, and
+// nothing is written with it.
+TEST_F(GpuOps, ScatterRowsEachInOneLaunch) {
+  std::unique_ptr<Backend> own = gpu_with_env("MT_CUDA_JOINT_COPIES", "1");
+  MT_SEEDED_RNG(rng);
+  auto launches = [] {
+#ifdef MT_CUDA_EMULATED_OPS
+    return test::emulated_kernel_launches();
+#else
+    return int64_t{-1};
+#endif
+  };
+  for (bool once : {true, false})
+    for (int pairs : {1, 2, 4, 5})
+      for (bool same_rows : {true, false}) {
+        SCOPED_TRACE(std::to_string(pairs) + " pairs" + (same_rows ? "" : ", other row counts") +
+                     (once ? "" : ", switch off"));
+        Backend& g = once ? *own : gpu();
+        const int64_t N = pick(rng, 9, 40), M = pick(rng, 1, 8);
+        std::vector<int32_t> rows(static_cast<size_t>(N));
+        for (int32_t i = 0; i < N; ++i) rows[static_cast<size_t>(i)] = i;
+        std::shuffle(rows.begin(), rows.end(), rng);
+        rows.resize(static_cast<size_t>(M));
+        Tensor ig = test::from_ints(g, {M}, rows), ic = test::from_ints(cpu(), {M}, rows);
+        std::vector<Tensor> sg, sc, og, oc;
+        for (int t = 0; t < pairs; ++t) {
+          const DType st = kDtypes[static_cast<size_t>(t) % 2],
+                      ot = kDtypes[static_cast<size_t>(t / 2) % 2];
+          const int64_t D = pick(rng, 1, 70), n = same_rows || t == 0 ? N : N + t;
+          const std::vector<float> hs = rand_nz(M * D, rng), ho = rand_nz(n * D, rng);
+          sg.push_back(test::from_vector(g, {M, D}, hs, st));
+          sc.push_back(test::from_vector(cpu(), {M, D}, hs, st));
+          og.push_back(test::from_vector(g, {n, D}, ho, ot));
+          oc.push_back(test::from_vector(cpu(), {n, D}, ho, ot));
+        }
+        const int64_t before = launches();
+        g.scatter_rows_each(sg, ig, og);
+        const int64_t count = launches() - before;
+        cpu().scatter_rows_each(sc, ic, oc);
+        if (before >= 0) {
+          EXPECT_EQ(count, once && pairs <= 4 && (same_rows || pairs == 1) ? 1 : pairs)
+              << "kernel launches";
+        }
+        for (int t = 0; t < pairs; ++t)
+          EXPECT_EQ(test::to_vector(og[static_cast<size_t>(t)]),
+                    test::to_vector(oc[static_cast<size_t>(t)]))
+              << "out " << t;
+      }
+  Backend& g = *own;
+  const std::vector<float> k0 = rand_nz(5 * 3, rng), v0 = rand_nz(5 * 2, rng);
+  std::vector<Tensor> src{test::from_vector(g, {3, 3}, rand_nz(9, rng), DType::f32),
+                          test::from_vector(g, {3, 2}, rand_nz(6, rng), DType::f32)};
+  std::vector<Tensor> caches{test::from_vector(g, {5, 3}, k0, DType::f32),
+                             test::from_vector(g, {5, 2}, v0, DType::f32)};
+  Tensor bad = test::from_ints(g, {3}, {4, 9, 6});
+  g.scatter_rows_each(src, bad, caches);
+  try {
+    g.synchronize();
+    ADD_FAILURE() << "no error reported";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("scatter_rows: idx[1] = 9 is outside [0, 5)"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_NO_THROW(g.synchronize()) << "reported once only";
+  // Row 4 was written from src row 0; rows 0-3 are as they were.
+  const std::vector<float> k = test::to_vector(caches[0]), v = test::to_vector(caches[1]);
+  EXPECT_TRUE(std::equal(k.begin(), k.begin() + 12, k0.begin())) << "k rows 0-3 changed";
+  EXPECT_TRUE(std::equal(v.begin(), v.begin() + 8, v0.begin())) << "v rows 0-3 changed";
+  std::vector<Tensor> one_out{caches[0]};
+  EXPECT_THROW(g.scatter_rows_each(src, bad, one_out), Error);
+  Tensor short_idx = test::from_ints(g, {2}, {0, 1});
+  EXPECT_THROW(g.scatter_rows_each(src, short_idx, caches), Error);
 }
 
 // More memory than any device has: a message that says what to change, and the backend goes on.

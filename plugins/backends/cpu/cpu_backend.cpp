@@ -217,6 +217,12 @@ void CpuBackend::split_columns(const Tensor& src, std::vector<Tensor>& pieces) {
   Backend::split_columns(src, pieces);
 }
 
+// The core's composition (a scatter_rows each), as split_columns above.
+void CpuBackend::scatter_rows_each(const std::vector<Tensor>& srcs, const Tensor& idx,
+                                   std::vector<Tensor>& outs) {
+  Backend::scatter_rows_each(srcs, idx, outs);
+}
+
 void CpuBackend::fill_random(Tensor& out, const RandomFill& spec) {
   run([&] { cpu::fill_random(out, spec); });
 }

@@ -68,9 +68,9 @@ class CudaOps : public Backend {
     ctx_.rows_gemv = env_switch("MT_CUDA_ROWS_GEMV", false,
                                 "matmul takes decode's products of up to 8 rows against [N, K] "
                                 "weight rows with cuBLASLt (0) or rows_gemv_kernel (1)");
-    ctx_.split_once = env_switch("MT_CUDA_SPLIT_COLUMNS", false,
-                                 "split writes its pieces with one copy launch each (0) or all "
-                                 "of them in one launch (1)");
+    ctx_.joint_copies = env_switch("MT_CUDA_JOINT_COPIES", false,
+                                   "a split's pieces and a step's k and v cache rows are "
+                                   "written with one launch a tensor (0) or one for all (1)");
     ctx_.stream = stream;
     ctx_.scratch = [this](const Shape& s, DType d) { return empty(s, d); };
     ctx_.rope = std::make_shared<RopeTables>();

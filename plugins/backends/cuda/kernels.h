@@ -115,11 +115,12 @@ struct Ctx {
   // wait for it before touching memory. From MT_CUDA_PDL=1 on a Hopper or later; off until
   // measured (bench/gpu/probe.sh's gemv step).
   bool pdl = false;
-  // split_columns writes up to 8 pieces in one launch (SplitF, rows.cu) instead of
-  // one copy_columns launch each: a batch-8 decode step's fused q/k/v and gate/up outputs, five
-  // launches a layer, become two. From MT_CUDA_SPLIT_COLUMNS=1; off until measured
-  // (bench/gpu/probe.sh's gemv step).
-  bool split_once = false;
+  // Copies to several tensors in one launch each: split_columns writes up to 8 pieces (SplitF,
+  // rows.cu) and scatter_rows_each up to 4 pairs (ScatterEachF) instead of one launch a tensor.
+  // A batch-8 decode step's splits of the fused q/k/v and gate/up outputs, five launches a
+  // layer, become two, and every step's k and v cache writes one. From MT_CUDA_JOINT_COPIES=1;
+  // off until measured (bench/gpu/probe.sh's gemv step).
+  bool joint_copies = false;
 };
 
 // Throws "cuda <op>: <what> failed: <error> (<shapes>)" unless e is cudaSuccess.
@@ -162,7 +163,7 @@ inline void sum_squares_each(const Ctx& c, const std::vector<const Tensor*>& xs,
 void copy_columns(const Ctx& c, const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col,
                   int64_t width, bool accumulate);
 // every piece of src's columns (split's forward): one launch for up to 8 pieces when
-// c.split_once is set, else one copy_columns each (rows.cu)
+// c.joint_copies is set, else one copy_columns each (rows.cu)
 void split_columns(const Ctx& c, const Tensor& src, std::vector<Tensor>& pieces);
 // parameter initialisation: mt/random_fill.h's values, the same bits as the CPU's (elementwise.cu)
 void fill_random(const Ctx& c, Tensor& out, const RandomFill& spec);
@@ -196,6 +197,10 @@ void gather_rows(const Ctx& c, const Tensor& x, const Tensor& idx, Tensor& out);
 void scatter_add_rows(const Ctx& c, const Tensor& src, const Tensor& idx, const Tensor& w,
                       Tensor& out);
 void scatter_rows(const Ctx& c, const Tensor& src, const Tensor& idx, Tensor& out);
+// scatter_rows for each (srcs[i], outs[i]) with one idx: one launch for up to 4 pairs whose
+// outs have one row count when c.joint_copies is set, else one scatter_rows each (rows.cu)
+void scatter_rows_each(const Ctx& c, const std::vector<Tensor>& srcs, const Tensor& idx,
+                       std::vector<Tensor>& outs);
 // The int8 KV cache (rows.cu): quantized rows written by index, and rows widened back.
 void scatter_rows_q8(const Ctx& c, const Tensor& src, const Tensor& idx, Tensor& q, Tensor& s);
 void dequantize_rows_q8(const Ctx& c, const Tensor& q, const Tensor& s, Tensor& out);

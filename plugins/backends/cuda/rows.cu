@@ -208,6 +208,79 @@ void scatter_rows(const Ctx& c, const Tensor& src, const Tensor& idx, Tensor& o)
              "scatter_rows", shapes);
 }
 
+namespace {
+constexpr int kScatterPairs = 4;  // (src, out) pairs one launch writes
+// scatter_rows over several pairs with one id, i over the pairs' [M, D_t] back to back: element
+// i of pair t (start[t] <= i < start[t + 1]) is RowCopyF<false>'s element i - start[t]. An index
+// outside [0, n) is recorded once per row, by pair 0, and nothing is written with it.
+struct ScatterEachF {
+  const int32_t* id;
+  int64_t n;
+  int pairs;
+  int64_t start[kScatterPairs + 1];
+  int64_t D[kScatterPairs];
+  In x[kScatterPairs];
+  Out o[kScatterPairs];
+  unsigned long long* bad;
+  __device__ void operator()(int64_t i) const {
+    int t = 0;
+    while (t + 1 < pairs && i >= start[t + 1]) ++t;
+    const int64_t e = i - start[t], m = e / D[t], d = e - m * D[t], r = id[m];
+    if (r < 0 || r >= n) {
+      if (t == 0 && d == 0) record_bad(bad, m, r);
+      return;
+    }
+    o[t].set(r * D[t] + d, x[t][e]);
+  }
+};
+}  // namespace
+
+void scatter_rows_each(const Ctx& c, const std::vector<Tensor>& srcs, const Tensor& idx,
+                       std::vector<Tensor>& outs) {
+  MT_CHECK(srcs.size() == outs.size(), "cuda scatter_rows_each: " + std::to_string(srcs.size()) +
+                                           " sources for " + std::to_string(outs.size()) +
+                                           " outputs (want one output each)");
+  // One launch where every pair has rows (the bad-index check needs one n), else one each.
+  bool joint = c.joint_copies && !srcs.empty() && srcs.size() <= size_t{kScatterPairs};
+  for (size_t t = 0; joint && t < srcs.size(); ++t)
+    joint = is_fb(srcs[t]) && is_fb(outs[t]) && last_dim(outs[t]) > 0 &&
+            lead_rows(outs[t]) == lead_rows(outs[0]);
+  if (!joint) {
+    for (size_t t = 0; t < srcs.size(); ++t) scatter_rows(c, srcs[t], idx, outs[t]);
+    return;
+  }
+  auto shapes = [&] {
+    std::string list;
+    for (size_t t = 0; t < srcs.size(); ++t)
+      list += (t ? ", src " : "src ") + str(srcs[t]) + " -> out " + str(outs[t]);
+    return list + ", idx " + str(idx);
+  };
+  const int64_t M = idx.defined() ? idx.numel() : -1;
+  bool ok = idx.defined() && idx.dtype() == DType::i32;
+  for (size_t t = 0; t < srcs.size(); ++t)
+    ok = ok && last_dim(srcs[t]) == last_dim(outs[t]) && lead_rows(srcs[t]) == M;
+  MT_CHECK(ok, "cuda scatter_rows_each: " + shapes() +
+                   " (want each src [M, D_i] and out [N, D_i], idx [M] i32)");
+  const int64_t N = lead_rows(outs[0]);
+  ScatterEachF f{idx.ptr<const int32_t>(),
+                 N,
+                 static_cast<int>(srcs.size()),
+                 {},
+                 {},
+                 {},
+                 {},
+                 c.checks->slot([N](int64_t m, int64_t id) {
+                   return bad_row_index("scatter_rows", m, id, N);
+                 })};
+  for (size_t t = 0; t < srcs.size(); ++t) {
+    f.D[t] = last_dim(outs[t]);
+    f.x[t] = in(srcs[t]);
+    f.o[t] = out(outs[t]);
+    f.start[t + 1] = f.start[t] + srcs[t].numel();
+  }
+  launch_map(c, f.start[srcs.size()], f, "scatter_rows_each", shapes);
+}
+
 void scatter_add_rows(const Ctx& c, const Tensor& src, const Tensor& idx, const Tensor& w,
                       Tensor& o) {
   auto shapes = [&] {
@@ -389,7 +462,7 @@ void split_columns(const Ctx& c, const Tensor& src, std::vector<Tensor>& pieces)
   MT_CHECK(ok && total == last_dim(src),
            "cuda split_columns: " + shapes() +
                " (want f32 or bf16 src [N, D] and pieces [N, w_i], the widths summing to D)");
-  if (!c.split_once || pieces.size() > static_cast<size_t>(kSplitPieces)) {
+  if (!c.joint_copies || pieces.size() > static_cast<size_t>(kSplitPieces)) {
     int64_t col = 0;
     for (Tensor& p : pieces) {
       copy_columns(c, src, col, p, 0, last_dim(p), /*accumulate=*/false);

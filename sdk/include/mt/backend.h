@@ -25,7 +25,8 @@
 
 // 3: ops as data (mt/ops.def), Activation::tanh; 4: fill_random (see version.h); 5: matmul_q8;
 // 6: scatter_rows_q8 and dequantize_rows_q8 (the int8 KV cache); 7: grouped_matmul_q8 (int8
-// experts); 8: split_columns (a split's pieces in one op)
+// experts); 8: split_columns and scatter_rows_each
+// (copies to several tensors in one op)
 #define MT_OPSET_VERSION 8
 
 namespace mt {
