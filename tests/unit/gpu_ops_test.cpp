@@ -1325,6 +1325,15 @@ TEST_F(GpuOps, KernelChoicesRefuseOtherValues) {
     expect_each_refused(var, {"2", "yes"});
 }
 
+// Kernels launched so far under the emulation; -1 on a device (not counted there).
+int64_t kernel_launches() {
+#ifdef MT_CUDA_EMULATED_OPS
+  return test::emulated_kernel_launches();
+#else
+  return -1;
+#endif
+}
+
 // split_columns under MT_CUDA_JOINT_COPIES=1: every piece in one launch for up to 8 pieces (one
 // copy_columns launch each past 8, and without the switch), the same bits as the CPU's copies,
 // converting where a piece's dtype differs from src's; pieces of width 0, off 16-byte
@@ -1332,13 +1341,6 @@ TEST_F(GpuOps, KernelChoicesRefuseOtherValues) {
 TEST_F(GpuOps, SplitColumnsInOneLaunch) {
   std::unique_ptr<Backend> own = gpu_with_env("MT_CUDA_JOINT_COPIES", "1");
   MT_SEEDED_RNG(rng);
-  auto launches = [] {
-#ifdef MT_CUDA_EMULATED_OPS
-    return test::emulated_kernel_launches();
-#else
-    return int64_t{-1};  // not counted on a device
-#endif
-  };
   for (bool once : {true, false})
     for (DType st : kDtypes)
       for (DType pt : kDtypes)
@@ -1362,9 +1364,9 @@ TEST_F(GpuOps, SplitColumnsInOneLaunch) {
             if (w) g.fill(pg.back(), kNaN);  // every element must be written
             pc.push_back(cpu().empty({2, lead, w}, pt));
           }
-          const int64_t before = launches();
+          const int64_t before = kernel_launches();
           g.split_columns(sg, pg);
-          const int64_t count = launches() - before;
+          const int64_t count = kernel_launches() - before;
           cpu().split_columns(sc, pc);
           if (before >= 0) {
             int64_t apart = 0;
@@ -1392,13 +1394,6 @@ TEST_F(GpuOps, SplitColumnsInOneLaunch) {
 TEST_F(GpuOps, ScatterRowsEachInOneLaunch) {
   std::unique_ptr<Backend> own = gpu_with_env("MT_CUDA_JOINT_COPIES", "1");
   MT_SEEDED_RNG(rng);
-  auto launches = [] {
-#ifdef MT_CUDA_EMULATED_OPS
-    return test::emulated_kernel_launches();
-#else
-    return int64_t{-1};
-#endif
-  };
   for (bool once : {true, false})
     for (int pairs : {1, 2, 4, 5})
       for (bool same_rows : {true, false}) {
@@ -1422,9 +1417,9 @@ TEST_F(GpuOps, ScatterRowsEachInOneLaunch) {
           og.push_back(test::from_vector(g, {n, D}, ho, ot));
           oc.push_back(test::from_vector(cpu(), {n, D}, ho, ot));
         }
-        const int64_t before = launches();
+        const int64_t before = kernel_launches();
         g.scatter_rows_each(sg, ig, og);
-        const int64_t count = launches() - before;
+        const int64_t count = kernel_launches() - before;
         cpu().scatter_rows_each(sc, ic, oc);
         if (before >= 0) {
           EXPECT_EQ(count, once && pairs <= 4 && (same_rows || pairs == 1) ? 1 : pairs)
