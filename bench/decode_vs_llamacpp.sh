@@ -41,10 +41,14 @@
 #               weights
 #   WORK        where llama.cpp's build, the weights and results.jsonl go (default
 #               /tmp/mt-vs-llamacpp)
-#   ISA         native (default) or avx2: both peers held to AVX2 + FMA on an AVX-512 machine,
-#               to measure the kernels an AVX2-only CPU (Zen 3, Intel client parts) runs, on
-#               this machine's memory: llama.cpp built with GGML_NATIVE=OFF and GGML_AVX512=OFF
-#               (in WORK/llama-build-avx2), mt run with MT_CPU_MATVEC=avx2,
+#   ISA         native (default): mt runs without an inherited OPENBLAS_CORETYPE, choosing its
+#               f32 GEMM kernels itself as on a machine where nobody set it (an environment's
+#               OPENBLAS_CORETYPE=Haswell held mt's f32 prefill to about 0.6x of its rate
+#               without it on a Zen 5 EPYC, llama.cpp untouched); or avx2: both peers held to
+#               AVX2 + FMA on an AVX-512 machine, to measure the kernels an AVX2-only CPU
+#               (Zen 3, Intel client parts) runs, on this machine's memory: llama.cpp built
+#               with GGML_NATIVE=OFF and GGML_AVX512=OFF (in WORK/llama-build-avx2), mt run
+#               with MT_CPU_MATVEC=avx2,
 #               MT_FLASH_KERNELS=avx2, MT_CPU_BF16DOT=0 (bf16 GEMMs on the f32 FMA path) and
 #               OPENBLAS_CORETYPE=Haswell. mt's element-wise loops still take their x86-64-v4
 #               clones (chosen by the CPU): a small share of a step. Not a measurement of an
@@ -62,7 +66,7 @@ threads=${THREADS:-2}
 isa=${ISA:-native}
 mt_env=()
 case $isa in
-  native) lc_flags=(-DGGML_NATIVE=ON) lc_build_name=llama-build ;;
+  native) lc_flags=(-DGGML_NATIVE=ON) lc_build_name=llama-build mt_env=(-u OPENBLAS_CORETYPE) ;;
   avx2)
     lc_flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
               -DGGML_BMI2=ON -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF

@@ -30,7 +30,9 @@ export OMP_NUM_THREADS=$threads
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 mt_lines=() pt_lines=()
 for ((r = 1; r <= reps; ++r)); do
-  m=$("$mt" bench train --model="$model" num_threads="$threads" steps="$steps")
+  # Without an inherited OPENBLAS_CORETYPE: mt picks its widest kernels (train_vs_pytorch.sh).
+  m=$(env -u OPENBLAS_CORETYPE "$mt" bench train --model="$model" num_threads="$threads" \
+    steps="$steps")
   echo "$m"
   mt_lines+=("$m")
   # mt's CPU peak (model TFLOP/s / MFU), so the peer's MFU is against the same peak.

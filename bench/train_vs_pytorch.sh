@@ -6,12 +6,15 @@
 # .venv-tf5, .venv (PyTorch 2 from pip, with MKL: tools/setup_reference_env_tf5.sh) and
 # python3 (Debian's python3-torch 1.13, about 1.3x slower on this model) that imports torch.
 # Debian's build uses OpenBLAS, forced here to the widest kernels the CPU runs (SkylakeX with
-# AVX-512, else Haswell with AVX2) and, when installed, its OpenMP variant.
+# AVX-512, else Haswell with AVX2) and, when installed, its OpenMP variant. mt runs without an
+# inherited OPENBLAS_CORETYPE (it picks the same widest kernels itself): an environment that
+# holds OpenBLAS narrower than the CPU would measure that setting, not either peer.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 threads=${1:-2}
 steps=${2:-6}
-mt_json=$("$root/build/bin/mt" bench train num_threads="$threads" steps="$steps")
+mt_json=$(env -u OPENBLAS_CORETYPE "$root/build/bin/mt" bench train num_threads="$threads" \
+  steps="$steps")
 echo "$mt_json"
 py=${PYTHON:-}
 if [ -z "$py" ]; then
@@ -22,7 +25,7 @@ fi
 [ -n "$py" ] || { echo '{"peer": "pytorch", "skipped": "no Python with torch (set PYTHON=...)"}'; exit 0; }
 omp=/usr/lib/x86_64-linux-gnu/openblas-openmp
 if grep -qw avx512f /proc/cpuinfo; then coretype=SkylakeX; else coretype=Haswell; fi
-export OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-$coretype}
+export OPENBLAS_CORETYPE=$coretype
 [ -d "$omp" ] && export LD_LIBRARY_PATH=$omp${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export OMP_NUM_THREADS=$threads
 pt_json=$("$py" "$root/bench/peers/torch_train.py" --threads "$threads" --steps "$steps")

@@ -774,6 +774,14 @@ TEST(GemmPath, DescribesPathAndPeak) {
       for (auto& ch : want) ch = char(std::tolower(ch));
       for (auto& ch : got) ch = char(std::tolower(ch));
       EXPECT_NE(got.find(want + " kernels"), std::string::npos);
+      // A coretype narrower than the hardware (this workplace's Haswell on an AVX-512 CPU) is
+      // kept, and the line says so; an AVX-512 one, or an AVX2-only CPU, gets no such remark.
+      const bool hw_avx512 =
+          __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+      const bool narrow = want != "skylakex" && want != "cooperlake" && want != "sapphirerapids";
+      EXPECT_EQ(d.find("this CPU has AVX-512: unset it") != std::string::npos, hw_avx512 && narrow)
+          << d;
     }
   }
 }

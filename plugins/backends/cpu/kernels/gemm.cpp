@@ -37,6 +37,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cctype>
 #include <chrono>
 #include <climits>
 #include <cstdint>
@@ -197,6 +198,17 @@ OpenBlas load_openblas() {
   }
   if (auto core = reinterpret_cast<GetStringFn>(dlsym(handle, "openblas_get_corename")))
     ob.corename = core();
+  // An environment may hold OpenBLAS narrower than the CPU (seen: OPENBLAS_CORETYPE=Haswell
+  // inherited on a Zen 5 EPYC, half SkylakeX's f32 GEMM rate). The user's word stands; the
+  // start-up line says what it costs.
+  std::string core_lower = ob.corename;
+  for (char& ch : core_lower) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  const bool core_avx512 =
+      core_lower == "skylakex" || core_lower == "cooperlake" || core_lower == "sapphirerapids";
+  if (user_coretype && hw_avx512 && !ob.corename.empty() && !core_avx512)
+    ob.coretype_origin +=
+        "; this CPU has AVX-512: unset it for SkylakeX's kernels (on a Zen 5 "
+        "EPYC twice Haswell's f32 GEMM rate)";
   return ob;
 }
 
@@ -619,7 +631,8 @@ MT_AVX512 void row_dots_avx512(const float* const* xs, const W* const* rows, int
 // One or two rows of x (X) against weight rows [j0, j1) as S sequential streams at once (rows j,
 // j + h, ...; h = ceil((j1 - j0) / S)): 4 for one row (16 accumulators of AVX-512's 32
 // registers), 3 for two (24). gemv_row_streams_avx2's reading, for the AVX-512 set; taken only
-// with MT_CPU_MATVEC_STREAMS=1 until measured on an AVX-512 machine (see matvec_streams()).
+// with MT_CPU_MATVEC_STREAMS=1: slower than one stream on the AVX-512 machine it was measured on
+// (see matvec_streams()).
 template <class W, int X>
 MT_AVX512 void gemv_row_streams_avx512(const float* x, int64_t ldx, const W* w, int64_t k,
                                        int64_t ldw, int64_t j0, int64_t j1, float alpha, float beta,
@@ -946,9 +959,10 @@ MatvecSet matvec_set() {
 // Whether one or two rows of x read their weight rows as several sequential streams per core
 // (gemv_row_streams_avx2 / _avx512, and the vdpbf16ps rows kernel) instead of one: on by default
 // for the AVX2 set (measured on a 2-core AVX2 EPYC, Zen 3: one stream per core left memory idle
-// between misses), off for AVX-512 (not yet measured on an AVX-512 machine: the kernels are
-// checked for bits here, on cpu_x86emu, and wait for a measurement before they become the
-// default). MT_CPU_MATVEC_STREAMS=0|1 forces either way.
+// between misses), off for AVX-512: on a 2-core Zen 5 EPYC (2026-11-29, mt bench decode batch 1,
+// six interleaved pairs) several streams gave 0.88-0.93x one stream's tokens/s in f32 and bf16
+// (the vdpbf16ps rows kernel) and 0.98-1.00x in int8, one AVX-512 core's stream already reading
+// at the triad's rate. MT_CPU_MATVEC_STREAMS=0|1 forces either way.
 bool matvec_streams() {
   static const bool kOn = [] {
     const char* env = std::getenv("MT_CPU_MATVEC_STREAMS");
