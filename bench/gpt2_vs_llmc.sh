@@ -72,8 +72,8 @@ for rep in $(seq "$reps"); do
   for t in $seqs; do
     # Its own output directory: another `mt bench train` on the machine holds /tmp/mt-bench's.
     # No inherited OPENBLAS_CORETYPE: mt picks its widest kernels (train_vs_pytorch.sh).
-    env -u OPENBLAS_CORETYPE "$mt_build/bin/mt" bench train --model=gpt2 per_device_batch_size="$batch" \
-      max_target_length="$t" num_threads="$threads" steps="$steps" \
+    env -u OPENBLAS_CORETYPE "$mt_build/bin/mt" bench train --model=gpt2 \
+      per_device_batch_size="$batch" max_target_length="$t" num_threads="$threads" steps="$steps" \
       base_output_directory="$work/mt-bench" 2> "$work/mt.log" | tee -a "$results" ||
       echo "{\"peer\": \"mt\", \"seq\": $t, \"failed\": \"see $work/mt.log\"}"
     if [ "$torch_ok" = 1 ]; then
