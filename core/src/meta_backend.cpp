@@ -204,13 +204,23 @@ void MetaAttention::backward(const Tensor& dout, const Tensor& q, const Tensor& 
   }
 }
 
-void MetaAttention::decode(const Tensor& q, const Tensor&, const Tensor&, const Tensor&,
+void MetaAttention::decode(const Tensor& q, const Tensor& k_cache, const Tensor&, const Tensor&,
                            const AttentionSpec&, Tensor& out) {
   // The CPU's kernels read a bf16 cache in place (flash a key block at a time, dot_product a
   // sequence's rows into host vectors); flash works on f32 copies of q and its output.
   if (name_ != "flash") return;
-  const Tensor scratch = thread_scratch(flash_forward_floats(q.dim(-1)));
   const auto held = copies({&q, &out});
+  const int64_t B = q.dim(0), T = q.dim(1), Hq = q.dim(2), D = q.dim(3), S = k_cache.dim(1);
+  if (T != 1) {
+    const Tensor scratch = thread_scratch(flash_forward_floats(D));
+    return;
+  }
+  // One new token: chunks of at least kDecodeRows = 32 keys, at most kDecodeChunks = 64 a
+  // sequence (flash.cpp's decode_rows), each chunk's partial results [Hq, D + 2], and per thread
+  // the scaled query and a chunk's scores; the most chunks a step can take is a full cache's.
+  const int64_t span = 32 * 64, rows = 32 * std::max<int64_t>(1, (S + span - 1) / span);
+  const Tensor part = be_.empty({B * ((S + rows - 1) / rows) * Hq, D + 2}, DType::f32);
+  const Tensor scratch = thread_scratch(Hq * (D + rows));
 }
 
 }  // namespace mt

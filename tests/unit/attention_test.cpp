@@ -510,6 +510,79 @@ TEST(Attention, DecodeReadsABf16CacheInPlace) {
       }
 }
 
+// One new token a sequence reads the cache in chunks of keys, every head at once, and merges the
+// chunks: each sequence's output is the same bits whatever the batch around it or the thread
+// count, and matches the forward over its keys, also for a capacity past 2048 rows, where a
+// chunk grows past 32 keys (at most 64 chunks a sequence), and for lengths ending inside a
+// chunk or one key into it. Rows past each length hold NaN.
+TEST(Attention, DecodeChunksGiveTheSameBitsAtAnyBatchAndThreads) {
+  const uint64_t seed = test::seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  Backend& be = test::cpu();
+  std::unique_ptr<Backend> wide = test::plugins().make_backend(
+      test::cpu_backend_name(), config_from_pairs({{"num_threads", "5"}}));
+  std::unique_ptr<Backend> one = test::plugins().make_backend(
+      test::cpu_backend_name(), config_from_pairs({{"num_threads", "1"}}));
+  const int64_t D = 16;
+  for (int64_t Smax : {int64_t{97}, int64_t{2100}})
+    for (auto [Hq, Hkv] : {std::pair<int64_t, int64_t>{3, 3}, {6, 2}})
+      for (int c = 0; c < 2; ++c) {
+        AttentionSpec spec;
+        spec.causal = true;
+        spec.window = c ? 40 : 0;
+        spec.softcap = c ? 25.f : 0.f;
+        const std::vector<int32_t> lengths = {static_cast<int32_t>(Smax), 33, 1,
+                                              static_cast<int32_t>(Smax) - 31};
+        const int64_t B = static_cast<int64_t>(lengths.size());
+        std::vector<float> kc = test::randn(B * Smax * Hkv * D, rng),
+                           vc = test::randn(B * Smax * Hkv * D, rng);
+        for (std::vector<float>* cache : {&kc, &vc})
+          for (int64_t b = 0; b < B; ++b)
+            std::fill(cache->begin() + (b * Smax + lengths[b]) * Hkv * D,
+                      cache->begin() + (b + 1) * Smax * Hkv * D,
+                      std::numeric_limits<float>::quiet_NaN());
+        const std::vector<float> q = test::randn(B * Hq * D, rng);
+        auto decode = [&](Backend& on, int64_t b0, int64_t nb) {
+          auto att = test::attention("flash", on);
+          Tensor out = on.empty({nb, 1, Hq, D}, DType::f32);
+          att->decode(
+              test::from_vector(
+                  on, {nb, 1, Hq, D},
+                  std::vector<float>(q.begin() + b0 * Hq * D, q.begin() + (b0 + nb) * Hq * D)),
+              test::from_vector(on, {nb, Smax, Hkv, D},
+                                std::vector<float>(kc.begin() + b0 * Smax * Hkv * D,
+                                                   kc.begin() + (b0 + nb) * Smax * Hkv * D)),
+              test::from_vector(on, {nb, Smax, Hkv, D},
+                                std::vector<float>(vc.begin() + b0 * Smax * Hkv * D,
+                                                   vc.begin() + (b0 + nb) * Smax * Hkv * D)),
+              test::from_ints(
+                  on, {nb}, std::vector<int32_t>(lengths.begin() + b0, lengths.begin() + b0 + nb)),
+              spec, out);
+          return test::to_vector(out);
+        };
+        const std::vector<float> all = decode(be, 0, B);
+        ASSERT_EQ(decode(*wide, 0, B), all) << "Smax " << Smax << " Hq " << Hq << " case " << c;
+        ASSERT_EQ(decode(*one, 0, B), all) << "Smax " << Smax << " Hq " << Hq << " case " << c;
+        for (int64_t b = 0; b < B; ++b) {
+          const std::vector<float> row(all.begin() + b * Hq * D, all.begin() + (b + 1) * Hq * D);
+          ASSERT_EQ(decode(be, b, 1), row) << "Smax " << Smax << " b " << b << " case " << c;
+          const int64_t L = lengths[b];
+          Problem p;
+          p.B = 1, p.T = 1, p.S = L, p.Hq = Hq, p.Hkv = Hkv, p.D = D;
+          p.spec = spec;
+          p.spec.query_offset = L - 1;
+          p.q.assign(q.begin() + b * Hq * D, q.begin() + (b + 1) * Hq * D);
+          p.k.assign(kc.begin() + b * Smax * Hkv * D, kc.begin() + (b * Smax + L) * Hkv * D);
+          p.v.assign(vc.begin() + b * Smax * Hkv * D, vc.begin() + (b * Smax + L) * Hkv * D);
+          const Result r = run(*test::attention("dot_product", be), p, DType::f32, false);
+          // f32 sums over up to 2100 keys in two orders: 1e-5 as the long forward tests allow.
+          EXPECT_LT(norm_err(row, r.out), L > 200 ? 1e-5 : 2e-6)
+              << "Smax " << Smax << " Hq " << Hq << " b " << b << " length " << L << " case " << c;
+        }
+      }
+}
+
 // ---- (5) bf16 inputs ----------------------------------------------------------------------
 
 TEST(Attention, Bf16CloseToF32) {

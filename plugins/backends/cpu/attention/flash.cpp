@@ -32,6 +32,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <type_traits>
 
 #include "attention/checks.h"
 #include "cpu_backend.h"
@@ -60,8 +61,19 @@ constexpr int64_t kBK = 64;  // key rows per tile (the width of every score tile
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Query blocks with fewer rows (decode steps) score keys by direct dot products.
 constexpr int64_t kDirectRows = 4;
+// Keys a decode task reads at least (see decode_chunk).
+constexpr int64_t kDecodeRows = 32;
 
 // ---- microkernels -------------------------------------------------------------------------
+
+// A cache element as f32 (bf16 widened).
+template <class T>
+MT_ALWAYS_INLINE float widen(T x) {
+  if constexpr (std::is_same_v<T, uint16_t>)
+    return bf16_to_f32(x);
+  else
+    return x;
+}
 
 // out [nr, kBK] = a [nr, D] (row stride lda) @ bt [D, kBK].
 void abt_generic(const float* a, int64_t lda, int64_t nr, const float* bt, int64_t D, float* out) {
@@ -171,6 +183,49 @@ void zero_tail(float* bt, int64_t n, int64_t D) {
 void transpose_generic(const float* rows, int64_t ld, int64_t n, int64_t D, float* bt) {
   transpose_part(rows, ld, 0, n, 0, D, bt);
   zero_tail(bt, n, D);
+}
+
+// Decode (one query a sequence, see decode_chunk): s[h * lds + c] = qs[h] . k[c, h /
+// group] for the nk cache rows c at k + c * ld (kc f32 or kh bf16), every head h < Hq.
+template <class T>
+void decode_scores_t(const float* qs, int64_t Hq, int64_t group, int64_t D, const T* k, int64_t ld,
+                     int64_t nk, float* s, int64_t lds) {
+  for (int64_t c = 0; c < nk; ++c)
+    for (int64_t h = 0; h < Hq; ++h) {
+      const T* kr = k + c * ld + h / group * D;
+      float acc = 0.f;
+      for (int64_t d = 0; d < D; ++d) acc += qs[h * D + d] * widen(kr[d]);
+      s[h * lds + c] = acc;
+    }
+}
+void decode_scores_generic(const float* qs, int64_t Hq, int64_t group, int64_t D, const float* kc,
+                           const uint16_t* kh, int64_t ld, int64_t nk, float* s, int64_t lds) {
+  if (kh)
+    decode_scores_t(qs, Hq, group, D, kh, ld, nk, s, lds);
+  else
+    decode_scores_t(qs, Hq, group, D, kc, ld, nk, s, lds);
+}
+
+// Decode: part[h * ldp + d] += sum_c s[h * lds + c] * v[c, h / group, d], rows c < nk
+// (vc f32 or vh bf16, rows ld elements apart), read in order.
+template <class T>
+void decode_acc_t(float* part, int64_t ldp, int64_t Hq, int64_t group, int64_t D, const float* s,
+                  int64_t lds, const T* v, int64_t ld, int64_t nk) {
+  for (int64_t c = 0; c < nk; ++c)
+    for (int64_t h = 0; h < Hq; ++h) {
+      const T* vr = v + c * ld + h / group * D;
+      const float e = s[h * lds + c];
+      float* o = part + h * ldp;
+      for (int64_t d = 0; d < D; ++d) o[d] += e * widen(vr[d]);
+    }
+}
+void decode_acc_generic(float* part, int64_t ldp, int64_t Hq, int64_t group, int64_t D,
+                        const float* s, int64_t lds, const float* vc, const uint16_t* vh,
+                        int64_t ld, int64_t nk) {
+  if (vh)
+    decode_acc_t(part, ldp, Hq, group, D, s, lds, vh, ld, nk);
+  else
+    decode_acc_t(part, ldp, Hq, group, D, s, lds, vc, ld, nk);
 }
 
 #if MT_FLASH_X86
@@ -423,6 +478,84 @@ MT_AVX512 void abt_direct_avx512(const float* a, int64_t lda, int64_t nr, const 
     }
 }
 
+// 16 elements (n of them, the rest 0 when n < 16) of an f32 or bf16 row, as f32.
+template <class T>
+MT_AVX512 MT_ALWAYS_INLINE __m512 load16_avx512(const T* p, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return n >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(tail_mask(n), p);
+  } else {
+    __m256i h;
+    if (n >= 16) {
+      h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    } else {
+      alignas(32) uint16_t b[16] = {};
+      std::copy_n(p, n, b);
+      h = _mm256_load_si256(reinterpret_cast<const __m256i*>(b));
+    }
+    return _mm512_castsi512_ps(
+        _mm512_maskz_slli_epi32(kAll, _mm512_maskz_cvtepu16_epi32(kAll, h), 16));
+  }
+}
+
+template <class T>
+MT_AVX512 MT_ALWAYS_INLINE void decode_scores_t_avx512(const float* qs, int64_t Hq, int64_t group,
+                                                       int64_t D, const T* k, int64_t ld,
+                                                       int64_t nk, float* s, int64_t lds) {
+  const int64_t Hkv = Hq / group;
+  for (int64_t c = 0; c < nk; ++c)
+    for (int64_t g = 0; g < Hkv; ++g) {
+      const T* kr = k + c * ld + g * D;
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 16)
+          acc = _mm512_fmadd_ps(load16_avx512(qs + h * D + d, D - d), load16_avx512(kr + d, D - d),
+                                acc);
+        s[h * lds + c] = hsum_avx512(acc);
+      }
+    }
+}
+MT_AVX512 void decode_scores_avx512(const float* qs, int64_t Hq, int64_t group, int64_t D,
+                                    const float* kc, const uint16_t* kh, int64_t ld, int64_t nk,
+                                    float* s, int64_t lds) {
+  if (kh)
+    decode_scores_t_avx512(qs, Hq, group, D, kh, ld, nk, s, lds);
+  else
+    decode_scores_t_avx512(qs, Hq, group, D, kc, ld, nk, s, lds);
+}
+
+template <class T>
+MT_AVX512 MT_ALWAYS_INLINE void decode_acc_t_avx512(float* part, int64_t ldp, int64_t Hq,
+                                                    int64_t group, int64_t D, const float* s,
+                                                    int64_t lds, const T* v, int64_t ld,
+                                                    int64_t nk) {
+  const int64_t Hkv = Hq / group;
+  for (int64_t c = 0; c < nk; ++c)
+    for (int64_t g = 0; g < Hkv; ++g) {
+      const T* vr = v + c * ld + g * D;
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        const __m512 e = _mm512_set1_ps(s[h * lds + c]);
+        float* o = part + h * ldp;
+        for (int64_t d = 0; d < D; d += 16) {
+          const __m512 x = load16_avx512(vr + d, D - d);
+          if (D - d >= 16) {
+            _mm512_storeu_ps(o + d, _mm512_fmadd_ps(e, x, _mm512_loadu_ps(o + d)));
+          } else {
+            const __mmask16 m = tail_mask(D - d);
+            _mm512_mask_storeu_ps(o + d, m, _mm512_fmadd_ps(e, x, _mm512_maskz_loadu_ps(m, o + d)));
+          }
+        }
+      }
+    }
+}
+MT_AVX512 void decode_acc_avx512(float* part, int64_t ldp, int64_t Hq, int64_t group, int64_t D,
+                                 const float* s, int64_t lds, const float* vc, const uint16_t* vh,
+                                 int64_t ld, int64_t nk) {
+  if (vh)
+    decode_acc_t_avx512(part, ldp, Hq, group, D, s, lds, vh, ld, nk);
+  else
+    decode_acc_t_avx512(part, ldp, Hq, group, D, s, lds, vc, ld, nk);
+}
+
 // ---- AVX2 + FMA microkernels (same contracts; for CPUs without AVX-512) -------------------
 // Sixteen 8-lane registers: the tiles are cut so that accumulators, operands and broadcasts fit
 // (abt: 4 rows x 16 score columns per pass; acc: 4 rows x 16 features per pass).
@@ -639,6 +772,81 @@ MT_AVX2 void abt_direct_avx2(const float* a, int64_t lda, int64_t nr, const floa
     }
 }
 
+// 8 elements (n of them, the rest 0 when n < 8) of an f32 or bf16 row, as f32.
+template <class T>
+MT_AVX2 MT_ALWAYS_INLINE __m256 load8_avx2(const T* p, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, tail_mask8(n));
+  } else {
+    __m128i h;
+    if (n >= 8) {
+      h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    } else {
+      alignas(16) uint16_t b[8] = {};
+      std::copy_n(p, n, b);
+      h = _mm_load_si128(reinterpret_cast<const __m128i*>(b));
+    }
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+template <class T>
+MT_AVX2 MT_ALWAYS_INLINE void decode_scores_t_avx2(const float* qs, int64_t Hq, int64_t group,
+                                                   int64_t D, const T* k, int64_t ld, int64_t nk,
+                                                   float* s, int64_t lds) {
+  const int64_t Hkv = Hq / group;
+  for (int64_t c = 0; c < nk; ++c)
+    for (int64_t g = 0; g < Hkv; ++g) {
+      const T* kr = k + c * ld + g * D;
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8)
+          acc = _mm256_fmadd_ps(load8_avx2(qs + h * D + d, D - d), load8_avx2(kr + d, D - d), acc);
+        s[h * lds + c] = hsum_avx2(acc);
+      }
+    }
+}
+MT_AVX2 void decode_scores_avx2(const float* qs, int64_t Hq, int64_t group, int64_t D,
+                                const float* kc, const uint16_t* kh, int64_t ld, int64_t nk,
+                                float* s, int64_t lds) {
+  if (kh)
+    decode_scores_t_avx2(qs, Hq, group, D, kh, ld, nk, s, lds);
+  else
+    decode_scores_t_avx2(qs, Hq, group, D, kc, ld, nk, s, lds);
+}
+
+template <class T>
+MT_AVX2 MT_ALWAYS_INLINE void decode_acc_t_avx2(float* part, int64_t ldp, int64_t Hq, int64_t group,
+                                                int64_t D, const float* s, int64_t lds, const T* v,
+                                                int64_t ld, int64_t nk) {
+  const int64_t Hkv = Hq / group;
+  for (int64_t c = 0; c < nk; ++c)
+    for (int64_t g = 0; g < Hkv; ++g) {
+      const T* vr = v + c * ld + g * D;
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        const __m256 e = _mm256_set1_ps(s[h * lds + c]);
+        float* o = part + h * ldp;
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 x = load8_avx2(vr + d, D - d);
+          if (D - d >= 8) {
+            _mm256_storeu_ps(o + d, _mm256_fmadd_ps(e, x, _mm256_loadu_ps(o + d)));
+          } else {
+            const __m256i m = tail_mask8(D - d);
+            _mm256_maskstore_ps(o + d, m, _mm256_fmadd_ps(e, x, _mm256_maskload_ps(o + d, m)));
+          }
+        }
+      }
+    }
+}
+MT_AVX2 void decode_acc_avx2(float* part, int64_t ldp, int64_t Hq, int64_t group, int64_t D,
+                             const float* s, int64_t lds, const float* vc, const uint16_t* vh,
+                             int64_t ld, int64_t nk) {
+  if (vh)
+    decode_acc_t_avx2(part, ldp, Hq, group, D, s, lds, vh, ld, nk);
+  else
+    decode_acc_t_avx2(part, ldp, Hq, group, D, s, lds, vc, ld, nk);
+}
+
 #endif  // MT_FLASH_X86
 
 struct Kernels {
@@ -651,20 +859,27 @@ struct Kernels {
   float (*max)(const float*, int64_t);
   void (*softcap)(float*, int64_t, float, float*);
   void (*transpose)(const float*, int64_t, int64_t, int64_t, float*);
+  void (*decode_scores)(const float*, int64_t, int64_t, int64_t, const float*, const uint16_t*,
+                        int64_t, int64_t, float*, int64_t);
+  void (*decode_acc)(float*, int64_t, int64_t, int64_t, int64_t, const float*, int64_t,
+                     const float*, const uint16_t*, int64_t, int64_t);
 };
 
 // The best set this CPU runs: AVX-512, else AVX2 + FMA, else the portable loops.
 // MT_FLASH_KERNELS=generic|avx2|avx512 forces one (the tests run every set the CPU has); a set
 // the CPU lacks, or another value, is refused.
 const Kernels& kernels() {
-  static const Kernels generic{abt_generic, abt_direct_generic, acc_generic,      exp_sub_generic,
-                               max_generic, softcap_generic,    transpose_generic};
+  static const Kernels generic{abt_generic,       abt_direct_generic,    acc_generic,
+                               exp_sub_generic,   max_generic,           softcap_generic,
+                               transpose_generic, decode_scores_generic, decode_acc_generic};
 #if MT_FLASH_X86
-  static const Kernels avx512{abt_avx512, abt_direct_avx512, acc_avx512,      exp_sub_avx512,
-                              max_avx512, softcap_avx512,    transpose_avx512};
+  static const Kernels avx512{abt_avx512,       abt_direct_avx512,    acc_avx512,
+                              exp_sub_avx512,   max_avx512,           softcap_avx512,
+                              transpose_avx512, decode_scores_avx512, decode_acc_avx512};
   // softcap keeps the portable loop (std::tanh); only Gemma-style models use it.
-  static const Kernels avx2{abt_avx2, abt_direct_avx2, acc_avx2,      exp_sub_avx2,
-                            max_avx2, softcap_generic, transpose_avx2};
+  static const Kernels avx2{abt_avx2,       abt_direct_avx2,    acc_avx2,
+                            exp_sub_avx2,   max_avx2,           softcap_generic,
+                            transpose_avx2, decode_scores_avx2, decode_acc_avx2};
   static const bool has_avx512 = mt_cpu_supports("avx512f");
   static const bool has_avx2 = mt_cpu_supports("avx2") && mt_cpu_supports("fma");
 #else
@@ -739,9 +954,6 @@ struct HeadFwd {
   int64_t offset;
   const int32_t* q_seg;   // [T] or null
   const int32_t* kv_seg;  // [S]
-  // Row r of a block starting at i0 is query i0 + r * step: 1 for the rows of one head, 0 when
-  // the rows are the q heads of one kv head at a single position (grouped decode).
-  int64_t step = 1;
   // A bf16 KV cache read in place (decode), k and v then null: each key block's rows are
   // widened into the task's tiles as it comes, so a step reads the cache's valid rows once, as
   // bf16, and writes no f32 copy of it.
@@ -794,10 +1006,11 @@ struct FwdScratch {
 };
 
 // dst [n, D] (contiguous) = the bf16 rows src + c * ld, c < n, widened. Rows up to `rows` (>= n:
-// the valid rows from src on, the next blocks' too) are prefetched 32 ahead, as decode reads the
-// cache from memory (a head's rows lie Hkv * D apart; the weights streamed since the layer's last
-// step have evicted them). llama-bench-m bf16 batch-1 decode (Zen 5, profile=true, 5 interleaved
-// runs): 36 -> 29 us an attention_decode call at 8 -> 32 rows ahead.
+// the valid rows from src on, the next blocks' too) are prefetched 32 ahead, as a decode of
+// several tokens a sequence reads the cache from memory (a head's rows lie Hkv * D apart; the
+// weights streamed since the layer's last step have evicted them). One token a sequence takes
+// decode_chunk's sequential chunks instead; on that path (Zen 5, llama-bench-m bf16 batch 1)
+// 8 -> 32 rows ahead had taken a call from 36 to 29 us.
 MT_CLONES void widen_rows(const uint16_t* src, int64_t ld, int64_t n, int64_t rows, int64_t D,
                           float* dst) {
   constexpr int64_t kAhead = 32;
@@ -809,7 +1022,7 @@ MT_CLONES void widen_rows(const uint16_t* src, int64_t ld, int64_t n, int64_t ro
   }
 }
 
-// Rows r < nr of a block (row r: q at h.q + (i0 + r) * ldq, query i0 + r * step): out and lse.
+// Rows r < nr of a block (row r: q at h.q + (i0 + r) * ldq, query i0 + r): out and lse.
 MT_CLONES void forward_block(const Kernels& kn, const Params& p, const HeadFwd& h, int64_t i0,
                              int64_t nr, FwdScratch& w) {
   const int64_t D = p.D;
@@ -822,7 +1035,7 @@ MT_CLONES void forward_block(const Kernels& kn, const Params& p, const HeadFwd& 
   if (h.q_seg) min_max(h.q_seg + i0, nr, qs_lo, qs_hi);
 
   int64_t lo, hi;
-  const int64_t i_last = i0 + (nr - 1) * h.step;
+  const int64_t i_last = i0 + nr - 1;
   key_range(p, h.offset, h.S, i0, i_last + 1, lo, hi);
   const int64_t p_first = i0 + h.offset, p_last = i_last + h.offset;
   for (int64_t j0 = lo; j0 < hi; j0 += kBK) {
@@ -845,7 +1058,7 @@ MT_CLONES void forward_block(const Kernels& kn, const Params& p, const HeadFwd& 
     }
     for (int64_t r = 0; r < nr; ++r) {
       float* row = w.s + r * kBK;
-      const int64_t i = i0 + r * h.step, pos = i + h.offset;
+      const int64_t i = i0 + r, pos = i + h.offset;
       if (p.cap > 0.f) kn.softcap(row, nk, p.cap, nullptr);
       if (!full && p.window == 0 && !h.q_seg) {
         // Causal only: the keys after the query's position, a tail of the row.
@@ -892,6 +1105,76 @@ MT_CLONES void forward_block(const Kernels& kn, const Params& p, const HeadFwd& 
       if (h.lse) h.lse[i0 + r] = kNegInf;
     }
   }
+}
+
+// ---- decode: one new token, keys split into chunks ---------------------------------------
+
+// A decode step (T = 1) reads each sequence's cache in chunks of keys, one task a chunk for every
+// head at once, and merges the chunks' partial softmaxes afterwards (the split-KV decode of
+// FlashDecoding). A chunk's rows are contiguous in the cache ([rows, Hkv, D]), so a task reads
+// one sequential stream, where one task a head (the forward's split) read rows Hkv x D apart,
+// which the hardware prefetchers follow poorly, and had only B x Hq tasks (llama-bench-m bf16
+// batch 1, Zen 5: 52 -> 25 us an attention_decode call in the model). A chunk is kDecodeRows
+// keys, or a multiple of it that keeps a sequence to kDecodeChunks chunks (bounding the partial
+// results beside a long cache); its bounds depend on the cache's capacity and the positions
+// alone, never on the batch or the thread count, so a sequence's output is the same bits at
+// any batch size and on any number of threads.
+constexpr int64_t kDecodeChunks = 64;
+int64_t decode_rows(int64_t capacity) {
+  const int64_t span = kDecodeRows * kDecodeChunks;
+  return kDecodeRows * std::max<int64_t>(1, (capacity + span - 1) / span);
+}
+
+// One sequence's keys [j0, j1) (all visible to its query), every head: each q head's partial
+// softmax over them, part[h] = {max, sum of exp, acc[D] (unnormalised)}. qs [Hq, D]: the
+// query's heads, scaled; kc/vc (f32) or kh/vh (bf16) point at the sequence's row 0; s
+// [Hq, lds] scratch, lds >= j1 - j0. The keys are read row by row, each row's Hkv heads in
+// order (one sequential stream), then the values likewise. A bf16 cache gives the bits of an
+// f32 cache holding the same values (each kernel widens, then does the f32 arithmetic).
+void decode_chunk(const Kernels& kn, const Params& p, int64_t Hq, int64_t Hkv, const float* qs,
+                  const float* kc, const float* vc, const uint16_t* kh, const uint16_t* vh,
+                  int64_t j0, int64_t j1, float* part, float* s, int64_t lds) {
+  const int64_t D = p.D, group = Hq / Hkv, ldp = D + 2, nk = j1 - j0, ld = Hkv * D;
+  for (int64_t h = 0; h < Hq; ++h) {
+    part[h * ldp] = kNegInf;
+    part[h * ldp + 1] = 0.f;
+    std::fill(part + h * ldp + 2, part + (h + 1) * ldp, 0.f);
+  }
+  if (nk <= 0) return;
+  kn.decode_scores(qs, Hq, group, D, kc ? kc + j0 * ld : nullptr, kh ? kh + j0 * ld : nullptr, ld,
+                   nk, s, lds);
+  for (int64_t h = 0; h < Hq; ++h) {
+    float* x = s + h * lds;
+    if (p.cap > 0.f) kn.softcap(x, nk, p.cap, nullptr);
+    const float m = kn.max(x, nk);
+    part[h * ldp] = m;
+    part[h * ldp + 1] = kn.exp_sub(x, nk, m);
+  }
+  kn.decode_acc(part + 2, ldp, Hq, group, D, s, lds, vc ? vc + j0 * ld : nullptr,
+                vh ? vh + j0 * ld : nullptr, ld, nk);
+}
+
+// out [D] = the softmax-weighted sum of a head's chunks (parts ldc floats apart, in key order),
+// each chunk's sums rescaled to the largest max; zeros if no key was visible. One chunk gives
+// the bits of one pass over its keys.
+void merge_chunks(const float* part, int64_t ldc, int64_t chunks, int64_t D, float* out) {
+  float m = kNegInf;
+  for (int64_t c = 0; c < chunks; ++c) m = std::max(m, part[c * ldc]);
+  if (m == kNegInf) {
+    std::fill(out, out + D, 0.f);
+    return;
+  }
+  float l = 0.f;
+  std::fill(out, out + D, 0.f);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const float* pc = part + c * ldc;
+    if (pc[0] == kNegInf) continue;
+    const float a = pc[0] == m ? 1.f : std::exp(pc[0] - m);
+    l += a * pc[1];
+    for (int64_t d = 0; d < D; ++d) out[d] += a * pc[2 + d];
+  }
+  const float inv = 1.f / l;
+  for (int64_t d = 0; d < D; ++d) out[d] *= inv;
 }
 
 // ---- backward -----------------------------------------------------------------------------
@@ -1033,7 +1316,6 @@ class FlashAttention final : public AttentionKernel {
     const int32_t* len = lengths.ptr<int32_t>();
     if (q.numel() == 0) return;
     const Params p = params(spec, n.D);
-    Tensor scratch = slots(FwdScratch::floats(n.D));
     backend_.run([&] {
       // A bf16 cache is read in place, a key block at a time (HeadFwd::k16 and v16).
       const F32 qf = as_f32(backend_, q);
@@ -1055,31 +1337,40 @@ class FlashAttention final : public AttentionKernel {
       if (!of.p) of.p = of.copy.ptr<float>();
       const Kernels& kn = kernels();
       const int64_t group = n.Hq / n.Hkv;
-      if (n.T == 1 && group > 1) {
-        // One new token: the q heads sharing a kv head are adjacent rows of q, all at position
-        // lengths[b] - 1, so they form one block and read the cache once per kv head.
-        const int64_t nblk = (group + kBQ - 1) / kBQ;
-        tbb::parallel_for(int64_t{0}, n.B * n.Hkv * nblk, [&](int64_t task) {
-          const int64_t bg = task / nblk, blk = task % nblk;
-          const int64_t b = bg / n.Hkv, g = bg % n.Hkv, h0 = g * group + blk * kBQ;
-          HeadFwd hf{qf.p + (b * n.Hq + h0) * n.D,
-                     n.D,
-                     nullptr,
-                     nullptr,
-                     n.Hkv * n.D,
-                     len[b],
-                     of.p + (b * n.Hq + h0) * n.D,
-                     n.D,
-                     nullptr,
-                     len[b] - 1,
-                     nullptr,
-                     nullptr,
-                     0};
-          cache(hf, b, g);
-          FwdScratch w(slot(scratch), n.D);
-          forward_block(kn, p, hf, 0, std::min(kBQ, group - blk * kBQ), w);
+      if (n.T == 1) {
+        // One new token a sequence: chunks of kDecodeRows keys, every head at once (see
+        // decode_chunk), then each head's chunks merged.
+        int64_t smax = 0;
+        for (int64_t b = 0; b < n.B; ++b) smax = std::max<int64_t>(smax, len[b]);
+        const int64_t rows = decode_rows(n.S), chunks = (smax + rows - 1) / rows, ldp = n.D + 2;
+        Tensor part = backend_.empty({n.B * chunks * n.Hq, ldp}, DType::f32);
+        float* pp = part.ptr<float>();
+        // Per thread: the query's heads scaled [Hq, D], then the scores [Hq, rows].
+        Tensor dscratch = slots(n.Hq * (n.D + rows));
+        tbb::parallel_for(int64_t{0}, n.B * chunks, [&](int64_t task) {
+          const int64_t b = task / chunks, c = task % chunks;
+          int64_t lo, hi;
+          key_range(p, len[b] - 1, len[b], 0, 1, lo, hi);
+          const int64_t j0 = std::max(lo, c * rows), j1 = std::min(hi, (c + 1) * rows);
+          float* qs = slot(dscratch);
+          const float* q = qf.p + b * n.Hq * n.D;
+          for (int64_t i = 0; i < n.Hq * n.D; ++i) qs[i] = p.scale * q[i];
+          decode_chunk(kn, p, n.Hq, n.Hkv, qs, kc ? kc + at(b, 0) : nullptr,
+                       vc ? vc + at(b, 0) : nullptr, kh ? kh + at(b, 0) : nullptr,
+                       vh ? vh + at(b, 0) : nullptr, j0, j1, pp + task * n.Hq * ldp,
+                       qs + n.Hq * n.D, rows);
         });
+        const int64_t grain = std::max<int64_t>(1, 16384 / (chunks * n.D));
+        tbb::parallel_for(tbb::blocked_range<int64_t>(0, n.B * n.Hq, grain),
+                          [&](const tbb::blocked_range<int64_t>& r) {
+                            for (int64_t bh = r.begin(); bh < r.end(); ++bh) {
+                              const int64_t b = bh / n.Hq, h = bh % n.Hq;
+                              merge_chunks(pp + (b * chunks * n.Hq + h) * ldp, n.Hq * ldp, chunks,
+                                           n.D, of.p + bh * n.D);
+                            }
+                          });
       } else {
+        Tensor scratch = slots(FwdScratch::floats(n.D));
         const int64_t nblk = (n.T + kBQ - 1) / kBQ;
         tbb::parallel_for(int64_t{0}, n.B * n.Hq * nblk, [&](int64_t task) {
           const int64_t bh = task / nblk, blk = task % nblk;
