@@ -1114,7 +1114,7 @@ MT_CLONES void forward_block(const Kernels& kn, const Params& p, const HeadFwd& 
 // FlashDecoding). A chunk's rows are contiguous in the cache ([rows, Hkv, D]), so a task reads
 // one sequential stream, where one task a head (the forward's split) read rows Hkv x D apart,
 // which the hardware prefetchers follow poorly, and had only B x Hq tasks (llama-bench-m bf16
-// batch 1, Zen 5: 52 -> 25 us an attention_decode call in the model). A chunk is kDecodeRows
+// batch 1, Zen 5: 53-55 -> 25-27 us an attention_decode call in the model). A chunk is kDecodeRows
 // keys, or a multiple of it that keeps a sequence to kDecodeChunks chunks (bounding the partial
 // results beside a long cache); its bounds depend on the cache's capacity and the positions
 // alone, never on the batch or the thread count, so a sequence's output is the same bits at
