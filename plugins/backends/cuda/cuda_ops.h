@@ -72,6 +72,7 @@ class CudaOps : public Backend {
                                    "a split's pieces and a step's k and v cache rows are "
                                    "written with one launch a tensor (0) or one for all (1)");
     ctx_.stream = stream;
+    ctx_.self = this;
     ctx_.scratch = [this](const Shape& s, DType d) { return empty(s, d); };
     ctx_.rope = std::make_shared<RopeTables>();
     ctx_.checks = std::make_shared<DeviceChecks>(

@@ -81,6 +81,10 @@ class DeviceChecks {
 
 struct Ctx {
   cudaStream_t stream = nullptr;
+  // The backend these launchers serve (CudaOps). A launcher that takes only some cases of a
+  // composed op (split_columns, scatter_rows_each) hands the others to the op's composition in
+  // mt::Backend, which calls back into the launchers one tensor at a time.
+  Backend* self = nullptr;
   // cuBLASLt GEMMs: handle, workspace and plan cache (gemm.h), shared by copies of this Ctx.
   std::shared_ptr<Gemm> gemm;
   // Device temporaries from the backend's caching allocator. A temporary may die while kernels

@@ -237,16 +237,15 @@ struct ScatterEachF {
 
 void scatter_rows_each(const Ctx& c, const std::vector<Tensor>& srcs, const Tensor& idx,
                        std::vector<Tensor>& outs) {
-  MT_CHECK(srcs.size() == outs.size(), "cuda scatter_rows_each: " + std::to_string(srcs.size()) +
-                                           " sources for " + std::to_string(outs.size()) +
-                                           " outputs (want one output each)");
-  // One launch where every pair has rows (the bad-index check needs one n), else one each.
-  bool joint = c.joint_copies && !srcs.empty() && srcs.size() <= size_t{kScatterPairs};
+  // One launch where every pair has rows (the bad-index check needs one n), else the core's
+  // composition: one scatter_rows a pair.
+  bool joint = c.joint_copies && srcs.size() == outs.size() && !srcs.empty() &&
+               srcs.size() <= size_t{kScatterPairs};
   for (size_t t = 0; joint && t < srcs.size(); ++t)
     joint = is_fb(srcs[t]) && is_fb(outs[t]) && last_dim(outs[t]) > 0 &&
             lead_rows(outs[t]) == lead_rows(outs[0]);
   if (!joint) {
-    for (size_t t = 0; t < srcs.size(); ++t) scatter_rows(c, srcs[t], idx, outs[t]);
+    c.self->Backend::scatter_rows_each(srcs, idx, outs);
     return;
   }
   auto shapes = [&] {
@@ -448,6 +447,10 @@ struct SplitF {
 }  // namespace
 
 void split_columns(const Ctx& c, const Tensor& src, std::vector<Tensor>& pieces) {
+  if (!c.joint_copies || pieces.size() > static_cast<size_t>(kSplitPieces)) {
+    c.self->Backend::split_columns(src, pieces);  // the core's: one copy_columns a piece
+    return;
+  }
   auto shapes = [&] {
     std::string list;
     for (const Tensor& p : pieces) list += (list.empty() ? "" : ", ") + str(p);
@@ -462,14 +465,6 @@ void split_columns(const Ctx& c, const Tensor& src, std::vector<Tensor>& pieces)
   MT_CHECK(ok && total == last_dim(src),
            "cuda split_columns: " + shapes() +
                " (want f32 or bf16 src [N, D] and pieces [N, w_i], the widths summing to D)");
-  if (!c.joint_copies || pieces.size() > static_cast<size_t>(kSplitPieces)) {
-    int64_t col = 0;
-    for (Tensor& p : pieces) {
-      copy_columns(c, src, col, p, 0, last_dim(p), /*accumulate=*/false);
-      col += last_dim(p);
-    }
-    return;
-  }
   SplitF f{in(src), last_dim(src), static_cast<int>(pieces.size()), {}, {}};
   for (size_t p = 0; p < pieces.size(); ++p) {
     f.start[p + 1] = f.start[p] + last_dim(pieces[p]);
