@@ -334,14 +334,15 @@ BENCHMARK(BM_ReadBandwidth)
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 
-// Args: K, N, trans_b (W stored [N, K]), bf16 weights (0/1), M rows of x (batched decode's
-// few rows: 1 or up to 8).
+// Args: K, N, trans_b (W stored [N, K]), bf16 weights (0/1; 2: bf16 x too, a bf16 model's
+// decode), M rows of x (batched decode's few rows: 1 or up to 8). N = 256 keeps the weights in
+// L2 (what the kernel computes, not what memory delivers).
 void BM_MatVec(benchmark::State& state) {
   const int64_t k = state.range(0), n = state.range(1), m = state.range(4);
   const bool tb = state.range(2);
   const mt::DType dw = state.range(3) ? mt::DType::bf16 : mt::DType::f32;
   mt::Backend& be = backend();
-  mt::Tensor x = random_tensor({m, k}, mt::DType::f32);
+  mt::Tensor x = random_tensor({m, k}, state.range(3) == 2 ? mt::DType::bf16 : mt::DType::f32);
   mt::Tensor w = random_tensor(tb ? mt::Shape{n, k} : mt::Shape{k, n}, dw);
   mt::Tensor y = be.empty({m, n}, mt::DType::f32);
   const double bytes = double(w.nbytes());
@@ -368,6 +369,7 @@ BENCHMARK(BM_MatVec)
     ->ArgNames({"K", "N", "tb", "bf16_w", "M"})
     ->ArgsProduct({{768}, {3072}, {0, 1}, {0, 1}, {1}})
     ->ArgsProduct({{2048}, {5632}, {0, 1}, {0, 1}, {1, 8}})
+    ->ArgsProduct({{768, 2048}, {256}, {1}, {2}, {1, 2, 4, 8}})  // bf16 x and weights, in L2
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 
@@ -570,6 +572,8 @@ BENCHMARK(BM_MatVecStream)
     ->ArgsProduct({{2048}, {5632}, {0, 1}, {0, 1}, {1}})
     ->ArgsProduct({{2048}, {5632}, {1}, {0, 1}, {2}})  // two prompts on the "rows" kernels
     ->ArgsProduct({{768, 2048}, {768, 2048, 5632}, {1}, {2}, {1}})
+    ->ArgsProduct(
+        {{768, 2048}, {2048, 5632}, {1}, {2}, {2, 4, 8}})     // a bf16 model's batched decode
     ->ArgsProduct({{2048}, {2048, 32000}, {1}, {0, 1}, {1}})  // llama-bench-1b's q/k/v/o, LM head
     ->ArgsProduct({{5632}, {2048}, {1}, {0, 1}, {1}})         // and its down projection
     ->UseManualTime()

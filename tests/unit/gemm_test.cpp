@@ -332,9 +332,12 @@ TEST_F(Gemm, FewRowsEqualEachRowAlone) {
   for (bool tb : {false, true})
     for (DType db : {DType::f32, DType::bf16})
       for (DType da : {DType::f32, DType::bf16})
-        for (int64_t m : {2, 7, 8}) {
+        for (int64_t m : {2, 3, 7, 8}) {
           if (da == DType::bf16 && db != DType::bf16) continue;
-          const int64_t n = odd(17, 2601), k = odd(17, 301);
+          // bf16 x bf16 [n, k] (the dot-product kernel's four accumulators): at M = 8, two
+          // 128-element blocks and four tail steps, the last partial.
+          const int64_t n = odd(17, 2601);
+          const int64_t k = da == DType::bf16 && tb ? (m == 8 ? 383 : odd(17, 511)) : odd(17, 301);
           SCOPED_TRACE("m=" + std::to_string(m) + " n=" + std::to_string(n) +
                        " k=" + std::to_string(k) + " tb=" + std::to_string(tb) + " " +
                        dtype_name(db) + " x " + dtype_name(da));
