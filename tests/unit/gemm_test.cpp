@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <memory>
 #include <random>
@@ -787,6 +788,46 @@ TEST(GemmPath, DescribesPathAndPeak) {
           << d;
     }
   }
+}
+
+// The threads in this process (/proc/self/status), or -1 where that file is not readable.
+int process_threads() {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("Threads:", 0) == 0) return std::atoi(line.c_str() + 8);
+  return -1;
+}
+
+// num_threads above the CPUs this process may use: the backend runs that many threads (oneTBB
+// alone would run only as many as there are CPUs, and print a warning), says so, and keeps the
+// CPUs' peak (the extra threads share them), so MFU is not divided by phantom cores.
+TEST(GemmPath, MoreThreadsThanCpusRunAndKeepThePeak) {
+  const int cpus = mt::cpu_threads(config_from_pairs({}));
+  // Above what the process has without the raised limit (this thread, oneTBB's cpus - 1
+  // workers, OpenBLAS's pool of at most cpus - 1), so a count of n threads shows the raise.
+  const int n = 2 * cpus + 3;
+  std::unique_ptr<Backend> at_cpus = test::plugins().make_backend(
+      test::cpu_backend_name(), config_from_pairs({{"num_threads", std::to_string(cpus)}}));
+  const double peak = at_cpus->peak_flops(DType::f32);
+  at_cpus.reset();
+  std::unique_ptr<Backend> wide = test::plugins().make_backend(
+      test::cpu_backend_name(), config_from_pairs({{"num_threads", std::to_string(n)}}));
+  const std::string d = wide->describe();
+  EXPECT_NE(d.find(std::to_string(n) + " threads (oneTBB, more than the " + std::to_string(cpus) +
+                   " CPUs it may use)"),
+            std::string::npos)
+      << d;
+  EXPECT_EQ(wide->peak_flops(DType::f32), peak);
+  // A GEMM tiled over the n threads: oneTBB starts its workers as the tiles ask for them.
+  if (process_threads() < 0) GTEST_SKIP() << "/proc/self/status is not readable here";
+  const Tensor a = wide->zeros({512, 512}, DType::f32);
+  Tensor c = wide->empty({512, 512}, DType::f32);
+  int threads = process_threads();
+  for (int i = 0; i < 200 && threads < n; ++i) {
+    wide->matmul(a, a, c, false, false);
+    threads = process_threads();
+  }
+  EXPECT_GE(threads, n) << "num_threads " << n << " on " << cpus << " CPUs";
 }
 
 // Set in the child processes the two tests below start. Their filters do not select these tests,

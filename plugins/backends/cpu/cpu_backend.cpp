@@ -1,18 +1,49 @@
 // CpuBackend: identity, memory, and forwarding of every kernel into the backend's oneTBB arena.
 #include "cpu_backend.h"
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <fmt/format.h>
+
+#include <algorithm>
 #include <cstring>
 #include <fstream>
+#include <optional>
+#include <thread>
 
 #include "kernels/kernels.h"
 #include "mt/error.h"
 
 namespace mt::cpu {
 
-CpuBackend::CpuBackend(int num_threads) : num_threads_(num_threads), arena_(num_threads) {}
+namespace {
+int affinity_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  const int n = sched_getaffinity(0, sizeof set, &set) == 0
+                    ? CPU_COUNT(&set)
+                    : static_cast<int>(std::thread::hardware_concurrency());
+  return n > 0 ? n : 1;
+}
+
+// More threads than CPUs (num_threads above the affinity mask's count): oneTBB's default limit,
+// the CPU count, would run only that many and print a warning, so the limit is raised to the
+// request, as PyTorch's set_num_threads and llama.cpp's -t run what they are given.
+std::optional<tbb::global_control> raise_worker_limit(int num_threads) {
+  using gc = tbb::global_control;
+  if (static_cast<size_t>(num_threads) <= gc::active_value(gc::max_allowed_parallelism))
+    return std::nullopt;
+  return std::optional<gc>(std::in_place, gc::max_allowed_parallelism,
+                           static_cast<size_t>(num_threads));
+}
+}  // namespace
+
+CpuBackend::CpuBackend(int num_threads)
+    : num_threads_(num_threads),
+      cpus_(affinity_cpus()),
+      workers_(raise_worker_limit(num_threads)),
+      arena_(num_threads) {}
 CpuBackend::~CpuBackend() = default;
 
 void* CpuBackend::extension(const char* name) {
@@ -28,7 +59,10 @@ void* CpuBackend::extension(const char* name) {
 }
 
 std::string CpuBackend::describe() const {
-  return fmt::format("cpu: {} threads (oneTBB), GEMM: {}", num_threads_, gemm_describe());
+  const std::string over =
+      num_threads_ > cpus_ ? fmt::format(", more than the {} CPUs it may use", cpus_) : "";
+  return fmt::format("cpu: {} thread{} (oneTBB{}), GEMM: {}", num_threads_,
+                     num_threads_ == 1 ? "" : "s", over, gemm_describe());
 }
 
 namespace {
@@ -51,7 +85,10 @@ size_t CpuBackend::host_memory_limit() const {
   return limit_;
 }
 
-double CpuBackend::peak_flops(DType dtype) const { return cpu_peak_flops(dtype, num_threads_); }
+// Threads beyond the CPUs share them: the peak is the CPUs' (MFU would otherwise shrink).
+double CpuBackend::peak_flops(DType dtype) const {
+  return cpu_peak_flops(dtype, std::min(num_threads_, cpus_));
+}
 
 Tensor CpuBackend::empty(const Shape& shape, DType dtype) {
   const size_t bytes = shape_bytes(shape, dtype);  // throws for negative or overflowing shapes

@@ -1,10 +1,12 @@
 // The CPU backend: host memory from a caching allocator, kernels on oneTBB, GEMMs on OpenBLAS.
 #pragma once
 
+#include <oneapi/tbb/global_control.h>
 #include <oneapi/tbb/task_arena.h>
 
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "allocator.h"
@@ -60,6 +62,11 @@ class CpuBackend final : public Backend {
   size_t host_memory_limit() const;  // read once
 
   int num_threads_;
+  int cpus_;  // the CPUs this process may run on (its affinity mask)
+  // oneTBB runs at most as many threads as the machine has CPUs unless told otherwise: a
+  // backend asked for more raises that limit for its life (declared before the arena, so it
+  // is in force when the arena starts its workers and outlives it).
+  std::optional<tbb::global_control> workers_;
   tbb::task_arena arena_;
   mutable std::once_flag limit_once_;
   mutable size_t limit_ = 0;
