@@ -1,7 +1,6 @@
 // CpuBackend: identity, memory, and forwarding of every kernel into the backend's oneTBB arena.
 #include "cpu_backend.h"
 
-#include <sched.h>
 #include <unistd.h>
 
 #include <fmt/format.h>
@@ -10,23 +9,14 @@
 #include <cstring>
 #include <fstream>
 #include <optional>
-#include <thread>
 
 #include "kernels/kernels.h"
+#include "mt/config.h"
 #include "mt/error.h"
 
 namespace mt::cpu {
 
 namespace {
-int affinity_cpus() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  const int n = sched_getaffinity(0, sizeof set, &set) == 0
-                    ? CPU_COUNT(&set)
-                    : static_cast<int>(std::thread::hardware_concurrency());
-  return n > 0 ? n : 1;
-}
-
 // More threads than CPUs (num_threads above the affinity mask's count): oneTBB's default limit,
 // the CPU count, would run only that many and print a warning, so the limit is raised to the
 // request, as PyTorch's set_num_threads and llama.cpp's -t run what they are given.
@@ -41,7 +31,7 @@ std::optional<tbb::global_control> raise_worker_limit(int num_threads) {
 
 CpuBackend::CpuBackend(int num_threads)
     : num_threads_(num_threads),
-      cpus_(affinity_cpus()),
+      cpus_(cpu_threads(Config{})),  // num_threads unset: the affinity mask's CPUs
       workers_(raise_worker_limit(num_threads)),
       arena_(num_threads) {}
 CpuBackend::~CpuBackend() = default;

@@ -198,14 +198,6 @@ void decode_scores_t(const float* qs, int64_t Hq, int64_t group, int64_t D, cons
       s[h * lds + c] = acc;
     }
 }
-void decode_scores_generic(const float* qs, int64_t Hq, int64_t group, int64_t D, const float* kc,
-                           const uint16_t* kh, int64_t ld, int64_t nk, float* s, int64_t lds) {
-  if (kh)
-    decode_scores_t(qs, Hq, group, D, kh, ld, nk, s, lds);
-  else
-    decode_scores_t(qs, Hq, group, D, kc, ld, nk, s, lds);
-}
-
 // Decode: part[h * ldp + d] += sum_c s[h * lds + c] * v[c, h / group, d], rows c < nk
 // (vc f32 or vh bf16, rows ld elements apart), read in order.
 template <class T>
@@ -219,13 +211,29 @@ void decode_acc_t(float* part, int64_t ldp, int64_t Hq, int64_t group, int64_t D
       for (int64_t d = 0; d < D; ++d) o[d] += e * widen(vr[d]);
     }
 }
-void decode_acc_generic(float* part, int64_t ldp, int64_t Hq, int64_t group, int64_t D,
-                        const float* s, int64_t lds, const float* vc, const uint16_t* vh,
-                        int64_t ld, int64_t nk) {
-  if (vh)
-    decode_acc_t(part, ldp, Hq, group, D, s, lds, vh, ld, nk);
+// One decode kernel a Kernels entry: the instantiation for the cache's dtype (kc/vc f32 or
+// kh/vh bf16, one of them null) of a kernel set's templates.
+template <class T>
+using DecodeScoresFn = void (*)(const float*, int64_t, int64_t, int64_t, const T*, int64_t, int64_t,
+                                float*, int64_t);
+template <DecodeScoresFn<float> F32, DecodeScoresFn<uint16_t> BF16>
+void decode_scores_of(const float* qs, int64_t Hq, int64_t group, int64_t D, const float* kc,
+                      const uint16_t* kh, int64_t ld, int64_t nk, float* s, int64_t lds) {
+  if (kh)
+    BF16(qs, Hq, group, D, kh, ld, nk, s, lds);
   else
-    decode_acc_t(part, ldp, Hq, group, D, s, lds, vc, ld, nk);
+    F32(qs, Hq, group, D, kc, ld, nk, s, lds);
+}
+template <class T>
+using DecodeAccFn = void (*)(float*, int64_t, int64_t, int64_t, int64_t, const float*, int64_t,
+                             const T*, int64_t, int64_t);
+template <DecodeAccFn<float> F32, DecodeAccFn<uint16_t> BF16>
+void decode_acc_of(float* part, int64_t ldp, int64_t Hq, int64_t group, int64_t D, const float* s,
+                   int64_t lds, const float* vc, const uint16_t* vh, int64_t ld, int64_t nk) {
+  if (vh)
+    BF16(part, ldp, Hq, group, D, s, lds, vh, ld, nk);
+  else
+    F32(part, ldp, Hq, group, D, s, lds, vc, ld, nk);
 }
 
 #if MT_FLASH_X86
@@ -498,9 +506,8 @@ MT_AVX512 MT_ALWAYS_INLINE __m512 load16_avx512(const T* p, int64_t n) {
 }
 
 template <class T>
-MT_AVX512 MT_ALWAYS_INLINE void decode_scores_t_avx512(const float* qs, int64_t Hq, int64_t group,
-                                                       int64_t D, const T* k, int64_t ld,
-                                                       int64_t nk, float* s, int64_t lds) {
+MT_AVX512 void decode_scores_t_avx512(const float* qs, int64_t Hq, int64_t group, int64_t D,
+                                      const T* k, int64_t ld, int64_t nk, float* s, int64_t lds) {
   const int64_t Hkv = Hq / group;
   for (int64_t c = 0; c < nk; ++c)
     for (int64_t g = 0; g < Hkv; ++g) {
@@ -514,20 +521,10 @@ MT_AVX512 MT_ALWAYS_INLINE void decode_scores_t_avx512(const float* qs, int64_t 
       }
     }
 }
-MT_AVX512 void decode_scores_avx512(const float* qs, int64_t Hq, int64_t group, int64_t D,
-                                    const float* kc, const uint16_t* kh, int64_t ld, int64_t nk,
-                                    float* s, int64_t lds) {
-  if (kh)
-    decode_scores_t_avx512(qs, Hq, group, D, kh, ld, nk, s, lds);
-  else
-    decode_scores_t_avx512(qs, Hq, group, D, kc, ld, nk, s, lds);
-}
-
 template <class T>
-MT_AVX512 MT_ALWAYS_INLINE void decode_acc_t_avx512(float* part, int64_t ldp, int64_t Hq,
-                                                    int64_t group, int64_t D, const float* s,
-                                                    int64_t lds, const T* v, int64_t ld,
-                                                    int64_t nk) {
+MT_AVX512 void decode_acc_t_avx512(float* part, int64_t ldp, int64_t Hq, int64_t group, int64_t D,
+                                   const float* s, int64_t lds, const T* v, int64_t ld,
+                                   int64_t nk) {
   const int64_t Hkv = Hq / group;
   for (int64_t c = 0; c < nk; ++c)
     for (int64_t g = 0; g < Hkv; ++g) {
@@ -547,15 +544,6 @@ MT_AVX512 MT_ALWAYS_INLINE void decode_acc_t_avx512(float* part, int64_t ldp, in
       }
     }
 }
-MT_AVX512 void decode_acc_avx512(float* part, int64_t ldp, int64_t Hq, int64_t group, int64_t D,
-                                 const float* s, int64_t lds, const float* vc, const uint16_t* vh,
-                                 int64_t ld, int64_t nk) {
-  if (vh)
-    decode_acc_t_avx512(part, ldp, Hq, group, D, s, lds, vh, ld, nk);
-  else
-    decode_acc_t_avx512(part, ldp, Hq, group, D, s, lds, vc, ld, nk);
-}
-
 // ---- AVX2 + FMA microkernels (same contracts; for CPUs without AVX-512) -------------------
 // Sixteen 8-lane registers: the tiles are cut so that accumulators, operands and broadcasts fit
 // (abt: 4 rows x 16 score columns per pass; acc: 4 rows x 16 features per pass).
@@ -791,9 +779,8 @@ MT_AVX2 MT_ALWAYS_INLINE __m256 load8_avx2(const T* p, int64_t n) {
 }
 
 template <class T>
-MT_AVX2 MT_ALWAYS_INLINE void decode_scores_t_avx2(const float* qs, int64_t Hq, int64_t group,
-                                                   int64_t D, const T* k, int64_t ld, int64_t nk,
-                                                   float* s, int64_t lds) {
+MT_AVX2 void decode_scores_t_avx2(const float* qs, int64_t Hq, int64_t group, int64_t D, const T* k,
+                                  int64_t ld, int64_t nk, float* s, int64_t lds) {
   const int64_t Hkv = Hq / group;
   for (int64_t c = 0; c < nk; ++c)
     for (int64_t g = 0; g < Hkv; ++g) {
@@ -806,19 +793,9 @@ MT_AVX2 MT_ALWAYS_INLINE void decode_scores_t_avx2(const float* qs, int64_t Hq, 
       }
     }
 }
-MT_AVX2 void decode_scores_avx2(const float* qs, int64_t Hq, int64_t group, int64_t D,
-                                const float* kc, const uint16_t* kh, int64_t ld, int64_t nk,
-                                float* s, int64_t lds) {
-  if (kh)
-    decode_scores_t_avx2(qs, Hq, group, D, kh, ld, nk, s, lds);
-  else
-    decode_scores_t_avx2(qs, Hq, group, D, kc, ld, nk, s, lds);
-}
-
 template <class T>
-MT_AVX2 MT_ALWAYS_INLINE void decode_acc_t_avx2(float* part, int64_t ldp, int64_t Hq, int64_t group,
-                                                int64_t D, const float* s, int64_t lds, const T* v,
-                                                int64_t ld, int64_t nk) {
+MT_AVX2 void decode_acc_t_avx2(float* part, int64_t ldp, int64_t Hq, int64_t group, int64_t D,
+                               const float* s, int64_t lds, const T* v, int64_t ld, int64_t nk) {
   const int64_t Hkv = Hq / group;
   for (int64_t c = 0; c < nk; ++c)
     for (int64_t g = 0; g < Hkv; ++g) {
@@ -838,15 +815,6 @@ MT_AVX2 MT_ALWAYS_INLINE void decode_acc_t_avx2(float* part, int64_t ldp, int64_
       }
     }
 }
-MT_AVX2 void decode_acc_avx2(float* part, int64_t ldp, int64_t Hq, int64_t group, int64_t D,
-                             const float* s, int64_t lds, const float* vc, const uint16_t* vh,
-                             int64_t ld, int64_t nk) {
-  if (vh)
-    decode_acc_t_avx2(part, ldp, Hq, group, D, s, lds, vh, ld, nk);
-  else
-    decode_acc_t_avx2(part, ldp, Hq, group, D, s, lds, vc, ld, nk);
-}
-
 #endif  // MT_FLASH_X86
 
 struct Kernels {
@@ -869,17 +837,37 @@ struct Kernels {
 // MT_FLASH_KERNELS=generic|avx2|avx512 forces one (the tests run every set the CPU has); a set
 // the CPU lacks, or another value, is refused.
 const Kernels& kernels() {
-  static const Kernels generic{abt_generic,       abt_direct_generic,    acc_generic,
-                               exp_sub_generic,   max_generic,           softcap_generic,
-                               transpose_generic, decode_scores_generic, decode_acc_generic};
+  static const Kernels generic{abt_generic,
+                               abt_direct_generic,
+                               acc_generic,
+                               exp_sub_generic,
+                               max_generic,
+                               softcap_generic,
+                               transpose_generic,
+                               decode_scores_of<decode_scores_t<float>, decode_scores_t<uint16_t>>,
+                               decode_acc_of<decode_acc_t<float>, decode_acc_t<uint16_t>>};
 #if MT_FLASH_X86
-  static const Kernels avx512{abt_avx512,       abt_direct_avx512,    acc_avx512,
-                              exp_sub_avx512,   max_avx512,           softcap_avx512,
-                              transpose_avx512, decode_scores_avx512, decode_acc_avx512};
+  static const Kernels avx512{
+      abt_avx512,
+      abt_direct_avx512,
+      acc_avx512,
+      exp_sub_avx512,
+      max_avx512,
+      softcap_avx512,
+      transpose_avx512,
+      decode_scores_of<decode_scores_t_avx512<float>, decode_scores_t_avx512<uint16_t>>,
+      decode_acc_of<decode_acc_t_avx512<float>, decode_acc_t_avx512<uint16_t>>};
   // softcap keeps the portable loop (std::tanh); only Gemma-style models use it.
-  static const Kernels avx2{abt_avx2,       abt_direct_avx2,    acc_avx2,
-                            exp_sub_avx2,   max_avx2,           softcap_generic,
-                            transpose_avx2, decode_scores_avx2, decode_acc_avx2};
+  static const Kernels avx2{
+      abt_avx2,
+      abt_direct_avx2,
+      acc_avx2,
+      exp_sub_avx2,
+      max_avx2,
+      softcap_generic,
+      transpose_avx2,
+      decode_scores_of<decode_scores_t_avx2<float>, decode_scores_t_avx2<uint16_t>>,
+      decode_acc_of<decode_acc_t_avx2<float>, decode_acc_t_avx2<uint16_t>>};
   static const bool has_avx512 = mt_cpu_supports("avx512f");
   static const bool has_avx2 = mt_cpu_supports("avx2") && mt_cpu_supports("fma");
 #else
