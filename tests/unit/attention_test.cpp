@@ -583,6 +583,59 @@ TEST(Attention, DecodeChunksGiveTheSameBitsAtAnyBatchAndThreads) {
       }
 }
 
+// The decode kernels take keys 16 (AVX-512) or 8 (AVX2) at a time and a head's features 128 or
+// 64 at a time: head sizes with a partial vector (40, 200), one or two feature blocks (64, 128,
+// 200) and lengths ending on, inside and one past a group of keys each match the forward over
+// the same keys, and a bf16 cache gives the bits of an f32 cache holding its values. Rows past
+// each length hold NaN.
+TEST(Attention, DecodeHeadSizesAndKeyTails) {
+  const uint64_t seed = test::seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  Backend& be = test::cpu();
+  auto att = test::attention("flash", be);
+  const std::vector<int32_t> lengths = {1, 15, 16, 17, 47, 100};
+  const int64_t B = static_cast<int64_t>(lengths.size()), Smax = 100;
+  for (int64_t D : {40, 64, 128, 200})
+    for (auto [Hq, Hkv] : {std::pair<int64_t, int64_t>{4, 1}, {3, 3}}) {
+      std::vector<float> kc = test::randn(B * Smax * Hkv * D, rng),
+                         vc = test::randn(B * Smax * Hkv * D, rng);
+      for (std::vector<float>* cache : {&kc, &vc}) {
+        for (float& x : *cache) x = bf16_to_f32(f32_to_bf16(x));
+        for (int64_t b = 0; b < B; ++b)
+          std::fill(cache->begin() + (b * Smax + lengths[b]) * Hkv * D,
+                    cache->begin() + (b + 1) * Smax * Hkv * D,
+                    std::numeric_limits<float>::quiet_NaN());
+      }
+      const std::vector<float> q = test::randn(B * Hq * D, rng);
+      AttentionSpec spec;
+      spec.causal = true;
+      const Tensor qt = test::from_vector(be, {B, 1, Hq, D}, q),
+                   len = test::from_ints(be, {B}, lengths);
+      Tensor from_f32 = be.empty({B, 1, Hq, D}, DType::f32);
+      Tensor from_bf16 = be.empty({B, 1, Hq, D}, DType::f32);
+      att->decode(qt, make(be, {B, Smax, Hkv, D}, kc, DType::f32),
+                  make(be, {B, Smax, Hkv, D}, vc, DType::f32), len, spec, from_f32);
+      att->decode(qt, make(be, {B, Smax, Hkv, D}, kc, DType::bf16),
+                  make(be, {B, Smax, Hkv, D}, vc, DType::bf16), len, spec, from_bf16);
+      const std::vector<float> got = test::to_vector(from_f32);
+      ASSERT_EQ(test::to_vector(from_bf16), got) << "D " << D << " Hq " << Hq;
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t L = lengths[b];
+        Problem p;
+        p.B = 1, p.T = 1, p.S = L, p.Hq = Hq, p.Hkv = Hkv, p.D = D;
+        p.spec = spec;
+        p.spec.query_offset = L - 1;
+        p.q.assign(q.begin() + b * Hq * D, q.begin() + (b + 1) * Hq * D);
+        p.k.assign(kc.begin() + b * Smax * Hkv * D, kc.begin() + (b * Smax + L) * Hkv * D);
+        p.v.assign(vc.begin() + b * Smax * Hkv * D, vc.begin() + (b * Smax + L) * Hkv * D);
+        const Result r = run(*test::attention("dot_product", be), p, DType::f32, false);
+        const std::vector<float> row(got.begin() + b * Hq * D, got.begin() + (b + 1) * Hq * D);
+        EXPECT_LT(norm_err(row, r.out), 2e-6) << "D " << D << " Hq " << Hq << " length " << L;
+      }
+    }
+}
+
 // ---- (5) bf16 inputs ----------------------------------------------------------------------
 
 TEST(Attention, Bf16CloseToF32) {
