@@ -643,6 +643,24 @@ DeviceBatch ModelRunner::upload(const HostBatch& hb) {
   return d;
 }
 
+DeviceBatch ModelRunner::shaped_batch(int64_t batch, int64_t seq) {
+  auto ids = [&] { return backend().empty({batch, seq}, DType::i32); };
+  DeviceBatch d;
+  d.inputs = ids();
+  d.targets = ids();
+  d.positions = ids();
+  d.valid_targets = batch * seq;
+  for (int k = 1; k <= mtp_depths_; ++k) {
+    MtpBatch m;
+    m.inputs = ids();
+    m.positions = ids();
+    m.targets = ids();
+    m.valid_targets = batch * std::max<int64_t>(0, seq - k);
+    d.mtp.push_back(std::move(m));
+  }
+  return d;
+}
+
 Tensor ModelRunner::forward(Graph& g, const DeviceBatch& batch) {
   LayerInputs in;
   in.positions = batch.positions;
@@ -1122,11 +1140,14 @@ Tensor ModelRunner::head_loss(Graph& g, const std::vector<Tensor>& ps, const Ten
   const int64_t tiles = std::min(vocab_tiles_, n);
   const Tensor rows = g.reshape(hidden, {n, d});
   const Tensor flat_targets = targets.view({n});
-  // Row numbers 0 .. n - 1, uploaded once: each run gathers its rows through a slice of them.
-  std::vector<int32_t> index(static_cast<size_t>(n));
-  std::iota(index.begin(), index.end(), 0);
+  // Row numbers 0 .. n - 1, uploaded once: each run gathers its rows through a slice of them
+  // (a memory plan's trace holds no values: no host copy of 10^9 row numbers there).
   Tensor all_rows = backend().empty({n}, DType::i32);
-  backend().copy_from_host(all_rows, index.data());
+  if (backend().name() != "meta") {
+    std::vector<int32_t> index(static_cast<size_t>(n));
+    std::iota(index.begin(), index.end(), 0);
+    backend().copy_from_host(all_rows, index.data());
+  }
   Tensor total;
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t b = n * t / tiles, e = n * (t + 1) / tiles;

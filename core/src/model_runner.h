@@ -285,6 +285,11 @@ class ModelRunner {
   void after_step(const std::vector<LayerStats>& stats);
 
   DeviceBatch upload(const struct HostBatch& hb);
+  // A batch of `batch` x `seq` positions, every target counted valid, whose tensors hold no ids
+  // (none are written): what upload makes of such a batch, for `mt plan`'s trace on a
+  // MetaBackend, which then needs no host copy of the batch (a plan of 10^9 positions would
+  // otherwise fill the host's memory with zeros).
+  DeviceBatch shaped_batch(int64_t batch, int64_t seq);
 
  private:
   // The parameters in the compute dtype: a recorded cast of each master copy (gradients reach

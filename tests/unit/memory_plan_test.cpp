@@ -123,6 +123,7 @@ TEST(MemoryPlan, TrainingPeakMatchesTheMeasuredPeak) {
       {"llama-test", {"dtype=bfloat16", "remat_policy=full", "per_device_batch_size=2"}},
       {"llama-test", {"weight_dtype=bfloat16", "dtype=bfloat16", "mu_dtype=bfloat16"}},
       {"llama-test", {"gradient_accumulation_steps=3", "per_device_batch_size=2"}},
+      {"llama-test", {"gradient_accumulation_steps=5", "num_vocab_tiling=2"}},
       {"llama-test", {"attention=dot_product", "max_target_length=96"}},
       {"llama-test", {"optimizer_memory_host_offload=true", "per_device_batch_size=4"}},
       {"llama-test", {"num_vocab_tiling=4", "vocab_size=4096", "per_device_batch_size=2"}},
@@ -600,6 +601,25 @@ TEST(MemoryPlan, BadInputsAreRefusedClearly) {
   const test::MtResult mu = test::run_mt("plan --model=llama-test mu_dtype=float16", 30);
   EXPECT_EQ(mu.code, 2) << mu.out;
   EXPECT_NE(mu.out.find("mu_dtype"), std::string::npos) << mu.out;
+}
+
+// Sizes far past any machine are planned in an instant (the trace holds no values and runs two
+// micro-batches), and say they do not fit (exit 3) or are refused as keys (exit 2). Before:
+// max_target_length=10^9 filled 8 GB of host memory with zeros for 49 s, 10^10 ended in
+// std::bad_alloc, and 10^5 layers or 10^9 accumulation steps ran for minutes.
+TEST(MemoryPlan, AbsurdSizesArePlannedInAnInstant) {
+  for (const char* keys : {"max_target_length=1000000000", "max_target_length=2147483647",
+                           "gradient_accumulation_steps=1000000000",
+                           "max_target_length=1000000000 num_vocab_tiling=64"}) {
+    const test::MtResult r = test::run_mt(std::string("plan --model=llama-test ") + keys, 20);
+    EXPECT_EQ(r.code, 3) << keys << "\n" << r.out;
+    EXPECT_NE(r.out.find("the peak is"), std::string::npos) << keys << "\n" << r.out;
+  }
+  for (const char* keys : {"max_target_length=10000000000", "base_num_decoder_layers=100000"}) {
+    const test::MtResult r = test::run_mt(std::string("plan --model=llama-test ") + keys, 20);
+    EXPECT_EQ(r.code, 2) << keys << "\n" << r.out;
+    EXPECT_NE(r.out.find("out of range"), std::string::npos) << keys << "\n" << r.out;
+  }
 }
 
 }  // namespace
