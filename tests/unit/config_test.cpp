@@ -189,7 +189,6 @@ TEST(ConfigSchema, RealBaseDeclaresEveryKeyWithTypeDocAndConstraint) {
                         "weight_dtype",
                         "remat_policy",
                         "init_weights_seed",
-                        "init_weights_stddev",
                         "num_experts",
                         "num_experts_per_tok",
                         "per_device_batch_size",
