@@ -467,6 +467,14 @@ struct Unknown {
 // Refuses an unknown key once every layer is applied, so that the message can say which family
 // the final decoder_block names (a family's own keys exist only when it is named).
 [[noreturn]] void unknown_key(const Schema& schema, const Unknown& u, const Config& c) {
+  // Keys mt once had: what became of them (a run directory's config.yml from then holds them).
+  if (u.key == "init_weights_stddev")
+    throw UnknownKeyError(fmt::format(
+        "init_weights_stddev ({}) is no longer a key: nothing ever read it (each family draws each "
+        "parameter with its own initialiser, as MaxText does, and init_weights_seed chooses the "
+        "draw), so a value set there was ignored. Delete the line; a config.yml that an older mt "
+        "wrote into a run directory holds it with its default, 0.02.",
+        where(u.origin)));
   std::string listed = schema.base_shown;
   for (const auto& p : schema.plugins) listed += ", " + p;
   std::string family;

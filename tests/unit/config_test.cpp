@@ -507,6 +507,13 @@ TEST(ConfigErrors, UnknownKeysSuggestTheNearestInEveryLayer) {
   EXPECT_CONTAINS(far, All(Has("'qqqqqqqq'"), Has("configs/base.yml")));
   EXPECT_EQ(far.find("Did you mean"), std::string::npos) << far;
 
+  // A removed key says what became of it, in a file as an older run directory's config.yml.
+  const fs::path old_run = t.write("config.yml", "steps: 3\ninit_weights_stddev: 0.02\n");
+  r.config_file = old_run.string();
+  EXPECT_CONTAINS(usage_error([&] { load_config(r); }),
+                  All(Has("init_weights_stddev (set at " + old_run.generic_string() + ":2)"),
+                      Has("no longer a key"), Has("Delete the line")));
+
   MiniTree m;
   m.tmp.write("configs/models/m1.yml", "marker: m1\nbb: 3\n");
   EXPECT_CONTAINS(usage_error([&] { load_config(m.request()); }),
