@@ -28,6 +28,13 @@ int cmd_run(const Args& args) {
   std::unique_ptr<Communicator> comm = make_communicator(cfg, pm);
   const TrainSummary s = train_on_ranks(cfg, pm, /*quiet=*/false, *comm, "mt run");
   if (comm->rank() != 0) return 0;
+  if (s.tokens == 0) {  // the run was already at steps: no loss or speed of this invocation
+    std::printf(
+        "\nmt run: done. No step ran: the run is at step %ld. Its metrics and the resolved "
+        "config are in %s\n",
+        static_cast<long>(s.steps), s.run_dir.c_str());
+    return 0;
+  }
   char speed[256];
   if (s.timed_steps > 0)
     std::snprintf(speed, sizeof speed,

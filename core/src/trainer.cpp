@@ -529,17 +529,6 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   adam.eps = static_cast<float>(cfg.get_float("adam_eps"));
   const auto weight_decay = static_cast<float>(cfg.get_float("adam_weight_decay"));
 
-  // Outputs: the resolved config beside the metrics (rank 0's).
-  std::ofstream metrics;
-  if (lead) {
-    std::ofstream c(run_dir / "config.yml");
-    c << cfg.to_yaml(true);
-    c.close();
-    if (!c) throw Error("Cannot write " + quoted(run_dir / "config.yml") + ".");
-    metrics.open(run_dir / "metrics.jsonl", std::ios::app);
-    if (!metrics) throw Error("Cannot write metrics to " + quoted(run_dir / "metrics.jsonl") + ".");
-  }
-
   // Data.
   const std::string dataset = cfg.get_string("dataset_type");
   std::unique_ptr<Tokenizer> tokenizer;
@@ -650,6 +639,25 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   } else if (!cfg.get_string("hf_path").empty()) {
     load_hf_weights(cfg.get_string("hf_path"), runner);
     resumed_from = "Hugging Face weights from " + cfg.get_string("hf_path");
+  }
+  // Outputs: the resolved config beside the metrics (rank 0's), once the checkpoint or weights
+  // the run starts from are accepted: a run refused before (a checkpoint of another shape) leaves
+  // the run directory's config.yml as the run that wrote it had it.
+  std::ofstream metrics;
+  if (lead) {
+    const fs::path tmp = run_dir / "config.yml.tmp";
+    {
+      std::ofstream c(tmp);
+      c << cfg.to_yaml(true);
+      c.close();
+      if (!c) throw Error("Cannot write " + quoted(tmp) + ".");
+    }
+    std::error_code ec;
+    fs::rename(tmp, run_dir / "config.yml", ec);
+    if (ec)
+      throw Error("Cannot write " + quoted(run_dir / "config.yml") + ": " + ec.message() + ".");
+    metrics.open(run_dir / "metrics.jsonl", std::ios::app);
+    if (!metrics) throw Error("Cannot write metrics to " + quoted(run_dir / "metrics.jsonl") + ".");
   }
   // A failed save never touches earlier checkpoints; checkpoint_error_policy says whether the
   // run stops (the default) or warns and keeps training. Sharded saves fail on every rank

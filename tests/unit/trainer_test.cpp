@@ -351,6 +351,30 @@ TEST(Trainer, AsyncSaveAfterAFailedOneIsStillTried) {
     EXPECT_NE(err.find(std::string("Saving checkpoint ") + step), std::string::npos) << step << err;
 }
 
+// A resume refused (the checkpoint holds another shape) leaves the run directory as the run that
+// wrote it had it: its config.yml (before, rewritten with the refused run's keys) and metrics.
+TEST(Trainer, RefusedResumeLeavesTheRunDirectory) {
+  Fixture fx;
+  train(fx.config({"steps=2", "enable_checkpointing=true", "checkpoint_period=2"}), test::plugins(),
+        true);
+  auto read = [&](const char* name) {
+    std::ifstream f(fx.dir / "r" / name);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return ss.str();
+  };
+  const std::string config = read("config.yml"), metrics = read("metrics.jsonl");
+  ASSERT_NE(config.find("base_emb_dim"), std::string::npos) << config;
+  ASSERT_FALSE(metrics.empty());
+  EXPECT_THROW(train(fx.config({"steps=4", "enable_checkpointing=true", "checkpoint_period=2",
+                                "base_emb_dim=48"}),
+                     test::plugins(), true),
+               UsageError);
+  EXPECT_EQ(read("config.yml"), config);
+  EXPECT_EQ(read("metrics.jsonl"), metrics);
+  EXPECT_FALSE(fs::exists(fx.dir / "r" / "config.yml.tmp"));
+}
+
 TEST(Trainer, FailedRunLeavesTheLastGoodCheckpoint) {
   Fixture fx;
   train(fx.config({"steps=2", "enable_checkpointing=true", "checkpoint_period=1"}),
