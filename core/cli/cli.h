@@ -48,6 +48,14 @@ Config resolve_config(const Args& a, bool notes = true);
 TrainSummary train_on_ranks(const Config& cfg, PluginManager& pm, bool quiet, Communicator& comm,
                             const char* command);
 
+// Refuses (UsageError), before any work, an output file `key`=`path` that would lose something: a
+// path whose directory does not exist, a directory, one of `inputs` (the files the command
+// reads), or an existing file that `ours` does not recognise as this command's own output (a
+// file it wrote before, which it replaces). `what` names the kind of file the command writes.
+void check_output_file(const std::string& key, const std::string& path,
+                       const std::vector<std::string>& inputs,
+                       bool (*ours)(const std::filesystem::path&), const std::string& what);
+
 int cmd_plugins(const Args& a);
 int cmd_models(const Args& a);
 int cmd_config(const Args& a);

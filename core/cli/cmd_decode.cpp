@@ -262,8 +262,25 @@ int cmd_decode(const Args& args) {
   return 0;
 }
 
+namespace {
+// A safetensors file holding "logprobs": one mt score wrote (which a new score may replace).
+bool is_score_output(const std::filesystem::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  uint64_t n = 0;
+  if (!f.read(reinterpret_cast<char*>(&n), 8) || n == 0 || n > (uint64_t{1} << 24)) return false;
+  std::string header(static_cast<size_t>(n), '\0');
+  return f.read(header.data(), static_cast<std::streamsize>(n)) && header[0] == '{' &&
+         header.find("\"logprobs\"") != std::string::npos;
+}
+}  // namespace
+
 int cmd_score(const Args& args) {
   const Config probe = resolve_config(args, /*notes=*/false);
+  if (!probe.get_string("output").empty())  // before the model loads: nothing is lost, no time
+    check_output_file("output", probe.get_string("output"),
+                      {probe.get_string("input"), probe.get_string("tokenizer_path"),
+                       probe.get_string("load_parameters_path")},
+                      is_score_output, "logits file (safetensors)");
   const bool ids_given = !probe.get_string("tokens").empty();
   Inference in = load_inference(args, "score", /*need_tokenizer=*/!ids_given);
   const Config& cfg = in.cfg;

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -28,17 +29,29 @@ namespace mt::cli {
 
 namespace {
 
+// One document and where it came from ("file:line" for a JSON line, the file otherwise).
+struct Document {
+  std::string text, where;
+};
+
 // Every document of the inputs: a .jsonl/.json file gives one per line (the train_data_columns
-// field), any other file is one document.
-std::vector<std::string> read_documents(const std::vector<std::string>& paths,
-                                        const std::string& field, size_t& bytes) {
-  std::vector<std::string> docs;
+// field), any other file is one document. A malformed line is refused with its file and line, or
+// with `strict` false (data_strict=false) skipped and counted in `skipped` (the first one's reason
+// in `first_skip`).
+std::vector<Document> read_documents(const std::vector<std::string>& paths,
+                                     const std::string& field, bool strict, size_t& bytes,
+                                     size_t& skipped, std::string& first_skip) {
+  std::vector<Document> docs;
   bytes = 0;
+  auto bad = [&](const std::string& why) {
+    if (strict) throw UsageError(why + ". With data_strict=false such lines are skipped.");
+    if (skipped++ == 0) first_skip = why;
+  };
   for (const auto& p : paths) {
     const std::string ext = fs::path(p).extension().string();
     if (ext != ".jsonl" && ext != ".json") {
-      docs.push_back(read_file(p, "input", kMaxRecordBytes));
-      bytes += docs.back().size();
+      docs.push_back({read_file(p, "input", kMaxRecordBytes), p});
+      bytes += docs.back().text.size();
       continue;
     }
     // Line by line, each bounded: a corpus may be larger than any one read should be.
@@ -51,17 +64,25 @@ std::vector<std::string> read_documents(const std::vector<std::string>& paths,
       try {
         v = json::parse(line);
       } catch (const json::ParseError& e) {
-        throw UsageError(fmt::format("{}:{}: not a JSON line ({} at byte {}).", p, line_no, e.what,
-                                     e.offset));
+        bad(fmt::format("{}:{}: not a JSON line ({} at byte {})", p, line_no, e.what, e.offset));
+        continue;
       }
       const json::Value* f = v.is_object() ? v.find(field) : nullptr;
-      if (!f || !f->is_string())
-        throw UsageError(fmt::format("{}:{}: no string field \"{}\" (set train_data_columns).", p,
-                                     line_no, field));
-      docs.push_back(f->str);
+      if (!f || !f->is_string()) {
+        bad(fmt::format("{}:{}: no string field \"{}\" (set train_data_columns)", p, line_no,
+                        field));
+        continue;
+      }
+      docs.push_back({f->str, fmt::format("{}:{}", p, line_no)});
     }
   }
   return docs;
+}
+
+bool is_tokens_file(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  char magic[8] = {};
+  return f.read(magic, 8) && std::memcmp(magic, "MTTOKENS", 8) == 0;
 }
 
 }  // namespace
@@ -73,15 +94,20 @@ int cmd_tokenize(const Args& args) {
     throw UsageError("mt tokenize needs input=<file[,file...]> and output=<file.tokens>.");
   if (cfg.get_string("tokenizer_path").empty())
     throw UsageError("mt tokenize needs tokenizer_path=<tokenizer.json or tokenizer.model>.");
-  auto tok = make_tokenizer(cfg.get_string("tokenizer_path"), cfg.get_string("tokenizer_type"));
   std::vector<std::string> paths;
   std::stringstream ss(cfg.get_string("input"));
   for (std::string p; std::getline(ss, p, ',');)
     if (!p.empty()) paths.push_back(p);
+  std::vector<std::string> read = paths;
+  read.push_back(cfg.get_string("tokenizer_path"));
+  check_output_file("output", out_path, read, is_tokens_file, "tokens file");
+  auto tok = make_tokenizer(cfg.get_string("tokenizer_path"), cfg.get_string("tokenizer_type"));
   const auto t0 = std::chrono::steady_clock::now();
-  size_t bytes = 0;
-  const std::vector<std::string> docs = read_documents(paths, cfg.get_string("train_data_columns"), bytes);
-  if (docs.empty()) throw UsageError("mt tokenize: the input holds no documents.");
+  const bool strict = cfg.get_bool("data_strict");
+  size_t bytes = 0, skipped = 0;
+  std::string first_skip;
+  std::vector<Document> docs = read_documents(paths, cfg.get_string("train_data_columns"), strict,
+                                              bytes, skipped, first_skip);
   const int32_t bos = cfg.get_bool("add_bos") ? tok->bos_id() : -1;
   const int32_t eos = cfg.get_bool("add_eos") ? tok->eos_id() : -1;
   // Documents are dealt to threads in small blocks taken in turn; results land in place, so the
@@ -91,31 +117,48 @@ int cmd_tokenize(const Args& args) {
   const bool tty = isatty(fileno(stderr));
   std::vector<std::thread> threads;
   const unsigned n = std::max(1u, std::thread::hardware_concurrency());
-  std::string failure;
-  std::mutex failure_mu;
+  // A document the tokenizer refuses (text that is not UTF-8): its index and the reason, the
+  // first in document order; with data_strict=false every such document is skipped.
+  std::vector<std::string> refused(docs.size());
+  std::atomic<bool> stop{false};
   for (unsigned t = 0; t < n; ++t)
     threads.emplace_back([&] {
-      try {
-        for (size_t i; (i = next.fetch_add(1)) < docs.size();) {
+      for (size_t i; !stop && (i = next.fetch_add(1)) < docs.size();) {
+        try {
           auto& v = ids[i];
           if (bos >= 0) v.push_back(bos);
-          const auto e = tok->encode(docs[i]);
+          const auto e = tok->encode(docs[i].text);
           v.insert(v.end(), e.begin(), e.end());
           if (eos >= 0) v.push_back(eos);
-          ++done;
+        } catch (const std::exception& e) {
+          refused[i] = e.what();
+          ids[i].clear();
+          if (strict) stop = true;
         }
-      } catch (const std::exception& e) {
-        std::lock_guard<std::mutex> lock(failure_mu);
-        failure = e.what();
-        next = docs.size();
+        ++done;
       }
     });
-  while (tty && done < docs.size() && failure.empty()) {
+  while (tty && done < docs.size() && !stop) {
     std::fprintf(stderr, "\rmt tokenize: %zu/%zu documents", done.load(), docs.size());
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   for (auto& t : threads) t.join();
-  if (!failure.empty()) throw Error("mt tokenize: " + failure);
+  size_t kept = 0;
+  for (size_t i = 0; i < docs.size(); ++i) {
+    if (refused[i].empty()) {
+      ++kept;
+      continue;
+    }
+    const std::string why = docs[i].where + ": " + refused[i];
+    if (strict) throw UsageError(why + ". With data_strict=false such documents are skipped.");
+    if (skipped++ == 0) first_skip = why;
+  }
+  if (skipped > 0)
+    std::fprintf(stderr,
+                 "mt tokenize: warning: skipped %zu malformed line(s) or document(s) "
+                 "(data_strict=false); the first: %s.\n",
+                 skipped, first_skip.c_str());
+  if (kept == 0) throw UsageError("the input holds no documents.");
   size_t count = 0;
   for (const auto& v : ids) count += v.size();
   const uint32_t width = tok->vocab_size() <= 65536 ? 2 : 4;
@@ -123,7 +166,7 @@ int cmd_tokenize(const Args& args) {
   const std::string tmp = out_path + ".tmp";
   {
     std::ofstream f(tmp, std::ios::binary);
-    if (!f) throw Error("mt tokenize: cannot write " + tmp + ".");
+    if (!f) throw Error(fmt::format("cannot write {}: {}.", tmp, std::strerror(errno)));
     const uint32_t version = 1, none = 0xFFFFFFFFu;
     const uint64_t cnt = count;
     const uint32_t e = eos >= 0 ? static_cast<uint32_t>(eos) : none;
@@ -144,15 +187,26 @@ int cmd_tokenize(const Args& args) {
           f.write(reinterpret_cast<const char*>(&x), 4);
         }
       }
-    if (!f.flush()) throw Error("mt tokenize: writing " + tmp + " failed.");
+    if (!f.flush()) {
+      const std::string why = std::strerror(errno);
+      f.close();
+      fs::remove(tmp);
+      throw Error(fmt::format("writing {} failed: {}.", tmp, why));
+    }
   }
-  fs::rename(tmp, out_path);
+  std::error_code ec;
+  fs::rename(tmp, out_path, ec);
+  if (ec) {
+    fs::remove(tmp);
+    throw Error(fmt::format("cannot write {}: {}.", out_path, ec.message()));
+  }
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::fprintf(stderr, "%s", tty ? "\r" : "");
-  std::printf("mt tokenize: %zu documents, %.2f MB of text -> %zu tokens (uint%u) in %s; %.1f MB/s "
-              "on %u threads\n",
-              docs.size(), static_cast<double>(bytes) / 1e6, count, width * 8, out_path.c_str(),
-              static_cast<double>(bytes) / 1e6 / s, n);
+  std::printf(
+      "mt tokenize: %zu documents, %.2f MB of text -> %zu tokens (uint%u) in %s; %.1f MB/s "
+      "on %u threads\n",
+      kept, static_cast<double>(bytes) / 1e6, count, width * 8, out_path.c_str(),
+      static_cast<double>(bytes) / 1e6 / s, n);
   return 0;
 }
 

@@ -1,3 +1,4 @@
+#include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
 
 #include <charconv>
@@ -231,6 +232,32 @@ TrainSummary train_on_ranks(const Config& cfg, PluginManager& pm, bool quiet, Co
     comm.abort(e.exit_code());
   }
   return s;
+}
+
+void check_output_file(const std::string& key, const std::string& path,
+                       const std::vector<std::string>& inputs,
+                       bool (*ours)(const std::filesystem::path&), const std::string& what) {
+  const fs::path out(path);
+  const fs::path dir = out.has_parent_path() ? out.parent_path() : fs::path(".");
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec))
+    throw UsageError(fmt::format("{}={}: the directory {} does not exist; create it first.", key,
+                                 path, dir.string()));
+  if (fs::is_directory(out, ec))
+    throw UsageError(fmt::format("{}={} is a directory; name the {} to write, such as {}/out.", key,
+                                 path, what, path));
+  if (!fs::exists(out, ec)) return;
+  for (const auto& in : inputs)
+    if (!in.empty() && fs::equivalent(out, in, ec))
+      throw UsageError(fmt::format(
+          "{}={} is also an input of the command ({}); writing it would destroy that input. "
+          "Choose another output path.",
+          key, path, in));
+  if (!ours(out))
+    throw UsageError(fmt::format(
+        "{}={} exists and is not a {} this command wrote; it is left as it is. Remove it or "
+        "choose another output path.",
+        key, path, what));
 }
 
 }  // namespace mt::cli

@@ -63,6 +63,68 @@ TEST(Cli, TokenizeReproducesTheShippedTokenFile) {
   EXPECT_FALSE(fs::exists(out));
 }
 
+// mt tokenize and mt score write their output only where nothing is lost: never over one of
+// their inputs (before: a corpus tokenized onto itself was replaced by its tokens) or over a file
+// another program wrote, never into a missing directory or onto a directory; a file of their own
+// kind is replaced. mt tokenize names the file and line of a malformed line or non-UTF-8 document
+// and with data_strict=false skips them (before: data_strict was ignored and the message named no
+// file).
+TEST(Cli, OutputsNeverReplaceAnInputOrAForeignFile) {
+  const fs::path dir = fs::temp_directory_path() / ("mt_cli_out_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const std::string tok = " tokenizer_path=" + test::source_dir() + "/data/tokenizer.json";
+  const fs::path corpus = dir / "c.jsonl", bad = dir / "bad.jsonl", other = dir / "notes.txt";
+  std::ofstream(corpus) << "{\"text\": \"one two\"}\n";
+  std::ofstream(bad)
+      << "{\"text\": \"one\"}\n{\"text\": \"\xff\"}\nnot json\n{\"text\": \"two\"}\n";
+  std::ofstream(other) << "keep me";
+  auto contents = [](const fs::path& p) {
+    std::ifstream f(p, std::ios::binary);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return ss.str();
+  };
+  const std::string corpus_text = contents(corpus);
+  auto refused = [&](const std::string& args, const std::string& says) {
+    const auto r = mt_cmd(args);
+    EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
+    EXPECT_NE(r.out.find(says), std::string::npos) << args << "\n" << r.out;
+  };
+  const std::string in = "tokenize" + tok + " input=" + corpus.string();
+  refused(in + " output=" + corpus.string(), "is also an input of the command");
+  EXPECT_EQ(contents(corpus), corpus_text);
+  refused(in + " output=" + other.string(), "exists and is not a tokens file");
+  EXPECT_EQ(contents(other), "keep me");
+  refused(in + " output=" + dir.string(), "is a directory");
+  refused(in + " output=" + (dir / "no" / "x.tokens").string(), "does not exist");
+  const fs::path tokens = dir / "c.tokens";
+  ASSERT_EQ(mt_cmd(in + " output=" + tokens.string()).code, 0);
+  const auto again = mt_cmd(in + " output=" + tokens.string());  // its own kind: replaced
+  EXPECT_EQ(again.code, 0) << again.out;
+  // Malformed input: refused naming the file and line, or skipped with data_strict=false.
+  const std::string from_bad =
+      "tokenize" + tok + " input=" + bad.string() + " output=" + (dir / "b.tokens").string();
+  refused(from_bad, bad.string() + ":3: not a JSON line");
+  std::ofstream(bad) << "{\"text\": \"one\"}\n{\"text\": \"\xff\"}\n";
+  refused(from_bad, bad.string() + ":2: tokenizer");
+  std::ofstream(bad)
+      << "{\"text\": \"one\"}\n{\"text\": \"\xff\"}\nnot json\n{\"text\": \"two\"}\n";
+  const auto lenient = mt_cmd(from_bad + " data_strict=false");
+  EXPECT_EQ(lenient.code, 0) << lenient.out;
+  EXPECT_NE(lenient.out.find("skipped 2 malformed"), std::string::npos) << lenient.out;
+  EXPECT_NE(lenient.out.find("2 documents"), std::string::npos) << lenient.out;
+  // mt score: refused before the model loads (no checkpoint is needed to see it).
+  const std::string score =
+      "score --model=llama-test load_parameters_path=" + dir.string() + " tokens=1,2,3";
+  refused(score + " output=" + other.string(), "exists and is not a logits file");
+  EXPECT_EQ(contents(other), "keep me");
+  refused(score + " input=" + corpus.string() + " output=" + corpus.string(),
+          "is also an input of the command");
+  EXPECT_EQ(contents(corpus), corpus_text);
+  fs::remove_all(dir);
+}
+
 TEST(Cli, BenchNeedsAKnownTarget) {
   auto r = mt_cmd("bench frob");
   EXPECT_EQ(r.code, 2) << r.out;
