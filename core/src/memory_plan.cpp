@@ -443,6 +443,10 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
   Plan plan;
   plan.device = device;
   plan.assumed_mfu = cfg.get_float("plan_assumed_mfu");
+  if (plan.assumed_mfu <= 0)
+    cfg.reject("plan_assumed_mfu",
+               "must be above 0: the plan divides the step's FLOPs by the peak times this share "
+               "(the default is 0.4).");
   ModelDims dims;
   double top = 0, all = 0;     // the parameters outside the layers (embedding, head), and all
   double expert_elements = 0;  // of blocks::moe's expert weights (the expert axis divides them)

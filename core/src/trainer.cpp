@@ -541,7 +541,9 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   const double flops_per_token = runner.model().flops_per_token(seq);
   const ParamCounts counts = count_parameters(runner.model());
   double peak = cfg.get_float("device_peak_tflops") * 1e12;
-  if (peak <= 0) peak = be.peak_flops(runner.compute_dtype());
+  const bool peak_set = peak > 0;
+  if (!peak_set) peak = be.peak_flops(runner.compute_dtype());
+  bool mfu_above_one_said = false;
 
   {
     // On the backend (fill_random); a phase that lasts shows its progress on a terminal.
@@ -904,6 +906,18 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     const double tps = tokens / step_s;
     const double tflops = tps * flops_per_token / ranks / 1e12;
     const double mfu = tps * flops_per_token / (ranks * peak);
+    // A share above 100% means the peak is wrong: said once, naming where the peak came from.
+    if (mfu > 1.0 && !mfu_above_one_said && lead && step >= first_step + kUntimedSteps) {
+      mfu_above_one_said = true;
+      std::fprintf(
+          stderr,
+          "\nmt run: warning: step %ld ran %.4g TFLOP/s per device, more than the peak of %.4g "
+          "TFLOP/s that MFU is measured against (%s), so the MFU figures read above 100%%. %s\n",
+          static_cast<long>(step), tflops, peak / 1e12,
+          peak_set ? "device_peak_tflops" : "the backend's measured peak",
+          peak_set ? "Set device_peak_tflops to the device's real peak, or 0 for the backend's."
+                   : "Set device_peak_tflops to the device's real peak.");
+    }
     if (step >= first_step + kUntimedSteps) {  // the first steps warm up (kUntimedSteps)
       tps_hist.push_back(tps);
       step_ms_hist.push_back(step_s * 1e3);

@@ -601,6 +601,10 @@ TEST(MemoryPlan, BadInputsAreRefusedClearly) {
   const test::MtResult mu = test::run_mt("plan --model=llama-test mu_dtype=float16", 30);
   EXPECT_EQ(mu.code, 2) << mu.out;
   EXPECT_NE(mu.out.find("mu_dtype"), std::string::npos) << mu.out;
+  // A step time divided by zero (before: "inf s ... 0 tokens/s").
+  const test::MtResult none = test::run_mt("plan --model=llama-test plan_assumed_mfu=0", 30);
+  EXPECT_EQ(none.code, 2) << none.out;
+  EXPECT_NE(none.out.find("plan_assumed_mfu=0"), std::string::npos) << none.out;
 }
 
 // Sizes far past any machine are planned in an instant (the trace holds no values and runs two

@@ -375,6 +375,24 @@ TEST(Trainer, RefusedResumeLeavesTheRunDirectory) {
   EXPECT_FALSE(fs::exists(fx.dir / "r" / "config.yml.tmp"));
 }
 
+// MFU above 100% is never printed silently: the peak it is measured against is named as wrong.
+TEST(Trainer, MfuAboveTheWholeSaysThePeakIsWrong) {
+  Fixture fx;
+  testing::internal::CaptureStderr();
+  const TrainSummary s =
+      train(fx.config({"steps=4", "device_peak_tflops=0.000001"}), test::plugins(), true);
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_GT(s.mfu, 1.0);
+  EXPECT_NE(err.find("so the MFU figures read above 100%"), std::string::npos) << err;
+  EXPECT_NE(err.find("(device_peak_tflops)"), std::string::npos) << err;
+  EXPECT_EQ(err.find("warning", err.find("warning") + 1), std::string::npos) << "said once\n"
+                                                                             << err;
+  testing::internal::CaptureStderr();
+  train(fx.config({"steps=8"}), test::plugins(), true);  // resumes; the backend's own peak
+  const std::string quiet = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(quiet.find("above 100%"), std::string::npos) << quiet;
+}
+
 TEST(Trainer, FailedRunLeavesTheLastGoodCheckpoint) {
   Fixture fx;
   train(fx.config({"steps=2", "enable_checkpointing=true", "checkpoint_period=1"}),
