@@ -345,6 +345,9 @@ TEST_F(TextData, ClearErrors) {
   const std::string empty = write("empty.jsonl", "\n\n");
   m = error_of([&] { make(cfg(empty)); });
   EXPECT_TRUE(has(m, "no training rows")) << m;
+  // An eval set named that gives no row (before: every evaluation was left out silently).
+  m = error_of([&] { make(cfg(good, {{"eval_dataset_path", empty}})); });
+  EXPECT_TRUE(has(m, "eval_dataset_path") && has(m, empty) && has(m, "no eval rows")) << m;
 
   m = error_of([&] { make(cfg(good, {{"train_data_columns", ""}})); });
   EXPECT_TRUE(has(m, "train_data_columns")) << m;

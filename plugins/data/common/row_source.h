@@ -261,6 +261,15 @@ class RowSource final : public mt::DatasetSource {
                       std::to_string(train_->corpus().size()) + " tokens; packing needs at " +
                       "least max_target_length+1 = " + std::to_string(seq_ + 1) +
                       ", unpacked rows need documents of 2 or more tokens)");
+    // An eval set the user named that gives no row would leave every evaluation out silently.
+    if (eval && eval_->size() == 0)
+      throw mt::UsageError(
+          name_ + ": eval_dataset_path: " + eval_->corpus().describe() + ": no eval rows (" +
+          std::to_string(eval_->corpus().size()) +
+          " tokens; packing needs at least max_target_length+1 = " + std::to_string(seq_ + 1) +
+          ", unpacked rows need documents of 2 or more tokens). Give a larger "
+          "eval set, or unset eval_dataset_path to hold out eval_split of the "
+          "training rows.");
     cursor_ = offset();
   }
 
