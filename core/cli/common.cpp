@@ -139,16 +139,26 @@ Config resolve_config(const Args& a, bool notes) {
   };
   // hf_path=<dir>: the model's config comes from its config.json (through the family plugin),
   // layered after base.yml and before the user's own settings, which still win. No named model
-  // is layered unless the user names one: base.yml's default model (its sizes, context length
+  // is layered, and naming one is refused: base.yml's default model (its sizes, context length
   // and tokenizer) has nothing to do with the directory's.
   const Config layers = preview_config(req);
   std::vector<std::string> unused;
   if (const std::string hf = layers.get_string("hf_path"); !hf.empty()) {
     PluginManager pm(plugin_dirs_of(layers));
-    const HfImport imp = read_hf_config(hf, pm);
     const std::set<std::string> user = user_keys(a);
+    // A named model beneath the directory's config.json would leave its keys that config.json
+    // does not set (a sliding window, a soft cap) in a model built from another's weights.
+    if (user.count("model_name") && !layers.get_string("model_name").empty())
+      throw UsageError(
+          "hf_path=" + hf + " configures the model from " + hf +
+          "/config.json alone, so it takes no named model (model_name=" +
+          layers.get_string("model_name") +
+          ", from --model or a config file): that model's keys that config.json does not set "
+          "would be mixed in. Drop the model's name, and set on the command line any key to "
+          "change.");
+    const HfImport imp = read_hf_config(hf, pm);
     std::vector<std::string> layered;
-    if (!user.count("model_name")) layered.push_back("model_name=");
+    layered.push_back("model_name=");
     layered.insert(layered.end(), imp.overrides.begin(), imp.overrides.end());
     // The context: base.yml's max_target_length unless the model supports less.
     if (!user.count("max_target_length")) {
@@ -157,15 +167,12 @@ Config resolve_config(const Args& a, bool notes) {
         int64_t mpe = 0;
         const std::string v = o.substr(o.find('=') + 1);
         std::from_chars(v.data(), v.data() + v.size(), mpe);
-        // The context the run would have otherwise: the named model's when the user names one,
-        // else base.yml's (not the default model's, which the directory replaces).
-        int64_t context = layers.get_int("max_target_length");
-        if (!user.count("model_name")) {
-          ConfigRequest base = req;
-          base.overrides = {"model_name="};
-          base.schemas_for = nullptr;
-          context = preview_config(base).get_int("max_target_length");
-        }
+        // The context the run would have otherwise: base.yml's (not the default model's, which
+        // the directory replaces).
+        ConfigRequest base = req;
+        base.overrides = {"model_name="};
+        base.schemas_for = nullptr;
+        const int64_t context = preview_config(base).get_int("max_target_length");
         if (mpe > 0 && mpe < context)
           layered.push_back("max_target_length=" + std::to_string(mpe));
       }
@@ -177,8 +184,11 @@ Config resolve_config(const Args& a, bool notes) {
                            fs::exists(fs::path(hf) / "tokenizer.model", ec);
       layered.push_back("tokenizer_path=" + (has_tok ? hf : std::string()));
     }
-    layered.insert(layered.end(), a.overrides.begin(), a.overrides.end());
-    req.overrides = layered;
+    // model_name= chooses no model file; the rest is the directory's, named as its origin.
+    req.imported.assign(layered.begin() + 1, layered.end());
+    req.imported_origin = hf + "/config.json (hf_path)";
+    req.overrides = {"model_name="};
+    req.overrides.insert(req.overrides.end(), a.overrides.begin(), a.overrides.end());
     for (const auto& u : imp.unused)
       unused.push_back(hf + "/config.json field not used by mt: " + u);
   }

@@ -905,7 +905,17 @@ Config resolve_layers(const ConfigRequest& req, bool lenient) {
     apply_layer(c, schema, mf, unknown);
   }
 
-  // Layer 3: the --config file; layer 4: the overrides, in command-line order.
+  // Keys imported from another format, then layer 3: the --config file; layer 4: the
+  // overrides, in command-line order.
+  for (const auto& arg : req.imported) {
+    const Override o = split_override(arg);
+    const KeySpec* spec = schema.find(o.key);
+    if (!spec) {
+      if (!unknown) unknown = Unknown{o.key, req.imported_origin};
+      continue;
+    }
+    c.impl().set(o.key, override_value(*spec, o, req.imported_origin));
+  }
   if (user) apply_layer(c, schema, *user, unknown);
   for (const auto& o : overrides) {
     const KeySpec* spec = schema.find(o.key);

@@ -44,6 +44,10 @@ struct ConfigRequest {
   std::string model;                   // from --model; "" = model_name from the layers
   std::string config_file;             // --config; "" = none
   std::vector<std::string> overrides;  // "key=value" (or "--key=value") in command-line order
+  // "key=value" read from another format (hf_path's config.json), layered after the model file
+  // and before the --config file and the overrides, each value's origin `imported_origin`.
+  std::vector<std::string> imported;
+  std::string imported_origin;
 };
 
 // Resolves and validates the config; throws mt::UsageError (UnknownKeyError for a key no schema

@@ -388,6 +388,14 @@ TEST(HfImport, TheDirectoryAloneConfiguresTheModel) {
   EXPECT_NE(out.find("tokenizer_path: \"\""), std::string::npos) << out;
   EXPECT_EQ(mt_cmd("config hf_path=" + d.root.string() + " max_target_length=129", out), 2) << out;
   EXPECT_NE(out.find("max_position_embeddings=128"), std::string::npos) << out;
+  // The keys are named as config.json's (before: "command line"), and a named model is refused
+  // (before: mistral-test's sliding window stayed under a llama config.json, and decode differed).
+  ASSERT_EQ(mt_cmd("config --origins hf_path=" + d.root.string(), out), 0) << out;
+  EXPECT_NE(out.find("config.json (hf_path)"), std::string::npos) << out;
+  EXPECT_EQ(mt_cmd("decode --model=mistral-test hf_path=" + d.root.string() + " tokens=1,2", out),
+            2)
+      << out;
+  EXPECT_NE(out.find("takes no named model (model_name=mistral-test"), std::string::npos) << out;
   // No tokenizer in the directory: text needs one named, never another model's.
   EXPECT_EQ(mt_cmd("decode hf_path=" + d.root.string() + " prompt=hello", out), 2) << out;
   EXPECT_NE(out.find("needs a tokenizer"), std::string::npos) << out;
