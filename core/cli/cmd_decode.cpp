@@ -1,5 +1,6 @@
 // mt decode (MaxText's decode.py) and mt score: inference from a trained checkpoint.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <charconv>
 #include <cmath>
@@ -179,12 +180,37 @@ std::vector<int32_t> parse_ids(const std::string& text, const std::string& where
   return ids;
 }
 
+// At most one of `keys` set (base.yml's default prompt does not count): a second one was
+// silently ignored.
+void one_source(const Config& cfg, const char* command, const std::vector<std::string>& keys) {
+  std::vector<std::string> set;
+  for (const auto& k : keys)
+    if (!cfg.get_string(k).empty() && cfg.origin(k).find("base.yml") == std::string::npos)
+      set.push_back(k + " (" + cfg.origin(k) + ")");
+  if (set.size() > 1)
+    throw UsageError(
+        fmt::format("the input of mt {} is one of {}; {} are all set, and all but one "
+                    "would be ignored. Keep one.",
+                    command, fmt::join(keys, ", "), fmt::join(set, " and ")));
+}
+
+// A safetensors file holding "logprobs": one mt score wrote (which a new score may replace).
+bool is_score_output(const std::filesystem::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  uint64_t n = 0;
+  if (!f.read(reinterpret_cast<char*>(&n), 8) || n == 0 || n > (uint64_t{1} << 24)) return false;
+  std::string header(static_cast<size_t>(n), '\0');
+  return f.read(header.data(), static_cast<std::streamsize>(n)) && header[0] == '{' &&
+         header.find("\"logprobs\"") != std::string::npos;
+}
 }  // namespace
 
 int cmd_decode(const Args& args) {
   // tokens=<ids>: the prompt as token ids, and the output as ids (prompt and continuation, as
   // transformers' generate returns them), so a decode compares exactly with a reference.
-  const bool ids_given = !resolve_config(args, /*notes=*/false).get_string("tokens").empty();
+  const Config probe = resolve_config(args, /*notes=*/false);
+  one_source(probe, "decode", {"tokens", "prompt_file", "prompt"});
+  const bool ids_given = !probe.get_string("tokens").empty();
   Inference in = load_inference(args, "decode", /*need_tokenizer=*/!ids_given);
   const Config& cfg = in.cfg;
   std::vector<std::string> texts;
@@ -262,20 +288,9 @@ int cmd_decode(const Args& args) {
   return 0;
 }
 
-namespace {
-// A safetensors file holding "logprobs": one mt score wrote (which a new score may replace).
-bool is_score_output(const std::filesystem::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  uint64_t n = 0;
-  if (!f.read(reinterpret_cast<char*>(&n), 8) || n == 0 || n > (uint64_t{1} << 24)) return false;
-  std::string header(static_cast<size_t>(n), '\0');
-  return f.read(header.data(), static_cast<std::streamsize>(n)) && header[0] == '{' &&
-         header.find("\"logprobs\"") != std::string::npos;
-}
-}  // namespace
-
 int cmd_score(const Args& args) {
   const Config probe = resolve_config(args, /*notes=*/false);
+  one_source(probe, "score", {"tokens", "input", "prompt"});
   if (!probe.get_string("output").empty())  // before the model loads: nothing is lost, no time
     check_output_file("output", probe.get_string("output"),
                       {probe.get_string("input"), probe.get_string("tokenizer_path"),

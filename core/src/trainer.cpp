@@ -474,6 +474,11 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     cfg.reject("quantize_kvcache",
                "is for inference (mt decode, mt bench decode): training keeps no KV cache. Unset "
                "it for mt run.");
+  if (!cfg.get_string("load_full_state_path").empty() &&
+      !cfg.get_string("load_parameters_path").empty())
+    cfg.reject("load_parameters_path",
+               "and load_full_state_path are both set: a run starts from a full state (weights, "
+               "optimizer state and step) or from weights alone, not both. Keep one.");
   const std::string run_name = cfg.get_string("run_name");
   if (run_name.empty() || run_name == "." || run_name == ".." ||
       run_name.find('/') != std::string::npos)
@@ -610,8 +615,15 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     for (const auto& why : ckpt.skipped_newer_steps())
       std::fprintf(stderr, "mt run: warning: %s; the run does not resume from it.\n", why.c_str());
   // Rank 0 chooses the step and every rank restores that one.
-  int64_t latest = checkpointing && lead ? ckpt.latest_step() : -1;
+  int64_t latest = lead ? ckpt.latest_step() : -1;
   comm.broadcast(&latest, sizeof latest, 0);
+  if (!checkpointing && latest >= 0)
+    cfg.reject("enable_checkpointing",
+               fmt::format("would start this run over from step 1 beside its checkpoints (the "
+                           "latest is step {} in {}), and append a second series of steps to its "
+                           "metrics.jsonl. Set enable_checkpointing=true to resume it, or choose "
+                           "another run_name (or base_output_directory) for a new run.",
+                           latest, ckpt.directory().string()));
   if (latest >= 0) {
     if (parts) {
       ckpt.restore_parts(latest, part_state);

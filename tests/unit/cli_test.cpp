@@ -115,9 +115,8 @@ TEST(Cli, OutputsNeverReplaceAnInputOrAForeignFile) {
   EXPECT_NE(lenient.out.find("skipped 2 malformed"), std::string::npos) << lenient.out;
   EXPECT_NE(lenient.out.find("2 documents"), std::string::npos) << lenient.out;
   // mt score: refused before the model loads (no checkpoint is needed to see it).
-  const std::string score =
-      "score --model=llama-test load_parameters_path=" + dir.string() + " tokens=1,2,3";
-  refused(score + " output=" + other.string(), "exists and is not a logits file");
+  const std::string score = "score --model=llama-test load_parameters_path=" + dir.string();
+  refused(score + " tokens=1,2,3 output=" + other.string(), "exists and is not a logits file");
   EXPECT_EQ(contents(other), "keep me");
   refused(score + " input=" + corpus.string() + " output=" + corpus.string(),
           "is also an input of the command");
@@ -355,6 +354,16 @@ TEST(Cli, BadInputIsRefusedWithExitCode2) {
       {"run --model=llama-test steps=1 rope_linear_scaling_factor=8 base_output_directory=" +
            (dir / "out").string(),
        "llama model family does not use rope_linear_scaling_factor=8.0"},
+      // Two inputs where one is read: the other was ignored silently.
+      {"decode --model=llama-test load_parameters_path=" + dir.string() +
+           " tokens=1,2 prompt_file=" + (dir / "bad.yml").string(),
+       "tokens (command line) and prompt_file (command line) are all set"},
+      {"score --model=llama-test load_parameters_path=" + dir.string() + " tokens=1,2 prompt=hi",
+       "tokens (command line) and prompt (command line) are all set"},
+      {"run --model=llama-test steps=1 load_parameters_path=" + dir.string() +
+           " load_full_state_path=" + dir.string() +
+           " base_output_directory=" + (dir / "out").string(),
+       "and load_full_state_path are both set"},
   };
   for (const auto& c : cases) {
     auto r = mt_cmd(c.args);

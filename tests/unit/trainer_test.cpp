@@ -373,6 +373,15 @@ TEST(Trainer, RefusedResumeLeavesTheRunDirectory) {
   EXPECT_EQ(read("config.yml"), config);
   EXPECT_EQ(read("metrics.jsonl"), metrics);
   EXPECT_FALSE(fs::exists(fx.dir / "r" / "config.yml.tmp"));
+  // Without checkpointing the run would start over beside its checkpoints (before: from step 1,
+  // a second series of steps appended to its metrics).
+  try {
+    train(fx.config({"steps=4", "enable_checkpointing=false"}), test::plugins(), true);
+    ADD_FAILURE() << "a run without checkpointing started over beside its checkpoints";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("the latest is step 2"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(read("metrics.jsonl"), metrics);
 }
 
 // MFU above 100% is never printed silently: the peak it is measured against is named as wrong.
