@@ -128,10 +128,17 @@ Inference load_inference(const Args& args, const char* command, bool need_tokeni
   return in;
 }
 
-std::vector<int32_t> encode(const Inference& in, const std::string& text) {
+// `where` names the text's source in the error of a text the tokenizer refuses (not UTF-8).
+std::vector<int32_t> encode(const Inference& in, const std::string& text,
+                            const std::string& where) {
   std::vector<int32_t> ids;
   if (in.add_bos && in.bos >= 0) ids.push_back(in.bos);
-  const auto body = in.tokenizer->encode(text);
+  std::vector<int32_t> body;
+  try {
+    body = in.tokenizer->encode(text);
+  } catch (const Error& e) {
+    throw UsageError(where + ": " + e.what());
+  }
   ids.insert(ids.end(), body.begin(), body.end());
   return ids;
 }
@@ -231,7 +238,13 @@ int cmd_decode(const Args& args) {
       texts = read_texts(cfg.get_string("prompt_file"));
     else
       texts.push_back(cfg.get_string("prompt"));
-    for (const auto& t : texts) prompts.push_back(encode(in, t));
+    const std::string from = cfg.get_string("prompt_file").empty()
+                                 ? std::string("prompt")
+                                 : "prompt_file=" + cfg.get_string("prompt_file");
+    if (texts.empty()) throw UsageError(from + " holds no prompt (every line is empty).");
+    for (size_t i = 0; i < texts.size(); ++i)
+      prompts.push_back(encode(
+          in, texts[i], texts.size() > 1 ? fmt::format("{}, prompt {}", from, i + 1) : from));
   }
   const int64_t max_prefill = cfg.get_int("max_prefill_predict_length");
   for (const auto& p : prompts)
@@ -309,14 +322,14 @@ int cmd_score(const Args& args) {
       ids = parse_ids(all, path);
     } else {
       for (const auto& t : read_texts(path)) {
-        auto e = encode(in, t);
+        auto e = encode(in, t, "input=" + path);
         ids.insert(ids.end(), e.begin(), e.end());
         if (in.tokenizer->eos_id() >= 0 && cfg.get_bool("add_eos"))
           ids.push_back(in.tokenizer->eos_id());
       }
     }
   } else {
-    ids = encode(in, cfg.get_string("prompt"));
+    ids = encode(in, cfg.get_string("prompt"), "prompt");
   }
   const int64_t vocab = in.runner->model().dims().vocab_size;
   for (size_t i = 0; i < ids.size(); ++i)

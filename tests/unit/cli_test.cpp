@@ -289,6 +289,20 @@ TEST(Cli, TrainThenDecodeAndScore) {
   r = mt_cmd("score" + ckpt + " tokens=1,5,99999");
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_NE(r.out.find("99999"), std::string::npos) << r.out;
+  // Text the tokenizer refuses names where it came from (before: exit 1, no file named); a
+  // prompt file of empty lines is no prompt (before: "0 prompt(s)" and exit 0).
+  std::ofstream(dir / "latin1.txt") << "fine\ncaf\xe9\n";
+  std::ofstream(dir / "blank.txt") << "\n\n";
+  r = mt_cmd("decode" + ckpt + " prompt_file=" + (dir / "latin1.txt").string());
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("latin1.txt, prompt 2: tokenizer"), std::string::npos) << r.out;
+  r = mt_cmd("score" + ckpt + " input=" + (dir / "latin1.txt").string());
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("input=" + (dir / "latin1.txt").string() + ": tokenizer"), std::string::npos)
+      << r.out;
+  r = mt_cmd("decode" + ckpt + " prompt_file=" + (dir / "blank.txt").string());
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("holds no prompt"), std::string::npos) << r.out;
   fs::remove_all(dir);
 }
 
