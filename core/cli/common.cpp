@@ -37,6 +37,18 @@ Args parse_args(const std::string& command, int argc, char** argv, int first,
     std::string kv = s;
     if (s.rfind("--", 0) == 0) {
       kv = s.substr(2);
+      // --model NAME and --config FILE take the next word as their value; without one they are
+      // refused (before: --model read as a model named 'true').
+      if (kv == "model" || kv == "config") {
+        if (i + 1 < argc && argv[i + 1][0] != '-' &&
+            std::string(argv[i + 1]).find('=') == std::string::npos) {
+          kv += "=" + std::string(argv[++i]);
+        } else {
+          throw UsageError("--" + kv + " needs a value: --" + kv + "=" +
+                           (kv == "model" ? "<name> (`mt models` lists them)" : "<file.yml>") +
+                           ".");
+        }
+      }
       if (kv.find('=') == std::string::npos) {
         // "--origins" style flags become key=true; a value-less key that the config does not
         // know is reported by the config layer with a suggestion.

@@ -345,6 +345,11 @@ TEST(Cli, ConfigPrintsTheLayeredConfig) {
   EXPECT_NE(r.out.find("\nlearning_rate: 0.001\n"), std::string::npos) << r.out;  // --config
   EXPECT_NE(r.out.find("\nsteps: 9\n"), std::string::npos) << r.out;              // override wins
   EXPECT_NE(r.out.find("\nlog_period: 3\n"), std::string::npos) << r.out;         // --key=value
+  // --model NAME and --config FILE, as argparse users write them, are the same.
+  const auto spaced =
+      mt_cmd("config --model llama2-7b --config " + file.string() + " steps=9 --log_period=3");
+  EXPECT_EQ(spaced.code, 0) << spaced.out;
+  EXPECT_EQ(spaced.out, r.out);
   fs::remove_all(dir);
 }
 
@@ -362,6 +367,8 @@ TEST(Cli, BadInputIsRefusedWithExitCode2) {
       {"config attention=fast", "dot_product"},
       {"config --model=llama9", "llama2-7b"},
       {"config --config=/nonexistent/x.yml", "/nonexistent/x.yml"},
+      {"config --model", "--model needs a value"},
+      {"config --config", "--config needs a value"},
       {"run backend=tpu", "libmt_backend_tpu.so"},
       {"run --model=llama2-7b backend=cuda steps=1", "cuda"},
       // A model key the family does not implement would silently build another model.
