@@ -54,7 +54,7 @@ const Command kCommands[] = {
     {"score", mt::cli::cmd_score, "loss and perplexity of a model on text or token ids",
      "mt score --model=NAME load_parameters_path=DIR prompt=\"...\" [output=FILE]\n"},
     {"bench", mt::cli::cmd_bench, "throughput benchmarks (JSON output)",
-     "mt bench train|decode|gemm|attention [--model=NAME] [key=value ...]\n", 1},
+     "mt bench train|decode|moe|gemm|attention [--model=NAME] [key=value ...]\n", 1},
     {"tokenize", mt::cli::cmd_tokenize, "text or JSONL -> the pre-tokenized `tokens` format",
      "mt tokenize tokenizer_path=FILE input=FILE[,FILE...] output=FILE.tokens\n\n"
      "Tokenizes every document (a .jsonl line's train_data_columns field, or a whole file) on\n"

@@ -134,7 +134,14 @@ LayerFile parse_layer(const std::string& text, const std::string& shown) {
   }
   YAML::Node root;
   try {
-    root = YAML::Load(text);
+    // Every document: a second one ("---") would otherwise be dropped without a word.
+    const std::vector<YAML::Node> docs = YAML::LoadAll(text);
+    if (docs.size() > 1)
+      throw UsageError(fmt::format(
+          "{} holds {} YAML documents (separated by ---); a config file is one mapping of `key: "
+          "value` lines, and the documents after the first would be ignored. Merge them.",
+          shown, docs.size()));
+    if (!docs.empty()) root = docs[0];
   } catch (const YAML::Exception& e) {
     const std::string where =
         e.mark.is_null() ? shown

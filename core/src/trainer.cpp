@@ -889,11 +889,12 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
       if (tty) std::printf("\n");
       throw Error(fmt::format(
           "Training stopped at step {}: the {} is {} (loss {}, gradient norm {}). Lower "
-          "learning_rate (now {}), check the data, or use weight_dtype=float32; no parameters "
-          "were updated at this step.",
+          "learning_rate (now {}){}; no parameters were updated at this step.",
           step, std::isfinite(loss) ? "gradient norm" : "loss",
           std::isnan(std::isfinite(loss) ? grad_norm : loss) ? "NaN" : "infinite", loss, grad_norm,
-          peak_lr));
+          peak_lr,
+          runner.weight_dtype() == DType::f32 ? " or check the data"
+                                              : ", check the data, or use weight_dtype=float32"));
     }
     const double lr = learning_rate_at(step, peak_lr, warmup, schedule_steps, final_fraction);
     adam.lr = static_cast<float>(lr);

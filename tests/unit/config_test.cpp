@@ -486,6 +486,13 @@ TEST(ConfigErrors, TopLevelMustBeAMapping) {
   // An empty file (or only comments) is an empty layer.
   r.config_file = t.write("empty.yml", "# nothing yet\n").string();
   EXPECT_EQ(load_config(r).get_int("steps"), 800);
+  // One document: a second (after ---) was dropped without a word; a leading --- is fine.
+  const fs::path two = t.write("two.yml", "steps: 3\n---\nsteps: 5\n");
+  r.config_file = two.string();
+  EXPECT_CONTAINS(usage_error([&] { load_config(r); }),
+                  All(Has(two.generic_string()), Has("holds 2 YAML documents")));
+  r.config_file = t.write("lead.yml", "---\nsteps: 3\n").string();
+  EXPECT_EQ(load_config(r).get_int("steps"), 3);
 }
 
 TEST(ConfigErrors, UnknownKeysSuggestTheNearestInEveryLayer) {
