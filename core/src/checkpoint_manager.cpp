@@ -809,7 +809,12 @@ void read_parts(PartSource& src, const fs::path& where,
       add("missing tensors (the model has them, the checkpoint does not): " + name_list(missing));
     if (!extra.empty())
       add("unexpected tensors (the checkpoint has them, the model does not): " + name_list(extra));
-    for (const auto& p : problems) add(p);
+    // The first few shape or dtype differences: a model of another width differs in every
+    // tensor, and one line of them all ran to kilobytes.
+    constexpr size_t kShownProblems = 6;
+    for (size_t i = 0; i < std::min(problems.size(), kShownProblems); ++i) add(problems[i]);
+    if (problems.size() > kShownProblems)
+      add("and " + std::to_string(problems.size() - kShownProblems) + " more tensors differ");
     // One file a group (version 1, a bare file): that file is named.
     if (!msg.empty())
       throw UsageError("Checkpoint " + quoted(src.sharded() ? where : fs::path(src.file_path(g))) +
