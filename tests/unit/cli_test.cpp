@@ -375,6 +375,10 @@ TEST(Cli, BadInputIsRefusedWithExitCode2) {
       {"run --model=llama-test steps=1 rope_linear_scaling_factor=8 base_output_directory=" +
            (dir / "out").string(),
        "llama model family does not use rope_linear_scaling_factor=8.0"},
+      // Data that does not fit the model is bad input (before: exit 1).
+      {"run --model=llama-test steps=1 dataset_type=tokens dataset_path=" + test::source_dir() +
+           "/data/corpus.eval.tokens base_output_directory=" + (dir / "out").string(),
+       "is >= vocab_size 256"},
       // Two inputs where one is read: the other was ignored silently.
       {"decode --model=llama-test load_parameters_path=" + dir.string() +
            " tokens=1,2 prompt_file=" + (dir / "bad.yml").string(),

@@ -257,10 +257,10 @@ class RowSource final : public mt::DatasetSource {
       train_->select(0, n - n_eval);
     }
     if (train_->size() == 0)
-      throw mt::Error(name_ + ": " + train_->corpus().describe() + ": no training rows (" +
-                      std::to_string(train_->corpus().size()) + " tokens; packing needs at " +
-                      "least max_target_length+1 = " + std::to_string(seq_ + 1) +
-                      ", unpacked rows need documents of 2 or more tokens)");
+      throw mt::UsageError(name_ + ": " + train_->corpus().describe() + ": no training rows (" +
+                           std::to_string(train_->corpus().size()) + " tokens; packing needs at " +
+                           "least max_target_length+1 = " + std::to_string(seq_ + 1) +
+                           ", unpacked rows need documents of 2 or more tokens)");
     // An eval set the user named that gives no row would leave every evaluation out silently.
     if (eval && eval_->size() == 0)
       throw mt::UsageError(

@@ -59,7 +59,7 @@ struct Skipped {
 
   // Throws `msg` when strict; otherwise counts it.
   void bad_record(const std::string& msg, bool strict) {
-    if (strict) throw mt::Error(msg);
+    if (strict) throw mt::UsageError(msg);
     if (count++ == 0) first = msg;
   }
 };
@@ -188,8 +188,8 @@ class TextStream final : public mt_data::TokenStream {
       if (opt.add_eos) ids.push_back(opt.eos);
       for (int32_t id : ids)
         if (id < 0 || id >= opt.vocab)
-          throw mt::Error("text: " + docs[i].where + ": token id " + std::to_string(id) +
-                          " is outside vocab_size " + std::to_string(opt.vocab));
+          throw mt::UsageError("text: " + docs[i].where + ": token id " + std::to_string(id) +
+                               " is outside vocab_size " + std::to_string(opt.vocab));
       if (ids.empty()) continue;  // an empty document without BOS/EOS adds nothing
       doc_begin_.push_back(ids_.size());
       ids_.insert(ids_.end(), ids.begin(), ids.end());

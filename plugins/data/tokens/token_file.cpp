@@ -30,7 +30,7 @@ T load(const unsigned char* p) {
 }
 
 [[noreturn]] void bad_file(const std::string& path, const std::string& why) {
-  throw mt::Error("tokens: " + path + ": " + why);
+  throw mt::UsageError("tokens: " + path + ": " + why);
 }
 
 }  // namespace
@@ -94,9 +94,9 @@ Corpus::Corpus(const std::vector<std::string>& paths, int64_t vocab_size) : voca
   for (const auto& p : paths) {
     auto f = std::make_unique<TokenFile>(p);
     if (f->eos_id() != kNoId && f->eos_id() >= static_cast<uint64_t>(vocab_))
-      throw mt::Error("tokens: " + p + ": eos_id " + std::to_string(f->eos_id()) +
-                      " is >= vocab_size " + std::to_string(vocab_) +
-                      " (made with another tokenizer?)");
+      throw mt::UsageError("tokens: " + p + ": eos_id " + std::to_string(f->eos_id()) +
+                           " is >= vocab_size " + std::to_string(vocab_) +
+                           " (made with another tokenizer?)");
     if (f->count() == 0) continue;  // an empty shard adds nothing
     starts_.push_back(total_);
     total_ += f->count();
@@ -122,9 +122,9 @@ void Corpus::read(uint64_t begin, uint64_t n, int32_t* ids, uint8_t* doc_start) 
     for (uint64_t j = 0; j < run; ++j) {
       const uint32_t id = f.at(local + j);
       if (id >= static_cast<uint64_t>(vocab_))
-        throw mt::Error("tokens: " + f.path() + ": token id " + std::to_string(id) + " at index " +
-                        std::to_string(local + j) + " is >= vocab_size " + std::to_string(vocab_) +
-                        " (made with another tokenizer?)");
+        throw mt::UsageError("tokens: " + f.path() + ": token id " + std::to_string(id) +
+                             " at index " + std::to_string(local + j) + " is >= vocab_size " +
+                             std::to_string(vocab_) + " (made with another tokenizer?)");
       ids[k + j] = static_cast<int32_t>(id);
       doc_start[k + j] = prev_ends ? 1 : 0;
       prev_ends = id == f.eos_id();
