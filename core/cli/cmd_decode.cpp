@@ -172,8 +172,16 @@ std::vector<std::string> read_texts(const std::string& path) {
 std::vector<int32_t> parse_ids(const std::string& text, const std::string& where) {
   std::vector<int32_t> ids;
   std::stringstream ss(text);
+  bool gap = false;  // an empty item before this one: "1,,2" (a final comma is allowed)
   for (std::string item; std::getline(ss, item, ',');) {
-    if (item.find_first_not_of(" \t\n") == std::string::npos) continue;
+    if (gap)
+      throw UsageError(where +
+                       ": an empty item between two commas; ids are comma-separated "
+                       "integers (such as 1,5,42).");
+    if (item.find_first_not_of(" \t\r\n") == std::string::npos) {
+      gap = true;
+      continue;
+    }
     const size_t a = item.find_first_not_of(" \t\r\n");
     const size_t b = item.find_last_not_of(" \t\r\n");
     int32_t v = -1;
@@ -218,6 +226,7 @@ int cmd_decode(const Args& args) {
   const Config probe = resolve_config(args, /*notes=*/false);
   one_source(probe, "decode", {"tokens", "prompt_file", "prompt"});
   const bool ids_given = !probe.get_string("tokens").empty();
+  if (ids_given) parse_ids(probe.get_string("tokens"), "tokens");  // before the model loads
   Inference in = load_inference(args, "decode", /*need_tokenizer=*/!ids_given);
   const Config& cfg = in.cfg;
   std::vector<std::string> texts;
@@ -304,6 +313,7 @@ int cmd_decode(const Args& args) {
 int cmd_score(const Args& args) {
   const Config probe = resolve_config(args, /*notes=*/false);
   one_source(probe, "score", {"tokens", "input", "prompt"});
+  if (!probe.get_string("tokens").empty()) parse_ids(probe.get_string("tokens"), "tokens");
   if (!probe.get_string("output").empty())  // before the model loads: nothing is lost, no time
     check_output_file("output", probe.get_string("output"),
                       {probe.get_string("input"), probe.get_string("tokenizer_path"),

@@ -385,6 +385,8 @@ TEST(Cli, BadInputIsRefusedWithExitCode2) {
        "tokens (command line) and prompt_file (command line) are all set"},
       {"score --model=llama-test load_parameters_path=" + dir.string() + " tokens=1,2 prompt=hi",
        "tokens (command line) and prompt (command line) are all set"},
+      {"decode --model=llama-test load_parameters_path=" + dir.string() + " tokens=1,,2",
+       "tokens: an empty item between two commas"},
       {"run --model=llama-test steps=1 load_parameters_path=" + dir.string() +
            " load_full_state_path=" + dir.string() +
            " base_output_directory=" + (dir / "out").string(),
