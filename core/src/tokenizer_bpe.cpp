@@ -470,6 +470,8 @@ void BpeTokenizer::Impl::load_model(const json::Value& m) {
       bad("model.vocab[\"" + tok + "\"] is not a valid id");
     vocab[tok] = static_cast<int32_t>(idv.integer);
   }
+  // (Text would become its special tokens alone, without a word.)
+  if (vocab.empty()) bad("model.vocab is empty: the tokenizer would map every text to nothing");
   if (const std::string u = string_member(m, "unk_token"); !u.empty()) {
     auto it = vocab.find(u);
     if (it == vocab.end()) bad("unk_token \"" + u + "\" is not in the vocabulary");

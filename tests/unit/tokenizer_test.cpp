@@ -288,6 +288,10 @@ TEST(TokenizerFactory, ClearErrors) {
   const std::string badmerge = d.file(
       "m.json", R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": ["a b"]}})");
   EXPECT_TRUE(contains(error_of(badmerge, ""), "not in the vocabulary")) << error_of(badmerge, "");
+  // An empty vocabulary tokenized every text to its special tokens alone.
+  const std::string empty =
+      d.file("e.json", R"({"model": {"type": "BPE", "vocab": {}, "merges": []}})");
+  EXPECT_TRUE(contains(error_of(empty, ""), "model.vocab is empty")) << error_of(empty, "");
 }
 
 // Issue 24, items 2 and 3: the tables are indexed by id, so an id far above the file's own
