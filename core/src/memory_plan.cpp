@@ -111,8 +111,10 @@ TrainingPlan trace_training(const Config& cfg, PluginManager& plugins,
   t.batches = one_batch * static_cast<size_t>(accum);
   be.reset_peak_memory();
   StepGradients sg = forward_backward(*runner, micro, 0.f);
-  t.tensor_sum_bytes = runner->planned_tensor_sum_bytes();
-  t.tensor_gather_bytes = runner->planned_tensor_gather_bytes();
+  // Tensor parallelism's sums and gathers recur in every micro-step, the untraced ones too.
+  const double per_traced = static_cast<double>(accum) / static_cast<double>(traced);
+  t.tensor_sum_bytes = runner->planned_tensor_sum_bytes() * per_traced;
+  t.tensor_gather_bytes = runner->planned_tensor_gather_bytes() * per_traced;
   AdamWParams adam;
   adam.lr = 1e-4f;
   apply_update(*runner, opt, adam, 0.f, sg.layer_stats);

@@ -529,6 +529,13 @@ TEST(MemoryPlan, TensorParallelismIsPlannedPerRank) {
   EXPECT_EQ(c.tensor_sums, 32 * 4);
   EXPECT_EQ(c.tensor_sum_bytes, static_cast<size_t>(4 * 512 * 4096 * 4));
   EXPECT_DOUBLE_EQ(c.tensor_bytes, 2.0 * 7 / 8 * 128 * static_cast<double>(c.tensor_sum_bytes));
+  // Every micro-step sums again: 5 of them, of which the trace runs two.
+  const Plan acc =
+      make_plan(config_for("llama2-7b", {"ici_data_parallelism=1", "ici_tensor_parallelism=8",
+                                         "gradient_accumulation_steps=5"}),
+                test::plugins(), h100, PlanFor::train, false);
+  ASSERT_TRUE(acc.collectives);
+  EXPECT_EQ(acc.collectives->tensor_sums, 5 * 32 * 4);
   const std::string text = format_plan(tp, cfg);
   EXPECT_NE(text.find("tensor parallelism over 8 ranks per batch"), std::string::npos) << text;
   EXPECT_NE(text.find("this rank's part (tensor parallelism over 8)"), std::string::npos) << text;
