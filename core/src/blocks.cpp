@@ -862,8 +862,9 @@ LayerOutput moe(Graph& g, const Params& p, const MoeSpec& s, const Tensor& x,
   const std::vector<int32_t> zero(static_cast<size_t>(n), 0);
   if (n) be.copy_from_host(targets, zero.data());
   const float inv_n = n ? 1.f / static_cast<float>(n) : 0.f;
-  const Tensor with_z = g.cross_entropy(logits, targets, 1.f, inv_n);
-  const Tensor without = g.cross_entropy(logits, targets, 0.f, inv_n);
+  // (row_: the router's logits, also where the graph holds a part of the vocabulary.)
+  const Tensor with_z = g.row_cross_entropy(logits, targets, 1.f, inv_n);
+  const Tensor without = g.row_cross_entropy(logits, targets, 0.f, inv_n);
   out.aux.push_back({"moe_z_loss", g.add(with_z, g.scale(without, -1.f)), s.z_loss_weight});
 
   // Metrics (weight 0: logged in metrics.jsonl, not trained): the expert load and the drops.

@@ -549,6 +549,14 @@ Tensor Graph::cross_entropy(const Tensor& logits, const Tensor& targets, float z
            "cross_entropy needs logits [N, V] and targets [N]; got " + logits.str() + ", " +
                targets.str());
   if (impl_->vocab_table.defined()) return vocab_cross_entropy(logits, targets, z_loss, weight);
+  return row_cross_entropy(logits, targets, z_loss, weight);
+}
+
+Tensor Graph::row_cross_entropy(const Tensor& logits, const Tensor& targets, float z_loss,
+                                float weight) {
+  MT_CHECK(logits.ndim() == 2 && targets.numel() == logits.dim(0),
+           "cross_entropy needs logits [N, V] and targets [N]; got " + logits.str() + ", " +
+               targets.str());
   const int64_t n = logits.dim(0);
   Tensor loss = backend_->empty({n}, DType::f32);
   Tensor lse = backend_->empty({n}, DType::f32);

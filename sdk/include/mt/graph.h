@@ -180,6 +180,10 @@ class MT_API Graph {
   // logits [N, V], targets [N] i32 -> scalar [1] f32 = weight * sum of per-row losses
   // (rows with target < 0 count 0). weight = 1 / (number of counted rows) gives the mean.
   Tensor cross_entropy(const Tensor& logits, const Tensor& targets, float z_loss, float weight);
+  // cross_entropy over each row's logits as given, also in a vocabulary-parallel model: for
+  // logits that are not the vocabulary's (a router's z-loss), which cross_entropy would take for
+  // this rank's columns of the vocabulary there.
+  Tensor row_cross_entropy(const Tensor& logits, const Tensor& targets, float z_loss, float weight);
 
   // ---- split and concat on the last dimension (graph_ops.cpp; Backend::copy_columns) --------
   // x [..., D] -> pieces [..., sizes[i]], the sizes (each >= 0) summing to D; each piece is a
