@@ -266,14 +266,19 @@ int cmd_decode(const Args& args) {
   const bool stream = prompts.size() == 1 && !ids_given;
   std::string shown;
   std::vector<int32_t> so_far;
-  if (stream) std::printf("%s", texts[0].c_str());
+  // The text as bytes (fwrite): a generated NUL byte (byte-level BPE's token for 0x00) must not
+  // end the line, as printf's %s and fputs would.
+  auto put = [](const std::string& t, size_t from = 0) {
+    if (t.size() > from) std::fwrite(t.data() + from, 1, t.size() - from, stdout);
+  };
+  if (stream) put(texts[0]);
   auto on_token = [&](int64_t, int32_t id) {
     if (!stream) return;
     // Decoding the whole continuation each time keeps multi-byte characters intact.
     so_far.push_back(id);
     const std::string text = in.tokenizer->decode(so_far);
     if (text.size() > shown.size() && text.compare(0, shown.size(), shown) == 0) {
-      std::fputs(text.c_str() + shown.size(), stdout);
+      put(text, shown.size());
       std::fflush(stdout);
       shown = text;
     }
@@ -297,8 +302,10 @@ int cmd_decode(const Args& args) {
   } else if (stream) {
     std::printf("\n");
   } else {
-    for (size_t b = 0; b < prompts.size(); ++b)
-      std::printf("[%zu] %s%s\n", b, texts[b].c_str(), in.tokenizer->decode(r.tokens[b]).c_str());
+    for (size_t b = 0; b < prompts.size(); ++b) {
+      std::printf("[%zu] ", b);
+      put(texts[b] + in.tokenizer->decode(r.tokens[b]) + "\n");
+    }
   }
   std::fprintf(stderr,
                "mt decode: %zu prompt(s); prefill %ld tokens at %.1f tokens/s; decode %ld tokens "
