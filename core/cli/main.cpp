@@ -103,6 +103,13 @@ int main(int argc, char** argv) {
         std::printf("%s: %s\n\nUsage: %s\n%s", c.name, c.summary, c.usage, kCommonOptions);
         return 0;
       }
+      // Only mt run and mt bench work together under mpirun; any other command would run once
+      // on every rank (printing it N times, writing the same output files at once).
+      if (const int n = mt::launcher_world_size(); n > 1 && name != "run" && name != "bench")
+        throw mt::UsageError(
+            "mt " + name + " runs as one process, but was started as one of " + std::to_string(n) +
+            " ranks (mpirun or srun): every rank would run it alone. Run it without the "
+            "launcher; mt run and mt bench are the commands that use ranks.");
       return c.fn(a);
     } catch (const mt::Error& e) {
       std::fflush(stdout);

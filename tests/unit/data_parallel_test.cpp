@@ -415,6 +415,24 @@ TEST(DataParallel, AMeshThatDoesNotFitTheRanksIsOneErrorOnRankZero) {
   EXPECT_FALSE(fs::exists(d.root / "bad" / "metrics.jsonl"));
 }
 
+// The one-process commands refuse to run as ranks (before: mt score under -np 2 scored twice and
+// both ranks raced to write its output; mt decode printed everything twice).
+TEST(DataParallel, OneProcessCommandsRefuseRanks) {
+  MT_NEED_MPIRUN();
+  Dir d;
+  for (const std::string& cmd :
+       {"score --model=llama-test tokens=1,2,3 output=" + (d.root / "s.safetensors").string(),
+        std::string("decode --model=llama-test tokens=1,2"),
+        std::string("plan --model=llama-test")}) {
+    const test::MtResult r = mpirun(2, cmd, 30);
+    EXPECT_EQ(r.code, 2) << cmd << "\n" << r.out;
+    EXPECT_EQ(count(r.out, "runs as one process, but was started as one of 2 ranks"), 1u)
+        << cmd << "\n"
+        << r.out;
+  }
+  EXPECT_FALSE(fs::exists(d.root / "s.safetensors"));
+}
+
 // MPI starts once a process, and the mpi communicator that started it finalizes it when
 // destroyed: a second communicator made after that is refused with a sentence naming the cause,
 // not an MPI abort (in a child process, which may start MPI as a singleton).
