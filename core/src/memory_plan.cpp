@@ -674,15 +674,24 @@ std::string format_plan(const Plan& p, const Config& cfg) {
     }
     const double flops = p.flops_per_token * static_cast<double>(p.tokens_per_step);
     const double peak_flops = p.compute == DType::bf16 ? p.device.peak_bf16 : p.device.peak_f32;
-    s += fmt::format("  model FLOPs per step: {:.4g} ({} tokens x {:.4g} per token)\n", flops,
-                     p.tokens_per_step, p.flops_per_token);
+    // Tensor ranks share one batch, each doing 1/T of its FLOPs (the other axes give each rank a
+    // batch of its own).
+    const int64_t group = p.collectives ? std::max<int64_t>(1, p.collectives->tensor) : 1;
+    const double device_flops = flops / static_cast<double>(group);
+    s += fmt::format("  model FLOPs per step: {:.4g} ({} tokens x {:.4g} per token){}\n", flops,
+                     p.tokens_per_step, p.flops_per_token,
+                     group > 1 ? fmt::format(", {:.4g} on each of the {} tensor ranks sharing "
+                                             "the batch",
+                                             device_flops, group)
+                               : std::string());
     if (peak_flops > 0)
       s += fmt::format(
           "  step time: {:.3g} s at the device's peak {:.3g} TFLOP/s ({}); {:.3g} s at an assumed "
-          "MFU of {:.0f}% (plan_assumed_mfu): {:.4g} tokens/s\n",
-          flops / peak_flops, peak_flops / 1e12, dtype_name(p.compute),
-          flops / (peak_flops * p.assumed_mfu), 100 * p.assumed_mfu,
-          static_cast<double>(p.tokens_per_step) * peak_flops * p.assumed_mfu / flops);
+          "MFU of {:.0f}% (plan_assumed_mfu): {:.4g} tokens/s{}\n",
+          device_flops / peak_flops, peak_flops / 1e12, dtype_name(p.compute),
+          device_flops / (peak_flops * p.assumed_mfu), 100 * p.assumed_mfu,
+          static_cast<double>(p.tokens_per_step) * peak_flops * p.assumed_mfu / device_flops,
+          group > 1 ? fmt::format(" for a group of {} tensor ranks", group) : std::string());
     else
       s += "  step time: unknown (the device's peak FLOP/s is not known; set plan_device)\n";
     if (p.collectives) {

@@ -539,6 +539,11 @@ TEST(MemoryPlan, TensorParallelismIsPlannedPerRank) {
   const std::string text = format_plan(tp, cfg);
   EXPECT_NE(text.find("tensor parallelism over 8 ranks per batch"), std::string::npos) << text;
   EXPECT_NE(text.find("this rank's part (tensor parallelism over 8)"), std::string::npos) << text;
+  // Each of the 8 ranks sharing the batch does an eighth of its FLOPs (the step time was the
+  // whole batch's on one device).
+  EXPECT_NE(text.find("on each of the 8 tensor ranks sharing the batch"), std::string::npos)
+      << text;
+  EXPECT_NE(text.find("tokens/s for a group of 8 tensor ranks"), std::string::npos) << text;
   EXPECT_THROW(
       make_plan(config_for("llama-test", {"ici_data_parallelism=1", "ici_tensor_parallelism=4"}),
                 test::plugins(), h100, PlanFor::train, false),
