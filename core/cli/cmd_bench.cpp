@@ -53,6 +53,7 @@
 #include "communicator.h"
 #include "decoder.h"
 #include "json.h"
+#include "memory_plan.h"
 #include "model_info.h"
 #include "model_runner.h"
 #include "mt/attention.h"
@@ -577,6 +578,19 @@ int bench_gemm(Args args) {
         "\"dtype\": \"{}\"",
         backend, c.m, c.k, c.n, ta, tb, dtype_name(dt));
     try {
+      // The three operands (and on the CPU, f32 working copies of bf16 ones) must fit in what
+      // the backend may hold: a shape past it was killed by the kernel's OOM killer mid-fill.
+      const double elems = static_cast<double>(c.m) * static_cast<double>(c.k) +
+                           static_cast<double>(c.k) * static_cast<double>(c.n) +
+                           static_cast<double>(c.m) * static_cast<double>(c.n);
+      const double need =
+          elems * static_cast<double>(dtype_size(dt)) + (cpu && dt == DType::bf16 ? 4 * elems : 0);
+      const auto limit = static_cast<double>(be->memory_stats().bytes_limit);
+      if (limit > 0 && need > limit)
+        throw Error(
+            fmt::format("does not fit: its operands need {} of the {} the {} backend may "
+                        "hold; nothing was allocated",
+                        human_bytes(need), human_bytes(limit), backend));
       // c[M, N] = a[M, K] @ b[K, N], a stored [K, M] when trans_a, b stored [N, K] when trans_b.
       Tensor a = random_tensor(*be, ta ? Shape{c.k, c.m} : Shape{c.m, c.k}, dt, 1, 1.f);
       Tensor b = random_tensor(*be, tb ? Shape{c.n, c.k} : Shape{c.k, c.n}, dt, 2, 1.f);
@@ -665,6 +679,23 @@ int bench_attention(Args args) {
         throw Error("attention=" + c.kernel + " is registered by the " + backend +
                     " backend but not implemented there yet");
       const Shape qs{c.b, c.t, c.h, c.d}, kvs{c.b, c.t, c.kv, c.d};
+      // What it holds (as bench gemm checks): q, out, dout, dq and k, v, dk, dv, f32 working
+      // copies of them on the CPU in bf16, and dot_product's scores and their gradient.
+      const double q_elems = static_cast<double>(c.b * c.t) * static_cast<double>(c.h * c.d),
+                   kv_elems = static_cast<double>(c.b * c.t) * static_cast<double>(c.kv * c.d);
+      const double tensors = 4 * (q_elems + kv_elems);
+      const double scores = c.kernel == "dot_product"
+                                ? 2.0 * static_cast<double>(c.b * c.h) * static_cast<double>(c.t) *
+                                      static_cast<double>(c.t) * 4
+                                : 0;
+      const double need = tensors * static_cast<double>(dtype_size(dt)) +
+                          (cpu && dt == DType::bf16 ? 4 * tensors : 0) + scores;
+      const auto limit = static_cast<double>(be->memory_stats().bytes_limit);
+      if (limit > 0 && need > limit)
+        throw Error(
+            fmt::format("does not fit: it needs about {} of the {} the {} backend may "
+                        "hold; nothing was allocated",
+                        human_bytes(need), human_bytes(limit), backend));
       const float unit = std::sqrt(3.f);  // uniform with variance 1
       Tensor q = random_tensor(*be, qs, dt, 11, unit), k = random_tensor(*be, kvs, dt, 12, unit),
              v = random_tensor(*be, kvs, dt, 13, unit), dout = random_tensor(*be, qs, dt, 14, unit);

@@ -237,6 +237,16 @@ TEST(Cli, BenchKernelsPrintJsonLines) {
   r = mt_cmd("bench attention shapes=1x32x3x16 kv_heads=2");
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_NE(r.out.find("kv_heads=2"), std::string::npos) << r.out;
+  // A shape past the backend's memory is a failed case with the reason, nothing allocated
+  // (before: the kernel's OOM killer ended the process with no output); the others still run.
+  for (const std::string& cmd :
+       {std::string("bench gemm shapes=1000000x1000000x1000000,8x8x8"),
+        std::string("bench attention attention=dot_product shapes=64x65536x32x128,1x32x2x16")}) {
+    r = mt_cmd(cmd + " iters=1 repeats=1 warmup=0 2>/dev/null");
+    EXPECT_EQ(r.code, 1) << cmd << "\n" << r.out;
+    EXPECT_NE(r.out.find("\"error\": \"does not fit: "), std::string::npos) << cmd << "\n" << r.out;
+    EXPECT_NE(r.out.find("_ms\": "), std::string::npos) << cmd << "\n" << r.out;
+  }
 }
 
 TEST(Cli, InferenceNeedsACheckpoint) {
