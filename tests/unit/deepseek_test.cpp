@@ -895,6 +895,8 @@ TEST(DeepseekMtp, BadInputIsRefusedWithOneClearError) {
   expect_refused(run + "mtp_loss_scaling_factor=-0.5", "mtp_loss_scaling_factor");
   expect_refused(run + "decoder_block=deepseek_v2 mtp_num_layers=1",
                  "multi-token prediction is DeepSeek-V3's");
+  // Depths past the sequence have no target (before: accepted, their losses 0 in the mean).
+  expect_refused(run + "max_target_length=8 mtp_num_layers=8", "must be below max_target_length=8");
 }
 
 }  // namespace

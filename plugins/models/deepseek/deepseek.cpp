@@ -568,6 +568,12 @@ class DsFamily final : public mt::ModelFamily {
       c.reject("mtp_num_layers",
                "must be 0 (no multi-token prediction) or a positive number of "
                "prediction depths.");
+    if (mtp > 0 && c.has("max_target_length") && mtp >= c.get_int("max_target_length"))
+      c.reject("mtp_num_layers",
+               "must be below max_target_length=" + std::to_string(c.get_int("max_target_length")) +
+                   ": depth k predicts the token k + 1 positions ahead, so the depths from there "
+                   "on would have no target (their losses read 0 and thin mtp_loss's mean) and "
+                   "cost a layer each.");
     if (!v3_ && mtp > 0)
       c.reject("mtp_num_layers",
                "must be 0 for " + fam +
