@@ -876,6 +876,9 @@ LayerOutput moe(Graph& g, const Params& p, const MoeSpec& s, const Tensor& x,
   if (s.layer >= 0) tag.append("/").append(std::to_string(s.layer));
   out.aux.push_back({"moe_load_min" + tag, scalar(be, static_cast<float>(*lo) * share), 0.f});
   out.aux.push_back({"moe_load_max" + tag, scalar(be, static_cast<float>(*hi) * share), 0.f});
+  // Each expert's slots, which the trainer sums over a step's micro-batches and ranks for the
+  // step's own least and most loaded shares (forward_backward).
+  out.stats.push_back({"moe_slots" + tag, std::vector<double>(routed.begin(), routed.end())});
   if (s.capacity_factor > 0.f)
     out.aux.push_back({"moe_dropped_fraction",
                        scalar(be, static_cast<float>(slots_a - kept_slots) * share), 0.f});

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -293,6 +294,20 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
         for (double& x : values) x = scalars[k++];
     r.communication_s += seconds_since(t0);
   }
+  // The expert loads of the step: each MoE layer's "moe_slots<tag>" (an expert's token-slots,
+  // summed over the micro-batches and ranks) give moe_load_min/max<tag>, the least and most
+  // loaded expert's share, as one rank given the whole batch counts them (the forwards' own
+  // shares, averaged, differ from it under data parallelism or gradient accumulation).
+  for (const auto& layer : r.layer_stats)
+    for (const auto& [name, v] : layer) {
+      if (name.rfind("moe_slots", 0) != 0 || v.empty()) continue;
+      const std::string tag = name.substr(std::strlen("moe_slots"));
+      double total = 0;
+      for (double x : v) total += x;
+      const auto [lo, hi] = std::minmax_element(v.begin(), v.end());
+      r.aux["moe_load_min" + tag] = total > 0 ? *lo / total : 0.0;
+      r.aux["moe_load_max" + tag] = total > 0 ? *hi / total : 0.0;
+    }
   // The global gradient norm: every tensor's sum of squares in one call (one device round
   // trip), added in parameter order.
   // Sharded over ranks: this rank's parts, then the ranks' sums added in rank order.

@@ -415,6 +415,39 @@ TEST(DataParallel, AMeshThatDoesNotFitTheRanksIsOneErrorOnRankZero) {
   EXPECT_FALSE(fs::exists(d.root / "bad" / "metrics.jsonl"));
 }
 
+// Every "<name>/..." field of each line of a run's metrics.jsonl, by field, in step order.
+std::map<std::string, std::vector<double>> fields(const fs::path& run, const std::string& name) {
+  std::ifstream f(run / "metrics.jsonl");
+  std::map<std::string, std::vector<double>> r;
+  for (std::string line; std::getline(f, line);)
+    for (size_t k = line.find("\"" + name + "/"); k != std::string::npos;
+         k = line.find("\"" + name + "/", k + 1)) {
+      const size_t end = line.find('"', k + 1);
+      r[line.substr(k + 1, end - k - 1)].push_back(std::stod(line.substr(end + 3)));
+    }
+  return r;
+}
+
+// The expert-load metrics are the step's (each expert's slots summed over micro-batches and
+// ranks), so 2 data-parallel ranks and 4 micro-batches give one rank's figures for the whole
+// batch (before: the ranks' and micro-batches' own shares averaged, up to 36% off).
+TEST(DataParallel, ExpertLoadsAreTheWholeBatchs) {
+  MT_NEED_MPIRUN();
+  Dir d;
+  const std::string model = "--model=mixtral-test dataset_type=synthetic steps=3 ";
+  ASSERT_EQ(test::run_mt(train_args(d.root, "one", 4, model), 120).code, 0);
+  ASSERT_EQ(mpirun(2, train_args(d.root, "two", 2, model), 120).code, 0);
+  ASSERT_EQ(
+      test::run_mt(train_args(d.root, "acc", 1, model + "gradient_accumulation_steps=4"), 120).code,
+      0);
+  for (const char* metric : {"moe_load_min", "moe_load_max"}) {
+    const auto one = fields(d.root / "one", metric);
+    ASSERT_EQ(one.size(), 2u) << metric;  // mixtral-test's two layers
+    EXPECT_EQ(fields(d.root / "two", metric), one) << metric;
+    EXPECT_EQ(fields(d.root / "acc", metric), one) << metric;
+  }
+}
+
 // The one-process commands refuse to run as ranks (before: mt score under -np 2 scored twice and
 // both ranks raced to write its output; mt decode printed everything twice).
 TEST(DataParallel, OneProcessCommandsRefuseRanks) {

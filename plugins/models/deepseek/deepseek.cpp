@@ -326,6 +326,9 @@ mt::LayerOutput deepseek_moe(mt::Graph& g, const mt::Params& p, const DsConfig& 
   const std::string tag = "/" + std::to_string(layer);
   out.aux.push_back({"moe_load_min" + tag, scalar(be, static_cast<float>(*lo) * share), 0.f});
   out.aux.push_back({"moe_load_max" + tag, scalar(be, static_cast<float>(*hi) * share), 0.f});
+  // The step's loads from the slots summed over micro-batches and ranks (the trainer's).
+  out.stats.push_back(
+      {"moe_slots" + tag, std::vector<double>(order.routed.begin(), order.routed.end())});
   // V3: each expert's token-slots, for the router_bias update after the step (after_step).
   if (c.v3) {
     std::vector<double> load(static_cast<size_t>(E), 0.0);
