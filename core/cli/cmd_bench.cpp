@@ -791,6 +791,15 @@ int bench_moe(Args args) {
   if (s.num_experts < 2)
     throw UsageError("mt bench moe needs a model with num_experts > 1; --model=" + model + " has " +
                      std::to_string(s.num_experts) + ".");
+  // It times blocks::moe; DeepSeek's layer (a sigmoid or grouped router, shared experts) is
+  // the family's own, and its figures would be labelled with a model they do not time.
+  if (const std::string block = mc.get_string("decoder_block"); block.rfind("deepseek", 0) == 0)
+    throw UsageError(
+        "mt bench moe times the mixture-of-experts block Mixtral and Qwen3-MoE use "
+        "(blocks::moe: softmax top-k router); --model=" +
+        model + " (decoder_block=" + block +
+        ") routes with its family's own layer, which it does not time. Time "
+        "that model's training with mt bench train.");
   const int64_t n = parse_count("tokens", tokens_text.value_or(cpu ? "256" : "8192"), 1);
   const int64_t d = s.d_model, h = s.hidden, E = s.num_experts, k = s.top_k, m = n * k;
 
@@ -896,9 +905,9 @@ int bench_moe(Args args) {
     const double moe_fwd = fwd[0], grouped_fwd = fwd[1], dense_fwd = fwd[2];
     std::string out = fmt::format(
         "{{\"bench\": \"moe\", {}, \"grouped_gflop_fwd\": {:.4g}, \"load_min\": {:.4f}, "
-        "\"load_max\": {:.4f}, \"moe_fwd_ms\": {:.2f}, \"moe_fwd_gflops\": {:.4g}, "
-        "\"grouped_matmuls_fwd_ms\": {:.2f}, \"grouped_matmuls_fwd_gflops\": {:.4g}, "
-        "\"dense_fwd_ms\": {:.2f}, \"dense_fwd_gflops\": {:.4g}, "
+        "\"load_max\": {:.4f}, \"moe_fwd_ms\": {:.4g}, \"moe_fwd_gflops\": {:.4g}, "
+        "\"grouped_matmuls_fwd_ms\": {:.4g}, \"grouped_matmuls_fwd_gflops\": {:.4g}, "
+        "\"dense_fwd_ms\": {:.4g}, \"dense_fwd_gflops\": {:.4g}, "
         "\"ratio_fwd_moe_over_dense\": {:.3f}",
         fields, flop / 1e9, load_min, load_max, moe_fwd, gflops(flop, moe_fwd), grouped_fwd,
         gflops(flop, grouped_fwd), dense_fwd, gflops(flop, dense_fwd), dense_fwd / moe_fwd);
@@ -907,8 +916,8 @@ int bench_moe(Args args) {
           interleaved_median_ms(*be, timing, {moe_forward_backward, dense_forward_backward});
       const double moe_fb = fb[0], dense_fb = fb[1];
       out += fmt::format(
-          ", \"moe_fwd_bwd_ms\": {:.2f}, \"moe_fwd_bwd_gflops\": {:.4g}, "
-          "\"dense_fwd_bwd_ms\": {:.2f}, \"dense_fwd_bwd_gflops\": {:.4g}, "
+          ", \"moe_fwd_bwd_ms\": {:.4g}, \"moe_fwd_bwd_gflops\": {:.4g}, "
+          "\"dense_fwd_bwd_ms\": {:.4g}, \"dense_fwd_bwd_gflops\": {:.4g}, "
           "\"ratio_fwd_bwd_moe_over_dense\": {:.3f}",
           moe_fb, gflops(3 * flop, moe_fb), dense_fb, gflops(3 * flop, dense_fb),
           dense_fb / moe_fb);

@@ -195,6 +195,12 @@ TEST(Cli, BenchPrintsOneJsonObject) {
   for (const char* k : {"\"bench\": \"moe\"", "\"experts\": 8", "\"top_k\": 2",
                         "\"ratio_fwd_moe_over_dense\"", "\"ratio_fwd_bwd_moe_over_dense\""})
     EXPECT_NE(r.out.find(k), std::string::npos) << k << r.out;
+  // Times in 4 significant digits (2 decimals read 0.00 beside non-zero GFLOP/s).
+  EXPECT_EQ(r.out.find("_ms\": 0.00,"), std::string::npos) << r.out;
+  // DeepSeek's layer is not the block it times (its figures were labelled deepseek3-test).
+  r = mt_cmd("bench moe --model=deepseek3-test tokens=16");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("routes with its family's own layer"), std::string::npos) << r.out;
 }
 
 // The first 2 steps of a run warm up and are not timed: with no step left, no throughput is
