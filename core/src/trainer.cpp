@@ -298,15 +298,24 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
   // summed over the micro-batches and ranks) give moe_load_min/max<tag>, the least and most
   // loaded expert's share, as one rank given the whole batch counts them (the forwards' own
   // shares, averaged, differ from it under data parallelism or gradient accumulation).
-  for (const auto& layer : r.layer_stats)
-    for (const auto& [name, v] : layer) {
-      if (name.rfind("moe_slots", 0) != 0 || v.empty()) continue;
-      const std::string tag = name.substr(std::strlen("moe_slots"));
+  // They are the trainer's: taken out of the statistics handed to DecoderLayer::after_step, which
+  // under FSDP gathers the whole parameters of every layer that has any.
+  for (auto& layer : r.layer_stats)
+    for (auto it = layer.begin(); it != layer.end();) {
+      if (it->first.rfind("moe_slots", 0) != 0) {
+        ++it;
+        continue;
+      }
+      const std::string tag = it->first.substr(std::strlen("moe_slots"));
+      const std::vector<double>& v = it->second;
       double total = 0;
       for (double x : v) total += x;
-      const auto [lo, hi] = std::minmax_element(v.begin(), v.end());
-      r.aux["moe_load_min" + tag] = total > 0 ? *lo / total : 0.0;
-      r.aux["moe_load_max" + tag] = total > 0 ? *hi / total : 0.0;
+      if (!v.empty()) {
+        const auto [lo, hi] = std::minmax_element(v.begin(), v.end());
+        r.aux["moe_load_min" + tag] = total > 0 ? *lo / total : 0.0;
+        r.aux["moe_load_max" + tag] = total > 0 ? *hi / total : 0.0;
+      }
+      it = layer.erase(it);
     }
   // The global gradient norm: every tensor's sum of squares in one call (one device round
   // trip), added in parameter order.
@@ -831,8 +840,11 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
 
   auto eval_loss = [&]() -> double {
     double total = 0, count = 0;
-    Progress shown("mt run: evaluating", static_cast<double>(eval_steps), "batches", tty);
-    for (int64_t i = 0; i < eval_steps; ++i, shown.add(1)) {
+    // eval_steps of a step's batches: with gradient accumulation, that many micro-batches
+    // each, so that micro-batching (which mt plan proposes to fit) evaluates the same rows.
+    const int64_t eval_batches = eval_steps * accum;
+    Progress shown("mt run: evaluating", static_cast<double>(eval_batches), "batches", tty);
+    for (int64_t i = 0; i < eval_batches; ++i, shown.add(1)) {
       HostBatch hb;
       const bool more = data->next(hb, /*eval=*/true);
       if (expert_group) {
