@@ -811,6 +811,10 @@ void read_parts(PartSource& src, const fs::path& where,
       add("unexpected tensors (the checkpoint has them, the model does not): " + name_list(extra));
     // The first few shape or dtype differences: a model of another width differs in every
     // tensor, and one line of them all ran to kilobytes.
+    // The model's own tensors (embeddings, final norm, head) first, then the layers'.
+    std::stable_partition(problems.begin(), problems.end(), [](const std::string& p) {
+      return p.find("'layers.") == std::string::npos && p.find("'mtp.") == std::string::npos;
+    });
     constexpr size_t kShownProblems = 6;
     for (size_t i = 0; i < std::min(problems.size(), kShownProblems); ++i) add(problems[i]);
     if (problems.size() > kShownProblems)
