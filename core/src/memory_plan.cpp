@@ -789,7 +789,8 @@ std::string format_plan(const Plan& p, const Config& cfg) {
                                          dtype_name(p.compute))
                            : fmt::format("stored in {}", dtype_name(p.compute)));
     row("KV cache", d.kv_cache,
-        fmt::format("{} per token",
+        fmt::format("{} per token of capacity, as allocated (the allocator's size classes "
+                    "included)",
                     human_bytes(static_cast<double>(d.kv_cache) /
                                 static_cast<double>(std::max<int64_t>(1, d.batch * d.max_len)))));
     row("activations", d.activations, "peak of the prefill and a decode step above those");
