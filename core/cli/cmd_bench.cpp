@@ -537,6 +537,17 @@ std::vector<GemmCase> model_gemms(Args args, const std::string& model, int64_t t
   return cases;
 }
 
+// A kernel case that needs more bytes than the backend may hold fails before it allocates (the
+// kernel's OOM killer ended such a run with no output).
+void refuse_past_memory(Backend& be, double need, const std::string& backend) {
+  const auto limit = static_cast<double>(be.memory_stats().bytes_limit);
+  if (limit > 0 && need > limit)
+    throw Error(
+        fmt::format("does not fit: it needs about {} of the {} the {} backend may hold; "
+                    "nothing was allocated",
+                    human_bytes(need), human_bytes(limit), backend));
+}
+
 int bench_gemm(Args args) {
   auto& ov = args.overrides;
   const auto shapes = take_key(ov, "shapes");
@@ -585,12 +596,7 @@ int bench_gemm(Args args) {
                            static_cast<double>(c.m) * static_cast<double>(c.n);
       const double need =
           elems * static_cast<double>(dtype_size(dt)) + (cpu && dt == DType::bf16 ? 4 * elems : 0);
-      const auto limit = static_cast<double>(be->memory_stats().bytes_limit);
-      if (limit > 0 && need > limit)
-        throw Error(
-            fmt::format("does not fit: its operands need {} of the {} the {} backend may "
-                        "hold; nothing was allocated",
-                        human_bytes(need), human_bytes(limit), backend));
+      refuse_past_memory(*be, need, backend);
       // c[M, N] = a[M, K] @ b[K, N], a stored [K, M] when trans_a, b stored [N, K] when trans_b.
       Tensor a = random_tensor(*be, ta ? Shape{c.k, c.m} : Shape{c.m, c.k}, dt, 1, 1.f);
       Tensor b = random_tensor(*be, tb ? Shape{c.n, c.k} : Shape{c.k, c.n}, dt, 2, 1.f);
@@ -690,12 +696,7 @@ int bench_attention(Args args) {
                                 : 0;
       const double need = tensors * static_cast<double>(dtype_size(dt)) +
                           (cpu && dt == DType::bf16 ? 4 * tensors : 0) + scores;
-      const auto limit = static_cast<double>(be->memory_stats().bytes_limit);
-      if (limit > 0 && need > limit)
-        throw Error(
-            fmt::format("does not fit: it needs about {} of the {} the {} backend may "
-                        "hold; nothing was allocated",
-                        human_bytes(need), human_bytes(limit), backend));
+      refuse_past_memory(*be, need, backend);
       const float unit = std::sqrt(3.f);  // uniform with variance 1
       Tensor q = random_tensor(*be, qs, dt, 11, unit), k = random_tensor(*be, kvs, dt, 12, unit),
              v = random_tensor(*be, kvs, dt, 13, unit), dout = random_tensor(*be, qs, dt, 14, unit);

@@ -415,6 +415,30 @@ TEST(Attention, UnknownKernelSetIsRefused) {
 
 // ---- (4) decode == forward ----------------------------------------------------------------
 
+// Sequence b of a decode as a forward problem: its T queries (the last T positions of its L
+// keys) against the first L rows of a [B, Smax, Hkv, D] cache.
+Problem sequence_of(const std::vector<float>& q, const std::vector<float>& kc,
+                    const std::vector<float>& vc, int64_t b, int64_t L, int64_t T, int64_t Smax,
+                    int64_t Hq, int64_t Hkv, int64_t D, const AttentionSpec& spec) {
+  Problem p;
+  p.B = 1, p.T = T, p.S = L, p.Hq = Hq, p.Hkv = Hkv, p.D = D;
+  p.spec = spec;
+  p.spec.query_offset = L - T;
+  p.q.assign(q.begin() + b * T * Hq * D, q.begin() + (b + 1) * T * Hq * D);
+  p.k.assign(kc.begin() + b * Smax * Hkv * D, kc.begin() + (b * Smax + L) * Hkv * D);
+  p.v.assign(vc.begin() + b * Smax * Hkv * D, vc.begin() + (b * Smax + L) * Hkv * D);
+  return p;
+}
+
+// NaN in every cache row past each sequence's length: a kernel reading one shows in its output.
+void poison_past(std::vector<float>& cache, const std::vector<int32_t>& lengths, int64_t Smax,
+                 int64_t row) {
+  for (size_t b = 0; b < lengths.size(); ++b)
+    std::fill(cache.begin() + (static_cast<int64_t>(b) * Smax + lengths[b]) * row,
+              cache.begin() + (static_cast<int64_t>(b) + 1) * Smax * row,
+              std::numeric_limits<float>::quiet_NaN());
+}
+
 TEST(Attention, DecodeMatchesForward) {
   const uint64_t seed = test::seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
@@ -446,14 +470,8 @@ TEST(Attention, DecodeMatchesForward) {
           const std::vector<float> got = test::to_vector(out);
           for (int64_t b = 0; b < B; ++b) {
             const int64_t L = lengths[b];
-            Problem p;
-            p.B = 1, p.T = T, p.S = L, p.Hq = Hq, p.Hkv = Hkv, p.D = D;
-            p.spec = spec;
-            p.spec.query_offset = L - T;
-            p.q.assign(q.begin() + b * T * Hq * D, q.begin() + (b + 1) * T * Hq * D);
-            p.k.assign(kc.begin() + b * Smax * Hkv * D, kc.begin() + (b * Smax + L) * Hkv * D);
-            p.v.assign(vc.begin() + b * Smax * Hkv * D, vc.begin() + (b * Smax + L) * Hkv * D);
-            const Result r = run(*att, p, DType::f32, false);
+            const Result r = run(*att, sequence_of(q, kc, vc, b, L, T, Smax, Hq, Hkv, D, spec),
+                                 DType::f32, false);
             const std::vector<float> row(got.begin() + b * T * Hq * D,
                                          got.begin() + (b + 1) * T * Hq * D);
             EXPECT_LT(norm_err(row, r.out), 2e-6)
@@ -486,10 +504,7 @@ TEST(Attention, DecodeReadsABf16CacheInPlace) {
                            vc = test::randn(B * Smax * Hkv * D, rng);
         for (std::vector<float>* cache : {&kc, &vc}) {
           for (float& x : *cache) x = bf16_to_f32(f32_to_bf16(x));
-          for (int64_t b = 0; b < B; ++b)
-            std::fill(cache->begin() + (b * Smax + lengths[b]) * Hkv * D,
-                      cache->begin() + (b + 1) * Smax * Hkv * D,
-                      std::numeric_limits<float>::quiet_NaN());
+          poison_past(*cache, lengths, Smax, Hkv * D);
         }
         const Tensor q = test::from_vector(be, {B, T, Hq, D}, test::randn(B * T * Hq * D, rng));
         const Tensor len = test::from_ints(be, {B}, lengths);
@@ -537,11 +552,7 @@ TEST(Attention, DecodeChunksGiveTheSameBitsAtAnyBatchAndThreads) {
         const int64_t B = static_cast<int64_t>(lengths.size());
         std::vector<float> kc = test::randn(B * Smax * Hkv * D, rng),
                            vc = test::randn(B * Smax * Hkv * D, rng);
-        for (std::vector<float>* cache : {&kc, &vc})
-          for (int64_t b = 0; b < B; ++b)
-            std::fill(cache->begin() + (b * Smax + lengths[b]) * Hkv * D,
-                      cache->begin() + (b + 1) * Smax * Hkv * D,
-                      std::numeric_limits<float>::quiet_NaN());
+        for (std::vector<float>* cache : {&kc, &vc}) poison_past(*cache, lengths, Smax, Hkv * D);
         const std::vector<float> q = test::randn(B * Hq * D, rng);
         auto decode = [&](Backend& on, int64_t b0, int64_t nb) {
           auto att = test::attention("flash", on);
@@ -568,14 +579,9 @@ TEST(Attention, DecodeChunksGiveTheSameBitsAtAnyBatchAndThreads) {
           const std::vector<float> row(all.begin() + b * Hq * D, all.begin() + (b + 1) * Hq * D);
           ASSERT_EQ(decode(be, b, 1), row) << "Smax " << Smax << " b " << b << " case " << c;
           const int64_t L = lengths[b];
-          Problem p;
-          p.B = 1, p.T = 1, p.S = L, p.Hq = Hq, p.Hkv = Hkv, p.D = D;
-          p.spec = spec;
-          p.spec.query_offset = L - 1;
-          p.q.assign(q.begin() + b * Hq * D, q.begin() + (b + 1) * Hq * D);
-          p.k.assign(kc.begin() + b * Smax * Hkv * D, kc.begin() + (b * Smax + L) * Hkv * D);
-          p.v.assign(vc.begin() + b * Smax * Hkv * D, vc.begin() + (b * Smax + L) * Hkv * D);
-          const Result r = run(*test::attention("dot_product", be), p, DType::f32, false);
+          const Result r =
+              run(*test::attention("dot_product", be),
+                  sequence_of(q, kc, vc, b, L, 1, Smax, Hq, Hkv, D, spec), DType::f32, false);
           // f32 sums over up to 2100 keys in two orders: 1e-5 as the long forward tests allow.
           EXPECT_LT(norm_err(row, r.out), L > 200 ? 1e-5 : 2e-6)
               << "Smax " << Smax << " Hq " << Hq << " b " << b << " length " << L << " case " << c;
@@ -602,10 +608,7 @@ TEST(Attention, DecodeHeadSizesAndKeyTails) {
                          vc = test::randn(B * Smax * Hkv * D, rng);
       for (std::vector<float>* cache : {&kc, &vc}) {
         for (float& x : *cache) x = bf16_to_f32(f32_to_bf16(x));
-        for (int64_t b = 0; b < B; ++b)
-          std::fill(cache->begin() + (b * Smax + lengths[b]) * Hkv * D,
-                    cache->begin() + (b + 1) * Smax * Hkv * D,
-                    std::numeric_limits<float>::quiet_NaN());
+        poison_past(*cache, lengths, Smax, Hkv * D);
       }
       const std::vector<float> q = test::randn(B * Hq * D, rng);
       AttentionSpec spec;
@@ -622,14 +625,9 @@ TEST(Attention, DecodeHeadSizesAndKeyTails) {
       ASSERT_EQ(test::to_vector(from_bf16), got) << "D " << D << " Hq " << Hq;
       for (int64_t b = 0; b < B; ++b) {
         const int64_t L = lengths[b];
-        Problem p;
-        p.B = 1, p.T = 1, p.S = L, p.Hq = Hq, p.Hkv = Hkv, p.D = D;
-        p.spec = spec;
-        p.spec.query_offset = L - 1;
-        p.q.assign(q.begin() + b * Hq * D, q.begin() + (b + 1) * Hq * D);
-        p.k.assign(kc.begin() + b * Smax * Hkv * D, kc.begin() + (b * Smax + L) * Hkv * D);
-        p.v.assign(vc.begin() + b * Smax * Hkv * D, vc.begin() + (b * Smax + L) * Hkv * D);
-        const Result r = run(*test::attention("dot_product", be), p, DType::f32, false);
+        const Result r =
+            run(*test::attention("dot_product", be),
+                sequence_of(q, kc, vc, b, L, 1, Smax, Hq, Hkv, D, spec), DType::f32, false);
         const std::vector<float> row(got.begin() + b * Hq * D, got.begin() + (b + 1) * Hq * D);
         EXPECT_LT(norm_err(row, r.out), 2e-6) << "D " << D << " Hq " << Hq << " length " << L;
       }

@@ -270,20 +270,17 @@ TEST(Cli, InferenceNeedsACheckpoint) {
 TEST(Cli, TrainThenDecodeAndScore) {
   const fs::path dir = fs::temp_directory_path() / ("mt_cli_flow_" + std::to_string(::getpid()));
   fs::remove_all(dir);
-  auto r = mt_cmd(
+  const std::string train =
       "run --model=llama-small steps=3 eval_interval=3 eval_steps=1 "
       "per_device_batch_size=1 max_target_length=32 base_num_decoder_layers=1 "
       "checkpoint_period=3 async_checkpointing=false base_output_directory=" +
-      dir.string());
+      dir.string();
+  auto r = mt_cmd(train);
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("eval loss"), std::string::npos) << r.out;
   // The same run again is already at its last step: it says so, and prints no loss of its own
   // (before: "final train loss 0.0000").
-  const auto again = mt_cmd(
-      "run --model=llama-small steps=3 eval_interval=3 eval_steps=1 "
-      "per_device_batch_size=1 max_target_length=32 base_num_decoder_layers=1 "
-      "checkpoint_period=3 async_checkpointing=false base_output_directory=" +
-      dir.string());
+  const auto again = mt_cmd(train);
   EXPECT_EQ(again.code, 0) << again.out;
   EXPECT_NE(again.out.find("No step ran: the run is at step 3"), std::string::npos) << again.out;
   EXPECT_EQ(again.out.find("loss"), std::string::npos) << again.out;
