@@ -589,10 +589,10 @@ TEST(Attention, DecodeChunksGiveTheSameBitsAtAnyBatchAndThreads) {
       }
 }
 
-// The decode kernels take keys 16 (AVX-512) or 8 (AVX2) at a time and a head's features 128 or
-// 64 at a time: head sizes with a partial vector (40, 200), one or two feature blocks (64, 128,
-// 200) and lengths ending on, inside and one past a group of keys each match the forward over
-// the same keys, and a bf16 cache gives the bits of an f32 cache holding its values. Rows past
+// Decode at head sizes the other tests leave out: ending in a partial vector of 16 or 8 lanes
+// (40, 200) and spanning many vectors (64, 128, 200), with lengths ending on, inside and one past
+// a multiple of 16 keys, for grouped (4:1) and plain heads: each sequence matches the forward
+// over its keys, and a bf16 cache gives the bits of an f32 cache holding its values. Rows past
 // each length hold NaN.
 TEST(Attention, DecodeHeadSizesAndKeyTails) {
   const uint64_t seed = test::seed();
