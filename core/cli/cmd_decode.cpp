@@ -211,12 +211,11 @@ void one_source(const Config& cfg, const char* command, const std::vector<std::s
 
 // A safetensors file holding "logprobs": one mt score wrote (which a new score may replace).
 bool is_score_output(const std::filesystem::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  uint64_t n = 0;
-  if (!f.read(reinterpret_cast<char*>(&n), 8) || n == 0 || n > (uint64_t{1} << 24)) return false;
-  std::string header(static_cast<size_t>(n), '\0');
-  return f.read(header.data(), static_cast<std::streamsize>(n)) && header[0] == '{' &&
-         header.find("\"logprobs\"") != std::string::npos;
+  try {
+    return SafeTensorsFile(p).contains("logprobs");
+  } catch (const Error&) {
+    return false;  // not a safetensors file
+  }
 }
 }  // namespace
 

@@ -169,9 +169,8 @@ Config resolve_config(const Args& a, bool notes) {
           "would be mixed in. Drop the model's name, and set on the command line any key to "
           "change.");
     const HfImport imp = read_hf_config(hf, pm);
-    std::vector<std::string> layered;
-    layered.push_back("model_name=");
-    layered.insert(layered.end(), imp.overrides.begin(), imp.overrides.end());
+    // The directory's keys, a layer named as their origin; model_name= chooses no model file.
+    std::vector<std::string> layered = imp.overrides;
     // The context: base.yml's max_target_length unless the model supports less.
     if (!user.count("max_target_length")) {
       for (const auto& o : imp.overrides) {
@@ -196,8 +195,7 @@ Config resolve_config(const Args& a, bool notes) {
                            fs::exists(fs::path(hf) / "tokenizer.model", ec);
       layered.push_back("tokenizer_path=" + (has_tok ? hf : std::string()));
     }
-    // model_name= chooses no model file; the rest is the directory's, named as its origin.
-    req.imported.assign(layered.begin() + 1, layered.end());
+    req.imported = std::move(layered);
     req.imported_origin = hf + "/config.json (hf_path)";
     req.overrides = {"model_name="};
     req.overrides.insert(req.overrides.end(), a.overrides.begin(), a.overrides.end());

@@ -21,6 +21,7 @@ struct Command {
   const char* summary;
   const char* usage;
   size_t positional = 0;  // bare words it takes (`mt bench train`); any other is refused
+  bool ranks = false;     // runs as one rank of several under mpirun / srun (train_on_ranks)
 };
 
 constexpr const char* kCommonOptions =
@@ -37,7 +38,8 @@ const Command kCommands[] = {
      "Trains the configured model on the configured backend and data, printing loss,\n"
      "throughput and MFU every log_period steps; metrics go to\n"
      "<base_output_directory>/<run_name>/metrics.jsonl. With no arguments it trains the\n"
-     "embedded default (a small Llama on the shipped corpus, on the CPU).\n"},
+     "embedded default (a small Llama on the shipped corpus, on the CPU).\n",
+     0, true},
     {"plan", mt::cli::cmd_plan, "memory and FLOPs of a config before any work, and how to fit",
      "mt plan [--model=NAME] [plan_device=h100-80gb|h200|a100-40gb|a100-80gb|cpu-<N>gb] "
      "[key=value ...]\n\n"
@@ -54,7 +56,7 @@ const Command kCommands[] = {
     {"score", mt::cli::cmd_score, "loss and perplexity of a model on text or token ids",
      "mt score --model=NAME load_parameters_path=DIR prompt=\"...\" [output=FILE]\n"},
     {"bench", mt::cli::cmd_bench, "throughput benchmarks (JSON output)",
-     "mt bench train|decode|moe|gemm|attention [--model=NAME] [key=value ...]\n", 1},
+     "mt bench train|decode|moe|gemm|attention [--model=NAME] [key=value ...]\n", 1, true},
     {"tokenize", mt::cli::cmd_tokenize, "text or JSONL -> the pre-tokenized `tokens` format",
      "mt tokenize tokenizer_path=FILE input=FILE[,FILE...] output=FILE.tokens\n\n"
      "Tokenizes every document (a .jsonl line's train_data_columns field, or a whole file) on\n"
@@ -103,9 +105,9 @@ int main(int argc, char** argv) {
         std::printf("%s: %s\n\nUsage: %s\n%s", c.name, c.summary, c.usage, kCommonOptions);
         return 0;
       }
-      // Only mt run and mt bench work together under mpirun; any other command would run once
-      // on every rank (printing it N times, writing the same output files at once).
-      if (const int n = mt::launcher_world_size(); n > 1 && name != "run" && name != "bench")
+      // A command that is not one rank of several would run whole on every rank (printing it N
+      // times, writing the same output files at once).
+      if (const int n = mt::launcher_world_size(); n > 1 && !c.ranks)
         throw mt::UsageError(
             "mt " + name + " runs as one process, but was started as one of " + std::to_string(n) +
             " ranks (mpirun or srun): every rank would run it alone. Run it without the "

@@ -545,11 +545,11 @@ Tensor Graph::attention_decode(AttentionKernel& kernel, const Tensor& q, const K
 
 Tensor Graph::cross_entropy(const Tensor& logits, const Tensor& targets, float z_loss,
                             float weight) {
+  if (!impl_->vocab_table.defined()) return row_cross_entropy(logits, targets, z_loss, weight);
   MT_CHECK(logits.ndim() == 2 && targets.numel() == logits.dim(0),
            "cross_entropy needs logits [N, V] and targets [N]; got " + logits.str() + ", " +
                targets.str());
-  if (impl_->vocab_table.defined()) return vocab_cross_entropy(logits, targets, z_loss, weight);
-  return row_cross_entropy(logits, targets, z_loss, weight);
+  return vocab_cross_entropy(logits, targets, z_loss, weight);
 }
 
 Tensor Graph::row_cross_entropy(const Tensor& logits, const Tensor& targets, float z_loss,
