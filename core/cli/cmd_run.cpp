@@ -7,6 +7,7 @@
 #include "model_info.h"
 #include "mt/error.h"
 #include "plugin_manager.h"
+#include "stop_signals.h"
 #include "trainer.h"
 
 namespace mt::cli {
@@ -26,8 +27,41 @@ int cmd_run(const Args& args) {
   PluginManager pm(dirs);
   // Under mpirun: one rank of a data-parallel job (communicator=auto|mpi).
   std::unique_ptr<Communicator> comm = make_communicator(cfg, pm);
+  // SIGINT / SIGTERM: the step under way ends, a checkpoint of it is saved, and the exit code is
+  // 128 + the signal's number on every rank (so a scheduler or a script sees an unfinished run).
+  const StopOnSignals stop_guard(/*announce=*/comm->rank() == 0);
   const TrainSummary s = train_on_ranks(cfg, pm, /*quiet=*/false, *comm, "mt run");
-  if (comm->rank() != 0) return 0;
+  const int code = s.stopped_by ? 128 + s.stopped_by : 0;
+  if (comm->rank() != 0) return code;
+  if (s.stopped_by) {
+    std::fflush(stdout);
+    const char* sig = s.stopped_by == SIGINT ? "SIGINT" : "SIGTERM";
+    const std::string ckpt_dir = s.run_dir + "/checkpoints";
+    std::string state;
+    if (!cfg.get_bool("enable_checkpointing"))
+      state = "no checkpoint was saved (enable_checkpointing=false)";
+    else if (s.last_checkpoint == s.steps)
+      state = "its state is in the checkpoint of step " + std::to_string(s.steps) + " in " +
+              ckpt_dir + ": the same command resumes from it";
+    else if (s.tokens == 0)
+      state = "nothing changed";
+    else
+      state = "the checkpoint of step " + std::to_string(s.steps) + " failed (above); " +
+              (s.last_checkpoint >= 0 ? "the newest complete one is step " +
+                                            std::to_string(s.last_checkpoint) + " in " + ckpt_dir
+                                      : std::string("no complete checkpoint is in ") + ckpt_dir);
+    if (s.tokens == 0)
+      std::printf("\nmt run: stopped by %s before its first step (step %ld); %s.\n", sig,
+                  static_cast<long>(s.steps + 1), state.c_str());
+    else
+      std::printf(
+          "\nmt run: stopped by %s after step %ld of steps=%ld: %s tokens this run, last train "
+          "loss %.4f; %s.\nmt run: metrics and the resolved config are in %s\n",
+          sig, static_cast<long>(s.steps), static_cast<long>(cfg.get_int("steps")),
+          human_count(static_cast<double>(s.tokens)).c_str(), s.final_loss, state.c_str(),
+          s.run_dir.c_str());
+    return code;
+  }
   if (s.tokens == 0) {  // the run was already at steps: no loss or speed of this invocation
     std::printf(
         "\nmt run: done. No step ran: the run is at step %ld. Its metrics and the resolved "

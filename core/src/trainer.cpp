@@ -37,6 +37,7 @@
 #include "plugin_manager.h"
 #include "progress.h"
 #include "run_lock.h"
+#include "stop_signals.h"
 #include "tensorboard.h"
 #include "tokenizer_factory.h"
 
@@ -882,6 +883,21 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
       if (*c) b += (*c)->bytes_received();
     return b;
   };
+  // A stop asked for by SIGINT or SIGTERM while mt run watches them: the ranks agree at the same
+  // point of every step (one small sum), so all stop after the same one; SIGTERM (a scheduler's)
+  // names the stop when both arrived.
+  const bool watch = watching_stop_signals();
+  auto agreed_stop = [&]() -> int {
+    if (!watch) return 0;
+    const int sig = stop_signal();
+    double asked[2] = {sig == SIGINT ? 1.0 : 0.0, sig == SIGTERM ? 1.0 : 0.0};
+    if (ranks > 1) comm.all_reduce_sum(asked, 2);
+    return asked[1] > 0 ? SIGTERM : asked[0] > 0 ? SIGINT : 0;
+  };
+  int64_t end_step = steps;
+  // A signal during the setup (loading weights, restoring a checkpoint) stops before any step:
+  // nothing has changed to save.
+  if (first_step <= steps && (sum.stopped_by = agreed_stop()) != 0) end_step = first_step - 1;
   const auto run_start = Clock::now();
   double last_loss = 0;
   if (first_step > steps && !quiet)
@@ -891,12 +907,12 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   const int64_t profile_from = first_step < steps ? first_step + 1 : first_step;
   // A terminal shows that the first step is under way (it warms up the allocator and kernels,
   // and takes longest); the progress line replaces this when it ends.
-  if (tty && first_step <= steps) {
+  if (tty && first_step <= end_step) {
     std::printf("step %ld of %ld: the first step, which warms up the allocator and kernels...",
                 static_cast<long>(first_step), static_cast<long>(steps));
     std::fflush(stdout);
   }
-  for (int64_t step = first_step; step <= steps; ++step) {
+  for (int64_t step = first_step; step <= end_step; ++step) {
     if (step == profile_from) runner.reset_profile();
     const auto t0 = Clock::now();
     const double bytes_before = bytes_received();
@@ -931,8 +947,9 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
         sg.communication_s + apply_update(runner, opt, adam, weight_decay, sg.layer_stats, &dp);
     // The step's collectives' bytes (not the checkpoint's or the evaluation's, which follow).
     const double comm_bytes = bytes_received() - bytes_before;
+    const int stop = agreed_stop();
     double ckpt_s = 0;
-    if (checkpointing && (step % ckpt_period == 0 || step == steps)) {
+    if (checkpointing && (step % ckpt_period == 0 || step == steps || stop)) {
       save(step);
       ckpt_s = ckpt.last_blocking_seconds();
     } else if (checkpointing) {
@@ -1023,18 +1040,24 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
       }
       std::fflush(stdout);
     }
+    if (stop) {
+      sum.stopped_by = stop;
+      end_step = step;
+      break;
+    }
   }
   metrics.flush();
   if (checkpointing) guarded([&] { ckpt.wait(); });
+  if (sum.stopped_by && checkpointing && lead) sum.last_checkpoint = ckpt.latest_step();
   sum.failed_checkpoints = failed_saves;
   if (tty) std::printf("\n");
   if (runner.profiler() && lead) {
     std::fprintf(quiet ? stderr : stdout, "mt: time per op over steps %ld..%ld%s:\n%s",
-                 static_cast<long>(profile_from), static_cast<long>(steps),
+                 static_cast<long>(profile_from), static_cast<long>(end_step),
                  profile_from > first_step ? " (setup and the warm-up step left out)" : "",
                  runner.profiler()->report().c_str());
   }
-  sum.steps = steps;
+  sum.steps = sum.stopped_by ? end_step : steps;
   sum.checkpoint_seconds = ckpt.total_blocking_seconds();
   sum.final_loss = last_loss;
   sum.timed_steps = static_cast<int64_t>(tps_hist.size());

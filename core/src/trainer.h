@@ -41,6 +41,11 @@ struct TrainSummary {
   double checkpoint_seconds = 0;  // training time blocked by checkpoint saves
   int64_t failed_checkpoints = 0;  // saves that failed with checkpoint_error_policy=continue
   std::string run_dir;
+  // SIGINT or SIGTERM when one stopped the run (mt run watches them: stop_signals.h) after step
+  // `steps`, 0 when it ran to its end; `last_checkpoint` is then the newest complete checkpoint's
+  // step (-1: none), on rank 0.
+  int stopped_by = 0;
+  int64_t last_checkpoint = -1;
 };
 
 // Learning rate at `step` (1-based): linear warmup to `peak` over warmup steps, then cosine
@@ -108,6 +113,9 @@ double apply_update(ModelRunner& runner, OptimizerState& opt, AdamWParams adam, 
                     const std::vector<LayerStats>& layer_stats, Communicator* comm = nullptr);
 
 // Trains as the config says. quiet: no terminal output (bench); throws mt::Error on NaN/Inf.
+// While a StopOnSignals is alive (mt run's), a SIGINT or SIGTERM stops the run after the step
+// under way, with a checkpoint of it when checkpointing is on; every rank stops after the same
+// step.
 // comm: the job's ranks (data parallelism; null = one rank). Rank 0 alone prints, writes
 // metrics, TensorBoard events and checkpoints and holds the run lock; every rank restores the
 // same checkpoint. Throughput and MFU count every rank's tokens.

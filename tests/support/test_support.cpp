@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <stdexcept>
 
 #include "config_impl.h"
@@ -166,8 +167,20 @@ int run_command(const std::string& cmd, std::string& output) {
 
 MtResult run_mt(const std::string& args, int seconds, const std::string& env) {
   MtResult r;
-  const std::string limit = seconds > 0 ? "timeout " + std::to_string(seconds) + " " : "";
+  const std::string limit = seconds > 0 ? "timeout -k 10 " + std::to_string(seconds) + " " : "";
   r.code = run_command("MT_PLUGIN_PATH= " + env + " " + limit + mt_exe() + " " + args, r.out);
+  return r;
+}
+
+std::map<int64_t, double> losses_by_step(const std::string& run_dir) {
+  std::ifstream f(run_dir + "/metrics.jsonl");
+  std::map<int64_t, double> r;
+  std::string line;
+  while (std::getline(f, line)) {
+    const size_t s = line.find("\"step\": "), k = line.find("\"loss\": ");
+    if (s != std::string::npos && k != std::string::npos)
+      r[std::stoll(line.substr(s + 8))] = std::stod(line.substr(k + 8));
+  }
   return r;
 }
 

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -80,12 +81,17 @@ int run_command(const std::string& cmd, std::string& output);
 
 // `mt <args>` of this build (MT_PLUGIN_PATH cleared), stdout and stderr together. A positive
 // `seconds` bounds it with timeout(1): a hang fails with exit code 124 instead of stalling the
-// suite. `env`: "NAME=value ..." added to mt's environment.
+// suite (SIGTERM, then SIGKILL 10 s later, since mt run answers SIGTERM by finishing its step).
+// `env`: "NAME=value ..." added to mt's environment.
 struct MtResult {
   int code = -1;
   std::string out;
 };
 MtResult run_mt(const std::string& args, int seconds = 0, const std::string& env = "");
+
+// step -> loss of a run directory's metrics.jsonl, the last line of each step winning (a run
+// stopped or killed after its last checkpoint logged steps that its restart logs again).
+std::map<int64_t, double> losses_by_step(const std::string& run_dir);
 
 // The resolved config of configs/models/<model>.yml with `overrides` ("key=value"), as mt run
 // loads it (the family's own keys included).

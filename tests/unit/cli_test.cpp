@@ -3,7 +3,9 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
+#include <utility>
 
 #include "mt/version.h"
 #include "test_support.h"
@@ -325,6 +327,70 @@ TEST(Cli, TrainThenDecodeAndScore) {
   r = mt_cmd("decode" + ckpt + " max_target_length=12 prompt_file=" + (dir / "nul.txt").string());
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find(std::string("[0] It is\0 a truth", 18)), std::string::npos) << r.out;
+  fs::remove_all(dir);
+}
+
+// SIGTERM (a scheduler's preemption notice, `kill`) or SIGINT (Ctrl-C) during mt run: the step
+// under way ends, a checkpoint of it is saved (async saves too: the last is waited for), the
+// exit code is 128 + the signal's, and the same command resumes and continues exactly as a
+// straight run. Without checkpointing the stop says nothing was saved.
+TEST(Cli, SignalStopsTheRunAfterItsStepWithACheckpoint) {
+  const fs::path dir = fs::temp_directory_path() / ("mt_cli_stop_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const std::string common =
+      " --model=llama-test num_threads=1 enable_tensorboard=false eval_interval=-1 "
+      "learning_rate_schedule_steps=1000 base_output_directory=" +
+      dir.string();
+  for (const auto& [sig, extra] :
+       {std::pair{std::string("TERM"), std::string("checkpoint_period=1000")},
+        std::pair{std::string("INT"),
+                  std::string("checkpoint_period=1000 async_checkpointing=false")},
+        std::pair{std::string("TERM"), std::string("enable_checkpointing=false")}}) {
+    SCOPED_TRACE(sig + " " + extra);
+    const std::string run = (dir / "stopped").string();
+    fs::remove_all(run);
+    // Started in the background, signalled once it has logged 4 steps; the shell prints its
+    // exit code. (timeout(1) passes the signal on; it also makes the background job's SIGINT,
+    // which a shell without job control ignores, the default for mt again.)
+    std::string out;
+    const int code = test::run_command(
+        "MT_PLUGIN_PATH= timeout -k 10 60 " + test::mt_exe() + " run" + common +
+            " run_name=stopped steps=100000 " + extra + " & p=$!; while [ $(cat " + run +
+            "/metrics.jsonl 2>/dev/null | wc -l) -lt 4 ]; do sleep 0.05; done; kill -" + sig +
+            " $p; wait $p; echo \"exit=$?\"",
+        out);
+    ASSERT_EQ(code, 0) << out;
+    const int sig_no = sig == "TERM" ? 15 : 2;
+    EXPECT_NE(out.find("exit=" + std::to_string(128 + sig_no)), std::string::npos) << out;
+    const std::map<int64_t, double> stopped = test::losses_by_step(run);
+    ASSERT_GE(stopped.size(), 4u) << out;
+    const int64_t last = stopped.rbegin()->first;
+    EXPECT_EQ(static_cast<int64_t>(stopped.size()), last) << out;
+    EXPECT_NE(out.find("stopped by SIG" + sig + " after step " + std::to_string(last) +
+                       " of steps=100000"),
+              std::string::npos)
+        << out;
+    if (extra.find("enable_checkpointing=false") != std::string::npos) {
+      EXPECT_NE(out.find("no checkpoint was saved (enable_checkpointing=false)"), std::string::npos)
+          << out;
+      EXPECT_FALSE(fs::exists(run + "/checkpoints/" + std::to_string(last))) << out;
+      continue;
+    }
+    EXPECT_NE(out.find("its state is in the checkpoint of step " + std::to_string(last)),
+              std::string::npos)
+        << out;
+    // The only checkpoint is the stop's (checkpoint_period=1000), complete.
+    EXPECT_TRUE(fs::exists(run + "/checkpoints/" + std::to_string(last) + "/metadata.json")) << out;
+    const std::string until = " steps=" + std::to_string(last + 3);
+    auto r = test::run_mt("run" + common + " run_name=stopped " + extra + until, 60);
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_NE(r.out.find("resumed from step " + std::to_string(last)), std::string::npos) << r.out;
+    fs::remove_all(dir / "straight");
+    r = test::run_mt("run" + common + " run_name=straight " + extra + until, 60);
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_EQ(test::losses_by_step(run), test::losses_by_step((dir / "straight").string()));
+  }
   fs::remove_all(dir);
 }
 

@@ -69,7 +69,7 @@ struct Dir {
 test::MtResult mpirun(int ranks, const std::string& args, int seconds = 60,
                       const std::string& prefix = "") {
   test::MtResult r;
-  r.code = test::run_command("MT_PLUGIN_PATH= timeout " + std::to_string(seconds) +
+  r.code = test::run_command("MT_PLUGIN_PATH= timeout -k 10 " + std::to_string(seconds) +
                                  " mpirun --oversubscribe --allow-run-as-root -np " +
                                  std::to_string(ranks) + " " + prefix + " " + test::mt_exe() + " " +
                                  args,
@@ -737,7 +737,7 @@ TEST(DataParallel, ExpertExchangeMovesRowsAndGradientsBetweenRanks) {
   MT_NEED_MPIRUN();
   std::string out;
   const int code = test::run_command(
-      "MT_PLUGIN_PATH= MT_EXCHANGE_RANK_TEST=1 timeout 60 mpirun --oversubscribe "
+      "MT_PLUGIN_PATH= MT_EXCHANGE_RANK_TEST=1 timeout -k 10 60 mpirun --oversubscribe "
       "--allow-run-as-root -np 3 " +
           test::build_dir() +
           "/tests/data_parallel_test --gtest_color=no --gtest_filter=ExpertExchangeRank.*",
@@ -1159,18 +1159,8 @@ TEST(DataParallel, ARankThatFailsEndsTheJob) {
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 20);
 }
 
-// step -> loss of a run's metrics.jsonl, the last line of each step winning (a job killed after
-// its last checkpoint logged steps that its restart logs again).
 std::map<int64_t, double> losses_by_step(const fs::path& run) {
-  std::ifstream f(run / "metrics.jsonl");
-  std::map<int64_t, double> r;
-  std::string line;
-  while (std::getline(f, line)) {
-    const size_t s = line.find("\"step\": "), k = line.find("\"loss\": ");
-    if (s != std::string::npos && k != std::string::npos)
-      r[std::stoll(line.substr(s + 8))] = std::stod(line.substr(k + 8));
-  }
-  return r;
+  return test::losses_by_step(run.string());
 }
 
 // A rank killed (SIGKILL) in the middle of training: the job ends with an error instead of
@@ -1220,6 +1210,47 @@ TEST(DataParallel, AKilledRankEndsTheJobAndTheRestartResumes) {
     EXPECT_EQ(straight.size(), static_cast<size_t>(last + 4));
     EXPECT_EQ(killed, straight);
   }
+}
+
+// SIGTERM to one rank only (a node's scheduler, `kill` of one process): every rank stops after
+// the same step, the sharded checkpoint of that step is complete, each rank exits 143, and the
+// same job resumes from it exactly as a straight run.
+TEST(DataParallel, ASignalToOneRankStopsEveryRankAfterTheSameStep) {
+  MT_NEED_MPIRUN();
+  Dir d;
+  const std::string common =
+      "dataset_type=tokens vocab_size=8192 dataset_path=" + test::source_dir() +
+      "/data/corpus.train.tokens checkpoint_period=1000 eval_interval=-1 "
+      "learning_rate_schedule_steps=1000 ici_fsdp_parallelism=2 ici_data_parallelism=1 "
+      "async_checkpointing=true";
+  const std::string signaller =
+      "bash -c 'if [ \"$OMPI_COMM_WORLD_RANK\" = 1 ]; then (while [ $(cat " +
+      (d.root / "stopped" / "metrics.jsonl").string() +
+      " 2>/dev/null | wc -l) -lt 4 ]; do sleep 0.05; done; kill -TERM $$) & fi; exec \"$0\" "
+      "\"$@\"'";
+  const auto t0 = std::chrono::steady_clock::now();
+  test::MtResult r =
+      mpirun(2, train_args(d.root, "stopped", 2, common + " steps=100000"), 60, signaller);
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_NE(r.code, 124) << "the job hung: " << r.out;
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 45);
+  const std::map<int64_t, double> stopped = losses_by_step(d.root / "stopped");
+  ASSERT_GE(stopped.size(), 4u) << r.out;
+  const int64_t last = stopped.rbegin()->first;
+  EXPECT_EQ(static_cast<int64_t>(stopped.size()), last);
+  EXPECT_NE(r.out.find("stopped by SIGTERM after step " + std::to_string(last)), std::string::npos)
+      << r.out;
+  EXPECT_EQ(count(r.out, "stopped by SIGTERM"), 1u) << r.out;
+  EXPECT_EQ(
+      CheckpointManager(d.root / "stopped" / "checkpoints", false, 0, test::cpu()).latest_step(),
+      last);
+  const std::string until = " steps=" + std::to_string(last + 3);
+  r = mpirun(2, train_args(d.root, "stopped", 2, common + until), 60);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("resumed from step " + std::to_string(last)), std::string::npos) << r.out;
+  r = mpirun(2, train_args(d.root, "straight", 2, common + until), 60);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(losses_by_step(d.root / "stopped"), losses_by_step(d.root / "straight"));
 }
 
 // Without mpirun: one rank, and a mesh of more devices is refused before any work.

@@ -1,0 +1,76 @@
+#include "stop_signals.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <utility>
+
+#include "mt/error.h"
+
+namespace mt {
+namespace {
+
+static_assert(std::atomic<int>::is_always_lock_free && std::atomic<bool>::is_always_lock_free,
+              "a signal handler may only touch lock-free atomics");
+std::atomic<int> g_signal{0};
+std::atomic<bool> g_watching{false}, g_announce{false};
+
+extern "C" void on_stop_signal(int sig) {
+  int none = 0;
+  if (!g_signal.compare_exchange_strong(none, sig)) {
+    // A second signal, of either kind: its default action, once this handler returns (the
+    // signal is blocked while its handler runs). sigaction and raise are async-signal-safe.
+    struct sigaction dfl {};
+    dfl.sa_handler = SIG_DFL;
+    sigemptyset(&dfl.sa_mask);
+    sigaction(sig, &dfl, nullptr);
+    raise(sig);
+    return;
+  }
+  if (!g_announce.load()) return;
+  // write(2) is async-signal-safe; printf is not.
+  const char* msg =
+      sig == SIGINT ? "\nmt run: interrupted (SIGINT): finishing the step under way and saving a "
+                      "checkpoint of it; interrupt again to stop at once, without one.\n"
+                    : "\nmt run: SIGTERM received: finishing the step under way and saving a "
+                      "checkpoint of it; a second SIGTERM stops at once, without one.\n";
+  ssize_t ignored = write(STDERR_FILENO, msg, std::strlen(msg));
+  (void)ignored;
+}
+
+}  // namespace
+
+StopOnSignals::StopOnSignals(bool announce) {
+  if (g_watching.exchange(true))
+    throw Error("Internal: a second StopOnSignals while one is alive.");
+  g_signal.store(0);
+  g_announce.store(announce);
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  // A signal the process was started ignoring (SIGINT for a shell's background job, nohup)
+  // stays ignored.
+  for (auto [sig, old] : {std::pair{SIGINT, &old_int_}, std::pair{SIGTERM, &old_term_}}) {
+    sigaction(sig, nullptr, old);
+    if (old->sa_handler != SIG_IGN) sigaction(sig, &sa, nullptr);
+  }
+}
+
+StopOnSignals::~StopOnSignals() {
+  sigaction(SIGINT, &old_int_, nullptr);
+  sigaction(SIGTERM, &old_term_, nullptr);
+  g_watching.store(false);
+  g_signal.store(0);
+}
+
+bool watching_stop_signals() {
+  return g_watching.load();
+}
+
+int stop_signal() {
+  return g_signal.load();
+}
+
+}  // namespace mt
