@@ -1117,8 +1117,11 @@ Tensor ModelRunner::loss(Graph& g, const DeviceBatch& batch, float z_loss, doubl
     float host = 0;
     backend().copy_to_host(a.value, &host);
     (*aux_values)[a.name] += aux_scale * static_cast<double>(host) / per_name[a.name];
+    // The objective takes each name's mean over the layers reporting it, as MaxText's train.py
+    // adds jnp.mean of the layers' moe_lb_loss (the sum made the weight L times as strong).
     if (a.weight != 0.f)
-      total = g.add(total, g.scale(a.value, static_cast<float>(a.weight * aux_scale)));
+      total = g.add(total,
+                    g.scale(a.value, static_cast<float>(a.weight * aux_scale / per_name[a.name])));
   }
   return total;
 }

@@ -288,6 +288,31 @@ TEST_P(FamilyTraining, LossFallsOnTheShippedCorpus) {
   }
 }
 
+// The auxiliary losses enter the objective as their mean over the MoE layers, as MaxText's
+// train.py adds jnp.mean of the layers' moe_lb_loss: on 4 layers, the first step's loss with
+// load_balance_loss_weight=0.5 is the one with weight 0 plus 0.5 x the logged moe_lb_loss (the
+// same at any depth), not 4 x that (before: the layers' sum).
+TEST(FamilyAuxLoss, TheLoadBalanceLossIsTheLayersMean) {
+  for (const char* layers : {"1", "4"}) {
+    SCOPED_TRACE(std::string("layers ") + layers);
+    const TrainDir off("off"), on("on");
+    auto run = [&](const TrainDir& d, const std::string& w) {
+      train(d.config("mixtral-test",
+                     {"dataset_type=synthetic", "steps=1", "enable_checkpointing=false",
+                      "moe_z_loss_weight=0", std::string("base_num_decoder_layers=") + layers,
+                      "load_balance_loss_weight=" + w}),
+            test::plugins(), true);
+      return d.metrics().at(0);
+    };
+    const std::string a = run(off, "0"), b = run(on, "0.5");
+    ASSERT_TRUE(std::isfinite(field(b, "moe_lb_loss"))) << b;
+    EXPECT_GT(field(b, "moe_lb_loss"), 0.5) << b;  // about num_experts_per_tok (2)
+    EXPECT_NEAR(field(b, "loss") - field(a, "loss"), 0.5 * field(b, "moe_lb_loss"), 1e-5)
+        << a << "\n"
+        << b;
+  }
+}
+
 // Eight steps straight, or four, a stop and four more: the same losses and final parameters,
 // bit for bit (Mixtral with token dropping, whose metrics say what it dropped).
 TEST_P(FamilyTraining, ResumedRunEqualsStraightRun) {

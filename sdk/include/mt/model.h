@@ -139,8 +139,9 @@ struct LayerInputs {
 };
 
 // A term a layer adds to the training objective (MoE load balancing, router z-loss): the core
-// adds weight x value to the loss it differentiates and logs value under `name` in
-// metrics.jsonl (averaged over the layers that report it).
+// adds weight x value, averaged over the layers that report `name`, to the loss it
+// differentiates (MaxText's mean over layers: the weight's strength does not grow with the
+// depth), and logs value's average under `name` in metrics.jsonl.
 struct AuxLoss {
   std::string name;
   Tensor value;  // scalar [1] f32, computed on the graph the layer was given
