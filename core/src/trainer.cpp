@@ -45,15 +45,50 @@ namespace fs = std::filesystem;
 
 namespace mt {
 
-double learning_rate_at(int64_t step, double peak, int64_t warmup, int64_t schedule_steps,
-                        double final_fraction) {
-  if (warmup > 0 && step <= warmup)
-    return peak * static_cast<double>(step) / static_cast<double>(warmup);
-  if (step >= schedule_steps) return peak * final_fraction;
-  const double span = static_cast<double>(std::max<int64_t>(1, schedule_steps - warmup));
-  const double progress = static_cast<double>(step - warmup) / span;
-  const double cosine = 0.5 * (1.0 + std::cos(M_PI * progress));
-  return peak * (final_fraction + (1.0 - final_fraction) * cosine);
+LrSchedule LrSchedule::from_config(const Config& cfg, int64_t steps) {
+  LrSchedule s;
+  s.peak = cfg.get_float("learning_rate");
+  s.final_fraction = cfg.get_float("learning_rate_final_fraction");
+  s.schedule_steps = cfg.get_int("learning_rate_schedule_steps");
+  if (s.schedule_steps < 0) s.schedule_steps = steps;
+  // Python's int() of the same double product: truncation.
+  const auto part = [&](const char* key) {
+    return static_cast<int64_t>(cfg.get_float(key) * static_cast<double>(s.schedule_steps));
+  };
+  s.warmup = part("warmup_steps_fraction");
+  s.wsd = cfg.get_string("lr_schedule_type") == "wsd";
+  s.wsd_cosine = cfg.get_string("wsd_decay_style") == "cosine";
+  if (s.wsd) {
+    s.decay = part("wsd_decay_steps_fraction");
+    if (cfg.get_float("warmup_steps_fraction") + cfg.get_float("wsd_decay_steps_fraction") > 1.0)
+      cfg.reject("wsd_decay_steps_fraction",
+                 fmt::format("plus warmup_steps_fraction ({}) is more than the whole schedule: "
+                             "lr_schedule_type=wsd warms up, holds the peak, then decays, within "
+                             "learning_rate_schedule_steps. Make the two fractions sum to 1 or "
+                             "less.",
+                             cfg.get_float("warmup_steps_fraction")));
+  }
+  return s;
+}
+
+double LrSchedule::at(int64_t step) const {
+  const int64_t n = step - 1;  // updates before this one: optax's count
+  const double final_lr = peak * final_fraction;
+  if (n >= schedule_steps) return 0.0;
+  if (n < warmup) return warmup > 1 ? peak * static_cast<double>(n) / (warmup - 1.0) : 0.0;
+  // Cosine from peak at i = 0 to final_lr at i = len - 1 (final_lr throughout when len is 1).
+  const auto cosine = [&](int64_t i, int64_t len) {
+    const double pct = len > 1 ? static_cast<double>(i) / (len - 1.0) : 1.0;
+    const double a = 0.5 * (std::cos(M_PI * pct) + 1.0);
+    return peak * a + final_lr * (1.0 - a);
+  };
+  if (!wsd) return cosine(n - warmup, schedule_steps - warmup);
+  const int64_t decay_from = schedule_steps - decay;  // warm-up and the stable phase before it
+  if (n < decay_from) return peak;
+  const int64_t i = n - decay_from;
+  if (wsd_cosine) return cosine(i, decay);
+  if (decay <= 1) return peak;  // optax's linear schedule of no transition steps
+  return peak + (final_lr - peak) * static_cast<double>(i) / (decay - 1.0);
 }
 
 std::string precision_hint(DType compute, double peak_f32, double peak_bf16) {
@@ -546,11 +581,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   const int64_t eval_interval = cfg.get_int("eval_interval");
   const int64_t eval_steps = cfg.get_int("eval_steps");
   const double peak_lr = cfg.get_float("learning_rate");
-  int64_t schedule_steps = cfg.get_int("learning_rate_schedule_steps");
-  if (schedule_steps < 0) schedule_steps = steps;
-  const auto warmup = static_cast<int64_t>(
-      std::llround(cfg.get_float("warmup_steps_fraction") * static_cast<double>(schedule_steps)));
-  const double final_fraction = cfg.get_float("learning_rate_final_fraction");
+  const LrSchedule schedule = LrSchedule::from_config(cfg, steps);
   const double clip = cfg.get_float("gradient_clipping_threshold");
   const auto z_loss = static_cast<float>(cfg.get_float("z_loss_multiplier"));
   AdamWParams adam;
@@ -939,7 +970,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
           runner.weight_dtype() == DType::f32 ? " or check the data"
                                               : ", check the data, or use weight_dtype=float32"));
     }
-    const double lr = learning_rate_at(step, peak_lr, warmup, schedule_steps, final_fraction);
+    const double lr = schedule.at(step);
     adam.lr = static_cast<float>(lr);
     adam.step = step;
     adam.grad_scale = clip > 0 && grad_norm > clip ? static_cast<float>(clip / grad_norm) : 1.f;

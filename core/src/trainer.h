@@ -48,10 +48,24 @@ struct TrainSummary {
   int64_t last_checkpoint = -1;
 };
 
-// Learning rate at `step` (1-based): linear warmup to `peak` over warmup steps, then cosine
-// decay to peak * final_fraction at schedule_steps, constant after.
-double learning_rate_at(int64_t step, double peak, int64_t warmup, int64_t schedule_steps,
-                        double final_fraction);
+// MaxText's learning-rate schedule (create_learning_rate_schedule, an optax schedule of the
+// updates done before a step: step s, 1-based, takes its value at s - 1), over schedule_steps
+// (learning_rate_schedule_steps; -1 = steps):
+// 1. warm-up: warmup = int(schedule_steps x warmup_steps_fraction) steps rising linearly from 0
+//    at the first to `peak` at the last (one step of warm-up is 0);
+// 2. decay to peak x final_fraction by the schedule's last step: cosine over the rest, or with
+//    lr_schedule_type=wsd a stable phase at peak, then int(schedule_steps x
+//    wsd_decay_steps_fraction) steps of linear or cosine decay (wsd_decay_style);
+// 3. 0 for the steps past schedule_steps.
+struct LrSchedule {
+  double peak = 0, final_fraction = 0.1;
+  int64_t schedule_steps = 1, warmup = 0;
+  bool wsd = false, wsd_cosine = false;
+  int64_t decay = 0;  // wsd's decay steps
+  // From the config's keys; refuses a WSD schedule whose warm-up and decay overlap.
+  static LrSchedule from_config(const Config& cfg, int64_t steps);
+  double at(int64_t step) const;
+};
 
 // The line mt run prints when dtype=float32 leaves most of the device unused (bf16 peak at least
 // four times the f32 one), suggesting mixed precision; empty otherwise.

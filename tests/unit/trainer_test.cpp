@@ -18,15 +18,131 @@ namespace fs = std::filesystem;
 namespace mt {
 namespace {
 
-TEST(Trainer, LearningRateSchedule) {
-  // 10 warmup steps to 1.0, cosine to 0.1 at step 110.
-  EXPECT_DOUBLE_EQ(learning_rate_at(1, 1.0, 10, 110, 0.1), 0.1);
-  EXPECT_DOUBLE_EQ(learning_rate_at(10, 1.0, 10, 110, 0.1), 1.0);
-  EXPECT_NEAR(learning_rate_at(60, 1.0, 10, 110, 0.1), 0.55, 1e-12);  // half-way: mean
-  EXPECT_NEAR(learning_rate_at(110, 1.0, 10, 110, 0.1), 0.1, 1e-12);
-  EXPECT_NEAR(learning_rate_at(500, 1.0, 10, 110, 0.1), 0.1, 1e-12);  // constant after
-  for (int s = 11; s < 110; ++s)
-    EXPECT_LT(learning_rate_at(s + 1, 1.0, 10, 110, 0.1), learning_rate_at(s, 1.0, 10, 110, 0.1));
+// MaxText's schedule, against optax's own pieces (tools/make_lr_schedule_golden.py: joined
+// linear, cosine and constant schedules, evaluated at the updates done before each step): the
+// first step of a warm-up is 0, the warm-up's last is the peak, the decay's last the final
+// fraction, and the steps past learning_rate_schedule_steps 0. Before, step s took the value at
+// s, the warm-up was llround(), not int(), and the rate stayed at the final fraction after the
+// schedule (MaxText: 0).
+TEST(Trainer, LearningRateScheduleIsMaxTexts) {
+  struct Case {
+    std::vector<std::string> keys;
+    std::vector<double> want;  // steps 1, 2, ...
+  };
+  const std::vector<Case> cases = {
+      {{"learning_rate=1", "steps=20"},
+       {0.0,
+        1.0,
+        1.0,
+        0.9923378948577558,
+        0.96961250323196,
+        0.9325977110783263,
+        0.8825540127492966,
+        0.8211855863706654,
+        0.7505822600994423,
+        0.6731483455324374,
+        0.5915207617584859,
+        0.5084792382415142,
+        0.42685165446756274,
+        0.3494177399005578,
+        0.2788144136293347,
+        0.21744598725070347,
+        0.1674022889216737,
+        0.13038749676803996,
+        0.10766210514224421,
+        0.1}},
+      {{"steps=25", "learning_rate=2e-3", "learning_rate_schedule_steps=15",
+        "warmup_steps_fraction=0.25", "learning_rate_final_fraction=0.2"},
+       {0.0,
+        0.001,
+        0.002,
+        0.002,
+        0.001967594378891598,
+        0.001873002826264945,
+        0.0017238885871562282,
+        0.0015323320104015093,
+        0.0013138518706186284,
+        0.001086148129381372,
+        0.000867667989598491,
+        0.000676111412843772,
+        0.000526997173735055,
+        0.0004324056211084022,
+        0.0004,
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+        0.0}},
+      {{"learning_rate=1", "steps=10"},
+       {0.0, 1.0, 0.9657457896300791, 0.8681980515339464, 0.7222075445642904, 0.55,
+        0.3777924554357096, 0.23180194846605365, 0.13425421036992097, 0.1}},
+      {{"learning_rate=1", "steps=1"}, {0.1}},
+      {{"learning_rate=1", "steps=20", "lr_schedule_type=wsd", "wsd_decay_steps_fraction=0.25",
+        "learning_rate_final_fraction=0"},
+       {0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0,  1.0, 1.0,  1.0,
+        1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0}},
+      {{"learning_rate=1", "steps=32", "learning_rate_schedule_steps=30",
+        "warmup_steps_fraction=0.2", "lr_schedule_type=wsd", "wsd_decay_steps_fraction=0.3",
+        "wsd_decay_style=cosine"},
+       {0.0,
+        0.19999999999999996,
+        0.4,
+        0.6,
+        0.8,
+        1.0,
+        1.0,
+        1.0,
+        1.0,
+        1.0,
+        1.0,
+        1.0,
+        1.0,
+        1.0,
+        1.0,
+        1.0,
+        1.0,
+        1.0,
+        1.0,
+        1.0,
+        1.0,
+        1.0,
+        0.9657457896300791,
+        0.8681980515339464,
+        0.7222075445642904,
+        0.55,
+        0.3777924554357096,
+        0.23180194846605365,
+        0.13425421036992097,
+        0.1,
+        0.0,
+        0.0}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(::testing::PrintToString(c.keys));
+    const Config cfg = test::model_config("llama-test", c.keys);
+    const LrSchedule s = LrSchedule::from_config(cfg, cfg.get_int("steps"));
+    ASSERT_EQ(static_cast<int64_t>(c.want.size()), cfg.get_int("steps"));
+    for (size_t i = 0; i < c.want.size(); ++i)
+      EXPECT_NEAR(s.at(static_cast<int64_t>(i) + 1), c.want[i],
+                  1e-12 * cfg.get_float("learning_rate"))
+          << "step " << i + 1;
+  }
+  // WSD's warm-up and decay must fit the schedule.
+  const Config over = test::model_config(
+      "llama-test",
+      {"lr_schedule_type=wsd", "warmup_steps_fraction=0.5", "wsd_decay_steps_fraction=0.6"});
+  try {
+    LrSchedule::from_config(over, 100);
+    FAIL() << "a WSD schedule of 110% was accepted";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("wsd_decay_steps_fraction"), std::string::npos)
+        << e.what();
+  }
 }
 
 // A token file (data/README.md format) holding one row of `n` random ids below 256.
