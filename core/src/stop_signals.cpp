@@ -1,8 +1,10 @@
 #include "stop_signals.h"
 
+#include <time.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdint>
 #include <cstring>
 #include <utility>
 
@@ -11,14 +13,25 @@
 namespace mt {
 namespace {
 
-static_assert(std::atomic<int>::is_always_lock_free && std::atomic<bool>::is_always_lock_free,
+static_assert(std::atomic<int>::is_always_lock_free && std::atomic<bool>::is_always_lock_free &&
+                  std::atomic<int64_t>::is_always_lock_free,
               "a signal handler may only touch lock-free atomics");
 std::atomic<int> g_signal{0};
 std::atomic<bool> g_watching{false}, g_announce{false};
+std::atomic<int64_t> g_first_ns{0};  // when the first signal came (CLOCK_MONOTONIC)
+
+int64_t now_ns() {  // clock_gettime is async-signal-safe
+  timespec t{};
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return static_cast<int64_t>(t.tv_sec) * 1000000000 + t.tv_nsec;
+}
 
 extern "C" void on_stop_signal(int sig) {
   int none = 0;
   if (!g_signal.compare_exchange_strong(none, sig)) {
+    // The same request delivered twice (timeout(1) signals its child and then its process
+    // group) is one request: only a signal a second or more after the first forces the stop.
+    if (now_ns() - g_first_ns.load() < 1000000000) return;
     // A second signal, of either kind: its default action, once this handler returns (the
     // signal is blocked while its handler runs). sigaction and raise are async-signal-safe.
     struct sigaction dfl {};
@@ -28,6 +41,7 @@ extern "C" void on_stop_signal(int sig) {
     raise(sig);
     return;
   }
+  g_first_ns.store(now_ns());
   if (!g_announce.load()) return;
   // write(2) is async-signal-safe; printf is not.
   const char* msg =

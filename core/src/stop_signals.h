@@ -1,8 +1,10 @@
 // A training run's graceful stop on SIGINT or SIGTERM (Ctrl-C, `kill`, mpirun passing on its own
 // interrupt, a scheduler's preemption notice such as Slurm's SIGTERM before SIGKILL): `mt run`
 // watches for them while it trains, finishes the step under way, saves a checkpoint of it and
-// exits with 128 + the signal's number; a second signal of either kind ends the process at once
-// (its default action). A signal the process was started ignoring stays ignored.
+// exits with 128 + the signal's number; a second signal of either kind, a second or more after
+// the first, ends the process at once (its default action: sooner, it is taken for the same
+// request delivered twice, as timeout(1) does). A signal the process was started ignoring stays
+// ignored.
 //
 // The one piece of process-wide mutable state outside the plugin registry: a signal handler can
 // only hand its news to the program through static storage (a lock-free atomic).
