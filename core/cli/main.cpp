@@ -126,6 +126,13 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
       std::fprintf(stderr, "mt %s: internal error: %s\n", c.name, e.what());
       return 1;
+    } catch (...) {  // a plugin's throw of something else (`throw 7`)
+      std::fflush(stdout);
+      std::fprintf(stderr,
+                   "mt %s: internal error: an exception that is not a std::exception, which mt "
+                   "never throws: a plugin threw it (plugins throw mt::Error or mt::UsageError)\n",
+                   c.name);
+      return 1;
     }
   }
   std::string list;

@@ -4,12 +4,14 @@
 #include <algorithm>
 #include <boost/dll/runtime_symbol_info.hpp>
 #include <boost/dll/shared_library.hpp>
+#include <cstdio>
 #include <cstdlib>
 #include <set>
 #include <sstream>
 
 #include "mt/attention.h"
 #include "mt/backend.h"
+#include "mt/data.h"
 #include "mt/error.h"
 #include "mt/model.h"
 #include "mt/plugin.h"
@@ -61,6 +63,36 @@ std::string world_writable(const fs::path& file) {
   if (what.empty()) return {};
   return "was not loaded: " + what +
          ", so anyone on this machine could replace the code mt would run (`chmod o-w` it)";
+}
+
+// What a dlopen failure's message suggests doing.
+std::string load_hint(const std::string& why, const fs::path& path) {
+  if (why.find("undefined symbol") != std::string::npos)
+    return " (it uses a symbol no loaded library defines: rebuild it against this mt's SDK; `ldd "
+           "-r " +
+           path.string() + "` lists what is undefined)";
+  if (why.find("invalid ELF header") != std::string::npos ||
+      why.find("file too short") != std::string::npos ||
+      why.find("wrong ELF class") != std::string::npos)
+    return " (it is not a shared library for this machine)";
+  if (why.find("Permission denied") != std::string::npos) return " (this user may not read it)";
+  return " (a library it depends on is missing or incompatible; `ldd " + path.string() +
+         "` shows which)";
+}
+
+// A C++ exception thrown by a plugin's static initialisers unwinds through the dynamic loader,
+// which then stays locked: the next library any thread loads or unloads (oneTBB's threads at
+// their exit) waits forever. The process cannot recover, so it says why and ends at once.
+[[noreturn]] void static_initialiser_threw(const fs::path& path, const std::string& what) {
+  std::fflush(stdout);
+  std::fprintf(stderr,
+               "mt: error: the plugin %s threw an exception while it was being loaded (from a "
+               "static initialiser: a global object's constructor): %s. The dynamic loader cannot "
+               "recover from this in the same process, so mt stops here. Fix the plugin, or move "
+               "it out of the plugin search path.\n",
+               path.string().c_str(), what.c_str());
+  std::fflush(stderr);
+  std::_Exit(1);
 }
 
 std::string join_paths(const std::vector<fs::path>& dirs) {
@@ -116,17 +148,32 @@ PluginRecord PluginManager::load_file(const fs::path& path, bool do_register) {
     rec.error = why;
     return rec;
   }
+  // Only a regular file (through links): opening a FIFO would block until someone writes it.
+  {
+    std::error_code ec;
+    const auto st = fs::status(path, ec);
+    if (!fs::exists(st)) {
+      rec.error = "does not exist (a link to a file that is not there?)";
+      return rec;
+    }
+    if (!fs::is_regular_file(st)) {
+      rec.error = "is not a regular file (a FIFO, a directory or a device), so it is no plugin";
+      return rec;
+    }
+  }
   std::shared_ptr<boost::dll::shared_library> lib;
   try {
     lib = std::make_shared<boost::dll::shared_library>(
         boost::dll::fs::path(path.string()),
         boost::dll::load_mode::rtld_now | boost::dll::load_mode::rtld_local |
             static_cast<boost::dll::load_mode::type>(RTLD_NODELETE));
-  } catch (const std::exception& e) {
-    rec.error = std::string("could not be loaded: ") + e.what() +
-                " (a library it depends on is missing or incompatible; `ldd " + path.string() +
-                "` shows which)";
+  } catch (const boost::dll::fs::system_error& e) {  // the loader's own refusal (dlerror)
+    rec.error = std::string("could not be loaded: ") + e.what() + load_hint(e.what(), path);
     return rec;
+  } catch (const std::exception& e) {
+    static_initialiser_threw(path, e.what());
+  } catch (...) {
+    static_initialiser_threw(path, "an exception that is not a std::exception");
   }
   if (!lib->has("mt_plugin_entry")) {
     rec.error =
@@ -166,17 +213,53 @@ PluginRecord PluginManager::load_file(const fs::path& path, bool do_register) {
     } catch (const std::exception& e) {
       rec.error = std::string("its probe failed: ") + e.what();
       return rec;
+    } catch (...) {
+      rec.error = "its probe failed with an exception that is not a std::exception";
+      return rec;
     }
     if (why) {
       rec.error = std::string("declined to run on this machine: ") + why;
       return rec;
     }
   }
-  if (do_register && info->register_fn) {
+  // What the entry declares must be what the file name says (the name mt looks it up by),
+  // of a kind mt knows, and it must register something.
+  {
+    std::string fk, fn;
+    split_file_name(path, fk, fn);
+    static const std::set<std::string> kinds = {"backend", "model", "data", "comm"};
+    if (!kinds.count(rec.kind)) {
+      rec.error = "declares the plugin kind '" + rec.kind +
+                  "', which is none of mt's (backend, model, data, comm)";
+      return rec;
+    }
+    if (rec.kind != fk || rec.name != fn) {
+      rec.error = "declares itself as " + rec.kind + " '" + rec.name +
+                  "', but its file name says " + fk + " '" + fn +
+                  "' (mt finds a plugin by its file name: libmt_" + rec.kind + "_" + rec.name +
+                  ".so)";
+      return rec;
+    }
+    if (!info->register_fn) {
+      rec.error = "has no registration function (MT_PLUGIN's register_fn is null)";
+      return rec;
+    }
+  }
+  if (do_register) {
+    const size_t before = registered();
     try {
       info->register_fn(*this);
     } catch (const std::exception& e) {
       rec.error = std::string("its registration failed: ") + e.what();
+      return rec;
+    } catch (...) {
+      rec.error = "its registration failed with an exception that is not a std::exception";
+      return rec;
+    }
+    if (registered() == before) {
+      rec.error =
+          "registered nothing: its register_fn added no backend, model family, dataset "
+          "or communicator";
       return rec;
     }
   }
@@ -241,7 +324,8 @@ void PluginManager::require(const std::string& kind, const std::string& name) {
   for (const auto& dir : dirs_) {
     fs::path p = dir / file;
     std::error_code ec;
-    if (!fs::exists(p, ec)) continue;
+    // symlink_status: a dangling link is found (and refused as such), not passed over.
+    if (!fs::exists(fs::symlink_status(p, ec))) continue;
     PluginRecord rec = load_file(p, /*do_register=*/true);
     if (!rec.ok) {
       throw UsageError("The " + kind + " plugin '" + name + "' at " + p.string() + " " + rec.error +
@@ -266,7 +350,12 @@ std::unique_ptr<Backend> PluginManager::make_backend(const std::string& name, co
   if (it == backends_.end())
     throw UsageError("The backend plugin '" + name + "' loaded but registered no backend named '" +
                      name + "'.");
-  return it->second(cfg);
+  std::unique_ptr<Backend> b = it->second(cfg);
+  if (!b)
+    throw Error("The backend plugin '" + name +
+                "' made no backend: its factory returned null. A factory returns the backend or "
+                "throws an mt::UsageError that says why it cannot.");
+  return b;
 }
 
 std::vector<std::string> PluginManager::attention_names(const std::string& backend) const {
@@ -294,15 +383,37 @@ std::unique_ptr<ModelFamily> PluginManager::make_model_family(const std::string&
   auto it = models_.find(name);
   if (it == models_.end())
     throw UsageError("The model plugin '" + name + "' registered no family named '" + name + "'.");
-  return it->second();
+  std::unique_ptr<ModelFamily> f = it->second();
+  if (!f)
+    throw Error("The model plugin '" + name +
+                "' made no family: the factory it registered returned null.");
+  return f;
 }
 
 const DatasetFactory& PluginManager::dataset_factory(const std::string& name) {
-  require("data", name);
+  // One registered in-process (add_dataset by an embedding program or a test) needs no file.
+  if (!datasets_.count(name)) require("data", name);
   auto it = datasets_.find(name);
   if (it == datasets_.end())
     throw UsageError("The data plugin '" + name + "' registered no dataset named '" + name + "'.");
   return it->second;
+}
+
+std::unique_ptr<DatasetSource> PluginManager::make_dataset(const std::string& name,
+                                                           const Config& cfg,
+                                                           const DataShard& shard,
+                                                           const Tokenizer* tokenizer) {
+  std::unique_ptr<DatasetSource> d = dataset_factory(name)(cfg, shard, tokenizer);
+  if (!d)
+    throw Error("The data plugin '" + name +
+                "' made no dataset: its factory returned null. A factory returns the source or "
+                "throws an mt::UsageError that says why it cannot.");
+  return d;
+}
+
+size_t PluginManager::registered() const {
+  return backends_.size() + attention_.size() + models_.size() + datasets_.size() +
+         communicators_.size();
 }
 
 std::unique_ptr<Communicator> PluginManager::make_communicator(const std::string& name,

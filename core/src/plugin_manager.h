@@ -53,6 +53,9 @@ class PluginManager final : public Registry {
                                                   const std::string& name, Backend& b);
   std::unique_ptr<ModelFamily> make_model_family(const std::string& name);
   const DatasetFactory& dataset_factory(const std::string& name);
+  // dataset_factory(name)(...), refusing a factory that returns null.
+  std::unique_ptr<DatasetSource> make_dataset(const std::string& name, const Config& cfg,
+                                              const DataShard& shard, const Tokenizer* tokenizer);
   std::unique_ptr<Communicator> make_communicator(const std::string& name, const Config& cfg);
   std::vector<std::string> attention_names(const std::string& backend) const;
 
@@ -70,6 +73,7 @@ class PluginManager final : public Registry {
  private:
   PluginRecord load_file(const std::filesystem::path& path, bool do_register);
   std::string not_found_message(const std::string& kind, const std::string& name);
+  size_t registered() const;  // factories of every kind
 
   std::vector<std::filesystem::path> dirs_;
   std::vector<std::shared_ptr<boost::dll::shared_library>> libs_;  // never unloaded

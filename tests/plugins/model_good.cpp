@@ -1,7 +1,11 @@
-// A well-formed model plugin that registers nothing but itself, for discovery tests.
+// A well-formed model plugin for discovery tests: it registers a family "good" whose factory
+// returns null (which mt refuses when something asks it for the family).
+#include "mt/model.h"
 #include "mt/plugin.h"
 
 namespace {
-void register_nothing(mt::Registry&) {}
+void register_null_family(mt::Registry& r) {
+  r.add_model_family("good", []() -> std::unique_ptr<mt::ModelFamily> { return nullptr; });
+}
 }  // namespace
-MT_PLUGIN(mt::PluginKind::model, "good", "1.2.3", register_nothing, nullptr)
+MT_PLUGIN(mt::PluginKind::model, "good", "1.2.3", register_null_family, nullptr)

@@ -1,5 +1,6 @@
 // Plugin discovery and loading: search order, lazy loading, and every failure as a sentence.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -165,7 +166,66 @@ TEST(Plugins, LoadsLazilyAndOnce) {
   PluginManager pm({kBroken});
   pm.require("model", "good");
   pm.require("model", "good");  // second time is a no-op
-  EXPECT_THROW(pm.make_model_family("good"), UsageError);  // loaded, but registers no family
+  // Its family's factory returns null: refused, where it was dereferenced (SIGSEGV) before.
+  try {
+    pm.make_model_family("good");
+    ADD_FAILURE() << "a null family was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("made no family"), std::string::npos) << e.what();
+  }
+}
+
+// Plugins that load but cannot be used are said to be broken (before, `mt plugins` listed the
+// first two as working and `throw 7` ended mt with std::terminate).
+TEST(Plugins, PluginsThatRegisterNothingOrTheWrongNameOrThrowAnythingAreRefused) {
+  PluginManager pm({kBroken});
+  const auto recs = pm.scan();
+  for (const auto& [file, why] :
+       {std::pair{"libmt_model_empty.so", "registered nothing"},
+        std::pair{"libmt_model_misnamed.so", "declares itself as model 'other'"},
+        std::pair{"libmt_model_throwint.so", "not a std::exception"}}) {
+    const PluginRecord* r = find(recs, file);
+    ASSERT_NE(r, nullptr) << file;
+    EXPECT_FALSE(r->ok) << file;
+    EXPECT_NE(r->error.find(why), std::string::npos) << file << ": " << r->error;
+  }
+  EXPECT_THROW(pm.require("model", "empty"), UsageError);
+}
+
+// A FIFO named like a plugin blocked mt in open() forever; a dangling link was reported as not
+// found while the same message listed it as available.
+TEST(Plugins, FifosAndDanglingLinksAreRefusedWithoutBlocking) {
+  const fs::path dir =
+      fs::temp_directory_path() / ("mt_plugins_fifo_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  ASSERT_EQ(::mkfifo((dir / "libmt_model_fifo.so").c_str(), 0644), 0);
+  fs::create_symlink(dir / "nowhere.so", dir / "libmt_model_dangling.so");
+  PluginManager pm({dir});
+  for (const auto& [name, why] :
+       {std::pair{"fifo", "is not a regular file"}, std::pair{"dangling", "does not exist"}}) {
+    try {
+      pm.require("model", name);
+      ADD_FAILURE() << name << " was loaded";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+    }
+  }
+  fs::remove_all(dir);
+}
+
+// A static initialiser's exception leaves the dynamic loader locked: mt says which plugin and
+// ends at once (exit 1), where it went on and then trained or deadlocked by turns.
+TEST(Plugins, AStaticInitialiserThatThrowsEndsMtWithItsName) {
+  const std::string dir = test::build_dir() + "/tests/plugins-static";
+  for (const std::string args : {"plugins", "run --model=llama-test decoder_block=throwstatic"}) {
+    const test::MtResult r = test::run_mt(args, 30, "MT_PLUGIN_PATH=" + dir);
+    EXPECT_EQ(r.code, 1) << args << ": " << r.out;
+    EXPECT_NE(r.out.find("libmt_model_throwstatic.so threw an exception while it was being loaded"),
+              std::string::npos)
+        << r.out;
+    EXPECT_NE(r.out.find("static initialiser says no"), std::string::npos) << r.out;
+  }
 }
 
 TEST(Plugins, PluginPathEnvironmentIsSearched) {
