@@ -217,6 +217,14 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
     sequences = std::llround(v[1]);
     r.communication_s += seconds_since(t0);
   }
+  // (Every rank has the same sum, so every rank refuses alike.)
+  if (valid == 0)
+    throw Error(
+        "The step's batch has no target to learn from: every target of its " +
+        std::to_string(sequences) +
+        " sequences is -1 (masked), so its loss would read 0 and its update would only decay the "
+        "weights. The data source masks every position: check its documents' lengths against "
+        "max_target_length, or the data plugin.");
   // Plain data parallelism: the last micro-batch's backward hands each layer's final gradients
   // to the summing thread; `sent` marks them, the rest are summed after the backward.
   std::optional<CollectiveQueue> sums;
@@ -595,8 +603,8 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   std::unique_ptr<Tokenizer> tokenizer;
   if (!cfg.get_string("tokenizer_path").empty())
     tokenizer = make_tokenizer(cfg.get_string("tokenizer_path"), cfg.get_string("tokenizer_type"));
-  std::unique_ptr<DatasetSource> data = plugins.dataset_factory(dataset)(
-      cfg, DataShard{batch_index, static_cast<int>(mesh.batch_ranks())}, tokenizer.get());
+  std::unique_ptr<DatasetSource> data = plugins.make_dataset(
+      dataset, cfg, DataShard{batch_index, static_cast<int>(mesh.batch_ranks())}, tokenizer.get());
 
   // Model FLOPs and the peak they are measured against.
   const double flops_per_token = runner.model().flops_per_token(seq);
@@ -870,6 +878,28 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     std::fflush(stdout);
   }
 
+  // A batch as the data plugin hands it over, checked against the contract of mt/data.h: the
+  // config's shape, targets beside the inputs (a training stream cycles; it never ends).
+  auto check_batch = [&](const HostBatch& hb, bool more, bool eval) {
+    const std::string who = "The data plugin '" + dataset + "' (dataset_type=" + dataset + ")";
+    if (!more && !eval)
+      throw Error(who +
+                  " ended its training stream (next() returned false): a training stream cycles "
+                  "through its epochs and never ends (mt/data.h).");
+    if (!more) return;
+    if (hb.batch != batch || hb.seq != seq)
+      throw Error(fmt::format(
+          "{} gave a {} batch of {} x {} tokens where the config asks for per_device_batch_size "
+          "x max_target_length = {} x {}: the loss, tokens/s and MFU would all be of the wrong "
+          "batch.",
+          who, eval ? "eval" : "training", hb.batch, hb.seq, batch, seq));
+    const auto n = static_cast<size_t>(batch * seq);
+    if (hb.inputs.size() != n || hb.targets.size() != n)
+      throw Error(fmt::format(
+          "{} gave a {} batch with {} input and {} target ids for its {} x {} "
+          "shape: training needs both, one per position (-1: no target).",
+          who, eval ? "eval" : "training", hb.inputs.size(), hb.targets.size(), batch, seq));
+  };
   auto eval_loss = [&]() -> double {
     double total = 0, count = 0;
     // eval_steps of a step's batches: with gradient accumulation, that many micro-batches
@@ -879,6 +909,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     for (int64_t i = 0; i < eval_batches; ++i, shown.add(1)) {
       HostBatch hb;
       const bool more = data->next(hb, /*eval=*/true);
+      check_batch(hb, more, /*eval=*/true);
       if (expert_group) {
         // The MoE layers exchange over the expert group: its ranks evaluate together, while every
         // one of them has a batch, and a batch without targets runs too.
@@ -952,7 +983,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     for (int64_t a = 0; a < accum; ++a) {
       const auto tw = Clock::now();
       HostBatch hb;
-      data->next(hb, /*eval=*/false);
+      check_batch(hb, data->next(hb, /*eval=*/false), /*eval=*/false);
       data_wait += seconds_since(tw);
       micro.push_back(runner.upload(hb));
     }

@@ -1,5 +1,8 @@
 // The "counting" data source: the smallest complete data plugin, as a template. Row r of the
-// stream is the ids r, r+1, ... modulo vocab_size; its state is the number of rows produced.
+// training stream is the ids r, r+1, ... modulo vocab_size; its state is the number of training
+// rows produced (rows, not batches: a run resumed with another batch size goes on at the next
+// row). The eval stream is another one (rows from 1000003), started again by each
+// evaluation (mt/data.h's contract).
 #include <memory>
 #include <string>
 
@@ -19,13 +22,17 @@ class CountingSource final : public mt::DatasetSource {
         shard_(shard) {}
   std::string name() const override { return "counting"; }
   bool next(mt::HostBatch& out, bool eval) override {
+    // An evaluation (consecutive eval calls) starts its stream again; training's goes on.
+    if (eval && !in_eval_) eval_produced_ = 0;
+    in_eval_ = eval;
+    int64_t& produced = eval ? eval_produced_ : produced_;
     out.batch = batch_;
     out.seq = seq_;
     out.inputs.clear();
     out.targets.clear();
     for (int64_t b = 0; b < batch_; ++b) {
       // Rows are dealt to data-parallel ranks in turn.
-      const int64_t row = (produced_++) * shard_.count + shard_.rank + (eval ? 1000003 : 0);
+      const int64_t row = (produced++) * shard_.count + shard_.rank + (eval ? 1000003 : 0);
       for (int64_t t = 0; t < seq_; ++t) {
         out.inputs.push_back(static_cast<int32_t>((row + t) % vocab_));
         out.targets.push_back(static_cast<int32_t>((row + t + 1) % vocab_));
@@ -34,12 +41,23 @@ class CountingSource final : public mt::DatasetSource {
     return true;
   }
   std::string state() const override { return std::to_string(produced_); }
-  void restore(const std::string& s) override { produced_ = std::stoll(s); }
+  void restore(const std::string& s) override {
+    size_t used = 0;
+    try {
+      produced_ = std::stoll(s, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != s.size() || produced_ < 0)
+      throw mt::UsageError("counting: the checkpoint's data state '" + s +
+                           "' is not a count of rows; it was not written by this source.");
+  }
 
  private:
   int64_t batch_, seq_, vocab_;
   mt::DataShard shard_;
-  int64_t produced_ = 0;
+  int64_t produced_ = 0, eval_produced_ = 0;
+  bool in_eval_ = false;
 };
 
 void register_counting(mt::Registry& r) {

@@ -101,12 +101,37 @@ TEST(SyntheticData, RestoreYieldsTheNextBatch) {
   auto a = make("synthetic", synthetic_cfg());
   for (int i = 0; i < 5; ++i) next_batch(*a);
   const std::string st = a->state();
-  EXPECT_EQ(st, "5");
+  EXPECT_EQ(st, "rows:" + std::to_string(5 * 3));
   HostBatch want = next_batch(*a);
   auto b = make("synthetic", synthetic_cfg());
   b->restore(st);
   EXPECT_TRUE(same(next_batch(*b), want));
+  b->restore("5");  // the older form: batches of this shape
+  EXPECT_TRUE(same(next_batch(*b), want));
   EXPECT_THROW(b->restore("five"), Error);
+  EXPECT_THROW(b->restore("rows:"), Error);
+}
+
+// The state counts rows: resumed with another batch size (or ranks), the stream goes on at the
+// next row. Before, it counted batches, so 2 batches of 4 resumed at batch 2 re-read rows 4-5.
+TEST(SyntheticData, ResumeWithAnotherBatchSizeGoesOnAtTheNextRow) {
+  Pairs four = synthetic_cfg(), two = synthetic_cfg();
+  for (auto& [k, v] : four)
+    if (k == "per_device_batch_size") v = "4";
+  for (auto& [k, v] : two)
+    if (k == "per_device_batch_size") v = "2";
+  auto a = make("synthetic", four);
+  next_batch(*a);
+  next_batch(*a);  // rows 0-7
+  auto b = make("synthetic", two);
+  b->restore(a->state());
+  auto straight = make("synthetic", two);
+  for (int i = 0; i < 4; ++i) next_batch(*straight);         // rows 0-7
+  EXPECT_TRUE(same(next_batch(*b), next_batch(*straight)));  // rows 8-9
+  // On two ranks of batch 2: rank 1's first batch is rows 10-11.
+  auto r1 = make("synthetic", two, 1, 2);
+  r1->restore(a->state());
+  EXPECT_TRUE(same(next_batch(*r1), next_batch(*straight)));
 }
 
 TEST(SyntheticData, RanksShareTheSingleRankStream) {

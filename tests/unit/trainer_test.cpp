@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "config_loader.h"
+#include "mt/data.h"
 #include "mt/error.h"
 #include "test_support.h"
 #include "trainer.h"
@@ -227,6 +228,66 @@ TEST(Trainer, MetricsLinesCarryTheRequiredFields) {
     for (const auto& l : lines) EXPECT_NE(l.find(k), std::string::npos) << k << " in " << l;
   EXPECT_NE(lines.back().find("\"eval_loss\""), std::string::npos);
   EXPECT_TRUE(fs::exists(fx.dir / "r" / "config.yml"));
+}
+
+// A data source that breaks mt/data.h's contract in one way (its `mode`), registered in-process.
+class MisbehavingSource final : public DatasetSource {
+ public:
+  MisbehavingSource(const Config& c, std::string mode)
+      : b_(c.get_int("per_device_batch_size")),
+        t_(c.get_int("max_target_length")),
+        mode_(std::move(mode)) {}
+  std::string name() const override { return "misbehaving"; }
+  bool next(HostBatch& out, bool) override {
+    if (mode_ == "ends" && ++calls_ > 2) return false;
+    out.batch = mode_ == "shape" ? 1 : b_;
+    out.seq = mode_ == "shape" ? 8 : t_;
+    const auto n = static_cast<size_t>(out.batch * out.seq);
+    out.inputs.assign(n, 3);
+    out.targets.assign(mode_ == "no_targets" ? 0 : n, mode_ == "masked" ? -1 : 4);
+    return true;
+  }
+  std::string state() const override { return "0"; }
+  void restore(const std::string&) override {}
+
+ private:
+  int64_t b_, t_;
+  std::string mode_;
+  int calls_ = 0;
+};
+
+// Each broken contract is an error that names the data plugin and what it did, where before the
+// run crashed (SIGSEGV: an ended stream, a batch without targets, a null source), or trained on
+// and reported the config's batch (another shape: MFU 93% of a 1 x 8 batch), or logged loss 0
+// (every target masked).
+TEST(Trainer, DataPluginsThatBreakTheContractAreNamed) {
+  for (const std::string mode : {"ends", "shape", "no_targets", "masked", "null"}) {
+    SCOPED_TRACE(mode);
+    test::plugins().add_dataset("misbehaving_" + mode,
+                                [mode](const Config& c, const DataShard&,
+                                       const Tokenizer*) -> std::unique_ptr<DatasetSource> {
+                                  if (mode == "null") return nullptr;
+                                  return std::make_unique<MisbehavingSource>(c, mode);
+                                });
+    Fixture fx(mode);
+    const std::string want = mode == "ends"         ? "ended its training stream"
+                             : mode == "shape"      ? "gave a training batch of 1 x 8 tokens"
+                             : mode == "no_targets" ? "with 2 input and 0 target ids"
+                             : mode == "masked"     ? "has no target to learn from"
+                                                    : "made no dataset";
+    try {
+      train(fx.config({"dataset_type=misbehaving_" + mode, "steps=5", "per_device_batch_size=1",
+                       "max_target_length=2", "enable_checkpointing=false"}),
+            test::plugins(), true);
+      ADD_FAILURE() << "trained on";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+      if (mode != "masked") {
+        EXPECT_NE(std::string(e.what()).find("'misbehaving_" + mode + "'"), std::string::npos)
+            << e.what();
+      }
+    }
+  }
 }
 
 // After warm-up a training step takes all its memory from the caching allocator.

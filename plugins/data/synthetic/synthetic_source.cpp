@@ -6,7 +6,8 @@
 // drawn from a generator seeded by (data_shuffle_seed, k) alone, so rows are independent of
 // each other and of the batch size: restoring is setting a counter, and rank r of n (taking
 // global batches r, r+n, ...) sees exactly its share of what one rank with n times the batch
-// would see, in the same order. The eval stream is another stream of
+// would see, in the same order; the state is the rows taken, so a resumed run with another
+// batch or number of ranks goes on at the next row. The eval stream is another stream of
 // the same kind; it never runs out (the trainer bounds it with eval_steps) and each evaluation
 // (a run of consecutive eval calls) starts again at its first batch, so evaluations compare.
 #include <charconv>
@@ -53,29 +54,38 @@ class SyntheticSource final : public mt::DatasetSource {
     if (eval) {
       if (!in_eval_) eval_produced_ = 0;
       in_eval_ = true;
-      fill(out, splitmix64(seed_ ^ 0xE7A1E7A1E7A1ull), eval_produced_++);
+      fill(out, splitmix64(seed_ ^ 0xE7A1E7A1E7A1ull), eval_produced_++, 0);
     } else {
       in_eval_ = false;
-      fill(out, seed_, produced_++);
+      fill(out, seed_, produced_++, offset_);
     }
     return true;
   }
 
-  std::string state() const override { return std::to_string(produced_); }
+  // The rows of the global stream taken so far ("rows:N"), so that a run resumed with another
+  // batch size, accumulation or number of ranks goes on at the next row (a count of batches
+  // repeated or skipped rows). A plain number is the older form: batches of this shape.
+  std::string state() const override {
+    return "rows:" + std::to_string(offset_ + produced_ * count_ * static_cast<uint64_t>(batch_));
+  }
 
   void restore(const std::string& s) override {
+    const bool rows = s.rfind("rows:", 0) == 0;
+    const char* from = s.data() + (rows ? 5 : 0);
     uint64_t v = 0;
-    auto r = std::from_chars(s.data(), s.data() + s.size(), v);
-    if (s.empty() || r.ec != std::errc() || r.ptr != s.data() + s.size())
+    auto r = std::from_chars(from, s.data() + s.size(), v);
+    if (from == s.data() + s.size() || r.ec != std::errc() || r.ptr != s.data() + s.size())
       throw mt::Error("synthetic: cannot restore the data position from \"" + s +
-                      "\": expected the number of batches produced");
-    produced_ = v;
+                      "\": expected rows:<rows taken>");
+    offset_ = rows ? v : 0;
+    produced_ = rows ? 0 : v;
   }
 
  private:
   // This rank's i-th batch of the stream `stream`: global batch i*count + rank, whose row r is
-  // row (i*count + rank) * batch + r of the stream, drawn from that row number alone.
-  void fill(mt::HostBatch& b, uint64_t stream, uint64_t i) const {
+  // row (i*count + rank) * batch + r of the stream (after `first` rows), drawn from that row
+  // number alone.
+  void fill(mt::HostBatch& b, uint64_t stream, uint64_t i, uint64_t first) const {
     const uint64_t global = i * count_ + rank_;
     // Not std::uniform_int_distribution: its algorithm is the library's choice, and the
     // stream must be the same on every build.
@@ -88,7 +98,8 @@ class SyntheticSource final : public mt::DatasetSource {
     b.segment_ids.assign(n, 1);
     b.positions.resize(n);
     for (int64_t r = 0; r < batch_; ++r) {
-      const uint64_t row = global * static_cast<uint64_t>(batch_) + static_cast<uint64_t>(r);
+      const uint64_t row =
+          first + global * static_cast<uint64_t>(batch_) + static_cast<uint64_t>(r);
       std::mt19937_64 rng(splitmix64(stream ^ splitmix64(row)));
       const size_t o = static_cast<size_t>(r * seq_);
       auto prev = static_cast<int32_t>(rng() % vocab);
@@ -105,6 +116,7 @@ class SyntheticSource final : public mt::DatasetSource {
   uint64_t rank_, count_;
   int64_t batch_ = 0, seq_ = 0, vocab_ = 0;
   uint64_t seed_ = 0;
+  uint64_t offset_ = 0;  // rows of the stream taken before the restored position
   uint64_t produced_ = 0, eval_produced_ = 0;
   bool in_eval_ = false;
 };
