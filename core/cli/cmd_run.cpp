@@ -2,6 +2,8 @@
 #include <cstdio>
 #include <string>
 
+#include <fmt/format.h>
+
 #include "cli.h"
 #include "communicator.h"
 #include "model_info.h"
@@ -63,10 +65,11 @@ int cmd_run(const Args& args) {
     return code;
   }
   if (s.tokens == 0) {  // the run was already at steps: no loss or speed of this invocation
+    const long at = static_cast<long>(s.steps), want = static_cast<long>(cfg.get_int("steps"));
     std::printf(
-        "\nmt run: done. No step ran: the run is at step %ld. Its metrics and the resolved "
+        "\nmt run: done. No step ran: the run is at step %ld%s. Its metrics and the resolved "
         "config are in %s\n",
-        static_cast<long>(s.steps), s.run_dir.c_str());
+        at, at > want ? fmt::format(", past steps={}", want).c_str() : "", s.run_dir.c_str());
     return 0;
   }
   char speed[256];

@@ -245,11 +245,19 @@ std::string parse_annotation(const std::string& text, KeySpec& spec) {
   }
   if (!numeric) return "bounds apply only to integer and float keys";
   if (const size_t dots = text.find(".."); dots != std::string::npos) {
-    auto lo = parse_float(trim(text.substr(0, dots)));
-    auto hi = parse_float(trim(text.substr(dots + 2)));
-    if (!lo || !hi || *lo > *hi) return "expected a range such as 0..1";
+    // A..B inclusive; A<..B leaves A out, A..<B leaves B out.
+    std::string lo_text = trim(text.substr(0, dots)), hi_text = trim(text.substr(dots + 2));
+    const bool lo_open = !lo_text.empty() && lo_text.back() == '<';
+    const bool hi_open = !hi_text.empty() && hi_text.front() == '<';
+    if (lo_open) lo_text.pop_back();
+    if (hi_open) hi_text.erase(0, 1);
+    auto lo = parse_float(trim(lo_text));
+    auto hi = parse_float(trim(hi_text));
+    if (!lo || !hi || *lo > *hi) return "expected a range such as 0..1, 0<..1 or 0..<1";
     spec.min = lo;
     spec.max = hi;
+    spec.min_exclusive = lo_open;
+    spec.max_exclusive = hi_open;
     return "";
   }
   for (const char* op : {">=", "<=", ">", "<"}) {
@@ -266,7 +274,8 @@ std::string parse_annotation(const std::string& text, KeySpec& spec) {
     }
     return "";
   }
-  return "expected [>N], [>=N], [<N], [<=N], [A..B] or [choices: a|b|c]";
+  return "expected [>N], [>=N], [<N], [<=N], [A..B] (A<..B, A..<B: without the bound) or "
+         "[choices: a|b|c]";
 }
 
 // ---- Suggestions --------------------------------------------------------------------------------

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -596,6 +597,12 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   adam.b1 = static_cast<float>(cfg.get_float("adam_b1"));
   adam.b2 = static_cast<float>(cfg.get_float("adam_b2"));
   adam.eps = static_cast<float>(cfg.get_float("adam_eps"));
+  // AdamW computes in float32: a value that is 0 or infinite there is one that divides 0 by 0
+  // or makes every update 0.
+  if (!(adam.eps >= std::numeric_limits<float>::min()) || !std::isfinite(adam.eps))
+    cfg.reject("adam_eps", "is " + std::string(adam.eps == 0.f ? "0" : "infinite") +
+                               " in float32, in which AdamW computes: choose a value between "
+                               "1e-38 and 1e38 (1e-8 is usual).");
   const auto weight_decay = static_cast<float>(cfg.get_float("adam_weight_decay"));
 
   // Data.
@@ -720,9 +727,10 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   }
   // Outputs: the resolved config beside the metrics (rank 0's), once the checkpoint or weights
   // the run starts from are accepted: a run refused before (a checkpoint of another shape) leaves
-  // the run directory's config.yml as the run that wrote it had it.
+  // the run directory's config.yml as the run that wrote it had it, and so does a run with
+  // nothing to do (its checkpoint at or past steps).
   std::ofstream metrics;
-  if (lead) {
+  if (lead && first_step <= steps) {
     const fs::path tmp = run_dir / "config.yml.tmp";
     {
       std::ofstream c(tmp);
@@ -957,6 +965,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     return asked[1] > 0 ? SIGTERM : asked[0] > 0 ? SIGINT : 0;
   };
   int64_t end_step = steps;
+  bool empty_eval_said = false;
   // A signal during the setup (loading weights, restoring a checkpoint) stops before any step:
   // nothing has changed to save.
   if (first_step <= steps && (sum.stopped_by = agreed_stop()) != 0) end_step = first_step - 1;
@@ -1059,6 +1068,17 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     double ev = -1;
     if (eval_interval > 0 && (step % eval_interval == 0 || step == steps)) ev = eval_loss();
     if (ev >= 0) sum.final_eval_loss = ev;
+    // An evaluation of no target (a data plugin with no eval stream) is said once, not left out
+    // of the metrics silently.
+    if (ev < 0 && eval_interval > 0 && (step % eval_interval == 0 || step == steps) &&
+        !empty_eval_said && lead) {
+      empty_eval_said = true;
+      std::fprintf(stderr,
+                   "\nmt run: warning: the evaluation at step %ld found no eval target: the data "
+                   "plugin '%s' gives no eval batch with a target, so no eval_loss is logged. "
+                   "Give it eval data, or set eval_interval=-1.\n",
+                   static_cast<long>(step), dataset.c_str());
+    }
     const MemoryStats ms = be.memory_stats();
     if (lead)
       metrics << fmt::format(
@@ -1119,7 +1139,8 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
                  profile_from > first_step ? " (setup and the warm-up step left out)" : "",
                  runner.profiler()->report().c_str());
   }
-  sum.steps = sum.stopped_by ? end_step : steps;
+  // Where the run is: the stop's step, the checkpoint's when it was at or past steps already.
+  sum.steps = sum.stopped_by ? end_step : std::max(steps, first_step - 1);
   sum.checkpoint_seconds = ckpt.total_blocking_seconds();
   sum.final_loss = last_loss;
   sum.timed_steps = static_cast<int64_t>(tps_hist.size());

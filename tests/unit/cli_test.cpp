@@ -286,6 +286,20 @@ TEST(Cli, TrainThenDecodeAndScore) {
   EXPECT_EQ(again.code, 0) << again.out;
   EXPECT_NE(again.out.find("No step ran: the run is at step 3"), std::string::npos) << again.out;
   EXPECT_EQ(again.out.find("loss"), std::string::npos) << again.out;
+  // Asked for fewer steps than the checkpoint has: it says where the run is (before: "at step
+  // 2") and leaves config.yml as the run that wrote it (before: rewritten with steps: 2).
+  std::string shorter = train;
+  shorter.replace(shorter.find("steps=3"), 7, "steps=2");
+  const auto past = mt_cmd(shorter);
+  EXPECT_EQ(past.code, 0) << past.out;
+  EXPECT_NE(past.out.find("No step ran: the run is at step 3, past steps=2"), std::string::npos)
+      << past.out;
+  {
+    std::ifstream c(dir / "default" / "config.yml");
+    std::stringstream ss;
+    ss << c.rdbuf();
+    EXPECT_NE(ss.str().find("\nsteps: 3"), std::string::npos) << ss.str().substr(0, 2000);
+  }
   const std::string ckpt = " --model=llama-small base_num_decoder_layers=1 load_parameters_path=" +
                            (dir / "default").string();
   r = mt_cmd("decode" + ckpt + " prompt=\"It is a truth\" max_target_length=12");
@@ -457,6 +471,14 @@ TEST(Cli, BadInputIsRefusedWithExitCode2) {
       {"config --config=/nonexistent/x.yml", "/nonexistent/x.yml"},
       {"config --model", "--model needs a value"},
       {"config --config", "--config needs a value"},
+      // AdamW divides by 1 - b^step and by sqrt(v) + eps: these made NaN at the first step,
+      // reported at the second as "no parameters were updated".
+      {"config adam_b1=1", "adam_b1 must be >= 0 and < 1"},
+      {"config adam_b2=1", "adam_b2 must be >= 0 and < 1"},
+      {"config adam_eps=0", "adam_eps must be > 0"},
+      {"run --model=llama-test steps=1 adam_eps=1e300 base_output_directory=" +
+           (dir / "out").string(),
+       "is infinite in float32"},
       {"run backend=tpu", "libmt_backend_tpu.so"},
       {"run --model=llama2-7b backend=cuda steps=1", "cuda"},
       // A model key the family does not implement would silently build another model.

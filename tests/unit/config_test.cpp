@@ -251,6 +251,8 @@ TEST(ConfigSchema, RealBaseDeclaresEveryKeyWithTypeDocAndConstraint) {
   const KeySpec& split = *by_name.at("eval_split");
   EXPECT_EQ(*split.min, 0);
   EXPECT_EQ(*split.max, 1);
+  EXPECT_FALSE(split.min_exclusive);
+  EXPECT_TRUE(split.max_exclusive);  // [0..<1]
   EXPECT_EQ(by_name.at("attention")->choices,
             (std::vector<std::string>{"dot_product", "flash", "cudnn_flash"}));
   EXPECT_EQ(by_name.at("rope_type")->choices,
@@ -534,7 +536,8 @@ TEST(ConfigErrors, OutOfRangeAndChoices) {
                       Has("configs/base.yml:" + std::to_string(steps_line))));
   EXPECT_CONTAINS(usage_error([] { load({"learning_rate=-1"}); }), Has("must be >= 0"));
   EXPECT_CONTAINS(usage_error([] { load({"eval_split=1.5"}); }),
-                  All(Has("eval_split=1.5"), Has("between 0 and 1 inclusive")));
+                  All(Has("eval_split=1.5"), Has("must be >= 0 and < 1")));
+  EXPECT_CONTAINS(usage_error([] { load({"eval_split=1"}); }), Has("must be >= 0 and < 1"));
   EXPECT_CONTAINS(usage_error([] { load({"eval_interval=-2"}); }), Has(">= -1"));
   EXPECT_CONTAINS(usage_error([] { load({"attention=flsh"}); }),
                   All(Has("attention=flsh"), Has("command line"),
@@ -779,6 +782,22 @@ TEST(ConfigModels, PluginSchemaFilesDeclareExtraKeys) {
   EXPECT_DOUBLE_EQ(c.get_float("gpt_ratio"), 0.25);
   r.overrides = {"gpt_ratio=2"};
   EXPECT_CONTAINS(usage_error([&] { load_config(r); }), Has("between 0 and 1"));
+  // Half-open ranges: the bound marked < is left out.
+  r.schema_files = {t.write("open_keys.yml",
+                            "gpt_left: 0.5  # [0<..1]\n"
+                            "gpt_right: 0.5  # [0..<1]\n")};
+  for (const auto& [set, ok] : {std::pair{"gpt_left=0", false}, std::pair{"gpt_left=1", true},
+                                std::pair{"gpt_right=0", true}, std::pair{"gpt_right=1", false}}) {
+    r.overrides = {set};
+    if (ok) {
+      EXPECT_NO_THROW(load_config(r)) << set;
+    } else {
+      EXPECT_CONTAINS(usage_error([&] { load_config(r); }),
+                      Has(std::string(set).find("left") != std::string::npos ? "> 0 and <= 1"
+                                                                             : ">= 0 and < 1"));
+    }
+  }
+  r.schema_files = {extra};
   // Without the plugin's schema the key is unknown.
   EXPECT_CONTAINS(usage_error([] { load({"gpt_bias=false"}); }), Has("'gpt_bias'"));
   // A plugin cannot redeclare a core key.

@@ -334,6 +334,19 @@ TEST_F(TokensData, ShuffleIsDeterministicPerSeedAndEpochsDiffer) {
   EXPECT_EQ(std::adjacent_find(e0.begin(), e0.end()), e0.end());
 }
 
+// Evaluations asked for (eval_interval > 0) with no row held out and no eval set: refused, where
+// every evaluation was left out silently.
+TEST_F(TokensData, EvaluationsWithoutEvalRowsAreRefused) {
+  write_tokens(file("a.tokens"), corpus(60), kEos);
+  EXPECT_NO_THROW(make("tokens", cfg(file("a.tokens"), {{"eval_split", "0"}})));
+  try {
+    make("tokens", cfg(file("a.tokens"), {{"eval_split", "0"}, {"eval_interval", "5"}}));
+    ADD_FAILURE() << "accepted";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("holds out no eval rows"), std::string::npos) << e.what();
+  }
+}
+
 TEST_F(TokensData, EvalSplitIsDisjointAndRepeats) {
   const auto ids = corpus(60);
   write_tokens(file("a.tokens"), ids, kEos);

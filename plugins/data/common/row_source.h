@@ -270,6 +270,15 @@ class RowSource final : public mt::DatasetSource {
           ", unpacked rows need documents of 2 or more tokens). Give a larger "
           "eval set, or unset eval_dataset_path to hold out eval_split of the "
           "training rows.");
+    // So would evaluations asked for with no row held out for them.
+    if (!eval && eval_->size() == 0 && int_or(cfg, "eval_interval", -1) > 0)
+      cfg.reject("eval_interval",
+                 "asks for an evaluation every " +
+                     std::to_string(int_or(cfg, "eval_interval", -1)) + " steps, but " + name_ +
+                     " holds out no eval rows (eval_split=" +
+                     std::to_string(float_or(cfg, "eval_split", 0.0)) +
+                     "). Set eval_split above 0 (0.05 holds out 5% of the rows), name an eval "
+                     "set with eval_dataset_path, or set eval_interval=-1 for no evaluation.");
     cursor_ = offset();
   }
 
