@@ -29,7 +29,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 TAGS = {
     "learning/loss": "loss",
     "learning/current_learning_rate": "learning_rate",
-    "learning/grad_norm": "grad_norm",
+    "learning/grad_norm": "grad_norm",  # after clipping, as MaxText's
+    "learning/raw_grad_norm": "raw_grad_norm",
+    "learning/total_weights": "total_weights",
     "perf/step_time_seconds": None,  # metrics.jsonl has step_time_ms
     "perf/per_device_tokens_per_sec": "tokens_per_sec",
     "perf/per_device_tflops_per_sec": "tflops_per_device",

@@ -218,6 +218,7 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
     sequences = std::llround(v[1]);
     r.communication_s += seconds_since(t0);
   }
+  r.valid_targets = valid;
   // (Every rank has the same sum, so every rank refuses alike.)
   if (valid == 0)
     throw Error(
@@ -1014,6 +1015,9 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     adam.lr = static_cast<float>(lr);
     adam.step = step;
     adam.grad_scale = clip > 0 && grad_norm > clip ? static_cast<float>(clip / grad_norm) : 1.f;
+    // MaxText's grad_norm is the norm of the gradients the update used (clipped); the norm
+    // before clipping is raw_grad_norm.
+    const double clipped_norm = grad_norm * adam.grad_scale;
     const double comm_s =
         sg.communication_s + apply_update(runner, opt, adam, weight_decay, sg.layer_stats, &dp);
     // The step's collectives' bytes (not the checkpoint's or the evaluation's, which follow).
@@ -1083,11 +1087,13 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     if (lead)
       metrics << fmt::format(
           "{{\"step\": {}, \"loss\": {:.9g}, \"learning_rate\": {:.6g}, \"grad_norm\": {:.6g}, "
+          "\"raw_grad_norm\": {:.6g}, \"total_weights\": {}, "
           "\"tokens_per_sec\": {:.2f}, \"tflops_per_device\": {:.5f}, \"mfu\": {:.5f}, "
           "\"step_time_ms\": {:.2f}, \"data_wait_ms\": {:.3f}, \"checkpoint_ms\": {:.3f}, "
           "\"peak_memory_mb\": {:.1f}, \"system_allocs\": {}{}{}{}}}\n",
-          step, loss, lr, grad_norm, tps, tflops, mfu, step_s * 1e3, data_wait * 1e3, ckpt_s * 1e3,
-          static_cast<double>(ms.peak_bytes_in_use) / 1e6, ms.num_system_allocs,
+          step, loss, lr, clipped_norm, grad_norm, sg.valid_targets, tps, tflops, mfu, step_s * 1e3,
+          data_wait * 1e3, ckpt_s * 1e3, static_cast<double>(ms.peak_bytes_in_use) / 1e6,
+          ms.num_system_allocs,
           ranks > 1 ? fmt::format(", \"communication_ms\": {:.3f}, \"communication_bytes\": {:.0f}",
                                   comm_s * 1e3, comm_bytes)
                     : "",
@@ -1098,7 +1104,9 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     if (tb) {  // MaxText's tags (perf/mfu: mt's own)
       tensorboard::Scalars sc = {{"learning/loss", loss},
                                  {"learning/current_learning_rate", lr},
-                                 {"learning/grad_norm", grad_norm},
+                                 {"learning/grad_norm", clipped_norm},
+                                 {"learning/raw_grad_norm", grad_norm},
+                                 {"learning/total_weights", static_cast<double>(sg.valid_targets)},
                                  {"perf/step_time_seconds", step_s},
                                  {"perf/per_device_tokens_per_sec", tps / ranks},
                                  {"perf/per_device_tflops_per_sec", tflops},
@@ -1115,9 +1123,11 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
         if (ev >= 0) std::printf("\n  step %ld eval loss %.4f\n", static_cast<long>(step), ev);
       } else if (step % log_period == 0 || step == 1 || step == steps || ev >= 0) {
         std::printf(
-            "step %5ld  loss %.4f  lr %.3g  grad_norm %.3f  %.0f tok/s  %.4f TFLOP/s  "
+            "step %5ld  loss %.4f  lr %.3g  grad_norm %.3f%s  %.0f tok/s  %.4f TFLOP/s  "
             "MFU %.1f%%  %.0f ms%s\n",
-            static_cast<long>(step), loss, lr, grad_norm, tps, tflops, 100 * mfu, step_s * 1e3,
+            static_cast<long>(step), loss, lr, grad_norm,
+            adam.grad_scale < 1.f ? fmt::format(" (clipped to {:.3g})", clipped_norm).c_str() : "",
+            tps, tflops, 100 * mfu, step_s * 1e3,
             ev >= 0 ? fmt::format("  eval_loss {:.4f}", ev).c_str() : "");
       }
       std::fflush(stdout);

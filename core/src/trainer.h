@@ -101,7 +101,8 @@ OptimizerState make_optimizer_state(ModelRunner& runner, const Config& cfg,
 // accumulate; the loss is weighted by each micro-batch's share of the valid targets), then the
 // gradients finished and their global norm.
 struct StepGradients {
-  double loss = 0, grad_norm = 0;
+  double loss = 0, grad_norm = 0;  // the norm before clipping
+  int64_t valid_targets = 0;       // the global batch's targets (MaxText's total_weights)
   // Wall time in the step's collectives over the ranks, with the host copies around them (none
   // overlaps compute: it is all exposed); 0 for one rank.
   double communication_s = 0;

@@ -298,9 +298,10 @@ TEST_F(TensorBoard, TrainingRunWritesItsScalars) {
     }
   }
   ASSERT_EQ(steps.size(), 3u);
-  for (const char* tag : {"learning/loss", "learning/current_learning_rate", "learning/grad_norm",
-                          "perf/step_time_seconds", "perf/per_device_tokens_per_sec",
-                          "perf/per_device_tflops_per_sec", "perf/mfu"})
+  for (const char* tag :
+       {"learning/loss", "learning/current_learning_rate", "learning/grad_norm",
+        "learning/raw_grad_norm", "learning/total_weights", "perf/step_time_seconds",
+        "perf/per_device_tokens_per_sec", "perf/per_device_tflops_per_sec", "perf/mfu"})
     for (int64_t s = 1; s <= 3; ++s) EXPECT_EQ(steps[s].count(tag), 1u) << tag << " step " << s;
   EXPECT_EQ(steps[1].count("eval/avg_loss"), 0u);
   EXPECT_EQ(steps[3].count("eval/avg_loss"), 1u);

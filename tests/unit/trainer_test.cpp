@@ -290,6 +290,26 @@ TEST(Trainer, DataPluginsThatBreakTheContractAreNamed) {
   }
 }
 
+// MaxText's metrics: grad_norm is the norm of the gradients the update used (after clipping),
+// raw_grad_norm the norm before, total_weights the batch's targets (before: grad_norm was the
+// raw norm under MaxText's tag, and the others were missing).
+TEST(Trainer, GradNormIsAfterClippingAndRawGradNormBefore) {
+  Fixture fx;
+  train(fx.config({"steps=3", "gradient_clipping_threshold=0.001", "enable_checkpointing=false"}),
+        test::plugins(), true);
+  const auto lines = fx.metrics_lines();
+  ASSERT_EQ(lines.size(), 3u);
+  auto field = [](const std::string& l, const std::string& k) {
+    const size_t at = l.find("\"" + k + "\": ");
+    return at == std::string::npos ? NAN : std::stod(l.substr(at + k.size() + 4));
+  };
+  for (const auto& l : lines) {
+    EXPECT_NEAR(field(l, "grad_norm"), 0.001, 1e-8) << l;
+    EXPECT_GT(field(l, "raw_grad_norm"), 0.01) << l;
+    EXPECT_EQ(field(l, "total_weights"), 2 * 32) << l;  // llama-test: 2 rows of 32 targets
+  }
+}
+
 // After warm-up a training step takes all its memory from the caching allocator.
 TEST(Trainer, SteadyStateStepsMakeNoSystemAllocations) {
   Fixture fx;
