@@ -25,6 +25,11 @@ grep -Eq "^model +tiny +1\.0\.0 +$abi +.*libmt_model_tiny\.so" <<<"$out" ||
 out=$("$mt" models) || fail "mt models exited $?"
 echo "$out"
 grep -Eq '^tiny-template +tiny +[0-9.]+K' <<<"$out" || fail "mt models does not size tiny-template"
+# The plugin_dirs key finds the plugin and its models/ as MT_PLUGIN_PATH does (before: the
+# plugin loaded, but --model=tiny-template was unknown).
+out=$(MT_PLUGIN_PATH= "$mt" config --model=tiny-template "plugin_dirs=[$work/tiny]") ||
+  fail "mt config with plugin_dirs exited $?: $out"
+grep -q '^decoder_block: tiny' <<<"$out" || fail "plugin_dirs did not find the template's model"
 out=$("$mt" config --model=tiny-template base_emb_dim=48) || fail "mt config exited $?"
 grep -q '^decoder_block: tiny' <<<"$out" || fail "mt config did not resolve the family"
 grep -q '^base_emb_dim: 48' <<<"$out" || fail "mt config did not apply the override"

@@ -33,7 +33,7 @@ Args parse_args(const std::string& command, int argc, char** argv, int first,
 // The configs directory (share/mt/configs beside the install or build tree) and extra model
 // config directories (`models/` inside each plugin search directory).
 std::filesystem::path configs_dir();
-std::vector<std::filesystem::path> model_dirs();
+std::vector<std::filesystem::path> model_dirs(const Args& a);
 
 // Resolves the layered config for these arguments (configs/base.yml, the model, --config,
 // overrides) and validates the plugin-independent part. With hf_path, the directory's

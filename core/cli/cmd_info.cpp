@@ -84,13 +84,18 @@ int cmd_plugins(const Args& args) {
 int cmd_models(const Args& args) {
   Config base = resolve_config(args);
   PluginManager pm(plugin_dirs_of(base));
-  const auto models = list_models(configs_dir(), model_dirs());
+  const auto models = list_models(configs_dir(), model_dirs(args));
+  // Each model resolved as the listing found it: with the words' plugin_dirs.
+  std::vector<std::string> dirs_words;
+  for (const auto& o : args.overrides)
+    if (o.rfind("plugin_dirs=", 0) == 0) dirs_words.push_back(o);
   std::printf("%-16s %-8s %10s  %s\n", "MODEL", "FAMILY", "PARAMS", "CONFIG");
   for (const auto& m : models) {
     std::string params = "?";  // until the family plugin sizes it
     try {
       Args a;
       a.model = m.name;
+      a.overrides = dirs_words;
       Config cfg = resolve_config(a);
       auto fam = pm.make_model_family(cfg.get_string("decoder_block"));
       fam->validate(cfg);

@@ -72,13 +72,25 @@ Args parse_args(const std::string& command, int argc, char** argv, int first,
     const std::string key = kv.substr(0, eq);
     const std::string value = kv.substr(eq + 1);
     if (key.empty()) throw UsageError("The argument '" + s + "' has no key before '='.");
-    if (key == "model")
-      a.model = value;
-    else if (key == "config")
-      a.config_file = value;
+    // One model and one config file: a second was silently dropped (or won against
+    // model_name=), so two that differ are refused.
+    std::string& slot = key == "model" ? a.model : a.config_file;
+    if ((key == "model" || key == "config") && !slot.empty() && slot != value)
+      throw UsageError("--" + key + " is given twice (" + slot + " and " + value + "): mt " +
+                       command +
+                       (key == "model" ? " builds one model; keep the one you mean."
+                                       : " reads one config file; put the keys of both in one "
+                                         "file, or give the second's as key=value words."));
+    if (key == "model" || key == "config")
+      slot = value;
     else
       a.overrides.push_back(key + "=" + value);
   }
+  if (!a.model.empty())
+    for (const auto& o : a.overrides)
+      if (o.rfind("model_name=", 0) == 0 && o.substr(11) != a.model)
+        throw UsageError("--model=" + a.model + " and " + o +
+                         " name two models: give one of them (--model is model_name).");
   return a;
 }
 
@@ -87,9 +99,30 @@ fs::path configs_dir() {
       .lexically_normal();
 }
 
-std::vector<fs::path> model_dirs() {
+std::vector<fs::path> model_dirs(const Args& a) {
+  // plugin_dirs as the words and the --config file give it: the config that names the model is
+  // not resolved yet, and a plugin's models/ must be searched to resolve it.
+  std::vector<fs::path> extra;
+  auto add = [&](const YAML::Node& n) {
+    if (n.IsSequence()) {
+      for (const auto& d : n)
+        if (d.IsScalar()) extra.emplace_back(d.Scalar());
+    } else if (n.IsScalar() && !n.Scalar().empty()) {
+      extra.emplace_back(n.Scalar());
+    }
+  };
+  try {
+    if (!a.config_file.empty()) {
+      const YAML::Node n = YAML::Load(read_file(a.config_file, "config", kMaxConfigFileBytes));
+      if (n.IsMap() && n["plugin_dirs"]) add(n["plugin_dirs"]);
+    }
+    for (const auto& o : a.overrides)
+      if (o.rfind("plugin_dirs=", 0) == 0) add(YAML::Load(o.substr(12)));
+  } catch (const std::exception&) {
+    // load_config refuses what does not parse, with the file and line.
+  }
   std::vector<fs::path> r;
-  PluginManager pm;
+  PluginManager pm(extra);
   for (const auto& d : pm.search_dirs()) {
     std::error_code ec;
     if (fs::is_directory(d / "models", ec)) r.push_back(d / "models");
@@ -127,7 +160,7 @@ std::vector<fs::path> plugin_dirs_of(const Config& cfg) {
 Config resolve_config(const Args& a, bool notes) {
   ConfigRequest req;
   req.configs_dir = configs_dir();
-  req.model_dirs = model_dirs();
+  req.model_dirs = model_dirs(a);
   req.model = a.model;
   req.config_file = a.config_file;
   req.overrides = a.overrides;

@@ -470,6 +470,11 @@ TEST(Cli, BadInputIsRefusedWithExitCode2) {
       {"config --model=llama9", "llama2-7b"},
       {"config --config=/nonexistent/x.yml", "/nonexistent/x.yml"},
       {"config --model", "--model needs a value"},
+      // One model, one config file: a second was dropped silently, or beat model_name=.
+      {"config --model=llama-test --model=gemma-test", "--model is given twice"},
+      {"config --model=llama-test model_name=gemma-test", "name two models"},
+      {"config --config=" + (dir / "bad.yml").string() + " --config=/x.yml",
+       "--config is given twice"},
       {"config --config", "--config needs a value"},
       // AdamW divides by 1 - b^step and by sqrt(v) + eps: these made NaN at the first step,
       // reported at the second as "no parameters were updated".
