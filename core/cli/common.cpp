@@ -1,4 +1,5 @@
 #include <fmt/format.h>
+#include <unistd.h>
 #include <yaml-cpp/yaml.h>
 
 #include <charconv>
@@ -72,17 +73,17 @@ Args parse_args(const std::string& command, int argc, char** argv, int first,
     const std::string key = kv.substr(0, eq);
     const std::string value = kv.substr(eq + 1);
     if (key.empty()) throw UsageError("The argument '" + s + "' has no key before '='.");
-    // One model and one config file: a second was silently dropped (or won against
-    // model_name=), so two that differ are refused.
-    std::string& slot = key == "model" ? a.model : a.config_file;
-    if ((key == "model" || key == "config") && !slot.empty() && slot != value)
-      throw UsageError("--" + key + " is given twice (" + slot + " and " + value + "): mt " +
+    // One config file: a second one's keys were silently dropped, so it is refused. A second
+    // --model wins, as words do (last wins).
+    if (key == "config" && !a.config_file.empty() && a.config_file != value)
+      throw UsageError("--config is given twice (" + a.config_file + " and " + value + "): mt " +
                        command +
-                       (key == "model" ? " builds one model; keep the one you mean."
-                                       : " reads one config file; put the keys of both in one "
-                                         "file, or give the second's as key=value words."));
-    if (key == "model" || key == "config")
-      slot = value;
+                       " reads one config file; put the keys of both in one file, or give the "
+                       "second's as key=value words.");
+    if (key == "model")
+      a.model = value;
+    else if (key == "config")
+      a.config_file = value;
     else
       a.overrides.push_back(key + "=" + value);
   }
@@ -164,6 +165,13 @@ Config resolve_config(const Args& a, bool notes) {
   req.model = a.model;
   req.config_file = a.config_file;
   req.overrides = a.overrides;
+  // MaxText's M_<KEY> environment overrides.
+  for (char** e = environ; e && *e; ++e) {
+    const std::string kv = *e;
+    const size_t eq = kv.find('=');
+    if (kv.rfind("M_", 0) == 0 && eq != std::string::npos)
+      req.environment.emplace_back(kv.substr(0, eq), kv.substr(eq + 1));
+  }
   // The family's own keys (ModelFamily::config_schema) join the schema once the layers have
   // decided decoder_block; only that family's plugin is loaded. A family that cannot be loaded
   // adds no keys: commands that need it refuse it by name when they make it, and the others

@@ -135,6 +135,7 @@ void Config::reject(const std::string& key, const std::string& reason) const {
 
 std::string config_set_where(const std::string& origin) {
   if (origin.rfind("command line", 0) == 0) return "set on the " + origin;
+  if (origin.rfind("environment", 0) == 0) return "set by the " + origin;
   return "set at " + origin;
 }
 

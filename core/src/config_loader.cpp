@@ -859,6 +859,27 @@ Config resolve_layers(const ConfigRequest& req, bool lenient) {
   }
   std::vector<Override> overrides;
   for (const auto& arg : req.overrides) overrides.push_back(split_override(arg));
+  // M_<KEY> variables that name a key, each with its origin.
+  std::vector<std::pair<Override, std::string>> environment;
+  for (const auto& [name, value] : req.environment) {
+    if (name.size() <= 2 || name.rfind("M_", 0) != 0) continue;
+    std::string key = name.substr(2);
+    for (char& ch : key) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    if (!schema.find(key)) continue;
+    for (const auto& o : overrides)
+      if (o.key == key)
+        throw UsageError(fmt::format(
+            "{} is set both on the command line ({}) and by the environment variable {}={}: "
+            "give it one way (MaxText refuses this too).",
+            key, o.arg, name, value));
+    if (key == "model_name" && !req.model.empty() && value != req.model)
+      throw UsageError(
+          fmt::format("--model={} and the environment variable {}={} name two models: "
+                      "give one of them.",
+                      req.model, name, value));
+    environment.push_back(
+        {Override{key, value, name + "=" + value}, "environment variable " + name});
+  }
 
   // The model: --model, else the last model_name= override, else the --config file's
   // model_name, else base.yml's. A name given by a layer is type-checked before it is used.
@@ -873,6 +894,11 @@ Config resolve_layers(const ConfigRequest& req, bool lenient) {
       if (it->key != "model_name" || !model_spec) continue;
       model = override_value(*model_spec, *it, "command line").s;
       model_origin = "command line";
+    }
+    for (const auto& [o, origin] : environment) {
+      if (o.key != "model_name" || !model_spec || !model_origin.empty()) continue;
+      model = override_value(*model_spec, o, origin).s;
+      model_origin = origin;
     }
     if (model_origin.empty() && user && model_spec) {
       for (const auto& e : user->entries) {
@@ -933,6 +959,8 @@ Config resolve_layers(const ConfigRequest& req, bool lenient) {
     c.impl().set(o.key, override_value(*spec, o, req.imported_origin));
   }
   if (user) apply_layer(c, schema, *user, unknown);
+  for (const auto& [o, origin] : environment)
+    c.impl().set(o.key, override_value(*schema.find(o.key), o, origin));
   for (const auto& o : overrides) {
     const KeySpec* spec = schema.find(o.key);
     if (!spec) {

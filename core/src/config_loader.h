@@ -14,6 +14,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "config_impl.h"
@@ -44,6 +45,10 @@ struct ConfigRequest {
   std::string model;                   // from --model; "" = model_name from the layers
   std::string config_file;             // --config; "" = none
   std::vector<std::string> overrides;  // "key=value" (or "--key=value") in command-line order
+  // MaxText's environment overrides: {"M_STEPS", "5"} sets `steps` as steps=5 would (the part
+  // after M_, lower-cased, when it names a key; other variables are ignored). A key set both
+  // here and by an override is refused, as MaxText refuses it.
+  std::vector<std::pair<std::string, std::string>> environment;
   // "key=value" read from another format (hf_path's config.json), layered after the model file
   // and before the --config file and the overrides, each value's origin `imported_origin`.
   std::vector<std::string> imported;

@@ -381,6 +381,30 @@ TEST(ConfigLayers, ModelNameResolution) {
   EXPECT_EQ(c.get_string("marker"), "m2");
 }
 
+// MaxText's M_<KEY> environment variables set keys as the command line does, above the --config
+// file; one that names no key is ignored; a key set by both is refused (as MaxText refuses it).
+TEST(ConfigLayers, EnvironmentOverridesAsMaxTextReadsThem) {
+  ConfigRequest r = real_request({"learning_rate=0.01"});
+  r.environment = {{"M_STEPS", "7"},
+                   {"M_NOT_A_KEY", "1"},
+                   {"M_MODEL_NAME", "gemma-test"},
+                   {"MT_PLUGIN_PATH", "/x"}};
+  Config c = load_config(r);
+  EXPECT_EQ(c.get_int("steps"), 7);
+  EXPECT_EQ(c.origin("steps"), "environment variable M_STEPS");
+  EXPECT_EQ(c.get_string("decoder_block"), "gemma");  // the model the variable names
+  EXPECT_DOUBLE_EQ(c.get_float("learning_rate"), 0.01);
+  r.overrides = {"steps=3"};
+  EXPECT_CONTAINS(usage_error([&] { load_config(r); }),
+                  All(Has("steps is set both on the command line (steps=3)"), Has("M_STEPS=7")));
+  r.overrides = {};
+  r.model = "llama-test";
+  EXPECT_CONTAINS(usage_error([&] { load_config(r); }), Has("name two models"));
+  r.environment = {{"M_STEPS", "abc"}};
+  EXPECT_CONTAINS(usage_error([&] { load_config(r); }),
+                  Has("set by the environment variable M_STEPS"));
+}
+
 TEST(ConfigLayers, RealModelOverridesOnTheCommandLine) {
   const Config c = load({"base_num_decoder_layers=4", "model_name=llama-test"}, "llama2-7b");
   EXPECT_EQ(c.get_string("model_name"), "llama2-7b");
