@@ -14,6 +14,7 @@
 #include <numeric>
 #include <optional>
 #include <random>
+#include <set>
 #include <utility>
 
 #include "checkpoint_manager.h"
@@ -153,6 +154,18 @@ ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins,
     const std::string prefix = "mtp." + std::to_string(k) + ".";
     for (const auto& s : model_->mtp_parameters(k)) declare(s, prefix + s.name, names);
     for (const auto& s : model_->mtp_layer(k).parameters()) declare(s, prefix + s.name, names);
+  }
+  // Full names are what checkpoints key tensors by: a top-level parameter named like a layer's
+  // ("layers.0.attn_norm") would share its checkpoint entry, and a resume would load one
+  // tensor into both.
+  {
+    std::set<std::string> full;
+    for (const auto& p : params_)
+      if (!full.insert(p.name).second)
+        throw Error("The model family declares two parameters named '" + p.name +
+                    "' (a top-level one named like a layer's, \"layers.<i>.\" or \"mtp.<k>.\"): "
+                    "checkpoints key tensors by these names, so one would overwrite the other. "
+                    "Rename the top-level parameter.");
   }
   if (expert_.on()) split_for_expert_parallelism(cfg);
   if (tensor_.on()) split_for_tensor_parallelism(cfg);
