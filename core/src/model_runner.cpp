@@ -1079,7 +1079,7 @@ Tensor ModelRunner::run_layers(Graph& g, const std::vector<Tensor>& ps, const Te
 
 Tensor ModelRunner::loss(Graph& g, const DeviceBatch& batch, float z_loss, double weight_scale,
                          std::map<std::string, double>* aux_values, std::vector<LayerStats>* stats,
-                         double aux_scale) {
+                         double aux_scale, const std::vector<double>* mtp_scales) {
   if (aux_scale < 0) aux_scale = weight_scale;
   LayerInputs in;
   in.positions = batch.positions;
@@ -1115,9 +1115,13 @@ Tensor ModelRunner::loss(Graph& g, const DeviceBatch& batch, float z_loss, doubl
       const Tensor ce = head_loss(g, ps, h, mb.targets, 0.f, static_cast<float>(wk));
       float host = 0;
       backend().copy_to_host(ce, &host);
-      (*aux_values)["mtp_loss/" + std::to_string(k)] += weight_scale * static_cast<double>(host);
-      (*aux_values)["mtp_loss"] += weight_scale * per_depth * static_cast<double>(host);
-      total = g.add(total, g.scale(ce, static_cast<float>(per_depth * weight_scale)));
+      MT_CHECK(!mtp_scales || mtp_scales->size() == static_cast<size_t>(mtp_depths_),
+               "loss: mtp_scales has " + std::to_string(mtp_scales ? mtp_scales->size() : 0) +
+                   " depths for the model's " + std::to_string(mtp_depths_));
+      const double sk = mtp_scales ? (*mtp_scales)[static_cast<size_t>(k - 1)] : weight_scale;
+      (*aux_values)["mtp_loss/" + std::to_string(k)] += sk * static_cast<double>(host);
+      (*aux_values)["mtp_loss"] += sk * per_depth * static_cast<double>(host);
+      total = g.add(total, g.scale(ce, static_cast<float>(per_depth * sk)));
     }
   }
   if (aux.empty()) return total;

@@ -275,10 +275,14 @@ class ModelRunner {
   // (not remat's re-run).
   // Multi-token prediction runs in training only (with `aux`): its objective term joins the
   // total, and (*aux) gets "mtp_loss" (the term added: scale / D x the depths' mean
-  // cross-entropies) and "mtp_loss/<k>" (depth k's mean cross-entropy), times weight_scale.
+  // cross-entropies) and "mtp_loss/<k>" (depth k's mean cross-entropy), times the depth's
+  // scale: mtp_scales[k - 1], this batch's share of depth k's valid targets over the step (so a
+  // step of several micro-batches or ranks means over all of them, as one batch would), or
+  // weight_scale without mtp_scales.
   Tensor loss(Graph& g, const DeviceBatch& batch, float z_loss, double weight_scale = 1.0,
               std::map<std::string, double>* aux = nullptr,
-              std::vector<LayerStats>* stats = nullptr, double aux_scale = -1.0);
+              std::vector<LayerStats>* stats = nullptr, double aux_scale = -1.0,
+              const std::vector<double>* mtp_scales = nullptr);
   // After the optimizer step: each layer's (and MTP layer's) DecoderLayer::after_step with its
   // master parameters and its step statistics (`stats` as loss() summed them; empty for a layer
   // with none).

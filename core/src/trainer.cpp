@@ -206,16 +206,24 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
   const bool ranks = comm && comm->size() > 1;
   StepGradients r;
   int64_t valid = 0, sequences = 0;
+  // Multi-token prediction's valid targets per depth (fewer than the main loss's: depth k has
+  // none in a document's last k positions).
+  const size_t depths = micro.empty() ? 0 : micro[0].mtp.size();
+  std::vector<double> mtp_valid(depths, 0.0);
   for (const auto& mb : micro) {
     valid += mb.valid_targets;
     sequences += mb.inputs.dim(0);
+    for (size_t k = 0; k < depths && k < mb.mtp.size(); ++k)
+      mtp_valid[k] += static_cast<double>(mb.mtp[k].valid_targets);
   }
   if (ranks) {  // the weights are shares of the global batch's targets and sequences
     const auto t0 = Clock::now();
-    double v[2] = {static_cast<double>(valid), static_cast<double>(sequences)};
-    comm->all_reduce_sum(v, 2);
+    std::vector<double> v = {static_cast<double>(valid), static_cast<double>(sequences)};
+    v.insert(v.end(), mtp_valid.begin(), mtp_valid.end());
+    comm->all_reduce_sum(v.data(), v.size());
     valid = std::llround(v[0]);
     sequences = std::llround(v[1]);
+    std::copy(v.begin() + 2, v.end(), mtp_valid.begin());
     r.communication_s += seconds_since(t0);
   }
   r.valid_targets = valid;
@@ -278,7 +286,13 @@ StepGradients forward_backward(ModelRunner& runner, std::vector<DeviceBatch>& mi
     // The layers' own losses (means over sequences or tokens): the share of the sequences.
     const double aux_share =
         sequences ? static_cast<double>(mb.inputs.dim(0)) / static_cast<double>(sequences) : 0;
-    Tensor l = runner.loss(g, mb, z_loss, share, &r.aux, &r.layer_stats, aux_share);
+    // Each MTP depth's mean over the step's targets of that depth.
+    std::vector<double> mtp_share(depths, 0.0);
+    for (size_t k = 0; k < depths && k < mb.mtp.size(); ++k)
+      mtp_share[k] =
+          mtp_valid[k] > 0 ? static_cast<double>(mb.mtp[k].valid_targets) / mtp_valid[k] : 0.0;
+    Tensor l = runner.loss(g, mb, z_loss, share, &r.aux, &r.layer_stats, aux_share,
+                           depths ? &mtp_share : nullptr);
     float lv = 0;
     be.copy_to_host(l, &lv);
     r.loss += lv;

@@ -7,6 +7,8 @@
 // resuming; the published sizes; and bad input refused with exit code 2.
 #include <gtest/gtest.h>
 
+#include <fstream>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -847,6 +849,57 @@ TEST(DeepseekMtp, TrainsAndResumesBitwise) {
   SafeTensorsFile p(s.root / "straight" / "checkpoints" / "6" / "params.safetensors");
   EXPECT_EQ(p.info("mtp.1.mtp_projection").shape, (Shape{128, 64}));
   EXPECT_EQ(p.info("mtp.1.w_gate").shape, (Shape{8, 64, 32}));
+}
+
+// Gradient accumulation gives the step one batch's MTP loss: each depth's mean over the step's
+// targets of that depth, which rows of unequal length (packing=false) give unequal shares of.
+// Before, each micro-batch's MTP mean was weighted by its share of the main loss's targets:
+// 2.6e-4 off at step 1 on these rows.
+TEST(DeepseekMtp, AccumulationGivesTheLargerBatchsMtpLoss) {
+  Scratch s;
+  // Documents of 3 to 40 words, tokenized with the shipped tokenizer: rows of 32 positions hold
+  // from a few targets to 32.
+  {
+    std::ofstream f(s.root / "docs.jsonl");
+    for (int d = 0; d < 24; ++d) {
+      std::string text;
+      for (int w = 0; w < 3 + (d * 7) % 38; ++w) {
+        text += w ? " word" : "word";
+        text += std::to_string(w % 9);
+      }
+      f << "{\"text\": \"" << text << "\"}\n";
+    }
+  }
+  auto r = test::run_mt("tokenize tokenizer_path=" + test::source_dir() +
+                        "/data/tokenizer.json input=" + (s.root / "docs.jsonl").string() +
+                        " output=" + (s.root / "docs.tokens").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string common =
+      "run --model=deepseek3-test vocab_size=8192 dataset_type=tokens dataset_path=" +
+      (s.root / "docs.tokens").string() +
+      " packing=false max_target_length=32 steps=2 eval_split=0 "
+      "eval_interval=-1 enable_checkpointing=false mtp_num_layers=2 num_threads=1 "
+      "base_output_directory=" +
+      s.root.string();
+  r = test::run_mt(common + " run_name=one per_device_batch_size=4", 120);
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = test::run_mt(common + " run_name=four per_device_batch_size=1 gradient_accumulation_steps=4",
+                   120);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string one = slurp(s.root / "one" / "metrics.jsonl"),
+                    four = slurp(s.root / "four" / "metrics.jsonl");
+  auto field = [](const std::string& text, const std::string& key, size_t line) {
+    size_t at = 0;
+    for (size_t i = 0; i < line; ++i) at = text.find('\n', at) + 1;
+    const size_t k = text.find("\"" + key + "\": ", at);
+    return k == std::string::npos ? NAN : std::stod(text.substr(k + key.size() + 4));
+  };
+  for (size_t line = 0; line < 2; ++line)
+    for (const char* key : {"loss", "mtp_loss", "mtp_loss/1", "mtp_loss/2"}) {
+      const double a = field(one, key, line), b = field(four, key, line);
+      ASSERT_TRUE(std::isfinite(a)) << key << "\n" << one;
+      EXPECT_NEAR(b, a, 2e-6 * std::fabs(a)) << key << " at step " << line + 1;
+    }
 }
 
 // `mt convert --from=hf ... mtp_num_layers=1`: transformers' checkpoints hold no MTP modules,
