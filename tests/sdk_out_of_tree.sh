@@ -49,6 +49,14 @@ refused() {  # refused <what the message must hold> <mt config arguments...>
 }
 refused 'is unstable' tiny_residual_scale=100
 refused 'out of range' tiny_residual_scale=-1
+# The template does not tie its head: logits_via_embedding is refused as a key the family does
+# not use (before: the core marked it read, and the run kept an untied lm_head silently).
+rc=0
+out=$("$mt" run --model=tiny-template logits_via_embedding=true steps=1 \
+  base_output_directory="$work/tied" 2>&1) || rc=$?
+[ "$rc" = 2 ] || fail "mt run logits_via_embedding=true exited $rc, not 2: $out"
+grep -q 'does not use logits_via_embedding=true' <<<"$out" ||
+  fail "mt run logits_via_embedding=true: the message does not name the key: $out"
 # Another family's keys are unknown, naming the family that decides.
 refused 'decoder_block=llama' decoder_block=llama tiny_residual_scale=2
 grep -Eq "^data +counting +1\.0\.0 +$abi +.*libmt_data_counting\.so" <<<"$("$mt" plugins)" ||

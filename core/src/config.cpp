@@ -59,10 +59,11 @@ void reset_config_reads(const Config& c) {
 
 std::vector<std::string> unread_model_keys(const Config& c) {
   // Read by the core (ModelRunner, the kernels), not by the family.
-  static const std::set<std::string> kCore = {"attention",         "dtype",
-                                              "weight_dtype",      "matmul_precision",
-                                              "remat_policy",      "num_vocab_tiling",
-                                              "init_weights_seed", "logits_via_embedding"};
+  // (logits_via_embedding is the family's: one that does not tie its head must not take it.)
+  static const std::set<std::string> kCore = {"attention",        "dtype",
+                                              "weight_dtype",     "matmul_precision",
+                                              "remat_policy",     "num_vocab_tiling",
+                                              "init_weights_seed"};
   const Config::Impl& im = c.impl();
   std::set<std::string> read;
   {

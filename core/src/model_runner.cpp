@@ -68,7 +68,6 @@ ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins,
   reset_config_reads(cfg);
   compute_dtype_ = dtype_key(cfg, "dtype");
   weight_dtype_ = dtype_key(cfg, "weight_dtype");
-  tied_ = cfg.get_bool("logits_via_embedding");
   if (!parse_remat_policy(cfg.get_string("remat_policy"), remat_))
     cfg.reject("remat_policy", "must be none, minimal or full.");
   if (cfg.has("num_vocab_tiling")) {

@@ -190,7 +190,6 @@ class ModelRunner {
   // How Decoders made on this runner store their caches (from the config).
   const KvCacheQuant& kv_cache_quant() const { return kv_quant_; }
   DType weight_dtype() const { return weight_dtype_; }
-  bool tied_embedding() const { return tied_; }
   RematPolicy remat_policy() const { return remat_; }
   // Each layer's decode cache, as its family declares it (DecoderLayer::cache_spec).
   const std::vector<CacheSpec>& cache_specs() const { return cache_specs_; }
@@ -361,7 +360,6 @@ class ModelRunner {
   int mtp_depths_ = 0;
   std::vector<CacheSpec> cache_specs_;
   DType compute_dtype_ = DType::f32, weight_dtype_ = DType::f32;
-  bool tied_ = false;
   RematPolicy remat_ = RematPolicy::none;
   ParamSharding sharding_;
   bool any_layout_ = false;  // some parameter is not stored as declared (Param::layout)

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 #include <unistd.h>
+#include <yaml-cpp/yaml.h>
 
 #include <algorithm>
 #include <chrono>
@@ -15,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -23,6 +25,7 @@
 #include "checkpoint_manager.h"
 #include "collective_queue.h"
 #include "communicator.h"
+#include "config_impl.h"
 #include "file_util.h"
 #include "fnv1a.h"
 #include "hf_interop.h"
@@ -487,6 +490,44 @@ namespace {
 
 // Every rank must train the same config: rank 0's hash of the resolved config against each
 // rank's. Every rank learns which ranks differ, so all refuse together (and rank 0 says so).
+// The model keys whose value differs from the config a checkpoint was written with, as
+// "key: saved -> now": base.yml's model sections and the family's own keys, less those a
+// resumed run may change (dtypes, kernels, remat, tiling, the initialisation, the MoE losses'
+// weights and router-bias rate). Shapes are checked by the restore; these change the model
+// the weights are read into (an activation, rope theta, a soft cap) with nothing to see.
+std::vector<std::string> changed_model_keys(const Config& cfg, const std::string& saved_yaml) {
+  static const std::set<std::string> kMayChange = {"attention",         "dtype",
+                                                   "weight_dtype",      "matmul_precision",
+                                                   "remat_policy",      "num_vocab_tiling",
+                                                   "init_weights_seed", "load_balance_loss_weight",
+                                                   "moe_z_loss_weight", "routed_bias_update_rate"};
+  std::vector<std::string> out;
+  YAML::Node saved, now;
+  try {
+    saved = YAML::Load(saved_yaml);
+    now = YAML::Load(cfg.to_yaml(false));
+  } catch (const YAML::Exception&) {
+    return out;  // a checkpoint without a readable config (older or foreign) is not compared
+  }
+  if (!saved.IsMap() || !now.IsMap()) return out;
+  const auto& sections = cfg.impl().sections;
+  for (const auto& kv : now) {
+    const std::string key = kv.first.Scalar();
+    const auto sec = sections.find(key);
+    const std::string section = sec == sections.end() ? "" : sec->second;
+    if (section != "Model" && section != "Multi-head latent attention (DeepSeek)" &&
+        !section.empty())
+      continue;
+    if (kMayChange.count(key) || !saved[key]) continue;
+    YAML::Emitter a, b;
+    a << YAML::Flow << saved[key];
+    b << YAML::Flow << kv.second;
+    if (std::string(a.c_str()) != b.c_str())
+      out.push_back(key + ": " + a.c_str() + " -> " + b.c_str());
+  }
+  return out;
+}
+
 void check_same_config(const Config& cfg, Communicator& comm) {
   if (comm.size() == 1) return;
   const uint64_t mine = fnv1a(cfg.to_yaml(false));
@@ -720,6 +761,17 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     data->restore(state.data_state);
     first_step = state.step + 1;
     resumed_from = fmt::format("resumed from step {} in {}", latest, ckpt.directory().string());
+    if (lead)
+      if (const auto changed = changed_model_keys(cfg, state.config_yaml); !changed.empty()) {
+        std::string list;
+        for (const auto& c : changed) list += (list.empty() ? "" : "; ") + c;
+        std::fprintf(stderr,
+                     "mt run: warning: the checkpoint of step %ld was written with other model "
+                     "keys than this run's (%s). Its weights are read into the model these keys "
+                     "build, so the run goes on as another model; if that is not what you mean, "
+                     "stop it and run with the checkpoint's values (its config.yml).\n",
+                     static_cast<long>(latest), list.c_str());
+      }
   } else if (!cfg.get_string("load_full_state_path").empty()) {
     if (parts) {
       load_full_state_parts(cfg.get_string("load_full_state_path"), part_state);

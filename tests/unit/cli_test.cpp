@@ -408,6 +408,30 @@ TEST(Cli, SignalStopsTheRunAfterItsStepWithACheckpoint) {
   fs::remove_all(dir);
 }
 
+// Resuming with model keys other than the checkpoint's (the shapes unchanged) reads its weights
+// into another model: said, naming the keys and both values. Keys a resumed run may change (the
+// dtypes) are not.
+TEST(Cli, ResumeWithOtherModelKeysSaysWhich) {
+  const fs::path dir = fs::temp_directory_path() / ("mt_cli_keys_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  const std::string run =
+      "run --model=llama-test num_threads=1 enable_tensorboard=false "
+      "eval_interval=-1 base_output_directory=" +
+      dir.string();
+  auto r = test::run_mt(run + " steps=2", 60);
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = test::run_mt(run + " steps=3 dtype=bfloat16", 60);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(r.out.find("other model keys"), std::string::npos) << r.out;
+  r = test::run_mt(run + " steps=4 rope_max_timescale=500000", 60);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("other model keys than this run's (rope_max_timescale: 10000.0 -> "
+                       "500000.0)"),
+            std::string::npos)
+      << r.out;
+  fs::remove_all(dir);
+}
+
 TEST(Cli, PluginsListsKindNameVersionAbiPathAndFailures) {
   auto r = mt_cmd(std::string("plugins plugin_dirs=[") + MT_TEST_PLUGIN_DIR + "]");
   EXPECT_EQ(r.code, 0) << r.out;
