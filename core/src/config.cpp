@@ -43,7 +43,12 @@ Config& Config::operator=(Config&&) noexcept = default;
 
 const ConfigValue& Config::Impl::at(const std::string& key) const {
   auto it = values.find(key);
-  if (it == values.end()) throw UsageError("The config has no key '" + key + "'.");
+  // Every key a user can set is declared (the loader refuses others), so this is code asking
+  // for a key no schema declares: mt's or a plugin's bug, not the user's config (exit 1).
+  if (it == values.end())
+    throw Error("The config has no key '" + key +
+                "': code asked for a key that neither base.yml nor the model family's "
+                "config_schema() declares (a plugin reading a misspelled or undeclared key?).");
   {
     std::lock_guard<std::mutex> lock(reads->m);
     reads->keys.insert(key);

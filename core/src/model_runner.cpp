@@ -77,9 +77,23 @@ ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins,
                  "must be >= 1: the number of runs of positions the LM head and loss take in turn "
                  "(1 = all at once).");
   }
-  family_ = plugins.make_model_family(cfg.get_string("decoder_block"));
-  family_->validate(cfg);
-  model_ = family_->build(cfg);
+  const std::string family_name = cfg.get_string("decoder_block");
+  family_ = plugins.make_model_family(family_name);
+  // The family's own sentences (mt::Error, UsageError) pass as they are; anything else it throws
+  // is a bug in the plugin, said so with its name (before: "internal error: boom").
+  try {
+    family_->validate(cfg);
+    model_ = family_->build(cfg);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw Error("The model plugin '" + family_name +
+                "' failed while building the model: " + e.what() +
+                " (it threw an exception that is not an mt::Error: a bug in the plugin).");
+  }
+  if (!model_)
+    throw Error("The model plugin '" + family_name +
+                "' built no model: its ModelFamily::build returned null.");
   // A model key set to something other than its default that neither the family nor the core
   // read would change nothing: the run would silently be another model than the one asked for.
   if (const std::vector<std::string> unread = unread_model_keys(cfg); !unread.empty()) {

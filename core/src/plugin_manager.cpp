@@ -403,7 +403,15 @@ std::unique_ptr<DatasetSource> PluginManager::make_dataset(const std::string& na
                                                            const Config& cfg,
                                                            const DataShard& shard,
                                                            const Tokenizer* tokenizer) {
-  std::unique_ptr<DatasetSource> d = dataset_factory(name)(cfg, shard, tokenizer);
+  std::unique_ptr<DatasetSource> d;
+  try {
+    d = dataset_factory(name)(cfg, shard, tokenizer);
+  } catch (const Error&) {
+    throw;  // the plugin's own sentence
+  } catch (const std::exception& e) {
+    throw Error("The data plugin '" + name + "' failed while opening its data: " + e.what() +
+                " (it threw an exception that is not an mt::Error: a bug in the plugin).");
+  }
   if (!d)
     throw Error("The data plugin '" + name +
                 "' made no dataset: its factory returned null. A factory returns the source or "

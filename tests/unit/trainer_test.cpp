@@ -7,6 +7,7 @@
 #include <fstream>
 #include <random>
 #include <sstream>
+#include <stdexcept>
 
 #include "config_loader.h"
 #include "mt/data.h"
@@ -261,12 +262,13 @@ class MisbehavingSource final : public DatasetSource {
 // and reported the config's batch (another shape: MFU 93% of a 1 x 8 batch), or logged loss 0
 // (every target masked).
 TEST(Trainer, DataPluginsThatBreakTheContractAreNamed) {
-  for (const std::string mode : {"ends", "shape", "no_targets", "masked", "null"}) {
+  for (const std::string mode : {"ends", "shape", "no_targets", "masked", "null", "throws"}) {
     SCOPED_TRACE(mode);
     test::plugins().add_dataset("misbehaving_" + mode,
                                 [mode](const Config& c, const DataShard&,
                                        const Tokenizer*) -> std::unique_ptr<DatasetSource> {
                                   if (mode == "null") return nullptr;
+                                  if (mode == "throws") throw std::runtime_error("boom");
                                   return std::make_unique<MisbehavingSource>(c, mode);
                                 });
     Fixture fx(mode);
@@ -274,7 +276,8 @@ TEST(Trainer, DataPluginsThatBreakTheContractAreNamed) {
                              : mode == "shape"      ? "gave a training batch of 1 x 8 tokens"
                              : mode == "no_targets" ? "with 2 input and 0 target ids"
                              : mode == "masked"     ? "has no target to learn from"
-                                                    : "made no dataset";
+                             : mode == "null"       ? "made no dataset"
+                                                    : "failed while opening its data: boom";
     try {
       train(fx.config({"dataset_type=misbehaving_" + mode, "steps=5", "per_device_batch_size=1",
                        "max_target_length=2", "enable_checkpointing=false"}),
