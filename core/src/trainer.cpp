@@ -5,6 +5,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -18,6 +19,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <system_error>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -528,6 +530,48 @@ std::vector<std::string> changed_model_keys(const Config& cfg, const std::string
   return out;
 }
 
+// metrics.jsonl holds the run's history as it stands: the records of the steps this run starts
+// at or after (a killed run's steps past its last checkpoint, which the restart runs again; a
+// run started over) are moved to metrics.discarded.jsonl, as TensorBoard drops them through
+// the START event. Returns how many were moved.
+size_t move_undone_metrics(const fs::path& run_dir, int64_t first_step) {
+  const fs::path file = run_dir / "metrics.jsonl";
+  std::error_code ec;
+  if (!fs::is_regular_file(file, ec)) return 0;
+  std::ifstream in(file);
+  std::string kept, undone, line;
+  size_t moved = 0;
+  while (std::getline(in, line)) {
+    const size_t at = line.find("\"step\": ");
+    int64_t step = 0;
+    const bool has_step =
+        at != std::string::npos &&
+        std::from_chars(line.data() + at + 8, line.data() + line.size(), step).ec == std::errc();
+    if (has_step && step >= first_step) {
+      undone += line + "\n";
+      ++moved;
+    } else {
+      kept += line + "\n";
+    }
+  }
+  if (moved == 0) return 0;
+  {
+    std::ofstream d(run_dir / "metrics.discarded.jsonl", std::ios::app);
+    d << undone;
+    if (!d) throw Error("Cannot write " + quoted(run_dir / "metrics.discarded.jsonl") + ".");
+  }
+  const fs::path tmp = run_dir / "metrics.jsonl.tmp";
+  {
+    std::ofstream o(tmp);
+    o << kept;
+    o.close();
+    if (!o) throw Error("Cannot write " + quoted(tmp) + ".");
+  }
+  fs::rename(tmp, file, ec);
+  if (ec) throw Error("Cannot write " + quoted(file) + ": " + ec.message() + ".");
+  return moved;
+}
+
 void check_same_config(const Config& cfg, Communicator& comm) {
   if (comm.size() == 1) return;
   const uint64_t mine = fnv1a(cfg.to_yaml(false));
@@ -809,6 +853,12 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     fs::rename(tmp, run_dir / "config.yml", ec);
     if (ec)
       throw Error("Cannot write " + quoted(run_dir / "config.yml") + ": " + ec.message() + ".");
+    if (const size_t moved = move_undone_metrics(run_dir, first_step); moved > 0 && !quiet)
+      std::printf(
+          "mt run: %zu metrics records of steps from %ld on, which this run runs again, "
+          "moved to %s\n",
+          moved, static_cast<long>(first_step),
+          (run_dir / "metrics.discarded.jsonl").string().c_str());
     metrics.open(run_dir / "metrics.jsonl", std::ios::app);
     if (!metrics) throw Error("Cannot write metrics to " + quoted(run_dir / "metrics.jsonl") + ".");
   }

@@ -7,6 +7,7 @@
 #include <sstream>
 #include <utility>
 
+#include "checkpoint_manager.h"
 #include "mt/version.h"
 #include "test_support.h"
 
@@ -405,6 +406,54 @@ TEST(Cli, SignalStopsTheRunAfterItsStepWithACheckpoint) {
     ASSERT_EQ(r.code, 0) << r.out;
     EXPECT_EQ(test::losses_by_step(run), test::losses_by_step((dir / "straight").string()));
   }
+  fs::remove_all(dir);
+}
+
+// A run killed (SIGKILL) after its last checkpoint logged steps its restart runs again: the
+// restart moves their records to metrics.discarded.jsonl, so metrics.jsonl holds each step once
+// (before: those steps twice), and nothing is lost.
+TEST(Cli, RestartMovesTheUndoneStepsMetrics) {
+  const fs::path dir = fs::temp_directory_path() / ("mt_cli_undone_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  // Steps of several milliseconds (batch 8 x 256), so that the kill lands in the step logged.
+  const std::string run =
+      " --model=llama-test num_threads=1 enable_tensorboard=false "
+      "per_device_batch_size=8 max_target_length=256 "
+      "eval_interval=-1 checkpoint_period=5 async_checkpointing=false "
+      "learning_rate_schedule_steps=1000 run_name=r base_output_directory=" +
+      dir.string();
+  std::string out;
+  // mt itself in the background (under timeout(1), SIGKILL would end timeout and leave mt
+  // running), the wait bounded to 30 s.
+  test::run_command("MT_PLUGIN_PATH= " + test::mt_exe() + " run" + run +
+                        " steps=100000 & p=$!; for i in $(seq 3000); do n=$(cat " +
+                        (dir / "r").string() +
+                        "/metrics.jsonl 2>/dev/null | wc -l); [ $n -ge 8 ] && [ $((n % 5)) -ge 2 "
+                        "] && break; sleep 0.005; done; kill -9 $p; wait $p",
+                    out);
+  const size_t logged = test::losses_by_step((dir / "r").string()).size();
+  const int64_t ckpt =
+      CheckpointManager(dir / "r" / "checkpoints", false, 0, test::cpu()).latest_step();
+  ASSERT_GE(ckpt, 5) << out;
+  // Killed between checkpoints (a kill just after one leaves nothing to move, which the checks
+  // below allow).
+  const auto r = test::run_mt("run" + run + " steps=" + std::to_string(ckpt + 2), 60);
+  ASSERT_EQ(r.code, 0) << r.out;
+  if (static_cast<int64_t>(logged) > ckpt) {
+    EXPECT_NE(r.out.find("moved to " + (dir / "r" / "metrics.discarded.jsonl").string()),
+              std::string::npos)
+        << r.out;
+  }
+  std::ifstream m(dir / "r" / "metrics.jsonl");
+  size_t lines = 0;
+  for (std::string l; std::getline(m, l);) ++lines;
+  EXPECT_EQ(lines, static_cast<size_t>(ckpt + 2));
+  EXPECT_EQ(test::losses_by_step((dir / "r").string()).size(), static_cast<size_t>(ckpt + 2));
+  std::ifstream d(dir / "r" / "metrics.discarded.jsonl");
+  size_t discarded = 0;
+  for (std::string l; std::getline(d, l);) ++discarded;
+  EXPECT_EQ(discarded, logged - static_cast<size_t>(ckpt));
   fs::remove_all(dir);
 }
 

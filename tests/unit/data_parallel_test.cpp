@@ -1209,6 +1209,9 @@ TEST(DataParallel, AKilledRankEndsTheJobAndTheRestartResumes) {
                                     straight = losses_by_step(d.root / "straight");
     EXPECT_EQ(straight.size(), static_cast<size_t>(last + 4));
     EXPECT_EQ(killed, straight);
+    // metrics.jsonl holds each step once: the killed run's records past its checkpoint were
+    // moved to metrics.discarded.jsonl (before: appended to again, those steps twice).
+    EXPECT_EQ(losses(d.root / "killed").size(), static_cast<size_t>(last + 4));
   }
 }
 
