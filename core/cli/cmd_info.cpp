@@ -46,11 +46,17 @@ int cmd_plugins(const Args& args) {
   for (const auto& d : pm.search_dirs()) std::printf("  %s\n", d.string().c_str());
   const auto recs = pm.scan();
   std::printf("\n%-8s %-14s %-8s %-4s %s\n", "KIND", "NAME", "VERSION", "ABI", "PATH");
-  int failed = 0;
+  int failed = 0, shadowed = 0;
   for (const auto& r : recs) {
     std::printf("%-8s %-14s %-8s %-4s %s\n", r.kind.c_str(), r.name.c_str(),
                 r.version.empty() ? "-" : r.version.c_str(),
                 r.abi ? std::to_string(r.abi).c_str() : "-", r.path.string().c_str());
+    if (!r.shadowed_by.empty()) {
+      ++shadowed;
+      std::printf("         SHADOWED, not loaded: %s, earlier in the search path, has its name\n",
+                  r.shadowed_by.string().c_str());
+      continue;
+    }
     if (!r.ok) {
       ++failed;
       std::printf("         FAILED: %s\n", r.error.c_str());
@@ -77,7 +83,8 @@ int cmd_plugins(const Args& args) {
     }
   }
   if (recs.empty()) std::printf("(no plugins found)\n");
-  std::printf("\n%zu plugins found, %d unusable.\n", recs.size(), failed);
+  std::printf("\n%zu plugins found, %d unusable%s.\n", recs.size() - static_cast<size_t>(shadowed),
+              failed, shadowed ? (", " + std::to_string(shadowed) + " shadowed").c_str() : "");
   return 0;
 }
 

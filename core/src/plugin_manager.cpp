@@ -269,7 +269,7 @@ PluginRecord PluginManager::load_file(const fs::path& path, bool do_register) {
 
 std::vector<PluginRecord> PluginManager::scan() {
   std::vector<PluginRecord> out;
-  std::set<std::string> seen;
+  std::map<std::string, fs::path> seen;  // file name -> the file that wins
   for (const auto& dir : dirs_) {
     std::error_code ec;
     if (!fs::is_directory(dir, ec)) continue;
@@ -280,9 +280,17 @@ std::vector<PluginRecord> PluginManager::scan() {
     }
     std::sort(files.begin(), files.end());
     for (const auto& f : files) {
-      if (!seen.insert(f.filename().string()).second) continue;  // shadowed by an earlier dir
       std::string k, n;
       split_file_name(f, k, n);
+      if (auto [it, fresh] = seen.emplace(f.filename().string(), f); !fresh) {
+        PluginRecord rec;  // shadowed by an earlier directory: said, not loaded
+        rec.path = f;
+        rec.kind = k;
+        rec.name = n;
+        rec.shadowed_by = it->second;
+        out.push_back(rec);
+        continue;
+      }
       auto it = loaded_.find(k + "/" + n);
       if (it != loaded_.end()) {
         out.push_back(it->second);

@@ -31,6 +31,8 @@ struct PluginRecord {
   unsigned abi = 0;
   bool ok = false;
   std::string error;  // why it could not be used, as a sentence
+  // Not loaded: a file of the same name in an earlier directory of the search path wins.
+  std::filesystem::path shadowed_by;
 };
 
 class PluginManager final : public Registry {
@@ -41,7 +43,8 @@ class PluginManager final : public Registry {
 
   const std::vector<std::filesystem::path>& search_dirs() const { return dirs_; }
 
-  // Loads every libmt_*.so in the search path (first one wins per file name) and reports each.
+  // Loads every libmt_*.so in the search path (first one wins per file name) and reports each,
+  // the shadowed ones too (shadowed_by set, not loaded).
   std::vector<PluginRecord> scan();
 
   // Loads the plugin for kind ("backend", "model", "data") and name, once. Throws UsageError

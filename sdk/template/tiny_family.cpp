@@ -51,6 +51,9 @@ class TinyModel final : public mt::Model {
       layers_.push_back(std::make_unique<TinyLayer>(
           d_, c.get_int("base_mlp_dim"), static_cast<float>(c.get_float("tiny_residual_scale"))));
   }
+  // The default flops_per_token counts attention from num_query_heads x head_dim: a family whose
+  // layers attend sets them (and num_kv_heads), or MFU and mt plan leave attention out. These
+  // layers do not attend.
   mt::ModelDims dims() const override {
     mt::ModelDims m;
     m.vocab_size = vocab_;

@@ -228,6 +228,24 @@ TEST(Plugins, AStaticInitialiserThatThrowsEndsMtWithItsName) {
   }
 }
 
+// A plugin of the same file name in a later directory is listed as shadowed, naming the one that
+// wins (before: left out of `mt plugins` without a word).
+TEST(Plugins, ShadowedPluginsAreListedWithTheOneThatWins) {
+  const fs::path dir = fs::temp_directory_path() / ("mt_plugins_sh_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  fs::copy_file(kBroken / "libmt_model_good.so", dir / "libmt_model_good.so");
+  PluginManager pm({kBroken, dir});
+  const auto recs = pm.scan();
+  const PluginRecord* shadowed = nullptr;
+  for (const auto& r : recs)
+    if (r.path == dir / "libmt_model_good.so") shadowed = &r;
+  ASSERT_NE(shadowed, nullptr);
+  EXPECT_EQ(shadowed->shadowed_by, kBroken / "libmt_model_good.so");
+  EXPECT_FALSE(shadowed->ok);
+  fs::remove_all(dir);
+}
+
 TEST(Plugins, PluginPathEnvironmentIsSearched) {
   ::setenv("MT_PLUGIN_PATH", (kBroken.string() + ":/nonexistent").c_str(), 1);
   PluginManager pm;
