@@ -168,6 +168,33 @@ HfTokenSettings read_hf_token_settings(const fs::path& dir) {
       r.add_bos_token = a->boolean;
     }
   }
+  json::Value tj;
+  if (!r.add_bos_token && load("tokenizer.json", tj)) {
+    // The post-processor, or the TemplateProcessing inside a Sequence of them.
+    const json::Value* pp = tj.find("post_processor");
+    if (pp && pp->is_object()) {
+      const json::Value* type = pp->find("type");
+      if (type && type->is_string() && type->str == "Sequence") {
+        const json::Value* list = pp->find("processors");
+        const json::Value* found = nullptr;
+        if (list && list->is_array())
+          for (const auto& p : list->items)
+            if (const json::Value* t = p.is_object() ? p.find("type") : nullptr;
+                t && t->is_string() && t->str == "TemplateProcessing")
+              found = &p;
+        pp = found;
+      }
+    }
+    bool adds = false;
+    if (pp && pp->is_object()) {
+      const json::Value* type = pp->find("type");
+      const json::Value* single = pp->find("single");
+      if (type && type->is_string() && type->str == "TemplateProcessing" && single &&
+          single->is_array() && !single->items.empty() && single->items[0].is_object())
+        adds = single->items[0].find("SpecialToken") != nullptr;
+    }
+    r.add_bos_token = adds;
+  }
   json::Value gc;
   if (load("generation_config.json", gc)) {
     if (const json::Value* b = gc.find("bos_token_id"); b && !b->is_null())

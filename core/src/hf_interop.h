@@ -26,6 +26,9 @@ struct HfImport {
 // bos_token / eos_token (a string or {"content": ...}) and add_bos_token, and
 // generation_config.json's bos_token_id and eos_token_id (one id or a list: every one stops
 // generate). Absent files and fields leave their members empty.
+// Without add_bos_token, `add_bos_token` is what tokenizer.json's post_processor does, as
+// transformers' fast tokenizers apply it: a TemplateProcessing whose single template starts
+// with a special token adds it (Llama's "<s>"), ByteLevel or none adds nothing (GPT-2, Qwen).
 struct HfTokenSettings {
   std::string bos_token, eos_token;
   std::optional<bool> add_bos_token;

@@ -372,7 +372,41 @@ TEST(HfImport, TokenizerConfigSpecialTokens) {
   EXPECT_THROW(read_hf_token_settings(dir), UsageError);
   std::ofstream(dir / "tokenizer_config.json") << R"({"add_bos_token": "yes"})";
   EXPECT_THROW(read_hf_token_settings(dir), UsageError);
+  // Without add_bos_token, tokenizer.json's post-processor decides, as a fast tokenizer applies
+  // it: Llama's TemplateProcessing starting with "<s>" adds it, GPT-2's ByteLevel (or none)
+  // adds nothing (before: base.yml's add_bos: true put GPT-2's <|endoftext|> before every
+  // prompt, which transformers does not).
+  std::ofstream(dir / "tokenizer_config.json") << R"({"eos_token": "</s>"})";
+  for (const auto& [post, adds] :
+       {std::pair{R"({"type": "ByteLevel", "add_prefix_space": true})", false},
+        std::pair{"null", false},
+        std::pair{R"({"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>",
+                  "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}]})",
+                  true},
+        std::pair{R"({"type": "Sequence", "processors": [{"type": "ByteLevel"},
+                  {"type": "TemplateProcessing", "single": [{"Sequence": {"id": "A"}}]}]})",
+                  false}}) {
+    std::ofstream(dir / "tokenizer.json") << std::string(R"({"post_processor": )") + post + "}";
+    const HfTokenSettings p = read_hf_token_settings(dir);
+    ASSERT_TRUE(p.add_bos_token.has_value()) << post;
+    EXPECT_EQ(*p.add_bos_token, adds) << post;
+  }
   fs::remove_all(dir);
+}
+
+// GPT-2's directory: mt decode's prompt is the ids transformers' tokenizer gives, with no
+// <|endoftext|> in front (8 tokens for "It is a truth"); add_bos=true set by the user adds it.
+TEST(HfImport, Gpt2PromptsGetNoBosAsInTransformers) {
+  const std::string dir = test::source_dir() + "/tests/golden/gpt2/tied";
+  std::string out;
+  EXPECT_EQ(mt_cmd("decode hf_path=" + dir + " prompt=\"It is a truth\" max_target_length=12", out),
+            0);
+  EXPECT_NE(out.find("prefill 8 tokens"), std::string::npos) << out;
+  EXPECT_EQ(mt_cmd("decode hf_path=" + dir +
+                       " prompt=\"It is a truth\" max_target_length=12 add_bos=true",
+                   out),
+            0);
+  EXPECT_NE(out.find("prefill 9 tokens"), std::string::npos) << out;
 }
 
 // With hf_path the config is the directory's alone: no named model beneath it (its context
