@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <utility>
 
@@ -328,24 +329,33 @@ int cmd_score(const Args& args) {
   const bool ids_given = !probe.get_string("tokens").empty();
   Inference in = load_inference(args, "score", /*need_tokenizer=*/!ids_given);
   const Config& cfg = in.cfg;
-  std::vector<int32_t> ids;
+  // The sequences scored, each on its own: one, or one per document of a text input (a document
+  // is not context for the next: mt run's evaluation restarts attention at each packed
+  // document; before, the documents were joined into one stream).
+  std::vector<std::vector<int32_t>> seqs;
   if (ids_given) {
-    ids = parse_ids(cfg.get_string("tokens"), "tokens");
+    seqs.push_back(parse_ids(cfg.get_string("tokens"), "tokens"));
   } else if (!cfg.get_string("input").empty()) {
     const std::string path = cfg.get_string("input");
     const std::string all = read_file(path, "input");
     if (all.find_first_not_of("0123456789, \t\n") == std::string::npos) {
-      ids = parse_ids(all, path);
+      seqs.push_back(parse_ids(all, path));
     } else {
       for (const auto& t : read_texts(path)) {
         auto e = encode(in, t, "input=" + path);
-        ids.insert(ids.end(), e.begin(), e.end());
         if (in.tokenizer->eos_id() >= 0 && cfg.get_bool("add_eos"))
-          ids.push_back(in.tokenizer->eos_id());
+          e.push_back(in.tokenizer->eos_id());
+        seqs.push_back(std::move(e));
       }
     }
   } else {
-    ids = encode(in, cfg.get_string("prompt"), "prompt");
+    seqs.push_back(encode(in, cfg.get_string("prompt"), "prompt"));
+  }
+  std::vector<int32_t> ids;  // every sequence's, in order
+  std::vector<int32_t> seq_of;
+  for (size_t q = 0; q < seqs.size(); ++q) {
+    ids.insert(ids.end(), seqs[q].begin(), seqs[q].end());
+    seq_of.insert(seq_of.end(), seqs[q].size(), static_cast<int32_t>(q));
   }
   const int64_t vocab = in.runner->model().dims().vocab_size;
   for (size_t i = 0; i < ids.size(); ++i)
@@ -354,76 +364,89 @@ int cmd_score(const Args& args) {
           fmt::format("Token id {} at position {} is outside the model's vocabulary "
                       "[0, {}).",
                       ids[i], i, vocab));
-  if (ids.size() < 2) throw UsageError("mt score needs at least two tokens (one to predict).");
+  size_t longest = 0;
+  for (const auto& q : seqs) longest = std::max(longest, q.size());
+  if (longest < 2) throw UsageError("mt score needs at least two tokens (one to predict).");
   // Windows of max_target_length tokens, scored independently: said, never done silently.
   const int64_t window = cfg.get_int("max_target_length");
   const auto n = static_cast<int64_t>(ids.size());
-  if (n > window) {
+  if (static_cast<int64_t>(longest) > window) {
     const int64_t mpe = cfg.get_int("max_position_embeddings");
+    const auto most = static_cast<int64_t>(longest);
     std::fprintf(
         stderr,
-        "mt score: the input has %ld tokens, more than max_target_length=%ld: it is "
-        "scored in %ld independent windows of up to %ld tokens, each without the context "
-        "of the ones before (the first token of each is not predicted). Set "
-        "max_target_length=%ld%s to score it as one sequence.\n",
-        static_cast<long>(n), static_cast<long>(window),
-        static_cast<long>((n + window - 1) / window), static_cast<long>(window),
-        static_cast<long>(mpe > 0 ? std::min(n, mpe) : n),
-        mpe > 0 && n > mpe
+        "mt score: a sequence has %ld tokens, more than max_target_length=%ld: it is scored in "
+        "independent windows of up to %ld tokens, each without the context of the ones before "
+        "(the first token of each is not predicted). Set max_target_length=%ld%s to score it "
+        "as one sequence.\n",
+        static_cast<long>(most), static_cast<long>(window), static_cast<long>(window),
+        static_cast<long>(mpe > 0 ? std::min(most, mpe) : most),
+        mpe > 0 && most > mpe
             ? fmt::format(" (the most the model supports: max_position_embeddings={})", mpe).c_str()
             : "");
   }
-  std::vector<float> all_logits, logprobs;
+  std::vector<float> all_logits;
+  // logprobs[j]: log p(token j | the tokens before it in its window); NaN where nothing
+  // predicts it (a sequence's or a window's first token), so the file and the mean agree.
+  std::vector<float> logprobs;
   const bool keep = !cfg.get_string("output").empty();
   double nll = 0;
   int64_t counted = 0;
   Backend& be = in.runner->backend();
-  for (int64_t s = 0; s < n; s += window) {
-    const int64_t t = std::min(window, n - s);
-    HostBatch hb;
-    hb.batch = 1;
-    hb.seq = t;
-    hb.inputs.assign(ids.begin() + s, ids.begin() + s + t);
-    DeviceBatch db = in.runner->upload(hb);
-    Graph g(be, /*record=*/false);
-    Tensor logits = in.runner->forward(g, db);
-    Tensor f = logits;
-    if (f.dtype() != DType::f32) {
-      f = be.empty(logits.shape(), DType::f32);
-      be.cast(logits, f);
-    }
-    std::vector<float> host(static_cast<size_t>(t * vocab));
-    be.copy_to_host(f, host.data());
-    for (int64_t i = 0; i < t; ++i) {
-      const float* row = host.data() + i * vocab;
-      if (s + i + 1 >= n) break;
-      double mx = row[0];
-      for (int64_t v = 1; v < vocab; ++v) mx = std::max(mx, double(row[v]));
-      double z = 0;
-      for (int64_t v = 0; v < vocab; ++v) z += std::exp(double(row[v]) - mx);
-      const double lp = double(row[ids[static_cast<size_t>(s + i + 1)]]) - mx - std::log(z);
-      // The last token of a window predicts the first of the next with no context: skip it.
-      if (i + 1 < t) {
+  for (const auto& seq : seqs) {
+    const auto len = static_cast<int64_t>(seq.size());
+    for (int64_t s = 0; s < len; s += window) {
+      const int64_t t = std::min(window, len - s);
+      HostBatch hb;
+      hb.batch = 1;
+      hb.seq = t;
+      hb.inputs.assign(seq.begin() + s, seq.begin() + s + t);
+      DeviceBatch db = in.runner->upload(hb);
+      Graph g(be, /*record=*/false);
+      Tensor logits = in.runner->forward(g, db);
+      Tensor f = logits;
+      if (f.dtype() != DType::f32) {
+        f = be.empty(logits.shape(), DType::f32);
+        be.cast(logits, f);
+      }
+      std::vector<float> host(static_cast<size_t>(t * vocab));
+      be.copy_to_host(f, host.data());
+      if (keep) logprobs.push_back(std::numeric_limits<float>::quiet_NaN());
+      for (int64_t i = 0; i + 1 < t; ++i) {  // position i predicts token i + 1 of the window
+        const float* row = host.data() + i * vocab;
+        double mx = row[0];
+        for (int64_t v = 1; v < vocab; ++v) mx = std::max(mx, double(row[v]));
+        double z = 0;
+        for (int64_t v = 0; v < vocab; ++v) z += std::exp(double(row[v]) - mx);
+        const double lp = double(row[hb.inputs[static_cast<size_t>(i + 1)]]) - mx - std::log(z);
         nll -= lp;
         ++counted;
+        if (keep) logprobs.push_back(static_cast<float>(lp));
       }
-      if (keep) logprobs.push_back(static_cast<float>(lp));
+      if (keep) all_logits.insert(all_logits.end(), host.begin(), host.end());
     }
-    if (keep) all_logits.insert(all_logits.end(), host.begin(), host.end());
   }
+  if (counted == 0)
+    throw UsageError("mt score: no token is predicted: every sequence has one token.");
   const double mean = nll / static_cast<double>(counted);
-  std::printf("tokens %ld  predicted %ld  mean loss %.6f  perplexity %.4f\n", static_cast<long>(n),
-              static_cast<long>(counted), mean, std::exp(mean));
+  std::printf("tokens %ld  predicted %ld  mean loss %.6f  perplexity %.4f%s\n",
+              static_cast<long>(n), static_cast<long>(counted), mean, std::exp(mean),
+              seqs.size() > 1
+                  ? fmt::format("  ({} sequences, each scored on its own)", seqs.size()).c_str()
+                  : "");
   if (keep) {
     const std::string out = cfg.get_string("output");
-    write_safetensors(out,
-                      {SafeTensorsEntry("logits", DType::f32, {n, vocab}, all_logits.data()),
-                       SafeTensorsEntry("logprobs", DType::f32,
-                                        {static_cast<int64_t>(logprobs.size())}, logprobs.data()),
-                       SafeTensorsEntry("tokens", DType::i32, {n}, ids.data())},
-                      {{"mean_loss", fmt::format("{:.9g}", mean)}});
-    std::printf("wrote logits [%ld, %ld] and logprobs [%zu] to %s\n", static_cast<long>(n),
-                static_cast<long>(vocab), logprobs.size(), out.c_str());
+    write_safetensors(
+        out,
+        {SafeTensorsEntry("logits", DType::f32, {n, vocab}, all_logits.data()),
+         SafeTensorsEntry("logprobs", DType::f32, {n}, logprobs.data()),
+         SafeTensorsEntry("tokens", DType::i32, {n}, ids.data()),
+         SafeTensorsEntry("sequence", DType::i32, {n}, seq_of.data())},
+        {{"mean_loss", fmt::format("{:.9g}", mean)}, {"predicted", std::to_string(counted)}});
+    std::printf(
+        "wrote logits [%ld, %ld], logprobs [%ld] (NaN where not predicted), tokens and "
+        "sequence to %s\n",
+        static_cast<long>(n), static_cast<long>(vocab), static_cast<long>(n), out.c_str());
   }
   return 0;
 }

@@ -1,6 +1,8 @@
 // The `mt` executable: commands, exit codes, and the one-paragraph errors of the foundation issue.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -9,6 +11,7 @@
 
 #include "checkpoint_manager.h"
 #include "mt/version.h"
+#include "safetensors.h"
 #include "test_support.h"
 
 namespace fs = std::filesystem;
@@ -311,6 +314,70 @@ TEST(Cli, TrainThenDecodeAndScore) {
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("perplexity"), std::string::npos) << r.out;
   EXPECT_TRUE(fs::exists(dir / "s.safetensors"));
+  // A text input of several documents scores each on its own (before: one joined stream, each
+  // document seeing the ones before it): the second document's log-probs are the same as when it
+  // is scored alone. The file's logprobs align with its tokens, NaN where nothing predicts one,
+  // and their mean is the printed mean loss, windows included.
+  {
+    std::ofstream(dir / "ab.jsonl")
+        << "{\"text\": \"It is a truth universally acknowledged.\"}\n"
+        << "{\"text\": \"Emma Woodhouse, handsome, clever, and rich.\"}\n";
+    std::ofstream(dir / "b.jsonl")
+        << "{\"text\": \"Emma Woodhouse, handsome, clever, and rich.\"}\n";
+    auto read = [](const fs::path& f, const std::string& name) {
+      SafeTensorsFile st(f);
+      const SafeTensorInfo& i = st.info(name);
+      std::vector<float> v(static_cast<size_t>(i.numel()));
+      if (i.dtype == "F32") {
+        std::memcpy(v.data(), i.data, i.nbytes());
+      } else {  // I32
+        std::vector<int32_t> w(v.size());
+        std::memcpy(w.data(), i.data, i.nbytes());
+        for (size_t k = 0; k < w.size(); ++k) v[k] = static_cast<float>(w[k]);
+      }
+      return std::make_pair(v, st.metadata());
+    };
+    r = mt_cmd("score" + ckpt + " input=" + (dir / "ab.jsonl").string() +
+               " output=" + (dir / "ab.safetensors").string());
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_NE(r.out.find("(2 sequences, each scored on its own)"), std::string::npos) << r.out;
+    r = mt_cmd("score" + ckpt + " input=" + (dir / "b.jsonl").string() +
+               " output=" + (dir / "b.safetensors").string());
+    ASSERT_EQ(r.code, 0) << r.out;
+    const auto [ab, ab_meta] = read(dir / "ab.safetensors", "logprobs");
+    const auto [seq, unused] = read(dir / "ab.safetensors", "sequence");
+    const auto [b, b_meta] = read(dir / "b.safetensors", "logprobs");
+    std::vector<float> ab_b;
+    for (size_t k = 0; k < ab.size(); ++k)
+      if (seq[k] == 1) ab_b.push_back(ab[k]);
+    ASSERT_EQ(ab_b.size(), b.size());
+    for (size_t k = 0; k < b.size(); ++k) {
+      if (k == 0) {
+        EXPECT_TRUE(std::isnan(ab_b[k]) && std::isnan(b[k]));
+      } else {
+        EXPECT_EQ(ab_b[k], b[k]) << k;
+      }
+    }
+    // Windows of 5 tokens: NaN at each window's first token; the mean of the rest is mean_loss.
+    r = mt_cmd("score" + ckpt + " input=" + (dir / "b.jsonl").string() +
+               " max_target_length=5 output=" + (dir / "w.safetensors").string());
+    ASSERT_EQ(r.code, 0) << r.out;
+    const auto [w, w_meta] = read(dir / "w.safetensors", "logprobs");
+    double sum = 0;
+    int predicted = 0, nans = 0;
+    for (size_t k = 0; k < w.size(); ++k) {
+      if (std::isnan(w[k])) {
+        ++nans;
+        EXPECT_EQ(k % 5, 0u) << k;
+      } else {
+        sum -= w[k];
+        ++predicted;
+      }
+    }
+    EXPECT_EQ(nans, static_cast<int>((w.size() + 4) / 5));
+    EXPECT_EQ(std::to_string(predicted), w_meta.at("predicted"));
+    EXPECT_NEAR(sum / predicted, std::stod(w_meta.at("mean_loss")), 1e-6);
+  }
   // int8 weights read from the run's step directory, each quantized as it streams through one
   // read of the checkpoint (load_checkpoint_weights).
   r = mt_cmd("score" + ckpt + " tokens=1,5,42,7 quantization=int8");
