@@ -13,6 +13,7 @@
 
 #include "checkpoint_manager.h"
 #include "cli.h"
+#include "config_impl.h"
 #include "decoder.h"
 #include "file_util.h"
 #include "hf_interop.h"
@@ -220,11 +221,22 @@ bool is_score_output(const std::filesystem::path& p) {
 }
 }  // namespace
 
+// tokens= set to nothing (tokens= with no ids) is not "no tokens given": before, the default
+// prompt was decoded instead.
+void refuse_empty_tokens(const Config& probe) {
+  if (probe.get_string("tokens").empty() &&
+      probe.origin("tokens").find("base.yml") == std::string::npos)
+    throw UsageError("tokens= (" + config_set_where(probe.origin("tokens")) +
+                     ") holds no token id: give ids (tokens=1,5,42), or leave tokens out for "
+                     "prompt=.");
+}
+
 int cmd_decode(const Args& args) {
   // tokens=<ids>: the prompt as token ids, and the output as ids (prompt and continuation, as
   // transformers' generate returns them), so a decode compares exactly with a reference.
   const Config probe = resolve_config(args, /*notes=*/false);
   one_source(probe, "decode", {"tokens", "prompt_file", "prompt"});
+  refuse_empty_tokens(probe);
   const bool ids_given = !probe.get_string("tokens").empty();
   if (ids_given) parse_ids(probe.get_string("tokens"), "tokens");  // before the model loads
   Inference in = load_inference(args, "decode", /*need_tokenizer=*/!ids_given);
@@ -262,6 +274,13 @@ int cmd_decode(const Args& args) {
           fmt::format("A prompt has {} tokens, more than max_prefill_predict_length={}.", p.size(),
                       max_prefill));
   const int64_t max_len = cfg.get_int("max_target_length");
+  // Checked before the prompt is printed (streamed): an error after it ran into the prompt.
+  for (const auto& p : prompts)
+    if (static_cast<int64_t>(p.size()) >= max_len)
+      throw UsageError(fmt::format(
+          "A prompt has {} tokens, and max_target_length={} (the prompt and its continuation) "
+          "leaves no room for a generated token; raise max_target_length above {}.",
+          p.size(), max_len, p.size()));
   const SamplingParams sp = sampling_from_config(cfg);
   const bool stream = prompts.size() == 1 && !ids_given;
   std::string shown;
@@ -320,6 +339,13 @@ int cmd_decode(const Args& args) {
 int cmd_score(const Args& args) {
   const Config probe = resolve_config(args, /*notes=*/false);
   one_source(probe, "score", {"tokens", "input", "prompt"});
+  refuse_empty_tokens(probe);
+  // Scoring runs no decode: the int8 cache would change nothing it measures.
+  if (probe.get_bool("quantize_kvcache"))
+    probe.reject("quantize_kvcache",
+                 "has no effect on mt score, which runs the full forward with no KV cache: its "
+                 "perplexity would be the cache-less model's. Measure an int8 cache with mt "
+                 "decode (greedy continuations) instead.");
   if (!probe.get_string("tokens").empty()) parse_ids(probe.get_string("tokens"), "tokens");
   if (!probe.get_string("output").empty())  // before the model loads: nothing is lost, no time
     check_output_file("output", probe.get_string("output"),
@@ -376,10 +402,11 @@ int cmd_score(const Args& args) {
     std::fprintf(
         stderr,
         "mt score: a sequence has %ld tokens, more than max_target_length=%ld: it is scored in "
-        "independent windows of up to %ld tokens, each without the context of the ones before "
-        "(the first token of each is not predicted). Set max_target_length=%ld%s to score it "
-        "as one sequence.\n",
-        static_cast<long>(most), static_cast<long>(window), static_cast<long>(window),
+        "%ld independent windows of up to %ld tokens, each without the context of the ones "
+        "before (the first token of each is not predicted). Set max_target_length=%ld%s to "
+        "score it as one sequence.\n",
+        static_cast<long>(most), static_cast<long>(window),
+        static_cast<long>((most + window - 1) / window), static_cast<long>(window),
         static_cast<long>(mpe > 0 ? std::min(most, mpe) : most),
         mpe > 0 && most > mpe
             ? fmt::format(" (the most the model supports: max_position_embeddings={})", mpe).c_str()

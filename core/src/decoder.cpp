@@ -325,6 +325,15 @@ GenerateResult generate(ModelRunner& runner, const std::vector<std::vector<int32
   };
   using Clock = std::chrono::steady_clock;
   const auto batch = static_cast<int64_t>(prompts.size());
+  // max_target_length bounds a prompt and its continuation: a prompt of max_len tokens has no
+  // room for one more (before: it got one, max_len + 1 in all).
+  for (const auto& p : prompts)
+    if (static_cast<int64_t>(p.size()) >= max_len)
+      throw UsageError("A prompt has " + std::to_string(p.size()) +
+                       " tokens, and max_target_length=" + std::to_string(max_len) +
+                       " (the prompt and its continuation) leaves no room for a generated token; "
+                       "raise max_target_length above " +
+                       std::to_string(p.size()) + ".");
   Decoder dec(runner, batch, max_len);
   const int64_t vocab = runner.model().dims().vocab_size;
   GenerateResult r;

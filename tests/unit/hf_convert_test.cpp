@@ -407,6 +407,22 @@ TEST(HfImport, Gpt2PromptsGetNoBosAsInTransformers) {
                    out),
             0);
   EXPECT_NE(out.find("prefill 9 tokens"), std::string::npos) << out;
+  // max_target_length bounds the prompt and its continuation: 1 + 1 ids at 2 (before: a prompt
+  // of max_target_length tokens got one more), and a prompt that leaves no room is refused
+  // before it is printed (before: the error ran into the streamed prompt).
+  EXPECT_EQ(mt_cmd("decode hf_path=" + dir + " tokens=5 max_target_length=2", out), 0);
+  EXPECT_EQ(std::count(out.begin(), out.end(), ','), 1) << out;
+  EXPECT_EQ(mt_cmd("decode hf_path=" + dir + " tokens=5,6 max_target_length=2", out), 2);
+  EXPECT_NE(out.find("leaves no room for a generated token"), std::string::npos) << out;
+  EXPECT_EQ(
+      mt_cmd("decode hf_path=" + dir + " prompt=\"Hi there friend\" max_target_length=4", out), 2);
+  EXPECT_EQ(out.find("Hi there friend"), std::string::npos) << out;
+  // tokens= with no ids is refused (before: the default prompt was decoded), and mt score
+  // refuses the int8 KV cache it has no use for (before: accepted, the perplexity the f32's).
+  EXPECT_EQ(mt_cmd("decode hf_path=" + dir + " tokens= max_target_length=10", out), 2);
+  EXPECT_NE(out.find("holds no token id"), std::string::npos) << out;
+  EXPECT_EQ(mt_cmd("score hf_path=" + dir + " tokens=1,2,3 quantize_kvcache=true", out), 2);
+  EXPECT_NE(out.find("has no effect on mt score"), std::string::npos) << out;
 }
 
 // With hf_path the config is the directory's alone: no named model beneath it (its context
