@@ -128,6 +128,21 @@ int cmd_convert(const Args& args_in) {
   }
   write_hf_model(output, runner, cfg, pm);
   if (!cfg.get_string("tokenizer_path").empty()) copy_tokenizer_files(cfg.get_string("tokenizer_path"), output);
+  // A directory `mt convert --from=hf` wrote keeps the Hugging Face side files beside its
+  // checkpoints (generation_config.json: the end-of-sequence ids generate stops at): they go
+  // back with the model, where tokenizer_path gave none (before: lost on the way back).
+  if (!input.empty()) {
+    std::error_code ec;
+    fs::path dir = fs::absolute(input, ec);
+    for (int up = 0; up < 3 && !dir.empty(); ++up, dir = dir.parent_path()) {
+      if (!fs::exists(dir / "model.yml", ec)) continue;
+      for (const char* f : {"generation_config.json", "tokenizer.json", "tokenizer.model",
+                            "tokenizer_config.json", "special_tokens_map.json"})
+        if (fs::exists(dir / f, ec) && !fs::exists(fs::path(output) / f, ec))
+          fs::copy_file(dir / f, fs::path(output) / f, ec);
+      break;
+    }
+  }
   std::printf("mt convert: %zu parameters -> %s (config.json, model.safetensors)\n",
               runner.params().size(), output.c_str());
   return 0;

@@ -204,6 +204,12 @@ void convert_round_trip(const fs::path& hf, const fs::path& mtdir, const fs::pat
     ASSERT_EQ(x.nbytes(), y.nbytes()) << n;
     EXPECT_EQ(std::memcmp(x.data, y.data, x.nbytes()), 0) << n << " differs after the round trip";
   }
+  // generation_config.json (the ids generate stops at) comes back too (before: lost unless a
+  // tokenizer_path directory held one).
+  if (fs::exists(hf / "generation_config.json")) {
+    ASSERT_TRUE(fs::exists(back / "generation_config.json")) << back;
+    EXPECT_EQ(slurp(back / "generation_config.json"), slurp(hf / "generation_config.json"));
+  }
 }
 
 MtResult run_training(const std::string& model, const std::string& options, const fs::path& base,

@@ -142,6 +142,12 @@ TEST_P(FamilyGolden, ConvertRoundTrips) {
   EXPECT_NE(cfg.find(GetParam() == "mistral" ? "MistralForCausalLM" : "MixtralForCausalLM"),
             std::string::npos)
       << cfg;
+  if (GetParam() == "mixtral") {
+    // The directory's load-balancing weight is kept, into mt's key and back (before: 0.01).
+    EXPECT_NE(test::slurp(m / "model.yml").find("load_balance_loss_weight: 0.001"),
+              std::string::npos);
+    EXPECT_NE(cfg.find("\"router_aux_loss_coef\": 0.001"), std::string::npos) << cfg;
+  }
   std::string out;
   const std::vector<float> got = score(GetParam(), back, "", s, out);
   EXPECT_EQ(out.find("mt: note"), std::string::npos) << out;

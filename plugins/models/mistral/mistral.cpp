@@ -328,6 +328,10 @@ class Family final : public mt::ModelFamily {
       o.push_back("num_experts=" + experts);
       o.push_back("num_experts_per_tok=" + top);
       o.push_back("norm_topk_prob=true");  // MixtralSparseMoeBlock renormalises the top k
+      // Fine-tuning keeps the directory's load-balancing weight (before: base.yml's 0.01 for
+      // Mixtral's 0.001), as the qwen3_moe import does.
+      if (const std::string* c = get("router_aux_loss_coef"))
+        o.push_back("load_balance_loss_weight=" + *c);
       if (const std::string* j = get("router_jitter_noise"); j && std::stod(*j) != 0.0)
         throw mt::UsageError("config.json sets router_jitter_noise=" + *j +
                              ": mt's mixtral family does not implement router jitter (noise on "
