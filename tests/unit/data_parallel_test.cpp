@@ -1163,6 +1163,14 @@ std::map<int64_t, double> losses_by_step(const fs::path& run) {
   return test::losses_by_step(run.string());
 }
 
+// An mpirun prefix (see mpirun()) under which rank 1 sends itself `signal` (kill's option: -9,
+// -TERM) once `run`'s metrics.jsonl holds `lines` records (exec keeps the shell's PID for mt).
+std::string rank1_signals_itself(const fs::path& run, int lines, const std::string& signal) {
+  return "bash -c 'if [ \"$OMPI_COMM_WORLD_RANK\" = 1 ]; then (while [ $(cat " +
+         (run / "metrics.jsonl").string() + " 2>/dev/null | wc -l) -lt " + std::to_string(lines) +
+         " ]; do sleep 0.05; done; kill " + signal + " $$) & fi; exec \"$0\" \"$@\"'";
+}
+
 // A rank killed (SIGKILL) in the middle of training: the job ends with an error instead of
 // hanging in the step's collectives, the last complete checkpoint stays loadable, and a restart
 // of the job resumes from it and continues exactly as a run that was never killed.
@@ -1180,12 +1188,8 @@ TEST(DataParallel, AKilledRankEndsTheJobAndTheRestartResumes) {
         "/data/corpus.train.tokens checkpoint_period=2 eval_interval=-1 "
         "learning_rate_schedule_steps=1000 " +
         mesh;
-    // Rank 1 kills itself with SIGKILL once rank 0 has logged 6 steps (exec keeps its PID).
-    const std::string killer =
-        "bash -c 'if [ \"$OMPI_COMM_WORLD_RANK\" = 1 ]; then (while [ $(cat " +
-        (d.root / "killed" / "metrics.jsonl").string() +
-        " 2>/dev/null | wc -l) -lt 6 ]; do sleep 0.05; done; kill -9 $$) & fi; exec \"$0\" "
-        "\"$@\"'";
+    // Rank 1 kills itself with SIGKILL once rank 0 has logged 6 steps.
+    const std::string killer = rank1_signals_itself(d.root / "killed", 6, "-9");
     const auto t0 = std::chrono::steady_clock::now();
     test::MtResult r =
         mpirun(2, train_args(d.root, "killed", 2, common + " steps=100000"), 60, killer);
@@ -1226,11 +1230,7 @@ TEST(DataParallel, ASignalToOneRankStopsEveryRankAfterTheSameStep) {
       "/data/corpus.train.tokens checkpoint_period=1000 eval_interval=-1 "
       "learning_rate_schedule_steps=1000 ici_fsdp_parallelism=2 ici_data_parallelism=1 "
       "async_checkpointing=true";
-  const std::string signaller =
-      "bash -c 'if [ \"$OMPI_COMM_WORLD_RANK\" = 1 ]; then (while [ $(cat " +
-      (d.root / "stopped" / "metrics.jsonl").string() +
-      " 2>/dev/null | wc -l) -lt 4 ]; do sleep 0.05; done; kill -TERM $$) & fi; exec \"$0\" "
-      "\"$@\"'";
+  const std::string signaller = rank1_signals_itself(d.root / "stopped", 4, "-TERM");
   const auto t0 = std::chrono::steady_clock::now();
   test::MtResult r =
       mpirun(2, train_args(d.root, "stopped", 2, common + " steps=100000"), 60, signaller);
