@@ -508,7 +508,11 @@ Tensor Graph::cache_values(const KVCache& cache, size_t entry, DType dtype) {
 void Graph::write_kv_cache(KVCache& cache, const Tensor& k, const Tensor& v) {
   MT_CHECK(cache.tensors.size() >= 2 && k.ndim() == 4 && v.ndim() == 4,
            "write_kv_cache: k " + k.str() + " and v " + v.str() + " for a cache of " +
-               std::to_string(cache.tensors.size()) + " tensors (want k and v [B, T, Hkv, D])");
+               std::to_string(cache.tensors.size()) + " tensors (want k and v [B, T, Hkv, D])" +
+               (cache.tensors.size() < 2
+                    ? ": the layer writes a KV cache its DecoderLayer::cache_spec() does not "
+                      "declare (an attention layer returns blocks::attention_cache_spec(spec))"
+                    : std::string()));
   if (int8_entry(cache, 0) || int8_entry(cache, 1)) {
     write_cache(cache, 0, k);
     write_cache(cache, 1, v);
