@@ -629,7 +629,9 @@ TEST(Attention, DecodeHeadSizesAndKeyTails) {
             run(*test::attention("dot_product", be),
                 sequence_of(q, kc, vc, b, L, 1, Smax, Hq, Hkv, D, spec), DType::f32, false);
         const std::vector<float> row(got.begin() + b * Hq * D, got.begin() + (b + 1) * Hq * D);
-        EXPECT_LT(norm_err(row, r.out), 2e-6) << "D " << D << " Hq " << Hq << " length " << L;
+        // f32 sums in another order than the reference's: 2.2e-6 at most seen (the portable
+        // kernels, D 200, seed 54756375); a wrong key, mask or scale is 1e-2 and more.
+        EXPECT_LT(norm_err(row, r.out), 4e-6) << "D " << D << " Hq " << Hq << " length " << L;
       }
     }
 }
