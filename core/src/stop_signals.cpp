@@ -31,7 +31,9 @@ extern "C" void on_stop_signal(int sig) {
   if (!g_signal.compare_exchange_strong(none, sig)) {
     // The same request delivered twice (timeout(1) signals its child and then its process
     // group) is one request: only a signal a second or more after the first forces the stop.
-    if (now_ns() - g_first_ns.load() < 1000000000) return;
+    // (0: the first one's handler, on another thread, has not stored its time yet.)
+    const int64_t first = g_first_ns.load();
+    if (first == 0 || now_ns() - first < 1000000000) return;
     // A second signal, of either kind: its default action, once this handler returns (the
     // signal is blocked while its handler runs). sigaction and raise are async-signal-safe.
     struct sigaction dfl {};
@@ -59,6 +61,7 @@ StopOnSignals::StopOnSignals(bool announce) {
   if (g_watching.exchange(true))
     throw Error("Internal: a second StopOnSignals while one is alive.");
   g_signal.store(0);
+  g_first_ns.store(0);
   g_announce.store(announce);
   struct sigaction sa {};
   sa.sa_handler = on_stop_signal;
