@@ -217,6 +217,12 @@ TEST(Plugins, FifosAndDanglingLinksAreRefusedWithoutBlocking) {
 // A static initialiser's exception leaves the dynamic loader locked: mt says which plugin and
 // ends at once (exit 1), where it went on and then trained or deadlocked by turns.
 TEST(Plugins, AStaticInitialiserThatThrowsEndsMtWithItsName) {
+#if defined(__SANITIZE_ADDRESS__)
+  // ASan's dlopen interceptor lets no exception through: the plugin's exception ends mt in
+  // std::terminate (exit 134, naming the exception) before mt's own message.
+  GTEST_SKIP() << "under AddressSanitizer, dlopen's interceptor turns the plugin's exception "
+                  "into std::terminate; the behaviour is checked in the plain build";
+#endif
   const std::string dir = test::build_dir() + "/tests/plugins-static";
   for (const std::string args : {"plugins", "run --model=llama-test decoder_block=throwstatic"}) {
     const test::MtResult r = test::run_mt(args, 30, "MT_PLUGIN_PATH=" + dir);
