@@ -6,10 +6,12 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
 
+#include "checkpoint_manager.h"
 #include "cli.h"
 #include "communicator.h"
 #include "config_impl.h"
@@ -156,6 +158,79 @@ std::vector<fs::path> plugin_dirs_of(const Config& cfg) {
   return dirs;
 }
 
+// mt decode / mt score load_parameters_path=<checkpoint of mt run> with no model named (no
+// --model, model_name= or decoder_block=, by any layer the user wrote): the checkpoint's config
+// is the model, as config.json is with hf_path. Layers into `req` the saved model keys (base.yml's
+// model sections less the core's run choices (dtypes, kernels, remat, init), and the family's
+// own keys), and the run's tokenizer where the user names none and it still exists; the user's
+// settings still win. Returns the saved model_name (for the config's display), or nothing when
+// the checkpoint has no config to take (a bare safetensors file, a foreign checkpoint).
+std::optional<std::string> checkpoint_model(const Args& a, ConfigRequest& req,
+                                            const Config& layers) {
+  const std::set<std::string> user = user_keys(a);
+  if (user.count("model_name") || user.count("decoder_block")) return std::nullopt;
+  for (const auto& [name, value] : req.environment)
+    if (name == "M_MODEL_NAME" || name == "M_DECODER_BLOCK") return std::nullopt;
+  const std::string ckpt = layers.get_string("load_parameters_path");
+  YAML::Node saved;
+  try {
+    saved = YAML::Load(checkpoint_config_yaml(ckpt));
+  } catch (const YAML::Exception&) {
+    return std::nullopt;  // loading the weights says what is wrong with the checkpoint
+  }
+  if (!saved.IsMap() || !saved["decoder_block"] || !saved["decoder_block"].IsScalar())
+    return std::nullopt;
+  auto text = [](const YAML::Node& n) {
+    if (n.IsScalar()) return n.Scalar();
+    YAML::Emitter e;
+    e << YAML::Flow << n;
+    return std::string(e.c_str());
+  };
+  const std::string block = saved["decoder_block"].Scalar();
+  // The keys the saved family declares, with base.yml's: the family's schema, as load_config
+  // will add it.
+  ConfigRequest fam = req;
+  fam.overrides = {"model_name=", "decoder_block=" + block};
+  fam.config_file.clear();
+  fam.environment.clear();
+  if (req.schemas_for)
+    for (auto& t : req.schemas_for(preview_config(fam))) fam.schema_texts.push_back(std::move(t));
+  const Config known = preview_config(fam);
+  static const std::set<std::string> kRunChoices = {"attention",        "dtype",
+                                                    "weight_dtype",     "matmul_precision",
+                                                    "remat_policy",     "num_vocab_tiling",
+                                                    "init_weights_seed"};
+  const auto& base = layers.impl().sections;
+  std::vector<std::string> layered = {"decoder_block=" + block};
+  for (const auto& kv : saved) {
+    const std::string key = kv.first.Scalar();
+    const auto sec = known.impl().sections.find(key);
+    if (sec == known.impl().sections.end() || key == "decoder_block" || kRunChoices.count(key))
+      continue;  // a key this mt does not declare (an older run's) is not the model's
+    const bool model_key =
+        sec->second == "Model" || sec->second == "Multi-head latent attention (DeepSeek)";
+    if (model_key || !base.count(key)) layered.push_back(key + "=" + text(kv.second));
+  }
+  // The run's tokenizer, for text prompts, when it is still where the run found it.
+  if (!user.count("tokenizer_path") && saved["tokenizer_path"] &&
+      saved["tokenizer_path"].IsScalar() && !saved["tokenizer_path"].Scalar().empty()) {
+    std::error_code ec;
+    const std::string tok = saved["tokenizer_path"].Scalar();
+    if (fs::exists(tok, ec)) {
+      layered.push_back("tokenizer_path=" + tok);
+      if (!user.count("tokenizer_type") && saved["tokenizer_type"] &&
+          saved["tokenizer_type"].IsScalar())
+        layered.push_back("tokenizer_type=" + saved["tokenizer_type"].Scalar());
+    }
+  }
+  req.imported = std::move(layered);
+  req.imported_origin = ckpt + " (load_parameters_path: the checkpoint's config)";
+  req.overrides = {"model_name="};
+  req.overrides.insert(req.overrides.end(), a.overrides.begin(), a.overrides.end());
+  const YAML::Node name = saved["model_name"];
+  return name && name.IsScalar() ? name.Scalar() : std::string();
+}
+
 }  // namespace
 
 Config resolve_config(const Args& a, bool notes) {
@@ -196,6 +271,7 @@ Config resolve_config(const Args& a, bool notes) {
   // and tokenizer) has nothing to do with the directory's.
   const Config layers = preview_config(req);
   std::vector<std::string> unused;
+  std::optional<std::string> saved_model;  // the checkpoint's model_name, when it is the model
   if (const std::string hf = layers.get_string("hf_path"); !hf.empty()) {
     PluginManager pm(plugin_dirs_of(layers));
     const std::set<std::string> user = user_keys(a);
@@ -242,6 +318,9 @@ Config resolve_config(const Args& a, bool notes) {
     req.overrides.insert(req.overrides.end(), a.overrides.begin(), a.overrides.end());
     for (const auto& u : imp.unused)
       unused.push_back(hf + "/config.json field not used by mt: " + u);
+  } else if ((a.command == "decode" || a.command == "score") &&
+             !layers.get_string("load_parameters_path").empty()) {
+    saved_model = checkpoint_model(a, req, layers);
   }
   Config cfg;
   try {
@@ -250,6 +329,12 @@ Config resolve_config(const Args& a, bool notes) {
     if (family_error.empty()) throw;
     throw UnknownKeyError(std::string(e.what()) +
                           " That family's own keys could not be read: " + family_error);
+  }
+  if (saved_model) {
+    ConfigValue v = cfg.impl().at("model_name");
+    v.s = *saved_model;
+    v.origin = req.imported_origin;
+    cfg.impl().set("model_name", v);
   }
   if (notes)
     for (const auto& u : unused) std::fprintf(stderr, "mt: note: %s\n", u.c_str());

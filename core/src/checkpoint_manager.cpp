@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <yaml-cpp/yaml.h>
 
 #include <algorithm>
 #include <bit>
@@ -683,6 +684,7 @@ class PartSource {
       : dir_(std::move(dir)), md_(md), bare_(std::move(bare)), corrupt_(std::move(corrupt)) {}
 
   bool sharded() const { return md_ && md_->shards > 0; }
+  const Metadata* metadata() const { return md_; }
   bool has(int g) const {
     if (!md_) return g == 0;
     return sharded() ? md_->has[g] : md_->file(kFileNames[g]) != nullptr;
@@ -735,6 +737,36 @@ class PartSource {
   Layout whole_[3];
   std::map<std::string, SafeTensorsFile> open_;
 };
+
+// The end of a "does not match the model" message: the model the checkpoint's run had (its
+// metadata's config), and how to ask for it.
+std::string written_with(const Metadata* md) {
+  const std::string fallback = "Was it written with a different model config?";
+  if (!md || md->config_yaml.empty()) return fallback;
+  YAML::Node saved;
+  try {
+    saved = YAML::Load(md->config_yaml);
+  } catch (const YAML::Exception&) {
+    return fallback;
+  }
+  if (!saved.IsMap()) return fallback;
+  auto scalar = [&](const char* key) {
+    const YAML::Node n = saved[key];
+    return n && n.IsScalar() ? n.Scalar() : std::string();
+  };
+  const std::string model = scalar("model_name");
+  const std::string block = scalar("decoder_block");
+  if (!model.empty())
+    return "It was written by a run of model_name=" + model + " (decoder_block " + block +
+           "): give --model=" + model +
+           " with the run's model settings, or leave the model out (mt decode and mt score then "
+           "take the checkpoint's).";
+  if (!block.empty())
+    return "It was written by a run of decoder_block=" + block +
+           " with no named model: give that run's model settings (its config.yml), or leave the "
+           "model out (mt decode and mt score then take the checkpoint's).";
+  return fallback;
+}
 
 // Fills the parts in `targets[g]` (null: group g is not read) from `src`. Every name, shape,
 // file and piece is checked before the first tensor is written, so a checkpoint that does not
@@ -826,7 +858,7 @@ void read_parts(PartSource& src, const fs::path& where,
                        (g == 0   ? "parameters"
                         : g == 1 ? "first moments"
                                  : "second moments") +
-                       ": " + msg + ". Was it written with a different model config?");
+                       ": " + msg + ". " + written_with(src.metadata()));
   }
 
   for (const Read& r : reads) {
@@ -1581,6 +1613,16 @@ void load_parameter_parts(const fs::path& path, ShardedTrainState& state) {
   std::map<std::string, TensorPart>* targets[3] = {&state.tensors[0], nullptr, nullptr};
   with_parameter_source(
       path, [&](PartSource& src, const fs::path& where) { read_parts(src, where, targets); });
+}
+
+std::string checkpoint_config_yaml(const fs::path& path) {
+  try {
+    std::error_code ec;
+    if (fs::is_regular_file(path, ec)) return "";
+    return read_metadata(resolve_step_dir(path, "load_parameters_path")).config_yaml;
+  } catch (const std::exception&) {
+    return "";
+  }
 }
 
 void load_full_state(const fs::path& path, TrainState& state) {

@@ -240,6 +240,11 @@ void load_parameters(const std::filesystem::path& path, std::map<std::string, Te
                      const std::map<std::string, Shape>& streamed, Backend& backend,
                      const std::function<void(const std::string&, const Tensor&)>& take);
 
+// The resolved config (YAML, as mt run wrote it) of the checkpoint `path` names as
+// load_parameters_path takes it; "" for a bare .safetensors file, a checkpoint written without
+// one, or a path that names no readable checkpoint (loading it says why).
+std::string checkpoint_config_yaml(const std::filesystem::path& path);
+
 // Restores a full train state for load_full_state_path: `path` as for load_parameters (but not a
 // bare file); the same checks and semantics as CheckpointManager::restore.
 void load_full_state(const std::filesystem::path& path, TrainState& state);

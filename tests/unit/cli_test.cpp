@@ -383,6 +383,26 @@ TEST(Cli, TrainThenDecodeAndScore) {
   r = mt_cmd("score" + ckpt + " tokens=1,5,42,7 quantization=int8");
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("perplexity"), std::string::npos) << r.out;
+  // With no model named, decode and score take the checkpoint's (its config: the run's model
+  // file and base_num_decoder_layers=1 from its command line), as hf_path takes config.json;
+  // before, base.yml's default model was built and the weights refused. A model named that is
+  // not the checkpoint's is refused naming the checkpoint's.
+  {
+    const std::string bare = " load_parameters_path=" + (dir / "default").string();
+    const auto named = mt_cmd("decode" + ckpt + " prompt=\"It is a truth\" max_target_length=12");
+    const auto taken = mt_cmd("decode" + bare + " prompt=\"It is a truth\" max_target_length=12");
+    ASSERT_EQ(taken.code, 0) << taken.out;
+    EXPECT_EQ(taken.out.substr(0, taken.out.find("mt decode:")),
+              named.out.substr(0, named.out.find("mt decode:")));
+    const auto scored = mt_cmd("score" + bare + " tokens=1,5,42,7");
+    const auto scored_named = mt_cmd("score" + ckpt + " tokens=1,5,42,7");
+    ASSERT_EQ(scored.code, 0) << scored.out;
+    EXPECT_EQ(scored.out, scored_named.out);
+    const auto other = mt_cmd("score --model=llama-test" + bare + " tokens=1,5,42,7");
+    EXPECT_EQ(other.code, 2) << other.out;
+    EXPECT_NE(other.out.find("written by a run of model_name=llama-small"), std::string::npos)
+        << other.out;
+  }
   r = mt_cmd("score" + ckpt + " tokens=1,5,99999");
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_NE(r.out.find("99999"), std::string::npos) << r.out;
