@@ -1,6 +1,7 @@
 // mt plugins, mt models, mt config: what is installed and what a run would use.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <map>
 
@@ -96,7 +97,12 @@ int cmd_models(const Args& args) {
   std::vector<std::string> dirs_words;
   for (const auto& o : args.overrides)
     if (o.rfind("plugin_dirs=", 0) == 0) dirs_words.push_back(o);
-  std::printf("%-16s %-8s %10s  %s\n", "MODEL", "FAMILY", "PARAMS", "CONFIG");
+  int name_w = 16, family_w = 8;  // widened to the longest, so the columns stay columns
+  for (const auto& m : models) {
+    name_w = std::max(name_w, static_cast<int>(m.name.size()));
+    family_w = std::max(family_w, static_cast<int>(m.family.size()));
+  }
+  std::printf("%-*s %-*s %10s  %s\n", name_w, "MODEL", family_w, "FAMILY", "PARAMS", "CONFIG");
   for (const auto& m : models) {
     std::string params = "?";  // until the family plugin sizes it
     try {
@@ -111,8 +117,11 @@ int cmd_models(const Args& args) {
     } catch (const std::exception& e) {
       std::fprintf(stderr, "mt models: %s: %s\n", m.name.c_str(), e.what());
     }
-    std::printf("%-16s %-8s %10s  %s\n", m.name.c_str(), m.family.c_str(), params.c_str(),
-                m.path.string().c_str());
+    std::string where = m.path.string();
+    for (const auto& p : m.shadowed)
+      where += " (SHADOWS " + p.string() + ": the first found is the model; rename the other)";
+    std::printf("%-*s %-*s %10s  %s\n", name_w, m.name.c_str(), family_w, m.family.c_str(),
+                params.c_str(), where.c_str());
   }
   return 0;
 }

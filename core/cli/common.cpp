@@ -336,6 +336,20 @@ Config resolve_config(const Args& a, bool notes) {
     v.origin = req.imported_origin;
     cfg.impl().set("model_name", v);
   }
+  // A model name found in more than one directory: the first is used; say which, once.
+  if (const std::string m = cfg.get_string("model_name"); notes && !m.empty() && !saved_model) {
+    std::vector<fs::path> found;
+    std::vector<fs::path> dirs = {req.configs_dir / "models"};
+    dirs.insert(dirs.end(), req.model_dirs.begin(), req.model_dirs.end());
+    for (const auto& d : dirs) {
+      std::error_code ec;
+      if (fs::is_regular_file(d / (m + ".yml"), ec)) found.push_back(d / (m + ".yml"));
+    }
+    for (size_t i = 1; i < found.size(); ++i)
+      unused.push_back("model '" + m + "' is " + found[0].string() + "; " + found[i].string() +
+                       " has the same name and is not used (the shipped models come first, "
+                       "then plugin_dirs' models/ in order): rename it to use it.");
+  }
   if (notes)
     for (const auto& u : unused) std::fprintf(stderr, "mt: note: %s\n", u.c_str());
   // A relative data path that does not exist from the current directory is looked up in

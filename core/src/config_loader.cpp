@@ -788,7 +788,7 @@ std::vector<ModelEntry> list_models(const fs::path& configs_dir,
     }
   }
   std::vector<ModelEntry> out;
-  std::set<std::string> seen;
+  std::map<std::string, size_t> seen;  // name -> its entry in `out`
   for (const auto& dir : model_search_dirs(configs_dir, model_dirs)) {
     std::error_code ec;
     if (!fs::is_directory(dir, ec)) continue;
@@ -800,7 +800,11 @@ std::vector<ModelEntry> list_models(const fs::path& configs_dir,
     for (const auto& p : files) {
       ModelEntry m;
       m.name = p.stem().string();
-      if (!seen.insert(m.name).second) continue;
+      if (const auto it = seen.find(m.name); it != seen.end()) {
+        out[it->second].shadowed.push_back(p);
+        continue;
+      }
+      seen.emplace(m.name, out.size());
       m.path = p;
       m.family = default_family;
       std::ifstream in(p);

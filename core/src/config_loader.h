@@ -75,10 +75,13 @@ struct ModelEntry {
   std::string family;  // its decoder_block (base.yml's default when the file has none)
   std::filesystem::path path;
   std::string description;  // the file's first comment line, without '#'
+  // Files of the same name in later directories: not used (the first found is the model).
+  std::vector<std::filesystem::path> shadowed;
 };
 
 // The named model configs, sorted by name; a name found in several directories is listed once,
-// from the first directory (configs_dir/models, then model_dirs in order), as load_config picks.
+// from the first directory (configs_dir/models, then model_dirs in order), as load_config picks,
+// with the later files in `shadowed`.
 std::vector<ModelEntry> list_models(const std::filesystem::path& configs_dir,
                                     const std::vector<std::filesystem::path>& model_dirs);
 

@@ -458,8 +458,9 @@ TEST(Cli, SignalStopsTheRunAfterItsStepWithACheckpoint) {
     std::string out;
     const int code = test::run_command(
         "MT_PLUGIN_PATH= timeout -k 10 60 " + test::mt_exe() + " run" + common +
-            " run_name=stopped steps=100000 " + extra + " & p=$!; while [ $(cat " + run +
-            "/metrics.jsonl 2>/dev/null | wc -l) -lt 4 ]; do sleep 0.05; done; kill -" + sig +
+            " run_name=stopped steps=100000 " + extra +
+            " & p=$!; for i in $(seq 1200); do [ $(cat " + run +
+            "/metrics.jsonl 2>/dev/null | wc -l) -ge 4 ] && break; sleep 0.05; done; kill -" + sig +
             " $p; wait $p; echo \"exit=$?\"",
         out);
     ASSERT_EQ(code, 0) << out;
@@ -508,12 +509,15 @@ TEST(Cli, RestartMovesTheUndoneStepsMetrics) {
       " --model=llama-test num_threads=1 enable_tensorboard=false "
       "per_device_batch_size=8 max_target_length=256 "
       "eval_interval=-1 checkpoint_period=5 async_checkpointing=false "
-      "learning_rate_schedule_steps=1000 run_name=r base_output_directory=" +
+      "max_num_checkpoints_to_keep=3 learning_rate_schedule_steps=1000 run_name=r "
+      "base_output_directory=" +
       dir.string();
   std::string out;
   // mt itself in the background (under timeout(1), SIGKILL would end timeout and leave mt
-  // running), the wait bounded to 30 s.
-  test::run_command("MT_PLUGIN_PATH= " + test::mt_exe() + " run" + run +
+  // running), the wait bounded to 30 s. mt is bounded too: prlimit execs it (the same pid) with
+  // 120 s of CPU, and it keeps 3 checkpoints, so a test killed before its `kill -9` (ctest's
+  // timeout under a sanitizer) leaves no run going on to steps=100000 (one filled 25 GB of /tmp).
+  test::run_command("MT_PLUGIN_PATH= prlimit --cpu=120 " + test::mt_exe() + " run" + run +
                         " steps=100000 & p=$!; for i in $(seq 3000); do n=$(cat " +
                         (dir / "r").string() +
                         "/metrics.jsonl 2>/dev/null | wc -l); [ $n -ge 8 ] && [ $((n % 5)) -ge 2 "
@@ -594,6 +598,32 @@ TEST(Cli, ModelsListsFamiliesAndPublishedSizes) {
     EXPECT_NE(line.find("llama"), std::string::npos) << line;
     EXPECT_NE(line.find(size), std::string::npos) << line;
   }
+  // The columns stay columns with names and families longer than the headings (before,
+  // deepseek2-bench-1b and deepseek_v2 pushed their row's columns right).
+  const size_t config_col = r.out.find("CONFIG");
+  ASSERT_NE(config_col, std::string::npos) << r.out;
+  std::istringstream rows(r.out);
+  for (std::string row; std::getline(rows, row);)
+    if (row.find(".yml") != std::string::npos) {
+      EXPECT_EQ(row.find('/'), config_col) << row;
+    }
+  // A plugin directory's models/ file named like a shipped model is listed as shadowed, and a
+  // run of that name says which file it is (before: ignored without a word).
+  const fs::path dir = fs::temp_directory_path() / ("mt_cli_shadow_" + std::to_string(::getpid()));
+  fs::create_directories(dir / "models");
+  std::ofstream(dir / "models" / "llama-test.yml") << "decoder_block: llama\nbase_emb_dim: 32\n";
+  r = mt_cmd("models plugin_dirs=" + dir.string());
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("(SHADOWS " + (dir / "models" / "llama-test.yml").string()),
+            std::string::npos)
+      << r.out;
+  r = mt_cmd("config --model=llama-test plugin_dirs=" + dir.string());
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find((dir / "models" / "llama-test.yml").string() +
+                       " has the same name and is not used"),
+            std::string::npos)
+      << r.out;
+  fs::remove_all(dir);
 }
 
 TEST(Cli, ConfigPrintsTheLayeredConfig) {

@@ -782,6 +782,11 @@ TEST(ConfigModels, ExtraModelDirsComeAfterConfigsModels) {
   EXPECT_EQ(find("mine")->description, "my model");
   ASSERT_NE(find("llama-test"), models.end());
   EXPECT_EQ(find("llama-test")->description.rfind("llama-test", 0), 0u);
+  // The shadowed file is listed with the model that shadows it (mt models says so); before, it
+  // was dropped without a word.
+  ASSERT_EQ(find("llama-test")->shadowed.size(), 1u);
+  EXPECT_EQ(find("llama-test")->shadowed[0], extra / "llama-test.yml");
+  EXPECT_TRUE(find("mine")->shadowed.empty());
 
   ConfigRequest r = real_request({}, "mine");
   r.model_dirs = {extra};
