@@ -121,6 +121,21 @@ TEST(DeepseekGolden, LogitsMatchTransformers) {
   }
 }
 
+// A DeepSeek-V3 config.json without norm_topk_prob and routed_scaling_factor is
+// DeepseekV3Config's defaults (true, 2.5: the golden's values), not V2's (before: false and 1.0,
+// logits off by 2.8 at a scale of 3.8).
+TEST(DeepseekGolden, AbsentRoutingFieldsAreTransformersV3Defaults) {
+  Scratch s;
+  const Reference ref(kGolden / "deepseek_v3");
+  const fs::path dir = test::with_config(s, kGolden, "deepseek_v3", "config.json");
+  test::edit_file(dir / "config.json", "\"norm_topk_prob\": true,", "");
+  test::edit_file(dir / "config.json", "\"routed_scaling_factor\": 2.5,", "");
+  std::string out;
+  const std::vector<float> got = score(dir, ref, s, out);
+  ASSERT_EQ(got.size(), ref.floats("logits").size()) << out;
+  EXPECT_LT(test::scaled_err(got, ref.floats("logits")), kTol);
+}
+
 // `mt decode hf_path=... tokens=<prompt>` prints the prompt and its 20 greedy tokens, equal to
 // transformers' generate(do_sample=False). Smallest top-1/top-2 gaps: 0.032 (v2), 0.020 (v3).
 TEST(DeepseekGolden, GreedyDecodeEqualsTransformersGenerate) {

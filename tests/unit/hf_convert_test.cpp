@@ -297,6 +297,49 @@ TEST(HfImport, TransformersFiveAndLegacyConfigsGiveTheGoldenLogits) {
   }
 }
 
+// Fields config.json leaves out take transformers' defaults, not base.yml's: llama3's (and
+// yarn's) original_max_position_embeddings is max_position_embeddings (before: refused for llama3,
+// base.yml's 8192 for yarn, logits ~1.2 off), rms_norm_eps is LlamaConfig's 1e-6 (before: 1e-5).
+// A partial_rotary_factor below 1, which transformers' Llama ignores, is refused (before: mt
+// rotated part of each head, 1.5 off transformers).
+TEST(HfImport, AbsentFieldsAreTransformersDefaults) {
+  auto edit = [](const fs::path& file, const std::string& from, const std::string& to) {
+    std::string text;
+    {
+      std::ifstream f(file);
+      std::getline(f, text, '\0');
+    }
+    ASSERT_NE(text.find(from), std::string::npos) << from;
+    text.replace(text.find(from), from.size(), to);
+    std::ofstream(file) << text;
+  };
+  Llama31Dir d(true);
+  edit(d.root / "config.json", ",\n           \"original_max_position_embeddings\": 32", "");
+  edit(d.root / "config.json", "\"max_position_embeddings\": 128", "\"max_position_embeddings\": 32");
+  edit(d.root / "config.json", "\"rms_norm_eps\": 1e-06, ", "");
+  std::string out;
+  ASSERT_EQ(mt_cmd("config hf_path=" + d.root.string(), out), 0) << out;
+  EXPECT_NE(out.find("\noriginal_max_position_embeddings: 32\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("\nnormalization_layer_epsilon: 1.0e-06\n"), std::string::npos) << out;
+  const std::vector<int32_t> ids = d.ints("input_ids");
+  const std::vector<float> want = d.floats("logits");
+  const fs::path f = d.root / "logits.safetensors";
+  ASSERT_EQ(mt_cmd("score hf_path=" + d.root.string() + " tokens=" + join_ids(ids, 0, 16) +
+                       " output=" + f.string(),
+                   out),
+            0)
+      << out;
+  SafeTensorsFile got(f);
+  const auto& li = got.info("logits");
+  ASSERT_EQ(li.numel(), 16 * 256);
+  std::vector<float> g(static_cast<size_t>(li.numel()));
+  std::memcpy(g.data(), li.data, li.nbytes());
+  EXPECT_LT(test::scaled_err(g, std::vector<float>(want.begin(), want.begin() + 16 * 256)), 1e-4);
+  edit(d.root / "config.json", "\"rope_type\"", "\"partial_rotary_factor\": 0.5, \"rope_type\"");
+  EXPECT_EQ(mt_cmd("score hf_path=" + d.root.string() + " tokens=1,2,3", out), 2) << out;
+  EXPECT_NE(out.find("partial_rotary_factor=0.5"), std::string::npos) << out;
+}
+
 // `mt decode` of the directory from token ids (stdout: the ids; stderr is dropped).
 int decode_ids(const fs::path& dir, const std::vector<int32_t>& prompt, size_t max_len,
                std::string& out) {

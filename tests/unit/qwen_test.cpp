@@ -107,6 +107,36 @@ TEST(QwenGolden, NormTopkProbFalseMatchesTransformers) {
   EXPECT_GT(test::scaled_err(got, ref.floats("logits")), 100 * kTol);
 }
 
+// Qwen2 with use_sliding_window=true and max_window_layers (28) at or above its 2 layers: no
+// layer slides in transformers, so the logits are the golden's (before: refused). A yarn rotary
+// embedding without original_max_position_embeddings extends max_position_embeddings, as
+// transformers' standardize_rope_params sets it (before: base.yml's 8192, logits ~1.0 off).
+TEST(QwenGolden, SlidingWindowOfNoLayerAndYarnContextAreTransformers) {
+  Scratch s;
+  const Reference ref(kGolden / "qwen2");
+  const fs::path dir = test::with_config(s, kGolden, "qwen2", "config.json");
+  edit_file(dir / "config.json", "\"use_sliding_window\": false", "\"use_sliding_window\": true");
+  std::string out;
+  const std::vector<float> got = score(dir, ref, s, out);
+  ASSERT_EQ(got.size(), ref.floats("logits").size()) << out;
+  EXPECT_LT(test::scaled_err(got, ref.floats("logits")), kTol);
+  edit_file(dir / "config.json", "\"max_window_layers\": 28", "\"max_window_layers\": 1");
+  expect_refused("score hf_path=" + dir.string() + " tokens=1,2,3", "use_sliding_window=true");
+  const fs::path yarn = test::with_config(s, kGolden, "qwen3_tied", "config.json");
+  const std::string cfg = slurp(yarn / "config.json");
+  const size_t at = cfg.find("\"rope_type\": \"default\"");
+  ASSERT_NE(at, std::string::npos) << cfg;
+  edit_file(yarn / "config.json", "\"rope_type\": \"default\"",
+            "\"rope_type\": \"yarn\", \"factor\": 4.0");
+  const size_t mpe = cfg.find("\"max_position_embeddings\": ");
+  ASSERT_NE(mpe, std::string::npos) << cfg;
+  const std::string context = cfg.substr(mpe + 27, cfg.find_first_of(",\n}", mpe + 27) - mpe - 27);
+  const test::MtResult r = test::run_mt("config hf_path=" + yarn.string(), 60);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("\noriginal_max_position_embeddings: " + context + "\n"), std::string::npos)
+      << context << "\n" << r.out;
+}
+
 // `mt decode hf_path=... tokens=<prompt>` prints the prompt and its 20 greedy tokens, equal to
 // transformers' generate(do_sample=False). Smallest top-1/top-2 gaps on the way: 8.3 (tied),
 // 0.024 (untied), 0.037 (moe), against logit errors of ~2e-6.

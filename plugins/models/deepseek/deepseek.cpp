@@ -762,8 +762,10 @@ std::vector<std::string> DsFamily::from_hf_config(const mt::HfConfig& hf,
   o.push_back("shared_experts=" + (ns ? *ns : std::string("0")));
   const std::string* fk = use("first_k_dense_replace");
   o.push_back("first_num_dense_layers=" + (fk ? *fk : std::string("0")));
+  // Absent fields take the transformers classes' defaults, which differ between the versions
+  // (DeepseekV2Config: 1.0 and norm_topk_prob false; DeepseekV3Config: 2.5 and true).
   const std::string* rs = use("routed_scaling_factor");
-  o.push_back("routed_scaling_factor=" + (rs ? *rs : std::string("1.0")));
+  o.push_back("routed_scaling_factor=" + (rs ? *rs : std::string(v3_ ? "2.5" : "1.0")));
   if (const std::string* f = use("moe_layer_freq"); f && *f != "1")
     refuse("moe_layer_freq", *f, "expert layers other than every layer after the dense ones");
   const std::string* tm = use("topk_method");
@@ -788,7 +790,7 @@ std::vector<std::string> DsFamily::from_hf_config(const mt::HfConfig& hf,
     if (tm && *tm != "noaux_tc")
       refuse("topk_method", *tm, "a DeepSeek-V3 choice other than noaux_tc");
     if (sf && *sf != "sigmoid") refuse("scoring_func", *sf, "DeepSeek-V3 with non-sigmoid scores");
-    o.push_back(std::string("norm_topk_prob=") + (is_true(ntp) ? "true" : "false"));
+    o.push_back(std::string("norm_topk_prob=") + (!ntp || is_true(ntp) ? "true" : "false"));
   }
   const std::string* ng = use("n_group");
   const std::string* tg = use("topk_group");

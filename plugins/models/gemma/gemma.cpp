@@ -421,6 +421,14 @@ std::vector<std::string> GemmaFamily::from_hf_config(const mt::HfConfig& hf,
       if (number(k, value) < 0) refuse(k, value, "a negative soft-cap");
       o.push_back(std::string(key) + "=" + value);
     };
+    // transformers' Gemma 3 attention never applies attn_logit_softcapping (Gemma 2's does),
+    // and every released Gemma 3 has null: a number there means a model whose reference is
+    // ambiguous, refused rather than guessed.
+    if (!g2)
+      if (const auto it = hf.find("attn_logit_softcapping");
+          it != hf.end() && it->second != "null" && number("attn_logit_softcapping", it->second) != 0)
+        refuse("attn_logit_softcapping", it->second,
+               "an attention soft-cap on Gemma 3 (transformers' Gemma 3 ignores the field)");
     cap("attn_logit_softcapping", "attn_logits_soft_cap", g2 ? "50.0" : "0.0");
     cap("final_logit_softcapping", "final_logits_soft_cap", g2 ? "30.0" : "0.0");
     const std::string* qs = use("query_pre_attn_scalar");

@@ -212,8 +212,9 @@ class LlamaFamily final : public mt::ModelFamily {
     o.push_back("base_num_kv_heads=" + (kv ? *kv : heads));
     const std::string* hd = get("head_dim");
     o.push_back("head_dim=" + (hd ? *hd : std::to_string(std::stoll(hidden) / std::stoll(heads))));
-    if (const std::string* v = get("rms_norm_eps"))
-      o.push_back("normalization_layer_epsilon=" + *v);
+    // Absent: LlamaConfig's default, 1e-6 (base.yml's 1e-5 is MaxText's).
+    const std::string* eps = get("rms_norm_eps");
+    o.push_back("normalization_layer_epsilon=" + (eps ? *eps : std::string("1e-6")));
     const std::string* tied = get("tie_word_embeddings");
     o.push_back(std::string("logits_via_embedding=") +
                 (tied && *tied == "true" ? "true" : "false"));
@@ -235,17 +236,33 @@ class LlamaFamily final : public mt::ModelFamily {
     // The rope fields each type reads; any other one changes the numerics in a way mt does not
     // implement, so it is refused rather than ignored.
     std::vector<std::string> rope_fields = {"rope_type", "type", "rope_theta"};
-    if (const std::string* prf = get(rp + "partial_rotary_factor")) {
-      o.push_back("partial_rotary_factor=" + *prf);
-      rope_fields.push_back("partial_rotary_factor");
-    }
+    // The context llama3 and yarn extend; absent, transformers takes max_position_embeddings
+    // (standardize_rope_params), not base.yml's 8192.
+    auto original_context = [&]() -> std::string {
+      for (const std::string& k : {rp + "original_max_position_embeddings",
+                                  std::string("original_max_position_embeddings"),
+                                  std::string("max_position_embeddings")})
+        if (const std::string* v = get(k); v && *v != "null") return *v;
+      throw mt::UsageError("config.json's " + *rt +
+                           " rotary embedding has neither original_max_position_embeddings nor "
+                           "max_position_embeddings: the context it extends is unknown.");
+    };
+    // transformers' Llama rotates whole heads whatever partial_rotary_factor says (its default
+    // rope ignores the field; yarn and llama3 fail on it), so a value below 1 asks for a model
+    // no Llama reference computes: refused rather than guessed.
+    for (const std::string& k : {rp + "partial_rotary_factor", std::string("partial_rotary_factor")})
+      if (const std::string* prf = get(k); prf && *prf != "null" && std::stod(*prf) != 1.0)
+        throw mt::UsageError("config.json sets " + k + "=" + *prf +
+                             ": transformers' Llama rotates every feature of each head whatever "
+                             "it says, so the model it means is ambiguous; remove it to load the "
+                             "model as transformers does.");
+    rope_fields.push_back("partial_rotary_factor");
     if (rt && *rt == "llama3") {
       o.push_back("rope_type=llama3.1");
       o.push_back("rope_factor=" + need(rp + "factor"));
       o.push_back("rope_low_freq_factor=" + need(rp + "low_freq_factor"));
       o.push_back("rope_high_freq_factor=" + need(rp + "high_freq_factor"));
-      o.push_back("original_max_position_embeddings=" +
-                  need(rp + "original_max_position_embeddings"));
+      o.push_back("original_max_position_embeddings=" + original_context());
       for (const char* f :
            {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
         rope_fields.push_back(f);
@@ -254,8 +271,7 @@ class LlamaFamily final : public mt::ModelFamily {
       o.push_back("rope_factor=" + need(rp + "factor"));
       if (const std::string* v = get(rp + "beta_fast")) o.push_back("beta_fast=" + *v);
       if (const std::string* v = get(rp + "beta_slow")) o.push_back("beta_slow=" + *v);
-      if (const std::string* v = get(rp + "original_max_position_embeddings"))
-        o.push_back("original_max_position_embeddings=" + *v);
+      o.push_back("original_max_position_embeddings=" + original_context());
       for (const char* f : {"factor", "beta_fast", "beta_slow", "original_max_position_embeddings"})
         rope_fields.push_back(f);
     } else if (rt && *rt != "default") {

@@ -355,8 +355,14 @@ std::vector<std::string> QwenFamily::from_hf_config(const mt::HfConfig& hf,
     refuse("attention_bias", *b, "biases on the attention projections");
   // Sliding-window attention: off in every released Qwen model (use_sliding_window=false, and
   // then transformers ignores sliding_window and max_window_layers).
-  if (const std::string* s = use("use_sliding_window"); s && *s == "true")
-    refuse("use_sliding_window", *s, "sliding-window attention");
+  // With max_window_layers at or above the layer count no layer slides (transformers' layer i
+  // slides when i >= max_window_layers), so that is plain attention and is taken.
+  if (const std::string* s = use("use_sliding_window"); s && *s == "true") {
+    const std::string* mwl = get("max_window_layers");
+    const std::string* layers = get("num_hidden_layers");
+    if (!mwl || !layers || *mwl == "null" || std::stoll(*mwl) < std::stoll(*layers))
+      refuse("use_sliding_window", *s, "sliding-window attention");
+  }
   if (const std::string* lt = use("layer_types"); lt && lt->find("sliding") != std::string::npos)
     refuse("layer_types", *lt, "sliding-window attention layers");
   use("sliding_window");
@@ -412,8 +418,16 @@ std::vector<std::string> QwenFamily::from_hf_config(const mt::HfConfig& hf,
     o.push_back("rope_factor=" + need(rp + "factor"));
     if (const std::string* v = get(rp + "beta_fast")) o.push_back("beta_fast=" + *v);
     if (const std::string* v = get(rp + "beta_slow")) o.push_back("beta_slow=" + *v);
-    if (const std::string* v = get(rp + "original_max_position_embeddings"))
-      o.push_back("original_max_position_embeddings=" + *v);
+    // The context yarn extends; absent, transformers takes max_position_embeddings
+    // (standardize_rope_params), not base.yml's 8192.
+    const std::string* orig = get(rp + "original_max_position_embeddings");
+    if (!orig || *orig == "null") orig = get("original_max_position_embeddings");
+    if (!orig || *orig == "null") orig = get("max_position_embeddings");
+    if (!orig || *orig == "null")
+      throw mt::UsageError(
+          "config.json's yarn rotary embedding has neither original_max_position_embeddings "
+          "nor max_position_embeddings: the context it extends is unknown.");
+    o.push_back("original_max_position_embeddings=" + *orig);
     for (const char* f : {"factor", "beta_fast", "beta_slow", "original_max_position_embeddings"})
       rope_fields.push_back(f);
   } else if (rt && *rt != "default") {
