@@ -30,7 +30,8 @@ constexpr const char* kCommonOptions =
     "  --config=FILE      a YAML file of overrides, applied after the model's config\n"
     "  key=value          any key of configs/base.yml or of the model family (also written\n"
     "                     --key=value); last wins\n"
-    "Layering, last wins: configs/base.yml, configs/models/<model>.yml, --config, overrides.\n";
+    "Layering, last wins: configs/base.yml, configs/models/<model>.yml, --config, M_<KEY>\n"
+    "environment variables (MaxText's: M_STEPS=5 is steps=5), overrides.\n";
 
 const Command kCommands[] = {
     {"run", mt::cli::cmd_run, "train a model (MaxText's train.py)",
@@ -50,13 +51,35 @@ const Command kCommands[] = {
      "training peak does not fit, it lists the cheapest key=value changes that make it fit.\n"
      "mt run and mt decode make the same check first. Exit status: 0 fits, 3 does not fit.\n"},
     {"decode", mt::cli::cmd_decode, "generate text from a model (prefill + KV-cache decode)",
-     "mt decode --model=NAME load_parameters_path=DIR prompt=\"...\" [key=value ...]\n"},
+     "mt decode [--model=NAME] load_parameters_path=DIR | hf_path=DIR prompt=\"...\" | "
+     "tokens=ID,... [key=value ...]\n\n"
+     "With load_parameters_path= (a run, its checkpoints/ or one step) and no model named, the\n"
+     "model is the checkpoint's (the config its run saved); with hf_path=, config.json's.\n"},
     {"convert", mt::cli::cmd_convert, "convert checkpoints from and to Hugging Face",
-     "mt convert --from=hf --input=DIR --output=DIR | --to=hf --input=DIR --output=DIR\n"},
+     "mt convert --from=hf --input=DIR --output=DIR\n"
+     "       mt convert --to=hf --input=DIR --output=DIR [--model=NAME | --config=FILE]\n"
+     "       mt convert --to=hf --model=NAME --output=DIR\n\n"
+     "--from=hf imports a Hugging Face model directory (--input is hf_path) into an mt\n"
+     "checkpoint; --to=hf exports an mt checkpoint (--input) or, without --input, the model's\n"
+     "initial weights (init_weights_seed) as a Hugging Face directory.\n"},
     {"score", mt::cli::cmd_score, "loss and perplexity of a model on text or token ids",
-     "mt score --model=NAME load_parameters_path=DIR prompt=\"...\" [output=FILE]\n"},
+     "mt score [--model=NAME] load_parameters_path=DIR | hf_path=DIR\n"
+     "                prompt=\"...\" | input=FILE | tokens=ID,ID,... [output=FILE.safetensors]\n\n"
+     "Prints the mean loss and perplexity of one text (prompt=), of each document of a file\n"
+     "(input=: text, JSONL with a \"text\" field, or token ids) or of comma-separated token ids\n"
+     "(tokens=); output= also writes the logits and per-position log-likelihoods.\n"},
     {"bench", mt::cli::cmd_bench, "throughput benchmarks (JSON output)",
-     "mt bench train|decode|moe|gemm|attention [--model=NAME] [key=value ...]\n", 1, true},
+     "mt bench train|decode|moe|gemm|attention [--model=NAME] [key=value ...]\n\n"
+     "  train      tokens/s, TFLOP/s and MFU of a short synthetic run (default llama-bench-m,\n"
+     "             steps=6; the first steps are not timed)\n"
+     "  decode     prefill and decode throughput (default llama-bench-m and llama-bench-1b);\n"
+     "             steps=N decode steps timed (16), dtypes=float32,bfloat16 (both),\n"
+     "             parts=batch8,prefill,batch1 (all; the others print null)\n"
+     "  gemm       shapes=MxKxN,... tokens=N trans_a=true trans_b=true dtype=\n"
+     "  attention  shapes=BxTxHxD,... attention=flash|dot_product kv_heads=N causal=false dtype=\n"
+     "  moe        tokens=N backward=false (default mixtral-8x7b's layer)\n"
+     "gemm, attention and moe also take backend= (default cpu), warmup=, iters= and repeats=.\n",
+     1, true},
     {"tokenize", mt::cli::cmd_tokenize, "text or JSONL -> the pre-tokenized `tokens` format",
      "mt tokenize tokenizer_path=FILE input=FILE[,FILE...] output=FILE.tokens\n\n"
      "Tokenizes every document (a .jsonl line's train_data_columns field, or a whole file) on\n"
@@ -79,7 +102,9 @@ void print_help() {
               MT_VERSION_STRING);
   std::printf("Usage: mt <command> [options]\n\nCommands:\n");
   for (const auto& c : kCommands) std::printf("  %-9s %s\n", c.name, c.summary);
-  std::printf("\n%s\nRun `mt <command> --help` for a command's own options.\n", kCommonOptions);
+  std::printf("\n%s\nRun `mt <command> --help` for a command's own options; `mt --version` prints\n"
+              "the version, plugin ABI, op set and compiler.\n",
+              kCommonOptions);
 }
 
 }  // namespace
