@@ -102,9 +102,10 @@ void print_help() {
               MT_VERSION_STRING);
   std::printf("Usage: mt <command> [options]\n\nCommands:\n");
   for (const auto& c : kCommands) std::printf("  %-9s %s\n", c.name, c.summary);
-  std::printf("\n%s\nRun `mt <command> --help` for a command's own options; `mt --version` prints\n"
-              "the version, plugin ABI, op set and compiler.\n",
-              kCommonOptions);
+  std::printf(
+      "\n%s\nRun `mt <command> --help` for a command's own options; `mt --version` prints\n"
+      "the version, plugin ABI, op set and compiler.\n",
+      kCommonOptions);
 }
 
 }  // namespace

@@ -315,7 +315,8 @@ TEST(HfImport, AbsentFieldsAreTransformersDefaults) {
   };
   Llama31Dir d(true);
   edit(d.root / "config.json", ",\n           \"original_max_position_embeddings\": 32", "");
-  edit(d.root / "config.json", "\"max_position_embeddings\": 128", "\"max_position_embeddings\": 32");
+  edit(d.root / "config.json", "\"max_position_embeddings\": 128",
+       "\"max_position_embeddings\": 32");
   edit(d.root / "config.json", "\"rms_norm_eps\": 1e-06, ", "");
   std::string out;
   ASSERT_EQ(mt_cmd("config hf_path=" + d.root.string(), out), 0) << out;

@@ -134,7 +134,8 @@ TEST(QwenGolden, SlidingWindowOfNoLayerAndYarnContextAreTransformers) {
   const test::MtResult r = test::run_mt("config hf_path=" + yarn.string(), 60);
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("\noriginal_max_position_embeddings: " + context + "\n"), std::string::npos)
-      << context << "\n" << r.out;
+      << context << "\n"
+      << r.out;
 }
 
 // `mt decode hf_path=... tokens=<prompt>` prints the prompt and its 20 greedy tokens, equal to

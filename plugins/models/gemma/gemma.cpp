@@ -426,7 +426,8 @@ std::vector<std::string> GemmaFamily::from_hf_config(const mt::HfConfig& hf,
     // ambiguous, refused rather than guessed.
     if (!g2)
       if (const auto it = hf.find("attn_logit_softcapping");
-          it != hf.end() && it->second != "null" && number("attn_logit_softcapping", it->second) != 0)
+          it != hf.end() && it->second != "null" &&
+          number("attn_logit_softcapping", it->second) != 0)
         refuse("attn_logit_softcapping", it->second,
                "an attention soft-cap on Gemma 3 (transformers' Gemma 3 ignores the field)");
     cap("attn_logit_softcapping", "attn_logits_soft_cap", g2 ? "50.0" : "0.0");

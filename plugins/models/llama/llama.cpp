@@ -240,8 +240,8 @@ class LlamaFamily final : public mt::ModelFamily {
     // (standardize_rope_params), not base.yml's 8192.
     auto original_context = [&]() -> std::string {
       for (const std::string& k : {rp + "original_max_position_embeddings",
-                                  std::string("original_max_position_embeddings"),
-                                  std::string("max_position_embeddings")})
+                                   std::string("original_max_position_embeddings"),
+                                   std::string("max_position_embeddings")})
         if (const std::string* v = get(k); v && *v != "null") return *v;
       throw mt::UsageError("config.json's " + *rt +
                            " rotary embedding has neither original_max_position_embeddings nor "
@@ -250,7 +250,8 @@ class LlamaFamily final : public mt::ModelFamily {
     // transformers' Llama rotates whole heads whatever partial_rotary_factor says (its default
     // rope ignores the field; yarn and llama3 fail on it), so a value below 1 asks for a model
     // no Llama reference computes: refused rather than guessed.
-    for (const std::string& k : {rp + "partial_rotary_factor", std::string("partial_rotary_factor")})
+    for (const std::string& k :
+         {rp + "partial_rotary_factor", std::string("partial_rotary_factor")})
       if (const std::string* prf = get(k); prf && *prf != "null" && std::stod(*prf) != 1.0)
         throw mt::UsageError("config.json sets " + k + "=" + *prf +
                              ": transformers' Llama rotates every feature of each head whatever "
