@@ -812,10 +812,35 @@ std::string format_plan(const Plan& p, const Config& cfg) {
   return s;
 }
 
+namespace {
+// The job's ranks on this host, as the launcher says: OpenMPI's mpirun (the launcher mt
+// documents), then MPICH's Hydra; 1 without either.
+int64_t ranks_on_this_host() {
+  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"}) {
+    const char* v = std::getenv(var);
+    if (!v || !*v) continue;
+    char* end = nullptr;
+    const long long n = std::strtoll(v, &end, 10);
+    if (end && *end == '\0' && n > 0) return n;
+  }
+  return 1;
+}
+}  // namespace
+
 void check_fits(const Config& cfg_in, PluginManager& plugins, Backend& device, PlanFor what,
                 const char* command, int ranks) {
-  const DeviceProfile target = plan_target(cfg_in, &device, /*use_plan_device=*/false);
+  DeviceProfile target = plan_target(cfg_in, &device, /*use_plan_device=*/false);
   if (target.bytes == 0) return;  // a backend that cannot tell
+  // The CPU backend's device is the host's memory, which the job's ranks on this host share:
+  // each may plan on its part only (before: each was checked against all of it, so two ranks
+  // planned at 60% each passed and then needed 120%).
+  std::string held = "a device that holds " + human_bytes(static_cast<double>(target.bytes));
+  if (const int64_t local = ranks > 1 && target.is_host ? ranks_on_this_host() : 1; local > 1) {
+    held = fmt::format("a host of {} shared by {} ranks of this job, {} each",
+                       human_bytes(static_cast<double>(target.bytes)), local,
+                       human_bytes(static_cast<double>(target.bytes / local)));
+    target.bytes /= static_cast<size_t>(local);
+  }
   // The data axis of -1 made explicit: the job's ranks it takes (only one axis may be -1).
   Config cfg = cfg_in;
   const int64_t ici = cfg_in.get_int("ici_data_parallelism");
@@ -830,10 +855,9 @@ void check_fits(const Config& cfg_in, PluginManager& plugins, Backend& device, P
   if (quick.fits()) return;
   const Plan plan = make_plan(cfg, plugins, target, what, /*with_fixes=*/true);
   throw UsageError(fmt::format(
-      "The run does not fit: mt {} would need {} on a device that holds {}, and would fail "
-      "part-way. Nothing was allocated. The plan (what `mt plan` prints for this config):\n{}",
-      command, human_bytes(static_cast<double>(plan.peak())),
-      human_bytes(static_cast<double>(target.bytes)), format_plan(plan, cfg)));
+      "The run does not fit: mt {} would need {} on {}, and would fail part-way. Nothing was "
+      "allocated. The plan (what `mt plan` prints for this config):\n{}",
+      command, human_bytes(static_cast<double>(plan.peak())), held, format_plan(plan, cfg)));
 }
 
 }  // namespace mt

@@ -132,7 +132,9 @@ std::string format_plan(const Plan& plan, const Config& cfg);
 // Before `mt run` (train) or `mt decode`: when the predicted peak exceeds what `device` can
 // hold, throws UsageError (exit 2) with the plan and its fixes; nothing has been allocated.
 // `ranks`: the job's (mpirun's) ranks, which a data axis of -1 takes what is left of (the plan
-// alone cannot count them): sharded optimizer state is planned per rank.
+// alone cannot count them): sharded optimizer state is planned per rank. On the CPU backend the
+// device is the host's memory, which the job's ranks on this host (OMPI_COMM_WORLD_LOCAL_SIZE,
+// MPI_LOCALNRANKS) share: each is checked against its part.
 void check_fits(const Config& cfg, PluginManager& plugins, Backend& device, PlanFor what,
                 const char* command, int ranks = 1);
 

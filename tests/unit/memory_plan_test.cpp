@@ -604,6 +604,34 @@ TEST(MemoryPlan, RunRefusesAModelThatCannotFit) {
   EXPECT_NE(d.out.find("KV cache"), std::string::npos) << d.out;
 }
 
+// Ranks of one job on one host share its memory: each rank's run is checked against its part
+// (before: against the whole host, so two ranks planned at 60% each passed and needed 120%).
+// The share is the launcher's local rank count; a 1-rank run or a GPU is not divided.
+TEST(MemoryPlan, RanksOnOneHostShareItsMemory) {
+  const Config cfg = test::model_config("llama-test", {"dataset_type=synthetic"});
+  auto fits = [&](int ranks) {
+    try {
+      check_fits(cfg, test::plugins(), test::cpu(), PlanFor::train, "run", ranks);
+      return std::string();
+    } catch (const UsageError& e) {
+      return std::string(e.what());
+    }
+  };
+  ::unsetenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  ::unsetenv("MPI_LOCALNRANKS");
+  EXPECT_EQ(fits(2), "");
+  // So many ranks on this host that llama-test's few MiB do not fit in a share.
+  ::setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "100000000", 1);
+  EXPECT_EQ(fits(1), "");
+  const std::string refused = fits(2);
+  EXPECT_NE(refused.find("does not fit"), std::string::npos) << refused;
+  EXPECT_NE(refused.find("shared by 100000000 ranks of this job"), std::string::npos) << refused;
+  ::unsetenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  ::setenv("MPI_LOCALNRANKS", "100000000", 1);
+  EXPECT_NE(fits(2).find("shared by 100000000 ranks"), std::string::npos);
+  ::unsetenv("MPI_LOCALNRANKS");
+}
+
 TEST(MemoryPlan, BadInputsAreRefusedClearly) {
   const test::MtResult dev = test::run_mt("plan --model=llama-test plan_device=tpu-v9", 30);
   EXPECT_EQ(dev.code, 2) << dev.out;
