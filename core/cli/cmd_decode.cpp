@@ -291,11 +291,31 @@ int cmd_decode(const Args& args) {
     if (t.size() > from) std::fwrite(t.data() + from, 1, t.size() - from, stdout);
   };
   if (stream) put(texts[0]);
+  // The continuation's text is the whole sequence's decoded text past the prompt's: decoded on
+  // its own, a SentencePiece/Metaspace continuation loses the space its first piece carries
+  // ("Hello" + "by", not "Hello by"), as the decoder strips a text's leading space.
+  const std::string prompt_text = ids_given ? std::string() : in.tokenizer->decode(prompts[0]);
+  auto continuation = [&](const std::vector<int32_t>& prompt, const std::string& prompt_decoded,
+                          const std::vector<int32_t>& cont) {
+    std::vector<int32_t> all = prompt;
+    all.insert(all.end(), cont.begin(), cont.end());
+    const std::string text = in.tokenizer->decode(all);
+    if (text.compare(0, prompt_decoded.size(), prompt_decoded) == 0)
+      return text.substr(prompt_decoded.size());
+    return in.tokenizer->decode(cont);  // a decoder that rewrites the prompt's end
+  };
   auto on_token = [&](int64_t, int32_t id) {
     if (!stream) return;
-    // Decoding the whole continuation each time keeps multi-byte characters intact.
+    // Decoding the whole continuation each time keeps multi-byte characters intact. A text
+    // ending in U+FFFD is held back: a byte-fallback decoder writes it for a character's
+    // first bytes and the character once the rest arrive (before: the stream printed the
+    // U+FFFD and then nothing more, as no later text extended what was shown).
     so_far.push_back(id);
-    const std::string text = in.tokenizer->decode(so_far);
+    std::string text = continuation(prompts[0], prompt_text, so_far);
+    static constexpr std::string_view kReplacement = "\xEF\xBF\xBD";
+    while (text.size() >= kReplacement.size() &&
+           text.compare(text.size() - kReplacement.size(), kReplacement.size(), kReplacement) == 0)
+      text.resize(text.size() - kReplacement.size());
     if (text.size() > shown.size() && text.compare(0, shown.size(), shown) == 0) {
       put(text, shown.size());
       std::fflush(stdout);
@@ -319,11 +339,20 @@ int cmd_decode(const Args& args) {
       }
     std::printf("%s\n", line.c_str());
   } else if (stream) {
+    // What was held back (a character still incomplete at the end is printed as U+FFFD). A
+    // decoder that rewrote text already shown (byte-fallback bytes that a later byte made
+    // invalid UTF-8, all of them U+FFFD then) gets the rest past what both agree on: nothing
+    // is left unprinted.
+    const std::string text = continuation(prompts[0], prompt_text, r.tokens[0]);
+    size_t same = 0;
+    while (same < text.size() && same < shown.size() && text[same] == shown[same]) ++same;
+    put(text, same == shown.size() ? shown.size() : same);
     std::printf("\n");
   } else {
     for (size_t b = 0; b < prompts.size(); ++b) {
       std::printf("[%zu] ", b);
-      put(texts[b] + in.tokenizer->decode(r.tokens[b]) + "\n");
+      put(texts[b] + continuation(prompts[b], in.tokenizer->decode(prompts[b]), r.tokens[b]) +
+          "\n");
     }
   }
   std::fprintf(stderr,
