@@ -163,8 +163,26 @@ int hex_byte(char hi, char lo) {
   return h < 0 || l < 0 ? -1 : h * 16 + l;
 }
 
-bool is_ascii_space(char c) {
-  return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
+// Unicode's White_Space property: what the reference's lstrip/rstrip swallow (U+3000, U+00A0
+// and the other wide spaces too, not only ASCII's).
+bool is_white_space(uint32_t cp) {
+  return (cp >= 0x09 && cp <= 0x0D) || cp == 0x20 || cp == 0x85 || cp == 0xA0 || cp == 0x1680 ||
+         (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F ||
+         cp == 0x205F || cp == 0x3000;
+}
+
+// The code point that ends just before byte `i` of valid UTF-8 text (i > 0), and its length.
+uint32_t code_point_before(std::string_view s, size_t i, size_t& len) {
+  size_t b = i - 1;
+  while (b > 0 && (static_cast<unsigned char>(s[b]) & 0xC0) == 0x80) --b;
+  len = i - b;
+  return utf8_decode(s.substr(b, len));
+}
+
+// The code point that starts at byte `i` of valid UTF-8 text (i < size), and its length.
+uint32_t code_point_at(std::string_view s, size_t i, size_t& len) {
+  len = std::min(utf8_len(static_cast<unsigned char>(s[i])), s.size() - i);
+  return utf8_decode(s.substr(i, len));
 }
 
 // Lets the maps be searched with a string_view, without building a std::string per lookup.
@@ -729,12 +747,12 @@ void BpeTokenizer::Impl::split_added(std::string_view text,
       ++i;
       continue;
     }
-    size_t begin = i, end = i + hit->content.size();
+    size_t begin = i, end = i + hit->content.size(), len = 0;
     // lstrip/rstrip: the token swallows the whitespace beside it.
     if (hit->lstrip)
-      while (begin > plain && is_ascii_space(text[begin - 1])) --begin;
+      while (begin > plain && is_white_space(code_point_before(text, begin, len))) begin -= len;
     if (hit->rstrip)
-      while (end < text.size() && is_ascii_space(text[end])) ++end;
+      while (end < text.size() && is_white_space(code_point_at(text, end, len))) end += len;
     if (begin > plain) out.emplace_back(text.substr(plain, begin - plain), -1);
     out.emplace_back(text.substr(begin, end - begin), hit->id);
     plain = i = end;
