@@ -125,9 +125,20 @@ struct NormStep {
 };
 
 struct AddedToken {
-  std::string content;
+  std::string content;  // as the file has it: what token_to_id finds
+  // What is matched in the text: the content, or for a normalized token the content after the
+  // normalizer, since it is looked for in normalized text.
+  std::string match;
   int32_t id = -1;
   bool special = false, lstrip = false, rstrip = false;
+  bool normalized = false;  // matched in the normalized text, after the others
+};
+
+// The added tokens matched in one pass: the raw text's (normalized=false) or the normalized
+// text's (normalized=true).
+struct AddedSet {
+  std::vector<const AddedToken*> tokens;  // longest match first, for leftmost-longest matching
+  std::array<bool, 256> first{};          // bytes that start some token's match
 };
 
 struct MergeInfo {
@@ -206,8 +217,10 @@ struct BpeTokenizer::Impl {
   std::vector<std::string> id_to_token;  // every id below vocab_size; "" for holes
   std::vector<uint8_t> is_added;
   std::unordered_map<uint64_t, MergeInfo> merges;
-  std::vector<AddedToken> added;        // longest first, for leftmost-longest matching
-  std::array<bool, 256> added_first{};  // bytes that start some added token
+  std::vector<AddedToken> added;
+  // As the reference: the raw text is cut at the tokens that are not normalized, each piece
+  // between them is normalized and cut at the normalized ones.
+  AddedSet raw_added, normalized_added;
   std::vector<PreStep> pre;
   std::vector<DecodeStep> dec;
   std::vector<NormStep> norm;
@@ -238,7 +251,7 @@ struct BpeTokenizer::Impl {
   std::string metaspace_options(const json::Value& v, PrependScheme& scheme) const;
   std::string normalize(std::string_view chunk) const;
 
-  void split_added(std::string_view text,
+  void split_added(std::string_view text, const AddedSet& set,
                    std::vector<std::pair<std::string_view, int32_t>>& out) const;
   void pre_tokenize(std::string_view chunk, bool at_text_start,
                     std::vector<std::string_view>& pieces, std::vector<MatchData>& md,
@@ -305,10 +318,24 @@ void BpeTokenizer::Impl::finalize() {
   id_to_token.assign(static_cast<size_t>(n_vocab), std::string());
   is_added.assign(static_cast<size_t>(n_vocab), 0);
   for (const auto& [tok, id] : vocab) id_to_token[static_cast<size_t>(id)] = tok;
-  for (const auto& a : added) {
-    id_to_token[static_cast<size_t>(a.id)] = a.content;
+  for (auto& a : added) {
+    // The normalizer is known only now (it follows added_tokens in the file). As the reference,
+    // a normalized token decodes to its normalized form too.
+    a.match = a.normalized && !norm.empty() ? normalize(a.content) : a.content;
+    id_to_token[static_cast<size_t>(a.id)] = a.match;
     is_added[static_cast<size_t>(a.id)] = 1;
   }
+  for (const auto& a : added) {
+    // (A normalizer could erase a token altogether; an empty one matches nothing.)
+    if (a.match.empty()) continue;
+    AddedSet& set = a.normalized ? normalized_added : raw_added;
+    set.tokens.push_back(&a);
+    set.first[static_cast<unsigned char>(a.match[0])] = true;
+  }
+  for (AddedSet* set : {&raw_added, &normalized_added})
+    std::stable_sort(
+        set->tokens.begin(), set->tokens.end(),
+        [](const AddedToken* x, const AddedToken* y) { return x->match.size() > y->match.size(); });
 
   // BOS/EOS are not marked as such in the file; these are the names the common families use.
   auto find_special = [&](std::initializer_list<const char*> names) {
@@ -461,8 +488,13 @@ void BpeTokenizer::Impl::load_tiktoken(std::string_view text) {
                                     "<|eot_id|>"};
   for (int i = 5; i < 256 - 5; ++i)
     names.push_back("<|reserved_special_token_" + std::to_string(i) + "|>");
-  for (size_t i = 0; i < names.size(); ++i)
-    added.push_back({names[i], base + static_cast<int32_t>(i), true, false, false});
+  for (size_t i = 0; i < names.size(); ++i) {
+    AddedToken t;
+    t.content = names[i];
+    t.id = base + static_cast<int32_t>(i);
+    t.special = true;
+    added.push_back(std::move(t));
+  }
   finalize();
 }
 
@@ -538,12 +570,11 @@ void BpeTokenizer::Impl::load_added(const json::Value& a) {
     t.special = bool_member(e, "special", false);
     t.lstrip = bool_member(e, "lstrip", false);
     t.rstrip = bool_member(e, "rstrip", false);
-    added_first[static_cast<unsigned char>(t.content[0])] = true;
+    // The reference library writes the flag always; without it, its own default for a new
+    // token: special tokens are matched as written, the others in normalized text.
+    t.normalized = bool_member(e, "normalized", !t.special);
     added.push_back(std::move(t));
   }
-  std::stable_sort(added.begin(), added.end(), [](const AddedToken& x, const AddedToken& y) {
-    return x.content.size() > y.content.size();
-  });
 }
 
 void BpeTokenizer::Impl::load_pre(const json::Value& p) {
@@ -727,27 +758,29 @@ std::string BpeTokenizer::Impl::normalize(std::string_view chunk) const {
   return t;
 }
 
-// Cuts text at the added tokens: leftmost match first, the longest at that position. Pieces
-// with id >= 0 are added tokens, the others ordinary text.
-void BpeTokenizer::Impl::split_added(std::string_view text,
+// Cuts text at the added tokens of `set`: leftmost match first, the longest at that position.
+// Pieces with id >= 0 are added tokens, the others ordinary text. As the reference, lstrip/rstrip
+// whitespace is taken from this text only, never from an earlier token's.
+void BpeTokenizer::Impl::split_added(std::string_view text, const AddedSet& set,
                                      std::vector<std::pair<std::string_view, int32_t>>& out) const {
   size_t plain = 0, i = 0;
+  size_t len = 0;
   while (i < text.size()) {
-    if (!added_first[static_cast<unsigned char>(text[i])]) {
+    if (!set.first[static_cast<unsigned char>(text[i])]) {
       ++i;
       continue;
     }
     const AddedToken* hit = nullptr;
-    for (const auto& a : added)
-      if (text.compare(i, a.content.size(), a.content) == 0) {
-        hit = &a;
+    for (const AddedToken* a : set.tokens)
+      if (text.compare(i, a->match.size(), a->match) == 0) {
+        hit = a;
         break;
       }
     if (!hit) {
       ++i;
       continue;
     }
-    size_t begin = i, end = i + hit->content.size(), len = 0;
+    size_t begin = i, end = i + hit->match.size();
     // lstrip/rstrip: the token swallows the whitespace beside it.
     if (hit->lstrip)
       while (begin > plain && is_white_space(code_point_before(text, begin, len))) begin -= len;
@@ -1012,9 +1045,9 @@ std::vector<int32_t> BpeTokenizer::encode(const std::string& text) const {
                 std::to_string(bad) + ")");
   std::vector<int32_t> ids;
   ids.reserve(text.size() / 3 + 4);
-  std::vector<std::pair<std::string_view, int32_t>> chunks;
+  std::vector<std::pair<std::string_view, int32_t>> chunks, parts;
   if (im.match_added)
-    im.split_added(text, chunks);
+    im.split_added(text, im.raw_added, chunks);
   else
     chunks.emplace_back(text, -1);
   std::vector<MatchData> md(im.pre.size());
@@ -1025,15 +1058,26 @@ std::vector<int32_t> BpeTokenizer::encode(const std::string& text) const {
       ids.push_back(id);
       continue;
     }
-    if (im.norm.empty()) {
-      im.pre_tokenize(chunk, chunk.data() == text.data(), pieces, md, prefixed);
-    } else {
-      // Normalizers run on the text between added tokens, as in the reference library.
-      const std::string& n = prefixed.emplace_back(im.normalize(chunk));
-      im.pre_tokenize(n, chunk.data() == text.data(), pieces, md, prefixed);
+    // Normalizers run on the text between the raw added tokens, as in the reference library;
+    // the normalized added tokens are found in what they make.
+    std::string_view n = chunk;
+    if (!im.norm.empty()) n = prefixed.emplace_back(im.normalize(chunk));
+    parts.clear();
+    if (im.match_added && !im.normalized_added.tokens.empty())
+      im.split_added(n, im.normalized_added, parts);
+    else
+      parts.emplace_back(n, -1);
+    for (const auto& [part, part_id] : parts) {
+      if (part_id >= 0) {
+        ids.push_back(part_id);
+        continue;
+      }
+      // Only the part at the very start of the text is "first" for Metaspace.
+      im.pre_tokenize(part, chunk.data() == text.data() && part.data() == n.data(), pieces, md,
+                      prefixed);
+      for (std::string_view p : pieces)
+        if (!p.empty()) im.bpe_word(p, ids);
     }
-    for (std::string_view p : pieces)
-      if (!p.empty()) im.bpe_word(p, ids);
   }
   return ids;
 }

@@ -431,5 +431,24 @@ TEST(TokenizerFactory, MinimalBpeFile) {
   EXPECT_EQ(tok->decode({4, 3}), "abb ab");  // no decoder: tokens joined by spaces
 }
 
+TEST(TokenizerFactory, AddedTokenNormalizedDefaultsToNotSpecial) {
+  // Without the flag (the reference library always writes it) a token is normalized unless it
+  // is special, as the library's own default for a new token: "XII" is the normalized form of
+  // the token U+216B, but "1", that of the special U+2460, is not that token.
+  TempDir d;
+  const std::string path = d.file("n.json", R"({
+    "added_tokens": [{"id": 4, "content": "\u216b"},
+                     {"id": 5, "content": "\u2460", "special": true}],
+    "normalizer": {"type": "NFKC"},
+    "model": {"type": "BPE", "unk_token": "?",
+              "vocab": {"?": 0, "X": 1, "I": 2, "1": 3}, "merges": []}})");
+  auto tok = make_tokenizer(path, "");
+  EXPECT_EQ(tok->encode("XII"), (std::vector<int32_t>{4}));
+  EXPECT_EQ(tok->encode("\u216b"), (std::vector<int32_t>{4}));
+  EXPECT_EQ(tok->encode("\u2460"), (std::vector<int32_t>{5}));
+  EXPECT_EQ(tok->encode("1"), (std::vector<int32_t>{3}));
+  EXPECT_EQ(tok->decode({4, 5}), "XII \u2460");  // the normalized form, as the reference
+}
+
 }  // namespace
 }  // namespace mt
