@@ -131,7 +131,8 @@ struct AddedToken {
   std::string match;
   int32_t id = -1;
   bool special = false, lstrip = false, rstrip = false;
-  bool normalized = false;  // matched in the normalized text, after the others
+  bool single_word = false;  // only where no word character touches it on either side
+  bool normalized = false;   // matched in the normalized text, after the others
 };
 
 // The added tokens matched in one pass: the raw text's (normalized=false) or the normalized
@@ -180,6 +181,34 @@ bool is_white_space(uint32_t cp) {
   return (cp >= 0x09 && cp <= 0x0D) || cp == 0x20 || cp == 0x85 || cp == 0xA0 || cp == 0x1680 ||
          (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F ||
          cp == 0x205F || cp == 0x3000;
+}
+
+// A word character as the reference's single_word test sees one (a Unicode \w: Alphabetic,
+// marks, decimal digits, connector punctuation such as '_', and the joiners U+200C/U+200D).
+// Alphabetic is the letters, letter numbers and a few symbols: the circled and squared Latin
+// letters, the only ones utf8proc's categories do not give.
+bool is_word_char(uint32_t cp) {
+  if (cp < 0x80)
+    return (cp >= '0' && cp <= '9') || (cp >= 'A' && cp <= 'Z') || (cp >= 'a' && cp <= 'z') ||
+           cp == '_';
+  switch (utf8proc_category(static_cast<utf8proc_int32_t>(cp))) {
+    case UTF8PROC_CATEGORY_LU:
+    case UTF8PROC_CATEGORY_LL:
+    case UTF8PROC_CATEGORY_LT:
+    case UTF8PROC_CATEGORY_LM:
+    case UTF8PROC_CATEGORY_LO:
+    case UTF8PROC_CATEGORY_NL:
+    case UTF8PROC_CATEGORY_MN:
+    case UTF8PROC_CATEGORY_MC:
+    case UTF8PROC_CATEGORY_ME:
+    case UTF8PROC_CATEGORY_ND:
+    case UTF8PROC_CATEGORY_PC:
+      return true;
+    default:
+      return cp == 0x200C || cp == 0x200D || (cp >= 0x24B6 && cp <= 0x24E9) ||
+             (cp >= 0x1F130 && cp <= 0x1F149) || (cp >= 0x1F150 && cp <= 0x1F169) ||
+             (cp >= 0x1F170 && cp <= 0x1F189);
+  }
 }
 
 // The code point that ends just before byte `i` of valid UTF-8 text (i > 0), and its length.
@@ -570,6 +599,7 @@ void BpeTokenizer::Impl::load_added(const json::Value& a) {
     t.special = bool_member(e, "special", false);
     t.lstrip = bool_member(e, "lstrip", false);
     t.rstrip = bool_member(e, "rstrip", false);
+    t.single_word = bool_member(e, "single_word", false);
     // The reference library writes the flag always; without it, its own default for a new
     // token: special tokens are matched as written, the others in normalized text.
     t.normalized = bool_member(e, "normalized", !t.special);
@@ -759,8 +789,10 @@ std::string BpeTokenizer::Impl::normalize(std::string_view chunk) const {
 }
 
 // Cuts text at the added tokens of `set`: leftmost match first, the longest at that position.
-// Pieces with id >= 0 are added tokens, the others ordinary text. As the reference, lstrip/rstrip
-// whitespace is taken from this text only, never from an earlier token's.
+// Pieces with id >= 0 are added tokens, the others ordinary text. As the reference, the text is
+// scanned once, left to right: a single_word match that touches a word character is dropped and
+// the scan goes on after it (no shorter or overlapping token is tried there instead), and
+// lstrip/rstrip whitespace is taken from this text only, never from an earlier token's.
 void BpeTokenizer::Impl::split_added(std::string_view text, const AddedSet& set,
                                      std::vector<std::pair<std::string_view, int32_t>>& out) const {
   size_t plain = 0, i = 0;
@@ -781,6 +813,11 @@ void BpeTokenizer::Impl::split_added(std::string_view text, const AddedSet& set,
       continue;
     }
     size_t begin = i, end = i + hit->match.size();
+    if (hit->single_word && ((begin > 0 && is_word_char(code_point_before(text, begin, len))) ||
+                             (end < text.size() && is_word_char(code_point_at(text, end, len))))) {
+      i = end;
+      continue;
+    }
     // lstrip/rstrip: the token swallows the whitespace beside it.
     if (hit->lstrip)
       while (begin > plain && is_white_space(code_point_before(text, begin, len))) begin -= len;

@@ -3,14 +3,15 @@
 // What is read: the BPE model (vocab, merges in "a b" or ["a", "b"] form, unk_token, fuse_unk,
 // byte_fallback, ignore_merges), added tokens (leftmost-longest, as the reference library matches
 // them: those with normalized=false in the raw text, then the others in the normalized text between
-// them, all before pre-tokenization; lstrip/rstrip take any Unicode whitespace), the normalizer
-// (NFC, NFD, NFKC, NFKD through utf8proc; Prepend; Replace with a string; a Sequence of these), the
-// pre-tokenizer (ByteLevel with or without its GPT-2 regex, Split with a regex or string pattern
-// and any behavior, Digits, Metaspace, and a Sequence of these) and the decoder (ByteLevel,
-// ByteFallback, Fuse, Replace, Strip, Metaspace, Sequence). Regexes run on PCRE2 with Unicode
-// classes. Anything else is refused with an error naming it. The post-processor is not applied:
-// callers add BOS/EOS themselves (add_bos/add_eos), so the ids are those of the reference library's
-// encode(text, add_special_tokens=False).
+// them, all before pre-tokenization; lstrip/rstrip take any Unicode whitespace; single_word refuses
+// a match that a word character touches), the normalizer (NFC, NFD, NFKC, NFKD through utf8proc;
+// Prepend; Replace with a string; a Sequence of these), the pre-tokenizer (ByteLevel with or
+// without its GPT-2 regex, Split with a regex or string pattern and any behavior, Digits,
+// Metaspace, and a Sequence of these) and the decoder (ByteLevel, ByteFallback, Fuse, Replace,
+// Strip, Metaspace, Sequence). Regexes run on PCRE2 with Unicode classes. Anything else is refused
+// with an error naming it. The post-processor is not applied: callers add BOS/EOS themselves
+// (add_bos/add_eos), so the ids are those of the reference library's encode(text,
+// add_special_tokens=False).
 #pragma once
 
 #include <memory>
