@@ -1,6 +1,7 @@
 // The tokenizers against the ids the reference libraries (Hugging Face `tokenizers`,
 // `sentencepiece`) produce: tests/golden/tokenizer/cases.json, made by
-// tools/make_tokenizer_golden.py.
+// tools/make_tokenizer_golden.py, and added_tokens_cases.json, made by
+// tools/make_added_tokens_golden.py.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -36,8 +37,9 @@ struct Golden {
   std::vector<Case> cases;
 };
 
-std::vector<Golden> load_golden() {
-  const std::string path = test::source_dir() + "/tests/golden/tokenizer/cases.json";
+// `file` in tests/golden/tokenizer/.
+std::vector<Golden> load_golden(const std::string& file) {
+  const std::string path = test::source_dir() + "/tests/golden/tokenizer/" + file;
   const json::Value root = json::parse(read_file(path, "golden"));
   std::vector<Golden> out;
   for (const auto& t : root.find("tokenizers")->items) {
@@ -61,7 +63,7 @@ std::vector<Golden> load_golden() {
 }
 
 const std::vector<Golden>& golden() {
-  static const std::vector<Golden> g = load_golden();
+  static const std::vector<Golden> g = load_golden("cases.json");
   return g;
 }
 
@@ -71,10 +73,8 @@ std::string show(const std::vector<int32_t>& v) {
   return s + "]";
 }
 
-class GoldenTokenizer : public ::testing::TestWithParam<size_t> {};
-
-TEST_P(GoldenTokenizer, MatchesReferenceIdsAndDecoding) {
-  const Golden& g = golden()[GetParam()];
+// The reference's ids and decoding for every case of `g`.
+void expect_golden(const Golden& g, size_t min_cases) {
   SCOPED_TRACE(g.name + " (" + g.path + ")");
   // Both the inferred and the named type must give the same tokenizer.
   for (const std::string& type : {std::string(), g.type}) {
@@ -82,7 +82,7 @@ TEST_P(GoldenTokenizer, MatchesReferenceIdsAndDecoding) {
     EXPECT_EQ(tok->vocab_size(), g.vocab_size);
     EXPECT_EQ(tok->bos_id(), g.bos);
     EXPECT_EQ(tok->eos_id(), g.eos);
-    ASSERT_GE(g.cases.size(), 60u);
+    ASSERT_GE(g.cases.size(), min_cases);
     int mismatches = 0;
     size_t exact = 0;
     for (size_t i = 0; i < g.cases.size(); ++i) {
@@ -102,10 +102,16 @@ TEST_P(GoldenTokenizer, MatchesReferenceIdsAndDecoding) {
     EXPECT_EQ(mismatches, 0);
     // Byte-level BPE and SentencePiece with identity normalization round-trip everything.
     if (g.name != "qwen_nfc" && g.name != "llama2_hf" && g.name != "split_behaviors" &&
-        g.name.rfind("metaspace", 0) != 0) {
+        g.name != "added_tokens" && g.name.rfind("metaspace", 0) != 0) {
       EXPECT_EQ(exact, g.cases.size());
     }
   }
+}
+
+class GoldenTokenizer : public ::testing::TestWithParam<size_t> {};
+
+TEST_P(GoldenTokenizer, MatchesReferenceIdsAndDecoding) {
+  expect_golden(golden()[GetParam()], 60);
 }
 
 INSTANTIATE_TEST_SUITE_P(All, GoldenTokenizer, ::testing::Range<size_t>(0, 10),
@@ -121,6 +127,17 @@ TEST(Tokenizer, GoldenCoversEveryKind) {
             (std::vector<std::string>{"gpt2_bytelevel", "llama3_split", "byte_fallback",
                                       "split_behaviors", "qwen_nfc", "llama2_hf", "metaspace",
                                       "metaspace_first", "tiktoken_llama3", "sentencepiece_bpe"}));
+}
+
+// Added tokens with each flag, under an NFKC normalizer: lstrip/rstrip swallow any Unicode
+// whitespace ("a\u3000<m>b" is [66, 1024, 67]; it was [66, 222, 1024, 67] while only ASCII's
+// was), tokens with normalized=true are found in the normalized text ("\ufb01!" is the token
+// "fi!"), and single_word ones only where no word character touches them ("swordfish" held the
+// token "word").
+TEST(Tokenizer, AddedTokenFlagsMatchReference) {
+  const std::vector<Golden> g = load_golden("added_tokens_cases.json");
+  ASSERT_EQ(g.size(), 1u);
+  expect_golden(g[0], 60);
 }
 
 TEST(Tokenizer, ShippedTokenizerMatchesShippedTokens) {
