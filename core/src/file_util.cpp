@@ -90,6 +90,15 @@ ssize_t read_some(int fd, char* p, size_t n) {
   }
 }
 
+// A UTF-8 byte order mark (EF BB BF) at the start of a file is skipped, as Python's
+// "utf-8-sig" codec skips it: editors on Windows write one, and the first JSON line would
+// otherwise be refused as malformed at byte 0 with nothing visibly wrong in it. (Refusing it
+// with a sentence naming the mark was the other choice; skipping is what readers expect.) Only
+// at the file's start: anywhere else U+FEFF is text.
+void skip_byte_order_mark(std::string_view& first_line) {
+  if (first_line.substr(0, 3) == "\xEF\xBB\xBF") first_line.remove_prefix(3);
+}
+
 }  // namespace
 
 std::string read_file(const std::string& path, const std::string& what, uint64_t max_bytes) {
@@ -159,6 +168,7 @@ bool LineReader::next(std::string_view& line) {
       ++line_no_;
       line = std::string_view(buf_).substr(begin_, nl - begin_);
       begin_ = nl + 1;
+      if (line_no_ == 1) skip_byte_order_mark(line);
       return true;
     }
     if (buf_.size() - begin_ > max_line_) break;
@@ -169,6 +179,7 @@ bool LineReader::next(std::string_view& line) {
       ++line_no_;
       line = std::string_view(buf_).substr(begin_);
       begin_ = buf_.size();
+      if (line_no_ == 1) skip_byte_order_mark(line);
       return true;
     }
     scanned -= shift;  // fill() moved the unread part to the front

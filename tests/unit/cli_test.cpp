@@ -121,6 +121,13 @@ TEST(Cli, OutputsNeverReplaceAnInputOrAForeignFile) {
   EXPECT_EQ(lenient.code, 0) << lenient.out;
   EXPECT_NE(lenient.out.find("skipped 2 malformed"), std::string::npos) << lenient.out;
   EXPECT_NE(lenient.out.find("2 documents"), std::string::npos) << lenient.out;
+  // A UTF-8 byte order mark at the start of the file is skipped (it was "not a JSON line").
+  const fs::path bom = dir / "bom.jsonl";
+  std::ofstream(bom) << "\xEF\xBB\xBF{\"text\": \"one\"}\n{\"text\": \"two\"}\n";
+  const auto with_bom = mt_cmd("tokenize" + tok + " input=" + bom.string() +
+                               " output=" + (dir / "m.tokens").string());
+  EXPECT_EQ(with_bom.code, 0) << with_bom.out;
+  EXPECT_NE(with_bom.out.find("2 documents"), std::string::npos) << with_bom.out;
   // mt score: refused before the model loads (no checkpoint is needed to see it).
   const std::string score = "score --model=llama-test load_parameters_path=" + dir.string();
   refused(score + " tokens=1,2,3 output=" + other.string(), "exists and is not a logits file");

@@ -377,6 +377,23 @@ TEST_F(TextData, ReadsAreBounded) {
   EXPECT_TRUE(has(m, txt) && has(m, "larger than 256 MiB")) << m;
 }
 
+// A UTF-8 byte order mark at the start of a JSON-lines file (editors on Windows write one) is
+// skipped, not refused as malformed JSON at byte 0; elsewhere U+FEFF stays text.
+TEST_F(TextData, ByteOrderMarkAtTheFileStartIsSkipped) {
+  std::string content = "\xEF\xBB\xBF";
+  for (const auto& d : kDocs) content += "{\"text\": " + json_quote(d) + "}\n";
+  auto s = make(cfg(write("bom.jsonl", content)));
+  auto want = expected_packed_rows(kDocs, shipped(), 8, true, true);
+  auto got = rows(*s, static_cast<int>(want.size()));
+  std::sort(got.begin(), got.end());
+  std::sort(want.begin(), want.end());
+  EXPECT_EQ(got, want);
+  const std::string second =
+      write("bom2.jsonl", "{\"text\": \"a\"}\n\xEF\xBB\xBF{\"text\": \"b\"}\n");
+  const std::string m = error_of([&] { make(cfg(second)); });
+  EXPECT_NE(m.find(second + ":2: malformed JSON at column 1"), std::string::npos) << m;
+}
+
 TEST_F(TextData, NonStrictSkipsBadRecords) {
   std::string content;
   for (const auto& d : kDocs) content += "{\"text\": " + json_quote(d) + "}\n";

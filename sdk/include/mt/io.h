@@ -25,7 +25,8 @@ MT_API std::string read_file(const std::string& path, const std::string& what,
                              uint64_t max_bytes = kMaxFileBytes);
 
 // A regular file read line by line ('\n' ends a line and is not part of it; a last line
-// without one counts). Errors are mt::UsageError naming `what`, the path and the line.
+// without one counts; a UTF-8 byte order mark at the start of the file is skipped). Errors are
+// mt::UsageError naming `what`, the path and the line.
 class MT_API LineReader {
  public:
   LineReader(const std::string& path, const std::string& what, uint64_t max_line);
