@@ -110,6 +110,18 @@ int cmd_tokenize(const Args& args) {
                                               bytes, skipped, first_skip);
   const int32_t bos = cfg.get_bool("add_bos") ? tok->bos_id() : -1;
   const int32_t eos = cfg.get_bool("add_eos") ? tok->eos_id() : -1;
+  // A tokens file marks its documents by their eos (or bos) ids alone: without either, its
+  // documents are read back as one stream (packed rows attend across them). Said, not refused:
+  // a corpus meant as one stream is a choice.
+  if (bos < 0 && eos < 0 && docs.size() > 1)
+    std::fprintf(stderr,
+                 "mt tokenize: warning: no bos or eos id is written (add_bos=%s, add_eos=%s, the "
+                 "tokenizer's bos %d, eos %d), so the %zu documents are not marked: "
+                 "dataset_type=tokens reads them as one stream. Set add_eos=true (or add_bos) to "
+                 "keep them apart.\n",
+                 cfg.get_bool("add_bos") ? "true" : "false",
+                 cfg.get_bool("add_eos") ? "true" : "false", tok->bos_id(), tok->eos_id(),
+                 docs.size());
   // Documents are dealt to threads in small blocks taken in turn; results land in place, so the
   // output order does not depend on scheduling.
   std::vector<std::vector<int32_t>> ids(docs.size());

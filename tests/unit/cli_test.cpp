@@ -63,6 +63,12 @@ TEST(Cli, TokenizeReproducesTheShippedTokenFile) {
   EXPECT_GT(sa.str().size(), 1000u);
   EXPECT_TRUE(sa.str() == sb.str()) << "mt tokenize differs from the shipped corpus.eval.tokens";
   fs::remove(out);
+  // Neither bos nor eos written: the file cannot tell its documents apart, and says so.
+  r = mt_cmd("tokenize tokenizer_path=" + data + "tokenizer.json input=" + data +
+             "corpus.eval.jsonl add_bos=false add_eos=false output=" + out.string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("documents are not marked"), std::string::npos) << r.out;
+  fs::remove(out);
   r = mt_cmd("tokenize tokenizer_path=" + data +
              "tokenizer.json input=/nonexistent.jsonl output=" + out.string());
   EXPECT_NE(r.code, 0);

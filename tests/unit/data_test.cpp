@@ -251,6 +251,21 @@ TEST_F(TokensData, PackingSegmentsPositionsAndMaskedBoundaries) {
   }
 }
 
+// A file of documents marked by bos alone (mt tokenize add_eos=false writes one): each bos
+// starts a document, as an eos ends one (before: the documents ran together, so packed rows
+// attended across them and each bos was a target of the document before it).
+TEST_F(TokensData, ABosStartsADocumentWithoutEos) {
+  constexpr uint32_t kBos = 2;
+  write_tokens(file("b.tokens"), {kBos, 5, 6, kBos, 7, 8, 9, kBos, 10, 11}, 0xFFFFFFFFu, kBos);
+  auto s = make("tokens", cfg(file("b.tokens")));
+  HostBatch b = next_batch(*s);
+  ASSERT_EQ(b.seq, 8);
+  EXPECT_EQ(field(b, b.inputs, 0), (std::vector<int32_t>{2, 5, 6, 2, 7, 8, 9, 2}));
+  EXPECT_EQ(field(b, b.targets, 0), (std::vector<int32_t>{5, 6, -1, 7, 8, 9, -1, 10}));
+  EXPECT_EQ(field(b, b.segment_ids, 0), (std::vector<int32_t>{1, 1, 1, 2, 2, 2, 2, 3}));
+  EXPECT_EQ(field(b, b.positions, 0), (std::vector<int32_t>{0, 1, 2, 0, 1, 2, 3, 0}));
+}
+
 TEST_F(TokensData, PackedRowsCoverTheStreamOncePerEpoch) {
   const auto ids = corpus(40);
   write_tokens(file("a.tokens"), ids, kEos);

@@ -117,7 +117,10 @@ void Corpus::read(uint64_t begin, uint64_t n, int32_t* ids, uint8_t* doc_start) 
     const TokenFile& f = *files_[fi];
     const uint64_t local = g - starts_[fi];
     const uint64_t run = std::min(n - k, f.count() - local);
-    // Whether the id before this run ends a document: the file's start, or its eos.
+    // Whether the id before this run ends a document: the file's start, or its eos. A bos
+    // starts one too: a file written with add_eos=false marks its documents by bos alone
+    // (before, its documents ran together: packed rows attended across them and each bos
+    // was a target of the document before it).
     bool prev_ends = local == 0 || f.at(local - 1) == f.eos_id();
     for (uint64_t j = 0; j < run; ++j) {
       const uint32_t id = f.at(local + j);
@@ -126,7 +129,7 @@ void Corpus::read(uint64_t begin, uint64_t n, int32_t* ids, uint8_t* doc_start) 
                              " at index " + std::to_string(local + j) + " is >= vocab_size " +
                              std::to_string(vocab_) + " (made with another tokenizer?)");
       ids[k + j] = static_cast<int32_t>(id);
-      doc_start[k + j] = prev_ends ? 1 : 0;
+      doc_start[k + j] = prev_ends || id == f.bos_id() ? 1 : 0;
       prev_ends = id == f.eos_id();
     }
     k += run;
@@ -139,6 +142,10 @@ std::vector<std::pair<uint64_t, uint64_t>> Corpus::documents() const {
     const TokenFile& f = *files_[fi];
     uint64_t begin = 0;
     for (uint64_t i = 0; i < f.count(); ++i) {
+      if (f.at(i) == f.bos_id() && i > begin) {  // a bos after no eos starts the next one
+        docs.emplace_back(starts_[fi] + begin, starts_[fi] + i);
+        begin = i;
+      }
       if (f.at(i) == f.eos_id()) {
         docs.emplace_back(starts_[fi] + begin, starts_[fi] + i + 1);
         begin = i + 1;

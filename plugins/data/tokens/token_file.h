@@ -6,10 +6,10 @@
 //   offset 12  u32      dtype: bytes per id, 2 (uint16) or 4 (uint32)
 //   offset 16  u64      count: number of ids that follow
 //   offset 24  u32      eos_id: the id that ends a document (0xFFFFFFFF = none)
-//   offset 28  u32      bos_id: the id that starts a document (0xFFFFFFFF = none); informative
+//   offset 28  u32      bos_id: the id that starts a document (0xFFFFFFFF = none)
 //   offset 32  count ids of dtype bytes each
-// Documents are delimited by eos_id (the eos belongs to the document it ends); the end of a
-// file also ends a document.
+// Documents are delimited by eos_id (the eos belongs to the document it ends) and bos_id (the
+// bos belongs to the document it starts); the end of a file also ends a document.
 #pragma once
 
 #include <cstddef>
@@ -59,8 +59,8 @@ class Corpus final : public mt_data::TokenStream {
 
   uint64_t size() const override { return total_; }
   // Copies ids [begin, begin + n) to `ids` and marks in `doc_start` which of them begin a
-  // document (first id of a file, or the id after its file's eos). Throws mt::Error naming the
-  // file and the offset for an id >= vocab_size.
+  // document (first id of a file, the id after its file's eos, or its bos). Throws mt::Error naming
+  // the file and the offset for an id >= vocab_size.
   void read(uint64_t begin, uint64_t n, int32_t* ids, uint8_t* doc_start) const override;
   // Every document as [begin, end) in the stream (for packing=false).
   std::vector<std::pair<uint64_t, uint64_t>> documents() const override;
