@@ -146,26 +146,47 @@ std::vector<int32_t> encode(const Inference& in, const std::string& text,
 }
 
 // Lines of a text file, or the "text" field of each JSON line (a line starting with '{').
-std::vector<std::string> read_texts(const std::string& path) {
+// The kind of a text input, by its extension: .jsonl/.json lines are JSON (a guess from a line's
+// first byte read a JSON line with a leading space as text, JSON syntax and all), .txt lines
+// are text (one beginning with '{' too); any other file's lines are JSON when they begin with
+// '{' (after blanks), else text.
+enum class TextKind { json, text, sniff };
+TextKind text_kind(const std::string& path) {
+  const std::string ext = fs::path(path).extension().string();
+  if (ext == ".jsonl" || ext == ".json") return TextKind::json;
+  if (ext == ".txt") return TextKind::text;
+  return TextKind::sniff;
+}
+
+std::vector<std::string> read_texts(const std::string& path, const std::string& column) {
   std::vector<std::string> out;
+  const TextKind kind = text_kind(path);
   LineReader in(path, "input", kMaxRecordBytes);
   for (std::string_view line; in.next(line);) {
     if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
     if (line.empty()) continue;
-    if (line[0] != '{') {
+    const size_t first = line.find_first_not_of(" \t");
+    const bool json_line =
+        kind == TextKind::json ||
+        (kind == TextKind::sniff && first != std::string_view::npos && line[first] == '{');
+    if (!json_line) {
       out.emplace_back(line);
       continue;
     }
     const std::string where = "'" + path + "' line " + std::to_string(in.line_number());
+    if (first == std::string_view::npos) continue;  // a blank line
     json::Value v;
     try {
       v = json::parse(line);
     } catch (const json::ParseError& e) {
-      throw UsageError(where + ": malformed JSON at byte " + std::to_string(e.offset) + ": " +
-                       e.what);
+      throw UsageError(
+          where + ": malformed JSON at byte " + std::to_string(e.offset) + ": " + e.what +
+          (kind == TextKind::json ? " (a .jsonl file holds a JSON object a line)" : ""));
     }
-    const json::Value* t = v.find("text");
-    if (!t || !t->is_string()) throw UsageError(where + ": the JSON line has no \"text\" string.");
+    const json::Value* t = v.find(column);
+    if (!t || !t->is_string())
+      throw UsageError(where + ": the JSON line has no \"" + column +
+                       "\" string (train_data_columns=" + column + ").");
     out.push_back(t->str);
   }
   return out;
@@ -256,7 +277,7 @@ int cmd_decode(const Args& args) {
     if (prompts[0].empty()) throw UsageError("tokens= holds no token id.");
   } else {
     if (!cfg.get_string("prompt_file").empty())
-      texts = read_texts(cfg.get_string("prompt_file"));
+      texts = read_texts(cfg.get_string("prompt_file"), cfg.get_string("train_data_columns"));
     else
       texts.push_back(cfg.get_string("prompt"));
     const std::string from = cfg.get_string("prompt_file").empty()
@@ -392,11 +413,26 @@ int cmd_score(const Args& args) {
     seqs.push_back(parse_ids(cfg.get_string("tokens"), "tokens"));
   } else if (!cfg.get_string("input").empty()) {
     const std::string path = cfg.get_string("input");
+    // Token ids: a file of digits, commas and blanks that is not .jsonl/.json (before, ids with
+    // CRLF line ends were read as text); said, since a text of numbers reads the same.
     const std::string all = read_file(path, "input");
-    if (all.find_first_not_of("0123456789, \t\n") == std::string::npos) {
-      seqs.push_back(parse_ids(all, path));
+    if (text_kind(path) != TextKind::json &&
+        all.find_first_not_of("0123456789, \t\r\n") == std::string::npos) {
+      // Lines join as one sequence; a line may end with a comma or not.
+      std::string joined;
+      std::stringstream lines(all);
+      for (std::string line; std::getline(lines, line);) {
+        const size_t end = line.find_last_not_of(", \t\r");
+        if (end == std::string::npos) continue;
+        if (!joined.empty()) joined += ',';
+        joined.append(line, 0, end + 1);
+      }
+      seqs.push_back(parse_ids(joined, path));
+      std::fprintf(stderr,
+                   "mt score: input=%s holds only digits, commas and blanks: read as token ids.\n",
+                   path.c_str());
     } else {
-      for (const auto& t : read_texts(path)) {
+      for (const auto& t : read_texts(path, cfg.get_string("train_data_columns"))) {
         auto e = encode(in, t, "input=" + path);
         if (in.tokenizer->eos_id() >= 0 && cfg.get_bool("add_eos"))
           e.push_back(in.tokenizer->eos_id());

@@ -66,8 +66,10 @@ const Command kCommands[] = {
      "mt score [--model=NAME] load_parameters_path=DIR | hf_path=DIR\n"
      "                prompt=\"...\" | input=FILE | tokens=ID,ID,... [output=FILE.safetensors]\n\n"
      "Prints the mean loss and perplexity of one text (prompt=), of each document of a file\n"
-     "(input=: text, JSONL with a \"text\" field, or token ids) or of comma-separated token ids\n"
-     "(tokens=); output= also writes the logits and per-position log-likelihoods.\n"},
+     "(input=: .jsonl/.json lines are JSON with a train_data_columns field, .txt lines are\n"
+     "text, other files' lines JSON when they begin with '{'; a file of only digits, commas\n"
+     "and blanks is token ids) or of comma-separated token ids (tokens=); output= also writes\n"
+     "the logits and per-position log-likelihoods.\n"},
     {"bench", mt::cli::cmd_bench, "throughput benchmarks (JSON output)",
      "mt bench train|decode|moe|gemm|attention [--model=NAME] [key=value ...]\n\n"
      "  train      tokens/s, TFLOP/s and MFU of a short synthetic run (default llama-bench-m,\n"

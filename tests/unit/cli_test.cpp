@@ -392,6 +392,26 @@ TEST(Cli, TrainThenDecodeAndScore) {
     EXPECT_EQ(std::to_string(predicted), w_meta.at("predicted"));
     EXPECT_NEAR(sum / predicted, std::stod(w_meta.at("mean_loss")), 1e-6);
   }
+  // input='s format: ids with CRLF line ends are ids (before: text); a .jsonl line with a
+  // leading blank is JSON (before: its syntax was scored as text); the JSON field is
+  // train_data_columns' (before: "text" always). Each scores as its plain form does.
+  {
+    auto score_line = [&](const std::string& args) {
+      const auto s = mt_cmd("score" + ckpt + " " + args);
+      EXPECT_EQ(s.code, 0) << s.out;
+      return s.out.substr(s.out.find("tokens "));
+    };
+    std::ofstream(dir / "crlf.ids") << "1,5,42\r\n7\r\n";
+    EXPECT_EQ(score_line("input=" + (dir / "crlf.ids").string()), score_line("tokens=1,5,42,7"));
+    std::ofstream(dir / "plain.jsonl") << "{\"text\": \"Emma Woodhouse\"}\n";
+    std::ofstream(dir / "blank.jsonl") << " {\"text\": \"Emma Woodhouse\"}\n";
+    std::ofstream(dir / "content.jsonl") << "{\"content\": \"Emma Woodhouse\"}\n";
+    const std::string plain = score_line("input=" + (dir / "plain.jsonl").string());
+    EXPECT_EQ(score_line("input=" + (dir / "blank.jsonl").string()), plain);
+    EXPECT_EQ(
+        score_line("input=" + (dir / "content.jsonl").string() + " train_data_columns=content"),
+        plain);
+  }
   // int8 weights read from the run's step directory, each quantized as it streams through one
   // read of the checkpoint (load_checkpoint_weights).
   r = mt_cmd("score" + ckpt + " tokens=1,5,42,7 quantization=int8");
