@@ -196,16 +196,13 @@ std::optional<std::string> checkpoint_model(const Args& a, ConfigRequest& req,
   if (req.schemas_for)
     for (auto& t : req.schemas_for(preview_config(fam))) fam.schema_texts.push_back(std::move(t));
   const Config known = preview_config(fam);
-  static const std::set<std::string> kRunChoices = {"attention",        "dtype",
-                                                    "weight_dtype",     "matmul_precision",
-                                                    "remat_policy",     "num_vocab_tiling",
-                                                    "init_weights_seed"};
   const auto& base = layers.impl().sections;
   std::vector<std::string> layered = {"decoder_block=" + block};
   for (const auto& kv : saved) {
     const std::string key = kv.first.Scalar();
     const auto sec = known.impl().sections.find(key);
-    if (sec == known.impl().sections.end() || key == "decoder_block" || kRunChoices.count(key))
+    if (sec == known.impl().sections.end() || key == "decoder_block" ||
+        core_model_keys().count(key))
       continue;  // a key this mt does not declare (an older run's) is not the model's
     const bool model_key =
         sec->second == "Model" || sec->second == "Multi-head latent attention (DeepSeek)";

@@ -62,13 +62,18 @@ void reset_config_reads(const Config& c) {
   r.keys.clear();
 }
 
-std::vector<std::string> unread_model_keys(const Config& c) {
+const std::set<std::string>& core_model_keys() {
   // Read by the core (ModelRunner, the kernels), not by the family.
   // (logits_via_embedding is the family's: one that does not tie its head must not take it.)
   static const std::set<std::string> kCore = {"attention",        "dtype",
                                               "weight_dtype",     "matmul_precision",
                                               "remat_policy",     "num_vocab_tiling",
                                               "init_weights_seed"};
+  return kCore;
+}
+
+std::vector<std::string> unread_model_keys(const Config& c) {
+  const std::set<std::string>& kCore = core_model_keys();
   const Config::Impl& im = c.impl();
   std::set<std::string> read;
   {

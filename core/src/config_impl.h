@@ -60,6 +60,10 @@ std::string config_set_where(const std::string& origin);
 // which nothing has read since reset_config_reads(): keys the model family does not implement.
 void reset_config_reads(const Config& c);
 std::vector<std::string> unread_model_keys(const Config& c);
+// The keys of base.yml's model sections that the core reads, not the family: choices of a run
+// (dtypes, the attention kernel, matmul precision, remat, vocab tiling, the initialisation),
+// which a resumed run or an inference of a checkpoint may set otherwise.
+const std::set<std::string>& core_model_keys();
 
 Config config_from_pairs(const std::vector<std::pair<std::string, std::string>>& kv,
                          const std::string& origin = "code");

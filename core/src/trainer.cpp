@@ -498,11 +498,8 @@ namespace {
 // weights and router-bias rate). Shapes are checked by the restore; these change the model
 // the weights are read into (an activation, rope theta, a soft cap) with nothing to see.
 std::vector<std::string> changed_model_keys(const Config& cfg, const std::string& saved_yaml) {
-  static const std::set<std::string> kMayChange = {"attention",         "dtype",
-                                                   "weight_dtype",      "matmul_precision",
-                                                   "remat_policy",      "num_vocab_tiling",
-                                                   "init_weights_seed", "load_balance_loss_weight",
-                                                   "moe_z_loss_weight", "routed_bias_update_rate"};
+  static const std::set<std::string> kLossWeights = {
+      "load_balance_loss_weight", "moe_z_loss_weight", "routed_bias_update_rate"};
   std::vector<std::string> out;
   YAML::Node saved, now;
   try {
@@ -520,7 +517,7 @@ std::vector<std::string> changed_model_keys(const Config& cfg, const std::string
     if (section != "Model" && section != "Multi-head latent attention (DeepSeek)" &&
         !section.empty())
       continue;
-    if (kMayChange.count(key) || !saved[key]) continue;
+    if (core_model_keys().count(key) || kLossWeights.count(key) || !saved[key]) continue;
     YAML::Emitter a, b;
     a << YAML::Flow << saved[key];
     b << YAML::Flow << kv.second;
