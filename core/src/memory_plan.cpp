@@ -813,15 +813,43 @@ std::string format_plan(const Plan& p, const Config& cfg) {
 }
 
 namespace {
+// A positive integer at the start of `s` (moved past it), else 0.
+int64_t leading_count(const char*& s) {
+  char* end = nullptr;
+  const long long n = std::strtoll(s, &end, 10);
+  if (end == s || n <= 0) return 0;
+  s = end;
+  return n;
+}
+
 // The job's ranks on this host, as the launcher says: OpenMPI's mpirun (the launcher mt
-// documents), then MPICH's Hydra; 1 without either.
+// documents), MPICH's Hydra, then Slurm's srun (SLURM_STEP_TASKS_PER_NODE, as "8(x2),7": the
+// SLURM_NODEID-th node's count); 1 without any.
 int64_t ranks_on_this_host() {
   for (const char* var : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"}) {
     const char* v = std::getenv(var);
     if (!v || !*v) continue;
-    char* end = nullptr;
-    const long long n = std::strtoll(v, &end, 10);
-    if (end && *end == '\0' && n > 0) return n;
+    if (const int64_t n = leading_count(v); n > 0 && *v == '\0') return n;
+  }
+  const char* tasks = std::getenv("SLURM_STEP_TASKS_PER_NODE");
+  const char* node = std::getenv("SLURM_NODEID");
+  if (!tasks || !node) return 1;
+  char* end = nullptr;
+  int64_t left = std::strtoll(node, &end, 10);  // the nodes before this one
+  if (end == node || *end != '\0' || left < 0) return 1;
+  for (const char* p = tasks; *p;) {
+    const int64_t n = leading_count(p);
+    if (n == 0) return 1;
+    int64_t times = 1;
+    if (p[0] == '(' && p[1] == 'x') {
+      p += 2;
+      times = leading_count(p);
+      if (times == 0 || *p != ')') return 1;
+      ++p;
+    }
+    if (left < times) return n;
+    left -= times;
+    if (*p == ',') ++p;
   }
   return 1;
 }

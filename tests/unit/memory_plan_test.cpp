@@ -630,6 +630,19 @@ TEST(MemoryPlan, RanksOnOneHostShareItsMemory) {
   ::setenv("MPI_LOCALNRANKS", "100000000", 1);
   EXPECT_NE(fits(2).find("shared by 100000000 ranks"), std::string::npos);
   ::unsetenv("MPI_LOCALNRANKS");
+  // srun: this node's count in SLURM_STEP_TASKS_PER_NODE ("N(xM)" repeats a count M nodes).
+  ::setenv("SLURM_STEP_TASKS_PER_NODE", "3(x2),100000000,5", 1);
+  for (const auto& [node, says] :
+       {std::pair{"1", ""}, std::pair{"2", "shared by 100000000 ranks"}, std::pair{"3", ""}}) {
+    ::setenv("SLURM_NODEID", node, 1);
+    const std::string got = fits(2);
+    if (*says)
+      EXPECT_NE(got.find(says), std::string::npos) << node << got;
+    else
+      EXPECT_EQ(got, "") << node;
+  }
+  ::unsetenv("SLURM_STEP_TASKS_PER_NODE");
+  ::unsetenv("SLURM_NODEID");
 }
 
 TEST(MemoryPlan, BadInputsAreRefusedClearly) {
