@@ -82,7 +82,8 @@ void special_tokens(Inference& in) {
 }
 
 // Loads the model and its weights (load_parameters_path) and the tokenizer (tokenizer_path).
-Inference load_inference(const Args& args, const char* command, bool need_tokenizer) {
+Inference load_inference(const Args& args, const char* command, bool need_tokenizer,
+                         int64_t sequences = 1) {
   Inference in;
   // Inference never updates the weights: f32 masters with bf16 compute are held in bf16 from
   // the start (loaded with the rounding every forward's cast would give).
@@ -103,7 +104,7 @@ Inference load_inference(const Args& args, const char* command, bool need_tokeni
     // model that cannot fit is refused with the changes that make it fit before any loading.
     std::unique_ptr<Backend> device = in.pm->make_backend(cfg.get_string("backend"), cfg);
     if (std::string(command) == "decode")
-      check_fits(cfg, *in.pm, *device, PlanFor::decode, command);
+      check_fits(cfg, *in.pm, *device, PlanFor::decode, command, 1, sequences);
     // quantization=int8: the projections held as int8 rows from the start, each quantized as
     // it is read, so the weights are never all held in the compute dtype.
     in.runner = std::make_unique<ModelRunner>(cfg, *in.pm, std::move(device), nullptr,
@@ -260,9 +261,22 @@ int cmd_decode(const Args& args) {
   refuse_empty_tokens(probe);
   const bool ids_given = !probe.get_string("tokens").empty();
   if (ids_given) parse_ids(probe.get_string("tokens"), "tokens");  // before the model loads
-  Inference in = load_inference(args, "decode", /*need_tokenizer=*/!ids_given);
-  const Config& cfg = in.cfg;
+  // The prompts' texts before the model loads: their number is the batch the memory check
+  // plans (each prompt has a cache of max_target_length; before, one was planned whatever
+  // prompt_file held), and a bad file is refused before any weight is read.
   std::vector<std::string> texts;
+  if (!ids_given) {
+    if (!probe.get_string("prompt_file").empty())
+      texts = read_texts(probe.get_string("prompt_file"), probe.get_string("train_data_columns"));
+    else
+      texts.push_back(probe.get_string("prompt"));
+    if (texts.empty())
+      throw UsageError("prompt_file=" + probe.get_string("prompt_file") +
+                       " holds no prompt (every line is empty).");
+  }
+  Inference in = load_inference(args, "decode", /*need_tokenizer=*/!ids_given,
+                                std::max<int64_t>(1, static_cast<int64_t>(texts.size())));
+  const Config& cfg = in.cfg;
   std::vector<std::vector<int32_t>> prompts;
   if (ids_given) {
     prompts.push_back(parse_ids(cfg.get_string("tokens"), "tokens"));
@@ -276,17 +290,18 @@ int cmd_decode(const Args& args) {
                         prompts[0][i], i, vocab));
     if (prompts[0].empty()) throw UsageError("tokens= holds no token id.");
   } else {
-    if (!cfg.get_string("prompt_file").empty())
-      texts = read_texts(cfg.get_string("prompt_file"), cfg.get_string("train_data_columns"));
-    else
-      texts.push_back(cfg.get_string("prompt"));
     const std::string from = cfg.get_string("prompt_file").empty()
                                  ? std::string("prompt")
                                  : "prompt_file=" + cfg.get_string("prompt_file");
-    if (texts.empty()) throw UsageError(from + " holds no prompt (every line is empty).");
-    for (size_t i = 0; i < texts.size(); ++i)
-      prompts.push_back(encode(
-          in, texts[i], texts.size() > 1 ? fmt::format("{}, prompt {}", from, i + 1) : from));
+    for (size_t i = 0; i < texts.size(); ++i) {
+      const std::string where = texts.size() > 1 ? fmt::format("{}, prompt {}", from, i + 1) : from;
+      prompts.push_back(encode(in, texts[i], where));
+      // (before: "Cannot decode from an empty prompt" from the decoder, naming none)
+      if (prompts.back().empty())
+        throw UsageError(where +
+                         " gives no token (an empty text, and add_bos=false or a "
+                         "tokenizer without a bos): there is nothing to continue.");
+    }
   }
   const int64_t max_prefill = cfg.get_int("max_prefill_predict_length");
   for (const auto& p : prompts)

@@ -338,8 +338,18 @@ GenerateResult generate(ModelRunner& runner, const std::vector<std::vector<int32
   const int64_t vocab = runner.model().dims().vocab_size;
   GenerateResult r;
   r.tokens.resize(prompts.size());
+  // Row b's generator: the seed itself for row 0 (a one-prompt decode is row 0 of any batch), a
+  // hash of (seed, b) for the others (before: seed + b, so seed 0's rows 1-3 were seed 1's rows
+  // 0-2, and runs over nearby seeds repeated each other's draws).
+  auto row_seed = [&](uint64_t b) {
+    if (b == 0) return static_cast<uint64_t>(sampling.seed);
+    uint64_t z = static_cast<uint64_t>(sampling.seed) * 0x9E3779B97F4A7C15ull + b;  // splitmix64
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  };
   std::vector<std::mt19937_64> rngs;
-  for (int64_t b = 0; b < batch; ++b) rngs.emplace_back(sampling.seed + static_cast<uint64_t>(b));
+  for (int64_t b = 0; b < batch; ++b) rngs.emplace_back(row_seed(static_cast<uint64_t>(b)));
   std::vector<int32_t> next(prompts.size());
   std::vector<bool> active(prompts.size(), true);
   auto t0 = Clock::now();

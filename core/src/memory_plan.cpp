@@ -856,7 +856,7 @@ int64_t ranks_on_this_host() {
 }  // namespace
 
 void check_fits(const Config& cfg_in, PluginManager& plugins, Backend& device, PlanFor what,
-                const char* command, int ranks) {
+                const char* command, int ranks, int64_t decode_batch) {
   DeviceProfile target = plan_target(cfg_in, &device, /*use_plan_device=*/false);
   if (target.bytes == 0) return;  // a backend that cannot tell
   // The CPU backend's device is the host's memory, which the job's ranks on this host share:
@@ -879,13 +879,21 @@ void check_fits(const Config& cfg_in, PluginManager& plugins, Backend& device, P
     cfg = with_words(cfg_in, {fmt::format("ici_data_parallelism={}", i),
                               fmt::format("dcn_data_parallelism={}", data / i)});
   }
-  const Plan quick = make_plan(cfg, plugins, target, what, /*with_fixes=*/false);
+  const Plan quick = make_plan(cfg, plugins, target, what, /*with_fixes=*/false, decode_batch);
   if (quick.fits()) return;
-  const Plan plan = make_plan(cfg, plugins, target, what, /*with_fixes=*/true);
+  const Plan plan = make_plan(cfg, plugins, target, what, /*with_fixes=*/true, decode_batch);
+  // Several prompts are decoded at once, each with its cache: fewer at a time need less.
+  const std::string batch =
+      decode_batch > 1
+          ? fmt::format(
+                " It decodes its {} prompts at once, each with a KV cache of "
+                "max_target_length: fewer prompts a run (a prompt_file split) need less.",
+                decode_batch)
+          : std::string();
   throw UsageError(fmt::format(
       "The run does not fit: mt {} would need {} on {}, and would fail part-way. Nothing was "
-      "allocated. The plan (what `mt plan` prints for this config):\n{}",
-      command, human_bytes(static_cast<double>(plan.peak())), held, format_plan(plan, cfg)));
+      "allocated.{} The plan (what `mt plan` prints for this config):\n{}",
+      command, human_bytes(static_cast<double>(plan.peak())), held, batch, format_plan(plan, cfg)));
 }
 
 }  // namespace mt

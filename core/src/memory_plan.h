@@ -135,8 +135,9 @@ std::string format_plan(const Plan& plan, const Config& cfg);
 // alone cannot count them): sharded optimizer state is planned per rank. On the CPU backend the
 // device is the host's memory, which the job's ranks on this host (OMPI_COMM_WORLD_LOCAL_SIZE,
 // MPI_LOCALNRANKS) share: each is checked against its part.
+// `decode_batch`: the sequences mt decode decodes at once (its prompts).
 void check_fits(const Config& cfg, PluginManager& plugins, Backend& device, PlanFor what,
-                const char* command, int ranks = 1);
+                const char* command, int ranks = 1, int64_t decode_batch = 1);
 
 // "512 B", "3.2 MiB", "25.1 GiB"
 std::string human_bytes(double bytes);

@@ -844,6 +844,26 @@ TEST(Decode, SamplingStrategies) {
     EXPECT_EQ(sample_token(logits.data(), 5, p, a), sample_token(logits.data(), 5, p, b));
 }
 
+// Sampled rows of one generate: row 0 is the seed's own stream (a one-prompt decode's), and
+// the other rows' streams are not the next seeds' (before: seed + row, so seed 0's row 1 was
+// seed 1's row 0, and decodes over nearby seeds repeated each other's draws).
+TEST(Decode, SampledRowsAreIndependentOfNearbySeeds) {
+  auto r = runner({});
+  SamplingParams p;
+  p.strategy = SamplingParams::Strategy::weighted;
+  p.temperature = 2.f;  // near-uniform over the vocabulary: streams of distinct seeds differ
+  auto rows = [&](uint64_t seed, size_t n) {
+    p.seed = seed;
+    return generate(*r, std::vector<std::vector<int32_t>>(n, {1, 2, 3}), 24, p, -1).tokens;
+  };
+  const auto zero = rows(0, 3), one = rows(1, 1), two = rows(2, 1), alone = rows(0, 1);
+  EXPECT_EQ(zero[0], alone[0]);
+  EXPECT_NE(zero[1], zero[0]);
+  EXPECT_NE(zero[1], one[0]);
+  EXPECT_NE(zero[2], two[0]);
+  EXPECT_EQ(rows(0, 3), zero);  // deterministic per seed
+}
+
 TEST(Decode, GenerationStopsAtMaxLengthAndEos) {
   auto r = runner({});
   const GenerateResult g = generate(*r, {{1, 2, 3}, {4}}, 10, SamplingParams{}, -1);

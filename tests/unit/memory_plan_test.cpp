@@ -645,6 +645,20 @@ TEST(MemoryPlan, RanksOnOneHostShareItsMemory) {
   ::unsetenv("SLURM_NODEID");
 }
 
+// mt decode plans the prompts it decodes at once, each with a cache of max_target_length
+// (before: one, whatever prompt_file held: 8000 prompts of llama-test peaked at 100x the plan).
+TEST(MemoryPlan, DecodePlansEveryPrompt) {
+  const Config cfg = test::model_config("llama-test", {"max_target_length=65536"});
+  EXPECT_NO_THROW(check_fits(cfg, test::plugins(), test::cpu(), PlanFor::decode, "decode"));
+  try {
+    check_fits(cfg, test::plugins(), test::cpu(), PlanFor::decode, "decode", 1, 100000);
+    ADD_FAILURE() << "1e5 caches of 65536 tokens were planned to fit";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("decodes its 100000 prompts at once"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(MemoryPlan, BadInputsAreRefusedClearly) {
   const test::MtResult dev = test::run_mt("plan --model=llama-test plan_device=tpu-v9", 30);
   EXPECT_EQ(dev.code, 2) << dev.out;
