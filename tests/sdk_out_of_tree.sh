@@ -67,6 +67,12 @@ out=$("$mt" run --model=tiny-template dataset_type=counting steps=3 eval_interva
   tokenizer_path= base_output_directory="$work/out") || fail "mt run with dataset_type=counting exited $?"
 grep -q 'data=counting' <<<"$out" || fail "the run did not use the counting data source"
 grep -q 'mt run: done. 3 steps' <<<"$out" || fail "the run did not finish"
+# The data plugin's own key (add_dataset_keys): typed and checked when dataset_type names it,
+# unknown otherwise.
+grep -q '^counting_start: 5 ' <<<"$("$mt" config --model=tiny-template dataset_type=counting \
+  counting_start=5 --origins)" || fail "mt config does not show the data plugin's key"
+refused 'counting_start=-1' dataset_type=counting counting_start=-1
+refused 'counting_start' dataset_type=synthetic counting_start=5
 # The shipped text data source builds out of tree too: it needs the SDK's headers only
 # (mt/json.h, mt/io.h), not the core's private ones.
 mkdir -p "$work/text/src/text"

@@ -248,17 +248,26 @@ Config resolve_config(const Args& a, bool notes) {
   // decided decoder_block; only that family's plugin is loaded. A family that cannot be loaded
   // adds no keys: commands that need it refuse it by name when they make it, and the others
   // (mt plugins, mt tokenize) do not need it.
+  // So do the keys of the data plugin dataset_type names (Registry::add_dataset_keys).
   std::string family_error;
   req.schemas_for = [&family_error](const Config& layers) {
     const std::string name = layers.get_string("decoder_block");
     std::vector<SchemaText> texts;
+    PluginManager pm(plugin_dirs_of(layers));
     try {
-      PluginManager pm(plugin_dirs_of(layers));
       std::string yaml = pm.make_model_family(name)->config_schema();
       if (!yaml.empty())
         texts.push_back({"model family '" + name + "' config_schema()", std::move(yaml)});
     } catch (const Error& e) {
       family_error = e.what();
+    }
+    const std::string data = layers.get_string("dataset_type");
+    try {
+      std::string yaml = pm.dataset_keys(data);
+      if (!yaml.empty())
+        texts.push_back({"data plugin '" + data + "' add_dataset_keys()", std::move(yaml)});
+    } catch (const Error&) {
+      // mt run refuses a dataset_type it cannot load, by name, when it makes the source.
     }
     return texts;
   };

@@ -427,6 +427,12 @@ std::unique_ptr<DatasetSource> PluginManager::make_dataset(const std::string& na
   return d;
 }
 
+std::string PluginManager::dataset_keys(const std::string& name) {
+  dataset_factory(name);  // loads its plugin; refuses one that registers no such dataset
+  const auto it = dataset_keys_.find(name);
+  return it == dataset_keys_.end() ? std::string() : it->second;
+}
+
 size_t PluginManager::registered() const {
   return backends_.size() + attention_.size() + models_.size() + datasets_.size() +
          communicators_.size();
@@ -457,6 +463,9 @@ void PluginManager::add_dataset(const std::string& name, DatasetFactory f) {
 }
 void PluginManager::add_communicator(const std::string& name, CommunicatorFactory f) {
   communicators_[name] = std::move(f);
+}
+void PluginManager::add_dataset_keys(const std::string& name, const std::string& schema) {
+  dataset_keys_[name] += schema;
 }
 
 }  // namespace mt

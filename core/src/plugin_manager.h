@@ -59,6 +59,9 @@ class PluginManager final : public Registry {
   // dataset_factory(name)(...), refusing a factory that returns null.
   std::unique_ptr<DatasetSource> make_dataset(const std::string& name, const Config& cfg,
                                               const DataShard& shard, const Tokenizer* tokenizer);
+  // The config keys the dataset `name` declares (add_dataset_keys), "" for none; loads its
+  // plugin (throws as require does when there is none).
+  std::string dataset_keys(const std::string& name);
   std::unique_ptr<Communicator> make_communicator(const std::string& name, const Config& cfg);
   std::vector<std::string> attention_names(const std::string& backend) const;
 
@@ -69,6 +72,7 @@ class PluginManager final : public Registry {
   void add_model_family(const std::string& name, ModelFamilyFactory f) override;
   void add_dataset(const std::string& name, DatasetFactory f) override;
   void add_communicator(const std::string& name, CommunicatorFactory f) override;
+  void add_dataset_keys(const std::string& name, const std::string& schema) override;
 
   // The directory holding libmt_core (lib/), from which bin/ and share/mt/configs are found.
   static std::filesystem::path core_library_dir();
@@ -85,6 +89,7 @@ class PluginManager final : public Registry {
   std::map<std::string, AttentionFactory> attention_;  // "backend/name"
   std::map<std::string, ModelFamilyFactory> models_;
   std::map<std::string, DatasetFactory> datasets_;
+  std::map<std::string, std::string> dataset_keys_;
   std::map<std::string, CommunicatorFactory> communicators_;
 };
 

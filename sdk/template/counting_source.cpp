@@ -1,5 +1,6 @@
 // The "counting" data source: the smallest complete data plugin, as a template. Row r of the
-// training stream is the ids r, r+1, ... modulo vocab_size; its state is the number of training
+// training stream is the ids s + r, s + r + 1, ... modulo vocab_size, s being the plugin's own
+// config key counting_start (declared with add_dataset_keys); its state is the number of training
 // rows produced (rows, not batches: a run resumed with another batch size goes on at the next
 // row). The eval stream is another one (rows from 1000003), started again by each
 // evaluation (mt/data.h's contract).
@@ -19,6 +20,7 @@ class CountingSource final : public mt::DatasetSource {
       : batch_(c.get_int("per_device_batch_size")),
         seq_(c.get_int("max_target_length")),
         vocab_(c.get_int("vocab_size")),
+        start_(c.get_int("counting_start")),
         shard_(shard) {}
   std::string name() const override { return "counting"; }
   bool next(mt::HostBatch& out, bool eval) override {
@@ -32,7 +34,7 @@ class CountingSource final : public mt::DatasetSource {
     out.targets.clear();
     for (int64_t b = 0; b < batch_; ++b) {
       // Rows are dealt to data-parallel ranks in turn.
-      const int64_t row = (produced++) * shard_.count + shard_.rank + (eval ? 1000003 : 0);
+      const int64_t row = start_ + (produced++) * shard_.count + shard_.rank + (eval ? 1000003 : 0);
       for (int64_t t = 0; t < seq_; ++t) {
         out.inputs.push_back(static_cast<int32_t>((row + t) % vocab_));
         out.targets.push_back(static_cast<int32_t>((row + t + 1) % vocab_));
@@ -54,7 +56,7 @@ class CountingSource final : public mt::DatasetSource {
   }
 
  private:
-  int64_t batch_, seq_, vocab_;
+  int64_t batch_, seq_, vocab_, start_;
   mt::DataShard shard_;
   int64_t produced_ = 0, eval_produced_ = 0;
   bool in_eval_ = false;
@@ -64,6 +66,9 @@ void register_counting(mt::Registry& r) {
   r.add_dataset("counting", [](const mt::Config& c, const mt::DataShard& s, const mt::Tokenizer*) {
     return std::make_unique<CountingSource>(c, s);
   });
+  // Its own key: exists (typed, range-checked, shown by mt config) when dataset_type=counting.
+  r.add_dataset_keys("counting",
+                     "counting_start: 0  # the id that training row 0 starts at [>=0]\n");
 }
 
 }  // namespace

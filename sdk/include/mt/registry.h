@@ -42,6 +42,11 @@ class MT_API Registry {
   virtual void add_dataset(const std::string& name, DatasetFactory f) = 0;
   // `communicator=<name>` (plugin kind "comm": libmt_comm_<name>.so).
   virtual void add_communicator(const std::string& name, CommunicatorFactory f) = 0;
+  // The config keys of the dataset `name` (beside its add_dataset), in configs/base.yml's format
+  // ("key: default  # what it means [constraint]" a line), as ModelFamily::config_schema() gives
+  // a family's: they exist, typed and checked, when dataset_type names it, and its factory reads
+  // them from the Config it gets.
+  virtual void add_dataset_keys(const std::string& name, const std::string& schema) = 0;
 };
 
 }  // namespace mt
