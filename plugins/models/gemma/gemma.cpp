@@ -643,6 +643,10 @@ std::map<std::string, std::string> GemmaFamily::to_hf_config(const mt::Config& c
       {"tie_word_embeddings", c.tied ? "true" : "false"},
       {"attention_bias", "false"},
       {"attention_dropout", "0.0"},
+      // The Gemma configs default pad_token_id to 0, which gives transformers' embedding
+      // padding_idx 0: fine-tuning the export there would leave row 0's input-side gradient at
+      // zero (2.5% of gemma2-test's gradient norm), where mt trains every row.
+      {"pad_token_id", "null"},
       {"torch_dtype",
        cfg.get_string("weight_dtype") == "bfloat16" ? "\"bfloat16\"" : "\"float32\""},
       {"max_position_embeddings", std::to_string(cfg.get_int("max_position_embeddings") > 0
