@@ -10,6 +10,7 @@
 
 #include "checkpoint_manager.h"
 #include "config_loader.h"
+#include "family_test_support.h"
 #include "hf_interop.h"
 #include "model_runner.h"
 #include "mt/data.h"
@@ -303,16 +304,7 @@ TEST(HfImport, TransformersFiveAndLegacyConfigsGiveTheGoldenLogits) {
 // A partial_rotary_factor below 1, which transformers' Llama ignores, is refused (before: mt
 // rotated part of each head, 1.5 off transformers).
 TEST(HfImport, AbsentFieldsAreTransformersDefaults) {
-  auto edit = [](const fs::path& file, const std::string& from, const std::string& to) {
-    std::string text;
-    {
-      std::ifstream f(file);
-      std::getline(f, text, '\0');
-    }
-    ASSERT_NE(text.find(from), std::string::npos) << from;
-    text.replace(text.find(from), from.size(), to);
-    std::ofstream(file) << text;
-  };
+  const auto edit = test::edit_file;
   Llama31Dir d(true);
   edit(d.root / "config.json", ",\n           \"original_max_position_embeddings\": 32", "");
   edit(d.root / "config.json", "\"max_position_embeddings\": 128",
@@ -513,16 +505,7 @@ TEST(HfImport, DisagreementsAndUnimplementedNumericsAreRefused) {
     EXPECT_EQ(mt_cmd("score hf_path=" + d.root.string() + " tokens=1,2,3", out), 2) << out;
     EXPECT_NE(out.find("lm_head.weight"), std::string::npos) << out;
   }
-  auto edit = [](const fs::path& file, const std::string& from, const std::string& to) {
-    std::string text;
-    {
-      std::ifstream f(file);
-      std::getline(f, text, '\0');
-    }
-    ASSERT_NE(text.find(from), std::string::npos) << from;
-    text.replace(text.find(from), from.size(), to);
-    std::ofstream(file) << text;
-  };
+  const auto edit = test::edit_file;
   {
     Llama31Dir d(false);
     edit(d.root / "config.json", "\"num_hidden_layers\": 2", "\"num_hidden_layers\": 1");
