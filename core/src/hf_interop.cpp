@@ -127,7 +127,7 @@ std::vector<float> transpose(const std::vector<float>& a, int64_t r, int64_t c) 
 
 }  // namespace
 
-HfTokenSettings read_hf_token_settings(const fs::path& dir) {
+HfTokenSettings read_hf_token_settings(const fs::path& dir, bool tokenizer_config_only) {
   HfTokenSettings r;
   auto load = [&dir](const char* name, json::Value& v) {
     const fs::path f = dir / name;
@@ -168,6 +168,7 @@ HfTokenSettings read_hf_token_settings(const fs::path& dir) {
       r.add_bos_token = a->boolean;
     }
   }
+  if (tokenizer_config_only) return r;
   json::Value tj;
   if (!r.add_bos_token && load("tokenizer.json", tj)) {
     // The post-processor, or the TemplateProcessing inside a Sequence of them.

@@ -35,7 +35,10 @@ struct HfTokenSettings {
   int32_t bos_token_id = -1;
   std::vector<int32_t> eos_token_ids;
 };
-HfTokenSettings read_hf_token_settings(const std::filesystem::path& dir);
+// `tokenizer_config_only`: that file's bos/eos tokens and add_bos_token alone (what a tokenizer
+// takes from beside its tokenizer.json).
+HfTokenSettings read_hf_token_settings(const std::filesystem::path& dir,
+                                       bool tokenizer_config_only = false);
 
 // Reads <dir>/config.json and asks the family plugin of its model_type for the mt config.
 HfImport read_hf_config(const std::filesystem::path& dir, PluginManager& plugins);

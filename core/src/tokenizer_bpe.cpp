@@ -1248,6 +1248,11 @@ int32_t BpeTokenizer::eos_id() const {
   return impl_->eos;
 }
 
+void BpeTokenizer::name_specials(const std::string& bos, const std::string& eos) {
+  if (const int32_t b = bos.empty() ? -1 : token_to_id(bos); b >= 0) impl_->bos = b;
+  if (const int32_t e = eos.empty() ? -1 : token_to_id(eos); e >= 0) impl_->eos = e;
+}
+
 int32_t BpeTokenizer::token_to_id(const std::string& token) const {
   for (const auto& a : impl_->added)
     if (a.content == token) return a.id;

@@ -51,6 +51,10 @@ class BpeTokenizer final : public Tokenizer {
   int32_t bos_id() const override;
   int32_t eos_id() const override;
 
+  // The bos and eos tokens by name (tokenizer_config.json's bos_token / eos_token, as
+  // transformers takes them): each found replaces the one guessed from the common names; ""
+  // or a name the vocabulary lacks leaves it.
+  void name_specials(const std::string& bos, const std::string& eos);
   int32_t token_to_id(const std::string& token) const;  // -1 when absent
   std::string id_to_token(int32_t id) const;            // "" when absent
 

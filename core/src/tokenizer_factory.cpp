@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <string_view>
 
+#include "hf_interop.h"
 #include "mt/error.h"
 #include "tokenizer_bpe.h"
 #include "tokenizer_sp.h"
@@ -68,7 +69,16 @@ std::unique_ptr<Tokenizer> make_tokenizer(const std::string& path, const std::st
     else
       t = "sentencepiece";
   }
-  if (t == "huggingface") return std::make_unique<BpeTokenizer>(bytes, file);
+  if (t == "huggingface") {
+    auto tok = std::make_unique<BpeTokenizer>(bytes, file);
+    // The bos/eos a tokenizer_config.json beside it names, as transformers reads them (before:
+    // only the common names were known, so DeepSeek's <｜begin▁of▁sentence｜> was no bos and
+    // add_bos was refused).
+    const HfTokenSettings names =
+        read_hf_token_settings(std::filesystem::path(file).parent_path(), true);
+    tok->name_specials(names.bos_token, names.eos_token);
+    return tok;
+  }
   if (t == "tiktoken")
     return std::make_unique<BpeTokenizer>(bytes, file, BpeTokenizer::Format::tiktoken);
   bytes.clear();

@@ -448,6 +448,30 @@ TEST(TokenizerFactory, MinimalBpeFile) {
   EXPECT_EQ(tok->decode({4, 3}), "abb ab");  // no decoder: tokens joined by spaces
 }
 
+// A tokenizer_config.json beside tokenizer.json names the bos and eos, as transformers reads
+// them: DeepSeek's <｜begin▁of▁sentence｜> is none of the common names (before: no bos, so a
+// text dataset refused add_bos); an object {"content": ...} too; names it lacks leave the guess.
+TEST(TokenizerFactory, TokenizerConfigNamesTheSpecialTokens) {
+  TempDir d;
+  const std::string vocab = R"({
+    "added_tokens": [{"id": 5, "content": "<eos>", "special": true},
+                     {"id": 6, "content": "<｜begin▁of▁sentence｜>", "special": true},
+                     {"id": 7, "content": "<｜end▁of▁sentence｜>", "special": true}],
+    "model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2, "c": 3, "d": 4},
+              "merges": ["a b"]}})";
+  const std::string path = d.file("tokenizer.json", vocab);
+  EXPECT_EQ(make_tokenizer(path, "")->bos_id(), -1);
+  EXPECT_EQ(make_tokenizer(path, "")->eos_id(), 5);
+  d.file("tokenizer_config.json",
+         R"({"bos_token": "<｜begin▁of▁sentence｜>",
+             "eos_token": {"content": "<｜end▁of▁sentence｜>", "special": true}})");
+  EXPECT_EQ(make_tokenizer(path, "")->bos_id(), 6);
+  EXPECT_EQ(make_tokenizer(path, "")->eos_id(), 7);
+  d.file("tokenizer_config.json", R"({"bos_token": null, "eos_token": "<missing>"})");
+  EXPECT_EQ(make_tokenizer(path, "")->bos_id(), -1);
+  EXPECT_EQ(make_tokenizer(path, "")->eos_id(), 5);
+}
+
 TEST(TokenizerFactory, AddedTokenNormalizedDefaultsToNotSpecial) {
   // Without the flag (the reference library always writes it) a token is normalized unless it
   // is special, as the library's own default for a new token: "XII" is the normalized form of
