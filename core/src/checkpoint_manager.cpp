@@ -989,15 +989,16 @@ void restore_into(const fs::path& step_dir, TrainState& state) {
 fs::path resolve_step_dir(const fs::path& path, const char* key) {
   std::error_code ec;
   if (!fs::is_directory(path, ec))
-    throw Error(std::string(key) + " " + quoted(path) + " does not exist or is not a directory.");
+    throw UsageError(std::string(key) + " " + quoted(path) +
+                     " does not exist or is not a directory.");
   if (fs::exists(path / kMetadataName, ec)) return path;
   fs::path ckpts = path;
   if (fs::is_directory(path / "checkpoints", ec)) ckpts = path / "checkpoints";
   std::vector<int64_t> steps = list_complete_steps(ckpts);
   if (steps.empty())
-    throw Error(std::string(key) + " " + quoted(path) +
-                " holds no complete checkpoint (expected <step>/metadata.json, or a "
-                "checkpoints/ directory of them).");
+    throw UsageError(std::string(key) + " " + quoted(path) +
+                     " holds no complete checkpoint (expected <step>/metadata.json, or a "
+                     "checkpoints/ directory of them).");
   return ckpts / std::to_string(steps.back());
 }
 

@@ -270,7 +270,9 @@ Config config_from_pairs(const std::vector<std::pair<std::string, std::string>>&
 }
 
 int cpu_threads(const Config& cfg) {
-  int n = cfg.has("num_threads") ? static_cast<int>(cfg.get_int("num_threads")) : 0;
+  // (Configs from files are bounded by base.yml's [0..4096]; a config built in code is too.)
+  const int64_t want = cfg.has("num_threads") ? cfg.get_int("num_threads") : 0;
+  int n = want > 0 && want <= 4096 ? static_cast<int>(want) : 0;
   if (n <= 0) {
     // hardware_concurrency counts the machine's cores, not those this process may use.
     cpu_set_t set;

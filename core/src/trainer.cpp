@@ -700,6 +700,13 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     cfg.reject("adam_eps", "is " + std::string(adam.eps == 0.f ? "0" : "infinite") +
                                " in float32, in which AdamW computes: choose a value between "
                                "1e-38 and 1e38 (1e-8 is usual).");
+  // A decay below 1 that rounds to 1 in float32 (0.99999999) divides the bias correction's
+  // 0 by 0: NaN at the first step (before: reported at step 2 with advice about the rate).
+  for (const auto& [key, b] : {std::pair{"adam_b1", adam.b1}, std::pair{"adam_b2", adam.b2}})
+    if (!(b < 1.f))
+      cfg.reject(key,
+                 "rounds to 1 in float32, in which AdamW computes (its bias correction "
+                 "1 - b^t is then 0): choose at most 0.9999999 (0.9 and 0.999 are usual).");
   const auto weight_decay = static_cast<float>(cfg.get_float("adam_weight_decay"));
 
   // Data.

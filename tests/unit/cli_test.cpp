@@ -770,6 +770,16 @@ TEST(Cli, BadInputIsRefusedWithExitCode2) {
       {"run --model=llama-test steps=1 adam_eps=1e300 base_output_directory=" +
            (dir / "out").string(),
        "is infinite in float32"},
+      // Below 1 but 1 in float32: NaN at step 1 (before: exit 1 at step 2, advice on the rate).
+      {"run --model=llama-test steps=1 adam_b2=0.999999999 base_output_directory=" +
+           (dir / "out").string(),
+       "rounds to 1 in float32"},
+      // (before: accepted, then the rope kernel's internal check stopped mt run, exit 1)
+      {"config --model=mistral-test head_dim=7", "head_dim=7"},
+      // (before: 100000 threads took a minute to start, or aborted in pthread_create)
+      {"config num_threads=100000", "num_threads"},
+      // A path that is not there is the user's (before: exit 1).
+      {"decode load_parameters_path=/nonexistent/ckpt tokens=1", "/nonexistent/ckpt"},
       {"run backend=tpu", "libmt_backend_tpu.so"},
       {"run --model=llama2-7b backend=cuda steps=1", "cuda"},
       // A model key the family does not implement would silently build another model.

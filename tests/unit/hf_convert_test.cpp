@@ -331,6 +331,17 @@ TEST(HfImport, AbsentFieldsAreTransformersDefaults) {
   edit(d.root / "config.json", "\"rope_type\"", "\"partial_rotary_factor\": 0.5, \"rope_type\"");
   EXPECT_EQ(mt_cmd("score hf_path=" + d.root.string() + " tokens=1,2,3", out), 2) << out;
   EXPECT_NE(out.find("partial_rotary_factor=0.5"), std::string::npos) << out;
+  // A field that is not a number, and heads that do not divide the width (before: "internal
+  // error: stod", exit 1, and a division by zero, SIGFPE).
+  edit(d.root / "config.json", "\"partial_rotary_factor\": 0.5",
+       "\"partial_rotary_factor\": \"x\"");
+  EXPECT_EQ(mt_cmd("score hf_path=" + d.root.string() + " tokens=1,2,3", out), 2) << out;
+  EXPECT_NE(out.find("partial_rotary_factor is 'x'; it must be a number"), std::string::npos)
+      << out;
+  edit(d.root / "config.json", "\"partial_rotary_factor\": \"x\", ", "");
+  edit(d.root / "config.json", "\"num_attention_heads\": 4", "\"num_attention_heads\": 0");
+  EXPECT_EQ(mt_cmd("score hf_path=" + d.root.string() + " tokens=1,2,3", out), 2) << out;
+  EXPECT_NE(out.find("is not a multiple of num_attention_heads=0"), std::string::npos) << out;
 }
 
 // `mt decode` of the directory from token ids (stdout: the ids; stderr is dropped).

@@ -712,7 +712,7 @@ std::vector<std::string> DsFamily::from_hf_config(const mt::HfConfig& hf,
     if (!f || !orig)
       throw mt::UsageError("config.json's yarn rotary embedding needs " + rp + "factor and " + rp +
                            "original_max_position_embeddings.");
-    const double factor = std::stod(*f);
+    const double factor = mt::hf_number(rp + "factor", *f);
     o.push_back("rope_type=yarn");
     o.push_back("rope_factor=" + *f);
     o.push_back("original_max_position_embeddings=" + *orig);
@@ -726,10 +726,11 @@ std::vector<std::string> DsFamily::from_hf_config(const mt::HfConfig& hf,
     const std::string* af = get(rp + "attention_factor");
     const std::string* ms = get(rp + "mscale");
     const std::string* msa = get(rp + "mscale_all_dim");
-    const double m = ms ? std::stod(*ms) : 0, ma = msa ? std::stod(*msa) : 0;
+    const double m = ms ? mt::hf_number(rp + "mscale", *ms) : 0,
+                 ma = msa ? mt::hf_number(rp + "mscale_all_dim", *msa) : 0;
     double factor_cs = 0;  // 0: mt's default, mscale(factor, 1)
     if (af)
-      factor_cs = std::stod(*af);
+      factor_cs = mt::hf_number(rp + "attention_factor", *af);
     else if (m != 0 && ma != 0)
       factor_cs = yarn_mscale(factor, m) / yarn_mscale(factor, ma);
     if (factor_cs != 0)

@@ -188,6 +188,9 @@ class Family final : public mt::ModelFamily {
     if (heads % kv != 0)
       c.reject("base_num_kv_heads", "must divide base_num_query_heads=" + std::to_string(heads) +
                                         " (each group of query heads shares one key/value head).");
+    // (before: accepted, and mt run stopped on the rope kernel's internal check, exit 1)
+    if (c.get_int("head_dim") % 2 != 0)
+      c.reject("head_dim", "must be even: the rotary embedding turns pairs of features.");
     if (c.get_string("rope_type") != "default")
       c.reject("rope_type", "must be default for " + fam +
                                 " (plain rotary embeddings with theta rope_max_timescale).");
@@ -332,7 +335,8 @@ class Family final : public mt::ModelFamily {
       // Mixtral's 0.001), as the qwen3_moe import does.
       if (const std::string* c = get("router_aux_loss_coef"))
         o.push_back("load_balance_loss_weight=" + *c);
-      if (const std::string* j = get("router_jitter_noise"); j && std::stod(*j) != 0.0)
+      if (const std::string* j = get("router_jitter_noise");
+          j && mt::hf_number("router_jitter_noise", *j) != 0.0)
         throw mt::UsageError("config.json sets router_jitter_noise=" + *j +
                              ": mt's mixtral family does not implement router jitter (noise on "
                              "the router's inputs in training).");

@@ -360,7 +360,8 @@ std::vector<std::string> QwenFamily::from_hf_config(const mt::HfConfig& hf,
   if (const std::string* s = use("use_sliding_window"); s && *s == "true") {
     const std::string* mwl = get("max_window_layers");
     const std::string* layers = get("num_hidden_layers");
-    if (!mwl || !layers || *mwl == "null" || std::stoll(*mwl) < std::stoll(*layers))
+    if (!mwl || !layers || *mwl == "null" ||
+        mt::hf_integer("max_window_layers", *mwl) < mt::hf_integer("num_hidden_layers", *layers))
       refuse("use_sliding_window", *s, "sliding-window attention");
   }
   if (const std::string* lt = use("layer_types"); lt && lt->find("sliding") != std::string::npos)
@@ -380,10 +381,18 @@ std::vector<std::string> QwenFamily::from_hf_config(const mt::HfConfig& hf,
   o.push_back("base_num_kv_heads=" + (kv ? *kv : heads));
   // head_dim: Qwen3Config's default is 128; Qwen2 and Qwen3-MoE use hidden_size / heads.
   const std::string* hd = get("head_dim");
-  o.push_back("head_dim=" + (hd ? *hd
-                             : v_ == Variant::qwen3
-                                 ? std::string("128")
-                                 : std::to_string(std::stoll(hidden) / std::stoll(heads))));
+  if (hd) {
+    o.push_back("head_dim=" + *hd);
+  } else if (v_ == Variant::qwen3) {
+    o.push_back("head_dim=128");
+  } else {
+    const int64_t h = mt::hf_integer("hidden_size", hidden),
+                  n = mt::hf_integer("num_attention_heads", heads);
+    if (n <= 0 || h % n != 0)
+      throw mt::UsageError("config.json has no head_dim and hidden_size=" + hidden +
+                           " is not a multiple of num_attention_heads=" + heads + ".");
+    o.push_back("head_dim=" + std::to_string(h / n));
+  }
   // Qwen's defaults where config.json leaves a field out (they differ from base.yml's).
   const std::string* eps = get("rms_norm_eps");
   o.push_back("normalization_layer_epsilon=" + (eps ? *eps : std::string("1e-06")));
@@ -439,7 +448,8 @@ std::vector<std::string> QwenFamily::from_hf_config(const mt::HfConfig& hf,
       refuse(k, v,
              "a rotary embedding setting" + (rt ? " of rope type '" + *rt + "'" : std::string()));
   }
-  if (const std::string* prf = get("partial_rotary_factor"); prf && std::stod(*prf) != 1.0)
+  if (const std::string* prf = get("partial_rotary_factor");
+      prf && mt::hf_number("partial_rotary_factor", *prf) != 1.0)
     refuse("partial_rotary_factor", *prf, "a rotary embedding of part of each head");
 
   // Mixture of experts. transformers 5 writes Qwen3-MoE's num_experts under its alias
