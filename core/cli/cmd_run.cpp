@@ -29,15 +29,18 @@ int cmd_run(const Args& args) {
   PluginManager pm(dirs);
   // Under mpirun: one rank of a data-parallel job (communicator=auto|mpi).
   std::unique_ptr<Communicator> comm = make_communicator(cfg, pm);
-  // SIGINT / SIGTERM: the step under way ends, a checkpoint of it is saved, and the exit code is
-  // 128 + the signal's number on every rank (so a scheduler or a script sees an unfinished run).
+  // SIGINT / SIGTERM / SIGHUP: the step under way ends, a checkpoint of it is saved, and the exit
+  // code is 128 + the signal's number on every rank (so a scheduler or a script sees an unfinished
+  // run).
   const StopOnSignals stop_guard(/*announce=*/comm->rank() == 0);
   const TrainSummary s = train_on_ranks(cfg, pm, /*quiet=*/false, *comm, "mt run");
   const int code = s.stopped_by ? 128 + s.stopped_by : 0;
   if (comm->rank() != 0) return code;
   if (s.stopped_by) {
     std::fflush(stdout);
-    const char* sig = s.stopped_by == SIGINT ? "SIGINT" : "SIGTERM";
+    const char* sig = s.stopped_by == SIGINT   ? "SIGINT"
+                      : s.stopped_by == SIGHUP ? "SIGHUP"
+                                               : "SIGTERM";
     const std::string ckpt_dir = s.run_dir + "/checkpoints";
     std::string state;
     if (!cfg.get_bool("enable_checkpointing"))

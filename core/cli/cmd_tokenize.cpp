@@ -13,7 +13,9 @@
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <new>
 #include <sstream>
+#include <system_error>
 #include <thread>
 
 #include "cli.h"
@@ -132,29 +134,46 @@ int cmd_tokenize(const Args& args) {
   // A document the tokenizer refuses (text that is not UTF-8): its index and the reason, the
   // first in document order; with data_strict=false every such document is skipped.
   std::vector<std::string> refused(docs.size());
-  std::atomic<bool> stop{false};
-  for (unsigned t = 0; t < n; ++t)
-    threads.emplace_back([&] {
-      for (size_t i; !stop && (i = next.fetch_add(1)) < docs.size();) {
-        try {
-          auto& v = ids[i];
-          if (bos >= 0) v.push_back(bos);
-          const auto e = tok->encode(docs[i].text);
-          v.insert(v.end(), e.begin(), e.end());
-          if (eos >= 0) v.push_back(eos);
-        } catch (const std::exception& e) {
-          refused[i] = e.what();
-          ids[i].clear();
-          if (strict) stop = true;
-        }
-        ++done;
+  std::atomic<bool> stop{false}, out_of_memory{false};
+  auto work = [&] {
+    for (size_t i; !stop && (i = next.fetch_add(1)) < docs.size();) {
+      try {
+        auto& v = ids[i];
+        if (bos >= 0) v.push_back(bos);
+        const auto e = tok->encode(docs[i].text);
+        v.insert(v.end(), e.begin(), e.end());
+        if (eos >= 0) v.push_back(eos);
+      } catch (const std::bad_alloc&) {
+        // Never a malformed document: data_strict=false skipped every one it hit (242 of 256
+        // under ulimit -v) and wrote the rest with exit 0.
+        out_of_memory = stop = true;
+      } catch (const std::exception& e) {
+        refused[i] = e.what();
+        ids[i].clear();
+        if (strict) stop = true;
       }
-    });
+      ++done;
+    }
+  };
+  // A thread that cannot be started (a process limit) ends the command with the reason; the
+  // ones started are joined first (before: their destructors called std::terminate).
+  try {
+    for (unsigned t = 0; t < n; ++t) threads.emplace_back(work);
+  } catch (const std::system_error& e) {
+    stop = true;
+    for (auto& t : threads) t.join();
+    throw Error(std::string("mt tokenize cannot start its threads: ") + e.what() +
+                " (a limit on processes or memory: ulimit -u, ulimit -v).");
+  }
   while (tty && done < docs.size() && !stop) {
     std::fprintf(stderr, "\rmt tokenize: %zu/%zu documents", done.load(), docs.size());
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   for (auto& t : threads) t.join();
+  if (out_of_memory)
+    throw Error("mt tokenize ran out of memory while tokenizing (" + std::to_string(docs.size()) +
+                " documents held at once): tokenize the input in parts, or raise the memory "
+                "limit. Nothing was written.");
   size_t kept = 0;
   for (size_t i = 0; i < docs.size(); ++i) {
     if (refused[i].empty()) {

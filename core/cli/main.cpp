@@ -2,6 +2,11 @@
 // paragraph on stderr and an exit code (2: bad input refused before work; 1: failure at work).
 #include <fmt/format.h>
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -112,7 +117,52 @@ void print_help() {
 
 }  // namespace
 
+namespace {
+
+// Standard descriptors closed at start (`mt ... >&-`) would be the numbers the next files open
+// get: run.lock or metrics.jsonl took mt's printing. They are opened on /dev/null instead, and a
+// closed stdout (the result: true) is reported at the end as the write error it is.
+bool open_standard_descriptors() {
+  bool stdout_was_closed = false;
+  for (int fd = 0; fd <= 2; ++fd) {
+    if (fcntl(fd, F_GETFD) != -1 || errno != EBADF) continue;
+    if (fd == 1) stdout_was_closed = true;
+    const int n = open("/dev/null", fd == 0 ? O_RDONLY : O_WRONLY);
+    if (n >= 0 && n != fd) {
+      dup2(n, fd);
+      close(n);
+    }
+  }
+  return stdout_was_closed;
+}
+
+// What was printed to stdout and could not be written (a full disk, a closed descriptor, a
+// reader gone with SIGPIPE ignored) is a failed command: the results are lost (before: exit 0).
+int checked_exit(int code, bool stdout_was_closed) {
+  const bool failed = std::fflush(stdout) != 0 || std::ferror(stdout) || stdout_was_closed;
+  if (!failed || code != 0) return code;
+  std::fprintf(stderr,
+               "mt: error: writing to standard output failed (%s): what mt printed there "
+               "is lost.\n",
+               stdout_was_closed ? "it was closed" : std::strerror(errno));
+  return 1;
+}
+
+int run_main(int argc, char** argv);
+
+}  // namespace
+
 int main(int argc, char** argv) {
+  const bool stdout_was_closed = open_standard_descriptors();
+  // A file size limit (ulimit -f) fails the write that reaches it (EFBIG, reported as any write
+  // error) instead of killing mt with SIGXFSZ and no message.
+  std::signal(SIGXFSZ, SIG_IGN);
+  return checked_exit(run_main(argc, argv), stdout_was_closed);
+}
+
+namespace {
+
+int run_main(int argc, char** argv) {
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h") ||
       !std::strcmp(argv[1], "help")) {
     print_help();
@@ -169,3 +219,5 @@ int main(int argc, char** argv) {
                name.c_str(), list.c_str());
   return 2;
 }
+
+}  // namespace

@@ -416,6 +416,9 @@ std::unique_ptr<DatasetSource> PluginManager::make_dataset(const std::string& na
     d = dataset_factory(name)(cfg, shard, tokenizer);
   } catch (const Error&) {
     throw;  // the plugin's own sentence
+  } catch (const std::bad_alloc&) {
+    throw Error("The data plugin '" + name +
+                "' ran out of memory while opening its data: a smaller dataset, or more memory.");
   } catch (const std::exception& e) {
     throw Error("The data plugin '" + name + "' failed while opening its data: " + e.what() +
                 " (it threw an exception that is not an mt::Error: a bug in the plugin).");

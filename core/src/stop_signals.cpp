@@ -47,10 +47,13 @@ extern "C" void on_stop_signal(int sig) {
   if (!g_announce.load()) return;
   // write(2) is async-signal-safe; printf is not.
   const char* msg =
-      sig == SIGINT ? "\nmt run: interrupted (SIGINT): finishing the step under way and saving a "
-                      "checkpoint of it; interrupt again to stop at once, without one.\n"
-                    : "\nmt run: SIGTERM received: finishing the step under way and saving a "
-                      "checkpoint of it; a second SIGTERM stops at once, without one.\n";
+      sig == SIGINT   ? "\nmt run: interrupted (SIGINT): finishing the step under way and saving a "
+                        "checkpoint of it; interrupt again to stop at once, without one.\n"
+      : sig == SIGHUP ? "\nmt run: SIGHUP received (the terminal closed): finishing the step "
+                        "under way and saving a checkpoint of it; a second SIGHUP stops at once, "
+                        "without one.\n"
+                      : "\nmt run: SIGTERM received: finishing the step under way and saving a "
+                        "checkpoint of it; a second SIGTERM stops at once, without one.\n";
   ssize_t ignored = write(STDERR_FILENO, msg, std::strlen(msg));
   (void)ignored;
 }
@@ -69,15 +72,26 @@ StopOnSignals::StopOnSignals(bool announce) {
   sa.sa_flags = SA_RESTART;
   // A signal the process was started ignoring (SIGINT for a shell's background job, nohup)
   // stays ignored.
-  for (auto [sig, old] : {std::pair{SIGINT, &old_int_}, std::pair{SIGTERM, &old_term_}}) {
+  // SIGHUP (a closed terminal, a dropped ssh session) too: its default ended the run without
+  // a checkpoint.
+  for (auto [sig, old] : {std::pair{SIGINT, &old_int_}, std::pair{SIGTERM, &old_term_},
+                          std::pair{SIGHUP, &old_hup_}}) {
     sigaction(sig, nullptr, old);
     if (old->sa_handler != SIG_IGN) sigaction(sig, &sa, nullptr);
   }
+  // A reader of the run's output that goes away (`mt run | head`, a dying tee) must not end
+  // the training: writes to it fail instead (mt then says so at the end).
+  struct sigaction ign {};
+  ign.sa_handler = SIG_IGN;
+  sigemptyset(&ign.sa_mask);
+  sigaction(SIGPIPE, &ign, &old_pipe_);
 }
 
 StopOnSignals::~StopOnSignals() {
   sigaction(SIGINT, &old_int_, nullptr);
   sigaction(SIGTERM, &old_term_, nullptr);
+  sigaction(SIGHUP, &old_hup_, nullptr);
+  sigaction(SIGPIPE, &old_pipe_, nullptr);
   g_watching.store(false);
   g_signal.store(0);
 }

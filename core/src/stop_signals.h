@@ -26,7 +26,7 @@ class StopOnSignals {
 
  private:
   struct sigaction old_int_ {
-  }, old_term_{};
+  }, old_term_{}, old_hup_{}, old_pipe_{};
 };
 
 // Whether a StopOnSignals is alive (the trainer then checks for a stop after every step).

@@ -845,6 +845,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   // the run directory's config.yml as the run that wrote it had it, and so does a run with
   // nothing to do (its checkpoint at or past steps).
   std::ofstream metrics;
+  bool metrics_failed = false;
   if (lead && first_step <= steps) {
     const fs::path tmp = run_dir / "config.yml.tmp";
     {
@@ -873,7 +874,17 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   int64_t failed_saves = 0;
   auto guarded = [&](const std::function<void()>& f) {
     try {
-      f();
+      try {
+        f();
+      } catch (const std::bad_alloc&) {
+        // The host copy an async save takes of every weight and moment (before: "internal
+        // error: std::bad_alloc", exit 1, the policy ignored).
+        throw Error(std::string("A checkpoint save ran out of host memory") +
+                    (cfg.get_bool("async_checkpointing")
+                         ? " for its copy of the weights and moments (async_checkpointing=false "
+                           "writes without one)."
+                         : "."));
+      }
     } catch (const Error& e) {
       if (stop_on_ckpt_error)
         throw Error(
@@ -1074,16 +1085,17 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
       if (*c) b += (*c)->bytes_received();
     return b;
   };
-  // A stop asked for by SIGINT or SIGTERM while mt run watches them: the ranks agree at the same
-  // point of every step (one small sum), so all stop after the same one; SIGTERM (a scheduler's)
-  // names the stop when both arrived.
+  // A stop asked for by SIGINT, SIGTERM or SIGHUP while mt run watches them: the ranks agree at the
+  // same point of every step (one small sum), so all stop after the same one; SIGTERM (a
+  // scheduler's) names the stop when both arrived.
   const bool watch = watching_stop_signals();
   auto agreed_stop = [&]() -> int {
     if (!watch) return 0;
     const int sig = stop_signal();
-    double asked[2] = {sig == SIGINT ? 1.0 : 0.0, sig == SIGTERM ? 1.0 : 0.0};
-    if (ranks > 1) comm.all_reduce_sum(asked, 2);
-    return asked[1] > 0 ? SIGTERM : asked[0] > 0 ? SIGINT : 0;
+    double asked[3] = {sig == SIGINT ? 1.0 : 0.0, sig == SIGTERM ? 1.0 : 0.0,
+                       sig == SIGHUP ? 1.0 : 0.0};
+    if (ranks > 1) comm.all_reduce_sum(asked, 3);
+    return asked[1] > 0 ? SIGTERM : asked[2] > 0 ? SIGHUP : asked[0] > 0 ? SIGINT : 0;
   };
   int64_t end_step = steps;
   bool empty_eval_said = false;
@@ -1219,8 +1231,21 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
                     : "",
           aux_fields(aux), ev >= 0 ? fmt::format(", \"eval_loss\": {:.6f}", ev) : "");
     // Each record reaches the file at once: a killed run keeps the lines of the steps it
-    // checkpointed, so a resumed run leaves no gap.
+    // checkpointed, so a resumed run leaves no gap. A record that cannot be written (a full
+    // disk) is a failed write like a checkpoint's, under checkpoint_error_policy (before: the
+    // file ended mid-record and the run said nothing, exit 0).
     metrics.flush();
+    if (lead && !metrics && !metrics_failed) {
+      metrics_failed = true;
+      const std::string why =
+          fmt::format("Writing {} failed at step {} ({}): its records from there are lost.",
+                      quoted(run_dir / "metrics.jsonl"), step, std::strerror(errno));
+      if (stop_on_ckpt_error) throw Error(why + " The run stops (checkpoint_error_policy=stop).");
+      std::fprintf(stderr,
+                   "\nmt run: warning: %s Training goes on "
+                   "(checkpoint_error_policy=continue).\n",
+                   why.c_str());
+    }
     if (tb) {  // MaxText's tags (perf/mfu: mt's own)
       tensorboard::Scalars sc = {{"learning/loss", loss},
                                  {"learning/current_learning_rate", lr},

@@ -544,7 +544,9 @@ TEST(Cli, SignalStopsTheRunAfterItsStepWithACheckpoint) {
        {std::pair{std::string("TERM"), std::string("checkpoint_period=1000")},
         std::pair{std::string("INT"),
                   std::string("checkpoint_period=1000 async_checkpointing=false")},
-        std::pair{std::string("TERM"), std::string("enable_checkpointing=false")}}) {
+        std::pair{std::string("TERM"), std::string("enable_checkpointing=false")},
+        // A closed terminal or ssh session (before: its default ended the run, no checkpoint).
+        std::pair{std::string("HUP"), std::string("checkpoint_period=1000")}}) {
     SCOPED_TRACE(sig + " " + extra);
     const std::string run = (dir / "stopped").string();
     fs::remove_all(run);
@@ -560,7 +562,7 @@ TEST(Cli, SignalStopsTheRunAfterItsStepWithACheckpoint) {
             " $p; wait $p; echo \"exit=$?\"",
         out);
     ASSERT_EQ(code, 0) << out;
-    const int sig_no = sig == "TERM" ? 15 : 2;
+    const int sig_no = sig == "TERM" ? 15 : sig == "HUP" ? 1 : 2;
     EXPECT_NE(out.find("exit=" + std::to_string(128 + sig_no)), std::string::npos) << out;
     const std::map<int64_t, double> stopped = test::losses_by_step(run);
     ASSERT_GE(stopped.size(), 4u) << out;
@@ -642,6 +644,39 @@ TEST(Cli, RestartMovesTheUndoneStepsMetrics) {
   for (std::string l; std::getline(d, l);) ++discarded;
   EXPECT_EQ(discarded, logged - static_cast<size_t>(ckpt));
   fs::remove_all(dir);
+}
+
+// Under an address-space limit (ulimit -v) the CPU backend leaves OpenBLAS alone, whose buffer
+// allocation retries a failed mapping forever (before: mt run spun at full CPU under limits of
+// 150-460 MB, and SIGTERM's stop never came): the start-up line says why, and a run that fits
+// trains; stdout closed is a write error, not a run.lock full of log lines (fd 1 reused).
+TEST(Cli, AnAddressSpaceLimitLeavesOpenBlasAlone) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "AddressSanitizer's shadow memory cannot be mapped under an address-space limit";
+#else
+  const fs::path dir = fs::temp_directory_path() / ("mt_cli_as_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  std::string out;
+  const std::string run =
+      " run --model=llama-test steps=2 dataset_type=synthetic "
+      "enable_checkpointing=false base_output_directory=" +
+      dir.string();
+  const int code = test::run_command(
+      "MT_PLUGIN_PATH= timeout -k 10 60 prlimit --as=2000000000 " + test::mt_exe() + run, out);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("an address-space limit of 1907 MiB is set"), std::string::npos) << out;
+  // (stderr to the pipe first, then stdout closed; run_command's own 2>&1 is the subshell's)
+  const int closed = test::run_command(
+      "(MT_PLUGIN_PATH= timeout -k 10 60 " + test::mt_exe() + run + " run_name=closed 2>&1 >&-)",
+      out);
+  EXPECT_EQ(closed, 1) << out;
+  EXPECT_NE(out.find("writing to standard output failed (it was closed)"), std::string::npos)
+      << out;
+  std::ifstream lock(dir / "closed" / "run.lock");
+  std::string held((std::istreambuf_iterator<char>(lock)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(held.find("mt run"), std::string::npos) << held;
+  fs::remove_all(dir);
+#endif
 }
 
 // Resuming with model keys other than the checkpoint's (the shapes unchanged) reads its weights

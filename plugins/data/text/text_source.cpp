@@ -25,6 +25,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <new>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -177,6 +178,8 @@ class TextStream final : public mt_data::TokenStream {
       if (errors[i]) {
         try {
           std::rethrow_exception(errors[i]);
+        } catch (const std::bad_alloc&) {
+          throw;  // out of memory is no malformed record: data_strict=false must not skip it
         } catch (const std::exception& e) {
           skipped_.bad_record("text: " + docs[i].where + ": " + e.what(), opt.strict);
           continue;

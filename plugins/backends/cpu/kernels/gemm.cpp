@@ -34,6 +34,7 @@
 #include <oneapi/tbb/parallel_for.h>
 #include <oneapi/tbb/partitioner.h>
 #include <oneapi/tbb/task_arena.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <bit>
@@ -136,6 +137,17 @@ OpenBlas load_openblas() {
   // the tests can cover the portable path on machines that have OpenBLAS).
   if (const char* env = std::getenv("MT_CPU_BLAS"); env && std::string(env) == "portable") {
     ob.error = "MT_CPU_BLAS=portable";
+    return ob;
+  }
+  // Under an address-space limit (ulimit -v, prlimit --as) OpenBLAS's buffer allocation retries
+  // a failed mapping forever: mt spun at full CPU and ignored SIGTERM's stop (its step never
+  // ended). The portable kernels allocate nothing of their own, so a run that does not fit fails
+  // with a message instead.
+  if (rlimit as{}; getrlimit(RLIMIT_AS, &as) == 0 && as.rlim_cur != RLIM_INFINITY) {
+    ob.error = fmt::format(
+        "an address-space limit of {} MiB is set (ulimit -v), under which OpenBLAS spins "
+        "forever when it cannot map its buffers; unset it for OpenBLAS",
+        static_cast<unsigned long long>(as.rlim_cur >> 20));
     return ob;
   }
   // libopenblas.so.0 is what Debian's alternatives point at (pthread, openmp or serial variant).
