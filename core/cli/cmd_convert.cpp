@@ -5,13 +5,18 @@
 //   mt convert --to=hf --input=<mt checkpoint> --output=<hf dir> [--model=... | --config=...]
 //       writes config.json + model.safetensors (+ the tokenizer of tokenizer_path); without
 //       --input, the model's initial weights (init_weights_seed) instead of a checkpoint's.
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
 
 #include "checkpoint_manager.h"
 #include "cli.h"
+#include "file_util.h"
 #include "hf_interop.h"
 #include "model_runner.h"
 #include "mt/checkpointer.h"
@@ -36,6 +41,58 @@ std::string take(Args& a, const std::string& key) {
   }
   return v;
 }
+
+// The output is written into a hidden sibling directory and renamed to --output once whole, so
+// a failure part-way (a full disk, out of memory, a file size limit) leaves nothing under the
+// name (before: a half-written directory that the retry refused as "not empty", and a
+// config.json of 0 bytes). The sibling is removed unless committed.
+class StagedOutput {
+ public:
+  explicit StagedOutput(const std::string& output) : final_(output) {
+    if (final_.filename().empty()) final_ = final_.parent_path();  // "dir/"
+    std::error_code ec;
+    const fs::file_status st = fs::status(final_, ec);
+    if (fs::exists(st) && !fs::is_directory(st))
+      throw UsageError("--output=" + output + " exists and is not a directory; mt convert " +
+                       "writes a directory there.");
+    if (fs::exists(st) && !fs::is_empty(final_, ec))
+      throw UsageError("The output directory '" + output +
+                       "' exists and is not empty; mt convert never overwrites, choose another.");
+    fs::path parent = fs::absolute(final_, ec).parent_path();
+    fs::create_directories(parent, ec);
+    if (ec)
+      throw UsageError("--output=" + output + ": its parent directory " + quoted(parent) +
+                       " cannot be created: " + ec.message() + ".");
+    std::string name = ".";
+    name += final_.filename().string();
+    name += ".tmp-";
+    name += std::to_string(::getpid());
+    staging_ = parent / name;
+    fs::remove_all(staging_, ec);
+    if (!fs::create_directory(staging_, ec) || ec)
+      throw UsageError("--output=" + output + ": cannot create " + quoted(staging_) + ": " +
+                       (ec ? ec.message() : std::string("it exists")) + ".");
+  }
+  ~StagedOutput() {
+    std::error_code ec;
+    if (!committed_) fs::remove_all(staging_, ec);
+  }
+  StagedOutput(const StagedOutput&) = delete;
+  StagedOutput& operator=(const StagedOutput&) = delete;
+  const fs::path& dir() const { return staging_; }
+  void commit() {
+    std::error_code ec;
+    fs::rename(staging_, final_, ec);  // over an empty directory too
+    if (ec)
+      throw UsageError("--output=" + final_.string() + ": cannot move the written directory " +
+                       quoted(staging_) + " there: " + ec.message() + ".");
+    committed_ = true;
+  }
+
+ private:
+  fs::path final_, staging_;
+  bool committed_ = false;
+};
 }  // namespace
 
 int cmd_convert(const Args& args_in) {
@@ -51,9 +108,6 @@ int cmd_convert(const Args& args_in) {
     throw UsageError(
         "mt convert needs --input=<dir> and --output=<dir> (--to=hf without --input writes the "
         "model's initial weights, init_weights_seed).");
-  if (fs::exists(output) && !fs::is_empty(output))
-    throw UsageError("The output directory '" + output +
-                     "' exists and is not empty; mt convert never overwrites, choose another.");
   if (from == "hf") {
     args.overrides.insert(args.overrides.begin(), "hf_path=" + input);
     Config cfg = resolve_config(args);
@@ -74,9 +128,9 @@ int cmd_convert(const Args& args_in) {
           "mt convert: the %zu multi-token prediction parameters (mtp.*) have no Hugging "
           "Face form; they are initialised (init_weights_seed=%lld) for training\n",
           mtp, static_cast<long long>(cfg.get_int("init_weights_seed")));
-    fs::create_directories(output);
+    StagedOutput out(output);
     {
-      std::ofstream y(fs::path(output) / "model.yml");
+      std::ofstream y(out.dir() / "model.yml");
       y << "# mt config of the Hugging Face model converted from " << input
         << "\n# use with --config=" << (fs::path(output) / "model.yml").string() << "\n";
       // No named model beneath it: its sizes, context and tokenizer are the directory's.
@@ -99,15 +153,19 @@ int cmd_convert(const Args& args_in) {
       std::string q;
       for (char c : tok) q += c == '"' || c == '\\' ? std::string("\\") + c : std::string(1, c);
       y << "tokenizer_path: \"" << q << "\"\n";
+      if (!y.flush())
+        throw Error("Writing " + quoted(out.dir() / "model.yml") +
+                    " failed: " + std::strerror(errno) + ".");
     }
-    CheckpointManager ckpt(fs::path(output) / "checkpoints", /*async=*/false, 0, runner.backend());
+    CheckpointManager ckpt(out.dir() / "checkpoints", /*async=*/false, 0, runner.backend());
     TrainState st;
     for (auto& p : runner.params()) st.params[p.name] = p.value;
     st.step = 0;
     st.config_yaml = cfg.to_yaml(true);
     ckpt.save(st);
     ckpt.wait();
-    copy_tokenizer_files(input, output);
+    copy_tokenizer_files(input, out.dir().string());
+    out.commit();
     std::printf("mt convert: %zu parameters of a %s model -> %s (config: %s/model.yml)\n",
                 runner.params().size(), imp.family.c_str(),
                 (fs::path(output) / "checkpoints" / "0").string().c_str(), output.c_str());
@@ -115,6 +173,7 @@ int cmd_convert(const Args& args_in) {
   }
   // --to=hf
   Config cfg = resolve_config(args);
+  StagedOutput out(output);
   std::vector<fs::path> dirs;
   for (const auto& d : cfg.get_string_list("plugin_dirs")) dirs.emplace_back(d);
   PluginManager pm(dirs);
@@ -126,8 +185,9 @@ int cmd_convert(const Args& args_in) {
     for (auto& p : runner.params()) params[p.name] = p.value;
     load_parameters(input, params);
   }
-  write_hf_model(output, runner, cfg, pm);
-  if (!cfg.get_string("tokenizer_path").empty()) copy_tokenizer_files(cfg.get_string("tokenizer_path"), output);
+  write_hf_model(out.dir().string(), runner, cfg, pm);
+  if (!cfg.get_string("tokenizer_path").empty())
+    copy_tokenizer_files(cfg.get_string("tokenizer_path"), out.dir().string());
   // A directory `mt convert --from=hf` wrote keeps the Hugging Face side files beside its
   // checkpoints (generation_config.json: the end-of-sequence ids generate stops at): they go
   // back with the model, where tokenizer_path gave none (before: lost on the way back).
@@ -138,11 +198,12 @@ int cmd_convert(const Args& args_in) {
       if (!fs::exists(dir / "model.yml", ec)) continue;
       for (const char* f : {"generation_config.json", "tokenizer.json", "tokenizer.model",
                             "tokenizer_config.json", "special_tokens_map.json"})
-        if (fs::exists(dir / f, ec) && !fs::exists(fs::path(output) / f, ec))
-          fs::copy_file(dir / f, fs::path(output) / f, ec);
+        if (fs::exists(dir / f, ec) && !fs::exists(out.dir() / f, ec))
+          fs::copy_file(dir / f, out.dir() / f, ec);
       break;
     }
   }
+  out.commit();
   std::printf("mt convert: %zu parameters -> %s (config.json, model.safetensors)\n",
               runner.params().size(), output.c_str());
   return 0;

@@ -200,6 +200,23 @@ TEST(HfConvert, BadInputIsRefused) {
       2)
       << out;
   EXPECT_NE(out.find("attention_bias"), std::string::npos) << out;
+  // An output that is a file (before: "internal error: filesystem error", exit 1).
+  EXPECT_EQ(mt_cmd("convert --to=hf --model=llama-test --output=" + (d.mt / "x").string(), out), 2)
+      << out;
+  EXPECT_NE(out.find("exists and is not a directory"), std::string::npos) << out;
+  // A write that fails part-way (a file size limit; before: SIGXFSZ killed mt silently and left
+  // a 300-byte config.json under the output's name, which a retry refused as not empty) leaves
+  // nothing under the name and no staging directory.
+  out.clear();
+  const int code = test::run_command(
+      "MT_PLUGIN_PATH= prlimit --fsize=3000 " + test::mt_exe() +
+          " convert --to=hf --model=llama-test --output=" + (d.root / "limited").string(),
+      out);
+  EXPECT_EQ(code, 1) << out;
+  EXPECT_NE(out.find("File too large"), std::string::npos) << out;
+  EXPECT_FALSE(fs::exists(d.root / "limited"));
+  for (const auto& e : fs::directory_iterator(d.root))
+    EXPECT_EQ(e.path().filename().string().find(".tmp-"), std::string::npos) << e.path();
 }
 
 // ---- exact import (issue 16) -----------------------------------------------------------------
