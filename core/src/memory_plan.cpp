@@ -472,6 +472,21 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
   }
   plan.tokens_per_step = cfg.get_int("per_device_batch_size") * cfg.get_int("max_target_length") *
                          cfg.get_int("gradient_accumulation_steps");
+  // The MoE block sorts a micro-batch's routed slots (tokens x experts per token) with 32-bit
+  // indices (before: the trace stopped on that check, "internal error", exit 1).
+  if (!moe_layers.empty() && what != PlanFor::decode) {
+    const double slots = static_cast<double>(cfg.get_int("per_device_batch_size")) *
+                         static_cast<double>(cfg.get_int("max_target_length")) *
+                         static_cast<double>(cfg.get_int("num_experts_per_tok"));
+    if (slots >= 2147483647.0)
+      throw UsageError(fmt::format(
+          "per_device_batch_size={} x max_target_length={} x num_experts_per_tok={} makes {:.4g} "
+          "routed slots in a micro-batch, and the mixture-of-experts layers sort them with 32-bit "
+          "indices (fewer than 2^31). Lower per_device_batch_size (gradient_accumulation_steps "
+          "keeps the tokens of a step).",
+          cfg.get_int("per_device_batch_size"), cfg.get_int("max_target_length"),
+          cfg.get_int("num_experts_per_tok"), slots));
+  }
   if (what != PlanFor::decode) plan.train = trace_training(cfg, plugins, device);
   // The mesh's data-parallel ranks (an axis of -1, the rest of the ranks, counts 1 here: the
   // plan knows only the sizes set); the trainer's own checks refuse what it cannot run.

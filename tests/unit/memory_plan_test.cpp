@@ -691,6 +691,11 @@ TEST(MemoryPlan, AbsurdSizesArePlannedInAnInstant) {
     EXPECT_EQ(r.code, 2) << keys << "\n" << r.out;
     EXPECT_NE(r.out.find("out of range"), std::string::npos) << keys << "\n" << r.out;
   }
+  // 2^31 routed slots in a micro-batch (before: the trace's internal check, exit 1).
+  const test::MtResult moe = test::run_mt(
+      "plan --model=qwen3-moe-test per_device_batch_size=67108864 max_target_length=32", 20);
+  EXPECT_EQ(moe.code, 2) << moe.out;
+  EXPECT_NE(moe.out.find("routed slots in a micro-batch"), std::string::npos) << moe.out;
 }
 
 }  // namespace
