@@ -246,13 +246,26 @@ mt::LayerOutput deepseek_moe(mt::Graph& g, const mt::Params& p, const DsConfig& 
   // Every expert's score (V3 sigmoid, V2 softmax) by the backend's route kernel (differentiable:
   // the weights and the balancing loss below use it), read back for the choice on the host.
   const Tensor all_scores = g.route(logits, 1, c.v3, false).probs;  // [n, E]
-  std::vector<float> score = host_floats(be, all_scores);
-  if (c.v3) {
-    const std::vector<float> bias = host_floats(be, p["router_bias"]);
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t e = 0; e < E; ++e) score[static_cast<size_t>(t * E + e)] += bias[e];
+  // The memory plan traces on the core's "meta" backend, which holds no values: its scores read
+  // back as zeros, and the host work on [n, E] of them (the choice, the mask, the balancing
+  // counts) took minutes for deepseek3-671b at 8192 tokens. Any valid choice gives the plan
+  // the same sizes: there, token t's j-th expert is (t k + j) mod E and the host values are
+  // left out.
+  const bool planning = be.name() == "meta";
+  std::vector<int32_t> chosen;
+  if (planning) {
+    chosen.resize(static_cast<size_t>(slots));
+    for (int64_t i = 0; i < slots; ++i)
+      chosen[static_cast<size_t>(i)] = static_cast<int32_t>(i % E);
+  } else {
+    std::vector<float> score = host_floats(be, all_scores);
+    if (c.v3) {
+      const std::vector<float> bias = host_floats(be, p["router_bias"]);
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t e = 0; e < E; ++e) score[static_cast<size_t>(t * E + e)] += bias[e];
+    }
+    chosen = choose_experts(c, score, n);
   }
-  const std::vector<int32_t> chosen = choose_experts(c, score, n);
 
   // The chosen experts' weights on the graph. Sigmoid scores, or softmax ones renormalised over
   // the chosen: the route op over logits with every other expert masked to -1e30 (a score of
@@ -260,11 +273,13 @@ mt::LayerOutput deepseek_moe(mt::Graph& g, const mt::Params& p, const DsConfig& 
   // gathered from the softmax over every expert.
   Tensor weights, indices;
   if (c.v3 || c.normalize) {
-    std::vector<float> mask(static_cast<size_t>(n * E), -1e30f);
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t j = 0; j < k; ++j) mask[static_cast<size_t>(t * E + chosen[t * k + j])] = 0.f;
     Tensor m = be.empty({n, E}, mt::DType::f32);
-    if (n) be.copy_from_host(m, mask.data());
+    if (!planning) {
+      std::vector<float> mask(static_cast<size_t>(n * E), -1e30f);
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t j = 0; j < k; ++j) mask[static_cast<size_t>(t * E + chosen[t * k + j])] = 0.f;
+      if (n) be.copy_from_host(m, mask.data());
+    }
     const mt::Graph::Routing r = g.route(g.add(logits, m), static_cast<int>(k), c.v3, c.normalize);
     weights = r.weights;
     indices = r.indices;
@@ -300,9 +315,9 @@ mt::LayerOutput deepseek_moe(mt::Graph& g, const mt::Params& p, const DsConfig& 
 
   // MaxText's load balancing per sequence, on the unbiased scores: E / B * sum over sequences
   // and experts of (slots of the expert / T) * (mean score of the expert).
-  std::vector<float> cw(static_cast<size_t>(n * E), 0.f);
+  std::vector<float> cw(planning ? 0 : static_cast<size_t>(n * E), 0.f);
   std::vector<float> per_expert(static_cast<size_t>(E));
-  for (int64_t b = 0; b < B; ++b) {
+  for (int64_t b = 0; b < (planning ? 0 : B); ++b) {
     std::vector<int64_t> count(static_cast<size_t>(E), 0);
     for (int64_t i = b * T * k; i < (b + 1) * T * k; ++i) ++count[static_cast<size_t>(chosen[i])];
     // The same factor for every token of the sequence: computed once, copied to each row.
@@ -314,7 +329,7 @@ mt::LayerOutput deepseek_moe(mt::Graph& g, const mt::Params& p, const DsConfig& 
       std::copy(per_expert.begin(), per_expert.end(), cw.begin() + t * E);
   }
   Tensor ct = be.empty({n, E}, mt::DType::f32);
-  if (n) be.copy_from_host(ct, cw.data());
+  if (n && !planning) be.copy_from_host(ct, cw.data());
   Tensor ones_n = be.empty({1, n}, mt::DType::f32), ones_e = be.empty({E, 1}, mt::DType::f32);
   be.fill(ones_n, 1.f);
   be.fill(ones_e, 1.f);
