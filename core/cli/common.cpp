@@ -75,6 +75,10 @@ Args parse_args(const std::string& command, int argc, char** argv, int first,
     const std::string key = kv.substr(0, eq);
     const std::string value = kv.substr(eq + 1);
     if (key.empty()) throw UsageError("The argument '" + s + "' has no key before '='.");
+    // (before: --config= was ignored and the run went on without the file meant)
+    if ((key == "config" || key == "model") && value.empty())
+      throw UsageError("--" + key + "= has no value: --" + key + "=" +
+                       (key == "model" ? "<name> (`mt models` lists them)" : "<file.yml>") + ".");
     // One config file: a second one's keys were silently dropped, so it is refused. A second
     // --model wins, as words do (last wins).
     if (key == "config" && !a.config_file.empty() && a.config_file != value)

@@ -797,6 +797,7 @@ TEST(Cli, BadInputIsRefusedWithExitCode2) {
       {"config --config=" + (dir / "bad.yml").string() + " --config=/x.yml",
        "--config is given twice"},
       {"config --config", "--config needs a value"},
+      {"config --config=", "--config= has no value"},
       // AdamW divides by 1 - b^step and by sqrt(v) + eps: these made NaN at the first step,
       // reported at the second as "no parameters were updated".
       {"config adam_b1=1", "adam_b1 must be >= 0 and < 1"},
