@@ -10,7 +10,9 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <new>
 #include <string>
+#include <system_error>
 
 #include "cli.h"
 #include "communicator.h"
@@ -200,6 +202,27 @@ int run_main(int argc, char** argv) {
         return e.exit_code();
       std::fprintf(stderr, "mt %s: error: %s\n", c.name, e.what());
       return e.exit_code();
+    } catch (const std::bad_alloc&) {
+      std::fflush(stdout);
+      std::fprintf(stderr,
+                   "mt %s: error: out of memory (a memory limit, ulimit -v, or what the machine "
+                   "has): `mt plan` with the same arguments shows what the model needs.\n",
+                   c.name);
+      return 1;
+    } catch (const std::system_error& e) {
+      std::fflush(stdout);
+      // A thread or mapping the system refused (EAGAIN, ENOMEM) is the environment's limit,
+      // not mt's bug (before: "internal error: Resource temporarily unavailable").
+      if (e.code() == std::errc::resource_unavailable_try_again ||
+          e.code() == std::errc::not_enough_memory) {
+        std::fprintf(stderr,
+                     "mt %s: error: the system refused a thread or memory (%s): a limit on "
+                     "processes or memory (ulimit -u, ulimit -v), or fewer num_threads.\n",
+                     c.name, e.what());
+        return 1;
+      }
+      std::fprintf(stderr, "mt %s: internal error: %s\n", c.name, e.what());
+      return 1;
     } catch (const std::exception& e) {
       std::fflush(stdout);
       std::fprintf(stderr, "mt %s: internal error: %s\n", c.name, e.what());

@@ -91,9 +91,11 @@ struct RandomFill {
 
 // What a backend's out-of-memory error ends with: the settings a user can change.
 inline constexpr const char* kOutOfMemoryAdvice =
-    "Lower per_device_batch_size or max_target_length, recompute activations in the backward "
-    "pass (remat_policy=full), or split each batch into micro-batches with "
-    "gradient_accumulation_steps.";
+    "`mt plan` with the same arguments shows what the run needs and what makes it fit. "
+    "Training: lower per_device_batch_size or max_target_length, recompute activations in the "
+    "backward pass (remat_policy=full), or split each batch into micro-batches with "
+    "gradient_accumulation_steps. Inference: fewer prompts at once or a shorter "
+    "max_target_length.";
 
 // No allocation is larger: sizes past it come from overflowing arithmetic or absurd configs,
 // and an allocator refuses them before doing anything with them.
