@@ -82,6 +82,14 @@ int64_t hf_integer(const std::string& key, const std::string& value) {
   throw UsageError("config.json's " + key + " is '" + value + "'; it must be an integer.");
 }
 
+int64_t hf_derived_head_dim(const std::string& hidden, const std::string& heads) {
+  const int64_t h = hf_integer("hidden_size", hidden), n = hf_integer("num_attention_heads", heads);
+  if (n <= 0 || h % n != 0)
+    throw UsageError("config.json has no head_dim and hidden_size=" + hidden +
+                     " is not a multiple of num_attention_heads=" + heads + ".");
+  return h / n;
+}
+
 double hf_number(const std::string& key, const std::string& value) {
   try {
     size_t n = 0;

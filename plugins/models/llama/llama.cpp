@@ -211,16 +211,7 @@ class LlamaFamily final : public mt::ModelFamily {
     const std::string* kv = get("num_key_value_heads");
     o.push_back("base_num_kv_heads=" + (kv ? *kv : heads));
     const std::string* hd = get("head_dim");
-    if (!hd) {
-      const int64_t h = mt::hf_integer("hidden_size", hidden),
-                    n = mt::hf_integer("num_attention_heads", heads);
-      if (n <= 0 || h % n != 0)
-        throw mt::UsageError("config.json has no head_dim and hidden_size=" + hidden +
-                             " is not a multiple of num_attention_heads=" + heads + ".");
-      o.push_back("head_dim=" + std::to_string(h / n));
-    } else {
-      o.push_back("head_dim=" + *hd);
-    }
+    o.push_back("head_dim=" + (hd ? *hd : std::to_string(mt::hf_derived_head_dim(hidden, heads))));
     // Absent: LlamaConfig's default, 1e-6 (base.yml's 1e-5 is MaxText's).
     const std::string* eps = get("rms_norm_eps");
     o.push_back("normalization_layer_epsilon=" + (eps ? *eps : std::string("1e-6")));

@@ -255,11 +255,7 @@ class Family final : public mt::ModelFamily {
     if (const std::string* hd = get("head_dim")) {
       o.push_back("head_dim=" + *hd);
     } else {
-      const int64_t h = integer("hidden_size", hidden), n = integer("num_attention_heads", heads);
-      if (n <= 0 || h % n != 0)
-        throw mt::UsageError("config.json has no head_dim and hidden_size=" + hidden +
-                             " is not a multiple of num_attention_heads=" + heads + ".");
-      o.push_back("head_dim=" + std::to_string(h / n));
+      o.push_back("head_dim=" + std::to_string(mt::hf_derived_head_dim(hidden, heads)));
     }
     const std::string* eps = get("rms_norm_eps");
     o.push_back("normalization_layer_epsilon=" + (eps ? *eps : moe_ ? "1e-05" : "1e-06"));

@@ -386,12 +386,7 @@ std::vector<std::string> QwenFamily::from_hf_config(const mt::HfConfig& hf,
   } else if (v_ == Variant::qwen3) {
     o.push_back("head_dim=128");
   } else {
-    const int64_t h = mt::hf_integer("hidden_size", hidden),
-                  n = mt::hf_integer("num_attention_heads", heads);
-    if (n <= 0 || h % n != 0)
-      throw mt::UsageError("config.json has no head_dim and hidden_size=" + hidden +
-                           " is not a multiple of num_attention_heads=" + heads + ".");
-    o.push_back("head_dim=" + std::to_string(h / n));
+    o.push_back("head_dim=" + std::to_string(mt::hf_derived_head_dim(hidden, heads)));
   }
   // Qwen's defaults where config.json leaves a field out (they differ from base.yml's).
   const std::string* eps = get("rms_norm_eps");

@@ -47,6 +47,9 @@ MT_API const std::string& hf_need(const HfConfig& hf, const std::string& key,
 // A field's value as an integer / a finite number; throws UsageError naming the field otherwise.
 MT_API int64_t hf_integer(const std::string& key, const std::string& value);
 MT_API double hf_number(const std::string& key, const std::string& value);
+// The head width transformers derives when config.json has no head_dim: hidden_size /
+// num_attention_heads (the fields' values); throws UsageError unless heads divide the width.
+MT_API int64_t hf_derived_head_dim(const std::string& hidden, const std::string& heads);
 // Throws UsageError: config.json sets key=value, `what`, which `who` ("mt's llama family") does
 // not implement.
 [[noreturn]] MT_API void hf_refuse(const std::string& key, const std::string& value,

@@ -35,5 +35,6 @@
 // inference, as ParamSpec::projection allows) and mt::cpu_threads (mt/config.h); 17:
 // Graph::wants_aux (a layer may leave out auxiliary losses no one reads), Backend's
 // grouped_matmul_q8 (op set 7) and blocks::moe_expert_mlp; 18: Backend::split_columns and
-// scatter_rows_each (op set 8); 19: Registry::add_dataset_keys (a data plugin's own config keys).
+// scatter_rows_each (op set 8); 19: Registry::add_dataset_keys (a data plugin's own config keys)
+// and mt::hf_derived_head_dim.
 #define MT_ABI_VERSION 19u
