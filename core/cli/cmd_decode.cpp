@@ -146,7 +146,6 @@ std::vector<int32_t> encode(const Inference& in, const std::string& text,
   return ids;
 }
 
-// Lines of a text file, or the "text" field of each JSON line (a line starting with '{').
 // The kind of a text input, by its extension: .jsonl/.json lines are JSON (a guess from a line's
 // first byte read a JSON line with a leading space as text, JSON syntax and all), .txt lines
 // are text (one beginning with '{' too); any other file's lines are JSON when they begin with
@@ -159,6 +158,8 @@ TextKind text_kind(const std::string& path) {
   return TextKind::sniff;
 }
 
+// The documents of a prompt or score input, a line each: the line, or of a JSON line (by
+// text_kind) its `column` field.
 std::vector<std::string> read_texts(const std::string& path, const std::string& column) {
   std::vector<std::string> out;
   const TextKind kind = text_kind(path);

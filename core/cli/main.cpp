@@ -209,23 +209,19 @@ int run_main(int argc, char** argv) {
                    "has): `mt plan` with the same arguments shows what the model needs.\n",
                    c.name);
       return 1;
-    } catch (const std::system_error& e) {
+    } catch (const std::exception& e) {
       std::fflush(stdout);
       // A thread or mapping the system refused (EAGAIN, ENOMEM) is the environment's limit,
       // not mt's bug (before: "internal error: Resource temporarily unavailable").
-      if (e.code() == std::errc::resource_unavailable_try_again ||
-          e.code() == std::errc::not_enough_memory) {
+      const auto* sys = dynamic_cast<const std::system_error*>(&e);
+      if (sys && (sys->code() == std::errc::resource_unavailable_try_again ||
+                  sys->code() == std::errc::not_enough_memory))
         std::fprintf(stderr,
                      "mt %s: error: the system refused a thread or memory (%s): a limit on "
                      "processes or memory (ulimit -u, ulimit -v), or fewer num_threads.\n",
                      c.name, e.what());
-        return 1;
-      }
-      std::fprintf(stderr, "mt %s: internal error: %s\n", c.name, e.what());
-      return 1;
-    } catch (const std::exception& e) {
-      std::fflush(stdout);
-      std::fprintf(stderr, "mt %s: internal error: %s\n", c.name, e.what());
+      else
+        std::fprintf(stderr, "mt %s: internal error: %s\n", c.name, e.what());
       return 1;
     } catch (...) {  // a plugin's throw of something else (`throw 7`)
       std::fflush(stdout);
