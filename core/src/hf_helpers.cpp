@@ -100,6 +100,21 @@ double hf_number(const std::string& key, const std::string& value) {
   throw UsageError("config.json's " + key + " is '" + value + "'; it must be a number.");
 }
 
+bool hf_flag(const HfConfig& hf, const std::string& key, bool absent) {
+  const std::string* v = hf_get(hf, key);
+  if (!v) return absent;
+  if (*v == "true") return true;
+  if (*v == "false") return false;
+  throw UsageError("config.json's " + key + " is '" + *v + "'; it must be true or false.");
+}
+
+void hf_refuse_null(const HfConfig& hf, const std::string& key) {
+  if (auto it = hf.find(key); it != hf.end() && it->second == "null")
+    throw UsageError("config.json sets " + key +
+                     " to null; it must be a number (transformers' models have no default for "
+                     "a null one). Give the value or leave the field out for the default.");
+}
+
 void hf_refuse(const std::string& key, const std::string& value, const std::string& what,
                const std::string& who) {
   throw UsageError("config.json sets " + key + "=" + value + ": " + what + ", which " + who +

@@ -359,6 +359,18 @@ TEST(HfImport, AbsentFieldsAreTransformersDefaults) {
   edit(d.root / "config.json", "\"num_attention_heads\": 4", "\"num_attention_heads\": 0");
   EXPECT_EQ(mt_cmd("score hf_path=" + d.root.string() + " tokens=1,2,3", out), 2) << out;
   EXPECT_NE(out.find("is not a multiple of num_attention_heads=0"), std::string::npos) << out;
+  edit(d.root / "config.json", "\"num_attention_heads\": 0", "\"num_attention_heads\": 4");
+  // A boolean that is not one (before: read as false, so the tied model wanted an lm_head), and
+  // a null epsilon, which transformers' norms cannot add (before: 1e-6 taken silently).
+  edit(d.root / "config.json", "\"tie_word_embeddings\": true", "\"tie_word_embeddings\": \"yes\"");
+  EXPECT_EQ(mt_cmd("score hf_path=" + d.root.string() + " tokens=1,2,3", out), 2) << out;
+  EXPECT_NE(out.find("tie_word_embeddings is 'yes'; it must be true or false"), std::string::npos)
+      << out;
+  edit(d.root / "config.json", "\"tie_word_embeddings\": \"yes\"", "\"tie_word_embeddings\": true");
+  edit(d.root / "config.json", "\"num_key_value_heads\"",
+       "\"rms_norm_eps\": null, \"num_key_value_heads\"");
+  EXPECT_EQ(mt_cmd("score hf_path=" + d.root.string() + " tokens=1,2,3", out), 2) << out;
+  EXPECT_NE(out.find("sets rms_norm_eps to null"), std::string::npos) << out;
 }
 
 // `mt decode` of the directory from token ids (stdout: the ids; stderr is dropped).

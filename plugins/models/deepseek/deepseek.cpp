@@ -665,12 +665,16 @@ std::vector<std::string> DsFamily::from_hf_config(const mt::HfConfig& hf,
   auto refuse = [&](const std::string& k, const std::string& v, const std::string& what) {
     mt::hf_refuse(k, v, what, who);
   };
-  auto is_true = [](const std::string* v) { return v && *v == "true"; };
+  // A boolean field (marked used): `absent` when config.json has none; refused unless a boolean.
+  auto flag = [&](const std::string& k, bool absent) {
+    used.insert(k);
+    return mt::hf_flag(hf, k, absent);
+  };
 
   if (const std::string* a = use("hidden_act"); a && *a != "silu")
     refuse("hidden_act", *a, "an MLP activation other than silu (SwiGLU)");
   for (const char* k : {"attention_bias", "mlp_bias"})
-    if (const std::string* b = use(k); is_true(b)) refuse(k, *b, "biases on the projections");
+    if (flag(k, false)) refuse(k, "true", "biases on the projections");
   const std::string& heads = need("num_attention_heads");
   if (const std::string* kv = use("num_key_value_heads"); kv && *kv != heads)
     refuse("num_key_value_heads", *kv,
@@ -684,10 +688,11 @@ std::vector<std::string> DsFamily::from_hf_config(const mt::HfConfig& hf,
   o.push_back("base_num_decoder_layers=" + need("num_hidden_layers"));
   o.push_back("base_num_query_heads=" + heads);
   o.push_back("base_num_kv_heads=" + heads);
+  mt::hf_refuse_null(hf, "rms_norm_eps");
   const std::string* eps = use("rms_norm_eps");
   o.push_back("normalization_layer_epsilon=" + (eps ? *eps : std::string("1e-06")));
   o.push_back(std::string("logits_via_embedding=") +
-              (is_true(use("tie_word_embeddings")) ? "true" : "false"));
+              (flag("tie_word_embeddings", false) ? "true" : "false"));
   if (const std::string* v = use("max_position_embeddings"))
     o.push_back("max_position_embeddings=" + *v);
   // Latent attention. q_lora_rank null: no query compression (V2-Lite).
@@ -698,11 +703,10 @@ std::vector<std::string> DsFamily::from_hf_config(const mt::HfConfig& hf,
   // Derived fields transformers writes (head_dim = qk_rope_head_dim, qk_head_dim).
   use("head_dim");
   use("qk_head_dim");
-  const std::string* ri = use("rope_interleave");
-  o.push_back(std::string("deepseek_rope_interleave=") +
-              (!v3_ || !ri || *ri == "true" ? "true" : "false"));
-  if (!v3_ && ri && *ri != "true")
-    refuse("rope_interleave", *ri, "DeepSeek-V2 with rotate_half pairs (V2 interleaves)");
+  const bool interleave = flag("rope_interleave", true);
+  o.push_back(std::string("deepseek_rope_interleave=") + (!v3_ || interleave ? "true" : "false"));
+  if (!v3_ && !interleave)
+    refuse("rope_interleave", "false", "DeepSeek-V2 with rotate_half pairs (V2 interleaves)");
 
   // Rotary embedding: transformers 5's rope_parameters, or transformers 4's rope_theta and
   // rope_scaling.
@@ -733,8 +737,8 @@ std::vector<std::string> DsFamily::from_hf_config(const mt::HfConfig& hf,
     o.push_back("original_max_position_embeddings=" + *orig);
     if (const std::string* v = get(rp + "beta_fast")) o.push_back("beta_fast=" + *v);
     if (const std::string* v = get(rp + "beta_slow")) o.push_back("beta_slow=" + *v);
-    if (const std::string* v = get(rp + "truncate"); v && *v != "true")
-      refuse(rp + "truncate", *v, "a yarn correction range that is not truncated");
+    if (!mt::hf_flag(hf, rp + "truncate", true))
+      refuse(rp + "truncate", "false", "a yarn correction range that is not truncated");
     // transformers: cos and sin times attention_factor, else mscale(factor, mscale) /
     // mscale(factor, mscale_all_dim) when both are set, else mscale(factor, 1); the softmax
     // scale times mscale(factor, mscale_all_dim)^2 when that is set.
@@ -786,7 +790,6 @@ std::vector<std::string> DsFamily::from_hf_config(const mt::HfConfig& hf,
     refuse("moe_layer_freq", *f, "expert layers other than every layer after the dense ones");
   const std::string* tm = use("topk_method");
   const std::string* sf = use("scoring_func");
-  const std::string* ntp = use("norm_topk_prob");
   bool grouped = v3_;
   if (!v3_) {
     if (tm && *tm != "greedy" && *tm != "group_limited_greedy")
@@ -796,8 +799,8 @@ std::vector<std::string> DsFamily::from_hf_config(const mt::HfConfig& hf,
     if (sf && *sf != "softmax") refuse("scoring_func", *sf, "DeepSeek-V2 with non-softmax scores");
     // transformers' DeepseekV2 ignores norm_topk_prob and DeepSeek's own code applies it, so
     // the model a true value means is ambiguous (every released V2 model has false).
-    if (is_true(ntp))
-      refuse("norm_topk_prob", *ntp,
+    if (flag("norm_topk_prob", false))
+      refuse("norm_topk_prob", "true",
              "renormalised DeepSeek-V2 routing weights (transformers ignores the field, "
              "DeepSeek's code applies it)");
     o.push_back("norm_topk_prob=false");
@@ -806,7 +809,7 @@ std::vector<std::string> DsFamily::from_hf_config(const mt::HfConfig& hf,
     if (tm && *tm != "noaux_tc")
       refuse("topk_method", *tm, "a DeepSeek-V3 choice other than noaux_tc");
     if (sf && *sf != "sigmoid") refuse("scoring_func", *sf, "DeepSeek-V3 with non-sigmoid scores");
-    o.push_back(std::string("norm_topk_prob=") + (!ntp || is_true(ntp) ? "true" : "false"));
+    o.push_back(std::string("norm_topk_prob=") + (flag("norm_topk_prob", true) ? "true" : "false"));
   }
   const std::string* ng = use("n_group");
   const std::string* tg = use("topk_group");

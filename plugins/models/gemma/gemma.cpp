@@ -375,10 +375,12 @@ std::vector<std::string> GemmaFamily::from_hf_config(const mt::HfConfig& hf,
   // Every Gemma config class defaults head_dim to 256 (not hidden_size / heads).
   const std::string* hd = use("head_dim");
   o.push_back("head_dim=" + (hd ? *hd : std::string("256")));
+  mt::hf_refuse_null(hf, "rms_norm_eps");
   const std::string* eps = use("rms_norm_eps");
   o.push_back("normalization_layer_epsilon=" + (eps ? *eps : std::string("1e-06")));
-  const std::string* tied = use("tie_word_embeddings");
-  o.push_back(std::string("logits_via_embedding=") + (tied && *tied == "false" ? "false" : "true"));
+  used.insert("tie_word_embeddings");
+  o.push_back(std::string("logits_via_embedding=") +
+              (mt::hf_flag(hf, "tie_word_embeddings", true) ? "true" : "false"));
   const std::string* maxpos = use("max_position_embeddings");
   o.push_back("max_position_embeddings=" +
               (maxpos ? *maxpos : std::string(v_ == Variant::gemma3 ? "131072" : "8192")));
@@ -402,10 +404,10 @@ std::vector<std::string> GemmaFamily::from_hf_config(const mt::HfConfig& hf,
     if (const std::string* a = use("hidden_act"); a && !tanh_gelu(*a) && *a != "gelu")
       refuse("hidden_act", *a, "an MLP activation other than the tanh approximation of gelu");
   }
-  if (const std::string* b = use("attention_bias"); b && *b == "true")
-    refuse("attention_bias", *b, "biases on the attention projections");
-  if (const std::string* b = use("use_bidirectional_attention"); b && *b == "true")
-    refuse("use_bidirectional_attention", *b, "attention without a causal mask");
+  for (const auto& [k, what] : {std::pair<const char*, const char*>{
+                                    "attention_bias", "biases on the attention projections"},
+                                {"use_bidirectional_attention", "attention without a causal mask"}})
+    if (used.insert(k), mt::hf_flag(hf, k, false)) refuse(k, "true", what);
 
   // Soft-caps, query_pre_attn_scalar and local layers (Gemma 2 and 3); absent fields take the
   // transformers classes' defaults (Gemma 2: caps 50 and 30; Gemma 3: none; both: scalar 256,

@@ -316,27 +316,33 @@ std::vector<std::string> GptFamily::from_hf_config(const mt::HfConfig& hf,
   o.push_back("trainable_position_size=" + positions);
   o.push_back("max_position_embeddings=" + positions);
   // GPT2Config's defaults where config.json leaves a field out.
+  mt::hf_refuse_null(hf, "layer_norm_epsilon");
   const std::string* eps = get("layer_norm_epsilon");
   o.push_back("normalization_layer_epsilon=" + (eps ? *eps : std::string("1e-05")));
-  const std::string* tied = get("tie_word_embeddings");
-  o.push_back(std::string("logits_via_embedding=") + (!tied || *tied == "true" ? "true" : "false"));
+  // A flag: read through `get` (marks it used), then as a boolean.
+  auto flag = [&](const std::string& k, bool absent) {
+    get(k);
+    return mt::hf_flag(hf, k, absent);
+  };
+  o.push_back(std::string("logits_via_embedding=") +
+              (flag("tie_word_embeddings", true) ? "true" : "false"));
   const std::string* act = get("activation_function");
   const char* mapped = activation_from_hf(act ? *act : "gelu_new");
   if (!mapped) refuse("activation_function", *act, "an MLP activation mt has no kernel for");
   o.push_back(std::string("mlp_activations=[") + mapped + "]");
 
   // Settings that change GPT-2's computation and that this family does not implement.
-  if (const std::string* v = get("scale_attn_weights"); v && *v == "false")
-    refuse("scale_attn_weights", *v, "attention scores not divided by sqrt(head_dim)");
-  if (const std::string* v = get("scale_attn_by_inverse_layer_idx"); v && *v == "true")
-    refuse("scale_attn_by_inverse_layer_idx", *v,
+  if (!flag("scale_attn_weights", true))
+    refuse("scale_attn_weights", "false", "attention scores not divided by sqrt(head_dim)");
+  if (flag("scale_attn_by_inverse_layer_idx", false))
+    refuse("scale_attn_by_inverse_layer_idx", "true",
            "attention scores further divided by the layer's index + 1");
-  if (const std::string* v = get("reorder_and_upcast_attn"); v && *v == "true")
-    refuse("reorder_and_upcast_attn", *v,
+  if (flag("reorder_and_upcast_attn", false))
+    refuse("reorder_and_upcast_attn", "true",
            "attention scores reordered and upcast (Mistral's "
            "stabilisation for mixed precision)");
-  if (const std::string* v = get("add_cross_attention"); v && *v == "true")
-    refuse("add_cross_attention", *v, "cross-attention to an encoder");
+  if (flag("add_cross_attention", false))
+    refuse("add_cross_attention", "true", "cross-attention to an encoder");
   // Other architectures' settings: a config.json that has them is not a GPT-2 model.
   for (const char* k : {"rope_theta", "rope_scaling", "rope_parameters", "sliding_window",
                         "attn_logit_softcapping", "final_logit_softcapping", "num_key_value_heads",

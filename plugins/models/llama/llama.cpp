@@ -191,7 +191,7 @@ class LlamaFamily final : public mt::ModelFamily {
       return mt::hf_need(hf, k, "Llama");
     };
     auto refuse_true = [&](const std::string& k, const std::string& what) {
-      if (const std::string* v = get(k); v && *v == "true")
+      if (mt::hf_flag(hf, k, false))
         throw mt::UsageError("config.json sets " + k + "=true: " + what +
                              " are not supported by mt's llama family.");
     };
@@ -213,11 +213,11 @@ class LlamaFamily final : public mt::ModelFamily {
     const std::string* hd = get("head_dim");
     o.push_back("head_dim=" + (hd ? *hd : std::to_string(mt::hf_derived_head_dim(hidden, heads))));
     // Absent: LlamaConfig's default, 1e-6 (base.yml's 1e-5 is MaxText's).
+    mt::hf_refuse_null(hf, "rms_norm_eps");
     const std::string* eps = get("rms_norm_eps");
     o.push_back("normalization_layer_epsilon=" + (eps ? *eps : std::string("1e-6")));
-    const std::string* tied = get("tie_word_embeddings");
     o.push_back(std::string("logits_via_embedding=") +
-                (tied && *tied == "true" ? "true" : "false"));
+                (mt::hf_flag(hf, "tie_word_embeddings", false) ? "true" : "false"));
     if (const std::string* v = get("max_position_embeddings"))
       o.push_back("max_position_embeddings=" + *v);
 

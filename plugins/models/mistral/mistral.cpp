@@ -237,7 +237,7 @@ class Family final : public mt::ModelFamily {
       throw mt::UsageError("config.json's hidden_act is '" + *act + "'; mt's " + name() +
                            " family implements silu (SwiGLU) only.");
     for (const char* k : {"attention_bias", "mlp_bias"})
-      if (const std::string* v = get(k); v && *v == "true")
+      if (mt::hf_flag(hf, k, false))
         throw mt::UsageError("config.json sets " + std::string(k) + "=true: " + model +
                              " has no biases, and mt's " + name() +
                              " family does not implement them.");
@@ -257,11 +257,11 @@ class Family final : public mt::ModelFamily {
     } else {
       o.push_back("head_dim=" + std::to_string(mt::hf_derived_head_dim(hidden, heads)));
     }
+    mt::hf_refuse_null(hf, "rms_norm_eps");
     const std::string* eps = get("rms_norm_eps");
     o.push_back("normalization_layer_epsilon=" + (eps ? *eps : moe_ ? "1e-05" : "1e-06"));
-    const std::string* tied = get("tie_word_embeddings");
     o.push_back(std::string("logits_via_embedding=") +
-                (tied && *tied == "true" ? "true" : "false"));
+                (mt::hf_flag(hf, "tie_word_embeddings", false) ? "true" : "false"));
     const std::string* maxpos = get("max_position_embeddings");
     o.push_back("max_position_embeddings=" + (maxpos ? *maxpos : "131072"));
 

@@ -351,18 +351,19 @@ std::vector<std::string> QwenFamily::from_hf_config(const mt::HfConfig& hf,
 
   if (const std::string* act = use("hidden_act"); act && *act != "silu")
     refuse("hidden_act", *act, "an MLP activation other than silu (SwiGLU)");
-  if (const std::string* b = use("attention_bias"); b && *b == "true" && v_ != Variant::qwen2)
-    refuse("attention_bias", *b, "biases on the attention projections");
+  if (used.insert("attention_bias"),
+      mt::hf_flag(hf, "attention_bias", false) && v_ != Variant::qwen2)
+    refuse("attention_bias", "true", "biases on the attention projections");
   // Sliding-window attention: off in every released Qwen model (use_sliding_window=false, and
   // then transformers ignores sliding_window and max_window_layers).
   // With max_window_layers at or above the layer count no layer slides (transformers' layer i
   // slides when i >= max_window_layers), so that is plain attention and is taken.
-  if (const std::string* s = use("use_sliding_window"); s && *s == "true") {
+  if (used.insert("use_sliding_window"), mt::hf_flag(hf, "use_sliding_window", false)) {
     const std::string* mwl = get("max_window_layers");
     const std::string* layers = get("num_hidden_layers");
     if (!mwl || !layers || *mwl == "null" ||
         mt::hf_integer("max_window_layers", *mwl) < mt::hf_integer("num_hidden_layers", *layers))
-      refuse("use_sliding_window", *s, "sliding-window attention");
+      refuse("use_sliding_window", "true", "sliding-window attention");
   }
   if (const std::string* lt = use("layer_types"); lt && lt->find("sliding") != std::string::npos)
     refuse("layer_types", *lt, "sliding-window attention layers");
@@ -389,10 +390,11 @@ std::vector<std::string> QwenFamily::from_hf_config(const mt::HfConfig& hf,
     o.push_back("head_dim=" + std::to_string(mt::hf_derived_head_dim(hidden, heads)));
   }
   // Qwen's defaults where config.json leaves a field out (they differ from base.yml's).
+  mt::hf_refuse_null(hf, "rms_norm_eps");
   const std::string* eps = get("rms_norm_eps");
   o.push_back("normalization_layer_epsilon=" + (eps ? *eps : std::string("1e-06")));
-  const std::string* tied = get("tie_word_embeddings");
-  o.push_back(std::string("logits_via_embedding=") + (tied && *tied == "true" ? "true" : "false"));
+  o.push_back(std::string("logits_via_embedding=") +
+              (mt::hf_flag(hf, "tie_word_embeddings", false) ? "true" : "false"));
   if (const std::string* v = get("max_position_embeddings"))
     o.push_back("max_position_embeddings=" + *v);
   for (const char* k : {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -466,8 +468,8 @@ std::vector<std::string> QwenFamily::from_hf_config(const mt::HfConfig& hf,
     o.push_back("num_experts_per_tok=" + need("num_experts_per_tok"));
     o.push_back("base_moe_mlp_dim=" + need("moe_intermediate_size"));
     // transformers' defaults: norm_topk_prob false, decoder_sparse_step 1, no dense layers.
-    const std::string* ntp = get("norm_topk_prob");
-    o.push_back(std::string("norm_topk_prob=") + (ntp && *ntp == "true" ? "true" : "false"));
+    o.push_back(std::string("norm_topk_prob=") +
+                (mt::hf_flag(hf, "norm_topk_prob", false) ? "true" : "false"));
     const std::string* step = get("decoder_sparse_step");
     if (step && (step->empty() || step->find_first_not_of("0123456789") != std::string::npos ||
                  std::stoll(*step) < 1))

@@ -47,6 +47,12 @@ MT_API const std::string& hf_need(const HfConfig& hf, const std::string& key,
 // A field's value as an integer / a finite number; throws UsageError naming the field otherwise.
 MT_API int64_t hf_integer(const std::string& key, const std::string& value);
 MT_API double hf_number(const std::string& key, const std::string& value);
+// A boolean field: `absent` when config.json has none (or null), else true or false; throws
+// UsageError naming the field for any other value (transformers' configs take only booleans).
+MT_API bool hf_flag(const HfConfig& hf, const std::string& key, bool absent);
+// Throws UsageError when config.json sets `key` to null: for fields whose null transformers
+// does not replace by a default (e.g. rms_norm_eps, which its norms then fail on).
+MT_API void hf_refuse_null(const HfConfig& hf, const std::string& key);
 // The head width transformers derives when config.json has no head_dim: hidden_size /
 // num_attention_heads (the fields' values); throws UsageError unless heads divide the width.
 MT_API int64_t hf_derived_head_dim(const std::string& hidden, const std::string& heads);
