@@ -308,6 +308,19 @@ TEST(DeepseekModel, NamedConfigsHaveThePublishedSizes) {
   }
 }
 
+// A token's FLOPs count latent attention's products at their own widths (scores qk_nope +
+// qk_rope = 192, values 128), not both at the padded 192: MaxText's
+// calculate_mla_tflops_per_device gives 1.6407e10 per token for deepseek2-16b at 4096
+// (calculate_tflops_training_per_device, evaluated); before, mt printed 1.675e10 (+2.1%, its
+// attention term +20%).
+TEST(DeepseekModel, LatentAttentionFlopsAreMaxTexts) {
+  const std::unique_ptr<Model> m = build_named("deepseek2-16b");
+  const ParamCounts n = count_parameters(*m);
+  const double attn = 27 * 3.0 * 4096 * 16 * (128 + 64 + 128);
+  EXPECT_NEAR(m->flops_per_token(4096), 6 * n.active_matmul + attn, 1e3);
+  EXPECT_NEAR(m->flops_per_token(4096), 1.6407e10, 0.001 * 1.6407e10);
+}
+
 // Bad input, each refused before any work with exit code 2 and one paragraph naming it.
 TEST(DeepseekBadInput, IsRefusedWithOneClearError) {
   Scratch s;

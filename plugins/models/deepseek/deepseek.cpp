@@ -463,6 +463,19 @@ class DsModel final : public mt::Model {
     return m;
   }
 
+  // The default counts attention's two products at dims().head_dim, the padded width; latent
+  // attention's scores are qk_nope + qk_rope wide and its values v_head_dim (MaxText's
+  // calculate_mla_tflops_per_device: 3 x seq x heads x (qk + v) per token and layer, causal).
+  double flops_per_token(int64_t seq_len) const override {
+    const mt::ModelDims d = dims();
+    const double widths = static_cast<double>(c_.mla.qk_nope_head_dim + c_.mla.qk_rope_head_dim +
+                                              c_.mla.v_head_dim - 2 * d.head_dim);
+    const double keys = static_cast<double>(seq_len) / 2;
+    const double layers = static_cast<double>(c_.layers + c_.mtp_layers);
+    return mt::Model::flops_per_token(seq_len) +
+           layers * 6.0 * static_cast<double>(c_.mla.heads) * widths * keys;
+  }
+
   std::vector<ParamSpec> top_parameters() const override {
     return mt::blocks::decoder_top_params(c_.vocab, c_.d, c_.norm, c_.tied);
   }
