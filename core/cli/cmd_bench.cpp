@@ -218,7 +218,8 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
   };
   // Bytes of weights: all of them, and what a batch-1 decode step reads: a routed expert
   // stack's active share (ParamSpec::active, k of E experts), one row of an embedding table
-  // that is only looked up (a tied one is also the LM head, read whole), everything else whole.
+  // that is only looked up (the token embedding, and GPT's learned position table; a tied
+  // embedding is also the LM head, read whole), everything else whole.
   size_t weight_bytes = 0;
   double step_bytes = 0;
   for (auto& p : r.params()) {
@@ -226,7 +227,7 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
     weight_bytes += p.value.nbytes();
     if (p.spec.matmul)
       step_bytes += n * static_cast<double>(p.spec.active);
-    else if (p.name == "embedding" && p.value.ndim() == 2)
+    else if ((p.name == "embedding" || p.name == "position_embedding") && p.value.ndim() == 2)
       step_bytes += n / static_cast<double>(p.value.dim(0));
     else
       step_bytes += n;

@@ -87,6 +87,9 @@ TrainingPlan trace_training(const Config& cfg, PluginManager& plugins,
   runner->enable_gradients();
   runner->zero_gradients();
   t.gradients = in_use(*runner) - t.weights;
+  for (const auto& p : runner->params())
+    t.local_elements +=
+        static_cast<double>(shape_numel(p.local_shape.empty() ? p.spec.shape : p.local_shape));
   const bool offload = cfg.get_bool("optimizer_memory_host_offload");
   // Rank 0 of the mesh's data-parallel ranks: with shard_optimizer_over_data it holds the
   // largest part of the moments (shard_range gives the later ranks as much or one element more
@@ -498,7 +501,7 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
               std::max<int64_t>(1, cfg.get_int("ici_fsdp_parallelism")) *
               std::max<int64_t>(1, cfg.get_int("ici_expert_parallelism"));
       c.dcn = mesh.batch_ranks() / c.ici;
-      // A tensor rank's gradients are its parts (as allocated; FSDP divides those again).
+      // A tensor rank's gradients are its parts (FSDP divides those again).
       // Expert parallelism: a rank holds 1/X of the experts (FSDP gathers those and the rest;
       // data parallelism all-reduces the rest over every rank, the experts apart).
       // With the tensor axis too, the experts are divided among the expert x tensor ranks.
@@ -511,9 +514,7 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
           static_cast<double>(plan.counts.total) - (c.expert > 1 ? expert_elements : 0.0);
       // What a tensor rank holds of the rest (the tensor parts and the replicated tensors).
       const double dense_local =
-          mesh.tensor > 1
-              ? static_cast<double>(plan.train->gradients * mesh.fsdp) / 4.0 - expert_local
-              : dense_elements;
+          mesh.tensor > 1 ? plan.train->local_elements - expert_local : dense_elements;
       c.gradient_bytes = static_cast<size_t>(dense_local + (c.fsdp ? expert_local : 0.0)) * 4;
       const double held = all - expert_elements + expert_local;
       const double top_share = held > 0 ? top / held : 0;
@@ -546,6 +547,14 @@ Plan make_plan(const Config& cfg, PluginManager& plugins, const DeviceProfile& d
         const bool data_in_node = cfg.get_int("dcn_data_parallelism") == 1;
         c.ici_bytes = (fsdp_in_node ? fsdp_bytes : 0) + (data_in_node ? copies : 0);
         c.dcn_bytes = (fsdp_in_node ? 0 : fsdp_bytes) + (data_in_node ? 0 : copies);
+      } else if (c.dcn > 1 && cfg.get_string("communicator") != "nccl") {
+        // One communicator over every rank (the data axis, or FSDP's alone): the mpi
+        // communicator's reduce-scatter and all-gather exchange each rank's slice with every
+        // other rank directly, so of each phase's (N - 1) / N of the buffer, (ici - 1) / N comes
+        // from this node's ranks and (N - ici) / N from the other nodes'.
+        const auto n = static_cast<double>(c.ici * c.dcn), ici = static_cast<double>(c.ici);
+        c.ici_bytes = rounds * (ici - 1) / n * g;
+        c.dcn_bytes = rounds * (n - ici) / n * g;
       } else {
         c.ici_bytes = ring(rounds, c.ici) * g;
         c.dcn_bytes = ring(rounds, c.dcn) * g / static_cast<double>(c.ici);
@@ -753,7 +762,9 @@ std::string format_plan(const Plan& p, const Config& cfg) {
             c.vocab ? "; the split vocabulary's lookup and LM head too, and the loss all-gathers "
                       "8 bytes a token"
                     : "",
-            link(c.tensor_bytes, p.device.ici_bytes_per_s, "within the node"));
+            cfg.get_int("dcn_tensor_parallelism") > 1
+                ? link(c.tensor_bytes, p.device.dcn_bytes_per_s, "across nodes")
+                : link(c.tensor_bytes, p.device.ici_bytes_per_s, "within the node"));
       if (c.ici * c.dcn > 1) {
         const std::string what =
             c.fsdp
@@ -783,6 +794,7 @@ std::string format_plan(const Plan& p, const Config& cfg) {
                                                  "and moments"))
             : c.sharded_optimizer ? "each holding the whole weights and 1/N of the moments"
             : c.expert > 1        ? "each holding the parameters outside the experts whole"
+            : c.tensor > 1        ? "each holding its tensor rank's part of the model"
                                   : "each holding the whole model",
             what, link(c.ici_bytes, p.device.ici_bytes_per_s, "within the node"),
             link(c.dcn_bytes, p.device.dcn_bytes_per_s, "across nodes"),

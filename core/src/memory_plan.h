@@ -36,6 +36,9 @@ struct TrainingPlan {
   // Tensor parallelism: the f32 bytes the step's tensor-parallel sums all-reduce and each
   // rank's bytes of its all-gathers, as the trace made them (Graph::count_tensor_collectives).
   double tensor_sum_bytes = 0, tensor_gather_bytes = 0;
+  // The parameter elements a tensor (and expert) rank holds before FSDP divides them: its parts
+  // of the split tensors and the replicated ones (exact, where `gradients` is as allocated).
+  double local_elements = 0;
 };
 
 // Bytes of inference: weights (in the compute dtype once loaded), the KV caches of `batch`
@@ -51,8 +54,10 @@ struct DecodePlan {
 };
 
 // Data parallelism's collectives per training step: every rank's gradients summed (all-reduce),
-// as a ring would move them: 2 (N - 1) / N of the bytes through each rank's links, first among
-// the `ici` ranks of a node, then across the `dcn` nodes (a 1 / ici share each).
+// 2 (N - 1) / N of the bytes through each rank's links. communicator=mpi's all-reduce exchanges
+// every rank's slice with every other rank directly, so (N - ici) / N of each phase comes from
+// the other nodes; nccl's is taken as hierarchical: first among the `ici` ranks of a node, then
+// across the `dcn` nodes (a 1 / ici share each).
 struct CollectivePlan {
   int64_t ici = 1, dcn = 1;             // data-parallel ranks within a node, and nodes
   size_t gradient_bytes = 0;            // all-reduced each step (float32 gradients)

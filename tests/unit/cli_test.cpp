@@ -184,6 +184,11 @@ TEST(Cli, BenchPrintsOneJsonObject) {
   EXPECT_NE(r.out.find("\"prefill_512_tokens_per_sec\": null"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("\"decode_batch8_tokens_per_sec\": null"), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("\"decode_batch1_tokens_per_sec\": null"), std::string::npos) << r.out;
+  // A step reads one row of GPT's learned position table, as of the token embedding: gpt3-52k's
+  // 209,856 f32 bytes less 2047 of the table's 2048 rows of 16 (before: all 209,856).
+  r = mt_cmd("bench decode --model=gpt3-52k steps=2 dtypes=float32 parts=batch1 2>/dev/null");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("\"decode_weight_bytes_per_token\": 7.885e+04"), std::string::npos) << r.out;
   // Decode runs no training-only work: an MoE model's per-op profile has the experts' products
   // and no router z-loss (its cross-entropy) or load-balancing products (Graph::wants_aux).
   r = mt_cmd(

@@ -410,10 +410,12 @@ TEST(MemoryPlan, Llama2_7bOnAnH100IsPlannedInSecondsAndItsFixFits) {
   EXPECT_NE(big.out.find("more memory than one device has"), std::string::npos) << big.out;
 }
 
-// Data parallelism's gradient all-reduce in the plan: 8 ranks on a node and 2 nodes move, per
-// rank, 2 x 7/8 of the f32 gradients over NVLink and 2 x 1/2 of an eighth of them across nodes,
-// at the device's link bandwidths; one rank plans none; tensor parallelism is refused as the
-// trainer refuses it.
+// Data parallelism's gradient all-reduce in the plan: 8 ranks on a node and 2 nodes, one flat
+// mpi communicator whose reduce-scatter and all-gather exchange every rank's slice directly,
+// move per rank 2 x 7/16 of the f32 gradients over NVLink and 2 x 8/16 across nodes (before: a
+// hierarchical all-reduce's 2 x 1/2 of an eighth, 4x too little for what the trainer runs), at
+// the device's link bandwidths; nccl is planned hierarchical; one rank plans none; tensor
+// parallelism is refused as the trainer refuses it.
 TEST(MemoryPlan, DataParallelCollectivesArePlanned) {
   const DeviceProfile h100 = *named_device("h100-80gb", false);
   const Config one = config_for("llama-test", {});
@@ -427,8 +429,15 @@ TEST(MemoryPlan, DataParallelCollectivesArePlanned) {
   EXPECT_EQ(c.dcn, 2);
   EXPECT_EQ(c.gradient_bytes, static_cast<size_t>(p.counts.total) * 4);
   const auto g = static_cast<double>(c.gradient_bytes);
-  EXPECT_DOUBLE_EQ(c.ici_bytes, 2.0 * 7 / 8 * g);
-  EXPECT_DOUBLE_EQ(c.dcn_bytes, 2.0 * 1 / 2 * g / 8);
+  EXPECT_DOUBLE_EQ(c.ici_bytes, 2.0 * 7 / 16 * g);
+  EXPECT_DOUBLE_EQ(c.dcn_bytes, 2.0 * 8 / 16 * g);
+  const Plan nccl = make_plan(
+      config_for("llama-test",
+                 {"ici_data_parallelism=8", "dcn_data_parallelism=2", "communicator=nccl"}),
+      test::plugins(), h100, PlanFor::train, false);
+  ASSERT_TRUE(nccl.collectives);
+  EXPECT_DOUBLE_EQ(nccl.collectives->ici_bytes, 2.0 * 7 / 8 * g);
+  EXPECT_DOUBLE_EQ(nccl.collectives->dcn_bytes, 2.0 * 1 / 2 * g / 8);
   const std::string text = format_plan(p, many);
   EXPECT_NE(text.find("data parallelism over 16 ranks (8 per node x 2 nodes)"), std::string::npos)
       << text;
@@ -544,6 +553,26 @@ TEST(MemoryPlan, TensorParallelismIsPlannedPerRank) {
   EXPECT_NE(text.find("on each of the 8 tensor ranks sharing the batch"), std::string::npos)
       << text;
   EXPECT_NE(text.find("tokens/s for a group of 8 tensor ranks"), std::string::npos) << text;
+  // The tensor axis across nodes: its sums go over the nodes' links (before: "within the node"
+  // at 450 GB/s whatever dcn_tensor_parallelism said).
+  const Config dcn_cfg = config_for(
+      "llama2-7b",
+      {"ici_data_parallelism=1", "ici_tensor_parallelism=4", "dcn_tensor_parallelism=2"});
+  const std::string dcn_text =
+      format_plan(make_plan(dcn_cfg, test::plugins(), h100, PlanFor::train, false), dcn_cfg);
+  const size_t tensor_line = dcn_text.find("tensor parallelism over 8 ranks");
+  ASSERT_NE(tensor_line, std::string::npos) << dcn_text;
+  const std::string line =
+      dcn_text.substr(tensor_line, dcn_text.find('\n', tensor_line) - tensor_line);
+  EXPECT_NE(line.find("across nodes (50 GB/s"), std::string::npos) << line;
+  // Data x tensor: each tensor rank all-reduces its parts' gradients exactly, not as the
+  // allocator rounds them (before: 7.48 GiB planned for 7.01 GiB).
+  const Plan dt =
+      make_plan(config_for("llama2-7b", {"ici_data_parallelism=2", "ici_tensor_parallelism=4"}),
+                test::plugins(), h100, PlanFor::train, false);
+  ASSERT_TRUE(dt.collectives);
+  const double d = 4096, local = top + d + 32 * (2 * d + (4 * d * d + 3 * d * 11008) / 4);
+  EXPECT_EQ(dt.collectives->gradient_bytes, static_cast<size_t>(4 * local));
   EXPECT_THROW(
       make_plan(config_for("llama-test", {"ici_data_parallelism=1", "ici_tensor_parallelism=4"}),
                 test::plugins(), h100, PlanFor::train, false),
