@@ -779,6 +779,70 @@ TEST(DeepseekMtp, ShiftedTargetsStopAtTheSequenceAndDocumentEnds) {
   EXPECT_EQ(d.mtp[1].valid_targets, 0);
 }
 
+// V3's load-balancing loss is on the sigmoid scores normalised over the experts (DeepSeek-V3's
+// s' = s / sum s): near-uniform routing at initialisation gives about num_experts_per_tok (2),
+// where the raw sigmoids gave about k E / 2 = 8 (8.43 measured) and a gradient pushing every
+// routed logit down. Central differences of the objective with the loss at weight 1 against the
+// backward through the normalisation, on both MoE layers' routers.
+TEST(DeepseekTraining, LoadBalanceLossIsOnNormalisedScores) {
+  auto r = named_training_runner({"load_balance_loss_weight=1", "max_target_length=16",
+                                  "per_device_batch_size=2", "routed_bias_update_rate=0"});
+  std::vector<int32_t> ids;
+  std::mt19937 rng(3);
+  for (int i = 0; i < 32; ++i) ids.push_back(static_cast<int32_t>(rng() % 256));
+  HostBatch hb;
+  hb.batch = 2;
+  hb.seq = 16;
+  for (int i = 0; i < 32; ++i) {
+    hb.inputs.push_back(ids[static_cast<size_t>(i)]);
+    hb.targets.push_back(ids[static_cast<size_t>((i + 1) % 32)]);
+  }
+  const DeviceBatch batch = r->upload(hb);
+  auto objective = [&](std::map<std::string, double>* aux) {
+    Graph g(r->backend(), false);
+    std::map<std::string, double> local;
+    return static_cast<double>(test::to_vector(r->loss(g, batch, 0.f, 1.0, aux ? aux : &local))[0]);
+  };
+  std::map<std::string, double> aux;
+  objective(&aux);
+  ASSERT_TRUE(aux.count("moe_lb_loss"));
+  EXPECT_GT(aux.at("moe_lb_loss"), 1.5);
+  EXPECT_LT(aux.at("moe_lb_loss"), 3.0);
+  {
+    Graph g(r->backend());
+    std::map<std::string, double> a;
+    g.backward(r->loss(g, batch, 0.f, 1.0, &a));
+    r->finish_gradients();
+  }
+  int checked = 0;
+  for (const char* name : {"layers.1.router", "layers.2.router"}) {
+    Param* p = r->find(name);
+    ASSERT_NE(p, nullptr) << name;
+    std::vector<float> w = test::to_vector(p->value);
+    const std::vector<float> grad = test::to_vector(p->grad);
+    std::vector<size_t> order(w.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + 3, order.end(),
+                      [&](size_t a, size_t b) { return std::fabs(grad[a]) > std::fabs(grad[b]); });
+    for (int j = 0; j < 3; ++j) {
+      const size_t i = order[static_cast<size_t>(j)];
+      const float h = 1e-3f, orig = w[i];
+      w[i] = orig + h;
+      r->backend().copy_from_host(p->value, w.data());
+      const double up = objective(nullptr);
+      w[i] = orig - h;
+      r->backend().copy_from_host(p->value, w.data());
+      const double down = objective(nullptr);
+      w[i] = orig;
+      r->backend().copy_from_host(p->value, w.data());
+      const double fd = (up - down) / (2.0 * h);
+      EXPECT_NEAR(fd, grad[i], 2e-2 * std::fabs(grad[i]) + 1e-4) << name << "[" << i << "]";
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 6);
+}
+
 // Central differences of the training objective (main loss + 1 x the MTP term, load balancing
 // off) against the backward, on deepseek3-test's tiny sizes: elements of each MTP weight kind
 // (norms, projection, the layer's attention, router, experts, shared expert) and of the shared

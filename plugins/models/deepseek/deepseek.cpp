@@ -314,7 +314,11 @@ mt::LayerOutput deepseek_moe(mt::Graph& g, const mt::Params& p, const DsConfig& 
   if (!g.wants_aux()) return out;  // inference: no losses, metrics or statistics to read
 
   // MaxText's load balancing per sequence, on the unbiased scores: E / B * sum over sequences
-  // and experts of (slots of the expert / T) * (mean score of the expert).
+  // and experts of (slots of the expert / T) * (mean score of the expert). V3's sigmoid scores
+  // are normalised over the experts first (DeepSeek-V3's s' = s / sum s, eq. 19), as softmax
+  // ones are: raw sigmoids gave k E / 2 at uniform routing, not k, and a gradient lowering
+  // every routed expert's logit, which the renormalised weights barely feel (the loss fell to
+  // 0.06 with nothing balanced).
   std::vector<float> cw(planning ? 0 : static_cast<size_t>(n * E), 0.f);
   std::vector<float> per_expert(static_cast<size_t>(E));
   for (int64_t b = 0; b < (planning ? 0 : B); ++b) {
@@ -328,12 +332,28 @@ mt::LayerOutput deepseek_moe(mt::Graph& g, const mt::Params& p, const DsConfig& 
     for (int64_t t = b * T; t < (b + 1) * T; ++t)
       std::copy(per_expert.begin(), per_expert.end(), cw.begin() + t * E);
   }
+  Tensor lb_scores = all_scores;
+  if (c.v3) {
+    // s' from the route op over every expert (differentiable), in each token's descending
+    // order: the factors follow that order.
+    const mt::Graph::Routing every = g.route(logits, static_cast<int>(E), true, true);
+    lb_scores = every.weights;
+    if (n && !planning) {
+      std::vector<int32_t> order_e(static_cast<size_t>(n * E));
+      be.copy_to_host(every.indices, order_e.data());
+      std::vector<float> by_order(cw.size());
+      for (int64_t i = 0; i < n * E; ++i)
+        by_order[static_cast<size_t>(i)] =
+            cw[static_cast<size_t>(i / E * E + order_e[static_cast<size_t>(i)])];
+      cw.swap(by_order);
+    }
+  }
   Tensor ct = be.empty({n, E}, mt::DType::f32);
   if (n && !planning) be.copy_from_host(ct, cw.data());
   Tensor ones_n = be.empty({1, n}, mt::DType::f32), ones_e = be.empty({E, 1}, mt::DType::f32);
   be.fill(ones_n, 1.f);
   be.fill(ones_e, 1.f);
-  const Tensor lb = g.reshape(g.matmul(g.matmul(ones_n, g.mul(all_scores, ct)), ones_e), {1});
+  const Tensor lb = g.reshape(g.matmul(g.matmul(ones_n, g.mul(lb_scores, ct)), ones_e), {1});
   out.aux.push_back({"moe_lb_loss", lb, c.lb_weight});
   // The least and most loaded expert's share of the layer's token-slots (logged, not trained).
   const auto [lo, hi] = std::minmax_element(order.routed.begin(), order.routed.end());
