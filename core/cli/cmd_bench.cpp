@@ -145,7 +145,7 @@ int bench_train(Args args) {
         "steps, which warm up the allocator and caches.",
         kUntimedSteps + 1, cfg.get_int("steps"), kUntimedSteps));
   std::fprintf(stderr, "mt bench train: %s, %ld steps (medians exclude the first %ld)...\n",
-               cfg.get_string("model_name").c_str(), static_cast<long>(cfg.get_int("steps")),
+               model_label(cfg).c_str(), static_cast<long>(cfg.get_int("steps")),
                static_cast<long>(kUntimedSteps));
   // Under mpirun, one rank of a data-parallel job: tokens/s counts every rank's tokens.
   std::unique_ptr<Communicator> comm = make_communicator(cfg, pm);
@@ -158,7 +158,7 @@ int bench_train(Args args) {
       "\"remat_policy\": \"%s\", \"tokens_per_sec\": %.2f, \"model_tflops_per_sec\": %.5f, "
       "\"mfu\": %.5f, \"step_time_ms\": %.1f, \"communication_ms\": %.2f, "
       "\"communication_share\": %.4f, \"communication_bytes\": %.0f, \"final_loss\": %.4f}\n",
-      cfg.get_string("model_name").c_str(), cfg.get_string("backend").c_str(), comm->size(),
+      model_label(cfg).c_str(), cfg.get_string("backend").c_str(), comm->size(),
       static_cast<long>(cfg.get_int("num_threads")),
       static_cast<long>(cfg.get_int("per_device_batch_size")),
       static_cast<long>(cfg.get_int("max_target_length")), static_cast<long>(s.steps),

@@ -171,7 +171,10 @@ int cmd_convert(const Args& args_in) {
                 (fs::path(output) / "checkpoints" / "0").string().c_str(), output.c_str());
     return 0;
   }
-  // --to=hf
+  // --to=hf. A checkpoint's saved config is the model unless one is named, as for mt decode
+  // (before: base.yml's default model, refused with a page of shape differences).
+  if (!input.empty())
+    args.overrides.insert(args.overrides.begin(), "load_parameters_path=" + input);
   Config cfg = resolve_config(args);
   StagedOutput out(output);
   std::vector<fs::path> dirs;

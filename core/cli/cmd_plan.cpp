@@ -8,6 +8,7 @@
 
 #include "cli.h"
 #include "memory_plan.h"
+#include "model_info.h"
 #include "mt/error.h"
 #include "plugin_manager.h"
 
@@ -38,7 +39,7 @@ int cmd_plan(const Args& args) {
   const DeviceProfile target = plan_target(cfg, real.get());
   real.reset();
   const Plan plan = make_plan(cfg, pm, target, PlanFor::both, /*with_fixes=*/true);
-  std::printf("mt plan: %s (%s family)\n%s", cfg.get_string("model_name").c_str(),
+  std::printf("mt plan: %s (%s family)\n%s", model_label(cfg).c_str(),
               cfg.get_string("decoder_block").c_str(), format_plan(plan, cfg).c_str());
   std::printf("mt plan: planned in %.2f s without allocating the model\n",
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());

@@ -759,12 +759,12 @@ std::string written_with(const Metadata* md) {
   if (!model.empty())
     return "It was written by a run of model_name=" + model + " (decoder_block " + block +
            "): give --model=" + model +
-           " with the run's model settings, or leave the model out (mt decode and mt score then "
-           "take the checkpoint's).";
+           " with the run's model settings, or leave the model out (mt decode, mt score and mt "
+           "convert --to=hf then take the checkpoint's).";
   if (!block.empty())
     return "It was written by a run of decoder_block=" + block +
            " with no named model: give that run's model settings (its config.yml), or leave the "
-           "model out (mt decode and mt score then take the checkpoint's).";
+           "model out (mt decode, mt score and mt convert --to=hf then take the checkpoint's).";
   return fallback;
 }
 

@@ -3,6 +3,7 @@
 #include <string>
 #include <vector>
 
+#include "model_info.h"
 #include "mt/config.h"
 #include "mt/error.h"
 
@@ -91,8 +92,8 @@ Mesh resolve_mesh(const Config& cfg, int ranks) {
     if (experts > 1 && experts % parts != 0 && experts % m.expert == 0)
       throw UsageError(ep + " with the tensor axis (" + std::to_string(m.tensor) +
                        " ranks) divides the experts of the mixture-of-experts layers among " +
-                       std::to_string(parts) + " ranks, but " + cfg.get_string("model_name") +
-                       " has " + std::to_string(experts) + " experts (num_experts), which " +
+                       std::to_string(parts) + " ranks, but " + model_label(cfg) + " has " +
+                       std::to_string(experts) + " experts (num_experts), which " +
                        std::to_string(parts) +
                        " does not divide. Choose expert and tensor axes whose product divides "
                        "num_experts.");
@@ -100,7 +101,7 @@ Mesh resolve_mesh(const Config& cfg, int ranks) {
       throw UsageError(ep +
                        " divides the experts of the mixture-of-experts layers among its "
                        "ranks, but " +
-                       cfg.get_string("model_name") + " has " +
+                       model_label(cfg) + " has " +
                        (experts <= 1
                             ? std::string("none (num_experts ") + std::to_string(experts) + ")"
                             : std::to_string(experts) + " experts (num_experts), which " +

@@ -100,6 +100,12 @@ double default_flops_per_token(const Model& m, int64_t seq_len) {
   return 6.0 * (c.active_matmul + c.mtp_active_matmul) + attn;
 }
 
+std::string model_label(const Config& cfg) {
+  if (std::string m = cfg.get_string("model_name"); !m.empty()) return m;
+  if (std::string h = cfg.get_string("hf_path"); !h.empty()) return "the model at hf_path=" + h;
+  return "the configured model";
+}
+
 std::string human_count(double n) {
   if (n >= 1e9) return fmt::format("{:.2f}B", n / 1e9);
   if (n >= 1e6) return fmt::format("{:.1f}M", n / 1e6);

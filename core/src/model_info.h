@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <string>
 
+#include "mt/config.h"
 #include "mt/model.h"
 
 namespace mt {
@@ -37,5 +38,9 @@ void check_model_sizes(const Model& m, int64_t batch, int64_t seq_len);
 
 // "6.74B", "15.2M", "1.3K"
 std::string human_count(double n);
+
+// The model's name for messages: model_name, else "the model at hf_path=<dir>" (a Hugging Face
+// directory names none), else "the configured model".
+std::string model_label(const Config& cfg);
 
 }  // namespace mt

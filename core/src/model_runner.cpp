@@ -805,7 +805,7 @@ void ModelRunner::split_for_tensor_parallelism(const Config& cfg) {
       if (units % t != 0 || p.spec.shape[d] % t != 0)
         throw UsageError(
             "Tensor parallelism over " + std::to_string(t) + " ranks divides the '" + axis +
-            "' axis, but " + cfg.get_string("model_name") + " has " + std::to_string(units) + " " +
+            "' axis, but " + model_label(cfg) + " has " + std::to_string(units) + " " +
             (what ? what : "elements there (parameter " + p.name + ")") + ", which " +
             std::to_string(t) +
             " does not divide. Choose ici_tensor_parallelism x dcn_tensor_parallelism dividing "
@@ -834,8 +834,8 @@ void ModelRunner::split_for_tensor_parallelism(const Config& cfg) {
   }
   if (!other.empty() || (any && vocab_param_ < 0))
     throw UsageError(
-        "logical_axis_rules puts 'vocab' on the tensor axis, but " + cfg.get_string("model_name") +
-        " (" + cfg.get_string("decoder_block") + " family) splits " +
+        "logical_axis_rules puts 'vocab' on the tensor axis, but " + model_label(cfg) + " (" +
+        cfg.get_string("decoder_block") + " family) splits " +
         (other.empty() ? std::string("an LM head without an embedding table named 'embedding'")
                        : "the parameter '" + other + "'") +
         " along its vocabulary: only the embedding and LM head of blocks::decoder_top_params "
@@ -849,9 +849,9 @@ void ModelRunner::split_for_expert_parallelism(const Config& cfg) {
     if (p.spec.axes.empty() || p.spec.axes[0] != "experts" || p.spec.shape.empty()) continue;
     if (p.spec.shape[0] % x != 0)  // resolve_mesh checked num_experts; a family's own stack
       throw UsageError("Expert parallelism over " + std::to_string(x) + " ranks divides the " +
-                       "experts of " + p.name + ", but " + cfg.get_string("model_name") +
-                       " gives it " + std::to_string(p.spec.shape[0]) + ", which " +
-                       std::to_string(x) + " does not divide.");
+                       "experts of " + p.name + ", but " + model_label(cfg) + " gives it " +
+                       std::to_string(p.spec.shape[0]) + ", which " + std::to_string(x) +
+                       " does not divide.");
     p.tensor_dim = 0;
     p.split_parts = x;
     p.split_part = expert_.rank;
@@ -863,7 +863,7 @@ void ModelRunner::split_for_expert_parallelism(const Config& cfg) {
         "Expert parallelism over " + std::to_string(x) +
         " ranks divides the experts of the "
         "mixture-of-experts layers that the core's MoE block computes, but " +
-        cfg.get_string("model_name") + " (" + cfg.get_string("decoder_block") +
+        model_label(cfg) + " (" + cfg.get_string("decoder_block") +
         " family) has none: its family computes its own experts. Use ici_data_parallelism "
         "instead of ici_expert_parallelism for it.");
 }

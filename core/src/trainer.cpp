@@ -963,7 +963,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   }
   if (!quiet) {
     std::printf("mt run: %s (%s family), %s parameters (%s in matmuls), %s\n",
-                cfg.get_string("model_name").c_str(), cfg.get_string("decoder_block").c_str(),
+                model_label(cfg).c_str(), cfg.get_string("decoder_block").c_str(),
                 human_count(static_cast<double>(counts.total)).c_str(),
                 human_count(static_cast<double>(counts.matmul)).c_str(), be.describe().c_str());
     const int64_t tiles = cfg.get_int("num_vocab_tiling");

@@ -158,6 +158,22 @@ TEST(HfConvert, ExportWithoutInputWritesTheInitialWeights) {
   }
   // --from=hf still needs its input.
   EXPECT_EQ(mt_cmd("convert --from=hf --output=" + (d.root / "x").string(), out), 2) << out;
+  // A run's checkpoint exports as the run's model with none named (before: base.yml's
+  // llama-small, refused with a page of shape differences).
+  ASSERT_EQ(mt_cmd("run --model=mixtral-test dataset_type=synthetic steps=1 num_threads=1 "
+                   "eval_interval=-1 enable_tensorboard=false base_output_directory=" +
+                       d.root.string() + " run_name=r",
+                   out),
+            0)
+      << out;
+  ASSERT_EQ(mt_cmd("convert --to=hf --input=" + (d.root / "r").string() +
+                       " --output=" + (d.root / "r_hf").string(),
+                   out),
+            0)
+      << out;
+  std::ifstream in(d.root / "r_hf" / "config.json");
+  const std::string json((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(json.find("\"num_local_experts\": 8"), std::string::npos) << json;
 }
 
 TEST(HfConvert, HfPathScoresLikeTheConvertedCheckpoint) {
@@ -360,6 +376,12 @@ TEST(HfImport, AbsentFieldsAreTransformersDefaults) {
   EXPECT_EQ(mt_cmd("score hf_path=" + d.root.string() + " tokens=1,2,3", out), 2) << out;
   EXPECT_NE(out.find("is not a multiple of num_attention_heads=0"), std::string::npos) << out;
   edit(d.root / "config.json", "\"num_attention_heads\": 0", "\"num_attention_heads\": 4");
+  // A Hugging Face directory names no model: messages name the directory (before: "mt plan:
+  // (llama family)", and an empty name in the mesh's refusals).
+  ASSERT_EQ(mt_cmd("plan hf_path=" + d.root.string(), out), 0) << out;
+  EXPECT_NE(out.find("mt plan: the model at hf_path=" + d.root.string() + " (llama family)"),
+            std::string::npos)
+      << out;
   // A boolean that is not one (before: read as false, so the tied model wanted an lm_head), and
   // a null epsilon, which transformers' norms cannot add (before: 1e-6 taken silently).
   edit(d.root / "config.json", "\"tie_word_embeddings\": true", "\"tie_word_embeddings\": \"yes\"");
