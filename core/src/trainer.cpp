@@ -1060,7 +1060,11 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
         break;
       }
       DeviceBatch db = runner.upload(hb);
-      if (db.valid_targets == 0 && !expert_group) continue;
+      // A batch without targets (the eval set's padding rows) is skipped, unless the forward
+      // pass meets other ranks in collectives: the expert exchange, or FSDP's gathers of each
+      // layer's weights (before: the FSDP ranks with targets waited forever for the one that
+      // skipped).
+      if (db.valid_targets == 0 && !expert_group && !sharding.on()) continue;
       Graph g(be, /*record=*/false);
       Tensor l = runner.loss(g, db, 0.f);
       float lv = 0;

@@ -1035,6 +1035,34 @@ TEST(DataParallel, FsdpRanksTrainAsOneRankWithTheGlobalBatch) {
       << r.out;
 }
 
+// An evaluation that reaches the eval set's end, where a rank's last batch is all padding rows:
+// FSDP's ranks run it too (its forward gathers each layer's weights with the other ranks), so
+// the job finishes with one rank's eval loss (before: the rank with targets waited forever).
+TEST(DataParallel, FsdpEvaluatesTheEvalSetsPaddedEnd) {
+  MT_NEED_MPIRUN();
+  Dir d;
+  const std::string data = test::source_dir() + "/data/";
+  const std::string common =
+      "vocab_size=8192 dataset_type=tokens dataset_path=" + data +
+      "corpus.train.tokens eval_dataset_path=" + data +
+      "corpus.eval.tokens steps=1 eval_interval=1 eval_steps=400 enable_checkpointing=false";
+  auto eval_loss = [](const fs::path& run) {
+    std::ifstream f(run / "metrics.jsonl");
+    std::string line, all;
+    while (std::getline(f, line)) all += line;
+    const size_t k = all.find("\"eval_loss\": ");
+    return k == std::string::npos ? -1.0 : std::stod(all.substr(k + 13));
+  };
+  // (2 rows a rank: the eval set's last global batch leaves rank 1 only padding.)
+  test::MtResult r = test::run_mt(train_args(d.root, "one", 4, common), 120);
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = mpirun(2, train_args(d.root, "fsdp", 2, common + " ici_fsdp_parallelism=2"), 60);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const double one = eval_loss(d.root / "one"), two = eval_loss(d.root / "fsdp");
+  ASSERT_GT(one, 0);
+  EXPECT_NEAR(two, one, 1e-5 * one);
+}
+
 // A checkpoint of FSDP ranks holds every tensor whole: saved by 4 FSDP ranks, it resumes under
 // 2 FSDP ranks and under 1 rank (the same global batch), and both continue as the straight run.
 TEST(DataParallel, FsdpCheckpointsResumeOnAnyNumberOfRanks) {
