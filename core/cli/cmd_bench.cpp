@@ -328,11 +328,18 @@ double triad_bytes_per_sec() {
   const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
   auto run = [&] {
     std::vector<std::thread> ts;
-    for (unsigned t = 0; t < threads; ++t)
-      ts.emplace_back([&, t] {
-        const size_t lo = n * t / threads, hi = n * (t + 1) / threads;
-        for (size_t i = lo; i < hi; ++i) a[i] = b[i] + 3.f * c[i];
-      });
+    // A thread the system refuses: the started ones are joined before the error goes on to
+    // main's message (a joinable thread destroyed is std::terminate).
+    try {
+      for (unsigned t = 0; t < threads; ++t)
+        ts.emplace_back([&, t] {
+          const size_t lo = n * t / threads, hi = n * (t + 1) / threads;
+          for (size_t i = lo; i < hi; ++i) a[i] = b[i] + 3.f * c[i];
+        });
+    } catch (...) {
+      for (auto& t : ts) t.join();
+      throw;
+    }
     for (auto& t : ts) t.join();
   };
   run();  // first touch

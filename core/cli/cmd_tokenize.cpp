@@ -148,7 +148,11 @@ int cmd_tokenize(const Args& args) {
         // under ulimit -v) and wrote the rest with exit 0.
         out_of_memory = stop = true;
       } catch (const std::exception& e) {
-        refused[i] = e.what();
+        try {
+          refused[i] = e.what();
+        } catch (const std::bad_alloc&) {
+          out_of_memory = stop = true;  // (leaving the thread would be std::terminate)
+        }
         ids[i].clear();
         if (strict) stop = true;
       }

@@ -35,6 +35,17 @@
 namespace mt {
 namespace {
 
+// The worker's failure, kept for the caller: the message, or, when even copying it fails
+// (out of memory), a short one that needs no allocation (an exception leaving the worker
+// thread would be std::terminate).
+void keep_error(std::optional<std::string>& slot, const char* what) noexcept {
+  try {
+    slot = what;
+  } catch (...) {
+    slot.emplace("out of memory");  // short: no allocation
+  }
+}
+
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
@@ -1208,10 +1219,9 @@ void CheckpointManager::save(const TrainState& state) {
         try {
           write(*snapshot_, false);
         } catch (const std::exception& e) {
-          pending_error_ = e.what();
+          keep_error(pending_error_, e.what());
         } catch (...) {
-          pending_error_ = "checkpoint save of step " + std::to_string(snapshot_->step) +
-                           " failed with an unknown exception";
+          keep_error(pending_error_, "the checkpoint save failed with an unknown exception");
         }
       });
     } catch (const std::system_error&) {
@@ -1421,7 +1431,9 @@ void CheckpointManager::save_parts(const ShardedTrainState& state) {
     try {
       write_shards(*shards_);
     } catch (const std::exception& e) {
-      pending_error_ = e.what();
+      keep_error(pending_error_, e.what());
+    } catch (...) {
+      keep_error(pending_error_, "the checkpoint save failed with an unknown exception");
     }
     worker_done_ = true;
   };

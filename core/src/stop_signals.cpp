@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -27,6 +28,14 @@ int64_t now_ns() {  // clock_gettime is async-signal-safe
 }
 
 extern "C" void on_stop_signal(int sig) {
+  // The interrupted thread's errno stays as it was: the write below fails with EPIPE when stderr
+  // is a pipe whose reader has gone (Ctrl-C also ends `| tee`), and code that just made a system
+  // call reads errno next (a rename's EEXIST, EINTR retries, strerror in messages).
+  const int saved_errno = errno;
+  struct RestoreErrno {
+    int value;
+    ~RestoreErrno() { errno = value; }
+  } restore{saved_errno};
   int none = 0;
   if (!g_signal.compare_exchange_strong(none, sig)) {
     // The same request delivered twice (timeout(1) signals its child and then its process

@@ -203,18 +203,17 @@ class Prefetcher {
       mt::HostBatch b;
       try {
         produce_(cursor_, b);
+        std::lock_guard<std::mutex> lk(m_);
+        queue_.push_back(std::move(b));  // (may throw bad_alloc: handed on like the rest)
+        cursor_ += stride_;
+        cv_.notify_all();
       } catch (...) {
         // Handed to the consumer at the batch that failed; batches before it still arrive.
+        // (An exception leaving this thread would be std::terminate.)
         std::lock_guard<std::mutex> lk(m_);
         error_ = std::current_exception();
         cv_.notify_all();
         return;
-      }
-      cursor_ += stride_;
-      {
-        std::lock_guard<std::mutex> lk(m_);
-        queue_.push_back(std::move(b));
-        cv_.notify_all();
       }
     }
   }
