@@ -98,7 +98,8 @@ class StagedOutput {
 int cmd_convert(const Args& args_in) {
   Args args = args_in;
   const std::string from = take(args, "from"), to = take(args, "to");
-  const std::string input = take(args, "input"), output = take(args, "output");
+  std::string input = take(args, "input");
+  const std::string output = take(args, "output");
   if ((from.empty()) == (to.empty()) || (from.empty() ? to : from) != "hf")
     throw UsageError("mt convert needs exactly one of --from=hf (import a Hugging Face model) or "
                      "--to=hf (export an mt checkpoint).");
@@ -176,6 +177,9 @@ int cmd_convert(const Args& args_in) {
   if (!input.empty())
     args.overrides.insert(args.overrides.begin(), "load_parameters_path=" + input);
   Config cfg = resolve_config(args);
+  // load_parameters_path= names the checkpoint as --input does (before: ignored, and the
+  // model's random initial weights were exported in its place).
+  if (input.empty()) input = cfg.get_string("load_parameters_path");
   StagedOutput out(output);
   std::vector<fs::path> dirs;
   for (const auto& d : cfg.get_string_list("plugin_dirs")) dirs.emplace_back(d);

@@ -174,6 +174,19 @@ TEST(HfConvert, ExportWithoutInputWritesTheInitialWeights) {
   std::ifstream in(d.root / "r_hf" / "config.json");
   const std::string json((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   EXPECT_NE(json.find("\"num_local_experts\": 8"), std::string::npos) << json;
+  // load_parameters_path= is the checkpoint as --input is (before: ignored, and the default
+  // model's random initial weights written).
+  ASSERT_EQ(mt_cmd("convert --to=hf load_parameters_path=" + (d.root / "r").string() +
+                       " --output=" + (d.root / "r_hf2").string(),
+                   out),
+            0)
+      << out;
+  auto bytes = [](const fs::path& f) {
+    std::ifstream s(f, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(s)), std::istreambuf_iterator<char>());
+  };
+  EXPECT_EQ(bytes(d.root / "r_hf2" / "model.safetensors"),
+            bytes(d.root / "r_hf" / "model.safetensors"));
 }
 
 TEST(HfConvert, HfPathScoresLikeTheConvertedCheckpoint) {
@@ -203,6 +216,18 @@ TEST(HfConvert, BadInputIsRefused) {
   EXPECT_NE(out.find("not empty"), std::string::npos) << out;
   EXPECT_TRUE(fs::exists(d.mt / "x"));  // nothing existing is lost
   EXPECT_EQ(mt_cmd("convert --input=a --output=b", out), 2) << out;
+  // Native llama settings transformers' Llama has no field for are refused, nothing written
+  // (before: exported without them, logits 1.3-3.4 off mt's own).
+  for (const char* s : {"sliding_window_size=8", "attn_logits_soft_cap=1.0",
+                        "final_logits_soft_cap=2.0", "partial_rotary_factor=0.5"}) {
+    EXPECT_EQ(mt_cmd(std::string("convert --to=hf --model=llama-test ") + s +
+                         " --output=" + (d.root / "native").string(),
+                     out),
+              2)
+        << s << out;
+    EXPECT_NE(out.find("has no Llama config.json form"), std::string::npos) << s << out;
+    EXPECT_FALSE(fs::exists(d.root / "native")) << s;
+  }
   EXPECT_EQ(
       mt_cmd("convert --from=hf --input=/nonexistent --output=" + (d.root / "o").string(), out), 2)
       << out;

@@ -352,6 +352,20 @@ class LlamaFamily final : public mt::ModelFamily {
 
   std::map<std::string, std::string> to_hf_config(const mt::Config& cfg) const override {
     const LlamaConfig c(cfg);
+    // mt's llama takes these native settings, which transformers' LlamaForCausalLM has no field
+    // for (its importer refuses them in config.json): an export would compute other logits
+    // (before: written without them, 1.3-3.4 off mt's own).
+    for (const char* k : {"sliding_window_size", "attn_logits_soft_cap", "final_logits_soft_cap"})
+      if (cfg.get_float(k) != 0.0)
+        throw mt::UsageError(std::string(k) + "=" + cfg.get_string(k) +
+                             " has no Llama config.json form: transformers' LlamaForCausalLM "
+                             "would compute other logits from the exported weights. (A windowed "
+                             "model of this shape is a Mistral one: decoder_block=mistral.)");
+    if (cfg.get_float("partial_rotary_factor") != 1.0)
+      throw mt::UsageError("partial_rotary_factor=" + cfg.get_string("partial_rotary_factor") +
+                           " has no Llama config.json form: transformers' LlamaForCausalLM "
+                           "rotates whole heads, so it would compute other logits from the "
+                           "exported weights.");
     const auto num = mt::hf_json_number;  // floats that read back as floats: "10000.0", "1e-05"
     std::map<std::string, std::string> m = {
         {"architectures", "[\"LlamaForCausalLM\"]"},
