@@ -305,19 +305,24 @@ int cmd_decode(const Args& args) {
     }
   }
   const int64_t max_prefill = cfg.get_int("max_prefill_predict_length");
-  for (const auto& p : prompts)
-    if (static_cast<int64_t>(p.size()) > max_prefill)
-      throw UsageError(
-          fmt::format("A prompt has {} tokens, more than max_prefill_predict_length={}.", p.size(),
-                      max_prefill));
+  // Which prompt, when a file holds several (before: "A prompt has ...", naming none).
+  auto which = [&](size_t i) {
+    return prompts.size() > 1
+               ? fmt::format("Prompt {} of prompt_file={}", i + 1, cfg.get_string("prompt_file"))
+               : std::string("The prompt");
+  };
+  for (size_t i = 0; i < prompts.size(); ++i)
+    if (static_cast<int64_t>(prompts[i].size()) > max_prefill)
+      throw UsageError(fmt::format("{} has {} tokens, more than max_prefill_predict_length={}.",
+                                   which(i), prompts[i].size(), max_prefill));
   const int64_t max_len = cfg.get_int("max_target_length");
   // Checked before the prompt is printed (streamed): an error after it ran into the prompt.
-  for (const auto& p : prompts)
-    if (static_cast<int64_t>(p.size()) >= max_len)
+  for (size_t i = 0; i < prompts.size(); ++i)
+    if (static_cast<int64_t>(prompts[i].size()) >= max_len)
       throw UsageError(fmt::format(
-          "A prompt has {} tokens, and max_target_length={} (the prompt and its continuation) "
+          "{} has {} tokens, and max_target_length={} (the prompt and its continuation) "
           "leaves no room for a generated token; raise max_target_length above {}.",
-          p.size(), max_len, p.size()));
+          which(i), prompts[i].size(), max_len, prompts[i].size()));
   const SamplingParams sp = sampling_from_config(cfg);
   const bool stream = prompts.size() == 1 && !ids_given;
   std::string shown;
@@ -419,18 +424,11 @@ int cmd_score(const Args& args) {
                        probe.get_string("load_parameters_path")},
                       is_score_output, "logits file (safetensors)");
   const bool ids_given = !probe.get_string("tokens").empty();
-  Inference in = load_inference(args, "score", /*need_tokenizer=*/!ids_given);
-  const Config& cfg = in.cfg;
-  // The sequences scored, each on its own: one, or one per document of a text input (a document
-  // is not context for the next: mt run's evaluation restarts attention at each packed
-  // document; before, the documents were joined into one stream).
-  std::vector<std::vector<int32_t>> seqs;
-  if (ids_given) {
-    seqs.push_back(parse_ids(cfg.get_string("tokens"), "tokens"));
-  } else if (!cfg.get_string("input").empty()) {
-    const std::string path = cfg.get_string("input");
-    // Token ids: a file of digits, commas and blanks that is not .jsonl/.json (before, ids with
-    // CRLF line ends were read as text); said, since a text of numbers reads the same.
+  // input= of token ids: a file of digits, commas and blanks that is not .jsonl/.json (before,
+  // ids with CRLF line ends were read as text); said, since a text of numbers reads the same.
+  // Read before the model loads: such input needs no tokenizer (before: refused without one).
+  std::optional<std::vector<int32_t>> file_ids;
+  if (const std::string path = probe.get_string("input"); !ids_given && !path.empty()) {
     const std::string all = read_file(path, "input");
     if (text_kind(path) != TextKind::json &&
         all.find_first_not_of("0123456789, \t\r\n") == std::string::npos) {
@@ -443,17 +441,29 @@ int cmd_score(const Args& args) {
         if (!joined.empty()) joined += ',';
         joined.append(line, 0, end + 1);
       }
-      seqs.push_back(parse_ids(joined, path));
+      file_ids = parse_ids(joined, path);
       std::fprintf(stderr,
                    "mt score: input=%s holds only digits, commas and blanks: read as token ids.\n",
                    path.c_str());
-    } else {
-      for (const auto& t : read_texts(path, cfg.get_string("train_data_columns"))) {
-        auto e = encode(in, t, "input=" + path);
-        if (in.tokenizer->eos_id() >= 0 && cfg.get_bool("add_eos"))
-          e.push_back(in.tokenizer->eos_id());
-        seqs.push_back(std::move(e));
-      }
+    }
+  }
+  Inference in = load_inference(args, "score", /*need_tokenizer=*/!ids_given && !file_ids);
+  const Config& cfg = in.cfg;
+  // The sequences scored, each on its own: one, or one per document of a text input (a document
+  // is not context for the next: mt run's evaluation restarts attention at each packed
+  // document; before, the documents were joined into one stream).
+  std::vector<std::vector<int32_t>> seqs;
+  if (ids_given) {
+    seqs.push_back(parse_ids(cfg.get_string("tokens"), "tokens"));
+  } else if (file_ids) {
+    seqs.push_back(std::move(*file_ids));
+  } else if (!cfg.get_string("input").empty()) {
+    const std::string path = cfg.get_string("input");
+    for (const auto& t : read_texts(path, cfg.get_string("train_data_columns"))) {
+      auto e = encode(in, t, "input=" + path);
+      if (in.tokenizer->eos_id() >= 0 && cfg.get_bool("add_eos"))
+        e.push_back(in.tokenizer->eos_id());
+      seqs.push_back(std::move(e));
     }
   } else {
     seqs.push_back(encode(in, cfg.get_string("prompt"), "prompt"));
@@ -480,18 +490,28 @@ int cmd_score(const Args& args) {
   if (static_cast<int64_t>(longest) > window) {
     const int64_t mpe = cfg.get_int("max_position_embeddings");
     const auto most = static_cast<int64_t>(longest);
-    std::fprintf(
-        stderr,
-        "mt score: a sequence has %ld tokens, more than max_target_length=%ld: it is scored in "
-        "%ld independent windows of up to %ld tokens, each without the context of the ones "
-        "before (the first token of each is not predicted). Set max_target_length=%ld%s to "
-        "score it as one sequence.\n",
-        static_cast<long>(most), static_cast<long>(window),
-        static_cast<long>((most + window - 1) / window), static_cast<long>(window),
-        static_cast<long>(mpe > 0 ? std::min(most, mpe) : most),
-        mpe > 0 && most > mpe
-            ? fmt::format(" (the most the model supports: max_position_embeddings={})", mpe).c_str()
-            : "");
+    // The advice: a context that holds the sequence, or, past the model's positions, the
+    // widest windows it allows (none wider when max_target_length is already that).
+    std::string advice;
+    if (mpe <= 0 || most <= mpe)
+      advice = fmt::format("Set max_target_length={} to score it as one sequence.", most);
+    else if (window < mpe)
+      advice = fmt::format(
+          "The model has positions for {} tokens (max_position_embeddings), so it cannot be "
+          "scored as one sequence; max_target_length={} makes the windows as wide as it allows.",
+          mpe, mpe);
+    else
+      advice = fmt::format(
+          "The model has positions for {} tokens (max_position_embeddings), so it cannot be "
+          "scored as one sequence.",
+          mpe);
+    std::fprintf(stderr,
+                 "mt score: a sequence has %ld tokens, more than max_target_length=%ld: it is "
+                 "scored in %ld independent windows of up to %ld tokens, each without the context "
+                 "of the ones before (the first token of each is not predicted). %s\n",
+                 static_cast<long>(most), static_cast<long>(window),
+                 static_cast<long>((most + window - 1) / window), static_cast<long>(window),
+                 advice.c_str());
   }
   std::vector<float> all_logits;
   // logprobs[j]: log p(token j | the tokens before it in its window); NaN where nothing

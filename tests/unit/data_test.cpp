@@ -360,6 +360,18 @@ TEST_F(TokensData, EvaluationsWithoutEvalRowsAreRefused) {
   } catch (const UsageError& e) {
     EXPECT_NE(std::string(e.what()).find("holds out no eval rows"), std::string::npos) << e.what();
   }
+  // One row: eval_split above 0 holds none out, and the message says why (before: "Set eval_split
+  // above 0" with it at 0.05).
+  write_tokens(file("b.tokens"), corpus(2), kEos);
+  try {
+    make("tokens", cfg(file("b.tokens"), {{"eval_split", "0.05"}, {"eval_interval", "5"}}));
+    ADD_FAILURE() << "accepted";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("the data makes 1 row(s), too few to hold out "
+                                         "eval_split=0.05"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST_F(TokensData, EvalSplitIsDisjointAndRepeats) {

@@ -540,6 +540,13 @@ TEST(HfImport, Gpt2PromptsGetNoBosAsInTransformers) {
   EXPECT_EQ(
       mt_cmd("decode hf_path=" + dir + " prompt=\"Hi there friend\" max_target_length=4", out), 2);
   EXPECT_EQ(out.find("Hi there friend"), std::string::npos) << out;
+  // In a prompt_file, the prompt too long is named (before: "A prompt has ...").
+  const std::string pf = ::testing::TempDir() + "mt_prompts_" + std::to_string(::getpid()) + ".txt";
+  std::ofstream(pf) << "Hi\nHi there friend, how are you\n";
+  EXPECT_EQ(mt_cmd("decode hf_path=" + dir + " prompt_file=" + pf + " max_target_length=5", out),
+            2);
+  EXPECT_NE(out.find("Prompt 2 of prompt_file=" + pf + " has "), std::string::npos) << out;
+  fs::remove(pf);
   // tokens= with no ids is refused (before: the default prompt was decoded), and mt score
   // refuses the int8 KV cache it has no use for (before: accepted, the perplexity the f32's).
   EXPECT_EQ(mt_cmd("decode hf_path=" + dir + " tokens= max_target_length=10", out), 2);
@@ -580,6 +587,20 @@ TEST(HfImport, TheDirectoryAloneConfiguresTheModel) {
             std::string::npos)
       << out;
   EXPECT_NE(out.find("tokens 200"), std::string::npos) << out;
+  // Longer than the model's positions: no advice that cannot work (before: "Set
+  // max_target_length=128 ... to score it as one sequence", already so).
+  EXPECT_NE(out.find("positions for 128 tokens (max_position_embeddings), so it cannot be scored "
+                     "as one sequence."),
+            std::string::npos)
+      << out;
+  // A file of token ids needs no tokenizer (before: "needs a tokenizer for text").
+  std::ofstream(d.root / "ids.txt") << "1,5,42\n7,9\n";
+  ASSERT_EQ(
+      mt_cmd("score hf_path=" + d.root.string() + " input=" + (d.root / "ids.txt").string(), out),
+      0)
+      << out;
+  EXPECT_NE(out.find("read as token ids"), std::string::npos) << out;
+  EXPECT_NE(out.find("tokens 5"), std::string::npos) << out;
 }
 
 // config.json that disagrees with the weights, or asks for numerics the family does not

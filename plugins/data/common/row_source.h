@@ -35,6 +35,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <deque>
 #include <exception>
 #include <functional>
@@ -270,14 +271,25 @@ class RowSource final : public mt::DatasetSource {
           "eval set, or unset eval_dataset_path to hold out eval_split of the "
           "training rows.");
     // So would evaluations asked for with no row held out for them.
-    if (!eval && eval_->size() == 0 && int_or(cfg, "eval_interval", -1) > 0)
-      cfg.reject("eval_interval",
-                 "asks for an evaluation every " +
-                     std::to_string(int_or(cfg, "eval_interval", -1)) + " steps, but " + name_ +
-                     " holds out no eval rows (eval_split=" +
-                     std::to_string(float_or(cfg, "eval_split", 0.0)) +
-                     "). Set eval_split above 0 (0.05 holds out 5% of the rows), name an eval "
-                     "set with eval_dataset_path, or set eval_interval=-1 for no evaluation.");
+    // (eval_split above 0 with a single row: nothing to hold out without leaving no training.)
+    if (!eval && eval_->size() == 0 && int_or(cfg, "eval_interval", -1) > 0) {
+      const double split = float_or(cfg, "eval_split", 0.0);
+      char share[32];
+      std::snprintf(share, sizeof share, "%g", split);
+      cfg.reject(
+          "eval_interval",
+          "asks for an evaluation every " + std::to_string(int_or(cfg, "eval_interval", -1)) +
+              " steps, but " + name_ + " holds out no eval rows (" +
+              (split > 0 ? "the data makes " + std::to_string(train_->total()) +
+                               " row(s), too few to hold out eval_split=" + std::string(share) +
+                               " of them and still train"
+                         : std::string("eval_split=0")) +
+              "). " +
+              (split > 0 ? "Give more data, name"
+                         : "Set eval_split above 0 (0.05 holds out 5% of the rows), name") +
+              " an eval set with eval_dataset_path, or set eval_interval=-1 for no "
+              "evaluation.");
+    }
     cursor_ = offset();
   }
 
