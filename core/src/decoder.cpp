@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <numeric>
 #include <string>
 
@@ -38,6 +39,15 @@ SamplingParams sampling_from_config(const Config& cfg) {
 
 int32_t sample_token(const float* logits, int64_t vocab, const SamplingParams& p,
                      std::mt19937_64& rng) {
+  // NaN or +inf logits have no softmax to choose from (before: greedy took id 0 every step,
+  // the samplers a fixed id, exit 0; and a NaN breaks the sort's ordering).
+  for (int64_t i = 0; i < vocab; ++i)
+    if (!(logits[i] < std::numeric_limits<float>::infinity()))
+      throw Error(
+          "The model's logits are not finite (NaN or +inf at token id " + std::to_string(i) +
+          "), so no next token can be chosen: its weights, or what they compute, hold non-finite "
+          "values. mt score on the same checkpoint reports the loss; a checkpoint written by "
+          "mt run never holds them (a non-finite step stops the run).");
   if (p.strategy == SamplingParams::Strategy::greedy)
     return static_cast<int32_t>(std::max_element(logits, logits + vocab) - logits);
   // Candidates in descending logit order (ties: lower id first), cut by top-k.

@@ -376,14 +376,59 @@ TEST(Attention, RowsWithoutKeysGiveZeros) {
   }
 }
 
+// A non-finite query gives its row NaN, as a softmax over its scores does (transformers' eager
+// attention: NaN), in the forward (several key blocks) and in decode (several chunks); the other
+// rows are untouched. Before: an infinite query's row came out finite under flash (the NaN sum
+// read as a row without keys: zeros), and a NaN query's under both kernels.
+TEST(Attention, NonFiniteQueriesGiveNaNRows) {
+  const uint64_t seed = test::seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  Backend& be = test::cpu();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (const char* name : {"flash", "dot_product"})
+    for (const float bad : {kInf, nan}) {
+      SCOPED_TRACE(std::string(name) + (std::isnan(bad) ? " NaN" : " inf"));
+      auto att = test::attention(name, be);
+      Problem p = make_problem(1, 150, 150, 2, 1, 8, true, 0, 0.f, false, 0, rng);
+      const int64_t row = 140;  // past the first key block
+      // Head 0 of the row: one element infinite, or every element NaN.
+      for (int64_t d = 0; d < p.D; ++d)
+        if (std::isnan(bad) || d == 0) p.q[(row * p.Hq + 0) * p.D + d] = bad;
+      const Result r = run(*att, p, DType::f32, false);
+      for (int64_t i = 0; i < p.T; ++i)
+        for (int64_t h = 0; h < p.Hq; ++h) {
+          const float o = r.out[(i * p.Hq + h) * p.D];
+          EXPECT_EQ(std::isnan(o), i == row && h == 0) << "row " << i << " head " << h << ": " << o;
+        }
+      // Decode of one token over 300 cached keys (several chunks).
+      const int64_t S = 300, D = 8;
+      std::vector<float> q = test::randn(2 * D, rng), kc = test::randn(S * D, rng),
+                         vc = test::randn(S * D, rng);
+      for (int64_t d = 0; d < D; ++d)
+        if (std::isnan(bad) || d == 0) q[d] = bad;  // head 0
+      AttentionSpec spec;
+      spec.causal = true;
+      Tensor out = be.empty({1, 1, 2, D}, DType::f32);
+      att->decode(test::from_vector(be, {1, 1, 2, D}, q), test::from_vector(be, {1, S, 1, D}, kc),
+                  test::from_vector(be, {1, S, 1, D}, vc), test::from_ints(be, {1}, {300}), spec,
+                  out);
+      const std::vector<float> got = test::to_vector(out);
+      EXPECT_TRUE(std::isnan(got[0])) << got[0];
+      EXPECT_TRUE(std::isfinite(got[D])) << got[D];
+    }
+}
+
 // The flash tests again in a child process with MT_FLASH_KERNELS=`set` on the same seed; returns
 // its exit code and output.
 int run_flash_tests_with(const std::string& set, std::string& output) {
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
-  return test::run_command(
-      "MT_FLASH_KERNELS=" + set + " MT_TEST_SEED=" + std::to_string(test::seed()) + " '" + self +
-          "' --gtest_filter='Attention.Flash*:Attention.Decode*:Attention.Deter*'",
-      output);
+  return test::run_command("MT_FLASH_KERNELS=" + set +
+                               " MT_TEST_SEED=" + std::to_string(test::seed()) + " '" + self +
+                               "' "
+                               "--gtest_filter='Attention.Flash*:Attention.Decode*:Attention.Deter*"
+                               ":Attention.NonFinite*'",
+                           output);
 }
 
 // The portable microkernels (chosen where the CPU lacks AVX2 + FMA).

@@ -822,6 +822,20 @@ TEST(Decode, SamplingStrategies) {
   std::mt19937_64 rng(1);
   SamplingParams p;
   EXPECT_EQ(sample_token(logits.data(), 5, p, rng), 1);
+  // Non-finite logits (a model with a NaN weight) are refused by every strategy (before:
+  // greedy took id 0, the samplers a fixed id); -inf (a masked token) is ordinary.
+  for (const float bad :
+       {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()})
+    for (const auto s : {SamplingParams::Strategy::greedy, SamplingParams::Strategy::weighted}) {
+      std::vector<float> l = logits;
+      l[3] = bad;
+      SamplingParams q;
+      q.strategy = s;
+      EXPECT_THROW(sample_token(l.data(), 5, q, rng), Error);
+    }
+  std::vector<float> masked = logits;
+  masked[1] = -std::numeric_limits<float>::infinity();
+  EXPECT_EQ(sample_token(masked.data(), 5, p, rng), 2);
   p.strategy = SamplingParams::Strategy::top_k;
   p.top_k = 1;
   for (int i = 0; i < 20; ++i) EXPECT_EQ(sample_token(logits.data(), 5, p, rng), 1);

@@ -114,8 +114,11 @@ void softmax_rows(float* sc, int64_t T, int64_t S, float* lse) {
     float m = kNegInf;
     for (int64_t j = 0; j < S; ++j) m = std::max(m, row[j]);
     if (m == kNegInf) {
-      std::fill(row, row + S, 0.f);
-      if (lse) lse[i] = kNegInf;
+      // Every visible score NaN (a NaN query: std::max passes over NaN): NaN, as the softmax
+      // is, not the zeros of a row without a visible key.
+      const bool nan = std::any_of(row, row + S, [](float x) { return std::isnan(x); });
+      std::fill(row, row + S, nan ? std::numeric_limits<float>::quiet_NaN() : 0.f);
+      if (lse) lse[i] = nan ? std::numeric_limits<float>::quiet_NaN() : kNegInf;
       continue;
     }
     float sum = 0.f;

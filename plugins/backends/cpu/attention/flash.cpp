@@ -59,6 +59,7 @@ using attention::Dims;
 constexpr int64_t kBQ = 64;  // query rows per tile
 constexpr int64_t kBK = 64;  // key rows per tile (the width of every score tile)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
 // Query blocks with fewer rows (decode steps) score keys by direct dot products.
 constexpr int64_t kDirectRows = 4;
 // Keys a decode task reads at least (see decode_chunk).
@@ -142,10 +143,17 @@ void softcap_generic(float* x, int64_t n, float cap, float* th) {
   }
 }
 
+// Every max kernel: the largest of x, or NaN when an element is NaN or +inf (a non-finite query
+// or key: the row's softmax is NaN, exp(inf - inf), which the max, passing over NaN, and the
+// clamping vector exp would hide). -inf (a masked score) is an ordinary value.
 float max_generic(const float* x, int64_t n) {
   float m = kNegInf;
-  for (int64_t c = 0; c < n; ++c) m = std::max(m, x[c]);
-  return m;
+  bool bad = false;
+  for (int64_t c = 0; c < n; ++c) {
+    m = std::max(m, x[c]);
+    bad |= !(x[c] < std::numeric_limits<float>::infinity());
+  }
+  return bad ? std::numeric_limits<float>::quiet_NaN() : m;
 }
 
 // out [nr, kBK] (first nk columns) = a [nr, D] (row stride lda) @ rows [nk, D]^T (row stride ldk):
@@ -447,9 +455,14 @@ MT_AVX512 void softcap_avx512(float* x, int64_t n, float cap, float* th) {
 
 MT_AVX512 float max_avx512(const float* x, int64_t n) {
   __m512 m = _mm512_set1_ps(kNegInf);
-  for (int64_t c = 0; c < n; c += 16)
-    m = _mm512_mask_max_ps(m, kAll, m,
-                           _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), tail_mask(n - c), x + c));
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  __mmask16 bad = 0;  // lanes that held NaN or +inf (not below +inf, unordered)
+  for (int64_t c = 0; c < n; c += 16) {
+    const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), tail_mask(n - c), x + c);
+    bad |= _mm512_cmp_ps_mask(v, inf, _CMP_NLT_UQ);
+    m = _mm512_mask_max_ps(m, kAll, m, v);
+  }
+  if (bad) return std::numeric_limits<float>::quiet_NaN();
   alignas(64) float lanes[16];
   _mm512_store_ps(lanes, m);
   return *std::max_element(lanes, lanes + 16);
@@ -729,14 +742,21 @@ MT_AVX2 float exp_sub_avx2(float* x, int64_t n, float sub) {
 
 MT_AVX2 float max_avx2(const float* x, int64_t n) {
   const __m256 ninf = _mm256_set1_ps(kNegInf);
-  __m256 m = ninf;
+  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  __m256 m = ninf, bad = _mm256_setzero_ps();  // bad: lanes that held NaN or +inf
   int64_t c = 0;
-  for (; c + 8 <= n; c += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + c));
+  for (; c + 8 <= n; c += 8) {
+    const __m256 v = _mm256_loadu_ps(x + c);
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, inf, _CMP_NLT_UQ));
+    m = _mm256_max_ps(m, v);
+  }
   if (c < n) {
     const __m256i k = tail_mask8(n - c);
-    m = _mm256_max_ps(m,
-                      _mm256_blendv_ps(ninf, _mm256_maskload_ps(x + c, k), _mm256_castsi256_ps(k)));
+    const __m256 v = _mm256_blendv_ps(ninf, _mm256_maskload_ps(x + c, k), _mm256_castsi256_ps(k));
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, inf, _CMP_NLT_UQ));
+    m = _mm256_max_ps(m, v);
   }
+  if (!_mm256_testz_ps(bad, bad)) return std::numeric_limits<float>::quiet_NaN();
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, m);
   return *std::max_element(lanes, lanes + 8);
@@ -1059,7 +1079,16 @@ MT_CLONES void forward_block(const Kernels& kn, const Params& p, const HeadFwd& 
             row[c] = kNegInf;
         }
       }
-      const float m_new = std::max(w.m[r], kn.max(row, nk));
+      // A NaN or +inf score (a non-finite query or key) makes the row's softmax NaN (exp(inf -
+      // inf)), which the vector exp would hide: kn.max says so with NaN, and the row is marked
+      // and gives NaN (before: a finite output, and a finite loss).
+      const float m_block = kn.max(row, nk);
+      if (std::isnan(m_block)) {
+        w.l[r] = std::numeric_limits<float>::quiet_NaN();
+        std::fill(row, row + nk, 0.f);
+        continue;
+      }
+      const float m_new = std::max(w.m[r], m_block);
       if (m_new == kNegInf) {  // nothing visible yet: contributes nothing
         std::fill(row, row + nk, 0.f);
         continue;
@@ -1088,6 +1117,11 @@ MT_CLONES void forward_block(const Kernels& kn, const Params& p, const HeadFwd& 
       const float inv = 1.f / w.l[r];
       for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv;
       if (h.lse) h.lse[i0 + r] = w.m[r] + std::log(w.l[r]);
+    } else if (std::isnan(w.l[r])) {
+      // A NaN or infinite score (exp(inf - inf)): NaN out, not the zeros of a row that saw no
+      // key (before: an infinite query gave a finite loss where a softmax gives NaN).
+      std::fill(o, o + D, std::numeric_limits<float>::quiet_NaN());
+      if (h.lse) h.lse[i0 + r] = std::numeric_limits<float>::quiet_NaN();
     } else {
       std::fill(o, o + D, 0.f);
       if (h.lse) h.lse[i0 + r] = kNegInf;
@@ -1135,6 +1169,11 @@ void decode_chunk(const Kernels& kn, const Params& p, int64_t Hq, int64_t Hkv, c
     float* x = s + h * lds;
     if (p.cap > 0.f) kn.softcap(x, nk, p.cap, nullptr);
     const float m = kn.max(x, nk);
+    if (std::isnan(m)) {  // a NaN or +inf score: NaN out (merge_chunks)
+      part[h * ldp + 1] = std::numeric_limits<float>::quiet_NaN();
+      std::fill(x, x + nk, 0.f);
+      continue;
+    }
     part[h * ldp] = m;
     part[h * ldp + 1] = kn.exp_sub(x, nk, m);
   }
@@ -1146,6 +1185,13 @@ void decode_chunk(const Kernels& kn, const Params& p, int64_t Hq, int64_t Hkv, c
 // each chunk's sums rescaled to the largest max; zeros if no key was visible. One chunk gives
 // the bits of one pass over its keys.
 void merge_chunks(const float* part, int64_t ldc, int64_t chunks, int64_t D, float* out) {
+  // A chunk whose sum is NaN saw a NaN or infinite score: the softmax is NaN (the max passes
+  // over NaN, so such a chunk could read as one without a visible key, and give zeros).
+  for (int64_t c = 0; c < chunks; ++c)
+    if (std::isnan(part[c * ldc + 1])) {
+      std::fill(out, out + D, std::numeric_limits<float>::quiet_NaN());
+      return;
+    }
   float m = kNegInf;
   for (int64_t c = 0; c < chunks; ++c) m = std::max(m, part[c * ldc]);
   if (m == kNegInf) {
