@@ -48,6 +48,10 @@ Config resolve_config(const Args& a, bool notes = true);
 TrainSummary train_on_ranks(const Config& cfg, PluginManager& pm, bool quiet, Communicator& comm,
                             const char* command);
 
+// Refuses (UsageError) quantization and quantize_kvcache for a command they would not change
+// (`command`, e.g. "mt convert", and why), where they would be accepted and ignored.
+void refuse_quantization(const Config& cfg, const std::string& command, const std::string& why);
+
 // Refuses (UsageError), before any work, an output file `key`=`path` that would lose something: a
 // path whose directory does not exist, a directory, one of `inputs` (the files the command
 // reads), or an existing file that `ours` does not recognise as this command's own output (a

@@ -183,6 +183,14 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
   args.overrides.insert(args.overrides.begin(),
                         {"dtype=" + dtype, "weight_dtype=" + dtype, "max_target_length=1024"});
   Config cfg = resolve_config(args);
+  // The row is labelled with its dtype: a dtype or weight_dtype the user's other layers set
+  // (the command line, --config, M_ variables) would run another configuration under it.
+  for (const char* k : {"dtype", "weight_dtype"})
+    if (cfg.get_string(k) != dtype)
+      cfg.reject(k, "is set to " + cfg.get_string(k) + ", but mt bench decode sets dtype and " +
+                        "weight_dtype for each of its runs from dtypes= (here " + dtype +
+                        "): its row would be labelled with another configuration than it ran. "
+                        "Choose them with dtypes=float32,bfloat16 (or one of them) instead.");
   std::vector<std::filesystem::path> dirs;
   for (const auto& d : cfg.get_string_list("plugin_dirs")) dirs.emplace_back(d);
   PluginManager pm(dirs);
@@ -497,7 +505,11 @@ Tensor random_tensor(Backend& be, const Shape& shape, DType dt, uint64_t seed, f
 // The config of a kernel bench: the user's config keys over the bench's defaults.
 Config kernel_config(Args& args) {
   args.overrides.insert(args.overrides.begin(), "dtype=bfloat16");
-  return resolve_config(args);
+  Config cfg = resolve_config(args);
+  refuse_quantization(cfg,
+                      "mt bench " + (args.positional.empty() ? std::string() : args.positional[0]),
+                      "times its kernels on float weights");
+  return cfg;
 }
 
 DType compute_dtype(const Config& cfg) {
@@ -776,6 +788,7 @@ int bench_moe(Args args) {
   const Config mc = resolve_config(model_args);
   args.model.clear();
   Config cfg = resolve_config(args);
+  refuse_quantization(cfg, "mt bench moe", "times the MoE layer on float weights");
   const std::string backend = cfg.get_string("backend");
   const bool cpu = backend == "cpu";
   if (!cpu && !dtype_given) {  // bfloat16 on a device; the CPU keeps float32, as training does

@@ -112,6 +112,7 @@ int cmd_convert(const Args& args_in) {
   if (from == "hf") {
     args.overrides.insert(args.overrides.begin(), "hf_path=" + input);
     Config cfg = resolve_config(args);
+    refuse_quantization(cfg, "mt convert", "writes the weights as they are held");
     std::vector<fs::path> dirs;
     for (const auto& d : cfg.get_string_list("plugin_dirs")) dirs.emplace_back(d);
     PluginManager pm(dirs);
@@ -180,6 +181,7 @@ int cmd_convert(const Args& args_in) {
   // load_parameters_path= names the checkpoint as --input does (before: ignored, and the
   // model's random initial weights were exported in its place).
   if (input.empty()) input = cfg.get_string("load_parameters_path");
+  refuse_quantization(cfg, "mt convert", "writes the weights as they are held");
   StagedOutput out(output);
   std::vector<fs::path> dirs;
   for (const auto& d : cfg.get_string_list("plugin_dirs")) dirs.emplace_back(d);

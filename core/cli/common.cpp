@@ -431,4 +431,15 @@ void check_output_file(const std::string& key, const std::string& path,
         key, path, what));
 }
 
+void refuse_quantization(const Config& cfg, const std::string& command, const std::string& why) {
+  if (!cfg.get_string("quantization").empty())
+    cfg.reject("quantization", "has no effect on " + command + ", which " + why +
+                                   ": int8 weights are made at load by mt decode, mt score and "
+                                   "mt bench decode. Unset it.");
+  if (cfg.get_bool("quantize_kvcache"))
+    cfg.reject("quantize_kvcache", "has no effect on " + command + ", which " + why +
+                                       ": the int8 cache is mt decode's and mt bench decode's. "
+                                       "Unset it.");
+}
+
 }  // namespace mt::cli

@@ -237,7 +237,7 @@ std::string parse_annotation(const std::string& text, KeySpec& spec) {
       const size_t bar = rest.find('|', start);
       const std::string c = trim(rest.substr(start, bar == std::string::npos ? bar : bar - start));
       if (c.empty()) return "an empty choice";
-      spec.choices.push_back(c);
+      spec.choices.push_back(c == "\"\"" ? std::string() : c);  // "": the empty string
       if (bar == std::string::npos) break;
       start = bar + 1;
     }
@@ -558,12 +558,15 @@ ConfigValue override_value(const KeySpec& spec, const Override& o, const std::st
 void check_constraint(const KeySpec& spec, const ConfigValue& v) {
   if (!spec.choices.empty()) {
     const bool is_list = v.type == ValueType::list;
+    std::vector<std::string> shown = spec.choices;
+    for (auto& c : shown)
+      if (c.empty()) c = "\"\" (none)";
     for (const auto& x : is_list ? v.list : std::vector<std::string>{v.s}) {
       if (std::find(spec.choices.begin(), spec.choices.end(), x) != spec.choices.end()) continue;
       throw UsageError(fmt::format(
           "{}={} ({}) {} not one of the choices: {}.{}", spec.name, config_value_yaml(v),
           where(v.origin), is_list ? fmt::format("holds '{}', which is", x) : std::string("is"),
-          join(spec.choices, ", "), suggest(x, spec.choices)));
+          join(shown, ", "), suggest(x, spec.choices)));
     }
     return;
   }

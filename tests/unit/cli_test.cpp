@@ -207,13 +207,27 @@ TEST(Cli, BenchPrintsOneJsonObject) {
   EXPECT_NE(r.out.find("\"quantization\": \"int8\""), std::string::npos) << r.out;
   r = mt_cmd("bench decode --model=llama-test steps=2 quantization=int4w 2>&1");
   EXPECT_EQ(r.code, 2) << r.out;
-  EXPECT_NE(r.out.find("must be \"\" (none) or \"int8\""), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("quantization=int4w"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("not one of the choices: \"\" (none), int8"), std::string::npos) << r.out;
+  // dtype= beside dtypes= would run another configuration under the row's label (before: a
+  // "float32" row measured bf16's cache).
+  r = mt_cmd("bench decode --model=llama-test steps=2 dtypes=float32 dtype=bfloat16 2>&1");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("from dtypes="), std::string::npos) << r.out;
+  // The kernel benches take no quantization keys (before: accepted, ignored).
+  r = mt_cmd("bench gemm shapes=64x64x64 quantization=int8 warmup=1 iters=1 repeats=1 2>&1");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("has no effect on mt bench"), std::string::npos) << r.out;
   r = mt_cmd(
       "run --model=llama-test dataset_type=synthetic steps=2 quantization=int8 "
       "base_output_directory=/nonexistent-mt-dir 2>&1");
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_NE(r.out.find("quantization"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("training with int8 weights"), std::string::npos) << r.out;
+  // A value that is none of the modes says so (before: "training with int8 weights").
+  r = mt_cmd("run --model=llama-test steps=1 quantization=nf4 2>&1");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("not one of the choices"), std::string::npos) << r.out;
   // The MoE layer against dense GEMMs of its FLOPs.
   r = mt_cmd("bench moe --model=mixtral-test tokens=16 2>/dev/null");
   EXPECT_EQ(r.code, 0) << r.out;

@@ -216,6 +216,14 @@ TEST(HfConvert, BadInputIsRefused) {
   EXPECT_NE(out.find("not empty"), std::string::npos) << out;
   EXPECT_TRUE(fs::exists(d.mt / "x"));  // nothing existing is lost
   EXPECT_EQ(mt_cmd("convert --input=a --output=b", out), 2) << out;
+  // Quantization keys change nothing convert writes (before: accepted; model.yml kept them).
+  EXPECT_EQ(mt_cmd("convert --to=hf --model=llama-test quantization=int8 --output=" +
+                       (d.root / "q").string(),
+                   out),
+            2)
+      << out;
+  EXPECT_NE(out.find("has no effect on mt convert"), std::string::npos) << out;
+  EXPECT_FALSE(fs::exists(d.root / "q"));
   // Native llama settings transformers' Llama has no field for are refused, nothing written
   // (before: exported without them, logits 1.3-3.4 off mt's own).
   for (const char* s : {"sliding_window_size=8", "attn_logits_soft_cap=1.0",
