@@ -12,6 +12,7 @@ struct CollectiveQueue::State {
   std::deque<std::pair<Ticket, Job>> jobs;
   Ticket submitted = 0, finished = 0;  // tickets are 1, 2, ...
   bool stop = false;
+  bool in_collective = false;  // the thread is in a job's `collective` (without the lock)
   std::exception_ptr error;
   double waited = 0;
 };
@@ -25,10 +26,23 @@ CollectiveQueue::~CollectiveQueue() {
   }
   s_->work.notify_all();
   if (!worker_.joinable()) return;
-  if (std::uncaught_exceptions() > 0)
-    worker_.detach();  // the state lives on with the thread (shared)
-  else
+  if (std::uncaught_exceptions() > 0) {
+    // A collective the other ranks complete returns within moments, and the thread then leaves
+    // (no `out` runs once stopping): joined, it no longer touches the communicator or buffers
+    // this unwinding is about to destroy. One the other ranks never join would wait forever:
+    // after a grace period that thread is left behind (the state lives on with it, shared)
+    // and the rank's failure aborts the job.
+    std::unique_lock lock(s_->m);
+    const bool left =
+        s_->done.wait_for(lock, std::chrono::seconds(2), [&] { return !s_->in_collective; });
+    lock.unlock();
+    if (left)
+      worker_.join();
+    else
+      worker_.detach();
+  } else {
     worker_.join();
+  }
 }
 
 CollectiveQueue::Ticket CollectiveQueue::submit(Job job) {
@@ -74,13 +88,17 @@ void CollectiveQueue::run(State& s) {
     s.jobs.pop_front();
     try {
       if (job.in) job.in();
+      s.in_collective = true;
       lock.unlock();
       if (job.collective) job.collective();
       lock.lock();
+      s.in_collective = false;
+      s.done.notify_all();
       if (s.stop) return;
       if (job.out) job.out();
     } catch (...) {
       if (!lock.owns_lock()) lock.lock();
+      s.in_collective = false;
       s.error = std::current_exception();
     }
     s.finished = ticket;

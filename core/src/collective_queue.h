@@ -10,8 +10,9 @@
 // A job has three parts: `in` copies its inputs from tensors to host memory, `collective` runs
 // the collective on that memory, `out` copies the results back into tensors. `in` and `out`
 // run under the queue's lock, and once the queue is being destroyed while an exception unwinds
-// (this rank failed; the job is about to be aborted) no `out` runs and the thread, which may
-// be waiting in a collective the other ranks never join, is left behind instead of joined.
+// (this rank failed; the job is about to be aborted) no `out` runs; the thread is joined once
+// it leaves the collective under way (the other ranks completing it), or, when it is still in
+// one after 2 s (one the other ranks never join), left behind instead.
 #pragma once
 
 #include <condition_variable>

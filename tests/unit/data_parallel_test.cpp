@@ -6,18 +6,24 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <mutex>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "checkpoint_manager.h"
+#include "collective_queue.h"
 #include "config_impl.h"
 #include "memory_plan.h"
 #include "mt/backend.h"
@@ -246,6 +252,53 @@ std::vector<std::string> check_resumes(const fs::path& root, const Launch& strai
       EXPECT_NEAR(got[i], want[i], 1e-6 * std::fabs(want[i])) << names[k] << " step " << i + 1;
   }
   return names;
+}
+
+// A queue destroyed while this rank's failure unwinds: a collective the other ranks complete
+// (here: one that ends after 300 ms) is waited for, so its thread no longer runs when the
+// communicator and buffers it uses are destroyed next (before: left running, a use after free);
+// one that never ends is left behind after the grace period, the destructor returning.
+TEST(CollectiveQueueUnwinding, WaitsForACollectiveUnderWayThenLeavesAStuckOne) {
+  std::atomic<bool> finished{false};
+  try {
+    CollectiveQueue q;
+    q.submit({nullptr,
+              [&] {
+                std::this_thread::sleep_for(std::chrono::milliseconds(300));
+                finished = true;
+              },
+              nullptr});
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the job under way
+    throw std::runtime_error("this rank failed");
+  } catch (const std::runtime_error&) {
+  }
+  EXPECT_TRUE(finished.load());
+  // Stuck: released only after the destructor has returned.
+  auto gate = std::make_shared<std::pair<std::mutex, std::condition_variable>>();
+  auto open = std::make_shared<bool>(false);
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    CollectiveQueue q;
+    q.submit({nullptr,
+              [gate, open] {
+                std::unique_lock lock(gate->first);
+                gate->second.wait(lock, [&] { return *open; });
+              },
+              nullptr});
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    throw std::runtime_error("this rank failed");
+  } catch (const std::runtime_error&) {
+  }
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_GT(waited, 1.5);
+  EXPECT_LT(waited, 10.0);
+  {
+    std::lock_guard lock(gate->first);
+    *open = true;
+  }
+  gate->second.notify_all();
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // let the left thread end
 }
 
 TEST(DataParallel, TwoRanksTrainAsOneRankWithTheGlobalBatch) {
