@@ -817,6 +817,21 @@ TEST(Decode, GreedyMatchesTransformersLlama31) {
   greedy_matches_golden("llama31", o);
 }
 
+// An int8 cache group holding NaN keeps it NaN (a NaN scale): fmax passed over it, and it was
+// stored as -127 x scale, a finite key (and decode's NaN check never saw it). Infinite values
+// come back NaN (0 x inf); finite groups as before.
+TEST(Decode, Int8CacheGroupsKeepNaN) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> x = {0.5f, -0.25f, nan, 0.125f};
+  std::vector<int8_t> q(4);
+  EXPECT_TRUE(std::isnan(quantize_q8_group(x.data(), 4, q.data())));
+  x[2] = 1.f;
+  const float scale = quantize_q8_group(x.data(), 4, q.data());
+  EXPECT_FLOAT_EQ(scale, 1.f / 127.f);
+  EXPECT_EQ(q[2], 127);
+  EXPECT_EQ(q[0], 64);  // round(0.5 x 127)
+}
+
 TEST(Decode, SamplingStrategies) {
   std::vector<float> logits = {0.1f, 3.f, 2.9f, -1.f, 2.f};
   std::mt19937_64 rng(1);

@@ -888,6 +888,68 @@ class GpuAttention : public GpuOps {
   }
 };
 
+// Non-finite inputs give NaN as the CPU gives it (a NaN in a softmax's row is NaN): a logits row
+// with one NaN (cross-entropy's max and sum passed over it: a finite loss), a NaN query row
+// (dot_product's and flash decode's max passed over it: zeros, or lse -inf under flash), a NaN
+// key alone in a decode chunk (read as a chunk without keys: a finite row).
+TEST_F(GpuAttention, NonFiniteInputsGiveNaNAsOnTheCpu) {
+  MT_SEEDED_RNG(rng);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (DType dt : kDtypes) {
+    SCOPED_TRACE(dname(dt));
+    {
+      const int64_t N = 2, V = 67;
+      std::vector<float> x = rand_nz(N * V, rng, 4.f);
+      x[5] = nan;  // row 0, not its target
+      Both logits = make({N, V}, x, dt), targets = ints({N}, {1, 2});
+      Both loss = poisoned({N}, DType::f32), lse = poisoned({N}, DType::f32);
+      gpu().cross_entropy_forward(logits.g, targets.g, 0.f, loss.g, lse.g);
+      const std::vector<float> l = test::to_vector(loss.g);
+      EXPECT_TRUE(std::isnan(l[0])) << l[0];
+      EXPECT_TRUE(std::isfinite(l[1])) << l[1];
+    }
+    for (const char* name : {"dot_product", "flash"}) {
+      SCOPED_TRACE(name);
+      auto ga = gpu_attention(name);
+      const int64_t B = 1, T = 70, H = 2, D = 64;
+      std::vector<float> qv = rand_nz(B * T * H * D, rng);
+      for (int64_t d = 0; d < D; ++d) qv[(66 * H + 0) * D + d] = nan;  // row 66, head 0
+      Both q = make({B, T, H, D}, qv, dt);
+      Both k = make({B, T, H, D}, rand_nz(B * T * H * D, rng), dt);
+      Both v = make({B, T, H, D}, rand_nz(B * T * H * D, rng), dt);
+      Both none;
+      AttentionSpec spec;
+      spec.causal = true;
+      Both o = poisoned({B, T, H, D}, dt), lse = poisoned({B, H, T}, DType::f32);
+      ga->forward(q.g, k.g, v.g, none.g, none.g, spec, o.g, lse.g);
+      const std::vector<float> out = test::to_vector(o.g), ls = test::to_vector(lse.g);
+      EXPECT_TRUE(std::isnan(out[(66 * H + 0) * D])) << out[(66 * H + 0) * D];
+      EXPECT_TRUE(std::isnan(ls[66])) << ls[66];
+      EXPECT_TRUE(std::isfinite(out[(65 * H + 0) * D]));
+      EXPECT_TRUE(std::isfinite(out[(66 * H + 1) * D]));
+      // Decode of one token: a NaN query head, then a NaN key alone in the last chunk.
+      const int64_t S = 300;
+      std::vector<float> q1 = rand_nz(H * D, rng);
+      for (int64_t d = 0; d < D; ++d) q1[d] = nan;
+      std::vector<float> kc = rand_nz(S * H * D, rng);
+      Both qd = make({1, 1, H, D}, q1, dt), kd = make({1, S, H, D}, kc, dt),
+           vd = make({1, S, H, D}, rand_nz(S * H * D, rng), dt), len = ints({1}, {200});
+      Both od = poisoned({1, 1, H, D}, dt);
+      ga->decode(qd.g, kd.g, vd.g, len.g, spec, od.g);
+      std::vector<float> got = test::to_vector(od.g);
+      EXPECT_TRUE(std::isnan(got[0])) << got[0];
+      EXPECT_TRUE(std::isfinite(got[D])) << got[D];
+      kc[(256 * H + 1) * D] = nan;  // key 256, kv head 1
+      Both q2 = make({1, 1, H, D}, rand_nz(H * D, rng), dt), k2 = make({1, S, H, D}, kc, dt),
+           len2 = ints({1}, {257});
+      ga->decode(q2.g, k2.g, vd.g, len2.g, spec, od.g);
+      got = test::to_vector(od.g);
+      EXPECT_TRUE(std::isnan(got[D])) << got[D];
+      EXPECT_TRUE(std::isfinite(got[0])) << got[0];
+    }
+  }
+}
+
 TEST_F(GpuAttention, DotProduct) {
   MT_SEEDED_RNG(rng);
   auto ga = gpu_attention("dot_product");

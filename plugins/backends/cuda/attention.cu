@@ -35,7 +35,7 @@ __global__ void attn_fwd_kernel(In q, In k, In v, const int32_t* q_seg, const in
   const int64_t p = lengths ? L - a.T + i : a.offset + i;
   const int64_t qo = ((b * a.T + i) * a.Hq + h) * a.D;
   float* row = sc + r * a.S;
-  float m = -INFINITY;
+  float m = -INFINITY, nans = 0.f;
   for (int64_t j = threadIdx.x; j < L; j += kThreads) {
     bool vis = !(a.causal && j > p) && !(a.window > 0 && p - j >= a.window);
     if (q_seg && q_seg[b * a.T + i] != kv_seg[b * a.S + j]) vis = false;
@@ -49,8 +49,12 @@ __global__ void attn_fwd_kernel(In q, In k, In v, const int32_t* q_seg, const in
     }
     row[j] = s;
     m = fmaxf(m, s);
+    nans += isnan(s) ? 1.f : 0.f;
   }
   m = block_max(m, sh);  // its barriers also publish row[]
+  // fmaxf passes over NaN: a row whose visible scores are all NaN (a NaN query) would read as
+  // one without a visible key. Its softmax is NaN: m = NaN makes every step below NaN.
+  if (m == -INFINITY && block_sum(nans, sh) > 0.f) m = NAN;  // (m is uniform: every thread)
   if (m == -INFINITY) {
     for (int64_t e = threadIdx.x; e < a.D; e += kThreads) o.set(qo + e, 0.f);
     if (lse && threadIdx.x == 0) lse[r] = -INFINITY;
@@ -92,7 +96,7 @@ __global__ void attn_bwd_q_kernel(In q, In k, In v, In dout, const int32_t* q_se
   float* srow = sc + r * S;
   float* prow = pr + r * S;
   float* drow = dp + r * S;
-  float m = -INFINITY;
+  float m = -INFINITY, nans = 0.f;
   for (int64_t j = threadIdx.x; j < S; j += kThreads) {
     bool vis = !(a.causal && j > p) && !(a.window > 0 && p - j >= a.window);
     if (q_seg && q_seg[b * a.T + i] != kv_seg[b * S + j]) vis = false;
@@ -106,8 +110,10 @@ __global__ void attn_bwd_q_kernel(In q, In k, In v, In dout, const int32_t* q_se
     }
     srow[j] = s;
     m = fmaxf(m, s);
+    nans += isnan(s) ? 1.f : 0.f;
   }
   m = block_max(m, sh);
+  if (m == -INFINITY && block_sum(nans, sh) > 0.f) m = NAN;  // all NaN: NaN gradients (as above)
   if (m == -INFINITY) {  // no visible key: P = 0, dS = 0, no gradient from this row
     for (int64_t j = threadIdx.x; j < S; j += kThreads) prow[j] = srow[j] = 0.f;
     return;

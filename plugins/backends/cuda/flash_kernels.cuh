@@ -119,6 +119,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     if (f.q_seg && f.kv_seg[b * a.S + j] != qs) continue;
     const int64_t ko = ((b * a.S + j) * a.Hkv + g) * a.D;
     const float x = cap_score(a, lanes_dot(qv, k, ko, a.D));
+    if (x == -INFINITY) continue;  // weight 0 (exp(-inf - -inf) would be NaN before a finite x)
     const float mn = fmaxf(m, x);
     const float corr = expf(m - mn), pj = expf(x - mn);
     l = l * corr + pj;
@@ -135,7 +136,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     const int64_t e = lane + 32 * t;
     if (e < a.D) o.set(qo + e, acc[t] * inv);
   }
-  if (lane == 0) lse[r] = l > 0.f ? m + logf(l) : -INFINITY;
+  // l NaN: a NaN or +inf score (the output is NaN too); -inf is a row without a visible key.
+  if (lane == 0) lse[r] = isnan(l) ? NAN : l > 0.f ? m + logf(l) : -INFINITY;
 }
 
 // ---- decode -------------------------------------------------------------------------------
@@ -218,16 +220,23 @@ __global__ void __launch_bounds__(kWarps * 32)
     __syncthreads();
     for (int rr = warp; rr < nr; rr += kWarps) {
       float mx = -INFINITY;
-      for (int c = lane; c < kDecodeKeys; c += 32) mx = fmaxf(mx, ps[rr][c]);
+      bool bad = false;  // a NaN or +inf score, which fmaxf passes over (NaN)
+      for (int c = lane; c < kDecodeKeys; c += 32) {
+        mx = fmaxf(mx, ps[rr][c]);
+        bad |= !(ps[rr][c] < INFINITY);
+      }
       mx = warp_max(mx);
+      bad = __any_sync(0xffffffffu, bad);
       float sum = 0.f;
       for (int c = lane; c < kDecodeKeys; c += 32) {
-        const float e = mx == -INFINITY ? 0.f : expf(ps[rr][c] - mx);  // no key seen: all 0
+        const float e = mx == -INFINITY || bad ? 0.f : expf(ps[rr][c] - mx);  // no key: all 0
         ps[rr][c] = e;
         sum += e;
       }
       sum = warp_sum(sum);
-      if (lane == 0) ms[rr] = mx, ls[rr] = sum;
+      // A NaN sum marks the split: combine_kernel makes the row NaN (before: an all-NaN chunk
+      // read as one without a visible key, and the row came out finite).
+      if (lane == 0) ms[rr] = mx, ls[rr] = bad ? NAN : sum;
     }
     // Rows past nr: weights 0, so their accumulators stay 0.
     for (int rr = nr + warp; rr < R; rr += kWarps)
@@ -278,6 +287,17 @@ __global__ void __launch_bounds__(kWarps * 32)
   const float* src = partial + r * splits * (a.D + 2);
   // Unrolled: the splits' loads in flight together rather than one round trip each (the kernel
   // took 13 us for 16 rows of 9 splits on an H100).
+  // A split whose sum is NaN saw a NaN or +inf score: the row's softmax is NaN.
+  bool bad = false;
+  for (int64_t s = 0; s < splits; ++s) bad |= isnan(src[s * (a.D + 2) + 1]);
+  if (bad) {
+#pragma unroll
+    for (int t = 0; t < kLaneMax; ++t) {
+      const int64_t e = lane + 32 * t;
+      if (e < a.D) o.set(qo + e, NAN);
+    }
+    return;  // the whole warp (bad is the same in every lane)
+  }
   float m = -INFINITY;
 #pragma unroll 8
   for (int64_t s = 0; s < splits; ++s) m = fmaxf(m, src[s * (a.D + 2)]);
@@ -901,7 +921,10 @@ __global__ void __launch_bounds__(W * 32)
   if (tq == 0) {
     constexpr float kLn2 = 0.6931471805599453f;
     for (int r = 0; r < 2; ++r)
-      if (qr.valid[r]) lse[bh * a.T + qr.i[r]] = l[r] > 0.f ? m[r] * kLn2 + logf(l[r]) : -INFINITY;
+      if (qr.valid[r])
+        lse[bh * a.T + qr.i[r]] = isnan(l[r])  ? NAN
+                                  : l[r] > 0.f ? m[r] * kLn2 + logf(l[r])
+                                               : -INFINITY;
   }
 }
 

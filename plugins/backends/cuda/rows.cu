@@ -318,9 +318,13 @@ __global__ void __launch_bounds__(kQ8Warps * 32)
   }
   const int64_t src = m * C + j * W, dst = r * C + j * W;
   float amax = 0.f;
-  for (int64_t t = lane; t < W; t += 32) amax = fmaxf(amax, fabsf(x[src + t]));
+  bool nan = false;  // a NaN: a NaN scale (fmaxf passes over it), as mt/q8.h's
+  for (int64_t t = lane; t < W; t += 32) {
+    amax = fmaxf(amax, fabsf(x[src + t]));
+    nan |= isnan(x[src + t]);
+  }
   for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  const float scale = amax / 127.f;
+  const float scale = __any_sync(0xffffffffu, nan) ? NAN : amax / 127.f;
   const float inv = scale > 0.f ? 1.f / scale : 0.f;
   for (int64_t t = lane; t < W; t += 32)
     q[dst + t] = static_cast<int8_t>(roundf(fminf(127.f, fmaxf(-127.f, x[src + t] * inv))));

@@ -82,8 +82,12 @@ __global__ void ce_fwd_kernel(In x, const int32_t* tg, float z_loss, int64_t V, 
     return;
   }
   float m = -INFINITY, s = 0.f;
+  // A NaN or +inf logit makes the row's log-sum-exp NaN, as the CPU's is: s becomes NaN and
+  // stays so (the comparisons below pass over NaN: a partly NaN row gave a finite loss).
   const auto push = [&](float v) {
-    if (v > m) {
+    if (!(v < INFINITY)) {
+      s = NAN;
+    } else if (v > m) {
       s = s * expf(m - v) + 1.f;  // exp(-inf) = 0 at the first finite value
       m = v;
     } else if (v > -INFINITY) {
@@ -101,7 +105,7 @@ __global__ void ce_fwd_kernel(In x, const int32_t* tg, float z_loss, int64_t V, 
     for (int64_t i = threadIdx.x; i < V; i += kThreads) push(x[base + i]);
   }
   const float mx = block_max(m, sh);
-  s = block_sum(m > -INFINITY ? s * expf(m - mx) : 0.f, sh);
+  s = block_sum(m > -INFINITY || isnan(s) ? s * expf(m - mx) : 0.f, sh);
   m = mx;
   if (threadIdx.x == 0) {
     const float l = m + logf(s);

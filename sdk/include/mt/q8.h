@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace mt {
 
@@ -46,11 +47,16 @@ inline void dequantize_q8_row(const int8_t* row, int64_t k, float* out) {
 
 // One group of n values of an int8 KV cache (Backend::scatter_rows_q8), the same rule as a
 // block above: out[i] = round(x[i] / scale), scale = max |x| / 127 (0 for a group of zeros),
-// returned.
+// returned. A group holding NaN gets a NaN scale (fmax passes over NaN: the NaN was stored as
+// -127 x scale, a finite value); an infinite value already gives NaN back (0 x inf).
 inline float quantize_q8_group(const float* x, int64_t n, int8_t* out) {
   float amax = 0.f;
-  for (int64_t i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(x[i]));
-  const float scale = amax / 127.f;
+  bool nan = false;
+  for (int64_t i = 0; i < n; ++i) {
+    amax = std::fmax(amax, std::fabs(x[i]));
+    nan = nan || std::isnan(x[i]);
+  }
+  const float scale = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
   const float inv = scale > 0.f ? 1.f / scale : 0.f;
   for (int64_t i = 0; i < n; ++i)
     out[i] = static_cast<int8_t>(std::lround(std::fmin(127.f, std::fmax(-127.f, x[i] * inv))));
