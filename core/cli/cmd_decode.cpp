@@ -74,11 +74,22 @@ void special_tokens(Inference& in) {
     in.stop_ids = t.eos_token_ids;
   }
   if (in.stop_ids.empty() && eos >= 0) in.stop_ids = {eos};
+  // An end-of-sequence id the model cannot produce is left out with a note, as transformers
+  // warns and goes on (before: refused, though mt score never reads it; a default LlamaConfig
+  // of a tiny vocabulary has eos 2).
   const int64_t vocab = in.runner->model().dims().vocab_size;
-  for (int32_t id : in.stop_ids)
-    if (id >= vocab)
-      throw UsageError("The end-of-sequence id " + std::to_string(id) +
-                       " is outside the model's vocabulary [0, " + std::to_string(vocab) + ").");
+  std::vector<int32_t> kept;
+  for (int32_t id : in.stop_ids) {
+    if (id < vocab) {
+      kept.push_back(id);
+      continue;
+    }
+    std::fprintf(stderr,
+                 "note: the end-of-sequence id %d is outside the model's vocabulary [0, %lld): "
+                 "the model cannot produce it, so decoding does not stop at it.\n",
+                 id, static_cast<long long>(vocab));
+  }
+  in.stop_ids = std::move(kept);
 }
 
 // Loads the model and its weights (load_parameters_path) and the tokenizer (tokenizer_path).
@@ -116,6 +127,24 @@ Inference load_inference(const Args& args, const char* command, bool need_tokeni
   else
     load_hf_weights(hf, *in.runner);
   in.runner->apply_quantization(cfg);
+  // int8 rows are blocks of 32 values: a projection of another input width stays in the compute
+  // dtype, which is said (before: silently; a model of such widths was not quantized at all).
+  if (cfg.get_string("quantization") == "int8") {
+    int64_t all = 0, kept = 0;
+    std::string first;
+    for (const auto& p : in.runner->params()) {
+      if (!p.spec.projection) continue;
+      ++all;
+      if (p.layout == WeightLayout::q8) continue;
+      if (kept++ == 0) first = p.name;
+    }
+    if (kept > 0)
+      std::fprintf(stderr,
+                   "note: quantization=int8: %lld of %lld projection weights stay in %s (%s%s): "
+                   "their input width is not a multiple of 32, the int8 block.\n",
+                   static_cast<long long>(kept), static_cast<long long>(all),
+                   dtype_name(in.runner->compute_dtype()), first.c_str(), kept > 1 ? ", ..." : "");
+  }
   // Only when text must be tokenized (score with token ids needs none).
   const std::string tok = cfg.get_string("tokenizer_path");
   if (need_tokenizer && !tok.empty())
