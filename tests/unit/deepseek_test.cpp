@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <functional>
 
 #include <algorithm>
 #include <cmath>
@@ -501,6 +502,42 @@ std::unique_ptr<ModelRunner> named_training_runner(const std::vector<std::string
   return r;
 }
 
+// Central differences of `objective` against the backward's gradients (already in each param's
+// grad) at the 3 elements of largest gradient of each named parameter (a tiny one is all
+// rounding in a difference), each moved by step(its value) either way. Returns how many.
+int check_largest_gradients(ModelRunner& r, const std::vector<std::string>& names,
+                            const std::function<double()>& objective,
+                            const std::function<float(float)>& step) {
+  int checked = 0;
+  for (const std::string& name : names) {
+    Param* p = r.find(name);
+    EXPECT_NE(p, nullptr) << name;
+    if (!p) continue;
+    std::vector<float> w = test::to_vector(p->value);
+    const std::vector<float> grad = test::to_vector(p->grad);
+    std::vector<size_t> order(w.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + 3, order.end(),
+                      [&](size_t a, size_t b) { return std::fabs(grad[a]) > std::fabs(grad[b]); });
+    for (int j = 0; j < 3; ++j) {
+      const size_t i = order[static_cast<size_t>(j)];
+      const float orig = w[i], hi = orig + step(orig), lo = orig - step(orig);
+      w[i] = hi;
+      r.backend().copy_from_host(p->value, w.data());
+      const double up = objective();
+      w[i] = lo;
+      r.backend().copy_from_host(p->value, w.data());
+      const double down = objective();
+      w[i] = orig;
+      r.backend().copy_from_host(p->value, w.data());
+      const double fd = (up - down) / (static_cast<double>(hi) - static_cast<double>(lo));
+      EXPECT_NEAR(fd, grad[i], 2e-2 * std::fabs(grad[i]) + 1e-4) << name << "[" << i << "]";
+      ++checked;
+    }
+  }
+  return checked;
+}
+
 // V3's aux-loss-free balancing, through ModelRunner as the trainer drives it: two micro-batches
 // (2 x 32 tokens, top 2 of 8 experts: 128 token-slots each) are run forward and backward; each
 // MoE layer reports its experts' loads (the biased choice), summed over the micro-batches, each
@@ -814,33 +851,10 @@ TEST(DeepseekTraining, LoadBalanceLossIsOnNormalisedScores) {
     g.backward(r->loss(g, batch, 0.f, 1.0, &a));
     r->finish_gradients();
   }
-  int checked = 0;
-  for (const char* name : {"layers.1.router", "layers.2.router"}) {
-    Param* p = r->find(name);
-    ASSERT_NE(p, nullptr) << name;
-    std::vector<float> w = test::to_vector(p->value);
-    const std::vector<float> grad = test::to_vector(p->grad);
-    std::vector<size_t> order(w.size());
-    std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + 3, order.end(),
-                      [&](size_t a, size_t b) { return std::fabs(grad[a]) > std::fabs(grad[b]); });
-    for (int j = 0; j < 3; ++j) {
-      const size_t i = order[static_cast<size_t>(j)];
-      const float h = 1e-3f, orig = w[i];
-      w[i] = orig + h;
-      r->backend().copy_from_host(p->value, w.data());
-      const double up = objective(nullptr);
-      w[i] = orig - h;
-      r->backend().copy_from_host(p->value, w.data());
-      const double down = objective(nullptr);
-      w[i] = orig;
-      r->backend().copy_from_host(p->value, w.data());
-      const double fd = (up - down) / (2.0 * h);
-      EXPECT_NEAR(fd, grad[i], 2e-2 * std::fabs(grad[i]) + 1e-4) << name << "[" << i << "]";
-      ++checked;
-    }
-  }
-  EXPECT_EQ(checked, 6);
+  EXPECT_EQ(check_largest_gradients(
+                *r, {"layers.1.router", "layers.2.router"}, [&] { return objective(nullptr); },
+                [](float) { return 1e-3f; }),
+            6);
 }
 
 // Central differences of the training objective (main loss + 1 x the MTP term, load balancing
@@ -870,47 +884,21 @@ TEST(DeepseekMtp, GradientsMatchFiniteDifferences) {
     g.backward(l);
     r->finish_gradients();
   }
-  const char* names[] = {"mtp.1.mtp_projection",
-                         "mtp.1.mtp_embedding_norm",
-                         "mtp.1.mtp_hidden_norm",
-                         "mtp.1.wq_b",
-                         "mtp.1.wkv_a",
-                         "mtp.1.wo",
-                         "mtp.1.router",
-                         "mtp.1.w_gate",
-                         "mtp.1.w_down",
-                         "mtp.1.shared_w_up",
-                         "final_norm",
-                         "lm_head"};
-  int checked = 0;
-  for (const char* name : names) {
-    Param* p = r->find(name);
-    ASSERT_NE(p, nullptr) << name;
-    std::vector<float> w = test::to_vector(p->value);
-    const std::vector<float> grad = test::to_vector(p->grad);
-    // The elements of largest gradient (a tiny one is all rounding in a difference).
-    std::vector<size_t> order(w.size());
-    std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + 3, order.end(),
-                      [&](size_t a, size_t b) { return std::fabs(grad[a]) > std::fabs(grad[b]); });
-    for (int j = 0; j < 3; ++j) {
-      const size_t i = order[static_cast<size_t>(j)];
-      const float h = 1e-2f * std::max(1.f, std::fabs(w[i]));
-      const float orig = w[i], hi = orig + h, lo = orig - h;
-      w[i] = hi;
-      r->backend().copy_from_host(p->value, w.data());
-      const double up = objective();
-      w[i] = lo;
-      r->backend().copy_from_host(p->value, w.data());
-      const double down = objective();
-      w[i] = orig;
-      r->backend().copy_from_host(p->value, w.data());
-      const double fd = (up - down) / (static_cast<double>(hi) - static_cast<double>(lo));
-      EXPECT_NEAR(fd, grad[i], 2e-2 * std::fabs(grad[i]) + 1e-4) << name << "[" << i << "]";
-      ++checked;
-    }
-  }
-  EXPECT_EQ(checked, 36);
+  const std::vector<std::string> names = {"mtp.1.mtp_projection",
+                                          "mtp.1.mtp_embedding_norm",
+                                          "mtp.1.mtp_hidden_norm",
+                                          "mtp.1.wq_b",
+                                          "mtp.1.wkv_a",
+                                          "mtp.1.wo",
+                                          "mtp.1.router",
+                                          "mtp.1.w_gate",
+                                          "mtp.1.w_down",
+                                          "mtp.1.shared_w_up",
+                                          "final_norm",
+                                          "lm_head"};
+  EXPECT_EQ(check_largest_gradients(*r, names, objective,
+                                    [](float w) { return 1e-2f * std::max(1.f, std::fabs(w)); }),
+            36);
 }
 
 // Decode and scoring never run the MTP modules: with mtp_num_layers=1 the golden model's logits
