@@ -1151,6 +1151,14 @@ std::string BpeTokenizer::decode(const std::vector<int32_t>& ids) const {
           }
           if (ok) t = std::move(bytes);
         }
+        {
+          // As the reference: the bytes of every token as one text, invalid UTF-8 replaced
+          // (String::from_utf8_lossy) (before: raw bytes, e.g. a lone 0x98 in mt decode's output,
+          // which a reader of text fails on).
+          std::string all;
+          for (const auto& t : toks) all += t;
+          toks.assign(1, utf8_lossy(all));
+        }
         break;
       case DecodeStep::Kind::byte_fallback: {
         std::vector<std::string> res;

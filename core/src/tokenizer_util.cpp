@@ -43,6 +43,51 @@ uint32_t utf8_decode(std::string_view s) {
   }
 }
 
+std::string utf8_lossy(std::string_view s) {
+  if (utf8_invalid_at(s) == std::string_view::npos) return std::string(s);
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  const size_t n = s.size();
+  std::string out;
+  out.reserve(n + 8);
+  size_t i = 0;
+  while (i < n) {
+    const unsigned char c = p[i];
+    if (c < 0x80) {
+      out += static_cast<char>(c);
+      ++i;
+      continue;
+    }
+    // The sequence's length and its second byte's range (which excludes overlong forms,
+    // surrogates and code points above U+10FFFF); the others are 0x80-0xBF.
+    size_t len = 0;
+    unsigned char lo = 0x80, hi = 0xBF;
+    if (c >= 0xC2 && c <= 0xDF) {
+      len = 2;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      len = 3;
+      if (c == 0xE0) lo = 0xA0;
+      if (c == 0xED) hi = 0x9F;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      len = 4;
+      if (c == 0xF0) lo = 0x90;
+      if (c == 0xF4) hi = 0x8F;
+    }
+    size_t k = 1;  // bytes of a valid prefix
+    if (len > 0)
+      for (; k < len && i + k < n; ++k) {
+        const unsigned char b = p[i + k];
+        if (b < (k == 1 ? lo : 0x80) || b > (k == 1 ? hi : 0xBF)) break;
+      }
+    if (len > 0 && k == len) {
+      out.append(s.data() + i, len);
+    } else {
+      out += "\xEF\xBF\xBD";  // the maximal subpart: the lead and the continuation bytes that fit
+    }
+    i += (len > 0 && k == len) ? len : k;
+  }
+  return out;
+}
+
 size_t utf8_invalid_at(std::string_view s) {
   const auto* p = reinterpret_cast<const unsigned char*>(s.data());
   const size_t n = s.size();

@@ -29,5 +29,9 @@ uint32_t utf8_decode(std::string_view s);
 // Byte offset of the first byte that is not part of valid UTF-8 (overlong forms, surrogates and
 // code points above U+10FFFF are invalid), or npos.
 size_t utf8_invalid_at(std::string_view s);
+// s with each maximal invalid subsequence replaced by one U+FFFD (Unicode's "substitution of
+// maximal subparts", as Rust's String::from_utf8_lossy, which Hugging Face's ByteLevel decoder
+// applies).
+std::string utf8_lossy(std::string_view s);
 
 }  // namespace mt

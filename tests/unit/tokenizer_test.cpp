@@ -212,6 +212,28 @@ TEST(Tokenizer, DecodeSkipsIdsOutsideTheVocabulary) {
   }
 }
 
+// Byte-level decoding replaces invalid UTF-8 as Hugging Face's decoder does (from_utf8_lossy:
+// one U+FFFD per maximal invalid subsequence), where it wrote the raw bytes (a lone 0xC3 in mt
+// decode's output, which a reader of text fails on); valid text is unchanged.
+TEST(Tokenizer, ByteLevelDecodingReplacesInvalidUtf8) {
+  auto tok = make_tokenizer(test::source_dir() + "/data/tokenizer.json", "");
+  const auto* bpe = dynamic_cast<const BpeTokenizer*>(tok.get());
+  ASSERT_NE(bpe, nullptr);
+  const int32_t lead = bpe->token_to_id("\xC3\x83");  // "Ã", the byte 0xC3 alone
+  const int32_t a = bpe->token_to_id("a");
+  ASSERT_GE(lead, 0);
+  ASSERT_GE(a, 0);
+  EXPECT_EQ(tok->decode({lead, a}),
+            "\xEF\xBF\xBD"
+            "a");
+  EXPECT_EQ(tok->decode({a, lead}), "a\xEF\xBF\xBD");
+  const auto ids = tok->encode("caf\xC3\xA9 \xE2\x82\xAC");
+  EXPECT_EQ(tok->decode(ids), "caf\xC3\xA9 \xE2\x82\xAC");
+  EXPECT_EQ(utf8_lossy("\xE2\x82x\xF0\x9F\x98\x80\xED\xA0\x80"),
+            "\xEF\xBF\xBD"
+            "x\xF0\x9F\x98\x80\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD");
+}
+
 // ---- factory -------------------------------------------------------------------------------
 
 class TempDir {
