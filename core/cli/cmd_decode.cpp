@@ -146,8 +146,10 @@ Inference load_inference(const Args& args, const char* command, bool need_tokeni
                    dtype_name(in.runner->compute_dtype()), first.c_str(), kept > 1 ? ", ..." : "");
   }
   // Only when text must be tokenized (score with token ids needs none).
+  // mt decode of token ids loads a tokenizer it has too: its end-of-sequence id stops the
+  // generation as it does for text (before: ignored, the ids ran to max_target_length).
   const std::string tok = cfg.get_string("tokenizer_path");
-  if (need_tokenizer && !tok.empty())
+  if ((need_tokenizer || std::string(command) == "decode") && !tok.empty())
     in.tokenizer = make_tokenizer(tok, cfg.get_string("tokenizer_type"));
   if (need_tokenizer && !in.tokenizer)
     throw UsageError(std::string("mt ") + command +

@@ -130,7 +130,10 @@ int cmd_tokenize(const Args& args) {
   std::atomic<size_t> next{0}, done{0};
   const bool tty = isatty(fileno(stderr));
   std::vector<std::thread> threads;
-  const unsigned n = std::max(1u, std::thread::hardware_concurrency());
+  // num_threads, as for every command (0 = the cores; before: always the cores).
+  const unsigned n = cfg.get_int("num_threads") > 0
+                         ? static_cast<unsigned>(cfg.get_int("num_threads"))
+                         : std::max(1u, std::thread::hardware_concurrency());
   // A document the tokenizer refuses (text that is not UTF-8): its index and the reason, the
   // first in document order; with data_strict=false every such document is skipped.
   std::vector<std::string> refused(docs.size());
@@ -239,9 +242,9 @@ int cmd_tokenize(const Args& args) {
   std::fprintf(stderr, "%s", tty ? "\r" : "");
   std::printf(
       "mt tokenize: %zu documents, %.2f MB of text -> %zu tokens (uint%u) in %s; %.1f MB/s "
-      "on %u threads\n",
+      "on %u thread%s\n",
       kept, static_cast<double>(bytes) / 1e6, count, width * 8, out_path.c_str(),
-      static_cast<double>(bytes) / 1e6 / s, n);
+      static_cast<double>(bytes) / 1e6 / s, n, n == 1 ? "" : "s");
   return 0;
 }
 

@@ -109,8 +109,9 @@ std::string read_file(const std::string& path, const std::string& what, uint64_t
   } closer{fd};
   const std::string name = what + " file '" + path + "'";
   auto too_large = [&] {
-    return UsageError(name + " is larger than " + bytes_text(max_bytes) +
-                      ", the most mt reads from a " + what + " file: is it the right file?");
+    return UsageError(
+        name + " is larger than " + bytes_text(max_bytes) + ", the most mt reads from " +
+        (what.find_first_of("aeiou") == 0 ? "an " : "a ") + what + " file: is it the right file?");
   };
   struct stat sb {};
   if (::fstat(fd, &sb) == 0 && static_cast<uint64_t>(sb.st_size) > max_bytes) throw too_large();

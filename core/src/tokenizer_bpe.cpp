@@ -78,6 +78,14 @@ class Regex {
       const int rc =
           pcre2_match(code_.get(), subject, s.size(), start, PCRE2_NO_UTF_CHECK, md, nullptr);
       if (rc == PCRE2_ERROR_NOMATCH) return;
+      if (rc == PCRE2_ERROR_MATCHLIMIT || rc == PCRE2_ERROR_DEPTHLIMIT ||
+          rc == PCRE2_ERROR_HEAPLIMIT)
+        throw Error("tokenizer: the pre-tokenizer's regex gave up on a text of " +
+                    std::to_string(s.size()) + " bytes (PCRE2's match limit, error " +
+                    std::to_string(rc) +
+                    "): a run of millions of whitespace characters backtracks past it (Hugging "
+                    "Face's tokenizers fail on it too). Split such a document, or skip it with "
+                    "data_strict=false.");
       if (rc < 0)
         throw Error("tokenizer: regex match failed (PCRE2 error " + std::to_string(rc) + ")");
       const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);

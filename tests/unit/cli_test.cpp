@@ -63,6 +63,16 @@ TEST(Cli, TokenizeReproducesTheShippedTokenFile) {
   EXPECT_GT(sa.str().size(), 1000u);
   EXPECT_TRUE(sa.str() == sb.str()) << "mt tokenize differs from the shipped corpus.eval.tokens";
   fs::remove(out);
+  // num_threads is taken (before: always the cores), with the same file.
+  r = mt_cmd("tokenize tokenizer_path=" + data + "tokenizer.json input=" + data +
+             "corpus.eval.jsonl num_threads=1 output=" + out.string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("MB/s on 1 thread\n"), std::string::npos) << r.out;
+  std::ifstream c(out, std::ios::binary);
+  std::stringstream sc;
+  sc << c.rdbuf();
+  EXPECT_TRUE(sc.str() == sb.str());
+  fs::remove(out);
   // Neither bos nor eos written: the file cannot tell its documents apart, and says so.
   r = mt_cmd("tokenize tokenizer_path=" + data + "tokenizer.json input=" + data +
              "corpus.eval.jsonl add_bos=false add_eos=false output=" + out.string());

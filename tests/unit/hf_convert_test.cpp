@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 #include "checkpoint_manager.h"
 #include "config_loader.h"
@@ -16,6 +17,8 @@
 #include "mt/data.h"
 #include "safetensors.h"
 #include "test_support.h"
+#include "tokenizer_bpe.h"
+#include "tokenizer_factory.h"
 
 namespace fs = std::filesystem;
 
@@ -209,6 +212,49 @@ TEST(HfConvert, Int8LeftoversAndAnUnreachableEosAreSaid) {
       << out;
   EXPECT_NE(out.find("end-of-sequence id 70000 is outside the model's vocabulary"),
             std::string::npos)
+      << out;
+}
+
+// mt decode of token ids stops at the end-of-sequence id of the tokenizer it has, as for text
+// (before: the tokenizer was not loaded for ids, and they ran to max_target_length).
+TEST(HfConvert, DecodeOfIdsStopsAtTheTokenizersEos) {
+  Dirs d;
+  std::string out;
+  ASSERT_EQ(
+      mt_cmd("convert --to=hf --model=llama-test vocab_size=8192 --output=" + d.back.string(), out),
+      0)
+      << out;
+  auto ids_of = [](const std::string& o) {  // the line of ids (stderr is merged)
+    std::vector<int32_t> v;
+    const size_t at = o.find("5,6,7,");
+    if (at == std::string::npos) return v;
+    std::stringstream line(o.substr(at, o.find('\n', at) - at));
+    for (std::string x; std::getline(line, x, ',');) v.push_back(std::stoi(x));
+    return v;
+  };
+  const std::string cmd =
+      "decode hf_path=" + d.back.string() + " tokens=5,6,7 max_target_length=12 2>/dev/null";
+  ASSERT_EQ(mt_cmd(cmd, out), 0) << out;
+  const std::vector<int32_t> free_run = ids_of(out);
+  ASSERT_EQ(free_run.size(), 12u) << out;
+  // The tokenizer beside the weights, its tokenizer_config.json naming the 2nd generated token
+  // (one not generated before it) end of sequence.
+  size_t stop = 4;
+  while (stop < free_run.size() &&
+         std::find(free_run.begin() + 3, free_run.begin() + static_cast<std::ptrdiff_t>(stop),
+                   free_run[stop]) != free_run.begin() + static_cast<std::ptrdiff_t>(stop))
+    ++stop;
+  ASSERT_LT(stop, free_run.size());
+  fs::copy_file(test::source_dir() + "/data/tokenizer.json", d.back / "tokenizer.json");
+  auto tok = make_tokenizer((d.back / "tokenizer.json").string(), "");
+  const std::string text = dynamic_cast<const BpeTokenizer&>(*tok).id_to_token(free_run[stop]);
+  std::string esc;
+  for (char c : text) esc += (c == '"' || c == '\\') ? std::string("\\") + c : std::string(1, c);
+  std::ofstream(d.back / "tokenizer_config.json") << "{\"eos_token\": \"" << esc << "\"}";
+  ASSERT_EQ(mt_cmd(cmd, out), 0) << out;
+  EXPECT_EQ(ids_of(out),
+            std::vector<int32_t>(free_run.begin(),
+                                 free_run.begin() + static_cast<std::ptrdiff_t>(stop) + 1))
       << out;
 }
 

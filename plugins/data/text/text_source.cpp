@@ -51,6 +51,7 @@ struct TextOptions {
   bool add_bos = true, add_eos = true;
   int32_t bos = -1, eos = -1;
   int64_t vocab = 0;
+  int64_t threads = 0;  // num_threads: tokenizing threads (0 = the cores)
 };
 
 // Records skipped with data_strict=false, for the warning.
@@ -151,8 +152,8 @@ class TextStream final : public mt_data::TokenStream {
   const Skipped& skipped() const { return skipped_; }
 
  private:
-  // Tokenizes the documents of one file on all cores (the tokenizers are thread-safe), then
-  // appends them in order.
+  // Tokenizes the documents of one file on num_threads threads (the tokenizers are thread-safe),
+  // then appends them in order.
   void append(const std::vector<RawDoc>& docs, const mt::Tokenizer& tok, const TextOptions& opt) {
     std::vector<std::vector<int32_t>> out(docs.size());
     std::vector<std::exception_ptr> errors(docs.size());
@@ -166,8 +167,9 @@ class TextStream final : public mt_data::TokenStream {
         }
       }
     };
-    const size_t n_threads =
-        std::min<size_t>(docs.size(), std::max(1u, std::thread::hardware_concurrency()));
+    const size_t n_threads = std::min<size_t>(
+        docs.size(), opt.threads > 0 ? static_cast<size_t>(opt.threads)
+                                     : std::max(1u, std::thread::hardware_concurrency()));
     {
       std::vector<std::jthread> pool;
       for (size_t t = 1; t < n_threads; ++t) pool.emplace_back(work);
@@ -253,6 +255,7 @@ std::unique_ptr<mt::DatasetSource> make_text_source(const mt::Config& cfg,
   opt.eos = tok->eos_id();
   opt.vocab = st.vocab;
   opt.strict = mt_data::bool_or(cfg, "data_strict", true);
+  opt.threads = mt_data::int_or(cfg, "num_threads", 0);
   if (opt.add_bos && opt.bos < 0)
     cfg.reject("add_bos",
                "needs a tokenizer with a beginning-of-sequence token; this one has "
