@@ -48,6 +48,10 @@ Config resolve_config(const Args& a, bool notes = true);
 TrainSummary train_on_ranks(const Config& cfg, PluginManager& pm, bool quiet, Communicator& comm,
                             const char* command);
 
+// The sequences mt decode runs at once: prompt_file's prompts (read as mt decode reads them),
+// else 1.
+int64_t prompt_file_prompts(const Config& cfg);
+
 // Refuses (UsageError) quantization and quantize_kvcache for a command they would not change
 // (`command`, e.g. "mt convert", and why), where they would be accepted and ignored.
 void refuse_quantization(const Config& cfg, const std::string& command, const std::string& why);

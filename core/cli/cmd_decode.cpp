@@ -561,6 +561,21 @@ int cmd_score(const Args& args) {
   // predicts it (a sequence's or a window's first token), so the file and the mean agree.
   std::vector<float> logprobs;
   const bool keep = !cfg.get_string("output").empty();
+  // output= keeps every scored token's logits for the file (and the write needs about as much
+  // again): refused before scoring when that cannot fit this machine's memory (before: an
+  // out-of-memory error after the whole scoring pass, and no file).
+  if (keep) {
+    const double logits_bytes = static_cast<double>(n) * static_cast<double>(vocab) * 4.0;
+    const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+    const double memory = pages > 0 && page > 0 ? static_cast<double>(pages) * page : 0.0;
+    if (memory > 0 && 2 * logits_bytes > memory)
+      cfg.reject("output",
+                 fmt::format("would hold the logits of {} tokens x a vocabulary of {}: {} in "
+                             "memory, about twice that while the file is written, more than this "
+                             "machine's {}. Score fewer tokens a call (split input=), or leave "
+                             "output= out for the loss alone.",
+                             n, vocab, human_bytes(logits_bytes), human_bytes(memory)));
+  }
   double nll = 0;
   int64_t counted = 0;
   Backend& be = in.runner->backend();
@@ -620,6 +635,13 @@ int cmd_score(const Args& args) {
         static_cast<long>(n), static_cast<long>(vocab), static_cast<long>(n), out.c_str());
   }
   return 0;
+}
+
+int64_t prompt_file_prompts(const Config& cfg) {
+  const std::string path = cfg.get_string("prompt_file");
+  if (path.empty()) return 1;
+  return std::max<int64_t>(
+      1, static_cast<int64_t>(read_texts(path, cfg.get_string("train_data_columns")).size()));
 }
 
 }  // namespace mt::cli

@@ -38,7 +38,10 @@ int cmd_plan(const Args& args) {
   }
   const DeviceProfile target = plan_target(cfg, real.get());
   real.reset();
-  const Plan plan = make_plan(cfg, pm, target, PlanFor::both, /*with_fixes=*/true);
+  // The decode batch mt decode would run: prompt_file's prompts (before: always one sequence,
+  // where mt decode's own check planned them all).
+  const Plan plan =
+      make_plan(cfg, pm, target, PlanFor::both, /*with_fixes=*/true, prompt_file_prompts(cfg));
   std::printf("mt plan: %s (%s family)\n%s", model_label(cfg).c_str(),
               cfg.get_string("decoder_block").c_str(), format_plan(plan, cfg).c_str());
   std::printf("mt plan: planned in %.2f s without allocating the model\n",

@@ -162,7 +162,7 @@ std::vector<fs::path> plugin_dirs_of(const Config& cfg) {
   return dirs;
 }
 
-// mt decode / mt score load_parameters_path=<checkpoint of mt run> (mt convert --to=hf
+// mt decode / mt score / mt plan load_parameters_path=<checkpoint of mt run> (mt convert --to=hf
 // --input=<checkpoint>) with no model named (no
 // --model, model_name= or decoder_block=, by any layer the user wrote): the checkpoint's config
 // is the model, as config.json is with hf_path. Layers into `req` the saved model keys (base.yml's
@@ -329,7 +329,8 @@ Config resolve_config(const Args& a, bool notes) {
     req.overrides.insert(req.overrides.end(), a.overrides.begin(), a.overrides.end());
     for (const auto& u : imp.unused)
       unused.push_back(hf + "/config.json field not used by mt: " + u);
-  } else if ((a.command == "decode" || a.command == "score" || a.command == "convert") &&
+  } else if ((a.command == "decode" || a.command == "score" || a.command == "convert" ||
+              a.command == "plan") &&
              !layers.get_string("load_parameters_path").empty()) {
     saved_model = checkpoint_model(a, req, layers);
   }

@@ -1,8 +1,10 @@
 // Hugging Face interop: import a transformers LlamaForCausalLM directory, check its logits
 // against transformers, export it back and get the same tensors; hf_path= for score.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -190,6 +192,16 @@ TEST(HfConvert, ExportWithoutInputWritesTheInitialWeights) {
   };
   EXPECT_EQ(bytes(d.root / "r_hf2" / "model.safetensors"),
             bytes(d.root / "r_hf" / "model.safetensors"));
+  // mt plan plans what mt decode runs: the checkpoint's model (before: base.yml's llama-small)
+  // and a prompt_file's prompts as the batch (before: one sequence).
+  std::ofstream(d.root / "prompts.txt") << "one\ntwo\nthree\n";
+  ASSERT_EQ(mt_cmd("plan load_parameters_path=" + (d.root / "r").string() +
+                       " prompt_file=" + (d.root / "prompts.txt").string() + " 2>&1",
+                   out),
+            0)
+      << out;
+  EXPECT_NE(out.find("mt plan: mixtral-test (mixtral family)"), std::string::npos) << out;
+  EXPECT_NE(out.find("decode (3 sequences"), std::string::npos) << out;
 }
 
 // quantization=int8 says which projections stay in the compute dtype (an input width not a
@@ -256,6 +268,37 @@ TEST(HfConvert, DecodeOfIdsStopsAtTheTokenizersEos) {
             std::vector<int32_t>(free_run.begin(),
                                  free_run.begin() + static_cast<std::ptrdiff_t>(stop) + 1))
       << out;
+}
+
+// mt score output= keeps every token's logits for the file: more than the machine's memory is
+// refused before scoring, naming the sizes (before: an out-of-memory error after the whole pass).
+TEST(HfConvert, ScoreOutputThatCannotFitIsRefusedFirst) {
+  Dirs d;
+  std::string out;
+  const int64_t vocab = 262144;
+  ASSERT_EQ(mt_cmd("convert --to=hf --model=llama-test vocab_size=" + std::to_string(vocab) +
+                       " --output=" + d.back.string(),
+                   out),
+            0)
+      << out;
+  const double memory = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) *
+                        static_cast<double>(::sysconf(_SC_PAGE_SIZE));
+  const auto n = static_cast<int64_t>(memory / (2.0 * static_cast<double>(vocab) * 4)) + 100;
+  {
+    std::ofstream f(d.root / "ids.txt");
+    for (int64_t i = 0; i < n; ++i) f << (i % 1000) << (i + 1 < n ? "," : "\n");
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(mt_cmd("score hf_path=" + d.back.string() + " input=" + (d.root / "ids.txt").string() +
+                       " output=" + (d.root / "logits.safetensors").string(),
+                   out),
+            2)
+      << out;
+  EXPECT_NE(out.find("would hold the logits of " + std::to_string(n) + " tokens"),
+            std::string::npos)
+      << out;
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 60.0);
+  EXPECT_FALSE(fs::exists(d.root / "logits.safetensors"));
 }
 
 TEST(HfConvert, HfPathScoresLikeTheConvertedCheckpoint) {
