@@ -357,7 +357,6 @@ int cmd_decode(const Args& args) {
   const SamplingParams sp = sampling_from_config(cfg);
   const bool stream = prompts.size() == 1 && !ids_given;
   std::string shown;
-  std::vector<int32_t> so_far;
   // The text as bytes (fwrite): a generated NUL byte (byte-level BPE's token for 0x00) must not
   // end the line, as printf's %s and fputs would.
   auto put = [](const std::string& t, size_t from = 0) {
@@ -388,7 +387,6 @@ int cmd_decode(const Args& args) {
   size_t from = seq.size() > 5 ? seq.size() - 5 : 0, read = seq.size();
   auto on_token = [&](int64_t, int32_t id) {
     if (!stream) return;
-    so_far.push_back(id);
     seq.push_back(id);
     const std::string before =
         in.tokenizer->decode(std::vector<int32_t>(seq.begin() + static_cast<std::ptrdiff_t>(from),
