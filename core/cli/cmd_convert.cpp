@@ -18,6 +18,7 @@
 #include "cli.h"
 #include "file_util.h"
 #include "hf_interop.h"
+#include "host_threads.h"
 #include "model_runner.h"
 #include "mt/checkpointer.h"
 #include "mt/error.h"
@@ -112,6 +113,7 @@ int cmd_convert(const Args& args_in) {
   if (from == "hf") {
     args.overrides.insert(args.overrides.begin(), "hf_path=" + input);
     Config cfg = resolve_config(args);
+    const HostThreads threads(cfg);
     refuse_quantization(cfg, "mt convert", "writes the weights as they are held");
     std::vector<fs::path> dirs;
     for (const auto& d : cfg.get_string_list("plugin_dirs")) dirs.emplace_back(d);
@@ -181,6 +183,7 @@ int cmd_convert(const Args& args_in) {
   // load_parameters_path= names the checkpoint as --input does (before: ignored, and the
   // model's random initial weights were exported in its place).
   if (input.empty()) input = cfg.get_string("load_parameters_path");
+  const HostThreads threads(cfg);
   refuse_quantization(cfg, "mt convert", "writes the weights as they are held");
   StagedOutput out(output);
   std::vector<fs::path> dirs;

@@ -17,6 +17,7 @@
 #include "decoder.h"
 #include "file_util.h"
 #include "hf_interop.h"
+#include "host_threads.h"
 #include "json.h"
 #include "memory_plan.h"
 #include "model_runner.h"
@@ -36,6 +37,7 @@ namespace {
 
 struct Inference {
   Config cfg;
+  std::unique_ptr<HostThreads> threads;  // num_threads for the host work (loading) too
   std::unique_ptr<PluginManager> pm;
   std::unique_ptr<ModelRunner> runner;
   std::unique_ptr<Tokenizer> tokenizer;  // null when no tokenizer_path is set
@@ -100,6 +102,7 @@ Inference load_inference(const Args& args, const char* command, bool need_tokeni
   // the start (loaded with the rounding every forward's cast would give).
   in.cfg = inference_config(resolve_config(args));
   const Config& cfg = in.cfg;
+  in.threads = std::make_unique<HostThreads>(cfg);
   const std::string ckpt = cfg.get_string("load_parameters_path");
   const std::string hf = cfg.get_string("hf_path");
   if (ckpt.empty() && hf.empty())

@@ -6,6 +6,7 @@
 
 #include "cli.h"
 #include "communicator.h"
+#include "host_threads.h"
 #include "model_info.h"
 #include "mt/error.h"
 #include "plugin_manager.h"
@@ -24,6 +25,7 @@ std::string fmt_eval(double v) {
 
 int cmd_run(const Args& args) {
   Config cfg = resolve_config(args);
+  const HostThreads threads(cfg);  // num_threads for the host work (restoring, loading) too
   std::vector<std::filesystem::path> dirs;
   for (const auto& d : cfg.get_string_list("plugin_dirs")) dirs.emplace_back(d);
   PluginManager pm(dirs);

@@ -7,12 +7,19 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <mutex>
 #include <random>
+#include <set>
 #include <string>
+#include <thread>
 #include <vector>
+
+#include <oneapi/tbb/global_control.h>
+#include <oneapi/tbb/parallel_for.h>
 
 #include "config_impl.h"
 #include "config_loader.h"
+#include "host_threads.h"
 #include "mt/error.h"
 #include "mt/model.h"
 #include "plugin_manager.h"
@@ -987,3 +994,32 @@ TEST(ConfigNearest, Suggestions) {
 
 }  // namespace
 }  // namespace mt
+
+// The host work of a command (converting and transposing weights at load, int8 quantization,
+// Hugging Face conversion) runs in oneTBB's default arena, not the backend's: HostThreads bounds
+// it to num_threads while the command runs (before: every CPU, whatever num_threads said).
+TEST(HostThreads, BoundsTheHostWorkToNumThreadsWhileItLives) {
+  using gc = tbb::global_control;
+  const size_t before = gc::active_value(gc::max_allowed_parallelism);
+  auto threads_used = [] {
+    std::mutex m;
+    std::set<std::thread::id> ids;
+    tbb::parallel_for(0, 64, [&](int) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      const std::lock_guard<std::mutex> lock(m);
+      ids.insert(std::this_thread::get_id());
+    });
+    return ids.size();
+  };
+  {
+    const mt::HostThreads host(mt::config_from_pairs({{"num_threads", "1"}}));
+    EXPECT_EQ(host.threads(), 1);
+    EXPECT_EQ(gc::active_value(gc::max_allowed_parallelism), 1u);
+    EXPECT_EQ(threads_used(), 1u);  // the calling thread alone
+  }
+  {
+    const mt::HostThreads host(mt::config_from_pairs({{"num_threads", "3"}}));
+    EXPECT_EQ(gc::active_value(gc::max_allowed_parallelism), 3u);
+  }
+  EXPECT_EQ(gc::active_value(gc::max_allowed_parallelism), before);
+}
