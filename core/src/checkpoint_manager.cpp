@@ -583,8 +583,11 @@ std::vector<int64_t> list_complete_steps(const fs::path& dir) {
 
 // Removes "<step>.tmp-<pid>" and "<step>.old-<pid>" directories left by crashed processes (and
 // by earlier failed saves of this one, which never has two writes in flight). Another live
-// process's directories are left alone. Best effort: a leftover is harmless to readers.
-void remove_stale(const fs::path& dir) {
+// process's directories are left alone, unless `exclusive` (the caller holds the run's lock, so
+// no other process writes here: a leftover whose pid now names an unrelated process, after a
+// reboot or pid reuse, is stale too, and was kept forever). Best effort: a leftover is harmless
+// to readers.
+void remove_stale(const fs::path& dir, bool exclusive) {
   for (const auto& e : entries(dir)) {
     std::string name = e.path().filename().string();
     size_t dot = name.find('.');
@@ -597,18 +600,18 @@ void remove_stale(const fs::path& dir) {
     if (r.ec != std::errc() || r.ptr != num.data() + num.size() || pid <= 0) continue;
     bool dead = ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
     std::error_code ec;
-    if (pid == ::getpid() || dead) fs::remove_all(e.path(), ec);
+    if (exclusive || pid == ::getpid() || dead) fs::remove_all(e.path(), ec);
   }
 }
 
 // Creates the checkpoint directory `dir` if needed, removes dead processes' leftovers from it and
 // makes a save's temporary directory `tmp` in it.
-void make_tmp_dir(const fs::path& dir, const fs::path& tmp) {
+void make_tmp_dir(const fs::path& dir, const fs::path& tmp, bool exclusive) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec)
     throw Error("cannot create the checkpoint directory " + quoted(dir) + ": " + ec.message());
-  remove_stale(dir);
+  remove_stale(dir, exclusive);
   if (::mkdir(tmp.c_str(), 0755) != 0) errno_error("cannot create", tmp);
 }
 
@@ -1240,7 +1243,7 @@ void CheckpointManager::write(const Snapshot& snap, bool live) {
   const fs::path final_dir = dir_ / step_name;
   const fs::path tmp = dir_ / (step_name + ".tmp-" + pid);
   try {
-    make_tmp_dir(dir_, tmp);
+    make_tmp_dir(dir_, tmp, exclusive_);
     // From here on a failure removes everything this save wrote, and only that.
     struct TmpGuard {
       const fs::path& p;
@@ -1385,7 +1388,7 @@ void CheckpointManager::save_parts(const ShardedTrainState& state) {
   std::string why;
   if (me == 0) {
     try {
-      make_tmp_dir(dir_, dir_ / (step_name + ".tmp-" + std::to_string(::getpid())));
+      make_tmp_dir(dir_, dir_ / (step_name + ".tmp-" + std::to_string(::getpid())), exclusive_);
       made[0] = 1;
       made[1] = ::getpid();
     } catch (const std::exception& e) {

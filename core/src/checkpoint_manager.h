@@ -122,6 +122,10 @@ class CheckpointManager final : public Checkpointer {
                     Backend& backend, Communicator* comm = nullptr);
   // Waits for an in-flight write; an error nobody collected is printed to stderr.
   ~CheckpointManager() override;
+  // The caller holds the run's lock (RunLock) on the directory above checkpoint_dir, so no other
+  // process saves here: a save removes every earlier save's leftover temporary directory, not
+  // only those of processes that are gone. Call before the first save.
+  void claim_directory() { exclusive_ = true; }
   CheckpointManager(const CheckpointManager&) = delete;
   CheckpointManager& operator=(const CheckpointManager&) = delete;
 
@@ -207,6 +211,7 @@ class CheckpointManager final : public Checkpointer {
 
   std::filesystem::path dir_;
   bool async_;
+  bool exclusive_ = false;  // claim_directory()
   int max_to_keep_;
   Backend& backend_;
   Communicator* comm_;

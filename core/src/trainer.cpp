@@ -783,6 +783,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   CheckpointManager ckpt(run_dir / "checkpoints", cfg.get_bool("async_checkpointing"),
                          static_cast<int>(cfg.get_int("max_num_checkpoints_to_keep")), be,
                          parts ? &comm : nullptr);
+  if (lock) ckpt.claim_directory();  // rank 0 makes and cleans the save directories
   int64_t first_step = 1;
   std::string resumed_from;
   // A newer step that is not complete is passed over, but never silently.

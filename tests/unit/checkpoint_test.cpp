@@ -315,6 +315,27 @@ TEST_F(Checkpoint, LatestStepIgnoresTmpAndIncomplete) {
   EXPECT_EQ(ckpt.latest_step(), 5);
 }
 
+// A leftover whose pid names a live process is another writer's, unless the run's lock is held
+// (claim_directory): then no other process saves here, and the pid is an unrelated process's
+// (pid reuse, a reboot). Before, such a leftover (a whole step's shards) was kept forever.
+TEST_F(Checkpoint, ClaimedDirectoryDropsLeftoversOfLivePids) {
+  CheckpointManager ckpt(dir_, false, 0, cpu());
+  ckpt.save(make_state(1));
+  const std::string live = std::to_string(::getppid());  // alive, and not this process
+  const fs::path tmp = dir_ / ("2.tmp-" + live), old = dir_ / ("1.old-" + live);
+  fs::copy(dir_ / "1", tmp);
+  fs::copy(dir_ / "1", old);
+  ckpt.save(make_state(2));
+  EXPECT_TRUE(fs::exists(tmp));  // unclaimed: maybe a live writer's
+  EXPECT_TRUE(fs::exists(old));
+  CheckpointManager owner(dir_, false, 0, cpu());
+  owner.claim_directory();
+  owner.save(make_state(3));
+  EXPECT_FALSE(fs::exists(tmp));
+  EXPECT_FALSE(fs::exists(old));
+  EXPECT_EQ(owner.complete_steps(), (std::vector<int64_t>{1, 2, 3}));
+}
+
 TEST_F(Checkpoint, RetentionKeepsNewest) {
   CheckpointManager ckpt(dir_, true, /*max_to_keep=*/2, cpu());
   for (int64_t step = 1; step <= 5; ++step) ckpt.save(make_state(step));
