@@ -1,5 +1,6 @@
 // mt tokenize: text or JSON-lines files -> the `tokens` format (data/README.md) that
-// dataset_type=tokens memory-maps. Documents are tokenized in parallel on all cores.
+// dataset_type=tokens memory-maps. Documents are tokenized in parallel on num_threads threads, a
+// chunk of the corpus at a time.
 //   mt tokenize tokenizer_path=FILE input=FILE[,FILE...] output=FILE.tokens
 #include <fmt/format.h>
 #include <unistd.h>
@@ -36,30 +37,44 @@ struct Document {
   std::string text, where;
 };
 
-// Every document of the inputs: a .jsonl/.json file gives one per line (the train_data_columns
-// field), any other file is one document. A malformed line is refused with its file and line, or
-// with `strict` false (data_strict=false) skipped and counted in `skipped` (the first one's reason
-// in `first_skip`).
-std::vector<Document> read_documents(const std::vector<std::string>& paths,
-                                     const std::string& field, bool strict, size_t& bytes,
-                                     size_t& skipped, std::string& first_skip) {
-  std::vector<Document> docs;
-  bytes = 0;
-  auto bad = [&](const std::string& why) {
-    if (strict) throw UsageError(why + ". With data_strict=false such lines are skipped.");
-    if (skipped++ == 0) first_skip = why;
-  };
-  for (const auto& p : paths) {
-    const std::string ext = fs::path(p).extension().string();
-    if (ext != ".jsonl" && ext != ".json") {
-      docs.push_back({read_file(p, "input", kMaxRecordBytes), p});
-      bytes += docs.back().text.size();
-      continue;
-    }
-    // Line by line, each bounded: a corpus may be larger than any one read should be.
-    LineReader in(p, "input", kMaxRecordBytes);
-    for (std::string_view line; in.next(line);) {
-      const uint64_t line_no = in.line_number();
+// The documents of the inputs, read a chunk at a time so that a corpus larger than memory can be
+// tokenized (before: every document and every document's ids were held at once, about three
+// times the corpus). A .jsonl/.json file gives one per line (the train_data_columns field), any
+// other file is one document. A malformed line is refused with its file and line, or with
+// `strict` false (data_strict=false) skipped and counted in `skipped` (the first one's reason in
+// `first_skip`).
+class DocumentReader {
+ public:
+  DocumentReader(std::vector<std::string> paths, std::string field, bool strict)
+      : paths_(std::move(paths)), field_(std::move(field)), strict_(strict) {}
+
+  // The next documents, about `max_bytes` of text (at least one document); false at the end.
+  bool next(std::vector<Document>& docs, size_t max_bytes) {
+    docs.clear();
+    size_t held = 0;
+    while (held < max_bytes) {
+      if (!lines_) {
+        if (file_ == paths_.size()) break;
+        const std::string& p = paths_[file_];
+        const std::string ext = fs::path(p).extension().string();
+        if (ext != ".jsonl" && ext != ".json") {
+          docs.push_back({read_file(p, "input", kMaxRecordBytes), p});
+          held += docs.back().text.size();
+          bytes += docs.back().text.size();
+          ++file_;
+          continue;
+        }
+        // Line by line, each bounded: a corpus may be larger than any one read should be.
+        lines_ = std::make_unique<LineReader>(p, "input", kMaxRecordBytes);
+      }
+      const std::string& p = paths_[file_];
+      std::string_view line;
+      if (!lines_->next(line)) {
+        lines_.reset();
+        ++file_;
+        continue;
+      }
+      const uint64_t line_no = lines_->line_number();
       bytes += line.size() + 1;
       if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
       json::Value v;
@@ -69,16 +84,40 @@ std::vector<Document> read_documents(const std::vector<std::string>& paths,
         bad(fmt::format("{}:{}: not a JSON line ({} at byte {})", p, line_no, e.what, e.offset));
         continue;
       }
-      const json::Value* f = v.is_object() ? v.find(field) : nullptr;
+      const json::Value* f = v.is_object() ? v.find(field_) : nullptr;
       if (!f || !f->is_string()) {
         bad(fmt::format("{}:{}: no string field \"{}\" (set train_data_columns)", p, line_no,
-                        field));
+                        field_));
         continue;
       }
+      held += f->str.size();
       docs.push_back({f->str, fmt::format("{}:{}", p, line_no)});
     }
+    return !docs.empty();
   }
-  return docs;
+
+  size_t bytes = 0, skipped = 0;  // input bytes read; lines and documents skipped
+  std::string first_skip;
+
+ private:
+  void bad(const std::string& why) {
+    if (strict_) throw UsageError(why + ". With data_strict=false such lines are skipped.");
+    if (skipped++ == 0) first_skip = why;
+  }
+
+  std::vector<std::string> paths_;
+  std::string field_;
+  bool strict_;
+  size_t file_ = 0;                    // the file being read
+  std::unique_ptr<LineReader> lines_;  // its lines, for a JSON-lines file
+};
+
+// Text held per chunk: the ids of a chunk take about as much again.
+size_t chunk_bytes() {
+  // MT_TOKENIZE_CHUNK_BYTES: a smaller chunk, for the tests that cross chunk boundaries.
+  if (const char* e = std::getenv("MT_TOKENIZE_CHUNK_BYTES"); e && std::atoll(e) > 0)
+    return static_cast<size_t>(std::atoll(e));
+  return size_t{16} << 20;
 }
 
 bool is_tokens_file(const fs::path& p) {
@@ -106,145 +145,169 @@ int cmd_tokenize(const Args& args) {
   auto tok = make_tokenizer(cfg.get_string("tokenizer_path"), cfg.get_string("tokenizer_type"));
   const auto t0 = std::chrono::steady_clock::now();
   const bool strict = cfg.get_bool("data_strict");
-  size_t bytes = 0, skipped = 0;
-  std::string first_skip;
-  std::vector<Document> docs = read_documents(paths, cfg.get_string("train_data_columns"), strict,
-                                              bytes, skipped, first_skip);
+  DocumentReader reader(paths, cfg.get_string("train_data_columns"), strict);
   const int32_t bos = cfg.get_bool("add_bos") ? tok->bos_id() : -1;
   const int32_t eos = cfg.get_bool("add_eos") ? tok->eos_id() : -1;
-  // A tokens file marks its documents by their eos (or bos) ids alone: without either, its
-  // documents are read back as one stream (packed rows attend across them). Said, not refused:
-  // a corpus meant as one stream is a choice.
-  if (bos < 0 && eos < 0 && docs.size() > 1)
-    std::fprintf(stderr,
-                 "mt tokenize: warning: no bos or eos id is written (add_bos=%s, add_eos=%s, the "
-                 "tokenizer's bos %d, eos %d), so the %zu documents are not marked: "
-                 "dataset_type=tokens reads them as one stream. Set add_eos=true (or add_bos) to "
-                 "keep them apart.\n",
-                 cfg.get_bool("add_bos") ? "true" : "false",
-                 cfg.get_bool("add_eos") ? "true" : "false", tok->bos_id(), tok->eos_id(),
-                 docs.size());
-  // Documents are dealt to threads in small blocks taken in turn; results land in place, so the
-  // output order does not depend on scheduling.
-  std::vector<std::vector<int32_t>> ids(docs.size());
-  std::atomic<size_t> next{0}, done{0};
+  const uint32_t width = tok->vocab_size() <= 65536 ? 2 : 4;
   const bool tty = isatty(fileno(stderr));
-  std::vector<std::thread> threads;
   // num_threads, as for every command (0 = the cores; before: always the cores).
   const unsigned n = cfg.get_int("num_threads") > 0
                          ? static_cast<unsigned>(cfg.get_int("num_threads"))
                          : std::max(1u, std::thread::hardware_concurrency());
-  // A document the tokenizer refuses (text that is not UTF-8): its index and the reason, the
-  // first in document order; with data_strict=false every such document is skipped.
-  std::vector<std::string> refused(docs.size());
-  std::atomic<bool> stop{false}, out_of_memory{false};
-  auto work = [&] {
-    for (size_t i; !stop && (i = next.fetch_add(1)) < docs.size();) {
-      try {
-        auto& v = ids[i];
-        if (bos >= 0) v.push_back(bos);
-        const auto e = tok->encode(docs[i].text);
-        v.insert(v.end(), e.begin(), e.end());
-        if (eos >= 0) v.push_back(eos);
-      } catch (const std::bad_alloc&) {
-        // Never a malformed document: data_strict=false skipped every one it hit (242 of 256
-        // under ulimit -v) and wrote the rest with exit 0.
-        out_of_memory = stop = true;
-      } catch (const std::exception& e) {
-        try {
-          refused[i] = e.what();
-        } catch (const std::bad_alloc&) {
-          out_of_memory = stop = true;  // (leaving the thread would be std::terminate)
-        }
-        ids[i].clear();
-        if (strict) stop = true;
-      }
-      ++done;
+
+  // The file is written under a temporary name, a chunk at a time, and renamed at the end, so a
+  // failure leaves nothing behind.
+  const std::string tmp = out_path + ".tmp";
+  struct RemoveOnFailure {
+    const std::string& path;
+    bool keep = false;
+    ~RemoveOnFailure() {
+      std::error_code ec;
+      if (!keep) fs::remove(path, ec);
     }
+  } tmp_guard{tmp};
+  std::ofstream f(tmp, std::ios::binary);
+  if (!f) throw Error(fmt::format("cannot write {}: {}.", tmp, std::strerror(errno)));
+  auto check_written = [&](const char* what) {
+    if (!f)
+      throw Error(fmt::format("writing {} failed ({}): {}.", tmp, what, std::strerror(errno)));
   };
-  // A thread that cannot be started (a process limit) ends the command with the reason; the
-  // ones started are joined first (before: their destructors called std::terminate).
-  try {
-    for (unsigned t = 0; t < n; ++t) threads.emplace_back(work);
-  } catch (const std::system_error& e) {
-    stop = true;
-    for (auto& t : threads) t.join();
-    throw Error(std::string("mt tokenize cannot start its threads: ") + e.what() +
-                " (a limit on processes or memory: ulimit -u, ulimit -v).");
+  const uint32_t version = 1, none = 0xFFFFFFFFu;
+  uint64_t count = 0;  // patched at the end
+  {
+    const uint32_t e = eos >= 0 ? static_cast<uint32_t>(eos) : none;
+    const uint32_t b = bos >= 0 ? static_cast<uint32_t>(bos) : none;
+    f.write("MTTOKENS", 8);
+    f.write(reinterpret_cast<const char*>(&version), 4);
+    f.write(reinterpret_cast<const char*>(&width), 4);
+    f.write(reinterpret_cast<const char*>(&count), 8);
+    f.write(reinterpret_cast<const char*>(&e), 4);
+    f.write(reinterpret_cast<const char*>(&b), 4);
+    check_written("header");
   }
-  while (tty && done < docs.size() && !stop) {
-    std::fprintf(stderr, "\rmt tokenize: %zu/%zu documents", done.load(), docs.size());
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  for (auto& t : threads) t.join();
-  if (out_of_memory)
-    throw Error("mt tokenize ran out of memory while tokenizing (" + std::to_string(docs.size()) +
-                " documents held at once): tokenize the input in parts, or raise the memory "
-                "limit. Nothing was written.");
-  size_t kept = 0;
-  for (size_t i = 0; i < docs.size(); ++i) {
-    if (refused[i].empty()) {
-      ++kept;
-      continue;
+
+  const size_t max_chunk = chunk_bytes();
+  size_t kept = 0, seen = 0, skipped = 0;
+  std::string first_skip;
+  std::vector<Document> docs;
+  std::vector<std::vector<int32_t>> ids;
+  // A document the tokenizer refuses (text that is not UTF-8): the reason, by index in the chunk;
+  // with data_strict=false every such document is skipped.
+  std::vector<std::string> refused;
+  std::vector<char> out;
+  while (reader.next(docs, max_chunk)) {
+    // Documents are dealt to threads in small blocks taken in turn; results land in place, so
+    // the output order does not depend on scheduling.
+    ids.assign(docs.size(), {});
+    refused.assign(docs.size(), {});
+    std::atomic<size_t> next{0};
+    std::atomic<bool> stop{false}, out_of_memory{false};
+    auto work = [&] {
+      for (size_t i; !stop && (i = next.fetch_add(1)) < docs.size();) {
+        try {
+          auto& v = ids[i];
+          if (bos >= 0) v.push_back(bos);
+          const auto e = tok->encode(docs[i].text);
+          v.insert(v.end(), e.begin(), e.end());
+          if (eos >= 0) v.push_back(eos);
+        } catch (const std::bad_alloc&) {
+          // Never a malformed document: data_strict=false skipped every one it hit (242 of 256
+          // under ulimit -v) and wrote the rest with exit 0.
+          out_of_memory = stop = true;
+        } catch (const std::exception& e) {
+          try {
+            refused[i] = e.what();
+          } catch (const std::bad_alloc&) {
+            out_of_memory = stop = true;  // (leaving the thread would be std::terminate)
+          }
+          ids[i].clear();
+          if (strict) stop = true;
+        }
+      }
+    };
+    // A thread that cannot be started (a process limit) ends the command with the reason; the
+    // ones started are joined first (before: their destructors called std::terminate).
+    std::vector<std::thread> threads;
+    try {
+      for (unsigned t = 0; t < n; ++t) threads.emplace_back(work);
+    } catch (const std::system_error& e) {
+      stop = true;
+      for (auto& t : threads) t.join();
+      throw Error(std::string("mt tokenize cannot start its threads: ") + e.what() +
+                  " (a limit on processes or memory: ulimit -u, ulimit -v).");
     }
-    const std::string why = docs[i].where + ": " + refused[i];
-    if (strict) throw UsageError(why + ". With data_strict=false such documents are skipped.");
-    if (skipped++ == 0) first_skip = why;
+    for (auto& t : threads) t.join();
+    if (out_of_memory)
+      throw Error(fmt::format(
+          "mt tokenize ran out of memory while tokenizing ({} documents, {:.1f} MB of text held "
+          "at once): raise the memory limit. Nothing was written.",
+          docs.size(), static_cast<double>(max_chunk) / 1e6));
+    out.clear();
+    for (size_t i = 0; i < docs.size(); ++i) {
+      if (!refused[i].empty()) {
+        const std::string why = docs[i].where + ": " + refused[i];
+        if (strict) throw UsageError(why + ". With data_strict=false such documents are skipped.");
+        if (skipped++ == 0) first_skip = why;
+        continue;
+      }
+      ++kept;
+      for (int32_t id : ids[i]) {
+        const uint32_t x = static_cast<uint32_t>(id);
+        const size_t at = out.size();
+        out.resize(at + width);
+        if (width == 2) {
+          const uint16_t h = static_cast<uint16_t>(x);
+          std::memcpy(out.data() + at, &h, 2);
+        } else {
+          std::memcpy(out.data() + at, &x, 4);
+        }
+      }
+      count += ids[i].size();
+    }
+    f.write(out.data(), static_cast<std::streamsize>(out.size()));
+    check_written("tokens");
+    seen += docs.size();
+    if (tty)
+      std::fprintf(stderr, "\rmt tokenize: %zu documents, %.1f MB", seen,
+                   static_cast<double>(reader.bytes) / 1e6);
   }
+  if (tty) std::fprintf(stderr, "\r");
+  // Skipped lines (the reader's, in input order) and skipped documents (the tokenizer's).
+  skipped += reader.skipped;
+  if (!reader.first_skip.empty()) first_skip = reader.first_skip;
   if (skipped > 0)
     std::fprintf(stderr,
                  "mt tokenize: warning: skipped %zu malformed line(s) or document(s) "
                  "(data_strict=false); the first: %s.\n",
                  skipped, first_skip.c_str());
   if (kept == 0) throw UsageError("the input holds no documents.");
-  size_t count = 0;
-  for (const auto& v : ids) count += v.size();
-  const uint32_t width = tok->vocab_size() <= 65536 ? 2 : 4;
-  // The file is written under a temporary name and renamed, so a failure leaves nothing behind.
-  const std::string tmp = out_path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary);
-    if (!f) throw Error(fmt::format("cannot write {}: {}.", tmp, std::strerror(errno)));
-    const uint32_t version = 1, none = 0xFFFFFFFFu;
-    const uint64_t cnt = count;
-    const uint32_t e = eos >= 0 ? static_cast<uint32_t>(eos) : none;
-    const uint32_t b = bos >= 0 ? static_cast<uint32_t>(bos) : none;
-    f.write("MTTOKENS", 8);
-    f.write(reinterpret_cast<const char*>(&version), 4);
-    f.write(reinterpret_cast<const char*>(&width), 4);
-    f.write(reinterpret_cast<const char*>(&cnt), 8);
-    f.write(reinterpret_cast<const char*>(&e), 4);
-    f.write(reinterpret_cast<const char*>(&b), 4);
-    for (const auto& v : ids)
-      for (int32_t id : v) {
-        if (width == 2) {
-          const uint16_t x = static_cast<uint16_t>(id);
-          f.write(reinterpret_cast<const char*>(&x), 2);
-        } else {
-          const uint32_t x = static_cast<uint32_t>(id);
-          f.write(reinterpret_cast<const char*>(&x), 4);
-        }
-      }
-    if (!f.flush()) {
-      const std::string why = std::strerror(errno);
-      f.close();
-      fs::remove(tmp);
-      throw Error(fmt::format("writing {} failed: {}.", tmp, why));
-    }
-  }
+  // A tokens file marks its documents by their eos (or bos) ids alone: without either, its
+  // documents are read back as one stream (packed rows attend across them). Said, not refused:
+  // a corpus meant as one stream is a choice.
+  if (bos < 0 && eos < 0 && kept > 1)
+    std::fprintf(stderr,
+                 "mt tokenize: warning: no bos or eos id is written (add_bos=%s, add_eos=%s, the "
+                 "tokenizer's bos %d, eos %d), so the %zu documents are not marked: "
+                 "dataset_type=tokens reads them as one stream. Set add_eos=true (or add_bos) to "
+                 "keep them apart.\n",
+                 cfg.get_bool("add_bos") ? "true" : "false",
+                 cfg.get_bool("add_eos") ? "true" : "false", tok->bos_id(), tok->eos_id(), kept);
+  f.seekp(16);
+  f.write(reinterpret_cast<const char*>(&count), 8);
+  f.flush();
+  check_written("token count");
+  f.close();
+  check_written("close");
   std::error_code ec;
   fs::rename(tmp, out_path, ec);
-  if (ec) {
-    fs::remove(tmp);
-    throw Error(fmt::format("cannot write {}: {}.", out_path, ec.message()));
-  }
+  if (ec) throw Error(fmt::format("cannot write {}: {}.", out_path, ec.message()));
+  tmp_guard.keep = true;
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  std::fprintf(stderr, "%s", tty ? "\r" : "");
   std::printf(
       "mt tokenize: %zu documents, %.2f MB of text -> %zu tokens (uint%u) in %s; %.1f MB/s "
       "on %u thread%s\n",
-      kept, static_cast<double>(bytes) / 1e6, count, width * 8, out_path.c_str(),
-      static_cast<double>(bytes) / 1e6 / s, n, n == 1 ? "" : "s");
+      kept, static_cast<double>(reader.bytes) / 1e6, static_cast<size_t>(count), width * 8,
+      out_path.c_str(), static_cast<double>(reader.bytes) / 1e6 / s, n, n == 1 ? "" : "s");
   return 0;
 }
 

@@ -73,6 +73,17 @@ TEST(Cli, TokenizeReproducesTheShippedTokenFile) {
   sc << c.rdbuf();
   EXPECT_TRUE(sc.str() == sb.str());
   fs::remove(out);
+  // A corpus is read and written a chunk at a time (before: held whole, with every document's
+  // ids, about three times its size): chunks of a few documents give the same file.
+  r = test::run_mt("tokenize tokenizer_path=" + data + "tokenizer.json input=" + data +
+                       "corpus.eval.jsonl output=" + out.string(),
+                   0, "MT_TOKENIZE_CHUNK_BYTES=700");
+  ASSERT_EQ(r.code, 0) << r.out;
+  std::ifstream d(out, std::ios::binary);
+  std::stringstream sd;
+  sd << d.rdbuf();
+  EXPECT_TRUE(sd.str() == sb.str()) << "a chunked mt tokenize differs";
+  fs::remove(out);
   // Neither bos nor eos written: the file cannot tell its documents apart, and says so.
   r = mt_cmd("tokenize tokenizer_path=" + data + "tokenizer.json input=" + data +
              "corpus.eval.jsonl add_bos=false add_eos=false output=" + out.string());
