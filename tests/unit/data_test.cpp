@@ -471,6 +471,18 @@ TEST_F(TokensData, ListsGlobsDirectoriesAndWideIds) {
   }
   EXPECT_THROW(make("tokens", cfg((dir_ / "*.nothing").string())), UsageError);
   EXPECT_THROW(make("tokens", cfg("")), UsageError);
+  // A path that exists is itself: "[a].tokens" is not the pattern matching a.tokens, and
+  // "c,d.tokens" not a list (before: a.tokens was read in its place, silently).
+  fs::copy_file(file("b.tokens"), file("[a].tokens"));
+  fs::copy_file(file("b.tokens"), file("c,d.tokens"));
+  auto second_only = make("tokens", cfg(file("b.tokens")));
+  auto bracket = make("tokens", cfg(file("[a].tokens")));
+  auto comma = make("tokens", cfg(file("c,d.tokens")));
+  for (int i = 0; i < 4; ++i) {
+    HostBatch b = next_batch(*second_only);
+    EXPECT_TRUE(same(b, next_batch(*bracket)));
+    EXPECT_TRUE(same(b, next_batch(*comma)));
+  }
 }
 
 // The message of the Error that `f` throws ("" when it throws none).

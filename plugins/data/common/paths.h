@@ -22,22 +22,29 @@ inline std::string trim(const std::string& s) {
 }
 
 // spec: a file, a directory (its files with one of `dir_exts`, sorted), a comma-separated list,
-// or glob patterns. `noun` names a file in messages ("tokens file"). Throws mt::UsageError naming
-// `key` when something matches nothing. Plain files are returned unchecked: their reader says
-// when one is missing.
+// or glob patterns. A path that exists is taken as it is: a name holding a comma is not a list,
+// and one holding [ ] * ? not a pattern (before: "data[1].jsonl" read data1.jsonl, silently).
+// `noun` names a file in messages ("tokens file"). Throws mt::UsageError naming `key` when
+// something matches nothing. Plain files are returned unchecked: their reader says when one is
+// missing.
 inline std::vector<std::string> expand_paths(const std::string& spec, const std::string& key,
                                              const std::vector<std::string>& dir_exts,
                                              const std::string& noun) {
   namespace fs = std::filesystem;
-  std::vector<std::string> out;
-  size_t pos = 0;
-  while (pos <= spec.size()) {
-    size_t comma = spec.find(',', pos);
-    if (comma == std::string::npos) comma = spec.size();
-    const std::string item = trim(spec.substr(pos, comma - pos));
-    pos = comma + 1;
+  std::vector<std::string> out, items;
+  std::error_code ec;
+  if (fs::exists(trim(spec), ec)) {
+    items.push_back(trim(spec));
+  } else {
+    for (size_t pos = 0; pos <= spec.size();) {
+      size_t comma = spec.find(',', pos);
+      if (comma == std::string::npos) comma = spec.size();
+      items.push_back(trim(spec.substr(pos, comma - pos)));
+      pos = comma + 1;
+    }
+  }
+  for (const std::string& item : items) {
     if (item.empty()) continue;
-    std::error_code ec;
     if (fs::is_directory(item, ec)) {
       std::vector<std::string> found;
       for (const auto& e : fs::directory_iterator(item, ec))
@@ -52,7 +59,7 @@ inline std::vector<std::string> expand_paths(const std::string& spec, const std:
       }
       std::sort(found.begin(), found.end());
       out.insert(out.end(), found.begin(), found.end());
-    } else if (item.find_first_of("*?[") != std::string::npos) {
+    } else if (item.find_first_of("*?[") != std::string::npos && !fs::exists(item, ec)) {
       glob_t g{};
       const int rc = ::glob(item.c_str(), 0, nullptr, &g);
       // glob_t owns C allocations: release them on every path.
