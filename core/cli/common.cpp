@@ -170,8 +170,8 @@ std::vector<fs::path> plugin_dirs_of(const Config& cfg) {
 // own keys), and the run's tokenizer where the user names none and it still exists; the user's
 // settings still win. Returns the saved model_name (for the config's display), or nothing when
 // the checkpoint has no config to take (a bare safetensors file, a foreign checkpoint).
-std::optional<std::string> checkpoint_model(const Args& a, ConfigRequest& req,
-                                            const Config& layers) {
+std::optional<std::string> checkpoint_model(const Args& a, ConfigRequest& req, const Config& layers,
+                                            std::vector<std::string>& notes) {
   const std::set<std::string> user = user_keys(a);
   if (user.count("model_name") || user.count("decoder_block")) return std::nullopt;
   for (const auto& [name, value] : req.environment)
@@ -223,6 +223,12 @@ std::optional<std::string> checkpoint_model(const Args& a, ConfigRequest& req,
       if (!user.count("tokenizer_type") && saved["tokenizer_type"] &&
           saved["tokenizer_type"].IsScalar())
         layered.push_back("tokenizer_type=" + saved["tokenizer_type"].Scalar());
+    } else {
+      notes.push_back("the checkpoint's tokenizer_path " + tok + " no longer exists" +
+                      (fs::path(tok).is_relative()
+                           ? " from this directory (a run before this mt recorded it relative)"
+                           : "") +
+                      "; text needs tokenizer_path= set to a tokenizer.");
     }
   }
   req.imported = std::move(layered);
@@ -332,7 +338,7 @@ Config resolve_config(const Args& a, bool notes) {
   } else if ((a.command == "decode" || a.command == "score" || a.command == "convert" ||
               a.command == "plan") &&
              !layers.get_string("load_parameters_path").empty()) {
-    saved_model = checkpoint_model(a, req, layers);
+    saved_model = checkpoint_model(a, req, layers, unused);
   }
   Config cfg;
   try {
@@ -365,15 +371,24 @@ Config resolve_config(const Args& a, bool notes) {
   if (notes)
     for (const auto& u : unused) std::fprintf(stderr, "mt: note: %s\n", u.c_str());
   // A relative data path that does not exist from the current directory is looked up in
-  // share/mt (where the shipped corpus and tokenizer live), so `mt run` works from anywhere.
+  // share/mt (where the shipped corpus and tokenizer live), so `mt run` works from anywhere. One
+  // that exists is made absolute: the run's config.yml and its checkpoints record where it is,
+  // and mt decode or mt score of the checkpoint find the same tokenizer from any directory
+  // (before: data/tokenizer.json was looked up again from wherever they ran, and another
+  // directory's tokenizer used silently).
   const fs::path share = configs_dir().parent_path();
   for (const char* key : {"dataset_path", "eval_dataset_path", "tokenizer_path"}) {
     const std::string v = cfg.get_string(key);
     std::error_code ec;
-    if (v.empty() || fs::path(v).is_absolute() || fs::exists(v, ec)) continue;
-    if (fs::exists(share / v, ec)) {
+    if (v.empty() || fs::path(v).is_absolute()) continue;
+    fs::path found;
+    if (fs::exists(v, ec))
+      found = fs::absolute(v, ec);
+    else if (fs::exists(share / v, ec))
+      found = share / v;
+    if (!found.empty() && !ec) {
       ConfigValue cv = cfg.impl().at(key);
-      cv.s = (share / v).string();
+      cv.s = found.lexically_normal().string();
       cfg.impl().set(key, cv);
     }
   }

@@ -513,6 +513,44 @@ TEST(Cli, TrainThenDecodeAndScore) {
 // the stream printed U+FFFD for its first byte and then nothing more). The streamed line equals
 // the text of the ids the same decode gives from token ids, for several seeds (a random model
 // of llama2.json's 956 tokens, a quarter of them bytes; seeds 2, 4 and 5 differed before).
+// A relative tokenizer_path (or data path) that exists is recorded absolute in the run's config
+// and checkpoints: mt decode of the checkpoint finds the same tokenizer from any directory
+// (before: data/tokenizer.json was looked up again from the current directory, and another
+// directory's tokenizer used silently, or none with no word).
+TEST(Cli, RelativePathsAreRecordedWhereTheyAre) {
+  const fs::path dir = fs::temp_directory_path() / ("mt_rel_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir / "proj" / "data");
+  fs::create_directories(dir / "elsewhere");
+  fs::copy_file(test::source_dir() + "/data/tokenizer.json", dir / "proj/data/tokenizer.json");
+  std::string out;
+  const std::string mt = "MT_PLUGIN_PATH= " + test::mt_exe();
+  ASSERT_EQ(test::run_command("cd " + (dir / "proj").string() + " && " + mt +
+                                  " run --model=llama-test vocab_size=8192 dataset_type=synthetic "
+                                  "steps=2 tokenizer_path=data/tokenizer.json "
+                                  "base_output_directory=out run_name=r",
+                              out),
+            0)
+      << out;
+  std::ifstream cfg(dir / "proj/out/r/config.yml");
+  std::stringstream ss;
+  ss << cfg.rdbuf();
+  const std::string abs = (dir / "proj/data/tokenizer.json").string();
+  EXPECT_NE(ss.str().find("tokenizer_path: " + abs), std::string::npos) << ss.str();
+  // From another directory the checkpoint's tokenizer is the one the run used.
+  const std::string decode = mt + " decode load_parameters_path=" + (dir / "proj/out/r").string() +
+                             " prompt=hi max_target_length=6";
+  ASSERT_EQ(test::run_command("cd " + (dir / "elsewhere").string() + " && " + decode, out), 0)
+      << out;
+  // Moved away: said, not dropped silently.
+  fs::rename(dir / "proj/data", dir / "proj/data2");
+  EXPECT_NE(test::run_command("cd " + (dir / "elsewhere").string() + " && " + decode, out), 0);
+  EXPECT_NE(out.find("the checkpoint's tokenizer_path " + abs + " no longer exists"),
+            std::string::npos)
+      << out;
+  fs::remove_all(dir);
+}
+
 TEST(Cli, DecodePrintsTheWholeSequencesText) {
   const fs::path dir = fs::temp_directory_path() / ("mt_cli_text_" + std::to_string(::getpid()));
   fs::remove_all(dir);
