@@ -407,12 +407,16 @@ TrainSummary train_on_ranks(const Config& cfg, PluginManager& pm, bool quiet, Co
     // others wait in a collective: it ends the whole job.
     std::fflush(stdout);
     if (e.kind() == ErrorKind::usage) {
-      if (comm.rank() == 0) std::fprintf(stderr, "%s: error: %s\n", command, e.what());
-      std::fflush(stderr);
-      // The others give rank 0 a moment to say it: its abort ends them first, while one of
-      // theirs could end rank 0 before it has printed.
-      if (comm.rank() != 0) std::this_thread::sleep_for(std::chrono::seconds(3));
-      comm.abort(e.exit_code());
+      if (comm.rank() == 0) {
+        std::fprintf(stderr, "%s: error: %s\n", command, e.what());
+        std::fflush(stderr);
+        comm.abort(e.exit_code());
+      }
+      // The others give rank 0 time to say it: its abort ends them first, while one of theirs
+      // could end rank 0 before it has printed. A rank still here refused alone (a file missing
+      // on its node) while rank 0 waits in a collective: it says why, with its rank (before:
+      // the job ended with no word of it).
+      std::this_thread::sleep_for(std::chrono::seconds(10));
     }
     std::fprintf(stderr, "%s: error on rank %d of %d: %s\n", command, comm.rank(), comm.size(),
                  e.what());

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
@@ -13,6 +14,7 @@
 #include <new>
 #include <string>
 #include <system_error>
+#include <thread>
 
 #include "cli.h"
 #include "communicator.h"
@@ -196,10 +198,16 @@ int run_main(int argc, char** argv) {
     } catch (const mt::Error& e) {
       std::fflush(stdout);
       // Under mpirun every rank refuses bad input alike (the same arguments and files): rank 0
-      // says it once.
+      // says it once, and its exit ends the others. A rank still here after a while refused
+      // alone (a file missing on its node, another environment): it says why, with its rank
+      // (before: it exited with no word, and the job with it).
       if (e.kind() == mt::ErrorKind::usage && mt::launcher_world_size() > 1 &&
-          mt::launcher_rank() != 0)
+          mt::launcher_rank() != 0) {
+        std::this_thread::sleep_for(std::chrono::seconds(10));
+        std::fprintf(stderr, "mt %s: error on rank %d of %d: %s\n", c.name, mt::launcher_rank(),
+                     mt::launcher_world_size(), e.what());
         return e.exit_code();
+      }
       std::fprintf(stderr, "mt %s: error: %s\n", c.name, e.what());
       return e.exit_code();
     } catch (const std::bad_alloc&) {

@@ -551,6 +551,16 @@ TEST(Cli, RelativePathsAreRecordedWhereTheyAre) {
   fs::remove_all(dir);
 }
 
+// Under a launcher, rank 0 says a refusal every rank shares; a rank that refuses alone (its
+// node's files or environment differ) says why with its rank, after giving rank 0 time to end the
+// job (before: it exited with no word, and mpirun ended the job with it).
+TEST(Cli, ARankThatRefusesAloneSaysWhy) {
+  const auto r = test::run_mt("run --model=llama-test steps=abc", 60,
+                              "OMPI_COMM_WORLD_SIZE=2 OMPI_COMM_WORLD_RANK=1");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("mt run: error on rank 1 of 2: steps=abc"), std::string::npos) << r.out;
+}
+
 TEST(Cli, DecodePrintsTheWholeSequencesText) {
   const fs::path dir = fs::temp_directory_path() / ("mt_cli_text_" + std::to_string(::getpid()));
   fs::remove_all(dir);
