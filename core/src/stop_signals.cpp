@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <utility>
 
@@ -97,6 +98,9 @@ StopOnSignals::StopOnSignals(bool announce) {
 }
 
 StopOnSignals::~StopOnSignals() {
+  // What the run printed last goes out while a gone reader still fails the write (mt says so
+  // at the end) rather than killing mt by SIGPIPE with no word (`mt run | head -1`: exit 141).
+  std::fflush(stdout);
   sigaction(SIGINT, &old_int_, nullptr);
   sigaction(SIGTERM, &old_term_, nullptr);
   sigaction(SIGHUP, &old_hup_, nullptr);

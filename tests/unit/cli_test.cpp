@@ -561,6 +561,29 @@ TEST(Cli, ARankThatRefusesAloneSaysWhy) {
   EXPECT_NE(r.out.find("mt run: error on rank 1 of 2: steps=abc"), std::string::npos) << r.out;
 }
 
+// A reader of mt run's output that goes away (`mt run | head -1`) does not end the training, and
+// mt says at the end that what it printed is lost, exit 1 (before: killed by SIGPIPE at its last
+// flush, exit 141, no word).
+TEST(Cli, ARunWhoseReaderLeavesSaysSo) {
+  const fs::path dir = fs::temp_directory_path() / ("mt_pipe_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  std::string out;
+  test::run_command("bash -c 'MT_PLUGIN_PATH= " + test::mt_exe() +
+                        " run --model=llama-test dataset_type=synthetic steps=20 log_period=1 "
+                        "base_output_directory=" +
+                        dir.string() + " run_name=a 2>" + (dir.string() + ".err") +
+                        " | head -1 >/dev/null; echo rc=${PIPESTATUS[0]}'",
+                    out);
+  EXPECT_NE(out.find("rc=1"), std::string::npos) << out;
+  std::ifstream f(dir.string() + ".err");
+  std::stringstream err;
+  err << f.rdbuf();
+  EXPECT_NE(err.str().find("writing to standard output failed"), std::string::npos) << err.str();
+  EXPECT_TRUE(fs::exists(dir / "a" / "checkpoints" / "20"));
+  fs::remove_all(dir);
+  fs::remove(dir.string() + ".err");
+}
+
 TEST(Cli, DecodePrintsTheWholeSequencesText) {
   const fs::path dir = fs::temp_directory_path() / ("mt_cli_text_" + std::to_string(::getpid()));
   fs::remove_all(dir);
