@@ -135,8 +135,15 @@ int cmd_convert(const Args& args_in) {
     StagedOutput out(output);
     {
       std::ofstream y(out.dir() / "model.yml");
-      y << "# mt config of the Hugging Face model converted from " << input
-        << "\n# use with --config=" << (fs::path(output) / "model.yml").string() << "\n";
+      // The paths in comments, a line break in one written as \n (before: the rest of the path
+      // became a line of the config, `steps: 999` from a directory named so).
+      auto one_line = [](std::string t) {
+        for (size_t at = 0; (at = t.find_first_of("\n\r", at)) != std::string::npos; at += 2)
+          t.replace(at, 1, t[at] == '\n' ? "\\n" : "\\r");
+        return t;
+      };
+      y << "# mt config of the Hugging Face model converted from " << one_line(input)
+        << "\n# use with --config=" << one_line((fs::path(output) / "model.yml").string()) << "\n";
       // No named model beneath it: its sizes, context and tokenizer are the directory's.
       y << "model_name: \"\"\n";
       for (const auto& o : imp.overrides) {

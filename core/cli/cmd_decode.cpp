@@ -197,7 +197,7 @@ TextKind text_kind(const std::string& path) {
 std::vector<std::string> read_texts(const std::string& path, const std::string& column) {
   std::vector<std::string> out;
   const TextKind kind = text_kind(path);
-  LineReader in(path, "input", kMaxRecordBytes);
+  LineReader in(path, "prompt_file", kMaxRecordBytes);
   for (std::string_view line; in.next(line);) {
     if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
     if (line.empty()) continue;

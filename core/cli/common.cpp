@@ -43,12 +43,20 @@ Args parse_args(const std::string& command, int argc, char** argv, int first,
       // --model NAME and --config FILE take the next word as their value; without one they are
       // refused (before: --model read as a model named 'true').
       if (kv == "model" || kv == "config") {
-        if (i + 1 < argc && argv[i + 1][0] != '-' &&
-            std::string(argv[i + 1]).find('=') == std::string::npos) {
+        // A next word that looks like an option or a key=value is one, unless it is the config
+        // file (a path with '=' in it, or one starting with '-').
+        std::error_code ec;
+        if (i + 1 < argc &&
+            ((argv[i + 1][0] != '-' && std::string(argv[i + 1]).find('=') == std::string::npos) ||
+             (kv == "config" && std::filesystem::is_regular_file(argv[i + 1], ec)))) {
           kv += "=" + std::string(argv[++i]);
         } else {
           throw UsageError("--" + kv + " needs a value: --" + kv + "=" +
                            (kv == "model" ? "<name> (`mt models` lists them)" : "<file.yml>") +
+                           (i + 1 < argc
+                                ? std::string(" (the next word, ") + argv[i + 1] +
+                                      ", looks like an option or a key=value, and is taken as one)"
+                                : std::string()) +
                            ".");
         }
       }

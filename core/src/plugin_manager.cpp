@@ -115,7 +115,12 @@ fs::path PluginManager::core_library_dir() {
 PluginManager::PluginManager(std::vector<fs::path> extra_dirs) {
   auto add = [&](const fs::path& d) {
     if (d.empty()) return;
-    fs::path p = d.is_relative() ? fs::absolute(d) : d;
+    std::error_code ec;
+    fs::path p = d.is_relative() ? fs::absolute(d, ec) : d;
+    if (ec)
+      throw UsageError("The plugin directory " + d.string() +
+                       " is relative, and the current directory cannot be read (" + ec.message() +
+                       "; was it deleted?): give it as an absolute path.");
     p = p.lexically_normal();
     if (std::find(dirs_.begin(), dirs_.end(), p) == dirs_.end()) dirs_.push_back(p);
   };

@@ -887,6 +887,26 @@ TEST(Cli, ConfigPrintsTheLayeredConfig) {
   fs::remove_all(dir);
 }
 
+// --config FILE (the space form) takes a file whose path holds '=' or starts with '-' (before:
+// "--config needs a value" with the value given).
+TEST(Cli, ConfigFileNamesMayHoldEqualsOrADash) {
+  const fs::path dir = fs::temp_directory_path() / ("mt_cli_cfg_" + std::to_string(::getpid()));
+  fs::create_directories(dir / "a=b");
+  std::ofstream(dir / "a=b" / "t.yml") << "steps: 7\n";
+  std::ofstream(dir / "-d.yml") << "steps: 8\n";
+  auto r = mt_cmd("config --config " + (dir / "a=b" / "t.yml").string());
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("\nsteps: 7"), std::string::npos) << r.out;
+  std::string out;
+  EXPECT_EQ(test::run_command("cd " + dir.string() + " && MT_PLUGIN_PATH= " + test::mt_exe() +
+                                  " config --config -d.yml",
+                              out),
+            0)
+      << out;
+  EXPECT_NE(out.find("\nsteps: 8"), std::string::npos) << out;
+  fs::remove_all(dir);
+}
+
 TEST(Cli, BadInputIsRefusedWithExitCode2) {
   const fs::path dir = fs::temp_directory_path() / ("mt_cli_bad_" + std::to_string(::getpid()));
   fs::create_directories(dir);
@@ -908,6 +928,8 @@ TEST(Cli, BadInputIsRefusedWithExitCode2) {
       {"config --config=" + (dir / "bad.yml").string() + " --config=/x.yml",
        "--config is given twice"},
       {"config --config", "--config needs a value"},
+      {"config --config steps=3", "the next word, steps=3, looks like an option"},
+      {"decode --model=llama-test prompt_file=/nonexistent/p.txt", "prompt_file file"},
       {"config --config=", "--config= has no value"},
       // AdamW divides by 1 - b^step and by sqrt(v) + eps: these made NaN at the first step,
       // reported at the second as "no parameters were updated".
