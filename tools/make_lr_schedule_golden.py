@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Reference learning rates for Trainer.LearningRateScheduleIsMaxTexts (tests/unit/trainer_test.cpp).
 
-Builds MaxText's schedule (maxtext_utils.create_learning_rate_schedule, as its docstring and
-base.yml describe it) from optax's own pieces: linear_schedule, constant_schedule and
+Builds MaxText's schedule (maxtext_utils.create_learning_rate_schedule as of MaxText commit
+31015aaf5, "Fix learning rate schedule", 2026-02-05: the warm-up's linear_schedule over
+warmup_steps transitions, the cosine over its length - 1) from optax's own pieces: linear_schedule, constant_schedule and
 join_schedules, which decide the count each piece sees and where the pieces meet. optax
 evaluates a schedule at the number of updates done, so step s (1-based) of a run takes the
 value at count s - 1. Prints one C++ initializer per case; float64 throughout (jax x64).
@@ -32,7 +33,7 @@ def schedule(steps, peak, warmup_fraction, final_fraction, schedule_steps=-1, ki
     warmup = int(total * warmup_fraction)
     pieces, bounds = [], []
     if warmup > 0:
-        pieces.append(optax.linear_schedule(0.0, peak, warmup - 1))
+        pieces.append(optax.linear_schedule(0.0, peak, warmup))
         bounds.append(warmup)
     if kind == "cosine":
         if total - warmup > 0:

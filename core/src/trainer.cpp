@@ -81,7 +81,9 @@ double LrSchedule::at(int64_t step) const {
   const int64_t n = step - 1;  // updates before this one: optax's count
   const double final_lr = peak * final_fraction;
   if (n >= schedule_steps) return 0.0;
-  if (n < warmup) return warmup > 1 ? peak * static_cast<double>(n) / (warmup - 1.0) : 0.0;
+  // optax.linear_schedule(0, peak, transition_steps=warmup), as MaxText since 31015aaf5
+  // (2026-02-05; before it, for four weeks, warmup - 1 transitions, which mt had followed).
+  if (n < warmup) return peak * static_cast<double>(n) / static_cast<double>(warmup);
   // Cosine from peak at i = 0 to final_lr at i = len - 1 (final_lr throughout when len is 1).
   const auto cosine = [&](int64_t i, int64_t len) {
     const double pct = len > 1 ? static_cast<double>(i) / (len - 1.0) : 1.0;
