@@ -955,6 +955,10 @@ TEST(Cli, BadInputIsRefusedWithExitCode2) {
       {"run --model=llama-test steps=1 rope_linear_scaling_factor=8 base_output_directory=" +
            (dir / "out").string(),
        "llama model family does not use rope_linear_scaling_factor=8.0"},
+      // Dense mistral took the experts' keys and changed nothing.
+      {"run --model=mistral-test steps=1 capacity_factor=0.5 base_output_directory=" +
+           (dir / "out").string(),
+       "mistral model family does not use capacity_factor=0.5"},
       // Data that does not fit the model is bad input (before: exit 1).
       {"run --model=llama-test steps=1 dataset_type=tokens dataset_path=" + test::source_dir() +
            "/data/corpus.eval.tokens base_output_directory=" + (dir / "out").string(),

@@ -62,12 +62,16 @@ struct FamilyConfig {
     mlp.act = Activation::silu;
     mlp.gated = true;  // SwiGLU
 
+    experts.num_experts = c.get_int("num_experts");
+    // The experts' keys are read for mixtral only, so that mistral (dense) refuses them as a
+    // family that does not use them (before: capacity_factor, the MoE loss weights and
+    // norm_topk_prob were taken and changed nothing).
+    if (!moe) return;
     experts.d_model = d;
     // Mixtral's experts are base_mlp_dim wide (MaxText's mixtral configs set that);
     // base_moe_mlp_dim, when set, wins.
     const int64_t moe_dim = c.get_int("base_moe_mlp_dim");
     experts.hidden = moe_dim > 0 ? moe_dim : mlp.hidden;
-    experts.num_experts = c.get_int("num_experts");
     experts.top_k = c.get_int("num_experts_per_tok");
     experts.act = Activation::silu;
     experts.gated = true;
