@@ -955,6 +955,13 @@ TEST(Cli, BadInputIsRefusedWithExitCode2) {
       {"run --model=llama-test steps=1 rope_linear_scaling_factor=8 base_output_directory=" +
            (dir / "out").string(),
        "llama model family does not use rope_linear_scaling_factor=8.0"},
+      // A rope scaling's keys without its rope_type changed nothing.
+      {"run --model=qwen3-test steps=1 rope_factor=4 base_output_directory=" +
+           (dir / "out").string(),
+       "qwen3 model family does not use rope_factor=4.0"},
+      {"run --model=llama-test steps=1 rope_type=llama3.1 beta_fast=16 base_output_directory=" +
+           (dir / "out").string(),
+       "does not use beta_fast=16.0 (set on the command line) with rope_type=llama3.1"},
       // Dense mistral took the experts' keys and changed nothing.
       {"run --model=mistral-test steps=1 capacity_factor=0.5 base_output_directory=" +
            (dir / "out").string(),
