@@ -23,6 +23,7 @@
 #include "mt/checkpointer.h"
 #include "mt/error.h"
 #include "plugin_manager.h"
+#include "trainer.h"
 
 namespace fs = std::filesystem;
 
@@ -190,6 +191,7 @@ int cmd_convert(const Args& args_in) {
   // load_parameters_path= names the checkpoint as --input does (before: ignored, and the
   // model's random initial weights were exported in its place).
   if (input.empty()) input = cfg.get_string("load_parameters_path");
+  if (!input.empty()) warn_changed_model_keys(cfg, "--input", input, "mt convert");
   const HostThreads threads(cfg);
   refuse_quantization(cfg, "mt convert", "writes the weights as they are held");
   StagedOutput out(output);

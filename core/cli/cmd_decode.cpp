@@ -28,6 +28,7 @@
 #include "safetensors.h"
 #include "tokenizer_bpe.h"
 #include "tokenizer_factory.h"
+#include "trainer.h"
 
 namespace fs = std::filesystem;
 
@@ -110,6 +111,8 @@ Inference load_inference(const Args& args, const char* command, bool need_tokeni
                      " needs trained weights: pass load_parameters_path=<checkpoint> (a run "
                      "directory, its checkpoints/ directory, or one step directory) or "
                      "hf_path=<Hugging Face model directory>.");
+  if (!ckpt.empty())
+    warn_changed_model_keys(cfg, "load_parameters_path", ckpt, "mt " + std::string(command));
   std::vector<fs::path> dirs;
   for (const auto& d : cfg.get_string_list("plugin_dirs")) dirs.emplace_back(d);
   in.pm = std::make_unique<PluginManager>(dirs);

@@ -593,6 +593,28 @@ void check_same_config(const Config& cfg, Communicator& comm) {
 
 }  // namespace
 
+void warn_changed_model_keys(const Config& cfg, const std::string& key, const std::string& path,
+                             const std::string& command) {
+  std::string saved;
+  try {
+    saved = checkpoint_config_yaml(path);
+  } catch (const Error&) {
+    return;  // loading it says what is wrong with it
+  }
+  const auto changed = changed_model_keys(cfg, saved);
+  if (changed.empty()) return;
+  std::string list;
+  for (const auto& c : changed) list += (list.empty() ? "" : "; ") + c;
+  std::fprintf(stderr,
+               "%s: warning: %s=%s was written with other model keys than these (%s). Its weights "
+               "are read into the model these keys build, another model than the one trained; if "
+               "that is not what you mean, use the checkpoint's values (its config.yml)%s.\n",
+               command.c_str(), key.c_str(), path.c_str(), list.c_str(),
+               command == "mt run" ? ""
+                                   : ", which mt decode, score and convert take by themselves "
+                                     "when no model is named");
+}
+
 TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Communicator* comm_in) {
   // The job's ranks: data parallelism over all of them, or one rank.
   std::unique_ptr<Communicator> own_comm;
@@ -833,12 +855,18 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     data->restore(state.data_state);
     first_step = state.step + 1;
     resumed_from = "full state from " + cfg.get_string("load_full_state_path");
+    if (lead)
+      warn_changed_model_keys(cfg, "load_full_state_path", cfg.get_string("load_full_state_path"),
+                              "mt run");
   } else if (!cfg.get_string("load_parameters_path").empty()) {
     if (parts)
       load_parameter_parts(cfg.get_string("load_parameters_path"), part_state);
     else
       load_parameters(cfg.get_string("load_parameters_path"), state.params);
     resumed_from = "parameters from " + cfg.get_string("load_parameters_path");
+    if (lead)
+      warn_changed_model_keys(cfg, "load_parameters_path", cfg.get_string("load_parameters_path"),
+                              "mt run");
   } else if (!cfg.get_string("hf_path").empty()) {
     load_hf_weights(cfg.get_string("hf_path"), runner);
     resumed_from = "Hugging Face weights from " + cfg.get_string("hf_path");

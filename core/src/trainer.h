@@ -71,6 +71,13 @@ struct LrSchedule {
 // four times the f32 one), suggesting mixed precision; empty otherwise.
 std::string precision_hint(DType compute, double peak_f32, double peak_bf16);
 
+// A warning on stderr ("<command>: warning: ...") when the model keys of `cfg` differ from those
+// the checkpoint at `path` (load_parameters_path or load_full_state_path, `key`) was written
+// with: its weights would be read into another model (a sliding window, a soft cap, rope theta)
+// with nothing else to see. A checkpoint without a readable config is not compared.
+void warn_changed_model_keys(const Config& cfg, const std::string& key, const std::string& path,
+                             const std::string& command);
+
 // AdamW's state beside the parameters: the first moment (mu) in mu_dtype (MaxText's key; ""
 // = weight_dtype), the second (nu) always in float32. With optimizer_memory_host_offload the
 // moments live on `host` (a CPU backend: host memory) and each parameter's are streamed through

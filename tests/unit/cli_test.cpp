@@ -584,6 +584,34 @@ TEST(Cli, ARunWhoseReaderLeavesSaysSo) {
   fs::remove(dir.string() + ".err");
 }
 
+// A checkpoint read into a model other than the one it was trained as (a model named beside it,
+// a model key changed) is said on every path that reads one, as a resume in the run's own
+// directory says it (before: mt score --model=..., load_parameters_path and load_full_state_path
+// in a new run read it with no word, and scored or trained another model).
+TEST(Cli, ACheckpointReadIntoAnotherModelIsSaid) {
+  const fs::path dir = fs::temp_directory_path() / ("mt_other_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  const std::string out = " base_output_directory=" + dir.string();
+  auto r = mt_cmd("run --model=llama-test dataset_type=synthetic steps=2 sliding_window_size=4" +
+                  out + " run_name=sw");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string ckpt = (dir / "sw").string();
+  const char* said = "was written with other model keys than these (sliding_window_size: 4 -> 0)";
+  r = mt_cmd("score load_parameters_path=" + ckpt + " tokens=5,17,33,2");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(r.out.find("other model keys"), std::string::npos) << r.out;  // its own model
+  r = mt_cmd("score --model=llama-test load_parameters_path=" + ckpt + " tokens=5,17,33,2");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find(said), std::string::npos) << r.out;
+  for (const char* key : {"load_parameters_path", "load_full_state_path"}) {
+    r = mt_cmd(std::string("run --model=llama-test dataset_type=synthetic steps=3 ") + key + "=" +
+               ckpt + "/checkpoints/2" + out + " run_name=" + key);
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_NE(r.out.find(said), std::string::npos) << key << "\n" << r.out;
+  }
+  fs::remove_all(dir);
+}
+
 TEST(Cli, DecodePrintsTheWholeSequencesText) {
   const fs::path dir = fs::temp_directory_path() / ("mt_cli_text_" + std::to_string(::getpid()));
   fs::remove_all(dir);
