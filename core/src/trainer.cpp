@@ -1097,7 +1097,9 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
       // skipped).
       if (db.valid_targets == 0 && !expert_group && !sharding.on()) continue;
       Graph g(be, /*record=*/false);
-      Tensor l = runner.loss(g, db, 0.f);
+      // With the z-loss, as the training loss and MaxText's eval loss (its xent_sum holds
+      // z_loss x log^2 Z per token); before, the eval loss left it out.
+      Tensor l = runner.loss(g, db, z_loss);
       float lv = 0;
       be.copy_to_host(l, &lv);
       if (db.valid_targets == 0) continue;

@@ -406,6 +406,24 @@ TEST(Trainer, ProfileLeavesOutSetupAndTheWarmUpStep) {
   EXPECT_EQ(five, 2 * three);
 }
 
+// The eval loss holds the z-loss as the training loss does, as MaxText's (its eval xent_sum
+// includes z_loss x log^2 Z); before, mt's eval loss left it out. lr 0: the same weights.
+TEST(Trainer, EvalLossHoldsTheZLoss) {
+  Fixture a("a"), b("b");
+  const std::vector<std::string> keys = {"steps=1", "learning_rate=0", "eval_interval=1",
+                                         "eval_steps=1"};
+  auto with = [&](Fixture& f, const char* z) {
+    auto k = keys;
+    k.push_back(z);
+    return train(f.config(k), test::plugins(), true);
+  };
+  const TrainSummary plain = with(a, "z_loss_multiplier=0"), z = with(b, "z_loss_multiplier=0.01");
+  ASSERT_GT(plain.final_eval_loss, 0);
+  // log Z of a near-uniform 256-way softmax is about 5.5: 0.01 x 5.5^2 = 0.3.
+  EXPECT_GT(z.final_eval_loss - plain.final_eval_loss, 0.1);
+  EXPECT_GT(z.final_loss - plain.final_loss, 0.1);
+}
+
 // Two micro-batches of one row each must equal one batch of two identical rows.
 TEST(Trainer, GradientAccumulationMatchesTheLargerBatch) {
   Fixture a("a"), b("b");
