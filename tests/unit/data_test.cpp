@@ -397,6 +397,14 @@ TEST_F(TokensData, EvalSplitIsDisjointAndRepeats) {
   std::set<std::vector<int32_t>> ts(train.begin(), train.end());
   EXPECT_EQ(ts.size(), n_train);
   for (const auto& r : eval) EXPECT_EQ(ts.count(r), 0u) << "an eval row is also a train row";
+  // With no evaluation (eval_interval=-1) no row is held out (before: eval_split of them were
+  // withheld from training all the same).
+  {
+    auto all =
+        make("tokens", cfg(file("a.tokens"), {{"eval_split", "0.25"}, {"eval_interval", "-1"}}));
+    const auto every = rows(*all, static_cast<int>((n_rows + 1) / 2));
+    EXPECT_EQ(std::set<std::vector<int32_t>>(every.begin(), every.end()).size(), n_rows);
+  }
 
   // A separate eval file: all of its rows are eval rows, all of the train file's train rows.
   write_tokens(file("e.tokens"), corpus(10, 3000), kEos);

@@ -19,7 +19,8 @@
 // order). state() is "epoch,position": where in that stream the next global batch starts (rank
 // 0's next batch), the same on every rank.
 //
-// Eval. The last eval_split of the rows (or all rows of eval_dataset_path) in file order,
+// Eval. The last eval_split of the rows (none with eval_interval=-1: no evaluation runs; or all
+// rows of eval_dataset_path) in file order,
 // sharded the same way; every rank gets the same number of batches (padding rows are fully
 // masked), so collective evaluation never waits on a rank that ran out. An evaluation is a run
 // of consecutive next(eval=true) calls: the first eval call after a train call (or the first
@@ -246,8 +247,11 @@ class RowSource final : public mt::DatasetSource {
     if (eval) {
       eval_ = std::make_unique<RowSet>(eval, st.packing, seq_);
     } else {
-      const double split = float_or(cfg, "eval_split", 0.0);
+      double split = float_or(cfg, "eval_split", 0.0);
       if (split < 0 || split >= 1) cfg.reject("eval_split", "must be in [0, 1)");
+      // No evaluation (eval_interval=-1): no row is held out (before: eval_split of the rows
+      // was withheld from training all the same).
+      if (int_or(cfg, "eval_interval", 100) <= 0) split = 0;
       const uint64_t n = train_->total();
       uint64_t n_eval = static_cast<uint64_t>(static_cast<double>(n) * split);
       // A non-zero split always leaves one eval row when there are two rows to split.
