@@ -95,6 +95,12 @@ void special_tokens(Inference& in) {
   in.stop_ids = std::move(kept);
 }
 
+// profile=true: where the command's time went, per backend op (as mt run prints it).
+void print_profile(const Inference& in, const char* command) {
+  if (const ProfilingBackend* p = in.runner->profiler())
+    std::fprintf(stderr, "mt %s: profile (loading left out):\n%s", command, p->report().c_str());
+}
+
 // Loads the model and its weights (load_parameters_path) and the tokenizer (tokenizer_path).
 Inference load_inference(const Args& args, const char* command, bool need_tokenizer,
                          int64_t sequences = 1) {
@@ -165,6 +171,7 @@ Inference load_inference(const Args& args, const char* command, bool need_tokeni
                fmt::format("has {} tokens, more than the model's vocab_size={}.",
                            in.tokenizer->vocab_size(), in.runner->model().dims().vocab_size));
   special_tokens(in);
+  in.runner->reset_profile();  // profile=true: the command's work, not the loading
   return in;
 }
 
@@ -451,6 +458,7 @@ int cmd_decode(const Args& args) {
                r.prefill_seconds > 0 ? r.prefill_tokens / r.prefill_seconds : 0.0,
                static_cast<long>(r.decoded_tokens),
                r.decode_seconds > 0 ? r.decoded_tokens / r.decode_seconds : 0.0);
+  print_profile(in, "decode");
   return 0;
 }
 
@@ -638,6 +646,7 @@ int cmd_score(const Args& args) {
         "sequence to %s\n",
         static_cast<long>(n), static_cast<long>(vocab), static_cast<long>(n), out.c_str());
   }
+  print_profile(in, "score");
   return 0;
 }
 

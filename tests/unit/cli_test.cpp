@@ -603,6 +603,17 @@ TEST(Cli, ACheckpointReadIntoAnotherModelIsSaid) {
   r = mt_cmd("score --model=llama-test load_parameters_path=" + ckpt + " tokens=5,17,33,2");
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find(said), std::string::npos) << r.out;
+  // profile=true reports where decode's and score's time went, as mt run's (before: taken,
+  // and nothing printed).
+  for (const char* cmd : {"decode", "score"}) {
+    r = mt_cmd(std::string(cmd) + " load_parameters_path=" + ckpt +
+               " tokens=5,17,33,2 profile=true");
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_NE(r.out.find(std::string("mt ") + cmd + ": profile (loading left out):"),
+              std::string::npos)
+        << r.out;
+    EXPECT_NE(r.out.find("matmul"), std::string::npos) << r.out;
+  }
   for (const char* key : {"load_parameters_path", "load_full_state_path"}) {
     r = mt_cmd(std::string("run --model=llama-test dataset_type=synthetic steps=3 ") + key + "=" +
                ckpt + "/checkpoints/2" + out + " run_name=" + key);
