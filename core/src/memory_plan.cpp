@@ -156,6 +156,7 @@ DecodePlan trace_decode(const Config& cfg_in, PluginManager& plugins, const Devi
   d.prefill = std::min(cfg.get_int("max_prefill_predict_length"), d.max_len - 1);
   runner->apply_quantization(cfg);
   d.weights = in_use(*runner);
+  d.weight_dtype = runner->weight_dtype();
   // Loading (load_hf_weights, load_checkpoint_weights): every weight is allocated from the
   // start, in its final layout, and one parameter at a time passes through temporaries: on the
   // device an f32 copy of one held narrower or as int8 rows; on the host, which is the CPU's
@@ -813,8 +814,8 @@ std::string format_plan(const Plan& p, const Config& cfg) {
                      cfg.get_string("dtype"));
     row("weights", d.weights,
         d.int8_projections ? fmt::format("projections in int8 (quantization=int8), the rest in {}",
-                                         dtype_name(p.compute))
-                           : fmt::format("stored in {}", dtype_name(p.compute)));
+                                         dtype_name(d.weight_dtype))
+                           : fmt::format("stored in {}", dtype_name(d.weight_dtype)));
     row("KV cache", d.kv_cache,
         fmt::format("{} per token of capacity, as allocated (the allocator's size classes "
                     "included)",

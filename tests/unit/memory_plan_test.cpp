@@ -282,6 +282,12 @@ TEST(MemoryPlan, PartsFollowTheDtypes) {
   EXPECT_NEAR(static_cast<double>(c.train->weights) / n, 2.0, 0.1);
   // MaxText: mu inherits weight_dtype when mu_dtype is unset.
   EXPECT_NEAR(static_cast<double>(c.train->optimizer) / n, 6.0, 0.3);
+  // The decode plan names the dtype the weights are held in (before: the compute dtype, so
+  // weight_dtype=bfloat16 with dtype=float32 read "stored in float32" beside a bf16 size).
+  const Plan d = make_plan(bf16w, test::plugins(), dev, PlanFor::decode, false);
+  ASSERT_TRUE(d.decode);
+  EXPECT_EQ(d.decode->weight_dtype, DType::bf16);
+  EXPECT_NE(format_plan(d, bf16w).find("stored in bfloat16"), std::string::npos);
 }
 
 // On the CPU the asynchronous checkpoint's snapshot (weights and both moments, kept after the
