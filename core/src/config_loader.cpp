@@ -444,8 +444,13 @@ ConfigValue make_value(const KeySpec& spec, const YAML::Node& n, const std::stri
         wrong_type(spec, text, origin,
                    !quoted && integer_syntax(s) ? "an integer beyond the 64-bit range (at most "
                                                   "9223372036854775807)"
-                   : !quoted && parse_float(s)  ? "a fractional number"
-                                                : "a string");
+                   : !quoted && parse_float(s)
+                       ? (*parse_float(s) == std::trunc(*parse_float(s)) &&
+                                  std::fabs(*parse_float(s)) < 9.2e18
+                              ? fmt::format("a number in floating-point form (write it as {:.0f})",
+                                            *parse_float(s))
+                              : std::string("a fractional number"))
+                       : std::string("a string"));
       }
       v.i = *i;
       return v;

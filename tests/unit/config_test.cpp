@@ -448,6 +448,10 @@ TEST(ConfigTypes, WrongTypesAreRefusedWithKeyValueOriginAndDefault) {
       msg, All(Has("steps=abc"), Has("command line"), Has("must be an integer"),
                Has("default is 300"), Has("configs/base.yml:" + std::to_string(steps_line))));
   EXPECT_CONTAINS(usage_error([] { load({"steps=3.5"}); }), Has("fractional"));
+  // 1e3 is whole: said as a floating-point form, with the integer to write (before: "a
+  // fractional number").
+  EXPECT_CONTAINS(usage_error([] { load({"steps=1e3"}); }),
+                  All(Has("floating-point form"), Has("write it as 1000")));
   // Too many digits is not a fraction (issue 24, item 11).
   for (const char* v : {"steps=9999999999999999999999", "steps=-9999999999999999999999"}) {
     const std::string msg = usage_error([&] { load({v}); });
