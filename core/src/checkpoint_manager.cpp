@@ -898,11 +898,15 @@ void read_parts(PartSource& src, const fs::path& where,
     } else {
       std::vector<std::byte> whole(static_cast<size_t>(shape_numel(t.shape)) * elem);
       const Split from = split_of(t.shape, t.dim, t.parts);
-      for (const auto& [p, info] : r.pieces)
+      // (Named, not a structured binding: clang before 16 cannot capture one in the lambda.)
+      for (const auto& piece : r.pieces) {
+        const auto& p = piece.first;
+        const auto& info = piece.second;
         for_each_run(from, p->part, p->begin, p->end, [&](int64_t w, int64_t j, int64_t k) {
           std::memcpy(whole.data() + w * elem, info->data + (j - p->begin) * elem,
                       static_cast<size_t>(k) * elem);
         });
+      }
       const Split to = split_of(want.shape, want.dim, want.parts);
       for_each_run(to, want.part, want.begin, want.end, [&](int64_t w, int64_t j, int64_t k) {
         std::memcpy(buf.data() + (j - want.begin) * elem, whole.data() + w * elem,
