@@ -378,6 +378,21 @@ Config resolve_config(const Args& a, bool notes) {
   }
   if (notes)
     for (const auto& u : unused) std::fprintf(stderr, "mt: note: %s\n", u.c_str());
+  // "~" is the shell's: a quoted 'key=~/x' and a config file's ~/x reach mt as written, and a
+  // directory literally named "~" was made in the current one (while the log showed ~/x, as if
+  // it were the home directory).
+  for (const char* key : {"base_output_directory", "dataset_path", "eval_dataset_path",
+                          "tokenizer_path", "load_parameters_path", "load_full_state_path",
+                          "hf_path", "prompt_file", "input", "output"}) {
+    if (!cfg.has(key)) continue;
+    const std::string v = cfg.get_string(key);
+    if (v == "~" || v.rfind("~/", 0) == 0)
+      cfg.reject(key,
+                 "starts with ~, which mt does not expand (a shell does, where it is not "
+                 "quoted; in a config file or in quotes it reaches mt as written): write "
+                 "the home directory out, as $HOME" +
+                     v.substr(1) + " on the command line, or the full path.");
+  }
   // A relative data path that does not exist from the current directory is looked up in
   // share/mt (where the shipped corpus and tokenizer live), so `mt run` works from anywhere. One
   // that exists is made absolute: the run's config.yml and its checkpoints record where it is,

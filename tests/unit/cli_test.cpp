@@ -968,6 +968,7 @@ TEST(Cli, BadInputIsRefusedWithExitCode2) {
        "--config is given twice"},
       {"config --config", "--config needs a value"},
       {"config --config steps=3", "the next word, steps=3, looks like an option"},
+      {"config 'base_output_directory=~/runs'", "starts with ~, which mt does not expand"},
       {"decode --model=llama-test prompt_file=/nonexistent/p.txt", "prompt_file file"},
       {"config --config=", "--config= has no value"},
       // AdamW divides by 1 - b^step and by sqrt(v) + eps: these made NaN at the first step,
