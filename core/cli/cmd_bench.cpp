@@ -124,6 +124,14 @@ std::vector<std::string> split(const std::string& s, char sep) {
   return parts;
 }
 
+// A row's model: the named model, and the --config file layered over it (its keys may be a whole
+// other model: before, `--config=my.yml` rows were labelled llama-bench-m and llama-bench-1b,
+// two rows of the file's one model).
+std::string bench_label(const Config& cfg, const Args& args) {
+  return args.config_file.empty() ? model_label(cfg)
+                                  : model_label(cfg) + " + --config=" + args.config_file;
+}
+
 int bench_train(Args args) {
   if (args.model.empty()) args.model = "llama-bench-m";
   // Benchmark defaults, before the user's overrides so those still win.
@@ -145,7 +153,7 @@ int bench_train(Args args) {
         "steps, which warm up the allocator and caches.",
         kUntimedSteps + 1, cfg.get_int("steps"), kUntimedSteps));
   std::fprintf(stderr, "mt bench train: %s, %ld steps (medians exclude the first %ld)...\n",
-               model_label(cfg).c_str(), static_cast<long>(cfg.get_int("steps")),
+               bench_label(cfg, args).c_str(), static_cast<long>(cfg.get_int("steps")),
                static_cast<long>(kUntimedSteps));
   // Under mpirun, one rank of a data-parallel job: tokens/s counts every rank's tokens.
   std::unique_ptr<Communicator> comm = make_communicator(cfg, pm);
@@ -158,7 +166,7 @@ int bench_train(Args args) {
       "\"remat_policy\": \"%s\", \"tokens_per_sec\": %.2f, \"model_tflops_per_sec\": %.5f, "
       "\"mfu\": %.5f, \"step_time_ms\": %.1f, \"communication_ms\": %.2f, "
       "\"communication_share\": %.4f, \"communication_bytes\": %.0f, \"final_loss\": %.4f}\n",
-      model_label(cfg).c_str(), cfg.get_string("backend").c_str(), comm->size(),
+      bench_label(cfg, args).c_str(), cfg.get_string("backend").c_str(), comm->size(),
       static_cast<long>(cfg.get_int("num_threads")),
       static_cast<long>(cfg.get_int("per_device_batch_size")),
       static_cast<long>(cfg.get_int("max_target_length")), static_cast<long>(s.steps),
@@ -319,7 +327,7 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
       "\"decode_batch1_bytes_per_sec\": {}, \"decode_batch8_tokens_per_sec\": {}, "
       "\"kv_cache\": \"{}\", \"kv_cache_bytes_per_token\": {:.0f}, "
       "\"decode_weight_bytes_per_token\": {:.4g}, \"decode_steps\": \"batch 1 {}, batch 8 {}\"}}",
-      model, dtype, cfg.get_string("quantization"), weight_bytes,
+      bench_label(cfg, args), dtype, cfg.get_string("quantization"), weight_bytes,
       figure(parts.prefill, fmt::format("{:.1f}", prefill_tps)),
       figure(parts.batch1, fmt::format("{:.2f}", b1)),
       figure(parts.batch1, fmt::format("{:.4g}", bw)),
@@ -364,6 +372,9 @@ double triad_bytes_per_sec() {
 int bench_decode(const Args& args) {
   std::vector<std::string> models = {"llama-bench-m", "llama-bench-1b"};
   if (!args.model.empty()) models = {args.model};
+  // A --config file is one model (over llama-bench-m when none is named), not one per default.
+  else if (!args.config_file.empty())
+    models = {"llama-bench-m"};
   Args rest = args;
   rest.model.clear();
   const int64_t steps = parse_count("steps", take_key(rest.overrides, "steps").value_or("16"), 1);

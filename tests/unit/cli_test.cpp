@@ -193,6 +193,21 @@ TEST(Cli, BenchPrintsOneJsonObject) {
   r = mt_cmd("bench decode --model=llama-test steps=2 dtypes=bfloat16 2>/dev/null");
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_EQ(r.out.find("\"float32\""), std::string::npos) << r.out;
+  // A --config file without a model is one model, labelled with the file (before: two rows
+  // labelled llama-bench-m and llama-bench-1b, both the file's model).
+  {
+    const fs::path yml =
+        fs::temp_directory_path() / ("mt_bench_" + std::to_string(::getpid()) + ".yml");
+    std::ofstream(yml) << "base_emb_dim: 64\nbase_num_decoder_layers: 1\n";
+    r = mt_cmd("bench decode --config=" + yml.string() +
+               " steps=2 dtypes=float32 parts=batch1 2>/dev/null");
+    EXPECT_EQ(r.code, 0) << r.out;
+    EXPECT_NE(r.out.find("\"model\": \"llama-bench-m + --config=" + yml.string() + "\""),
+              std::string::npos)
+        << r.out;
+    EXPECT_EQ(r.out.find("llama-bench-1b"), std::string::npos) << r.out;
+    fs::remove(yml);
+  }
   r = mt_cmd("bench decode --model=llama-test steps=abc 2>&1");
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_NE(r.out.find("steps=abc must be an integer of at least 1"), std::string::npos) << r.out;
