@@ -984,6 +984,10 @@ TEST(Cli, BadInputIsRefusedWithExitCode2) {
       {"config --config", "--config needs a value"},
       {"config --config steps=3", "the next word, steps=3, looks like an option"},
       {"config 'base_output_directory=~/runs'", "starts with ~, which mt does not expand"},
+      {"run --model=llama-test steps=1 dataset_type=tokens add_eos=false dataset_path=" +
+           test::source_dir() +
+           "/data/corpus.eval.tokens base_output_directory=" + (dir / "out").string(),
+       "add_eos=false (set on the command line) has no effect on dataset_type=tokens"},
       {"decode --model=llama-test prompt_file=/nonexistent/p.txt", "prompt_file file"},
       {"config --config=", "--config= has no value"},
       // AdamW divides by 1 - b^step and by sqrt(v) + eps: these made NaN at the first step,

@@ -15,6 +15,18 @@ namespace {
 
 std::unique_ptr<mt::DatasetSource> make_tokens_source(const mt::Config& cfg,
                                                       const mt::DataShard& shard) {
+  // The ids are the file's, bos and eos included as mt tokenize wrote them: add_bos and add_eos
+  // set for this run would change nothing (before: taken silently).
+  for (const char* key : {"add_bos", "add_eos"}) {
+    if (!cfg.has(key)) continue;
+    const std::string from = cfg.origin(key);
+    if (from.find("configs/base.yml") == std::string::npos &&
+        from.find("configs/models/") == std::string::npos)
+      cfg.reject(key,
+                 "has no effect on dataset_type=tokens: a tokens file holds the ids mt "
+                 "tokenize wrote, with the bos and eos ids its own add_bos and add_eos "
+                 "chose. Set it when tokenizing, or drop it here.");
+  }
   const auto st = mt_data::RowSource::read_settings(cfg, shard, "tokens");
   const std::string path = mt_data::string_or(cfg, "dataset_path", "");
   if (path.empty())
