@@ -18,7 +18,7 @@ std::unique_ptr<mt::DatasetSource> make_tokens_source(const mt::Config& cfg,
   // The ids are the file's, bos and eos included as mt tokenize wrote them: add_bos and add_eos
   // set for this run would change nothing (before: taken silently).
   for (const char* key : {"add_bos", "add_eos"}) {
-    if (!cfg.has(key)) continue;
+    if (!cfg.has(key) || cfg.get_bool(key)) continue;  // true: as mt tokenize writes by default
     const std::string from = cfg.origin(key);
     if (from.find("configs/base.yml") == std::string::npos &&
         from.find("configs/models/") == std::string::npos)
