@@ -16,6 +16,7 @@
 
 #include "checkpoint_manager.h"
 #include "cli.h"
+#include "config_impl.h"
 #include "file_util.h"
 #include "hf_interop.h"
 #include "host_threads.h"
@@ -147,16 +148,19 @@ int cmd_convert(const Args& args_in) {
         << "\n# use with --config=" << one_line((fs::path(output) / "model.yml").string()) << "\n";
       // No named model beneath it: its sizes, context and tokenizer are the directory's.
       y << "model_name: \"\"\n";
-      for (const auto& o : imp.overrides) {
-        const auto eq = o.find('=');
-        y << o.substr(0, eq) << ": " << o.substr(eq + 1) << "\n";
-      }
+      // Each value as the resolved config holds it, written as YAML (before: the text as given,
+      // so "prompt=a # b" lost " # b" and "dataset_path=*.jsonl" made the file unreadable).
+      auto line = [&](const std::string& key) {
+        const auto it = cfg.impl().values.find(key);
+        if (it != cfg.impl().values.end())
+          y << key << ": " << config_value_yaml(it->second) << "\n";
+      };
+      for (const auto& o : imp.overrides) line(o.substr(0, o.find('=')));
       // The command's own key=value words (e.g. mtp_num_layers=1) shape the checkpoint too.
       for (const auto& o : args.overrides) {
-        const auto eq = o.find('=');
-        const std::string key = o.substr(0, eq);
+        const std::string key = o.substr(0, o.find('='));
         if (key == "hf_path" || key == "max_target_length" || key == "tokenizer_path") continue;
-        y << key << ": " << o.substr(eq + 1) << "\n";
+        line(key);
       }
       y << "max_target_length: " << cfg.get_int("max_target_length") << "\n";
       // The directory's tokenizer files are copied beside the checkpoint (below).

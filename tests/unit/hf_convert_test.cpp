@@ -161,6 +161,17 @@ TEST(HfConvert, ExportWithoutInputWritesTheInitialWeights) {
     std::memcpy(v.data(), i.data, i.nbytes());
     EXPECT_EQ(v, test::to_vector(p.value)) << p.name;
   }
+  // model.yml holds the command's values as YAML (before: as typed, so " # " began a comment
+  // and a leading '*' an alias: the value cut short, or the file unreadable).
+  const fs::path c = d.root / "c";
+  ASSERT_EQ(mt_cmd("convert --from=hf --input=" + d.back.string() + " --output=" + c.string() +
+                       " 'prompt=Once upon # a time' 'dataset_path=*.jsonl'",
+                   out),
+            0)
+      << out;
+  ASSERT_EQ(mt_cmd("config --config=" + (c / "model.yml").string(), out), 0) << out;
+  EXPECT_NE(out.find("prompt: \"Once upon # a time\""), std::string::npos) << out;
+  EXPECT_NE(out.find("dataset_path: \"*.jsonl\""), std::string::npos) << out;
   // --from=hf still needs its input.
   EXPECT_EQ(mt_cmd("convert --from=hf --output=" + (d.root / "x").string(), out), 2) << out;
   // A run's checkpoint exports as the run's model with none named (before: base.yml's
