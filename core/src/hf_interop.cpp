@@ -103,7 +103,19 @@ Weights open_weights(const fs::path& dir) {
                      " (expected model.safetensors or model.safetensors.index.json).");
   for (const auto& p : paths) {
     w.files.push_back(std::make_unique<SafeTensorsFile>(p));
-    for (const auto& n : w.files.back()->names()) w.where[n] = w.files.back().get();
+    for (const auto& n : w.files.back()->names()) {
+      // Without an index, every file is read: a tensor in two of them has no one value (before:
+      // the last file in name order won, silently). With one, the last of its files wins, as in
+      // transformers.
+      const auto [it, added] = w.where.emplace(n, w.files.back().get());
+      if (!added && !fs::exists(index))
+        throw UsageError("The tensor \"" + n.substr(0, 200) + "\" is in both " +
+                         mt::quoted(it->second->path()) + " and " + mt::quoted(p) + " of " +
+                         mt::quoted(dir) +
+                         ": which one is the model's is not said. Remove the stray file, or give "
+                         "the directory a model.safetensors.index.json naming each tensor's file.");
+      if (!added) it->second = w.files.back().get();
+    }
   }
   return w;
 }

@@ -774,6 +774,19 @@ TEST(HfImport, DisagreementsAndUnimplementedNumericsAreRefused) {
   }
 }
 
+// Without an index every .safetensors file of the directory is read: a tensor in two of them is
+// refused (before: the last file in name order gave its value, silently).
+TEST(HfConvert, ATensorInTwoUnindexedShardsIsRefused) {
+  Dirs d;
+  std::string out;
+  ASSERT_EQ(mt_cmd("score hf_path=" + d.hf.string() + " tokens=1,2,3", out), 0) << out;
+  fs::rename(d.hf / "model.safetensors", d.hf / "a.safetensors");
+  fs::copy_file(d.hf / "a.safetensors", d.hf / "b.safetensors");
+  EXPECT_EQ(mt_cmd("score hf_path=" + d.hf.string() + " tokens=1,2,3", out), 2) << out;
+  EXPECT_NE(out.find("is in both"), std::string::npos) << out;
+  EXPECT_NE(out.find("b.safetensors"), std::string::npos) << out;
+}
+
 // Issue 24, item 10: shard paths in model.safetensors.index.json stay inside the model
 // directory; an absolute path or one with ".." was opened and parsed.
 TEST(HfConvert, ShardPathsStayInsideTheModelDirectory) {
