@@ -53,7 +53,8 @@
 #define MT_LAUNCH(kernel, grid, block, shared, stream) \
   emu::Launcher(emu::as_dim3(grid), block, shared, [&](auto... args_) { kernel(args_...); })
 
-struct dim3 {
+struct dim3 {  // as CUDA's: a constructor (dim3 g(a, b) is not an aggregate's before clang 16)
+  constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
   unsigned x = 1, y = 1, z = 1;
 };
 struct uint4 {

@@ -1,5 +1,6 @@
 #include "test_support.h"
 
+#include <cpuid.h>
 #include <sys/wait.h>
 #include <algorithm>
 #include <array>
@@ -46,8 +47,12 @@ bool cpu_supports(const std::string& feature) {
   if (feature == "avx512vl") return __builtin_cpu_supports("avx512vl");
   if (feature == "avx512bf16") return __builtin_cpu_supports("avx512bf16");
   if (feature == "avx512vnni") return __builtin_cpu_supports("avx512vnni");
-  if (feature == "amx-bf16") return __builtin_cpu_supports("amx-bf16");
-  if (feature == "amx-tile") return __builtin_cpu_supports("amx-tile");
+  // CPUID leaf 7, EDX bits 22 and 24: clang before 15 has no such __builtin_cpu_supports names.
+  if (feature == "amx-bf16" || feature == "amx-tile") {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    return ((d >> (feature == "amx-bf16" ? 22 : 24)) & 1u) != 0;
+  }
   if (feature == "amd") return __builtin_cpu_is("amd");
   throw std::invalid_argument("cpu_supports: no check for '" + feature + "'");
 }

@@ -586,8 +586,10 @@ TEST(Attention, DecodeChunksGiveTheSameBitsAtAnyBatchAndThreads) {
       test::cpu_backend_name(), config_from_pairs({{"num_threads", "1"}}));
   const int64_t D = 16;
   for (int64_t Smax : {int64_t{97}, int64_t{2100}})
-    for (auto [Hq, Hkv] : {std::pair<int64_t, int64_t>{3, 3}, {6, 2}})
+    for (const auto& heads : {std::pair<int64_t, int64_t>{3, 3}, {6, 2}})
       for (int c = 0; c < 2; ++c) {
+        // (Named, not a structured binding: clang before 16 cannot capture one in a lambda.)
+        const int64_t Hq = heads.first, Hkv = heads.second;
         AttentionSpec spec;
         spec.causal = true;
         spec.window = c ? 40 : 0;

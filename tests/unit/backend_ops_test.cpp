@@ -201,7 +201,7 @@ std::vector<OpCase> cases() {
     for (int64_t j = 0; j < n; ++j) quantize_q8_row(wf.data() + j * k, k, q.data() + j * rb);
     Tensor w = r.b.empty({n, rb}, DType::i8);
     r.b.copy_from_host(w, q.data());
-    auto exact_rows = [&r, k](const Shape& s) {
+    auto exact_rows = [&r](const Shape& s) {
       std::vector<float> v(static_cast<size_t>(shape_numel(s)));
       std::uniform_int_distribution<int> qd(-127, 127);
       for (size_t i = 0; i < v.size(); ++i)

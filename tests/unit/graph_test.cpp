@@ -151,7 +151,10 @@ TEST(Graph, SharedGradientBuffersMatchFiniteDifferences) {
   }
   Graph::finish_fresh(be, x);
   Graph::finish_fresh(be, w);
-  for (auto [vals, grad] : {std::pair{&xv, &gx}, std::pair{&wv, &gw}}) {
+  for (const auto& vg : {std::pair{&xv, &gx}, std::pair{&wv, &gw}}) {
+    // (Named, not a structured binding: clang before 16 cannot capture one in a lambda.)
+    auto* const vals = vg.first;
+    auto* const grad = vg.second;
     const std::vector<float> got = test::to_vector(*grad);
     for (size_t j = 0; j < vals->size(); ++j) {
       const float keep = (*vals)[j];

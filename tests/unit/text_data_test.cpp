@@ -85,7 +85,9 @@ class TextData : public ::testing::Test {
     Pairs kv = {{"dataset_path", path},         {"vocab_size", "8192"}, {"max_target_length", "8"},
                 {"per_device_batch_size", "1"}, {"packing", "true"},    {"eval_split", "0.0"},
                 {"data_shuffle_seed", "3"},     {"add_bos", "true"},    {"add_eos", "true"}};
-    for (auto& [k, v] : extra) {
+    for (auto& e : extra) {  // (no structured binding: clang before 16 cannot capture one)
+      const auto& k = e.first;
+      const auto& v = e.second;
       auto it = std::find_if(kv.begin(), kv.end(), [&](auto& p) { return p.first == k; });
       if (it != kv.end())
         it->second = v;

@@ -76,7 +76,7 @@ struct Isa {
     isa.avx512 = mt_cpu_supports("avx512f") && mt_cpu_supports("avx512bw") &&
                  mt_cpu_supports("avx512dq") && mt_cpu_supports("avx512vl");
     isa.avx512_bf16 = isa.avx512 && mt_cpu_supports("avx512bf16");
-    isa.amx_bf16 = mt_cpu_supports("amx-bf16");
+    isa.amx_bf16 = mt_cpu_has_amx();
     isa.avx512_vnni = isa.avx512 && mt_cpu_supports("avx512vnni");
     return isa;
   }

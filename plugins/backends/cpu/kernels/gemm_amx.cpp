@@ -54,7 +54,7 @@ bool request_amx() {
 #if defined(MT_EMULATE_X86)
   return false;  // SIMDe has no AMX
 #else
-  if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("amx-tile")) return false;
+  if (!mt_cpu_has_amx()) return false;
   constexpr long kArchReqXcompPerm = 0x1023;
   constexpr long kXfeatureXtiledata = 18;
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;

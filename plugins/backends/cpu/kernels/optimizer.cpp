@@ -5,7 +5,9 @@
 // once inlined; the warning points into the header, so it is silenced where the header is read
 // (first, before anything else can include it).
 #pragma GCC diagnostic push
+#if !defined(__clang__)  // (clang has no -Wmaybe-uninitialized, and warns of the unknown name)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #include "kernels/x86_simd.h"
 #pragma GCC diagnostic pop

@@ -22,7 +22,13 @@
 
 // Hot loops are compiled three times (generic x86-64, x86-64-v3 with AVX2 + FMA, and x86-64-v4;
 // the loader picks the best the CPU runs) because the build targets generic x86-64.
+// clang before 15 gives the clones' resolvers of a function in an unnamed namespace external
+// linkage, so two kernel files defining the same one failed to link: there the generic build only.
+#if defined(__clang__) && __clang_major__ < 15
+#define MT_CLONES
+#else
 #define MT_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
 
 namespace mt::cpu {
 namespace {

@@ -34,6 +34,7 @@
 #define MT_TARGET(features)
 #define mt_cpu_supports(feature) ::mt_x86_emulation::supports(feature)
 #define mt_cpu_is_amd() true
+#define mt_cpu_has_amx() false  // SIMDe has no AMX
 
 namespace mt_x86_emulation {
 
@@ -307,11 +308,19 @@ inline __m512 dpbf16_512(__m512 src, __m512bh a, __m512bh b) {
 
 #else  // the hardware's own
 
+#include <cpuid.h>
 #include <immintrin.h>
 
 #define MT_TARGET(features) __attribute__((target(features)))
 #define mt_cpu_supports(feature) __builtin_cpu_supports(feature)
 #define mt_cpu_is_amd() (__builtin_cpu_init(), __builtin_cpu_is("amd") != 0)
+// AMX-BF16 and AMX-TILE (CPUID leaf 7, EDX bits 22 and 24), read directly: clang before 15 has
+// no "amx-bf16" / "amx-tile" for __builtin_cpu_supports (mt did not build with clang 14).
+inline bool mt_cpu_has_amx() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  return ((d >> 22) & 1u) != 0 && ((d >> 24) & 1u) != 0;
+}
 #define MT_AS_BF16X32(v) reinterpret_cast<__m512bh>(v)
 
 #endif
