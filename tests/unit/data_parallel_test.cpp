@@ -200,9 +200,13 @@ void compare_runs(const fs::path& root, int ranks, int batch, int accum, const s
   // against 1.31e-4 on AVX2). With several, each rank first adds its own (rows r, r + N, ...):
   // a third order, whose rounding adds to accumulation's (under ASan on AVX2: 2.07e-5 from the
   // whole batch's run, 9.1e-6 + 1.16e-5 by way of the accumulating run's), so only the bound.
+  // Not bit for bit even so: 20 AdamW steps magnify the last bits of the parts' rounding by a
+  // factor that depends on the trajectory (2 x 2 of llama-test: 2.0e-7 with gcc, 4.7e-6 under
+  // ASan since the warm-up ramps over warmup_steps, 2.1e-7 there before), so 1e-5, still well
+  // within accumulation's own distance from the whole batch's run on other trajectories.
   if (accum == 1) {
     if (rank_order) {
-      EXPECT_LE(params_acc, 1e-6);
+      EXPECT_LE(params_acc, 1e-5);
     }
     EXPECT_LE(params, acc_vs_whole * (rank_order ? 1.0 : 1.5) + 1e-6);
   }
