@@ -1,6 +1,7 @@
 // The SDK's shared blocks (mt/blocks.h), written with Graph's ops only: what they compute is
 // what a family would write by hand, with the backward from the tape.
 #include "mt/blocks.h"
+#include "mt/config.h"
 
 #include <algorithm>
 #include <cmath>
@@ -92,6 +93,27 @@ ParamSpec dense_param(const std::string& name, int64_t in, int64_t out) {
           static_cast<float>(1.0 / std::sqrt(static_cast<double>(in))),
           true,
           true};
+}
+
+void rope_scaling_from_config(const Config& c, RopeSpec& rope) {
+  const std::string rt = c.get_string("rope_type");
+  rope.type = rt == "llama3.1" ? RopeSpec::Type::llama3
+              : rt == "yarn"   ? RopeSpec::Type::yarn
+                               : RopeSpec::Type::standard;
+  // Each scaling's own keys only (before: rope_factor=4 with rope_type=default was taken and
+  // changed nothing, silently).
+  if (rope.type != RopeSpec::Type::standard) {
+    rope.factor = static_cast<float>(c.get_float("rope_factor"));
+    rope.original_max_position = c.get_int("original_max_position_embeddings");
+  }
+  if (rope.type == RopeSpec::Type::llama3) {
+    rope.low_freq_factor = static_cast<float>(c.get_float("rope_low_freq_factor"));
+    rope.high_freq_factor = static_cast<float>(c.get_float("rope_high_freq_factor"));
+  }
+  if (rope.type == RopeSpec::Type::yarn) {
+    rope.beta_fast = static_cast<float>(c.get_float("beta_fast"));
+    rope.beta_slow = static_cast<float>(c.get_float("beta_slow"));
+  }
 }
 
 // A dense weight read only through Graph::project (ParamSpec::projection).

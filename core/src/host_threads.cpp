@@ -13,7 +13,7 @@ struct HostThreads::Limit {
 };
 
 HostThreads::HostThreads(const Config& cfg)
-    : limit_(std::make_unique<Limit>(cpu_threads(cfg))), threads_(cpu_threads(cfg)) {}
+    : threads_(cpu_threads(cfg)), limit_(std::make_unique<Limit>(threads_)) {}
 
 HostThreads::~HostThreads() = default;
 

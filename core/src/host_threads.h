@@ -26,8 +26,8 @@ class HostThreads {
 
  private:
   struct Limit;
-  std::unique_ptr<Limit> limit_;
   int threads_ = 1;
+  std::unique_ptr<Limit> limit_;
 };
 
 }  // namespace mt

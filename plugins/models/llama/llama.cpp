@@ -46,27 +46,10 @@ struct LlamaConfig {
     attn.kv_heads = c.get_int("base_num_kv_heads");
     attn.head_dim = c.get_int("head_dim");
     mt::RopeSpec& rope = attn.rope;
-    const std::string rt = c.get_string("rope_type");
-    rope.type = rt == "llama3.1" ? mt::RopeSpec::Type::llama3
-                : rt == "yarn"   ? mt::RopeSpec::Type::yarn
-                                 : mt::RopeSpec::Type::standard;
+    mt::blocks::rope_scaling_from_config(c, rope);
     rope.theta = static_cast<float>(c.get_float("rope_max_timescale"));
     rope.rotary_dim = static_cast<int>(
         std::lround(static_cast<double>(attn.head_dim) * c.get_float("partial_rotary_factor")));
-    // Each scaling's own keys only, so that one set for another rope_type is refused as unused
-    // (before: rope_factor=4 with rope_type=default changed nothing, silently).
-    if (rope.type != mt::RopeSpec::Type::standard) {
-      rope.factor = static_cast<float>(c.get_float("rope_factor"));
-      rope.original_max_position = c.get_int("original_max_position_embeddings");
-    }
-    if (rope.type == mt::RopeSpec::Type::llama3) {
-      rope.low_freq_factor = static_cast<float>(c.get_float("rope_low_freq_factor"));
-      rope.high_freq_factor = static_cast<float>(c.get_float("rope_high_freq_factor"));
-    }
-    if (rope.type == mt::RopeSpec::Type::yarn) {
-      rope.beta_fast = static_cast<float>(c.get_float("beta_fast"));
-      rope.beta_slow = static_cast<float>(c.get_float("beta_slow"));
-    }
     attn.attn.causal = true;
     attn.attn.window = c.get_int("sliding_window_size");
     attn.attn.softcap = static_cast<float>(c.get_float("attn_logits_soft_cap"));

@@ -51,6 +51,12 @@ MT_API Tensor norm(Graph& g, const Params& p, const std::string& name, const Ten
                    const NormSpec& s);
 
 // ---- attention ------------------------------------------------------------------------------
+// rope_type (default, llama3.1, yarn) and that scaling's own keys into `rope`: rope_factor and
+// original_max_position_embeddings for either, rope_low/high_freq_factor for llama3.1,
+// beta_fast/slow for yarn. Only those are read, so one set for another rope_type is refused as
+// a key the family does not use. theta and rotary_dim are the family's to set.
+MT_API void rope_scaling_from_config(const Config& c, RopeSpec& rope);
+
 struct AttentionBlockSpec {
   int64_t d_model = 0;
   int64_t heads = 0;       // query heads
