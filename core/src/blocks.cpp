@@ -501,8 +501,11 @@ Tensor lm_head(Graph& g, const Params& p, const Tensor& h, bool tied, const std:
   // Tied: logits = h @ embedding^T, the table shared with the input lookup.
   // Vocabulary-parallel (Graph::set_vocab_part): this rank's columns of the logits, from its
   // rows of the table (or columns of the head); each rank's part of h's gradient is summed.
+  // An int8 table (quantization=int8) holds the head's rows: Graph::project reads them.
   const Tensor x = g.vocab_parallel() ? g.tensor_parallel_input(h) : h;
-  return tied ? g.matmul(x, p[embedding], false, true) : g.project(x, p, head);
+  if (!tied) return g.project(x, p, head);
+  return p.layout(embedding) == WeightLayout::q8 ? g.project(x, p, embedding)
+                                                 : g.matmul(x, p[embedding], false, true);
 }
 
 std::vector<ParamSpec> decoder_top_params(int64_t vocab, int64_t d, const NormSpec& norm, bool tied,
@@ -510,6 +513,7 @@ std::vector<ParamSpec> decoder_top_params(int64_t vocab, int64_t d, const NormSp
   if (embedding_stddev == 0.f) embedding_stddev = tied ? 1.f / std::sqrt(float(d)) : 1.f;
   std::vector<ParamSpec> r = {embedding_param("embedding", vocab, d, embedding_stddev, tied)};
   r.back().axes = {"vocab", "embed"};
+  r.back().table = true;  // read through Graph::embedding(params, ...) and lm_head
   for (auto& p : norm_params("final_norm", d, norm)) r.push_back(p);
   if (!tied) {
     r.push_back(projection_param("lm_head", d, vocab));

@@ -329,6 +329,21 @@ Tensor Graph::embedding(const Tensor& table, const Tensor& ids) {
   return out;
 }
 
+Tensor Graph::embedding(const Params& p, std::string_view table, const Tensor& ids) {
+  if (p.layout(table) != WeightLayout::q8) return embedding(p[table], ids);
+  // Inference only: an int8 table has no gradient (and is never split among ranks).
+  const Tensor& q = p.stored(table);
+  MT_CHECK(q.ndim() == 2 && q.dim(1) % 9 == 0,
+           "embedding: the int8 table '" + std::string(table) + "' is " + q.str());
+  const int64_t d = q.dim(1) / 9 * 8;
+  Shape s = ids.shape();
+  s.push_back(d);
+  Tensor out = backend_->empty(s, p.dtype());
+  Tensor out2 = out.view({ids.numel(), d});
+  backend_->embedding_q8_forward(q, ids.view({ids.numel()}), out2);
+  return out;
+}
+
 Tensor Graph::rmsnorm(const Tensor& x, const Tensor& w, float eps, bool plus_one) {
   Tensor out = backend_->empty(x.shape(), x.dtype());
   Tensor rstd = backend_->empty({x.numel() / x.dim(-1)}, DType::f32);

@@ -48,8 +48,8 @@ Tensor Model::mtp_combine(Graph&, const Params&, const Tensor&, const Tensor&, i
 }
 
 Params::Params(const std::vector<std::string>& names, std::vector<Tensor> values,
-               std::vector<WeightLayout> layouts)
-    : names_(&names), values_(std::move(values)), layouts_(std::move(layouts)) {
+               std::vector<WeightLayout> layouts, DType dtype)
+    : names_(&names), values_(std::move(values)), layouts_(std::move(layouts)), dtype_(dtype) {
   MT_CHECK(names.size() == values_.size(), "Params: " + std::to_string(names.size()) +
                                                " names for " + std::to_string(values_.size()) +
                                                " tensors");
@@ -80,9 +80,10 @@ const Tensor* Params::find(std::string_view name) const {
     throw Error("The model read the parameter '" + std::string(name) + "' directly, but it is " +
                 (layouts_[i] == WeightLayout::q8 ? "stored as int8 rows (quantization=int8)"
                                                  : "stored transposed ([N, K])") +
-                " for inference, as its ParamSpec::projection allows: a projection weight is "
-                "read only through Graph::project. The family's parameters() and forward() "
-                "disagree.");
+                " for inference, as its ParamSpec::projection or ParamSpec::table allows: a "
+                "projection weight is read only through Graph::project, a table through "
+                "Graph::embedding(params, name, ids) and blocks::lm_head. The family's "
+                "parameters() and forward() disagree.");
   return t;
 }
 

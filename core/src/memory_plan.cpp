@@ -170,6 +170,7 @@ DecodePlan trace_decode(const Config& cfg_in, PluginManager& plugins, const Devi
     const auto n = static_cast<size_t>(shape_numel(p.spec.shape));
     const bool q8 = p.layout == WeightLayout::q8;
     d.int8_projections = d.int8_projections || q8;
+    d.int8_table = d.int8_table || (q8 && !p.spec.projection);
     const size_t dev = q8 || w_size < 4 ? n * 4 : 0;
     const size_t transposing = p.spec.projection && !q8 ? 3 * n * w_size : 0;
     transient = std::max(
@@ -813,9 +814,10 @@ std::string format_plan(const Plan& p, const Config& cfg) {
                      d.batch, d.batch == 1 ? "" : "s", d.max_len, d.prefill,
                      cfg.get_string("dtype"));
     row("weights", d.weights,
-        d.int8_projections ? fmt::format("projections in int8 (quantization=int8), the rest in {}",
-                                         dtype_name(d.weight_dtype))
-                           : fmt::format("stored in {}", dtype_name(d.weight_dtype)));
+        d.int8_projections
+            ? fmt::format("projections{} in int8 (quantization=int8), the rest in {}",
+                          d.int8_table ? " and the tied embedding" : "", dtype_name(d.weight_dtype))
+            : fmt::format("stored in {}", dtype_name(d.weight_dtype)));
     row("KV cache", d.kv_cache,
         fmt::format("{} per token of capacity, as allocated (the allocator's size classes "
                     "included)",

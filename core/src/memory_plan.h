@@ -47,6 +47,7 @@ struct TrainingPlan {
 struct DecodePlan {
   int64_t batch = 1, max_len = 0, prefill = 0;
   bool int8_projections = false;  // quantization=int8: the projections stored as int8 rows
+  bool int8_table = false;        // and the embedding table tied to the head
   DType weight_dtype = DType::f32;  // the dtype the weights are held in (inference_config's)
   size_t weights = 0, kv_cache = 0, activations = 0, peak = 0;
   // While loading: the weights and one parameter's temporaries (on the CPU, the host copies

@@ -35,11 +35,22 @@ namespace mt {
 
 namespace {
 
+// An embedding table tied to the LM head (ParamSpec::table, matmul): quantization=int8 holds
+// it as its own rows [V, D + D / 8], which are the head's (W = table^T [D, V]).
+bool q8_table(const Param& p) {
+  return p.spec.table && p.spec.matmul && p.spec.shape.size() == 2;
+}
+
 // The int8 rows a projection weight becomes under quantization=int8 ([N, K + K / 8], or
-// experts' [E, N, K + K / 8]), or nothing where it stays in the compute dtype (not a
-// projection, split among ranks, or rows not a multiple of 32 long).
+// experts' [E, N, K + K / 8]; a tied table's [V, D + D / 8]), or nothing where it stays in the
+// compute dtype (not a projection or tied table, split among ranks, or rows not a multiple of
+// 32 long).
 std::optional<Shape> q8_shape(const Param& p) {
   const Shape& s = p.spec.shape;
+  if (q8_table(p) && p.tensor_dim < 0) {
+    if (s[1] % kQ8Block != 0) return {};
+    return Shape{s[0], q8_row_bytes(s[1])};
+  }
   if (!p.spec.projection || p.tensor_dim >= 0 || (s.size() != 2 && s.size() != 3)) return {};
   const int64_t k = s[s.size() - 2], n = s.back();
   if (k % kQ8Block != 0) return {};
@@ -538,14 +549,17 @@ size_t ModelRunner::quantize_projections() {
         "quantization=int8 is for inference on one rank; this run shards its parameters.");
   size_t count = 0;
   for (auto& p : params_) {
-    // A projection [K, N], or experts' [E, K, N]: each expert's rows quantized alike.
+    // A projection [K, N], or experts' [E, K, N]: each expert's rows quantized alike; a tied
+    // table [V, D], the rows of its head.
     const int64_t nd = p.value.ndim();
-    if (!p.spec.projection || p.layout == WeightLayout::q8 || (nd != 2 && nd != 3)) continue;
+    const bool table = q8_table(p);
+    if (!(p.spec.projection || table) || p.layout == WeightLayout::q8 || (nd != 2 && nd != 3))
+      continue;
     MT_CHECK(!p.grad.defined(), "quantize_projections: " + p.name +
                                     " has a gradient buffer; it is for inference only");
     MT_CHECK(p.tensor_dim < 0, "quantize_projections: " + p.name + " is split");
     // Rows of W [N, K]: K the input dimension.
-    const bool t = p.layout == WeightLayout::transposed;
+    const bool t = table || p.layout == WeightLayout::transposed;
     const int64_t mats = nd == 3 ? p.value.dim(0) : 1;
     const int64_t k = t ? p.value.dim(-1) : p.value.dim(-2),
                   n = t ? p.value.dim(-2) : p.value.dim(-1);
@@ -578,8 +592,11 @@ size_t ModelRunner::quantize_projections() {
 }
 
 void ModelRunner::store_q8_rows(Param& p, std::vector<float>& host, bool rows_already) {
-  const Shape& s = p.spec.shape;  // [K, N] or [E, K, N]
-  const int64_t mats = s.size() == 3 ? s[0] : 1, k = s[s.size() - 2], n = s.back();
+  const Shape& s = p.spec.shape;  // [K, N] or [E, K, N]; a tied table [V, D]: its rows already
+  const bool table = q8_table(p);
+  MT_CHECK(!table || rows_already, "store_q8_rows: the table " + p.name + " is its rows");
+  const int64_t mats = s.size() == 3 ? s[0] : 1, k = table ? s[1] : s[s.size() - 2],
+                n = table ? s[0] : s.back();
   const int64_t rb = q8_row_bytes(k);
   std::vector<float> rows = rows_already ? std::move(host) : std::vector<float>(host.size());
   if (!rows_already) {
@@ -605,7 +622,7 @@ void ModelRunner::set_q8_from_declared(Param& p, std::vector<float>&& declared) 
   std::vector<float> host = std::move(declared);
   if (weight_dtype_ == DType::bf16)  // the weight's own values: rounded as the loaders round
     for (float& v : host) v = bf16_to_f32(f32_to_bf16(v));
-  store_q8_rows(p, host, false);
+  store_q8_rows(p, host, /*rows_already=*/q8_table(p));  // a table's declared layout is its rows
 }
 
 void ModelRunner::enable_gradients() {
@@ -1013,16 +1030,16 @@ Params ModelRunner::block_params(Graph& g, const std::vector<Tensor>& ps, size_t
     std::vector<WeightLayout> ls = layouts(block_begin(block), block_end(block));
     values.insert(values.end(), f.values.begin(), f.values.end());
     ls.insert(ls.end(), f.layouts.begin(), f.layouts.end());
-    return Params(f.names, std::move(values), std::move(ls));
+    return Params(f.names, std::move(values), std::move(ls), compute_dtype_);
   }
   return Params(layer_names_[block], std::move(values),
-                layouts(block_begin(block), block_end(block)));
+                layouts(block_begin(block), block_end(block)), compute_dtype_);
 }
 
 Params ModelRunner::top_params(const std::vector<Tensor>& ps) const {
   return Params(top_names_,
                 std::vector<Tensor>(ps.begin(), ps.begin() + static_cast<ptrdiff_t>(num_top_)),
-                layouts(0, num_top_));
+                layouts(0, num_top_), compute_dtype_);
 }
 
 std::vector<WeightLayout> ModelRunner::layouts(size_t begin, size_t end) const {

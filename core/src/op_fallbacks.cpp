@@ -92,6 +92,41 @@ void Backend::embedding_backward(const Tensor& dout, const Tensor& ids, Tensor& 
   scatter_add_rows(dout.view({N, D}), ids.view({N}), Tensor(), dtable);
 }
 
+void Backend::embedding_q8_forward(const Tensor& table, const Tensor& ids, Tensor& out) {
+  const int64_t rb = table.defined() && table.ndim() == 2 ? table.dim(1) : 0;
+  const int64_t D = rb / 9 * 8, N = ids.defined() ? ids.numel() : 0;
+  MT_CHECK(table.defined() && table.dtype() == DType::i8 && table.ndim() == 2 && D > 0 &&
+               q8_row_bytes(D) == rb && ids.defined() && ids.dtype() == DType::i32 &&
+               out.defined() && (out.dtype() == DType::f32 || out.dtype() == DType::bf16) &&
+               out.numel() == N * D,
+           "embedding_q8_forward: table " + str(table) + ", ids " + str(ids) + ", out " + str(out) +
+               " (want table i8 [V, D + D / 8] with D a multiple of 32, ids [N] i32, " +
+               "out [N, D] f32 or bf16)");
+  if (N == 0) return;
+  // The fall-back path: each looked-up row through the host.
+  std::vector<int32_t> id(static_cast<size_t>(N));
+  copy_to_host(ids, id.data());
+  const int64_t V = table.dim(0);
+  std::vector<int8_t> row(static_cast<size_t>(rb));
+  std::vector<float> f(static_cast<size_t>(N * D));
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t v = id[static_cast<size_t>(n)];
+    MT_CHECK(v >= 0 && v < V, "embedding_q8_forward: token id " + std::to_string(v) +
+                                  " at position " + std::to_string(n) +
+                                  " is outside the vocabulary [0, " + std::to_string(V) + ")");
+    copy_to_host(table.slice0(v, v + 1), row.data());
+    dequantize_q8_row(row.data(), D, f.data() + n * D);
+  }
+  Tensor o = out.view({N, D});
+  if (out.dtype() == DType::f32) {
+    copy_from_host(o, f.data());
+  } else {
+    Tensor tmp = empty({N, D}, DType::f32);
+    copy_from_host(tmp, f.data());
+    cast(tmp, o);
+  }
+}
+
 void Backend::gated_forward(Activation act, const Tensor& gate, const Tensor& up, Tensor& out) {
   check_same_count("gated_forward", {&gate, &up, &out});
   Tensor a = temp_like(*this, gate);

@@ -258,6 +258,19 @@ std::vector<OpCase> cases() {
     r.b.embedding_forward(table, ids, o);
     r.keep("out", o);
   });
+  // A table of int8 rows (a tied embedding under quantization=int8): rows looked up, widened to
+  // the run's dtype; row 10 twice, row 0 (the first) and 10 (the last) at the edges.
+  add(Op::embedding_q8_forward, "embedding_q8_forward", [](OpRun& r) {
+    const int64_t v = 11, d = 64, rb = q8_row_bytes(d);
+    const std::vector<float> tf = test::randn(static_cast<size_t>(v * d), r.rng);
+    std::vector<int8_t> q(static_cast<size_t>(v * rb));
+    for (int64_t j = 0; j < v; ++j) quantize_q8_row(tf.data() + j * d, d, q.data() + j * rb);
+    Tensor table = r.b.empty({v, rb}, DType::i8);
+    r.b.copy_from_host(table, q.data());
+    Tensor ids = r.given_ints({2, 3}, {10, 0, 4, 10, 7, 1}), o = r.out({2, 3, d});
+    r.b.embedding_q8_forward(table, ids, o);
+    r.keep("out", o);
+  });
   add(Op::embedding_backward, "embedding_backward", [](OpRun& r) {
     Tensor dout = r.in({7, 9}), dtable = r.f32({11, 9});
     Tensor ids = r.given_ints({7}, {3, 0, 3, 10, 5, 3, 0});  // repeated rows add up

@@ -295,7 +295,7 @@ TEST(Decode, InferenceLoadsBf16WeightsAsTheNarrowedMasters) {
 // those of loading every weight and then quantizing (quantize_projections), while the
 // backend's peak stays below that way's, whose weights were all held in the weight dtype first.
 TEST(Decode, Int8FromTheStartIsTheQuantizedModel) {
-  for (const char* model : {"llama-test", "mixtral-test"})
+  for (const char* model : {"llama-test", "mixtral-test", "gemma2-test"})  // gemma2: a tied table
     for (const char* dtype : {"float32", "bfloat16"}) {
       SCOPED_TRACE(std::string(model) + ", " + dtype);
       ConfigRequest req;
@@ -618,15 +618,20 @@ TEST(Decode, Int8WeightsStayCloseToTheModel) {
       EXPECT_GT(n, 0u);
       const bool routed = std::any_of(r.params().begin(), r.params().end(),
                                       [](const Param& p) { return p.spec.active < 1.f; });
-      size_t seen = 0, experts = 0;
+      size_t seen = 0, experts = 0, tables = 0;
       for (const auto& p : r.params()) {
         bytes_after += p.value.nbytes();
         if (p.layout != WeightLayout::q8) continue;
         ++seen;
-        EXPECT_TRUE(p.spec.projection) << p.name;
         EXPECT_EQ(p.value.dtype(), DType::i8) << p.name;
         const Shape& s = p.spec.shape;  // [K, N], or experts' [E, K, N] -> [E, N, K + K / 8]
         const size_t d = s.size();
+        if (!p.spec.projection) {  // a tied table [V, D]: its own rows [V, D + D / 8]
+          EXPECT_TRUE(p.spec.table && p.spec.matmul) << p.name;
+          EXPECT_EQ(p.value.shape(), (Shape{s[0], q8_row_bytes(s[1])})) << p.name;
+          ++tables;
+          continue;
+        }
         Shape want = {s[d - 1], q8_row_bytes(s[d - 2])};
         if (d == 3) want.insert(want.begin(), s[0]);
         EXPECT_EQ(p.value.shape(), want) << p.name;
@@ -634,6 +639,9 @@ TEST(Decode, Int8WeightsStayCloseToTheModel) {
       }
       EXPECT_EQ(seen, n);
       EXPECT_EQ(experts > 0, routed);  // experts' weights are int8 too
+      // A table tied to the head is held as int8 rows only (qwen2-test, gemma2-test).
+      const bool tied = std::string(model) == "qwen2-test" || std::string(model) == "gemma2-test";
+      EXPECT_EQ(tables, tied ? 1u : 0u);
       // The int8 weights: K + K / 8 bytes a row against 4 K (f32).
       EXPECT_LT(bytes_after, bytes_before);
       EXPECT_EQ(r.quantize_projections(), 0u);  // nothing left to quantize

@@ -30,6 +30,7 @@
 #include "mt/backend.h"
 #include "mt/dtype.h"
 #include "mt/error.h"
+#include "mt/q8.h"
 #include "test_support.h"
 
 namespace mt {
@@ -456,6 +457,52 @@ TEST(Embedding, RejectsBadIds) {
     Tensor dt = B().zeros({4, 2}, DType::f32);
     EXPECT_THROW(B().embedding_backward(out, ids, dt), Error);
   }
+}
+
+// A table of int8 rows (quantization=int8's tied embedding): each looked-up row is
+// dequantize_q8_row's values exactly (f32 out), rounded once for bf16; bad ids and a table
+// whose rows are not int8 rows are refused.
+TEST(Embedding, Q8RowsAreTheDequantizedRows) {
+  MT_SEEDED_RNG(rng);
+  const int64_t V = 37, D = 96, N = 300, rb = q8_row_bytes(D);
+  const auto table = rand_nz(V * D, rng);
+  std::vector<int8_t> q(static_cast<size_t>(V * rb));
+  for (int64_t v = 0; v < V; ++v) quantize_q8_row(table.data() + v * D, D, q.data() + v * rb);
+  Tensor tq = B().empty({V, rb}, DType::i8);
+  B().copy_from_host(tq, q.data());
+  std::uniform_int_distribution<int32_t> idd(0, static_cast<int32_t>(V - 1));
+  std::vector<int32_t> ids(N);
+  for (auto& i : ids) i = idd(rng);
+  ids[0] = 0;
+  ids[1] = static_cast<int32_t>(V - 1);
+  Tensor ti = test::from_ints(B(), {N}, ids);
+  std::vector<float> want(N * D), rows(N * D);
+  for (int64_t n = 0; n < N; ++n) {
+    dequantize_q8_row(q.data() + ids[n] * rb, D, &want[n * D]);
+    std::copy_n(table.begin() + ids[n] * D, D, rows.begin() + n * D);
+  }
+  Tensor out = B().empty({N, D}, DType::f32);
+  B().embedding_q8_forward(tq, ti, out);
+  EXPECT_TRUE(bitwise_equal(test::to_vector(out), want));
+  EXPECT_LT(test::scaled_err(test::to_vector(out), rows), 0.01);  // int8's rounding, no more
+  Tensor ho = B().empty({N, D}, DType::bf16);
+  B().embedding_q8_forward(tq, ti, ho);
+  EXPECT_TRUE(bitwise_equal(test::to_vector(ho), round_bf16(want)));
+  for (int32_t bad : {static_cast<int32_t>(V), -1}) {
+    Tensor b = test::from_ints(B(), {2}, {0, bad});
+    Tensor o = B().empty({2, D}, DType::f32);
+    try {
+      B().embedding_q8_forward(tq, b, o);
+      ADD_FAILURE() << "no error for id " << bad;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("token id " + std::to_string(bad)), std::string::npos)
+          << e.what();
+    }
+  }
+  Tensor dense = T({V, D}, table), o = B().empty({N, D}, DType::f32);
+  EXPECT_THROW(B().embedding_q8_forward(dense, ti, o), Error);  // not int8 rows
+  Tensor odd = B().empty({V, 40}, DType::i8);                   // 40 bytes: no K + K / 8
+  EXPECT_THROW(B().embedding_q8_forward(odd, ti, o), Error);
 }
 
 // ================================ normalisation ==============================================

@@ -157,6 +157,10 @@ void CpuBackend::embedding_backward(const Tensor& dout, const Tensor& ids, Tenso
   run([&] { cpu::embedding_backward(dout, ids, dtable); });
 }
 
+void CpuBackend::embedding_q8_forward(const Tensor& table, const Tensor& ids, Tensor& out) {
+  run([&] { cpu::embedding_q8_forward(table, ids, out); });
+}
+
 void CpuBackend::rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, bool plus_one, Tensor& out, Tensor& rstd) {
   run([&] { cpu::rmsnorm_forward(x, w, eps, plus_one, out, rstd); });
 }

@@ -189,6 +189,7 @@ void grouped_matmul_q8(const Ctx& c, const Tensor& x, const Tensor& w,
 
 // embedding
 void embedding_forward(const Ctx& c, const Tensor& table, const Tensor& ids, Tensor& out);
+void embedding_q8_forward(const Ctx& c, const Tensor& table, const Tensor& ids, Tensor& out);
 void embedding_backward(const Ctx& c, const Tensor& dout, const Tensor& ids, Tensor& dtable);
 
 // MoE

@@ -38,6 +38,28 @@ struct RowCopyF {
       o.set(r * D + d, x[i]);
   }
 };
+// The lookup in a table of int8 rows (mt/q8.h), i over [M, D]: out[m, d] = q[id[m], d] x the
+// scale of its block of 32 (stored after the row's D values), as the CPU's dequantize_q8_row;
+// bad indices as RowCopyF's gather.
+struct Q8RowF {
+  const int8_t* q;
+  const int32_t* id;
+  int64_t D, rb, n;
+  Out o;
+  unsigned long long* bad;
+  __device__ void operator()(int64_t i) const {
+    const int64_t m = i / D, d = i - m * D, r = id[m];
+    if (r < 0 || r >= n) {
+      if (d == 0) record_bad(bad, m, r);
+      o.set(i, 0.f);
+      return;
+    }
+    const int8_t* row = q + r * rb;
+    float scale;
+    memcpy(&scale, row + D + d / kQ8Block * 4, 4);
+    o.set(i, __fmul_rn(static_cast<float>(row[d]), scale));
+  }
+};
 // Scatter-add by runs of equal destination rows: blockIdx.x = run k (one distinct destination),
 // one thread per feature, adding the run's source rows in increasing source order, so the sum's
 // order depends on the indices alone (no atomics). Serves embedding_backward (w = 1) and
@@ -167,6 +189,21 @@ void embedding_forward(const Ctx& c, const Tensor& table, const Tensor& ids, Ten
       [V](int64_t n, int64_t id) { return bad_token_id("embedding_forward", n, id, V); });
   launch_map(c, o.numel(), RowCopyF<true>{in(table), ids.ptr<const int32_t>(), D, V, out(o), bad},
              "embedding_forward", shapes);
+}
+
+void embedding_q8_forward(const Ctx& c, const Tensor& table, const Tensor& ids, Tensor& o) {
+  auto shapes = [&] { return "table " + str(table) + ", ids " + str(ids) + ", out " + str(o); };
+  const int64_t rb = table.defined() && table.ndim() == 2 ? table.dim(1) : 0, D = rb / 9 * 8;
+  MT_CHECK(table.dtype() == DType::i8 && D > 0 && q8_row_bytes(D) == rb && is_fb(o) &&
+               ids.defined() && ids.dtype() == DType::i32 && o.numel() == ids.numel() * D,
+           "cuda embedding_q8_forward: " + shapes() +
+               " (want table i8 [V, D + D / 8] with D a multiple of 32, ids [N] i32, out [N, D])");
+  const int64_t V = table.dim(0);
+  unsigned long long* bad = c.checks->slot(
+      [V](int64_t n, int64_t id) { return bad_token_id("embedding_q8_forward", n, id, V); });
+  launch_map(c, o.numel(),
+             Q8RowF{table.ptr<const int8_t>(), ids.ptr<const int32_t>(), D, rb, V, out(o), bad},
+             "embedding_q8_forward", shapes);
 }
 
 void embedding_backward(const Ctx& c, const Tensor& dout, const Tensor& ids, Tensor& dtable) {

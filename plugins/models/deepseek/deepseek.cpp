@@ -504,7 +504,7 @@ class DsModel final : public mt::Model {
     return *layers_.at(static_cast<size_t>(i));
   }
   Tensor embed(mt::Graph& g, const mt::Params& top, const Tensor& tokens) const override {
-    return g.embedding(top["embedding"], tokens);
+    return g.embedding(top, "embedding", tokens);
   }
   Tensor head(mt::Graph& g, const mt::Params& top, const Tensor& hidden) const override {
     return mt::blocks::decoder_head(g, top, hidden, c_.norm, c_.tied);

@@ -212,7 +212,7 @@ class GemmaModel final : public mt::Model {
 
   // The looked-up rows times sqrt(d_model) (Hugging Face's embed_scale in the model's dtype).
   Tensor embed(mt::Graph& g, const mt::Params& top, const Tensor& tokens) const override {
-    return g.scale(g.embedding(top["embedding"], tokens), c_.embed_scale);
+    return g.scale(g.embedding(top, "embedding", tokens), c_.embed_scale);
   }
   // hidden [B, T, D] -> logits [B, T, V]: final norm, LM head, then the final soft-cap.
   Tensor head(mt::Graph& g, const mt::Params& top, const Tensor& hidden) const override {

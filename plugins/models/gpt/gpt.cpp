@@ -146,12 +146,12 @@ class GptModel final : public mt::Model {
   const mt::DecoderLayer& layer(int) const override { return layer_; }
 
   Tensor embed(mt::Graph& g, const mt::Params& top, const Tensor& tokens) const override {
-    return g.embedding(top["embedding"], tokens);
+    return g.embedding(top, "embedding", tokens);
   }
   // wte[tokens] + wpe[positions]
   Tensor embed_at(mt::Graph& g, const mt::Params& top, const Tensor& tokens,
                   const Tensor& positions) const override {
-    return g.add(g.embedding(top["embedding"], tokens),
+    return g.add(g.embedding(top, "embedding", tokens),
                  g.embedding(top["position_embedding"], positions));
   }
   // hidden [B, T, D] -> logits [B, T, V]

@@ -115,7 +115,7 @@ class LlamaModel final : public mt::Model {
   const mt::DecoderLayer& layer(int) const override { return layer_; }
 
   Tensor embed(mt::Graph& g, const mt::Params& top, const Tensor& tokens) const override {
-    return g.embedding(top["embedding"], tokens);
+    return g.embedding(top, "embedding", tokens);
   }
   // hidden [B, T, D] -> logits [B, T, V]
   Tensor head(mt::Graph& g, const mt::Params& top, const Tensor& hidden) const override {

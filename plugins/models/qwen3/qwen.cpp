@@ -200,7 +200,7 @@ class QwenModel final : public mt::Model {
   }
 
   Tensor embed(mt::Graph& g, const mt::Params& top, const Tensor& tokens) const override {
-    return g.embedding(top["embedding"], tokens);
+    return g.embedding(top, "embedding", tokens);
   }
   // hidden [B, T, D] -> logits [B, T, V]
   Tensor head(mt::Graph& g, const mt::Params& top, const Tensor& hidden) const override {

@@ -155,7 +155,8 @@ MT_API Tensor lm_head(Graph& g, const Params& p, const Tensor& h, bool tied,
 
 // The top of a decoder as most families have it: "embedding" [V, d] (normal with stddev
 // `embedding_stddev`; 0 = 1/sqrt(d) when tied to the LM head, else 1; logical axes vocab,
-// embed), "final_norm" and "lm_head" [d, V] (embed, vocab) unless tied.
+// embed; ParamSpec::table: the family looks tokens up with Graph::embedding(top, "embedding",
+// ids)), "final_norm" and "lm_head" [d, V] (embed, vocab) unless tied.
 MT_API std::vector<ParamSpec> decoder_top_params(int64_t vocab, int64_t d, const NormSpec& norm,
                                                  bool tied, float embedding_stddev = 0.f);
 // hidden [B, T, d] -> logits [B, T, V]: final_norm, the LM head, and the final logits' soft-cap

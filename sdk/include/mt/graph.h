@@ -153,6 +153,10 @@ class MT_API Graph {
   Tensor reshape(const Tensor& x, const Shape& shape);
   Tensor cast(const Tensor& x, DType dtype);
   Tensor embedding(const Tensor& table, const Tensor& ids);  // ids [B, T] -> [B, T, D]
+  // The same for the table `table` of p (ParamSpec::table) in whichever layout it is stored:
+  // as declared, or int8 rows (quantization=int8, a tied table: inference only), widened to
+  // p.dtype() row by row (Backend::embedding_q8_forward).
+  Tensor embedding(const Params& p, std::string_view table, const Tensor& ids);
   Tensor rmsnorm(const Tensor& x, const Tensor& w, float eps, bool plus_one = false);
   Tensor layernorm(const Tensor& x, const Tensor& w, const Tensor& b, float eps);
   Tensor rope(const Tensor& x, const Tensor& positions, const RopeSpec& spec);

@@ -48,12 +48,21 @@ struct ParamSpec {
   // (quantization=int8). A layer that reads it any other way must leave this false: Params
   // refuses such a read.
   bool projection = false;
+  // An embedding table [V, D] read only through Graph::embedding(params, name, ids) and, when it
+  // is the LM head too (matmul: tied), as x @ table^T through blocks::lm_head. Inference with
+  // quantization=int8 then stores a tied table as int8 rows [V, D + D / 8] (mt/q8.h), which the
+  // lookup widens row by row and the head reads through Backend::matmul_q8: a decode step reads
+  // the whole table for the logits. blocks::decoder_top_params sets it.
+  bool table = false;
 };
 
 // How the core stored a projection weight (ParamSpec::projection) for inference: as declared
 // ([K, N]), transposed ([N, K]), or as int8 rows with a scale per 32 values (mt/q8.h: an i8
 // tensor [N, K + K / 8], quantization=int8). Experts' weights [E, K, N] likewise per expert
 // ([E, N, K], [E, N, K + K / 8]). Graph::project and Graph::grouped_project read all three.
+// A tied embedding table (ParamSpec::table) [V, D] is dense or q8: its own rows [V, D + D / 8],
+// which are those of the head it is (W = table^T [D, V]), so Graph::project reads them as the
+// head and Graph::embedding(params, ...) looks tokens up in them.
 enum class WeightLayout : uint8_t { dense, transposed, q8 };
 
 // A layer's parameters (or the model's top parameters) by name, in the compute dtype: what
@@ -63,9 +72,10 @@ class MT_API Params {
   Params() = default;
   // names[i] is the name of values[i]; `names` must outlive this object (the core keeps them
   // for the model's lifetime).
-  // layouts[i]: how values[i] is stored (empty: every one as declared).
+  // layouts[i]: how values[i] is stored (empty: every one as declared). `dtype`: the compute
+  // dtype, which a table stored as int8 rows is looked up in (Graph::embedding).
   Params(const std::vector<std::string>& names, std::vector<Tensor> values,
-         std::vector<WeightLayout> layouts = {});
+         std::vector<WeightLayout> layouts = {}, DType dtype = DType::f32);
   // The tensor called `name`; throws mt::Error naming it and the names there are, or when it
   // is not stored as declared (read those with Graph::project).
   const Tensor& operator[](std::string_view name) const;
@@ -78,9 +88,10 @@ class MT_API Params {
   // The tensor called `name` as stored, any layout (throws as operator[] when absent).
   const Tensor& stored(std::string_view name) const;
   // The logical shape of `name` ([K, N], or experts' [E, K, N], for a projection weight stored
-  // otherwise).
+  // otherwise; a tied table stored as int8 rows gives its head's, [D, V]).
   Shape shape(std::string_view name) const;
   size_t size() const { return values_.size(); }
+  DType dtype() const { return dtype_; }
   const std::vector<Tensor>& values() const { return values_; }
 
  private:
@@ -88,6 +99,7 @@ class MT_API Params {
   const std::vector<std::string>* names_ = nullptr;
   std::vector<Tensor> values_;
   std::vector<WeightLayout> layouts_;
+  DType dtype_ = DType::f32;
 };
 
 // What a layer keeps per token when decoding; the core's decoder allocates it per layer:

@@ -15,6 +15,7 @@
 #include "kernels/kernels.h"
 #include "kernels/simd.h"
 #include "mt/error.h"
+#include "mt/q8.h"
 
 namespace mt::cpu {
 namespace {
@@ -66,6 +67,33 @@ void embedding_forward(const Tensor& table, const Tensor& ids, Tensor& out) {
                         } else {
                           f32_to_bf16_n(reinterpret_cast<const float*>(src),
                                         reinterpret_cast<uint16_t*>(o) + dst_off, D);
+                        }
+                      }
+                    });
+}
+
+// table i8 [V, D + D / 8] (int8 rows, mt/q8.h), ids [N] i32, out [N, D] f32 or bf16
+void embedding_q8_forward(const Tensor& table, const Tensor& ids, Tensor& out) {
+  const int64_t rb = table.ndim() == 2 ? table.dim(1) : 0, D = rb / 9 * 8;
+  MT_CHECK(table.dtype() == DType::i8 && table.ndim() == 2 && D > 0 && q8_row_bytes(D) == rb &&
+               is_fb(out.dtype()) && out.numel() == ids.numel() * D,
+           "cpu embedding_q8_forward: table " + table.str() + ", ids " + ids.str() + ", out " +
+               out.str() + " (want table i8 [V, D + D / 8] with D a multiple of 32, out [N, D])");
+  const int64_t V = table.dim(0), N = ids.numel();
+  check_ids("embedding_q8_forward", ids, V);
+  const int32_t* id = ids.ptr<const int32_t>();
+  const int8_t* tab = table.ptr<const int8_t>();
+  const bool f32 = out.dtype() == DType::f32;
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, N, kTokenGrain),
+                    [&](const tbb::blocked_range<int64_t>& r) {
+                      std::vector<float> buf(f32 ? 0 : static_cast<size_t>(D));
+                      for (int64_t n = r.begin(); n < r.end(); ++n) {
+                        const int8_t* src = tab + static_cast<int64_t>(id[n]) * rb;
+                        if (f32) {
+                          dequantize_q8_row(src, D, out.ptr<float>() + n * D);
+                        } else {
+                          dequantize_q8_row(src, D, buf.data());
+                          f32_to_bf16_n(buf.data(), out.ptr<uint16_t>() + n * D, D);
                         }
                       }
                     });

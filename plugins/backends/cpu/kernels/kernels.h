@@ -67,6 +67,7 @@ bool sgemm_fast();
 // embedding.cpp
 void embedding_forward(const Tensor& table, const Tensor& ids, Tensor& out);
 void embedding_backward(const Tensor& dout, const Tensor& ids, Tensor& dtable);
+void embedding_q8_forward(const Tensor& table, const Tensor& ids, Tensor& out);
 
 // norm.cpp
 void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, bool plus_one, Tensor& out,
