@@ -8,6 +8,7 @@
 #include <numeric>
 #include <string>
 
+#include "mt/env.h"
 #include "mt/error.h"
 #include "mt/graph.h"
 
@@ -138,7 +139,9 @@ Decoder::Decoder(ModelRunner& runner, int64_t batch, int64_t max_len)
     caches_[i].write_rows = step_rows_[layer_group_[i]];
     caches_[i].fresh = false;
   }
-  if (const char* e = std::getenv("MT_DECODE_RECORDING"); e && std::string(e) == "0")
+  if (!env_switch("MT_DECODE_RECORDING", true,
+                  "decode runs every step's ops as they come (0) or records a step once and "
+                  "replays it where the backend can (1)"))
     record_ = false;
   reset();
 }

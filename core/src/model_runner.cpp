@@ -25,6 +25,7 @@
 #include "graph_internal.h"
 #include "model_info.h"
 #include "mt/data.h"
+#include "mt/env.h"
 #include "mt/error.h"
 #include "mt/q8.h"
 #include "plugin_manager.h"
@@ -236,18 +237,23 @@ double ModelRunner::take_communication_seconds() {
   return s;
 }
 
+namespace {
+constexpr const char* kOverlapWhat =
+    "gradients are reduced after the backward (0) or overlapped with it, FSDP's next gathers "
+    "started early too (1)";
+constexpr const char* kOverlapDefault = "plain data parallelism overlaps, FSDP does not";
+}  // namespace
+
 bool ModelRunner::overlaps_communication(const Communicator& comm) const {
-  const char* env = std::getenv("MT_OVERLAP_COMMUNICATION");
-  if (env && std::string(env) == "0") return false;
+  if (env_flag("MT_OVERLAP_COMMUNICATION", kOverlapWhat, kOverlapDefault) == 0) return false;
   // (Tensor and expert parallelism communicate from the training thread during the backward.)
   return comm.size() > 1 && comm.serialized_threads() && !tensor_.on() && !expert_.on() &&
          !profiler_ && backend_->name() == "cpu";
 }
 
 bool ModelRunner::fsdp_overlaps() const {
-  const char* env = std::getenv("MT_OVERLAP_COMMUNICATION");
-  return env && std::string(env) == "1" && sharding_.comm &&
-         overlaps_communication(*sharding_.comm);
+  return env_flag("MT_OVERLAP_COMMUNICATION", kOverlapWhat, kOverlapDefault) == 1 &&
+         sharding_.comm && overlaps_communication(*sharding_.comm);
 }
 
 CollectiveQueue* ModelRunner::fsdp_queue() {
@@ -435,7 +441,9 @@ bool ModelRunner::rows_layout_pays(size_t sequences) {
 
 size_t ModelRunner::transpose_projections() {
   if (!backend().extension("mt.matvec_rows_layout")) return 0;
-  if (const char* env = std::getenv("MT_TRANSPOSE_PROJECTIONS"); env && std::string(env) == "0")
+  if (!env_switch("MT_TRANSPOSE_PROJECTIONS", true,
+                  "decode keeps the projection weights [K, N] as declared (0) or stores them "
+                  "transposed where the backend streams rows faster (1)"))
     return 0;
   if (sharding_.on()) return 0;
   const bool experts = backend().extension("mt.grouped_rows_layout") != nullptr;
@@ -463,7 +471,9 @@ size_t ModelRunner::transpose_projections() {
 }
 
 size_t ModelRunner::fuse_projections() {
-  if (const char* env = std::getenv("MT_FUSE_PROJECTIONS"); env && std::string(env) == "0")
+  if (!env_switch("MT_FUSE_PROJECTIONS", true,
+                  "decode keeps each block's q/k/v and gate/up weights apart (0) or joins "
+                  "those stored as rows into one product (1)"))
     return 0;
   if (sharding_.on() || backend().name() == "meta") return 0;
   fused_.resize(layer_begin_.size());

@@ -171,6 +171,20 @@ TEST(Cli, BenchNeedsAKnownTarget) {
   EXPECT_NE(r.out.find("'frob' is not one of them"), std::string::npos) << r.out;
 }
 
+// The CPU backend's switches take 0 or 1 only (another value silently meant the default):
+// refused before any work with the variable, what it switches and the default.
+TEST(Cli, BackendSwitchesTakeZeroOrOne) {
+  const std::string bench = "bench decode --model=llama-test steps=2 dtypes=bfloat16 parts=batch1";
+  for (const char* v :
+       {"MT_CPU_AMX", "MT_CPU_BF16DOT", "MT_CPU_MATVEC_BF16DOT", "MT_DECODE_RECORDING"}) {
+    const test::MtResult r = test::run_mt(bench, 60, std::string(v) + "=yes");
+    EXPECT_EQ(r.code, 2) << v << r.out;
+    EXPECT_NE(r.out.find(std::string(v) + "=yes: "), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("set 0 or 1, or unset it for the default"), std::string::npos) << r.out;
+  }
+  EXPECT_EQ(test::run_mt(bench + " 2>/dev/null", 60, "MT_CPU_BF16DOT=0 MT_CPU_AMX=1").code, 0);
+}
+
 TEST(Cli, BenchPrintsOneJsonObject) {
   auto r = mt_cmd("bench train --model=llama-test steps=4 2>/dev/null");
   EXPECT_EQ(r.code, 0) << r.out;

@@ -663,6 +663,40 @@ TEST(Decode, Int8WeightsStayCloseToTheModel) {
   }
 }
 
+// The layout switches take 0 or 1 only: another value was silently the default (on) before;
+// now it is refused, naming the variable and what it switches. 0 still turns each off.
+TEST(Decode, LayoutSwitchesTakeZeroOrOne) {
+  std::unique_ptr<ModelRunner> r = family_runner("llama-test");
+  struct Unset {
+    ~Unset() {
+      ::unsetenv("MT_TRANSPOSE_PROJECTIONS");
+      ::unsetenv("MT_FUSE_PROJECTIONS");
+    }
+  } unset;
+  for (const char* bad : {"yes", "off", "2", " 1"}) {
+    ::setenv("MT_TRANSPOSE_PROJECTIONS", bad, 1);
+    try {
+      r->transpose_projections();
+      ADD_FAILURE() << "MT_TRANSPOSE_PROJECTIONS=" << bad << " taken";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("MT_TRANSPOSE_PROJECTIONS=") + bad +
+                                           ": decode keeps the projection weights"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  ::setenv("MT_TRANSPOSE_PROJECTIONS", "0", 1);
+  EXPECT_EQ(r->transpose_projections(), 0u);
+  ::setenv("MT_TRANSPOSE_PROJECTIONS", "1", 1);
+  EXPECT_GT(r->transpose_projections(), 0u);
+  ::setenv("MT_FUSE_PROJECTIONS", "true", 1);
+  EXPECT_THROW(r->fuse_projections(), UsageError);
+  ::setenv("MT_FUSE_PROJECTIONS", "0", 1);
+  EXPECT_EQ(r->fuse_projections(), 0u);
+  ::unsetenv("MT_FUSE_PROJECTIONS");
+  EXPECT_GT(r->fuse_projections(), 0u);
+}
+
 // When mt decode transposes the projections: for one or two sequences on the CPU, and for up
 // to 8 in bf16 where the CPU computes bf16 rows on dot products (the backend says so); never for
 // more than 8, nor in f32 beyond two.

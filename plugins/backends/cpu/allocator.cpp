@@ -8,6 +8,7 @@
 
 #include <sys/mman.h>
 
+#include "mt/env.h"
 #include "mt/error.h"
 
 namespace mt::cpu {
@@ -25,8 +26,9 @@ constexpr size_t kHugePage = size_t{2} << 20;
 // cache had huge pages). MT_CPU_HUGEPAGES=0 keeps 4 KiB pages.
 bool huge_pages_on() {
   static const bool kOn = [] {
-    const char* env = std::getenv("MT_CPU_HUGEPAGES");
-    return !(env && std::string(env) == "0");
+    return env_switch("MT_CPU_HUGEPAGES", true,
+                      "large blocks come from 4 KiB pages (0) or 2 MiB huge pages where the "
+                      "kernel gives them (1)");
   }();
   return kOn;
 }

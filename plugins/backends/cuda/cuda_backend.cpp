@@ -20,6 +20,7 @@
 #include "mt/backend.h"
 #include "mt/capture.h"
 #include "mt/config.h"
+#include "mt/env.h"
 #include "mt/error.h"
 #include "mt/plugin.h"
 
@@ -148,8 +149,10 @@ class CudaBackend final : public mt::cuda::CudaOps {
   void* extension(const char* name) override {
     if (void* e = CudaOps::extension(name)) return e;
     if (std::string(name) != mt::kWorkCapture) return nullptr;
-    const char* e = std::getenv("MT_CUDA_GRAPHS");
-    if (e && std::string(e) == "0") return nullptr;
+    if (!env_switch("MT_CUDA_GRAPHS", true,
+                    "decode steps run op by op (0) or are captured and replayed as CUDA graphs "
+                    "(1)"))
+      return nullptr;
     return static_cast<mt::WorkCapture*>(&capture_);
   }
   mt::MemoryStats memory_stats() const override {

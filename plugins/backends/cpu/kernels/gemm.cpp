@@ -54,6 +54,7 @@
 #include "kernels/kernels.h"
 #include "kernels/simd.h"
 #include "kernels/x86_simd.h"
+#include "mt/env.h"
 #include "mt/error.h"
 #include "mt/q8.h"
 
@@ -1191,8 +1192,7 @@ namespace {
 bool dot_gemm_pays() {
   static const bool kPays = [] {
     if (!dot_bf16_usable()) return false;
-    const char* env = std::getenv("MT_CPU_BF16DOT");
-    if (env && std::string(env) == "1") return true;
+    if (bf16dot_choice() == 1) return true;
     return mt_cpu_is_amd();
   }();
   return kPays;
@@ -1202,8 +1202,10 @@ bool dot_gemm_pays() {
 // MT_CPU_MATVEC_BF16DOT=0 keeps the widening kernels.
 bool matvec_bf16dot_on() {
   static const bool kOn = [] {
-    const char* env = std::getenv("MT_CPU_MATVEC_BF16DOT");
-    if (env && std::string(env) == "0") return false;
+    if (!env_switch("MT_CPU_MATVEC_BF16DOT", true,
+                    "decode's bf16 products keep the widening kernels (0) or take the bf16 "
+                    "dot-product rows kernel where the GEMMs take dot products (1)"))
+      return false;
     return dot_gemm_pays() && matvec_set() == MatvecSet::avx512;
   }();
   return kOn;

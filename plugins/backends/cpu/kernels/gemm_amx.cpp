@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "kernels/x86_simd.h"
+#include "mt/env.h"
 
 namespace mt::cpu {
 namespace {
@@ -436,8 +437,9 @@ bool amx_bf16_usable() {
   // Asked once per process; immutable afterwards. MT_CPU_AMX=0 keeps bf16 GEMMs on the f32 path
   // (for comparisons, or a machine where AMX misbehaves).
   static const bool kUsable = [] {
-    const char* env = std::getenv("MT_CPU_AMX");
-    if (env && std::string(env) == "0") return false;
+    if (!env_switch("MT_CPU_AMX", true,
+                    "bf16 GEMMs stay off AMX tiles (0) or use them where the CPU has them (1)"))
+      return false;
     return request_amx();
   }();
   return kUsable;
@@ -463,12 +465,18 @@ double best_on_every_thread(const std::function<double()>& one_core) {
   return *std::max_element(best.begin(), best.end());
 }
 
+int bf16dot_choice() {
+  return env_flag("MT_CPU_BF16DOT",
+                  "bf16 GEMMs keep the f32 path (0) or take AVX512_BF16 dot products on any CPU "
+                  "that has them (1)",
+                  "dot products on AMD CPUs only");
+}
+
 bool dot_bf16_usable() {
   // Asked once per process; immutable afterwards. MT_CPU_BF16DOT=0 keeps bf16 GEMMs on the f32
   // path (for comparisons).
   static const bool kUsable = [] {
-    const char* env = std::getenv("MT_CPU_BF16DOT");
-    if (env && std::string(env) == "0") return false;
+    if (bf16dot_choice() == 0) return false;
     return !amx_bf16_usable() && mt_cpu_supports("avx512f") && mt_cpu_supports("avx512bw") &&
            mt_cpu_supports("avx512vl") && mt_cpu_supports("avx512bf16");
   }();

@@ -22,6 +22,9 @@ double amx_core_peak_flops();
 // products, f32 sums, at about twice the f32 FMA rate on Zen 4. Usable when the CPU has it, AMX
 // is not usable and MT_CPU_BF16DOT is not 0 (checked once).
 bool dot_bf16_usable();
+// MT_CPU_BF16DOT: -1 unset (AMD CPUs take the dot products for bf16 GEMMs, others the f32 path),
+// 0 never, 1 on any CPU that has the instruction; any other value is refused.
+int bf16dot_choice();
 // The largest of `one_core`'s results with it running on every hardware thread at once: a
 // core's peak at the clock all cores sustain together (the f32 FMA peak and the dot product's).
 double best_on_every_thread(const std::function<double()>& one_core);
