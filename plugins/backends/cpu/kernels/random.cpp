@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "kernels/kernels.h"
 #include "kernels/simd.h"
@@ -26,7 +27,7 @@ namespace {
 
 namespace rf = random_fill;
 
-constexpr int64_t kChunk = 4096;  // elements per task and per stack buffer (16 KiB)
+constexpr int64_t kChunk = 4096;  // elements per task and per buffer (16 KiB)
 
 // z[4k + j] = the standard draw j of block (first_group + k, attempt 0), k < groups.
 MT_CLONES void draw_blocks(uint64_t key, uint64_t first_group, int64_t groups, float* z) {
@@ -95,15 +96,17 @@ void fill_random(Tensor& out, const RandomFill& spec) {
   tbb::parallel_for(int64_t(0), chunks, [&](int64_t c) {
     const int64_t b = c * kChunk, len = std::min(kChunk, n - b);
     // The normal in f32 is made in place (but for a ragged last block); the rest goes through
-    // the stack buffer (the truncated normal's list pass is faster there).
-    alignas(64) float buf[kChunk];
-    float* z = !bf16 && !truncated && len % 4 == 0 ? out.ptr<float>() + b : buf;
+    // a buffer (the truncated normal's list pass is faster there) on the heap: 16 KiB on the
+    // stack overflowed a main thread of `ulimit -s 64` (SIGSEGV).
+    const bool in_place = !bf16 && !truncated && len % 4 == 0;
+    std::vector<float> buf(in_place ? 0 : static_cast<size_t>(kChunk));
+    float* z = in_place ? out.ptr<float>() + b : buf.data();
     draw_blocks(spec.key, static_cast<uint64_t>(b / 4), (len + 3) / 4, z);
     if (truncated) redraw_rejected(spec.key, static_cast<uint64_t>(b), z, len);
     scale_n(z, scale, len);
     if (bf16)
       f32_to_bf16_n(z, out.ptr<uint16_t>() + b, len);
-    else if (z == buf)
+    else if (!in_place)
       std::memcpy(out.ptr<float>() + b, z, static_cast<size_t>(len) * sizeof(float));
   });
 }
