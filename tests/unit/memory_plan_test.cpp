@@ -19,6 +19,7 @@
 #include "meta_backend.h"
 #include "model_runner.h"
 #include "mt/data.h"
+#include "mt/env.h"
 #include "mt/error.h"
 #include "mt/q8.h"
 #include "safetensors.h"
@@ -637,6 +638,33 @@ TEST(MemoryPlan, RunRefusesAModelThatCannotFit) {
   EXPECT_EQ(d.code, 2) << d.out;
   EXPECT_NE(d.out.find("does not fit"), std::string::npos) << d.out;
   EXPECT_NE(d.out.find("KV cache"), std::string::npos) << d.out;
+}
+
+// The launcher's local rank picks a process's GPU (the CUDA backend, the nccl communicator):
+// OpenMPI's before Slurm's, 0 without either; a value that is not a whole number >= 0 is refused
+// (atoi made "-1" a negative device, "x" device 0).
+TEST(LauncherEnv, LocalRankIsAWholeNumber) {
+  ::unsetenv("OMPI_COMM_WORLD_LOCAL_RANK");
+  ::unsetenv("SLURM_LOCALID");
+  EXPECT_EQ(env_local_rank(), 0);
+  ::setenv("SLURM_LOCALID", "3", 1);
+  EXPECT_EQ(env_local_rank(), 3);
+  ::setenv("OMPI_COMM_WORLD_LOCAL_RANK", "12", 1);
+  EXPECT_EQ(env_local_rank(), 12);
+  for (const char* bad : {"-1", "x", "1.5", " 2", "99999999999"}) {
+    ::setenv("OMPI_COMM_WORLD_LOCAL_RANK", bad, 1);
+    try {
+      (void)env_local_rank();
+      ADD_FAILURE() << bad << " taken";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("OMPI_COMM_WORLD_LOCAL_RANK=") + bad +
+                                           ": the launcher's local rank must be"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  ::unsetenv("OMPI_COMM_WORLD_LOCAL_RANK");
+  ::unsetenv("SLURM_LOCALID");
 }
 
 // Ranks of one job on one host share its memory: each rank's run is checked against its part

@@ -290,12 +290,7 @@ void register_cuda(mt::Registry& r) {
       cfg.reject("matmul_precision", "is not one of the choices: default, high, highest.");
     // One GPU per process: under mpirun or srun, the launcher's local rank modulo the GPUs
     // visible (as the nccl communicator chooses), so the ranks of a node use different GPUs.
-    int device = 0, devices = 0;
-    for (const char* v : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"})
-      if (const char* s = std::getenv(v); s && *s) {
-        device = std::atoi(s);
-        break;
-      }
+    int device = mt::env_local_rank(), devices = 0;
     if (cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0) device %= devices;
     return std::make_unique<CudaBackend>(device, p == "highest" ? mt::cuda::MatmulPrecision::highest
                                                                 : mt::cuda::MatmulPrecision::tf32);

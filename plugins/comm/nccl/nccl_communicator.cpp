@@ -41,6 +41,7 @@
 #include "mt/comm.h"
 #include "mt/config.h"
 #include "mt/dtype.h"
+#include "mt/env.h"
 #include "mt/error.h"
 #include "mt/plugin.h"
 #include "mt/tensor.h"
@@ -68,9 +69,7 @@ void check_nccl(ncclResult_t r, const char* what) {
 
 // The launcher's local rank (the GPU this process drives): OpenMPI's, else Slurm's, else 0.
 int local_rank() {
-  for (const char* v : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"})
-    if (const char* s = std::getenv(v); s && *s) return std::atoi(s);
-  return 0;
+  return mt::env_local_rank();
 }
 
 class NcclCommunicator final : public mt::Communicator {

@@ -28,4 +28,27 @@ inline bool env_switch(const char* name, bool deflt, const char* what) {
   return v < 0 ? deflt : v == 1;
 }
 
+// The launcher's local rank, the GPU a process drives: OpenMPI's OMPI_COMM_WORLD_LOCAL_RANK,
+// else Slurm's SLURM_LOCALID, else 0. A value that is not a whole number >= 0 is refused (atoi
+// made "-1" a negative device and "x" device 0, silently).
+inline int env_local_rank() {
+  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"}) {
+    const char* e = std::getenv(name);
+    if (!e || !*e) continue;
+    const std::string v = e;
+    long r = 0;
+    bool ok = v.size() <= 9;
+    for (const char c : v) {
+      ok = ok && c >= '0' && c <= '9';
+      r = ok ? r * 10 + (c - '0') : 0;
+    }
+    if (!ok)
+      throw UsageError(std::string(name) + "=" + v +
+                       ": the launcher's local rank must be a whole number >= 0 (it picks this "
+                       "process's GPU); unset it or let mpirun or srun set it.");
+    return static_cast<int>(r);
+  }
+  return 0;
+}
+
 }  // namespace mt
