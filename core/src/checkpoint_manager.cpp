@@ -819,10 +819,11 @@ void read_parts(PartSource& src, const fs::path& where,
                            " in the checkpoint but " + shape_str(want.shape) + " in the model");
         continue;
       }
-      const auto dt = dtype_from_safetensors(t.dtype);
-      if (!dt || !is_float(*dt) || !is_float(want.data.dtype())) {
+      // Floating tensors of any width convert (F16 and F64 too, as the Hugging Face reader's).
+      if (!safetensors_dtype_is_float(t.dtype) || !is_float(want.data.dtype())) {
         problems.push_back("tensor '" + name + "' is stored as " + t.dtype +
-                           ", which cannot be converted to " + dtype_name(want.data.dtype()));
+                           ", not a floating type that converts to " +
+                           dtype_name(want.data.dtype()) + " (F16, BF16, F32 or F64)");
         continue;
       }
       MT_CHECK(want.end - want.begin == want.data.numel() && want.begin >= 0 &&
@@ -882,7 +883,7 @@ void read_parts(PartSource& src, const fs::path& where,
     const int64_t n = want.end - want.begin;
     if (n == 0) continue;
     Tensor dst = want.data;
-    const bool same_dtype = *dtype_from_safetensors(t.dtype) == dst.dtype();
+    const bool same_dtype = dtype_from_safetensors(t.dtype) == dst.dtype();
     if (r.direct && same_dtype && r.pieces.size() == 1 && r.pieces[0].first->begin == want.begin &&
         r.pieces[0].first->end == want.end) {  // one piece is the part: straight from the file
       dst.backend()->copy_from_host(dst, r.pieces[0].second->data);
@@ -1594,7 +1595,8 @@ std::map<std::string, Tensor> load_checkpoint_tensors(const fs::path& path,
   std::map<std::string, TensorPart> parts;
   std::map<std::string, Tensor> out;
   for (const auto& [name, t] : src.layout(g)) {
-    Tensor x = backend.empty(t.shape, *dtype_from_safetensors(t.dtype));
+    // A dtype mt has no tensor for (F16, F64, from files mt did not write) is read as f32.
+    Tensor x = backend.empty(t.shape, dtype_from_safetensors(t.dtype).value_or(DType::f32));
     parts[name] = TensorPart{t.shape, -1, 1, 0, 0, x.numel(), x};
     out[name] = x;
   }

@@ -304,6 +304,11 @@ size_t safetensors_dtype_size(std::string_view st_dtype) {
   return t ? t->size : 0;
 }
 
+bool safetensors_dtype_is_float(std::string_view st_dtype) {
+  const StType* t = find_st_type(st_dtype);
+  return t && t->cls == StType::Cls::flt;
+}
+
 const char* safetensors_dtype_name(DType t) {
   switch (t) {
     case DType::f32:

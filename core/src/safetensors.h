@@ -38,6 +38,8 @@ size_t safetensors_dtype_size(std::string_view st_dtype);
 const char* safetensors_dtype_name(DType t);
 // File string -> mt dtype, when mt has one.
 std::optional<DType> dtype_from_safetensors(std::string_view st_dtype);
+// Whether the file's dtype is a floating one mt converts from (F16, BF16, F32, F64).
+bool safetensors_dtype_is_float(std::string_view st_dtype);
 
 // ---- reading --------------------------------------------------------------------------------
 struct SafeTensorInfo {

@@ -567,6 +567,53 @@ TEST_F(Checkpoint, LoadParameters) {
   bytes[bytes.size() / 2] = static_cast<char>(bytes[bytes.size() / 2] ^ 1);
   write_all(p, bytes);
   expect_error([&] { load(dir_ / "2"); }, {"params.safetensors", "corrupt", "step 1"});
+
+  // A bare file of other floating widths (numpy's float64, float16 exports) converts, as the
+  // Hugging Face reader's does: F64 of f32 values gives the same bits, F16 its rounding; an
+  // integer tensor is refused with the types that convert (before: F64 and F16 were said to be
+  // types that "cannot be converted").
+  std::vector<std::vector<double>> wide;
+  std::vector<std::vector<uint16_t>> half;
+  std::vector<SafeTensorsEntry> f64, f16;
+  for (const auto& [name, t] : s1.params) {
+    const std::vector<float> v = test::to_vector(t);
+    wide.emplace_back(v.begin(), v.end());
+    f64.emplace_back(name, std::string("F64"), t.shape(), wide.back().data());
+    half.emplace_back();
+    for (const float x : v) {  // exactly representable halves: multiples of 1/1024 in [-2, 2)
+      const float h = std::round(std::clamp(x, -2.f, 1.99f) * 1024.f) / 1024.f;
+      uint16_t bits = 0;
+      if (h != 0.f) {
+        int e = 0;
+        const float m = std::frexp(std::fabs(h), &e);  // |h| = m 2^e, m in [0.5, 1)
+        bits =
+            static_cast<uint16_t>(((e + 14) << 10) | (static_cast<int>(std::ldexp(m, 11)) & 0x3ff));
+        if (e + 14 <= 0) bits = static_cast<uint16_t>(std::ldexp(std::fabs(h), 24));  // subnormal
+        if (h < 0) bits |= 0x8000;
+      }
+      half.back().push_back(bits);
+    }
+    f16.emplace_back(name, std::string("F16"), t.shape(), half.back().data());
+  }
+  write_safetensors(root_ / "f64.safetensors", f64);
+  same(load(root_ / "f64.safetensors"), s1);
+  write_safetensors(root_ / "f16.safetensors", f16);
+  const auto got16 = load(root_ / "f16.safetensors");
+  for (const auto& [name, t] : s1.params) {
+    const std::vector<float> want = test::to_vector(t), got = test::to_vector(got16.at(name));
+    for (size_t i = 0; i < want.size(); ++i) {
+      const float h = std::round(std::clamp(want[i], -2.f, 1.99f) * 1024.f) / 1024.f;
+      const float tol = t.dtype() == DType::bf16 ? std::fabs(h) / 128.f : 0.f;  // bf16's rounding
+      ASSERT_LE(std::fabs(got[i] - h), tol) << name << " " << i;
+    }
+  }
+  std::vector<int32_t> ints(64);
+  write_safetensors(root_ / "i32.safetensors", {{"embedding", DType::i32, {4, 8}, ints.data()},
+                                                {"layers.0.wq", DType::i32, {8, 8}, ints.data()},
+                                                {"norm", DType::i32, {8}, ints.data()}});
+  expect_error([&] { load(root_ / "i32.safetensors"); },
+               {"'embedding' is stored as I32, not a floating type that converts to float32 "
+                "(F16, BF16, F32 or F64)"});
 }
 
 TEST_F(Checkpoint, LoadFullState) {
