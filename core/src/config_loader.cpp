@@ -826,8 +826,10 @@ std::vector<ModelEntry> list_models(const fs::path& configs_dir,
         YAML::Node n = YAML::LoadFile(p.string());
         if (n.IsMap() && n["decoder_block"].IsScalar()) m.family = n["decoder_block"].Scalar();
       } catch (const YAML::Exception& e) {
-        // Listed all the same, so that `mt models` shows the broken file instead of hiding it.
+        // Listed all the same, so that `mt models` shows the broken file instead of hiding it;
+        // its family is unknown (not base.yml's, which it may not be).
         m.description = "malformed YAML: " + e.msg;
+        m.family = "?";
       }
       out.push_back(std::move(m));
     }

@@ -783,6 +783,7 @@ TEST(ConfigModels, ExtraModelDirsComeAfterConfigsModels) {
   const fs::path extra = t.path() / "plugin_models";
   t.write("plugin_models/mine.yml", "# my model\ndecoder_block: gpt\nbase_emb_dim: 32\n");
   t.write("plugin_models/llama-test.yml", "# shadowed\nbase_emb_dim: 1\n");
+  t.write("plugin_models/broken.yml", "decoder_block: gemma\nbase_emb_dim: [1\n");
   const auto models = list_models(real_configs(), {extra});
   auto find = [&](const std::string& n) {
     return std::find_if(models.begin(), models.end(),
@@ -798,6 +799,10 @@ TEST(ConfigModels, ExtraModelDirsComeAfterConfigsModels) {
   ASSERT_EQ(find("llama-test")->shadowed.size(), 1u);
   EXPECT_EQ(find("llama-test")->shadowed[0], extra / "llama-test.yml");
   EXPECT_TRUE(find("mine")->shadowed.empty());
+  // A file that does not parse is listed with its error and no family (before: base.yml's).
+  ASSERT_NE(find("broken"), models.end());
+  EXPECT_EQ(find("broken")->family, "?");
+  EXPECT_EQ(find("broken")->description.rfind("malformed YAML", 0), 0u);
 
   ConfigRequest r = real_request({}, "mine");
   r.model_dirs = {extra};
