@@ -378,12 +378,26 @@ Config resolve_config(const Args& a, bool notes) {
   }
   if (notes)
     for (const auto& u : unused) std::fprintf(stderr, "mt: note: %s\n", u.c_str());
+  // The keys that name files or directories; `data`: a data path, looked up in share/mt too
+  // (below).
+  struct PathKey {
+    const char* key;
+    bool data;
+  };
+  static constexpr PathKey kPathKeys[] = {{"base_output_directory", false},
+                                          {"dataset_path", true},
+                                          {"eval_dataset_path", true},
+                                          {"tokenizer_path", true},
+                                          {"load_parameters_path", false},
+                                          {"load_full_state_path", false},
+                                          {"hf_path", false},
+                                          {"prompt_file", false},
+                                          {"input", false},
+                                          {"output", false}};
   // "~" is the shell's: a quoted 'key=~/x' and a config file's ~/x reach mt as written, and a
   // directory literally named "~" was made in the current one (while the log showed ~/x, as if
   // it were the home directory).
-  for (const char* key : {"base_output_directory", "dataset_path", "eval_dataset_path",
-                          "tokenizer_path", "load_parameters_path", "load_full_state_path",
-                          "hf_path", "prompt_file", "input", "output"}) {
+  for (const auto& [key, data] : kPathKeys) {
     if (!cfg.has(key)) continue;
     const std::string v = cfg.get_string(key);
     if (v == "~" || v.rfind("~/", 0) == 0)
@@ -400,7 +414,8 @@ Config resolve_config(const Args& a, bool notes) {
   // (before: data/tokenizer.json was looked up again from wherever they ran, and another
   // directory's tokenizer used silently).
   const fs::path share = configs_dir().parent_path();
-  for (const char* key : {"dataset_path", "eval_dataset_path", "tokenizer_path"}) {
+  for (const auto& [key, data] : kPathKeys) {
+    if (!data) continue;
     const std::string v = cfg.get_string(key);
     std::error_code ec;
     if (v.empty() || fs::path(v).is_absolute()) continue;
