@@ -12,6 +12,7 @@
 #include "mt/comm.h"
 #include "mt/error.h"
 #include "mt/graph.h"
+#include "rope_scaling.h"
 
 namespace mt::blocks {
 
@@ -95,6 +96,22 @@ ParamSpec dense_param(const std::string& name, int64_t in, int64_t out) {
           true};
 }
 
+}  // namespace mt::blocks
+
+namespace mt {
+const std::vector<RopeScalingKeys>& rope_scaling_keys() {
+  static const std::vector<RopeScalingKeys> kKeys = {
+      {"llama3.1",
+       {"rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+        "original_max_position_embeddings"}},
+      {"yarn", {"rope_factor", "original_max_position_embeddings", "beta_fast", "beta_slow"}}};
+  return kKeys;
+}
+}  // namespace mt
+
+namespace mt::blocks {
+
+// Reads the keys rope_scaling_keys() lists for c's rope_type.
 void rope_scaling_from_config(const Config& c, RopeSpec& rope) {
   const std::string rt = c.get_string("rope_type");
   rope.type = rt == "llama3.1" ? RopeSpec::Type::llama3

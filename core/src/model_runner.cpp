@@ -30,6 +30,7 @@
 #include "mt/q8.h"
 #include "plugin_manager.h"
 #include "progress.h"
+#include "rope_scaling.h"
 #include "tensor_split.h"
 
 namespace mt {
@@ -113,21 +114,23 @@ ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins,
     for (const auto& k : unread)
       list += (list.empty() ? "" : ", ") + k + "=" + config_value_yaml(cfg.impl().values.at(k)) +
               " (" + config_set_where(cfg.impl().values.at(k).origin) + ")";
-    // A rope scaling's keys are read for that rope_type only.
-    const bool rope_key = std::any_of(unread.begin(), unread.end(), [](const std::string& k) {
-      return k == "rope_factor" || k == "rope_low_freq_factor" || k == "rope_high_freq_factor" ||
-             k == "original_max_position_embeddings" || k == "beta_fast" || k == "beta_slow";
-    });
+    // A rope scaling's keys are read for that rope_type only (rope_scaling_keys()).
+    bool rope_key = false;
+    std::string scalings;  // "llama3.1: rope_factor, ...; yarn: ..."
+    for (const auto& [type, keys] : rope_scaling_keys()) {
+      scalings += (scalings.empty() ? "" : "; ") + std::string(type) + ":";
+      for (const auto k : keys) {
+        scalings += (scalings.back() == ':' ? " " : ", ") + std::string(k);
+        rope_key = rope_key || std::find(unread.begin(), unread.end(), k) != unread.end();
+      }
+    }
     const std::string rope_type = cfg.has("rope_type") ? cfg.get_string("rope_type") : "";
     throw UsageError(
         "The " + cfg.get_string("decoder_block") + " model family does not use " + list +
         (rope_key && !rope_type.empty() ? " with rope_type=" + rope_type : std::string()) +
         ": the model would be built as if " + (unread.size() == 1 ? "it were" : "they were") +
         " left at the default. Remove " + (unread.size() == 1 ? "it" : "them") +
-        (rope_key ? ", set the rope_type whose scaling takes it (llama3.1: rope_factor, "
-                    "rope_low_freq_factor, rope_high_freq_factor, "
-                    "original_max_position_embeddings; yarn: rope_factor, "
-                    "original_max_position_embeddings, beta_fast, beta_slow)"
+        (rope_key ? ", set the rope_type whose scaling takes it (" + scalings + ")"
                   : std::string()) +
         ", or choose a decoder_block (model) that implements " +
         (unread.size() == 1 ? "it." : "them."));

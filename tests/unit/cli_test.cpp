@@ -1035,6 +1035,10 @@ TEST(Cli, BadInputIsRefusedWithExitCode2) {
       {"run --model=llama-test steps=1 rope_type=llama3.1 beta_fast=16 base_output_directory=" +
            (dir / "out").string(),
        "does not use beta_fast=16.0 (set on the command line) with rope_type=llama3.1"},
+      {"run --model=llama-test steps=1 beta_slow=2 base_output_directory=" + (dir / "out").string(),
+       "set the rope_type whose scaling takes it (llama3.1: rope_factor, rope_low_freq_factor, "
+       "rope_high_freq_factor, original_max_position_embeddings; yarn: rope_factor, "
+       "original_max_position_embeddings, beta_fast, beta_slow)"},
       // Dense mistral took the experts' keys and changed nothing.
       {"run --model=mistral-test steps=1 capacity_factor=0.5 base_output_directory=" +
            (dir / "out").string(),
