@@ -598,6 +598,59 @@ TEST(RmsNorm, ManyRowsBf16AndDeterminism) {
   EXPECT_TRUE(close(test::to_vector(hdw), test::to_vector(fdw), kBf16Tol, 1.0, "rmsnorm dw bf16"));
 }
 
+// The kernels that sum rows into a parameter's f32 gradient add their sum to it once: a
+// gradient g accumulated into is g + (the result into zeros), to the bit, so gradient
+// accumulation over micro-batches adds the micro-batches' results as data parallelism's ranks
+// do (before: each row was added onto g, rounding differently). Many rows (several of the
+// norms' row blocks), repeated ids and destinations.
+TEST(Accumulation, RowSumKernelsAddTheirSumOnce) {
+  MT_SEEDED_RNG(rng);
+  const int64_t N = 1000, D = 48, V = 7;
+  auto x = rand_nz(N * D, rng), w = rand_nz(D, rng), dout = rand_nz(N * D, rng);
+  auto pre_w = rand_nz(D, rng), pre_b = rand_nz(D, rng), pre_t = rand_nz(V * D, rng);
+  auto plus = [](const std::vector<float>& a, const std::vector<float>& b) {
+    std::vector<float> r(a.size());
+    for (size_t i = 0; i < a.size(); ++i) r[i] = a[i] + b[i];
+    return r;
+  };
+  Tensor tx = T({N, D}, x), tw = T({D}, w), tg = T({N, D}, dout);
+  // rmsnorm's dw (and dx).
+  Tensor out = B().empty({N, D}, DType::f32), rstd = B().empty({N}, DType::f32);
+  B().rmsnorm_forward(tx, tw, 1e-5f, false, out, rstd);
+  Tensor dx0 = B().zeros({N, D}, DType::f32), dw0 = B().zeros({D}, DType::f32);
+  B().rmsnorm_backward(tg, tx, tw, rstd, false, dx0, dw0);
+  Tensor dx1 = T({N, D}, x), dw1 = T({D}, pre_w);
+  B().rmsnorm_backward(tg, tx, tw, rstd, false, dx1, dw1);
+  EXPECT_TRUE(bitwise_equal(test::to_vector(dw1), plus(pre_w, test::to_vector(dw0))));
+  EXPECT_TRUE(bitwise_equal(test::to_vector(dx1), plus(x, test::to_vector(dx0))));
+  // layernorm's dw and db.
+  Tensor tb = T({D}, pre_b), mean = B().empty({N}, DType::f32);
+  B().layernorm_forward(tx, tw, tb, 1e-5f, out, mean, rstd);
+  Tensor db0 = B().zeros({D}, DType::f32);
+  dw0 = B().zeros({D}, DType::f32);
+  dx0 = B().zeros({N, D}, DType::f32);
+  B().layernorm_backward(tg, tx, tw, mean, rstd, dx0, dw0, db0);
+  Tensor db1 = T({D}, pre_b);
+  dw1 = T({D}, pre_w);
+  B().layernorm_backward(tg, tx, tw, mean, rstd, dx0, dw1, db1);
+  EXPECT_TRUE(bitwise_equal(test::to_vector(dw1), plus(pre_w, test::to_vector(dw0))));
+  EXPECT_TRUE(bitwise_equal(test::to_vector(db1), plus(pre_b, test::to_vector(db0))));
+  // The embedding's rows and scatter_add_rows (weighted or not): N rows onto V.
+  std::vector<int32_t> ids(N);
+  for (auto& i : ids) i = static_cast<int32_t>(rng() % V);
+  Tensor ti = test::from_ints(B(), {N}, ids), tw8 = T({N}, rand_nz(N, rng));
+  Tensor t0 = B().zeros({V, D}, DType::f32), t1 = T({V, D}, pre_t);
+  B().embedding_backward(tg, ti, t0);
+  B().embedding_backward(tg, ti, t1);
+  EXPECT_TRUE(bitwise_equal(test::to_vector(t1), plus(pre_t, test::to_vector(t0))));
+  for (const bool weighted : {false, true}) {
+    Tensor s0 = B().zeros({V, D}, DType::f32), s1 = T({V, D}, pre_t);
+    B().scatter_add_rows(tg, ti, weighted ? tw8 : Tensor(), s0);
+    B().scatter_add_rows(tg, ti, weighted ? tw8 : Tensor(), s1);
+    EXPECT_TRUE(bitwise_equal(test::to_vector(s1), plus(pre_t, test::to_vector(s0)))) << weighted;
+  }
+}
+
 Vec layernorm_ref(const Vec& x, const Vec& w, const Vec* b, int64_t N, int64_t D, double eps) {
   Vec out(N * D);
   for (int64_t n = 0; n < N; ++n) {

@@ -126,14 +126,16 @@ __global__ void rms_bwd_dw_partial_kernel(In g, In x, const float* rstd, int64_t
   for (int64_t n = n0; n < n1; ++n) acc += g[n * D + d] * x[n * D + d] * rstd[n];
   partial[blockIdx.y * D + d] = acc;
 }
-// dw [D] += partials in block order
+// dw [D] += (partials in block order)
 __global__ void add_partials_kernel(const float* partial, int64_t nblocks, int64_t D, Out dw) {
   MT_KERNEL_PROLOGUE();
   const int64_t d = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
   if (d >= D) return;
-  float acc = dw.get(d);
+  // The blocks' sum first, added to dw once (as the CPU's: accumulation over micro-batches is
+  // then the micro-batches' sums added, as data parallelism's ranks add them).
+  float acc = 0.f;
   for (int64_t b = 0; b < nblocks; ++b) acc += partial[b * D + d];
-  dw.set(d, acc);
+  dw.set(d, dw.get(d) + acc);
 }
 
 }  // namespace

@@ -73,12 +73,12 @@ __global__ void scatter_runs_kernel(In src, In w, bool has_w, const int32_t* ord
   if (d >= D) return;
   const int64_t k = blockIdx.x;
   const int64_t dst = static_cast<int64_t>(run_id[k]) * D + d;
-  float acc = o.get(dst);
+  float acc = 0.f;  // the run's sum first, added once (as the CPU's)
   for (int32_t i = start[k]; i < start[k + 1]; ++i) {
     const int64_t m = order[i];
     acc += (has_w ? w[m] : 1.f) * src[m * D + d];
   }
-  o.set(dst, acc);
+  o.set(dst, o.get(dst) + acc);
 }
 
 // The same sums without host help, for up to kDeviceScatterRows source rows (decode's KV-cache
@@ -104,10 +104,10 @@ __global__ void scatter_first_kernel(In src, In w, bool has_w, const int32_t* id
   __syncthreads();
   if (!first) return;
   for (int64_t d = threadIdx.x; d < D; d += kThreads) {
-    float acc = o.get(r * D + d);
+    float acc = 0.f;
     for (int64_t j = m; j < M; ++j)
       if (id[j] == r) acc += (has_w ? w[j] : 1.f) * src[j * D + d];
-    o.set(r * D + d, acc);
+    o.set(r * D + d, o.get(r * D + d) + acc);
   }
 }
 

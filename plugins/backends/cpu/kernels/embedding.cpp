@@ -130,14 +130,16 @@ void embedding_backward(const Tensor& dout, const Tensor& ids, Tensor& dtable) {
   const bool dout_f32 = dout.dtype() == DType::f32, tab_f32 = dtable.dtype() == DType::f32;
   tbb::parallel_for(tbb::blocked_range<int64_t>(0, runs, 4),
                     [&](const tbb::blocked_range<int64_t>& r) {
-                      // Row scratch for bf16 operands (D floats each), once per task.
+                      // Row scratch (D floats each), once per task: the id's rows summed first,
+                      // then the sum added to its row of dtable once, so a gradient accumulated
+                      // over micro-batches is the micro-batches' sums added, as data
+                      // parallelism's ranks add them.
+                      std::vector<float> sum(static_cast<size_t>(D));
                       std::vector<float> acc(tab_f32 ? 0 : static_cast<size_t>(D));
                       std::vector<float> row(dout_f32 ? 0 : static_cast<size_t>(D));
                       for (int64_t k = r.begin(); k < r.end(); ++k) {
                         const int64_t v = id[order[first[k]]];
-                        float* dst = tab_f32 ? dtable.ptr<float>() + v * D : acc.data();
-                        uint16_t* dst16 = tab_f32 ? nullptr : dtable.ptr<uint16_t>() + v * D;
-                        if (!tab_f32) bf16_to_f32_n(dst16, dst, D);
+                        std::fill(sum.begin(), sum.end(), 0.f);
                         for (int64_t i = first[k]; i < first[k + 1]; ++i) {
                           const int64_t n = order[i];
                           const float* src = row.data();
@@ -145,8 +147,12 @@ void embedding_backward(const Tensor& dout, const Tensor& ids, Tensor& dtable) {
                             src = dout.ptr<const float>() + n * D;
                           else
                             bf16_to_f32_n(dout.ptr<const uint16_t>() + n * D, row.data(), D);
-                          add_n(src, dst, D);
+                          add_n(src, sum.data(), D);
                         }
+                        float* dst = tab_f32 ? dtable.ptr<float>() + v * D : acc.data();
+                        uint16_t* dst16 = tab_f32 ? nullptr : dtable.ptr<uint16_t>() + v * D;
+                        if (!tab_f32) bf16_to_f32_n(dst16, dst, D);
+                        add_n(sum.data(), dst, D);
                         if (!tab_f32) f32_to_bf16_n(dst, dst16, D);
                       }
                     });

@@ -422,31 +422,34 @@ void scatter_add_rows(const Tensor& src, const Tensor& idx, const Tensor& w, Ten
   for (int64_t n = 0; n < N; ++n) next[n] = start[n];
   for (int64_t m = 0; m < M; ++m) order[next[id[m]]++] = m;
 
+  // Each output row's contributions are summed first, in increasing m, and the sum added to the
+  // row once: a gradient accumulated over micro-batches is then the micro-batches' sums added,
+  // as data parallelism's ranks add them (row by row onto the running value rounded otherwise).
   const bool fast = src.dtype() == DType::f32 && out.dtype() == DType::f32;
   tbb::parallel_for(tbb::blocked_range<int64_t>(0, N, 64), [&](const auto& r) {
-    std::vector<float> acc, row;
+    std::vector<float> sum(static_cast<size_t>(D)), acc, row;
     for (int64_t n = r.begin(); n < r.end(); ++n) {
       const int64_t b = start[n], e = start[n + 1];
       if (b == e) continue;
+      std::fill(sum.begin(), sum.end(), 0.f);
+      for (int64_t i = b; i < e; ++i) {
+        const int64_t m = order[i];
+        const float wm = w.defined() ? load1(w, m) : 1.f;
+        const float* s = src.ptr<const float>() + m * D;
+        if (!fast) {
+          row.resize(static_cast<size_t>(D));
+          load(src, m * D, D, row.data());
+          s = row.data();
+        }
+        for (int64_t d = 0; d < D; ++d) sum[static_cast<size_t>(d)] += wm * s[d];
+      }
       if (fast) {
         float* o = out.ptr<float>() + n * D;
-        for (int64_t i = b; i < e; ++i) {
-          const int64_t m = order[i];
-          const float wm = w.defined() ? load1(w, m) : 1.f;
-          const float* s = src.ptr<const float>() + m * D;
-          for (int64_t d = 0; d < D; ++d) o[d] += wm * s[d];
-        }
-      } else {
-        // bf16 storage: sum every contribution in f32 and round once.
+        for (int64_t d = 0; d < D; ++d) o[d] += sum[static_cast<size_t>(d)];
+      } else {  // bf16 storage: the row and the sum added in f32, rounded once
         acc.resize(static_cast<size_t>(D));
-        row.resize(static_cast<size_t>(D));
         load(out, n * D, D, acc.data());
-        for (int64_t i = b; i < e; ++i) {
-          const int64_t m = order[i];
-          const float wm = w.defined() ? load1(w, m) : 1.f;
-          load(src, m * D, D, row.data());
-          for (int64_t d = 0; d < D; ++d) acc[d] += wm * row[d];
-        }
+        for (int64_t d = 0; d < D; ++d) acc[static_cast<size_t>(d)] += sum[static_cast<size_t>(d)];
         store(out, n * D, D, acc.data());
       }
     }

@@ -129,17 +129,23 @@ void for_row_blocks(int64_t N, int64_t D, int64_t brows, int64_t nblocks, F&& f)
       tbb::simple_partitioner());
 }
 
-// g [D] += sum over blocks (in order) of partial[b][0..D)
+// g [D] += (sum over blocks, in order, of partial[b][0..D))
 void add_partials(const float* partial, int64_t nblocks, int64_t D, Tensor& g) {
   tbb::parallel_for(tbb::blocked_range<int64_t>(0, D, kColChunk),
                     [&](const tbb::blocked_range<int64_t>& r) {
                       const int64_t c0 = r.begin(), len = r.end() - r.begin();
+                      // The blocks' sum first, then added to g once: a gradient accumulated
+                      // over micro-batches is the micro-batches' sums added, as data
+                      // parallelism's ranks add them.
+                      float* sum = scratch(1, len);
+                      std::copy_n(partial + c0, len, sum);
+                      for (int64_t b = 1; b < nblocks; ++b) {
+                        const float* p = partial + b * D + c0;
+                        for (int64_t j = 0; j < len; ++j) sum[j] += p[j];
+                      }
                       float* buf = scratch(0, len);
                       float* dst = row_out(g, c0, len, buf, true);
-                      for (int64_t b = 0; b < nblocks; ++b) {
-                        const float* p = partial + b * D + c0;
-                        for (int64_t j = 0; j < len; ++j) dst[j] += p[j];
-                      }
+                      for (int64_t j = 0; j < len; ++j) dst[j] += sum[j];
                       row_store(g, c0, len, dst);
                     });
 }
