@@ -8,6 +8,7 @@
 
 #include <sys/mman.h>
 
+#include "asan.h"
 #include "mt/env.h"
 #include "mt/error.h"
 
@@ -33,15 +34,30 @@ bool huge_pages_on() {
   return kOn;
 }
 
+size_t huge_extent(size_t size) {
+  return (size + kHugePage - 1) / kHugePage * kHugePage;
+}
+
 void* system_alloc(size_t size) {
   if (size < kHugePage || !huge_pages_on()) return std::aligned_alloc(64, size);
   // aligned_alloc wants a size that is a multiple of the alignment; the tail past `size` is
   // never touched, so it costs address space, not memory. Only the whole huge pages within
   // `size` are advised: a huge page over the block's end would make its untouched part resident.
-  void* p = std::aligned_alloc(kHugePage, (size + kHugePage - 1) / kHugePage * kHugePage);
+  void* p = std::aligned_alloc(kHugePage, huge_extent(size));
   // Advice only: where the kernel has no THP (or refuses), the block keeps small pages.
   if (p) (void)madvise(p, size / kHugePage * kHugePage, MADV_HUGEPAGE);
+  // ASan counts that tail as part of the allocation.
+  if (p) asan_poison(static_cast<char*>(p) + size, huge_extent(size) - size);
   return p;
+}
+
+// Under ASan (asan.h) the block is poisoned: it is made addressable again, tail included,
+// before free() takes it back.
+void system_free(void* p, size_t size) {
+#ifdef MT_CPU_ASAN
+  asan_unpoison(p, size < kHugePage || !huge_pages_on() ? size : huge_extent(size));
+#endif
+  std::free(p);
 }
 
 }  // namespace
@@ -62,7 +78,7 @@ size_t CachingAllocator::round_size(size_t bytes) {
 
 CachingAllocator::~CachingAllocator() {
   for (auto& [size, blocks] : free_)
-    for (void* p : blocks) std::free(p);
+    for (void* p : blocks) system_free(p, size);
 }
 
 void* CachingAllocator::allocate(size_t bytes) {
@@ -82,7 +98,7 @@ void* CachingAllocator::allocate(size_t bytes) {
     if (!p) {
       // Give the cache back to the system and try once more before failing.
       for (auto& [s, blocks] : free_)
-        for (void* q : blocks) std::free(q);
+        for (void* q : blocks) system_free(q, s);
       free_.clear();
       stats_.bytes_cached = 0;
       p = system_alloc(size);
@@ -92,14 +108,22 @@ void* CachingAllocator::allocate(size_t bytes) {
                     kOutOfMemoryAdvice);
     }
     ++stats_.num_system_allocs;
+    asan_poison(p, size);  // as a cached block is, for the next line
   }
   stats_.bytes_in_use += size;
   if (stats_.bytes_in_use > stats_.peak_bytes_in_use) stats_.peak_bytes_in_use = stats_.bytes_in_use;
+  // Under ASan (asan.h) the bytes asked for, not the whole size class: an access past a
+  // tensor's end reports even where the class has room for it.
+  asan_unpoison(p, bytes);
   return p;
 }
 
 void CachingAllocator::release(void* p, size_t bytes) {
   const size_t size = round_size(bytes);
+  // Poisoned whole (asan.h) before it is on a free list, where another thread may take it.
+  // Blocks are 64-byte aligned and their sizes multiples of 64, so two never share one of
+  // ASan's 8-byte granules and no lock is needed.
+  asan_poison(p, size);
   std::lock_guard<std::mutex> lock(mu_);
   free_[size].push_back(p);
   stats_.bytes_in_use -= size;

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "asan.h"
 #include "kernels/kernels.h"
 
 // Hot loops are compiled three times (generic x86-64, x86-64-v3 with AVX2 + FMA, and x86-64-v4;
@@ -58,11 +59,15 @@ MT_CLONES inline void f32_to_bf16_n(const float* src, uint16_t* dst, int64_t n) 
 
 // Per-thread scratch, grown on demand and reused across calls, so the steady state allocates
 // nothing. Each file documents which slots its task bodies and its calling thread own.
+// Under ASan (asan.h) only the n floats asked for are addressable until the slot's next call, so
+// an access past them reports although the buffer, grown for a longer row, has room for it.
 constexpr int kScratchSlots = 8;
 inline float* scratch(int slot, int64_t n) {
   thread_local std::vector<float> bufs[kScratchSlots];
   auto& b = bufs[slot];
+  asan_unpoison(b.data(), b.size() * sizeof(float));  // resize() copies the old contents
   if (b.size() < static_cast<size_t>(n)) b.resize(static_cast<size_t>(n));
+  asan_poison(b.data() + n, (b.size() - static_cast<size_t>(n)) * sizeof(float));
   return b.data();
 }
 
