@@ -85,6 +85,14 @@ def main() -> int:
                 # router always is); without it llama.cpp falls back to V2's softmax.
                 self.gguf_writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
 
+    # Gemma's converter trims token_embd to the tokenizer's vocabulary, which it counts from
+    # tokenizer.json (or tokenizer.model); mt's export has neither: a stand-in of exactly
+    # vocab_size entries keeps every row.
+    stand_in = args.input / "tokenizer.json"
+    if not stand_in.exists() and not (args.input / "tokenizer.model").exists():
+        stand_in.write_text(json.dumps(
+            {"model": {"vocab": {f"<t{i}>": i for i in range(n_vocab)}}, "added_tokens": []}))
+
     ftype = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
              "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[args.outtype]
     args.outfile.parent.mkdir(parents=True, exist_ok=True)
