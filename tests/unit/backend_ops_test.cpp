@@ -62,6 +62,28 @@ struct OpRun {
     for (int32_t& x : v) x = u(rng);
     return test::from_ints(b, s, v);
   }
+  // Int8 rows (mt/q8.h) of random values: `lead` rows (any leading shape) of k values each, as
+  // an i8 tensor [lead..., q8_row_bytes(k)].
+  Tensor q8_rows(Shape lead, int64_t k) {
+    const int64_t n = shape_numel(lead), rb = q8_row_bytes(k);
+    const std::vector<float> f = test::randn(static_cast<size_t>(n * k), rng);
+    std::vector<int8_t> q(static_cast<size_t>(n * rb));
+    for (int64_t j = 0; j < n; ++j) quantize_q8_row(f.data() + j * k, k, q.data() + j * rb);
+    lead.push_back(rb);
+    Tensor t = b.empty(lead, DType::i8);
+    b.copy_from_host(t, q.data());
+    return t;
+  }
+  // Values that quantizing by blocks of kQ8Block keeps exactly (each block: integers up to 127
+  // in magnitude, one of them +-127, times a power of two; exact in bf16 too), in the run's
+  // dtype.
+  Tensor q8_exact(const Shape& s) {
+    std::vector<float> v(static_cast<size_t>(shape_numel(s)));
+    std::uniform_int_distribution<int> qd(-127, 127);
+    for (size_t i = 0; i < v.size(); ++i)
+      v[i] = float(i % kQ8Block == 0 ? (qd(rng) < 0 ? -127 : 127) : qd(rng)) / 16.f;
+    return test::from_vector(b, s, v, dt);
+  }
   Tensor given_ints(const Shape& s, const std::vector<int32_t>& v) {
     return test::from_ints(b, s, v);
   }
@@ -195,36 +217,21 @@ std::vector<OpCase> cases() {
   // times a power of two, exact in bf16 too), and every backend computes the same product to
   // the usual rounding.
   add(Op::matmul_q8, "matmul_q8", [](OpRun& r) {
-    const int64_t k = 64, n = 9, rb = q8_row_bytes(k);
-    const std::vector<float> wf = test::randn(static_cast<size_t>(n * k), r.rng);
-    std::vector<int8_t> q(static_cast<size_t>(n * rb));
-    for (int64_t j = 0; j < n; ++j) quantize_q8_row(wf.data() + j * k, k, q.data() + j * rb);
-    Tensor w = r.b.empty({n, rb}, DType::i8);
-    r.b.copy_from_host(w, q.data());
-    auto exact_rows = [&r](const Shape& s) {
-      std::vector<float> v(static_cast<size_t>(shape_numel(s)));
-      std::uniform_int_distribution<int> qd(-127, 127);
-      for (size_t i = 0; i < v.size(); ++i)
-        v[i] = float(i % kQ8Block == 0 ? (qd(r.rng) < 0 ? -127 : 127) : qd(r.rng)) / 16.f;
-      return test::from_vector(r.b, s, v, r.dt);
-    };
-    Tensor x1 = exact_rows({1, k}), y1 = r.out({1, n});
+    const int64_t k = 64, n = 9;
+    Tensor w = r.q8_rows({n}, k);
+    Tensor x1 = r.q8_exact({1, k}), y1 = r.out({1, n});
     r.b.matmul_q8(x1, w, y1);
     r.keep("one row", y1);
-    Tensor x2 = exact_rows({3, 4, k}), y2 = r.out({3, 4, n});
+    Tensor x2 = r.q8_exact({3, 4, k}), y2 = r.out({3, 4, n});
     r.b.matmul_q8(x2, w, y2);
     r.keep("twelve rows", y2);
     // K = 640: rows of 720 bytes, 16-byte aligned (the CUDA matrix-vector kernel's wide loads),
     // K / 16 = 40 lane chunks (a warp's lanes take one or two); 1, 2, 3 and 8 rows of x (its
     // instances for 1, 2, 4 and 8 rows, one of them partly filled).
-    const int64_t kw = 640, rbw = q8_row_bytes(kw);
-    const std::vector<float> wf2 = test::randn(static_cast<size_t>(n * kw), r.rng);
-    std::vector<int8_t> q2(static_cast<size_t>(n * rbw));
-    for (int64_t j = 0; j < n; ++j) quantize_q8_row(wf2.data() + j * kw, kw, q2.data() + j * rbw);
-    Tensor w2 = r.b.empty({n, rbw}, DType::i8);
-    r.b.copy_from_host(w2, q2.data());
+    const int64_t kw = 640;
+    Tensor w2 = r.q8_rows({n}, kw);
     for (int64_t rows : {1, 2, 3, 8}) {
-      Tensor xw = exact_rows({rows, kw}), yw = r.out({rows, n});
+      Tensor xw = r.q8_exact({rows, kw}), yw = r.out({rows, n});
       r.b.matmul_q8(xw, w2, yw);
       r.keep(std::to_string(rows) + " rows, aligned", yw);
     }
@@ -233,21 +240,13 @@ std::vector<OpCase> cases() {
   // (the CPU's one fork over every expert), and an expert of 10 rows (each expert on its own, a
   // prefill's GEMM); x's values exact in q8_0 as matmul_q8's case says.
   add(Op::grouped_matmul_q8, "grouped_matmul_q8", [](OpRun& r) {
-    const int64_t e = 4, k = 64, n = 9, rb = q8_row_bytes(k);
-    const std::vector<float> wf = test::randn(static_cast<size_t>(e * n * k), r.rng);
-    std::vector<int8_t> q(static_cast<size_t>(e * n * rb));
-    for (int64_t j = 0; j < e * n; ++j) quantize_q8_row(wf.data() + j * k, k, q.data() + j * rb);
-    Tensor w = r.b.empty({e, n, rb}, DType::i8);
-    r.b.copy_from_host(w, q.data());
+    const int64_t e = 4, k = 64, n = 9;
+    Tensor w = r.q8_rows({e, n}, k);
     for (const std::vector<int64_t>& counts :
          {std::vector<int64_t>{1, 0, 2, 1}, std::vector<int64_t>{3, 10, 0, 1}}) {
       int64_t m = 0;
       for (const int64_t c : counts) m += c;
-      std::vector<float> v(static_cast<size_t>(m * k));
-      std::uniform_int_distribution<int> qd(-127, 127);
-      for (size_t i = 0; i < v.size(); ++i)
-        v[i] = float(i % kQ8Block == 0 ? (qd(r.rng) < 0 ? -127 : 127) : qd(r.rng)) / 16.f;
-      Tensor x = test::from_vector(r.b, {m, k}, v, r.dt), y = r.out({m, n});
+      Tensor x = r.q8_exact({m, k}), y = r.out({m, n});
       r.b.grouped_matmul_q8(x, w, counts, y);
       r.keep(std::to_string(m) + " rows", y);
     }
@@ -261,12 +260,8 @@ std::vector<OpCase> cases() {
   // A table of int8 rows (a tied embedding under quantization=int8): rows looked up, widened to
   // the run's dtype; row 10 twice, row 0 (the first) and 10 (the last) at the edges.
   add(Op::embedding_q8_forward, "embedding_q8_forward", [](OpRun& r) {
-    const int64_t v = 11, d = 64, rb = q8_row_bytes(d);
-    const std::vector<float> tf = test::randn(static_cast<size_t>(v * d), r.rng);
-    std::vector<int8_t> q(static_cast<size_t>(v * rb));
-    for (int64_t j = 0; j < v; ++j) quantize_q8_row(tf.data() + j * d, d, q.data() + j * rb);
-    Tensor table = r.b.empty({v, rb}, DType::i8);
-    r.b.copy_from_host(table, q.data());
+    const int64_t d = 64;
+    Tensor table = r.q8_rows({11}, d);
     Tensor ids = r.given_ints({2, 3}, {10, 0, 4, 10, 7, 1}), o = r.out({2, 3, d});
     r.b.embedding_q8_forward(table, ids, o);
     r.keep("out", o);

@@ -18,6 +18,16 @@ namespace {
 // with x as the table). Scatter: out[id[m]] = x[m]. An index outside [0, n) is recorded in `bad`
 // once per row (at d = 0) and read nothing with; the call's outputs are then undefined (the error
 // comes at the next synchronisation), though a gather writes 0 there and a scatter nothing.
+// Element i of [M, D]: its row m and column d, and the row id[m] names (-1 outside [0, n): then
+// recorded in `bad` once per row, at d = 0).
+__device__ inline int64_t indexed_row(int64_t i, int64_t D, const int32_t* id, int64_t n,
+                                      unsigned long long* bad, int64_t& d) {
+  const int64_t m = i / D, r = id[m];
+  d = i - m * D;
+  if (r >= 0 && r < n) return r;
+  if (d == 0) record_bad(bad, m, r);
+  return -1;
+}
 template <bool Gather>
 struct RowCopyF {
   In x;
@@ -26,9 +36,9 @@ struct RowCopyF {
   Out o;
   unsigned long long* bad;
   __device__ void operator()(int64_t i) const {
-    const int64_t m = i / D, d = i - m * D, r = id[m];
-    if (r < 0 || r >= n) {
-      if (d == 0) record_bad(bad, m, r);
+    int64_t d = 0;
+    const int64_t r = indexed_row(i, D, id, n, bad, d);
+    if (r < 0) {
       if constexpr (Gather) o.set(i, 0.f);
       return;
     }
@@ -48,9 +58,9 @@ struct Q8RowF {
   Out o;
   unsigned long long* bad;
   __device__ void operator()(int64_t i) const {
-    const int64_t m = i / D, d = i - m * D, r = id[m];
-    if (r < 0 || r >= n) {
-      if (d == 0) record_bad(bad, m, r);
+    int64_t d = 0;
+    const int64_t r = indexed_row(i, D, id, n, bad, d);
+    if (r < 0) {
       o.set(i, 0.f);
       return;
     }
