@@ -145,7 +145,7 @@ Inference load_inference(const Args& args, const char* command, bool need_tokeni
     int64_t all = 0, kept = 0;
     std::string first;
     for (const auto& p : in.runner->params()) {
-      if (!p.spec.projection && !(p.spec.table && p.spec.matmul)) continue;  // a tied head too
+      if (!p.spec.projection && !p.tied_table()) continue;  // a tied head too
       ++all;
       if (p.layout == WeightLayout::q8) continue;
       if (kept++ == 0) first = p.name;

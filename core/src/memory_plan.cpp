@@ -170,7 +170,7 @@ DecodePlan trace_decode(const Config& cfg_in, PluginManager& plugins, const Devi
     const auto n = static_cast<size_t>(shape_numel(p.spec.shape));
     const bool q8 = p.layout == WeightLayout::q8;
     d.int8_projections = d.int8_projections || q8;
-    d.int8_table = d.int8_table || (q8 && !p.spec.projection);
+    d.int8_table = d.int8_table || (q8 && p.tied_table());
     const size_t dev = q8 || w_size < 4 ? n * 4 : 0;
     const size_t transposing = p.spec.projection && !q8 ? 3 * n * w_size : 0;
     transient = std::max(

@@ -37,19 +37,13 @@ namespace mt {
 
 namespace {
 
-// An embedding table tied to the LM head (ParamSpec::table, matmul): quantization=int8 holds
-// it as its own rows [V, D + D / 8], which are the head's (W = table^T [D, V]).
-bool q8_table(const Param& p) {
-  return p.spec.table && p.spec.matmul && p.spec.shape.size() == 2;
-}
-
 // The int8 rows a projection weight becomes under quantization=int8 ([N, K + K / 8], or
 // experts' [E, N, K + K / 8]; a tied table's [V, D + D / 8]), or nothing where it stays in the
 // compute dtype (not a projection or tied table, split among ranks, or rows not a multiple of
 // 32 long).
 std::optional<Shape> q8_shape(const Param& p) {
   const Shape& s = p.spec.shape;
-  if (q8_table(p) && p.tensor_dim < 0) {
+  if (p.tied_table() && p.tensor_dim < 0) {
     if (s[1] % kQ8Block != 0) return {};
     return Shape{s[0], q8_row_bytes(s[1])};
   }
@@ -565,7 +559,7 @@ size_t ModelRunner::quantize_projections() {
     // A projection [K, N], or experts' [E, K, N]: each expert's rows quantized alike; a tied
     // table [V, D], the rows of its head.
     const int64_t nd = p.value.ndim();
-    const bool table = q8_table(p);
+    const bool table = p.tied_table();
     if (!(p.spec.projection || table) || p.layout == WeightLayout::q8 || (nd != 2 && nd != 3))
       continue;
     MT_CHECK(!p.grad.defined(), "quantize_projections: " + p.name +
@@ -606,7 +600,7 @@ size_t ModelRunner::quantize_projections() {
 
 void ModelRunner::store_q8_rows(Param& p, std::vector<float>& host, bool rows_already) {
   const Shape& s = p.spec.shape;  // [K, N] or [E, K, N]; a tied table [V, D]: its rows already
-  const bool table = q8_table(p);
+  const bool table = p.tied_table();
   MT_CHECK(!table || rows_already, "store_q8_rows: the table " + p.name + " is its rows");
   const int64_t mats = s.size() == 3 ? s[0] : 1, k = table ? s[1] : s[s.size() - 2],
                 n = table ? s[0] : s.back();
@@ -635,7 +629,7 @@ void ModelRunner::set_q8_from_declared(Param& p, std::vector<float>&& declared) 
   std::vector<float> host = std::move(declared);
   if (weight_dtype_ == DType::bf16)  // the weight's own values: rounded as the loaders round
     for (float& v : host) v = bf16_to_f32(f32_to_bf16(v));
-  store_q8_rows(p, host, /*rows_already=*/q8_table(p));  // a table's declared layout is its rows
+  store_q8_rows(p, host, /*rows_already=*/p.tied_table());  // a table's declared layout is its rows
 }
 
 void ModelRunner::enable_gradients() {

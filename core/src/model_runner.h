@@ -45,6 +45,9 @@ struct Param {
   // Inference (transpose_projections, quantize_projections): how `value` holds the projection
   // weight (WeightLayout); layers read it through Graph::project.
   WeightLayout layout = WeightLayout::dense;
+  // An embedding table tied to the LM head (ParamSpec::table, matmul): quantization=int8 holds
+  // it as its own rows [V, D + D / 8], which are the head's (W = table^T [D, V]).
+  bool tied_table() const { return spec.table && spec.matmul && spec.shape.size() == 2; }
 };
 
 // FSDP (ZeRO-3, MaxText's fsdp axis): every parameter's flattened elements are split among

@@ -14,10 +14,12 @@ namespace mt::cuda {
 // ---- rows by index: embedding, gather_rows, scatter_rows, scatter-adds --------------------
 namespace {
 
-// Row copies, i over [M, D] with M = id's length. Gather: out[m] = x[id[m]] (the embedding lookup
-// with x as the table). Scatter: out[id[m]] = x[m]. An index outside [0, n) is recorded in `bad`
-// once per row (at d = 0) and read nothing with; the call's outputs are then undefined (the error
-// comes at the next synchronisation), though a gather writes 0 there and a scatter nothing.
+// Row copies, i over [M, D] with M = id's length. Gather: out[m] = row id[m] of a table (the
+// embedding lookup, gather_rows; the table's rows read by `Row`). Scatter: out[id[m]] = x[m]. An
+// index outside [0, n) is recorded in `bad` once per row (at d = 0) and read nothing with; the
+// call's outputs are then undefined (the error comes at the next synchronisation), though a
+// gather writes 0 there and a scatter nothing.
+
 // Element i of [M, D]: its row m and column d, and the row id[m] names (-1 outside [0, n): then
 // recorded in `bad` once per row, at d = 0).
 __device__ inline int64_t indexed_row(int64_t i, int64_t D, const int32_t* id, int64_t n,
@@ -28,8 +30,38 @@ __device__ inline int64_t indexed_row(int64_t i, int64_t D, const int32_t* id, i
   if (d == 0) record_bad(bad, m, r);
   return -1;
 }
-template <bool Gather>
-struct RowCopyF {
+// Element (r, d) of a table of D-wide rows.
+struct DenseRow {
+  In x;
+  int64_t D;
+  __device__ float operator()(int64_t r, int64_t d) const { return x[r * D + d]; }
+};
+// Element (r, d) of a table of int8 rows (mt/q8.h): q[r, d] x the scale of its block of 32
+// (stored after the row's D values), as the CPU's dequantize_q8_row.
+struct Q8Row {
+  const int8_t* q;
+  int64_t D, rb;
+  __device__ float operator()(int64_t r, int64_t d) const {
+    const int8_t* row = q + r * rb;
+    float scale;
+    memcpy(&scale, row + D + d / kQ8Block * 4, 4);
+    return __fmul_rn(static_cast<float>(row[d]), scale);
+  }
+};
+template <class Row>
+struct GatherF {
+  Row row;
+  const int32_t* id;
+  int64_t D, n;
+  Out o;
+  unsigned long long* bad;
+  __device__ void operator()(int64_t i) const {
+    int64_t d = 0;
+    const int64_t r = indexed_row(i, D, id, n, bad, d);
+    o.set(i, r < 0 ? 0.f : row(r, d));
+  }
+};
+struct ScatterF {
   In x;
   const int32_t* id;
   int64_t D, n;
@@ -38,36 +70,7 @@ struct RowCopyF {
   __device__ void operator()(int64_t i) const {
     int64_t d = 0;
     const int64_t r = indexed_row(i, D, id, n, bad, d);
-    if (r < 0) {
-      if constexpr (Gather) o.set(i, 0.f);
-      return;
-    }
-    if constexpr (Gather)
-      o.set(i, x[r * D + d]);
-    else
-      o.set(r * D + d, x[i]);
-  }
-};
-// The lookup in a table of int8 rows (mt/q8.h), i over [M, D]: out[m, d] = q[id[m], d] x the
-// scale of its block of 32 (stored after the row's D values), as the CPU's dequantize_q8_row;
-// bad indices as RowCopyF's gather.
-struct Q8RowF {
-  const int8_t* q;
-  const int32_t* id;
-  int64_t D, rb, n;
-  Out o;
-  unsigned long long* bad;
-  __device__ void operator()(int64_t i) const {
-    int64_t d = 0;
-    const int64_t r = indexed_row(i, D, id, n, bad, d);
-    if (r < 0) {
-      o.set(i, 0.f);
-      return;
-    }
-    const int8_t* row = q + r * rb;
-    float scale;
-    memcpy(&scale, row + D + d / kQ8Block * 4, 4);
-    o.set(i, __fmul_rn(static_cast<float>(row[d]), scale));
+    if (r >= 0) o.set(r * D + d, x[i]);
   }
 };
 // Scatter-add by runs of equal destination rows: blockIdx.x = run k (one distinct destination),
@@ -197,7 +200,8 @@ void embedding_forward(const Ctx& c, const Tensor& table, const Tensor& ids, Ten
   const int64_t V = table.dim(0), D = table.dim(1);
   unsigned long long* bad = c.checks->slot(
       [V](int64_t n, int64_t id) { return bad_token_id("embedding_forward", n, id, V); });
-  launch_map(c, o.numel(), RowCopyF<true>{in(table), ids.ptr<const int32_t>(), D, V, out(o), bad},
+  launch_map(c, o.numel(),
+             GatherF<DenseRow>{{in(table), D}, ids.ptr<const int32_t>(), D, V, out(o), bad},
              "embedding_forward", shapes);
 }
 
@@ -212,7 +216,8 @@ void embedding_q8_forward(const Ctx& c, const Tensor& table, const Tensor& ids, 
   unsigned long long* bad = c.checks->slot(
       [V](int64_t n, int64_t id) { return bad_token_id("embedding_q8_forward", n, id, V); });
   launch_map(c, o.numel(),
-             Q8RowF{table.ptr<const int8_t>(), ids.ptr<const int32_t>(), D, rb, V, out(o), bad},
+             GatherF<Q8Row>{
+                 {table.ptr<const int8_t>(), D, rb}, ids.ptr<const int32_t>(), D, V, out(o), bad},
              "embedding_q8_forward", shapes);
 }
 
@@ -239,7 +244,8 @@ void gather_rows(const Ctx& c, const Tensor& x, const Tensor& idx, Tensor& o) {
   const int64_t D = last_dim(x), N = lead_rows(x);
   unsigned long long* bad =
       c.checks->slot([N](int64_t m, int64_t id) { return bad_row_index("gather_rows", m, id, N); });
-  launch_map(c, o.numel(), RowCopyF<true>{in(x), idx.ptr<const int32_t>(), D, N, out(o), bad},
+  launch_map(c, o.numel(),
+             GatherF<DenseRow>{{in(x), D}, idx.ptr<const int32_t>(), D, N, out(o), bad},
              "gather_rows", shapes);
 }
 
@@ -251,14 +257,14 @@ void scatter_rows(const Ctx& c, const Tensor& src, const Tensor& idx, Tensor& o)
   const int64_t D = last_dim(o), N = lead_rows(o);
   unsigned long long* bad = c.checks->slot(
       [N](int64_t m, int64_t id) { return bad_row_index("scatter_rows", m, id, N); });
-  launch_map(c, src.numel(), RowCopyF<false>{in(src), idx.ptr<const int32_t>(), D, N, out(o), bad},
+  launch_map(c, src.numel(), ScatterF{in(src), idx.ptr<const int32_t>(), D, N, out(o), bad},
              "scatter_rows", shapes);
 }
 
 namespace {
 constexpr int kScatterPairs = 4;  // (src, out) pairs one launch writes
 // scatter_rows over several pairs with one id, i over the pairs' [M, D_t] back to back: element
-// i of pair t (start[t] <= i < start[t + 1]) is RowCopyF<false>'s element i - start[t]. An index
+// i of pair t (start[t] <= i < start[t + 1]) is ScatterF's element i - start[t]. An index
 // outside [0, n) is recorded once per row, by pair 0, and nothing is written with it.
 struct ScatterEachF {
   const int32_t* id;
