@@ -669,6 +669,45 @@ TEST_F(Gemm, Bf16OutputIsTheRoundedF32Output) {
   }
 }
 
+// Up to 256 rows, the bf16 GEMM packs b inside its tasks, 16 panels at a time (an MoE expert's
+// rows); above, once up front. Each element is the same accumulation either way: the first 200
+// rows of a 260-row product equal the 200-row product bit for bit, every transpose, f32 c with
+// beta and bf16 c. n = 2100 gives each of two threads' column ranges a full group of 16 panels
+// and a partial one, k = 300 two 256-wide chunks with a tail, 200 rows a ragged 32-row group.
+TEST_F(Gemm, Bf16FewRowsEqualTheirRowsOfALargerProduct) {
+  MT_SEED_TRACE();
+  Backend& be = test::cpu();
+  const int64_t small = 200, big = 260, n = 2100, k = 300;
+  for (int t = 0; t < 4; ++t) {
+    const bool ta = t & 1, tb = t & 2;
+    SCOPED_TRACE("ta=" + std::to_string(ta) + " tb=" + std::to_string(tb));
+    std::vector<float> va = test::randn(size_t(big * k), rng_),
+                       vb = test::randn(size_t(k * n), rng_);
+    std::vector<float> vc = test::randn(size_t(big * n), rng_);
+    // a's first `rows` rows ([rows, k], or [k, rows] if ta).
+    auto a_rows = [&](int64_t rows) {
+      std::vector<float> v(size_t(rows * k));
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t p = 0; p < k; ++p)
+          v[size_t(ta ? p * rows + i : i * k + p)] = va[size_t(i * k + p)];
+      return make(be, ta ? Shape{k, rows} : Shape{rows, k}, v, DType::bf16);
+    };
+    const Tensor b = make(be, tb ? Shape{n, k} : Shape{k, n}, vb, DType::bf16);
+    const Tensor a_small = a_rows(small), a_big = a_rows(big);
+    for (DType dc : {DType::f32, DType::bf16}) {
+      const float beta = dc == DType::f32 ? 0.5f : 0.f;
+      std::vector<float> c0(vc.begin(), vc.begin() + small * n);
+      Tensor c_small = make(be, {small, n}, c0, dc), c_big = make(be, {big, n}, vc, dc);
+      be.matmul(a_small, b, c_small, ta, tb, 1.5f, beta);
+      be.matmul(a_big, b, c_big, ta, tb, 1.5f, beta);
+      const std::vector<float> gs = read(c_small), gb = read(c_big);
+      for (size_t i = 0; i < gs.size(); ++i)
+        ASSERT_EQ(gs[i], gb[i]) << "row " << i / size_t(n) << " column " << i % size_t(n)
+                                << (dc == DType::bf16 ? " (bf16 c)" : " (f32 c)");
+    }
+  }
+}
+
 // bf16 x bf16 against [N, K] weights (trans_b, as decode keeps its projections) packs the same
 // tiles as against [K, N] ones, so the products are the same bits: ragged panels (n % 32), a k
 // tail and an odd k, one and several row blocks.

@@ -9,6 +9,16 @@
 // range of 32-column panels. Per panel, K goes in chunks of 256: the panel's chunk of packed b
 // (16 KiB) is reused from L1 by the block's four row groups, whose f32 sums (16 KiB) also stay in
 // L1, so only a streams from L2 (tile loads, not the tile multiplies, limit an unblocked loop).
+// Few rows (m <= 256: an MoE expert's share of a batch, a short prompt) make one row block of all
+// of them, and b is not packed up front: each task packs the chunks of 16 of its panels at a
+// time, reading each row of a [k, n] b across the 16 panels (1 KiB runs; an [n, k] b's rows
+// prefetched a chunk ahead), and multiplies them at once (their sums, up to 16 x 256 x 32 f32,
+// in L2). Packing up front wrote all of b and read it back for one use, panel by panel, a cache
+// line a row; at Mixtral's expert shape (128 rows of 4096 x 14336) the packing was a third of
+// the time, and an expert with 144 rows made a second block of 16 rows that read all of b again.
+// On the 2-core Zen 5 EPYC of 2026-11-30 that product went from 282 to 325-351 GFLOP/s (144
+// rows: 270 to 305-323), and `mt bench moe` (Mixtral-8x7b's layer, 512 tokens, bf16) from 241
+// to 285-314 GFLOP/s in its grouped matmuls (dense: 420).
 //
 // Without AMX, CPUs with AVX512_BF16 (AMD Zen 4 and later, Intel Cooper Lake) run the same
 // loops and the same packed b with a vdpbf16ps micro-kernel: a 32 x 32 block in four passes of
@@ -49,6 +59,8 @@ constexpr int64_t kBlock = 32;               // rows and columns of c per micro-
 constexpr int64_t kRowBlock = 128;           // rows of c per task (packed a: 128 x K)
 constexpr int64_t kTileElems = 16 * kTileK;  // bf16 elements in one packed tile (1 KiB)
 constexpr int64_t kStepsPerChunk = 8;        // k steps (of 32) per pass over a row group
+constexpr int64_t kInTaskRows = 256;         // rows of c up to which tasks pack their own b
+constexpr int64_t kPanelGroup = 16;          // panels a task packs at once when it packs b
 
 // Linux keeps the AMX tile data state off until a process asks (arch_prctl, kernel >= 5.16).
 bool request_amx() {
@@ -286,20 +298,20 @@ MT_AMX void write_block(const float* acc, float alpha, float beta, float* c, int
   }
 }
 
-// Packs rows [m0, m0 + kRowBlock) of op(a) (zero past m and k) into micro-kernel order, per
+// Packs rows [m0, m0 + block_rows) of op(a) (zero past m and k) into micro-kernel order, per
 // group of 32 rows: tiles ([k step][tile of 16 rows][16][32], what the AMX tile loads read) or,
 // with `passes`, passes ([pass of 8 rows][k step][8][32], dot_micro_kernel's order). Either way
 // 8 consecutive rows of a step are 64 bytes apart.
 void pack_a(bool ta, bool passes, const uint16_t* a, int64_t lda, int64_t m, int64_t k, int64_t m0,
-            int64_t kb, uint16_t* out) {
-  const int64_t groups = kRowBlock / kBlock;
+            int64_t kb, int64_t block_rows, uint16_t* out) {
+  const int64_t groups = block_rows / kBlock;
   std::memset(out, 0, size_t(groups * kb * 2 * kTileElems) * 2);
   auto at = [&](int64_t i, int64_t s) {  // packed row i (of the block), k step s
     const int64_t g = i / kBlock, r = i % kBlock;
     if (passes) return out + ((g * 4 + r / 8) * kb + s) * 8 * kTileK + (r % 8) * kTileK;
     return out + ((g * kb + s) * 2 + r / 16) * kTileElems + (r % 16) * kTileK;
   };
-  const int64_t rows = std::min(kRowBlock, m - m0);
+  const int64_t rows = std::min(block_rows, m - m0);
   if (!ta) {
     for (int64_t i = 0; i < rows; ++i) {
       const uint16_t* src = a + (m0 + i) * lda;
@@ -371,42 +383,57 @@ MT_AMX inline __m512i q8_block_bf16(const int8_t* values, float scale) {
   return _mm512_permutex2var_epi16(half[0], _mm512_load_si512(kLow), half[1]);
 }
 
-// Packs columns [32 q, 32 q + 32) of op(b) (zero past n and k): [k step][tile of 16 columns]
-// [16 k-pairs][16 columns][2]. With `q8` (and tb): b is int8 rows [n, q8_rb] (mt/q8.h; k a
-// multiple of 32, so a k step is one block), dequantized and rounded to bf16 as they are loaded.
-MT_AMX void pack_b_panel(bool tb, const uint16_t* b, int64_t ldb, const int8_t* q8, int64_t q8_rb,
-                         int64_t n, int64_t k, int64_t q, int64_t kb, uint16_t* out) {
-  const int64_t n0 = q * kBlock, cols = std::min(kBlock, n - n0);
-  if (!tb) {
-    // b is [k, n]: a packed row is 16 columns of rows p and p + 1 interleaved, i.e. the two rows
-    // widened to 32 bits with the second shifted into the upper half. Masked loads zero-fill.
-    for (int64_t s = 0; s < kb; ++s) {
-      for (int64_t t = 0; t < 2; ++t) {
-        const int64_t left = cols - 16 * t;
-        const __mmask16 m = left >= 16 ? __mmask16(0xffff)
-                            : left > 0 ? __mmask16((1u << left) - 1u)
-                                       : 0;
-        uint16_t* dst = out + (s * 2 + t) * kTileElems;
-        for (int64_t pr = 0; pr < 16; ++pr) {
-          const int64_t p = s * kTileK + 2 * pr;
+// Packs k steps [s_begin, s_end) of the column panels [q_begin, q_end) of a [k, n] b (zero past n
+// and k), panel q at out + (q - q_begin) stride, as pack_b_panel lays one out. A packed row is 16
+// columns of rows p and p + 1 interleaved, i.e. the two rows widened to 32 bits with the second
+// shifted into the upper half. Masked loads zero-fill. Each row of b is read across all the
+// panels at once: panel by panel, rows ldb apart took one cache line each, on a page of their own
+// for wide b, and the loads waited on memory (a third of a 128-row GEMM's time at Mixtral's
+// shapes, where the 16-panel runs of 1 KiB stream).
+MT_AMX void pack_b_rows(const uint16_t* b, int64_t ldb, int64_t n, int64_t k, int64_t q_begin,
+                        int64_t q_end, int64_t s_begin, int64_t s_end, uint16_t* out,
+                        int64_t stride) {
+  for (int64_t s = s_begin; s < s_end; ++s) {
+    for (int64_t pr = 0; pr < 16; ++pr) {
+      const int64_t p = s * kTileK + 2 * pr;
+      for (int64_t q = q_begin; q < q_end; ++q) {
+        const int64_t n0 = q * kBlock, cols = std::min(kBlock, n - n0);
+        for (int64_t t = 0; t < 2; ++t) {
+          const int64_t left = cols - 16 * t;
+          const __mmask16 m = left >= 16 ? __mmask16(0xffff)
+                              : left > 0 ? __mmask16((1u << left) - 1u)
+                                         : 0;
           const __mmask16 m0 = p < k ? m : 0, m1 = p + 1 < k ? m : 0;
           const uint16_t* r0 = m0 ? b + p * ldb + n0 + 16 * t : b;
           const uint16_t* r1 = m1 ? b + (p + 1) * ldb + n0 + 16 * t : b;
           const __m512i lo = _mm512_maskz_cvtepu16_epi32(0xffff, _mm256_maskz_loadu_epi16(m0, r0));
           const __m512i hi = _mm512_maskz_cvtepu16_epi32(0xffff, _mm256_maskz_loadu_epi16(m1, r1));
+          uint16_t* dst = out + (q - q_begin) * stride + ((s - s_begin) * 2 + t) * kTileElems;
           _mm512_storeu_si512(dst + pr * 32,
                               _mm512_or_si512(lo, _mm512_maskz_slli_epi32(0xffff, hi, 16)));
         }
       }
     }
-    return;
   }
+}
+
+// Packs k steps [s_begin, s_end) of columns [32 q, 32 q + 32) of op(b) (zero past n and k):
+// [k step][tile of 16 columns][16 k-pairs][16 columns][2], step s_begin first. With `q8` (and
+// tb): b is int8 rows [n, q8_rb] (mt/q8.h; k a multiple of 32, so a k step is one block),
+// dequantized and rounded to bf16 as they are loaded. pf_steps > 0: a bf16 [n, k] b's rows are
+// prefetched that many steps ahead (packing a chunk at a time, the next chunk's; a panel's 32
+// rows read 512 bytes each a chunk, too short for the hardware's prefetchers).
+MT_AMX void pack_b_panel(bool tb, const uint16_t* b, int64_t ldb, const int8_t* q8, int64_t q8_rb,
+                         int64_t n, int64_t k, int64_t q, int64_t s_begin, int64_t s_end,
+                         int64_t pf_steps, uint16_t* out) {
+  if (!tb) return pack_b_rows(b, ldb, n, k, q, q + 1, s_begin, s_end, out, 0);
+  const int64_t n0 = q * kBlock, cols = std::min(kBlock, n - n0);
   // b is [n, k]: column j of op(b) is row j of b, whose k pairs are 32-bit words in a row. A
   // tile's 16 rows x 16 pairs is one 16 x 16 transpose of 32-bit words: the 16 rows' step
   // loaded (masked past k, zero past n), transposed in registers, stored as the tile's 16 pair
   // rows. (A scalar scatter of each bf16 cost 12% of a 512-row prefill GEMM against the [N, K]
   // weights decode keeps; the [K, N] path's packing 5%.)
-  for (int64_t s = 0; s < kb; ++s) {
+  for (int64_t s = s_begin; s < s_end; ++s) {
     const int64_t left = k - s * kTileK;
     const __mmask32 km = left >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << left) - 1u);
     for (int64_t t = 0; t < 2; ++t) {
@@ -422,10 +449,14 @@ MT_AMX void pack_b_panel(bool tb, const uint16_t* b, int64_t ldb, const int8_t* 
           r[c] = q8_block_bf16(row + s * kTileK, scale);
         } else {
           r[c] = _mm512_maskz_loadu_epi16(km, b + (n0 + j) * ldb + s * kTileK);
+          if (pf_steps > 0 && (s + pf_steps) * kTileK < k)
+            _mm_prefetch(
+                reinterpret_cast<const char*>(b + (n0 + j) * ldb + (s + pf_steps) * kTileK),
+                _MM_HINT_T0);
         }
       }
       transpose_16x16_epi32(r);
-      uint16_t* dst = out + (s * 2 + t) * kTileElems;
+      uint16_t* dst = out + ((s - s_begin) * 2 + t) * kTileElems;
       for (int64_t pr = 0; pr < 16; ++pr) _mm512_storeu_si512(dst + pr * 32, r[pr]);
     }
   }
@@ -517,70 +548,103 @@ void gemm_bf16_packed(bool amx, Backend& be, bool ta, bool tb, int64_t m, int64_
   const int64_t kb = (k + kTileK - 1) / kTileK;
   const int64_t panels = (n + kBlock - 1) / kBlock;
   const int64_t panel_elems = kb * 2 * kTileElems;
-  const int64_t block_elems = (kRowBlock / kBlock) * kb * 2 * kTileElems;
   const int64_t threads = std::max(1, tbb::this_task_arena::max_concurrency());
-  // Scratch: packed b, then one packed-a block per thread of the arena.
-  Tensor scratch = be.empty({panels * panel_elems + threads * block_elems}, DType::bf16);
-  uint16_t* pb = scratch.ptr<uint16_t>();
-  uint16_t* pa_all = pb + panels * panel_elems;
-
-  tbb::parallel_for(int64_t{0}, panels, [&](int64_t q) {
-    pack_b_panel(tb, b, ldb, q8, q8_rb, n, k, q, kb, pb + q * panel_elems);
-  });
-
+  // b packed once, up front, for all the row blocks of kRowBlock rows to share; or, with few rows
+  // (an MoE expert's), all in one row block whose tasks pack kPanelGroup panels' chunk at a time
+  // just before they multiply them: b then crosses memory once, where packing it up front wrote
+  // and read it again.
+  const bool pack_in_task = m <= kInTaskRows;
+  const int64_t block_rows = pack_in_task ? (m + kBlock - 1) / kBlock * kBlock : kRowBlock;
+  const int64_t row_blocks = (m + block_rows - 1) / block_rows;
+  const int64_t block_elems = (block_rows / kBlock) * kb * 2 * kTileElems;
   // Tasks: row blocks, each cut into column ranges when there are too few blocks for the threads.
-  const int64_t row_blocks = (m + kRowBlock - 1) / kRowBlock;
   const int64_t splits =
       std::clamp<int64_t>((2 * threads + row_blocks - 1) / row_blocks, 1, panels);
   const int64_t per_split = (panels + splits - 1) / splits;
+  // Panels multiplied together (a task's packed chunks), and a chunk's elements; no larger than
+  // the problem needs (a small model's scratch stays what it was).
+  const int64_t group_panels = pack_in_task ? std::min(kPanelGroup, per_split) : 1;
+  const int64_t chunk_elems = std::min(kStepsPerChunk, kb) * 2 * kTileElems;
+  // Scratch: packed b (or a group's chunks per thread), then one packed-a block per thread of the
+  // arena; f32 sums of a row block for a group of panels per thread.
+  const int64_t b_elems =
+      pack_in_task ? threads * group_panels * chunk_elems : panels * panel_elems;
+  Tensor scratch = be.empty({b_elems + threads * block_elems}, DType::bf16);
+  const int64_t acc_elems = group_panels * block_rows * kBlock;
+  Tensor acc_scratch = be.empty({threads * acc_elems}, DType::f32);
+  uint16_t* pb = scratch.ptr<uint16_t>();
+  uint16_t* pa_all = pb + b_elems;
+
+  if (!pack_in_task)
+    tbb::parallel_for(int64_t{0}, panels, [&](int64_t q) {
+      pack_b_panel(tb, b, ldb, q8, q8_rb, n, k, q, 0, kb, 0, pb + q * panel_elems);
+    });
+
   tbb::parallel_for(
       tbb::blocked_range<int64_t>(0, row_blocks * splits, 1),
       [&](const tbb::blocked_range<int64_t>& r) {
         if (amx) configure_tiles();
-        alignas(64) float acc[kRowBlock * kBlock];  // the row block's sums for one panel
-        const int slot = std::max(0, tbb::this_task_arena::current_thread_index());
-        uint16_t* pa = pa_all + (slot % threads) * block_elems;
+        const int slot = std::max(0, tbb::this_task_arena::current_thread_index()) % threads;
+        uint16_t* pa = pa_all + slot * block_elems;
+        uint16_t* chunks = pb + slot * group_panels * chunk_elems;  // pack_in_task's
+        float* acc = acc_scratch.ptr<float>() + slot * acc_elems;   // [panel][row][column]
         for (int64_t t = r.begin(); t < r.end(); ++t) {
           const int64_t rb = t / splits, q0 = (t % splits) * per_split;
           const int64_t q1 = std::min(panels, q0 + per_split);
-          const int64_t m0 = rb * kRowBlock;
-          pack_a(ta, !amx, a, lda, m, k, m0, kb, pa);
-          const int64_t groups = std::min(kRowBlock, m - m0 + kBlock - 1) / kBlock;
-          for (int64_t q = q0; q < q1; ++q) {
-            // K in chunks of kStepsPerChunk steps: the panel's chunk of b (16 KiB) stays in L1
+          const int64_t m0 = rb * block_rows;
+          pack_a(ta, !amx, a, lda, m, k, m0, kb, block_rows, pa);
+          const int64_t groups = std::min(block_rows, m - m0 + kBlock - 1) / kBlock;
+          for (int64_t qg = q0; qg < q1; qg += group_panels) {
+            const int64_t qn = std::min(group_panels, q1 - qg);
+            // K in chunks of kStepsPerChunk steps: a panel's chunk of b (16 KiB) stays in L1
             // for the block's row groups, whose partial sums (16 KiB) stay there too.
             for (int64_t s0 = 0; s0 < kb; s0 += kStepsPerChunk) {
               const int64_t steps = std::min(kStepsPerChunk, kb - s0);
-              const uint16_t* gb = pb + q * panel_elems + s0 * 2 * kTileElems;
-              // The next chunk (this panel's, else the next panel's first: they are adjacent),
-              // prefetched by the groups in equal shares while they multiply this one.
-              const uint16_t* next = gb + steps * 2 * kTileElems;
-              const bool more = q + 1 < q1 || s0 + steps < kb;
-              const int64_t pf_lines =
-                  (steps * 2 * kTileElems * 2 / 64 + 4 * steps * groups - 1) / (4 * steps * groups);
-              for (int64_t g = 0; g < groups; ++g) {
-                float* gacc = acc + g * kBlock * kBlock;
-                if (amx) {
-                  micro_kernel(pa + (g * kb + s0) * 2 * kTileElems, gb, steps, s0 == 0, gacc);
-                } else {
-                  const char* pf =
-                      more ? reinterpret_cast<const char*>(next) + g * 4 * steps * pf_lines * 64
-                           : nullptr;
-                  dot_micro_kernel(pa + g * kb * 2 * kTileElems, kb, s0, gb, steps, s0 == 0, gacc,
-                                   pf, pf_lines);
+              if (pack_in_task) {
+                if (tb)
+                  for (int64_t j = 0; j < qn; ++j)
+                    pack_b_panel(tb, b, ldb, q8, q8_rb, n, k, qg + j, s0, s0 + steps,
+                                 kStepsPerChunk, chunks + j * chunk_elems);
+                else
+                  pack_b_rows(b, ldb, n, k, qg, qg + qn, s0, s0 + steps, chunks, chunk_elems);
+              }
+              for (int64_t j = 0; j < qn; ++j) {
+                const int64_t q = qg + j;
+                const uint16_t* gb = pack_in_task ? chunks + j * chunk_elems
+                                                  : pb + q * panel_elems + s0 * 2 * kTileElems;
+                // The next chunk (this panel's, else the next panel's first: they are
+                // adjacent), prefetched by the groups in equal shares while they multiply this
+                // one (chunks packed in the task come from the packing, in cache).
+                const uint16_t* next = gb + steps * 2 * kTileElems;
+                const bool more = !pack_in_task && (q + 1 < q1 || s0 + steps < kb);
+                const int64_t pf_lines =
+                    (steps * 2 * kTileElems * 2 / 64 + 4 * steps * groups - 1) /
+                    (4 * steps * groups);
+                for (int64_t g = 0; g < groups; ++g) {
+                  float* gacc = acc + (j * block_rows + g * kBlock) * kBlock;
+                  if (amx) {
+                    micro_kernel(pa + (g * kb + s0) * 2 * kTileElems, gb, steps, s0 == 0, gacc);
+                  } else {
+                    const char* pf =
+                        more ? reinterpret_cast<const char*>(next) + g * 4 * steps * pf_lines * 64
+                             : nullptr;
+                    dot_micro_kernel(pa + g * kb * 2 * kTileElems, kb, s0, gb, steps, s0 == 0, gacc,
+                                     pf, pf_lines);
+                  }
                 }
               }
             }
-            const int64_t n0 = q * kBlock;
-            for (int64_t g = 0; g < groups; ++g) {
-              const int64_t i0 = m0 + g * kBlock;
-              const int64_t rows = std::min(kBlock, m - i0), cols = std::min(kBlock, n - n0);
-              if (c16)
-                write_block16(acc + g * kBlock * kBlock, alpha, c16 + i0 * ldc + n0, ldc, rows,
-                              cols);
-              else
-                write_block(acc + g * kBlock * kBlock, alpha, beta, c + i0 * ldc + n0, ldc, rows,
-                            cols);
+            for (int64_t j = 0; j < qn; ++j) {
+              const int64_t n0 = (qg + j) * kBlock;
+              for (int64_t g = 0; g < groups; ++g) {
+                const float* gacc = acc + (j * block_rows + g * kBlock) * kBlock;
+                const int64_t i0 = m0 + g * kBlock;
+                const int64_t rows = std::min(kBlock, m - i0), cols = std::min(kBlock, n - n0);
+                if (c16)
+                  write_block16(gacc, alpha, c16 + i0 * ldc + n0, ldc, rows, cols);
+                else
+                  write_block(gacc, alpha, beta, c + i0 * ldc + n0, ldc, rows, cols);
+              }
             }
           }
         }
