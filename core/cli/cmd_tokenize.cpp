@@ -21,7 +21,7 @@
 
 #include "cli.h"
 #include "file_util.h"
-#include "json.h"
+#include "mt/documents.h"
 #include "mt/error.h"
 #include "mt/tokenizer.h"
 #include "tokenizer_factory.h"
@@ -31,94 +31,6 @@ namespace fs = std::filesystem;
 namespace mt::cli {
 
 namespace {
-
-// One document and where it came from ("file:line" for a JSON line, the file otherwise).
-struct Document {
-  std::string text, where;
-};
-
-// The documents of the inputs, read a chunk at a time so that a corpus larger than memory can be
-// tokenized (before: every document and every document's ids were held at once, about three
-// times the corpus). A .jsonl/.json file gives one per line (the train_data_columns field), any
-// other file is one document. A malformed line is refused with its file and line, or with
-// `strict` false (data_strict=false) skipped and counted in `skipped` (the first one's reason in
-// `first_skip`).
-class DocumentReader {
- public:
-  DocumentReader(std::vector<std::string> paths, std::string field, bool strict)
-      : paths_(std::move(paths)), field_(std::move(field)), strict_(strict) {}
-
-  // The next documents, about `max_bytes` of text (at least one document); false at the end.
-  bool next(std::vector<Document>& docs, size_t max_bytes) {
-    docs.clear();
-    size_t held = 0;
-    while (held < max_bytes) {
-      if (!lines_) {
-        if (file_ == paths_.size()) break;
-        const std::string& p = paths_[file_];
-        const std::string ext = fs::path(p).extension().string();
-        if (ext != ".jsonl" && ext != ".json") {
-          docs.push_back({read_file(p, "input", kMaxRecordBytes), p});
-          held += docs.back().text.size();
-          bytes += docs.back().text.size();
-          ++file_;
-          continue;
-        }
-        // Line by line, each bounded: a corpus may be larger than any one read should be.
-        lines_ = std::make_unique<LineReader>(p, "input", kMaxRecordBytes);
-      }
-      const std::string& p = paths_[file_];
-      std::string_view line;
-      if (!lines_->next(line)) {
-        lines_.reset();
-        ++file_;
-        continue;
-      }
-      const uint64_t line_no = lines_->line_number();
-      bytes += line.size() + 1;
-      if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-      json::Value v;
-      try {
-        v = json::parse(line);
-      } catch (const json::ParseError& e) {
-        bad(fmt::format("{}:{}: not a JSON line ({} at byte {})", p, line_no, e.what, e.offset));
-        continue;
-      }
-      const json::Value* f = v.is_object() ? v.find(field_) : nullptr;
-      if (!f || !f->is_string()) {
-        bad(fmt::format("{}:{}: no string field \"{}\" (set train_data_columns)", p, line_no,
-                        field_));
-        continue;
-      }
-      held += f->str.size();
-      docs.push_back({f->str, fmt::format("{}:{}", p, line_no)});
-    }
-    return !docs.empty();
-  }
-
-  size_t bytes = 0, skipped = 0;  // input bytes read; lines and documents skipped
-  std::string first_skip;
-
- private:
-  void bad(const std::string& why) {
-    if (strict_) throw UsageError(why + ". With data_strict=false such lines are skipped.");
-    if (skipped++ == 0) first_skip = why;
-  }
-
-  std::vector<std::string> paths_;
-  std::string field_;
-  bool strict_;
-  size_t file_ = 0;                    // the file being read
-  std::unique_ptr<LineReader> lines_;  // its lines, for a JSON-lines file
-};
-
-// Text held per chunk: the ids of a chunk take about as much again.
-size_t chunk_bytes() {
-  // MT_TOKENIZE_CHUNK_BYTES: a smaller chunk, for the tests that cross chunk boundaries.
-  if (const char* e = std::getenv("MT_TOKENIZE_CHUNK_BYTES"); e && std::atoll(e) > 0)
-    return static_cast<size_t>(std::atoll(e));
-  return size_t{16} << 20;
-}
 
 bool is_tokens_file(const fs::path& p) {
   std::ifstream f(p, std::ios::binary);
@@ -145,7 +57,14 @@ int cmd_tokenize(const Args& args) {
   auto tok = make_tokenizer(cfg.get_string("tokenizer_path"), cfg.get_string("tokenizer_type"));
   const auto t0 = std::chrono::steady_clock::now();
   const bool strict = cfg.get_bool("data_strict");
-  DocumentReader reader(paths, cfg.get_string("train_data_columns"), strict);
+  // Lines that are not a JSON object with the field: refused, or skipped and counted.
+  size_t line_skips = 0;
+  std::string first_line_skip;
+  DocumentReader reader(
+      paths, cfg.get_string("train_data_columns"), "input", [&](const std::string& why) {
+        if (strict) throw UsageError(why + ". With data_strict=false such lines are skipped.");
+        if (line_skips++ == 0) first_line_skip = why;
+      });
   const int32_t bos = cfg.get_bool("add_bos") ? tok->bos_id() : -1;
   const int32_t eos = cfg.get_bool("add_eos") ? tok->eos_id() : -1;
   const uint32_t width = tok->vocab_size() <= 65536 ? 2 : 4;
@@ -186,7 +105,7 @@ int cmd_tokenize(const Args& args) {
     check_written("header");
   }
 
-  const size_t max_chunk = chunk_bytes();
+  const size_t max_chunk = document_chunk_bytes();
   size_t kept = 0, seen = 0, skipped = 0;
   std::string first_skip;
   std::vector<Document> docs;
@@ -269,12 +188,12 @@ int cmd_tokenize(const Args& args) {
     seen += docs.size();
     if (tty)
       std::fprintf(stderr, "\rmt tokenize: %zu documents, %.1f MB", seen,
-                   static_cast<double>(reader.bytes) / 1e6);
+                   static_cast<double>(reader.bytes()) / 1e6);
   }
   if (tty) std::fprintf(stderr, "\r");
   // Skipped lines (the reader's, in input order) and skipped documents (the tokenizer's).
-  skipped += reader.skipped;
-  if (!reader.first_skip.empty()) first_skip = reader.first_skip;
+  skipped += line_skips;
+  if (!first_line_skip.empty()) first_skip = first_line_skip;
   if (skipped > 0)
     std::fprintf(stderr,
                  "mt tokenize: warning: skipped %zu malformed line(s) or document(s) "
@@ -306,8 +225,8 @@ int cmd_tokenize(const Args& args) {
   std::printf(
       "mt tokenize: %zu documents, %.2f MB of text -> %zu tokens (uint%u) in %s; %.1f MB/s "
       "on %u thread%s\n",
-      kept, static_cast<double>(reader.bytes) / 1e6, static_cast<size_t>(count), width * 8,
-      out_path.c_str(), static_cast<double>(reader.bytes) / 1e6 / s, n, n == 1 ? "" : "s");
+      kept, static_cast<double>(reader.bytes()) / 1e6, static_cast<size_t>(count), width * 8,
+      out_path.c_str(), static_cast<double>(reader.bytes()) / 1e6 / s, n, n == 1 ? "" : "s");
   return 0;
 }
 

@@ -6,10 +6,11 @@
 // string; blank lines are skipped. Any other file is one document as a whole (UTF-8 text).
 //
 // Tokens. Each document is tokenized by the run's tokenizer (tokenizer_path), with the
-// tokenizer's BOS before it when add_bos and its EOS after it when add_eos. The ids of all
-// documents are kept in memory as one stream with the document starts marked, so documents are
-// separate segments when packed whether or not they carry BOS/EOS. For corpora too large to
-// hold, tokenize once into the `tokens` format and use dataset_type=tokens.
+// tokenizer's BOS before it when add_bos and its EOS after it when add_eos. The files are read
+// and tokenized 16 MB of text at a time (mt/documents.h); the ids of all documents are kept in
+// memory as one stream with the document starts marked, so documents are separate segments when
+// packed whether or not they carry BOS/EOS. For corpora whose ids are too large to hold, tokenize
+// once into the `tokens` format and use dataset_type=tokens.
 //
 // Rows, order, eval split (eval_split or eval_dataset_path), sharding, prefetch and state:
 // exactly as dataset_type=tokens (../common/row_source.h).
@@ -37,9 +38,8 @@
 #include "../common/row_source.h"
 #include "mt/config.h"
 #include "mt/data.h"
+#include "mt/documents.h"
 #include "mt/error.h"
-#include "mt/io.h"
-#include "mt/json.h"
 #include "mt/plugin.h"
 #include "mt/tokenizer.h"
 
@@ -66,67 +66,17 @@ struct Skipped {
   }
 };
 
-// One document before tokenization: its text and where it came from (for messages).
-struct RawDoc {
-  std::string text;
-  std::string where;  // "file" or "file:line"
-};
-
-bool is_json_lines(const std::string& path) {
-  const std::string ext = std::filesystem::path(path).extension().string();
-  return ext == ".jsonl" || ext == ".json";
-}
-
-// Files and records come through the core's bounded readers: only regular files (dataset_path
-// =/dev/zero grew to 16.8 GB before), and no record (a JSON line, or a whole text file) longer
-// than kMaxRecordBytes.
-std::vector<RawDoc> read_documents(const std::string& path, const std::string& field, bool strict,
-                                   Skipped& skipped) {
-  std::vector<RawDoc> docs;
-  if (!is_json_lines(path)) {
-    docs.push_back({mt::read_file(path, "text", mt::kMaxRecordBytes), path});
-    return docs;
-  }
-  mt::LineReader in(path, "text", mt::kMaxRecordBytes);
-  for (std::string_view line; in.next(line);) {
-    const uint64_t line_no = in.line_number();
-    if (line.find_first_not_of(" \t\r") == std::string_view::npos) continue;
-    const std::string where = path + ":" + std::to_string(line_no);
-    mt::json::Value v;
-    try {
-      v = mt::json::parse(line);
-    } catch (const mt::json::ParseError& e) {
-      skipped.bad_record("text: " + where + ": malformed JSON at column " +
-                             std::to_string(e.offset + 1) + ": " + e.what,
-                         strict);
-      continue;
-    }
-    const mt::json::Value* f = v.find(field);  // null for a non-object too
-    if (!v.is_object()) {
-      skipped.bad_record("text: " + where + ": the line is not a JSON object", strict);
-    } else if (!f) {
-      skipped.bad_record("text: " + where + ": no \"" + field + "\" field (train_data_columns)",
-                         strict);
-    } else if (!f->is_string()) {
-      skipped.bad_record("text: " + where + ": field \"" + field + "\" is " +
-                             mt::json::kind_name(f->kind) + ", not a string",
-                         strict);
-    } else {
-      docs.push_back({f->str, where});
-    }
-  }
-  return docs;
-}
-
 // The documents of a split, tokenized, as one in-memory stream.
 class TextStream final : public mt_data::TokenStream {
  public:
   TextStream(const std::vector<std::string>& files, const mt::Tokenizer& tok,
              const TextOptions& opt) {
-    for (const auto& f : files) {
-      append(read_documents(f, opt.field, opt.strict, skipped_), tok, opt);
-      describe_ += (describe_.empty() ? "" : ", ") + f;
-    }
+    mt::DocumentReader reader(files, opt.field, "text", [&](const std::string& why) {
+      skipped_.bad_record("text: " + why, opt.strict);
+    });
+    for (std::vector<mt::Document> docs; reader.next(docs, mt::document_chunk_bytes());)
+      append(docs, tok, opt);
+    for (const auto& f : files) describe_ += (describe_.empty() ? "" : ", ") + f;
   }
 
   uint64_t size() const override { return ids_.size(); }
@@ -152,9 +102,10 @@ class TextStream final : public mt_data::TokenStream {
   const Skipped& skipped() const { return skipped_; }
 
  private:
-  // Tokenizes the documents of one file on num_threads threads (the tokenizers are thread-safe),
+  // Tokenizes a chunk of documents on num_threads threads (the tokenizers are thread-safe),
   // then appends them in order.
-  void append(const std::vector<RawDoc>& docs, const mt::Tokenizer& tok, const TextOptions& opt) {
+  void append(const std::vector<mt::Document>& docs, const mt::Tokenizer& tok,
+              const TextOptions& opt) {
     std::vector<std::vector<int32_t>> out(docs.size());
     std::vector<std::exception_ptr> errors(docs.size());
     std::atomic<size_t> next{0};

@@ -1,0 +1,80 @@
+// mt/documents.h: the documents of text and JSON-lines files, a chunk at a time.
+#include "mt/documents.h"
+
+#include <cstdlib>
+#include <filesystem>
+#include <string_view>
+#include <utility>
+
+#include "mt/io.h"
+#include "mt/json.h"
+
+namespace mt {
+
+size_t document_chunk_bytes() {
+  if (const char* e = std::getenv("MT_TOKENIZE_CHUNK_BYTES"); e && std::atoll(e) > 0)
+    return static_cast<size_t>(std::atoll(e));
+  return size_t{16} << 20;
+}
+
+DocumentReader::DocumentReader(std::vector<std::string> paths, std::string field, std::string what,
+                               std::function<void(const std::string&)> bad)
+    : paths_(std::move(paths)),
+      field_(std::move(field)),
+      what_(std::move(what)),
+      bad_(std::move(bad)) {}
+
+DocumentReader::~DocumentReader() = default;
+
+bool DocumentReader::next(std::vector<Document>& docs, size_t max_bytes) {
+  docs.clear();
+  size_t held = 0;
+  while (held < max_bytes) {
+    if (!lines_) {
+      if (file_ == paths_.size()) break;
+      const std::string& p = paths_[file_];
+      const std::string ext = std::filesystem::path(p).extension().string();
+      if (ext != ".jsonl" && ext != ".json") {
+        docs.push_back({read_file(p, what_, kMaxRecordBytes), p});
+        held += docs.back().text.size();
+        bytes_ += docs.back().text.size();
+        ++file_;
+        continue;
+      }
+      // Line by line, each bounded: a corpus may be larger than any one read should be.
+      lines_ = std::make_unique<LineReader>(p, what_, kMaxRecordBytes);
+    }
+    std::string_view line;
+    if (!lines_->next(line)) {
+      lines_.reset();
+      ++file_;
+      continue;
+    }
+    bytes_ += line.size() + 1;
+    if (line.find_first_not_of(" \t\r") == std::string_view::npos) continue;
+    const std::string where = paths_[file_] + ":" + std::to_string(lines_->line_number());
+    json::Value v;
+    try {
+      v = json::parse(line);
+    } catch (const json::ParseError& e) {
+      bad_(where + ": not a JSON line: malformed JSON at column " + std::to_string(e.offset + 1) +
+           ": " + e.what);
+      continue;
+    }
+    const json::Value* f = v.find(field_);  // null for a non-object too
+    if (!v.is_object()) {
+      bad_(where + ": the line is not a JSON object");
+    } else if (!f) {
+      bad_(where + ": no \"" + field_ + "\" field (train_data_columns)");
+    } else if (!f->is_string()) {
+      bad_(where + ": field \"" + field_ + "\" is " + json::kind_name(f->kind) +
+           ", not a string (train_data_columns)");
+    } else {
+      held += f->str.size();
+      docs.push_back({f->str, where});
+    }
+  }
+  return !docs.empty();
+}
+
+}  // namespace mt
