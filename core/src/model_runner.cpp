@@ -464,6 +464,8 @@ size_t ModelRunner::transpose_projections() {
     ++count;
   }
   any_layout_ = any_layout_ || count > 0;
+  // The [K, N] tensors' blocks, which nothing will ask for again, back to the system.
+  if (count > 0) backend().release_cached_memory();
   return count;
 }
 
@@ -537,6 +539,10 @@ size_t ModelRunner::fuse_projections() {
       }
     }
   }
+  // The joined weights' former tensors back to the system: held in the allocator's cache, they
+  // kept a second copy of q/k/v and gate/up (2.1 GB of llama-bench-1b's 3.8 GB, in RSS for the
+  // whole decode).
+  if (count > 0) backend().release_cached_memory();
   return count;
 }
 
@@ -595,6 +601,7 @@ size_t ModelRunner::quantize_projections() {
     ++count;
   }
   any_layout_ = any_layout_ || count > 0;
+  if (count > 0) backend().release_cached_memory();  // the float weights' blocks
   return count;
 }
 

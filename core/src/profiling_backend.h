@@ -47,6 +47,7 @@ class ProfilingBackend final : public Backend {
   void synchronize() override { inner_.synchronize(); }
   MemoryStats memory_stats() const override { return inner_.memory_stats(); }
   void reset_peak_memory() override { inner_.reset_peak_memory(); }
+  void release_cached_memory() override { inner_.release_cached_memory(); }
   void* extension(const char* n) override { return inner_.extension(n); }
 
   bool supports(Op op) const override { return inner_.supports(op); }

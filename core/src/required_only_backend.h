@@ -29,6 +29,7 @@ class RequiredOnlyBackend final : public Backend {
   void synchronize() override { b_.synchronize(); }
   MemoryStats memory_stats() const override { return b_.memory_stats(); }
   void reset_peak_memory() override { b_.reset_peak_memory(); }
+  void release_cached_memory() override { b_.release_cached_memory(); }
 #define MT_OP_required(ret, name, params, args) \
   ret name params override {                    \
     return b_.name args;                        \

@@ -54,6 +54,7 @@ class EmulatedCuda final : public CudaOps {
   void synchronize() override { report_checks(); }
   MemoryStats memory_stats() const override { return test::cpu().memory_stats(); }
   void reset_peak_memory() override { mem().reset_peak_memory(); }
+  void release_cached_memory() override { mem().release_cached_memory(); }
 
  private:
   static Backend& mem() { return test::cpu(); }

@@ -47,6 +47,7 @@ class RecordingBackend final : public Backend, public WorkCapture {
   }
   MemoryStats memory_stats() const override { return inner_->memory_stats(); }
   void reset_peak_memory() override { inner_->reset_peak_memory(); }
+  void release_cached_memory() override { inner_->release_cached_memory(); }
   bool supports(Op op) const override { return inner_->supports(op); }
   void* extension(const char* n) override {
     if (std::string(n) == kWorkCapture) return static_cast<WorkCapture*>(this);

@@ -97,10 +97,7 @@ void* CachingAllocator::allocate(size_t bytes) {
     p = system_alloc(size);
     if (!p) {
       // Give the cache back to the system and try once more before failing.
-      for (auto& [s, blocks] : free_)
-        for (void* q : blocks) system_free(q, s);
-      free_.clear();
-      stats_.bytes_cached = 0;
+      release_cached_locked();
       p = system_alloc(size);
       if (!p)
         throw Error("The CPU backend is out of memory: could not allocate " + std::to_string(size) +
@@ -128,6 +125,18 @@ void CachingAllocator::release(void* p, size_t bytes) {
   free_[size].push_back(p);
   stats_.bytes_in_use -= size;
   stats_.bytes_cached += size;
+}
+
+void CachingAllocator::release_cached_locked() {
+  for (auto& [s, blocks] : free_)
+    for (void* q : blocks) system_free(q, s);
+  free_.clear();
+  stats_.bytes_cached = 0;
+}
+
+void CachingAllocator::release_cached() {
+  std::lock_guard<std::mutex> lock(mu_);
+  release_cached_locked();
 }
 
 MemoryStats CachingAllocator::stats() const {

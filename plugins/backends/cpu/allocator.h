@@ -23,10 +23,13 @@ class CachingAllocator {
   void release(void* p, size_t bytes);
   MemoryStats stats() const;
   void reset_peak();
+  // Every cached free block back to the system.
+  void release_cached();
   // Size class of a request (what allocate() really reserves).
   static size_t round_size(size_t bytes);
 
  private:
+  void release_cached_locked();
   mutable std::mutex mu_;
   std::map<size_t, std::vector<void*>> free_;  // size class -> free blocks
   MemoryStats stats_;

@@ -101,6 +101,9 @@ MemoryStats CpuBackend::memory_stats() const {
   return s;
 }
 void CpuBackend::reset_peak_memory() { alloc_.reset_peak(); }
+void CpuBackend::release_cached_memory() {
+  alloc_.release_cached();
+}
 
 void CpuBackend::fill(Tensor& x, float value) {
   run([&] { cpu::fill(x, value); });

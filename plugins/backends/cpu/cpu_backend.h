@@ -51,6 +51,7 @@ class CpuBackend final : public Backend {
   void copy_to_host(const Tensor& src, void* dst) override;
   MemoryStats memory_stats() const override;
   void reset_peak_memory() override;
+  void release_cached_memory() override;
 
   // Every op of mt/ops.def has a kernel here (kernels/*.cpp, forwarded in cpu_backend.cpp).
   bool supports(Op) const override { return true; }

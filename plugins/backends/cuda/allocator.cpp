@@ -74,6 +74,11 @@ DeviceAllocator::~DeviceAllocator() {
   free_cache_locked();
 }
 
+void DeviceAllocator::release_cached() {
+  std::lock_guard<std::mutex> lock(mu_);
+  free_cache_locked();
+}
+
 void DeviceAllocator::free_cache_locked() {
   // cudaFree waits for the device; errors here cannot be reported usefully (teardown), and the
   // blocks are lost either way.

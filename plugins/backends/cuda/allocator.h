@@ -38,6 +38,9 @@ class DeviceAllocator {
   void release(void* p, size_t bytes);
   MemoryStats stats() const;
   void reset_peak();
+  // Every cached free block back to the driver (cudaFree waits for the device); blocks freed
+  // during a recording stay until it ends.
+  void release_cached();
   static size_t round_size(size_t bytes);
 
   // The blocks of one recording, kept from the cache while the returned handle lives.

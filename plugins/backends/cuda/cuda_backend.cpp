@@ -161,6 +161,7 @@ class CudaBackend final : public mt::cuda::CudaOps {
     return s;
   }
   void reset_peak_memory() override { alloc_.reset_peak(); }
+  void release_cached_memory() override { alloc_.release_cached(); }
 
  private:
   // The stream's work recorded as a CUDA graph (relaxed mode: the allocator may call cudaMalloc

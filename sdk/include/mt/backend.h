@@ -134,6 +134,11 @@ class MT_API Backend {
   virtual void synchronize() {}
   virtual MemoryStats memory_stats() const = 0;
   virtual void reset_peak_memory() = 0;
+  // Gives the allocator's cached free blocks back to the system (torch.cuda.empty_cache's
+  // counterpart), for after a one-time change such as mt decode's layout of the weights
+  // (transposed, fused, int8), whose replaced tensors' blocks no later step asks for again and
+  // would otherwise stay in the process's memory. The default has nothing cached.
+  virtual void release_cached_memory() {}
 
   // ---- the op set (mt/ops.def: each op's shapes and semantics) ----------------------------
   // `required` ops are pure virtual; `composed` ones have a default in the core built from

@@ -37,5 +37,6 @@
 // grouped_matmul_q8 (op set 7) and blocks::moe_expert_mlp; 18: Backend::split_columns and
 // scatter_rows_each (op set 8); 19: Registry::add_dataset_keys (a data plugin's own config keys)
 // and mt::hf_derived_head_dim; 20: ParamSpec::table, Params::dtype, Graph::embedding of a
-// Params' table and Backend::embedding_q8_forward (op set 9: a tied table as int8 rows).
-#define MT_ABI_VERSION 20u
+// Params' table and Backend::embedding_q8_forward (op set 9: a tied table as int8 rows); 21:
+// Backend::release_cached_memory.
+#define MT_ABI_VERSION 21u
