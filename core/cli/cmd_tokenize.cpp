@@ -20,7 +20,6 @@
 #include <thread>
 
 #include "cli.h"
-#include "file_util.h"
 #include "mt/documents.h"
 #include "mt/error.h"
 #include "mt/tokenizer.h"
