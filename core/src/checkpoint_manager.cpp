@@ -887,6 +887,7 @@ void read_parts(PartSource& src, const fs::path& where,
     if (r.direct && same_dtype && r.pieces.size() == 1 && r.pieces[0].first->begin == want.begin &&
         r.pieces[0].first->end == want.end) {  // one piece is the part: straight from the file
       dst.backend()->copy_from_host(dst, r.pieces[0].second->data);
+      release_pages(*r.pieces[0].second);
       continue;
     }
     std::vector<std::byte> buf(static_cast<size_t>(n) * elem);
@@ -914,6 +915,7 @@ void read_parts(PartSource& src, const fs::path& where,
                     static_cast<size_t>(k) * elem);
       });
     }
+    for (const auto& piece : r.pieces) release_pages(*piece.second);
     if (same_dtype) {
       dst.backend()->copy_from_host(dst, buf.data());
     } else {

@@ -687,7 +687,19 @@ std::vector<float> read_f32(const SafeTensorsFile& file, std::string_view name) 
   std::vector<float> out(static_cast<size_t>(info.numel()));
   convert_floats(info.dtype, info.data, DType::f32, reinterpret_cast<std::byte*>(out.data()),
                  out.size());
+  release_pages(info);
   return out;
+}
+
+void release_pages(const SafeTensorInfo& info) {
+  if (info.nbytes() == 0 || !info.data) return;
+  // The mapping starts on a page and runs to the end of the file's last page, so the rounded
+  // range stays within it.
+  static const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto first = reinterpret_cast<uintptr_t>(info.data) / page * page;
+  const auto last =
+      (reinterpret_cast<uintptr_t>(info.data) + info.nbytes() + page - 1) / page * page;
+  static_cast<void>(::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED));
 }
 
 void convert_float_elements(const std::string& st_dtype, const void* in, DType want, void* out,
@@ -712,6 +724,7 @@ void load_into(const SafeTensorsFile& file, std::string_view name, Tensor& dst) 
     std::vector<std::byte> host = convert(file, info, dst.dtype());
     backend.copy_from_host(dst, host.data());
   }
+  release_pages(info);
 }
 
 // ---- writing --------------------------------------------------------------------------------

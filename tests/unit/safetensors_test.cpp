@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -221,6 +223,45 @@ TEST_F(SafeTensors, LoadTensorConverts) {
   EXPECT_EQ(d16, bf);
   Tensor wrong = b.empty({6}, DType::f32);
   EXPECT_THROW(load_into(f, "f32", wrong), Error);
+}
+
+// Resident kilobytes of this process's mapping of `path` (/proc/self/smaps), -1 when unmapped.
+long mapped_rss_kb(const fs::path& path) {
+  std::ifstream smaps("/proc/self/smaps");
+  long rss = -1;
+  bool in = false;
+  for (std::string line; std::getline(smaps, line);) {
+    if (!line.empty() && std::isxdigit(static_cast<unsigned char>(line[0])) &&
+        line.find('-') != std::string::npos && line.find(' ') != std::string::npos) {
+      in = line.size() >= path.string().size() &&
+           line.compare(line.size() - path.string().size(), std::string::npos, path.string()) == 0;
+    } else if (in && line.rfind("Rss:", 0) == 0) {
+      rss = std::max(rss, 0L) + std::stol(line.substr(4));
+    }
+  }
+  return rss;
+}
+
+// A loader drops a tensor's mapped pages once it has copied them (read_f32, load_into): a model's
+// files do not add up in the process's resident memory while it loads (mt decode of a 3.6 GiB
+// directory peaked at 7.2 GiB resident, 5.0 GiB after). The values stay readable.
+TEST_F(SafeTensors, ReadTensorsLeaveNoMappedPagesResident) {
+  Backend& b = test::cpu();
+  const int64_t n = 1 << 20;  // 4 MiB a tensor
+  std::vector<float> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i)
+    v[static_cast<size_t>(i)] = static_cast<float>(i % 256);  // exact in bf16
+  fs::path p = file("big.safetensors");
+  save_tensors(p, {{"a", test::from_vector(b, {n}, v)}, {"b", test::from_vector(b, {n}, v)}}, {});
+  SafeTensorsFile f(p);
+  if (mapped_rss_kb(p) < 0) GTEST_SKIP() << "/proc/self/smaps does not show the mapping";
+  EXPECT_EQ(read_f32(f, "a"), v);
+  Tensor t = b.empty({n}, DType::bf16);
+  load_into(f, "b", t);
+  EXPECT_EQ(test::to_vector(t), v);
+  // The header's page and the tensors' boundary pages at most (a page each), not 8 MiB.
+  EXPECT_LT(mapped_rss_kb(p), 64) << "kB of the file still mapped in";
+  EXPECT_EQ(read_f32(f, "a"), v);  // read again after: mapped in again
 }
 
 TEST_F(SafeTensors, SaveTensorsFromBackend) {
