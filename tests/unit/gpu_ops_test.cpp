@@ -428,7 +428,24 @@ TEST_F(GpuOps, BadIndicesAreReportedAtTheNextSync) {
     expect_reported(
         kernel, [&] { ga->decode(q.g, kc.g, vc.g, lengths.g, AttentionSpec{}, od); },
         "attention decode: lengths[1] = 7 must be in [T, Smax] = [1, 6]");
+    // An empty cache: no length is valid, and the decode says so (flash's grid of no blocks was
+    // a launch error that named no cause).
+    const Shape s0{2, 0, 1, 8};
+    Tensor k0 = gpu().empty(s0, DType::f32), v0 = gpu().empty(s0, DType::f32);
+    Both ones = ints({2}, {1, 1});
+    expect_reported(
+        kernel, [&] { ga->decode(q.g, k0, v0, ones.g, AttentionSpec{}, od); },
+        "attention decode: lengths[0] = 1 must be in [T, Smax] = [1, 0]");
   }
+  Both dw = make({2, 2}, rand_nz(4, rng), DType::f32),
+       w = make({2, 2}, rand_nz(4, rng), DType::f32);
+  Both probs = make({2, 4}, rand_nz(8, rng), DType::f32);
+  Both experts = ints({2, 2}, {0, 3, 1, 5});
+  Tensor dlogits = gpu().zeros({2, 4}, DType::f32);
+  expect_reported(
+      "topk_route_backward",
+      [&] { gpu().topk_route_backward(dw.g, w.g, experts.g, probs.g, false, true, dlogits); },
+      "topk_route_backward: idx[3] = 5 is outside [0, 4)");
   // More checked launches than slots between synchronisations: the early ones are reported when
   // the slots run out, so no failure is lost.
   Both good = ints({4}, {1, 2, 3, 4});

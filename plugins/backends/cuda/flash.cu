@@ -223,7 +223,9 @@ void flash_decode(const Ctx& c, const Tensor& q, const Tensor& k_cache, const Te
   };
   // A block per kv head and chunk of kDecodeKeys cache rows (decode_kernel), then the chunks'
   // partial softmaxes combined per query row.
-  const int64_t splits = (a.S + kDecodeKeys - 1) / kDecodeKeys;
+  // At least one: an empty cache (no length is valid then) still runs the kernel that reports
+  // the lengths (a grid of no blocks was a launch error that named no cause).
+  const int64_t splits = std::max<int64_t>(1, (a.S + kDecodeKeys - 1) / kDecodeKeys);
   MT_CHECK(splits <= 65535 && B * a.Hkv <= INT_MAX,
            op + ": a cache of " + std::to_string(a.S) + " rows (more than " +
                std::to_string(int64_t{65535} * kDecodeKeys) + ") or " + std::to_string(B * a.Hkv) +

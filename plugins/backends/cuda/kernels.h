@@ -25,10 +25,11 @@ namespace mt::cuda {
 class Gemm;  // gemm.h
 
 // Rope frequency tables by spec and rotary width: every layer of a model rotates with the same
-// table, computed on the host (rope_frequencies) and uploaded once instead of at every call. A
-// few entries at most (one per distinct rope spec in use); cleared when more would be held.
+// table, computed on the host (rope_frequencies) and uploaded once instead of at every call. One
+// entry per distinct rope spec in use (a few hundred bytes each), never dropped: a recorded CUDA
+// graph replays with the device address of the table it was recorded with (dropping tables past
+// eight, as before, left such a graph reading freed memory).
 struct RopeTables {
-  static constexpr size_t kMaxEntries = 8;
   struct Entry {
     RopeSpec spec;
     int64_t rotary_dim;

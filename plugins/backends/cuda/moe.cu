@@ -65,14 +65,21 @@ __global__ void topk_fwd_kernel(In logits, int64_t N, int64_t E, int k, bool sig
     for (int j = 0; j < k; ++j) key[j] /= total;
 }
 
-// dlogits [N, E] += d(weights)/d(logits)^T dweights, per row (the CPU's formulas).
+// dlogits [N, E] += d(weights)/d(logits)^T dweights, per row (the CPU's formulas). A row with an
+// index outside [0, E) is recorded in `bad` and left untouched.
 __global__ void topk_bwd_kernel(In dweights, In probs, const int32_t* indices, int64_t N, int64_t E,
-                                int k, bool sigmoid, bool normalize, Out dlogits) {
+                                int k, bool sigmoid, bool normalize, Out dlogits,
+                                unsigned long long* bad) {
   MT_KERNEL_PROLOGUE();
   const int64_t n = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (n >= N) return;
   const int64_t ps = n * E, ds0 = n * k;
   const int32_t* idx = indices + n * k;
+  for (int j = 0; j < k; ++j)
+    if (idx[j] < 0 || idx[j] >= E) {
+      record_bad(bad, ds0 + j, idx[j]);
+      return;
+    }
   // With normalize, w_j = s_j / S: ds_j = (dw_j - sum_l dw_l w_l) / S.
   float total = 1.f, dot = 0.f;
   if (normalize) {
@@ -141,12 +148,14 @@ void topk_route_backward(const Ctx& c, const Tensor& dweights, const Tensor& wei
                dlogits.numel() == N * E && last_dim(dlogits) == E && k >= 1 && k <= E,
            "cuda topk_route_backward: " + shapes() +
                " (want dweights/weights/indices [N, k], dlogits [N, E])");
-  check_indices("topk_route_backward", host_ints(c, indices, "topk_route_backward"), E,
-                bad_row_index);
   if (N == 0) return;
+  // The indices are checked on the device (reading them back was a synchronisation per MoE
+  // layer's backward).
+  unsigned long long* bad = c.checks->slot(
+      [E](int64_t m, int64_t id) { return bad_row_index("topk_route_backward", m, id, E); });
   MT_LAUNCH(topk_bwd_kernel, grid_for(N), kThreads, 0, c)
   (in(dweights), in(probs), indices.ptr<const int32_t>(), N, E, static_cast<int>(k), sigmoid,
-   normalize, out(dlogits));
+   normalize, out(dlogits), bad);
   launched("topk_route_backward", shapes);
 }
 

@@ -117,7 +117,6 @@ const RopeTables::Entry& rope_table(const Ctx& c, const RopeSpec& spec, int64_t 
                                     S&& shapes) {
   for (const auto& e : c.rope->entries)
     if (e.rotary_dim == R && e.spec == spec) return e;
-  if (c.rope->entries.size() >= RopeTables::kMaxEntries) c.rope->entries.clear();
   RopeFrequencies t = rope_frequencies(spec, R);
   Tensor dev =
       c.scratch({std::max<int64_t>(static_cast<int64_t>(t.inv_freq.size()), 1)}, DType::f32);
