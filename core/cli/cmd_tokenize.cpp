@@ -6,17 +6,13 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <mutex>
-#include <new>
 #include <sstream>
-#include <system_error>
 #include <thread>
 
 #include "cli.h"
@@ -108,79 +104,36 @@ int cmd_tokenize(const Args& args) {
   size_t kept = 0, seen = 0, skipped = 0;
   std::string first_skip;
   std::vector<Document> docs;
-  std::vector<std::vector<int32_t>> ids;
-  // A document the tokenizer refuses (text that is not UTF-8): the reason, by index in the chunk;
-  // with data_strict=false every such document is skipped.
-  std::vector<std::string> refused;
+  TokenizedDocuments chunk;
   std::vector<char> out;
-  while (reader.next(docs, max_chunk)) {
-    // Documents are dealt to threads in small blocks taken in turn; results land in place, so
-    // the output order does not depend on scheduling.
-    ids.assign(docs.size(), {});
-    refused.assign(docs.size(), {});
-    std::atomic<size_t> next{0};
-    std::atomic<bool> stop{false}, out_of_memory{false};
-    auto work = [&] {
-      for (size_t i; !stop && (i = next.fetch_add(1)) < docs.size();) {
-        try {
-          auto& v = ids[i];
-          if (bos >= 0) v.push_back(bos);
-          const auto e = tok->encode(docs[i].text);
-          v.insert(v.end(), e.begin(), e.end());
-          if (eos >= 0) v.push_back(eos);
-        } catch (const std::bad_alloc&) {
-          // Never a malformed document: data_strict=false skipped every one it hit (242 of 256
-          // under ulimit -v) and wrote the rest with exit 0.
-          out_of_memory = stop = true;
-        } catch (const std::exception& e) {
-          try {
-            refused[i] = e.what();
-          } catch (const std::bad_alloc&) {
-            out_of_memory = stop = true;  // (leaving the thread would be std::terminate)
-          }
-          ids[i].clear();
-          if (strict) stop = true;
-        }
-      }
-    };
-    // A thread that cannot be started (a process limit) ends the command with the reason; the
-    // ones started are joined first (before: their destructors called std::terminate).
-    std::vector<std::thread> threads;
-    try {
-      for (unsigned t = 0; t < n; ++t) threads.emplace_back(work);
-    } catch (const std::system_error& e) {
-      stop = true;
-      for (auto& t : threads) t.join();
-      throw Error(std::string("mt tokenize cannot start its threads: ") + e.what() +
-                  " (a limit on processes or memory: ulimit -u, ulimit -v).");
+  auto append = [&](int32_t id) {
+    const uint32_t x = static_cast<uint32_t>(id);
+    const size_t at = out.size();
+    out.resize(at + width);
+    if (width == 2) {
+      const uint16_t h = static_cast<uint16_t>(x);
+      std::memcpy(out.data() + at, &h, 2);
+    } else {
+      std::memcpy(out.data() + at, &x, 4);
     }
-    for (auto& t : threads) t.join();
-    if (out_of_memory)
-      throw Error(fmt::format(
-          "mt tokenize ran out of memory while tokenizing ({} documents, {:.1f} MB of text held "
-          "at once): raise the memory limit. Nothing was written.",
-          docs.size(), static_cast<double>(max_chunk) / 1e6));
+  };
+  while (reader.next(docs, max_chunk)) {
+    tokenize_documents(docs, *tok, n, chunk);
     out.clear();
     for (size_t i = 0; i < docs.size(); ++i) {
-      if (!refused[i].empty()) {
-        const std::string why = docs[i].where + ": " + refused[i];
+      if (!chunk.refused[i].empty()) {
+        // A document the tokenizer refuses (text that is not UTF-8); with data_strict=false
+        // every such document is skipped.
+        const std::string why = docs[i].where + ": " + chunk.refused[i];
         if (strict) throw UsageError(why + ". With data_strict=false such documents are skipped.");
         if (skipped++ == 0) first_skip = why;
         continue;
       }
       ++kept;
-      for (int32_t id : ids[i]) {
-        const uint32_t x = static_cast<uint32_t>(id);
-        const size_t at = out.size();
-        out.resize(at + width);
-        if (width == 2) {
-          const uint16_t h = static_cast<uint16_t>(x);
-          std::memcpy(out.data() + at, &h, 2);
-        } else {
-          std::memcpy(out.data() + at, &x, 4);
-        }
-      }
-      count += ids[i].size();
+      if (bos >= 0) append(bos);
+      for (int32_t id : chunk.ids[i]) append(id);
+      if (eos >= 0) append(eos);
+      count += chunk.ids[i].size() + (bos >= 0) + (eos >= 0);
     }
     f.write(out.data(), static_cast<std::streamsize>(out.size()));
     check_written("tokens");

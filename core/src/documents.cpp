@@ -1,13 +1,22 @@
 // mt/documents.h: the documents of text and JSON-lines files, a chunk at a time.
 #include "mt/documents.h"
 
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <filesystem>
+#include <new>
 #include <string_view>
+#include <system_error>
+#include <thread>
 #include <utility>
 
+#include "mt/error.h"
 #include "mt/io.h"
 #include "mt/json.h"
+#include "mt/tokenizer.h"
 
 namespace mt {
 
@@ -75,6 +84,57 @@ bool DocumentReader::next(std::vector<Document>& docs, size_t max_bytes) {
     }
   }
   return !docs.empty();
+}
+
+void tokenize_documents(const std::vector<Document>& docs, const Tokenizer& tok, unsigned threads,
+                        TokenizedDocuments& out) {
+  out.ids.assign(docs.size(), {});
+  out.refused.assign(docs.size(), {});
+  std::atomic<size_t> next{0};
+  std::atomic<bool> out_of_memory{false};
+  auto work = [&] {
+    for (size_t i; !out_of_memory && (i = next.fetch_add(1)) < docs.size();) {
+      try {
+        out.ids[i] = tok.encode(docs[i].text);
+      } catch (const std::bad_alloc&) {
+        // Never a malformed document: data_strict=false skipped every one it hit (242 of 256
+        // under ulimit -v) and went on with exit 0.
+        out_of_memory = true;
+      } catch (const std::exception& e) {
+        try {
+          out.refused[i] = e.what();
+        } catch (const std::bad_alloc&) {
+          out_of_memory = true;  // (leaving the thread would be std::terminate)
+        }
+        out.ids[i].clear();
+      }
+    }
+  };
+  const size_t n = std::min<size_t>(
+      docs.size(), threads > 0 ? threads : std::max(1u, std::thread::hardware_concurrency()));
+  size_t held = 0;
+  for (const auto& d : docs) held += d.text.size();
+  {
+    // A thread that cannot be started (a process limit) ends the work with the reason; the ones
+    // started are joined first (a std::thread's destructor would call std::terminate).
+    std::vector<std::jthread> pool;
+    try {
+      for (size_t t = 1; t < n; ++t) pool.emplace_back(work);
+    } catch (const std::system_error& e) {
+      out_of_memory = true;  // stops the started ones at their next document
+      pool.clear();
+      throw Error(fmt::format(
+          "cannot start {} tokenizing threads: {} (a limit on processes or memory: ulimit -u, "
+          "ulimit -v; num_threads sets fewer).",
+          n, e.what()));
+    }
+    work();
+  }
+  if (out_of_memory)
+    throw Error(fmt::format(
+        "ran out of memory while tokenizing ({} documents, {:.1f} MB of text held at once): "
+        "raise the memory limit.",
+        docs.size(), static_cast<double>(held) / 1e6));
 }
 
 }  // namespace mt

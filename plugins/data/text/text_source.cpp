@@ -20,17 +20,13 @@
 // data_strict=false (default true) a bad record (a malformed or incomplete JSON line, a
 // document that is not UTF-8) is skipped instead, and one warning on stderr counts them.
 #include <algorithm>
-#include <atomic>
 #include <cstdio>
-#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <memory>
-#include <new>
 #include <sstream>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -74,8 +70,10 @@ class TextStream final : public mt_data::TokenStream {
     mt::DocumentReader reader(files, opt.field, "text", [&](const std::string& why) {
       skipped_.bad_record("text: " + why, opt.strict);
     });
-    for (std::vector<mt::Document> docs; reader.next(docs, mt::document_chunk_bytes());)
-      append(docs, tok, opt);
+    const size_t chunk_bytes = mt::document_chunk_bytes();
+    mt::TokenizedDocuments chunk;
+    for (std::vector<mt::Document> docs; reader.next(docs, chunk_bytes);)
+      append(docs, chunk, tok, opt);
     for (const auto& f : files) describe_ += (describe_.empty() ? "" : ", ") + f;
   }
 
@@ -102,53 +100,28 @@ class TextStream final : public mt_data::TokenStream {
   const Skipped& skipped() const { return skipped_; }
 
  private:
-  // Tokenizes a chunk of documents on num_threads threads (the tokenizers are thread-safe),
-  // then appends them in order.
-  void append(const std::vector<mt::Document>& docs, const mt::Tokenizer& tok,
-              const TextOptions& opt) {
-    std::vector<std::vector<int32_t>> out(docs.size());
-    std::vector<std::exception_ptr> errors(docs.size());
-    std::atomic<size_t> next{0};
-    auto work = [&] {
-      for (size_t i; (i = next.fetch_add(1)) < docs.size();) {
-        try {
-          out[i] = tok.encode(docs[i].text);
-        } catch (...) {
-          errors[i] = std::current_exception();
-        }
-      }
-    };
-    const size_t n_threads = std::min<size_t>(
-        docs.size(), opt.threads > 0 ? static_cast<size_t>(opt.threads)
-                                     : std::max(1u, std::thread::hardware_concurrency()));
-    {
-      std::vector<std::jthread> pool;
-      for (size_t t = 1; t < n_threads; ++t) pool.emplace_back(work);
-      work();
-    }
+  // Tokenizes a chunk of documents on num_threads threads, then appends them in order.
+  void append(const std::vector<mt::Document>& docs, mt::TokenizedDocuments& chunk,
+              const mt::Tokenizer& tok, const TextOptions& opt) {
+    mt::tokenize_documents(docs, tok, static_cast<unsigned>(std::max<int64_t>(opt.threads, 0)),
+                           chunk);
     for (size_t i = 0; i < docs.size(); ++i) {
-      // The first failing document in file order, so the message does not depend on timing.
-      if (errors[i]) {
-        try {
-          std::rethrow_exception(errors[i]);
-        } catch (const std::bad_alloc&) {
-          throw;  // out of memory is no malformed record: data_strict=false must not skip it
-        } catch (const std::exception& e) {
-          skipped_.bad_record("text: " + docs[i].where + ": " + e.what(), opt.strict);
-          continue;
-        }
+      // The first refused document in file order, so the message does not depend on timing.
+      if (!chunk.refused[i].empty()) {
+        skipped_.bad_record("text: " + docs[i].where + ": " + chunk.refused[i], opt.strict);
+        continue;
       }
-      std::vector<int32_t> ids;
-      if (opt.add_bos) ids.push_back(opt.bos);
-      ids.insert(ids.end(), out[i].begin(), out[i].end());
-      if (opt.add_eos) ids.push_back(opt.eos);
-      for (int32_t id : ids)
-        if (id < 0 || id >= opt.vocab)
-          throw mt::UsageError("text: " + docs[i].where + ": token id " + std::to_string(id) +
+      const uint64_t begin = ids_.size();
+      if (opt.add_bos) ids_.push_back(opt.bos);
+      ids_.insert(ids_.end(), chunk.ids[i].begin(), chunk.ids[i].end());
+      if (opt.add_eos) ids_.push_back(opt.eos);
+      for (uint64_t j = begin; j < ids_.size(); ++j)
+        if (ids_[j] < 0 || ids_[j] >= opt.vocab)
+          throw mt::UsageError("text: " + docs[i].where + ": token id " + std::to_string(ids_[j]) +
                                " is outside vocab_size " + std::to_string(opt.vocab));
-      if (ids.empty()) continue;  // an empty document without BOS/EOS adds nothing
-      doc_begin_.push_back(ids_.size());
-      ids_.insert(ids_.end(), ids.begin(), ids.end());
+      if (ids_.size() > begin)
+        doc_begin_.push_back(begin);  // an empty document without BOS/EOS
+                                      // adds nothing
     }
   }
 

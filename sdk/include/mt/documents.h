@@ -14,6 +14,7 @@
 namespace mt {
 
 class LineReader;
+class Tokenizer;
 
 // One document and where it came from: "file:line" for a JSON line, the file otherwise.
 struct Document {
@@ -51,5 +52,20 @@ class MT_API DocumentReader {
   std::unique_ptr<LineReader> lines_;  // its lines, for a JSON-lines file
   uint64_t bytes_ = 0;
 };
+
+// A chunk of documents tokenized: ids[i] are document i's ids (the tokenizer's alone: no BOS or
+// EOS), or, when the tokenizer refused its text (not UTF-8), refused[i] says why and ids[i] is
+// empty.
+struct TokenizedDocuments {
+  std::vector<std::vector<int32_t>> ids;
+  std::vector<std::string> refused;
+};
+
+// Tokenizes `docs` on `threads` threads (0 = the cores; the tokenizers are thread-safe), dealt a
+// document at a time; results land in place, so they do not depend on scheduling. Running out of
+// memory or failing to start a thread is never a refused document: it throws mt::Error saying
+// what to change.
+MT_API void tokenize_documents(const std::vector<Document>& docs, const Tokenizer& tok,
+                               unsigned threads, TokenizedDocuments& out);
 
 }  // namespace mt
