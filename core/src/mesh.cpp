@@ -23,6 +23,22 @@ std::vector<Axis> mesh_axes(const Config& cfg) {
                         "ici_expert_parallelism", "dcn_data_parallelism", "dcn_fsdp_parallelism",
                         "dcn_tensor_parallelism", "dcn_expert_parallelism"})
     axes.push_back({k, cfg.has(k) ? cfg.get_int(k) : (k[4] == 'd' && k[0] == 'i' ? -1 : 1)});
+  // Sizes whose product passes what a run can have are refused here, before any product is
+  // taken: 2^32 x 2^32 wrapped to 0 devices (a division by zero), and 7 x 7905747460161236407 to
+  // exactly 1, which trained one rank with a 7x batch.
+  int64_t devices = 1;
+  std::string shown;
+  for (const Axis& a : axes) {
+    if (a.value <= 1) continue;
+    shown.append(shown.empty() ? "" : " ")
+        .append(a.key)
+        .append("=")
+        .append(std::to_string(a.value));
+    if (__builtin_mul_overflow(devices, a.value, &devices) || devices > kMaxMeshDevices)
+      throw UsageError("The mesh (" + shown + ") has more than " + std::to_string(kMaxMeshDevices) +
+                       " devices, more than any run can have: the product of the "
+                       "ici_*_parallelism and dcn_*_parallelism axes is the number of ranks.");
+  }
   return axes;
 }
 

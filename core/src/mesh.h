@@ -22,6 +22,9 @@ struct Mesh {
   int64_t expert_group_ranks() const { return expert > 1 ? expert * tensor : 1; }
 };
 
+// The most devices a mesh may name (the ranks are an int).
+inline constexpr int64_t kMaxMeshDevices = 2147483647;
+
 // Throws UsageError (one sentence naming the keys) when the axes do not multiply to `ranks`,
 // more than one axis is -1, tensor parallelism or the expert axis meets
 // shard_optimizer_over_data (not implemented together yet), or the expert axis divides a model
@@ -30,7 +33,8 @@ struct Mesh {
 Mesh resolve_mesh(const Config& cfg, int ranks);
 
 // The devices the mesh's sizes name (the product of the axes set above 1; -1, the rest of the
-// ranks, counts 1): what mt plan plans for without a job to count the ranks.
+// ranks, counts 1): what mt plan plans for without a job to count the ranks. At most
+// kMaxMeshDevices (more is refused).
 int64_t mesh_devices_set(const Config& cfg);
 
 }  // namespace mt

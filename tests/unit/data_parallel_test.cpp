@@ -1364,6 +1364,22 @@ TEST(DataParallel, OneRankRefusesAMeshOfTwo) {
   EXPECT_NE(r.out.find("has 2 devices but 1 rank runs (start more with mpirun -np N)"),
             std::string::npos)
       << r.out;
+  // Sizes whose product wraps around int64: refused, not a division by zero (2^32 x 2^32 wrapped
+  // to 0) or a run (7 x 7905747460161236407 wrapped to 1 and trained one rank with a 7x batch).
+  for (const std::string mesh :
+       {"ici_fsdp_parallelism=4294967296 ici_tensor_parallelism=4294967296",
+        "ici_data_parallelism=1 ici_fsdp_parallelism=7 ici_tensor_parallelism=7905747460161236407",
+        "ici_data_parallelism=1 ici_fsdp_parallelism=7 dcn_fsdp_parallelism=7905747460161236407",
+        "ici_tensor_parallelism=4294967296"}) {
+    SCOPED_TRACE(mesh);
+    for (const std::string& cmd : {train_args(d.root, "wrap", 2, "dataset_type=synthetic " + mesh),
+                                   "plan --model=llama-test " + mesh}) {
+      const test::MtResult w = test::run_mt(cmd, 30);
+      EXPECT_EQ(w.code, 2) << w.out;
+      EXPECT_NE(w.out.find("devices, more than any run can have"), std::string::npos) << w.out;
+    }
+  }
+  EXPECT_FALSE(fs::exists(d.root / "wrap" / "metrics.jsonl"));
 }
 
 // The data plugins' shards: rank r of N with batch b, concatenated in rank order, is one rank's
