@@ -347,13 +347,32 @@ const json::Value& member(const json::Value& v, std::string_view key, const std:
     throw UsageError(origin + ": " + std::string(where) + " has no \"" + std::string(key) + "\"");
   return *m;
 }
-bool bool_member(const json::Value& v, std::string_view key, bool dflt) {
+// An optional flag or string: absent or null gives the default; another kind is refused (a
+// "true" in quotes was read as the default false, and changed the ids without a word).
+bool bool_member(const json::Value& v, std::string_view key, bool dflt, const std::string& origin) {
   const json::Value* m = v.find(key);
-  return m && m->kind == json::Value::Kind::boolean ? m->boolean : dflt;
+  if (!m || m->is_null()) return dflt;
+  if (m->kind != json::Value::Kind::boolean)
+    throw UsageError(origin + ": \"" + std::string(key) + "\" is " + json::kind_name(m->kind) +
+                     ", not true or false");
+  return m->boolean;
 }
-std::string string_member(const json::Value& v, std::string_view key) {
+std::string string_member(const json::Value& v, std::string_view key, const std::string& origin) {
   const json::Value* m = v.find(key);
-  return m && m->is_string() ? m->str : std::string();
+  if (!m || m->is_null()) return {};
+  if (!m->is_string())
+    throw UsageError(origin + ": \"" + std::string(key) + "\" is " + json::kind_name(m->kind) +
+                     ", not a string");
+  return m->str;
+}
+// The "type" of a normalizer, pre-tokenizer or decoder (`what`), which must be an object with one.
+std::string type_member(const json::Value& v, const char* what, const std::string& origin) {
+  if (!v.is_object())
+    throw UsageError(origin + ": the " + what + " is " + json::kind_name(v.kind) +
+                     ", not a JSON object");
+  const std::string type = string_member(v, "type", origin);
+  if (type.empty()) throw UsageError(origin + ": the " + what + " has no \"type\"");
+  return type;
 }
 
 }  // namespace
@@ -578,17 +597,17 @@ void BpeTokenizer::Impl::load_tiktoken(std::string_view text) {
 
 void BpeTokenizer::Impl::load_model(const json::Value& m) {
   if (!m.is_object()) bad("\"model\" is not an object");
-  const std::string type = string_member(m, "type");
+  const std::string type = string_member(m, "type", origin);
   // Files written by old versions of the library omit the type; their model is BPE when it has
   // merges.
   if (!(type == "BPE" || (type.empty() && m.find("merges"))))
     bad("model type \"" + type + "\" is not supported (only BPE is)");
-  if (!string_member(m, "continuing_subword_prefix").empty() ||
-      !string_member(m, "end_of_word_suffix").empty())
+  if (!string_member(m, "continuing_subword_prefix", origin).empty() ||
+      !string_member(m, "end_of_word_suffix", origin).empty())
     bad("BPE continuing_subword_prefix / end_of_word_suffix are not supported");
-  byte_fallback = bool_member(m, "byte_fallback", false);
-  ignore_merges = bool_member(m, "ignore_merges", false);
-  fuse_unk = bool_member(m, "fuse_unk", false);
+  byte_fallback = bool_member(m, "byte_fallback", false, origin);
+  ignore_merges = bool_member(m, "ignore_merges", false, origin);
+  fuse_unk = bool_member(m, "fuse_unk", false, origin);
 
   const json::Value& v = member(m, "vocab", origin, "\"model\"");
   if (!v.is_object()) bad("model.vocab is not an object");
@@ -600,7 +619,7 @@ void BpeTokenizer::Impl::load_model(const json::Value& m) {
   }
   // (Text would become its special tokens alone, without a word.)
   if (vocab.empty()) bad("model.vocab is empty: the tokenizer would map every text to nothing");
-  if (const std::string u = string_member(m, "unk_token"); !u.empty()) {
+  if (const std::string u = string_member(m, "unk_token", origin); !u.empty()) {
     auto it = vocab.find(u);
     if (it == vocab.end()) bad("unk_token \"" + u + "\" is not in the vocabulary");
     unk = it->second;
@@ -643,21 +662,21 @@ void BpeTokenizer::Impl::load_added(const json::Value& a) {
     if (!id || !id->is_int || id->integer < 0 || id->integer > INT32_MAX)
       bad("an added token has no valid \"id\"");
     t.id = static_cast<int32_t>(id->integer);
-    t.content = string_member(e, "content");
+    t.content = string_member(e, "content", origin);
     if (t.content.empty()) bad("added token " + std::to_string(t.id) + " has no content");
-    t.special = bool_member(e, "special", false);
-    t.lstrip = bool_member(e, "lstrip", false);
-    t.rstrip = bool_member(e, "rstrip", false);
-    t.single_word = bool_member(e, "single_word", false);
+    t.special = bool_member(e, "special", false, origin);
+    t.lstrip = bool_member(e, "lstrip", false, origin);
+    t.rstrip = bool_member(e, "rstrip", false, origin);
+    t.single_word = bool_member(e, "single_word", false, origin);
     // The reference library writes the flag always; without it, its own default for a new
     // token: special tokens are matched as written, the others in normalized text.
-    t.normalized = bool_member(e, "normalized", !t.special);
+    t.normalized = bool_member(e, "normalized", !t.special, origin);
     added.push_back(std::move(t));
   }
 }
 
 void BpeTokenizer::Impl::load_pre(const json::Value& p) {
-  const std::string type = string_member(p, "type");
+  const std::string type = type_member(p, "pre-tokenizer", origin);
   if (type == "Sequence") {
     const json::Value& list = member(p, "pretokenizers", origin, "the Sequence pre-tokenizer");
     for (const auto& s : list.items) load_pre(s);
@@ -668,8 +687,8 @@ void BpeTokenizer::Impl::load_pre(const json::Value& p) {
   PreStep step;
   if (type == "ByteLevel") {
     step.kind = PreStep::Kind::byte_level;
-    step.add_prefix_space = bool_member(p, "add_prefix_space", false);
-    if (bool_member(p, "use_regex", true))
+    step.add_prefix_space = bool_member(p, "add_prefix_space", false, origin);
+    if (bool_member(p, "use_regex", true, origin))
       step.regex = std::make_shared<const Regex>(kGpt2Pattern, false, origin);
     byte_level = true;
   } else if (type == "Split") {
@@ -680,7 +699,7 @@ void BpeTokenizer::Impl::load_pre(const json::Value& p) {
       step.regex = std::make_shared<const Regex>(s->str, true, origin);
     else
       bad("Split pre-tokenizer pattern is neither {\"Regex\": ...} nor {\"String\": ...}");
-    const std::string b = string_member(p, "behavior");
+    const std::string b = string_member(p, "behavior", origin);
     if (b == "Removed")
       step.behavior = SplitBehavior::removed;
     else if (b == "Isolated")
@@ -693,19 +712,20 @@ void BpeTokenizer::Impl::load_pre(const json::Value& p) {
       step.behavior = SplitBehavior::contiguous;
     else
       bad("Split pre-tokenizer behavior \"" + b + "\" is unknown");
-    step.invert = bool_member(p, "invert", false);
+    step.invert = bool_member(p, "invert", false, origin);
   } else if (type == "Metaspace") {
     step.kind = PreStep::Kind::metaspace;
     step.replacement = metaspace_options(p, step.prepend);
     // split=true: each replacement character starts a new piece.
-    if (bool_member(p, "split", true)) {
+    if (bool_member(p, "split", true, origin)) {
       step.regex = std::make_shared<const Regex>(step.replacement, true, origin);
       step.behavior = SplitBehavior::merged_with_next;
     }
   } else if (type == "Digits") {
     // Digits splits off runs of digits (or each digit): a Split on a digit regex.
     step.regex = std::make_shared<const Regex>(
-        bool_member(p, "individual_digits", false) ? R"(\p{N})" : R"(\p{N}+)", false, origin);
+        bool_member(p, "individual_digits", false, origin) ? R"(\p{N})" : R"(\p{N}+)", false,
+        origin);
   } else {
     bad("pre-tokenizer type \"" + type + "\" is not supported");
   }
@@ -716,9 +736,9 @@ void BpeTokenizer::Impl::load_pre(const json::Value& p) {
 // files have add_prefix_space instead of prepend_scheme).
 std::string BpeTokenizer::Impl::metaspace_options(const json::Value& v,
                                                   PrependScheme& scheme) const {
-  std::string rep = string_member(v, "replacement");
+  std::string rep = string_member(v, "replacement", origin);
   if (rep.empty()) rep = "\xE2\x96\x81";  // U+2581, the library's default
-  const std::string ps = string_member(v, "prepend_scheme");
+  const std::string ps = string_member(v, "prepend_scheme", origin);
   if (ps == "always")
     scheme = PrependScheme::always;
   else if (ps == "first")
@@ -726,15 +746,15 @@ std::string BpeTokenizer::Impl::metaspace_options(const json::Value& v,
   else if (ps == "never")
     scheme = PrependScheme::never;
   else if (ps.empty())
-    scheme =
-        bool_member(v, "add_prefix_space", true) ? PrependScheme::always : PrependScheme::never;
+    scheme = bool_member(v, "add_prefix_space", true, origin) ? PrependScheme::always
+                                                              : PrependScheme::never;
   else
     bad("Metaspace prepend_scheme \"" + ps + "\" is unknown");
   return rep;
 }
 
 void BpeTokenizer::Impl::load_decoder(const json::Value& d) {
-  const std::string type = string_member(d, "type");
+  const std::string type = type_member(d, "decoder", origin);
   DecodeStep s;
   if (type == "Sequence") {
     for (const auto& x : member(d, "decoders", origin, "the Sequence decoder").items)
@@ -753,17 +773,22 @@ void BpeTokenizer::Impl::load_decoder(const json::Value& d) {
     if (!str || !str->is_string() || str->str.empty())
       bad("Replace decoder: only a non-empty {\"String\": ...} pattern is supported");
     s.pattern = str->str;
-    s.content = string_member(d, "content");
+    s.content = string_member(d, "content", origin);
   } else if (type == "Metaspace") {
     s.kind = DecodeStep::Kind::metaspace;
     s.pattern = metaspace_options(d, s.prepend);
   } else if (type == "Strip") {
     s.kind = DecodeStep::Kind::strip;
-    s.strip_char = string_member(d, "content");
-    const json::Value* a = d.find("start");
-    const json::Value* b = d.find("stop");
-    s.strip_start = a && a->is_int ? a->integer : 0;
-    s.strip_stop = b && b->is_int ? b->integer : 0;
+    s.strip_char = string_member(d, "content", origin);
+    const auto count = [&](const char* key) -> int64_t {
+      const json::Value* c = d.find(key);
+      if (!c || c->is_null()) return 0;
+      if (!c->is_int || c->integer < 0)
+        bad(std::string("the Strip decoder's \"") + key + "\" is not a count of characters");
+      return c->integer;
+    };
+    s.strip_start = count("start");
+    s.strip_stop = count("stop");
   } else {
     bad("decoder type \"" + type + "\" is not supported");
   }
@@ -771,7 +796,7 @@ void BpeTokenizer::Impl::load_decoder(const json::Value& d) {
 }
 
 void BpeTokenizer::Impl::load_normalizer(const json::Value& n) {
-  const std::string type = string_member(n, "type");
+  const std::string type = type_member(n, "normalizer", origin);
   NormStep s;
   if (type == "Sequence") {
     for (const auto& x : member(n, "normalizers", origin, "the Sequence normalizer").items)
@@ -784,7 +809,7 @@ void BpeTokenizer::Impl::load_normalizer(const json::Value& n) {
                          (type[2] == 'K' ? UTF8PROC_COMPAT : 0);
   } else if (type == "Prepend") {
     s.kind = NormStep::Kind::prepend;
-    s.content = string_member(n, "prepend");
+    s.content = string_member(n, "prepend", origin);
   } else if (type == "Replace") {
     s.kind = NormStep::Kind::replace;
     const json::Value& pat = member(n, "pattern", origin, "the Replace normalizer");
@@ -792,7 +817,7 @@ void BpeTokenizer::Impl::load_normalizer(const json::Value& n) {
     if (!str || !str->is_string() || str->str.empty())
       bad("Replace normalizer: only a non-empty {\"String\": ...} pattern is supported");
     s.pattern = str->str;
-    s.content = string_member(n, "content");
+    s.content = string_member(n, "content", origin);
   } else {
     bad("normalizer type \"" + type + "\" is not supported");
   }

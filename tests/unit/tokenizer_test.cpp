@@ -331,6 +331,33 @@ TEST(TokenizerFactory, ClearErrors) {
   const std::string empty =
       d.file("e.json", R"({"model": {"type": "BPE", "vocab": {}, "merges": []}})");
   EXPECT_TRUE(contains(error_of(empty, ""), "model.vocab is empty")) << error_of(empty, "");
+
+  // A member of the wrong kind is refused, naming it (before: a flag in quotes, a string that
+  // was a number, were read as their defaults and changed the ids without a word; a normalizer
+  // that was not an object was 'type "" is not supported').
+  const std::string model = R"("model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": [])";
+  for (const auto& [member, needle] : std::vector<std::pair<std::string, std::string>>{
+           {R"("pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": "true"})",
+            R"("add_prefix_space" is a string, not true or false)"},
+           {R"("pre_tokenizer": {"type": "Split", "pattern": {"String": " "}, "behavior": 1})",
+            R"("behavior" is a number, not a string)"},
+           {R"("decoder": {"type": "Strip", "content": " ", "start": "x", "stop": 0})",
+            R"(the Strip decoder's "start" is not a count of characters)"},
+           {R"("normalizer": "NFC")", "the normalizer is a string, not a JSON object"},
+           {R"("normalizer": {"foo": 1})", R"(the normalizer has no "type")"},
+           {R"("pre_tokenizer": 7)", "the pre-tokenizer is a number, not a JSON object"},
+           {R"("decoder": {"type": 7})", R"("type" is a number, not a string)"},
+           {R"("added_tokens": [{"id": 1, "content": "b", "special": "yes"}])",
+            R"("special" is a string, not true or false)"}}) {
+    const std::string t = d.file("kind.json", "{" + member + ", " + model + "}}");
+    EXPECT_TRUE(contains(error_of(t, ""), needle)) << member << ": " << error_of(t, "");
+  }
+  // null is "not set", as the library writes it.
+  const std::string nulls =
+      d.file("null.json", R"({"normalizer": null, "pre_tokenizer": {"type": "ByteLevel",
+      "add_prefix_space": null}, )" +
+                              model + R"(, "unk_token": null}})");
+  EXPECT_NO_THROW(make_tokenizer(nulls, "")) << error_of(nulls, "");
 }
 
 // Issue 24, items 2 and 3: the tables are indexed by id, so an id far above the file's own
