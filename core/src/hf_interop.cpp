@@ -66,15 +66,19 @@ Weights open_weights(const fs::path& dir) {
   Weights w;
   std::vector<fs::path> paths;
   const fs::path index = dir / "model.safetensors.index.json";
+  std::map<std::string, fs::path> indexed;  // with an index: each tensor's file, as it says
   if (fs::exists(index)) {
     json::Value v;
     try {
       v = json::parse(read_file(index.string(), "Hugging Face index"));
     } catch (const json::ParseError& e) {
-      throw Error(index.string() + " is not valid JSON: " + e.what);
+      throw UsageError(mt::quoted(index) + " is not valid JSON (at byte " +
+                       std::to_string(e.offset) + "): " + e.what);
     }
     const json::Value* map = v.find("weight_map");
-    if (!map || !map->is_object()) throw Error(index.string() + " has no weight_map object.");
+    if (!map || !map->is_object())
+      throw UsageError(mt::quoted(index) +
+                       " has no weight_map object (tensor name -> safetensors file name).");
     std::set<std::string> names;
     for (const auto& [k, f] : map->members) {
       // A shard is a file of this directory: an absolute path or one with ".." in the index
@@ -89,8 +93,16 @@ Weights open_weights(const fs::path& dir) {
                          ", which is not a file name inside the model directory " +
                          mt::quoted(dir) + ". Shard paths must be relative and stay inside it.");
       names.insert(f.str);
+      indexed[k] = dir / f.str;
     }
-    for (const auto& n : names) paths.push_back(dir / n);
+    for (const auto& n : names) {
+      std::error_code ec;
+      if (!fs::is_regular_file(dir / n, ec))
+        throw UsageError(mt::quoted(index) + " names the shard " + mt::quoted(fs::path(n)) +
+                         ", which " + mt::quoted(dir) +
+                         " does not hold: an incomplete download, or an index of other files.");
+      paths.push_back(dir / n);
+    }
   } else if (fs::exists(dir / "model.safetensors")) {
     paths.push_back(dir / "model.safetensors");
   } else {
@@ -104,19 +116,28 @@ Weights open_weights(const fs::path& dir) {
   for (const auto& p : paths) {
     w.files.push_back(std::make_unique<SafeTensorsFile>(p));
     for (const auto& n : w.files.back()->names()) {
-      // Without an index, every file is read: a tensor in two of them has no one value (before:
-      // the last file in name order won, silently). With one, the last of its files wins, as in
-      // transformers.
+      // A tensor the index names comes from the file it names (before: from the last file that
+      // held it, so a stray copy in another shard replaced it silently).
+      if (const auto ix = indexed.find(n); ix != indexed.end()) {
+        if (ix->second == p) w.where[n] = w.files.back().get();
+        continue;
+      }
+      // Any other tensor is in one file only: in two it has no one value (before: the last file
+      // in name order won, silently).
       const auto [it, added] = w.where.emplace(n, w.files.back().get());
-      if (!added && !fs::exists(index))
+      if (!added)
         throw UsageError("The tensor \"" + n.substr(0, 200) + "\" is in both " +
                          mt::quoted(it->second->path()) + " and " + mt::quoted(p) + " of " +
                          mt::quoted(dir) +
                          ": which one is the model's is not said. Remove the stray file, or give "
                          "the directory a model.safetensors.index.json naming each tensor's file.");
-      if (!added) it->second = w.files.back().get();
     }
   }
+  for (const auto& [k, f] : indexed)
+    if (!w.where.count(k))
+      throw UsageError(mt::quoted(index) + " puts the tensor \"" + k.substr(0, 200) + "\" in " +
+                       mt::quoted(f.filename()) +
+                       ", which does not hold it: the index and the shards disagree.");
   return w;
 }
 
@@ -228,7 +249,10 @@ HfTokenSettings read_hf_token_settings(const fs::path& dir, bool tokenizer_confi
 HfImport read_hf_config(const fs::path& dir, PluginManager& plugins) {
   const fs::path cfg = dir / "config.json";
   if (!fs::is_directory(dir))
-    throw UsageError("The Hugging Face model directory '" + dir.string() + "' does not exist.");
+    throw UsageError("The Hugging Face model directory '" + dir.string() +
+                     (fs::exists(dir) ? "' is a file, not a directory (give the directory "
+                                        "that holds config.json and the safetensors files)."
+                                      : "' does not exist."));
   if (!fs::exists(cfg)) throw UsageError(dir.string() + " has no config.json.");
   json::Value v;
   try {
@@ -238,6 +262,13 @@ HfImport read_hf_config(const fs::path& dir, PluginManager& plugins) {
                      "): " + e.what);
   }
   if (!v.is_object()) throw UsageError(cfg.string() + " is not a JSON object.");
+  // The rope's scaling is an object or null in every transformers version; another kind was
+  // flattened to a key no family reads, and the model ran unscaled without a word.
+  for (const char* key : {"rope_scaling", "rope_parameters"})
+    if (const json::Value* r = v.find(key); r && !r->is_null() && !r->is_object())
+      throw UsageError(cfg.string() + ": \"" + key + "\" is " + json::kind_name(r->kind) +
+                       ", not an object (such as {\"rope_type\": \"linear\", \"factor\": 8.0}) "
+                       "or null.");
   HfConfig flat;
   flatten(v, "", flat);
   auto mt = flat.find("model_type");

@@ -787,6 +787,81 @@ TEST(HfConvert, ATensorInTwoUnindexedShardsIsRefused) {
   EXPECT_NE(out.find("b.safetensors"), std::string::npos) << out;
 }
 
+// With model.safetensors.index.json, each tensor comes from the shard it names, and the index
+// and the shards agree (before: a stray copy in a later shard replaced the indexed tensor, loss
+// 7.17 for 5.19; a tensor the index named but no shard held, or an index naming a missing
+// shard, was found only as a missing tensor or a file that cannot be opened, exit 1).
+TEST(HfConvert, AnIndexAndItsShardsMustAgree) {
+  Dirs d;
+  std::string out, want, got;
+  const std::string score = "score hf_path=" + d.hf.string() + " tokens=3,17,200,5,9,1,77";
+  ASSERT_EQ(mt_cmd(score, want), 0) << want;
+  // a.safetensors: every tensor but the final norm; b.safetensors: the norm and a stray embedding
+  // of zeros. The index puts the embedding in a.
+  {
+    SafeTensorsFile g(d.hf / "model.safetensors");
+    std::vector<SafeTensorsEntry> a, b;
+    std::vector<float> zeros;
+    std::string map;
+    for (const auto& n : g.names()) {
+      const auto& i = g.info(n);
+      (n == "model.norm.weight" ? b : a).emplace_back(n, i.dtype, i.shape, i.data);
+      map += (map.empty() ? "" : ", ") + ("\"" + n + "\": ") +
+             (n == "model.norm.weight" ? "\"b.safetensors\"" : "\"a.safetensors\"");
+      if (n == "model.embed_tokens.weight") {
+        ASSERT_EQ(i.dtype, "F32");
+        zeros.assign(shape_numel(i.shape), 0.f);
+        b.emplace_back(n, i.dtype, i.shape, zeros.data());
+      }
+    }
+    write_safetensors(d.hf / "a.safetensors", a);
+    write_safetensors(d.hf / "b.safetensors", b);
+    std::ofstream(d.hf / "model.safetensors.index.json")
+        << R"({"metadata": {}, "weight_map": {)" << map << "}}";
+  }
+  fs::remove(d.hf / "model.safetensors");
+  ASSERT_EQ(mt_cmd(score, got), 0) << got;
+  EXPECT_EQ(got.substr(got.find("tokens 7")), want.substr(want.find("tokens 7")));
+
+  const std::string index = (d.hf / "model.safetensors.index.json").string();
+  std::stringstream text;
+  text << std::ifstream(index).rdbuf();
+  const std::string good = text.str();
+  auto refused = [&](const std::string& text, const std::string& needle) {
+    std::ofstream(index) << text;
+    EXPECT_EQ(mt_cmd(score, out), 2) << text << out;
+    EXPECT_NE(out.find(needle), std::string::npos) << text << out;
+  };
+  std::string extra = good;
+  extra.insert(extra.find("\"weight_map\": {") + 15, R"("model.bogus.weight": "a.safetensors", )");
+  refused(extra,
+          "puts the tensor \"model.bogus.weight\" in 'a.safetensors', which does not hold it");
+  std::string missing = good;
+  missing.replace(missing.find("b.safetensors"), 13, "c.safetensors");
+  refused(missing, "names the shard 'c.safetensors'");
+  refused(R"({"weight_map": [}})", "is not valid JSON (at byte");
+  refused(R"({"metadata": {}})", "has no weight_map object");
+}
+
+// config.json's rope scaling is an object or null (before: a string, a list or a number was
+// dropped and the model ran unscaled); a file given as the directory is said to be one.
+TEST(HfConvert, ARopeScalingThatIsNoObjectIsRefused) {
+  Dirs d;
+  std::string out;
+  const std::string score = "score hf_path=" + d.hf.string() + " tokens=3,17,200";
+  for (const char* bad : {R"("abc")", "[1, 2]", "5"}) {
+    std::string cfg = kConfig;
+    cfg.replace(cfg.find("\"rope_scaling\": null"), 20, std::string("\"rope_scaling\": ") + bad);
+    std::ofstream(d.hf / "config.json") << cfg;
+    EXPECT_EQ(mt_cmd(score, out), 2) << bad << out;
+    EXPECT_NE(out.find("\"rope_scaling\" is "), std::string::npos) << bad << out;
+    EXPECT_NE(out.find("not an object"), std::string::npos) << bad << out;
+  }
+  EXPECT_EQ(mt_cmd("score hf_path=" + (d.hf / "config.json").string() + " tokens=3", out), 2)
+      << out;
+  EXPECT_NE(out.find("is a file, not a directory"), std::string::npos) << out;
+}
+
 // Issue 24, item 10: shard paths in model.safetensors.index.json stay inside the model
 // directory; an absolute path or one with ".." was opened and parsed.
 TEST(HfConvert, ShardPathsStayInsideTheModelDirectory) {
