@@ -62,6 +62,35 @@ DType dtype_key(const Config& cfg, const std::string& key) {
   return t;
 }
 
+std::vector<std::string> tensor_axis_rules(const Config& cfg) {
+  // logical_axis_rules: "logical:mesh" pairs; only the tensor axis places parameter dimensions
+  // (FSDP divides flattened elements, and the data axis holds whole copies). Checked on every
+  // run, with tensor parallelism or not (before: only with it, so a typo passed until then).
+  std::vector<std::string> on_tensor;
+  for (const std::string& rule : cfg.get_string_list("logical_axis_rules")) {
+    const size_t colon = rule.find(':');
+    const std::string mesh = colon == std::string::npos ? "" : rule.substr(colon + 1);
+    if (colon == std::string::npos || colon == 0 || mesh != "tensor")
+      cfg.reject("logical_axis_rules",
+                 "must be a list of \"logical:tensor\" pairs (e.g. \"heads:tensor\"), each "
+                 "putting a logical axis of the parameters on the tensor mesh axis; \"" +
+                     rule + "\" is not one.");
+    // The blocks compute on parts of these axes only (vocab: the embedding's lookup, the LM
+    // head and the cross-entropy, Graph::set_vocab_part); a split model dimension would need
+    // kernels of its own (and would be wrong without).
+    const std::string logical = rule.substr(0, colon);
+    if (logical != "heads" && logical != "kv_heads" && logical != "mlp" && logical != "experts" &&
+        logical != "vocab")
+      cfg.reject("logical_axis_rules",
+                 "puts '" + logical +
+                     "' on the tensor axis; only heads, kv_heads, mlp, experts and vocab can be "
+                     "divided among the tensor ranks (the attention, MLP and MoE blocks, the "
+                     "embedding and the LM head compute on their parts).");
+    on_tensor.push_back(logical);
+  }
+  return on_tensor;
+}
+
 }  // namespace
 
 ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins)
@@ -202,7 +231,10 @@ ModelRunner::ModelRunner(const Config& cfg, PluginManager& plugins,
                     "Rename the top-level parameter.");
   }
   if (expert_.on()) split_for_expert_parallelism(cfg);
-  if (tensor_.on()) split_for_tensor_parallelism(cfg);
+  if (tensor_.on())
+    split_for_tensor_parallelism(cfg);
+  else
+    tensor_axis_rules(cfg);
   // Tensor (or expert) parallelism's part first, then FSDP's part of that.
   for (auto& p : params_) {
     p.local_shape = p.spec.shape;
@@ -791,30 +823,7 @@ Tensor ModelRunner::compute_param(Graph& g, size_t i) {
 }
 
 void ModelRunner::split_for_tensor_parallelism(const Config& cfg) {
-  // logical_axis_rules: "logical:mesh" pairs; only the tensor axis places parameter dimensions
-  // (FSDP divides flattened elements, and the data axis holds whole copies).
-  std::vector<std::string> on_tensor;
-  for (const std::string& rule : cfg.get_string_list("logical_axis_rules")) {
-    const size_t colon = rule.find(':');
-    const std::string mesh = colon == std::string::npos ? "" : rule.substr(colon + 1);
-    if (colon == std::string::npos || colon == 0 || mesh != "tensor")
-      cfg.reject("logical_axis_rules",
-                 "must be a list of \"logical:tensor\" pairs (e.g. \"heads:tensor\"), each "
-                 "putting a logical axis of the parameters on the tensor mesh axis; \"" +
-                     rule + "\" is not one.");
-    // The blocks compute on parts of these axes only (vocab: the embedding's lookup, the LM
-    // head and the cross-entropy, Graph::set_vocab_part); a split model dimension would need
-    // kernels of its own (and would be wrong without).
-    const std::string logical = rule.substr(0, colon);
-    if (logical != "heads" && logical != "kv_heads" && logical != "mlp" && logical != "experts" &&
-        logical != "vocab")
-      cfg.reject("logical_axis_rules",
-                 "puts '" + logical +
-                     "' on the tensor axis; only heads, kv_heads, mlp, experts and vocab can be "
-                     "divided among the tensor ranks (the attention, MLP and MoE blocks, the "
-                     "embedding and the LM head compute on their parts).");
-    on_tensor.push_back(logical);
-  }
+  const std::vector<std::string> on_tensor = tensor_axis_rules(cfg);
   // The attention and MLP blocks sum their output projections (wo, w_down) over the tensor
   // ranks, and the attention pairs each rank's query heads with its key/value heads: right only
   // when all three are divided (Megatron's split). A rule set leaving one out trained silently

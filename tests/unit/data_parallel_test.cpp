@@ -1380,6 +1380,20 @@ TEST(DataParallel, OneRankRefusesAMeshOfTwo) {
     }
   }
   EXPECT_FALSE(fs::exists(d.root / "wrap" / "metrics.jsonl"));
+  // logical_axis_rules are checked without tensor parallelism too (before: only with it).
+  for (const std::string rules :
+       {"[heads-tensor]", "[heads:nosuch]", "[bogus:tensor]", "[embed:fsdp]"}) {
+    const test::MtResult w = test::run_mt(
+        train_args(d.root, "rules", 2, "dataset_type=synthetic logical_axis_rules=" + rules), 30);
+    EXPECT_EQ(w.code, 2) << rules << w.out;
+    EXPECT_NE(w.out.find("logical_axis_rules"), std::string::npos) << rules << w.out;
+  }
+  EXPECT_EQ(test::run_mt(train_args(d.root, "rules", 2,
+                                    "dataset_type=synthetic logical_axis_rules=[heads:tensor]"),
+                         60)
+                .code,
+            0)
+      << "an incomplete rule set is right without tensor parallelism";
 }
 
 // The data plugins' shards: rank r of N with batch b, concatenated in rank order, is one rank's
