@@ -469,6 +469,11 @@ void check_output_file(const std::string& key, const std::string& path,
   const fs::path out(path);
   const fs::path dir = out.has_parent_path() ? out.parent_path() : fs::path(".");
   std::error_code ec;
+  if (fs::exists(dir, ec) && !fs::is_directory(dir, ec))
+    throw UsageError(
+        fmt::format("{}={}: {} is a file, not a directory; choose an output path in a "
+                    "directory.",
+                    key, path, dir.string()));
   if (!fs::is_directory(dir, ec))
     throw UsageError(fmt::format("{}={}: the directory {} does not exist; create it first.", key,
                                  path, dir.string()));

@@ -275,8 +275,21 @@ HfImport read_hf_config(const fs::path& dir, PluginManager& plugins) {
   if (mt == flat.end()) throw UsageError(cfg.string() + " has no model_type.");
   HfImport r;
   r.family = mt->second;
-  auto fam = plugins.make_model_family(r.family);
-  r.overrides = fam->from_hf_config(flat, r.unused);
+  std::unique_ptr<ModelFamily> fam;
+  try {
+    fam = plugins.make_model_family(r.family);
+  } catch (const UsageError& e) {
+    throw UsageError(cfg.string() + " has model_type \"" + r.family.substr(0, 200) +
+                     "\", which names no model family mt has: " + e.what());
+  }
+  try {
+    r.overrides = fam->from_hf_config(flat, r.unused);
+  } catch (const UsageError& e) {
+    // The families word their refusals "config.json ...": name the file.
+    const std::string what = e.what();
+    if (what.rfind("config.json", 0) != 0) throw;
+    throw UsageError(cfg.string() + what.substr(11));
+  }
   return r;
 }
 

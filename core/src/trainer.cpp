@@ -5,6 +5,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <chrono>
 #include <cmath>
@@ -804,6 +805,16 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   };
   const bool checkpointing = cfg.get_bool("enable_checkpointing");
   const int64_t ckpt_period = cfg.get_int("checkpoint_period");
+  if (checkpointing) {
+    // Said now, not at the first save checkpoint_period steps in.
+    std::error_code ec;
+    const fs::path saves = run_dir / "checkpoints";
+    if (fs::exists(saves, ec) && !fs::is_directory(saves, ec))
+      throw UsageError(
+          quoted(saves) +
+          " is a file, where this run keeps its checkpoints: move it away, or choose "
+          "another base_output_directory or run_name (or enable_checkpointing=false).");
+  }
   CheckpointManager ckpt(run_dir / "checkpoints", cfg.get_bool("async_checkpointing"),
                          static_cast<int>(cfg.get_int("max_num_checkpoints_to_keep")), be,
                          parts ? &comm : nullptr);
@@ -896,7 +907,11 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
           moved, static_cast<long>(first_step),
           (run_dir / "metrics.discarded.jsonl").string().c_str());
     metrics.open(run_dir / "metrics.jsonl", std::ios::app);
-    if (!metrics) throw Error("Cannot write metrics to " + quoted(run_dir / "metrics.jsonl") + ".");
+    if (!metrics)
+      throw Error("Cannot write metrics to " + quoted(run_dir / "metrics.jsonl") + ": " +
+                  std::strerror(errno) +
+                  ". Free the path (or the disk), or choose another base_output_directory or "
+                  "run_name.");
   }
   // A failed save never touches earlier checkpoints; checkpoint_error_policy says whether the
   // run stops (the default) or warns and keeps training. Sharded saves fail on every rank

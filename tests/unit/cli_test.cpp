@@ -132,6 +132,7 @@ TEST(Cli, OutputsNeverReplaceAnInputOrAForeignFile) {
   EXPECT_EQ(contents(other), "keep me");
   refused(in + " output=" + dir.string(), "is a directory");
   refused(in + " output=" + (dir / "no" / "x.tokens").string(), "does not exist");
+  refused(in + " output=" + (other / "x.tokens").string(), "is a file, not a directory");
   const fs::path tokens = dir / "c.tokens";
   ASSERT_EQ(mt_cmd(in + " output=" + tokens.string()).code, 0);
   const auto again = mt_cmd(in + " output=" + tokens.string());  // its own kind: replaced
@@ -162,6 +163,22 @@ TEST(Cli, OutputsNeverReplaceAnInputOrAForeignFile) {
   refused(score + " input=" + corpus.string() + " output=" + corpus.string(),
           "is also an input of the command");
   EXPECT_EQ(contents(corpus), corpus_text);
+  // mt run: a file where the run keeps its checkpoints is said before the first step (before:
+  // at the first save, checkpoint_period steps in); a directory where it writes its metrics
+  // says why it cannot write them.
+  const std::string run =
+      "run --model=llama-test steps=2 dataset_type=synthetic "
+      "per_device_batch_size=1 max_target_length=16 base_output_directory=" +
+      dir.string() + " run_name=";
+  fs::create_directories(dir / "r1");
+  std::ofstream(dir / "r1" / "checkpoints") << "keep me";
+  refused(run + "r1", "is a file, where this run keeps its checkpoints");
+  EXPECT_EQ(contents(dir / "r1" / "checkpoints"), "keep me");
+  EXPECT_FALSE(fs::exists(dir / "r1" / "metrics.jsonl"));
+  fs::create_directories(dir / "r2" / "metrics.jsonl");
+  const auto r2 = mt_cmd(run + "r2");
+  EXPECT_EQ(r2.code, 1) << r2.out;
+  EXPECT_NE(r2.out.find("metrics.jsonl': Is a directory"), std::string::npos) << r2.out;
   fs::remove_all(dir);
 }
 

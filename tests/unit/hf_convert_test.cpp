@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <tuple>
 
 #include "checkpoint_manager.h"
 #include "config_loader.h"
@@ -844,8 +845,9 @@ TEST(HfConvert, AnIndexAndItsShardsMustAgree) {
 }
 
 // config.json's rope scaling is an object or null (before: a string, a list or a number was
-// dropped and the model ran unscaled); a file given as the directory is said to be one.
-TEST(HfConvert, ARopeScalingThatIsNoObjectIsRefused) {
+// dropped and the model ran unscaled); a file given as the directory is said to be one; the
+// refusals name the file.
+TEST(HfConvert, BadConfigJsonIsRefusedNamingTheFile) {
   Dirs d;
   std::string out;
   const std::string score = "score hf_path=" + d.hf.string() + " tokens=3,17,200";
@@ -860,6 +862,20 @@ TEST(HfConvert, ARopeScalingThatIsNoObjectIsRefused) {
   EXPECT_EQ(mt_cmd("score hf_path=" + (d.hf / "config.json").string() + " tokens=3", out), 2)
       << out;
   EXPECT_NE(out.find("is a file, not a directory"), std::string::npos) << out;
+  // Refusals name config.json's path, and an unknown model_type is said to be config.json's.
+  const std::string path = (d.hf / "config.json").string();
+  for (const auto& [from, to, needle] :
+       std::vector<std::tuple<std::string, std::string, std::string>>{
+           {R"("model_type": "llama")", R"("model_type": "nosuch")",
+            path + " has model_type \"nosuch\", which names no model family"},
+           {R"("hidden_size")", R"("hidden_sizes")", path + " has no 'hidden_size'"}}) {
+    std::string cfg = kConfig;
+    ASSERT_NE(cfg.find(from), std::string::npos) << from;
+    cfg.replace(cfg.find(from), from.size(), to);
+    std::ofstream(d.hf / "config.json") << cfg;
+    EXPECT_EQ(mt_cmd(score, out), 2) << to << out;
+    EXPECT_NE(out.find(needle), std::string::npos) << to << out;
+  }
 }
 
 // Issue 24, item 10: shard paths in model.safetensors.index.json stay inside the model
