@@ -44,7 +44,8 @@ int cmd_plugins(const Args& args) {
   Config cfg = resolve_config(args);
   PluginManager pm(plugin_dirs_of(cfg));
   std::printf("Plugin search path (first match wins):\n");
-  for (const auto& d : pm.search_dirs()) std::printf("  %s\n", d.string().c_str());
+  for (const auto& d : pm.search_dirs())
+    std::printf("  %s%s\n", d.string().c_str(), PluginManager::missing_note(d).c_str());
   const auto recs = pm.scan();
   std::printf("\n%-8s %-14s %-8s %-4s %s\n", "KIND", "NAME", "VERSION", "ABI", "PATH");
   int failed = 0, shadowed = 0;

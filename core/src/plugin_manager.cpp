@@ -99,12 +99,18 @@ std::string join_paths(const std::vector<fs::path>& dirs) {
   std::string s;
   for (const auto& d : dirs) {
     if (!s.empty()) s += ", ";
-    s += d.string();
+    s += d.string() + PluginManager::missing_note(d);
   }
   return s.empty() ? "(no directories)" : s;
 }
 
 }  // namespace
+
+std::string PluginManager::missing_note(const fs::path& dir) {
+  std::error_code ec;
+  if (fs::is_directory(dir, ec)) return "";
+  return fs::exists(dir, ec) ? " (not a directory)" : " (does not exist)";
+}
 
 fs::path PluginManager::core_library_dir() {
   // Normalised: the loader reports the path it found the library by, "<bin>/../lib" for a
@@ -173,7 +179,15 @@ PluginRecord PluginManager::load_file(const fs::path& path, bool do_register) {
         boost::dll::load_mode::rtld_now | boost::dll::load_mode::rtld_local |
             static_cast<boost::dll::load_mode::type>(RTLD_NODELETE));
   } catch (const boost::dll::fs::system_error& e) {  // the loader's own refusal (dlerror)
-    rec.error = std::string("could not be loaded: ") + e.what() + load_hint(e.what(), path);
+    // The loader's words (boost wraps dlerror's text in its own, with an unrelated errno).
+    std::string why = e.what();
+    const std::string tag = "dlerror system message: ";
+    if (const size_t at = why.find(tag); at != std::string::npos) {
+      const size_t end = why.find("):", at);
+      why = why.substr(at + tag.size(),
+                       end == std::string::npos ? std::string::npos : end - at - tag.size());
+    }
+    rec.error = "could not be loaded: " + why + load_hint(why, path);
     return rec;
   } catch (const std::exception& e) {
     static_initialiser_threw(path, e.what());

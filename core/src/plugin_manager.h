@@ -76,6 +76,9 @@ class PluginManager final : public Registry {
 
   // The directory holding libmt_core (lib/), from which bin/ and share/mt/configs are found.
   static std::filesystem::path core_library_dir();
+  // " (does not exist)" or " (not a directory)" for a search directory that is neither, for the
+  // listings (a mistyped MT_PLUGIN_PATH was listed like any other); "" for a directory.
+  static std::string missing_note(const std::filesystem::path& dir);
 
  private:
   PluginRecord load_file(const std::filesystem::path& path, bool do_register);

@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 
 #include "mt/config.h"
 #include "mt/error.h"
@@ -201,14 +202,20 @@ TEST(Plugins, FifosAndDanglingLinksAreRefusedWithoutBlocking) {
   fs::create_directories(dir);
   ASSERT_EQ(::mkfifo((dir / "libmt_model_fifo.so").c_str(), 0644), 0);
   fs::create_symlink(dir / "nowhere.so", dir / "libmt_model_dangling.so");
+  std::ofstream(dir / "libmt_model_text.so") << std::string(256, 'x');  // past an ELF header
+  std::ofstream(dir / "libmt_model_empty.so");
   PluginManager pm({dir});
   for (const auto& [name, why] :
-       {std::pair{"fifo", "is not a regular file"}, std::pair{"dangling", "does not exist"}}) {
+       {std::pair{"fifo", "is not a regular file"}, std::pair{"dangling", "does not exist"},
+        std::pair{"text", "invalid ELF header (it is not a shared library for this machine)"},
+        std::pair{"empty", "file too short (it is not a shared library for this machine)"}}) {
     try {
       pm.require("model", name);
       ADD_FAILURE() << name << " was loaded";
     } catch (const UsageError& e) {
       EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+      // The loader's words, without boost's wrapping and its unrelated errno.
+      EXPECT_EQ(std::string(e.what()).find("boost::dll"), std::string::npos) << e.what();
     }
   }
   fs::remove_all(dir);
@@ -260,6 +267,17 @@ TEST(Plugins, PluginPathEnvironmentIsSearched) {
   for (const auto& d : pm.search_dirs()) has = has || d == kBroken;
   EXPECT_TRUE(has);
   EXPECT_NO_THROW(pm.require("model", "good"));
+  // A search directory that is not there is marked so where the directories are listed.
+  EXPECT_EQ(PluginManager::missing_note("/nonexistent"), " (does not exist)");
+  EXPECT_EQ(PluginManager::missing_note("/etc/passwd"), " (not a directory)");
+  EXPECT_EQ(PluginManager::missing_note(kBroken), "");
+  try {
+    pm.make_backend("tpu", Config());
+    ADD_FAILURE() << "an unknown backend must throw";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("/nonexistent (does not exist)"), std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace
