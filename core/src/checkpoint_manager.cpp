@@ -1016,10 +1016,22 @@ fs::path resolve_step_dir(const fs::path& path, const char* key) {
   fs::path ckpts = path;
   if (fs::is_directory(path / "checkpoints", ec)) ckpts = path / "checkpoints";
   std::vector<int64_t> steps = list_complete_steps(ckpts);
-  if (steps.empty())
-    throw UsageError(std::string(key) + " " + quoted(path) +
-                     " holds no complete checkpoint (expected <step>/metadata.json, or a "
-                     "checkpoints/ directory of them).");
+  if (steps.empty()) {
+    // The newest step directory there, and what it lacks (a truncated or half-written save
+    // read like an empty directory).
+    int64_t newest = -1;
+    for (const auto& e : entries(ckpts)) {
+      std::error_code dir_ec;
+      const auto step = parse_step(e.path().filename().string());
+      if (e.is_directory(dir_ec) && step && *step > newest) newest = *step;
+    }
+    throw UsageError(
+        std::string(key) + " " + quoted(path) + " holds no complete checkpoint" +
+        (newest >= 0 ? ": its newest step directory, " + quoted(ckpts / std::to_string(newest)) +
+                           ", is not complete (" +
+                           why_incomplete(ckpts / std::to_string(newest), newest) + ")."
+                     : " (expected <step>/metadata.json, or a checkpoints/ directory of them)."));
+  }
   return ckpts / std::to_string(steps.back());
 }
 

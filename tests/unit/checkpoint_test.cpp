@@ -389,6 +389,11 @@ TEST_F(Checkpoint, TruncatedFileIsSkipped) {
   // A missing file is no better.
   fs::remove(dir_ / "1" / "opt_m.safetensors");
   EXPECT_EQ(ckpt.latest_step(), -1);
+  // A reader given the directory says which step it looked at and what it lacks (before: "holds
+  // no complete checkpoint" alone, as for an empty directory).
+  std::map<std::string, Tensor> params = blank_like(make_state(0)).params;
+  expect_error([&] { load_parameters(dir_.parent_path(), params); },
+               {"holds no complete checkpoint", "its newest step directory", "/2", "opt_v"});
 }
 
 TEST_F(Checkpoint, MetadataWithoutCompleteIsSkipped) {
