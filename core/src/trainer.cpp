@@ -805,15 +805,22 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   };
   const bool checkpointing = cfg.get_bool("enable_checkpointing");
   const int64_t ckpt_period = cfg.get_int("checkpoint_period");
-  if (checkpointing) {
-    // Said now, not at the first save checkpoint_period steps in.
+  if (checkpointing && lead) {
+    // Said now, not at the first save checkpoint_period steps in: refused under
+    // checkpoint_error_policy=stop, which would end the run there; a warning under continue.
     std::error_code ec;
     const fs::path saves = run_dir / "checkpoints";
-    if (fs::exists(saves, ec) && !fs::is_directory(saves, ec))
-      throw UsageError(
-          quoted(saves) +
-          " is a file, where this run keeps its checkpoints: move it away, or choose "
-          "another base_output_directory or run_name (or enable_checkpointing=false).");
+    if (fs::exists(saves, ec) && !fs::is_directory(saves, ec)) {
+      const std::string what =
+          quoted(saves) + " is a file, where this run keeps its checkpoints, so every save fails";
+      if (cfg.get_string("checkpoint_error_policy") == "stop")
+        throw UsageError(what +
+                         " (checkpoint_error_policy=stop would end the run at the first): move it "
+                         "away, or choose another base_output_directory or run_name (or "
+                         "enable_checkpointing=false).");
+      std::fprintf(stderr, "mt run: warning: %s (checkpoint_error_policy=continue).\n",
+                   what.c_str());
+    }
   }
   CheckpointManager ckpt(run_dir / "checkpoints", cfg.get_bool("async_checkpointing"),
                          static_cast<int>(cfg.get_int("max_num_checkpoints_to_keep")), be,

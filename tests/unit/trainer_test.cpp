@@ -486,7 +486,8 @@ TEST(Trainer, ResumedRunEqualsStraightRun) {
 }
 
 // A save that cannot be written (here: checkpoints/ is a file, standing in for a full disk or an
-// I/O error) stops the run by default, or is reported while training goes on.
+// I/O error) stops the run by default (this one is seen before the first step), or is reported
+// while training goes on.
 TEST(Trainer, CheckpointErrorPolicy) {
   Fixture fx;
   fs::create_directories(fx.dir / "r");
