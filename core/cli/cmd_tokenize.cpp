@@ -151,7 +151,12 @@ int cmd_tokenize(const Args& args) {
                  "mt tokenize: warning: skipped %zu malformed line(s) or document(s) "
                  "(data_strict=false); the first: %s.\n",
                  skipped, first_skip.c_str());
-  if (kept == 0) throw UsageError("the input holds no documents.");
+  if (kept == 0)
+    throw UsageError(
+        skipped > 0 ? fmt::format("input={} holds no documents but the {} skipped ones.",
+                                  cfg.get_string("input"), skipped)
+                    : fmt::format("input={} holds no documents (only empty files or blank lines).",
+                                  cfg.get_string("input")));
   // A tokens file marks its documents by their eos (or bos) ids alone: without either, its
   // documents are read back as one stream (packed rows attend across them). Said, not refused:
   // a corpus meant as one stream is a choice.

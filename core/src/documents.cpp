@@ -44,9 +44,11 @@ bool DocumentReader::next(std::vector<Document>& docs, size_t max_bytes) {
       const std::string& p = paths_[file_];
       const std::string ext = std::filesystem::path(p).extension().string();
       if (ext != ".jsonl" && ext != ".json") {
-        docs.push_back({read_file(p, what_, kMaxRecordBytes), p});
-        held += docs.back().text.size();
-        bytes_ += docs.back().text.size();
+        // An empty file holds no document (it gave one of BOS and EOS alone).
+        std::string text = read_file(p, what_, kMaxRecordBytes);
+        held += text.size();
+        bytes_ += text.size();
+        if (!text.empty()) docs.push_back({std::move(text), p});
         ++file_;
         continue;
       }

@@ -133,6 +133,15 @@ TEST(Cli, OutputsNeverReplaceAnInputOrAForeignFile) {
   refused(in + " output=" + dir.string(), "is a directory");
   refused(in + " output=" + (dir / "no" / "x.tokens").string(), "does not exist");
   refused(in + " output=" + (other / "x.tokens").string(), "is a file, not a directory");
+  // An empty text file is no document (it was one of BOS and EOS alone, exit 0).
+  const fs::path empty = dir / "empty.txt";
+  std::ofstream{empty};
+  refused("tokenize" + tok + " input=" + empty.string() + " output=" + (dir / "e.tokens").string(),
+          "input=" + empty.string() + " holds no documents (only empty files or blank lines)");
+  const auto with_empty = mt_cmd("tokenize" + tok + " input=" + empty.string() + "," +
+                                 corpus.string() + " output=" + (dir / "e.tokens").string());
+  EXPECT_EQ(with_empty.code, 0) << with_empty.out;
+  EXPECT_NE(with_empty.out.find("mt tokenize: 1 documents"), std::string::npos) << with_empty.out;
   const fs::path tokens = dir / "c.tokens";
   ASSERT_EQ(mt_cmd(in + " output=" + tokens.string()).code, 0);
   const auto again = mt_cmd(in + " output=" + tokens.string());  // its own kind: replaced

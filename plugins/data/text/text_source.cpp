@@ -3,7 +3,8 @@
 // Files. dataset_path is a file, a comma-separated list, a directory (its .txt, .jsonl and
 // .json files, sorted) or glob patterns. A .jsonl/.json file holds one JSON object per line and
 // each object is one document: its train_data_columns field (default "text"), which must be a
-// string; blank lines are skipped. Any other file is one document as a whole (UTF-8 text).
+// string; blank lines are skipped. Any other file is one document as a whole (UTF-8 text; an
+// empty file is none).
 //
 // Tokens. Each document is tokenized by the run's tokenizer (tokenizer_path), with the
 // tokenizer's BOS before it when add_bos and its EOS after it when add_eos. The files are read

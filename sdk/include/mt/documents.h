@@ -26,7 +26,8 @@ struct Document {
 MT_API size_t document_chunk_bytes();
 
 // The files in order. A .jsonl or .json file gives one document per line, the string `field` of
-// a JSON object (blank lines skipped); any other file is one document, its whole text. Files and
+// a JSON object (blank lines skipped); any other file is one document, its whole text (none
+// when it is empty). Files and
 // records come through the bounded readers of mt/io.h (`what` names the files in their messages);
 // no record is longer than kMaxRecordBytes.
 class MT_API DocumentReader {
