@@ -126,11 +126,15 @@ Weights open_weights(const fs::path& dir) {
       // in name order won, silently).
       const auto [it, added] = w.where.emplace(n, w.files.back().get());
       if (!added)
-        throw UsageError("The tensor \"" + n.substr(0, 200) + "\" is in both " +
-                         mt::quoted(it->second->path()) + " and " + mt::quoted(p) + " of " +
-                         mt::quoted(dir) +
-                         ": which one is the model's is not said. Remove the stray file, or give "
-                         "the directory a model.safetensors.index.json naming each tensor's file.");
+        throw UsageError(
+            "The tensor \"" + n.substr(0, 200) + "\" is in both " + mt::quoted(it->second->path()) +
+            " and " + mt::quoted(p) + " of " + mt::quoted(dir) +
+            (indexed.empty() ? ": which one is the model's is not said. Remove the stray file, or "
+                               "give the directory a model.safetensors.index.json naming each "
+                               "tensor's file."
+                             : ", and the index's weight_map does not name it: which one is the "
+                               "model's is not said. Name its file there, or remove the stray "
+                               "copy."));
     }
   }
   for (const auto& [k, f] : indexed)

@@ -840,6 +840,12 @@ TEST(HfConvert, AnIndexAndItsShardsMustAgree) {
   std::string missing = good;
   missing.replace(missing.find("b.safetensors"), 13, "c.safetensors");
   refused(missing, "names the shard 'c.safetensors'");
+  // A tensor the index leaves out, held by two shards (a's and b's embeddings).
+  std::string unnamed = good;
+  const std::string embed = R"("model.embed_tokens.weight": "a.safetensors", )";
+  ASSERT_NE(unnamed.find(embed), std::string::npos) << unnamed;
+  unnamed.erase(unnamed.find(embed), embed.size());
+  refused(unnamed, "and the index's weight_map does not name it");
   refused(R"({"weight_map": [}})", "is not valid JSON (at byte");
   refused(R"({"metadata": {}})", "has no weight_map object");
 }
