@@ -97,7 +97,7 @@ inline int64_t max(int64_t a, int64_t b) {
 }
 
 // The runtime calls the backend's host code makes, on host memory.
-enum cudaError_t : int { cudaSuccess = 0 };
+enum cudaError_t : int { cudaSuccess = 0, cudaErrorInvalidValue = 1 };
 using cudaStream_t = void*;
 enum cudaMemcpyKind {
   cudaMemcpyHostToHost,
@@ -106,7 +106,7 @@ enum cudaMemcpyKind {
   cudaMemcpyDeviceToDevice
 };
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize };
-enum cudaDeviceAttr { cudaDevAttrComputeCapabilityMajor };
+enum cudaDeviceAttr { cudaDevAttrComputeCapabilityMajor, cudaDevAttrMaxSharedMemoryPerBlockOptin };
 inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind,
                                    cudaStream_t) {
   if (n) std::memmove(dst, src, n);
@@ -134,16 +134,26 @@ inline const char* cudaGetErrorName(cudaError_t) {
 inline const char* cudaGetErrorString(cudaError_t) {
   return "an emulated CUDA call failed";
 }
+inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr attr, int);
+// More dynamic shared memory than the device allows a block is refused, as CUDA does.
 template <class K>
-cudaError_t cudaFuncSetAttribute(K, cudaFuncAttribute, int) {
-  return cudaSuccess;
+cudaError_t cudaFuncSetAttribute(K, cudaFuncAttribute, int bytes) {
+  int most = 0;
+  cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0);
+  return bytes > most ? cudaErrorInvalidValue : cudaSuccess;
 }
 inline cudaError_t cudaGetDevice(int* d) {
   *d = 0;
   return cudaSuccess;
 }
-// A Hopper part: the kernels take their sm_80+ paths.
-inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr, int) {
+// A Hopper part: the kernels take their sm_80+ paths, with an H100's 227 KiB of shared memory
+// per block, or the bytes MT_EMULATED_SMEM_PER_BLOCK says (101376: an sm_86/89/120 part's).
+inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr attr, int) {
+  if (attr == cudaDevAttrMaxSharedMemoryPerBlockOptin) {
+    const char* e = std::getenv("MT_EMULATED_SMEM_PER_BLOCK");
+    *v = e && std::atoi(e) > 0 ? std::atoi(e) : 232448;
+    return cudaSuccess;
+  }
   *v = 9;
   return cudaSuccess;
 }

@@ -1295,6 +1295,60 @@ TEST_F(GpuAttention, FlashDkvWarpsPerBlockGiveTheSameBits) {
   expect_same_flash_bits(*four, *eight, "dk/dv kernels of 4 and 8 warps a block");
 }
 
+// A device with 99 KiB of shared memory a block (sm_86/89/120): flash's tensor-core backward at
+// head_dim 128 needs more (102 KiB), so the SIMT kernels run there, and give what the default
+// device's tensor-core kernels give within bf16's rounding (before: cudaFuncSetAttribute failed
+// and the run ended).
+TEST_F(GpuAttention, SmallSharedMemoryTakesTheSimtKernels) {
+#ifndef MT_CUDA_EMULATED_OPS
+  GTEST_SKIP() << "sets the emulated device's shared memory per block (a real device has its own)";
+#endif
+  MT_SEEDED_RNG(rng);
+  const int64_t B = 1, T = 80, H = 2, D = 128;
+  const Shape s{B, T, H, D};
+  const std::vector<float> hq = rand_nz(shape_numel(s), rng), hk = rand_nz(shape_numel(s), rng),
+                           hv = rand_nz(shape_numel(s), rng), hd = rand_nz(shape_numel(s), rng);
+  AttentionSpec spec;
+  spec.causal = true;
+  std::vector<float> got[2][4];
+  // The emulated device's limit holds while the small one runs (cudaFuncSetAttribute reads it).
+  struct Limit {
+    ~Limit() { unsetenv("MT_EMULATED_SMEM_PER_BLOCK"); }
+  } limit;
+  std::unique_ptr<Backend> small;
+  for (int variant = 0; variant < 2; ++variant) {
+    if (variant == 1) {
+      setenv("MT_EMULATED_SMEM_PER_BLOCK", "101376", 1);
+      small = make_gpu();
+    }
+    Backend& b = variant == 0 ? gpu() : *small;
+    auto fa = attention_on("flash", b);
+    Tensor q = test::from_vector(b, s, hq, DType::bf16),
+           k = test::from_vector(b, s, hk, DType::bf16),
+           v = test::from_vector(b, s, hv, DType::bf16),
+           dout = test::from_vector(b, s, hd, DType::bf16);
+    Tensor o = b.empty(s, DType::bf16), lse = b.empty({B, H, T}, DType::f32);
+    ASSERT_NO_THROW(fa->forward(q, k, v, Tensor(), Tensor(), spec, o, lse)) << variant;
+    Tensor dq = b.zeros(s, DType::f32), dk = b.zeros(s, DType::f32), dv = b.zeros(s, DType::f32);
+    ASSERT_NO_THROW(fa->backward(dout, q, k, v, Tensor(), Tensor(), o, lse, spec, dq, dk, dv))
+        << variant;
+    got[variant][0] = test::to_vector(o);
+    got[variant][1] = test::to_vector(dq);
+    got[variant][2] = test::to_vector(dk);
+    got[variant][3] = test::to_vector(dv);
+  }
+  const char* names[4] = {"o", "dq", "dk", "dv"};
+  for (int t = 0; t < 4; ++t) {
+    double diff = 0, norm = 0;
+    for (size_t i = 0; i < got[0][t].size(); ++i) {
+      diff += std::pow(double(got[0][t][i]) - got[1][t][i], 2);
+      norm += std::pow(double(got[0][t][i]), 2);
+    }
+    EXPECT_GT(norm, 0) << names[t];
+    EXPECT_LT(std::sqrt(diff / norm), 2e-2) << names[t];
+  }
+}
+
 // Making a backend with `var` set to each of `bad` is refused, naming the variable and value.
 void expect_each_refused(const char* var, std::initializer_list<const char*> bad) {
   for (const char* value : bad) {

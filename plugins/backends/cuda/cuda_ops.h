@@ -4,6 +4,7 @@
 // tests/support/emulated_cuda.cpp adds host memory and runs the same launchers on the CPU.
 #pragma once
 
+#include <algorithm>
 #include <cstdlib>
 #include <memory>
 #include <string>
@@ -82,6 +83,9 @@ class CudaOps : public Backend {
         cudaDeviceGetAttribute(&ctx_.sm_major, cudaDevAttrComputeCapabilityMajor, dev) !=
             cudaSuccess)
       ctx_.sm_major = 0;  // unknown: the SIMT kernels, which run anywhere
+    int smem = 0;
+    if (cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess)
+      ctx_.smem_per_block = static_cast<size_t>(std::max(smem, 0));
     // (griddepcontrol, which MT_KERNEL_PROLOGUE uses, came with sm_90.)
     ctx_.pdl =
         env_switch("MT_CUDA_PDL", false,

@@ -70,6 +70,21 @@ unsigned tiles_of(int64_t n, int64_t rows) {
   return static_cast<unsigned>((n + rows - 1) / rows);
 }
 
+// Dynamic shared memory of the tensor-core kernels at head_dim D: the forward's (its owned query
+// tile, two buffers each of K and V tiles) and the backward's larger kernel (dq: the owned Q and
+// dO tiles and the K/V buffers; dk/dv: the owned K and V tiles, the Q/dO buffers and their lse
+// and delta), with the warps per block Ctx chooses.
+size_t tc_forward_smem(const Ctx& c, int64_t D) {
+  const int64_t w = c.flash_warps == 8 ? 8 : 4;
+  return tile_bytes(16 * w, D) + 4 * tile_bytes(kTile, D);
+}
+size_t tc_backward_smem(const Ctx& c, int64_t D) {
+  const int64_t w = c.flash_warps == 8 ? 8 : 4, wk = c.flash_dkv_warps == 8 ? 8 : 4;
+  return std::max(
+      2 * tile_bytes(16 * w, D) + 4 * tile_bytes(kTile, D),
+      2 * tile_bytes(16 * wk, D) + 4 * tile_bytes(kTile, D) + 4 * kTile * sizeof(float));
+}
+
 // Calls fn with std::integral_constant<int, D> for the tensor-core head sizes, D = 64 or 128.
 template <class F>
 void with_head_dim(int64_t D, F&& fn) {
@@ -125,7 +140,11 @@ void flash_forward(const Ctx& c, const Tensor& q, const Tensor& k, const Tensor&
   if (rows == 0) return;
   const Flash f = make_flash(a, B, q_segment, kv_segment, nullptr);
   const auto shapes = [&] { return "q " + str(q) + ", k " + str(k) + ", v " + str(v); };
-  const bool tc = tensor_cores(c, {&q, &k, &v}, a.D, B * a.Hq);
+  // Where the device's shared memory per block is too small for them (99 KiB on sm_86/89/120
+  // against the backward's 102-103 KiB at head_dim 128), the SIMT kernels run (before: a
+  // cudaFuncSetAttribute error ended the run).
+  const bool tc =
+      tensor_cores(c, {&q, &k, &v}, a.D, B * a.Hq) && tc_forward_smem(c, a.D) <= c.smem_per_block;
   check_head_dim(op, a, tc);
   if (tc) {
     // The owned query tile (16 rows a warp), and two buffers each of K and V tiles.
@@ -158,7 +177,8 @@ void flash_backward(const Ctx& c, const Tensor& dout, const Tensor& q, const Ten
   if (rows == 0 || a.S == 0) return;
   const auto shapes = [&] { return attention_grad_shapes(dout, q, k, v, dq, dk, dv); };
   const Flash f = make_flash(a, B, q_segment, kv_segment, nullptr);
-  const bool tc = tensor_cores(c, {&q, &k, &v, &dout}, a.D, B * a.Hq);
+  const bool tc = tensor_cores(c, {&q, &k, &v, &dout}, a.D, B * a.Hq) &&
+                  tc_backward_smem(c, a.D) <= c.smem_per_block;
   check_head_dim(op, a, tc);
   Tensor delta = c.scratch({B, a.Hq, a.T}, DType::f32);
   MT_LAUNCH(delta_kernel, warp_blocks(rows), kWarps * 32, 0, c)

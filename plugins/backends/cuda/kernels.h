@@ -97,6 +97,9 @@ struct Ctx {
   std::shared_ptr<DeviceChecks> checks;
   // The device's compute capability (major), asked once: 8+ takes mma.sync.
   int sm_major = 0;
+  // The dynamic shared memory a block may opt in to (227 KiB on sm_90, 99 KiB on sm_86/89/120),
+  // asked once: flash's tensor-core kernels run where theirs fits.
+  size_t smem_per_block = 0;
   // Slices per streamed query tile in flash's dk/dv kernel (flash_kernels.cuh): 1 or 2, 0 = the
   // default per head_dim. From MT_CUDA_FLASH_DKV_PARTS, for measuring one against the other.
   int flash_dkv_parts = 0;
