@@ -18,9 +18,16 @@ SentencePieceTokenizer::SentencePieceTokenizer(const std::string& path)
   // Read the file ourselves: the library's own error for a missing file does not say which.
   const std::string bytes = read_file(path, "tokenizer");
   const auto status = impl_->sp.LoadFromSerializedProto(bytes);
-  if (!status.ok())
-    throw UsageError("tokenizer file '" + path +
-                     "' is not a SentencePiece model: " + status.ToString());
+  if (!status.ok()) {
+    // The library's words name its own source line when the bytes are no model protobuf at all.
+    const std::string why = status.ToString();
+    throw UsageError(
+        "tokenizer file '" + path + "' is not a SentencePiece model: " +
+        (why.find("ParseFromArray") != std::string::npos
+             ? std::string("its bytes are not a model protobuf (a tokenizer.model file)")
+             : why) +
+        (bytes.empty() ? " (the file is empty)" : ""));
+  }
 }
 
 SentencePieceTokenizer::~SentencePieceTokenizer() = default;

@@ -319,7 +319,12 @@ TEST(TokenizerFactory, ClearErrors) {
   EXPECT_TRUE(contains(error_of(js, "sentencepiece"), "is not a SentencePiece model"))
       << error_of(js, "sentencepiece");
   const std::string junk = d.file("x.model", "this is not a model");
-  EXPECT_TRUE(contains(error_of(junk, ""), "is not a SentencePiece model")) << error_of(junk, "");
+  EXPECT_TRUE(contains(error_of(junk, ""),
+                       "is not a SentencePiece model: its bytes are not a "
+                       "model protobuf"))
+      << error_of(junk, "");  // (before: the library's source file and line)
+  const std::string nothing = d.file("empty.model", "");
+  EXPECT_TRUE(contains(error_of(nothing, ""), "(the file is empty)")) << error_of(nothing, "");
 
   const std::string wordpiece =
       d.file("wp.json", R"({"model": {"type": "WordPiece", "vocab": {}}})");
