@@ -16,6 +16,18 @@ struct Axis {
   int64_t value;
 };
 
+// "key=value ..." of the axes not 1, for messages.
+std::string shown_axes(const std::vector<Axis>& axes) {
+  std::string shown;
+  for (const Axis& a : axes)
+    if (a.value != 1)
+      shown.append(shown.empty() ? "" : " ")
+          .append(a.key)
+          .append("=")
+          .append(std::to_string(a.value));
+  return shown;
+}
+
 // MaxText's eight axes as configured (ici_data_parallelism defaults to -1, the others to 1).
 std::vector<Axis> mesh_axes(const Config& cfg) {
   std::vector<Axis> axes;
@@ -27,15 +39,11 @@ std::vector<Axis> mesh_axes(const Config& cfg) {
   // taken: 2^32 x 2^32 wrapped to 0 devices (a division by zero), and 7 x 7905747460161236407 to
   // exactly 1, which trained one rank with a 7x batch.
   int64_t devices = 1;
-  std::string shown;
   for (const Axis& a : axes) {
     if (a.value <= 1) continue;
-    shown.append(shown.empty() ? "" : " ")
-        .append(a.key)
-        .append("=")
-        .append(std::to_string(a.value));
     if (__builtin_mul_overflow(devices, a.value, &devices) || devices > kMaxMeshDevices)
-      throw UsageError("The mesh (" + shown + ") has more than " + std::to_string(kMaxMeshDevices) +
+      throw UsageError("The mesh (" + shown_axes(axes) + ") has more than " +
+                       std::to_string(kMaxMeshDevices) +
                        " devices, more than any run can have: the product of the "
                        "ici_*_parallelism and dcn_*_parallelism axes is the number of ranks.");
   }
@@ -55,7 +63,7 @@ Mesh resolve_mesh(const Config& cfg, int ranks) {
   std::vector<Axis> axes = mesh_axes(cfg);
   const char* fill = nullptr;
   int64_t known = 1;
-  std::string shown;
+  const std::string shown = shown_axes(axes);
   for (auto& a : axes) {
     if (a.value == -1) {
       if (fill)
@@ -66,10 +74,6 @@ Mesh resolve_mesh(const Config& cfg, int ranks) {
       cfg.reject(a.key, "must be a positive size or -1 (what is left of the ranks).");
     } else {
       known *= a.value;
-    }
-    if (a.value != 1) {
-      if (!shown.empty()) shown += ' ';
-      shown.append(a.key).append("=").append(std::to_string(a.value));
     }
   }
   const std::string where =

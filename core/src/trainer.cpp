@@ -805,6 +805,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   };
   const bool checkpointing = cfg.get_bool("enable_checkpointing");
   const int64_t ckpt_period = cfg.get_int("checkpoint_period");
+  const bool stop_on_ckpt_error = cfg.get_string("checkpoint_error_policy") == "stop";
   if (checkpointing && lead) {
     // Said now, not at the first save checkpoint_period steps in: refused under
     // checkpoint_error_policy=stop, which would end the run there; a warning under continue.
@@ -813,7 +814,7 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
     if (fs::exists(saves, ec) && !fs::is_directory(saves, ec)) {
       const std::string what =
           quoted(saves) + " is a file, where this run keeps its checkpoints, so every save fails";
-      if (cfg.get_string("checkpoint_error_policy") == "stop")
+      if (stop_on_ckpt_error)
         throw UsageError(what +
                          " (checkpoint_error_policy=stop would end the run at the first): move it "
                          "away, or choose another base_output_directory or run_name (or "
@@ -923,7 +924,6 @@ TrainSummary train(const Config& cfg, PluginManager& plugins, bool quiet, Commun
   // A failed save never touches earlier checkpoints; checkpoint_error_policy says whether the
   // run stops (the default) or warns and keeps training. Sharded saves fail on every rank
   // alike (rank 0 names the cause), so every rank stops or goes on.
-  const bool stop_on_ckpt_error = cfg.get_string("checkpoint_error_policy") == "stop";
   int64_t failed_saves = 0;
   auto guarded = [&](const std::function<void()>& f) {
     try {

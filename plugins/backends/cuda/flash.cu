@@ -70,19 +70,21 @@ unsigned tiles_of(int64_t n, int64_t rows) {
   return static_cast<unsigned>((n + rows - 1) / rows);
 }
 
-// Dynamic shared memory of the tensor-core kernels at head_dim D: the forward's (its owned query
-// tile, two buffers each of K and V tiles) and the backward's larger kernel (dq: the owned Q and
-// dO tiles and the K/V buffers; dk/dv: the owned K and V tiles, the Q/dO buffers and their lse
-// and delta), with the warps per block Ctx chooses.
-size_t tc_forward_smem(const Ctx& c, int64_t D) {
-  const int64_t w = c.flash_warps == 8 ? 8 : 4;
+// Dynamic shared memory of the tensor-core kernels of w warps a block at head_dim D: the
+// forward's (its owned query tile, two buffers each of K and V tiles), dq's (the owned Q and dO
+// tiles and the K/V buffers) and dk/dv's (the owned K and V tiles, the Q/dO buffers and their lse
+// and delta). The launches ask for these, and the kernels run only where they fit.
+size_t fwd_smem(int64_t w, int64_t D) {
   return tile_bytes(16 * w, D) + 4 * tile_bytes(kTile, D);
 }
-size_t tc_backward_smem(const Ctx& c, int64_t D) {
-  const int64_t w = c.flash_warps == 8 ? 8 : 4, wk = c.flash_dkv_warps == 8 ? 8 : 4;
-  return std::max(
-      2 * tile_bytes(16 * w, D) + 4 * tile_bytes(kTile, D),
-      2 * tile_bytes(16 * wk, D) + 4 * tile_bytes(kTile, D) + 4 * kTile * sizeof(float));
+size_t dq_smem(int64_t w, int64_t D) {
+  return 2 * tile_bytes(16 * w, D) + 4 * tile_bytes(kTile, D);
+}
+size_t dkv_smem(int64_t w, int64_t D) {
+  return dq_smem(w, D) + 4 * kTile * sizeof(float);
+}
+int64_t warps_of(int choice) {
+  return choice == 8 ? 8 : 4;  // with_warps's choice
 }
 
 // Calls fn with std::integral_constant<int, D> for the tensor-core head sizes, D = 64 or 128.
@@ -143,15 +145,15 @@ void flash_forward(const Ctx& c, const Tensor& q, const Tensor& k, const Tensor&
   // Where the device's shared memory per block is too small for them (99 KiB on sm_86/89/120
   // against the backward's 102-103 KiB at head_dim 128), the SIMT kernels run (before: a
   // cudaFuncSetAttribute error ended the run).
-  const bool tc =
-      tensor_cores(c, {&q, &k, &v}, a.D, B * a.Hq) && tc_forward_smem(c, a.D) <= c.smem_per_block;
+  const bool tc = tensor_cores(c, {&q, &k, &v}, a.D, B * a.Hq) &&
+                  fwd_smem(warps_of(c.flash_warps), a.D) <= c.smem_per_block;
   check_head_dim(op, a, tc);
   if (tc) {
     // The owned query tile (16 rows a warp), and two buffers each of K and V tiles.
     with_warps(c.flash_warps, [&](auto w) {
       constexpr int W = decltype(w)::value;
       const dim3 grid(tiles_of(a.T, 16 * W), static_cast<unsigned>(B * a.Hq));
-      const size_t smem = tile_bytes(16 * W, a.D) + 4 * tile_bytes(kTile, a.D);
+      const size_t smem = fwd_smem(W, a.D);
       with_head_dim(a.D, [&](auto d) {
         with_cap(a, [&](auto cap) {
           launch_tc(c, op, tc_fwd_kernel<decltype(d)::value, W, decltype(cap)::value>, W, grid,
@@ -178,7 +180,8 @@ void flash_backward(const Ctx& c, const Tensor& dout, const Tensor& q, const Ten
   const auto shapes = [&] { return attention_grad_shapes(dout, q, k, v, dq, dk, dv); };
   const Flash f = make_flash(a, B, q_segment, kv_segment, nullptr);
   const bool tc = tensor_cores(c, {&q, &k, &v, &dout}, a.D, B * a.Hq) &&
-                  tc_backward_smem(c, a.D) <= c.smem_per_block;
+                  std::max(dq_smem(warps_of(c.flash_warps), a.D),
+                           dkv_smem(warps_of(c.flash_dkv_warps), a.D)) <= c.smem_per_block;
   check_head_dim(op, a, tc);
   Tensor delta = c.scratch({B, a.Hq, a.T}, DType::f32);
   MT_LAUNCH(delta_kernel, warp_blocks(rows), kWarps * 32, 0, c)
@@ -199,17 +202,15 @@ void flash_backward(const Ctx& c, const Tensor& dout, const Tensor& q, const Ten
         with_warps(c.flash_warps, [&](auto w) {
           constexpr int W = decltype(w)::value;
           const dim3 qgrid(tiles_of(a.T, 16 * W), static_cast<unsigned>(B * a.Hq));
-          const size_t dq_smem = 2 * tile_bytes(16 * W, a.D) + 4 * tile_bytes(kTile, a.D);
-          launch_tc(c, op, tc_dq_kernel<D, W, Cap>, W, qgrid, dq_smem, shapes, bf(q), bf(k), bf(v),
-                    bf(dout), f, ls, dl, out(dq));
+          launch_tc(c, op, tc_dq_kernel<D, W, Cap>, W, qgrid, dq_smem(W, a.D), shapes, bf(q), bf(k),
+                    bf(v), bf(dout), f, ls, dl, out(dq));
         });
         with_warps(c.flash_dkv_warps, [&](auto w) {
           constexpr int W = decltype(w)::value;
           const dim3 kgrid(tiles_of(a.S, 16 * W), static_cast<unsigned>(B * a.Hkv));
-          const size_t dkv_smem =
-              2 * tile_bytes(16 * W, a.D) + 4 * tile_bytes(kTile, a.D) + 4 * kTile * sizeof(float);
+          const size_t dkv_bytes = dkv_smem(W, a.D);
           const auto dkv = [&](auto kernel) {
-            launch_tc(c, op, kernel, W, kgrid, dkv_smem, shapes, bf(q), bf(k), bf(v), bf(dout), f,
+            launch_tc(c, op, kernel, W, kgrid, dkv_bytes, shapes, bf(q), bf(k), bf(v), bf(dout), f,
                       ls, dl, out(dk), out(dv));
           };
           if (parts == 1)
