@@ -598,8 +598,9 @@ TEST_F(Gemm, Bf16LargeShapes) {
   MT_SEED_TRACE();
   // bf16 x bf16 takes the AMX path where the CPU has it (else AVX512_BF16's dot products on the
   // same packed tiles, else the f32 path): several 128-row blocks with a ragged
-  // end, 32-column panels with a ragged end, K across several 32-wide tile steps with a tail and
-  // across several 256-wide chunks, and a single row block split over column ranges.
+  // end, several blocks of panels, 32-column panels with a ragged end, K across several 32-wide
+  // tile steps with a tail and across several 256-wide chunks, and a single row block split over
+  // column ranges.
   const DType h = DType::bf16;
   for (int t = 0; t < 4; ++t) {
     check({.batch = 0,
@@ -623,6 +624,18 @@ TEST_F(Gemm, Bf16LargeShapes) {
            .da = h,
            .db = h,
            .dc = h},
+          rng_);
+    // Several row blocks over several blocks of panels (the AMX path cuts the 17 panels into
+    // blocks of about half an L2 of packed b: 140 KiB a panel at this K), the last ones ragged.
+    check({.batch = 0,
+           .m = 300,
+           .n = 520,
+           .k = 1100,
+           .ta = bool(t & 1),
+           .tb = bool(t & 2),
+           .beta = 0.25f,
+           .da = h,
+           .db = h},
           rng_);
     // K over several 256-wide chunks (partial sums carried between chunks), odd K.
     check({.batch = 0,

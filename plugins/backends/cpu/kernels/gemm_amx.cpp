@@ -9,6 +9,10 @@
 // range of 32-column panels. Per panel, K goes in chunks of 256: the panel's chunk of packed b
 // (16 KiB) is reused from L1 by the block's four row groups, whose f32 sums (16 KiB) also stay in
 // L1, so only a streams from L2 (tile loads, not the tile multiplies, limit an unblocked loop).
+// On AMX, a is packed up front too and a task's panels are a block of them whose packed b fits
+// half an L2; tasks go block by block, so b comes from L2, not L3, for all row blocks but the
+// first (in a standalone loop on a Xeon with AMX, 2026-11-30: 22 TSC cycles a tile multiply with
+// the block in L2, 30 with b from L3; 15 is the multiplies' own rate).
 // Few rows (m <= 256: an MoE expert's share of a batch, a short prompt) make one row block of all
 // of them, and b is not packed up front: each task packs the chunks of 16 of its panels at a
 // time, reading each row of a [k, n] b across the 16 panels (1 KiB runs; an [n, k] b's rows
@@ -61,6 +65,15 @@ constexpr int64_t kTileElems = 16 * kTileK;  // bf16 elements in one packed tile
 constexpr int64_t kStepsPerChunk = 8;        // k steps (of 32) per pass over a row group
 constexpr int64_t kInTaskRows = 256;         // rows of c up to which tasks pack their own b
 constexpr int64_t kPanelGroup = 16;          // panels a task packs at once when it packs b
+
+// A core's L2 in bytes (1 MiB where the system does not say).
+int64_t l2_bytes() {
+  static const int64_t kBytes = [] {
+    const long v = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return v >= (64 << 10) ? int64_t{v} : int64_t{1} << 20;
+  }();
+  return kBytes;
+}
 
 // Linux keeps the AMX tile data state off until a process asks (arch_prctl, kernel >= 5.16).
 bool request_amx() {
@@ -557,19 +570,34 @@ void gemm_bf16_packed(bool amx, Backend& be, bool ta, bool tb, int64_t m, int64_
   const int64_t block_rows = pack_in_task ? (m + kBlock - 1) / kBlock * kBlock : kRowBlock;
   const int64_t row_blocks = (m + block_rows - 1) / block_rows;
   const int64_t block_elems = (block_rows / kBlock) * kb * 2 * kTileElems;
-  // Tasks: row blocks, each cut into column ranges when there are too few blocks for the threads.
-  const int64_t splits =
-      std::clamp<int64_t>((2 * threads + row_blocks - 1) / row_blocks, 1, panels);
-  const int64_t per_split = (panels + splits - 1) / splits;
+  // Tasks: a row block and a range of panels. On AMX with b packed up front, the ranges are
+  // blocks of panels that fit half a core's L2 together, and the tasks go block by block: a
+  // core's tasks then read a block of b from L2 for each row block after the first (as a whole,
+  // 72 panels of K = 768 are 3.4 MiB, and b came from L3 for every row block: tile loads from L3
+  // ran at a third of the tile multiplies' rate, from L2 at two thirds, on a Xeon with AMX of
+  // 2026-11-30). Else (and where there are too few tasks for the threads) the panels are cut
+  // evenly. (The vdpbf16ps kernel, measured on AMD CPUs only, keeps its whole-row tasks.)
+  const bool blocked = amx && !pack_in_task;
+  int64_t per_split = panels;
+  if (blocked) per_split = std::clamp<int64_t>(l2_bytes() / 2 / (panel_elems * 2), 1, panels);
+  int64_t splits = (panels + per_split - 1) / per_split;
+  if (splits * row_blocks < 2 * threads) {
+    splits = std::clamp<int64_t>((2 * threads + row_blocks - 1) / row_blocks, 1, panels);
+    per_split = (panels + splits - 1) / splits;
+    splits = (panels + per_split - 1) / per_split;
+  }
   // Panels multiplied together (a task's packed chunks), and a chunk's elements; no larger than
   // the problem needs (a small model's scratch stays what it was).
   const int64_t group_panels = pack_in_task ? std::min(kPanelGroup, per_split) : 1;
   const int64_t chunk_elems = std::min(kStepsPerChunk, kb) * 2 * kTileElems;
-  // Scratch: packed b (or a group's chunks per thread), then one packed-a block per thread of the
-  // arena; f32 sums of a row block for a group of panels per thread.
+  // Scratch: packed b (or a group's chunks per thread), then packed a: one block per thread of
+  // the arena where tasks pack their own, else (blocked) all of a, packed up front (a row block
+  // is read by the tasks of every block of panels); f32 sums of a row block for a group of panels
+  // per thread.
   const int64_t b_elems =
       pack_in_task ? threads * group_panels * chunk_elems : panels * panel_elems;
-  Tensor scratch = be.empty({b_elems + threads * block_elems}, DType::bf16);
+  const int64_t a_blocks = blocked ? row_blocks : threads;
+  Tensor scratch = be.empty({b_elems + a_blocks * block_elems}, DType::bf16);
   const int64_t acc_elems = group_panels * block_rows * kBlock;
   Tensor acc_scratch = be.empty({threads * acc_elems}, DType::f32);
   uint16_t* pb = scratch.ptr<uint16_t>();
@@ -579,20 +607,25 @@ void gemm_bf16_packed(bool amx, Backend& be, bool ta, bool tb, int64_t m, int64_
     tbb::parallel_for(int64_t{0}, panels, [&](int64_t q) {
       pack_b_panel(tb, b, ldb, q8, q8_rb, n, k, q, 0, kb, 0, pb + q * panel_elems);
     });
+  if (blocked)
+    tbb::parallel_for(int64_t{0}, row_blocks, [&](int64_t rb) {
+      pack_a(ta, false, a, lda, m, k, rb * block_rows, kb, block_rows, pa_all + rb * block_elems);
+    });
 
+  // Task t: panel range t / row_blocks, row block t % row_blocks (a range's tasks consecutive).
   tbb::parallel_for(
       tbb::blocked_range<int64_t>(0, row_blocks * splits, 1),
       [&](const tbb::blocked_range<int64_t>& r) {
         if (amx) configure_tiles();
         const int slot = std::max(0, tbb::this_task_arena::current_thread_index()) % threads;
-        uint16_t* pa = pa_all + slot * block_elems;
         uint16_t* chunks = pb + slot * group_panels * chunk_elems;  // pack_in_task's
         float* acc = acc_scratch.ptr<float>() + slot * acc_elems;   // [panel][row][column]
         for (int64_t t = r.begin(); t < r.end(); ++t) {
-          const int64_t rb = t / splits, q0 = (t % splits) * per_split;
+          const int64_t rb = t % row_blocks, q0 = (t / row_blocks) * per_split;
           const int64_t q1 = std::min(panels, q0 + per_split);
           const int64_t m0 = rb * block_rows;
-          pack_a(ta, !amx, a, lda, m, k, m0, kb, block_rows, pa);
+          uint16_t* pa = pa_all + (blocked ? rb : slot) * block_elems;
+          if (!blocked) pack_a(ta, !amx, a, lda, m, k, m0, kb, block_rows, pa);
           const int64_t groups = std::min(block_rows, m - m0 + kBlock - 1) / kBlock;
           for (int64_t qg = q0; qg < q1; qg += group_panels) {
             const int64_t qn = std::min(group_panels, q1 - qg);
