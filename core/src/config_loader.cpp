@@ -450,14 +450,16 @@ ConfigValue make_value(const KeySpec& spec, const YAML::Node& n, const std::stri
                               ? fmt::format("a number in floating-point form (write it as {:.0f})",
                                             *parse_float(s))
                               : std::string("a fractional number"))
-                       : std::string("a string"));
+                   : !quoted && parse_bool(s) ? std::string("true or false")
+                                              : std::string("a string"));
       }
       v.i = *i;
       return v;
     }
     case ValueType::float_: {
       auto f = quoted ? std::nullopt : parse_float(s);
-      if (!f) wrong_type(spec, text, origin, "a string");
+      if (!f)
+        wrong_type(spec, text, origin, !quoted && parse_bool(s) ? "true or false" : "a string");
       v.f = *f;
       return v;
     }

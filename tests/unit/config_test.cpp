@@ -460,6 +460,12 @@ TEST(ConfigTypes, WrongTypesAreRefusedWithKeyValueOriginAndDefault) {
   }
   EXPECT_CONTAINS(usage_error([] { load({"learning_rate=fast"}); }),
                   All(Has("learning_rate=fast"), Has("must be a number")));
+  // A flag where a number belongs (an HF config.json's "hidden_size": true) is said as one
+  // (before: "not a string").
+  EXPECT_CONTAINS(usage_error([] { load({"steps=true"}); }),
+                  All(Has("must be an integer, not true or false")));
+  EXPECT_CONTAINS(usage_error([] { load({"learning_rate=False"}); }),
+                  All(Has("must be a number, not true or false")));
   EXPECT_CONTAINS(usage_error([] { load({"packing=1"}); }),
                   All(Has("packing=1"), Has("true or false")));
   EXPECT_CONTAINS(usage_error([] { load({"packing=yes"}); }), Has("true or false"));
