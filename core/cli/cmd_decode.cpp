@@ -124,10 +124,13 @@ Inference load_inference(const Args& args, const char* command, bool need_tokeni
   in.pm = std::make_unique<PluginManager>(dirs);
   {
     // mt decode: the memory plan first (weights, caches of max_target_length, a prefill), so a
-    // model that cannot fit is refused with the changes that make it fit before any loading.
+    // model that cannot fit is refused with the changes that make it fit before any loading;
     std::unique_ptr<Backend> device = in.pm->make_backend(cfg.get_string("backend"), cfg);
+    // mt score: the weights at least (its forward of a window is left to the allocator).
     if (std::string(command) == "decode")
       check_fits(cfg, *in.pm, *device, PlanFor::decode, command, 1, sequences);
+    else
+      check_weights_fit(cfg, *in.pm, *device, command);
     // quantization=int8: the projections held as int8 rows from the start, each quantized as
     // it is read, so the weights are never all held in the compute dtype.
     in.runner = std::make_unique<ModelRunner>(cfg, *in.pm, std::move(device), nullptr,

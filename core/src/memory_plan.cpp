@@ -926,4 +926,21 @@ void check_fits(const Config& cfg_in, PluginManager& plugins, Backend& device, P
       command, human_bytes(static_cast<double>(plan.peak())), held, batch, format_plan(plan, cfg)));
 }
 
+void check_weights_fit(const Config& cfg, PluginManager& plugins, Backend& device,
+                       const char* command) {
+  const DeviceProfile target = plan_target(cfg, &device, /*use_plan_device=*/false);
+  if (target.bytes == 0) return;  // a backend that cannot tell
+  const Plan quick = make_plan(cfg, plugins, target, PlanFor::decode, /*with_fixes=*/false);
+  if (quick.decode->loading <= target.bytes) return;
+  const Plan plan = make_plan(cfg, plugins, target, PlanFor::decode, /*with_fixes=*/true);
+  throw UsageError(fmt::format(
+      "The model does not fit: mt {} would need {} to load its weights ({} held, the rest one "
+      "parameter's temporaries while loading) on a device that holds {}, and would fail "
+      "part-way. Nothing was allocated. mt decode's plan for this config (its weights and "
+      "loading rows are what mt {} needs before its first forward):\n{}",
+      command, human_bytes(static_cast<double>(plan.decode->loading)),
+      human_bytes(static_cast<double>(plan.decode->weights)),
+      human_bytes(static_cast<double>(target.bytes)), command, format_plan(plan, cfg)));
+}
+
 }  // namespace mt

@@ -638,6 +638,14 @@ TEST(MemoryPlan, RunRefusesAModelThatCannotFit) {
   EXPECT_EQ(d.code, 2) << d.out;
   EXPECT_NE(d.out.find("does not fit"), std::string::npos) << d.out;
   EXPECT_NE(d.out.find("KV cache"), std::string::npos) << d.out;
+  // mt score: the weights alone cannot be loaded, so refused alike (before: an allocation
+  // failure part-way through loading, with the allocator's generic advice).
+  const test::MtResult sc = test::run_mt(
+      "score --model=llama2-70b backend=cpu load_parameters_path=/nonexistent tokens=1,2", 60);
+  EXPECT_EQ(sc.code, 2) << sc.out;
+  EXPECT_NE(sc.out.find("mt score would need"), std::string::npos) << sc.out;
+  EXPECT_NE(sc.out.find("to load its weights"), std::string::npos) << sc.out;
+  EXPECT_NE(sc.out.find("Nothing was allocated"), std::string::npos) << sc.out;
 }
 
 // The launcher's local rank picks a process's GPU (the CUDA backend, the nccl communicator):
