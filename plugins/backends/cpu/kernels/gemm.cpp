@@ -972,14 +972,18 @@ MatvecSet matvec_set() {
 // Whether one or two rows of x read their weight rows as several sequential streams per core
 // (gemv_row_streams_avx2 / _avx512, and the vdpbf16ps rows kernel) instead of one: on by default
 // for the AVX2 set (measured on a 2-core AVX2 EPYC, Zen 3: one stream per core left memory idle
-// between misses), off for AVX-512: on a 2-core Zen 5 EPYC (2026-11-29, mt bench decode batch 1,
-// six interleaved pairs) several streams gave 0.88-0.93x one stream's tokens/s in f32 and bf16
-// (the vdpbf16ps rows kernel) and 0.98-1.00x in int8, one AVX-512 core's stream already reading
-// at the triad's rate. MT_CPU_MATVEC_STREAMS=0|1 forces either way.
+// between misses) and on Intel CPUs, off for AMD's with AVX-512: on a 2-core Zen 5 EPYC
+// (2026-11-29, mt bench decode batch 1, six interleaved pairs) several streams gave 0.88-0.93x
+// one stream's tokens/s in f32 and bf16 (the vdpbf16ps rows kernel) and 0.98-1.00x in int8, one
+// AVX-512 core's stream already reading at the triad's rate; on a 2-core Xeon with AMX and
+// AVX-512 (2026-11-30, three interleaved pairs) one stream a core read 14-18 GB/s of a 22-31
+// GB/s triad and several 20-25 (llama-bench-1b batch 1: bf16 8.4-9.0 -> 13.7-14.1 tokens/s, f32
+// 5.7-6.8 -> 6.9-9.1; llama-bench-m bf16 62-69 -> 89-104, f32 35-41 -> 53-56).
+// MT_CPU_MATVEC_STREAMS=0|1 forces either way.
 bool matvec_streams() {
   static const bool kOn = [] {
     const char* env = std::getenv("MT_CPU_MATVEC_STREAMS");
-    if (!env || !*env) return matvec_set() == MatvecSet::avx2;
+    if (!env || !*env) return matvec_set() == MatvecSet::avx2 || !mt_cpu_is_amd();
     const std::string v = env;
     if (v == "0" || v == "1") return v == "1";
     fail("MT_CPU_MATVEC_STREAMS=" + v + ": want 0 (one weight stream per core) or 1 (several)");
