@@ -123,9 +123,9 @@ Inference load_inference(const Args& args, const char* command, bool need_tokeni
   for (const auto& d : cfg.get_string_list("plugin_dirs")) dirs.emplace_back(d);
   in.pm = std::make_unique<PluginManager>(dirs);
   {
+    std::unique_ptr<Backend> device = in.pm->make_backend(cfg.get_string("backend"), cfg);
     // mt decode: the memory plan first (weights, caches of max_target_length, a prefill), so a
     // model that cannot fit is refused with the changes that make it fit before any loading;
-    std::unique_ptr<Backend> device = in.pm->make_backend(cfg.get_string("backend"), cfg);
     // mt score: the weights at least (its forward of a window is left to the allocator).
     if (std::string(command) == "decode")
       check_fits(cfg, *in.pm, *device, PlanFor::decode, command, 1, sequences);

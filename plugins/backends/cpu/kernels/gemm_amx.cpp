@@ -574,7 +574,7 @@ void gemm_bf16_packed(bool amx, Backend& be, bool ta, bool tb, int64_t m, int64_
   // blocks of panels that fit half a core's L2 together, and the tasks go block by block: a
   // core's tasks then read a block of b from L2 for each row block after the first (as a whole,
   // 72 panels of K = 768 are 3.4 MiB, and b came from L3 for every row block: tile loads from L3
-  // ran at a third of the tile multiplies' rate, from L2 at two thirds, on a Xeon with AMX of
+  // kept the tile multiplies at half their rate, from L2 at two thirds, on a Xeon with AMX of
   // 2026-11-30). Else (and where there are too few tasks for the threads) the panels are cut
   // evenly. (The vdpbf16ps kernel, measured on AMD CPUs only, keeps its whole-row tasks.)
   const bool blocked = amx && !pack_in_task;
