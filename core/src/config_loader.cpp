@@ -437,6 +437,10 @@ ConfigValue make_value(const KeySpec& spec, const YAML::Node& n, const std::stri
   }
   const std::string& s = n.Scalar();
   const bool quoted = n.Tag() == "!";
+  // What a scalar that is no number is, for the integer and number keys' refusals.
+  const auto not_a_number = [&] {
+    return std::string(!quoted && parse_bool(s) ? "true or false" : "a string");
+  };
   switch (spec.type) {
     case ValueType::int_: {
       auto i = quoted ? std::nullopt : parse_int(s);
@@ -450,16 +454,14 @@ ConfigValue make_value(const KeySpec& spec, const YAML::Node& n, const std::stri
                               ? fmt::format("a number in floating-point form (write it as {:.0f})",
                                             *parse_float(s))
                               : std::string("a fractional number"))
-                   : !quoted && parse_bool(s) ? std::string("true or false")
-                                              : std::string("a string"));
+                       : not_a_number());
       }
       v.i = *i;
       return v;
     }
     case ValueType::float_: {
       auto f = quoted ? std::nullopt : parse_float(s);
-      if (!f)
-        wrong_type(spec, text, origin, !quoted && parse_bool(s) ? "true or false" : "a string");
+      if (!f) wrong_type(spec, text, origin, not_a_number());
       v.f = *f;
       return v;
     }
