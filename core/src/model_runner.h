@@ -218,7 +218,7 @@ class ModelRunner {
   size_t transpose_projections();
   // Whether decoding `sequences` at once streams the weights faster transposed: one or two
   // (each step a read of every weight) where the backend reads [N, K] faster, and up to 8 where
-  // it also computes bf16 rows against bf16 [N, K] weights on dot products
+  // it also computes bf16 rows against bf16 [N, K] weights on dot products or AMX tiles
   // (extension("mt.matvec_rows_bf16dot"), the compute and weight dtypes bf16); with more rows
   // the [K, N] kernels do the arithmetic faster.
   bool rows_layout_pays(size_t sequences);

@@ -702,8 +702,8 @@ TEST(Decode, LayoutSwitchesTakeZeroOrOne) {
 }
 
 // When mt decode transposes the projections: for one or two sequences on the CPU, and for up
-// to 8 in bf16 where the CPU computes bf16 rows on dot products (the backend says so); never for
-// more than 8, nor in f32 beyond two.
+// to 8 in bf16 where the CPU computes bf16 rows on dot products or AMX tiles (the backend says
+// so); never for more than 8, nor in f32 beyond two.
 TEST(Decode, TransposingPaysForFewSequences) {
   auto f32 = runner({"dtype=float32", "weight_dtype=float32"});
   EXPECT_TRUE(f32->rows_layout_pays(1));
@@ -711,8 +711,10 @@ TEST(Decode, TransposingPaysForFewSequences) {
   EXPECT_FALSE(f32->rows_layout_pays(3));
   auto bf16 = runner({"dtype=bfloat16", "weight_dtype=bfloat16"});
   const bool dot = bf16->backend().extension("mt.matvec_rows_bf16dot") != nullptr;
-  EXPECT_EQ(dot, test::cpu().describe().find("bf16 x bf16 weight rows on AVX512_BF16 dot "
-                                             "products") != std::string::npos);
+  const std::string described = test::cpu().describe();
+  EXPECT_EQ(dot, described.find("bf16 x bf16 weight rows on AVX512_BF16 dot products") !=
+                         std::string::npos ||
+                     described.find("bf16 x bf16 weight rows on AMX tiles") != std::string::npos);
   EXPECT_TRUE(bf16->rows_layout_pays(2));
   EXPECT_EQ(bf16->rows_layout_pays(8), dot);
   EXPECT_FALSE(bf16->rows_layout_pays(9));

@@ -918,13 +918,15 @@ TEST(GemmPath, EveryMatvecKernelSetMatches) {
   for (const auto& [set, has] :
        {std::pair<const char*, bool>{"portable", true}, {"avx2", avx2}, {"avx512", avx512}}) {
     if (!has) continue;
-    // Each set with one weight stream per task and with several (MT_CPU_MATVEC_STREAMS).
+    // Each set with one weight stream per task and with several (MT_CPU_MATVEC_STREAMS); on a
+    // CPU with AMX, bf16 rows against [n, k] bf16 weights on the AVX-512 set's widening kernels
+    // in the first run and on tiles in the second (MT_CPU_MATVEC_AMX).
     for (const char* streams : {"0", "1"}) {
       SCOPED_TRACE(std::string(set) + " MT_CPU_MATVEC_STREAMS=" + streams);
       std::string out;
       const int rc = test::run_command(
           std::string(kChildMarker) + "=1 MT_CPU_MATVEC=" + set +
-              " MT_CPU_MATVEC_STREAMS=" + streams + " " + exe +
+              " MT_CPU_MATVEC_STREAMS=" + streams + " MT_CPU_MATVEC_AMX=" + streams + " " + exe +
               " --gtest_filter=Gemm.MatrixVector:Gemm.Deterministic:Gemm.FewRowsEqualEachRowAlone:"
               "Gemm.Int8RowsMatchTheDequantizedMatmul:Gemm.Int8DecodeKeepsNanAndInfinity:"
               "GemmPath.DescribesPathAndPeak",

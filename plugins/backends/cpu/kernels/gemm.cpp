@@ -1127,6 +1127,20 @@ void matvec_bf16dot(const Problem& p, const uint16_t* a, const uint16_t* b, floa
   });
 }
 
+// bf16 rows of a against bf16 weights [n, k] (trans_b) on AMX tiles, in matvec's "rows" tasks;
+// each batch item's rows packed once for all its tasks.
+void matvec_amx(const Problem& p, const uint16_t* a, const uint16_t* b, float* c) {
+  static_assert(kFewRows <= 16, "gemv_rows_amx takes at most 16 rows of x (one B tile)");
+  const int64_t elems = amx_packed_x_elems(p.m, p.k);
+  std::vector<uint16_t> packed(static_cast<size_t>(p.batch * elems));
+  for (int64_t bi = 0; bi < p.batch; ++bi)
+    pack_x_amx(p.m, a + bi * p.stride_a, p.k, p.k, packed.data() + bi * elems);
+  over_output_chunks(p, 0, [&](int64_t bi, int64_t j0, int64_t j1) {
+    gemv_rows_amx(p.m, packed.data() + bi * elems, b + bi * p.stride_b, p.k, p.k, j0, j1, p.alpha,
+                  p.beta, c + bi * p.stride_c, p.n);
+  });
+}
+
 // c = alpha op(a) op(b) + beta c over the batch, as single-threaded tiles run by oneTBB.
 void gemm_f32(const Problem& p, const float* a, const float* b, float* c) {
   const int64_t threads = std::max(1, tbb::this_task_arena::max_concurrency());
@@ -1214,6 +1228,22 @@ bool matvec_bf16dot_on() {
   }();
   return kOn;
 }
+// The AMX rows kernel for few bf16 rows against [n, k] bf16 weights (decode's transposed
+// projections): where AMX is usable, with the AVX-512 matrix-vector set (one CPU, one set of
+// bits). The widening kernels streamed a batch of 8 bf16 rows at a quarter to half of the
+// memory's rate on a 2-core Xeon with AMX, converting each weight vector twice for eight rows;
+// tiles multiply 16 weight rows by all the rows of x at once. MT_CPU_MATVEC_AMX=0 keeps the
+// widening kernels.
+bool matvec_amx_on() {
+  static const bool kOn = [] {
+    if (!env_switch("MT_CPU_MATVEC_AMX", true,
+                    "decode's bf16 products keep the widening kernels (0) or take the AMX rows "
+                    "kernel where the CPU has AMX (1)"))
+      return false;
+    return amx_bf16_usable() && matvec_set() == MatvecSet::avx512;
+  }();
+  return kOn;
+}
 // bf16 x bf16 products on mt's packed GEMM (gemm_bf16: AMX tiles or vdpbf16ps).
 bool packed_bf16_gemm_on() {
   return amx_bf16_usable() || dot_gemm_pays();
@@ -1231,7 +1261,7 @@ void gemm_setup(int num_threads) {
 }
 
 bool few_rows_bf16dot() {
-  return matvec_bf16dot_on();
+  return matvec_bf16dot_on() || matvec_amx_on();
 }
 
 std::string gemm_describe() {
@@ -1242,7 +1272,9 @@ std::string gemm_describe() {
                         : "bf16 widened to f32";
   const std::string matvec =
       std::string(matvec_set_name()) +
-      (matvec_bf16dot_on() ? " (bf16 x bf16 weight rows on AVX512_BF16 dot products)" : "") +
+      (matvec_bf16dot_on() ? " (bf16 x bf16 weight rows on AVX512_BF16 dot products)"
+       : matvec_amx_on()   ? " (bf16 x bf16 weight rows on AMX tiles)"
+                           : "") +
       (matvec_set() != MatvecSet::portable && matvec_streams() ? ", several weight streams a core"
                                                                : "");
   if (!ob.sgemm)
@@ -1334,6 +1366,9 @@ void matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool tran
     // bf16 rows against [n, k] bf16 weights (decode's transposed projections): vdpbf16ps reads
     // both as they are, with no widening of either.
     matvec_bf16dot(p, a.ptr<const uint16_t>(), b.ptr<const uint16_t>(), c32.ptr<float>());
+  } else if (few && p.tb && a.dtype() == DType::bf16 && b.dtype() == DType::bf16 &&
+             matvec_amx_on()) {
+    matvec_amx(p, a.ptr<const uint16_t>(), b.ptr<const uint16_t>(), c32.ptr<float>());
   } else if (few) {
     const Tensor a32 = as_f32(a);  // a few rows per batch item: cheap to widen
     if (b.dtype() == DType::bf16)
@@ -1359,14 +1394,28 @@ void grouped_matvec(const Tensor& x, const Tensor& w, const std::vector<int32_t>
   const bool wbf = w.dtype() == DType::bf16;
   Tensor out32 = out.dtype() == DType::f32 ? out : out.backend()->empty(out.shape(), DType::f32);
   // The kernels matmul picks for one expert's few rows (bit for bit its products): bf16 dot
-  // products, or x widened to f32 (and padded as matvec pads it: a layout, not arithmetic).
+  // products, AMX tiles (each expert's rows packed once for all its tasks), or x widened to f32
+  // (and padded as matvec pads it: a layout, not arithmetic).
   const bool dot = trans_w && x.dtype() == DType::bf16 && wbf && matvec_bf16dot_on();
+  const bool amx = !dot && trans_w && x.dtype() == DType::bf16 && wbf && matvec_amx_on();
   Tensor x32;
   std::vector<float> padded;
+  std::vector<uint16_t> packed;  // amx: each expert's rows packed at packed_at[e]
+  std::vector<int64_t> packed_at(off.size(), 0);
   const float* xf = nullptr;
   int64_t ldx = k, most = 0;
   for (const int64_t e : experts) most = std::max<int64_t>(most, off[e + 1] - off[e]);
-  if (!dot) {
+  if (amx) {
+    int64_t total = 0;
+    for (const int64_t e : experts) {
+      packed_at[static_cast<size_t>(e)] = total;
+      total += amx_packed_x_elems(off[e + 1] - off[e], k);
+    }
+    packed.resize(static_cast<size_t>(total));
+    for (const int64_t e : experts)
+      pack_x_amx(off[e + 1] - off[e], x.ptr<const uint16_t>() + off[e] * k, k, k,
+                 packed.data() + packed_at[static_cast<size_t>(e)]);
+  } else if (!dot) {
     x32 = as_f32(x);
     xf = x32.ptr<const float>();
     if (const int64_t ld = padded_ldx(trans_w, most, k)) {
@@ -1384,7 +1433,7 @@ void grouped_matvec(const Tensor& x, const Tensor& w, const std::vector<int32_t>
     const int64_t rows = off[e + 1] - off[e];
     const Problem p{1, rows, n, k, false, trans_w, 1.f, 0.f, 0, 0, 0};
     const int64_t chunk =
-        output_chunk(p, dot ? 0 : (wbf ? cols_chunk<uint16_t>() : cols_chunk<float>()));
+        output_chunk(p, dot || amx ? 0 : (wbf ? cols_chunk<uint16_t>() : cols_chunk<float>()));
     for (int64_t j = 0; j < n; j += chunk) tasks.push_back({e, j, std::min(n, j + chunk)});
   }
   const int64_t ldw = trans_w ? k : n;
@@ -1396,6 +1445,9 @@ void grouped_matvec(const Tensor& x, const Tensor& w, const std::vector<int32_t>
       gemv_rows_bf16dot(rows, x.ptr<const uint16_t>() + r0 * k, k,
                         w.ptr<const uint16_t>() + t.e * n * k, k, k, t.j0, t.j1, 1.f, 0.f, y, n,
                         matvec_streams());
+    else if (amx)
+      gemv_rows_amx(rows, packed.data() + packed_at[static_cast<size_t>(t.e)],
+                    w.ptr<const uint16_t>() + t.e * n * k, k, k, t.j0, t.j1, 1.f, 0.f, y, n);
     else if (wbf)
       gemv(trans_w, rows, xf + r0 * ldx, ldx, w.ptr<const uint16_t>() + t.e * n * k, k, ldw, t.j0,
            t.j1, 1.f, 0.f, y, n);

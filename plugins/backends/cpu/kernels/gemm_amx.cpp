@@ -65,6 +65,9 @@ constexpr int64_t kTileElems = 16 * kTileK;  // bf16 elements in one packed tile
 constexpr int64_t kStepsPerChunk = 8;        // k steps (of 32) per pass over a row group
 constexpr int64_t kInTaskRows = 256;         // rows of c up to which tasks pack their own b
 constexpr int64_t kPanelGroup = 16;          // panels a task packs at once when it packs b
+constexpr int64_t kFewRowsAmx = 16;          // rows of x gemv_rows_amx takes (one B tile wide)
+// Bytes ahead of each weight row gemv_rows_amx prefetches (8 steps of 64 bytes).
+constexpr int64_t kAmxRowsAhead = 512;
 
 // A core's L2 in bytes (1 MiB where the system does not say).
 int64_t l2_bytes() {
@@ -773,5 +776,99 @@ MT_BF16DOT void gemv_rows_bf16dot(int64_t rows_m, const uint16_t* x, int64_t ldx
     }
   }
 }
+
+int64_t amx_packed_x_elems(int64_t rows_m, int64_t k) {
+  return (k + kTileK - 1) / kTileK * kTileK * rows_m;
+}
+
+void pack_x_amx(int64_t rows_m, const uint16_t* x, int64_t ldx, int64_t k, uint16_t* out) {
+  // Step s, pair row p, column r: x[r][s * 32 + 2p], x[r][s * 32 + 2p + 1] (zero past k).
+  const int64_t steps = (k + kTileK - 1) / kTileK;
+  for (int64_t s = 0; s < steps; ++s)
+    for (int64_t p = 0; p < kTileK / 2; ++p)
+      for (int64_t r = 0; r < rows_m; ++r)
+        for (int64_t h = 0; h < 2; ++h) {
+          const int64_t at = s * kTileK + 2 * p + h;
+          out[((s * (kTileK / 2) + p) * rows_m + r) * 2 + h] = at < k ? x[r * ldx + at] : 0;
+        }
+}
+
+#if !defined(MT_EMULATE_X86)
+namespace {
+// Tiles for gemv_rows_amx: 0 the sums (`rows` weight rows x rows_m f32), 1 the weight rows'
+// step (rows x 32 bf16), 2 x's step (16 k pairs x rows_m x 2 bf16).
+MT_AMX void configure_rows_tiles(int64_t rows, int64_t rows_m) {
+  TileConfig cfg;
+  cfg.rows[0] = cfg.rows[1] = static_cast<uint8_t>(rows);
+  cfg.colsb[0] = cfg.colsb[2] = static_cast<uint16_t>(4 * rows_m);
+  cfg.colsb[1] = 64;
+  cfg.rows[2] = 16;
+  asm volatile("" : : "r"(&cfg) : "memory");  // as in configure_tiles
+  _tile_loadconfig(&cfg);
+}
+
+// Rows [j, j + rows) of W (rows <= 16; the tiles configured for that many) against packed x
+// over the whole of K, into y. With full steps only the weights come straight from their rows;
+// a last partial step is copied beside zeros first (a tile load reads 64 bytes a row, past a
+// row's end, possibly past the matrix's).
+MT_AMX void rows_group_amx(int64_t rows_m, const uint16_t* xp, const uint16_t* w, int64_t k,
+                           int64_t ldw, int64_t j, int64_t rows, float alpha, float beta, float* y,
+                           int64_t ldy) {
+  const int64_t full = k / kTileK, stride = ldw * 2;
+  const char* base = reinterpret_cast<const char*>(w + j * ldw);
+  const int64_t x_step = kTileK * rows_m;  // bf16 of packed x a step
+  _tile_zero(0);
+  for (int64_t s = 0; s < full; ++s) {
+    const char* a = base + s * 64;
+    for (int64_t r = 0; r < rows; ++r) _mm_prefetch(a + r * stride + kAmxRowsAhead, _MM_HINT_T0);
+    _tile_loadd(2, xp + s * x_step, 4 * rows_m);
+    _tile_loadd(1, a, stride);
+    _tile_dpbf16ps(0, 1, 2);
+  }
+  if (full * kTileK < k) {
+    alignas(64) uint16_t last[16 * kTileK] = {};
+    const int64_t left = k - full * kTileK;
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(last + r * kTileK, w + (j + r) * ldw + full * kTileK, size_t(left) * 2);
+    // GCC 12 sees neither tile loads read nor tile stores write a local array (as ldtilecfg's
+    // struct in configure_tiles): without these it drops the copy and reads sums unwritten.
+    asm volatile("" : : "r"(last) : "memory");
+    _tile_loadd(2, xp + full * x_step, 4 * rows_m);
+    _tile_loadd(1, last, 64);
+    _tile_dpbf16ps(0, 1, 2);
+  }
+  alignas(64) float sums[16 * kFewRowsAmx];
+  _tile_stored(0, sums, 4 * rows_m);
+  asm volatile("" : : "r"(sums) : "memory");
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < rows_m; ++i) {
+      float& out = y[i * ldy + j + r];
+      const float v = sums[r * rows_m + i];
+      out = beta == 0.f ? alpha * v : alpha * v + beta * out;
+    }
+}
+}  // namespace
+
+MT_AMX void gemv_rows_amx(int64_t rows_m, const uint16_t* xp, const uint16_t* w, int64_t k,
+                          int64_t ldw, int64_t j0, int64_t j1, float alpha, float beta, float* y,
+                          int64_t ldy) {
+  const int64_t whole = j0 + (j1 - j0) / 16 * 16;
+  if (whole > j0) {
+    configure_rows_tiles(16, rows_m);
+    for (int64_t j = j0; j < whole; j += 16)
+      rows_group_amx(rows_m, xp, w, k, ldw, j, 16, alpha, beta, y, ldy);
+  }
+  if (whole < j1) {
+    configure_rows_tiles(j1 - whole, rows_m);
+    rows_group_amx(rows_m, xp, w, k, ldw, whole, j1 - whole, alpha, beta, y, ldy);
+  }
+  release_tiles();
+}
+#else
+void gemv_rows_amx(int64_t, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, int64_t,
+                   float, float, float*, int64_t) {
+  std::abort();  // never called: request_amx() says no AMX under emulation
+}
+#endif
 
 }  // namespace mt::cpu

@@ -83,4 +83,20 @@ void gemv_rows_bf16dot(int64_t rows_m, const uint16_t* x, int64_t ldx, const uin
                        int64_t ldw, int64_t j0, int64_t j1, float alpha, float beta, float* y,
                        int64_t ldy, bool streams);
 
+// Few rows of bf16 x against bf16 weight rows [N, K] on AMX tiles (decode's transposed
+// projections, a batch of up to 8 sequences): 16 weight rows at a time are one A tile loaded
+// straight from the rows (no packing of the weights: 16 sequential streams a task), against x
+// packed once per product as one B tile a step of 32 k. Each output is one tile accumulation over
+// K in steps of 32 (the last zero-padded), in the order the hardware gives each tile element,
+// which depends neither on rows_m nor on the weight row's place in the tile: a row of x gets the
+// same bits alone as in a batch.
+// x's packing: rows_m (1..16) rows of x [rows_m, k] (ldx) -> out, amx_packed_x_elems() bf16:
+// step s, k pair p, row r at ((s * 16 + p) * rows_m + r) * 2.
+int64_t amx_packed_x_elems(int64_t rows_m, int64_t k);
+void pack_x_amx(int64_t rows_m, const uint16_t* x, int64_t ldx, int64_t k, uint16_t* out);
+// y[r ldy + j] = alpha dot(x_r, w_j) + beta y (beta 0: y not read) for j in [j0, j1), xp as
+// pack_x_amx packed it. Callers check amx_bf16_usable(); uses and releases this thread's tiles.
+void gemv_rows_amx(int64_t rows_m, const uint16_t* xp, const uint16_t* w, int64_t k, int64_t ldw,
+                   int64_t j0, int64_t j1, float alpha, float beta, float* y, int64_t ldy);
+
 }  // namespace mt::cpu

@@ -31,7 +31,8 @@ void copy_columns(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_c
 // (called from the plugin's registration, before any GEMM).
 void gemm_setup(int num_threads);
 std::string gemm_describe();
-// Whether bf16 rows against bf16 [N, K] weights run on the dot-product "rows" kernel (few rows).
+// Whether bf16 rows against bf16 [N, K] weights run on the dot-product or AMX "rows" kernel
+// (few rows): the arithmetic of up to kFewRows rows as fast as the weights stream.
 bool few_rows_bf16dot();  // "OpenBLAS 0.3.21 (SkylakeX kernels), AVX512_BF16"
 double cpu_peak_flops(DType dtype, int num_threads);
 // Up to this many rows of a against a shared 2-D b (trans_a false), matmul takes the
