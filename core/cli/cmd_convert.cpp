@@ -20,6 +20,7 @@
 #include "file_util.h"
 #include "hf_interop.h"
 #include "host_threads.h"
+#include "memory_plan.h"
 #include "model_runner.h"
 #include "mt/checkpointer.h"
 #include "mt/error.h"
@@ -96,6 +97,15 @@ class StagedOutput {
   fs::path final_, staging_;
   bool committed_ = false;
 };
+
+// The runner holding the weights mt convert reads or writes, refused first (exit 2, with mt
+// decode's plan, nothing allocated or written) when they cannot be loaded on the device (before:
+// an allocation failure part-way through reading them, with the allocator's generic advice).
+std::unique_ptr<ModelRunner> fitted_runner(const Config& cfg, PluginManager& pm) {
+  std::unique_ptr<Backend> device = pm.make_backend(cfg.get_string("backend"), cfg);
+  check_weights_fit(cfg, pm, *device, "convert");
+  return std::make_unique<ModelRunner>(cfg, pm, std::move(device));
+}
 }  // namespace
 
 int cmd_convert(const Args& args_in) {
@@ -121,7 +131,8 @@ int cmd_convert(const Args& args_in) {
     for (const auto& d : cfg.get_string_list("plugin_dirs")) dirs.emplace_back(d);
     PluginManager pm(dirs);
     const HfImport imp = read_hf_config(input, pm);
-    ModelRunner runner(cfg, pm);
+    const std::unique_ptr<ModelRunner> held = fitted_runner(cfg, pm);
+    ModelRunner& runner = *held;
     // Multi-token prediction modules (asked for with the family's key among the words) have no
     // form in transformers' checkpoints: they start from the config's initialisation, as in
     // `mt run`, and everything else is loaded over it.
@@ -202,7 +213,8 @@ int cmd_convert(const Args& args_in) {
   std::vector<fs::path> dirs;
   for (const auto& d : cfg.get_string_list("plugin_dirs")) dirs.emplace_back(d);
   PluginManager pm(dirs);
-  ModelRunner runner(cfg, pm);
+  const std::unique_ptr<ModelRunner> held = fitted_runner(cfg, pm);
+  ModelRunner& runner = *held;
   if (input.empty()) {
     runner.init_parameters(static_cast<uint64_t>(cfg.get_int("init_weights_seed")));
   } else {

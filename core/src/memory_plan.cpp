@@ -937,7 +937,7 @@ void check_weights_fit(const Config& cfg, PluginManager& plugins, Backend& devic
       "The model does not fit: mt {} would need {} to load its weights ({} held, the rest one "
       "parameter's temporaries while loading) on a device that holds {}, and would fail "
       "part-way. Nothing was allocated. mt decode's plan for this config (its weights and "
-      "loading rows are what mt {} needs before its first forward):\n{}",
+      "loading rows are what mt {} needs to hold the weights):\n{}",
       command, human_bytes(static_cast<double>(plan.decode->loading)),
       human_bytes(static_cast<double>(plan.decode->weights)),
       human_bytes(static_cast<double>(target.bytes)), command, format_plan(plan, cfg)));

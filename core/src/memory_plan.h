@@ -146,9 +146,9 @@ std::string format_plan(const Plan& plan, const Config& cfg);
 void check_fits(const Config& cfg, PluginManager& plugins, Backend& device, PlanFor what,
                 const char* command, int ranks = 1, int64_t decode_batch = 1);
 
-// Before a command that holds the model's weights for inference but plans nothing else of its
-// own (mt score: one forward a window): when loading the weights alone exceeds what `device`
-// can hold (DecodePlan::loading), throws UsageError (exit 2) with mt decode's plan and its
+// Before a command that holds the model's weights but plans nothing else of its own (mt score:
+// one forward a window; mt convert: the weights only): when loading the weights alone exceeds what
+// `device` can hold (DecodePlan::loading), throws UsageError (exit 2) with mt decode's plan and its
 // fixes; nothing has been allocated. Anything beyond the weights is left to the allocator.
 void check_weights_fit(const Config& cfg, PluginManager& plugins, Backend& device,
                        const char* command);

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <random>
 #include <sstream>
 #include <string>
@@ -646,6 +647,28 @@ TEST(MemoryPlan, RunRefusesAModelThatCannotFit) {
   EXPECT_NE(sc.out.find("mt score would need"), std::string::npos) << sc.out;
   EXPECT_NE(sc.out.find("to load its weights"), std::string::npos) << sc.out;
   EXPECT_NE(sc.out.find("Nothing was allocated"), std::string::npos) << sc.out;
+  // mt convert holds all the weights too: both ways refused alike before any is allocated or a
+  // file written (before: an allocation failure part-way, after the output directory was made).
+  const std::string hf = ::testing::TempDir() + "mt_plan_refuse_hf";
+  const test::MtResult to =
+      test::run_mt("convert --to=hf --model=llama2-70b backend=cpu --output=" + hf, 60);
+  EXPECT_EQ(to.code, 2) << to.out;
+  EXPECT_NE(to.out.find("mt convert would need"), std::string::npos) << to.out;
+  EXPECT_FALSE(std::filesystem::exists(hf)) << "a refused conversion leaves nothing";
+  // A Llama 2 70B's config.json alone: refused before its (absent) safetensors are looked for.
+  const std::string big = ::testing::TempDir() + "mt_plan_refuse_70b";
+  std::filesystem::create_directories(big);
+  std::ofstream(big + "/config.json")
+      << R"({"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672,
+            "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+            "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5})";
+  const std::string imported = ::testing::TempDir() + "mt_plan_refuse_import";
+  const test::MtResult from =
+      test::run_mt("convert --from=hf --input=" + big + " --output=" + imported, 60);
+  EXPECT_EQ(from.code, 2) << from.out;
+  EXPECT_NE(from.out.find("mt convert would need"), std::string::npos) << from.out;
+  EXPECT_FALSE(std::filesystem::exists(imported)) << "a refused conversion leaves nothing";
+  std::filesystem::remove_all(big);
 }
 
 // The launcher's local rank picks a process's GPU (the CUDA backend, the nccl communicator):
