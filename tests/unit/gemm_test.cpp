@@ -8,6 +8,7 @@
 // this for K < 1000). bf16 inputs are rounded on the host first and the reference uses the
 // rounded values, so the same bound holds (bf16 x bf16 on AMX tiles too: products of bf16 are
 // exact in f32 and the tiles accumulate in f32); a bf16 output adds its own rounding, 2^-8 |ref|.
+#include <dlfcn.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -32,6 +33,7 @@
 #include "mt/dtype.h"
 #include "mt/error.h"
 #include "mt/q8.h"
+#include "plugin_manager.h"
 #include "test_support.h"
 
 namespace mt {
@@ -903,6 +905,34 @@ TEST(GemmPath, PortablePathWithoutOpenBlas) {
       out);
   EXPECT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("PASSED"), std::string::npos) << out;
+}
+
+// OpenBLAS is loaded as the CPU plugin registers, not when its first backend is made: the
+// loading sets OPENBLAS_CORETYPE (setenv), and mt run and mt bench register the plugin before
+// their communicator starts MPI's threads, which may read the environment meanwhile. In a child
+// process (this one has loaded both): absent before the plugin registers, present after.
+TEST(GemmPath, OpenBlasLoadsAsThePluginRegisters) {
+  if (!in_child()) {
+    std::string out;
+    const int rc = test::run_command(
+        std::string(kChildMarker) + "=1 env -u MT_CPU_BLAS /proc/" + std::to_string(getpid()) +
+            "/exe --gtest_filter=GemmPath.OpenBlasLoadsAsThePluginRegisters",
+        out);
+    EXPECT_EQ(rc, 0) << out;
+    EXPECT_NE(out.find("[  PASSED  ] 1 test"), std::string::npos) << out;
+    return;
+  }
+  auto loaded = [] {
+    for (const char* name : {"libopenblas.so.0", "libopenblas.so"})
+      if (void* h = dlopen(name, RTLD_NOW | RTLD_NOLOAD)) {
+        dlclose(h);
+        return true;
+      }
+    return false;
+  };
+  ASSERT_FALSE(loaded()) << "OpenBLAS is in this process before any plugin";
+  test::plugins().require("backend", "cpu");
+  EXPECT_TRUE(loaded()) << "the CPU plugin registered without loading OpenBLAS";
 }
 
 // Every matrix-vector kernel set the CPU has (MT_CPU_MATVEC; chosen once per process, so each

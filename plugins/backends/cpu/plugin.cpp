@@ -9,6 +9,9 @@
 namespace {
 
 void register_cpu(mt::Registry& r) {
+  // OpenBLAS now, not when the first backend is made: its loading sets OPENBLAS_CORETYPE, and
+  // setenv must not run beside another thread's getenv (MPI's, once a communicator exists).
+  mt::cpu::load_blas();
   r.add_backend(MT_CPU_BACKEND_NAME, [](const mt::Config& cfg) -> std::unique_ptr<mt::Backend> {
     const int n = mt::cpu_threads(cfg);
     mt::cpu::gemm_setup(n);

@@ -167,8 +167,9 @@ OpenBlas load_openblas() {
   const bool hw_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   const char* ours = hw_avx512 ? "SkylakeX" : hw_avx2 ? "Haswell" : nullptr;
   if (!handle) {
-    // setenv is not thread-safe against concurrent getenv; this runs once, from the backend
-    // factory, before any kernel thread exists.
+    // setenv is not thread-safe against concurrent getenv; this runs once, from the plugin's
+    // registration (load_blas), which mt run and mt bench trigger before their communicator
+    // starts MPI's threads, and before any kernel thread exists.
     ScopedEnv coretype("OPENBLAS_CORETYPE", ours);
     // Its thread pool would only idle: oneTBB owns the cores (see the header comment).
     ScopedEnv threads("OPENBLAS_NUM_THREADS", "1");
@@ -1249,6 +1250,10 @@ bool packed_bf16_gemm_on() {
   return amx_bf16_usable() || dot_gemm_pays();
 }
 }  // namespace
+
+void load_blas() {
+  (void)openblas();
+}
 
 void gemm_setup(int num_threads) {
   // Loads OpenBLAS (choosing its kernels) and measures the FMA peak now, at start-up, so neither

@@ -30,6 +30,9 @@ void copy_columns(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_c
 // Chooses the GEMM path for this machine. Must run before OpenBLAS initialises its threads
 // (called from the plugin's registration, before any GEMM).
 void gemm_setup(int num_threads);
+// Loads OpenBLAS (gemm_setup's first part, setting OPENBLAS_CORETYPE around its loading):
+// called when the plugin registers, before other threads may read the environment.
+void load_blas();
 std::string gemm_describe();
 // Whether bf16 rows against bf16 [N, K] weights run on the dot-product or AMX "rows" kernel
 // (few rows): the arithmetic of up to kFewRows rows as fast as the weights stream.
