@@ -1475,8 +1475,9 @@ namespace {
 // maddubs + madd, on |w| and x * sign(w): the same lanes, the same integers), and each block's
 // lanes enter one of two f32 accumulators (even and odd blocks) as
 // fma(scale_w * scale_x, float(lanes), acc); then (acc0 + acc1) and the lanes in hsum8's order.
-// Every kernel set (portable, AVX2, AVX-512) computes those operations in that order, so they
-// give the same bits, and a row's outputs do not depend on the rows beside it. A row of x with a
+// Every kernel set (portable, AVX2, AVX-512; several rows on AVX-512 VNNI two blocks a zmm)
+// computes those operations in that order, so they give the same bits, and a row's outputs do
+// not depend on the rows beside it. A row of x with a
 // NaN or an infinity is not quantized: its outputs are f32 dot products with the widened
 // weights (dot_q8_f32), so the NaN or infinity comes through.
 //
@@ -1661,6 +1662,72 @@ MT_DEFINE_DOT_Q8(dot_q8_vnni, MT_AVX2_VNNI, q8_lanes_vnni)
 #undef MT_DEFINE_DOT_Q8
 #undef MT_Q8_BLOCK
 
+#define MT_VNNI512 MT_TARGET("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+
+// X quantized rows of x against one q8 row, two blocks an instruction on AVX-512 VNNI (decode's
+// few rows; one row of x keeps the 4-stream kernel above): a zmm holds block b's 8 lanes below
+// and block b + 1's above, so the low half is the even blocks' accumulator and the high half
+// the odd ones', as in MT_Q8_BLOCK. x * sign(w) as x negated where w < 0 (AVX-512 has no vpsignb;
+// where w is 0 its product is 0 either way, |x| <= 127); the scales sw * sx as a vector product
+// of the weight's pair of scales and x's (`sx`: per row of x, per pair of blocks, sx_b eight
+// times then sx_b+1, from q8_x_scale_pairs), rounded as the scalar product is. All X rows at
+// once: the weight row is read once. Each sum is dot_q8_vnni's to the bit (an odd last block
+// adds into the low half only).
+template <int X>
+MT_VNNI512 void dot_q8_rows_vnni512(const int8_t* const* xq, const float* const* sx,
+                                    const int8_t* row, int64_t k, float* out) {
+  __m512 t[X];
+#pragma GCC unroll 8
+  for (int i = 0; i < X; ++i) t[i] = _mm512_setzero_ps();
+  const int64_t blocks = k / kQ8Block;
+  auto step = [&](int64_t b, bool pair) MT_VNNI512 {
+    // Two blocks, or the last one with zeros above (load_pair: the emulated build's intrinsics).
+    auto load_pair = [&](const int8_t* p) MT_VNNI512 {
+      return pair ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(__mmask32(0xffff), p);
+    };
+    const __m512i w = load_pair(row + b * kQ8Block);
+    const __m512i aw = _mm512_abs_epi8(w);
+    const __mmask64 neg = _mm512_movepi8_mask(w);
+    float sw0, sw1 = 0.f;
+    std::memcpy(&sw0, row + k + b * 4, 4);
+    if (pair) std::memcpy(&sw1, row + k + (b + 1) * 4, 4);
+    // maskz forms: the unmasked intrinsics start from _mm512_undefined (see load16).
+    const __m512 sw0v = _mm512_set1_ps(sw0);
+    const __m512 swv = _mm512_mask_shuffle_f32x4(sw0v, 0xffff, sw0v, _mm512_set1_ps(sw1), 0x00);
+#pragma GCC unroll 8
+    for (int i = 0; i < X; ++i) {
+      const __m512i xv = load_pair(xq[i] + b * kQ8Block);
+      const __m512i sxv = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+      const __m512 scale = _mm512_mul_ps(swv, _mm512_load_ps(sx[i] + b / 2 * 16));
+      const __m512 lanes =
+          _mm512_maskz_cvtepi32_ps(0xffff, _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, sxv));
+      const __m512 sum = _mm512_fmadd_ps(scale, lanes, t[i]);
+      t[i] = pair ? sum : _mm512_mask_blend_ps(__mmask16(0x00ff), t[i], sum);
+    }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
+    _mm_prefetch(reinterpret_cast<const char*>(row) + kQ8Prefetch + b * kQ8Block, _MM_HINT_T0);
+    step(b, true);
+  }
+  if (b < blocks) step(b, false);
+#pragma GCC unroll 8
+  for (int i = 0; i < X; ++i)
+    out[i] = hsum8(_mm256_add_ps(_mm512_maskz_extractf32x8_ps(0xff, t[i], 0),
+                                 _mm512_maskz_extractf32x8_ps(0xff, t[i], 1)));
+}
+
+// A quantized row of x's scales for dot_q8_rows_vnni512: per pair of blocks 16 floats, sx_b
+// eight times then sx_b+1 (0 past the last block), into out (64-byte aligned).
+void q8_x_scale_pairs(const int8_t* xq, int64_t k, float* out) {
+  const int64_t blocks = k / kQ8Block;
+  for (int64_t b = 0; b < (blocks + 1) / 2 * 2; ++b) {
+    float v = 0.f;
+    if (b < blocks) std::memcpy(&v, xq + k + b * 4, 4);
+    std::fill_n(out + b / 2 * 16 + (b % 2) * 8, 8, v);
+  }
+}
+
 enum class Q8Kernels { portable, avx2, vnni };
 
 Q8Kernels q8_kernels() {
@@ -1681,6 +1748,33 @@ void dot_q8(Q8Kernels set, const int8_t* const* xq, const int8_t* const* rows, i
     dot_q8_vnni<X, S>(xq, rows, k, out);
   else
     dot_q8_avx2<X, S>(xq, rows, k, out);
+}
+
+// f(std::integral_constant<int, n>) for n in [1, 8].
+template <class F>
+void with_count_1_to_8(int64_t n, const F& f) {
+  if (n > 4) {
+    switch (n) {
+      case 8:
+        return f(std::integral_constant<int, 8>{});
+      case 7:
+        return f(std::integral_constant<int, 7>{});
+      case 6:
+        return f(std::integral_constant<int, 6>{});
+      default:
+        return f(std::integral_constant<int, 5>{});
+    }
+  }
+  with_count_1_to_4(n, f);
+}
+
+// Whether more than one quantized row of x takes dot_q8_rows_vnni512 (AVX-512 VNNI; the
+// MT_CPU_Q8_WIDE=0 switch keeps the 256-bit kernel, for comparisons).
+bool q8_wide_rows() {
+  static const bool kOn = env_switch("MT_CPU_Q8_WIDE", true,
+                                     "decode's int8 products of several rows keep the 256-bit "
+                                     "kernel (0) or take the 512-bit one on AVX-512 VNNI (1)");
+  return kOn;
 }
 
 constexpr int kQ8Streams = 4;
@@ -1711,13 +1805,34 @@ void gemv_q8(int64_t m, const int8_t* xq, int64_t rx, const bool* ok, const floa
     gemv_q8_streams(set, xq, w, rb, k, j0, j1, y);
     return;
   }
-  // The quantized rows, in groups of up to 4 that share each weight block's loads.
+  // The quantized rows, in groups of up to 4 that share each weight block's loads (all of them
+  // at once on AVX-512 VNNI).
   int64_t idx[kFewRows], nq = 0;
   for (int64_t r = 0; r < m; ++r)
     if (ok[r]) idx[nq++] = r;
+  const bool wide = set == Q8Kernels::vnni && nq > 1 && q8_wide_rows();
+  // wide: the rows' blocks and their scale pairs (q8_x_scale_pairs), once for the task's rows.
+  const int8_t* xs[kFewRows] = {};
+  const float* sxs[kFewRows] = {};
+  const int64_t pair_floats = (k / kQ8Block + 1) / 2 * 16;
+  std::vector<float> scales;
+  if (wide) {
+    scales.resize(static_cast<size_t>(nq * pair_floats + 16));
+    float* base = scales.data() + (16 - reinterpret_cast<uintptr_t>(scales.data()) % 64 / 4) % 16;
+    for (int64_t i = 0; i < nq; ++i) {
+      xs[i] = xq + idx[i] * rx;
+      sxs[i] = base + i * pair_floats;
+      q8_x_scale_pairs(xs[i], k, base + i * pair_floats);
+    }
+  }
   for (int64_t j = j0; j < j1; ++j) {
     const int8_t* row = w + j * rb;
-    for (int64_t g = 0; g < nq; g += 4) {
+    if (wide) {
+      float s[kFewRows] = {};
+      with_count_1_to_8(nq, [&](auto c) { dot_q8_rows_vnni512<c()>(xs, sxs, row, k, s); });
+      for (int64_t i = 0; i < nq; ++i) y[idx[i] * ldy + j] = s[i];
+    }
+    for (int64_t g = 0; g < (wide ? 0 : nq); g += 4) {
       const int64_t nx = std::min<int64_t>(4, nq - g);
       const int8_t* xs[4] = {};
       float s[4] = {};
