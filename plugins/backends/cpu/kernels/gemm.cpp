@@ -661,7 +661,7 @@ MT_AVX512 void gemv_row_streams_avx512(const float* x, int64_t ldx, const W* w, 
     const W* rows[4] = {};
     for (int s = 0; s < live; ++s) rows[s] = w + js[s] * ldw;
     float sums[4][X];
-    with_count_1_to_4(live, [&](auto n) { row_dots_avx512<W, n(), X>(xs, rows, k, sums); });
+    with_count<4>(live, [&](auto n) { row_dots_avx512<W, n(), X>(xs, rows, k, sums); });
     for (int s = 0; s < live; ++s)
       for (int i = 0; i < X; ++i)
         y[i * ldy + js[s]] = combine(sums[s][i], alpha, beta, y[i * ldy + js[s]]);
@@ -1406,11 +1406,12 @@ void grouped_matvec(const Tensor& x, const Tensor& w, const std::vector<int32_t>
   Tensor x32;
   std::vector<float> padded;
   std::vector<uint16_t> packed;  // amx: each expert's rows packed at packed_at[e]
-  std::vector<int64_t> packed_at(off.size(), 0);
+  std::vector<int64_t> packed_at;
   const float* xf = nullptr;
   int64_t ldx = k, most = 0;
   for (const int64_t e : experts) most = std::max<int64_t>(most, off[e + 1] - off[e]);
   if (amx) {
+    packed_at.assign(off.size(), 0);
     int64_t total = 0;
     for (const int64_t e : experts) {
       packed_at[static_cast<size_t>(e)] = total;
@@ -1750,24 +1751,6 @@ void dot_q8(Q8Kernels set, const int8_t* const* xq, const int8_t* const* rows, i
     dot_q8_avx2<X, S>(xq, rows, k, out);
 }
 
-// f(std::integral_constant<int, n>) for n in [1, 8].
-template <class F>
-void with_count_1_to_8(int64_t n, const F& f) {
-  if (n > 4) {
-    switch (n) {
-      case 8:
-        return f(std::integral_constant<int, 8>{});
-      case 7:
-        return f(std::integral_constant<int, 7>{});
-      case 6:
-        return f(std::integral_constant<int, 6>{});
-      default:
-        return f(std::integral_constant<int, 5>{});
-    }
-  }
-  with_count_1_to_4(n, f);
-}
-
 // Whether more than one quantized row of x takes dot_q8_rows_vnni512 (AVX-512 VNNI; the
 // MT_CPU_Q8_WIDE=0 switch keeps the 256-bit kernel, for comparisons).
 bool q8_wide_rows() {
@@ -1790,7 +1773,7 @@ void gemv_q8_streams(Q8Kernels set, const int8_t* xq, const int8_t* w, int64_t r
     const int8_t* rows[kQ8Streams] = {};
     for (int s = 0; s < live; ++s) rows[s] = w + js[s] * rb;
     float sums[kQ8Streams];
-    with_count_1_to_4(live, [&](auto n) { dot_q8<1, n()>(set, &xq, rows, k, sums); });
+    with_count<4>(live, [&](auto n) { dot_q8<1, n()>(set, &xq, rows, k, sums); });
     for (int s = 0; s < live; ++s) y[js[s]] = sums[s];
   }
 }
@@ -1812,27 +1795,27 @@ void gemv_q8(int64_t m, const int8_t* xq, int64_t rx, const bool* ok, const floa
     if (ok[r]) idx[nq++] = r;
   const bool wide = set == Q8Kernels::vnni && nq > 1 && q8_wide_rows();
   // wide: the rows' blocks and their scale pairs (q8_x_scale_pairs), once for the task's rows.
-  const int8_t* xs[kFewRows] = {};
-  const float* sxs[kFewRows] = {};
-  const int64_t pair_floats = (k / kQ8Block + 1) / 2 * 16;
+  const int8_t* wide_x[kFewRows] = {};
+  const float* wide_sx[kFewRows] = {};
   std::vector<float> scales;
   if (wide) {
+    const int64_t pair_floats = (k / kQ8Block + 1) / 2 * 16;
     scales.resize(static_cast<size_t>(nq * pair_floats + 16));
     float* base = scales.data() + (16 - reinterpret_cast<uintptr_t>(scales.data()) % 64 / 4) % 16;
     for (int64_t i = 0; i < nq; ++i) {
-      xs[i] = xq + idx[i] * rx;
-      sxs[i] = base + i * pair_floats;
-      q8_x_scale_pairs(xs[i], k, base + i * pair_floats);
+      wide_x[i] = xq + idx[i] * rx;
+      wide_sx[i] = base + i * pair_floats;
+      q8_x_scale_pairs(wide_x[i], k, base + i * pair_floats);
     }
   }
   for (int64_t j = j0; j < j1; ++j) {
     const int8_t* row = w + j * rb;
     if (wide) {
       float s[kFewRows] = {};
-      with_count_1_to_8(nq, [&](auto c) { dot_q8_rows_vnni512<c()>(xs, sxs, row, k, s); });
+      with_count<8>(nq, [&](auto c) { dot_q8_rows_vnni512<c()>(wide_x, wide_sx, row, k, s); });
       for (int64_t i = 0; i < nq; ++i) y[idx[i] * ldy + j] = s[i];
     }
-    for (int64_t g = 0; g < (wide ? 0 : nq); g += 4) {
+    for (int64_t g = 0; !wide && g < nq; g += 4) {
       const int64_t nx = std::min<int64_t>(4, nq - g);
       const int8_t* xs[4] = {};
       float s[4] = {};
@@ -1840,7 +1823,7 @@ void gemv_q8(int64_t m, const int8_t* xq, int64_t rx, const bool* ok, const floa
       if (set == Q8Kernels::portable) {
         for (int64_t i = 0; i < nx; ++i) s[i] = dot_q8q8_portable(xs[i], row, k);
       } else {
-        with_count_1_to_4(nx, [&](auto c) { dot_q8<c(), 1>(set, xs, &row, k, s); });
+        with_count<4>(nx, [&](auto c) { dot_q8<c(), 1>(set, xs, &row, k, s); });
       }
       for (int64_t i = 0; i < nx; ++i) y[idx[g + i] * ldy + j] = s[i];
     }

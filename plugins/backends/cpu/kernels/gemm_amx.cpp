@@ -740,7 +740,7 @@ MT_BF16DOT void gemv_rows_bf16dot(int64_t rows_m, const uint16_t* x, int64_t ldx
       const uint16_t* rows[S] = {};
       for (int s = 0; s < live; ++s) rows[s] = w + js[s] * ldw;
       float sums[S];
-      with_count_1_to_4(live, [&](auto n) { row_dots_bf16dot<n()>(x, rows, k, sums); });
+      with_count<4>(live, [&](auto n) { row_dots_bf16dot<n()>(x, rows, k, sums); });
       for (int s = 0; s < live; ++s) {
         float& out = y[js[s]];
         out = beta == 0.f ? alpha * sums[s] : alpha * sums[s] + beta * out;

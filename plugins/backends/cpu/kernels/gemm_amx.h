@@ -57,18 +57,15 @@ inline int stream_rows(int64_t j0, int64_t j1, int64_t h, int64_t i, int streams
   return live;
 }
 
-// f(std::integral_constant<int, n>) for n in [1, 4] (a kernel templated on its row count).
-template <class F>
-void with_count_1_to_4(int64_t n, const F& f) {
-  switch (n) {
-    case 4:
-      return f(std::integral_constant<int, 4>{});
-    case 3:
-      return f(std::integral_constant<int, 3>{});
-    case 2:
-      return f(std::integral_constant<int, 2>{});
-    default:
-      return f(std::integral_constant<int, 1>{});
+// f(std::integral_constant<int, n>) for n in [1, Most] (a kernel templated on its row count;
+// n above Most runs as Most, below 1 as 1).
+template <int Most, class F>
+void with_count(int64_t n, const F& f) {
+  if constexpr (Most > 1) {
+    if (n >= Most) return f(std::integral_constant<int, Most>{});
+    return with_count<Most - 1>(n, f);
+  } else {
+    return f(std::integral_constant<int, 1>{});
   }
 }
 
