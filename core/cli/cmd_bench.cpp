@@ -156,9 +156,6 @@ int bench_train(Args args) {
                bench_label(cfg, args).c_str(), static_cast<long>(cfg.get_int("steps")),
                static_cast<long>(kUntimedSteps));
   // Under mpirun, one rank of a data-parallel job: tokens/s counts every rank's tokens.
-  // The backend's plugin registers first: the CPU plugin's sets OPENBLAS_CORETYPE as it loads
-  // OpenBLAS, which must not race a getenv on MPI's threads.
-  pm.require("backend", cfg.get_string("backend"));
   std::unique_ptr<Communicator> comm = make_communicator(cfg, pm);
   const TrainSummary s = train_on_ranks(cfg, pm, /*quiet=*/true, *comm, "mt bench");
   if (comm->rank() != 0) return 0;

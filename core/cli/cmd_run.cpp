@@ -30,9 +30,6 @@ int cmd_run(const Args& args) {
   for (const auto& d : cfg.get_string_list("plugin_dirs")) dirs.emplace_back(d);
   PluginManager pm(dirs);
   // Under mpirun: one rank of a data-parallel job (communicator=auto|mpi).
-  // The backend's plugin registers first: the CPU plugin's sets OPENBLAS_CORETYPE as it loads
-  // OpenBLAS, which must not race a getenv on MPI's threads.
-  pm.require("backend", cfg.get_string("backend"));
   std::unique_ptr<Communicator> comm = make_communicator(cfg, pm);
   // SIGINT / SIGTERM / SIGHUP: the step under way ends, a checkpoint of it is saved, and the exit
   // code is 128 + the signal's number on every rank (so a scheduler or a script sees an unfinished

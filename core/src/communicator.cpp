@@ -144,6 +144,9 @@ std::unique_ptr<Communicator> make_communicator(const Config& cfg, PluginManager
                      " ranks; use communicator=mpi (or auto) to train with all of them.");
     return make_local_communicator();
   }
+  // The backend's plugin registers before MPI starts its threads: the CPU plugin's sets
+  // OPENBLAS_CORETYPE as it loads OpenBLAS, and setenv must not race a getenv on another thread.
+  plugins.require("backend", cfg.get_string("backend"));
   return plugins.make_communicator(name, cfg);
 }
 

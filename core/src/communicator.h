@@ -15,6 +15,9 @@ class Config;
 class PluginManager;
 
 std::unique_ptr<Communicator> make_local_communicator();
+// communicator=auto|local|mpi|nccl (auto: mpi under a launcher, else local). Before a plugin's
+// communicator (MPI, whose threads read the environment) the configured backend's plugin is
+// loaded and registered.
 std::unique_ptr<Communicator> make_communicator(const Config& cfg, PluginManager& plugins);
 
 // What the launcher says before any communicator exists: the world size (0 when not started

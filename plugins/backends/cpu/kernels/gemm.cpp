@@ -1349,6 +1349,8 @@ void matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool tran
   // a handful of rows or a GEMM's packing, and each row's result is what it alone would get.
   // With b shared and a untransposed the batch is already folded into M.
   const bool few = p.m == 1 || (shared_b && !trans_a && p.m <= kFewRows);
+  // Few bf16 rows against [n, k] bf16 weights: the kernels that read both as they are.
+  const bool bf16_rows = few && p.tb && a.dtype() == DType::bf16 && b.dtype() == DType::bf16;
 
   const bool packed_bf16 = k > 0 && !few && a.dtype() == DType::bf16 && b.dtype() == DType::bf16 &&
                            packed_bf16_gemm_on();
@@ -1366,13 +1368,11 @@ void matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool tran
                                                       : c.backend()->empty(c.shape(), DType::f32);
   if (k == 0) {
     scale_only(beta, c32.ptr<float>(), c32.numel());
-  } else if (few && p.tb && a.dtype() == DType::bf16 && b.dtype() == DType::bf16 &&
-             matvec_bf16dot_on()) {
+  } else if (bf16_rows && matvec_bf16dot_on()) {
     // bf16 rows against [n, k] bf16 weights (decode's transposed projections): vdpbf16ps reads
-    // both as they are, with no widening of either.
+    // both as they are, with no widening of either; AMX tiles load the weight rows as they are.
     matvec_bf16dot(p, a.ptr<const uint16_t>(), b.ptr<const uint16_t>(), c32.ptr<float>());
-  } else if (few && p.tb && a.dtype() == DType::bf16 && b.dtype() == DType::bf16 &&
-             matvec_amx_on()) {
+  } else if (bf16_rows && matvec_amx_on()) {
     matvec_amx(p, a.ptr<const uint16_t>(), b.ptr<const uint16_t>(), c32.ptr<float>());
   } else if (few) {
     const Tensor a32 = as_f32(a);  // a few rows per batch item: cheap to widen
@@ -1401,8 +1401,9 @@ void grouped_matvec(const Tensor& x, const Tensor& w, const std::vector<int32_t>
   // The kernels matmul picks for one expert's few rows (bit for bit its products): bf16 dot
   // products, AMX tiles (each expert's rows packed once for all its tasks), or x widened to f32
   // (and padded as matvec pads it: a layout, not arithmetic).
-  const bool dot = trans_w && x.dtype() == DType::bf16 && wbf && matvec_bf16dot_on();
-  const bool amx = !dot && trans_w && x.dtype() == DType::bf16 && wbf && matvec_amx_on();
+  const bool bf16_rows = trans_w && x.dtype() == DType::bf16 && wbf;
+  const bool dot = bf16_rows && matvec_bf16dot_on();
+  const bool amx = bf16_rows && !dot && matvec_amx_on();
   Tensor x32;
   std::vector<float> padded;
   std::vector<uint16_t> packed;  // amx: each expert's rows packed at packed_at[e]

@@ -27,8 +27,8 @@ void copy_columns(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_c
                   bool accumulate);
 
 // gemm.cpp
-// Chooses the GEMM path for this machine. Must run before OpenBLAS initialises its threads
-// (called from the plugin's registration, before any GEMM).
+// Chooses the GEMM path for this machine and measures the peaks (called by the backend factory,
+// before any GEMM; OpenBLAS itself is loaded earlier, by load_blas).
 void gemm_setup(int num_threads);
 // Loads OpenBLAS (gemm_setup's first part, setting OPENBLAS_CORETYPE around its loading):
 // called when the plugin registers, before other threads may read the environment.
