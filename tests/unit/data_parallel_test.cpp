@@ -1150,6 +1150,39 @@ TEST(DataParallel, FsdpCheckpointsResumeOnAnyNumberOfRanks) {
     EXPECT_LE(max_param_err(d.root / runs[k], d.root / "straight"), 1e-5) << runs[k];
 }
 
+// load_full_state_path under several ranks (each rank reads its parts of the state:
+// load_full_state_parts): a state saved at step 10 by 2 FSDP ranks, read into new run
+// directories under FSDP, tensor parallelism and one rank (its whole-state reader), continues
+// as the straight run did: losses of steps 11-20 within 1e-6, the run saying where it started.
+TEST(DataParallel, FullStateLoadsOntoAnyMesh) {
+  MT_NEED_MPIRUN();
+  Dir d;
+  const std::string common =
+      "dataset_type=tokens vocab_size=8192 dataset_path=" + test::source_dir() +
+      "/data/corpus.train.tokens learning_rate_schedule_steps=20";
+  const std::string fsdp = "ici_data_parallelism=1 ici_fsdp_parallelism=2";
+  test::MtResult r = launch(d.root, "straight", {1, 2, ""}, common);
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = launch(d.root, "saved", {2, 1, fsdp}, common + " checkpoint_period=10 steps=10");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::vector<double> want = losses(d.root / "straight");
+  ASSERT_EQ(want.size(), 20u);
+  const std::string from = (d.root / "saved" / "checkpoints").string();
+  const std::vector<Launch> loaders{
+      {2, 1, fsdp}, {2, 2, "ici_tensor_parallelism=2 ici_data_parallelism=1"}, {1, 2, ""}};
+  for (size_t k = 0; k < loaders.size(); ++k) {
+    const std::string name = "loaded" + std::to_string(k);
+    r = launch(d.root, name, loaders[k], common + " load_full_state_path=" + from);
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_NE(r.out.find("full state from " + from), std::string::npos) << r.out;
+    const std::vector<double> got = losses(d.root / name);
+    ASSERT_EQ(got.size(), 10u) << name;
+    for (size_t i = 0; i < got.size(); ++i)
+      EXPECT_NEAR(got[i], want[10 + i], 1e-6 * std::fabs(want[10 + i]))
+          << name << " step " << i + 11;
+  }
+}
+
 // The memory plan's traffic (what a ring moves per rank and direction, summed over its
 // collectives) is what the ranks' collectives measure (communication_bytes: the bytes a
 // rank received in a step, median over the timed steps): within 1% for data parallelism,
