@@ -232,15 +232,19 @@ test::MtResult launch(const fs::path& root, const std::string& name, const Launc
   return l.ranks == 1 ? test::run_mt(args, 120) : mpirun(l.ranks, args, 120);
 }
 
+// The words of check_resumes' runs: the same tokens file, the learning rate decayed over 20 steps.
+std::string resume_words() {
+  return "dataset_type=tokens vocab_size=8192 dataset_path=" + test::source_dir() +
+         "/data/corpus.train.tokens learning_rate_schedule_steps=20";
+}
+
 // A checkpoint saved at step 10 by `saver` resumes under each of `resumers` (the same global
 // batch), and each continues as `straight`, which ran the 20 steps at once: every loss within
 // 1e-6. Returns the runs' names (straight first) for further checks. Every run reads the same
 // tokens file and decays the learning rate over 20 steps.
 std::vector<std::string> check_resumes(const fs::path& root, const Launch& straight,
                                        const Launch& saver, const std::vector<Launch>& resumers) {
-  const std::string common =
-      "dataset_type=tokens vocab_size=8192 dataset_path=" + test::source_dir() +
-      "/data/corpus.train.tokens learning_rate_schedule_steps=20";
+  const std::string common = resume_words();
   std::vector<std::string> names{"straight"};
   test::MtResult r = launch(root, "straight", straight, common);
   EXPECT_EQ(r.code, 0) << r.out;
@@ -1157,9 +1161,7 @@ TEST(DataParallel, FsdpCheckpointsResumeOnAnyNumberOfRanks) {
 TEST(DataParallel, FullStateLoadsOntoAnyMesh) {
   MT_NEED_MPIRUN();
   Dir d;
-  const std::string common =
-      "dataset_type=tokens vocab_size=8192 dataset_path=" + test::source_dir() +
-      "/data/corpus.train.tokens learning_rate_schedule_steps=20";
+  const std::string common = resume_words();
   const std::string fsdp = "ici_data_parallelism=1 ici_fsdp_parallelism=2";
   test::MtResult r = launch(d.root, "straight", {1, 2, ""}, common);
   ASSERT_EQ(r.code, 0) << r.out;

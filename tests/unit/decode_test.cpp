@@ -12,6 +12,7 @@
 #include "checkpoint_manager.h"
 #include "config_loader.h"
 #include "decoder.h"
+#include "fused_projections.h"
 #include "hf_interop.h"
 #include "model_runner.h"
 #include "mt/data.h"
@@ -477,12 +478,11 @@ TEST(Decode, FusingHoldsOneGroupAtATime) {
   // The largest group's bytes, and all groups' together.
   size_t largest = 0, all = 0;
   for (const auto& p : r.params())
-    for (const auto& group :
-         {std::vector<std::string>{"wq", "wk", "wv"}, std::vector<std::string>{"w_gate", "w_up"}}) {
+    for (const auto& group : fused_projection_groups()) {
       if (!p.name.ends_with(group[0])) continue;
       const std::string prefix = p.name.substr(0, p.name.size() - group[0].size());
       size_t bytes = 0;
-      for (const auto& w : group) bytes += r.find(prefix + w)->value.nbytes();
+      for (const auto w : group) bytes += r.find(prefix + std::string(w))->value.nbytes();
       largest = std::max(largest, bytes);
       all += bytes;
     }
