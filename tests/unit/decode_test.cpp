@@ -13,6 +13,7 @@
 #include "config_loader.h"
 #include "decoder.h"
 #include "fused_projections.h"
+#include "held_peak_backend.h"
 #include "hf_interop.h"
 #include "model_runner.h"
 #include "mt/data.h"
@@ -422,43 +423,6 @@ TEST(Decode, FusedProjectionsGiveTheSameLogits) {
   }
 }
 
-// A backend that passes everything to another and keeps the most bytes that one's allocator held
-// at once (in use and cached), read at each allocation.
-class HeldPeakBackend final : public Backend {
- public:
-  explicit HeldPeakBackend(std::unique_ptr<Backend> inner) : inner_(std::move(inner)) {}
-  Backend& inner() { return *inner_; }
-  size_t peak_held = 0;
-
-  std::string name() const override { return inner_->name(); }
-  std::string describe() const override { return inner_->describe(); }
-  double peak_flops(DType d) const override { return inner_->peak_flops(d); }
-  Tensor empty(const Shape& s, DType d) override {
-    Tensor t = inner_->empty(s, d);
-    const MemoryStats m = inner_->memory_stats();
-    peak_held = std::max(peak_held, m.bytes_in_use + m.bytes_cached);
-    return t;
-  }
-  void release(void* p, size_t n) override { inner_->release(p, n); }
-  void copy_from_host(Tensor& dst, const void* src) override { inner_->copy_from_host(dst, src); }
-  void copy_to_host(const Tensor& src, void* dst) override { inner_->copy_to_host(src, dst); }
-  void synchronize() override { inner_->synchronize(); }
-  MemoryStats memory_stats() const override { return inner_->memory_stats(); }
-  void reset_peak_memory() override { inner_->reset_peak_memory(); }
-  void release_cached_memory() override { inner_->release_cached_memory(); }
-  bool supports(Op op) const override { return inner_->supports(op); }
-  void* extension(const char* n) override { return inner_->extension(n); }
-#define MT_OP(kind, ret, name, params, args) \
-  ret name params override {                 \
-    return inner_->name args;                \
-  }
-#include "mt/ops.def"
-#undef MT_OP
-
- private:
-  std::unique_ptr<Backend> inner_;
-};
-
 // Fusing holds one group's former tensors beside the model at a time, each group's given back as
 // it is joined: cached until the end, every block's q/k/v and gate/up stayed in the process's
 // memory at once (llama-bench-1b's bf16 decode peaked above its plan there).
@@ -469,8 +433,8 @@ TEST(Decode, FusingHoldsOneGroupAtATime) {
   req.overrides = {"dtype=float32", "weight_dtype=float32"};
   req.schemas_for = test::family_schemas;
   const Config cfg = load_config(req);
-  auto owner = std::make_unique<HeldPeakBackend>(test::plugins().make_backend("cpu", cfg));
-  HeldPeakBackend& held = *owner;
+  auto owner = std::make_unique<test::HeldPeakBackend>(test::plugins().make_backend("cpu", cfg));
+  test::HeldPeakBackend& held = *owner;
   auto attention = test::plugins().make_attention("cpu", cfg.get_string("attention"), held.inner());
   ModelRunner r(cfg, test::plugins(), std::move(owner), std::move(attention));
   r.init_parameters(11);
