@@ -5,7 +5,9 @@
 # thread count, interleaved (mt, then llama.cpp, then again) so that a machine shared with other
 # work slows each alike. Prints every run's JSON line, then one summary line per model and dtype
 # with the medians of each side, the ratios mt / llama.cpp, and both parameter counts (they must
-# agree: the same tensors).
+# agree: the same tensors). A llama-bench test that fails is reported with its exit status and
+# tried once more, prefill without weight repacking (--repack 0) and decode at depth 0; the
+# summary then says so (llamacpp_prefill_without_repack, llamacpp_decode_depth).
 #   bench/decode_vs_llamacpp.sh [model ...]
 #   (default: llama-bench-m llama-bench-1b mixtral-bench-100m, the last a mixture of experts:
 #   llama.cpp's converter writes Mixtral's experts as its merged expert tensors)
