@@ -423,6 +423,33 @@ TEST(Decode, FusedProjectionsGiveTheSameLogits) {
   }
 }
 
+// Transposing the projections holds one more weight's tensor beside the model (besides its two
+// host buffers), as the plan's loading row counts: largest first, each replaced block the next
+// one's while the size lasts, the cache released at each change of size. In declared order the
+// last layer's blocks stayed cached while the LM head was transposed.
+TEST(Decode, TransposingHoldsOneMoreWeight) {
+  ConfigRequest req;
+  req.configs_dir = test::source_dir() + "/configs";
+  req.model = "llama-test";
+  req.overrides = {"dtype=float32", "weight_dtype=float32"};
+  req.schemas_for = test::family_schemas;
+  const Config cfg = load_config(req);
+  auto owner = std::make_unique<test::HeldPeakBackend>(test::plugins().make_backend("cpu", cfg));
+  test::HeldPeakBackend& held = *owner;
+  auto attention = test::plugins().make_attention("cpu", cfg.get_string("attention"), held.inner());
+  ModelRunner r(cfg, test::plugins(), std::move(owner), std::move(attention));
+  r.init_parameters(11);
+  size_t largest = 0;
+  for (const auto& p : r.params())
+    if (p.spec.projection) largest = std::max(largest, p.value.nbytes());
+  held.release_cached_memory();
+  const size_t weights = held.memory_stats().bytes_in_use;
+  held.peak_held = 0;
+  ASSERT_GT(r.transpose_projections(), 0u);
+  EXPECT_LE(held.peak_held, weights + largest + largest / 8);  // and the allocator's rounding
+  EXPECT_EQ(held.memory_stats().bytes_cached, 0u);
+}
+
 // Fusing holds one group's former tensors beside the model at a time, each group's given back as
 // it is joined: cached until the end, every block's q/k/v and gate/up stayed in the process's
 // memory at once (llama-bench-1b's bf16 decode peaked above its plan there).
