@@ -423,48 +423,50 @@ TEST(Decode, FusedProjectionsGiveTheSameLogits) {
   }
 }
 
-// Transposing the projections holds one more weight's tensor beside the model (besides its two
-// host buffers), as the plan's loading row counts: largest first, each replaced block the next
-// one's while the size lasts, the cache released at each change of size. In declared order the
-// last layer's blocks stayed cached while the LM head was transposed.
-TEST(Decode, TransposingHoldsOneMoreWeight) {
+// llama-test in f32, initialised, on the CPU backend wrapped by test::HeldPeakBackend (`held`).
+std::unique_ptr<ModelRunner> held_runner(test::HeldPeakBackend*& held) {
   ConfigRequest req;
   req.configs_dir = test::source_dir() + "/configs";
   req.model = "llama-test";
   req.overrides = {"dtype=float32", "weight_dtype=float32"};
   req.schemas_for = test::family_schemas;
   const Config cfg = load_config(req);
-  auto owner = std::make_unique<test::HeldPeakBackend>(test::plugins().make_backend("cpu", cfg));
-  test::HeldPeakBackend& held = *owner;
-  auto attention = test::plugins().make_attention("cpu", cfg.get_string("attention"), held.inner());
-  ModelRunner r(cfg, test::plugins(), std::move(owner), std::move(attention));
-  r.init_parameters(11);
+  auto backend = std::make_unique<test::HeldPeakBackend>(test::plugins().make_backend("cpu", cfg));
+  held = backend.get();
+  auto attention =
+      test::plugins().make_attention("cpu", cfg.get_string("attention"), held->inner());
+  auto r =
+      std::make_unique<ModelRunner>(cfg, test::plugins(), std::move(backend), std::move(attention));
+  r->init_parameters(11);
+  return r;
+}
+
+// Transposing the projections holds one more weight's tensor beside the model (besides its two
+// host buffers), as the plan's loading row counts: largest first, each replaced block the next
+// one's while the size lasts, the cache released at each change of size. In declared order the
+// last layer's blocks stayed cached while the LM head was transposed.
+TEST(Decode, TransposingHoldsOneMoreWeight) {
+  test::HeldPeakBackend* held = nullptr;
+  const std::unique_ptr<ModelRunner> owner = held_runner(held);
+  ModelRunner& r = *owner;
   size_t largest = 0;
   for (const auto& p : r.params())
     if (p.spec.projection) largest = std::max(largest, p.value.nbytes());
-  held.release_cached_memory();
-  const size_t weights = held.memory_stats().bytes_in_use;
-  held.peak_held = 0;
+  held->release_cached_memory();
+  const size_t weights = held->memory_stats().bytes_in_use;
+  held->peak_held = 0;
   ASSERT_GT(r.transpose_projections(), 0u);
-  EXPECT_LE(held.peak_held, weights + largest + largest / 8);  // and the allocator's rounding
-  EXPECT_EQ(held.memory_stats().bytes_cached, 0u);
+  EXPECT_LE(held->peak_held, weights + largest + largest / 8);  // and the allocator's rounding
+  EXPECT_EQ(held->memory_stats().bytes_cached, 0u);
 }
 
 // Fusing holds one group's former tensors beside the model at a time, each group's given back as
 // it is joined: cached until the end, every block's q/k/v and gate/up stayed in the process's
 // memory at once (llama-bench-1b's bf16 decode peaked above its plan there).
 TEST(Decode, FusingHoldsOneGroupAtATime) {
-  ConfigRequest req;
-  req.configs_dir = test::source_dir() + "/configs";
-  req.model = "llama-test";
-  req.overrides = {"dtype=float32", "weight_dtype=float32"};
-  req.schemas_for = test::family_schemas;
-  const Config cfg = load_config(req);
-  auto owner = std::make_unique<test::HeldPeakBackend>(test::plugins().make_backend("cpu", cfg));
-  test::HeldPeakBackend& held = *owner;
-  auto attention = test::plugins().make_attention("cpu", cfg.get_string("attention"), held.inner());
-  ModelRunner r(cfg, test::plugins(), std::move(owner), std::move(attention));
-  r.init_parameters(11);
+  test::HeldPeakBackend* held = nullptr;
+  const std::unique_ptr<ModelRunner> owner = held_runner(held);
+  ModelRunner& r = *owner;
   ASSERT_GT(r.transpose_projections(), 0u);
   // The largest group's bytes, and all groups' together.
   size_t largest = 0, all = 0;
@@ -478,13 +480,13 @@ TEST(Decode, FusingHoldsOneGroupAtATime) {
       all += bytes;
     }
   ASSERT_GT(all, 2 * largest);  // several groups, or the bound below tells nothing
-  const MemoryStats before = held.memory_stats();
+  const MemoryStats before = held->memory_stats();
   ASSERT_EQ(before.bytes_cached, 0u);
-  held.peak_held = 0;
+  held->peak_held = 0;
   ASSERT_GT(r.fuse_projections(), 0u);
   // The model, one group's new tensor beside its former ones, and the allocator's rounding.
-  EXPECT_LE(held.peak_held, before.bytes_in_use + largest + largest / 4);
-  EXPECT_EQ(held.memory_stats().bytes_cached, 0u);
+  EXPECT_LE(held->peak_held, before.bytes_in_use + largest + largest / 4);
+  EXPECT_EQ(held->memory_stats().bytes_cached, 0u);
 }
 
 // Weights a forward casts (f32 masters, bf16 compute) are not fused: the group's tensor would be
