@@ -477,7 +477,6 @@ size_t ModelRunner::transpose_projections() {
     return 0;
   if (sharding_.on()) return 0;
   const bool experts = backend().extension("mt.grouped_rows_layout") != nullptr;
-  size_t count = 0;
   std::vector<uint16_t> a16, b16;
   std::vector<uint32_t> a32, b32;
   // Largest first, those of one size together: the host buffers grow once, and each replaced
@@ -508,13 +507,12 @@ size_t ModelRunner::transpose_projections() {
     p.value = size == 2 ? transposed_copy(backend(), p.value, a16, b16)
                         : transposed_copy(backend(), p.value, a32, b32);
     p.layout = WeightLayout::transposed;
-    ++count;
     // The [K, N] tensors' blocks, which nothing will ask for again, back to the system.
     if (i + 1 == order.size() || order[i + 1]->value.nbytes() != p.value.nbytes())
       backend().release_cached_memory();
   }
-  any_layout_ = any_layout_ || count > 0;
-  return count;
+  any_layout_ = any_layout_ || !order.empty();
+  return order.size();
 }
 
 size_t ModelRunner::fuse_projections() {

@@ -1370,9 +1370,10 @@ void matmul(const Tensor& a, const Tensor& b, Tensor& c, bool trans_a, bool tran
     scale_only(beta, c32.ptr<float>(), c32.numel());
   } else if (bf16_rows && matvec_bf16dot_on()) {
     // bf16 rows against [n, k] bf16 weights (decode's transposed projections): vdpbf16ps reads
-    // both as they are, with no widening of either; AMX tiles load the weight rows as they are.
+    // both as they are, with no widening of either.
     matvec_bf16dot(p, a.ptr<const uint16_t>(), b.ptr<const uint16_t>(), c32.ptr<float>());
   } else if (bf16_rows && matvec_amx_on()) {
+    // The same on AMX tiles, which load the weight rows as they are.
     matvec_amx(p, a.ptr<const uint16_t>(), b.ptr<const uint16_t>(), c32.ptr<float>());
   } else if (few) {
     const Tensor a32 = as_f32(a);  // a few rows per batch item: cheap to widen
