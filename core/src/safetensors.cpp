@@ -74,55 +74,6 @@ const StType* find_st_type(std::string_view name) {
   return nullptr;
 }
 
-float f16_to_f32(uint16_t h) {
-  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1Fu;
-  uint32_t mant = h & 0x3FFu;
-  uint32_t bits;
-  if (exp == 0x1F) {
-    bits = sign | 0x7F800000u | (mant << 13);  // inf or nan (payload kept)
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (mant << 13);
-  } else if (mant == 0) {
-    bits = sign;
-  } else {
-    // Subnormal half: normalise into an f32 normal.
-    int e = -1;
-    do {
-      ++e;
-      mant <<= 1;
-    } while ((mant & 0x400u) == 0);
-    bits = sign | (static_cast<uint32_t>(112 - e) << 23) | ((mant & 0x3FFu) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-// Round to nearest even, overflow to inf, NaN stays NaN.
-uint16_t f32_to_f16(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
-  uint32_t ax = x & 0x7FFFFFFFu;
-  if (ax > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7E00u);
-  if (ax >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // rounds to >= 65520
-  if (ax < 0x38800000u) {
-    // Result is subnormal (or zero): value / 2^-24, rounded to nearest even.
-    if (ax < 0x33000000u) return sign;  // below half the smallest subnormal
-    uint32_t e = ax >> 23;
-    uint32_t m = (ax & 0x7FFFFFu) | 0x800000u;
-    uint32_t shift = 126 - e;  // 14..24: bits dropped to land on the 2^-24 grid
-    uint32_t q = m >> shift;
-    uint32_t rem = m & ((1u << shift) - 1);
-    uint32_t half = 1u << (shift - 1);
-    if (rem > half || (rem == half && (q & 1u))) ++q;
-    return static_cast<uint16_t>(sign | q);
-  }
-  uint32_t r = ax + 0xFFFu + ((ax >> 13) & 1u);  // round the 13 dropped bits, ties to even
-  return static_cast<uint16_t>(sign | ((r - 0x38000000u) >> 13));
-}
-
 template <class T>
 T load_le(const std::byte* p) {
   T v;

@@ -1,5 +1,9 @@
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstdint>
+
+#include "mt/dtype.h"
 #include "mt/error.h"
 #include "test_support.h"
 
@@ -48,3 +52,44 @@ TEST(Tensor, AbsurdAllocationsAreRefusedAndTheBackendGoesOn) {
 }
 
 }  // namespace mt
+
+// f16 (mt/dtype.h; int8 rows' scales, safetensors' F16): every finite f16 and infinity widens to
+// the value its bits define (checked against ldexp) and narrows back to itself; between two
+// neighbours, the midpoint rounds to the even one and anything off it to the nearer; beyond
+// 65504 from the midpoint 65520 on is an infinity; NaN stays NaN.
+TEST(DType, F16ConversionsAreExactAndRoundToNearestEven) {
+  auto value = [](uint32_t h) {
+    const uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    const double mag = std::ldexp(static_cast<double>(e ? 1024 + m : m), (e ? int(e) : 1) - 25);
+    return (h & 0x8000u) ? -mag : mag;
+  };
+  for (uint32_t h = 0; h < 0x10000u; ++h) {
+    const bool nan = ((h >> 10) & 0x1fu) == 0x1fu && (h & 0x3ffu) != 0;
+    const float f = mt::f16_to_f32(static_cast<uint16_t>(h));
+    if (nan) {
+      ASSERT_TRUE(std::isnan(f)) << h;
+      ASSERT_TRUE(std::isnan(mt::f16_to_f32(mt::f32_to_f16(f)))) << h;
+      continue;
+    }
+    if (((h >> 10) & 0x1fu) == 0x1fu) {
+      ASSERT_TRUE(std::isinf(f) && (f < 0) == bool(h & 0x8000u)) << h;
+    } else {
+      ASSERT_EQ(static_cast<double>(f), value(h)) << h;
+    }
+    ASSERT_EQ(mt::f32_to_f16(f), h) << h;
+  }
+  for (uint32_t h = 0; h < 0x7bffu; ++h) {  // neighbours h, h + 1, both finite and >= 0
+    const auto mid = static_cast<float>((value(h) + value(h + 1)) / 2);  // exact: 12 bits
+    ASSERT_EQ(static_cast<double>(mid), (value(h) + value(h + 1)) / 2) << h;
+    ASSERT_EQ(mt::f32_to_f16(mid), (h & 1u) ? h + 1 : h) << h;
+    ASSERT_EQ(mt::f32_to_f16(std::nextafter(mid, 0.f)), h) << h;
+    ASSERT_EQ(mt::f32_to_f16(std::nextafter(mid, 1e9f)), h + 1) << h;
+    ASSERT_EQ(mt::f32_to_f16(-mid), ((h & 1u) ? h + 1 : h) | 0x8000u) << h;
+  }
+  EXPECT_EQ(mt::f32_to_f16(65504.f), 0x7bffu);
+  EXPECT_EQ(mt::f32_to_f16(std::nextafter(65520.f, 0.f)), 0x7bffu);
+  EXPECT_EQ(mt::f32_to_f16(65520.f), 0x7c00u);
+  EXPECT_EQ(mt::f32_to_f16(-1e30f), 0xfc00u);
+  EXPECT_EQ(mt::f32_to_f16(std::ldexp(1.f, -25)), 0u);  // half the smallest subnormal: even
+  EXPECT_EQ(mt::f32_to_f16(std::nextafter(std::ldexp(1.f, -25), 1.f)), 1u);
+}

@@ -1,4 +1,4 @@
-// Element types and bf16 conversion helpers.
+// Element types and bf16 / f16 conversion helpers.
 #pragma once
 
 #include <cstddef>
@@ -36,6 +36,47 @@ inline uint16_t f32_to_bf16(float f) {
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
+}
+
+// IEEE binary16 (f16): 1 sign, 5 exponent, 10 mantissa bits. Exact into f32 (subnormals too);
+// from f32 rounded to nearest even, beyond 65504 (rounding to 65520 or more) an infinity, NaN
+// stays NaN.
+inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu,
+                 mant = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);  // inf or NaN (payload kept)
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else {  // zero or subnormal: mant x 2^-24, exact in f32
+    const float f = static_cast<float>(mant) * 0x1p-24f;
+    std::memcpy(&bits, &f, 4);
+    bits |= sign;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t f32_to_f16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const auto sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+  const uint32_t ax = x & 0x7fffffffu;
+  if (ax > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);   // quiet NaN
+  if (ax >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to >= 65520
+  if (ax < 0x38800000u) {               // subnormal or zero: value / 2^-24 rounded to nearest even
+    if (ax < 0x33000000u) return sign;  // below half the smallest subnormal
+    const uint32_t e = ax >> 23, m = (ax & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126 - e;  // 14..24 bits dropped to land on the 2^-24 grid
+    uint32_t q = m >> shift;
+    const uint32_t rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (q & 1u))) ++q;
+    return static_cast<uint16_t>(sign | q);
+  }
+  const uint32_t r = ax + 0xfffu + ((ax >> 13) & 1u);  // the 13 dropped bits, ties to even
+  return static_cast<uint16_t>(sign | ((r - 0x38000000u) >> 13));
 }
 
 }  // namespace mt
