@@ -479,7 +479,10 @@ void BM_MatVecQ8Stream(benchmark::State& state) {
   std::vector<int8_t> q(static_cast<size_t>(one));
   for (int64_t j = 0; j < n; ++j) {
     for (float& v : wf) v = nd(rng);
-    mt::quantize_q8_row(wf.data(), k, q.data() + j * rb);
+    if (!mt::quantize_q8_row(wf.data(), k, q.data() + j * rb)) {
+      state.SkipWithError("a row could not be quantized");
+      return;
+    }
   }
   std::vector<mt::Tensor> ws;
   for (int64_t i = 0; i < count; ++i) {
@@ -514,7 +517,10 @@ void BM_GroupedQ8Stream(benchmark::State& state) {
   std::vector<int8_t> q(static_cast<size_t>(one));
   for (int64_t j = 0; j < a * n; ++j) {
     for (float& v : wf) v = nd(rng);
-    mt::quantize_q8_row(wf.data(), k, q.data() + j * rb);
+    if (!mt::quantize_q8_row(wf.data(), k, q.data() + j * rb)) {
+      state.SkipWithError("a row could not be quantized");
+      return;
+    }
   }
   std::vector<mt::Tensor> ws;
   for (int64_t i = 0; i < count; ++i) {

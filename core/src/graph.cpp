@@ -11,6 +11,7 @@
 #include "communicator.h"
 #include "graph_internal.h"
 #include "mt/error.h"
+#include "mt/q8.h"
 
 namespace mt {
 
@@ -333,9 +334,8 @@ Tensor Graph::embedding(const Params& p, std::string_view table, const Tensor& i
   if (p.layout(table) != WeightLayout::q8) return embedding(p[table], ids);
   // Inference only: an int8 table has no gradient (and is never split among ranks).
   const Tensor& q = p.stored(table);
-  MT_CHECK(q.ndim() == 2 && q.dim(1) % 9 == 0,
-           "embedding: the int8 table '" + std::string(table) + "' is " + q.str());
-  const int64_t d = q.dim(1) / 9 * 8;
+  const int64_t d = q.ndim() == 2 ? q8_row_values(q.dim(1)) : -1;
+  MT_CHECK(d > 0, "embedding: the int8 table '" + std::string(table) + "' is " + q.str());
   Shape s = ids.shape();
   s.push_back(d);
   Tensor out = backend_->empty(s, p.dtype());

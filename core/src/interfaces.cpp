@@ -28,6 +28,7 @@ void fail(const std::string& msg) { throw Error(msg, ErrorKind::runtime); }
 #include "mt/checkpointer.h"
 #include "mt/data.h"
 #include "mt/model.h"
+#include "mt/q8.h"
 #include "mt/tokenizer.h"
 
 #include "model_info.h"
@@ -101,9 +102,9 @@ Shape Params::shape(std::string_view name) const {
     case WeightLayout::transposed:
       std::swap(s[r - 2], s[r - 1]);
       break;
-    case WeightLayout::q8: {  // [N, K + K / 8] -> [K, N]
+    case WeightLayout::q8: {  // [N, K + K / 16] -> [K, N]
       const int64_t n = s[r - 2];
-      s[r - 2] = s[r - 1] / 9 * 8;
+      s[r - 2] = q8_row_values(s[r - 1]);
       s[r - 1] = n;
       break;
     }

@@ -2,10 +2,12 @@
 
 #include "config_impl.h"
 
+#include <fmt/format.h>
 #include <oneapi/tbb/blocked_range.h>
 #include <oneapi/tbb/parallel_for.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -37,8 +39,8 @@ namespace mt {
 
 namespace {
 
-// The int8 rows a projection weight becomes under quantization=int8 ([N, K + K / 8], or
-// experts' [E, N, K + K / 8]; a tied table's [V, D + D / 8]), or nothing where it stays in the
+// The int8 rows a projection weight becomes under quantization=int8 ([N, K + K / 16], or
+// experts' [E, N, K + K / 16]; a tied table's [V, D + D / 16]), or nothing where it stays in the
 // compute dtype (not a projection or tied table, split among ranks, or rows not a multiple of
 // 32 long).
 std::optional<Shape> q8_shape(const Param& p) {
@@ -666,11 +668,23 @@ void ModelRunner::store_q8_rows(Param& p, std::vector<float>& host, bool rows_al
     std::vector<float>().swap(host);  // one f32 copy at a time beside the int8 rows
   }
   std::vector<int8_t> q(static_cast<size_t>(mats * n * rb));
+  std::atomic<int64_t> bad{mats * n};  // the first row that cannot be held, if any
   tbb::parallel_for(tbb::blocked_range<int64_t>(0, mats * n, 64),
                     [&](const tbb::blocked_range<int64_t>& rs) {
                       for (int64_t r = rs.begin(); r < rs.end(); ++r)
-                        quantize_q8_row(rows.data() + r * k, k, q.data() + r * rb);
+                        if (!quantize_q8_row(rows.data() + r * k, k, q.data() + r * rb)) {
+                          int64_t seen = bad.load();
+                          while (r < seen && !bad.compare_exchange_weak(seen, r)) {
+                          }
+                        }
                     });
+  if (const int64_t r = bad.load(); r < mats * n)
+    throw Error(fmt::format(
+        "quantization=int8: {} cannot be held as int8 rows: its row {} of {} ({} input "
+        "values{}) holds NaN, an infinity or a value beyond 127 x 65504 (about 8.3e6), which an "
+        "int8 row's f16 block scale cannot hold. The f32 or bf16 model would compute with it: "
+        "run without quantization=int8, or mend the checkpoint.",
+        p.name, r % n, n, k, mats > 1 ? fmt::format(", of expert {}", r / n) : std::string()));
   backend().copy_from_host(p.value, q.data());
 }
 

@@ -46,7 +46,7 @@ struct Param {
   // weight (WeightLayout); layers read it through Graph::project.
   WeightLayout layout = WeightLayout::dense;
   // An embedding table tied to the LM head (ParamSpec::table, matmul): quantization=int8 holds
-  // it as its own rows [V, D + D / 8], which are the head's (W = table^T [D, V]).
+  // it as its own rows [V, D + D / 16], which are the head's (W = table^T [D, V]).
   bool tied_table() const { return spec.table && spec.matmul && spec.shape.size() == 2; }
 };
 
@@ -225,7 +225,7 @@ class ModelRunner {
   // Inference only, quantization=int8: stores each projection weight (ParamSpec::projection)
   // whose rows are a multiple of 32 long as int8 rows with an f32 scale per 32 values (mt/q8.h,
   // as llama.cpp's q8_0), about a quarter of f32's bytes and half of bf16's, which a decode step
-  // reads through Backend::matmul_q8; experts' weights [E, K, N] alike, as [E, N, K + K / 8]
+  // reads through Backend::matmul_q8; experts' weights [E, K, N] alike, as [E, N, K + K / 16]
   // (Graph::grouped_project, one matmul_q8 per expert with rows). Other parameters keep the
   // compute dtype. Not for sharded or tensor-parallel parameters (refused). Returns how many
   // it quantized.

@@ -94,13 +94,13 @@ void Backend::embedding_backward(const Tensor& dout, const Tensor& ids, Tensor& 
 
 void Backend::embedding_q8_forward(const Tensor& table, const Tensor& ids, Tensor& out) {
   const int64_t rb = table.defined() && table.ndim() == 2 ? table.dim(1) : 0;
-  const int64_t D = rb / 9 * 8, N = ids.defined() ? ids.numel() : 0;
+  const int64_t D = q8_row_values(rb), N = ids.defined() ? ids.numel() : 0;
   MT_CHECK(table.defined() && table.dtype() == DType::i8 && table.ndim() == 2 && D > 0 &&
                q8_row_bytes(D) == rb && ids.defined() && ids.dtype() == DType::i32 &&
                out.defined() && (out.dtype() == DType::f32 || out.dtype() == DType::bf16) &&
                out.numel() == N * D,
            "embedding_q8_forward: table " + str(table) + ", ids " + str(ids) + ", out " + str(out) +
-               " (want table i8 [V, D + D / 8] with D a multiple of 32, ids [N] i32, " +
+               " (want table i8 [V, D + D / 16] with D a multiple of 32, ids [N] i32, " +
                "out [N, D] f32 or bf16)");
   if (N == 0) return;
   // The fall-back path: each looked-up row through the host.
@@ -341,7 +341,7 @@ void Backend::matmul_q8(const Tensor& x, const Tensor& w, Tensor& y) {
            "matmul_q8: x " + (x.defined() ? x.str() : std::string("none")) + ", w " +
                (w.defined() ? w.str() : std::string("none")) + ", y " +
                (y.defined() ? y.str() : std::string("none")) +
-               " (want x [..., K] with K a multiple of 32, w i8 [N, K + K / 8], y [..., N])");
+               " (want x [..., K] with K a multiple of 32, w i8 [N, K + K / 16], y [..., N])");
   // The fall-back path: the rows dequantized through the host, then an ordinary matmul.
   const int64_t n = w.dim(0);
   std::vector<int8_t> q(static_cast<size_t>(w.numel()));
@@ -371,7 +371,7 @@ void Backend::grouped_matmul_q8(const Tensor& x, const Tensor& w,
   ok = ok && rows == x.dim(0) && out.dim(0) == rows && out.dim(1) == w.dim(1);
   MT_CHECK(ok, "grouped_matmul_q8: x " + str(x) + ", w " + str(w) + ", out " + str(out) + " and " +
                    std::to_string(counts.size()) +
-                   " counts (want x [M, K], w i8 [E, N, K + K / 8], out [M, N] and E counts "
+                   " counts (want x [M, K], w i8 [E, N, K + K / 16], out [M, N] and E counts "
                    "of rows, at least 0, summing to M)");
   const int64_t n = w.dim(1), rb = w.dim(2);
   int64_t r = 0;

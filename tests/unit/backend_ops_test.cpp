@@ -68,7 +68,8 @@ struct OpRun {
     const int64_t n = shape_numel(lead), rb = q8_row_bytes(k);
     const std::vector<float> f = test::randn(static_cast<size_t>(n * k), rng);
     std::vector<int8_t> q(static_cast<size_t>(n * rb));
-    for (int64_t j = 0; j < n; ++j) quantize_q8_row(f.data() + j * k, k, q.data() + j * rb);
+    for (int64_t j = 0; j < n; ++j)
+      EXPECT_TRUE(quantize_q8_row(f.data() + j * k, k, q.data() + j * rb));
     lead.push_back(rb);
     Tensor t = b.empty(lead, DType::i8);
     b.copy_from_host(t, q.data());
@@ -217,7 +218,7 @@ std::vector<OpCase> cases() {
   // times a power of two, exact in bf16 too), and every backend computes the same product to
   // the usual rounding.
   add(Op::matmul_q8, "matmul_q8", [](OpRun& r) {
-    const int64_t k = 64, n = 9;
+    const int64_t k = 96, n = 9;  // rows of 102 bytes: 2-byte aligned only
     Tensor w = r.q8_rows({n}, k);
     Tensor x1 = r.q8_exact({1, k}), y1 = r.out({1, n});
     r.b.matmul_q8(x1, w, y1);
@@ -225,10 +226,10 @@ std::vector<OpCase> cases() {
     Tensor x2 = r.q8_exact({3, 4, k}), y2 = r.out({3, 4, n});
     r.b.matmul_q8(x2, w, y2);
     r.keep("twelve rows", y2);
-    // K = 640: rows of 720 bytes, 16-byte aligned (the CUDA matrix-vector kernel's wide loads),
-    // K / 16 = 40 lane chunks (a warp's lanes take one or two); 1, 2, 3 and 8 rows of x (its
+    // K = 768: rows of 816 bytes, 16-byte aligned (the CUDA matrix-vector kernel's wide loads),
+    // K / 16 = 48 lane chunks (a warp's lanes take one or two); 1, 2, 3 and 8 rows of x (its
     // instances for 1, 2, 4 and 8 rows, one of them partly filled).
-    const int64_t kw = 640;
+    const int64_t kw = 768;
     Tensor w2 = r.q8_rows({n}, kw);
     for (int64_t rows : {1, 2, 3, 8}) {
       Tensor xw = r.q8_exact({rows, kw}), yw = r.out({rows, n});
@@ -236,7 +237,7 @@ std::vector<OpCase> cases() {
       r.keep(std::to_string(rows) + " rows, aligned", yw);
     }
   });
-  // Experts' int8 rows [E, N, K + K / 8]: an expert with no rows, decode's few rows an expert
+  // Experts' int8 rows [E, N, K + K / 16]: an expert with no rows, decode's few rows an expert
   // (the CPU's one fork over every expert), and an expert of 10 rows (each expert on its own, a
   // prefill's GEMM); x's values exact in q8_0 as matmul_q8's case says.
   add(Op::grouped_matmul_q8, "grouped_matmul_q8", [](OpRun& r) {

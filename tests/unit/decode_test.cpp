@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <random>
 
@@ -700,9 +701,9 @@ TEST(Decode, Int8WeightsStayCloseToTheModel) {
         if (p.layout != WeightLayout::q8) continue;
         ++seen;
         EXPECT_EQ(p.value.dtype(), DType::i8) << p.name;
-        const Shape& s = p.spec.shape;  // [K, N], or experts' [E, K, N] -> [E, N, K + K / 8]
+        const Shape& s = p.spec.shape;  // [K, N], or experts' [E, K, N] -> [E, N, K + K / 16]
         const size_t d = s.size();
-        if (!p.spec.projection) {  // a tied table [V, D]: its own rows [V, D + D / 8]
+        if (!p.spec.projection) {  // a tied table [V, D]: its own rows [V, D + D / 16]
           EXPECT_TRUE(p.spec.table && p.spec.matmul) << p.name;
           EXPECT_EQ(p.value.shape(), (Shape{s[0], q8_row_bytes(s[1])})) << p.name;
           ++tables;
@@ -718,7 +719,7 @@ TEST(Decode, Int8WeightsStayCloseToTheModel) {
       // A table tied to the head is held as int8 rows only (qwen2-test, gemma2-test).
       const bool tied = std::string(model) == "qwen2-test" || std::string(model) == "gemma2-test";
       EXPECT_EQ(tables, tied ? 1u : 0u);
-      // The int8 weights: K + K / 8 bytes a row against 4 K (f32).
+      // The int8 weights: K + K / 16 bytes a row against 4 K (f32).
       EXPECT_LT(bytes_after, bytes_before);
       EXPECT_EQ(r.quantize_projections(), 0u);  // nothing left to quantize
       // The same prompt again: logits of the int8 model (the greedy path may differ).
@@ -735,6 +736,43 @@ TEST(Decode, Int8WeightsStayCloseToTheModel) {
       EXPECT_GT(kl, 0.0);  // the weights did change
       std::printf("%s%s: mean KL %.3g over %ld positions, %zu int8 weights\n", model,
                   transpose_first ? " (transposed first)" : "", kl, 6L, n);
+    }
+  }
+}
+
+// A weight that int8 rows cannot hold (NaN, an infinity, or beyond 127 x 65504: a block scale
+// f16 cannot hold) is refused by name and row, where before a NaN became 127 x the block's scale,
+// a finite number. A value just inside f16's range is held.
+TEST(Decode, Int8RefusesWeightsItCannotHold) {
+  const float kInf = std::numeric_limits<float>::infinity();
+  for (const float bad : {std::numeric_limits<float>::quiet_NaN(), -kInf, 127.f * 65520.f, 0.f}) {
+    SCOPED_TRACE(bad);
+    std::unique_ptr<ModelRunner> r = family_runner("llama-test");
+    Param* target = nullptr;
+    for (auto& p : r->params())
+      if (p.spec.projection && p.value.ndim() == 2 && !target) target = &p;
+    ASSERT_NE(target, nullptr);
+    std::vector<float> v = test::to_vector(target->value);
+    const int64_t n = target->value.dim(1);  // [K, N]: value (k, j) is row j's k-th
+    v[static_cast<size_t>(5 * n + 3)] = bad == 0.f ? 127.f * 65000.f : bad;  // row 3
+    target->value = test::from_vector(r->backend(), target->value.shape(), v);
+    const std::string name = target->name;
+    if (bad == 0.f) {  // 65000 rounds to an f16 below 65504: held
+      EXPECT_GT(r->quantize_projections(), 0u);
+      continue;
+    }
+    try {
+      r->quantize_projections();
+      ADD_FAILURE() << "quantized " << bad;
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("quantization=int8: " + name +
+                          " cannot be held as int8 rows: its row 3 "
+                          "of " +
+                          std::to_string(n)),
+                std::string::npos)
+          << what;
+      EXPECT_NE(what.find("run without quantization=int8"), std::string::npos) << what;
     }
   }
 }
@@ -845,7 +883,7 @@ TEST(Decode, ATransposedWeightIsReadOnlyThroughProject) {
   std::vector<int8_t> q(static_cast<size_t>(3 * rb));
   std::vector<float> dq(w2.size());
   for (int64_t j = 0; j < 3; ++j) {
-    quantize_q8_row(w2.data() + j * K, K, q.data() + j * rb);
+    ASSERT_TRUE(quantize_q8_row(w2.data() + j * K, K, q.data() + j * rb));
     dequantize_q8_row(q.data() + j * rb, K, dq.data() + j * K);
   }
   Tensor wq = be.empty({3, rb}, DType::i8);

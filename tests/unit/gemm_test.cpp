@@ -373,8 +373,7 @@ float q8_decode_reference(const float* x, const int8_t* row, int64_t k) {
     float amax = 0.f;
     for (int64_t i = 0; i < kQ8Block; ++i) amax = std::max(amax, std::fabs(v[i]));
     const float sx = amax / 127.f, inv = sx > 0.f ? 1.f / sx : 0.f;
-    float sw;
-    std::memcpy(&sw, row + k + b * 4, 4);
+    const float sw = q8_scale(row, k, b);
     for (int l = 0; l < 8; ++l) {
       int32_t lane = 0;
       for (int64_t i = 4 * l; i < 4 * l + 4; ++i)
@@ -403,15 +402,21 @@ TEST_F(Gemm, Int8RowsMatchTheDequantizedMatmul) {
     std::vector<int8_t> q(static_cast<size_t>(n * rb));
     std::vector<float> dq(w.size());
     for (int64_t j = 0; j < n; ++j) {
-      quantize_q8_row(w.data() + j * k, k, q.data() + j * rb);
+      ASSERT_TRUE(quantize_q8_row(w.data() + j * k, k, q.data() + j * rb));
       dequantize_q8_row(q.data() + j * rb, k, dq.data() + j * k);
       for (int64_t b = 0; b < k / kQ8Block; ++b) {
         float amax = 0.f;
         for (int64_t i = 0; i < kQ8Block; ++i)
           amax = std::max(amax, std::fabs(w[static_cast<size_t>(j * k + b * kQ8Block + i)]));
+        // The scale is max |w| / 127 rounded to f16 (to nearest: 2^-11 of it at most); each
+        // value within half of it, or, where the rounded scale fell short and 127 was the
+        // clamp, within what 127 of it leaves.
+        const float s = q8_scale(q.data() + j * rb, k, b);
+        ASSERT_LE(std::fabs(s - amax / 127.f), amax / 127.f * 0x1p-11f) << "row " << j;
+        const float bound = std::max(s * 0.5f, amax - 127.f * s) * 1.0001f;
         for (int64_t i = 0; i < kQ8Block; ++i) {
           const auto at = static_cast<size_t>(j * k + b * kQ8Block + i);
-          ASSERT_LE(std::fabs(dq[at] - w[at]), amax / 127.f * 0.5001f) << "row " << j;
+          ASSERT_LE(std::fabs(dq[at] - w[at]), bound) << "row " << j;
         }
       }
     }
@@ -476,8 +481,9 @@ TEST_F(Gemm, Int8PrefillEqualsTheRoundedDequantizedProduct) {
     std::vector<float> w = test::randn(static_cast<size_t>(n * k), rng_);
     for (int64_t i = 0; i < k; ++i) w[static_cast<size_t>(k + i)] = 0.f;  // row 1: scale 0
     std::vector<int8_t> q(static_cast<size_t>(n * rb));
-    for (int64_t j = 0; j < n; ++j) quantize_q8_row(w.data() + j * k, k, q.data() + j * rb);
-    const float nan = std::numeric_limits<float>::quiet_NaN();
+    for (int64_t j = 0; j < n; ++j)
+      ASSERT_TRUE(quantize_q8_row(w.data() + j * k, k, q.data() + j * rb));
+    const uint16_t nan = 0x7e00;                           // an f16 NaN
     std::memcpy(q.data() + 2 * rb + k, &nan, sizeof nan);  // row 2, block 0: a NaN scale
     std::vector<float> dq(w.size());
     for (int64_t j = 0; j < n; ++j) dequantize_q8_row(q.data() + j * rb, k, dq.data() + j * k);
@@ -512,7 +518,8 @@ TEST_F(Gemm, Int8DecodeKeepsNanAndInfinity) {
   const int64_t k = 64, n = 5, rb = q8_row_bytes(k);
   std::vector<float> w = test::randn(static_cast<size_t>(n * k), rng_);
   std::vector<int8_t> q(static_cast<size_t>(n * rb));
-  for (int64_t j = 0; j < n; ++j) quantize_q8_row(w.data() + j * k, k, q.data() + j * rb);
+  for (int64_t j = 0; j < n; ++j)
+    ASSERT_TRUE(quantize_q8_row(w.data() + j * k, k, q.data() + j * rb));
   for (int64_t i = 0; i < k; ++i) q[static_cast<size_t>(i)] = 1;  // row 0: all positive
   Tensor wq = be.empty({n, rb}, DType::i8);
   be.copy_from_host(wq, q.data());

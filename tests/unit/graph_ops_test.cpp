@@ -508,7 +508,8 @@ TEST(GraphOps, GroupedMatmulQ8IsEachExpertsProduct) {
   const int64_t K = 128, N = 200, E = 6, rb = q8_row_bytes(K);
   std::vector<int8_t> q(static_cast<size_t>(E * N * rb));
   const std::vector<float> wf = rand_vec(E * N * K, rng);
-  for (int64_t j = 0; j < E * N; ++j) quantize_q8_row(wf.data() + j * K, K, q.data() + j * rb);
+  for (int64_t j = 0; j < E * N; ++j)
+    ASSERT_TRUE(quantize_q8_row(wf.data() + j * K, K, q.data() + j * rb));
   Tensor w = be.empty({E, N, rb}, DType::i8);
   be.copy_from_host(w, q.data());
   for (const DType xt : {DType::f32, DType::bf16})

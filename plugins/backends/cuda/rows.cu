@@ -36,6 +36,15 @@ struct DenseRow {
   int64_t D;
   __device__ float operator()(int64_t r, int64_t d) const { return x[r * D + d]; }
 };
+// Block b's f16 scale of an int8 row of K values (mt/q8.h), exactly as mt::f16_to_f32 (the
+// quantizer makes finite scales only; a subnormal one is mant x 2^-24).
+__device__ __forceinline__ float q8_scale_at(const int8_t* row, int64_t K, int64_t b) {
+  const uint32_t h = *reinterpret_cast<const uint16_t*>(row + K + 2 * b);  // 2-byte aligned
+  const uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+  const float mag = exp != 0 ? __uint_as_float(((exp + 112) << 23) | (mant << 13))
+                             : __fmul_rn(static_cast<float>(mant), 0x1p-24f);
+  return (h & 0x8000u) ? -mag : mag;
+}
 // Element (r, d) of a table of int8 rows (mt/q8.h): q[r, d] x the scale of its block of 32
 // (stored after the row's D values), as the CPU's dequantize_q8_row.
 struct Q8Row {
@@ -43,9 +52,7 @@ struct Q8Row {
   int64_t D, rb;
   __device__ float operator()(int64_t r, int64_t d) const {
     const int8_t* row = q + r * rb;
-    float scale;
-    memcpy(&scale, row + D + d / kQ8Block * 4, 4);
-    return __fmul_rn(static_cast<float>(row[d]), scale);
+    return __fmul_rn(static_cast<float>(row[d]), q8_scale_at(row, D, d / kQ8Block));
   }
 };
 template <class Row>
@@ -207,11 +214,11 @@ void embedding_forward(const Ctx& c, const Tensor& table, const Tensor& ids, Ten
 
 void embedding_q8_forward(const Ctx& c, const Tensor& table, const Tensor& ids, Tensor& o) {
   auto shapes = [&] { return "table " + str(table) + ", ids " + str(ids) + ", out " + str(o); };
-  const int64_t rb = table.defined() && table.ndim() == 2 ? table.dim(1) : 0, D = rb / 9 * 8;
+  const int64_t rb = table.defined() && table.ndim() == 2 ? table.dim(1) : 0, D = q8_row_values(rb);
   MT_CHECK(table.dtype() == DType::i8 && D > 0 && q8_row_bytes(D) == rb && is_fb(o) &&
                ids.defined() && ids.dtype() == DType::i32 && o.numel() == ids.numel() * D,
            "cuda embedding_q8_forward: " + shapes() +
-               " (want table i8 [V, D + D / 8] with D a multiple of 32, ids [N] i32, out [N, D])");
+               " (want table i8 [V, D + D / 16] with D a multiple of 32, ids [N] i32, out [N, D])");
   const int64_t V = table.dim(0);
   unsigned long long* bad = c.checks->slot(
       [V](int64_t n, int64_t id) { return bad_token_id("embedding_q8_forward", n, id, V); });
@@ -543,9 +550,7 @@ __global__ void __launch_bounds__(kQ8Cols)
   if (j >= k) return;
   const int64_t r = blockIdx.x;
   const int8_t* row = q + r * rb;
-  float scale;
-  memcpy(&scale, row + k + j / kQ8Block * 4, 4);
-  o.set(r * k + j, __fmul_rn(static_cast<float>(row[j]), scale));
+  o.set(r * k + j, __fmul_rn(static_cast<float>(row[j]), q8_scale_at(row, k, j / kQ8Block)));
 }
 // f(std::integral_constant<int, R>) for the smallest R of 1, 2, 4 and 8 that holds m rows (the
 // GEMV kernels' row counts).
@@ -580,7 +585,7 @@ __device__ __forceinline__ void store_warp_sums(const float (&acc)[NR][MR], int 
 // Decode's matrix-vector products on int8 rows: y[m, n] = sum_k x[m, k] q[n, k] scale[n, k / 32]
 // for the `rows` (at most MR: 1, 2, 4 or 8) rows of x (f32, or bf16 when XBf16). A warp per NR
 // weight rows (W warps a block): each lane takes 16 consecutive int8 values of each (one 16-byte
-// load when rows are 16-byte aligned, Vec16; else four 4-byte loads), every 512th from its own,
+// load when rows are 16-byte aligned, Vec16; else eight 2-byte loads), every 512th from its own,
 // so the warp reads its rows once, coalesced, and the matching 16 values of each row of x in
 // 16-byte loads (x, a few KB read by every warp, comes through the L1 cache: NR > 1 shares each
 // load among NR weight rows, since at 8 rows of x the L1 cache's bandwidth bounds the kernel). A
@@ -617,13 +622,13 @@ __global__ void __launch_bounds__((GemvShape<MR, XBf16>::W * 32))
       if constexpr (Vec16) {
         const uint4 v = *reinterpret_cast<const uint4*>(row[r] + k0);
         raw[r][0] = v.x, raw[r][1] = v.y, raw[r][2] = v.z, raw[r][3] = v.w;
-      } else {
+      } else {  // rows of K + K / 16 bytes are 2-byte aligned only (K = 32, 96, ...)
+        const auto* h = reinterpret_cast<const uint16_t*>(row[r] + k0);
 #pragma unroll
         for (int t = 0; t < 4; ++t)
-          raw[r][t] = *reinterpret_cast<const uint32_t*>(row[r] + k0 + 4 * t);
+          raw[r][t] = static_cast<uint32_t>(h[2 * t]) | (static_cast<uint32_t>(h[2 * t + 1]) << 16);
       }
-      // rb and q are 4-byte aligned, so are the scales after each row's K values
-      scale[r] = reinterpret_cast<const float*>(row[r] + K)[k0 / kQ8Block];
+      scale[r] = q8_scale_at(row[r], K, k0 / kQ8Block);
     }
 #pragma unroll
     for (int m = 0; m < MR; ++m) {
@@ -677,12 +682,12 @@ void matmul_q8(const Ctx& c, const Tensor& x, const Tensor& w, Tensor& y) {
                w.dim(1) == q8_row_bytes(k) && last_dim(y) == w.dim(0) &&
                x.numel() / std::max<int64_t>(k, 1) * w.dim(0) == y.numel(),
            "cuda matmul_q8: " + shapes() +
-               " (want x [..., K] with K a multiple of 32, w i8 [N, K + K / 8], y [..., N])");
+               " (want x [..., K] with K a multiple of 32, w i8 [N, K + K / 16], y [..., N])");
   const int64_t n = w.dim(0), m = k ? x.numel() / k : 0;
   if (m == 0 || n == 0) return;
   const auto* wp = w.ptr<const int8_t>();
   const auto addr = [](const void* p) { return reinterpret_cast<uintptr_t>(p); };
-  if (m <= 8 && !c.q8_dequant_always && addr(x.data()) % 16 == 0 && addr(wp) % 4 == 0) {
+  if (m <= 8 && !c.q8_dequant_always && addr(x.data()) % 16 == 0 && addr(wp) % 2 == 0) {
     // decode: the int8 rows read once, in place
     const int64_t rb = w.dim(1);
     const bool vec = rb % 16 == 0 && addr(wp) % 16 == 0, xbf = x.dtype() == DType::bf16;
@@ -826,7 +831,7 @@ void grouped_matmul_q8(const Ctx& c, const Tensor& x, const Tensor& w,
   MT_CHECK(ok && rows == x.dim(0) && y.dim(0) == rows && y.dim(1) == w.dim(1),
            "cuda grouped_matmul_q8: x " + str(x) + ", w " + str(w) + ", y " + str(y) + " and " +
                std::to_string(counts.size()) +
-               " counts (want x [M, K], w i8 [E, N, K + K / 8], y [M, N] and E counts of rows "
+               " counts (want x [M, K], w i8 [E, N, K + K / 16], y [M, N] and E counts of rows "
                "summing to M)");
   const int64_t n = w.dim(1), rb = w.dim(2);
   int64_t r = 0;

@@ -26,8 +26,9 @@
 // 3: ops as data (mt/ops.def), Activation::tanh; 4: fill_random (see version.h); 5: matmul_q8;
 // 6: scatter_rows_q8 and dequantize_rows_q8 (the int8 KV cache); 7: grouped_matmul_q8 (int8
 // experts); 8: split_columns and scatter_rows_each (copies to several tensors in one op);
-// 9: embedding_q8_forward (a tied embedding table held as int8 rows)
-#define MT_OPSET_VERSION 9
+// 9: embedding_q8_forward (a tied embedding table held as int8 rows); 10: the int8 ops' rows
+// hold f16 scales (mt/q8.h)
+#define MT_OPSET_VERSION 10
 
 namespace mt {
 

@@ -50,7 +50,7 @@ struct ParamSpec {
   bool projection = false;
   // An embedding table [V, D] read only through Graph::embedding(params, name, ids) and, when it
   // is the LM head too (matmul: tied), as x @ table^T through blocks::lm_head. Inference with
-  // quantization=int8 then stores a tied table as int8 rows [V, D + D / 8] (mt/q8.h), which the
+  // quantization=int8 then stores a tied table as int8 rows [V, D + D / 16] (mt/q8.h), which the
   // lookup widens row by row and the head reads through Backend::matmul_q8: a decode step reads
   // the whole table for the logits. blocks::decoder_top_params sets it.
   bool table = false;
@@ -58,9 +58,9 @@ struct ParamSpec {
 
 // How the core stored a projection weight (ParamSpec::projection) for inference: as declared
 // ([K, N]), transposed ([N, K]), or as int8 rows with a scale per 32 values (mt/q8.h: an i8
-// tensor [N, K + K / 8], quantization=int8). Experts' weights [E, K, N] likewise per expert
-// ([E, N, K], [E, N, K + K / 8]). Graph::project and Graph::grouped_project read all three.
-// A tied embedding table (ParamSpec::table) [V, D] is dense or q8: its own rows [V, D + D / 8],
+// tensor [N, K + K / 16], quantization=int8). Experts' weights [E, K, N] likewise per expert
+// ([E, N, K], [E, N, K + K / 16]). Graph::project and Graph::grouped_project read all three.
+// A tied embedding table (ParamSpec::table) [V, D] is dense or q8: its own rows [V, D + D / 16],
 // which are those of the head it is (W = table^T [D, V]), so Graph::project reads them as the
 // head and Graph::embedding(params, ...) looks tokens up in them.
 enum class WeightLayout : uint8_t { dense, transposed, q8 };

@@ -38,5 +38,6 @@
 // scatter_rows_each (op set 8); 19: Registry::add_dataset_keys (a data plugin's own config keys)
 // and mt::hf_derived_head_dim; 20: ParamSpec::table, Params::dtype, Graph::embedding of a
 // Params' table and Backend::embedding_q8_forward (op set 9: a tied table as int8 rows); 21:
-// Backend::release_cached_memory.
-#define MT_ABI_VERSION 21u
+// Backend::release_cached_memory; 22: int8 rows (mt/q8.h) carry f16 scales, K + K / 16 bytes a
+// row (were f32, K + K / 8): a plugin built before reads them wrong, so it is refused.
+#define MT_ABI_VERSION 22u

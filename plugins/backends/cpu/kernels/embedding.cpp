@@ -72,13 +72,13 @@ void embedding_forward(const Tensor& table, const Tensor& ids, Tensor& out) {
                     });
 }
 
-// table i8 [V, D + D / 8] (int8 rows, mt/q8.h), ids [N] i32, out [N, D] f32 or bf16
+// table i8 [V, D + D / 16] (int8 rows, mt/q8.h), ids [N] i32, out [N, D] f32 or bf16
 void embedding_q8_forward(const Tensor& table, const Tensor& ids, Tensor& out) {
-  const int64_t rb = table.ndim() == 2 ? table.dim(1) : 0, D = rb / 9 * 8;
+  const int64_t rb = table.ndim() == 2 ? table.dim(1) : 0, D = q8_row_values(rb);
   MT_CHECK(table.dtype() == DType::i8 && table.ndim() == 2 && D > 0 && q8_row_bytes(D) == rb &&
                is_fb(out.dtype()) && out.numel() == ids.numel() * D,
            "cpu embedding_q8_forward: table " + table.str() + ", ids " + ids.str() + ", out " +
-               out.str() + " (want table i8 [V, D + D / 8] with D a multiple of 32, out [N, D])");
+               out.str() + " (want table i8 [V, D + D / 16] with D a multiple of 32, out [N, D])");
   const int64_t V = table.dim(0), N = ids.numel();
   check_ids("embedding_q8_forward", ids, V);
   const int32_t* id = ids.ptr<const int32_t>();

@@ -64,7 +64,7 @@ namespace {
 // ---- the CPU's instruction sets -------------------------------------------------------------
 
 struct Isa {
-  bool avx2_fma = false;
+  bool avx2_fma = false;  // with F16C
   bool avx512 = false;  // F + BW + DQ + VL: what OpenBLAS's SkylakeX kernels and ours use
   bool avx512_bf16 = false;
   bool amx_bf16 = false;
@@ -73,7 +73,7 @@ struct Isa {
   static Isa detect() {
     __builtin_cpu_init();
     Isa isa;
-    isa.avx2_fma = mt_cpu_supports("avx2") && mt_cpu_supports("fma");
+    isa.avx2_fma = mt_cpu_supports("avx2") && mt_cpu_supports("fma") && mt_cpu_supports("f16c");
     isa.avx512 = mt_cpu_supports("avx512f") && mt_cpu_supports("avx512bw") &&
                  mt_cpu_supports("avx512dq") && mt_cpu_supports("avx512vl");
     isa.avx512_bf16 = isa.avx512 && mt_cpu_supports("avx512bf16");
@@ -720,7 +720,8 @@ MT_AVX512 void gemv_cols_avx512(int64_t rows_m, const float* x, int64_t ldx, con
     }
 }
 
-#define MT_AVX2 MT_TARGET("avx2,fma")
+// F16C with them (every AVX2 CPU has it): int8 rows' f16 scales (mt/q8.h).
+#define MT_AVX2 MT_TARGET("avx2,fma,f16c")
 
 // Eight f32 from W (bf16 widened in registers by a 16-bit shift).
 template <class W>
@@ -1471,12 +1472,13 @@ void grouped_matvec(const Tensor& x, const Tensor& w, const std::vector<int32_t>
 namespace {
 
 // Decode's int8 products (M <= kFewRows rows of x): each row of x is quantized as the weights
-// are, in blocks of 32 with an f32 scale (q8_0 activations, as llama.cpp's q8_0 x q8_0 dot
-// products and MaxText's int8, which quantizes both operands), except that its values round
-// half to even (the vector conversion's rounding). A block's 32 products are then summed exactly
-// in int32, four consecutive ones to each of 8 lanes (AVX512-VNNI's vpdpbusd, or AVX2's
-// maddubs + madd, on |w| and x * sign(w): the same lanes, the same integers), and each block's
-// lanes enter one of two f32 accumulators (even and odd blocks) as
+// are, in blocks of 32 (q8_0 activations, as llama.cpp's q8_0 x q8_0 dot products and MaxText's
+// int8, which quantizes both operands), except that its scale stays f32 (a row of x is made and
+// read once: its scale's bytes cost nothing; the weights' are f16, mt/q8.h) and its values round
+// half to even (the vector conversion's rounding). Its rows are q8x_row_bytes(k) long. A block's 32
+// products are then summed exactly in int32, four consecutive ones to each of 8 lanes
+// (AVX512-VNNI's vpdpbusd, or AVX2's maddubs + madd, on |w| and x * sign(w): the same lanes, the
+// same integers), and each block's lanes enter one of two f32 accumulators (even and odd blocks) as
 // fma(scale_w * scale_x, float(lanes), acc); then (acc0 + acc1) and the lanes in hsum8's order.
 // Every kernel set (portable, AVX2, AVX-512; several rows on AVX-512 VNNI two blocks a zmm)
 // computes those operations in that order, so they give the same bits, and a row's outputs do
@@ -1494,9 +1496,21 @@ namespace {
 // (without ahead in nine pairs, 1% behind in one), on AVX-512 29-41 against 31-46 (without
 // ahead in all ten), and f32 decode of llama-bench-1b was no faster with one.
 constexpr int64_t kQ8Prefetch = 2048;
-constexpr int64_t kQ8BlockBytes = kQ8Block + 4;
+constexpr int64_t kQ8BlockBytes = kQ8Block + 2;  // a weight block and its f16 scale
 
-// x's row [k] -> out [q8_row_bytes(k)] by the rule above; false (out unwritten) when the row
+// A quantized row of x: its k values, then k / 32 f32 scales.
+int64_t q8x_row_bytes(int64_t k) {
+  return k + k / kQ8Block * 4;
+}
+
+// Block b's scale of a weight row (f16, mt/q8.h) by F16C: the bits of mt::q8_scale.
+MT_AVX2 inline float q8_scale_f16c(const int8_t* row, int64_t k, int64_t b) {
+  uint16_t h;
+  std::memcpy(&h, row + k + b * 2, 2);
+  return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h)));
+}
+
+// x's row [k] -> out [q8x_row_bytes(k)] by the rule above; false (out unwritten) when the row
 // holds a NaN or an infinity.
 bool quantize_x_q8(const float* x, int64_t k, int8_t* out) {
   for (int64_t b = 0; b < k / kQ8Block; ++b) {
@@ -1569,8 +1583,8 @@ float dot_q8q8_portable(const int8_t* xq, const int8_t* row, int64_t k) {
   float acc[2][8] = {};
   int32_t lanes[8];
   for (int64_t b = 0; b < k / kQ8Block; ++b) {
-    float sw, sx;
-    std::memcpy(&sw, row + k + b * 4, 4);
+    const float sw = q8_scale(row, k, b);
+    float sx;
     std::memcpy(&sx, xq + k + b * 4, 4);
     const float s = sw * sx;
     q8_block_lanes(row + b * kQ8Block, xq + b * kQ8Block, lanes);
@@ -1589,14 +1603,12 @@ float dot_q8_f32(const float* x, const int8_t* row, int64_t k) {
     float p = 0.f;
     for (int64_t i = 0; i < kQ8Block; ++i)
       p += x[b * kQ8Block + i] * static_cast<float>(row[b * kQ8Block + i]);
-    float scale;
-    std::memcpy(&scale, row + k + b * 4, 4);
-    t += scale * p;
+    t += q8_scale(row, k, b) * p;
   }
   return t;
 }
 
-#define MT_AVX2_VNNI MT_TARGET("avx2,fma,avx512f,avx512vl,avx512vnni")
+#define MT_AVX2_VNNI MT_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")
 
 // A block's 8 lanes from |w| and x * sign(w): AVX2's maddubs (pairs, at most 2 * 128 * 127 in
 // int16) then madd with ones (pairs of pairs), or one AVX512-VNNI vpdpbusd: the same sums.
@@ -1621,8 +1633,7 @@ MT_AVX2_VNNI inline __m256i q8_lanes_vnni(__m256i aw, __m256i sx) {
       const __m256i w =                                                                       \
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[s] + (B)*kQ8Block));       \
       const __m256i aw = _mm256_sign_epi8(w, w);                                              \
-      float sw;                                                                               \
-      std::memcpy(&sw, rows[s] + k + (B)*4, 4);                                               \
+      const float sw = q8_scale_f16c(rows[s], k, (B));                                        \
       _Pragma("GCC unroll 4") for (int i = 0; i < X; ++i) {                                   \
         const __m256i xv =                                                                    \
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[i] + (B)*kQ8Block));       \
@@ -1645,7 +1656,7 @@ MT_AVX2_VNNI inline __m256i q8_lanes_vnni(__m256i aw, __m256i sx) {
     const int64_t blocks = k / kQ8Block;                                                        \
     int64_t b = 0;                                                                              \
     for (; b + 2 <= blocks; b += 2) {                                                           \
-      /* Each stream's lines ahead: a block and its scale are 36 bytes, two blocks 72. */       \
+      /* Each stream's lines ahead: a block and its scale are 34 bytes, two blocks 68. */       \
       _Pragma("GCC unroll 4") for (int s = 0; s < S; ++s) {                                     \
         const char* ahead = reinterpret_cast<const char*>(rows[s]) + kQ8Prefetch;               \
         _mm_prefetch(ahead + b * kQ8BlockBytes, _MM_HINT_T0);                                   \
@@ -1665,7 +1676,7 @@ MT_DEFINE_DOT_Q8(dot_q8_vnni, MT_AVX2_VNNI, q8_lanes_vnni)
 #undef MT_DEFINE_DOT_Q8
 #undef MT_Q8_BLOCK
 
-#define MT_VNNI512 MT_TARGET("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+#define MT_VNNI512 MT_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
 
 // X quantized rows of x against one q8 row, two blocks an instruction on AVX-512 VNNI (decode's
 // few rows; one row of x keeps the 4-stream kernel above): a zmm holds block b's 8 lanes below
@@ -1691,12 +1702,14 @@ MT_VNNI512 void dot_q8_rows_vnni512(const int8_t* const* xq, const float* const*
     const __m512i w = load_pair(row + b * kQ8Block);
     const __m512i aw = _mm512_abs_epi8(w);
     const __mmask64 neg = _mm512_movepi8_mask(w);
-    float sw0, sw1 = 0.f;
-    std::memcpy(&sw0, row + k + b * 4, 4);
-    if (pair) std::memcpy(&sw1, row + k + (b + 1) * 4, 4);
+    // The pair's two f16 scales in one conversion (an odd last block's alone: the 2 bytes
+    // after its scale are past the row), block b's in the low 8 lanes, b + 1's in the high.
+    int32_t hs = 0;
+    std::memcpy(&hs, row + k + b * 2, pair ? 4 : 2);
     // maskz forms: the unmasked intrinsics start from _mm512_undefined (see load16).
-    const __m512 sw0v = _mm512_set1_ps(sw0);
-    const __m512 swv = _mm512_mask_shuffle_f32x4(sw0v, 0xffff, sw0v, _mm512_set1_ps(sw1), 0x00);
+    const __m512 swv = _mm512_maskz_permutexvar_ps(
+        0xffff, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+        _mm512_maskz_broadcast_f32x4(0xffff, _mm_cvtph_ps(_mm_cvtsi32_si128(hs))));
 #pragma GCC unroll 8
     for (int i = 0; i < X; ++i) {
       const __m512i xv = load_pair(xq[i] + b * kQ8Block);
@@ -1847,7 +1860,7 @@ void matmul_q8(const Tensor& x, const Tensor& w, Tensor& y) {
     fail("matmul_q8: x " + (x.defined() ? x.str() : std::string("none")) + ", w " +
          (w.defined() ? w.str() : std::string("none")) + ", y " +
          (y.defined() ? y.str() : std::string("none")) +
-         " (want x [..., K] with K a multiple of 32, w i8 [N, K + K / 8], y [..., N])");
+         " (want x [..., K] with K a multiple of 32, w i8 [N, K + K / 16], y [..., N])");
   const int64_t n = w.dim(0), m = k ? x.numel() / k : 0, rb = w.dim(1);
   if (m == 0 || n == 0) return;
   const auto* q = w.ptr<const int8_t>();
@@ -1886,7 +1899,7 @@ void matmul_q8(const Tensor& x, const Tensor& w, Tensor& y) {
   const Tensor x32 = as_f32(x);
   Tensor y32 = y.dtype() == DType::f32 ? y : y.backend()->empty(y.shape(), DType::f32);
   // x's rows quantized once for every task (decode: m * k values against n * k weights).
-  const int64_t rx = q8_row_bytes(k);
+  const int64_t rx = q8x_row_bytes(k);
   std::vector<int8_t> xq(static_cast<size_t>(m * rx));
   bool ok[kFewRows];
   const bool avx2 = q8_kernels() != Q8Kernels::portable;
@@ -1928,7 +1941,7 @@ void grouped_matmul_q8(const Tensor& x, const Tensor& w, const std::vector<int64
     fail("grouped_matmul_q8: x " + (x.defined() ? x.str() : std::string("none")) + ", w " +
          (w.defined() ? w.str() : std::string("none")) + ", y " +
          (y.defined() ? y.str() : std::string("none")) + " and " + std::to_string(counts.size()) +
-         " counts (want x [M, K] with K a multiple of 32, w i8 [E, N, K + K / 8], y [M, N] and E "
+         " counts (want x [M, K] with K a multiple of 32, w i8 [E, N, K + K / 16], y [M, N] and E "
          "counts of rows, at least 0, summing to M)");
   const int64_t n = w.dim(1), rb = w.dim(2);
   if (m == 0 || n == 0) return;
@@ -1949,7 +1962,7 @@ void grouped_matmul_q8(const Tensor& x, const Tensor& w, const std::vector<int64
   // stream the experts' weights one after another instead of joining after each expert.
   const Tensor x32 = as_f32(x);
   Tensor y32 = y.dtype() == DType::f32 ? y : y.backend()->empty(y.shape(), DType::f32);
-  const int64_t rx = q8_row_bytes(k);
+  const int64_t rx = q8x_row_bytes(k);
   std::vector<int8_t> xq(static_cast<size_t>(m * rx));
   const auto good = std::make_unique<bool[]>(static_cast<size_t>(m));
   const bool avx2 = q8_kernels() != Q8Kernels::portable;

@@ -54,6 +54,7 @@
 
 #include "kernels/x86_simd.h"
 #include "mt/env.h"
+#include "mt/q8.h"
 
 namespace mt::cpu {
 namespace {
@@ -380,7 +381,7 @@ MT_AMX inline void transpose_16x16_epi32(__m512i* r) {
   }
 }
 
-// The 32 weights of an int8 block (mt/q8.h: 32 int8 values, one f32 scale) as 32 bf16: each
+// The 32 weights of an int8 block (mt/q8.h: 32 int8 values, one f16 scale) as 32 bf16: each
 // product value * scale rounded to bf16 as mt::f32_to_bf16 rounds (to nearest even; a NaN, from
 // a NaN scale, stays a quiet NaN), so exactly the bits of dequantize-then-round.
 MT_AMX inline __m512i q8_block_bf16(const int8_t* values, float scale) {
@@ -460,9 +461,7 @@ MT_AMX void pack_b_panel(bool tb, const uint16_t* b, int64_t ldb, const int8_t* 
           r[c] = _mm512_setzero_si512();
         } else if (q8) {
           const int8_t* row = q8 + (n0 + j) * q8_rb;
-          float scale;
-          std::memcpy(&scale, row + k + s * 4, sizeof scale);
-          r[c] = q8_block_bf16(row + s * kTileK, scale);
+          r[c] = q8_block_bf16(row + s * kTileK, q8_scale(row, k, s));
         } else {
           r[c] = _mm512_maskz_loadu_epi16(km, b + (n0 + j) * ldb + s * kTileK);
           if (pf_steps > 0 && (s + pf_steps) * kTileK < k)

@@ -55,7 +55,7 @@ void grouped_matvec(const Tensor& x, const Tensor& w, const std::vector<int32_t>
 // y = x @ W^T for int8 rows (mt/q8.h): decode's few rows read each row once, dequantizing in
 // registers; more rows dequantize W to f32 for a GEMM.
 void matmul_q8(const Tensor& x, const Tensor& w, Tensor& y);
-// Experts' int8 rows w [E, N, K + K / 8], counts[e] rows of x [M, K] each: matmul_q8 per expert;
+// Experts' int8 rows w [E, N, K + K / 16], counts[e] rows of x [M, K] each: matmul_q8 per expert;
 // at decode's few rows an expert, every expert's products in one fork.
 void grouped_matmul_q8(const Tensor& x, const Tensor& w, const std::vector<int64_t>& counts,
                        Tensor& y);

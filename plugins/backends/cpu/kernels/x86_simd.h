@@ -25,6 +25,7 @@
 
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
+#include <simde/x86/f16c.h>
 #include <simde/x86/fma.h>
 
 #include <cmath>
@@ -39,8 +40,8 @@
 namespace mt_x86_emulation {
 
 inline bool supports(const char* f) {
-  for (const char* s :
-       {"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512bf16", "avx512vnni"})
+  for (const char* s : {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl",
+                        "avx512bf16", "avx512vnni"})
     if (std::strcmp(f, s) == 0) return true;
   return false;
 }
