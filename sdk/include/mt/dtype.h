@@ -1,6 +1,7 @@
 // Element types and bf16 / f16 conversion helpers.
 #pragma once
 
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -24,15 +25,11 @@ struct bf16 {
 };
 
 inline float bf16_to_f32(uint16_t b) {
-  uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
+  return std::bit_cast<float>(static_cast<uint32_t>(b) << 16);
 }
 
 inline uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
+  auto u = std::bit_cast<uint32_t>(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
@@ -44,24 +41,14 @@ inline uint16_t f32_to_bf16(float f) {
 inline float f16_to_f32(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu,
                  mant = h & 0x3ffu;
-  uint32_t bits;
-  if (exp == 0x1f) {
-    bits = sign | 0x7f800000u | (mant << 13);  // inf or NaN (payload kept)
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (mant << 13);
-  } else {  // zero or subnormal: mant x 2^-24, exact in f32
-    const float f = static_cast<float>(mant) * 0x1p-24f;
-    std::memcpy(&bits, &f, 4);
-    bits |= sign;
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
+  if (exp == 0x1f) return std::bit_cast<float>(sign | 0x7f800000u | (mant << 13));  // inf, NaN
+  if (exp != 0) return std::bit_cast<float>(sign | ((exp + 112) << 23) | (mant << 13));
+  // zero or subnormal: mant x 2^-24, exact in f32
+  return std::bit_cast<float>(std::bit_cast<uint32_t>(static_cast<float>(mant) * 0x1p-24f) | sign);
 }
 
 inline uint16_t f32_to_f16(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
+  const auto x = std::bit_cast<uint32_t>(f);
   const auto sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
   const uint32_t ax = x & 0x7fffffffu;
   if (ax > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);   // quiet NaN
