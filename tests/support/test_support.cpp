@@ -37,7 +37,7 @@ PluginManager& plugins() {
 
 bool cpu_supports(const std::string& feature) {
   if (std::string(cpu_backend_name()) == "cpu_x86emu")  // kernels/x86_simd.h's emulated CPU
-    return feature != "amx-bf16" && feature != "amx-tile";
+    return feature != "amx-bf16" && feature != "amx-tile" && feature != "amx-int8";
   __builtin_cpu_init();
   if (feature == "avx2") return __builtin_cpu_supports("avx2");
   if (feature == "fma") return __builtin_cpu_supports("fma");
@@ -47,11 +47,12 @@ bool cpu_supports(const std::string& feature) {
   if (feature == "avx512vl") return __builtin_cpu_supports("avx512vl");
   if (feature == "avx512bf16") return __builtin_cpu_supports("avx512bf16");
   if (feature == "avx512vnni") return __builtin_cpu_supports("avx512vnni");
-  // CPUID leaf 7, EDX bits 22 and 24: clang before 15 has no such __builtin_cpu_supports names.
-  if (feature == "amx-bf16" || feature == "amx-tile") {
+  // CPUID leaf 7, EDX bits 22, 24 and 25: clang before 15 has no such __builtin_cpu_supports
+  // names.
+  if (feature == "amx-bf16" || feature == "amx-tile" || feature == "amx-int8") {
     unsigned a = 0, b = 0, c = 0, d = 0;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    return ((d >> (feature == "amx-bf16" ? 22 : 24)) & 1u) != 0;
+    return ((d >> (feature == "amx-bf16" ? 22 : feature == "amx-tile" ? 24 : 25)) & 1u) != 0;
   }
   if (feature == "amd") return __builtin_cpu_is("amd");
   throw std::invalid_argument("cpu_supports: no check for '" + feature + "'");

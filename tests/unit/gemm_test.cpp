@@ -364,26 +364,36 @@ TEST_F(Gemm, FewRowsEqualEachRowAlone) {
 // Decode's int8 products as gemm.cpp documents them, in scalar: x's row quantized in blocks of 32
 // (scale max |x| / 127, values rounded half to even), each block's products summed exactly in
 // 8 lanes of 4, fma(scale_w * scale_x, lane, acc[block parity]) per lane, then (acc0 + acc1) and
-// the lanes as ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)). Every kernel set must give
-// these bits.
-float q8_decode_reference(const float* x, const int8_t* row, int64_t k) {
-  float acc[2][8] = {};
+// the lanes as ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)). Every vector kernel set must
+// give these bits. Where AMX-INT8 is used (`tiles`) each block's 32 products are one exact sum,
+// t[b % 16] = fma(scale_w * scale_x, sum, t[b % 16]) over the blocks b in order, then
+// u_l = t_l + t_(l + 8) and the u as the lanes above.
+float q8_decode_reference(const float* x, const int8_t* row, int64_t k, bool tiles) {
+  float acc[2][8] = {}, t[16] = {};
   for (int64_t b = 0; b < k / kQ8Block; ++b) {
     const float* v = x + b * kQ8Block;
     float amax = 0.f;
     for (int64_t i = 0; i < kQ8Block; ++i) amax = std::max(amax, std::fabs(v[i]));
     const float sx = amax / 127.f, inv = sx > 0.f ? 1.f / sx : 0.f;
     const float sw = q8_scale(row, k, b);
+    int32_t sum = 0;
     for (int l = 0; l < 8; ++l) {
       int32_t lane = 0;
       for (int64_t i = 4 * l; i < 4 * l + 4; ++i)
         lane += int32_t(row[b * kQ8Block + i]) * int32_t(std::nearbyint(v[i] * inv));
       acc[b & 1][l] = std::fma(sw * sx, float(lane), acc[b & 1][l]);
+      sum += lane;
     }
+    t[b % 16] = std::fma(sw * sx, float(sum), t[b % 16]);
   }
-  float t[8];
-  for (int l = 0; l < 8; ++l) t[l] = acc[0][l] + acc[1][l];
-  return ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
+  float u[8];
+  for (int l = 0; l < 8; ++l) u[l] = tiles ? t[l] + t[l + 8] : acc[0][l] + acc[1][l];
+  return ((u[0] + u[4]) + (u[2] + u[6])) + ((u[1] + u[5]) + (u[3] + u[7]));
+}
+
+// Whether this process's decode int8 products run on AMX-INT8 tiles (the backend's line says).
+bool q8_on_tiles(Backend& be) {
+  return be.describe().find("int8 x int8 weight rows on AMX-INT8 tiles") != std::string::npos;
 }
 
 // int8 weights (mt/q8.h): the quantization round-trips within half a step of each block's scale;
@@ -394,7 +404,7 @@ float q8_decode_reference(const float* x, const int8_t* row, int64_t k) {
 TEST_F(Gemm, Int8RowsMatchTheDequantizedMatmul) {
   MT_SEED_TRACE();
   Backend& be = test::cpu();
-  for (int64_t k : {32, 96, 2048}) {
+  for (int64_t k : {32, 96, 1184, 2048}) {  // 1184: 37 blocks, two groups of 16 and 5
     const int64_t n = odd(17, 301), rb = q8_row_bytes(k);
     SCOPED_TRACE("k=" + std::to_string(k) + " n=" + std::to_string(n));
     std::vector<float> w = test::randn(static_cast<size_t>(n * k), rng_);
@@ -422,6 +432,7 @@ TEST_F(Gemm, Int8RowsMatchTheDequantizedMatmul) {
     }
     Tensor wq = be.empty({n, rb}, DType::i8);
     be.copy_from_host(wq, q.data());
+    const bool tiles = q8_on_tiles(be);
     for (DType dt : {DType::f32, DType::bf16})
       for (int64_t m : {1, 2, 3, 5, 8, 13}) {
         SCOPED_TRACE("m=" + std::to_string(m) + " " + dtype_name(dt));
@@ -450,7 +461,7 @@ TEST_F(Gemm, Int8RowsMatchTheDequantizedMatmul) {
         EXPECT_LT(test::scaled_err(got, want), 5e-2);
         for (int64_t r = 0; r < m; ++r)
           for (int64_t j = 0; j < n; ++j) {
-            const float ref = q8_decode_reference(xr.data() + r * k, q.data() + j * rb, k);
+            const float ref = q8_decode_reference(xr.data() + r * k, q.data() + j * rb, k, tiles);
             const float g = got[static_cast<size_t>(r * n + j)];
             if (dt == DType::f32)
               ASSERT_EQ(g, ref) << "row " << r << " column " << j;
@@ -532,7 +543,7 @@ TEST_F(Gemm, Int8DecodeKeepsNanAndInfinity) {
   for (int64_t j = 0; j < n; ++j) {
     EXPECT_TRUE(std::isnan(got[static_cast<size_t>(j)])) << j;
     EXPECT_EQ(got[static_cast<size_t>(n + j)],
-              q8_decode_reference(x.data() + k, q.data() + j * rb, k))
+              q8_decode_reference(x.data() + k, q.data() + j * rb, k, q8_on_tiles(be)))
         << j;
   }
   // Column 0 (values 1, scales > 0) of row 2: +inf.
@@ -827,6 +838,18 @@ TEST(GemmPath, DescribesPathAndPeak) {
                                      : "M=1: mt portable kernels";
     EXPECT_NE(d.find(name), std::string::npos) << "MT_CPU_MATVEC=" << v;
   }
+  // Where bf16 GEMMs run on AMX tiles and the CPU has AMX-INT8, decode's int8 products take
+  // tiles too with the AVX-512 set (unless MT_CPU_MATVEC_AMX=0), and the line says so.
+  auto env_is = [](const char* name, const char* v) {
+    const char* e = std::getenv(name);
+    return e && std::string(e) == v;
+  };
+  if (d.find("bf16 x bf16 on AMX tiles") != std::string::npos && test::cpu_supports("amx-int8") &&
+      !env_is("MT_CPU_MATVEC_AMX", "0") &&
+      (!std::getenv("MT_CPU_MATVEC") || env_is("MT_CPU_MATVEC", "avx512")))
+    EXPECT_NE(d.find("int8 x int8 weight rows on AMX-INT8 tiles"), std::string::npos);
+  else
+    EXPECT_EQ(d.find("int8 x int8 weight rows on AMX-INT8 tiles"), std::string::npos);
   if (const char* env = std::getenv("MT_CPU_BLAS")) {
     EXPECT_NE(d.find("portable"), std::string::npos) << "MT_CPU_BLAS=" << env;
     return;

@@ -1239,12 +1239,19 @@ bool matvec_bf16dot_on() {
 bool matvec_amx_on() {
   static const bool kOn = [] {
     if (!env_switch("MT_CPU_MATVEC_AMX", true,
-                    "decode's bf16 products keep the widening kernels (0) or take the AMX rows "
-                    "kernel where the CPU has AMX (1)"))
+                    "decode's bf16 and int8 products keep the vector kernels (0) or take the AMX "
+                    "rows kernels where the CPU has AMX (1)"))
       return false;
     return amx_bf16_usable() && matvec_set() == MatvecSet::avx512;
   }();
   return kOn;
+}
+// Decode's int8 products on AMX-INT8 tiles (gemv_q8_amx), with the bf16 rows kernel above. On a
+// 2-core Xeon with AMX the 512-bit VNNI kernel was arithmetic-bound from two rows of x on (x's
+// sign flip, the lanes' conversion and FMA per row and pair of blocks): int8 batch-8 decode of
+// llama-bench-1b ran at 0.6x bf16's on tiles.
+bool matvec_q8_amx_on() {
+  return matvec_amx_on() && amx_int8_usable();
 }
 // bf16 x bf16 products on mt's packed GEMM (gemm_bf16: AMX tiles or vdpbf16ps).
 bool packed_bf16_gemm_on() {
@@ -1279,8 +1286,10 @@ std::string gemm_describe() {
   const std::string matvec =
       std::string(matvec_set_name()) +
       (matvec_bf16dot_on() ? " (bf16 x bf16 weight rows on AVX512_BF16 dot products)"
-       : matvec_amx_on()   ? " (bf16 x bf16 weight rows on AMX tiles)"
-                           : "") +
+       : matvec_q8_amx_on()
+           ? " (bf16 x bf16 weight rows on AMX tiles, int8 x int8 weight rows on AMX-INT8 tiles)"
+       : matvec_amx_on() ? " (bf16 x bf16 weight rows on AMX tiles)"
+                         : "") +
       (matvec_set() != MatvecSet::portable && matvec_streams() ? ", several weight streams a core"
                                                                : "");
   if (!ob.sgemm)
@@ -1482,7 +1491,11 @@ namespace {
 // fma(scale_w * scale_x, float(lanes), acc); then (acc0 + acc1) and the lanes in hsum8's order.
 // Every kernel set (portable, AVX2, AVX-512; several rows on AVX-512 VNNI two blocks a zmm)
 // computes those operations in that order, so they give the same bits, and a row's outputs do
-// not depend on the rows beside it. A row of x with a
+// not depend on the rows beside it. Where AMX-INT8 is usable (with matvec_amx_on) the products
+// take gemm_amx.cpp's contract instead (gemv_q8_amx on tiles for 2-8 rows, gemv_q8_rows16 for
+// one): each block's 32 products one exact sum, 16 accumulators by block index mod 16, then
+// their sum in a fixed order; other bits than the vector sets' (as bf16's AMX rows), the same
+// for one row and for eight. A row of x with a
 // NaN or an infinity is not quantized: its outputs are f32 dot products with the widened
 // weights (dot_q8_f32), so the NaN or infinity comes through.
 //
@@ -1798,6 +1811,31 @@ void gemv_q8_streams(Q8Kernels set, const int8_t* xq, const int8_t* w, int64_t r
 void gemv_q8(int64_t m, const int8_t* xq, int64_t rx, const bool* ok, const float* x32,
              const int8_t* w, int64_t rb, int64_t k, int64_t j0, int64_t j1, float* y,
              int64_t ldy) {
+  if (matvec_q8_amx_on()) {
+    // AMX-INT8 (gemv_q8_amx): x's quantized rows packed as one B tile a pair of blocks, for
+    // any count (one row too: the same bits alone as in a batch).
+    static_assert(kFewRows <= 8, "gemv_q8_amx takes at most 8 rows of x (two blocks a tile)");
+    int64_t idx[kFewRows], nq = 0;
+    const int8_t* xs[kFewRows] = {};
+    for (int64_t r = 0; r < m; ++r)
+      if (ok[r]) {
+        xs[nq] = xq + r * rx;
+        idx[nq++] = r;
+      }
+    if (nq == 1) {
+      gemv_q8_rows16(xs[0], w, rb, k, j0, j1, y + idx[0] * ldy);
+    } else if (nq > 1) {
+      const int64_t cols = amx_q8_cols(nq);
+      std::vector<int8_t> xp(static_cast<size_t>(amx_q8_packed_bytes(cols, k)));
+      std::vector<float> sx(static_cast<size_t>((k / kQ8Block + 1) / 2 * 16));
+      pack_xq_amx(nq, cols, xs, k, xp.data(), sx.data());
+      gemv_q8_amx(nq, cols, xp.data(), sx.data(), w, rb, k, j0, j1, y, ldy, idx);
+    }
+    for (int64_t r = 0; r < m; ++r)
+      if (!ok[r])
+        for (int64_t j = j0; j < j1; ++j) y[r * ldy + j] = dot_q8_f32(x32 + r * k, w + j * rb, k);
+    return;
+  }
   const Q8Kernels set = q8_kernels();
   if (m == 1 && ok[0] && set != Q8Kernels::portable && matvec_streams()) {
     gemv_q8_streams(set, xq, w, rb, k, j0, j1, y);

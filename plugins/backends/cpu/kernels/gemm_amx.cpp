@@ -69,6 +69,12 @@ constexpr int64_t kPanelGroup = 16;          // panels a task packs at once when
 constexpr int64_t kFewRowsAmx = 16;          // rows of x gemv_rows_amx takes (one B tile wide)
 // Bytes ahead of each weight row gemv_rows_amx prefetches (8 steps of 64 bytes).
 constexpr int64_t kAmxRowsAhead = 512;
+// The same for the int8 kernels (gemv_q8_amx, gemv_q8_rows16): on a 2-core Xeon with AMX
+// (gemm_bench's BM_MatVecQ8Stream K=2048 N=5632, medians of 3) 128-256 bytes read fastest, 512
+// ~5-10% slower, 2048-4096 ~15-25%.
+constexpr int64_t kQ8TilesAhead = 256;
+// Bytes ahead of each stream dot_q8_blocks16 prefetches (as gemm.cpp's int8 vector kernels).
+constexpr int64_t kQ8Prefetch16 = 2048;
 
 // A core's L2 in bytes (1 MiB where the system does not say).
 int64_t l2_bytes() {
@@ -867,6 +873,300 @@ MT_AMX void gemv_rows_amx(int64_t rows_m, const uint16_t* xp, const uint16_t* w,
 void gemv_rows_amx(int64_t, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, int64_t,
                    float, float, float*, int64_t) {
   std::abort();  // never called: request_amx() says no AMX under emulation
+}
+#endif
+
+bool amx_int8_usable() {
+  static const bool kUsable = amx_bf16_usable() && mt_cpu_has_amx_int8();
+  return kUsable;
+}
+
+int64_t amx_q8_cols(int64_t rows) {
+  int64_t c = 1;
+  while (c < rows) c *= 2;
+  return c;
+}
+
+int64_t amx_q8_packed_bytes(int64_t cols, int64_t k) {
+  return (k / kQ8Block + 1) / 2 * 2 * kQ8Block * 2 * cols;
+}
+
+void pack_xq_amx(int64_t rows, int64_t cols, const int8_t* const* xq, int64_t k, int8_t* xp,
+                 float* sx) {
+  const int64_t blocks = k / kQ8Block, pairs = (blocks + 1) / 2, width = 2 * cols;
+  for (int64_t p = 0; p < pairs; ++p) {
+    int8_t* tile = xp + p * 16 * 4 * width;
+    for (int64_t r = 0; r < 16; ++r)  // k group r % 8 of block 2 p + r / 8
+      for (int64_t c = 0; c < width; ++c) {
+        const int64_t b = 2 * p + r / 8, col = c % cols;
+        for (int64_t i = 0; i < 4; ++i)
+          tile[(r * width + c) * 4 + i] = c / cols == r / 8 && col < rows && b < blocks
+                                              ? xq[col][b * kQ8Block + (r % 8) * 4 + i]
+                                              : int8_t{0};
+      }
+    for (int64_t e = 0; e < 16; ++e) {
+      const int64_t b = 2 * p + e % width / cols, col = e % cols;
+      float v = 0.f;
+      if (col < rows && b < blocks) std::memcpy(&v, xq[col] + k + b * 4, 4);
+      sx[p * 16 + e] = v;
+    }
+  }
+}
+
+#if !defined(MT_EMULATE_X86)
+#define MT_AMX_INT8 \
+  MT_TARGET("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c")
+
+namespace {
+// Tiles for gemv_q8_amx, two sets (pairs of blocks in flight): 0 and 3 a pair's sums (`rows`
+// weight rows x 2 cols int32), 1 and 4 the weight rows' pair of blocks (rows x 64 int8), 2 and 5
+// x's pair (16 groups of 4 k x 2 cols x 4 int8, pack_xq_amx).
+MT_AMX_INT8 void configure_q8_tiles(int64_t rows, int64_t cols) {
+  TileConfig cfg;
+  for (int set = 0; set < 2; ++set) {
+    cfg.rows[3 * set] = cfg.rows[3 * set + 1] = static_cast<uint8_t>(rows);
+    cfg.colsb[3 * set] = cfg.colsb[3 * set + 2] = static_cast<uint16_t>(8 * cols);
+    cfg.colsb[3 * set + 1] = 64;
+    cfg.rows[3 * set + 2] = 16;
+  }
+  asm volatile("" : : "r"(&cfg) : "memory");  // as in configure_tiles
+  _tile_loadconfig(&cfg);
+}
+
+// Rows [j, j + rows) of W (rows <= 16, the tiles configured for that many) against packed x. A
+// pair's tile sums are stored as [rows][2][Cols] int32 (block 2 p's columns, then 2 p + 1's),
+// i.e. 2 Cols vectors of 16: element e of vector v is weight row (16 v + e) / (2 Cols), block
+// parity (16 v + e) % (2 Cols) / Cols, column (16 v + e) % Cols. They accumulate into slot p % 8
+// (t_(b % 16) of both blocks b). The scales: the 16 weight rows' f16 scales of the pair (one
+// gather of 4 bytes a row), spread by a permutation, times sx's 16 floats.
+template <int Cols>
+MT_AMX_INT8 void q8_group_amx(int64_t nx, const int8_t* xp, const float* sx, const int8_t* w,
+                              int64_t rb, int64_t k, int64_t j, int64_t rows, float* y, int64_t ldy,
+                              const int64_t* y_rows) {
+  constexpr int kVecs = 2 * Cols;
+  const int64_t blocks = k / kQ8Block, full = blocks / 2, pairs = (blocks + 1) / 2;
+  const int8_t* base = w + j * rb;
+  const __mmask16 live = rows >= 16 ? __mmask16(0xffff) : __mmask16((1u << rows) - 1u);
+  // Weight row n's scales at n * rb + k: the offsets of the 16 rows (those past `rows` masked).
+  const __m512i row_at = _mm512_maskz_mullo_epi32(
+      0xffff, _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int>(rb)));
+  __m512i spread[kVecs];  // vector v's (parity, weight row): an index into [even 16, odd 16]
+  for (int v = 0; v < kVecs; ++v) {
+    alignas(64) int32_t at[16];
+    for (int e = 0; e < 16; ++e) at[e] = (16 * v + e) % kVecs / Cols * 16 + (16 * v + e) / kVecs;
+    spread[v] = _mm512_load_si512(at);
+  }
+  // The accumulators of pairs p % 8: slot p % 8 holds t_(b % 16) of blocks b = 2 p, 2 p + 1.
+  alignas(64) float acc[8][16 * kVecs] = {};
+  alignas(64) int32_t sums[2][16 * kVecs] = {};
+  // An odd last block: its 16 rows' 32 values beside 32 zeros (a tile load reads 64 bytes a row,
+  // past the row's values, possibly past the matrix).
+  alignas(64) int8_t last[16 * 64] = {};
+  if (full < pairs) {
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(last + r * 64, base + r * rb + full * 2 * kQ8Block, kQ8Block);
+    asm volatile("" : : "r"(last) : "memory");  // as in rows_group_amx
+  }
+  for (int64_t r = 0; r < rows; ++r) _mm_prefetch(base + r * rb + k, _MM_HINT_T0);
+  // Pair p's sums (tile set `set`) into the accumulators.
+  auto accumulate = [&](int64_t p, const int32_t* s) MT_AMX_INT8 {
+    // Blocks 2 p and 2 p + 1's scales: one gather of 4 bytes a row (an odd last block from
+    // the 2 bytes before its scale: the 2 after it may be past the matrix).
+    const bool pair = p < full;
+    const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, row_at,
+                                                  base + k + 4 * p - (pair ? 0 : 2), 1);
+    const __m512 hi = _mm512_maskz_cvtph_ps(
+        0xffff, _mm512_maskz_cvtepi32_epi16(0xffff, _mm512_maskz_srli_epi32(0xffff, g, 16)));
+    const __m512 even =
+        pair ? _mm512_maskz_cvtph_ps(0xffff, _mm512_maskz_cvtepi32_epi16(0xffff, g)) : hi;
+    const __m512 odd = pair ? hi : _mm512_setzero_ps();
+    const __m512 sxp = _mm512_loadu_ps(sx + p * 16);
+    float* slot = acc[p % 8];
+    for (int v = 0; v < kVecs; ++v) {
+      const __m512 sc = _mm512_mul_ps(_mm512_permutex2var_ps(even, spread[v], odd), sxp);
+      const __m512 prod = _mm512_maskz_cvtepi32_ps(0xffff, _mm512_load_si512(s + 16 * v));
+      _mm512_store_ps(slot + 16 * v, _mm512_fmadd_ps(sc, prod, _mm512_load_ps(slot + 16 * v)));
+    }
+  };
+  const int64_t stride_x = 16 * 8 * Cols;  // packed x bytes a pair
+  int64_t p = 0;
+  for (; p + 2 <= full; p += 2) {
+    const char* a = reinterpret_cast<const char*>(base + p * 2 * kQ8Block);
+    for (int64_t r = 0; r < rows; ++r) {
+      _mm_prefetch(a + r * rb + kQ8TilesAhead, _MM_HINT_T0);
+      _mm_prefetch(a + r * rb + kQ8TilesAhead + 64, _MM_HINT_T0);
+    }
+    if (p % 16 == 0 && 2 * p + 64 < blocks)
+      for (int64_t r = 0; r < rows; ++r)
+        _mm_prefetch(base + r * rb + k + (2 * p + 64) * 2, _MM_HINT_T0);
+    _tile_zero(0);
+    _tile_zero(3);
+    _tile_loadd(1, a, rb);
+    _tile_loadd(2, xp + p * stride_x, 8 * Cols);
+    _tile_loadd(4, a + 64, rb);
+    _tile_loadd(5, xp + (p + 1) * stride_x, 8 * Cols);
+    _tile_dpbssd(0, 1, 2);
+    _tile_dpbssd(3, 4, 5);
+    _tile_stored(0, sums[0], 8 * Cols);
+    _tile_stored(3, sums[1], 8 * Cols);
+    asm volatile("" : : "r"(sums) : "memory");  // as in rows_group_amx
+    accumulate(p, sums[0]);
+    accumulate(p + 1, sums[1]);
+  }
+  for (; p < pairs; ++p) {  // one pair left, or the odd last block
+    _tile_zero(0);
+    if (p < full)
+      _tile_loadd(1, base + p * 2 * kQ8Block, rb);
+    else
+      _tile_loadd(1, last, 64);
+    _tile_loadd(2, xp + p * stride_x, 8 * Cols);
+    _tile_dpbssd(0, 1, 2);
+    _tile_stored(0, sums[0], 8 * Cols);
+    asm volatile("" : : "r"(sums) : "memory");
+    accumulate(p, sums[0]);
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < nx; ++i) {
+      float u[8];  // t_l + t_(l + 8); t_l: slot l / 2, parity l % 2
+      for (int l = 0; l < 8; ++l)
+        u[l] =
+            acc[l / 2][r * kVecs + l % 2 * Cols + i] + acc[l / 2 + 4][r * kVecs + l % 2 * Cols + i];
+      y[y_rows[i] * ldy + j + r] =
+          ((u[0] + u[4]) + (u[2] + u[6])) + ((u[1] + u[5]) + (u[3] + u[7]));
+    }
+}
+}  // namespace
+
+// One quantized row of x against S weight rows, each read in order (the vector kernels' streams),
+// to gemv_q8_amx's bits on AVX-512 VNNI: one row on tiles, 16 weight rows at a time, read ~0.8x
+// as fast (16 rows interleaved 64 bytes at a time, as was a vector kernel reading them so). Per
+// group of 16 blocks and weight row, vpdpbusd's lanes of its 8 pairs (|w| and x * sign(w)),
+// reduced to the 16 block sums (exact in int32, in any order), then t = fma(scale_w * scale_x,
+// sum, t) with block b in lane b % 16, and the lanes as gemv_q8_amx sums them.
+template <int S>
+MT_AMX_INT8 void dot_q8_blocks16(const int8_t* xq, const int8_t* const* rows, int64_t k,
+                                 float* out) {
+  const int64_t blocks = k / kQ8Block;
+  // After the reduction lane 4 q + e holds block 4 e + q of the group: back to block order.
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  __m512 t[S];
+  for (int s = 0; s < S; ++s) t[s] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < blocks; g += 16) {
+    const int64_t nb = std::min<int64_t>(16, blocks - g), np = (nb + 1) / 2;
+    const __mmask16 bm = nb == 16 ? __mmask16(0xffff) : __mmask16((1u << nb) - 1u);
+    const __m512 sx = _mm512_maskz_loadu_ps(bm, xq + k + g * 4);
+    __mmask64 pm[8];  // the bytes of pair p that are blocks of the row
+    __m512i xv[8];
+    for (int p = 0; p < 8; ++p) {
+      const int64_t left = (nb - 2 * p) * kQ8Block;
+      pm[p] = left >= 64 ? ~__mmask64{0} : left > 0 ? __mmask64{0xffffffff} : __mmask64{0};
+      xv[p] = _mm512_maskz_loadu_epi8(pm[p], xq + g * kQ8Block + p * 64);
+    }
+    for (int s = 0; s < S; ++s) {
+      const int8_t* at = rows[s] + g * kQ8Block;
+      _mm_prefetch(at + kQ8Prefetch16, _MM_HINT_T0);
+      _mm_prefetch(at + kQ8Prefetch16 + 64, _MM_HINT_T0);
+      _mm_prefetch(at + kQ8Prefetch16 + 128, _MM_HINT_T0);
+      _mm_prefetch(at + kQ8Prefetch16 + 192, _MM_HINT_T0);
+      _mm_prefetch(at + kQ8Prefetch16 + 256, _MM_HINT_T0);
+      _mm_prefetch(at + kQ8Prefetch16 + 320, _MM_HINT_T0);
+      _mm_prefetch(at + kQ8Prefetch16 + 384, _MM_HINT_T0);
+      _mm_prefetch(at + kQ8Prefetch16 + 448, _MM_HINT_T0);
+      __m512i lanes[8];
+      for (int p = 0; p < 8; ++p) {
+        if (p >= np) {
+          lanes[p] = _mm512_setzero_si512();
+          continue;
+        }
+        const __m512i wv = nb == 16 ? _mm512_loadu_si512(at + p * 64)
+                                    : _mm512_maskz_loadu_epi8(pm[p], at + p * 64);
+        const __m512i aw = _mm512_maskz_abs_epi8(~__mmask64{0}, wv);
+        const __m512i sxv =
+            _mm512_mask_sub_epi8(xv[p], _mm512_movepi8_mask(wv), _mm512_setzero_si512(), xv[p]);
+        lanes[p] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, sxv);
+      }
+      // Pairs 2 i and 2 i + 1: quads (2i even, 2i odd, 2i+1 even, 2i+1 odd), 4 partial lanes each.
+      __m512i v[4];
+      for (int i = 0; i < 4; ++i)
+        v[i] = _mm512_add_epi32(
+            _mm512_maskz_shuffle_i32x4(0xffff, lanes[2 * i], lanes[2 * i + 1], 0x88),
+            _mm512_maskz_shuffle_i32x4(0xffff, lanes[2 * i], lanes[2 * i + 1], 0xdd));
+      __m512i h[2];  // per quad: (a0 + a2, a1 + a3, b0 + b2, b1 + b3) of v[2 i], v[2 i + 1]
+      for (int i = 0; i < 2; ++i)
+        h[i] = _mm512_add_epi32(_mm512_maskz_unpacklo_epi64(0xff, v[2 * i], v[2 * i + 1]),
+                                _mm512_maskz_unpackhi_epi64(0xff, v[2 * i], v[2 * i + 1]));
+      const __m512 a = _mm512_castsi512_ps(h[0]), b = _mm512_castsi512_ps(h[1]);
+      const __m512i sums = _mm512_add_epi32(
+          _mm512_castps_si512(_mm512_maskz_shuffle_ps(0xffff, a, b, _MM_SHUFFLE(2, 0, 2, 0))),
+          _mm512_castps_si512(_mm512_maskz_shuffle_ps(0xffff, a, b, _MM_SHUFFLE(3, 1, 3, 1))));
+      const __m512 sw =
+          _mm512_maskz_cvtph_ps(0xffff, _mm256_maskz_loadu_epi16(bm, rows[s] + k + g * 2));
+      t[s] = _mm512_fmadd_ps(
+          _mm512_mul_ps(sw, sx),
+          _mm512_maskz_cvtepi32_ps(0xffff, _mm512_maskz_permutexvar_epi32(0xffff, order, sums)),
+          t[s]);
+    }
+  }
+  for (int s = 0; s < S; ++s) {
+    // u_i = t_i + t_(i + 8), q_i = u_i + u_(i + 4), then (q0 + q2) + (q1 + q3).
+    const __m256 u = _mm256_add_ps(_mm512_maskz_extractf32x8_ps(0xff, t[s], 0),
+                                   _mm512_maskz_extractf32x8_ps(0xff, t[s], 1));
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+    const __m128 r = _mm_add_ps(q, _mm_movehl_ps(q, q));  // (q0 + q2, q1 + q3)
+    out[s] = _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+  }
+}
+
+MT_AMX_INT8 void gemv_q8_rows16(const int8_t* xq, const int8_t* w, int64_t rb, int64_t k,
+                                int64_t j0, int64_t j1, float* y) {
+  constexpr int kStreams = 4;
+  const int64_t h = (j1 - j0 + kStreams - 1) / kStreams;
+  for (int64_t i = 0; i < h; ++i) {
+    int64_t js[kStreams];
+    const int live = stream_rows(j0, j1, h, i, kStreams, js);
+    const int8_t* rows[kStreams] = {};
+    for (int s = 0; s < live; ++s) rows[s] = w + js[s] * rb;
+    float sums[kStreams];
+    with_count<kStreams>(live, [&](auto n) { dot_q8_blocks16<n()>(xq, rows, k, sums); });
+    for (int s = 0; s < live; ++s) y[js[s]] = sums[s];
+  }
+}
+
+MT_AMX_INT8 void gemv_q8_amx(int64_t rows, int64_t cols, const int8_t* xp, const float* sx,
+                             const int8_t* w, int64_t rb, int64_t k, int64_t j0, int64_t j1,
+                             float* y, int64_t ldy, const int64_t* y_rows) {
+  auto group = [&](int64_t j, int64_t n) {
+    switch (cols) {
+      case 1:
+        return q8_group_amx<1>(rows, xp, sx, w, rb, k, j, n, y, ldy, y_rows);
+      case 2:
+        return q8_group_amx<2>(rows, xp, sx, w, rb, k, j, n, y, ldy, y_rows);
+      case 4:
+        return q8_group_amx<4>(rows, xp, sx, w, rb, k, j, n, y, ldy, y_rows);
+      default:
+        return q8_group_amx<8>(rows, xp, sx, w, rb, k, j, n, y, ldy, y_rows);
+    }
+  };
+  const int64_t whole = j0 + (j1 - j0) / 16 * 16;
+  if (whole > j0) {
+    configure_q8_tiles(16, cols);
+    for (int64_t j = j0; j < whole; j += 16) group(j, 16);
+  }
+  if (whole < j1) {
+    configure_q8_tiles(j1 - whole, cols);
+    group(whole, j1 - whole);
+  }
+  release_tiles();
+}
+#undef MT_AMX_INT8
+#else
+void gemv_q8_amx(int64_t, int64_t, const int8_t*, const float*, const int8_t*, int64_t, int64_t,
+                 int64_t, int64_t, float*, int64_t, const int64_t*) {
+  std::abort();  // never called: request_amx() says no AMX under emulation
+}
+void gemv_q8_rows16(const int8_t*, const int8_t*, int64_t, int64_t, int64_t, int64_t, float*) {
+  std::abort();
 }
 #endif
 

@@ -96,4 +96,37 @@ void pack_x_amx(int64_t rows_m, const uint16_t* x, int64_t ldx, int64_t k, uint1
 void gemv_rows_amx(int64_t rows_m, const uint16_t* xp, const uint16_t* w, int64_t k, int64_t ldw,
                    int64_t j0, int64_t j1, float alpha, float beta, float* y, int64_t ldy);
 
+// True when AMX-INT8 is usable too: amx_bf16_usable() and the CPU has AMX-INT8 (checked once).
+bool amx_int8_usable();
+
+// Decode's int8 products on AMX-INT8 tiles: up to 8 quantized rows of x (gemm.cpp's q8x rows: K
+// int8 values, then K / 32 f32 scales) against int8 weight rows (mt/q8.h: [N, rb]). Per block b
+// of 32 and output, the block's 32 products summed exactly in int32 (vpdpbssd's arithmetic: an A
+// tile is 16 weight rows x two blocks, loaded straight from the rows, against x's two blocks in
+// separate columns of B), then t_(b % 16) = fma(scale_w * scale_x, float(sum), t_(b % 16)) over
+// the blocks in order, all 16 from 0; the output is u_l = t_l + t_(l + 8) (l < 8), then
+// ((u0 + u4) + (u2 + u6)) + ((u1 + u5) + (u3 + u7)). Each output is those operations whatever
+// the other rows are, and gemv_q8_rows16 computes them for one row: a row of x gets the same
+// bits alone as in a batch.
+// x's packing: `cols` (1, 2, 4 or 8) columns, the first `rows` of them x's quantized rows
+// xq[0..rows) and the rest zero; per pair of blocks p (the last possibly one block beside zeros),
+// a B tile of 16 rows (row r: 4 consecutive k of group r % 8 of block 2 p + r / 8) x 2 cols
+// columns (block 2 p's cols, then 2 p + 1's: zero where the row is the other block's) x 4 bytes,
+// at p * 128 * cols into xp (amx_q8_packed_bytes() in all), and 16 floats at p * 16 into sx
+// (element e: column e % cols's scale of block 2 p + e % (2 cols) / cols, 0 for a zero column).
+int64_t amx_q8_cols(int64_t rows);  // the least of 1, 2, 4, 8 that is >= rows (rows <= 8)
+int64_t amx_q8_packed_bytes(int64_t cols, int64_t k);
+void pack_xq_amx(int64_t rows, int64_t cols, const int8_t* const* xq, int64_t k, int8_t* xp,
+                 float* sx);
+// y[y_rows[i] * ldy + j] for i < rows and j in [j0, j1): column i of packed x against weight row
+// j. Callers check amx_int8_usable(); uses and releases this thread's tiles.
+void gemv_q8_amx(int64_t rows, int64_t cols, const int8_t* xp, const float* sx, const int8_t* w,
+                 int64_t rb, int64_t k, int64_t j0, int64_t j1, float* y, int64_t ldy,
+                 const int64_t* y_rows);
+// One quantized row of x (xq) against weight rows [j0, j1) into y[j], gemv_q8_amx's bits on
+// AVX-512 VNNI, four sequential weight streams (tiles read 16 rows interleaved: ~0.8x as fast
+// for one row). Callers check amx_int8_usable().
+void gemv_q8_rows16(const int8_t* xq, const int8_t* w, int64_t rb, int64_t k, int64_t j0,
+                    int64_t j1, float* y);
+
 }  // namespace mt::cpu

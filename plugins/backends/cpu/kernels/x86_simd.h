@@ -36,6 +36,7 @@
 #define mt_cpu_supports(feature) ::mt_x86_emulation::supports(feature)
 #define mt_cpu_is_amd() true
 #define mt_cpu_has_amx() false  // SIMDe has no AMX
+#define mt_cpu_has_amx_int8() false
 
 namespace mt_x86_emulation {
 
@@ -321,6 +322,12 @@ inline bool mt_cpu_has_amx() {
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
   return ((d >> 22) & 1u) != 0 && ((d >> 24) & 1u) != 0;
+}
+// AMX-INT8 (CPUID leaf 7, EDX bit 25).
+inline bool mt_cpu_has_amx_int8() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  return ((d >> 25) & 1u) != 0;
 }
 #define MT_AS_BF16X32(v) reinterpret_cast<__m512bh>(v)
 
