@@ -45,6 +45,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -951,19 +952,21 @@ MT_AMX_INT8 void q8_group_amx(int64_t nx, const int8_t* xp, const float* sx, con
   const __m512i row_at = _mm512_maskz_mullo_epi32(
       0xffff, _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
       _mm512_set1_epi32(static_cast<int>(rb)));
-  __m512i spread[kVecs];  // vector v's (parity, weight row): an index into [even 16, odd 16]
-  for (int v = 0; v < kVecs; ++v) {
-    alignas(64) int32_t at[16];
-    for (int e = 0; e < 16; ++e) at[e] = (16 * v + e) % kVecs / Cols * 16 + (16 * v + e) / kVecs;
-    spread[v] = _mm512_load_si512(at);
-  }
+  // Vector v's (parity, weight row) per element: an index into [even 16, odd 16].
+  alignas(64) static constexpr auto kSpread = [] {
+    std::array<int32_t, 16 * kVecs> at{};
+    for (int i = 0; i < 16 * kVecs; ++i) at[i] = i % kVecs / Cols * 16 + i / kVecs;
+    return at;
+  }();
   // The accumulators of pairs p % 8: slot p % 8 holds t_(b % 16) of blocks b = 2 p, 2 p + 1.
   alignas(64) float acc[8][16 * kVecs] = {};
-  alignas(64) int32_t sums[2][16 * kVecs] = {};
+  alignas(64) int32_t sums[2][16 * kVecs];
+  if (rows < 16) std::memset(sums, 0, sizeof sums);  // the rows past `rows` are never stored
   // An odd last block: its 16 rows' 32 values beside 32 zeros (a tile load reads 64 bytes a row,
   // past the row's values, possibly past the matrix).
-  alignas(64) int8_t last[16 * 64] = {};
+  alignas(64) int8_t last[16 * 64];
   if (full < pairs) {
+    std::memset(last, 0, sizeof last);
     for (int64_t r = 0; r < rows; ++r)
       std::memcpy(last + r * 64, base + r * rb + full * 2 * kQ8Block, kQ8Block);
     asm volatile("" : : "r"(last) : "memory");  // as in rows_group_amx
@@ -984,7 +987,8 @@ MT_AMX_INT8 void q8_group_amx(int64_t nx, const int8_t* xp, const float* sx, con
     const __m512 sxp = _mm512_loadu_ps(sx + p * 16);
     float* slot = acc[p % 8];
     for (int v = 0; v < kVecs; ++v) {
-      const __m512 sc = _mm512_mul_ps(_mm512_permutex2var_ps(even, spread[v], odd), sxp);
+      const __m512i at = _mm512_load_si512(kSpread.data() + 16 * v);
+      const __m512 sc = _mm512_mul_ps(_mm512_permutex2var_ps(even, at, odd), sxp);
       const __m512 prod = _mm512_maskz_cvtepi32_ps(0xffff, _mm512_load_si512(s + 16 * v));
       _mm512_store_ps(slot + 16 * v, _mm512_fmadd_ps(sc, prod, _mm512_load_ps(slot + 16 * v)));
     }
@@ -1026,15 +1030,20 @@ MT_AMX_INT8 void q8_group_amx(int64_t nx, const int8_t* xp, const float* sx, con
     asm volatile("" : : "r"(sums) : "memory");
     accumulate(p, sums[0]);
   }
+  // t_l is slot l / 2 at parity l % 2, so slots s and s + 4 hold u_(2 s) and u_(2 s + 1) side by
+  // side: ((u0 + u4) + (u2 + u6)) + ((u1 + u5) + (u3 + u7)) is, per (row, parity, column),
+  // ((U0 + U2) + (U1 + U3)) with U_s = slot s + slot s + 4, then the two parities added.
+  alignas(64) float w_sum[16 * kVecs];
+  for (int v = 0; v < kVecs; ++v) {
+    __m512 u[4];
+    for (int s4 = 0; s4 < 4; ++s4)
+      u[s4] = _mm512_add_ps(_mm512_load_ps(acc[s4] + 16 * v), _mm512_load_ps(acc[s4 + 4] + 16 * v));
+    _mm512_store_ps(w_sum + 16 * v,
+                    _mm512_add_ps(_mm512_add_ps(u[0], u[2]), _mm512_add_ps(u[1], u[3])));
+  }
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < nx; ++i) {
-      float u[8];  // t_l + t_(l + 8); t_l: slot l / 2, parity l % 2
-      for (int l = 0; l < 8; ++l)
-        u[l] =
-            acc[l / 2][r * kVecs + l % 2 * Cols + i] + acc[l / 2 + 4][r * kVecs + l % 2 * Cols + i];
-      y[y_rows[i] * ldy + j + r] =
-          ((u[0] + u[4]) + (u[2] + u[6])) + ((u[1] + u[5]) + (u[3] + u[7]));
-    }
+    for (int64_t i = 0; i < nx; ++i)
+      y[y_rows[i] * ldy + j + r] = w_sum[r * kVecs + i] + w_sum[r * kVecs + Cols + i];
 }
 }  // namespace
 
