@@ -1794,16 +1794,9 @@ constexpr int kQ8Streams = 4;
 // ...: h = ceil((j1 - j0) / kQ8Streams)).
 void gemv_q8_streams(Q8Kernels set, const int8_t* xq, const int8_t* w, int64_t rb, int64_t k,
                      int64_t j0, int64_t j1, float* y) {
-  const int64_t h = (j1 - j0 + kQ8Streams - 1) / kQ8Streams;
-  for (int64_t i = 0; i < h; ++i) {
-    int64_t js[kQ8Streams];
-    const int live = stream_rows(j0, j1, h, i, kQ8Streams, js);
-    const int8_t* rows[kQ8Streams] = {};
-    for (int s = 0; s < live; ++s) rows[s] = w + js[s] * rb;
-    float sums[kQ8Streams];
-    with_count<4>(live, [&](auto n) { dot_q8<1, n()>(set, &xq, rows, k, sums); });
-    for (int s = 0; s < live; ++s) y[js[s]] = sums[s];
-  }
+  q8_stream_rows<kQ8Streams>(w, rb, j0, j1, y, [&](auto n, const int8_t* const* rows, float* sums) {
+    dot_q8<1, n()>(set, &xq, rows, k, sums);
+  });
 }
 
 // y [m, n] rows [j0, j1) = x [m, k] against q8 rows of w (row stride rb): xq holds x's rows

@@ -1129,17 +1129,9 @@ MT_AMX_INT8 void dot_q8_blocks16(const int8_t* xq, const int8_t* const* rows, in
 
 MT_AMX_INT8 void gemv_q8_rows16(const int8_t* xq, const int8_t* w, int64_t rb, int64_t k,
                                 int64_t j0, int64_t j1, float* y) {
-  constexpr int kStreams = 4;
-  const int64_t h = (j1 - j0 + kStreams - 1) / kStreams;
-  for (int64_t i = 0; i < h; ++i) {
-    int64_t js[kStreams];
-    const int live = stream_rows(j0, j1, h, i, kStreams, js);
-    const int8_t* rows[kStreams] = {};
-    for (int s = 0; s < live; ++s) rows[s] = w + js[s] * rb;
-    float sums[kStreams];
-    with_count<kStreams>(live, [&](auto n) { dot_q8_blocks16<n()>(xq, rows, k, sums); });
-    for (int s = 0; s < live; ++s) y[js[s]] = sums[s];
-  }
+  q8_stream_rows<4>(w, rb, j0, j1, y, [&](auto n, const int8_t* const* rows, float* sums) {
+    dot_q8_blocks16<n()>(xq, rows, k, sums);
+  });
 }
 
 MT_AMX_INT8 void gemv_q8_amx(int64_t rows, int64_t cols, const int8_t* xp, const float* sx,

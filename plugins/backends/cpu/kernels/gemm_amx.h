@@ -69,6 +69,23 @@ void with_count(int64_t n, const F& f) {
   }
 }
 
+// Rows [j0, j1) of int8 weight rows w (stride rb) against one row of x as `Streams` sequential
+// streams (stream_rows): dot(count, rows, sums) for each step's live rows (count a
+// std::integral_constant, as with_count gives it), sums[s] into y[row].
+template <int Streams, class Dot>
+void q8_stream_rows(const int8_t* w, int64_t rb, int64_t j0, int64_t j1, float* y, const Dot& dot) {
+  const int64_t h = (j1 - j0 + Streams - 1) / Streams;
+  for (int64_t i = 0; i < h; ++i) {
+    int64_t js[Streams];
+    const int live = stream_rows(j0, j1, h, i, Streams, js);
+    const int8_t* rows[Streams] = {};
+    for (int s = 0; s < live; ++s) rows[s] = w + js[s] * rb;
+    float sums[Streams];
+    with_count<Streams>(live, [&](auto n) { dot(n, rows, sums); });
+    for (int s = 0; s < live; ++s) y[js[s]] = sums[s];
+  }
+}
+
 // Dot products of rows_m rows of bf16 x (x + r ldx) with rows [j0, j1) of bf16 W [N, K] (w + j
 // ldw) on vdpbf16ps, one weight row at a time (one sequential stream per task, as the f32
 // "rows" kernels): y[r ldy + j] = alpha dot + beta y (beta 0: y not read). Each output sums in
