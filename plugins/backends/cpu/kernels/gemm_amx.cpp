@@ -972,7 +972,7 @@ MT_AMX_INT8 void q8_group_amx(int64_t nx, const int8_t* xp, const float* sx, con
     asm volatile("" : : "r"(last) : "memory");  // as in rows_group_amx
   }
   for (int64_t r = 0; r < rows; ++r) _mm_prefetch(base + r * rb + k, _MM_HINT_T0);
-  // Pair p's sums (tile set `set`) into the accumulators.
+  // Pair p's tile sums (stored at s) into slot p % 8.
   auto accumulate = [&](int64_t p, const int32_t* s) MT_AMX_INT8 {
     // Blocks 2 p and 2 p + 1's scales: one gather of 4 bytes a row (an odd last block from
     // the 2 bytes before its scale: the 2 after it may be past the matrix).
