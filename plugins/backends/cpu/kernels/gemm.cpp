@@ -1492,8 +1492,8 @@ namespace {
 // Every kernel set (portable, AVX2, AVX-512; several rows on AVX-512 VNNI two blocks a zmm)
 // computes those operations in that order, so they give the same bits, and a row's outputs do
 // not depend on the rows beside it. Where AMX-INT8 is usable (with matvec_amx_on) the products
-// take gemm_amx.cpp's contract instead (gemv_q8_amx on tiles for 2-8 rows, gemv_q8_rows16 for
-// one): each block's 32 products one exact sum, 16 accumulators by block index mod 16, then
+// take gemm_amx.cpp's contract instead (gemv_q8_amx on tiles for 2-8 rows, gemv_q8_blocks16_streams
+// for one): each block's 32 products one exact sum, 16 accumulators by block index mod 16, then
 // their sum in a fixed order; other bits than the vector sets' (as bf16's AMX rows), the same
 // for one row and for eight. A row of x with a
 // NaN or an infinity is not quantized: its outputs are f32 dot products with the widened
@@ -1816,7 +1816,7 @@ void gemv_q8(int64_t m, const int8_t* xq, int64_t rx, const bool* ok, const floa
         idx[nq++] = r;
       }
     if (nq == 1) {
-      gemv_q8_rows16(xs[0], w, rb, k, j0, j1, y + idx[0] * ldy);
+      gemv_q8_blocks16_streams(xs[0], w, rb, k, j0, j1, y + idx[0] * ldy);
     } else if (nq > 1) {
       const int64_t cols = amx_q8_cols(nq);
       std::vector<int8_t> xp(static_cast<size_t>(amx_q8_packed_bytes(cols, k)));

@@ -70,7 +70,7 @@ constexpr int64_t kPanelGroup = 16;          // panels a task packs at once when
 constexpr int64_t kFewRowsAmx = 16;          // rows of x gemv_rows_amx takes (one B tile wide)
 // Bytes ahead of each weight row gemv_rows_amx prefetches (8 steps of 64 bytes).
 constexpr int64_t kAmxRowsAhead = 512;
-// The same for the int8 kernels (gemv_q8_amx, gemv_q8_rows16): on a 2-core Xeon with AMX
+// The same for the int8 kernels (gemv_q8_amx, gemv_q8_blocks16_streams): on a 2-core Xeon with AMX
 // (gemm_bench's BM_MatVecQ8Stream K=2048 N=5632, medians of 3) 128-256 bytes read fastest, 512
 // ~5-10% slower, 2048-4096 ~15-25%.
 constexpr int64_t kQ8TilesAhead = 256;
@@ -1127,8 +1127,8 @@ MT_AMX_INT8 void dot_q8_blocks16(const int8_t* xq, const int8_t* const* rows, in
   }
 }
 
-MT_AMX_INT8 void gemv_q8_rows16(const int8_t* xq, const int8_t* w, int64_t rb, int64_t k,
-                                int64_t j0, int64_t j1, float* y) {
+MT_AMX_INT8 void gemv_q8_blocks16_streams(const int8_t* xq, const int8_t* w, int64_t rb, int64_t k,
+                                          int64_t j0, int64_t j1, float* y) {
   q8_stream_rows<4>(w, rb, j0, j1, y, [&](auto n, const int8_t* const* rows, float* sums) {
     dot_q8_blocks16<n()>(xq, rows, k, sums);
   });
@@ -1166,7 +1166,8 @@ void gemv_q8_amx(int64_t, int64_t, const int8_t*, const float*, const int8_t*, i
                  int64_t, int64_t, float*, int64_t, const int64_t*) {
   std::abort();  // never called: request_amx() says no AMX under emulation
 }
-void gemv_q8_rows16(const int8_t*, const int8_t*, int64_t, int64_t, int64_t, int64_t, float*) {
+void gemv_q8_blocks16_streams(const int8_t*, const int8_t*, int64_t, int64_t, int64_t, int64_t,
+                              float*) {
   std::abort();
 }
 #endif

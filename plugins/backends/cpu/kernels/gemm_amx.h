@@ -123,8 +123,9 @@ bool amx_int8_usable();
 // separate columns of B), then t_(b % 16) = fma(scale_w * scale_x, float(sum), t_(b % 16)) over
 // the blocks in order, all 16 from 0; the output is u_l = t_l + t_(l + 8) (l < 8), then
 // ((u0 + u4) + (u2 + u6)) + ((u1 + u5) + (u3 + u7)). Each output is those operations whatever
-// the other rows are, and gemv_q8_rows16 computes them for one row: a row of x gets the same
-// bits alone as in a batch.
+// the other rows are, and gemv_q8_blocks16_streams computes them for one row: a row of x gets the
+// same bits alone as in a batch.
+//
 // x's packing: `cols` (1, 2, 4 or 8) columns, the first `rows` of them x's quantized rows
 // xq[0..rows) and the rest zero; per pair of blocks p (the last possibly one block beside zeros),
 // a B tile of 16 rows (row r: 4 consecutive k of group r % 8 of block 2 p + r / 8) x 2 cols
@@ -143,7 +144,7 @@ void gemv_q8_amx(int64_t rows, int64_t cols, const int8_t* xp, const float* sx, 
 // One quantized row of x (xq) against weight rows [j0, j1) into y[j], gemv_q8_amx's bits on
 // AVX-512 VNNI, four sequential weight streams (tiles read 16 rows interleaved: ~0.8x as fast
 // for one row). Callers check amx_int8_usable().
-void gemv_q8_rows16(const int8_t* xq, const int8_t* w, int64_t rb, int64_t k, int64_t j0,
-                    int64_t j1, float* y);
+void gemv_q8_blocks16_streams(const int8_t* xq, const int8_t* w, int64_t rb, int64_t k, int64_t j0,
+                              int64_t j1, float* y);
 
 }  // namespace mt::cpu
