@@ -70,16 +70,42 @@ struct Dir {
   ~Dir() { fs::remove_all(root); }
 };
 
+// A session directory of one mpirun's own. Open MPI 4 makes its session directory under
+// /tmp/ompi.<host>.<uid> with a check-then-mkdir that two mpiruns started at once can lose
+// ("A call to mkdir was unable to create the desired directory ... File exists", orte_init
+// fails, the job exits 1: open-mpi/ompi#8510), and ctest -j runs these tests side by side.
+// Giving each mpirun its own base (orte_tmpdir_base; prte_tmpdir_base for Open MPI 5's PRRTE)
+// removes the shared directory. Removed with everything under it at the end of the call.
+struct MpiSessionDir {
+  fs::path path;
+  MpiSessionDir() {
+    std::string name = (fs::temp_directory_path() / "mt_ompi_XXXXXX").string();
+    if (!mkdtemp(name.data())) throw std::runtime_error("mkdtemp failed under /tmp");
+    path = name;
+  }
+  ~MpiSessionDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+  MpiSessionDir(const MpiSessionDir&) = delete;
+  MpiSessionDir& operator=(const MpiSessionDir&) = delete;
+  std::string env() const {
+    return "OMPI_MCA_orte_tmpdir_base=" + path.string() +
+           " PRTE_MCA_prte_tmpdir_base=" + path.string() + " ";
+  }
+};
+
 // `mpirun -np <ranks> mt <args>`, bounded by `seconds`. `prefix`: a shell command line that
 // ends by exec'ing its arguments (to give one rank another environment).
 test::MtResult mpirun(int ranks, const std::string& args, int seconds = 60,
                       const std::string& prefix = "") {
+  const MpiSessionDir session;
   test::MtResult r;
-  r.code = test::run_command("MT_PLUGIN_PATH= timeout -k 10 " + std::to_string(seconds) +
-                                 " mpirun --oversubscribe --allow-run-as-root -np " +
-                                 std::to_string(ranks) + " " + prefix + " " + test::mt_exe() + " " +
-                                 args,
-                             r.out);
+  r.code = test::run_command(
+      "MT_PLUGIN_PATH= " + session.env() + "timeout -k 10 " + std::to_string(seconds) +
+          " mpirun --oversubscribe --allow-run-as-root -np " + std::to_string(ranks) + " " +
+          prefix + " " + test::mt_exe() + " " + args,
+      r.out);
   return r;
 }
 
@@ -802,10 +828,12 @@ TEST(DataParallel, ExpertParallelRanksTrainAsOneRank) {
 // job time out.
 TEST(DataParallel, ExpertExchangeMovesRowsAndGradientsBetweenRanks) {
   MT_NEED_MPIRUN();
+  const MpiSessionDir session;
   std::string out;
   const int code = test::run_command(
-      "MT_PLUGIN_PATH= MT_EXCHANGE_RANK_TEST=1 timeout -k 10 60 mpirun --oversubscribe "
-      "--allow-run-as-root -np 3 " +
+      "MT_PLUGIN_PATH= MT_EXCHANGE_RANK_TEST=1 " + session.env() +
+          "timeout -k 10 60 mpirun --oversubscribe "
+          "--allow-run-as-root -np 3 " +
           test::build_dir() +
           "/tests/data_parallel_test --gtest_color=no --gtest_filter=ExpertExchangeRank.*",
       out);
