@@ -164,6 +164,8 @@ BENCHMARK_CAPTURE(BM_Decode, flash, std::string("flash"))
     ->Args({2048, 1, 8, 4})
     ->Args({160, 0, 1, 12})  // llama-bench-m's batch-1 decode step (mt bench decode)
     ->Args({160, 1, 1, 12})
+    ->Args({4096, 1, 1, 12})  // the same model after a 4096-token prompt (depth=4096)
+    ->Args({4096, 1, 8, 12})
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime()
     ->MeasureProcessCPUTime();

@@ -1,10 +1,11 @@
 // mt bench: throughput benchmarks, JSON on stdout.
 //   mt bench train [--model=NAME] [key=value ...]   (default: configuration M, llama-bench-m)
 //     one JSON object: tokens/s, model TFLOP/s and MFU of a short synthetic training run.
-//   mt bench decode [--model=NAME] [steps=N] [dtypes=float32,bfloat16]
+//   mt bench decode [--model=NAME] [steps=N] [depth=N] [dtypes=float32,bfloat16]
 //   [parts=batch8,prefill,batch1]
 //                                                   prefill and decode throughput (M and ~1B);
-//     parts= runs only those (the others print null), e.g. parts=batch1 for a quick decode.
+//     parts= runs only those (the others print null), e.g. parts=batch1 for a quick decode;
+//     depth= the prompt's tokens before the timed steps (128; llama-bench's -d).
 //   mt bench gemm [--model=NAME] [shapes=MxKxN,...] [key=value ...]
 //     one JSON line per product c[M, N] = a[M, K] @ b[K, N] through Backend::matmul: median ms
 //     and TFLOP/s. Default shapes: a transformer's projections (attention, MLP up and down, LM
@@ -183,13 +184,16 @@ struct DecodeParts {
   bool batch8 = true, prefill = true, batch1 = true;
 };
 
-// One model and dtype: prefill of 512-token prompts, decode at batch 1 and 8 (random weights:
-// throughput does not depend on their values).
+// One model and dtype: prefill of 512-token prompts, decode at batch 1 and 8 after prompts of
+// `depth` tokens (random weights: throughput does not depend on their values).
 std::string bench_decode_one(Args args, const std::string& model, const std::string& dtype,
-                             int64_t steps, DecodeParts parts) {
+                             int64_t steps, int64_t depth, DecodeParts parts) {
   args.model = model;
-  args.overrides.insert(args.overrides.begin(),
-                        {"dtype=" + dtype, "weight_dtype=" + dtype, "max_target_length=1024"});
+  // Room for the prefill's 512 tokens, and for the prompt, the two warm-up steps and the timed
+  // ones.
+  const int64_t length = std::max<int64_t>(1024, depth + steps + 2);
+  args.overrides.insert(args.overrides.begin(), {"dtype=" + dtype, "weight_dtype=" + dtype,
+                                                 "max_target_length=" + std::to_string(length)});
   Config cfg = resolve_config(args);
   // The row is labelled with its dtype: a dtype or weight_dtype the user's other layers set
   // (the command line, --config, M_ variables) would run another configuration under it.
@@ -220,7 +224,7 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
   // by half between runs on a shared machine. Run after batch 8's decode, on the weights as mt
   // decode lays them out for a single prompt (transposed where its decode pays for it).
   auto measure_prefill = [&] {
-    Decoder dec(r, 1, 1024);
+    Decoder dec(r, 1, length);
     dec.prefill(0, prompt(512), /*last_only=*/true);
     std::vector<double> tps;
     for (int rep = 0; rep < 3; ++rep) {
@@ -272,9 +276,9 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
   // Whether decode steps replay a recording (CUDA graphs; Decoder::step_recording), per batch.
   std::string recording[2] = {"not run", "not run"};
   auto decode = [&](int64_t batch, double* bytes_per_s) {
-    Decoder dec(r, batch, 1024);
+    Decoder dec(r, batch, length);
     std::vector<int32_t> next(static_cast<size_t>(batch));
-    for (int64_t b = 0; b < batch; ++b) dec.prefill(b, prompt(128), /*last_only=*/true);
+    for (int64_t b = 0; b < batch; ++b) dec.prefill(b, prompt(depth), /*last_only=*/true);
     std::vector<bool> active(static_cast<size_t>(batch), true);
     // Warm-up: the first step runs as it comes, the second is recorded where the backend can.
     dec.step(next, active);
@@ -325,13 +329,13 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
       "{{\"model\": \"{}\", \"dtype\": \"{}\", \"quantization\": \"{}\", \"weight_bytes\": {}, "
       "\"prefill_512_tokens_per_sec\": {}, \"decode_batch1_tokens_per_sec\": {}, "
       "\"decode_batch1_bytes_per_sec\": {}, \"decode_batch8_tokens_per_sec\": {}, "
-      "\"kv_cache\": \"{}\", \"kv_cache_bytes_per_token\": {:.0f}, "
+      "\"decode_depth\": {}, \"kv_cache\": \"{}\", \"kv_cache_bytes_per_token\": {:.0f}, "
       "\"decode_weight_bytes_per_token\": {:.4g}, \"decode_steps\": \"batch 1 {}, batch 8 {}\"}}",
       bench_label(cfg, args), dtype, cfg.get_string("quantization"), weight_bytes,
       figure(parts.prefill, fmt::format("{:.1f}", prefill_tps)),
       figure(parts.batch1, fmt::format("{:.2f}", b1)),
       figure(parts.batch1, fmt::format("{:.4g}", bw)),
-      figure(parts.batch8, fmt::format("{:.2f}", b8)),
+      figure(parts.batch8, fmt::format("{:.2f}", b8)), depth,
       kq.on ? (kq.per_head ? "int8 (dkv)" : "int8 (heads_and_dkv)") : dtype, cache_bytes_per_token,
       step_bytes, recording[0], recording[1]);
 }
@@ -378,6 +382,9 @@ int bench_decode(const Args& args) {
   Args rest = args;
   rest.model.clear();
   const int64_t steps = parse_count("steps", take_key(rest.overrides, "steps").value_or("16"), 1);
+  // The prompt's length before the timed steps (llama-bench's -d): the attention reads that
+  // much KV cache a step.
+  const int64_t depth = parse_count("depth", take_key(rest.overrides, "depth").value_or("128"), 1);
   // The bench's own key: which of float32,bfloat16 to run (comma-separated).
   std::vector<std::string> dtypes = {"float32", "bfloat16"};
   if (const auto v = take_key(rest.overrides, "dtypes")) {
@@ -418,7 +425,7 @@ int bench_decode(const Args& args) {
   for (const auto& m : models)
     for (const auto& dt : dtypes) {
       std::fprintf(stderr, "mt bench decode: %s %s...\n", m.c_str(), dt.c_str());
-      out += std::string(first ? "" : ", ") + bench_decode_one(rest, m, dt, steps, parts);
+      out += std::string(first ? "" : ", ") + bench_decode_one(rest, m, dt, steps, depth, parts);
       first = false;
     }
   std::printf("%s]}\n", out.c_str());

@@ -489,41 +489,44 @@ TEST(Attention, DecodeMatchesForward) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   Backend& be = test::cpu();
-  const int64_t B = 3, Smax = 90, D = 16;
+  const int64_t B = 3, Smax = 90;
   // Hq / Hkv = 2 and 8: flash decodes one token with the q heads of a kv head as one block (the
-  // direct dot-product path below 4 rows, the tile microkernels from 4 rows).
-  for (const char* name : {"flash", "dot_product"})
-    for (auto [Hq, Hkv] : {std::pair<int64_t, int64_t>{4, 2}, {8, 1}})
-      for (int64_t T : {1, 3})
-        for (int c = 0; c < 4; ++c) {
-          auto att = test::attention(name, be);
-          AttentionSpec spec;
-          spec.causal = c & 1;
-          spec.window = (c & 2) ? 7 : 0;
-          spec.softcap = (c == 3) ? 20.f : 0.f;
-          const std::vector<int32_t> lengths = {
-              static_cast<int32_t>(T), 17 + static_cast<int32_t>(c), static_cast<int32_t>(Smax)};
-          // Rows past lengths[b] hold garbage that must be ignored.
-          const std::vector<float> q = test::randn(B * T * Hq * D, rng),
-                                   kc = test::randn(B * Smax * Hkv * D, rng),
-                                   vc = test::randn(B * Smax * Hkv * D, rng);
-          Tensor out = be.empty({B, T, Hq, D}, DType::f32);
-          att->decode(test::from_vector(be, {B, T, Hq, D}, q),
-                      test::from_vector(be, {B, Smax, Hkv, D}, kc),
-                      test::from_vector(be, {B, Smax, Hkv, D}, vc),
-                      test::from_ints(be, {B}, lengths), spec, out);
-          const std::vector<float> got = test::to_vector(out);
-          for (int64_t b = 0; b < B; ++b) {
-            const int64_t L = lengths[b];
-            const Result r = run(*att, sequence_of(q, kc, vc, b, L, T, Smax, Hq, Hkv, D, spec),
-                                 DType::f32, false);
-            const std::vector<float> row(got.begin() + b * T * Hq * D,
-                                         got.begin() + (b + 1) * T * Hq * D);
-            EXPECT_LT(norm_err(row, r.out), 2e-6)
-                << name << " Hq " << Hq << " Hkv " << Hkv << " T " << T << " b " << b << " length "
-                << L << " case " << c;
+  // direct dot-product path below 4 rows, the tile microkernels from 4 rows). D = 72 and 136:
+  // one token's kernels hold 64 of a head's outputs in registers at a time, then the rest, the
+  // last part a partial vector.
+  for (const int64_t D : {16, 72, 136})
+    for (const char* name : {"flash", "dot_product"})
+      for (auto [Hq, Hkv] : {std::pair<int64_t, int64_t>{4, 2}, {8, 1}})
+        for (int64_t T : {1, 3})
+          for (int c = 0; c < 4; ++c) {
+            auto att = test::attention(name, be);
+            AttentionSpec spec;
+            spec.causal = c & 1;
+            spec.window = (c & 2) ? 7 : 0;
+            spec.softcap = (c == 3) ? 20.f : 0.f;
+            const std::vector<int32_t> lengths = {
+                static_cast<int32_t>(T), 17 + static_cast<int32_t>(c), static_cast<int32_t>(Smax)};
+            // Rows past lengths[b] hold garbage that must be ignored.
+            const std::vector<float> q = test::randn(B * T * Hq * D, rng),
+                                     kc = test::randn(B * Smax * Hkv * D, rng),
+                                     vc = test::randn(B * Smax * Hkv * D, rng);
+            Tensor out = be.empty({B, T, Hq, D}, DType::f32);
+            att->decode(test::from_vector(be, {B, T, Hq, D}, q),
+                        test::from_vector(be, {B, Smax, Hkv, D}, kc),
+                        test::from_vector(be, {B, Smax, Hkv, D}, vc),
+                        test::from_ints(be, {B}, lengths), spec, out);
+            const std::vector<float> got = test::to_vector(out);
+            for (int64_t b = 0; b < B; ++b) {
+              const int64_t L = lengths[b];
+              const Result r = run(*att, sequence_of(q, kc, vc, b, L, T, Smax, Hq, Hkv, D, spec),
+                                   DType::f32, false);
+              const std::vector<float> row(got.begin() + b * T * Hq * D,
+                                           got.begin() + (b + 1) * T * Hq * D);
+              EXPECT_LT(norm_err(row, r.out), 2e-6)
+                  << name << " D " << D << " Hq " << Hq << " Hkv " << Hkv << " T " << T << " b "
+                  << b << " length " << L << " case " << c;
+            }
           }
-        }
 }
 
 // A bf16 cache is read in place, a key block at a time: the outputs are those of an f32 cache

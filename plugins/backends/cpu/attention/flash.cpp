@@ -518,44 +518,102 @@ MT_AVX512 MT_ALWAYS_INLINE __m512 load16_avx512(const T* p, int64_t n) {
   }
 }
 
+// r[i] = hsum_avx512(a[i]) for 16 vectors at once, the same additions in the same pairs (256-bit
+// halves, then 128-bit quarters, then pairs of lanes, then lanes), so the same bits: a score
+// no longer pays a whole horizontal sum of its own.
+MT_AVX512 MT_ALWAYS_INLINE __m512 hsum16_avx512(const __m512* a) {
+  __m512 h[8], q[4], p[2];
+  for (int i = 0; i < 8; ++i)  // [a.q0 + a.q2, a.q1 + a.q3, b.q0 + b.q2, b.q1 + b.q3]
+    h[i] = _mm512_add_ps(_mm512_maskz_shuffle_f32x4(kAll, a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_maskz_shuffle_f32x4(kAll, a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit lane L: the 4-lane partial of a[4 i + L]
+    q[i] = _mm512_add_ps(_mm512_maskz_shuffle_f32x4(kAll, h[2 * i], h[2 * i + 1], 0x88),
+                         _mm512_maskz_shuffle_f32x4(kAll, h[2 * i], h[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i) {  // lane L: 2 lanes of a[8 i + L], then 2 of a[8 i + 4 + L]
+    const __m512d x = _mm512_castps_pd(q[2 * i]), y = _mm512_castps_pd(q[2 * i + 1]);
+    p[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_maskz_unpacklo_pd(0xFF, x, y)),
+                         _mm512_castpd_ps(_mm512_maskz_unpackhi_pd(0xFF, x, y)));
+  }
+  // Element 4 L + m is a[L + 4 m]'s sum: back to element i = a[i]'s.
+  const __m512 r = _mm512_add_ps(_mm512_maskz_shuffle_ps(kAll, p[0], p[1], 0x88),
+                                 _mm512_maskz_shuffle_ps(kAll, p[0], p[1], 0xDD));
+  return _mm512_maskz_permutexvar_ps(
+      kAll, _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+
+// Rows [c0 + 16, c0 + 32) of the chunk (those before nk), bytes [from, to) of each: the next
+// block's share of what this block is about to read.
+template <class T>
+MT_AVX512 MT_ALWAYS_INLINE void prefetch_next_block(const T* rows, int64_t ld, int64_t c0,
+                                                    int64_t nk, int64_t from, int64_t to) {
+  const auto* base = reinterpret_cast<const char*>(rows);
+  const int64_t bytes = ld * static_cast<int64_t>(sizeof(T));
+  for (int64_t c = c0 + 16; c < std::min(nk, c0 + 32); ++c) {
+    for (int64_t off = from; off < to; off += 64) _mm_prefetch(base + c * bytes + off, _MM_HINT_T0);
+    _mm_prefetch(base + c * bytes + to - 1, _MM_HINT_T0);
+  }
+}
+
+// Keys in blocks of 16 (rows 16 x Hkv x D: in L1), each block's next prefetched as it is read.
+// A score is the d-ordered fma chain of hsum_avx512 (16 at once by hsum16_avx512): the bits of
+// one dot product at a time.
 template <class T>
 MT_AVX512 void decode_scores_t_avx512(const float* qs, int64_t Hq, int64_t group, int64_t D,
                                       const T* k, int64_t ld, int64_t nk, float* s, int64_t lds) {
-  const int64_t Hkv = Hq / group;
-  for (int64_t c = 0; c < nk; ++c)
+  const int64_t Hkv = Hq / group, sz = static_cast<int64_t>(sizeof(T));
+  for (int64_t c0 = 0; c0 < nk; c0 += 16) {
+    const int64_t n = std::min<int64_t>(16, nk - c0);
     for (int64_t g = 0; g < Hkv; ++g) {
-      const T* kr = k + c * ld + g * D;
+      prefetch_next_block(k, ld, c0, nk, g * D * sz, (g + 1) * D * sz);
+      const T* kr = k + c0 * ld + g * D;
       for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d += 16)
-          acc = _mm512_fmadd_ps(load16_avx512(qs + h * D + d, D - d), load16_avx512(kr + d, D - d),
-                                acc);
-        s[h * lds + c] = hsum_avx512(acc);
+        __m512 acc[16];
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 16) {
+          const __m512 qv = load16_avx512(qs + h * D + d, D - d);
+          for (int64_t i = 0; i < n; ++i)
+            acc[i] = _mm512_fmadd_ps(qv, load16_avx512(kr + i * ld + d, D - d), acc[i]);
+        }
+        _mm512_mask_storeu_ps(s + h * lds + c0, tail_mask(n), hsum16_avx512(acc));
       }
     }
+  }
 }
+// Keys in blocks of 16; per head, up to 64 of its D outputs held in registers through a block
+// (loaded and stored once a block, not once a key). Each output is the fma chain over the keys
+// in order, as before.
 template <class T>
 MT_AVX512 void decode_acc_t_avx512(float* part, int64_t ldp, int64_t Hq, int64_t group, int64_t D,
                                    const float* s, int64_t lds, const T* v, int64_t ld,
                                    int64_t nk) {
-  const int64_t Hkv = Hq / group;
-  for (int64_t c = 0; c < nk; ++c)
+  const int64_t Hkv = Hq / group, sz = static_cast<int64_t>(sizeof(T));
+  for (int64_t c0 = 0; c0 < nk; c0 += 16) {
+    const int64_t n = std::min<int64_t>(16, nk - c0);
     for (int64_t g = 0; g < Hkv; ++g) {
-      const T* vr = v + c * ld + g * D;
+      prefetch_next_block(v, ld, c0, nk, g * D * sz, (g + 1) * D * sz);
+      const T* vr = v + c0 * ld + g * D;
       for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-        const __m512 e = _mm512_set1_ps(s[h * lds + c]);
         float* o = part + h * ldp;
-        for (int64_t d = 0; d < D; d += 16) {
-          const __m512 x = load16_avx512(vr + d, D - d);
-          if (D - d >= 16) {
-            _mm512_storeu_ps(o + d, _mm512_fmadd_ps(e, x, _mm512_loadu_ps(o + d)));
-          } else {
-            const __mmask16 m = tail_mask(D - d);
-            _mm512_mask_storeu_ps(o + d, m, _mm512_fmadd_ps(e, x, _mm512_maskz_loadu_ps(m, o + d)));
+        const float* e = s + h * lds + c0;
+        for (int64_t d0 = 0; d0 < D; d0 += 64) {
+          const int64_t nv = std::min<int64_t>(4, (D - d0 + 15) / 16);
+          __mmask16 m[4];
+          __m512 acc[4];
+          for (int64_t u = 0; u < nv; ++u) {
+            m[u] = D - d0 - 16 * u >= 16 ? kAll : tail_mask(D - d0 - 16 * u);
+            acc[u] = _mm512_maskz_loadu_ps(m[u], o + d0 + 16 * u);
           }
+          for (int64_t i = 0; i < n; ++i) {
+            const __m512 w = _mm512_set1_ps(e[i]);
+            for (int64_t u = 0; u < nv; ++u)
+              acc[u] = _mm512_fmadd_ps(w, load16_avx512(vr + i * ld + d0 + 16 * u, D - d0 - 16 * u),
+                                       acc[u]);
+          }
+          for (int64_t u = 0; u < nv; ++u) _mm512_mask_storeu_ps(o + d0 + 16 * u, m[u], acc[u]);
         }
       }
     }
+  }
 }
 // ---- AVX2 + FMA microkernels (same contracts; for CPUs without AVX-512) -------------------
 // Sixteen 8-lane registers: the tiles are cut so that accumulators, operands and broadcasts fit

@@ -186,6 +186,21 @@ inline __m512i maskz_shuffle_i32x4(__mmask16 k, __m512i a, __m512i b, int imm) {
   const __m512i zero = simde_mm512_setzero_si512();
   return MT_X86EMU_TO(__m512i, mask_shuffle_x4(&zero, k, &a, &b, imm));
 }
+inline __m512 maskz_shuffle_f32x4(__mmask16 k, __m512 a, __m512 b, int imm) {
+  const __m512 zero = simde_mm512_setzero_ps();
+  return MT_X86EMU_TO(__m512, mask_shuffle_x4(&zero, k, &a, &b, imm));
+}
+// shuffle_ps within each block of four lanes: lanes 0-1 a's lanes chosen by imm's first two
+// 2-bit fields, lanes 2-3 b's by the last two; lanes outside k zero.
+inline __m512 maskz_shuffle_ps(__mmask16 k, __m512 a, __m512 b, int imm) {
+  const auto x = lanes<uint32_t, 16>(&a), y = lanes<uint32_t, 16>(&b);
+  Lanes<uint32_t, 16> r;
+  for (int i = 0; i < 16; ++i) {
+    const int lane = i % 4, sel = imm >> (2 * lane) & 3;
+    if (k >> i & 1) r.e[i] = (lane < 2 ? x : y).e[i - lane + sel];
+  }
+  return MT_X86EMU_TO(__m512, r);
+}
 
 // SIMDe without a native FMA multiplies and adds with two roundings; the kernels' bits (the int8
 // kernels' documented order among them) need the fused operation, lane by lane.
@@ -298,6 +313,8 @@ inline __m512 dpbf16_512(__m512 src, __m512bh a, __m512bh b) {
 #define _mm512_maskz_srli_epi32 ::mt_x86_emulation::maskz_srli_epi32
 #define _mm512_mask_shuffle_f32x4 ::mt_x86_emulation::mask_shuffle_f32x4
 #define _mm512_maskz_shuffle_i32x4 ::mt_x86_emulation::maskz_shuffle_i32x4
+#define _mm512_maskz_shuffle_f32x4 ::mt_x86_emulation::maskz_shuffle_f32x4
+#define _mm512_maskz_shuffle_ps ::mt_x86_emulation::maskz_shuffle_ps
 // __m512bh from the bits of a 512-bit integer vector (a reinterpret_cast where they are GCC's
 // vector types, a copy of the bytes where they are SIMDe's).
 #define MT_AS_BF16X32(v)              \
