@@ -5,7 +5,8 @@
 //   [parts=batch8,prefill,batch1]
 //                                                   prefill and decode throughput (M and ~1B);
 //     parts= runs only those (the others print null), e.g. parts=batch1 for a quick decode;
-//     depth= the prompt's tokens before the timed steps (128; llama-bench's -d).
+//     depth= the prompt's tokens before the timed steps (128; llama-bench's -d); the line's
+//     decode_depth is the cache rows the first timed step reads (the prompt and 2 warm-up steps).
 //   mt bench gemm [--model=NAME] [shapes=MxKxN,...] [key=value ...]
 //     one JSON line per product c[M, N] = a[M, K] @ b[K, N] through Backend::matmul: median ms
 //     and TFLOP/s. Default shapes: a transformer's projections (attention, MLP up and down, LM
@@ -275,6 +276,7 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
   };
   // Whether decode steps replay a recording (CUDA graphs; Decoder::step_recording), per batch.
   std::string recording[2] = {"not run", "not run"};
+  int64_t depth_read = 0;  // cache rows before the first timed step (sequence 0's)
   auto decode = [&](int64_t batch, double* bytes_per_s) {
     Decoder dec(r, batch, length);
     std::vector<int32_t> next(static_cast<size_t>(batch));
@@ -289,6 +291,7 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
       std::fprintf(stderr, "mt bench decode: batch %lld: %s\n", static_cast<long long>(batch),
                    rec.c_str());
     recording[batch == 1 ? 0 : 1] = rec == "recorded" ? "recorded" : "each op";
+    depth_read = dec.length(0);
     const auto t0 = Clock::now();
     double kv_bytes = 0;
     for (int64_t s = 0; s < steps; ++s) {
@@ -335,7 +338,7 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
       figure(parts.prefill, fmt::format("{:.1f}", prefill_tps)),
       figure(parts.batch1, fmt::format("{:.2f}", b1)),
       figure(parts.batch1, fmt::format("{:.4g}", bw)),
-      figure(parts.batch8, fmt::format("{:.2f}", b8)), depth,
+      figure(parts.batch8, fmt::format("{:.2f}", b8)), depth_read,
       kq.on ? (kq.per_head ? "int8 (dkv)" : "int8 (heads_and_dkv)") : dtype, cache_bytes_per_token,
       step_bytes, recording[0], recording[1]);
 }

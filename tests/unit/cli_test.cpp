@@ -272,6 +272,16 @@ TEST(Cli, BenchPrintsOneJsonObject) {
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("grouped_matmul"), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("cross_entropy_forward"), std::string::npos) << r.out;
+  // depth= is the prompt before the timed steps (llama-bench's -d), past the default cache of
+  // 1024 rows too; the line says what the first timed step read: the prompt and 2 warm-up steps.
+  r = mt_cmd(
+      "bench decode --model=llama-test steps=2 dtypes=float32 parts=batch1,batch8 depth=1500 "
+      "2>/dev/null");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("\"decode_depth\": 1502"), std::string::npos) << r.out;
+  r = mt_cmd("bench decode --model=llama-test depth=0 2>&1");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("depth=0 must be an integer of at least 1"), std::string::npos) << r.out;
   r = mt_cmd("bench decode --model=llama-test parts=batch2 2>&1");
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_NE(r.out.find("parts=batch2 names 'batch2'"), std::string::npos) << r.out;
