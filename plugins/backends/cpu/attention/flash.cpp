@@ -541,16 +541,34 @@ MT_AVX512 MT_ALWAYS_INLINE __m512 hsum16_avx512(const __m512* a) {
       kAll, _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
 }
 
-// Rows [c0 + 16, c0 + 32) of the chunk (those before nk), bytes [from, to) of each: the next
-// block's share of what this block is about to read.
-template <class T>
-MT_AVX512 MT_ALWAYS_INLINE void prefetch_next_block(const T* rows, int64_t ld, int64_t c0,
-                                                    int64_t nk, int64_t from, int64_t to) {
+// Rows [c0 + Rows, c0 + 2 Rows) of the chunk (those before nk), bytes [from, to) of each: the
+// next block's share of what this block is about to read (the decode kernels of both sets).
+template <int Rows, class T>
+MT_ALWAYS_INLINE void prefetch_next_block(const T* rows, int64_t ld, int64_t c0, int64_t nk,
+                                          int64_t from, int64_t to) {
   const auto* base = reinterpret_cast<const char*>(rows);
   const int64_t bytes = ld * static_cast<int64_t>(sizeof(T));
-  for (int64_t c = c0 + 16; c < std::min(nk, c0 + 32); ++c) {
+  for (int64_t c = c0 + Rows; c < std::min(nk, c0 + 2 * Rows); ++c) {
     for (int64_t off = from; off < to; off += 64) _mm_prefetch(base + c * bytes + off, _MM_HINT_T0);
     _mm_prefetch(base + c * bytes + to - 1, _MM_HINT_T0);
+  }
+}
+
+// Scores of q heads [h0, h1) against n <= 16 rows (ldk apart) into s[h * lds + i]: per score the
+// d-ordered fma chain and hsum_avx512's additions (16 at once by hsum16_avx512).
+template <class T>
+MT_AVX512 MT_ALWAYS_INLINE void scores16(const float* qs, int64_t h0, int64_t h1, int64_t D,
+                                         const T* kr, int64_t ldk, int64_t n, float* s,
+                                         int64_t lds) {
+  for (int64_t h = h0; h < h1; ++h) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 qv = load16_avx512(qs + h * D + d, D - d);
+      for (int64_t i = 0; i < n; ++i)
+        acc[i] = _mm512_fmadd_ps(qv, load16_avx512(kr + i * ldk + d, D - d), acc[i]);
+    }
+    _mm512_mask_storeu_ps(s + h * lds, tail_mask(n), hsum16_avx512(acc));
   }
 }
 
@@ -564,54 +582,66 @@ MT_AVX512 void decode_scores_t_avx512(const float* qs, int64_t Hq, int64_t group
   for (int64_t c0 = 0; c0 < nk; c0 += 16) {
     const int64_t n = std::min<int64_t>(16, nk - c0);
     for (int64_t g = 0; g < Hkv; ++g) {
-      prefetch_next_block(k, ld, c0, nk, g * D * sz, (g + 1) * D * sz);
-      const T* kr = k + c0 * ld + g * D;
-      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-        __m512 acc[16];
-        for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d += 16) {
-          const __m512 qv = load16_avx512(qs + h * D + d, D - d);
-          for (int64_t i = 0; i < n; ++i)
-            acc[i] = _mm512_fmadd_ps(qv, load16_avx512(kr + i * ld + d, D - d), acc[i]);
-        }
-        _mm512_mask_storeu_ps(s + h * lds + c0, tail_mask(n), hsum16_avx512(acc));
-      }
+      prefetch_next_block<16>(k, ld, c0, nk, g * D * sz, (g + 1) * D * sz);
+      scores16(qs, g * group, (g + 1) * group, D, k + c0 * ld + g * D, ld, n, s + c0, lds);
     }
   }
 }
-// Keys in blocks of 16; per head, up to 64 of its D outputs held in registers through a block
-// (loaded and stored once a block, not once a key). Each output is the fma chain over the keys
-// in order, as before.
+
+// Heads h and h + 1 (H = 2) or h alone (H = 1): outputs += their weights e times n <= 16 rows of
+// their kv heads (ldv apart), 64 outputs a head at a time held in registers through the rows.
+// Each output is the fma chain over the rows in order; two heads give 8 chains where one head of
+// 64 gave 4, each waiting on the fma before it.
+template <int H, class T>
+MT_AVX512 MT_ALWAYS_INLINE void acc16(float* const* o, const float* const* e, int64_t D,
+                                      const T* const* vr, int64_t ldv, int64_t n) {
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    const int64_t nv = std::min<int64_t>(4, (D - d0 + 15) / 16);
+    __mmask16 m[4];
+    __m512 acc[H][4];
+    for (int64_t u = 0; u < nv; ++u) {
+      m[u] = D - d0 - 16 * u >= 16 ? kAll : tail_mask(D - d0 - 16 * u);
+      for (int x = 0; x < H; ++x) acc[x][u] = _mm512_maskz_loadu_ps(m[u], o[x] + d0 + 16 * u);
+    }
+    for (int64_t i = 0; i < n; ++i)
+      for (int x = 0; x < H; ++x) {
+        const __m512 w = _mm512_set1_ps(e[x][i]);
+        for (int64_t u = 0; u < nv; ++u)
+          acc[x][u] = _mm512_fmadd_ps(
+              w, load16_avx512(vr[x] + i * ldv + d0 + 16 * u, D - d0 - 16 * u), acc[x][u]);
+      }
+    for (int64_t u = 0; u < nv; ++u)
+      for (int x = 0; x < H; ++x) _mm512_mask_storeu_ps(o[x] + d0 + 16 * u, m[u], acc[x][u]);
+  }
+}
+
+// Keys in blocks of 16; the heads in pairs (acc16), up to 64 of a head's D outputs held in
+// registers through a block (loaded and stored once a block, not once a key), each kv head's
+// share of the next block prefetched when its first q head is reached.
 template <class T>
 MT_AVX512 void decode_acc_t_avx512(float* part, int64_t ldp, int64_t Hq, int64_t group, int64_t D,
                                    const float* s, int64_t lds, const T* v, int64_t ld,
                                    int64_t nk) {
-  const int64_t Hkv = Hq / group, sz = static_cast<int64_t>(sizeof(T));
+  const int64_t sz = static_cast<int64_t>(sizeof(T));
   for (int64_t c0 = 0; c0 < nk; c0 += 16) {
     const int64_t n = std::min<int64_t>(16, nk - c0);
-    for (int64_t g = 0; g < Hkv; ++g) {
-      prefetch_next_block(v, ld, c0, nk, g * D * sz, (g + 1) * D * sz);
-      const T* vr = v + c0 * ld + g * D;
-      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-        float* o = part + h * ldp;
-        const float* e = s + h * lds + c0;
-        for (int64_t d0 = 0; d0 < D; d0 += 64) {
-          const int64_t nv = std::min<int64_t>(4, (D - d0 + 15) / 16);
-          __mmask16 m[4];
-          __m512 acc[4];
-          for (int64_t u = 0; u < nv; ++u) {
-            m[u] = D - d0 - 16 * u >= 16 ? kAll : tail_mask(D - d0 - 16 * u);
-            acc[u] = _mm512_maskz_loadu_ps(m[u], o + d0 + 16 * u);
-          }
-          for (int64_t i = 0; i < n; ++i) {
-            const __m512 w = _mm512_set1_ps(e[i]);
-            for (int64_t u = 0; u < nv; ++u)
-              acc[u] = _mm512_fmadd_ps(w, load16_avx512(vr + i * ld + d0 + 16 * u, D - d0 - 16 * u),
-                                       acc[u]);
-          }
-          for (int64_t u = 0; u < nv; ++u) _mm512_mask_storeu_ps(o + d0 + 16 * u, m[u], acc[u]);
-        }
+    for (int64_t h = 0; h < Hq; h += 2) {
+      const int64_t heads = std::min<int64_t>(2, Hq - h);
+      float* o[2];
+      const float* e[2];
+      const T* vr[2];
+      for (int64_t x = 0; x < heads; ++x) {
+        const int64_t g = (h + x) / group;
+        if ((h + x) % group == 0)
+          prefetch_next_block<16>(v, ld, c0, nk, g * D * sz, (g + 1) * D * sz);
+        o[x] = part + (h + x) * ldp;
+        e[x] = s + (h + x) * lds + c0;
+        vr[x] = v + c0 * ld + g * D;
       }
+      if (heads == 2)
+        acc16<2>(o, e, D, vr, ld, n);
+      else
+        acc16<1>(o, e, D, vr, ld, n);
     }
   }
 }
@@ -856,42 +886,94 @@ MT_AVX2 MT_ALWAYS_INLINE __m256 load8_avx2(const T* p, int64_t n) {
   }
 }
 
+// hsum_avx2(a[i]) for 8 vectors at once, the same additions in the same pairs (128-bit halves,
+// then pairs of lanes, then lanes): the same bits.
+MT_AVX2 MT_ALWAYS_INLINE __m256 hsum8_avx2(const __m256* a) {
+  __m256 h[4], q[2];
+  for (int i = 0; i < 4; ++i)  // [a.lo + a.hi, b.lo + b.hi]
+    h[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
+                         _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
+  for (int i = 0; i < 2; ++i) {  // lane L: 2 lanes of a[4 i + L], then 2 of a[4 i + 2 + L]
+    const __m256d x = _mm256_castps_pd(h[2 * i]), y = _mm256_castps_pd(h[2 * i + 1]);
+    q[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)),
+                         _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+  }
+  // Element 4 L + m is a[L + 2 m]'s sum: back to element i = a[i]'s.
+  const __m256 r =
+      _mm256_add_ps(_mm256_shuffle_ps(q[0], q[1], 0x88), _mm256_shuffle_ps(q[0], q[1], 0xDD));
+  return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// Scores of q heads [h0, h1) against n <= 8 rows (ldk apart): per score the d-ordered fma chain
+// and hsum_avx2's additions (8 at once by hsum8_avx2).
+template <class T>
+MT_AVX2 MT_ALWAYS_INLINE void scores8_avx2(const float* qs, int64_t h0, int64_t h1, int64_t D,
+                                           const T* kr, int64_t ldk, int64_t n, float* s,
+                                           int64_t lds) {
+  for (int64_t h = h0; h < h1; ++h) {
+    __m256 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 qv = load8_avx2(qs + h * D + d, D - d);
+      for (int64_t i = 0; i < n; ++i)
+        acc[i] = _mm256_fmadd_ps(qv, load8_avx2(kr + i * ldk + d, D - d), acc[i]);
+    }
+    const __m256 sums = hsum8_avx2(acc);
+    if (n == 8)
+      _mm256_storeu_ps(s + h * lds, sums);
+    else
+      _mm256_maskstore_ps(s + h * lds, tail_mask8(n), sums);
+  }
+}
+
+// The AVX-512 decode kernels' structure in blocks of 8 keys (sixteen registers).
 template <class T>
 MT_AVX2 void decode_scores_t_avx2(const float* qs, int64_t Hq, int64_t group, int64_t D, const T* k,
                                   int64_t ld, int64_t nk, float* s, int64_t lds) {
-  const int64_t Hkv = Hq / group;
-  for (int64_t c = 0; c < nk; ++c)
+  const int64_t Hkv = Hq / group, sz = static_cast<int64_t>(sizeof(T));
+  for (int64_t c0 = 0; c0 < nk; c0 += 8) {
+    const int64_t n = std::min<int64_t>(8, nk - c0);
     for (int64_t g = 0; g < Hkv; ++g) {
-      const T* kr = k + c * ld + g * D;
-      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; d += 8)
-          acc = _mm256_fmadd_ps(load8_avx2(qs + h * D + d, D - d), load8_avx2(kr + d, D - d), acc);
-        s[h * lds + c] = hsum_avx2(acc);
-      }
+      prefetch_next_block<8>(k, ld, c0, nk, g * D * sz, (g + 1) * D * sz);
+      scores8_avx2(qs, g * group, (g + 1) * group, D, k + c0 * ld + g * D, ld, n, s + c0, lds);
     }
+  }
 }
+
+// Head h's outputs += e[i] times n <= 8 rows, up to 64 outputs in registers through the rows.
+template <class T>
+MT_AVX2 MT_ALWAYS_INLINE void acc8_avx2(float* o, const float* e, int64_t D, const T* vr,
+                                        int64_t ldv, int64_t n) {
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    const int64_t nv = std::min<int64_t>(8, (D - d0 + 7) / 8);
+    __m256 acc[8];
+    for (int64_t u = 0; u < nv; ++u) acc[u] = load8_avx2(o + d0 + 8 * u, D - d0 - 8 * u);
+    for (int64_t i = 0; i < n; ++i) {
+      const __m256 w = _mm256_set1_ps(e[i]);
+      for (int64_t u = 0; u < nv; ++u)
+        acc[u] = _mm256_fmadd_ps(w, load8_avx2(vr + i * ldv + d0 + 8 * u, D - d0 - 8 * u), acc[u]);
+    }
+    for (int64_t u = 0; u < nv; ++u) {
+      if (D - d0 - 8 * u >= 8)
+        _mm256_storeu_ps(o + d0 + 8 * u, acc[u]);
+      else
+        _mm256_maskstore_ps(o + d0 + 8 * u, tail_mask8(D - d0 - 8 * u), acc[u]);
+    }
+  }
+}
+
 template <class T>
 MT_AVX2 void decode_acc_t_avx2(float* part, int64_t ldp, int64_t Hq, int64_t group, int64_t D,
                                const float* s, int64_t lds, const T* v, int64_t ld, int64_t nk) {
-  const int64_t Hkv = Hq / group;
-  for (int64_t c = 0; c < nk; ++c)
+  const int64_t Hkv = Hq / group, sz = static_cast<int64_t>(sizeof(T));
+  for (int64_t c0 = 0; c0 < nk; c0 += 8) {
+    const int64_t n = std::min<int64_t>(8, nk - c0);
     for (int64_t g = 0; g < Hkv; ++g) {
-      const T* vr = v + c * ld + g * D;
-      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-        const __m256 e = _mm256_set1_ps(s[h * lds + c]);
-        float* o = part + h * ldp;
-        for (int64_t d = 0; d < D; d += 8) {
-          const __m256 x = load8_avx2(vr + d, D - d);
-          if (D - d >= 8) {
-            _mm256_storeu_ps(o + d, _mm256_fmadd_ps(e, x, _mm256_loadu_ps(o + d)));
-          } else {
-            const __m256i m = tail_mask8(D - d);
-            _mm256_maskstore_ps(o + d, m, _mm256_fmadd_ps(e, x, _mm256_maskload_ps(o + d, m)));
-          }
-        }
-      }
+      prefetch_next_block<8>(v, ld, c0, nk, g * D * sz, (g + 1) * D * sz);
+      for (int64_t h = g * group; h < (g + 1) * group; ++h)
+        acc8_avx2(part + h * ldp, s + h * lds + c0, D, v + c0 * ld + g * D, ld, n);
     }
+  }
 }
 #endif  // MT_FLASH_X86
 
