@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # CPU inference throughput: `mt bench decode` against llama.cpp's llama-bench on the same random
 # weights, for each model and dtype (float32, bfloat16): prefill of one 512-token prompt, and
-# decode at batch 1 after a 128-token prompt (llama-bench's tg test at depth 128), at the same
-# thread count, interleaved (mt, then llama.cpp, then again) so that a machine shared with other
-# work slows each alike. Prints every run's JSON line, then one summary line per model and dtype
-# with the medians of each side, the ratios mt / llama.cpp, and both parameter counts (they must
-# agree: the same tensors). A llama-bench test that fails is reported with its exit status and
+# decode at batch 1 after a DEPTH-token prompt (default 128: llama-bench's tg test at that depth,
+# mt's depth=), at the same thread count, interleaved (mt, then llama.cpp, then again) so that a
+# machine shared with other work slows each alike. Prints every run's JSON line, then one
+# summary line per model and dtype with the medians of each side, the ratios mt / llama.cpp, and
+# both parameter counts (they must agree: the same tensors). A llama-bench test that fails is reported with its exit status and
 # tried once more, prefill without weight repacking (--repack 0) and decode at depth 0; the
 # summary then says so (llamacpp_prefill_without_repack, llamacpp_decode_depth).
 #   bench/decode_vs_llamacpp.sh [model ...]
@@ -37,6 +37,8 @@
 #               run, mt first in odd repetitions); each llama-bench call times one run
 #               (-r 1) after its own warm-up, as mt times one prefill after one
 #   STEPS       decode steps timed (default 16: mt's steps=, llama-bench's -n)
+#   DEPTH       the prompt's tokens before them (default 128: mt's depth=, llama-bench's -d); the
+#               attention reads that much KV cache a step, e.g. DEPTH=4096 for long contexts
 #   DTYPES      which of "float32 bfloat16 int8" to run (default "float32 bfloat16"; each is
 #               one mt bench decode run of its own, dtypes=<it>). int8: mt's
 #               quantization=int8 (bfloat16 compute) against llama.cpp's q8_0 GGUF of the same
@@ -79,6 +81,7 @@ case $isa in
 esac
 reps=${REPS:-3}
 steps=${STEPS:-16}
+depth=${DEPTH:-128}
 read -r -a dtypes <<< "${DTYPES:-float32 bfloat16}"
 mt_build=${MT_BUILD:-$root/build}
 mt=$mt_build/bin/mt
@@ -194,7 +197,7 @@ mt_run() {
   local dt=$1 extra
   case $dt in int8) extra=(dtypes=bfloat16 quantization=int8) ;; *) extra=(dtypes="$dt") ;; esac
   env "${mt_env[@]}" "$mt" bench decode "${words[@]}" "${extra[@]}" num_threads="$threads" \
-    steps="$steps" 2>> "$work/mt.log" | tag mt "$m" "$rep" "$isa" | tee -a "$results" ||
+    steps="$steps" depth="$depth" 2>> "$work/mt.log" | tag mt "$m" "$rep" "$isa" | tee -a "$results" ||
     say "{\"peer\": \"mt\", \"model\": \"$m\", \"dtype\": \"$dt\", \"failed\": \"see $work/mt.log\"}"
 }
 lc_run() {
@@ -206,15 +209,15 @@ lc_run() {
   # and a test that fails is tried once more in a fallback form, said in its JSON: prefill
   # without llama.cpp's weight repacking (--repack 0), decode at depth 0 (no prompt before it).
   # Seen on a Xeon VM with AMX: llama.cpp's q8_0 prefill on its AMX tiles (the repacked
-  # weights) died of SIGILL, which also killed the decode test's 128-token prompt; its q8_0
+  # weights) died of SIGILL, which also killed the decode test's prompt; its q8_0
   # decode at depth 0 (the repacked weights' VNNI path) ran, about 1.6x its --repack 0 rate.
   local test args rc try
-  for test in pp512 "tg$steps@d128"; do
+  for test in pp512 "tg$steps@d$depth"; do
     for try in 1 2; do
       case $test/$try in
         pp*/1) args=(-p 512 -n 0) ;;
         pp*/2) args=(-p 512 -n 0 --repack 0) ;;
-        *1) args=(-p 0 -n "$steps" -d 128) ;;
+        *1) args=(-p 0 -n "$steps" -d "$depth") ;;
         *2) args=(-p 0 -n "$steps" -d 0) ;;
       esac
       rc=0
@@ -241,11 +244,11 @@ for rep in $(seq "$reps"); do
   done
 done
 
-python3 - "$results" "$steps" "$isa" <<'PY'
+python3 - "$results" "$steps" "$isa" "$depth" <<'PY'
 import json, statistics, sys
 runs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 isa = sys.argv[3]
-tg = f"tg{sys.argv[2]}@d128"
+tg = f"tg{sys.argv[2]}@d{sys.argv[4]}"
 by = {}
 for r in runs:
     if "dtype" not in r or ("failed" in r) or ("skipped" in r):
@@ -263,7 +266,7 @@ for r in runs:
             d["llamacpp_prefill_without_repack"] = True
     elif r["test"] in (tg, tg.split("@")[0] + "@d0"):
         rep["lc_decode"] = r["tokens_per_sec"]
-        if r["test"] != tg:  # the fallback: llama.cpp decodes without a 128-token context
+        if r["test"] != tg:  # the fallback: llama.cpp decodes without the prompt's context
             d["llamacpp_decode_depth"] = 0
 for (model, dtype), d in by.items():
     series = {}  # each figure's runs, from the reps
@@ -273,7 +276,7 @@ for (model, dtype), d in by.items():
     med = {k: statistics.median(v) for k, v in series.items()}
     best = {k: max(v) for k, v in series.items()}
     out = {"summary": "decode tokens/s, medians and best runs", "model": model, "dtype": dtype,
-           "isa": isa}
+           "isa": isa, "decode_depth": int(sys.argv[4])}
     if "mt_weight_bytes" in d and dtype != "int8":  # int8 mixes int8 rows and bf16 tensors
         out["mt_params"] = d["mt_weight_bytes"] // (4 if dtype == "float32" else 2)
     if "llamacpp_params" in d:
