@@ -338,7 +338,8 @@ std::string bench_decode_one(Args args, const std::string& model, const std::str
       figure(parts.prefill, fmt::format("{:.1f}", prefill_tps)),
       figure(parts.batch1, fmt::format("{:.2f}", b1)),
       figure(parts.batch1, fmt::format("{:.4g}", bw)),
-      figure(parts.batch8, fmt::format("{:.2f}", b8)), depth_read,
+      figure(parts.batch8, fmt::format("{:.2f}", b8)),
+      figure(parts.batch1 || parts.batch8, std::to_string(depth_read)),
       kq.on ? (kq.per_head ? "int8 (dkv)" : "int8 (heads_and_dkv)") : dtype, cache_bytes_per_token,
       step_bytes, recording[0], recording[1]);
 }

@@ -260,6 +260,10 @@ TEST(Cli, BenchPrintsOneJsonObject) {
   EXPECT_NE(r.out.find("\"prefill_512_tokens_per_sec\": null"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("\"decode_batch8_tokens_per_sec\": null"), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("\"decode_batch1_tokens_per_sec\": null"), std::string::npos) << r.out;
+  // No decode part, no depth read (before: 0, a figure no run measured).
+  r = mt_cmd("bench decode --model=llama-test dtypes=float32 parts=prefill 2>/dev/null");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("\"decode_depth\": null"), std::string::npos) << r.out;
   // A step reads one row of GPT's learned position table, as of the token embedding: gpt3-52k's
   // 209,856 f32 bytes less 2047 of the table's 2048 rows of 16 (before: all 209,856).
   r = mt_cmd("bench decode --model=gpt3-52k steps=2 dtypes=float32 parts=batch1 2>/dev/null");

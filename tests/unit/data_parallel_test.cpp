@@ -89,9 +89,12 @@ struct MpiSessionDir {
   }
   MpiSessionDir(const MpiSessionDir&) = delete;
   MpiSessionDir& operator=(const MpiSessionDir&) = delete;
-  std::string env() const {
+  // `timeout -k 10 <seconds> mpirun ... -np <ranks> ` in this directory (the arguments follow).
+  std::string mpirun(int ranks, int seconds) const {
     return "OMPI_MCA_orte_tmpdir_base=" + path.string() +
-           " PRTE_MCA_prte_tmpdir_base=" + path.string() + " ";
+           " PRTE_MCA_prte_tmpdir_base=" + path.string() + " timeout -k 10 " +
+           std::to_string(seconds) + " mpirun --oversubscribe --allow-run-as-root -np " +
+           std::to_string(ranks) + " ";
   }
 };
 
@@ -101,11 +104,9 @@ test::MtResult mpirun(int ranks, const std::string& args, int seconds = 60,
                       const std::string& prefix = "") {
   const MpiSessionDir session;
   test::MtResult r;
-  r.code = test::run_command(
-      "MT_PLUGIN_PATH= " + session.env() + "timeout -k 10 " + std::to_string(seconds) +
-          " mpirun --oversubscribe --allow-run-as-root -np " + std::to_string(ranks) + " " +
-          prefix + " " + test::mt_exe() + " " + args,
-      r.out);
+  r.code = test::run_command("MT_PLUGIN_PATH= " + session.mpirun(ranks, seconds) + prefix + " " +
+                                 test::mt_exe() + " " + args,
+                             r.out);
   return r;
 }
 
@@ -831,10 +832,7 @@ TEST(DataParallel, ExpertExchangeMovesRowsAndGradientsBetweenRanks) {
   const MpiSessionDir session;
   std::string out;
   const int code = test::run_command(
-      "MT_PLUGIN_PATH= MT_EXCHANGE_RANK_TEST=1 " + session.env() +
-          "timeout -k 10 60 mpirun --oversubscribe "
-          "--allow-run-as-root -np 3 " +
-          test::build_dir() +
+      "MT_PLUGIN_PATH= MT_EXCHANGE_RANK_TEST=1 " + session.mpirun(3, 60) + test::build_dir() +
           "/tests/data_parallel_test --gtest_color=no --gtest_filter=ExpertExchangeRank.*",
       out);
   EXPECT_EQ(code, 0) << out;
