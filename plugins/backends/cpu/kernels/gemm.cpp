@@ -73,7 +73,7 @@ struct Isa {
   static Isa detect() {
     __builtin_cpu_init();
     Isa isa;
-    isa.avx2_fma = mt_cpu_supports("avx2") && mt_cpu_supports("fma") && mt_cpu_supports("f16c");
+    isa.avx2_fma = mt_cpu_supports("avx2") && mt_cpu_supports("fma") && mt_cpu_has_f16c();
     isa.avx512 = mt_cpu_supports("avx512f") && mt_cpu_supports("avx512bw") &&
                  mt_cpu_supports("avx512dq") && mt_cpu_supports("avx512vl");
     isa.avx512_bf16 = isa.avx512 && mt_cpu_supports("avx512bf16");

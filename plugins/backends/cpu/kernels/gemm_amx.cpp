@@ -67,15 +67,17 @@ constexpr int64_t kTileElems = 16 * kTileK;  // bf16 elements in one packed tile
 constexpr int64_t kStepsPerChunk = 8;        // k steps (of 32) per pass over a row group
 constexpr int64_t kInTaskRows = 256;         // rows of c up to which tasks pack their own b
 constexpr int64_t kPanelGroup = 16;          // panels a task packs at once when it packs b
-constexpr int64_t kFewRowsAmx = 16;          // rows of x gemv_rows_amx takes (one B tile wide)
+// [[maybe_unused]] below: the AMX kernels that read these are not compiled under MT_EMULATE_X86.
+// Rows of x gemv_rows_amx takes (one B tile wide).
+[[maybe_unused]] constexpr int64_t kFewRowsAmx = 16;
 // Bytes ahead of each weight row gemv_rows_amx prefetches (8 steps of 64 bytes).
-constexpr int64_t kAmxRowsAhead = 512;
+[[maybe_unused]] constexpr int64_t kAmxRowsAhead = 512;
 // The same for the int8 kernels (gemv_q8_amx, gemv_q8_blocks16_streams): on a 2-core Xeon with AMX
 // (gemm_bench's BM_MatVecQ8Stream K=2048 N=5632, medians of 3) 128-256 bytes read fastest, 512
 // ~5-10% slower, 2048-4096 ~15-25%.
-constexpr int64_t kQ8TilesAhead = 256;
+[[maybe_unused]] constexpr int64_t kQ8TilesAhead = 256;
 // Bytes ahead of each stream dot_q8_blocks16 prefetches (as gemm.cpp's int8 vector kernels).
-constexpr int64_t kQ8Prefetch16 = 2048;
+[[maybe_unused]] constexpr int64_t kQ8Prefetch16 = 2048;
 
 // A core's L2 in bytes (1 MiB where the system does not say).
 int64_t l2_bytes() {

@@ -37,12 +37,13 @@
 #define mt_cpu_is_amd() true
 #define mt_cpu_has_amx() false  // SIMDe has no AMX
 #define mt_cpu_has_amx_int8() false
+#define mt_cpu_has_f16c() true
 
 namespace mt_x86_emulation {
 
 inline bool supports(const char* f) {
-  for (const char* s : {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl",
-                        "avx512bf16", "avx512vnni"})
+  for (const char* s :
+       {"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512bf16", "avx512vnni"})
     if (std::strcmp(f, s) == 0) return true;
   return false;
 }
@@ -281,13 +282,35 @@ inline __m512 dpbf16_512(__m512 src, __m512bh a, __m512bh b) {
 
 }  // namespace mt_x86_emulation
 
+// SIMDe may define some of these names as its own aliases (which ones depends on the compiler:
+// clang gets more of them than GCC); the definitions above replace them.
+#undef _mm512_mask_roundscale_ps
 #undef _mm512_fmadd_ps
 #undef _mm512_fnmadd_ps
 #undef _mm256_fmadd_ps
 #undef _mm256_fnmadd_ps
 #undef _mm512_dpbf16_ps
 #undef _mm256_maskload_ps
-#undef _mm512_mask_roundscale_ps
+#undef _mm256_maskz_loadu_epi16
+#undef _mm512_maskz_loadu_epi16
+#undef _mm256_mask_storeu_epi16
+#undef _mm512_mask_loadu_ps
+#undef _mm512_maskz_loadu_ps
+#undef _mm512_mask_storeu_ps
+#undef _mm512_cmpgt_epu32_mask
+#undef _mm512_maskz_cvtepi32_epi16
+#undef _mm512_cvtepi32_epi16
+#undef _mm512_maskz_cvtepu16_epi32
+#undef _mm512_cvtepu16_epi32
+#undef _mm512_maskz_cvtepi32_ps
+#undef _mm512_maskz_cvtepi8_epi32
+#undef _mm512_maskz_extractf32x8_ps
+#undef _mm512_maskz_slli_epi32
+#undef _mm512_maskz_srli_epi32
+#undef _mm512_mask_shuffle_f32x4
+#undef _mm512_maskz_shuffle_i32x4
+#undef _mm512_maskz_shuffle_f32x4
+#undef _mm512_maskz_shuffle_ps
 #define _mm512_mask_roundscale_ps ::mt_x86_emulation::mask_roundscale_ps
 #define _mm512_fmadd_ps ::mt_x86_emulation::fmadd_512
 #define _mm512_fnmadd_ps ::mt_x86_emulation::fnmadd_512
@@ -345,6 +368,14 @@ inline bool mt_cpu_has_amx_int8() {
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
   return ((d >> 25) & 1u) != 0;
+}
+// F16C (CPUID leaf 1, ECX bit 29), read directly for the same reason: clang 14 has no "f16c" for
+// __builtin_cpu_supports. Asked only beside AVX2, whose check covers the OS's saving of the
+// 256-bit registers F16C writes.
+inline bool mt_cpu_has_f16c() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
+  return ((c >> 29) & 1u) != 0;
 }
 #define MT_AS_BF16X32(v) reinterpret_cast<__m512bh>(v)
 
