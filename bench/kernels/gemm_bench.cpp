@@ -248,6 +248,11 @@ void transformer_shapes(benchmark::internal::Benchmark* bm) {
   for (const auto& s : {std::array<int64_t, 2>{2048, 5632}, {5632, 2048}})
     for (int64_t tb : {0, 1})
       for (int64_t h : {0, 2}) bm->Args({512, s[1], s[0], 0, tb, h});
+  // GPT-2's tied LM head (vocab 50257, an odd N) at 512 tokens (bench/gpt2_vs_llmc.sh's batch 4
+  // of 128) in f32: logits = x @ wte^T, dx = dlogits @ wte, dwte = dlogits^T @ x.
+  bm->Args({512, 50257, 768, 0, 1, 0});
+  bm->Args({512, 768, 50257, 0, 0, 0});
+  bm->Args({50257, 768, 512, 1, 0, 0});
 }
 // One Mixtral-8x7b expert's gate/up projection (d_model 4096, hidden 14336) in bf16, at the 128
 // rows an expert gets from 512 tokens routed top-2 over 8 experts, against the same product at
