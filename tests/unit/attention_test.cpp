@@ -490,13 +490,14 @@ TEST(Attention, DecodeMatchesForward) {
   std::mt19937_64 rng(seed);
   Backend& be = test::cpu();
   const int64_t B = 3, Smax = 90;
-  // Hq / Hkv = 2 and 8: flash decodes one token with the q heads of a kv head as one block (the
-  // direct dot-product path below 4 rows, the tile microkernels from 4 rows). D = 72 and 136:
-  // one token's kernels hold 64 of a head's outputs in registers at a time, then the rest, the
-  // last part a partial vector.
+  // Hq / Hkv = 2, 3, 7 and 8: flash decodes one token with the q heads of a kv head as one block
+  // (the direct dot-product path below 4 rows, the tile microkernels from 4 rows); one token's
+  // kernels take a kv head's rows for up to 3 of its q heads at once in the scores (7 = 3 + 3 +
+  // 1, 8 = 3 + 3 + 2) and 4 in the sums (7 = 4 + 3). D = 72 and 136: they hold 64 of a head's
+  // outputs in registers at a time, then the rest, the last part a partial vector.
   for (const int64_t D : {16, 72, 136})
     for (const char* name : {"flash", "dot_product"})
-      for (auto [Hq, Hkv] : {std::pair<int64_t, int64_t>{4, 2}, {8, 1}})
+      for (auto [Hq, Hkv] : {std::pair<int64_t, int64_t>{4, 2}, {6, 2}, {7, 1}, {8, 1}})
         for (int64_t T : {1, 3})
           for (int c = 0; c < 4; ++c) {
             auto att = test::attention(name, be);
@@ -540,7 +541,7 @@ TEST(Attention, DecodeReadsABf16CacheInPlace) {
   Backend& be = test::cpu();
   const int64_t B = 2, Smax = 150, D = 32;
   auto att = test::attention("flash", be);
-  for (auto [Hq, Hkv] : {std::pair<int64_t, int64_t>{4, 4}, {8, 2}, {16, 1}})
+  for (auto [Hq, Hkv] : {std::pair<int64_t, int64_t>{4, 4}, {8, 2}, {12, 4}, {16, 1}})
     for (int64_t T : {1, 2})
       for (int c = 0; c < 2; ++c) {
         AttentionSpec spec;

@@ -510,7 +510,9 @@ MT_AVX512 MT_ALWAYS_INLINE __m512 load16_avx512(const T* p, int64_t n) {
       h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     } else {
       alignas(32) uint16_t b[16] = {};
-      std::copy_n(p, n, b);
+      // Clamped although n < 16 here: inlined into acc_rows, GCC 12 loses that bound and warns
+      // of a copy past b.
+      std::copy_n(p, std::clamp<int64_t>(n, 0, 15), b);
       h = _mm256_load_si256(reinterpret_cast<const __m256i*>(b));
     }
     return _mm512_castsi512_ps(
@@ -572,9 +574,43 @@ MT_AVX512 MT_ALWAYS_INLINE void scores16(const float* qs, int64_t h0, int64_t h1
   }
 }
 
+// Scores of the S q heads [h0, h0 + S) of one kv head (GQA) against n <= 8 rows: each row's
+// 16 values loaded (and widened from bf16) once for the S heads, where scores16 loads them once a
+// head. Per score the same d-ordered fma chain and the same hsum16_avx512 additions as scores16
+// (rows past n read the last row again; their scores are not stored), so the same bits.
+template <int S, class T>
+MT_AVX512 MT_ALWAYS_INLINE void scores8_group(const float* qs, int64_t h0, int64_t D, const T* kr,
+                                              int64_t ldk, int64_t n, float* s, int64_t lds) {
+  const T* rows[8];
+  for (int i = 0; i < 8; ++i) rows[i] = kr + std::min<int64_t>(i, n - 1) * ldk;
+  __m512 acc[S][8];
+  for (int x = 0; x < S; ++x)
+    for (int i = 0; i < 8; ++i) acc[x][i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    __m512 qv[S];
+    for (int x = 0; x < S; ++x) qv[x] = load16_avx512(qs + (h0 + x) * D + d, D - d);
+    for (int i = 0; i < 8; ++i) {
+      const __m512 kv = load16_avx512(rows[i] + d, D - d);
+      for (int x = 0; x < S; ++x) acc[x][i] = _mm512_fmadd_ps(qv[x], kv, acc[x][i]);
+    }
+  }
+  for (int x = 0; x < S; ++x) {
+    __m512 all[16];  // hsum16_avx512's 16 inputs: each lane's result depends on its vector only
+    for (int i = 0; i < 16; ++i) all[i] = i < 8 ? acc[x][i] : _mm512_setzero_ps();
+    _mm512_mask_storeu_ps(s + (h0 + x) * lds, tail_mask(n), hsum16_avx512(all));
+  }
+}
+
+// How many of a kv head's `left` q heads the GQA kernels take at once, at most `most` (the
+// registers' limit): 4 left of most 3 go as 2 + 2, not 3 + 1.
+inline int64_t heads_at_once(int64_t left, int64_t most) {
+  return left == most + 1 && most > 2 ? 2 : std::min(left, most);
+}
+
 // Keys in blocks of 16 (rows 16 x Hkv x D: in L1), each block's next prefetched as it is read.
 // A score is the d-ordered fma chain of hsum_avx512 (16 at once by hsum16_avx512): the bits of
-// one dot product at a time.
+// one dot product at a time. With GQA (group > 1) a kv head's q heads take its rows together,
+// up to 3 at a time in halves of 8 rows (scores8_group: 8 x 3 accumulators).
 template <class T>
 MT_AVX512 void decode_scores_t_avx512(const float* qs, int64_t Hq, int64_t group, int64_t D,
                                       const T* k, int64_t ld, int64_t nk, float* s, int64_t lds) {
@@ -583,41 +619,87 @@ MT_AVX512 void decode_scores_t_avx512(const float* qs, int64_t Hq, int64_t group
     const int64_t n = std::min<int64_t>(16, nk - c0);
     for (int64_t g = 0; g < Hkv; ++g) {
       prefetch_next_block<16>(k, ld, c0, nk, g * D * sz, (g + 1) * D * sz);
-      scores16(qs, g * group, (g + 1) * group, D, k + c0 * ld + g * D, ld, n, s + c0, lds);
+      const T* kr = k + c0 * ld + g * D;
+      if (group == 1) {
+        scores16(qs, g, g + 1, D, kr, ld, n, s + c0, lds);
+        continue;
+      }
+      for (int64_t h = g * group, end = h + group; h < end;) {
+        const int64_t heads = heads_at_once(end - h, 3);
+        for (int64_t i0 = 0; i0 < n; i0 += 8) {
+          const int64_t m = std::min<int64_t>(8, n - i0);
+          if (heads == 3)
+            scores8_group<3>(qs, h, D, kr + i0 * ld, ld, m, s + c0 + i0, lds);
+          else if (heads == 2)
+            scores8_group<2>(qs, h, D, kr + i0 * ld, ld, m, s + c0 + i0, lds);
+          else
+            scores8_group<1>(qs, h, D, kr + i0 * ld, ld, m, s + c0 + i0, lds);
+        }
+        h += heads;
+      }
     }
   }
 }
 
-// Heads h and h + 1 (H = 2) or h alone (H = 1): outputs += their weights e times n <= 16 rows of
-// their kv heads (ldv apart), 64 outputs a head at a time held in registers through the rows.
-// Each output is the fma chain over the rows in order; two heads give 8 chains where one head of
-// 64 gave 4, each waiting on the fma before it.
-template <int H, class T>
+// Outputs [d0, d0 + 16 NV) of the H heads o[x] += their weights e[x] times n <= 16 rows (ldv
+// apart) of their kv heads vr[x], or with Shared of one kv head vr[0] (GQA: its q heads), each
+// row's vectors then loaded (and widened from bf16) once for the H heads. The outputs are held
+// in registers through the rows (NV a constant, so nothing spills); each is the fma chain over
+// the rows in order, the same bits however many heads and vectors are taken at once.
+template <int H, int NV, bool Shared, class T>
+MT_AVX512 MT_ALWAYS_INLINE void acc_rows(float* const* o, const float* const* e, int64_t D,
+                                         int64_t d0, const T* const* vr, int64_t ldv, int64_t n) {
+  __mmask16 m[NV];
+  __m512 acc[H][NV];
+  for (int u = 0; u < NV; ++u) {
+    m[u] = D - d0 - 16 * u >= 16 ? kAll : tail_mask(D - d0 - 16 * u);
+    for (int x = 0; x < H; ++x) acc[x][u] = _mm512_maskz_loadu_ps(m[u], o[x] + d0 + 16 * u);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    __m512 row[NV];
+    if constexpr (Shared)
+      for (int u = 0; u < NV; ++u)
+        row[u] = load16_avx512(vr[0] + i * ldv + d0 + 16 * u, D - d0 - 16 * u);
+    for (int x = 0; x < H; ++x) {
+      const __m512 w = _mm512_set1_ps(e[x][i]);
+      for (int u = 0; u < NV; ++u) {
+        const __m512 r =
+            Shared ? row[u] : load16_avx512(vr[x] + i * ldv + d0 + 16 * u, D - d0 - 16 * u);
+        acc[x][u] = _mm512_fmadd_ps(w, r, acc[x][u]);
+      }
+    }
+  }
+  for (int u = 0; u < NV; ++u)
+    for (int x = 0; x < H; ++x) _mm512_mask_storeu_ps(o[x] + d0 + 16 * u, m[u], acc[x][u]);
+}
+
+// acc_rows over a head's D outputs, 64 at a time (4 vectors, fewer in the last part). Two heads
+// give 8 fma chains where one head of 64 gave 4, each waiting on the fma before it.
+template <int H, bool Shared, class T>
 MT_AVX512 MT_ALWAYS_INLINE void acc16(float* const* o, const float* const* e, int64_t D,
                                       const T* const* vr, int64_t ldv, int64_t n) {
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
-    const int64_t nv = std::min<int64_t>(4, (D - d0 + 15) / 16);
-    __mmask16 m[4];
-    __m512 acc[H][4];
-    for (int64_t u = 0; u < nv; ++u) {
-      m[u] = D - d0 - 16 * u >= 16 ? kAll : tail_mask(D - d0 - 16 * u);
-      for (int x = 0; x < H; ++x) acc[x][u] = _mm512_maskz_loadu_ps(m[u], o[x] + d0 + 16 * u);
+    switch (std::min<int64_t>(4, (D - d0 + 15) / 16)) {
+      case 4:
+        acc_rows<H, 4, Shared>(o, e, D, d0, vr, ldv, n);
+        break;
+      case 3:
+        acc_rows<H, 3, Shared>(o, e, D, d0, vr, ldv, n);
+        break;
+      case 2:
+        acc_rows<H, 2, Shared>(o, e, D, d0, vr, ldv, n);
+        break;
+      default:
+        acc_rows<H, 1, Shared>(o, e, D, d0, vr, ldv, n);
+        break;
     }
-    for (int64_t i = 0; i < n; ++i)
-      for (int x = 0; x < H; ++x) {
-        const __m512 w = _mm512_set1_ps(e[x][i]);
-        for (int64_t u = 0; u < nv; ++u)
-          acc[x][u] = _mm512_fmadd_ps(
-              w, load16_avx512(vr[x] + i * ldv + d0 + 16 * u, D - d0 - 16 * u), acc[x][u]);
-      }
-    for (int64_t u = 0; u < nv; ++u)
-      for (int x = 0; x < H; ++x) _mm512_mask_storeu_ps(o[x] + d0 + 16 * u, m[u], acc[x][u]);
   }
 }
 
-// Keys in blocks of 16; the heads in pairs (acc16), up to 64 of a head's D outputs held in
-// registers through a block (loaded and stored once a block, not once a key), each kv head's
-// share of the next block prefetched when its first q head is reached.
+// Keys in blocks of 16, up to 64 of a head's D outputs held in registers through a block
+// (loaded and stored once a block, not once a key), each kv head's share of the next block
+// prefetched before it is read. With GQA (group > 1) a kv head's q heads take its rows together,
+// up to 4 at a time (acc16's Shared); else the heads go in pairs, each with its own kv head.
 template <class T>
 MT_AVX512 void decode_acc_t_avx512(float* part, int64_t ldp, int64_t Hq, int64_t group, int64_t D,
                                    const float* s, int64_t lds, const T* v, int64_t ld,
@@ -625,23 +707,47 @@ MT_AVX512 void decode_acc_t_avx512(float* part, int64_t ldp, int64_t Hq, int64_t
   const int64_t sz = static_cast<int64_t>(sizeof(T));
   for (int64_t c0 = 0; c0 < nk; c0 += 16) {
     const int64_t n = std::min<int64_t>(16, nk - c0);
+    if (group > 1) {
+      for (int64_t g = 0; g < Hq / group; ++g) {
+        prefetch_next_block<16>(v, ld, c0, nk, g * D * sz, (g + 1) * D * sz);
+        const T* vr = v + c0 * ld + g * D;
+        for (int64_t h = g * group, end = h + group; h < end;) {
+          const int64_t heads = heads_at_once(end - h, 4);
+          float* o[4];
+          const float* e[4];
+          for (int64_t x = 0; x < heads; ++x) {
+            o[x] = part + (h + x) * ldp;
+            e[x] = s + (h + x) * lds + c0;
+          }
+          if (heads == 4)
+            acc16<4, true>(o, e, D, &vr, ld, n);
+          else if (heads == 3)
+            acc16<3, true>(o, e, D, &vr, ld, n);
+          else if (heads == 2)
+            acc16<2, true>(o, e, D, &vr, ld, n);
+          else
+            acc16<1, true>(o, e, D, &vr, ld, n);
+          h += heads;
+        }
+      }
+      continue;
+    }
     for (int64_t h = 0; h < Hq; h += 2) {
       const int64_t heads = std::min<int64_t>(2, Hq - h);
       float* o[2];
       const float* e[2];
       const T* vr[2];
-      for (int64_t x = 0; x < heads; ++x) {
-        const int64_t g = (h + x) / group;
-        if ((h + x) % group == 0)
-          prefetch_next_block<16>(v, ld, c0, nk, g * D * sz, (g + 1) * D * sz);
-        o[x] = part + (h + x) * ldp;
-        e[x] = s + (h + x) * lds + c0;
+      for (int64_t x = 0; x < heads; ++x) {  // one kv head a q head (group 1)
+        const int64_t g = h + x;
+        prefetch_next_block<16>(v, ld, c0, nk, g * D * sz, (g + 1) * D * sz);
+        o[x] = part + g * ldp;
+        e[x] = s + g * lds + c0;
         vr[x] = v + c0 * ld + g * D;
       }
       if (heads == 2)
-        acc16<2>(o, e, D, vr, ld, n);
+        acc16<2, false>(o, e, D, vr, ld, n);
       else
-        acc16<1>(o, e, D, vr, ld, n);
+        acc16<1, false>(o, e, D, vr, ld, n);
     }
   }
 }
