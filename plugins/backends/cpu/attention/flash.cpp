@@ -1046,24 +1046,57 @@ MT_AVX2 void decode_scores_t_avx2(const float* qs, int64_t Hq, int64_t group, in
   }
 }
 
+// Outputs [d0, d0 + 8 NV) of a head += its weights e times n <= 8 rows (ldv apart): held in
+// registers through the rows (NV a constant: with a run-time count GCC kept them on the stack),
+// each the fma chain over the rows in order.
+template <int NV, class T>
+MT_AVX2 MT_ALWAYS_INLINE void acc8_rows_avx2(float* o, const float* e, int64_t D, int64_t d0,
+                                             const T* vr, int64_t ldv, int64_t n) {
+  __m256 acc[NV];
+  for (int u = 0; u < NV; ++u) acc[u] = load8_avx2(o + d0 + 8 * u, D - d0 - 8 * u);
+  for (int64_t i = 0; i < n; ++i) {
+    const __m256 w = _mm256_set1_ps(e[i]);
+    for (int u = 0; u < NV; ++u)
+      acc[u] = _mm256_fmadd_ps(w, load8_avx2(vr + i * ldv + d0 + 8 * u, D - d0 - 8 * u), acc[u]);
+  }
+  for (int u = 0; u < NV; ++u) {
+    if (D - d0 - 8 * u >= 8)
+      _mm256_storeu_ps(o + d0 + 8 * u, acc[u]);
+    else
+      _mm256_maskstore_ps(o + d0 + 8 * u, tail_mask8(D - d0 - 8 * u), acc[u]);
+  }
+}
+
 // Head h's outputs += e[i] times n <= 8 rows, up to 64 outputs in registers through the rows.
 template <class T>
 MT_AVX2 MT_ALWAYS_INLINE void acc8_avx2(float* o, const float* e, int64_t D, const T* vr,
                                         int64_t ldv, int64_t n) {
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
-    const int64_t nv = std::min<int64_t>(8, (D - d0 + 7) / 8);
-    __m256 acc[8];
-    for (int64_t u = 0; u < nv; ++u) acc[u] = load8_avx2(o + d0 + 8 * u, D - d0 - 8 * u);
-    for (int64_t i = 0; i < n; ++i) {
-      const __m256 w = _mm256_set1_ps(e[i]);
-      for (int64_t u = 0; u < nv; ++u)
-        acc[u] = _mm256_fmadd_ps(w, load8_avx2(vr + i * ldv + d0 + 8 * u, D - d0 - 8 * u), acc[u]);
-    }
-    for (int64_t u = 0; u < nv; ++u) {
-      if (D - d0 - 8 * u >= 8)
-        _mm256_storeu_ps(o + d0 + 8 * u, acc[u]);
-      else
-        _mm256_maskstore_ps(o + d0 + 8 * u, tail_mask8(D - d0 - 8 * u), acc[u]);
+    switch (std::min<int64_t>(8, (D - d0 + 7) / 8)) {
+      case 8:
+        acc8_rows_avx2<8>(o, e, D, d0, vr, ldv, n);
+        break;
+      case 7:
+        acc8_rows_avx2<7>(o, e, D, d0, vr, ldv, n);
+        break;
+      case 6:
+        acc8_rows_avx2<6>(o, e, D, d0, vr, ldv, n);
+        break;
+      case 5:
+        acc8_rows_avx2<5>(o, e, D, d0, vr, ldv, n);
+        break;
+      case 4:
+        acc8_rows_avx2<4>(o, e, D, d0, vr, ldv, n);
+        break;
+      case 3:
+        acc8_rows_avx2<3>(o, e, D, d0, vr, ldv, n);
+        break;
+      case 2:
+        acc8_rows_avx2<2>(o, e, D, d0, vr, ldv, n);
+        break;
+      default:
+        acc8_rows_avx2<1>(o, e, D, d0, vr, ldv, n);
+        break;
     }
   }
 }
