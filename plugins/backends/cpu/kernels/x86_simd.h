@@ -283,7 +283,7 @@ inline __m512 dpbf16_512(__m512 src, __m512bh a, __m512bh b) {
 }  // namespace mt_x86_emulation
 
 // SIMDe may define some of these names as its own aliases (which ones depends on the compiler:
-// clang gets more of them than GCC); the definitions above replace them.
+// clang gets more of them than GCC); the definitions below replace them.
 #undef _mm512_mask_roundscale_ps
 #undef _mm512_fmadd_ps
 #undef _mm512_fnmadd_ps
