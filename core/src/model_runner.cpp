@@ -644,9 +644,12 @@ size_t ModelRunner::quantize_projections() {
       backend().copy_to_host(p.value, b.data());
       for (size_t i = 0; i < b.size(); ++i) host[i] = bf16_to_f32(b[i]);
     }
+    // The rows are made before the weight is replaced: a weight they cannot hold is refused
+    // with the parameter as it was.
+    const std::vector<int8_t> q = q8_rows(p, host, t);
     p.value = backend().empty(qs, DType::i8);
     p.layout = WeightLayout::q8;
-    store_q8_rows(p, host, t);
+    backend().copy_from_host(p.value, q.data());
     ++count;
   }
   any_layout_ = any_layout_ || count > 0;
@@ -654,10 +657,11 @@ size_t ModelRunner::quantize_projections() {
   return count;
 }
 
-void ModelRunner::store_q8_rows(Param& p, std::vector<float>& host, bool rows_already) {
+std::vector<int8_t> ModelRunner::q8_rows(const Param& p, std::vector<float>& host,
+                                         bool rows_already) const {
   const Shape& s = p.spec.shape;  // [K, N] or [E, K, N]; a tied table [V, D]: its rows already
   const bool table = p.tied_table();
-  MT_CHECK(!table || rows_already, "store_q8_rows: the table " + p.name + " is its rows");
+  MT_CHECK(!table || rows_already, "q8_rows: the table " + p.name + " is its rows");
   const int64_t mats = s.size() == 3 ? s[0] : 1, k = table ? s[1] : s[s.size() - 2],
                 n = table ? s[0] : s.back();
   const int64_t rb = q8_row_bytes(k);
@@ -685,7 +689,7 @@ void ModelRunner::store_q8_rows(Param& p, std::vector<float>& host, bool rows_al
         "int8 row's f16 block scale cannot hold. The f32 or bf16 model would compute with it: "
         "run without quantization=int8, or mend the checkpoint.",
         p.name, r % n, n, k, mats > 1 ? fmt::format(", of expert {}", r / n) : std::string()));
-  backend().copy_from_host(p.value, q.data());
+  return q;
 }
 
 void ModelRunner::set_q8_from_declared(Param& p, std::vector<float>&& declared) {
@@ -697,7 +701,9 @@ void ModelRunner::set_q8_from_declared(Param& p, std::vector<float>&& declared) 
   std::vector<float> host = std::move(declared);
   if (weight_dtype_ == DType::bf16)  // the weight's own values: rounded as the loaders round
     for (float& v : host) v = bf16_to_f32(f32_to_bf16(v));
-  store_q8_rows(p, host, /*rows_already=*/p.tied_table());  // a table's declared layout is its rows
+  const std::vector<int8_t> q =
+      q8_rows(p, host, /*rows_already=*/p.tied_table());  // a table's declared layout: its rows
+  backend().copy_from_host(p.value, q.data());
 }
 
 void ModelRunner::enable_gradients() {

@@ -366,9 +366,10 @@ class ModelRunner {
   RematPolicy remat_ = RematPolicy::none;
   ParamSharding sharding_;
   bool any_layout_ = false;  // some parameter is not stored as declared (Param::layout)
-  // p.value (allocated as int8 rows) from `host`, f32 values of p [K, N] / [E, K, N], or
-  // already its rows [N, K] / [E, N, K] (`rows_already`); `host` is consumed.
-  void store_q8_rows(Param& p, std::vector<float>& host, bool rows_already);
+  // p's int8 rows (q8_shape's bytes) from `host`, f32 values of p [K, N] / [E, K, N], or
+  // already its rows [N, K] / [E, N, K] (`rows_already`); `host` is consumed. Throws, naming
+  // the row, where a value cannot be held; p is not touched.
+  std::vector<int8_t> q8_rows(const Param& p, std::vector<float>& host, bool rows_already) const;
   // fuse_projections' groups, per block (none: empty): the names the block's Params hold (its
   // own, then each group's joined name) and each group's tensor and layout.
   struct Fused {

@@ -742,7 +742,8 @@ TEST(Decode, Int8WeightsStayCloseToTheModel) {
 
 // A weight that int8 rows cannot hold (NaN, an infinity, or beyond 127 x 65504: a block scale
 // f16 cannot hold) is refused by name and row, where before a NaN became 127 x the block's scale,
-// a finite number. A value just inside f16's range is held.
+// a finite number, and the refused weight keeps its values. A value just inside f16's range is
+// held.
 TEST(Decode, Int8RefusesWeightsItCannotHold) {
   const float kInf = std::numeric_limits<float>::infinity();
   for (const float bad : {std::numeric_limits<float>::quiet_NaN(), -kInf, 127.f * 65520.f, 0.f}) {
@@ -771,6 +772,14 @@ TEST(Decode, Int8RefusesWeightsItCannotHold) {
       EXPECT_NE(what.find(want), std::string::npos) << what;
       EXPECT_NE(what.find("run without quantization=int8"), std::string::npos) << what;
     }
+    // The refused weight is as it was (it was replaced by unfilled int8 rows before).
+    EXPECT_NE(target->layout, WeightLayout::q8);
+    ASSERT_EQ(target->value.dtype(), DType::f32);
+    const std::vector<float> kept = test::to_vector(target->value);
+    ASSERT_EQ(kept.size(), v.size());
+    for (size_t i = 0; i < v.size(); ++i)
+      if (!(kept[i] == v[i] || (std::isnan(kept[i]) && std::isnan(v[i]))))
+        FAIL() << "value " << i << ": " << kept[i] << " against " << v[i];
   }
 }
 
