@@ -632,6 +632,7 @@ size_t ModelRunner::quantize_projections() {
     if (backend().name() == "meta") {  // a memory plan's trace: the sizes, no values to convert
       p.value = backend().empty(qs, DType::i8);
       p.layout = WeightLayout::q8;
+      any_layout_ = true;
       ++count;
       continue;
     }
@@ -649,10 +650,10 @@ size_t ModelRunner::quantize_projections() {
     const std::vector<int8_t> q = q8_rows(p, host, t);
     p.value = backend().empty(qs, DType::i8);
     p.layout = WeightLayout::q8;
+    any_layout_ = true;  // now, not after the loop: a later weight's refusal leaves this one int8
     backend().copy_from_host(p.value, q.data());
     ++count;
   }
-  any_layout_ = any_layout_ || count > 0;
   if (count > 0) backend().release_cached_memory();  // the float weights' blocks
   return count;
 }

@@ -749,11 +749,15 @@ TEST(Decode, Int8RefusesWeightsItCannotHold) {
   for (const float bad : {std::numeric_limits<float>::quiet_NaN(), -kInf, 127.f * 65520.f, 0.f}) {
     SCOPED_TRACE(bad);
     std::unique_ptr<ModelRunner> r = family_runner("llama-test");
-    Param* target = nullptr;
+    const std::vector<int32_t> prompt = random_prompt(*r);
+    std::vector<float> full;  // the f32 model's logits
+    greedy_logits(*r, prompt, full);
+    Param* target = nullptr;  // the last projection: the others are int8 when it is refused
     for (auto& p : r->params())
-      if (p.spec.projection && p.value.ndim() == 2 && !target) target = &p;
+      if (p.spec.projection && p.value.ndim() == 2) target = &p;
     ASSERT_NE(target, nullptr);
-    std::vector<float> v = test::to_vector(target->value);
+    const std::vector<float> original = test::to_vector(target->value);
+    std::vector<float> v = original;
     const int64_t n = target->value.dim(1);  // [K, N]: value (k, j) is row j's k-th
     v[static_cast<size_t>(5 * n + 3)] = bad == 0.f ? 127.f * 65000.f : bad;  // row 3
     target->value = test::from_vector(r->backend(), target->value.shape(), v);
@@ -780,6 +784,18 @@ TEST(Decode, Int8RefusesWeightsItCannotHold) {
     for (size_t i = 0; i < v.size(); ++i)
       if (!(kept[i] == v[i] || (std::isnan(kept[i]) && std::isnan(v[i]))))
         FAIL() << "value " << i << ": " << kept[i] << " against " << v[i];
+    // The weights quantized before the refusal are read as int8 rows: with the refused weight
+    // mended, the model computes as the int8 model does (before, the runner forgot that any
+    // weight had left its declared layout, and read the int8 bytes as floats).
+    size_t int8_weights = 0;
+    for (const auto& p : r->params()) int8_weights += p.layout == WeightLayout::q8;
+    EXPECT_GT(int8_weights, 0u);
+    target->value = test::from_vector(r->backend(), target->value.shape(), original);
+    const int64_t V = r->model().dims().vocab_size;
+    Decoder dec(*r, 1, 16);
+    const std::vector<float> mixed = dec.prefill(0, prompt);
+    ASSERT_EQ(mixed.size(), static_cast<size_t>(6 * V));
+    EXPECT_LT(mean_kl(std::vector<float>(full.begin(), full.begin() + 6 * V), mixed, V), 1e-3);
   }
 }
 
