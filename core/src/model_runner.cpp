@@ -628,30 +628,27 @@ size_t ModelRunner::quantize_projections() {
     if (k % kQ8Block != 0) continue;  // stays in the compute dtype
     const int64_t rb = q8_row_bytes(k);
     const Shape qs = nd == 3 ? Shape{mats, n, rb} : Shape{n, rb};
-    fused_.clear();                    // a fused group's tensor would no longer hold its weights
-    if (backend().name() == "meta") {  // a memory plan's trace: the sizes, no values to convert
-      p.value = backend().empty(qs, DType::i8);
-      p.layout = WeightLayout::q8;
-      any_layout_ = true;
-      ++count;
-      continue;
-    }
-    std::vector<float> host(static_cast<size_t>(mats * k * n));
-    if (p.value.dtype() == DType::f32) {
-      backend().copy_to_host(p.value, host.data());
-    } else {
-      MT_CHECK(p.value.dtype() == DType::bf16, "quantize_projections: " + p.value.str());
-      std::vector<uint16_t> b(host.size());
-      backend().copy_to_host(p.value, b.data());
-      for (size_t i = 0; i < b.size(); ++i) host[i] = bf16_to_f32(b[i]);
-    }
+    fused_.clear();  // a fused group's tensor would no longer hold its weights
     // The rows are made before the weight is replaced: a weight they cannot hold is refused
-    // with the parameter as it was.
-    const std::vector<int8_t> q = q8_rows(p, host, t);
+    // with the parameter as it was. A memory plan's trace (the meta backend) has the sizes
+    // only, no values to convert.
+    std::vector<int8_t> q;
+    if (backend().name() != "meta") {
+      std::vector<float> host(static_cast<size_t>(mats * k * n));
+      if (p.value.dtype() == DType::f32) {
+        backend().copy_to_host(p.value, host.data());
+      } else {
+        MT_CHECK(p.value.dtype() == DType::bf16, "quantize_projections: " + p.value.str());
+        std::vector<uint16_t> b(host.size());
+        backend().copy_to_host(p.value, b.data());
+        for (size_t i = 0; i < b.size(); ++i) host[i] = bf16_to_f32(b[i]);
+      }
+      q = q8_rows(p, host, t);
+    }
     p.value = backend().empty(qs, DType::i8);
     p.layout = WeightLayout::q8;
     any_layout_ = true;  // now, not after the loop: a later weight's refusal leaves this one int8
-    backend().copy_from_host(p.value, q.data());
+    if (!q.empty()) backend().copy_from_host(p.value, q.data());
     ++count;
   }
   if (count > 0) backend().release_cached_memory();  // the float weights' blocks
