@@ -850,6 +850,14 @@ TEST(GemmPath, DescribesPathAndPeak) {
     EXPECT_NE(d.find("int8 x int8 weight rows on AMX-INT8 tiles"), std::string::npos);
   else
     EXPECT_EQ(d.find("int8 x int8 weight rows on AMX-INT8 tiles"), std::string::npos);
+  // The one-stream kernels' prefetch (AVX-512 set), where the environment forces it either way.
+  const bool avx512_set = d.find("M=1: mt AVX-512 kernels") != std::string::npos;
+  if (env_is("MT_CPU_MATVEC_PREFETCH", "1") && env_is("MT_CPU_MATVEC_STREAMS", "0") && avx512_set) {
+    EXPECT_NE(d.find("one weight stream a core prefetched into L2"), std::string::npos);
+  }
+  if (env_is("MT_CPU_MATVEC_PREFETCH", "0") || !avx512_set) {
+    EXPECT_EQ(d.find("prefetched into L2"), std::string::npos);
+  }
   if (const char* env = std::getenv("MT_CPU_BLAS")) {
     EXPECT_NE(d.find("portable"), std::string::npos) << "MT_CPU_BLAS=" << env;
     return;
@@ -981,12 +989,16 @@ TEST(GemmPath, EveryMatvecKernelSetMatches) {
     // Each set with one weight stream per task and with several (MT_CPU_MATVEC_STREAMS); on a
     // CPU with AMX, bf16 rows against [n, k] bf16 weights on the AVX-512 set's widening kernels
     // in the first run and on tiles in the second (MT_CPU_MATVEC_AMX).
-    for (const char* streams : {"0", "1"}) {
-      SCOPED_TRACE(std::string(set) + " MT_CPU_MATVEC_STREAMS=" + streams);
+    // One stream a task is run with and without its software prefetch (MT_CPU_MATVEC_PREFETCH).
+    for (const auto& [streams, prefetch] :
+         {std::pair<const char*, const char*>{"0", "0"}, {"0", "1"}, {"1", "0"}}) {
+      SCOPED_TRACE(std::string(set) + " MT_CPU_MATVEC_STREAMS=" + streams +
+                   " MT_CPU_MATVEC_PREFETCH=" + prefetch);
       std::string out;
       const int rc = test::run_command(
           std::string(kChildMarker) + "=1 MT_CPU_MATVEC=" + set +
-              " MT_CPU_MATVEC_STREAMS=" + streams + " MT_CPU_MATVEC_AMX=" + streams + " " + exe +
+              " MT_CPU_MATVEC_STREAMS=" + streams + " MT_CPU_MATVEC_PREFETCH=" + prefetch +
+              " MT_CPU_MATVEC_AMX=" + streams + " " + exe +
               " --gtest_filter=Gemm.MatrixVector:Gemm.Deterministic:Gemm.FewRowsEqualEachRowAlone:"
               "Gemm.Int8RowsMatchTheDequantizedMatmul:Gemm.Int8DecodeKeepsNanAndInfinity:"
               "GemmPath.DescribesPathAndPeak",
@@ -1008,6 +1020,13 @@ TEST(GemmPath, EveryMatvecKernelSetMatches) {
                               out),
             0);
   EXPECT_NE(out.find("MT_CPU_MATVEC_STREAMS=4: want 0 (one weight stream per core) or 1"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(test::run_command(std::string(kChildMarker) + "=1 MT_CPU_MATVEC_PREFETCH=yes " + exe +
+                                  " --gtest_filter=Gemm.MatrixVector",
+                              out),
+            0);
+  EXPECT_NE(out.find("MT_CPU_MATVEC_PREFETCH=yes: the one-stream matrix-vector kernels read"),
             std::string::npos)
       << out;
 }

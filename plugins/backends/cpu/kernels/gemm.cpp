@@ -481,14 +481,17 @@ MT_AVX512 inline __mmask16 tail_mask(int64_t left) {
 // rows of x pass over each weight vector four at a time (AVX2: two, its 16 registers), so it is
 // widened once per group. Every output is summed in one order whatever M and the blocking:
 // four accumulators over alternating vectors, then (a0 + a1) + (a2 + a3), then the lanes in a
-// fixed order. No software prefetch: it slowed these kernels (see kQ8Prefetch).
+// fixed order. With one or two rows of x, where matvec_prefetch() says so, each step also
+// prefetches the lines kRowsPrefetch bytes ahead into L2 (not L1: see matvec_prefetch()).
 
 // Row i's four accumulators acc[i][0..3] (loaded first, stored after) gain the steps of 64 terms
 // [p0, p1) (p1 <= k / 64 * 64) and, with `tail`, one more step with masked loads for the last
 // k % 64 terms (a vector past k adds zeros): the same operations in the same order however a
 // row's steps are split among calls. (Four arrays of X in registers, not one of X x 4, and the
 // loops over i unrolled: otherwise GCC 12 keeps them in memory, storing each at every step.)
-template <class W, int X>
+constexpr int64_t kRowsPrefetch = 1024;
+
+template <class W, int X, bool Prefetch = false>
 MT_AVX512 void dot_steps_avx512(const float* const* xs, const W* row, int64_t k, int64_t p0,
                                 int64_t p1, bool tail, __m512 (*acc)[4]) {
   __m512 a0[X], a1[X], a2[X], a3[X];
@@ -502,6 +505,11 @@ MT_AVX512 void dot_steps_avx512(const float* const* xs, const W* row, int64_t k,
     x[i] = xs[i];
   }
   for (int64_t p = p0; p < p1; p += 64) {
+    if constexpr (Prefetch) {  // a step's 64 weights are sizeof(W) lines of 64 bytes
+      const char* ahead = reinterpret_cast<const char*>(row + p) + kRowsPrefetch;
+#pragma GCC unroll 4
+      for (size_t l = 0; l < sizeof(W); ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
+    }
     const __m512 w0 = load16(row + p, 0xffff), w1 = load16(row + p + 16, 0xffff);
     const __m512 w2 = load16(row + p + 32, 0xffff), w3 = load16(row + p + 48, 0xffff);
 #pragma GCC unroll 8
@@ -548,7 +556,8 @@ inline int64_t rows_k_block(int64_t rows_m, int64_t k, int64_t step) {
 template <class W>
 MT_AVX512 void gemv_rows_avx512(int64_t rows_m, const float* x, int64_t ldx, const W* w, int64_t k,
                                 int64_t ldw, int64_t j0, int64_t j1, float alpha, float beta,
-                                float* y, int64_t ldy) {
+                                float* y, int64_t ldy, bool prefetch) {
+  prefetch = prefetch && rows_m <= 2;  // more rows of x: bound by arithmetic, K in blocks
   const int64_t k64 = k / 64 * 64, kb = rows_k_block(rows_m, k, 64);
   const bool tail = k64 < k;
   alignas(64) __m512 acc[kRowsGroup * kFewRows][4];
@@ -575,10 +584,16 @@ MT_AVX512 void gemv_rows_avx512(int64_t rows_m, const float* x, int64_t ldx, con
               dot_steps_avx512<W, 3>(xs, row, k, p0, p1, t, a);
               break;
             case 2:
-              dot_steps_avx512<W, 2>(xs, row, k, p0, p1, t, a);
+              if (prefetch)
+                dot_steps_avx512<W, 2, true>(xs, row, k, p0, p1, t, a);
+              else
+                dot_steps_avx512<W, 2>(xs, row, k, p0, p1, t, a);
               break;
             default:
-              dot_steps_avx512<W, 1>(xs, row, k, p0, p1, t, a);
+              if (prefetch)
+                dot_steps_avx512<W, 1, true>(xs, row, k, p0, p1, t, a);
+              else
+                dot_steps_avx512<W, 1>(xs, row, k, p0, p1, t, a);
               break;
           }
         }
@@ -993,6 +1008,29 @@ bool matvec_streams() {
   return kOn;
 }
 
+// Whether the one-stream "rows" kernels (gemv_rows_avx512 and the vdpbf16ps rows kernel, one or
+// two rows of x) prefetch their weights kRowsPrefetch bytes ahead into L2 (prefetcht1). On by
+// default on AMD CPUs, whose AVX-512 "rows" kernels read one stream a core (matvec_streams()):
+// on a 2-core Zen 4 EPYC (2026-12-02, 20 interleaved rounds of 11 products of 2048 x 5632 over
+// two threads, each against a loop that only loads the same bytes) one stream read 0.82-0.90 of
+// the loop's rate without it and 0.98-1.00 with it, in f32 and in bf16 on vdpbf16ps (in minutes
+// the loop read 44 GB/s, f32: 35-36.5 -> 42-45 GB/s); mt bench decode batch 1, five interleaved
+// pairs: llama-bench-1b f32 1.08x, bf16 1.10x, llama-bench-m f32 1.02x, bf16 1.26x tokens/s.
+// Into L1 (prefetcht0) it read less than none (1 and 2 KiB ahead: 0.72-0.75 of the loop
+// against 0.80 without, prefetcht1 0.94), as sessions 13-14 found for the widening kernels. Not
+// measured on Intel, where the several-streams kernels are the default, nor on the AVX2 set
+// (several streams). MT_CPU_MATVEC_PREFETCH=0|1 forces either way.
+bool matvec_prefetch() {
+  static const bool kOn = [] {
+    const int v = env_flag("MT_CPU_MATVEC_PREFETCH",
+                           "the one-stream matrix-vector kernels read their weights without a "
+                           "software prefetch (0) or prefetch them into L2 (1)",
+                           "1 on AMD CPUs, else 0");
+    return v < 0 ? mt_cpu_is_amd() : v == 1;
+  }();
+  return kOn;
+}
+
 const char* matvec_set_name() {
   switch (matvec_set()) {
     case MatvecSet::avx512:
@@ -1025,7 +1063,7 @@ void gemv(bool rows, int64_t rows_m, const float* x, int64_t ldx, const W* w, in
   else if (set == MatvecSet::avx512 && streams)
     gemv_row_streams_avx512<W, 2>(x, ldx, w, k, ldw, j0, j1, alpha, beta, y, ldy);
   else if (set == MatvecSet::avx512)
-    gemv_rows_avx512(rows_m, x, ldx, w, k, ldw, j0, j1, alpha, beta, y, ldy);
+    gemv_rows_avx512(rows_m, x, ldx, w, k, ldw, j0, j1, alpha, beta, y, ldy, matvec_prefetch());
   else if (set == MatvecSet::avx2 && streams && rows_m == 1)
     gemv_row_streams_avx2<W, 1>(x, ldx, w, k, ldw, j0, j1, alpha, beta, y, ldy);
   else if (set == MatvecSet::avx2 && streams)
@@ -1125,7 +1163,7 @@ void matvec(const Problem& p, const float* a, const W* b, float* c) {
 void matvec_bf16dot(const Problem& p, const uint16_t* a, const uint16_t* b, float* c) {
   over_output_chunks(p, 0, [&](int64_t bi, int64_t j0, int64_t j1) {
     gemv_rows_bf16dot(p.m, a + bi * p.stride_a, p.k, b + bi * p.stride_b, p.k, p.k, j0, j1, p.alpha,
-                      p.beta, c + bi * p.stride_c, p.n, matvec_streams());
+                      p.beta, c + bi * p.stride_c, p.n, matvec_streams(), matvec_prefetch());
   });
 }
 
@@ -1291,7 +1329,9 @@ std::string gemm_describe() {
        : matvec_amx_on() ? " (bf16 x bf16 weight rows on AMX tiles)"
                          : "") +
       (matvec_set() != MatvecSet::portable && matvec_streams() ? ", several weight streams a core"
-                                                               : "");
+       : matvec_set() == MatvecSet::avx512 && matvec_prefetch()
+           ? ", one weight stream a core prefetched into L2"
+           : "");
   if (!ob.sgemm)
     return fmt::format("portable mt GEMM, slow (OpenBLAS not usable: {}); {}; M=1: {}; CPU: {}",
                        ob.error, bf16, matvec, isa().str());
@@ -1462,7 +1502,7 @@ void grouped_matvec(const Tensor& x, const Tensor& w, const std::vector<int32_t>
     if (dot)
       gemv_rows_bf16dot(rows, x.ptr<const uint16_t>() + r0 * k, k,
                         w.ptr<const uint16_t>() + t.e * n * k, k, k, t.j0, t.j1, 1.f, 0.f, y, n,
-                        matvec_streams());
+                        matvec_streams(), matvec_prefetch());
     else if (amx)
       gemv_rows_amx(rows, packed.data() + packed_at[static_cast<size_t>(t.e)],
                     w.ptr<const uint16_t>() + t.e * n * k, k, k, t.j0, t.j1, 1.f, 0.f, y, n);

@@ -734,11 +734,30 @@ MT_BF16DOT void row_dots_bf16dot(const uint16_t* x, const uint16_t* const* rows,
   }
 }
 
+// a[0..3] gain x . row over [0, k128) in steps of 128 (a[u] the step's u-th 32 elements); with
+// Prefetch, each step also prefetches the row's four lines kRowsPrefetchBf16 bytes ahead into
+// L2 (gemm.cpp's matvec_prefetch()).
+constexpr int64_t kRowsPrefetchBf16 = 1024;
+template <bool Prefetch>
+MT_BF16DOT void dot_steps_bf16dot(const uint16_t* x, const uint16_t* row, int64_t k128, __m512* a) {
+  for (int64_t p = 0; p < k128; p += 128) {
+    if constexpr (Prefetch) {
+      const char* ahead = reinterpret_cast<const char*>(row + p) + kRowsPrefetchBf16;
+#pragma GCC unroll 4
+      for (int l = 0; l < 4; ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
+    }
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u)
+      a[u] = _mm512_dpbf16_ps(a[u], MT_AS_BF16X32(_mm512_loadu_si512(x + p + 32 * u)),
+                              MT_AS_BF16X32(_mm512_loadu_si512(row + p + 32 * u)));
+  }
+}
+
 }  // namespace
 
 MT_BF16DOT void gemv_rows_bf16dot(int64_t rows_m, const uint16_t* x, int64_t ldx, const uint16_t* w,
                                   int64_t k, int64_t ldw, int64_t j0, int64_t j1, float alpha,
-                                  float beta, float* y, int64_t ldy, bool streams) {
+                                  float beta, float* y, int64_t ldy, bool streams, bool prefetch) {
   if (streams && rows_m == 1) {
     constexpr int S = 4;
     const int64_t h = (j1 - j0 + S - 1) / S;
@@ -757,18 +776,18 @@ MT_BF16DOT void gemv_rows_bf16dot(int64_t rows_m, const uint16_t* x, int64_t ldx
     return;
   }
   const int64_t k128 = k / 128 * 128;
+  prefetch = prefetch && rows_m <= 2;
   for (int64_t j = j0; j < j1; ++j) {
     const uint16_t* row = w + j * ldw;
     for (int64_t r = 0; r < rows_m; ++r) {
       const uint16_t* xr = x + r * ldx;
       __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                      _mm512_setzero_ps()};
-      for (int64_t p = 0; p < k128; p += 128) {
-#pragma GCC unroll 4
-        for (int u = 0; u < 4; ++u)
-          a[u] = _mm512_dpbf16_ps(a[u], MT_AS_BF16X32(_mm512_loadu_si512(xr + p + 32 * u)),
-                                  MT_AS_BF16X32(_mm512_loadu_si512(row + p + 32 * u)));
-      }
+      // The first row of x brings the weight row in (a second finds it in L1).
+      if (prefetch && r == 0)
+        dot_steps_bf16dot<true>(xr, row, k128, a);
+      else
+        dot_steps_bf16dot<false>(xr, row, k128, a);
       for (int64_t p = k128, u = 0; p < k; p += 32, ++u) {
         const int64_t left = k - p;
         const __mmask32 m = left >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << left) - 1u);

@@ -92,10 +92,12 @@ void q8_stream_rows(const int8_t* w, int64_t rb, int64_t j0, int64_t j1, float* 
 // one order whatever rows_m: four accumulators over consecutive 32-element steps, masked tail,
 // then (a0 + a1) + (a2 + a3) and the lanes. Callers check dot_bf16_usable(). With `streams`
 // and one row of x, four weight rows far apart at once (four sequential streams per task, as
-// gemm.cpp's matvec_streams()), each row's sum in the same order.
+// gemm.cpp's matvec_streams()), each row's sum in the same order. Without `streams`, with
+// `prefetch` and one or two rows of x, each step prefetches the row's lines 1 KiB ahead into L2
+// (gemm.cpp's matvec_prefetch()).
 void gemv_rows_bf16dot(int64_t rows_m, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k,
                        int64_t ldw, int64_t j0, int64_t j1, float alpha, float beta, float* y,
-                       int64_t ldy, bool streams);
+                       int64_t ldy, bool streams, bool prefetch);
 
 // Few rows of bf16 x against bf16 weight rows [N, K] on AMX tiles (decode's transposed
 // projections, a batch of up to 8 sequences): 16 weight rows at a time are one A tile loaded
