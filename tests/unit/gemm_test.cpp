@@ -1007,28 +1007,23 @@ TEST(GemmPath, EveryMatvecKernelSetMatches) {
       EXPECT_NE(out.find("[  PASSED  ] 6 tests"), std::string::npos) << out;
     }
   }
-  std::string out;
-  EXPECT_NE(test::run_command(std::string(kChildMarker) + "=1 MT_CPU_MATVEC=sse9 " + exe +
-                                  " --gtest_filter=Gemm.MatrixVector",
-                              out),
-            0);
-  EXPECT_NE(out.find("MT_CPU_MATVEC=sse9: unknown kernel set; use portable, avx2 or avx512"),
-            std::string::npos)
-      << out;
-  EXPECT_NE(test::run_command(std::string(kChildMarker) + "=1 MT_CPU_MATVEC_STREAMS=4 " + exe +
-                                  " --gtest_filter=Gemm.MatrixVector",
-                              out),
-            0);
-  EXPECT_NE(out.find("MT_CPU_MATVEC_STREAMS=4: want 0 (one weight stream per core) or 1"),
-            std::string::npos)
-      << out;
-  EXPECT_NE(test::run_command(std::string(kChildMarker) + "=1 MT_CPU_MATVEC_PREFETCH=yes " + exe +
-                                  " --gtest_filter=Gemm.MatrixVector",
-                              out),
-            0);
-  EXPECT_NE(out.find("MT_CPU_MATVEC_PREFETCH=yes: the one-stream matrix-vector kernels read"),
-            std::string::npos)
-      << out;
+  // A value the variable does not take is refused with its sentence.
+  for (const auto& [setting, says] : {
+           std::pair<const char*, const char*>{
+               "MT_CPU_MATVEC=sse9",
+               "MT_CPU_MATVEC=sse9: unknown kernel set; use portable, avx2 or avx512"},
+           {"MT_CPU_MATVEC_STREAMS=4",
+            "MT_CPU_MATVEC_STREAMS=4: want 0 (one weight stream per core) or 1"},
+           {"MT_CPU_MATVEC_PREFETCH=yes",
+            "MT_CPU_MATVEC_PREFETCH=yes: the one-stream matrix-vector kernels read"}}) {
+    std::string out;
+    EXPECT_NE(test::run_command(std::string(kChildMarker) + "=1 " + setting + " " + exe +
+                                    " --gtest_filter=Gemm.MatrixVector",
+                                out),
+              0)
+        << setting;
+    EXPECT_NE(out.find(says), std::string::npos) << out;
+  }
 }
 
 TEST(GemmPath, RespectsCoretypeFromEnvironment) {
