@@ -482,14 +482,13 @@ MT_AVX512 inline __mmask16 tail_mask(int64_t left) {
 // widened once per group. Every output is summed in one order whatever M and the blocking:
 // four accumulators over alternating vectors, then (a0 + a1) + (a2 + a3), then the lanes in a
 // fixed order. With one or two rows of x, where matvec_prefetch() says so, each step also
-// prefetches the lines kRowsPrefetch bytes ahead into L2 (not L1: see matvec_prefetch()).
+// prefetches the lines kMatvecPrefetchBytes bytes ahead into L2 (not L1: see matvec_prefetch()).
 
 // Row i's four accumulators acc[i][0..3] (loaded first, stored after) gain the steps of 64 terms
 // [p0, p1) (p1 <= k / 64 * 64) and, with `tail`, one more step with masked loads for the last
 // k % 64 terms (a vector past k adds zeros): the same operations in the same order however a
 // row's steps are split among calls. (Four arrays of X in registers, not one of X x 4, and the
 // loops over i unrolled: otherwise GCC 12 keeps them in memory, storing each at every step.)
-constexpr int64_t kRowsPrefetch = 1024;
 
 template <class W, int X, bool Prefetch = false>
 MT_AVX512 void dot_steps_avx512(const float* const* xs, const W* row, int64_t k, int64_t p0,
@@ -506,7 +505,7 @@ MT_AVX512 void dot_steps_avx512(const float* const* xs, const W* row, int64_t k,
   }
   for (int64_t p = p0; p < p1; p += 64) {
     if constexpr (Prefetch) {  // a step's 64 weights are sizeof(W) lines of 64 bytes
-      const char* ahead = reinterpret_cast<const char*>(row + p) + kRowsPrefetch;
+      const char* ahead = reinterpret_cast<const char*>(row + p) + kMatvecPrefetchBytes;
 #pragma GCC unroll 4
       for (size_t l = 0; l < sizeof(W); ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
     }
@@ -986,6 +985,32 @@ MatvecSet matvec_set() {
   return kSet;
 }
 
+// Whether the one-stream "rows" kernels (gemv_rows_avx512 and the vdpbf16ps rows kernel, one or
+// two rows of x) prefetch their weights kMatvecPrefetchBytes bytes ahead into L2 (prefetcht1). On
+// by default on AMD CPUs, whose AVX-512 "rows" kernels read one stream a core (matvec_streams()):
+// on a 2-core Zen 4 EPYC (2026-12-02, 20 interleaved rounds of 11 products of 2048 x 5632 over
+// two threads, each against a loop that only loads the same bytes) one stream read 0.82-0.90 of
+// the loop's rate without it and 0.98-1.00 with it, in f32 and in bf16 on vdpbf16ps (in minutes
+// the loop read 44 GB/s, f32: 35-36.5 -> 42-45 GB/s); mt bench decode batch 1, five interleaved
+// pairs: llama-bench-1b f32 1.08x, bf16 1.10x, llama-bench-m f32 1.02x, bf16 1.26x tokens/s.
+// Into L1 (prefetcht0) it read less than none (1 and 2 KiB ahead: 0.72-0.75 of the loop
+// against 0.80 without, prefetcht1 0.94), as sessions 13-14 found for the widening kernels. Not
+// measured on Intel, where the several-streams kernels are the default. The AVX2 set's kernels
+// (several streams) do not prefetch: on a 2-core Zen 3 EPYC (2026-12-02, the same loop in AVX2,
+// 8 rounds) three FMA streams a core read 1.19x the one-stream load loop and 0.98x with a
+// prefetcht1 1 KiB ahead; one stream 0.92x, 0.91x with it. MT_CPU_MATVEC_PREFETCH=0|1 forces
+// either way.
+bool matvec_prefetch() {
+  static const bool kOn = [] {
+    const int v = env_flag("MT_CPU_MATVEC_PREFETCH",
+                           "the one-stream matrix-vector kernels read their weights without a "
+                           "software prefetch (0) or prefetch them into L2 (1)",
+                           "1 on AMD CPUs, else 0");
+    return v < 0 ? mt_cpu_is_amd() : v == 1;
+  }();
+  return kOn;
+}
+
 // Whether one or two rows of x read their weight rows as several sequential streams per core
 // (gemv_row_streams_avx2 / _avx512, and the vdpbf16ps rows kernel) instead of one: on by default
 // for the AVX2 set (measured on a 2-core AVX2 EPYC, Zen 3: one stream per core left memory idle
@@ -999,34 +1024,14 @@ MatvecSet matvec_set() {
 // MT_CPU_MATVEC_STREAMS=0|1 forces either way.
 bool matvec_streams() {
   static const bool kOn = [] {
+    // Read with it, so that a bad MT_CPU_MATVEC_PREFETCH is refused on every CPU, also where the
+    // kernels that run never prefetch (several streams: the AVX2 set, Intel's AVX-512).
+    matvec_prefetch();
     const char* env = std::getenv("MT_CPU_MATVEC_STREAMS");
     if (!env || !*env) return matvec_set() == MatvecSet::avx2 || !mt_cpu_is_amd();
     const std::string v = env;
     if (v == "0" || v == "1") return v == "1";
     fail("MT_CPU_MATVEC_STREAMS=" + v + ": want 0 (one weight stream per core) or 1 (several)");
-  }();
-  return kOn;
-}
-
-// Whether the one-stream "rows" kernels (gemv_rows_avx512 and the vdpbf16ps rows kernel, one or
-// two rows of x) prefetch their weights kRowsPrefetch bytes ahead into L2 (prefetcht1). On by
-// default on AMD CPUs, whose AVX-512 "rows" kernels read one stream a core (matvec_streams()):
-// on a 2-core Zen 4 EPYC (2026-12-02, 20 interleaved rounds of 11 products of 2048 x 5632 over
-// two threads, each against a loop that only loads the same bytes) one stream read 0.82-0.90 of
-// the loop's rate without it and 0.98-1.00 with it, in f32 and in bf16 on vdpbf16ps (in minutes
-// the loop read 44 GB/s, f32: 35-36.5 -> 42-45 GB/s); mt bench decode batch 1, five interleaved
-// pairs: llama-bench-1b f32 1.08x, bf16 1.10x, llama-bench-m f32 1.02x, bf16 1.26x tokens/s.
-// Into L1 (prefetcht0) it read less than none (1 and 2 KiB ahead: 0.72-0.75 of the loop
-// against 0.80 without, prefetcht1 0.94), as sessions 13-14 found for the widening kernels. Not
-// measured on Intel, where the several-streams kernels are the default, nor on the AVX2 set
-// (several streams). MT_CPU_MATVEC_PREFETCH=0|1 forces either way.
-bool matvec_prefetch() {
-  static const bool kOn = [] {
-    const int v = env_flag("MT_CPU_MATVEC_PREFETCH",
-                           "the one-stream matrix-vector kernels read their weights without a "
-                           "software prefetch (0) or prefetch them into L2 (1)",
-                           "1 on AMD CPUs, else 0");
-    return v < 0 ? mt_cpu_is_amd() : v == 1;
   }();
   return kOn;
 }

@@ -735,14 +735,13 @@ MT_BF16DOT void row_dots_bf16dot(const uint16_t* x, const uint16_t* const* rows,
 }
 
 // a[0..3] gain x . row over [0, k128) in steps of 128 (a[u] the step's u-th 32 elements); with
-// Prefetch, each step also prefetches the row's four lines kRowsPrefetchBf16 bytes ahead into
+// Prefetch, each step also prefetches the row's four lines kMatvecPrefetchBytes bytes ahead into
 // L2 (gemm.cpp's matvec_prefetch()).
-constexpr int64_t kRowsPrefetchBf16 = 1024;
 template <bool Prefetch>
 MT_BF16DOT void dot_steps_bf16dot(const uint16_t* x, const uint16_t* row, int64_t k128, __m512* a) {
   for (int64_t p = 0; p < k128; p += 128) {
     if constexpr (Prefetch) {
-      const char* ahead = reinterpret_cast<const char*>(row + p) + kRowsPrefetchBf16;
+      const char* ahead = reinterpret_cast<const char*>(row + p) + kMatvecPrefetchBytes;
 #pragma GCC unroll 4
       for (int l = 0; l < 4; ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
     }

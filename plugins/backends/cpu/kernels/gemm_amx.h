@@ -48,6 +48,11 @@ void gemm_bf16(Backend& be, bool ta, bool tb, int64_t m, int64_t n, int64_t k, f
 void gemm_bf16_q8(Backend& be, int64_t m, int64_t n, int64_t k, const uint16_t* x, int64_t ldx,
                   const int8_t* w, int64_t rb, float* y, uint16_t* y16, int64_t ldy);
 
+// How far ahead (bytes) the one-stream matrix-vector kernels prefetch a weight row into L2 where
+// gemm.cpp's matvec_prefetch() says so (gemm.cpp's f32 and widened-bf16 rows kernels, and
+// gemv_rows_bf16dot below): tuned on a 2-core Zen 4 with 2048 x 5632 weights.
+constexpr int64_t kMatvecPrefetchBytes = 1024;
+
 // The i-th step of reading rows [j0, j1) as `streams` sequential streams of h rows each (h =
 // ceil((j1 - j0) / streams)): rows j0 + s h + i that exist, into js; their count.
 inline int stream_rows(int64_t j0, int64_t j1, int64_t h, int64_t i, int streams, int64_t* js) {
@@ -93,8 +98,8 @@ void q8_stream_rows(const int8_t* w, int64_t rb, int64_t j0, int64_t j1, float* 
 // then (a0 + a1) + (a2 + a3) and the lanes. Callers check dot_bf16_usable(). With `streams`
 // and one row of x, four weight rows far apart at once (four sequential streams per task, as
 // gemm.cpp's matvec_streams()), each row's sum in the same order. Without `streams`, with
-// `prefetch` and one or two rows of x, each step prefetches the row's lines 1 KiB ahead into L2
-// (gemm.cpp's matvec_prefetch()).
+// `prefetch` and one or two rows of x, each step prefetches the row's lines kMatvecPrefetchBytes
+// ahead into L2 (gemm.cpp's matvec_prefetch()).
 void gemv_rows_bf16dot(int64_t rows_m, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k,
                        int64_t ldw, int64_t j0, int64_t j1, float alpha, float beta, float* y,
                        int64_t ldy, bool streams, bool prefetch);
