@@ -710,6 +710,12 @@ TEST_F(Gemm, Bf16OutputIsTheRoundedF32Output) {
 TEST_F(Gemm, Bf16FewRowsEqualTheirRowsOfALargerProduct) {
   MT_SEED_TRACE();
   Backend& be = test::cpu();
+  // Without AMX or AVX512_BF16 bf16 is widened and multiplied by OpenBLAS's sgemm, whose bits
+  // may depend on the row count (a Zen 3's: row 192 of 200 differs in its last bit); the packed
+  // bf16 GEMM this checks runs there under X86Emu.
+  if (be.describe().find("bf16 widened to f32") != std::string::npos)
+    GTEST_SKIP() << "this CPU's bf16 GEMM is OpenBLAS's f32 one (bf16 widened to f32): the "
+                    "packed bf16 GEMM is checked under X86Emu";
   const int64_t small = 200, big = 260, n = 2100, k = 300;
   for (int t = 0; t < 4; ++t) {
     const bool ta = t & 1, tb = t & 2;
