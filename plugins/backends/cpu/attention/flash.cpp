@@ -45,7 +45,7 @@
 #define MT_FLASH_X86 1
 #define MT_AVX512 MT_TARGET("avx512f")
 #define MT_AVX2 MT_TARGET("avx2,fma")
-#define MT_CLONES __attribute__((target_clones("avx512f", "default")))
+#define MT_CLONES __attribute__((target_clones("avx512f", "arch=x86-64-v3", "default")))
 #else  // other architectures: the generic kernels only
 #define MT_FLASH_X86 0
 #define MT_CLONES
