@@ -489,7 +489,6 @@ MT_AVX512 inline __mmask16 tail_mask(int64_t left) {
 // k % 64 terms (a vector past k adds zeros): the same operations in the same order however a
 // row's steps are split among calls. (Four arrays of X in registers, not one of X x 4, and the
 // loops over i unrolled: otherwise GCC 12 keeps them in memory, storing each at every step.)
-
 template <class W, int X, bool Prefetch = false>
 MT_AVX512 void dot_steps_avx512(const float* const* xs, const W* row, int64_t k, int64_t p0,
                                 int64_t p1, bool tail, __m512 (*acc)[4]) {
