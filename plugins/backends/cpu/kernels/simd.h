@@ -151,6 +151,8 @@ void for_chunks(int64_t n, F&& f) {
 
 // ---- vectorisable math ------------------------------------------------------------------------
 // Branch-free polynomial versions (within ~2 ulp of libm) so the loops that call them vectorise.
+// GCC vectorises them only without trapping math (its default turns fexp's selects into a
+// branch): the CPU plugin's CMakeLists.txt builds it with -fno-trapping-math.
 
 // exp: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6 polynomial (Cephes expf
 // coefficients). Rounding to n uses the 1.5 * 2^23 trick, so NaN propagates and no float->int
