@@ -17,10 +17,13 @@ failed=0
 for f in "${functions[@]}"; do
   # A function's listing runs from its header line ("<...f(...) [clone .arch_x86_64_v3]>:") to
   # the blank line after it.
-  body=$(awk -v name="::${f}(" 'index($0, name) && index($0, "[clone .arch_x86_64_v3]>:") { on = 1; next }
-                                on && NF == 0 { exit } on { print }' "$listing")
+  body=$(awk -v name="::${f}(" -v clone="[clone .arch_x86_64_v3]>:" \
+           'index($0, name) && index($0, clone) { on = 1; next }
+            on && NF == 0 { exit } on { print }' \
+           "$listing")
   if [ -z "$body" ]; then
-    echo "vectorized_exp: no x86-64-v3 clone of $f in $plugin (renamed, or no longer cloned?): update tests/vectorized_exp.sh" >&2
+    echo "vectorized_exp: no x86-64-v3 clone of $f in $plugin (renamed, or no longer" \
+         "cloned?): update tests/vectorized_exp.sh" >&2
     failed=1
     continue
   fi
